@@ -1,0 +1,1 @@
+"""Generated gRPC code of proto/rebalancer/v1 (do not edit)."""
