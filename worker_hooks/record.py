@@ -1,0 +1,196 @@
+"""Per-layer expert counts recorded inside the forward pass.
+
+The inference process calls `ExpertRecorder.record(layer, topk_ids)` from every MoE
+layer (gate-routed, hash-routed, or with a shared expert fused as an extra routed
+expert: all are just top-k selections). Recording must run inside captured CUDA
+graphs, so it is one scatter-add into a static buffer: no host sync, no boolean
+indexing, no allocation that outlives the call. Padding ids (-1) and out-of-range ids
+are redirected to a sink element that is never reported.
+
+Counts must land on the layer that routed them. The layer index is explicit and a
+missing or out-of-range one is an error in eager mode; under graph capture (where
+raising would break the capture) it records nothing and is counted in
+`dropped_calls`, so a bug never shows up as silent extra load on layer 0.
+
+Windows are read between replays. `take_window()` is the simple blocking form.
+`begin_window()` / `poll_window()` snapshot the buffers into pinned host memory on a
+side stream and zero them there; the compute stream waits for that (tiny) copy on the
+device, never on the host, so the next replay cannot race with the zeroing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["ExpertRecorder"]
+
+
+def _is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class ExpertRecorder:
+    """Per-layer expert counts in static tensors; CUDA-graph safe.
+
+    Args:
+        num_layers: every decoder layer of the model (dense layers simply stay zero).
+        num_logical: logical experts per layer, including a fused shared expert if the
+            model routes one as an extra expert.
+        num_physical: physical slots per layer, to also count dispatched slot ids.
+        device: where the counters live (the device the forward pass runs on).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_logical: int,
+        num_physical: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_layers <= 0 or num_logical <= 0:
+            raise ValueError(
+                f"num_layers and num_logical must be > 0, got {num_layers}, {num_logical}"
+            )
+        if num_physical is not None and num_physical <= 0:
+            raise ValueError(f"num_physical must be > 0, got {num_physical}")
+        self.num_layers = num_layers
+        self.num_logical = num_logical
+        self.num_physical = num_physical
+        self.device = torch.device(device)
+        n_log = num_layers * num_logical
+        n_phy = num_layers * num_physical if num_physical is not None else 0
+        self._n_log = n_log
+        self._n_phy = n_phy
+        # One flat buffer: logical counts, physical counts, then one sink element that
+        # absorbs padding and bad ids. A single buffer means a single snapshot copy.
+        self._sink = n_log + n_phy
+        self._flat = torch.zeros(n_log + n_phy + 1, dtype=torch.int64, device=self.device)
+        self.logical_counts: torch.Tensor = self._flat[:n_log].view(num_layers, num_logical)
+        self.physical_counts: torch.Tensor | None = (
+            self._flat[n_log : n_log + n_phy].view(num_layers, num_physical)
+            if num_physical is not None
+            else None
+        )
+        # Calls under capture with a missing layer: they record nothing (see module doc).
+        self.dropped_calls = 0
+        self._pinned: torch.Tensor | None = None
+        self._side: torch.cuda.Stream | None = None
+        self._done: torch.cuda.Event | None = None
+        self._pending = False
+        self._cpu_snapshot: np.ndarray | None = None
+
+    # -- hot path -------------------------------------------------------------------
+
+    def record(self, layer: int | None, topk_ids: torch.Tensor) -> None:
+        """Add one routing decision of `layer`: ids of any shape, -1 = padding."""
+        self._add(layer, topk_ids, base=0, width=self.num_logical)
+
+    def record_physical(self, layer: int | None, phys_ids: torch.Tensor) -> None:
+        """Add the physical slot ids that `layer` dispatched to (-1 = padding)."""
+        if self.num_physical is None:
+            raise ValueError("record_physical needs num_physical at construction")
+        self._add(layer, phys_ids, base=self._n_log, width=self.num_physical)
+
+    def _add(self, layer: int | None, ids: torch.Tensor, base: int, width: int) -> None:
+        if (
+            not isinstance(layer, int)
+            or isinstance(layer, bool)
+            or not 0 <= layer < self.num_layers
+        ):
+            if _is_capturing(self.device):
+                # Raising here would invalidate the whole capture; recording nothing
+                # is the only safe choice, and the counter makes it visible.
+                self.dropped_calls += 1
+                return
+            raise ValueError(
+                f"record needs an explicit layer index in [0, {self.num_layers}), got {layer!r}"
+            )
+        if ids.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"expert ids must be an integer tensor, got {ids.dtype}")
+        if ids.device != self.device:
+            raise ValueError(f"ids on {ids.device}, recorder on {self.device}")
+        flat_ids = ids.reshape(-1).to(torch.int64)
+        in_range = (flat_ids >= 0) & (flat_ids < width)
+        index = torch.where(in_range, flat_ids + (base + layer * width), self._sink)
+        self._flat.index_add_(0, index, torch.ones_like(index))
+
+    # -- window read-out (between replays) --------------------------------------------
+
+    def begin_window(self) -> bool:
+        """Start copying the current window out and zeroing the counters.
+
+        Non-blocking on GPU. Returns False (and does nothing) if the previous snapshot
+        has not been polled yet: the counts keep accumulating and land in the next
+        window, merged rather than queued.
+        """
+        if self._pending:
+            return False
+        if self.device.type != "cuda":
+            self._cpu_snapshot = self._flat[: self._sink].numpy().copy()
+            self._flat.zero_()
+            self._pending = True
+            return True
+        if self._pinned is None:
+            self._pinned = torch.empty(self._sink, dtype=torch.int64, pin_memory=True)
+            self._side = torch.cuda.Stream(device=self.device)
+            self._done = torch.cuda.Event()
+        assert self._side is not None and self._done is not None
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            self._pinned.copy_(self._flat[: self._sink], non_blocking=True)
+            self._flat.zero_()
+            self._done.record(self._side)
+        # Later replays must not add counts before the zeroing: a device-side wait.
+        main.wait_event(self._done)
+        self._pending = True
+        return True
+
+    def poll_window(self) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The window started by `begin_window`, or None while it is still in flight."""
+        if not self._pending:
+            return None
+        if self.device.type != "cuda":
+            flat = self._cpu_snapshot
+            self._cpu_snapshot = None
+        else:
+            assert self._done is not None and self._pinned is not None
+            if not self._done.query():
+                return None
+            flat = self._pinned.numpy().copy()
+        self._pending = False
+        assert flat is not None
+        return self._split(flat)
+
+    def take_window(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Copy the counts out as int64 numpy ([L, E], [L, P] or None) and zero them.
+
+        Blocks until the snapshot is on the host; a snapshot begun earlier and not yet
+        polled is merged in, so nothing recorded is lost.
+        """
+        earlier = self._wait_and_poll() if self._pending else None
+        self.begin_window()
+        logical, physical = self._wait_and_poll()
+        if earlier is not None:
+            logical = logical + earlier[0]
+            if physical is not None and earlier[1] is not None:
+                physical = physical + earlier[1]
+        return logical, physical
+
+    def _wait_and_poll(self) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.device.type == "cuda":
+            assert self._done is not None
+            self._done.synchronize()
+        out = self.poll_window()
+        assert out is not None
+        return out
+
+    def _split(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        logical = flat[: self._n_log].reshape(self.num_layers, self.num_logical)
+        physical = None
+        if self.num_physical is not None:
+            physical = flat[self._n_log : self._n_log + self._n_phy].reshape(
+                self.num_layers, self.num_physical
+            )
+        return logical, physical
