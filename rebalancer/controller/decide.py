@@ -1,0 +1,356 @@
+"""Decision policy: is a new placement worth moving weights for, right now?
+
+Refitting on every window would chase noise and keep the links busy; never refitting lets
+the placement go stale as the traffic mix drifts. `decide` predicts, on the load
+estimate, the balance of the current placement and of a migration-aware candidate, puts
+the serving time the candidate saves over a horizon against the serving time its weight
+transfers cost, and rebalances only when the gain wins by a margin (hysteresis), the last
+rebalance is old enough and enough windows were seen. Every field of the `Decision` is
+filled whatever the outcome, so an operator can ask why it did or did not rebalance.
+
+It is a pure function of its arguments (time included), so the live controller and the
+simulator's virtual clock take the same decisions on the same input.
+
+Cost model of the gate (documented in docs/simulator.md as well):
+- Step time at perfect balance is `step_seconds`; with the load-weighted imbalance
+  ratio r = sum over layers of max GPU load / sum of mean GPU load, a step takes
+  `step_seconds * r`. Over `horizon_seconds` there are horizon/step_seconds steps, so the
+  candidate saves `horizon_seconds * (r_current - r_candidate)` seconds.
+- Weights move in the background beside serving. The busiest receiving rank needs
+  `bytes_in / link_bandwidth` seconds; while transfers run, serving runs slower by the
+  fraction `overlap_penalty` (transfers share SMs, HBM and the links with the all-to-all),
+  then all ranks swap their maps between two graph replays (`swap_seconds`). The cost is
+  `transfer_seconds * overlap_penalty + swap_seconds`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from rebalancer.errors import InputError
+from rebalancer.placement import (
+    balancedness,
+    compute_placement,
+    gpu_load,
+    lower_bound_balancedness,
+    transfers,
+)
+
+# DeepSeek-V3 routed expert in FP8: gate, up (7168 x 2048 each) and down (2048 x 7168).
+DEEPSEEK_V3_EXPERT_BYTES = 3 * 7168 * 2048
+
+OUTCOMES = (
+    "rebalance",
+    "forced",
+    "dry_run",
+    "skip_paused",
+    "skip_min_interval",
+    "skip_min_windows",
+    "skip_gain",
+    "skip_no_load",
+)
+TAKEN = ("rebalance", "forced")
+
+
+@dataclass
+class PolicyConfig:
+    """When to rebalance; mirrors the proto message rebalancer.v1.Policy (plus a few knobs)."""
+
+    # No two rebalances closer than this (seconds of the controller's clock).
+    min_interval_seconds: float = 30.0
+    # Hysteresis: minimum predicted balancedness gain (candidate - current, layer mean).
+    gain_threshold: float = 0.02
+    # The predicted step-time saving is credited over this horizon.
+    horizon_seconds: float = 300.0
+    # Migration budget per plan: at most this fraction of the slots change.
+    max_moved_fraction: float = 0.25
+    # Load estimate: weight of the old estimate per window (see EstimatorConfig.decay).
+    decay: float = 0.7
+    # Windows folded into the estimate before the first decision.
+    min_windows: int = 2
+    # How often the controller runs a decision.
+    decision_period_seconds: float = 5.0
+    # A rank that has not prepared within this time aborts the plan.
+    prepare_timeout_seconds: float = 30.0
+    # GB/s one rank can receive expert weights at (migration cost).
+    link_bandwidth_gbps: float = 50.0
+    # Serving step time at perfect balance (gain in seconds).
+    step_seconds: float = 0.05
+    # No policy rebalances while paused (forced ones still run).
+    paused: bool = False
+    # Fraction of serving throughput lost while weight transfers run beside serving.
+    overlap_penalty: float = 0.15
+    # The map swap between two graph replays, the only stall a plan causes.
+    swap_seconds: float = 0.0005
+    # > 0: the estimate is the mean of the last `estimate_window` windows instead of decay.
+    estimate_window: int = 0
+
+    def validate(self) -> None:
+        """Raise InputError naming the first field that is out of range."""
+
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InputError(f"policy {name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise InputError(f"policy {name} must be finite, got {value}")
+            if value < lo or (lo_open and value == lo) or value > hi:
+                left = "(" if lo_open else "["
+                raise InputError(f"policy {name} must be in {left}{lo}, {hi}], got {value}")
+
+        inf = math.inf
+        number("min_interval_seconds", 0.0, inf)
+        number("gain_threshold", 0.0, 1.0)
+        number("horizon_seconds", 0.0, inf, lo_open=True)
+        number("max_moved_fraction", 0.0, 1.0, lo_open=True)
+        number("decay", 0.0, 1.0)
+        number("decision_period_seconds", 0.0, inf, lo_open=True)
+        number("prepare_timeout_seconds", 0.0, inf, lo_open=True)
+        number("link_bandwidth_gbps", 0.0, inf, lo_open=True)
+        number("step_seconds", 0.0, inf, lo_open=True)
+        number("overlap_penalty", 0.0, 1.0)
+        number("swap_seconds", 0.0, inf)
+        for name in ("min_windows", "estimate_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InputError(f"policy {name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.paused, bool):
+            raise InputError(f"policy paused must be a boolean, got {self.paused!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PolicyConfig:
+        """Build from a mapping; unknown keys are an InputError, missing ones keep defaults."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InputError(f"unknown policy field(s): {', '.join(unknown)}")
+        config = cls(**values)
+        config.validate()
+        return config
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """What the decision needs to know about a deployment's EP group."""
+
+    num_layers: int
+    num_logical: int
+    num_slots: int
+    num_gpus: int
+    num_nodes: int = 1
+    num_groups: int = 0  # expert groups for hierarchical placement, 0 = none
+    expert_bytes: int = DEEPSEEK_V3_EXPERT_BYTES
+
+    def validate(self) -> None:
+        for name in ("num_layers", "num_logical", "num_slots", "num_gpus", "num_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_slots < self.num_logical:
+            raise InputError(
+                f"num_slots ({self.num_slots}) must be >= num_logical ({self.num_logical})"
+            )
+        if self.num_slots % self.num_gpus:
+            raise InputError(
+                f"num_slots ({self.num_slots}) must be a multiple of num_gpus ({self.num_gpus})"
+            )
+        if self.num_gpus % self.num_nodes:
+            raise InputError(
+                f"num_gpus ({self.num_gpus}) must be a multiple of num_nodes ({self.num_nodes})"
+            )
+        if self.num_groups < 0 or (self.num_groups and self.num_logical % self.num_groups):
+            raise InputError(
+                f"num_groups ({self.num_groups}) must be 0 or divide num_logical "
+                f"({self.num_logical})"
+            )
+        if self.expert_bytes < 0:
+            raise InputError(f"expert_bytes must be >= 0, got {self.expert_bytes}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision with every number behind it, taken or not."""
+
+    outcome: str
+    reason: str
+    balancedness_current: float
+    balancedness_candidate: float
+    bound_balancedness: float
+    moved_fraction: float
+    slots_moved: int
+    bytes_to_move: int
+    predicted_gain_seconds: float
+    migration_cost_seconds: float
+    candidate: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # Seconds the busiest receiving rank needs for the candidate's transfers.
+    transfer_seconds: float = 0.0
+    # The gate's verdict had it been asked (for forced and dry-run decisions).
+    gate: str = ""
+
+    @property
+    def take(self) -> bool:
+        """Whether a plan should start from this decision."""
+        return self.outcome in TAKEN
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for logs, JSON and the store (the candidate array is left out)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "candidate"}
+        out["take"] = self.take
+        return out
+
+
+def _load_weighted_imbalance(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> float:
+    """Sum over layers of max GPU load / sum of mean GPU load (>= 1; step time / ideal)."""
+    per_gpu = gpu_load(phy2log, load, num_gpus)
+    total_max = float(per_gpu.max(axis=1).sum())
+    total_mean = float(per_gpu.mean(axis=1).sum())
+    return total_max / total_mean if total_mean > 0 else 1.0
+
+
+def _check_inputs(estimate: np.ndarray, current: np.ndarray, shape: ClusterShape) -> None:
+    shape.validate()
+    if estimate.shape != (shape.num_layers, shape.num_logical):
+        raise InputError(
+            f"estimate has shape {list(estimate.shape)}, expected "
+            f"[{shape.num_layers}, {shape.num_logical}]"
+        )
+    if current.shape != (shape.num_layers, shape.num_slots):
+        raise InputError(
+            f"current placement has shape {list(current.shape)}, expected "
+            f"[{shape.num_layers}, {shape.num_slots}]"
+        )
+    if not np.all(np.isfinite(estimate)) or np.any(estimate < 0):
+        raise InputError("estimate must be finite and non-negative")
+
+
+def decide(
+    estimate: np.ndarray,
+    current: np.ndarray,
+    shape: ClusterShape,
+    policy: PolicyConfig,
+    now: float,
+    last_rebalance: float | None,
+    windows: int,
+    forced: bool = False,
+    dry_run: bool = False,
+) -> Decision:
+    """Decide whether to move from `current` (phy2log [L, P]) toward a candidate now.
+
+    `estimate` is the load estimate [L, E]; `now` and `last_rebalance` are seconds on the
+    caller's clock (`None`: never rebalanced); `windows` is how many windows the estimate
+    holds. `forced` skips the gate (outcome "forced"); `dry_run` computes everything and
+    returns the candidate with outcome "dry_run", starting nothing.
+    """
+    estimate = np.asarray(estimate, dtype=np.float64)
+    current = np.asarray(current)
+    _check_inputs(estimate, current, shape)
+    policy.validate()
+    G = shape.num_gpus
+
+    if float(estimate.sum()) <= 0.0:
+        return Decision(
+            outcome="skip_no_load",
+            reason=f"the estimate holds no load yet ({windows} window(s) folded)",
+            balancedness_current=0.0,
+            balancedness_candidate=0.0,
+            bound_balancedness=0.0,
+            moved_fraction=0.0,
+            slots_moved=0,
+            bytes_to_move=0,
+            predicted_gain_seconds=0.0,
+            migration_cost_seconds=0.0,
+        )
+
+    b_current = float(balancedness(current, estimate, G))
+    bound = float(lower_bound_balancedness(estimate, shape.num_slots, G, shape.num_nodes))
+    result = compute_placement(
+        estimate,
+        shape.num_slots,
+        G,
+        num_nodes=shape.num_nodes,
+        num_groups=shape.num_groups or None,
+        previous=current,
+        max_moved_fraction=policy.max_moved_fraction,
+    )
+    candidate = np.asarray(result.phy2log)
+    b_candidate = float(balancedness(candidate, estimate, G))
+
+    moves = np.asarray(transfers(current, candidate, G, shape.num_nodes))
+    slots_moved = int(moves.shape[0])
+    moved_fraction = slots_moved / float(current.size)
+    remote = moves[moves[:, 1] != moves[:, 3]] if slots_moved else moves
+    bytes_to_move = int(remote.shape[0]) * int(shape.expert_bytes)
+    # Every rank receives in parallel: the busiest receiver sets the transfer time.
+    per_rank_in = np.bincount(remote[:, 1], minlength=G) if remote.shape[0] else np.zeros(G)
+    transfer_seconds = (
+        float(per_rank_in.max()) * shape.expert_bytes / (policy.link_bandwidth_gbps * 1e9)
+    )
+    migration_cost = transfer_seconds * policy.overlap_penalty + (
+        policy.swap_seconds if slots_moved else 0.0
+    )
+
+    r_current = _load_weighted_imbalance(current, estimate, G)
+    r_candidate = _load_weighted_imbalance(candidate, estimate, G)
+    steps_in_horizon = policy.horizon_seconds / policy.step_seconds
+    gain = steps_in_horizon * policy.step_seconds * (r_current - r_candidate)
+    delta_b = b_candidate - b_current
+
+    numbers = (
+        f"balancedness {b_current:.3f} -> {b_candidate:.3f} (bound {bound:.3f}), "
+        f"{slots_moved} slots ({moved_fraction:.1%}) to move, predicted gain "
+        f"{gain:.2f} s over {policy.horizon_seconds:g} s vs migration cost "
+        f"{migration_cost:.3f} s"
+    )
+
+    # What the gate would say; forced and dry-run decisions record it too.
+    if policy.paused:
+        gate, why = "skip_paused", "the deployment is paused"
+    elif windows < policy.min_windows:
+        gate, why = "skip_min_windows", f"only {windows} of {policy.min_windows} windows seen"
+    elif last_rebalance is not None and now - last_rebalance < policy.min_interval_seconds:
+        gate, why = (
+            "skip_min_interval",
+            f"last rebalance {now - last_rebalance:.1f} s ago "
+            f"(< {policy.min_interval_seconds:g} s)",
+        )
+    elif slots_moved == 0:
+        gate, why = "skip_gain", "the candidate equals the current placement"
+    elif delta_b < policy.gain_threshold:
+        gate, why = (
+            "skip_gain",
+            f"balancedness gain {delta_b:+.3f} below threshold {policy.gain_threshold:g}",
+        )
+    elif gain <= migration_cost:
+        gate, why = "skip_gain", "predicted gain does not beat the migration cost"
+    else:
+        gate, why = "rebalance", "predicted gain beats the migration cost"
+
+    if dry_run:
+        outcome, reason = "dry_run", f"dry run (gate: {gate}): {numbers}"
+    elif forced:
+        outcome, reason = "forced", f"forced (gate: {gate}): {numbers}"
+    else:
+        outcome, reason = gate, f"{why}: {numbers}"
+
+    return Decision(
+        outcome=outcome,
+        reason=reason,
+        balancedness_current=b_current,
+        balancedness_candidate=b_candidate,
+        bound_balancedness=bound,
+        moved_fraction=moved_fraction,
+        slots_moved=slots_moved,
+        bytes_to_move=bytes_to_move,
+        predicted_gain_seconds=gain,
+        migration_cost_seconds=migration_cost,
+        candidate=candidate if outcome in ("rebalance", "forced", "dry_run") else None,
+        transfer_seconds=transfer_seconds,
+        gate=gate,
+    )

@@ -1,0 +1,108 @@
+"""The per-deployment decision loop: fold a window, and when a decision is due, decide.
+
+The live controller and the simulator both drive a `PolicyLoop` (the controller on the
+wall clock as merged windows arrive, the simulator on a virtual clock as it replays a
+trace), so they keep the same estimate and take the same decisions on the same input.
+The loop starts nothing itself: a decision with `take` set hands its candidate to the
+caller, which builds and runs the plan (coordinator in the controller, the transfer model
+in the simulator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig, decide
+from rebalancer.controller.estimate import EstimatorConfig, LoadEstimator
+
+
+def estimator_config(policy: PolicyConfig) -> EstimatorConfig:
+    """The estimator settings a policy asks for."""
+    return EstimatorConfig(decay=policy.decay, window=policy.estimate_window)
+
+
+class PolicyLoop:
+    """Estimate + decision timing for one deployment."""
+
+    def __init__(self, shape: ClusterShape, policy: PolicyConfig) -> None:
+        shape.validate()
+        policy.validate()
+        self.shape = shape
+        self.policy = policy
+        self.estimator = LoadEstimator(
+            shape.num_layers, shape.num_logical, estimator_config(policy)
+        )
+        self.last_decision_time: float | None = None
+        self.last_rebalance: float | None = None
+        self.last_decision: Decision | None = None
+
+    def set_policy(self, policy: PolicyConfig) -> None:
+        """Switch policy; the estimate is kept unless its mode (decay vs window) changes."""
+        policy.validate()
+        new = estimator_config(policy)
+        old = self.estimator.config
+        if (new.window > 0) != (old.window > 0) or (new.window > 0 and new.window != old.window):
+            # The stored state of one mode cannot feed the other: start the estimate afresh.
+            self.estimator = LoadEstimator(self.shape.num_layers, self.shape.num_logical, new)
+        else:
+            self.estimator.config = new
+        self.policy = dataclasses.replace(policy)
+
+    def observe(self, counts: np.ndarray) -> None:
+        """Fold one window of counts [L, E], summed over the deployment's ranks."""
+        self.estimator.add(counts)
+
+    def due(self, now: float) -> bool:
+        """Whether a decision period has passed since the last decision."""
+        return (
+            self.last_decision_time is None
+            or now - self.last_decision_time >= self.policy.decision_period_seconds - 1e-9
+        )
+
+    def tick(self, current: np.ndarray, now: float, in_flight: bool = False) -> Decision | None:
+        """Run the policy's decision if one is due and no plan is in flight, else None."""
+        if in_flight or not self.due(now):
+            return None
+        decision = decide(
+            self.estimator.estimate(),
+            current,
+            self.shape,
+            self.policy,
+            now=now,
+            last_rebalance=self.last_rebalance,
+            windows=self.estimator.windows,
+        )
+        self._record(decision, now)
+        return decision
+
+    def on_window(
+        self, counts: np.ndarray, current: np.ndarray, now: float, in_flight: bool = False
+    ) -> Decision | None:
+        """Fold a window then run `tick`: the one call per window both callers make."""
+        self.observe(counts)
+        return self.tick(current, now, in_flight=in_flight)
+
+    def force(self, current: np.ndarray, now: float, dry_run: bool = False) -> Decision:
+        """An operator's forced rebalance (or dry run): the gate is skipped."""
+        decision = decide(
+            self.estimator.estimate(),
+            current,
+            self.shape,
+            self.policy,
+            now=now,
+            last_rebalance=self.last_rebalance,
+            windows=self.estimator.windows,
+            forced=not dry_run,
+            dry_run=dry_run,
+        )
+        if not dry_run:
+            self._record(decision, now)
+        return decision
+
+    def _record(self, decision: Decision, now: float) -> None:
+        self.last_decision_time = now
+        self.last_decision = decision
+        if decision.take:
+            self.last_rebalance = now

@@ -1,0 +1,188 @@
+"""Decision policy: every gate outcome, forced and dry runs, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from rebalancer.controller.decide import ClusterShape, PolicyConfig, decide
+from rebalancer.controller.policy_loop import PolicyLoop
+from rebalancer.errors import InputError
+from rebalancer.placement import balancedness, compute_placement, trivial_placement
+
+L, E, P, G = 4, 16, 24, 4
+SHAPE = ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=10**8)
+
+
+def _skewed_load(seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    load = rng.pareto(1.2, size=(L, E)) * 1000 + 10
+    return load
+
+
+def _trivial() -> np.ndarray:
+    return np.asarray(trivial_placement(L, E, P, G))
+
+
+def _decide(policy: PolicyConfig | None = None, **kwargs):
+    args = dict(
+        estimate=_skewed_load(),
+        current=_trivial(),
+        shape=SHAPE,
+        policy=policy or PolicyConfig(),
+        now=1000.0,
+        last_rebalance=None,
+        windows=10,
+    )
+    args.update(kwargs)
+    return decide(**args)
+
+
+def _assert_filled(d) -> None:
+    for name in (
+        "balancedness_current",
+        "balancedness_candidate",
+        "bound_balancedness",
+        "moved_fraction",
+        "predicted_gain_seconds",
+        "migration_cost_seconds",
+    ):
+        assert math.isfinite(getattr(d, name)), name
+    assert 0 < d.balancedness_current <= d.bound_balancedness + 1e-9
+    assert d.balancedness_candidate <= d.bound_balancedness + 1e-9
+    assert d.reason
+
+
+def test_skewed_load_on_trivial_placement_rebalances() -> None:
+    d = _decide()
+    assert d.outcome == "rebalance" and d.take
+    _assert_filled(d)
+    assert d.candidate is not None and d.candidate.shape == (L, P)
+    assert d.balancedness_candidate > d.balancedness_current + 0.02
+    assert d.balancedness_candidate == pytest.approx(balancedness(d.candidate, _skewed_load(), G))
+    assert d.predicted_gain_seconds > d.migration_cost_seconds
+    assert 0 < d.slots_moved <= math.ceil(0.25 * L * P)
+    assert d.moved_fraction == pytest.approx(d.slots_moved / (L * P))
+    assert d.bytes_to_move <= d.slots_moved * SHAPE.expert_bytes
+    # cost = busiest receiver's transfer time x overlap penalty + one swap
+    policy = PolicyConfig()
+    assert d.migration_cost_seconds == pytest.approx(
+        d.transfer_seconds * policy.overlap_penalty + policy.swap_seconds
+    )
+
+
+def test_no_load() -> None:
+    d = _decide(estimate=np.zeros((L, E)))
+    assert d.outcome == "skip_no_load" and not d.take and d.candidate is None
+    assert "no load" in d.reason
+
+
+def test_paused() -> None:
+    d = _decide(PolicyConfig(paused=True))
+    assert d.outcome == "skip_paused" and d.candidate is None
+    _assert_filled(d)  # the numbers are there even when skipped
+    assert d.balancedness_candidate > d.balancedness_current
+
+
+def test_min_windows() -> None:
+    d = _decide(windows=1)
+    assert d.outcome == "skip_min_windows" and not d.take
+    assert _decide(windows=2).outcome == "rebalance"
+
+
+def test_min_interval() -> None:
+    d = _decide(last_rebalance=990.0)
+    assert d.outcome == "skip_min_interval" and not d.take
+    assert "10.0 s ago" in d.reason
+    assert _decide(last_rebalance=970.0).outcome == "rebalance"
+
+
+def test_gain_below_threshold() -> None:
+    d = _decide(PolicyConfig(gain_threshold=0.99))
+    assert d.outcome == "skip_gain" and "threshold" in d.reason
+
+
+def test_gain_does_not_beat_cost() -> None:
+    # A very slow link makes moving weights cost more than the horizon's gain.
+    d = _decide(PolicyConfig(link_bandwidth_gbps=1e-6, overlap_penalty=1.0))
+    assert d.outcome == "skip_gain" and "cost" in d.reason
+    assert d.migration_cost_seconds >= d.predicted_gain_seconds
+
+
+def test_a_fitted_placement_is_kept() -> None:
+    load = _skewed_load()
+    fitted = np.asarray(compute_placement(load, P, G).phy2log)
+    d = _decide(current=fitted, policy=PolicyConfig(max_moved_fraction=1.0))
+    assert d.outcome == "skip_gain"
+
+
+def test_forced_skips_the_gate() -> None:
+    d = _decide(PolicyConfig(paused=True), forced=True, windows=0, last_rebalance=999.0)
+    assert d.outcome == "forced" and d.take and d.gate == "skip_paused"
+    assert d.candidate is not None
+
+
+def test_dry_run_computes_but_takes_nothing() -> None:
+    d = _decide(dry_run=True)
+    assert d.outcome == "dry_run" and not d.take and d.gate == "rebalance"
+    assert d.candidate is not None
+    assert d.to_dict()["outcome"] == "dry_run" and "candidate" not in d.to_dict()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"decay": 1.5},
+        {"gain_threshold": -0.1},
+        {"max_moved_fraction": 0.0},
+        {"min_windows": -1},
+        {"horizon_seconds": float("nan")},
+        {"link_bandwidth_gbps": 0.0},
+        {"decision_period_seconds": -1.0},
+        {"overlap_penalty": 2.0},
+        {"paused": "yes"},
+    ],
+)
+def test_policy_validation(change: dict) -> None:
+    policy = dataclasses.replace(PolicyConfig(), **change)
+    with pytest.raises(InputError):
+        policy.validate()
+    with pytest.raises(InputError):
+        _decide(policy)
+
+
+def test_policy_from_dict() -> None:
+    assert PolicyConfig.from_dict({"decay": 0.5}).decay == 0.5
+    with pytest.raises(InputError, match="unknown"):
+        PolicyConfig.from_dict({"decy": 0.5})
+
+
+def test_bad_shapes() -> None:
+    with pytest.raises(InputError):
+        _decide(estimate=np.ones((L, E + 1)))
+    with pytest.raises(InputError):
+        _decide(current=np.zeros((L, P + 1), dtype=np.int64))
+    with pytest.raises(InputError):
+        _decide(estimate=-np.ones((L, E)))
+    with pytest.raises(InputError):
+        dataclasses.replace(SHAPE, num_slots=P + 1).validate()
+
+
+def test_policy_loop_timing() -> None:
+    policy = PolicyConfig(decision_period_seconds=5.0, min_interval_seconds=20.0, min_windows=2)
+    loop = PolicyLoop(SHAPE, policy)
+    current = _trivial()
+    load = _skewed_load().round().astype(np.int64)
+    first = loop.on_window(load, current, now=0.0)
+    assert first is not None and first.outcome == "skip_min_windows"
+    assert loop.on_window(load, current, now=2.0) is None  # not due yet
+    taken = loop.on_window(load, current, now=5.0)
+    assert taken is not None and taken.outcome == "rebalance"
+    assert loop.last_rebalance == 5.0
+    assert loop.on_window(load, current, now=10.0, in_flight=True) is None
+    later = loop.on_window(load, current, now=15.0)
+    assert later is not None and later.outcome == "skip_min_interval"
+    assert loop.estimator.windows == 5
