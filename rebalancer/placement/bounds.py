@@ -1,0 +1,56 @@
+"""How good a placement could possibly be.
+
+Every placement reports its gap to these bounds, so an operator can tell "the load is
+hard" from "the algorithm is weak". Per layer, the max GPU load of any placement is at
+least the mean (total / G) and at least the smallest possible max replica load (the
+greedy replication is optimal for that); an LP relaxation adds the pairing argument.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rebalancer.placement.greedy import replicate_greedy
+from rebalancer.placement.metrics import mean_balancedness
+from rebalancer.placement.types import check_layout, check_load
+
+
+def max_load_lower_bound(load: np.ndarray, num_slots: int, num_gpus: int) -> np.ndarray:
+    """Per layer, a value no placement's max GPU load can go below.
+
+    load: [L, E] float64. Returns: [L] float64.
+    """
+    # 1. the mean: the load has to go somewhere
+    mean = load.sum(axis=1) / num_gpus
+    # 2. some GPU carries the largest replica; greedy replication minimises that
+    phy2log, logcnt = replicate_greedy(load, num_slots)
+    largest_replica = (load / logcnt).max(axis=1)
+    return np.maximum(mean, largest_replica)
+
+
+def lower_bound_balancedness_per_layer(
+    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1
+) -> np.ndarray:
+    """Best reachable balancedness per layer (NaN for layers without load).
+
+    load: [L, E]. Returns: [L] float64.
+    """
+    load_arr = check_load(load)
+    check_layout(load_arr.shape[1], num_slots, num_gpus, num_nodes)
+    bound = max_load_lower_bound(load_arr, num_slots, num_gpus)
+    mean = load_arr.sum(axis=1) / num_gpus
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(bound > 0, mean / bound, np.nan)
+
+
+def lower_bound_balancedness(
+    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1
+) -> float:
+    """Best reachable balancedness, averaged over layers with load (an upper limit on
+    what any placement achieves; "lower bound" refers to the max GPU load).
+
+    load: [L, E].
+    """
+    return mean_balancedness(
+        lower_bound_balancedness_per_layer(load, num_slots, num_gpus, num_nodes)
+    )

@@ -1,0 +1,133 @@
+"""The one entry point the controller calls: load in, placement and its quality out.
+
+It validates, picks the algorithm, and wraps the result with what the caller needs to
+decide and to ship (replica lists, balancedness, moved fraction).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rebalancer.errors import InputError
+from rebalancer.placement.balanced import pack_balanced
+from rebalancer.placement.greedy import pack_greedy, replicate_greedy
+from rebalancer.placement.hierarchical import place
+from rebalancer.placement.metrics import (
+    balancedness_per_layer,
+    log2phy_of,
+    logcnt_of,
+    mean_balancedness,
+)
+from rebalancer.placement.migration import keep_in_place
+from rebalancer.placement.reference import reference_placement
+from rebalancer.placement.types import (
+    PlacementResult,
+    check_fraction,
+    check_layout,
+    check_load,
+    check_phy2log,
+)
+
+ALGORITHMS = ("auto", "greedy", "balanced", "migration", "reference")
+
+
+def greedy_placement(
+    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
+    num_groups: int | None = None,
+) -> np.ndarray:
+    """DeepSeek's greedy, vectorised. load: [L, E]. Returns: phy2log [L, P]."""
+    return place(load, num_slots, num_gpus, num_nodes, num_groups, replicate_greedy, pack_greedy)
+
+
+def balanced_placement(
+    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
+    num_groups: int | None = None,
+) -> np.ndarray:
+    """Greedy replication, round packing and swaps. load: [L, E]. Returns: phy2log [L, P]."""
+    return place(
+        load, num_slots, num_gpus, num_nodes, num_groups, replicate_greedy, pack_balanced
+    )
+
+
+def compute_placement(
+    load: np.ndarray,
+    num_slots: int,
+    num_gpus: int,
+    num_nodes: int = 1,
+    num_groups: int | None = None,
+    previous: np.ndarray | None = None,
+    max_moved_fraction: float | None = None,
+    algorithm: str = "auto",
+) -> PlacementResult:
+    """Place P slots of E experts on G GPUs (N nodes) for the given load.
+
+    load: [L, E] float or int, non-negative; rows of zeros (dense layers) get any valid
+    placement. previous: [L, P] current placement, enables migration-aware planning and
+    `moved_fraction`. max_moved_fraction: at most this share of all slots may change
+    (needs `previous`). algorithm: "auto" (balanced, or migration with `previous`),
+    "greedy", "balanced", "migration" or "reference" (the slow per-item port).
+    """
+    # 1. validate everything before doing anything
+    load_arr = check_load(load)
+    num_layers, num_logical = load_arr.shape
+    check_layout(num_logical, num_slots, num_gpus, num_nodes)
+    if num_groups is not None:
+        if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)):
+            raise InputError(f"num_groups must be a positive integer, got {num_groups!r}")
+        if num_groups <= 0 or num_logical % num_groups:
+            raise InputError(
+                f"groups ({num_groups}) must be positive and divide the experts ({num_logical})"
+            )
+    budget = check_fraction(max_moved_fraction)
+    if algorithm not in ALGORITHMS:
+        raise InputError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+    old = None
+    if previous is not None:
+        old = check_phy2log(previous, num_logical, name="previous placement")
+        if old.shape != (num_layers, num_slots):
+            raise InputError(
+                f"previous placement has shape {old.shape}, expected {(num_layers, num_slots)}"
+            )
+    if algorithm == "migration" and old is None:
+        raise InputError("algorithm 'migration' needs a previous placement")
+    if budget is not None and old is not None and algorithm not in ("auto", "migration"):
+        raise InputError(f"max_moved_fraction needs algorithm 'auto' or 'migration', not {algorithm!r}")
+    if algorithm == "auto":
+        algorithm = "migration" if old is not None else "balanced"
+    # 2. compute
+    if algorithm == "greedy":
+        phy2log = greedy_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
+    elif algorithm == "reference":
+        phy2log = reference_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
+    elif algorithm == "balanced":
+        phy2log = balanced_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
+    else:
+        assert old is not None
+        fresh = balanced_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
+        phy2log = keep_in_place(old, fresh, num_gpus, num_logical)
+        if budget is not None and np.mean(phy2log != old) > budget:
+            phy2log = old.copy()
+    return finish(phy2log, load_arr, num_gpus, num_nodes, old, algorithm)
+
+
+def finish(
+    phy2log: np.ndarray,
+    load: np.ndarray,
+    num_gpus: int,
+    num_nodes: int,
+    previous: np.ndarray | None,
+    algorithm: str,
+) -> PlacementResult:
+    """Wrap a placement with its derived maps and figures."""
+    num_logical = load.shape[1]
+    phy2log = np.ascontiguousarray(phy2log, dtype=np.int64)
+    return PlacementResult(
+        phy2log=phy2log,
+        logcnt=logcnt_of(phy2log, num_logical),
+        log2phy=log2phy_of(phy2log, num_logical),
+        balancedness=mean_balancedness(balancedness_per_layer(phy2log, load, num_gpus)),
+        moved_fraction=0.0 if previous is None else float(np.mean(previous != phy2log)),
+        algorithm=algorithm,
+        num_gpus=num_gpus,
+        num_nodes=num_nodes,
+    )

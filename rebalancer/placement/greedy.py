@@ -1,0 +1,91 @@
+"""DeepSeek's greedy EPLB, vectorised across layers.
+
+This is the baseline every other algorithm is measured against: replicate the expert
+with the highest load per replica until the slots are used, then pack replicas
+heaviest-first onto the lightest GPU that still has room. The per-layer result has
+the same max GPU load as the per-item reference (`reference.py`); only ties may
+resolve differently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def replicate_greedy(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray]:
+    """Choose replica counts by repeatedly replicating the expert with the highest load
+    per replica (lowest index on ties), all additions of a layer at once.
+
+    weight: [X, n] float64, num_phy >= n.
+    Returns: phy2log [X, num_phy] (slot i < n holds expert i, the extras follow in
+    expert order), logcnt [X, n] int64.
+    """
+    num_rows, num_log = weight.shape
+    num_extra = num_phy - num_log
+    base = np.tile(np.arange(num_log, dtype=np.int64), (num_rows, 1))
+    if num_extra == 0:
+        return base, np.ones((num_rows, num_log), dtype=np.int64)
+    # 1. An expert replicated c times so far offers the value weight / c for its next
+    #    replica. The greedy takes the num_extra largest offers overall; an expert gets
+    #    more than k extras only if weight/k is among them, so weight/k >= total/P
+    #    bounds k and keeps the candidate table small.
+    total = weight.sum(axis=1, keepdims=True)
+    share = np.where(total > 0, weight / np.where(total > 0, total, 1), 0.0)
+    depth = int(np.ceil(share.max() * num_phy)) + 1
+    depth = max(1, min(num_extra, max(depth, -(-num_extra // num_log))))
+    divisor = np.arange(1, depth + 1, dtype=np.float64)
+    offers = (weight[:, :, None] / divisor).reshape(num_rows, num_log * depth)
+    # 2. threshold = the num_extra-th largest offer; take everything above it and the
+    #    lowest-index offers equal to it (the greedy's tie order)
+    kth = num_log * depth - num_extra
+    threshold = np.partition(offers, kth, axis=1)[:, kth : kth + 1]
+    above = offers > threshold
+    tied = offers == threshold
+    need = num_extra - above.sum(axis=1, keepdims=True)
+    taken = above | (tied & (np.cumsum(tied, axis=1) <= need))
+    extras = taken.reshape(num_rows, num_log, depth).sum(axis=2)
+    logcnt = 1 + extras
+    # 3. lay out the extras in expert order after the identity block
+    extra_experts = np.repeat(
+        np.tile(np.arange(num_log, dtype=np.int64), num_rows), extras.ravel()
+    ).reshape(num_rows, num_extra)
+    return np.concatenate([base, extra_experts], axis=1), logcnt.astype(np.int64)
+
+
+def pack_greedy(weight: np.ndarray, num_packs: int, item_expert: np.ndarray | None = None) -> np.ndarray:
+    """Pack n items into packs of n / num_packs items: heaviest first, each onto the
+    lightest pack with room (lowest index on ties); one item per step for all rows.
+
+    weight: [X, n]; item_expert is accepted for a common signature and ignored (the
+    greedy does not avoid two replicas of an expert on one pack).
+    Returns: pack of each item [X, n] int64.
+    """
+    num_rows, num_items = weight.shape
+    capacity = num_items // num_packs
+    if capacity == 1:
+        return np.tile(np.arange(num_items, dtype=np.int64), (num_rows, 1))
+    order = np.argsort(-weight, axis=1, kind="stable")
+    sorted_weight = np.take_along_axis(weight, order, axis=1)
+    rows = np.arange(num_rows)
+    pack_load = np.zeros((num_rows, num_packs))
+    pack_fill = np.zeros((num_rows, num_packs), dtype=np.int64)
+    pack_of = np.empty((num_rows, num_items), dtype=np.int64)
+    full = np.inf
+    for i in range(num_items):
+        choice = np.where(pack_fill < capacity, pack_load, full).argmin(axis=1)
+        pack_of[rows, order[:, i]] = choice
+        pack_load[rows, choice] += sorted_weight[:, i]
+        pack_fill[rows, choice] += 1
+    return pack_of
+
+
+def slots_from_packs(pack_of: np.ndarray, num_packs: int) -> np.ndarray:
+    """Slot of every item when pack k owns slots [k*c, (k+1)*c), items in index order.
+
+    pack_of: [X, n] int64 with n / num_packs items per pack. Returns: slot [X, n].
+    """
+    num_rows, num_items = pack_of.shape
+    order = np.argsort(pack_of, axis=1, kind="stable")
+    slot = np.empty_like(pack_of)
+    np.put_along_axis(slot, order, np.arange(num_items)[None, :].repeat(num_rows, 0), axis=1)
+    return slot

@@ -1,0 +1,101 @@
+"""The placement pipeline: expert groups to nodes, replicas within nodes, packing onto GPUs.
+
+DeepSeek's hierarchical EPLB keeps every replica of a group's experts on the node that
+hosts the group, so group-limited routing crosses few nodes. With one node (or groups
+that do not divide evenly over the nodes) it is the global policy. The replication and
+packing steps are arguments, so the greedy baseline and the improved algorithm share
+this one pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from rebalancer.placement.greedy import slots_from_packs
+
+Replicate = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+Pack = Callable[[np.ndarray, int, np.ndarray], np.ndarray]
+
+
+def uses_hierarchy(num_logical: int, num_nodes: int, num_groups: int | None) -> bool:
+    """True when groups can be spread evenly over several nodes (the reference's rule)."""
+    return (
+        num_groups is not None
+        and num_nodes > 1
+        and num_groups % num_nodes == 0
+        and num_logical % num_groups == 0
+    )
+
+
+def place_in_nodes(
+    weight: np.ndarray,
+    num_slots: int,
+    num_gpus: int,
+    node_experts: np.ndarray,
+    replicate: Replicate,
+    pack: Pack,
+) -> np.ndarray:
+    """Replicate and pack each node's own experts onto that node's GPUs.
+
+    weight: [L, E]; node_experts: [L, N, E/N], the experts each node hosts.
+    Returns: phy2log [L, P], node n owning slots [n*P/N, (n+1)*P/N).
+    """
+    num_layers, num_nodes, per_node = node_experts.shape
+    # 1. one row per (layer, node): the node's experts and their load
+    node_weight = np.take_along_axis(weight, node_experts.reshape(num_layers, -1), axis=1)
+    node_weight = node_weight.reshape(num_layers * num_nodes, per_node)
+    # 2. replicate within the node's slot share
+    phy2local, localcnt = replicate(node_weight, num_slots // num_nodes)
+    # 3. pack the node's replicas onto its GPUs; pack k owns the k-th run of slots
+    replica_weight = np.take_along_axis(node_weight / localcnt, phy2local, axis=1)
+    pack_of = pack(replica_weight, num_gpus // num_nodes, phy2local)
+    slot = slots_from_packs(pack_of, num_gpus // num_nodes)
+    local_by_slot = np.empty_like(phy2local)
+    np.put_along_axis(local_by_slot, slot, phy2local, axis=1)
+    # 4. back to logical expert ids
+    local_by_slot = local_by_slot.reshape(num_layers, num_nodes, -1)
+    phy2log = np.take_along_axis(node_experts, local_by_slot, axis=2)
+    return phy2log.reshape(num_layers, num_slots)
+
+
+def assign_groups(
+    weight: np.ndarray, num_nodes: int, num_groups: int, pack: Pack
+) -> np.ndarray:
+    """Spread expert groups over nodes, the same number of groups on each.
+
+    weight: [L, E] with E % num_groups == 0.
+    Returns: node_experts [L, N, E/N], each node's experts, its groups in pack order.
+    """
+    num_layers, num_logical = weight.shape
+    group_size = num_logical // num_groups
+    group_weight = weight.reshape(num_layers, num_groups, group_size).sum(axis=2)
+    group_ids = np.tile(np.arange(num_groups, dtype=np.int64), (num_layers, 1))
+    node_of = pack(group_weight, num_nodes, group_ids)
+    # groups sorted by node (stable) give each node its run of groups
+    groups_by_node = np.argsort(node_of, axis=1, kind="stable")
+    experts = groups_by_node[:, :, None] * group_size + np.arange(group_size)
+    return experts.reshape(num_layers, num_nodes, num_logical // num_nodes)
+
+
+def place(
+    weight: np.ndarray,
+    num_slots: int,
+    num_gpus: int,
+    num_nodes: int,
+    num_groups: int | None,
+    replicate: Replicate,
+    pack: Pack,
+) -> np.ndarray:
+    """Full pipeline; hierarchical when `uses_hierarchy`, otherwise global.
+
+    weight: [L, E]. Returns: phy2log [L, P] int64.
+    """
+    num_layers, num_logical = weight.shape
+    if uses_hierarchy(num_logical, num_nodes, num_groups):
+        assert num_groups is not None
+        node_experts = assign_groups(weight, num_nodes, num_groups, pack)
+    else:
+        node_experts = np.tile(np.arange(num_logical, dtype=np.int64), (num_layers, 1, 1))
+    return place_in_nodes(weight, num_slots, num_gpus, node_experts, replicate, pack)

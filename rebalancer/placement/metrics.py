@@ -1,0 +1,132 @@
+"""Views of a placement and how well it balances a load.
+
+A placement is `phy2log [L, P]`; everything else (replica counts, replica lists,
+per-GPU load, balancedness) is derived from it here, so the engine, the CLI, the
+controller and the tests all measure the same thing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rebalancer.errors import InputError
+from rebalancer.placement.types import check_layout, check_load, check_phy2log
+
+
+def trivial_placement(num_layers: int, num_logical: int, num_slots: int, num_gpus: int) -> np.ndarray:
+    """Contiguous placement: slot p holds expert p % E.
+
+    Returns: phy2log [L, P] int64.
+    """
+    check_layout(num_logical, num_slots, num_gpus)
+    if num_layers <= 0:
+        raise InputError(f"num_layers must be positive, got {num_layers}")
+    row = np.arange(num_slots, dtype=np.int64) % num_logical
+    return np.tile(row, (num_layers, 1))
+
+
+def logcnt_of(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
+    """Replicas per logical expert.
+
+    phy2log: [L, P]. Returns: logcnt [L, E] int64.
+    """
+    phy2log = np.asarray(phy2log, dtype=np.int64)
+    num_layers = phy2log.shape[0]
+    offsets = np.arange(num_layers, dtype=np.int64)[:, None] * num_logical
+    counts = np.bincount((phy2log + offsets).ravel(), minlength=num_layers * num_logical)
+    return counts.reshape(num_layers, num_logical).astype(np.int64)
+
+
+def log2phy_of(
+    phy2log: np.ndarray, num_logical: int, max_replicas: int | None = None
+) -> np.ndarray:
+    """Replica slots of every expert, in ascending slot order, -1 padded.
+
+    phy2log: [L, P]. Returns: log2phy [L, E, R] int64 with R = max_replicas or the
+    largest replica count.
+    """
+    phy2log = np.asarray(phy2log, dtype=np.int64)
+    num_layers, num_slots = phy2log.shape
+    logcnt = logcnt_of(phy2log, num_logical)
+    needed = int(logcnt.max())
+    width = needed if max_replicas is None else int(max_replicas)
+    if width < needed:
+        raise InputError(f"max_replicas {width} is below the largest replica count {needed}")
+    # 1. group the slots of each expert together, keeping slot order inside a group
+    order = np.argsort(phy2log, axis=1, kind="stable")
+    experts = np.take_along_axis(phy2log, order, axis=1)
+    # 2. the replica rank of a slot is its position minus the start of its group
+    starts = np.cumsum(logcnt, axis=1) - logcnt
+    rank = np.arange(num_slots)[None, :] - np.take_along_axis(starts, experts, axis=1)
+    out = np.full((num_layers, num_logical, width), -1, dtype=np.int64)
+    layers = np.broadcast_to(np.arange(num_layers)[:, None], experts.shape)
+    out[layers, experts, rank] = order
+    return out
+
+
+def replica_load(phy2log: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """Load carried by each physical slot: its expert's load over its replica count.
+
+    phy2log: [L, P], load: [L, E]. Returns: [L, P] float64.
+    """
+    logcnt = logcnt_of(phy2log, load.shape[1])
+    per_replica = load / np.maximum(logcnt, 1)
+    return np.take_along_axis(per_replica, phy2log, axis=1)
+
+
+def _checked(phy2log: object, load: object, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    load_arr = check_load(load)
+    p2l = check_phy2log(phy2log, load_arr.shape[1])
+    if p2l.shape[0] != load_arr.shape[0]:
+        raise InputError(
+            f"placement has {p2l.shape[0]} layers but the load has {load_arr.shape[0]}"
+        )
+    check_layout(load_arr.shape[1], p2l.shape[1], num_gpus)
+    return p2l, load_arr
+
+
+def gpu_load(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Load of every GPU (a replica carries its expert's load / replica count).
+
+    phy2log: [L, P], load: [L, E]. Returns: [L, G] float64.
+    """
+    p2l, load_arr = _checked(phy2log, load, num_gpus)
+    per_slot = replica_load(p2l, load_arr)
+    return per_slot.reshape(p2l.shape[0], num_gpus, -1).sum(axis=2)
+
+
+def balancedness_per_layer(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Mean GPU load over max GPU load, per layer; NaN for a layer without load.
+
+    phy2log: [L, P], load: [L, E]. Returns: [L] float64.
+    """
+    loads = gpu_load(phy2log, load, num_gpus)
+    peak = loads.max(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(peak > 0, loads.mean(axis=1) / peak, np.nan)
+
+
+def balancedness(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> float:
+    """Balancedness averaged over layers with non-zero load (1.0 when none has load).
+
+    phy2log: [L, P], load: [L, E].
+    """
+    return mean_balancedness(balancedness_per_layer(phy2log, load, num_gpus))
+
+
+def mean_balancedness(per_layer: np.ndarray) -> float:
+    """Average of per-layer balancedness, skipping NaN (layers without load)."""
+    valid = per_layer[~np.isnan(per_layer)]
+    return float(valid.mean()) if valid.size else 1.0
+
+
+def moved_fraction(old: np.ndarray, new: np.ndarray) -> float:
+    """Share of slots whose logical expert differs between two placements.
+
+    old, new: [L, P].
+    """
+    old_arr = check_phy2log(old, name="old placement")
+    new_arr = check_phy2log(new, name="new placement")
+    if old_arr.shape != new_arr.shape:
+        raise InputError(f"placements differ in shape: {old_arr.shape} vs {new_arr.shape}")
+    return float(np.mean(old_arr != new_arr))
