@@ -1,0 +1,185 @@
+"""AdminService: what operators and `rebalancer admin` speak.
+
+Status, placement, history, force (or dry-run) a rebalance, pause/resume and
+policy get/set. When the server is given an admin token, every call must carry
+`authorization: Bearer <token>`; others get UNAUTHENTICATED and change nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+from dataclasses import fields, replace
+
+import grpc
+
+from rebalancer.controller import codec
+from rebalancer.controller.decide import Decision, PolicyConfig
+from rebalancer.controller.service import placement_msg, refuse, shape_msg
+from rebalancer.controller.state import Controller, Deployment, StateError
+from rebalancer.errors import InputError
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+
+log = logging.getLogger("rebalancer.admin")
+
+# Policy fields that the v1 message carries; the others keep their current value.
+_WIRE_POLICY_FIELDS = tuple(f.name for f in pb.Policy.DESCRIPTOR.fields)
+
+
+def policy_msg(policy: PolicyConfig) -> pb.Policy:
+    return pb.Policy(**{name: getattr(policy, name) for name in _WIRE_POLICY_FIELDS})
+
+
+def policy_from_msg(msg: pb.Policy, base: PolicyConfig) -> PolicyConfig:
+    known = {f.name for f in fields(PolicyConfig)}
+    values = {name: getattr(msg, name) for name in _WIRE_POLICY_FIELDS if name in known}
+    values["min_windows"] = int(values.get("min_windows", base.min_windows))
+    policy = replace(base, **values)
+    policy.validate()
+    return policy
+
+
+def decision_msg(decision: Decision | None, plan_version: int = 0) -> pb.Decision:
+    if decision is None:
+        return pb.Decision()
+
+    def num(x: float) -> float:
+        return float(x) if math.isfinite(x) else 0.0
+
+    return pb.Decision(
+        outcome=decision.outcome, reason=decision.reason,
+        balancedness_current=num(decision.balancedness_current),
+        balancedness_candidate=num(decision.balancedness_candidate),
+        bound_balancedness=num(decision.bound_balancedness),
+        moved_fraction=num(decision.moved_fraction), bytes_to_move=int(decision.bytes_to_move),
+        predicted_gain_seconds=num(decision.predicted_gain_seconds),
+        migration_cost_seconds=num(decision.migration_cost_seconds), plan_version=plan_version,
+    )
+
+
+def status_msg(dep: Deployment) -> pb.DeploymentStatus:
+    from rebalancer import placement
+
+    estimate = dep.estimator.estimate()
+    est = placement.balancedness(dep.phy2log, estimate, dep.shape.num_gpus) if estimate.sum() > 0 else 0.0
+    actual = dep.stats.balancedness_actual
+    return pb.DeploymentStatus(
+        deployment=dep.name, shape=shape_msg(dep.shape), placement_version=dep.version,
+        balancedness_actual=actual if math.isfinite(actual) else 0.0,
+        balancedness_estimated=float(est), connected_ranks=dep.connected_ranks,
+        windows_ingested=dep.stats.windows_ingested, paused=dep.policy.paused,
+        plan_in_flight=dep.plan.version if dep.plan else 0,
+        plan_phase=dep.plan.state.value if dep.plan else "",
+        last_decision=decision_msg(dep.loop.last_decision),
+        plans_committed=dep.stats.plans_committed, plans_aborted=dep.stats.plans_aborted,
+        slots_moved=dep.stats.slots_moved, bytes_moved=dep.stats.bytes_moved,
+    )
+
+
+class AdminService(pb_grpc.AdminServiceServicer):
+    def __init__(self, controller: Controller, token: str | None = None) -> None:
+        self.controller = controller
+        self.token = token
+
+    async def _authorize(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        if not self.token:
+            return
+        got = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not isinstance(got, str) or not got.startswith("Bearer "):
+            log.warning("admin %s refused: no bearer token", what)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin calls need 'authorization: Bearer <token>'")
+        if not hmac.compare_digest(got[len("Bearer "):].encode(), self.token.encode()):
+            log.warning("admin %s refused: wrong token", what)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "admin token not accepted")
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        await self._authorize(context, "Status")
+        try:
+            deps = [self.controller.deployment(request.deployment)] if request.deployment else list(self.controller.deployments.values())
+        except StateError as exc:
+            await refuse(context, exc, "Status")
+            raise
+        return pb.StatusResponse(deployments=[status_msg(d) for d in deps])
+
+    async def GetPlacement(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Placement:
+        await self._authorize(context, "GetPlacement")
+        try:
+            dep = self.controller.deployment(request.deployment)
+        except StateError as exc:
+            await refuse(context, exc, "GetPlacement")
+            raise
+        return placement_msg(dep.version, dep.phy2log)
+
+    async def ForceRebalance(self, request: pb.ForceRebalanceRequest, context: grpc.aio.ServicerContext) -> pb.ForceRebalanceResponse:
+        await self._authorize(context, "ForceRebalance")
+        try:
+            decision, plan = self.controller.force(
+                request.deployment, dry_run=request.dry_run, max_moved_fraction=request.max_moved_fraction
+            )
+        except (StateError, InputError) as exc:
+            await refuse(context, exc, "ForceRebalance")
+            raise
+        response = pb.ForceRebalanceResponse(decision=decision_msg(decision, plan.version if plan else 0))
+        if plan is not None:
+            response.placement.CopyFrom(placement_msg(plan.version, plan.phy2log))
+            response.transfers.CopyFrom(codec.encode(plan.transfers.astype("int32")))
+        elif decision.candidate is not None:
+            from rebalancer import placement
+
+            dep = self.controller.deployment(request.deployment)
+            response.placement.CopyFrom(placement_msg(0, decision.candidate))
+            transfers = placement.transfers(dep.phy2log, decision.candidate, dep.shape.num_gpus, dep.shape.num_nodes)
+            response.transfers.CopyFrom(codec.encode(transfers.astype("int32")))
+        return response
+
+    async def GetPolicy(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Policy:
+        await self._authorize(context, "GetPolicy")
+        try:
+            dep = self.controller.deployment(request.deployment)
+        except StateError as exc:
+            await refuse(context, exc, "GetPolicy")
+            raise
+        return policy_msg(dep.policy)
+
+    async def SetPolicy(self, request: pb.SetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.Policy:
+        await self._authorize(context, "SetPolicy")
+        try:
+            dep = self.controller.deployment(request.deployment)
+            policy = policy_from_msg(request.policy, dep.policy)
+            self.controller.set_policy(request.deployment, policy)
+        except (StateError, InputError) as exc:
+            await refuse(context, exc, "SetPolicy")
+            raise
+        return policy_msg(dep.policy)
+
+    async def Pause(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Empty:
+        return await self._pause(request, context, True)
+
+    async def Resume(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Empty:
+        return await self._pause(request, context, False)
+
+    async def _pause(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext, paused: bool) -> pb.Empty:
+        await self._authorize(context, "Pause" if paused else "Resume")
+        try:
+            self.controller.set_paused(request.deployment, paused)
+        except StateError as exc:
+            await refuse(context, exc, "Pause" if paused else "Resume")
+            raise
+        return pb.Empty()
+
+    async def History(self, request: pb.HistoryRequest, context: grpc.aio.ServicerContext) -> pb.HistoryResponse:
+        await self._authorize(context, "History")
+        try:
+            dep = self.controller.deployment(request.deployment)
+        except StateError as exc:
+            await refuse(context, exc, "History")
+            raise
+        limit = request.limit or 50
+        store = self.controller.store
+        plans = [pb.PlanRecord(**vars(p)) for p in store.plans(dep.name, limit)]
+        decisions = []
+        for rec in store.decisions(dep.name, limit):
+            decisions.append(pb.Decision(**{k: v for k, v in rec.items() if k in pb.Decision.DESCRIPTOR.fields_by_name and v is not None and not (isinstance(v, float) and not math.isfinite(v))}))
+        return pb.HistoryResponse(plans=plans, decisions=decisions)

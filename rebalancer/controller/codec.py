@@ -1,0 +1,79 @@
+"""Arrays on the wire: numpy <-> rebalancer.v1.Array, with validation.
+
+Counts travel as raw little-endian bytes with a declared dtype and shape; this
+module is the only place that turns them into numpy (zero-copy `frombuffer`,
+no Python loops over experts) and the only place that says what is malformed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rebalancer.errors import InputError
+from rebalancer.v1 import rebalancer_pb2 as pb
+
+_TO_NUMPY = {
+    pb.DTYPE_INT32: np.dtype("<i4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_UINT32: np.dtype("<u4"),
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+}
+_FROM_NUMPY = {v: k for k, v in _TO_NUMPY.items()}
+
+
+def encode(array: np.ndarray) -> pb.Array:
+    """Any int32/int64/uint32/float32 numpy array as an Array message."""
+    arr = np.asarray(array)
+    dtype = arr.dtype.newbyteorder("<")
+    if dtype not in _FROM_NUMPY:
+        raise InputError(f"cannot encode dtype {arr.dtype}; use int32, int64, uint32 or float32")
+    arr = np.ascontiguousarray(arr, dtype=dtype)
+    return pb.Array(dtype=_FROM_NUMPY[dtype], shape=list(arr.shape), data=arr.tobytes())
+
+
+def decode(msg: pb.Array, what: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """An Array message as a read-only numpy array, checked against `shape`.
+
+    Raises InputError naming `what` on an unknown dtype, a shape mismatch, or a
+    byte length that does not match dtype x shape.
+    """
+    dtype = _TO_NUMPY.get(msg.dtype)
+    if dtype is None:
+        raise InputError(f"{what}: unsupported dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype}")
+    got = tuple(int(d) for d in msg.shape)
+    if shape is not None and got != tuple(shape):
+        raise InputError(f"{what}: shape {list(got)} does not match expected {list(shape)}")
+    expected = int(np.prod(got, dtype=np.int64)) * dtype.itemsize
+    if len(msg.data) != expected:
+        raise InputError(f"{what}: {len(msg.data)} bytes for shape {list(got)} of {dtype.name} (expected {expected})")
+    return np.frombuffer(msg.data, dtype=dtype).reshape(got)
+
+
+def decode_counts(msg: pb.Array, what: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Counts must be integers or finite non-negative floats; returned as int64/float64."""
+    arr = decode(msg, what, shape)
+    if arr.dtype.kind == "f":
+        if not np.isfinite(arr).all():
+            raise InputError(f"{what}: counts contain NaN or infinity")
+        if (arr < 0).any():
+            raise InputError(f"{what}: counts contain negative values")
+        return arr.astype(np.float64)
+    if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+        raise InputError(f"{what}: counts contain negative values")
+    return arr.astype(np.int64)
+
+
+def decode_phy2log(msg: pb.Array, num_layers: int, num_slots: int, num_logical: int) -> np.ndarray:
+    """A placement's phy2log [L, P] as int64, every entry a valid expert, every expert held."""
+    arr = decode(msg, "phy2log", (num_layers, num_slots))
+    if arr.dtype.kind not in "iu":
+        raise InputError("phy2log: must be an integer array")
+    arr = arr.astype(np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= num_logical):
+        raise InputError(f"phy2log: expert ids must lie in [0, {num_logical})")
+    held = np.zeros((num_layers, num_logical), dtype=bool)
+    np.put_along_axis(held, arr, True, axis=1)
+    if not held.all():
+        layer = int(np.argmin(held.all(axis=1)))
+        raise InputError(f"phy2log: layer {layer} leaves some experts without a slot")
+    return arr

@@ -1,0 +1,137 @@
+"""Two-phase plan coordination: prepare on every rank, then commit, or abort.
+
+One plan in flight per deployment. The controller is the only party that
+decides: it sends Commit only after every rank reported PREPARED, and once
+Commit is out the plan can no longer abort (ranks then agree among themselves
+on the step at which they switch, see worker_hooks.agree). Any failure or
+timeout before that aborts the plan on every rank (invariant 5).
+
+The coordinator is a plain state machine; it never does I/O itself. Each
+transition returns what to send to whom, so the server and the simulator can
+drive the same code.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class PlanState(enum.Enum):
+    PREPARING = "preparing"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+class ReportError(Exception):
+    """A plan report that does not fit the plan in flight; `code` names the gRPC status."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Plan:
+    version: int
+    base_version: int
+    phy2log: np.ndarray      # [L, P] the placement being installed
+    transfers: np.ndarray    # [K, 5] (layer, dst_rank, dst_slot, src_rank, src_slot)
+    num_ranks: int
+    trigger: str
+    created: float
+    deadline: float          # monotonic seconds; preparing past this aborts
+    slots_moved: int
+    bytes_moved: int
+    state: PlanState = PlanState.PREPARING
+    prepared: set[int] = field(default_factory=set)
+    committed: set[int] = field(default_factory=set)
+    reason: str = ""
+    prepared_at: float = 0.0
+    committed_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Transition:
+    """What a call changed: messages to send and whether the plan ended."""
+
+    send_commit: bool = False
+    send_abort: bool = False
+    became_committed: bool = False  # first rank confirmed the switch
+    finished: bool = False          # plan left the in-flight slot
+    duplicate: bool = False
+
+
+def on_prepared(plan: Plan, rank: int, now: float) -> Transition:
+    if plan.state is not PlanState.PREPARING:
+        if rank in plan.prepared:
+            return Transition(duplicate=True)
+        raise ReportError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}, not preparing")
+    if rank in plan.prepared:
+        return Transition(duplicate=True)
+    plan.prepared.add(rank)
+    if len(plan.prepared) == plan.num_ranks:
+        plan.state = PlanState.COMMITTING
+        plan.prepared_at = now
+        return Transition(send_commit=True)
+    return Transition()
+
+
+def on_failed(plan: Plan, rank: int, error: str) -> Transition:
+    if plan.state is PlanState.PREPARING:
+        return abort(plan, f"rank {rank} failed to prepare: {error or 'no reason given'}")
+    if plan.state is PlanState.ABORTED:
+        return Transition(duplicate=True)
+    raise ReportError(
+        "FAILED_PRECONDITION",
+        f"plan v{plan.version} is {plan.state.value}: a failure can no longer abort it",
+    )
+
+
+def on_committed(plan: Plan, rank: int, now: float) -> Transition:
+    if plan.state not in (PlanState.COMMITTING, PlanState.COMMITTED):
+        raise ReportError(
+            "FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}; no commit was sent"
+        )
+    if rank in plan.committed:
+        return Transition(duplicate=True)
+    first = not plan.committed
+    plan.committed.add(rank)
+    if first:
+        plan.state = PlanState.COMMITTED
+        plan.committed_at = now
+    done = len(plan.committed) == plan.num_ranks
+    return Transition(became_committed=first, finished=done)
+
+
+def on_aborted(plan: Plan, rank: int) -> Transition:
+    # A rank confirming it dropped its staging; nothing left to decide.
+    return Transition(duplicate=True)
+
+
+def abort(plan: Plan, reason: str) -> Transition:
+    if plan.state is not PlanState.PREPARING:
+        return Transition(duplicate=True)
+    plan.state = PlanState.ABORTED
+    plan.reason = reason
+    return Transition(send_abort=True, finished=True)
+
+
+def on_tick(plan: Plan, now: float) -> Transition:
+    """Timeouts: preparing past the deadline aborts; a commit whose ranks did not all
+    confirm in time is finished as committed if any confirmed (they agreed on a step)."""
+    if plan.state is PlanState.PREPARING and now > plan.deadline:
+        missing = sorted(set(range(plan.num_ranks)) - plan.prepared)
+        return abort(plan, f"timeout: ranks {missing} not prepared")
+    if plan.state is PlanState.COMMITTED and now > plan.deadline + 60.0:
+        return Transition(finished=True)
+    return Transition()
+
+
+def on_disconnect(plan: Plan, rank: int) -> Transition:
+    if plan.state is PlanState.PREPARING:
+        return abort(plan, f"rank {rank} disconnected while preparing")
+    return Transition()

@@ -1,0 +1,106 @@
+"""The controller process: one grpc.aio server with both services.
+
+Standard health checking (per service; NOT_SERVING until loaded and while
+draining) and reflection are registered; keepalive and message sizes are set
+on purpose (config.py). Shutdown drains: health flips to NOT_SERVING, new
+calls are refused, calls in flight get `grace_seconds`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rebalancer.controller.admin import AdminService
+from rebalancer.controller.config import ControllerConfig, server_options
+from rebalancer.controller.service import WorkerService
+from rebalancer.controller.state import Controller
+from rebalancer.controller.store import Store
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+
+log = logging.getLogger("rebalancer.server")
+
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+    pb.DESCRIPTOR.services_by_name["AdminService"].full_name,
+)
+
+
+class ControllerServer:
+    """Owns the store, the controller state, the gRPC server and the tick task."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self.store = Store(config.db_path)
+        self.controller = Controller(self.store, config.policy)
+        self.server = grpc.aio.server(options=server_options(config.max_message_bytes))
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        pb_grpc.add_WorkerServiceServicer_to_server(WorkerService(self.controller), self.server)
+        pb_grpc.add_AdminServiceServicer_to_server(AdminService(self.controller, config.admin_token), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.port}")
+        self._tick_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", *SERVICE_NAMES):
+            result = self.health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def start(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        self._tick_task = asyncio.create_task(self._ticker())
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("controller serving on %s (store %s)", self.address, self.store.path)
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_seconds)
+            try:
+                self.controller.tick()
+            except Exception:  # a bug in one tick must not stop timeouts for good
+                log.exception("tick failed")
+
+    async def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        log.info("draining (grace %.1fs)", self.config.grace_seconds)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._tick_task:
+            self._tick_task.cancel()
+        await self.server.stop(self.config.grace_seconds)
+        self.store.close()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: ControllerConfig, ready: Callable[[ControllerServer], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain."""
+    server = ControllerServer(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop()))
+    if ready:
+        ready(server)
+    await server.wait()

@@ -1,0 +1,185 @@
+"""WorkerService: what inference ranks speak (register, stream, report plans).
+
+This layer only translates: protobuf in, validated numpy and calls on the
+Controller out, and StateError / InputError into a gRPC status with a message
+and a log line. Validation happens before any state is touched (invariant 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from typing import Any
+
+import grpc
+
+from rebalancer.controller import codec
+from rebalancer.controller.coordinate import Plan
+from rebalancer.controller.decide import ClusterShape
+from rebalancer.controller.state import Controller, StateError
+from rebalancer.errors import InputError
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+
+log = logging.getLogger("rebalancer.service")
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_PHASES = {
+    pb.PLAN_PHASE_PREPARED: "prepared",
+    pb.PLAN_PHASE_FAILED: "failed",
+    pb.PLAN_PHASE_COMMITTED: "committed",
+    pb.PLAN_PHASE_ABORTED: "aborted",
+}
+# Per-stream queue of outgoing messages; acks beyond this are merged (only the
+# newest ack matters) so a slow reader cannot grow controller memory.
+_SEND_QUEUE = 256
+
+
+def status_of(exc: Exception) -> grpc.StatusCode:
+    if isinstance(exc, StateError):
+        return getattr(grpc.StatusCode, exc.code)
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def refuse(context: grpc.aio.ServicerContext, exc: Exception, what: str) -> None:
+    code = status_of(exc)
+    log.warning("%s refused: %s: %s", what, code.name, exc)
+    await context.abort(code, str(exc))
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.match(name):
+        raise InputError(f"deployment name {name!r} must match {NAME_RE.pattern}")
+    return name
+
+
+def shape_of(msg: pb.ModelShape) -> ClusterShape:
+    shape = ClusterShape(
+        num_layers=msg.num_layers, num_logical=msg.num_logical_experts,
+        num_slots=msg.num_physical_slots, num_gpus=msg.num_gpus, num_nodes=msg.num_nodes or 1,
+        num_groups=msg.num_groups, expert_bytes=msg.expert_bytes or ClusterShape.expert_bytes,
+    )
+    shape.validate()
+    return shape
+
+
+def shape_msg(shape: ClusterShape) -> pb.ModelShape:
+    return pb.ModelShape(
+        num_layers=shape.num_layers, num_logical_experts=shape.num_logical,
+        num_physical_slots=shape.num_slots, num_gpus=shape.num_gpus, num_nodes=shape.num_nodes,
+        expert_bytes=shape.expert_bytes, num_groups=shape.num_groups,
+    )
+
+
+def placement_msg(version: int, phy2log: Any) -> pb.Placement:
+    return pb.Placement(version=version, phy2log=codec.encode(phy2log.astype("int32")))
+
+
+def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
+    if kind == "ack":
+        return pb.ControllerMessage(window_ack=pb.WindowAck(seq=payload))
+    plan: Plan = payload
+    if kind == "prepare":
+        return pb.ControllerMessage(prepare=pb.Prepare(
+            version=plan.version, base_version=plan.base_version,
+            placement=placement_msg(plan.version, plan.phy2log),
+            transfers=codec.encode(plan.transfers.astype("int32")),
+            layers_per_chunk=4,
+            timeout_seconds=max(0.0, plan.deadline - time.monotonic()),
+        ))
+    if kind == "commit":
+        return pb.ControllerMessage(commit=pb.Commit(version=plan.version))
+    if kind == "abort":
+        return pb.ControllerMessage(abort=pb.Abort(version=plan.version, reason=plan.reason))
+    raise ValueError(kind)
+
+
+class WorkerService(pb_grpc.WorkerServiceServicer):
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        try:
+            name = check_name(request.deployment)
+            shape = shape_of(request.shape)
+            if request.rank >= shape.num_gpus:
+                raise InputError(f"rank {request.rank} out of range for {shape.num_gpus} GPUs")
+            initial = None
+            if request.HasField("initial_placement"):
+                initial = codec.decode_phy2log(
+                    request.initial_placement.phy2log, shape.num_layers, shape.num_slots, shape.num_logical
+                )
+            session, dep = self.controller.register(
+                name, request.rank, shape, request.placement_version, initial, request.worker_id
+            )
+        except (InputError, StateError) as exc:
+            await refuse(context, exc, f"Register({request.deployment!r}, rank {request.rank})")
+            raise AssertionError("unreachable") from exc
+        return pb.RegisterResponse(
+            session_id=session.session_id,
+            committed=placement_msg(dep.version, dep.phy2log),
+            next_window_seq=dep.next_seq.get(request.rank, 0),
+        )
+
+    async def Stream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF or not first.HasField("hello"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first stream message must be hello")
+            return
+        outbox: asyncio.Queue[pb.ControllerMessage] = asyncio.Queue(_SEND_QUEUE)
+
+        def send(kind: str, payload: Any) -> None:
+            msg = controller_message(kind, payload)
+            try:
+                outbox.put_nowait(msg)
+            except asyncio.QueueFull:
+                if kind == "ack":
+                    return  # a later ack covers this one
+                log.error("stream outbox full; dropping %s", kind)
+
+        session_id = first.hello.session_id
+        try:
+            dep, session = self.controller.attach(session_id, send)
+        except StateError as exc:
+            await refuse(context, exc, "Stream hello")
+            return
+        shape = dep.shape
+        logical_shape = (shape.num_layers, shape.num_logical)
+        physical_shape = (shape.num_layers, shape.num_slots)
+
+        async def writer() -> None:
+            while True:
+                await context.write(await outbox.get())
+
+        write_task = asyncio.create_task(writer())
+        try:
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    break
+                if not msg.HasField("window"):
+                    raise InputError("only windows may follow hello on the stream")
+                w = msg.window
+                logical = codec.decode_counts(w.logical_count, "logical_count", logical_shape)
+                physical = None
+                if w.HasField("physical_count"):
+                    physical = codec.decode_counts(w.physical_count, "physical_count", physical_shape)
+                self.controller.ingest(dep, session.rank, w.seq, w.placement_version, logical, physical)
+                send("ack", w.seq)
+        except (InputError, StateError) as exc:
+            await refuse(context, exc, f"Stream window from rank {session.rank} of {dep.name!r}")
+        finally:
+            write_task.cancel()
+            self.controller.detach(session_id)
+
+    async def ReportPlan(self, request: pb.PlanReport, context: grpc.aio.ServicerContext) -> pb.PlanReportResponse:
+        try:
+            phase = _PHASES.get(request.phase)
+            if phase is None:
+                raise InputError(f"plan phase {request.phase} is not reportable")
+            self.controller.report(request.session_id, request.version, phase, request.error)
+        except (InputError, StateError) as exc:
+            await refuse(context, exc, f"ReportPlan(v{request.version})")
+        return pb.PlanReportResponse()

@@ -1,0 +1,225 @@
+"""Durable controller state in embedded SQLite (WAL).
+
+What must survive a controller restart (invariant 7): each deployment's shape,
+policy and committed placement, every placement version a plan proposed, the
+plan and decision history, and the ingest cursor (per-rank next window
+sequence number plus the load estimate) so a reconnecting rank's resent
+windows are counted once.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS deployments (
+    name TEXT PRIMARY KEY,
+    shape TEXT NOT NULL,
+    policy TEXT NOT NULL,
+    committed_version INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS placements (
+    deployment TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    num_layers INTEGER NOT NULL,
+    num_slots INTEGER NOT NULL,
+    phy2log BLOB NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (deployment, version)
+);
+CREATE TABLE IF NOT EXISTS plans (
+    deployment TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    base_version INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    trigger TEXT NOT NULL,
+    created REAL NOT NULL,
+    finished REAL NOT NULL DEFAULT 0,
+    slots_moved INTEGER NOT NULL DEFAULT 0,
+    bytes_moved INTEGER NOT NULL DEFAULT 0,
+    reason TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (deployment, version)
+);
+CREATE TABLE IF NOT EXISTS decisions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    deployment TEXT NOT NULL,
+    time REAL NOT NULL,
+    record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS ingest_state (
+    deployment TEXT PRIMARY KEY,
+    state TEXT NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class DeploymentRow:
+    name: str
+    shape: dict[str, int]
+    policy: dict[str, Any]
+    committed_version: int
+    phy2log: np.ndarray  # [L, P] int64, the committed placement
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    version: int
+    base_version: int
+    state: str
+    trigger: str
+    created: float
+    finished: float
+    slots_moved: int
+    bytes_moved: int
+    reason: str
+
+
+class Store:
+    """One SQLite file (or ':memory:'); every method is one short transaction."""
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        self.path = str(path)
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        if self.path != ":memory:":
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # ------------------------------------------------------------ deployments
+
+    def create_deployment(
+        self, name: str, shape: dict[str, int], policy: dict[str, Any], version: int, phy2log: np.ndarray
+    ) -> None:
+        now = time.time()
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT OR REPLACE INTO deployments VALUES (?, ?, ?, ?, ?)",
+                (name, json.dumps(shape), json.dumps(policy), version, now),
+            )
+            self._put_placement(name, version, phy2log, now)
+
+    def set_policy(self, name: str, policy: dict[str, Any]) -> None:
+        self._db.execute("UPDATE deployments SET policy = ? WHERE name = ?", (json.dumps(policy), name))
+
+    def load_deployments(self) -> list[DeploymentRow]:
+        rows = self._db.execute(
+            "SELECT name, shape, policy, committed_version FROM deployments ORDER BY name"
+        ).fetchall()
+        out = []
+        for name, shape, policy, version in rows:
+            phy2log = self.placement(name, version)
+            assert phy2log is not None, f"committed placement {name} v{version} missing"
+            out.append(DeploymentRow(name, json.loads(shape), json.loads(policy), version, phy2log))
+        return out
+
+    # ------------------------------------------------------------ placements
+
+    def _put_placement(self, name: str, version: int, phy2log: np.ndarray, now: float) -> None:
+        arr = np.ascontiguousarray(phy2log, dtype="<i4")
+        self._db.execute(
+            "INSERT OR REPLACE INTO placements VALUES (?, ?, ?, ?, ?, ?)",
+            (name, version, arr.shape[0], arr.shape[1], arr.tobytes(), now),
+        )
+
+    def placement(self, name: str, version: int) -> np.ndarray | None:
+        row = self._db.execute(
+            "SELECT num_layers, num_slots, phy2log FROM placements WHERE deployment = ? AND version = ?",
+            (name, version),
+        ).fetchone()
+        if row is None:
+            return None
+        layers, slots, blob = row
+        return np.frombuffer(blob, dtype="<i4").reshape(layers, slots).astype(np.int64)
+
+    # ------------------------------------------------------------ plans
+
+    def begin_plan(
+        self, name: str, version: int, base_version: int, trigger: str, phy2log: np.ndarray,
+        slots_moved: int, bytes_moved: int,
+    ) -> None:
+        """Record a plan and its placement before any rank hears of it."""
+        now = time.time()
+        with self._db:
+            self._db.execute("BEGIN")
+            self._put_placement(name, version, phy2log, now)
+            self._db.execute(
+                "INSERT INTO plans (deployment, version, base_version, state, trigger, created,"
+                " slots_moved, bytes_moved) VALUES (?, ?, ?, 'preparing', ?, ?, ?, ?)",
+                (name, version, base_version, trigger, now, slots_moved, bytes_moved),
+            )
+
+    def set_plan_state(self, name: str, version: int, state: str, reason: str = "") -> None:
+        self._db.execute(
+            "UPDATE plans SET state = ?, finished = ?, reason = ? WHERE deployment = ? AND version = ?",
+            (state, time.time(), reason, name, version),
+        )
+
+    def commit_plan(self, name: str, version: int) -> None:
+        """Mark plan `version` committed and make it the deployment's placement, atomically."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "UPDATE plans SET state = 'committed', finished = ? WHERE deployment = ? AND version = ?",
+                (time.time(), name, version),
+            )
+            self._db.execute(
+                "UPDATE deployments SET committed_version = ? WHERE name = ?", (version, name)
+            )
+
+    def max_version(self, name: str) -> int:
+        row = self._db.execute(
+            "SELECT MAX(version) FROM placements WHERE deployment = ?", (name,)
+        ).fetchone()
+        return int(row[0] or 0)
+
+    def plans(self, name: str, limit: int = 50) -> list[PlanRow]:
+        rows = self._db.execute(
+            "SELECT version, base_version, state, trigger, created, finished, slots_moved,"
+            " bytes_moved, reason FROM plans WHERE deployment = ? ORDER BY version DESC LIMIT ?",
+            (name, limit),
+        ).fetchall()
+        return [PlanRow(*row) for row in rows]
+
+    def unfinished_plans(self, name: str) -> list[PlanRow]:
+        return [p for p in self.plans(name, limit=1_000_000) if p.state == "preparing"]
+
+    # ------------------------------------------------------------ decisions
+
+    def record_decision(self, name: str, record: dict[str, Any]) -> None:
+        self._db.execute(
+            "INSERT INTO decisions (deployment, time, record) VALUES (?, ?, ?)",
+            (name, float(record.get("time", time.time())), json.dumps(record)),
+        )
+
+    def decisions(self, name: str, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT record FROM decisions WHERE deployment = ? ORDER BY id DESC LIMIT ?",
+            (name, limit),
+        ).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    # ------------------------------------------------------------ ingest cursor
+
+    def save_ingest_state(self, name: str, state: dict[str, Any]) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO ingest_state VALUES (?, ?)", (name, json.dumps(state))
+        )
+
+    def ingest_state(self, name: str) -> dict[str, Any] | None:
+        row = self._db.execute(
+            "SELECT state FROM ingest_state WHERE deployment = ?", (name,)
+        ).fetchone()
+        return json.loads(row[0]) if row else None

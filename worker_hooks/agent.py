@@ -1,0 +1,274 @@
+"""The rank's link to the controller, on a background thread (invariant 3).
+
+The serving loop only calls `submit_window` and `report`, which take a lock
+for a few list operations and wake the agent's event loop; they never wait
+for the network. The agent owns its own asyncio loop and gRPC channel,
+registers, keeps one stream open (windows up, plan phases down), resends
+windows the controller has not acknowledged after a reconnect, and
+reconnects with exponential backoff and jitter. With the controller gone the
+rank keeps serving; windows not yet sent are merged once more than
+`max_pending` wait, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from rebalancer.controller import codec
+from rebalancer.controller.config import client_options
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+
+log = logging.getLogger("worker_hooks.agent")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    address: str
+    deployment: str
+    rank: int
+    shape: pb.ModelShape
+    worker_id: str = ""
+    max_pending: int = 32             # unsent windows before merging
+    rpc_timeout_seconds: float = 5.0
+    backoff_initial_seconds: float = 0.2
+    backoff_max_seconds: float = 5.0
+
+
+@dataclass
+class _Window:
+    first_step: int
+    num_steps: int
+    version: int
+    logical: np.ndarray
+    physical: np.ndarray | None
+
+
+class PlanHandlers:
+    """What the rank does when the controller speaks; called on the agent thread,
+    each must return quickly (start work on another thread if it is long)."""
+
+    def on_prepare(self, prepare: pb.Prepare) -> None: ...
+    def on_commit(self, version: int) -> None: ...
+    def on_abort(self, version: int, reason: str) -> None: ...
+
+
+class WorkerAgent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        handlers: PlanHandlers,
+        version: Callable[[], int],
+        initial_phy2log: np.ndarray | None = None,
+    ) -> None:
+        self.config = config
+        self.handlers = handlers
+        self._version = version
+        self._initial = initial_phy2log
+        self._lock = threading.Lock()
+        self._pending: deque[_Window] = deque()
+        self._reports: deque[pb.PlanReport] = deque()
+        self._unacked: dict[int, pb.Window] = {}
+        self._next_seq = 0
+        self._session = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"rebalancer-agent-{config.rank}", daemon=True)
+        self.connected = threading.Event()
+        self.merged_windows = 0
+        self.reconnects = 0
+        self.committed_placement: np.ndarray | None = None
+
+    # ------------------------------------------------------------ serving-thread API
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._poke()
+        self._thread.join(timeout)
+
+    def submit_window(
+        self, first_step: int, num_steps: int, version: int,
+        logical: np.ndarray, physical: np.ndarray | None,
+    ) -> None:
+        """Queue one window; O(1), never blocks on the network."""
+        with self._lock:
+            self._pending.append(_Window(first_step, num_steps, version, logical, physical))
+            if len(self._pending) > self.config.max_pending:
+                self._merge_oldest()
+        self._poke()
+
+    def report(self, version: int, phase: int, step: int = 0, error: str = "",
+               bytes_received: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            self._reports.append(pb.PlanReport(
+                version=version, phase=phase, step=step, error=error,
+                bytes_received=bytes_received, seconds=seconds,
+            ))
+        self._poke()
+
+    def _merge_oldest(self) -> None:
+        a = self._pending.popleft()
+        b = self._pending[0]
+        physical = None
+        if a.physical is not None and b.physical is not None and a.version == b.version:
+            physical = a.physical + b.physical
+        self._pending[0] = _Window(a.first_step, a.num_steps + b.num_steps, b.version, a.logical + b.logical, physical)
+        self.merged_windows += 1
+
+    def _poke(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:
+                pass  # loop closing
+
+    # ------------------------------------------------------------ agent thread
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        finally:
+            loop.close()
+
+    async def _main(self) -> None:
+        self._wake = asyncio.Event()
+        backoff = self.config.backoff_initial_seconds
+        while not self._stop.is_set():
+            async with grpc.aio.insecure_channel(self.config.address, options=client_options()) as channel:
+                stub = pb_grpc.WorkerServiceStub(channel)
+                try:
+                    await self._register(stub)
+                    backoff = self.config.backoff_initial_seconds
+                    await self._session_loop(stub)
+                except (grpc.aio.AioRpcError, ConnectionError) as exc:
+                    code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+                    detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                    log.warning("rank %d: controller link lost (%s: %s)", self.config.rank, code, detail)
+            self.connected.clear()
+            if self._stop.is_set():
+                break
+            self.reconnects += 1
+            delay = backoff * (0.5 + random.random())
+            backoff = min(backoff * 2, self.config.backoff_max_seconds)
+            try:
+                await asyncio.wait_for(self._wait_stop(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _wait_stop(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.sleep(0.05)
+
+    async def _register(self, stub: pb_grpc.WorkerServiceStub) -> None:
+        request = pb.RegisterRequest(
+            deployment=self.config.deployment, rank=self.config.rank, shape=self.config.shape,
+            placement_version=self._version(), worker_id=self.config.worker_id,
+        )
+        if self._initial is not None:
+            request.initial_placement.CopyFrom(
+                pb.Placement(version=0, phy2log=codec.encode(self._initial.astype(np.int32)))
+            )
+        response = await stub.Register(request, timeout=self.config.rpc_timeout_seconds, wait_for_ready=True)
+        self._session = response.session_id
+        self.committed_placement = codec.decode(response.committed.phy2log, "committed").astype(np.int64)
+        # Resend what the controller has not counted; renumber if it expects less.
+        expected = response.next_window_seq
+        with self._lock:
+            kept = [w for s, w in sorted(self._unacked.items()) if s >= expected]
+            self._unacked = {}
+            for i, w in enumerate(kept):
+                w.seq = expected + i
+                self._unacked[w.seq] = w
+            self._next_seq = expected + len(kept)
+        log.info("rank %d registered with %s (session %s, resend %d windows)",
+                 self.config.rank, self.config.address, self._session[:8], len(kept))
+
+    async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
+        assert self._wake is not None
+        call = stub.Stream()
+        await call.write(pb.WorkerMessage(hello=pb.Hello(session_id=self._session)))
+        with self._lock:
+            resend = [self._unacked[s] for s in sorted(self._unacked)]
+        for w in resend:
+            await call.write(pb.WorkerMessage(window=w))
+        self.connected.set()
+        reader = asyncio.create_task(self._read(call))
+        try:
+            while not self._stop.is_set():
+                if reader.done():
+                    reader.result()  # raises the stream's error
+                    raise ConnectionError("controller closed the stream")
+                await self._flush_reports(stub)
+                for w in self._take_pending():
+                    await call.write(pb.WorkerMessage(window=w))
+                self._wake.clear()
+                waiter = asyncio.create_task(self._wake.wait())
+                await asyncio.wait({waiter, reader}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            await call.done_writing()
+        finally:
+            reader.cancel()
+            call.cancel()
+
+    def _take_pending(self) -> list[pb.Window]:
+        out = []
+        with self._lock:
+            while self._pending:
+                w = self._pending.popleft()
+                msg = pb.Window(
+                    seq=self._next_seq, first_step=w.first_step, num_steps=w.num_steps,
+                    placement_version=w.version, logical_count=codec.encode(w.logical),
+                )
+                if w.physical is not None:
+                    msg.physical_count.CopyFrom(codec.encode(w.physical))
+                self._unacked[self._next_seq] = msg
+                self._next_seq += 1
+                out.append(msg)
+        return out
+
+    async def _flush_reports(self, stub: pb_grpc.WorkerServiceStub) -> None:
+        while True:
+            with self._lock:
+                if not self._reports:
+                    return
+                report = self._reports[0]
+            report.session_id = self._session
+            try:
+                await stub.ReportPlan(report, timeout=self.config.rpc_timeout_seconds)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise  # reconnect, then send it again
+                log.warning("rank %d: report of v%d refused: %s: %s", self.config.rank,
+                            report.version, exc.code().name, exc.details())
+            with self._lock:
+                self._reports.popleft()
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        async for msg in call:
+            kind = msg.WhichOneof("body")
+            if kind == "window_ack":
+                with self._lock:
+                    for seq in [s for s in self._unacked if s <= msg.window_ack.seq]:
+                        del self._unacked[seq]
+            elif kind == "prepare":
+                self.handlers.on_prepare(msg.prepare)
+            elif kind == "commit":
+                self.handlers.on_commit(msg.commit.version)
+            elif kind == "abort":
+                self.handlers.on_abort(msg.abort.version, msg.abort.reason)
