@@ -1,0 +1,106 @@
+"""`rebalancer plan`: compute a placement for a counts file, optionally from a previous one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="compute an expert placement from a counts file",
+        description="Compute an expert placement for the counts in PATH and report its "
+        "balancedness, the best reachable balancedness and the share of slots moved.",
+    )
+    parser.add_argument("--counts", required=True, metavar="PATH",
+                        help="counts file: SGLang JSON/.pt dump or .npz with logical_count")
+    parser.add_argument("--gpus", required=True, type=int, metavar="G", help="EP ranks")
+    parser.add_argument("--slots", required=True, type=int, metavar="P",
+                        help="physical expert slots per layer (multiple of G)")
+    parser.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
+    parser.add_argument("--groups", type=int, default=None, metavar="K",
+                        help="expert groups; hierarchical placement when K %% N == 0")
+    parser.add_argument("--previous", metavar="PLACEMENT.json",
+                        help="current placement: plan migration-aware from it")
+    parser.add_argument("--max-moved-fraction", type=float, default=None, metavar="F",
+                        help="at most this share of slots may change (needs --previous)")
+    parser.add_argument("--algorithm", default="auto",
+                        help="auto (default), greedy, balanced, migration or reference")
+    parser.add_argument("--out", metavar="PLACEMENT.json", help="write the placement here")
+    parser.add_argument("--sglang-out", metavar="PATH",
+                        help="also write it for SGLang's --init-expert-location")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rebalancer.errors import InputError
+    from rebalancer.formats import (
+        load_counts,
+        read_placement,
+        write_placement,
+        write_sglang_expert_location,
+    )
+    from rebalancer.placement import compute_placement, lower_bound_balancedness, transfers
+
+    counts = load_counts(args.counts)
+    previous = None
+    if args.previous:
+        saved = read_placement(args.previous)
+        if saved.num_gpus != args.gpus or saved.num_nodes != args.nodes:
+            raise InputError(
+                f"{args.previous}: placement is for {saved.num_gpus} GPUs / {saved.num_nodes} "
+                f"nodes, not {args.gpus} / {args.nodes}"
+            )
+        if saved.phy2log.shape != (counts.shape[0], args.slots):
+            raise InputError(
+                f"{args.previous}: placement shape {saved.phy2log.shape} does not match the "
+                f"counts ({counts.shape[0]} layers) and --slots {args.slots}"
+            )
+        if saved.num_logical != counts.shape[1]:
+            raise InputError(
+                f"{args.previous}: placement has {saved.num_logical} experts, "
+                f"counts have {counts.shape[1]}"
+            )
+        previous = saved.phy2log
+    if args.max_moved_fraction is not None and previous is None:
+        raise InputError("--max-moved-fraction needs --previous")
+    start = time.perf_counter()
+    result = compute_placement(
+        counts, args.slots, args.gpus, args.nodes, args.groups,
+        previous=previous, max_moved_fraction=args.max_moved_fraction,
+        algorithm=args.algorithm,
+    )
+    seconds = time.perf_counter() - start
+    bound = lower_bound_balancedness(counts, args.slots, args.gpus, args.nodes)
+    report = {
+        "balancedness": result.balancedness,
+        "bound_balancedness": bound,
+        "moved_fraction": result.moved_fraction,
+        "seconds": seconds,
+        "algorithm": result.algorithm,
+        "layers": int(counts.shape[0]),
+        "experts": int(counts.shape[1]),
+        "gpus": args.gpus,
+        "slots": args.slots,
+        "nodes": args.nodes,
+        "max_replicas": int(result.logcnt.max()),
+    }
+    if previous is not None:
+        report["transfers"] = int(len(transfers(previous, result.phy2log, args.gpus, args.nodes)))
+    if args.out:
+        write_placement(args.out, result.phy2log, args.gpus, args.nodes, counts.shape[1])
+        report["out"] = args.out
+    if args.sglang_out:
+        write_sglang_expert_location(args.sglang_out, result.phy2log)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(
+            f"{result.algorithm}: balancedness {result.balancedness:.4f} "
+            f"(bound {bound:.4f}), moved {result.moved_fraction:.1%}, "
+            f"{seconds * 1e3:.1f} ms"
+        )
+    return 0
