@@ -167,7 +167,9 @@ class ReferenceMoE:
         if len(self.dispatchers) == 1:
             return self.dispatchers[0].dispatch(layer, ids)
         chunks = ids.tensor_split(len(self.dispatchers))
-        return torch.cat([d.dispatch(layer, c) for d, c in zip(self.dispatchers, chunks)])
+        return torch.cat(
+            [d.dispatch(layer, c) for d, c in zip(self.dispatchers, chunks, strict=True)]
+        )
 
     def experts(self, layer: int, x: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
         """Expert outputs of this rank's slots per pick, `[T, K, H]` (zero for remote)."""
