@@ -1,0 +1,359 @@
+"""Replay a trace through each placement policy and account what it buys and costs.
+
+Every policy serves the same windows under the same cost model (rebalancer.sim.cost);
+each keeps its own virtual clock, which advances by the serving time of each window
+plus its stalls, so decisions see the time they would see in production:
+- `none`: the trivial contiguous placement, never changed;
+- `static`: fitted once (DeepSeek greedy) on the first windows, then frozen, like an
+  engine started with a recorded expert distribution; it is the starting placement of
+  the policies below;
+- `periodic`: a from-scratch greedy refit on the recent windows every K windows, with a
+  blocking stall, like SGLang's and vLLM's in-process EPLB;
+- `adaptive`: the controller as shipped. Windows go through `PolicyLoop.on_window` (the
+  estimator and the decision policy the live controller runs), a taken decision becomes
+  a plan from `transfers`, its weights move beside serving (overlap penalty) for as long
+  as the busiest receiver needs, then the maps swap (`swap_seconds`);
+- `follow`: refit from scratch on the previous window before each window, free;
+- `oracle`: refit on each window's own counts, free (an upper bound).
+`follow` and `oracle` use the engine's best from-scratch algorithm ("auto").
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.policy_loop import PolicyLoop
+from rebalancer.errors import InputError
+from rebalancer.placement import compute_placement, gpu_load, transfers, trivial_placement
+from rebalancer.sim.cost import CostModel, WindowClock, transfer_seconds
+from rebalancer.sim.trace import Trace
+
+POLICIES = ("none", "static", "periodic", "adaptive", "follow", "oracle")
+
+
+@dataclass(frozen=True)
+class PeriodicConfig:
+    """The in-process EPLB baseline, in serving steps like the engines count them."""
+
+    # SGLang --eplb-rebalance-num-iterations (1000); vLLM's step_interval is 3000.
+    period_steps: int = 1000
+    # Steps of counts the refit uses (SGLang's recorder buffer, vLLM's window_size: 1000).
+    fit_steps: int = 1000
+    # DeepSeek's greedy, what both engines run.
+    algorithm: str = "greedy"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_gpus: int
+    num_slots: int
+    num_nodes: int = 1
+    num_groups: int = 0
+    cost: CostModel = field(default_factory=CostModel)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    periodic: PeriodicConfig = field(default_factory=PeriodicConfig)
+    # Algorithm of the from-scratch references (follow, oracle).
+    reference_algorithm: str = "auto"
+
+    def shape(self, trace: Trace) -> ClusterShape:
+        return ClusterShape(
+            num_layers=trace.num_layers,
+            num_logical=trace.num_experts,
+            num_slots=self.num_slots,
+            num_gpus=self.num_gpus,
+            num_nodes=self.num_nodes,
+            num_groups=self.num_groups,
+            expert_bytes=self.cost.expert_bytes,
+        )
+
+    def windows_for_steps(self, steps: int, trace: Trace) -> int:
+        """How many trace windows hold `steps` serving steps (at least one)."""
+        steps_per_window = trace.window_seconds / self.cost.step_seconds
+        return max(1, int(round(steps / steps_per_window)))
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    windows: int
+    mean_balancedness: float
+    relative_throughput: float
+    rebalances: int
+    slots_moved: int
+    bytes_moved: int
+    stall_seconds: float
+    overlap_seconds: float
+    serving_seconds: float
+    ideal_seconds: float
+    decisions: dict[str, int] = field(default_factory=dict)
+    balancedness_per_window: list[float] = field(default_factory=list, repr=False)
+    rebalance_windows: list[int] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON-ready figures (without the per-window series)."""
+        out: dict[str, Any] = {
+            "policy": self.policy,
+            "windows": self.windows,
+            "mean_balancedness": round(self.mean_balancedness, 6),
+            "relative_throughput": round(self.relative_throughput, 6),
+            "rebalances": self.rebalances,
+            "slots_moved": self.slots_moved,
+            "bytes_moved": self.bytes_moved,
+            "stall_seconds": round(self.stall_seconds, 6),
+            "overlap_seconds": round(self.overlap_seconds, 6),
+            "serving_seconds": round(self.serving_seconds, 6),
+        }
+        if self.decisions:
+            out["decisions"] = dict(sorted(self.decisions.items()))
+        return out
+
+
+class _Ledger:
+    """Accumulates one policy's balance and time over the windows it serves."""
+
+    def __init__(self, trace: Trace, clock: WindowClock, num_gpus: int) -> None:
+        self.trace = trace
+        self.clock = clock
+        self.num_gpus = num_gpus
+        # Sum over layers of the mean GPU load of each window: what perfect balance costs.
+        self.mean_load = trace.counts.sum(axis=2) / num_gpus  # [T, L]
+        self.ideal = [clock.seconds(float(m.sum())) for m in self.mean_load]
+        self.max_sum = 0.0
+        self.mean_sum = 0.0
+        self.serving = 0.0
+        self.stall = 0.0
+        self.overlap = 0.0
+        self.per_window: list[float] = []
+        self.rebalance_windows: list[int] = []
+        self.rebalances = 0
+        self.slots_moved = 0
+        self.bytes_moved = 0
+
+    def max_load(self, w: int, phy2log: np.ndarray) -> float:
+        """Sum over layers of the busiest GPU's load of window w under a placement."""
+        return float(gpu_load(phy2log, self.trace.counts[w], self.num_gpus).max(axis=1).sum())
+
+    def served(self, w: int, max_load: float, seconds: float) -> None:
+        mean = float(self.mean_load[w].sum())
+        self.mean_sum += mean
+        self.max_sum += max_load
+        self.serving += seconds
+        self.per_window.append(mean / max_load if max_load > 0 else 1.0)
+
+    def moved(self, w: int, slots: int, nbytes: int) -> None:
+        self.rebalances += 1
+        self.slots_moved += slots
+        self.bytes_moved += nbytes
+        self.rebalance_windows.append(w)
+
+    def result(self, name: str, decisions: dict[str, int] | None = None) -> PolicyResult:
+        total = self.serving + self.stall
+        return PolicyResult(
+            policy=name,
+            windows=self.trace.num_windows,
+            mean_balancedness=self.mean_sum / self.max_sum if self.max_sum else 1.0,
+            relative_throughput=float(sum(self.ideal)) / total if total else 1.0,
+            rebalances=self.rebalances,
+            slots_moved=self.slots_moved,
+            bytes_moved=self.bytes_moved,
+            stall_seconds=self.stall,
+            overlap_seconds=self.overlap,
+            serving_seconds=self.serving,
+            ideal_seconds=float(sum(self.ideal)),
+            decisions=decisions or {},
+            balancedness_per_window=self.per_window,
+            rebalance_windows=self.rebalance_windows,
+        )
+
+
+class Simulator:
+    """Runs policies over one trace; placements shared between policies are cached."""
+
+    def __init__(self, trace: Trace, config: SimConfig) -> None:
+        config.cost.validate()
+        config.policy.validate()
+        self.trace = trace
+        self.config = config
+        self.shape = config.shape(trace)
+        self.shape.validate()
+        if config.periodic.period_steps <= 0 or config.periodic.fit_steps <= 0:
+            raise InputError("periodic period_steps and fit_steps must be > 0")
+        self.clock = WindowClock.calibrate(
+            config.cost, trace.counts, trace.window_seconds, config.num_gpus
+        )
+        self.period_windows = config.windows_for_steps(config.periodic.period_steps, trace)
+        self.fit_windows = config.windows_for_steps(config.periodic.fit_steps, trace)
+        self._fits: dict[tuple[int, int, str], np.ndarray] = {}
+
+    # -- placements ------------------------------------------------------------------
+
+    def _fit(self, start: int, stop: int, algorithm: str) -> np.ndarray:
+        """From-scratch placement on the summed counts of windows [start, stop)."""
+        key = (start, stop, algorithm)
+        if key not in self._fits:
+            c = self.config
+            load = self.trace.counts[start:stop].sum(axis=0)
+            self._fits[key] = np.asarray(
+                compute_placement(
+                    load,
+                    c.num_slots,
+                    c.num_gpus,
+                    num_nodes=c.num_nodes,
+                    num_groups=c.num_groups or None,
+                    algorithm=algorithm,
+                ).phy2log
+            )
+        return self._fits[key]
+
+    def trivial(self) -> np.ndarray:
+        s = self.shape
+        return np.asarray(trivial_placement(s.num_layers, s.num_logical, s.num_slots, s.num_gpus))
+
+    def start_placement(self) -> np.ndarray:
+        """The static fit: where every changing policy starts."""
+        fit = min(self.fit_windows, self.trace.num_windows)
+        return self._fit(0, fit, self.config.periodic.algorithm)
+
+    def _move(self, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, float, int]:
+        rows = np.asarray(transfers(old, new, self.config.num_gpus, self.config.num_nodes))
+        seconds, nbytes = transfer_seconds(
+            rows, self.config.num_gpus, self.config.num_nodes, self.config.cost
+        )
+        return rows, seconds, nbytes
+
+    # -- policies --------------------------------------------------------------------
+
+    def run(self, policy: str) -> PolicyResult:
+        runners = {
+            "none": self._frozen_none,
+            "static": self._frozen_static,
+            "periodic": self._periodic,
+            "adaptive": self._adaptive,
+            "follow": self._follow,
+            "oracle": self._oracle,
+        }
+        if policy not in runners:
+            raise InputError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        return runners[policy]()
+
+    def _frozen(self, name: str, phy2log: np.ndarray) -> PolicyResult:
+        ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
+        for w in range(self.trace.num_windows):
+            m = ledger.max_load(w, phy2log)
+            ledger.served(w, m, self.clock.seconds(m))
+        return ledger.result(name)
+
+    def _frozen_none(self) -> PolicyResult:
+        return self._frozen("none", self.trivial())
+
+    def _frozen_static(self) -> PolicyResult:
+        return self._frozen("static", self.start_placement())
+
+    def _periodic(self) -> PolicyResult:
+        cost = self.config.cost
+        ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
+        current = self.start_placement()
+        T = self.trace.num_windows
+        for w in range(T):
+            m = ledger.max_load(w, current)
+            ledger.served(w, m, self.clock.seconds(m))
+            if (w + 1) % self.period_windows == 0 and w + 1 < T:
+                new = self._fit(
+                    max(0, w + 1 - self.fit_windows), w + 1, self.config.periodic.algorithm
+                )
+                rows, seconds, nbytes = self._move(current, new)
+                ledger.stall += max(cost.periodic_stall_seconds, seconds)
+                ledger.moved(w + 1, int(rows.shape[0]), nbytes)
+                current = new
+        return ledger.result("periodic")
+
+    def _refit_each(self, name: str, lag: int) -> PolicyResult:
+        ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
+        algorithm = self.config.reference_algorithm
+        current = self.start_placement()
+        for w in range(self.trace.num_windows):
+            if w - lag >= 0:
+                new = self._fit(w - lag, w - lag + 1, algorithm)
+                if not np.array_equal(new, current):
+                    rows, _, nbytes = self._move(current, new)
+                    ledger.moved(w, int(rows.shape[0]), nbytes)
+                current = new
+            m = ledger.max_load(w, current)
+            ledger.served(w, m, self.clock.seconds(m))
+        return ledger.result(name)
+
+    def _follow(self) -> PolicyResult:
+        return self._refit_each("follow", lag=1)
+
+    def _oracle(self) -> PolicyResult:
+        return self._refit_each("oracle", lag=0)
+
+    def _adaptive(self) -> PolicyResult:
+        cost = self.config.cost
+        ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
+        loop = PolicyLoop(self.shape, self.config.policy)
+        current = self.start_placement()
+        now = 0.0
+        # The plan in flight: its placement and the transfer seconds it still needs.
+        pending: np.ndarray | None = None
+        remaining = 0.0
+        outcomes: Counter[str] = Counter()
+        for w in range(self.trace.num_windows):
+            m_old = ledger.max_load(w, current)
+            t_old = self.clock.seconds(m_old)
+            if pending is None:
+                ledger.served(w, m_old, t_old)
+                now += t_old
+            else:
+                slowed = t_old * (1.0 + cost.overlap_penalty)
+                if remaining >= slowed:  # the whole window is served beside the transfers
+                    ledger.served(w, m_old, slowed)
+                    ledger.overlap += slowed - t_old
+                    remaining -= slowed
+                    now += slowed
+                else:  # transfers end inside the window: swap, serve the rest on the new maps
+                    part = remaining / slowed
+                    m_new = ledger.max_load(w, pending)
+                    t_new = self.clock.seconds(m_new)
+                    seconds = remaining + (1.0 - part) * t_new
+                    ledger.served(w, part * m_old + (1.0 - part) * m_new, seconds)
+                    ledger.overlap += part * (slowed - t_old)
+                    ledger.stall += cost.swap_seconds
+                    now += seconds + cost.swap_seconds
+                    current, pending, remaining = pending, None, 0.0
+            decision = loop.on_window(
+                self.trace.counts[w], current, now=now, in_flight=pending is not None
+            )
+            if decision is None:
+                continue
+            outcomes[decision.outcome] += 1
+            if decision.take and decision.candidate is not None:
+                rows, seconds, nbytes = self._move(current, decision.candidate)
+                ledger.moved(w + 1, int(rows.shape[0]), nbytes)
+                pending = np.asarray(decision.candidate)
+                remaining = seconds + cost.plan_overhead_seconds
+        return ledger.result("adaptive", dict(outcomes))
+
+
+def simulate(
+    trace: Trace, config: SimConfig, policies: list[str] | tuple[str, ...]
+) -> dict[str, PolicyResult]:
+    """Run the named policies over one trace; results keyed by policy name."""
+    for name in policies:
+        if name not in POLICIES:
+            raise InputError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
+    sim = Simulator(trace, config)
+    return {name: sim.run(name) for name in policies}
+
+
+def relative(results: dict[str, PolicyResult], policy: str, reference: str) -> float:
+    """`policy`'s relative throughput as a share of `reference`'s (nan if either is absent)."""
+    if policy not in results or reference not in results:
+        return math.nan
+    return results[policy].relative_throughput / results[reference].relative_throughput

@@ -1,0 +1,158 @@
+"""Simulator: policy ordering on a small real-data trace, and the accounting behind it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rebalancer.cli import main
+from rebalancer.controller.decide import PolicyConfig
+from rebalancer.errors import InputError
+from rebalancer.sim import (
+    POLICIES,
+    CostModel,
+    PeriodicConfig,
+    SimConfig,
+    TraceGenConfig,
+    deepseek_v3_sources,
+    make_trace,
+    simulate,
+)
+from rebalancer.sim.cost import transfer_seconds
+from rebalancer.sim.trace import Trace
+
+G, P, N = 8, 288, 2
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[str, np.ndarray]:
+    try:
+        full = deepseek_v3_sources()
+    except InputError:
+        pytest.skip("shared routing data not present")
+    # Four real MoE layers keep the test fast; the routing skew is the real one.
+    return {name: counts[10:14] for name, counts in full.items()}
+
+
+def _config(**policy: object) -> SimConfig:
+    return SimConfig(
+        num_gpus=G,
+        num_slots=P,
+        num_nodes=N,
+        policy=dataclasses.replace(PolicyConfig(max_moved_fraction=1.0), **policy),
+        periodic=PeriodicConfig(period_steps=400, fit_steps=400),
+    )
+
+
+@pytest.fixture(scope="module")
+def phase_results(sources: dict[str, np.ndarray]) -> dict:
+    cfg = TraceGenConfig(
+        kind="phase",
+        windows=24,
+        tokens_per_window=8192,
+        phase_min_windows=6,
+        phase_max_windows=10,
+        seed=3,
+    )
+    return simulate(make_trace(sources, cfg), _config(), POLICIES)
+
+
+def test_oracle_bounds_every_policy(phase_results: dict) -> None:
+    oracle = phase_results["oracle"]
+    for name, res in phase_results.items():
+        assert res.relative_throughput <= oracle.relative_throughput + 1e-12, name
+        assert res.mean_balancedness <= oracle.mean_balancedness + 1e-12, name
+        assert 0 < res.relative_throughput <= 1.0 and 0 < res.mean_balancedness <= 1.0
+
+
+def test_none_is_the_floor_of_static(phase_results: dict) -> None:
+    assert phase_results["none"].mean_balancedness <= phase_results["static"].mean_balancedness
+    assert phase_results["none"].relative_throughput <= phase_results["static"].relative_throughput
+
+
+def test_frozen_policies_move_nothing(phase_results: dict) -> None:
+    for name in ("none", "static"):
+        res = phase_results[name]
+        assert (res.rebalances, res.slots_moved, res.bytes_moved, res.stall_seconds) == (0, 0, 0, 0)
+
+
+def test_periodic_stalls_every_period(phase_results: dict) -> None:
+    res = phase_results["periodic"]
+    # 400 steps of 50 ms in 5 s windows: a refit every 4 windows, none after the last one.
+    assert res.rebalances == 5 and res.rebalance_windows == [4, 8, 12, 16, 20]
+    assert res.stall_seconds >= 5 * CostModel().periodic_stall_seconds
+
+
+def test_adaptive_runs_the_controller_decisions(phase_results: dict) -> None:
+    res = phase_results["adaptive"]
+    assert res.decisions.get("rebalance", 0) == res.rebalances > 0
+    assert sum(res.decisions.values()) <= res.windows
+    assert res.stall_seconds == pytest.approx(res.rebalances * CostModel().swap_seconds)
+    # It pays for what it moves: transfers beside serving cost overlap time.
+    assert res.overlap_seconds > 0 and res.bytes_moved > 0
+    assert res.relative_throughput > phase_results["static"].relative_throughput
+
+
+def test_a_paused_controller_is_static(sources: dict[str, np.ndarray]) -> None:
+    trace = make_trace(sources, TraceGenConfig(kind="mix", windows=8, seed=1))
+    res = simulate(trace, _config(paused=True), ["static", "adaptive"])
+    assert res["adaptive"].rebalances == 0
+    assert res["adaptive"].decisions == {"skip_paused": 8}
+    assert res["adaptive"].relative_throughput == pytest.approx(res["static"].relative_throughput)
+
+
+def test_constant_traffic_on_a_fitted_placement_is_left_alone() -> None:
+    rng = np.random.default_rng(0)
+    window = (rng.pareto(1.3, size=(3, 32)) * 100 + 5).round().astype(np.int64)
+    trace = Trace(np.repeat(window[None], 12, axis=0))
+    cfg = SimConfig(num_gpus=4, num_slots=40, policy=PolicyConfig(max_moved_fraction=1.0))
+    res = simulate(trace, cfg, ["static", "adaptive", "follow", "oracle"])
+    assert res["adaptive"].rebalances == 0  # static already fits: nothing is worth moving
+    # The same counts every window: after its first window, follow is the oracle.
+    follow, oracle = res["follow"].balancedness_per_window, res["oracle"].balancedness_per_window
+    assert follow[1:] == pytest.approx(oracle[1:])
+    assert follow[0] == pytest.approx(res["static"].balancedness_per_window[0])
+
+
+def test_transfer_time_is_set_by_the_busiest_receiver() -> None:
+    cost = CostModel(expert_bytes=10**9, intra_node_gbps=100.0, inter_node_gbps=10.0)
+    # 4 GPUs on 2 nodes: rank 0 receives one expert from its node and one from the other
+    # node; rank 3 receives one local copy (free).
+    rows = np.array([[0, 0, 0, 1, 0], [0, 0, 1, 2, 0], [0, 3, 0, 3, 1]])
+    seconds, nbytes = transfer_seconds(rows, num_gpus=4, num_nodes=2, cost=cost)
+    assert seconds == pytest.approx(1 / 100 + 1 / 10)
+    assert nbytes == 2 * 10**9
+
+
+def test_cli_all_policies_json(tmp_path: Path, sources: dict[str, np.ndarray], capsys) -> None:
+    trace = make_trace(sources, TraceGenConfig(kind="burst", windows=6, seed=2))
+    trace.save(tmp_path / "b.npz")
+    args = ["simulate", "--gpus", str(G), "--slots", str(P), "--nodes", str(N)]
+    args += [
+        "--trace",
+        str(tmp_path / "b.npz"),
+        "--policy",
+        "all",
+        "--plot",
+        str(tmp_path / "b.png"),
+    ]
+    assert main(args) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(last) == set(POLICIES)
+    for name, summary in last.items():
+        for key in (
+            "windows",
+            "mean_balancedness",
+            "relative_throughput",
+            "rebalances",
+            "slots_moved",
+            "bytes_moved",
+        ):
+            assert key in summary, (name, key)
+    assert (tmp_path / "b.png").stat().st_size > 1000
+    assert main(args[:-4] + ["--policy", "sometimes"]) == 2
+    assert main(args[:-4] + ["--policy", "none", "--set", "decay=7"]) == 2
