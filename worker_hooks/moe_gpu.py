@@ -89,6 +89,7 @@ class ReferenceMoE:
             agrees on each pick's slot.
         recorder: counts of this rank's own chunk (logical and, if it has P, physical).
         group: the EP process group for the all-reduce of partial outputs (G > 1).
+        weights: share another block's expert weights instead of building them.
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class ReferenceMoE:
         recorder: ExpertRecorder | None = None,
         group: dist.ProcessGroup | None = None,
         seed: int = 0,
+        weights: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = device
@@ -118,7 +120,10 @@ class ReferenceMoE:
             * cfg.hidden**-0.5
         ).to(cfg.dtype)
         s = cfg.slots_per_gpu
-        self.weights: dict[str, torch.Tensor] = {
+        if weights is not None:
+            self.weights = weights
+            return
+        self.weights = {
             "w13": torch.empty(
                 cfg.num_layers, s, 2 * cfg.intermediate, cfg.hidden, dtype=cfg.dtype, device=device
             ),

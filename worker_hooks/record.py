@@ -92,6 +92,30 @@ class ExpertRecorder:
             raise ValueError("record_physical needs num_physical at construction")
         self._add(layer, phys_ids, base=self._n_log, width=self.num_physical)
 
+    def add_physical_counts(self, layer: int, first_slot: int, counts: torch.Tensor) -> None:
+        """Add dense per-slot counts (e.g. DeepEP's receive counts) from `first_slot` on."""
+        if self.physical_counts is None:
+            raise ValueError("add_physical_counts needs num_physical at construction")
+        if (
+            not isinstance(layer, int)
+            or isinstance(layer, bool)
+            or not 0 <= layer < self.num_layers
+        ):
+            raise ValueError(
+                f"needs an explicit layer index in [0, {self.num_layers}), got {layer!r}"
+            )
+        if (
+            counts.dim() != 1
+            or not 0 <= first_slot <= self.physical_counts.shape[1] - counts.numel()
+        ):
+            raise ValueError(
+                f"{counts.numel()} counts from slot {first_slot} do not fit "
+                f"{self.physical_counts.shape[1]} slots"
+            )
+        self.physical_counts[layer, first_slot : first_slot + counts.numel()] += counts.to(
+            torch.int64
+        )
+
     def _add(self, layer: int | None, ids: torch.Tensor, base: int, width: int) -> None:
         if (
             not isinstance(layer, int)

@@ -1,0 +1,267 @@
+"""Cost of the worker hooks on one GPU: `python -m bench.gpu_hooks`.
+
+Measures, on one DeepSeek-V3-sized MoE layer (or a few) replayed as a CUDA graph:
+- the replay time of the block without hooks (the baseline) and with the recorder
+  (logical + physical counts) and replica dispatch inside the graph;
+- the hooks alone, captured in a graph of their own;
+- the swap pause between replays: committing a staged DeepSeek-V3-shaped map
+  (61 layers x 256 experts) and one layer's staged expert weights;
+- a recorder window snapshot (begin_window) between replays.
+Prints one line per figure and a JSON object last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from worker_hooks.dispatch import ReplicaDispatch
+from worker_hooks.moe_gpu import MoEBlockConfig, ReferenceMoE
+from worker_hooks.record import ExpertRecorder
+
+
+@dataclass
+class HookBenchConfig:
+    tokens: int = 4096
+    num_layers: int = 2
+    hidden: int = 7168
+    intermediate: int = 2048
+    num_experts: int = 256
+    top_k: int = 8
+    replays: int = 50
+    rounds: int = 5
+    map_layers: int = 61
+    moved_experts: int = 8
+
+
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Mean milliseconds per replay over `replays` back-to-back replays."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def interleaved(
+    graphs: dict[str, torch.cuda.CUDAGraph], cfg: HookBenchConfig
+) -> dict[str, list[float]]:
+    """Alternate the variants round by round so drift hits them alike."""
+    out: dict[str, list[float]] = {k: [] for k in graphs}
+    for _ in range(cfg.rounds):
+        for name, g in graphs.items():
+            out[name].append(time_replays(g, cfg.replays))
+    return out
+
+
+def identity_map(num_layers: int, num_experts: int) -> np.ndarray:
+    return np.broadcast_to(
+        np.arange(num_experts)[None, :, None], (num_layers, num_experts, 1)
+    ).copy()
+
+
+def deepseek_like_map(
+    num_layers: int, num_experts: int, num_slots: int, rng: np.random.Generator
+) -> np.ndarray:
+    """A log2phy with redundant replicas of random hot experts, R = 4."""
+    out = np.full((num_layers, num_experts, 4), -1, dtype=np.int64)
+    for layer in range(num_layers):
+        extra = rng.choice(num_experts, num_slots - num_experts, replace=True)
+        phy2log = rng.permutation(np.concatenate([np.arange(num_experts), extra]))
+        fill = np.zeros(num_experts, dtype=np.int64)
+        for slot, expert in enumerate(phy2log):
+            if fill[expert] < 4:
+                out[layer, expert, fill[expert]] = slot
+                fill[expert] += 1
+    return out
+
+
+def bench_block(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
+    mcfg = MoEBlockConfig(
+        hidden=cfg.hidden,
+        intermediate=cfg.intermediate,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        num_layers=cfg.num_layers,
+    )
+    phy2log = torch.arange(cfg.num_experts).repeat(cfg.num_layers, 1)
+    plain = ReferenceMoE(mcfg, phy2log, dev, seed=0)
+    disp = ReplicaDispatch(
+        identity_map(cfg.num_layers, cfg.num_experts), 1, 0, max_replicas=4, device=dev
+    )
+    rec = ExpertRecorder(cfg.num_layers, cfg.num_experts, num_physical=cfg.num_experts, device=dev)
+    hooked = ReferenceMoE(
+        mcfg, phy2log, dev, dispatch=disp, recorder=rec, seed=0, weights=plain.weights
+    )
+    x = torch.randn(cfg.tokens, cfg.hidden, device=dev, dtype=mcfg.dtype)
+    out_plain, out_hooked = torch.empty_like(x), torch.empty_like(x)
+    g_plain = capture(lambda: out_plain.copy_(plain.forward(x)))
+    g_hooked = capture(lambda: out_hooked.copy_(hooked.forward(x)))
+    g_plain.replay()
+    g_hooked.replay()
+    torch.cuda.synchronize()
+    same = bool(torch.equal(out_plain, out_hooked))
+    # The hooks alone, on the router output of the block's first layer.
+    ids, _ = plain.route(0, x, None)
+
+    def hooks_only() -> None:
+        for layer in range(cfg.num_layers):
+            rec.record(layer, ids)
+            rec.record_physical(layer, disp.dispatch(layer, ids))
+
+    g_hooks = capture(hooks_only)
+    times = interleaved({"plain": g_plain, "hooked": g_hooked, "hooks_only": g_hooks}, cfg)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in times.items()}
+    rec.take_window()
+    flops = 2 * 3 * cfg.hidden * cfg.intermediate * cfg.tokens * cfg.top_k * cfg.num_layers
+    return {
+        "block_ms": med["plain"],
+        "block_hooked_ms": med["hooked"],
+        "hooks_only_ms": med["hooks_only"],
+        "overhead_pct_diff": 100 * (med["hooked"] - med["plain"]) / med["plain"],
+        "overhead_pct_hooks_only": 100 * med["hooks_only"] / med["plain"],
+        "block_spread_pct": 100 * spread["plain"],
+        "block_tflops": flops / med["plain"] / 1e9,
+        "outputs_identical": float(same),
+    }
+
+
+def bench_swap(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    num_slots = cfg.num_experts + 32
+    maps = [deepseek_like_map(cfg.map_layers, cfg.num_experts, num_slots, rng) for _ in range(2)]
+    disp = ReplicaDispatch(maps[0], num_gpus=8, rank=3, device=dev, num_physical=num_slots)
+    ids = torch.randint(0, cfg.num_experts, (cfg.tokens, cfg.top_k), device=dev)
+    out = torch.empty_like(ids)
+    graph = capture(lambda: out.copy_(disp.dispatch(5, ids)))
+    stage_s, commit_host_us, commit_dev_us = [], [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(20):
+        graph.replay()
+        t0 = time.perf_counter()
+        disp.stage(maps[(i + 1) % 2])
+        torch.cuda.synchronize()
+        stage_s.append(time.perf_counter() - t0)
+        start.record()
+        t1 = time.perf_counter()
+        disp.commit()
+        commit_host_us.append(1e6 * (time.perf_counter() - t1))
+        end.record()
+        graph.replay()
+        end.synchronize()
+        commit_dev_us.append(1e3 * start.elapsed_time(end))
+    # The replay after a commit routes by the new map.
+    torch.cuda.synchronize()
+    ref = ReplicaDispatch(maps[20 % 2], num_gpus=8, rank=3, num_physical=num_slots).dispatch(
+        5, ids.cpu()
+    )
+    follows = bool(torch.equal(out.cpu(), ref))
+    # One layer's staged weights: moved_experts experts of DeepSeek-V3 size.
+    per_expert = 3 * cfg.hidden * cfg.intermediate
+    slots = 32
+    live = torch.empty(slots, per_expert, dtype=torch.bfloat16, device=dev)
+    staged = torch.randn(cfg.moved_experts, per_expert, dtype=torch.bfloat16, device=dev)
+    dst = torch.tensor(rng.choice(slots, cfg.moved_experts, replace=False), device=dev)
+    w_us = []
+    for _ in range(20):
+        start.record()
+        live.index_copy_(0, dst, staged)
+        end.record()
+        end.synchronize()
+        w_us.append(1e3 * start.elapsed_time(end))
+    map_bytes = disp.table.numel() * 8 + disp.log2phy.numel() * 8
+    return {
+        "map_commit_device_us": statistics.median(commit_dev_us[2:]),
+        "map_commit_host_us": statistics.median(commit_host_us[2:]),
+        "map_stage_ms": 1e3 * statistics.median(stage_s[2:]),
+        "map_bytes": float(map_bytes),
+        "replay_follows_new_map": float(follows),
+        "weights_commit_us": statistics.median(w_us[2:]),
+        "weights_commit_bytes": float(cfg.moved_experts * per_expert * 2),
+    }
+
+
+def bench_snapshot(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
+    rec = ExpertRecorder(61, 257, num_physical=288, device=dev)
+    ids = torch.randint(-1, 257, (cfg.tokens, 9), device=dev)
+    graph = capture(lambda: rec.record(10, ids))
+    host_us, wait_us = [], []
+    for _ in range(20):
+        graph.replay()
+        t0 = time.perf_counter()
+        rec.begin_window()
+        host_us.append(1e6 * (time.perf_counter() - t0))
+        graph.replay()
+        t1 = time.perf_counter()
+        while rec.poll_window() is None:
+            pass
+        wait_us.append(1e6 * (time.perf_counter() - t1))
+    return {
+        "snapshot_begin_host_us": statistics.median(host_us[2:]),
+        "snapshot_ready_after_us": statistics.median(wait_us[2:]),
+    }
+
+
+def copy_bandwidth(dev: torch.device) -> float:
+    """Device-to-device copy, GB/s counting bytes read plus written (the ceiling)."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dst.copy_(src)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f, v in asdict(HookBenchConfig()).items():
+        parser.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
+    cfg = HookBenchConfig(**{k.replace("-", "_"): v for k, v in vars(parser.parse_args()).items()})
+    dev = torch.device("cuda")
+    result: dict[str, object] = {
+        "gpu": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "config": asdict(cfg),
+        "copy_GBps": copy_bandwidth(dev),
+    }
+    for name, fn in (("block", bench_block), ("swap", bench_swap), ("snapshot", bench_snapshot)):
+        figures = fn(cfg, dev)
+        for k, v in figures.items():
+            print(f"{name:9s} {k:28s} {v:12.4f}", flush=True)
+        result[name] = figures
+        torch.cuda.empty_cache()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

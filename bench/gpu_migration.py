@@ -1,0 +1,403 @@
+"""Expert migration between two GPUs while serving: `python -m bench.gpu_migration`.
+
+One process per GPU, NCCL. In one run it measures:
+1. the ceiling: a plain GPU0 -> GPU1 `copy_` (one process, both GPUs), and NCCL
+   send/recv at a few message sizes, one way and both ways at once;
+2. a real plan: DeepSeek-V3-sized experts (bf16, w13 + w2 = 84 MiB each) placed
+   trivially, rebalanced for DeepSeek-V3 routing from shared/data with the
+   migration-aware `rebalancer.placement.compute_placement(previous=...)`, moved by `MigrationExecutor.prepare`
+   on its own process group and side stream: GB/s per direction;
+3. the MoE block's graph replay time on each GPU while that migration runs beside it,
+   against idle replays before and after (the throughput dip);
+4. the commit pause (staged weights into live slots, maps swapped in place) and
+   invariant 1: the 2-GPU block output for the same input is bit-identical before
+   and after the rebalance (per-pick exact reduction), and moved slots hold exactly
+   the weights of their new expert;
+5. the balance effect: step time (slowest GPU) of the block under replayed
+   DeepSeek-V3 routing with the trivial placement vs the rebalanced one.
+Prints one line per figure on rank 0 and a JSON object last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
+from rebalancer.placement.engine import compute_placement
+from rebalancer.placement.metrics import balancedness_per_layer, log2phy_of, trivial_placement
+from rebalancer.placement.transfers import transfers
+from worker_hooks.dispatch import ReplicaDispatch
+from worker_hooks.migrate import MigrationExecutor
+from worker_hooks.moe_gpu import MoEBlockConfig, ReferenceMoE, expert_weights
+from worker_hooks.record import ExpertRecorder
+
+WORLD = 2
+
+
+@dataclass
+class MigrationBenchConfig:
+    workload: str = "prefill_in4096"
+    num_layers: int = 4
+    num_redundant: int = 32
+    tokens: int = 16384
+    overlap_tokens: int = 4096
+    exact_tokens: int = 256
+    layers_per_chunk: int = 1
+    replays: int = 10
+    rounds: int = 5
+    migration_repeats: int = 5
+    port: int = 29517
+
+
+def pick_layers(counts: np.ndarray, cfg: MigrationBenchConfig, num_slots: int) -> np.ndarray:
+    """The layers the trivial placement balances worst on 2 GPUs (stated rule)."""
+    per_layer = balancedness_per_layer(
+        trivial_placement(len(counts), 256, num_slots, WORLD), counts, WORLD
+    )
+    return np.sort(np.argsort(per_layer)[: cfg.num_layers])
+
+
+def sample_routing(
+    counts: np.ndarray, tokens: int, top_k: int, dev: torch.device, seed: int
+) -> torch.Tensor:
+    """[L, T, K] expert ids drawn without replacement from each layer's real counts."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    prob = torch.as_tensor(counts, dtype=torch.float32, device=dev) + 1e-3
+    ids = [torch.multinomial(p.expand(tokens, -1).contiguous(), top_k, generator=gen) for p in prob]
+    return torch.stack(ids)
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, n: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def max_over_ranks(value: float, dev: torch.device) -> float:
+    t = torch.tensor([value], device=dev, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def nccl_p2p(rank: int, group: dist.ProcessGroup, dev: torch.device) -> dict[str, float]:
+    """GB/s per direction of NCCL send/recv at several message sizes."""
+    out: dict[str, float] = {}
+    peer = 1 - rank
+    for mib in (44, 84, 336, 1344):
+        send = torch.empty(mib << 20, dtype=torch.uint8, device=dev).random_()
+        recv = torch.empty_like(send)
+        for both in (False, True):
+            reps = max(3, 4096 // mib)
+
+            def once(send=send, recv=recv, both=both) -> None:  # type: ignore[no-untyped-def]
+                ops = []
+                if both or rank == 0:
+                    ops.append(dist.P2POp(dist.isend, send, peer, group))
+                if both or rank == 1:
+                    ops.append(dist.P2POp(dist.irecv, recv, peer, group))
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+
+            once()
+            torch.cuda.synchronize()
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                once()
+            torch.cuda.synchronize()
+            dt = max_over_ranks(time.perf_counter() - t0, dev)
+            out[f"nccl_{'bidir' if both else 'oneway'}_{mib}MiB_GBps"] = (
+                reps * send.numel() / dt / 1e9
+            )
+        del send, recv
+    return out
+
+
+def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(cfg.port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=dev)
+    migrate_group = dist.new_group([0, 1])  # transfers stay off serving's communicator
+    log: dict[str, object] = {}
+
+    def say(key: str, value: float) -> None:
+        log[key] = value
+        if rank == 0:
+            print(f"{key:40s} {value:14.4f}", flush=True)
+
+    for k, v in nccl_p2p(rank, migrate_group, dev).items():
+        say(k, v)
+
+    # -- the plan: trivial -> rebalanced for the real workload ---------------------
+    path = next(p for p in deepseek_v3_files() if p.stem == cfg.workload)
+    all_counts = load_deepseek_v3(path)
+    num_experts = all_counts.shape[1]
+    num_slots = num_experts + cfg.num_redundant
+    layers = pick_layers(all_counts, cfg, num_slots)
+    counts = all_counts[layers]
+    old = trivial_placement(cfg.num_layers, num_experts, num_slots, WORLD)
+    # Migration-aware: the rebalanced placement keeps what it can where it is.
+    placed = compute_placement(counts, num_slots, WORLD, previous=old)
+    new = placed.phy2log
+    plan = transfers(old, new, WORLD)
+    old_bal = balancedness_per_layer(old, counts, WORLD)
+    new_bal = balancedness_per_layer(new, counts, WORLD)
+    say("plan_moved_slots", float(len(plan)))
+    say("plan_moved_fraction", placed.moved_fraction)
+    say("plan_cross_gpu_moves", float((plan[:, 1] != plan[:, 3]).sum()))
+    say("balancedness_trivial", float(old_bal.mean()))
+    say("balancedness_rebalanced", float(new_bal.mean()))
+    if rank == 0:
+        log["layers"] = layers.tolist()
+
+    mcfg = MoEBlockConfig(
+        num_layers=cfg.num_layers, num_gpus=WORLD, rank=rank, num_redundant=cfg.num_redundant
+    )
+    say("expert_MiB", mcfg.expert_bytes() / 2**20)
+    width = int(
+        max(np.bincount(row, minlength=num_experts).max() for row in np.concatenate([old, new]))
+    )
+    disps = [
+        ReplicaDispatch(
+            log2phy_of(old, num_experts, width), WORLD, r, device=dev, num_physical=num_slots
+        )
+        for r in range(WORLD)
+    ]
+    rec = ExpertRecorder(cfg.num_layers, num_experts, num_physical=num_slots, device=dev)
+    t0 = time.perf_counter()
+    block = ReferenceMoE(mcfg, torch.from_numpy(old), dev, dispatch=disps, recorder=rec, seed=0)
+    say("fill_seconds", time.perf_counter() - t0)
+    executor = MigrationExecutor(rank, WORLD, block.weights, migrate_group, cfg.layers_per_chunk)
+
+    # -- graphs: local expert work only (no collective), one for the balance figure --
+    x_big = torch.randn(cfg.tokens, mcfg.hidden, device=dev, dtype=mcfg.dtype)
+    routed_big = sample_routing(counts, cfg.tokens, mcfg.top_k, dev, seed=1)
+    out_big = torch.empty_like(x_big)
+
+    def local_step(x: torch.Tensor, routed: torch.Tensor, out: torch.Tensor) -> None:
+        y = x
+        for layer in range(cfg.num_layers):
+            ids, weight = block.route(layer, y, routed[layer])
+            phys = block.dispatch(layer, ids)
+            rec.record(layer, block.own_chunk(ids))
+            rec.record_physical(layer, block.own_chunk(phys))
+            per_pick = block.experts(layer, y, phys)
+            y = (y.float() + (per_pick.float() * weight[..., None]).sum(1)).to(y.dtype)
+        out.copy_(y)
+
+    g_big = capture(lambda: local_step(x_big, routed_big, out_big))
+    x_ov = x_big[: cfg.overlap_tokens]
+    routed_ov = routed_big[:, : cfg.overlap_tokens].contiguous()
+    out_ov = torch.empty_like(x_ov)
+    g_ov = capture(lambda: local_step(x_ov, routed_ov, out_ov))
+
+    def step_times() -> tuple[float, float]:
+        local = statistics.median(replay_ms(g_big, cfg.replays) for _ in range(cfg.rounds))
+        dist.barrier()
+        return local, max_over_ranks(local, dev)
+
+    local_trivial, step_trivial = step_times()
+    say("step_ms_trivial_slowest_gpu", step_trivial)
+    log["step_ms_trivial_this_gpu"] = local_trivial
+
+    # -- invariant 1 reference: exact 2-GPU block output before the move -----------
+    x_small = torch.randn(
+        cfg.exact_tokens,
+        mcfg.hidden,
+        device=dev,
+        dtype=mcfg.dtype,
+        generator=torch.Generator(device=dev).manual_seed(7),
+    )
+    routed_small = sample_routing(counts, cfg.exact_tokens, mcfg.top_k, dev, seed=2)
+    block.group = dist.group.WORLD
+    before = block.forward(x_small, routed_small, exact=True)
+    block.group = None
+    torch.cuda.synchronize()
+
+    # -- migration beside serving ----------------------------------------------------
+    idle_before = [replay_ms(g_ov, cfg.replays) for _ in range(cfg.rounds)]
+    busy: list[float] = []
+    stats_box: list[object] = []
+    errors: list[BaseException] = []
+
+    def migrate() -> None:
+        torch.cuda.set_device(rank)  # the current device is per thread
+        try:
+            for v in range(1, cfg.migration_repeats + 1):
+                stats_box.append(executor.prepare(v, plan))
+                if v < cfg.migration_repeats:
+                    executor.abort(v)
+        except BaseException as exc:  # reported below, then re-raised
+            errors.append(exc)
+
+    dist.barrier()
+    thread = threading.Thread(target=migrate)
+    thread.start()
+    while thread.is_alive():
+        busy.append(replay_ms(g_ov, 2))
+    thread.join()
+    if errors:
+        raise errors[0]
+    idle_after = [replay_ms(g_ov, cfg.replays) for _ in range(cfg.rounds)]
+    idle = statistics.median(idle_before + idle_after)
+    during = statistics.median(busy[1:-1] if len(busy) > 3 else busy)
+    say("overlap_replay_ms_idle", idle)
+    say("overlap_replay_ms_during_migration", during)
+    say("overlap_replays_during_migration", float(len(busy)))
+    say("overlap_dip_pct", max_over_ranks(100 * (during - idle) / idle, dev))
+    moved = [s.bytes_received for s in stats_box]  # type: ignore[attr-defined]
+    secs = [s.seconds for s in stats_box]  # type: ignore[attr-defined]
+    gbps = [b / s / 1e9 for b, s in zip(moved, secs, strict=True)]
+    say("migration_bytes_received_per_gpu", float(moved[-1]))
+    say("migration_bytes_sent_per_gpu", float(stats_box[-1].bytes_sent))  # type: ignore[attr-defined]
+    say("migration_seconds_median", statistics.median(secs))
+    say("migration_GBps_per_direction_median", statistics.median(gbps))
+
+    # -- commit between replays: weights, then maps, in place ------------------------
+    torch.cuda.synchronize()
+    start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    tables = [d.table.data_ptr() for d in disps]
+    w_ptr = block.weights["w13"].data_ptr()
+    new_map = log2phy_of(new, num_experts, width)
+    for d in disps:
+        d.stage(new_map)
+    torch.cuda.synchronize()
+    start.record()
+    written = executor.commit(cfg.migration_repeats)
+    mid.record()
+    for d in disps:
+        d.commit()
+    end.record()
+    g_big.replay()
+    end.synchronize()
+    say("commit_experts_written", float(written))
+    say("commit_weights_us", 1e3 * start.elapsed_time(mid))
+    say("commit_maps_us", 1e3 * mid.elapsed_time(end))
+    same_storage = [d.table.data_ptr() for d in disps] == tables and block.weights[
+        "w13"
+    ].data_ptr() == w_ptr
+    say("commit_same_storage", float(same_storage))
+
+    # -- invariant 1 after the move ---------------------------------------------------
+    block.group = dist.group.WORLD
+    after = block.forward(x_small, routed_small, exact=True)
+    block.group = None
+    torch.cuda.synchronize()
+    say(
+        "invariant1_max_abs_diff",
+        max_over_ranks(float((after.float() - before.float()).abs().max()), dev),
+    )
+    say("invariant1_bit_identical", -max_over_ranks(-float(torch.equal(after, before)), dev))
+    mine = plan[plan[:, 1] == rank]
+    bad = 0
+    for row in mine[:: max(1, len(mine) // 16)]:
+        layer, slot = int(row[0]), int(row[2])
+        w13, w2 = expert_weights(
+            mcfg, layer, int(new[layer, rank * mcfg.slots_per_gpu + slot]), dev
+        )
+        bad += int(not torch.equal(block.weights["w13"][layer, slot], w13))
+        bad += int(not torch.equal(block.weights["w2"][layer, slot], w2))
+    say("moved_slots_wrong_weights", max_over_ranks(float(bad), dev))
+
+    # -- balance effect: same graph, rebalanced placement -----------------------------
+    local_new, step_new = step_times()
+    say("step_ms_rebalanced_slowest_gpu", step_new)
+    say("step_speedup", step_trivial / step_new)
+    log["step_ms_rebalanced_this_gpu"] = local_new
+    window, phys = rec.take_window()
+    say("recorded_tokens_this_gpu", float(window.sum()))
+
+    gathered: list[object] = [None] * WORLD
+    dist.all_gather_object(gathered, log)
+    if rank == 0:
+        with open(result_path, "w") as fh:
+            json.dump(gathered, fh)
+    dist.destroy_process_group()
+
+
+def copy_baseline() -> dict[str, float]:
+    """Plain GPU0 -> GPU1 copy_ (peer copy through the driver), GB/s."""
+    out = {}
+    for mib in (84, 1344):
+        src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda:0").random_()
+        dst = torch.empty(mib << 20, dtype=torch.uint8, device="cuda:1")
+        dst.copy_(src)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        reps = max(3, 8192 // mib)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        out[f"copy_gpu0_to_gpu1_{mib}MiB_GBps"] = (
+            reps * src.numel() / (time.perf_counter() - t0) / 1e9
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f, v in asdict(MigrationBenchConfig()).items():
+        parser.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
+    parser.add_argument("--out", default="migration_result.json")
+    args = vars(parser.parse_args())
+    out_path = args.pop("out")
+    cfg = MigrationBenchConfig(**args)
+    if torch.cuda.device_count() < WORLD:
+        raise SystemExit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
+    base = copy_baseline()
+    for k, v in base.items():
+        print(f"{k:40s} {v:14.4f}", flush=True)
+    mp.spawn(worker, args=(cfg, out_path), nprocs=WORLD, join=True)
+    with open(out_path) as fh:
+        per_rank = json.load(fh)
+    summary = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "date": time.strftime("%Y-%m-%d"),
+        "config": asdict(cfg),
+        "copy": base,
+        "ranks": per_rank,
+    }
+    peak = base["copy_gpu0_to_gpu1_1344MiB_GBps"]
+    mig = per_rank[0]["migration_GBps_per_direction_median"]
+    summary["migration_vs_copy_pct"] = 100 * mig / peak
+    print(f"{'migration_vs_copy_pct':40s} {summary['migration_vs_copy_pct']:14.4f}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
