@@ -11,150 +11,161 @@ from __future__ import annotations
 
 import numpy as np
 
-from rebalancer.placement.greedy import slots_from_packs
-
 
 def pack_rounds(weight: np.ndarray, num_packs: int) -> np.ndarray:
-    """Round-by-round packing: in each round every pack gets one item, the heaviest
-    item of the round going to the currently lightest pack.
+    """Round-by-round packing: in round r every pack gets one item, the heaviest item
+    of the round going to the currently lightest pack, into the pack's r-th slot.
 
-    weight: [X, n] with n % num_packs == 0. Returns: pack of each item [X, n] int64.
+    weight: [X, n] with n % num_packs == 0.
+    Returns: item_at [X, n] int64, the item in each slot (pack k owns slots [k*c, (k+1)*c)).
     """
     num_rows, num_items = weight.shape
-    order = np.argsort(-weight, axis=1, kind="stable")
+    per_pack = num_items // num_packs
+    order = np.argsort(-weight, axis=1)
     sorted_weight = np.take_along_axis(weight, order, axis=1)
     rows = np.arange(num_rows)[:, None]
     pack_load = np.zeros((num_rows, num_packs))
-    pack_of = np.empty((num_rows, num_items), dtype=np.int64)
-    for start in range(0, num_items, num_packs):
-        lightest_first = np.argsort(pack_load, axis=1, kind="stable")
-        pack_of[rows, order[:, start : start + num_packs]] = lightest_first
-        pack_load[rows, lightest_first] += sorted_weight[:, start : start + num_packs]
-    return pack_of
+    item_at = np.empty((num_rows, num_items), dtype=np.int64)
+    for r in range(per_pack):
+        batch = slice(r * num_packs, (r + 1) * num_packs)
+        lightest_first = np.argsort(pack_load, axis=1)
+        item_at[rows, lightest_first * per_pack + r] = order[:, batch]
+        pack_load[rows, lightest_first] += sorted_weight[:, batch]
+    return item_at
 
 
 def refine_swaps(
     slot_weight: np.ndarray,
     slot_expert: np.ndarray,
     num_packs: int,
-    max_rounds: int = 200,
-    num_experts: int | None = None,
+    max_rounds: int = 8,
 ) -> np.ndarray:
-    """Lower each row's busiest pack by swapping one of its items with an item of another
-    pack, the swap that leaves the lower peak of the two, until no swap helps.
+    """Even out packs by swapping items between heavy and light packs.
+
+    Each round pairs the i-th heaviest pack with the i-th lightest and, in every pair at
+    once, makes the one swap that lowers the pair's peak most, so the highest load only
+    falls; no swap places a second replica of an expert on a pack. Stops when no pair of
+    any row improves, or after max_rounds.
 
     slot_weight: [X, n] item weight by slot, pack k owning slots [k*c, (k+1)*c);
-    slot_expert: [X, n] expert id of each slot (no swap may duplicate one on a pack).
+    slot_expert: [X, n] expert id of each slot.
     Returns: permutation [X, n]: new slot s takes the item of old slot perm[s].
     """
     num_rows, num_items = slot_weight.shape
     per_pack = num_items // num_packs
-    width = int(slot_expert.max()) + 1 if num_experts is None else num_experts
     perm = np.tile(np.arange(num_items, dtype=np.int64), (num_rows, 1))
-    if per_pack == num_items:
+    if num_packs == 1:
         return perm
-    weight = slot_weight.copy()
-    expert = slot_expert.copy()
-    pack_of_slot = np.arange(num_items) // per_pack
-    rows_all = np.arange(num_rows)
-    presence = np.zeros((num_rows, num_packs, width), dtype=np.int32)
-    np.add.at(presence, (rows_all[:, None], pack_of_slot[None, :], expert), 1)
-    load = weight.reshape(num_rows, num_packs, per_pack).sum(axis=2)
-    active = rows_all
+    num_pairs = num_packs // 2
+    weight = slot_weight.reshape(num_rows, num_packs, per_pack).copy()
+    expert = slot_expert.reshape(num_rows, num_packs, per_pack).copy()
+    perm3 = perm.reshape(num_rows, num_packs, per_pack)
+    load = weight.sum(axis=2)
+    active = np.arange(num_rows)
     for _ in range(max_rounds):
         if active.size == 0:
             break
         rows = active
-        sub_load = load[rows]
-        peak_pack = sub_load.argmax(axis=1)
-        peak = sub_load[np.arange(rows.size), peak_pack]
-        # 1. items on the busiest pack [A, c] against every item [A, n]
-        own_slots = peak_pack[:, None] * per_pack + np.arange(per_pack)
-        own_weight = np.take_along_axis(weight[rows], own_slots, axis=1)
-        own_expert = np.take_along_axis(expert[rows], own_slots, axis=1)
-        delta = own_weight[:, :, None] - weight[rows][:, None, :]
-        other_load = sub_load[np.arange(rows.size)[:, None], pack_of_slot[None, :]]
-        new_peak = np.maximum(peak[:, None, None] - delta, other_load[:, None, :] + delta)
-        # 2. a swap must move load off the peak, onto another pack, without duplicates
-        other_expert = expert[rows]
-        dup_here = presence[rows[:, None], peak_pack[:, None], other_expert] > 0
-        dup_there = (
-            presence[rows[:, None, None], pack_of_slot[None, None, :], own_expert[:, :, None]] > 0
+        everyone = rows.size == num_rows
+        sub_load = load if everyone else load[rows]
+        # 1. pair the i-th heaviest pack with the i-th lightest [A, m]
+        order = np.argsort(sub_load, axis=1)
+        heavy = order[:, : -num_pairs - 1 : -1]
+        light = order[:, :num_pairs]
+        by_load = np.take_along_axis(
+            weight if everyone else weight[rows], order[:, :, None], axis=1
         )
-        same = own_expert[:, :, None] == other_expert[:, None, :]
-        allowed = (
-            (delta > 0)
-            & (pack_of_slot[None, None, :] != peak_pack[:, None, None])
-            & ~dup_here[:, None, :]
-            & ~dup_there
-            & ~same
-        )
-        new_peak = np.where(allowed, new_peak, np.inf).reshape(rows.size, -1)
-        best = new_peak.argmin(axis=1)
-        gain = peak - new_peak[np.arange(rows.size), best]
-        improves = gain > 1e-12 * np.maximum(peak, 1e-300)
-        if not improves.any():
+        heavy_weight = by_load[:, : -num_pairs - 1 : -1]  # [A, m, c]
+        light_weight = by_load[:, :num_pairs]
+        heavy_load = heavy_weight.sum(axis=2)
+        half_gap = (heavy_load - light_weight.sum(axis=2)) / 2
+        # 2. swapping heavy item i with light item j (moving d = w_i - w_j) leaves the
+        #    pair's peak at their mean + |d - half_gap|: it helps when that is below half_gap
+        miss = heavy_weight[:, :, :, None] - (light_weight + half_gap[:, :, None])[:, :, None, :]
+        np.abs(miss, out=miss)
+        miss = miss.reshape(rows.size, num_pairs, -1)
+        best = miss.argmin(axis=2)
+        best_miss = np.take_along_axis(miss, best[:, :, None], axis=2)[:, :, 0]
+        improves = best_miss < half_gap * (1 - 1e-9)
+        row_idx, pair_idx = np.nonzero(improves)
+        if row_idx.size == 0:
             break
-        rows = rows[improves]
-        best = best[improves]
-        own = own_slots[improves, best // num_items]
-        other = best % num_items
-        _swap(weight, expert, perm, presence, load, rows, own, other, per_pack)
-        active = rows
+        choice = best[row_idx, pair_idx]
+        row = rows[row_idx]
+        pack_a, pack_b = heavy[row_idx, pair_idx], light[row_idx, pair_idx]
+        item_a, item_b = choice // per_pack, choice % per_pack
+        # 3. no swap may put a second replica of an expert on either pack; the rare pair
+        #    whose best swap would, takes its best clean swap instead (or none)
+        expert_a = expert[row, pack_a, item_a]
+        expert_b = expert[row, pack_b, item_b]
+        clash = (expert[row, pack_a] == expert_b[:, None]).any(axis=1) | (
+            expert[row, pack_b] == expert_a[:, None]
+        ).any(axis=1)
+        if clash.any():
+            keep = _clean_choices(
+                miss, half_gap, expert, row_idx, pair_idx, row, pack_a, pack_b, clash, choice
+            )
+            row_idx, pair_idx, row, pack_a, pack_b, choice = (
+                x[keep] for x in (row_idx, pair_idx, row, pack_a, pack_b, choice)
+            )
+            item_a, item_b = choice // per_pack, choice % per_pack
+        # 4. apply every chosen swap; the pairs of a row share no pack
+        for state in (weight, expert, perm3):
+            a_val = state[row, pack_a, item_a]
+            state[row, pack_a, item_a] = state[row, pack_b, item_b]
+            state[row, pack_b, item_b] = a_val
+        moved = weight[row, pack_b, item_b] - weight[row, pack_a, item_a]
+        load[row, pack_a] -= moved
+        load[row, pack_b] += moved
+        active = np.unique(row)
     return perm
 
 
-def _swap(
-    weight: np.ndarray,
+def _clean_choices(
+    miss: np.ndarray,
+    half_gap: np.ndarray,
     expert: np.ndarray,
-    perm: np.ndarray,
-    presence: np.ndarray,
-    load: np.ndarray,
-    rows: np.ndarray,
-    a: np.ndarray,
-    b: np.ndarray,
-    per_pack: int,
-) -> None:
-    """Exchange slots a and b of each row in place, keeping load and presence current."""
-    pack_a, pack_b = a // per_pack, b // per_pack
-    wa, wb = weight[rows, a], weight[rows, b]
-    ea, eb = expert[rows, a], expert[rows, b]
-    load[rows, pack_a] += wb - wa
-    load[rows, pack_b] += wa - wb
-    presence[rows, pack_a, ea] -= 1
-    presence[rows, pack_a, eb] += 1
-    presence[rows, pack_b, eb] -= 1
-    presence[rows, pack_b, ea] += 1
-    weight[rows, a], weight[rows, b] = wb, wa
-    expert[rows, a], expert[rows, b] = eb, ea
-    pa, pb = perm[rows, a], perm[rows, b]
-    perm[rows, a], perm[rows, b] = pb, pa
+    row_idx: np.ndarray,
+    pair_idx: np.ndarray,
+    row: np.ndarray,
+    pack_a: np.ndarray,
+    pack_b: np.ndarray,
+    clash: np.ndarray,
+    choice: np.ndarray,
+) -> np.ndarray:
+    """For pairs whose best swap duplicates an expert, pick the best swap that does not
+    (in place in `choice`); returns which pairs still have a helpful swap.
+
+    miss: [A, m, c*c]; the other arrays are per chosen pair [Q].
+    """
+    keep = np.ones(row_idx.size, dtype=bool)
+    k = np.flatnonzero(clash)
+    heavy_experts = expert[row[k], pack_a[k]]  # [K, c]
+    light_experts = expert[row[k], pack_b[k]]
+    same = heavy_experts[:, :, None] == light_experts[:, None, :]  # [K, i, j]
+    forbidden = same.any(axis=1)[:, None, :] | same.any(axis=2)[:, :, None]
+    candidates = np.where(
+        forbidden.reshape(k.size, -1), np.inf, miss[row_idx[k], pair_idx[k]]
+    )
+    pick = candidates.argmin(axis=1)
+    helps = candidates[np.arange(k.size), pick] < half_gap[row_idx[k], pair_idx[k]] * (1 - 1e-9)
+    choice[k] = pick
+    keep[k] = helps
+    return keep
 
 
 def pack_balanced(
-    weight: np.ndarray, num_packs: int, item_expert: np.ndarray, max_rounds: int = 200
+    weight: np.ndarray, num_packs: int, item_expert: np.ndarray, max_rounds: int = 4
 ) -> np.ndarray:
     """Round packing refined by swaps.
 
     weight: [X, n] replica loads, item_expert: [X, n] expert of each replica.
-    Returns: pack of each item [X, n] int64.
+    Returns: item_at [X, n] int64, the item in each slot (pack k owns slots [k*c, (k+1)*c)).
     """
-    num_rows, num_items = weight.shape
-    per_pack = num_items // num_packs
-    if per_pack == num_items:
-        return np.zeros((num_rows, num_items), dtype=np.int64)
-    # 1. rounds, then lay items out by slot
-    slot = slots_from_packs(pack_rounds(weight, num_packs), num_packs)
-    item_at = np.empty_like(slot)
-    np.put_along_axis(item_at, slot, np.arange(num_items)[None, :].repeat(num_rows, 0), axis=1)
+    # 1. whole rounds at once
+    item_at = pack_rounds(weight, num_packs)
+    # 2. swaps between heavy and light packs
     slot_weight = np.take_along_axis(weight, item_at, axis=1)
     slot_expert = np.take_along_axis(item_expert, item_at, axis=1)
-    # 2. swaps, then read the pack of every item back
     perm = refine_swaps(slot_weight, slot_expert, num_packs, max_rounds)
-    final_item_at = np.take_along_axis(item_at, perm, axis=1)
-    pack_of = np.empty_like(slot)
-    np.put_along_axis(
-        pack_of, final_item_at, (np.arange(num_items) // per_pack)[None, :].repeat(num_rows, 0),
-        axis=1,
-    )
-    return pack_of
+    return np.take_along_axis(item_at, perm, axis=1)

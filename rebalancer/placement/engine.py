@@ -10,7 +10,7 @@ import numpy as np
 
 from rebalancer.errors import InputError
 from rebalancer.placement.balanced import pack_balanced
-from rebalancer.placement.greedy import pack_greedy, replicate_greedy
+from rebalancer.placement.greedy import pack_greedy_slots, replicate_greedy
 from rebalancer.placement.hierarchical import place
 from rebalancer.placement.metrics import (
     balancedness_per_layer,
@@ -18,7 +18,7 @@ from rebalancer.placement.metrics import (
     logcnt_of,
     mean_balancedness,
 )
-from rebalancer.placement.migration import keep_in_place
+from rebalancer.placement.migration import migrate
 from rebalancer.placement.reference import reference_placement
 from rebalancer.placement.types import (
     PlacementResult,
@@ -36,7 +36,7 @@ def greedy_placement(
     num_groups: int | None = None,
 ) -> np.ndarray:
     """DeepSeek's greedy, vectorised. load: [L, E]. Returns: phy2log [L, P]."""
-    return place(load, num_slots, num_gpus, num_nodes, num_groups, replicate_greedy, pack_greedy)
+    return place(load, num_slots, num_gpus, num_nodes, num_groups, replicate_greedy, pack_greedy_slots)
 
 
 def balanced_placement(
@@ -104,9 +104,8 @@ def compute_placement(
     else:
         assert old is not None
         fresh = balanced_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
-        phy2log = keep_in_place(old, fresh, num_gpus, num_logical)
-        if budget is not None and np.mean(phy2log != old) > budget:
-            phy2log = old.copy()
+        budget_slots = None if budget is None else int(np.floor(budget * old.size + 1e-9))
+        phy2log = migrate(load_arr, old, fresh, num_gpus, budget_slots)
     return finish(phy2log, load_arr, num_gpus, num_nodes, old, algorithm)
 
 

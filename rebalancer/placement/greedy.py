@@ -41,9 +41,13 @@ def replicate_greedy(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.n
     threshold = np.partition(offers, kth, axis=1)[:, kth : kth + 1]
     above = offers > threshold
     tied = offers == threshold
-    need = num_extra - above.sum(axis=1, keepdims=True)
-    taken = above | (tied & (np.cumsum(tied, axis=1) <= need))
-    extras = taken.reshape(num_rows, num_log, depth).sum(axis=2)
+    taken = above | tied
+    need = num_extra - np.count_nonzero(above, axis=1)
+    # ties are rare (integer counts of one expert twice another's); only those rows
+    # pay for ordering them
+    for row in np.flatnonzero(np.count_nonzero(tied, axis=1) > need):
+        taken[row] = above[row] | (tied[row] & (np.cumsum(tied[row]) <= need[row]))
+    extras = np.count_nonzero(taken.reshape(num_rows, num_log, depth), axis=2)
     logcnt = 1 + extras
     # 3. lay out the extras in expert order after the identity block
     extra_experts = np.repeat(
@@ -79,13 +83,17 @@ def pack_greedy(weight: np.ndarray, num_packs: int, item_expert: np.ndarray | No
     return pack_of
 
 
-def slots_from_packs(pack_of: np.ndarray, num_packs: int) -> np.ndarray:
-    """Slot of every item when pack k owns slots [k*c, (k+1)*c), items in index order.
+def items_by_slot(pack_of: np.ndarray) -> np.ndarray:
+    """The item in each slot when pack k owns slots [k*c, (k+1)*c), a pack's items in
+    index order.
 
-    pack_of: [X, n] int64 with n / num_packs items per pack. Returns: slot [X, n].
+    pack_of: [X, n] int64 with the same number of items per pack. Returns: item_at [X, n].
     """
-    num_rows, num_items = pack_of.shape
-    order = np.argsort(pack_of, axis=1, kind="stable")
-    slot = np.empty_like(pack_of)
-    np.put_along_axis(slot, order, np.arange(num_items)[None, :].repeat(num_rows, 0), axis=1)
-    return slot
+    return np.argsort(pack_of, axis=1, kind="stable")
+
+
+def pack_greedy_slots(
+    weight: np.ndarray, num_packs: int, item_expert: np.ndarray | None = None
+) -> np.ndarray:
+    """`pack_greedy` laid out by slot. weight: [X, n]. Returns: item_at [X, n]."""
+    return items_by_slot(pack_greedy(weight, num_packs, item_expert))

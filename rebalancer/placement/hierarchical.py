@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rebalancer.placement.greedy import slots_from_packs
-
 Replicate = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+# pack(weight [X, n], num_packs, item_expert [X, n]) -> item_at [X, n], the item in each
+# slot, pack k owning slots [k*c, (k+1)*c)
 Pack = Callable[[np.ndarray, int, np.ndarray], np.ndarray]
 
 
@@ -48,12 +48,10 @@ def place_in_nodes(
     node_weight = node_weight.reshape(num_layers * num_nodes, per_node)
     # 2. replicate within the node's slot share
     phy2local, localcnt = replicate(node_weight, num_slots // num_nodes)
-    # 3. pack the node's replicas onto its GPUs; pack k owns the k-th run of slots
+    # 3. pack the node's replicas onto its GPUs; GPU k owns the k-th run of slots
     replica_weight = np.take_along_axis(node_weight / localcnt, phy2local, axis=1)
-    pack_of = pack(replica_weight, num_gpus // num_nodes, phy2local)
-    slot = slots_from_packs(pack_of, num_gpus // num_nodes)
-    local_by_slot = np.empty_like(phy2local)
-    np.put_along_axis(local_by_slot, slot, phy2local, axis=1)
+    item_at = pack(replica_weight, num_gpus // num_nodes, phy2local)
+    local_by_slot = np.take_along_axis(phy2local, item_at, axis=1)
     # 4. back to logical expert ids
     local_by_slot = local_by_slot.reshape(num_layers, num_nodes, -1)
     phy2log = np.take_along_axis(node_experts, local_by_slot, axis=2)
@@ -72,9 +70,7 @@ def assign_groups(
     group_size = num_logical // num_groups
     group_weight = weight.reshape(num_layers, num_groups, group_size).sum(axis=2)
     group_ids = np.tile(np.arange(num_groups, dtype=np.int64), (num_layers, 1))
-    node_of = pack(group_weight, num_nodes, group_ids)
-    # groups sorted by node (stable) give each node its run of groups
-    groups_by_node = np.argsort(node_of, axis=1, kind="stable")
+    groups_by_node = pack(group_weight, num_nodes, group_ids)
     experts = groups_by_node[:, :, None] * group_size + np.arange(group_size)
     return experts.reshape(num_layers, num_nodes, num_logical // num_nodes)
 
