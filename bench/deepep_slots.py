@@ -24,7 +24,8 @@ from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.record import ExpertRecorder
 
 WORLD = 2
-EXPERTS, SLOTS, TOP_K, TOKENS, HIDDEN = 256, 288, 8, 4096, 7168
+# DeepEP V1 intranode kernels take at most 128 experts (here: slots) per rank.
+EXPERTS, SLOTS, TOP_K, TOKENS, HIDDEN = 240, 256, 8, 4096, 7168
 
 
 def placement(seed: int) -> np.ndarray:

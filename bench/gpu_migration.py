@@ -21,6 +21,7 @@ Prints one line per figure on rank 0 and a JSON object last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -58,6 +59,7 @@ class MigrationBenchConfig:
     rounds: int = 5
     migration_repeats: int = 5
     port: int = 29517
+    cta_caps: tuple[int, ...] = (1, 4)
 
 
 def pick_layers(counts: np.ndarray, cfg: MigrationBenchConfig, num_slots: int) -> np.ndarray:
@@ -198,7 +200,6 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
     t0 = time.perf_counter()
     block = ReferenceMoE(mcfg, torch.from_numpy(old), dev, dispatch=disps, recorder=rec, seed=0)
     say("fill_seconds", time.perf_counter() - t0)
-    executor = MigrationExecutor(rank, WORLD, block.weights, migrate_group, cfg.layers_per_chunk)
 
     # -- graphs: local expert work only (no collective), one for the balance figure --
     x_big = torch.randn(cfg.tokens, mcfg.hidden, device=dev, dtype=mcfg.dtype)
@@ -245,44 +246,92 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
     block.group = None
     torch.cuda.synchronize()
 
-    # -- migration beside serving ----------------------------------------------------
-    idle_before = [replay_ms(g_ov, cfg.replays) for _ in range(cfg.rounds)]
-    busy: list[float] = []
-    stats_box: list[object] = []
-    errors: list[BaseException] = []
-
-    def migrate() -> None:
-        torch.cuda.set_device(rank)  # the current device is per thread
+    # -- migration: alone, then beside serving -------------------------------------
+    # Variants: the executor on a default NCCL group; on groups whose NCCL kernels are
+    # capped to a few CTAs (SMs) while serving replays on a high-priority stream.
+    hi_prio = torch.cuda.Stream(priority=-1)
+    groups: dict[str, tuple[dist.ProcessGroup, torch.cuda.Stream | None]] = {
+        "default": (migrate_group, None)
+    }
+    for ctas in cfg.cta_caps:
         try:
-            for v in range(1, cfg.migration_repeats + 1):
-                stats_box.append(executor.prepare(v, plan))
-                if v < cfg.migration_repeats:
-                    executor.abort(v)
-        except BaseException as exc:  # reported below, then re-raised
-            errors.append(exc)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.config.max_ctas = ctas
+            opts.config.min_ctas = 1
+        except AttributeError as exc:  # an older torch without NCCL config
+            print(f"rank {rank}: no CTA cap ({exc})", flush=True)
+            break
+        groups[f"ctas{ctas}_hiprio"] = (dist.new_group([0, 1], pg_options=opts), hi_prio)
+    version = 0
+    last_executor: MigrationExecutor | None = None
+    last_version = 0
 
-    dist.barrier()
-    thread = threading.Thread(target=migrate)
-    thread.start()
-    while thread.is_alive():
-        busy.append(replay_ms(g_ov, 2))
-    thread.join()
-    if errors:
-        raise errors[0]
-    idle_after = [replay_ms(g_ov, cfg.replays) for _ in range(cfg.rounds)]
-    idle = statistics.median(idle_before + idle_after)
-    during = statistics.median(busy[1:-1] if len(busy) > 3 else busy)
-    say("overlap_replay_ms_idle", idle)
-    say("overlap_replay_ms_during_migration", during)
-    say("overlap_replays_during_migration", float(len(busy)))
-    say("overlap_dip_pct", max_over_ranks(100 * (during - idle) / idle, dev))
-    moved = [s.bytes_received for s in stats_box]  # type: ignore[attr-defined]
-    secs = [s.seconds for s in stats_box]  # type: ignore[attr-defined]
-    gbps = [b / s / 1e9 for b, s in zip(moved, secs, strict=True)]
-    say("migration_bytes_received_per_gpu", float(moved[-1]))
-    say("migration_bytes_sent_per_gpu", float(stats_box[-1].bytes_sent))  # type: ignore[attr-defined]
-    say("migration_seconds_median", statistics.median(secs))
-    say("migration_GBps_per_direction_median", statistics.median(gbps))
+    def prepare_runs(executor: MigrationExecutor, beside: bool, stream) -> tuple[list, list[float]]:  # type: ignore[no-untyped-def]
+        nonlocal version
+        stats: list = []
+        busy: list[float] = []
+        errors: list[BaseException] = []
+        versions = list(range(version + 1, version + 1 + cfg.migration_repeats))
+        version = versions[-1]
+
+        def migrate() -> None:
+            torch.cuda.set_device(rank)  # the current device is per thread
+            try:
+                for v in versions:
+                    stats.append(executor.prepare(v, plan))
+                    if v != versions[-1]:
+                        executor.abort(v)
+            except BaseException as exc:  # re-raised below
+                errors.append(exc)
+
+        dist.barrier()
+        torch.cuda.synchronize()
+        thread = threading.Thread(target=migrate)
+        thread.start()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            while beside and thread.is_alive():
+                busy.append(replay_ms(g_ov, 2))
+        thread.join()
+        if errors:
+            raise errors[0]
+        return stats, busy
+
+    def idle_ms(stream) -> float:  # type: ignore[no-untyped-def]
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return statistics.median(replay_ms(g_ov, cfg.replays) for _ in range(cfg.rounds))
+
+    for name, (group, stream) in groups.items():
+        executor = MigrationExecutor(rank, WORLD, block.weights, group, cfg.layers_per_chunk)
+        for beside in (False, True):
+            tag = f"{name}_{'beside' if beside else 'alone'}"
+            if name != "default" and not beside:
+                continue
+            before_ms = idle_ms(stream) if beside else 0.0
+            stats, busy = prepare_runs(executor, beside, stream)
+            secs = statistics.median(st.seconds for st in stats)
+            busiest = max(stats[-1].bytes_sent, stats[-1].bytes_received)
+            say(f"mig_{tag}_seconds", max_over_ranks(secs, dev))
+            say(f"mig_{tag}_GBps_busiest_dir", -max_over_ranks(-busiest / secs / 1e9, dev))
+            say(
+                f"mig_{tag}_GBps_both_dirs",
+                -max_over_ranks(
+                    -(stats[-1].bytes_sent + stats[-1].bytes_received) / secs / 1e9, dev
+                ),
+            )
+            if beside:
+                after_ms = idle_ms(stream)
+                idle = (before_ms + after_ms) / 2
+                during = statistics.median(busy[1:-1] if len(busy) > 3 else busy)
+                say(f"mig_{tag}_replay_ms_idle", idle)
+                say(f"mig_{tag}_replay_ms_during", during)
+                say(f"mig_{tag}_replays_during", float(len(busy)))
+                say(f"mig_{tag}_dip_pct", max_over_ranks(100 * (during - idle) / idle, dev))
+        if last_executor is not None:
+            last_executor.abort(last_version)  # keep one staged plan in memory at a time
+        last_executor, last_version = executor, version
+    assert last_executor is not None
+    say("migration_bytes_received_per_gpu", float(stats[-1].bytes_received))
+    say("migration_bytes_sent_per_gpu", float(stats[-1].bytes_sent))
 
     # -- commit between replays: weights, then maps, in place ------------------------
     torch.cuda.synchronize()
@@ -294,7 +343,7 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
         d.stage(new_map)
     torch.cuda.synchronize()
     start.record()
-    written = executor.commit(cfg.migration_repeats)
+    written = last_executor.commit(version)
     mid.record()
     for d in disps:
         d.commit()
@@ -370,10 +419,14 @@ def copy_baseline() -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f, v in asdict(MigrationBenchConfig()).items():
-        parser.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
+        if isinstance(v, tuple):
+            parser.add_argument(f"--{f.replace('_', '-')}", type=int, nargs="*", default=v)
+        else:
+            parser.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
     parser.add_argument("--out", default="migration_result.json")
     args = vars(parser.parse_args())
     out_path = args.pop("out")
+    args["cta_caps"] = tuple(args["cta_caps"])
     cfg = MigrationBenchConfig(**args)
     if torch.cuda.device_count() < WORLD:
         raise SystemExit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
@@ -393,7 +446,7 @@ def main() -> None:
         "ranks": per_rank,
     }
     peak = base["copy_gpu0_to_gpu1_1344MiB_GBps"]
-    mig = per_rank[0]["migration_GBps_per_direction_median"]
+    mig = per_rank[0]["mig_default_alone_GBps_busiest_dir"]
     summary["migration_vs_copy_pct"] = 100 * mig / peak
     print(f"{'migration_vs_copy_pct':40s} {summary['migration_vs_copy_pct']:14.4f}")
     print(json.dumps(summary))

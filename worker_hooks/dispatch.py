@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker_hooks.devices import resolve_device
+
 __all__ = ["ReplicaDispatch", "candidate_table"]
 
 # Multipliers of the per-token replica pick (see module doc); the first is prime so
@@ -111,7 +113,7 @@ class ReplicaDispatch:
         self.num_physical = num_physical
         self.num_gpus = num_gpus
         self.rank = rank
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         width = 1 + self.max_replicas
         shape = (self.num_layers, self.num_logical, width)
         # The static table read by dispatch, plus a same-shaped staging copy on the

@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker_hooks.devices import resolve_device
+
 __all__ = ["ExpertRecorder"]
 
 
@@ -57,7 +59,7 @@ class ExpertRecorder:
         self.num_layers = num_layers
         self.num_logical = num_logical
         self.num_physical = num_physical
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         n_log = num_layers * num_logical
         n_phy = num_layers * num_physical if num_physical is not None else 0
         self._n_log = n_log
