@@ -154,17 +154,91 @@ def _clean_choices(
     return keep
 
 
+def spread_duplicates(
+    slot_weight: np.ndarray, slot_expert: np.ndarray, num_packs: int, max_sweeps: int = 16
+) -> np.ndarray:
+    """Move second replicas of an expert off a pack by swapping each with the item of
+    closest weight on a pack that lacks that expert (and whose expert the first pack
+    lacks), never raising the row's peak load. A duplicate stays only where no such swap
+    exists (e.g. an expert with more replicas than packs). One duplicate per row per sweep.
+
+    slot_weight, slot_expert: [X, n], pack k owning slots [k*c, (k+1)*c).
+    Returns: permutation [X, n]: new slot s takes the item of old slot perm[s].
+    """
+    num_rows, num_items = slot_weight.shape
+    per_pack = num_items // num_packs
+    perm = np.tile(np.arange(num_items, dtype=np.int64), (num_rows, 1))
+    if per_pack == 1:
+        return perm
+    weight = slot_weight.copy()
+    expert = slot_expert.copy()
+    slot_pack = np.arange(num_items) // per_pack
+    earlier = np.tril(np.ones((per_pack, per_pack), dtype=bool), -1)
+    load = weight.reshape(num_rows, num_packs, per_pack).sum(axis=2)
+    peak = load.max(axis=1)
+    stuck = np.zeros((num_rows, num_items), dtype=bool)
+    # only rows with a duplicate somewhere take part (sorting finds them cheaply)
+    by_pack = np.sort(expert.reshape(num_rows, num_packs, per_pack), axis=2)
+    rows = np.flatnonzero((np.diff(by_pack, axis=2) == 0).any(axis=(1, 2)))
+    for _ in range(max_sweeps):
+        # 1. a slot is a duplicate if an earlier slot of its pack holds the same expert
+        packed = expert[rows].reshape(rows.size, num_packs, per_pack)
+        same = packed[:, :, :, None] == packed[:, :, None, :]
+        is_dup = (same & earlier).any(axis=3).reshape(rows.size, num_items) & ~stuck[rows]
+        has_dup = is_dup.any(axis=1)
+        rows, is_dup, packed = rows[has_dup], is_dup[has_dup], packed[has_dup]
+        if rows.size == 0:
+            break
+        local = np.arange(rows.size)
+        dup_slot = is_dup.argmax(axis=1)  # first duplicate of each row
+        dup_pack = dup_slot // per_pack
+        dup_expert = expert[rows, dup_slot]
+        dup_weight = weight[rows, dup_slot]
+        # 2. partners: slots on packs without that expert, holding an expert the
+        #    duplicate's pack lacks, that keep both packs at or under the row's peak;
+        #    closest weight wins
+        row_experts = expert[rows]  # [D, n]
+        row_weight = weight[rows]
+        pack_has = (row_experts == dup_expert[:, None]).reshape(rows.size, num_packs, per_pack)
+        pack_has = pack_has.any(axis=2)[:, slot_pack]  # [D, n]
+        home = packed[local, dup_pack]  # [D, c]
+        clash = (row_experts[:, :, None] == home[:, None, :]).any(axis=2)
+        shift = row_weight - dup_weight[:, None]  # load the duplicate's pack gains
+        row_load = load[rows]
+        fits = (row_load[local, dup_pack][:, None] + shift <= peak[rows, None]) & (
+            row_load[:, slot_pack] - shift <= peak[rows, None]
+        )
+        distance = np.where(~pack_has & ~clash & fits, np.abs(shift), np.inf)
+        partner = distance.argmin(axis=1)
+        ok = np.isfinite(distance[local, partner])
+        stuck[rows[~ok], dup_slot[~ok]] = True
+        r, a, b = rows[ok], dup_slot[ok], partner[ok]
+        moved = shift[local[ok], b]
+        load[r, a // per_pack] += moved
+        load[r, b // per_pack] -= moved
+        for state in (weight, expert, perm):
+            a_val = state[r, a]
+            state[r, a] = state[r, b]
+            state[r, b] = a_val
+    return perm
+
+
 def pack_balanced(
     weight: np.ndarray, num_packs: int, item_expert: np.ndarray, max_rounds: int = 4
 ) -> np.ndarray:
-    """Round packing refined by swaps.
+    """Round packing, duplicates spread, then refined by swaps.
 
     weight: [X, n] replica loads, item_expert: [X, n] expert of each replica.
     Returns: item_at [X, n] int64, the item in each slot (pack k owns slots [k*c, (k+1)*c)).
     """
     # 1. whole rounds at once
     item_at = pack_rounds(weight, num_packs)
-    # 2. swaps between heavy and light packs
+    # 2. no expert twice on a pack where avoidable
+    slot_expert = np.take_along_axis(item_expert, item_at, axis=1)
+    slot_weight = np.take_along_axis(weight, item_at, axis=1)
+    perm = spread_duplicates(slot_weight, slot_expert, num_packs)
+    item_at = np.take_along_axis(item_at, perm, axis=1)
+    # 3. swaps between heavy and light packs
     slot_weight = np.take_along_axis(weight, item_at, axis=1)
     slot_expert = np.take_along_axis(item_expert, item_at, axis=1)
     perm = refine_swaps(slot_weight, slot_expert, num_packs, max_rounds)

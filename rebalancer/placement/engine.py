@@ -13,7 +13,7 @@ from rebalancer.placement.balanced import pack_balanced
 from rebalancer.placement.greedy import pack_greedy_slots, replicate_greedy
 from rebalancer.placement.hierarchical import place
 from rebalancer.placement.metrics import (
-    balancedness_per_layer,
+    balancedness_of,
     log2phy_of,
     logcnt_of,
     mean_balancedness,
@@ -31,6 +31,26 @@ from rebalancer.placement.types import (
 ALGORITHMS = ("auto", "greedy", "balanced", "migration", "reference")
 
 
+def _loaded_rows_only(place_rows):  # type: ignore[no-untyped-def]
+    """Run a placement function on the layers with load only; layers without load (dense
+    layers) get the contiguous placement."""
+
+    def wrapped(
+        load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
+        num_groups: int | None = None,
+    ) -> np.ndarray:
+        loaded = load.sum(axis=1) > 0
+        out = np.tile(np.arange(num_slots, dtype=np.int64) % load.shape[1], (load.shape[0], 1))
+        if loaded.any():
+            out[loaded] = place_rows(load[loaded], num_slots, num_gpus, num_nodes, num_groups)
+        return out
+
+    wrapped.__doc__ = place_rows.__doc__
+    wrapped.__name__ = place_rows.__name__
+    return wrapped
+
+
+@_loaded_rows_only
 def greedy_placement(
     load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
     num_groups: int | None = None,
@@ -39,6 +59,7 @@ def greedy_placement(
     return place(load, num_slots, num_gpus, num_nodes, num_groups, replicate_greedy, pack_greedy_slots)
 
 
+@_loaded_rows_only
 def balanced_placement(
     load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
     num_groups: int | None = None,
@@ -124,7 +145,7 @@ def finish(
         phy2log=phy2log,
         logcnt=logcnt_of(phy2log, num_logical),
         log2phy=log2phy_of(phy2log, num_logical),
-        balancedness=mean_balancedness(balancedness_per_layer(phy2log, load, num_gpus)),
+        balancedness=mean_balancedness(balancedness_of(phy2log, load, num_gpus)),
         moved_fraction=0.0 if previous is None else float(np.mean(previous != phy2log)),
         algorithm=algorithm,
         num_gpus=num_gpus,

@@ -52,8 +52,9 @@ def log2phy_of(
     width = needed if max_replicas is None else int(max_replicas)
     if width < needed:
         raise InputError(f"max_replicas {width} is below the largest replica count {needed}")
-    # 1. group the slots of each expert together, keeping slot order inside a group
-    order = np.argsort(phy2log, axis=1, kind="stable")
+    # 1. group the slots of each expert together, in slot order inside a group (the
+    #    keys expert * P + slot are unique, so any sort keeps that order)
+    order = np.argsort(phy2log * num_slots + np.arange(num_slots), axis=1)
     experts = np.take_along_axis(phy2log, order, axis=1)
     # 2. the replica rank of a slot is its position minus the start of its group
     starts = np.cumsum(logcnt, axis=1) - logcnt
@@ -100,7 +101,16 @@ def balancedness_per_layer(phy2log: np.ndarray, load: np.ndarray, num_gpus: int)
 
     phy2log: [L, P], load: [L, E]. Returns: [L] float64.
     """
-    loads = gpu_load(phy2log, load, num_gpus)
+    p2l, load_arr = _checked(phy2log, load, num_gpus)
+    return balancedness_of(p2l, load_arr, num_gpus)
+
+
+def balancedness_of(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:
+    """`balancedness_per_layer` without input checks, for the engine's own placements.
+
+    phy2log: [L, P] int64, load: [L, E] float64. Returns: [L].
+    """
+    loads = replica_load(phy2log, load).reshape(phy2log.shape[0], num_gpus, -1).sum(axis=2)
     peak = loads.max(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(peak > 0, loads.mean(axis=1) / peak, np.nan)
