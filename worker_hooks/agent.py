@@ -144,6 +144,11 @@ class WorkerAgent:
         try:
             loop.run_until_complete(self._main())
         finally:
+            # Let gRPC's own tasks see their calls cancelled before the loop goes.
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
     async def _main(self) -> None:

@@ -52,6 +52,7 @@ class ControllerServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         self._tick_task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._stopped = asyncio.Event()
 
     @property
@@ -80,15 +81,18 @@ class ControllerServer:
                 log.exception("tick failed")
 
     async def stop(self) -> None:
-        if self._stopped.is_set():
+        if self._stopping:
+            await self._stopped.wait()
             return
-        self._stopped.set()
+        self._stopping = True
         log.info("draining (grace %.1fs)", self.config.grace_seconds)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._tick_task:
             self._tick_task.cancel()
         await self.server.stop(self.config.grace_seconds)
         self.store.close()
+        self._stopped.set()
+        log.info("controller stopped")
 
     async def wait(self) -> None:
         await self._stopped.wait()

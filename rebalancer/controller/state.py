@@ -255,7 +255,7 @@ class Controller:
         if slot is None:
             slot = dep.pending[seq] = {"logical": np.zeros_like(logical, dtype=np.float64), "physical": None, "ranks": set(), "version": version}
         slot["logical"] += logical
-        if physical is not None and version == dep.version:
+        if physical is not None:  # slot -> GPU is fixed, so any version's slots add up
             if slot["physical"] is None:
                 slot["physical"] = np.zeros_like(physical, dtype=np.float64)
             slot["physical"] += physical

@@ -1,0 +1,233 @@
+"""An expert-parallel MoE worker on CPU: the demo's and the tests' inference process.
+
+Each process is one EP rank of a gloo group. Every step it samples routing for
+its own tokens from a routing profile (real per-layer expert loads, drifting
+between workloads), maps them to physical slots through the hook, exchanges
+tokens with the other ranks, runs the experts it holds on its live weights,
+and combines. It checks its outputs against the unbalanced reference model
+(invariant 1) and logs the placement version of every step (invariant 2).
+
+    python -m worker_hooks.cpu_worker --rank 0 --world 4 --port 29500 \
+        --controller 127.0.0.1:50051 --profile routing.npz --out rank0.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rebalancer.placement import trivial_placement
+from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.moe import MoEConfig, ReferenceMoE, combine, expert_forward, slot_weights
+
+log = logging.getLogger("worker_hooks.cpu_worker")
+
+
+def sample_routing(
+    profile: np.ndarray, top_k: int, tokens: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k distinct experts per token drawn from `profile` [E] (Gumbel top-k), and gates."""
+    logp = torch.from_numpy(np.log(np.maximum(profile, 1e-12))).float()
+    u = torch.rand(tokens, logp.numel(), generator=gen).clamp_(1e-9, 1 - 1e-9)
+    keys = logp - torch.log(-torch.log(u))
+    topk = keys.topk(top_k, dim=1).indices
+    gates = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=1)
+    return topk, gates
+
+
+def ep_forward(
+    hook: RebalanceHook,
+    layer: int,
+    x: torch.Tensor,
+    topk: torch.Tensor,
+    gates: torch.Tensor,
+    rank: int,
+    world: int,
+    exchange: bool,
+) -> torch.Tensor:
+    """One MoE layer across the EP group; x [T, H] -> [T, H]."""
+    phys = hook.route(layer, topk)
+    S = hook.config.slots_per_rank
+    if exchange:
+        xs = [torch.empty_like(x) for _ in range(world)]
+        ps = [torch.empty_like(phys) for _ in range(world)]
+        dist.all_gather(xs, x)
+        dist.all_gather(ps, phys)
+        X, PH = torch.cat(xs), torch.cat(ps)
+    else:  # serve alone: only the experts held here (used when peers may die)
+        X, PH = x, phys
+    mine = (PH // S) == rank
+    n, k = mine.nonzero(as_tuple=True)
+    local = PH[n, k] - rank * S
+    Y = torch.zeros(X.shape[0], PH.shape[1], X.shape[1])
+    Y[n, k] = expert_forward(
+        X[n], hook.weights["w1"][layer, local], hook.weights["w2"][layer, local]
+    )
+    if exchange:
+        dist.all_reduce(Y)  # each (token, k) is non-zero on exactly one rank: the sum is exact
+        T = x.shape[0]
+        Y = Y[rank * T : (rank + 1) * T]
+    return combine(Y, gates)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="rendezvous port of the gloo group")
+    p.add_argument("--controller", required=True)
+    p.add_argument("--deployment", default="demo")
+    p.add_argument("--profile", required=True, help="npz: profiles [phases, L, E], steps_per_phase")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--tokens", type=int, default=32, help="tokens per rank per step")
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--slots", type=int, default=40)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--window-steps", type=int, default=16)
+    p.add_argument("--agree-every", type=int, default=4)
+    p.add_argument(
+        "--check-every", type=int, default=1, help="compare with the reference every N steps"
+    )
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--local", action="store_true", help="no token exchange (peers may die)")
+    p.add_argument(
+        "--fail-prepare", action="store_true", help="fault injection: fail every prepare"
+    )
+    p.add_argument(
+        "--wait-version",
+        type=int,
+        default=0,
+        help="after --steps, keep stepping until this version is committed",
+    )
+    p.add_argument("--max-seconds", type=float, default=120.0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("REBALANCER_LOG", "WARNING"),
+        format=f"%(asctime)s rank{args.rank} %(name)s %(levelname)s %(message)s",
+    )
+    torch.set_num_threads(1)
+
+    timeout = timedelta(seconds=30)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=timeout,
+    )
+    agree_group = dist.new_group(backend="gloo", timeout=timeout)
+    migrate_group = dist.new_group(backend="gloo", timeout=timeout)
+
+    cfg = MoEConfig(num_layers=args.layers, num_experts=args.experts, top_k=args.top_k)
+    data = np.load(args.profile)
+    profiles, steps_per_phase = data["profiles"], int(data["steps_per_phase"])
+    phy2log = trivial_placement(cfg.num_layers, cfg.num_experts, args.slots, args.world)
+    S = args.slots // args.world
+    weights = slot_weights(cfg, phy2log, range(args.rank * S, (args.rank + 1) * S))
+    hook = RebalanceHook(
+        HookConfig(
+            controller=args.controller,
+            deployment=args.deployment,
+            rank=args.rank,
+            num_layers=cfg.num_layers,
+            num_logical=cfg.num_experts,
+            num_slots=args.slots,
+            num_gpus=args.world,
+            expert_bytes=cfg.expert_bytes,
+            window_steps=args.window_steps,
+            agree_every=args.agree_every,
+            worker_id=f"cpu-worker-{os.getpid()}",
+        ),
+        phy2log,
+        weights,
+        agree_group,
+        migrate_group,
+        fail_prepare=args.fail_prepare,
+    )
+    reference = ReferenceMoE(cfg)
+    hook.start()
+    hook.agent.connected.wait(timeout=30)
+
+    max_diff = 0.0
+    versions: list[list[int]] = []  # [first_step, version] runs
+    step_seconds = []
+    deadline = time.monotonic() + args.max_seconds
+    step = 0
+    while step < args.steps or (hook.version < args.wait_version and time.monotonic() < deadline):
+        t0 = time.perf_counter()
+        phase = (step // steps_per_phase) % len(profiles)
+        if not versions or versions[-1][1] != hook.version:
+            versions.append([step, hook.version])
+        for layer in range(cfg.num_layers):
+            gen = torch.Generator().manual_seed(
+                hash((cfg.seed, step, args.rank, layer)) & 0x7FFFFFFF
+            )
+            x = torch.randn(args.tokens, cfg.hidden, generator=gen)
+            topk, gates = sample_routing(profiles[phase, layer], cfg.top_k, args.tokens, gen)
+            out = ep_forward(hook, layer, x, topk, gates, args.rank, args.world, not args.local)
+            if not args.local and step % args.check_every == 0:
+                ref = reference.forward(layer, x, topk, gates)
+                max_diff = max(max_diff, float((out - ref).abs().max()))
+        hook.step_end()
+        step += 1
+        step_seconds.append(time.perf_counter() - t0)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if time.monotonic() > deadline + 30:
+            break
+
+    # Let the agent deliver the last windows and reports before leaving.
+    end = time.monotonic() + 5
+    while time.monotonic() < end and (
+        hook.agent._pending or hook.agent._unacked or hook.agent._reports
+    ):
+        time.sleep(0.05)
+    hook.stop()
+    result = {
+        "rank": args.rank,
+        "steps": step,
+        "version": hook.version,
+        "versions": versions,
+        "commits": hook.stats.commits,
+        "prepared": hook.stats.prepared,
+        "failed": hook.stats.failed,
+        "aborted": hook.stats.aborted,
+        "bytes_received": hook.stats.bytes_received,
+        "swap_seconds_max": max(hook.stats.swap_seconds, default=0.0),
+        "max_output_diff": max_diff,
+        "step_seconds_median": float(np.median(step_seconds)) if step_seconds else 0.0,
+        "agreement_broken": hook.agreement.broken,
+        "phy2log": hook.phy2log.tolist(),
+        # What the rank holds, expert by expert: the test checks it against the map.
+        "weights_match_map": bool(
+            all(
+                torch.equal(
+                    hook.weights["w1"][layer, s],
+                    reference.w1[layer, int(hook.phy2log[layer, args.rank * S + s])],
+                )
+                for layer in range(cfg.num_layers)
+                for s in range(S)
+            )
+        ),
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    if not args.local:
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

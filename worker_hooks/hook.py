@@ -1,0 +1,232 @@
+"""What an inference process wires into its forward loop.
+
+    hook = RebalanceHook(config, phy2log, weights, agree_group, migrate_group)
+    hook.start()
+    for each step:
+        for each MoE layer:
+            phys = hook.route(layer, topk_ids)   # record + logical -> physical
+            ... expert compute on the live weights ...
+        hook.step_end()                          # windows, agreed commits
+
+The per-step work is O(1) host work plus graph-safe tensor ops: counts are
+recorded into static tensors, a finished window is handed to the agent
+without waiting, and a commit (when every rank agreed) is in-place copies of
+staged weights and map tables. Preparing a plan (receiving weights) runs on a
+migration thread; talking to the controller on the agent thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rebalancer.controller import codec
+from rebalancer.placement import log2phy_of
+from rebalancer.v1 import rebalancer_pb2 as pb
+from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
+from worker_hooks.agree import CommitAgreement
+from worker_hooks.dispatch import ReplicaDispatch
+from worker_hooks.migrate import MigrationAborted, MigrationExecutor
+from worker_hooks.record import ExpertRecorder
+
+log = logging.getLogger("worker_hooks.hook")
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    controller: str  # host:port of the controller
+    deployment: str
+    rank: int
+    num_layers: int
+    num_logical: int
+    num_slots: int
+    num_gpus: int
+    num_nodes: int = 1
+    expert_bytes: int = 0
+    window_steps: int = 16  # steps per counts window
+    agree_every: int = 4  # steps between commit agreements
+    layers_per_chunk: int = 4
+    record_physical: bool = True
+    worker_id: str = ""
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.num_gpus
+
+
+@dataclass
+class HookStats:
+    steps: int = 0
+    windows: int = 0
+    commits: list[tuple[int, int]] = field(default_factory=list)  # (step, version)
+    prepared: int = 0
+    failed: int = 0
+    aborted: int = 0
+    bytes_received: int = 0
+    swap_seconds: list[float] = field(default_factory=list)
+
+
+class RebalanceHook(PlanHandlers):
+    def __init__(
+        self,
+        config: HookConfig,
+        phy2log: np.ndarray,
+        weights: dict[str, torch.Tensor],
+        agree_group: dist.ProcessGroup | None,
+        migrate_group: dist.ProcessGroup | None,
+        device: torch.device | str = "cpu",
+        fail_prepare: bool = False,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.version = 0
+        self.phy2log = np.asarray(phy2log, dtype=np.int64)
+        max_replicas = config.num_slots - config.num_logical + 1
+        self.recorder = ExpertRecorder(
+            config.num_layers,
+            config.num_logical,
+            config.num_slots if config.record_physical else None,
+            device=self.device,
+        )
+        self.dispatch = ReplicaDispatch(
+            log2phy_of(self.phy2log, config.num_logical, max_replicas),
+            config.num_gpus,
+            config.rank,
+            max_replicas=max_replicas,
+            device=self.device,
+            num_physical=config.num_slots,
+        )
+        self.weights = weights
+        self.executor = MigrationExecutor(
+            config.rank, config.num_gpus, weights, migrate_group, config.layers_per_chunk
+        )
+        self.agreement = CommitAgreement(agree_group, config.agree_every)
+        self.stats = HookStats()
+        self.step = 0
+        self._window_start = 0
+        # Newest version the controller said to commit; read by the serving thread.
+        self._commit_ready = 0
+        self._staged_phy2log: dict[int, np.ndarray] = {}
+        self._fail_prepare = fail_prepare
+        shape = pb.ModelShape(
+            num_layers=config.num_layers,
+            num_logical_experts=config.num_logical,
+            num_physical_slots=config.num_slots,
+            num_gpus=config.num_gpus,
+            num_nodes=config.num_nodes,
+            expert_bytes=config.expert_bytes,
+        )
+        self.agent = WorkerAgent(
+            AgentConfig(config.controller, config.deployment, config.rank, shape, config.worker_id),
+            self,
+            lambda: self.version,
+            initial_phy2log=self.phy2log,
+        )
+
+    def start(self) -> None:
+        self.agent.start()
+
+    def stop(self) -> None:
+        self.agent.stop()
+
+    # ------------------------------------------------------------ hot path
+
+    def route(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Record `layer`'s routing and map logical ids to physical slots."""
+        self.recorder.record(layer, topk_ids)
+        phys = self.dispatch.dispatch(layer, topk_ids)
+        if self.config.record_physical:
+            self.recorder.record_physical(layer, phys)
+        return phys
+
+    def step_end(self) -> None:
+        """Call once per forward step, after the step, on every rank."""
+        self.step += 1
+        self.stats.steps += 1
+        ready = self._commit_ready if self._commit_ready in self._staged_phy2log else self.version
+        agreed = self.agreement.on_step(self.step, ready)
+        if agreed is not None and agreed > self.version:
+            self._flush_window()  # a window never mixes two placements
+            self._commit(agreed)
+        elif self.step - self._window_start >= self.config.window_steps:
+            self._flush_window()
+
+    def _flush_window(self) -> None:
+        if self.step == self._window_start:
+            return
+        logical, physical = self.recorder.take_window()
+        self.agent.submit_window(
+            self._window_start, self.step - self._window_start, self.version, logical, physical
+        )
+        self._window_start = self.step
+        self.stats.windows += 1
+
+    def _commit(self, version: int) -> None:
+        start = time.perf_counter()
+        self.executor.commit(version)
+        new = self._staged_phy2log.pop(version)
+        self.dispatch.commit()
+        self.version, self.phy2log = version, new
+        self.stats.swap_seconds.append(time.perf_counter() - start)
+        self.stats.commits.append((self.step, version))
+        self.agent.report(version, pb.PLAN_PHASE_COMMITTED, step=self.step)
+        log.info("rank %d: committed v%d at step %d", self.config.rank, version, self.step)
+
+    # ------------------------------------------------------------ agent thread
+
+    def on_prepare(self, prepare: pb.Prepare) -> None:
+        threading.Thread(
+            target=self._prepare, args=(prepare,), daemon=True, name=f"migrate-v{prepare.version}"
+        ).start()
+
+    def _prepare(self, prepare: pb.Prepare) -> None:
+        version = prepare.version
+        try:
+            if self._fail_prepare:
+                raise RuntimeError("injected prepare failure")
+            if prepare.base_version != self.version:
+                raise RuntimeError(
+                    f"plan is based on v{prepare.base_version}, rank serves v{self.version}"
+                )
+            cfg = self.config
+            new = codec.decode_phy2log(
+                prepare.placement.phy2log, cfg.num_layers, cfg.num_slots, cfg.num_logical
+            )
+            transfers = codec.decode(prepare.transfers, "transfers")
+            stats = self.executor.prepare(version, transfers)
+            self.dispatch.stage(
+                log2phy_of(new, cfg.num_logical, cfg.num_slots - cfg.num_logical + 1)
+            )
+            self._staged_phy2log = {version: new}
+        except MigrationAborted:
+            return
+        except Exception as exc:  # any failure aborts the plan everywhere (invariant 5)
+            self.stats.failed += 1
+            self.executor.abort(version)
+            log.error("rank %d: preparing v%d failed: %s", self.config.rank, version, exc)
+            self.agent.report(version, pb.PLAN_PHASE_FAILED, error=str(exc)[:500])
+            return
+        self.stats.prepared += 1
+        self.stats.bytes_received += stats.bytes_received
+        self.agent.report(
+            version,
+            pb.PLAN_PHASE_PREPARED,
+            bytes_received=stats.bytes_received,
+            seconds=stats.seconds,
+        )
+
+    def on_commit(self, version: int) -> None:
+        self._commit_ready = max(self._commit_ready, version)
+
+    def on_abort(self, version: int, reason: str) -> None:
+        self.executor.abort(version)
+        self._staged_phy2log.pop(version, None)
+        self.stats.aborted += 1
+        log.warning("rank %d: plan v%d aborted: %s", self.config.rank, version, reason)
+        self.agent.report(version, pb.PLAN_PHASE_ABORTED)

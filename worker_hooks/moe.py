@@ -1,0 +1,83 @@
+"""A small fp32 MoE layer for CPU: the reference for invariant 1 ("same math").
+
+Expert weights are a pure function of (seed, layer, expert), so every rank can
+build the slots it holds and a single-process reference can build all logical
+experts, and both compute each (token, expert) pair with the same function on
+the same shapes. A rebalanced EP group must therefore reproduce the
+reference's output bit for bit, however its slots moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_layers: int = 8
+    num_experts: int = 32
+    top_k: int = 4
+    hidden: int = 32
+    ffn: int = 64
+    seed: int = 1234
+
+    @property
+    def expert_bytes(self) -> int:
+        return 2 * self.hidden * self.ffn * 4  # w1 + w2, fp32
+
+
+def expert_weights(config: MoEConfig, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w1 [H, F], w2 [F, H]) of one logical expert, deterministic."""
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + layer * 10_007 + expert)
+    w1 = torch.randn(config.hidden, config.ffn, generator=gen) / config.hidden**0.5
+    w2 = torch.randn(config.ffn, config.hidden, generator=gen) / config.ffn**0.5
+    return w1, w2
+
+
+def slot_weights(config: MoEConfig, phy2log: np.ndarray, slots: range) -> dict[str, torch.Tensor]:
+    """Live weights of the given physical slots: w1 [L, S, H, F], w2 [L, S, F, H]."""
+    L, S = config.num_layers, len(slots)
+    w1 = torch.empty(L, S, config.hidden, config.ffn)
+    w2 = torch.empty(L, S, config.ffn, config.hidden)
+    for layer in range(L):
+        for i, slot in enumerate(slots):
+            w1[layer, i], w2[layer, i] = expert_weights(config, layer, int(phy2log[layer, slot]))
+    return {"w1": w1, "w2": w2}
+
+
+def expert_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert MLP per row: x [N, H], w1 [N, H, F], w2 [N, F, H] -> [N, H].
+
+    Each row is its own small matmul, so a row's result does not depend on
+    which other rows share the batch."""
+    h = F.silu(torch.bmm(x.unsqueeze(1), w1))
+    return torch.bmm(h, w2).squeeze(1)
+
+
+def combine(y: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over top-k in a fixed order: y [T, K, H], gates [T, K] -> [T, H]."""
+    return (y * gates.unsqueeze(-1)).sum(dim=1)
+
+
+class ReferenceMoE:
+    """All logical experts in one process: the unbalanced reference model."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        self.config = config
+        self.w1 = torch.empty(config.num_layers, config.num_experts, config.hidden, config.ffn)
+        self.w2 = torch.empty(config.num_layers, config.num_experts, config.ffn, config.hidden)
+        for layer in range(config.num_layers):
+            for e in range(config.num_experts):
+                self.w1[layer, e], self.w2[layer, e] = expert_weights(config, layer, e)
+
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, gates: torch.Tensor
+    ) -> torch.Tensor:
+        T, K = topk_ids.shape
+        ids = topk_ids.reshape(-1)
+        y = expert_forward(x.repeat_interleave(K, dim=0), self.w1[layer, ids], self.w2[layer, ids])
+        return combine(y.view(T, K, -1), gates)
