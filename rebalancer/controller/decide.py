@@ -61,7 +61,7 @@ class PolicyConfig:
     """When to rebalance; mirrors the proto message rebalancer.v1.Policy (plus a few knobs)."""
 
     # No two rebalances closer than this (seconds of the controller's clock).
-    min_interval_seconds: float = 30.0
+    min_interval_seconds: float = 10.0
     # Hysteresis: minimum predicted balancedness gain (candidate - current, layer mean).
     gain_threshold: float = 0.02
     # The predicted step-time saving is credited over this horizon.
@@ -69,7 +69,7 @@ class PolicyConfig:
     # Migration budget per plan: at most this fraction of the slots change.
     max_moved_fraction: float = 0.25
     # Load estimate: weight of the old estimate per window (see EstimatorConfig.decay).
-    decay: float = 0.7
+    decay: float = 0.3
     # Windows folded into the estimate before the first decision.
     min_windows: int = 2
     # How often the controller runs a decision.
@@ -88,6 +88,9 @@ class PolicyConfig:
     swap_seconds: float = 0.0005
     # > 0: the estimate is the mean of the last `estimate_window` windows instead of decay.
     estimate_window: int = 0
+    # Sampling-noise margin added to the hysteresis, in standard errors of a GPU's load:
+    # a candidate fitted on a noisy estimate looks better on it than it will serve.
+    noise_z: float = 2.0
 
     def validate(self) -> None:
         """Raise InputError naming the first field that is out of range."""
@@ -114,6 +117,7 @@ class PolicyConfig:
         number("step_seconds", 0.0, inf, lo_open=True)
         number("overlap_penalty", 0.0, 1.0)
         number("swap_seconds", 0.0, inf)
+        number("noise_z", 0.0, inf)
         for name in ("min_windows", "estimate_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -193,6 +197,8 @@ class Decision:
     transfer_seconds: float = 0.0
     # The gate's verdict had it been asked (for forced and dry-run decisions).
     gate: str = ""
+    # Balancedness gain needed on top of gain_threshold because the estimate is noisy.
+    noise_margin: float = 0.0
 
     @property
     def take(self) -> bool:
@@ -212,6 +218,19 @@ def _load_weighted_imbalance(phy2log: np.ndarray, load: np.ndarray, num_gpus: in
     total_max = float(per_gpu.max(axis=1).sum())
     total_mean = float(per_gpu.mean(axis=1).sum())
     return total_max / total_mean if total_mean > 0 else 1.0
+
+
+def sampling_noise(estimate: np.ndarray, num_gpus: int, effective_windows: float) -> float:
+    """Relative standard error of a GPU's load on the estimate, averaged over layers.
+
+    A GPU with mean load m tokens per window, seen over n effective windows, carries
+    about m * n routed tokens: Poisson noise of 1 / sqrt(m * n) relative to its load.
+    """
+    mean_gpu = estimate.sum(axis=1) / num_gpus
+    live = mean_gpu > 0
+    if not live.any() or effective_windows <= 0:
+        return math.inf
+    return float(np.mean(1.0 / np.sqrt(mean_gpu[live] * effective_windows)))
 
 
 def _check_inputs(estimate: np.ndarray, current: np.ndarray, shape: ClusterShape) -> None:
@@ -240,13 +259,16 @@ def decide(
     windows: int,
     forced: bool = False,
     dry_run: bool = False,
+    effective_windows: float | None = None,
 ) -> Decision:
     """Decide whether to move from `current` (phy2log [L, P]) toward a candidate now.
 
-    `estimate` is the load estimate [L, E]; `now` and `last_rebalance` are seconds on the
-    caller's clock (`None`: never rebalanced); `windows` is how many windows the estimate
-    holds. `forced` skips the gate (outcome "forced"); `dry_run` computes everything and
-    returns the candidate with outcome "dry_run", starting nothing.
+    `estimate` is the load estimate [L, E] in tokens per window; `now` and
+    `last_rebalance` are seconds on the caller's clock (`None`: never rebalanced);
+    `windows` is how many windows the estimate holds and `effective_windows` how many
+    independent windows they are worth (`LoadEstimator.effective_windows`; default
+    `windows`). `forced` skips the gate (outcome "forced"); `dry_run` computes everything
+    and returns the candidate with outcome "dry_run", starting nothing.
     """
     estimate = np.asarray(estimate, dtype=np.float64)
     current = np.asarray(current)
@@ -301,6 +323,9 @@ def decide(
     steps_in_horizon = policy.horizon_seconds / policy.step_seconds
     gain = steps_in_horizon * policy.step_seconds * (r_current - r_candidate)
     delta_b = b_candidate - b_current
+    n_eff = float(windows if effective_windows is None else effective_windows)
+    noise_margin = policy.noise_z * sampling_noise(estimate, G, n_eff) if policy.noise_z else 0.0
+    needed = policy.gain_threshold + noise_margin
 
     numbers = (
         f"balancedness {b_current:.3f} -> {b_candidate:.3f} (bound {bound:.3f}), "
@@ -322,10 +347,11 @@ def decide(
         )
     elif slots_moved == 0:
         gate, why = "skip_gain", "the candidate equals the current placement"
-    elif delta_b < policy.gain_threshold:
+    elif delta_b < needed:
         gate, why = (
             "skip_gain",
-            f"balancedness gain {delta_b:+.3f} below threshold {policy.gain_threshold:g}",
+            f"balancedness gain {delta_b:+.3f} below threshold {policy.gain_threshold:g}"
+            + (f" + noise margin {noise_margin:.3f}" if noise_margin else ""),
         )
     elif gain <= migration_cost:
         gate, why = "skip_gain", "predicted gain does not beat the migration cost"
@@ -353,4 +379,5 @@ def decide(
         candidate=candidate if outcome in ("rebalance", "forced", "dry_run") else None,
         transfer_seconds=transfer_seconds,
         gate=gate,
+        noise_margin=noise_margin if math.isfinite(noise_margin) else 1.0,
     )

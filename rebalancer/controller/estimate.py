@@ -54,6 +54,7 @@ class LoadEstimator:
         # is the decayed mean with no start-up bias toward zero.
         self._weighted_sum = np.zeros((num_layers, num_experts), dtype=np.float64)
         self._weight_total = 0.0
+        self._weight_sq_total = 0.0  # sum of squared weights: for the effective sample size
         # Sliding mode: the last `window` windows and their running sum.
         self._recent: deque[np.ndarray] = deque()
         self._recent_sum = np.zeros((num_layers, num_experts), dtype=np.float64)
@@ -93,6 +94,7 @@ class LoadEstimator:
         self._weighted_sum *= decay
         self._weighted_sum += arr
         self._weight_total = self._weight_total * decay + 1.0
+        self._weight_sq_total = self._weight_sq_total * decay * decay + 1.0
 
     def estimate(self) -> np.ndarray:
         """The load estimate `[L, E]` float64, in tokens per window; zeros before any window."""
@@ -104,11 +106,26 @@ class LoadEstimator:
             return np.zeros(self.shape, dtype=np.float64)
         return self._weighted_sum / self._weight_total
 
+    @property
+    def effective_windows(self) -> float:
+        """How many windows' worth of independent counts the estimate holds.
+
+        Kish's effective sample size of the window weights: the plain count for a sliding
+        window, (sum w)^2 / sum w^2 for the decay (about (1 + d) / (1 - d) windows in the
+        long run). The decision policy uses it to tell signal from sampling noise.
+        """
+        if self.config.window > 0:
+            return float(len(self._recent))
+        if self._weight_sq_total == 0.0:
+            return 0.0
+        return self._weight_total**2 / self._weight_sq_total
+
     def reset(self) -> None:
         """Forget every window (e.g. after the model shape changed)."""
         self.windows = 0
         self._weighted_sum[:] = 0.0
         self._weight_total = 0.0
+        self._weight_sq_total = 0.0
         self._recent.clear()
         self._recent_sum[:] = 0.0
 
@@ -122,6 +139,7 @@ class LoadEstimator:
             "windows": int(self.windows),
             "weighted_sum": self._weighted_sum.tolist(),
             "weight_total": float(self._weight_total),
+            "weight_sq_total": float(self._weight_sq_total),
             "recent": [w.tolist() for w in self._recent],
         }
 
@@ -142,6 +160,7 @@ class LoadEstimator:
         self.windows = int(state["windows"])
         self._weighted_sum = weighted_sum.copy()
         self._weight_total = float(state["weight_total"])
+        self._weight_sq_total = float(state.get("weight_sq_total", self._weight_total))
         self._recent = deque(w.copy() for w in recent)
         self._recent_sum = (
             np.sum(np.stack(recent), axis=0) if recent else np.zeros(shape, dtype=np.float64)

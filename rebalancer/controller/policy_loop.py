@@ -73,6 +73,7 @@ class PolicyLoop:
             now=now,
             last_rebalance=self.last_rebalance,
             windows=self.estimator.windows,
+            effective_windows=self.estimator.effective_windows,
         )
         self._record(decision, now)
         return decision
@@ -94,6 +95,7 @@ class PolicyLoop:
             now=now,
             last_rebalance=self.last_rebalance,
             windows=self.estimator.windows,
+            effective_windows=self.estimator.effective_windows,
             forced=not dry_run,
             dry_run=dry_run,
         )

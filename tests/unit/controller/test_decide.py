@@ -106,10 +106,26 @@ def test_min_windows() -> None:
 
 
 def test_min_interval() -> None:
-    d = _decide(last_rebalance=990.0)
+    policy = _policy(min_interval_seconds=30.0)
+    d = _decide(policy, last_rebalance=990.0)
     assert d.outcome == "skip_min_interval" and not d.take
     assert "10.0 s ago" in d.reason
-    assert _decide(last_rebalance=970.0).outcome == "rebalance"
+    assert _decide(policy, last_rebalance=970.0).outcome == "rebalance"
+
+
+def test_noise_margin_stops_chasing_sparse_counts() -> None:
+    # Uniform traffic seen through ~10 tokens per expert: the apparent skew is noise.
+    noise = np.random.default_rng(1).poisson(10.0, size=(L, E)).astype(np.float64)
+    fitted = np.asarray(compute_placement(np.ones((L, E)), P, G).phy2log)
+    d = _decide(estimate=noise, current=fitted, windows=3, effective_windows=1.9)
+    assert d.outcome == "skip_gain" and "noise margin" in d.reason
+    assert d.noise_margin > 0.1
+    assert d.balancedness_candidate - d.balancedness_current > 0.03  # looks worth it
+    no_margin = _decide(_policy(noise_z=0.0), estimate=noise, current=fitted, windows=3)
+    assert no_margin.outcome == "rebalance"
+    # Real skew seen through plenty of tokens beats the (now small) margin.
+    rich = _decide(estimate=_skewed_load() * 100, windows=3, effective_windows=1.9)
+    assert rich.outcome == "rebalance" and rich.noise_margin < 0.01
 
 
 def test_gain_below_threshold() -> None:

@@ -110,3 +110,18 @@ def test_state_dict_is_json_ready() -> None:
     again = LoadEstimator(3, 5)
     again.load_state_dict(json.loads(json.dumps(est.state_dict())))
     np.testing.assert_allclose(again.estimate(), est.estimate())
+
+
+def test_effective_windows() -> None:
+    ws = _windows(30, seed=5)
+    decayed = LoadEstimator(3, 5, EstimatorConfig(decay=0.5))
+    sliding = LoadEstimator(3, 5, EstimatorConfig(window=4))
+    assert decayed.effective_windows == 0.0 and sliding.effective_windows == 0.0
+    decayed.add(ws[0])
+    assert decayed.effective_windows == 1.0
+    for w in ws:
+        decayed.add(w)
+        sliding.add(w)
+    assert decayed.effective_windows == pytest.approx((1 + 0.5) / (1 - 0.5), rel=1e-6)
+    assert sliding.effective_windows == 4.0
+    assert LoadEstimator(3, 5, EstimatorConfig(decay=1.0)).effective_windows == 0.0

@@ -91,7 +91,9 @@ def test_adaptive_runs_the_controller_decisions(phase_results: dict) -> None:
     res = phase_results["adaptive"]
     assert res.decisions.get("rebalance", 0) == res.rebalances > 0
     assert sum(res.decisions.values()) <= res.windows
-    assert res.stall_seconds == pytest.approx(res.rebalances * CostModel().swap_seconds)
+    # One swap per plan; the last plan may still be moving weights when the trace ends.
+    swaps = round(res.stall_seconds / CostModel().swap_seconds)
+    assert res.rebalances - 1 <= swaps <= res.rebalances
     # It pays for what it moves: transfers beside serving cost overlap time.
     assert res.overlap_seconds > 0 and res.bytes_moved > 0
     assert res.relative_throughput > phase_results["static"].relative_throughput
