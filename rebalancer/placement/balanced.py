@@ -223,23 +223,32 @@ def spread_duplicates(
     return perm
 
 
+def polish(
+    item_at: np.ndarray, weight: np.ndarray, item_expert: np.ndarray, num_packs: int,
+    max_rounds: int,
+) -> np.ndarray:
+    """Spread duplicates, swap heavy against light packs, spread again.
+
+    item_at, weight, item_expert: [X, n]. Returns: item_at [X, n].
+    """
+    for step in ("spread", "swap", "spread"):
+        slot_weight = np.take_along_axis(weight, item_at, axis=1)
+        slot_expert = np.take_along_axis(item_expert, item_at, axis=1)
+        if step == "spread":
+            perm = spread_duplicates(slot_weight, slot_expert, num_packs)
+        else:
+            perm = refine_swaps(slot_weight, slot_expert, num_packs, max_rounds)
+        item_at = np.take_along_axis(item_at, perm, axis=1)
+    return item_at
+
+
 def pack_balanced(
     weight: np.ndarray, num_packs: int, item_expert: np.ndarray, max_rounds: int = 4
 ) -> np.ndarray:
-    """Round packing, duplicates spread, then refined by swaps.
+    """Round packing, duplicates spread, then refined by swaps (with two items per pack
+    the rounds alone are already the optimal pairing).
 
     weight: [X, n] replica loads, item_expert: [X, n] expert of each replica.
     Returns: item_at [X, n] int64, the item in each slot (pack k owns slots [k*c, (k+1)*c)).
     """
-    # 1. whole rounds at once
-    item_at = pack_rounds(weight, num_packs)
-    # 2. no expert twice on a pack where avoidable
-    slot_expert = np.take_along_axis(item_expert, item_at, axis=1)
-    slot_weight = np.take_along_axis(weight, item_at, axis=1)
-    perm = spread_duplicates(slot_weight, slot_expert, num_packs)
-    item_at = np.take_along_axis(item_at, perm, axis=1)
-    # 3. swaps between heavy and light packs
-    slot_weight = np.take_along_axis(weight, item_at, axis=1)
-    slot_expert = np.take_along_axis(item_expert, item_at, axis=1)
-    perm = refine_swaps(slot_weight, slot_expert, num_packs, max_rounds)
-    return np.take_along_axis(item_at, perm, axis=1)
+    return polish(pack_rounds(weight, num_packs), weight, item_expert, num_packs, max_rounds)

@@ -11,14 +11,14 @@ import numpy as np
 from rebalancer.errors import InputError
 from rebalancer.placement.balanced import pack_balanced
 from rebalancer.placement.greedy import pack_greedy_slots, replicate_greedy
-from rebalancer.placement.hierarchical import place
+from rebalancer.placement.hierarchical import place, uses_hierarchy
 from rebalancer.placement.metrics import (
     balancedness_of,
     log2phy_of,
     logcnt_of,
     mean_balancedness,
 )
-from rebalancer.placement.migration import migrate
+from rebalancer.placement.migration import migrate, peak_load
 from rebalancer.placement.reference import reference_placement
 from rebalancer.placement.types import (
     PlacementResult,
@@ -50,24 +50,55 @@ def _loaded_rows_only(place_rows):  # type: ignore[no-untyped-def]
     return wrapped
 
 
+def _replicate_uncapped(
+    weight: np.ndarray, num_phy: int, num_packs: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's replication: no cap on replicas per expert."""
+    return replicate_greedy(weight, num_phy)
+
+
+def _replicate_capped(
+    weight: np.ndarray, num_phy: int, num_packs: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy replication with at most one replica per GPU where the slots allow it."""
+    return replicate_greedy(weight, num_phy, max_count=num_packs)
+
+
 @_loaded_rows_only
 def greedy_placement(
     load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
     num_groups: int | None = None,
 ) -> np.ndarray:
     """DeepSeek's greedy, vectorised. load: [L, E]. Returns: phy2log [L, P]."""
-    return place(load, num_slots, num_gpus, num_nodes, num_groups, replicate_greedy, pack_greedy_slots)
+    return place(
+        load, num_slots, num_gpus, num_nodes, num_groups, _replicate_uncapped, pack_greedy_slots
+    )
 
 
 @_loaded_rows_only
 def balanced_placement(
     load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
-    num_groups: int | None = None,
+    num_groups: int | None = None, greedy_check_items: int = 64,
 ) -> np.ndarray:
-    """Greedy replication, round packing and swaps. load: [L, E]. Returns: phy2log [L, P]."""
-    return place(
-        load, num_slots, num_gpus, num_nodes, num_groups, replicate_greedy, pack_balanced
+    """Capped greedy replication, round packing and swaps. Where a packing row has at
+    most `greedy_check_items` replicas (small models) the greedy is run too and a layer
+    keeps whichever is better, so it is never worse there; on large layouts it is
+    verified against the greedy on the real data instead.
+
+    load: [L, E]. Returns: phy2log [L, P].
+    """
+    phy2log = place(
+        load, num_slots, num_gpus, num_nodes, num_groups, _replicate_capped, pack_balanced
     )
+    nodes = num_nodes if uses_hierarchy(load.shape[1], num_nodes, num_groups) else 1
+    if num_slots // nodes <= greedy_check_items:
+        greedy = place(
+            load, num_slots, num_gpus, num_nodes, num_groups, _replicate_uncapped,
+            pack_greedy_slots,
+        )
+        better = peak_load(greedy, load, num_gpus) < peak_load(phy2log, load, num_gpus)
+        phy2log[better] = greedy[better]
+    return phy2log
 
 
 def compute_placement(

@@ -12,11 +12,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def replicate_greedy(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray]:
+def replicate_greedy(
+    weight: np.ndarray, num_phy: int, max_count: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Choose replica counts by repeatedly replicating the expert with the highest load
     per replica (lowest index on ties), all additions of a layer at once.
 
-    weight: [X, n] float64, num_phy >= n.
+    weight: [X, n] float64, num_phy >= n. max_count: no expert gets more replicas than
+    this (raised to ceil(num_phy / n) if needed); the reference has no cap, but a replica
+    beyond the number of GPUs can only land beside another one.
     Returns: phy2log [X, num_phy] (slot i < n holds expert i, the extras follow in
     expert order), logcnt [X, n] int64.
     """
@@ -32,6 +36,8 @@ def replicate_greedy(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.n
     total = weight.sum(axis=1, keepdims=True)
     share = np.where(total > 0, weight / np.where(total > 0, total, 1), 0.0)
     depth = int(np.ceil(share.max() * num_phy)) + 1
+    if max_count is not None:
+        depth = min(depth, max(max_count, -(-num_phy // num_log)) - 1)
     depth = max(1, min(num_extra, max(depth, -(-num_extra // num_log))))
     divisor = np.arange(1, depth + 1, dtype=np.float64)
     offers = (weight[:, :, None] / divisor).reshape(num_rows, num_log * depth)

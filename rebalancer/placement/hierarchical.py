@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-Replicate = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+# replicate(weight [X, n], num_phy, num_packs) -> (phy2log [X, num_phy], logcnt [X, n])
+Replicate = Callable[[np.ndarray, int, int], tuple[np.ndarray, np.ndarray]]
 # pack(weight [X, n], num_packs, item_expert [X, n]) -> item_at [X, n], the item in each
 # slot, pack k owning slots [k*c, (k+1)*c)
 Pack = Callable[[np.ndarray, int, np.ndarray], np.ndarray]
@@ -47,7 +48,7 @@ def place_in_nodes(
     node_weight = np.take_along_axis(weight, node_experts.reshape(num_layers, -1), axis=1)
     node_weight = node_weight.reshape(num_layers * num_nodes, per_node)
     # 2. replicate within the node's slot share
-    phy2local, localcnt = replicate(node_weight, num_slots // num_nodes)
+    phy2local, localcnt = replicate(node_weight, num_slots // num_nodes, num_gpus // num_nodes)
     # 3. pack the node's replicas onto its GPUs; GPU k owns the k-th run of slots
     replica_weight = np.take_along_axis(node_weight / localcnt, phy2local, axis=1)
     item_at = pack(replica_weight, num_gpus // num_nodes, phy2local)

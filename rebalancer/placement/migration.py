@@ -241,7 +241,7 @@ def swap_to_target(
     return phy2log
 
 
-def _peak(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:
+def peak_load(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:
     """Max GPU load per layer [L]."""
     logcnt = logcnt_of(phy2log, load.shape[1])
     slot = _slot_load(phy2log, load, logcnt)
@@ -269,8 +269,8 @@ def migrate(
     loaded = mean > 0
     # 1. what to aim for, from the fresh placement: its balance, less the gap, and its
     #    largest load per replica
-    fresh_peak = _peak(fresh, load, num_gpus)
-    goal = np.where(loaded, mean / np.where(loaded, fresh_peak, 1), 1.0)
+    freshpeak_load = peak_load(fresh, load, num_gpus)
+    goal = np.where(loaded, mean / np.where(loaded, freshpeak_load, 1), 1.0)
     target = np.where(loaded, mean / np.maximum(goal - gap, 1e-9), np.inf)
     fresh_cnt = logcnt_of(fresh, load.shape[1])
     threshold = np.where(loaded, (load / fresh_cnt).max(axis=1), np.inf)
@@ -280,7 +280,7 @@ def migrate(
     # 2. repair in passes; a pass splits what is left of the budget over the layers
     #    that still miss their target
     for _ in range(passes):
-        behind = loaded & (_peak(phy2log, load, num_gpus) > target)
+        behind = loaded & (peak_load(phy2log, load, num_gpus) > target)
         if not behind.any() or remaining <= 0:
             break
         quota = np.zeros(num_layers, dtype=np.int64)
@@ -294,17 +294,17 @@ def migrate(
             remaining -= int((phy2log != old).sum()) - spent_before
     # 3. a layer still far off may take the fresh placement relabelled onto the old
     #    GPUs, when the budget allows it
-    peak = _peak(phy2log, load, num_gpus)
+    peak = peak_load(phy2log, load, num_gpus)
     behind = np.flatnonzero(loaded & (peak > target))
     if behind.size and (unlimited or remaining > 0):
         relabelled = keep_in_place(old[behind], fresh[behind], num_gpus, load.shape[1])
         extra = (relabelled != old[behind]).sum(axis=1) - (phy2log[behind] != old[behind]).sum(1)
-        better = _peak(relabelled, load[behind], num_gpus) < peak[behind]
+        better = peak_load(relabelled, load[behind], num_gpus) < peak[behind]
         for i in np.flatnonzero(better):
             if unlimited or extra[i] <= remaining:
                 phy2log[behind[i]] = relabelled[i]
                 remaining -= int(extra[i])
     # 4. never hand back a layer worse than it was
-    worse = _peak(phy2log, load, num_gpus) > _peak(old, load, num_gpus)
+    worse = peak_load(phy2log, load, num_gpus) > peak_load(old, load, num_gpus)
     phy2log[worse] = old[worse]
     return phy2log

@@ -1,0 +1,145 @@
+"""Properties of every placement algorithm, on random loads and on the real data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rebalancer.placement import (
+    balancedness_per_layer,
+    compute_placement,
+    gpu_load,
+    log2phy_of,
+    logcnt_of,
+    lower_bound_balancedness_per_layer,
+    reference_placement,
+)
+from rebalancer.placement.engine import greedy_placement
+
+from .conftest import LAYOUTS, random_load
+
+SMALL_LAYOUTS = [(16, 4, 1, None), (24, 4, 2, 4), (20, 5, 1, None), (16, 16, 4, 4), (32, 8, 2, 2)]
+
+
+def check_valid(result, load, num_slots, num_gpus):
+    """Every expert has a replica, maps agree, slots divide evenly."""
+    p2l = result.phy2log
+    num_layers, num_logical = load.shape
+    assert p2l.shape == (num_layers, num_slots) and p2l.dtype == np.int64
+    assert ((p2l >= 0) & (p2l < num_logical)).all()
+    cnt = logcnt_of(p2l, num_logical)
+    assert (cnt >= 1).all(), "an expert lost its last replica"
+    assert (result.logcnt == cnt).all()
+    assert (result.log2phy == log2phy_of(p2l, num_logical, result.log2phy.shape[2])).all()
+    # log2phy lists exactly the slots holding each expert
+    layers, experts, _ = np.nonzero(result.log2phy >= 0)
+    slots = result.log2phy[result.log2phy >= 0]
+    assert (p2l[layers, slots] == experts).all()
+    assert len(slots) == num_layers * num_slots
+    # equal slots per GPU: every GPU owns exactly P/G slots and all slots are used
+    per_gpu = np.bincount(np.arange(num_slots) // (num_slots // num_gpus))
+    assert (per_gpu == num_slots // num_gpus).all() and len(per_gpu) == num_gpus
+
+
+def duplicates(p2l, num_gpus):
+    """Second (third, ...) replicas of an expert on one GPU."""
+    num_layers, num_slots = p2l.shape
+    by_gpu = np.sort(p2l.reshape(num_layers, num_gpus, -1), axis=2)
+    return int((np.diff(by_gpu, axis=2) == 0).sum())
+
+
+@pytest.mark.parametrize("algorithm", ["greedy", "balanced", "reference"])
+@pytest.mark.parametrize("layout", SMALL_LAYOUTS)
+@pytest.mark.parametrize("seed", range(4))
+def test_random_loads_give_valid_placements(algorithm, layout, seed):
+    num_slots, num_gpus, num_nodes, num_groups = layout
+    load = random_load(seed, experts=16)
+    result = compute_placement(load, num_slots, num_gpus, num_nodes, num_groups, algorithm=algorithm)
+    check_valid(result, load, num_slots, num_gpus)
+    assert result.algorithm == algorithm and result.moved_fraction == 0.0
+    per_layer = balancedness_per_layer(result.phy2log, load, num_gpus)
+    bound = lower_bound_balancedness_per_layer(load, num_slots, num_gpus, num_nodes)
+    loaded = load.sum(axis=1) > 0
+    assert (per_layer[loaded] <= bound[loaded] + 1e-9).all(), "beat the lower bound"
+
+
+@pytest.mark.parametrize("layout", SMALL_LAYOUTS)
+@pytest.mark.parametrize("seed", range(6))
+def test_vectorised_greedy_matches_loop_port(layout, seed):
+    num_slots, num_gpus, num_nodes, num_groups = layout
+    load = random_load(seed + 10, layers=8, experts=16).astype(np.float64)
+    ours = gpu_load(greedy_placement(load, num_slots, num_gpus, num_nodes, num_groups), load, num_gpus)
+    loop = gpu_load(reference_placement(load, num_slots, num_gpus, num_nodes, num_groups), load, num_gpus)
+    loaded = load.sum(axis=1) > 0
+    assert np.allclose(ours.max(axis=1)[loaded], loop.max(axis=1)[loaded], rtol=1e-12)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_vectorised_greedy_matches_loop_port_on_real_data(deepseek, hierarchical):
+    load = deepseek["decode_in1000out1000"].astype(np.float64)
+    groups = 8 if hierarchical else None
+    ours = gpu_load(greedy_placement(load, 288, 32, 4, groups), load, 32).max(axis=1)
+    loop = gpu_load(reference_placement(load, 288, 32, 4, groups), load, 32).max(axis=1)
+    assert np.allclose(ours, loop, rtol=1e-12)
+
+
+def test_ties_in_replication_follow_the_greedy():
+    # expert 0 at 2x expert 1: after one extra replica both offer the same per-replica load
+    load = np.array([[8.0, 4.0, 4.0, 1.0, 1.0, 1.0]])
+    ours = greedy_placement(load, 8, 2)
+    loop = reference_placement(load, 8, 2)
+    assert (logcnt_of(ours, 6) == logcnt_of(loop, 6)).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_balanced_never_worse_than_greedy_on_real_data(deepseek, layout):
+    num_slots, num_gpus, num_nodes, num_groups = layout
+    for name, load in deepseek.items():
+        greedy = compute_placement(load, num_slots, num_gpus, num_nodes, num_groups, algorithm="greedy")
+        ours = compute_placement(load, num_slots, num_gpus, num_nodes, num_groups)
+        check_valid(ours, load, num_slots, num_gpus)
+        per_greedy = balancedness_per_layer(greedy.phy2log, load, num_gpus)
+        per_ours = balancedness_per_layer(ours.phy2log, load, num_gpus)
+        loaded = load.sum(axis=1) > 0
+        assert (per_ours[loaded] >= per_greedy[loaded] - 1e-12).all(), name
+        assert ours.balancedness >= greedy.balancedness, name
+        # far fewer duplicate replicas on a GPU than the greedy leaves (the rest would
+        # raise a peak to move)
+        assert duplicates(ours.phy2log, num_gpus) <= duplicates(greedy.phy2log, num_gpus) // 2
+        if num_groups is None:
+            assert duplicates(ours.phy2log, num_gpus) <= 2, name
+
+
+def test_global_layout_on_real_data_is_near_the_bound(deepseek):
+    for load in deepseek.values():
+        ours = compute_placement(load, 288, 32, 4)
+        assert ours.balancedness > 0.995
+
+
+@pytest.mark.parametrize("layout", SMALL_LAYOUTS)
+def test_balanced_never_worse_than_greedy_on_random_loads(layout):
+    num_slots, num_gpus, num_nodes, num_groups = layout
+    for seed in range(20):
+        load = random_load(seed + 100, layers=4, experts=16)
+        greedy = compute_placement(load, num_slots, num_gpus, num_nodes, num_groups, algorithm="greedy")
+        ours = compute_placement(load, num_slots, num_gpus, num_nodes, num_groups)
+        per_greedy = balancedness_per_layer(greedy.phy2log, load, num_gpus)
+        per_ours = balancedness_per_layer(ours.phy2log, load, num_gpus)
+        loaded = load.sum(axis=1) > 0
+        assert (per_ours[loaded] >= per_greedy[loaded] - 1e-12).all(), seed
+
+
+def test_no_duplicates_when_there_is_room():
+    # one hot expert, plenty of GPUs: its replicas must land on different GPUs
+    load = np.array([[100.0] + [1.0] * 15] * 3)
+    result = compute_placement(load, 32, 16)
+    assert result.logcnt[:, 0].min() > 1
+    assert duplicates(result.phy2log, 16) == 0
+
+
+def test_zero_and_integer_loads():
+    load = np.zeros((3, 8), dtype=np.int32)
+    load[1] = [5, 0, 0, 1, 2, 9, 0, 3]
+    result = compute_placement(load, 12, 4)
+    check_valid(result, load, 12, 4)
+    assert 0 < result.balancedness <= 1
