@@ -94,6 +94,9 @@ class PolicyResult:
     decisions: dict[str, int] = field(default_factory=dict)
     balancedness_per_window: list[float] = field(default_factory=list, repr=False)
     rebalance_windows: list[int] = field(default_factory=list, repr=False)
+    # adaptive: per decision, the window it followed, the virtual time, whether a plan was
+    # in flight, the placement served, and the Decision (to replay through the controller).
+    decision_log: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, Any]:
         """The JSON-ready figures (without the per-window series)."""
@@ -152,7 +155,12 @@ class _Ledger:
         self.bytes_moved += nbytes
         self.rebalance_windows.append(w)
 
-    def result(self, name: str, decisions: dict[str, int] | None = None) -> PolicyResult:
+    def result(
+        self,
+        name: str,
+        decisions: dict[str, int] | None = None,
+        decision_log: list[dict[str, Any]] | None = None,
+    ) -> PolicyResult:
         total = self.serving + self.stall
         return PolicyResult(
             policy=name,
@@ -169,6 +177,7 @@ class _Ledger:
             decisions=decisions or {},
             balancedness_per_window=self.per_window,
             rebalance_windows=self.rebalance_windows,
+            decision_log=decision_log or [],
         )
 
 
@@ -304,6 +313,7 @@ class Simulator:
         pending: np.ndarray | None = None
         remaining = 0.0
         outcomes: Counter[str] = Counter()
+        log: list[dict[str, Any]] = []
         for w in range(self.trace.num_windows):
             m_old = ledger.max_load(w, current)
             t_old = self.clock.seconds(m_old)
@@ -327,18 +337,27 @@ class Simulator:
                     ledger.stall += cost.swap_seconds
                     now += seconds + cost.swap_seconds
                     current, pending, remaining = pending, None, 0.0
-            decision = loop.on_window(
-                self.trace.counts[w], current, now=now, in_flight=pending is not None
-            )
+            in_flight = pending is not None
+            decision = loop.on_window(self.trace.counts[w], current, now=now, in_flight=in_flight)
             if decision is None:
                 continue
             outcomes[decision.outcome] += 1
+            # `current` is replaced, never changed in place: keeping a reference is cheap.
+            log.append(
+                {
+                    "window": w,
+                    "now": now,
+                    "in_flight": in_flight,
+                    "current": current,
+                    "decision": decision,
+                }
+            )
             if decision.take and decision.candidate is not None:
                 rows, seconds, nbytes = self._move(current, decision.candidate)
                 ledger.moved(w + 1, int(rows.shape[0]), nbytes)
                 pending = np.asarray(decision.candidate)
                 remaining = seconds + cost.plan_overhead_seconds
-        return ledger.result("adaptive", dict(outcomes))
+        return ledger.result("adaptive", dict(outcomes), log)
 
 
 def simulate(

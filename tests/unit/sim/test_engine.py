@@ -158,3 +158,35 @@ def test_cli_all_policies_json(tmp_path: Path, sources: dict[str, np.ndarray], c
     assert (tmp_path / "b.png").stat().st_size > 1000
     assert main(args[:-4] + ["--policy", "sometimes"]) == 2
     assert main(args[:-4] + ["--policy", "none", "--set", "decay=7"]) == 2
+
+
+def test_adaptive_decisions_replay_through_a_fresh_policy_loop(
+    sources: dict[str, np.ndarray],
+) -> None:
+    """The simulator's adaptive policy is the controller's PolicyLoop, nothing else."""
+    from rebalancer.controller.policy_loop import PolicyLoop
+
+    trace = make_trace(
+        sources,
+        TraceGenConfig(kind="phase", windows=16, phase_min_windows=4, phase_max_windows=6, seed=5),
+    )
+    config = _config()
+    res = simulate(trace, config, ["adaptive"])["adaptive"]
+    assert res.rebalances > 0
+    loop = PolicyLoop(config.shape(trace), config.policy)
+    logged = iter(res.decision_log)
+    entry = next(logged)
+    for w in range(trace.num_windows):
+        if entry is None or entry["window"] != w:
+            loop.observe(trace.counts[w])  # a window folded with no decision due
+            continue
+        again = loop.on_window(
+            trace.counts[w], entry["current"], now=entry["now"], in_flight=entry["in_flight"]
+        )
+        assert again is not None
+        first = entry["decision"]
+        assert (again.outcome, again.reason) == (first.outcome, first.reason)
+        if first.candidate is not None:
+            np.testing.assert_array_equal(again.candidate, first.candidate)
+        entry = next(logged, None)
+    assert entry is None
