@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.p2p_exchange import packed_exchange
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 from rebalancer.placement.engine import compute_placement
 from rebalancer.placement.metrics import balancedness_per_layer, log2phy_of, trivial_placement
@@ -59,7 +60,9 @@ class MigrationBenchConfig:
     rounds: int = 5
     migration_repeats: int = 5
     port: int = 29517
-    cta_caps: tuple[int, ...] = (1, 4)
+    cta_caps: tuple[int, ...] = (4,)
+    chunk_experts: int = 32
+    beside_seconds: float = 0.6
 
 
 def pick_layers(counts: np.ndarray, cfg: MigrationBenchConfig, num_slots: int) -> np.ndarray:
@@ -247,8 +250,11 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
     torch.cuda.synchronize()
 
     # -- migration: alone, then beside serving -------------------------------------
-    # Variants: the executor on a default NCCL group; on groups whose NCCL kernels are
-    # capped to a few CTAs (SMs) while serving replays on a high-priority stream.
+    # Movers: the project's MigrationExecutor and the packed harness, each on a default
+    # NCCL group and on one whose kernels are capped to a few CTAs (SMs) while serving
+    # replays on a high-priority stream. Serving is timed two ways: one host sync per
+    # step (what a Python serving loop sees, GIL included) and a queue of replays kept
+    # ahead of the GPU (the GPU-side interference alone).
     hi_prio = torch.cuda.Stream(priority=-1)
     groups: dict[str, tuple[dist.ProcessGroup, torch.cuda.Stream | None]] = {
         "default": (migrate_group, None)
@@ -261,77 +267,108 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
         except AttributeError as exc:  # an older torch without NCCL config
             print(f"rank {rank}: no CTA cap ({exc})", flush=True)
             break
-        groups[f"ctas{ctas}_hiprio"] = (dist.new_group([0, 1], pg_options=opts), hi_prio)
+        groups[f"ctas{ctas}"] = (dist.new_group([0, 1], pg_options=opts), hi_prio)
     version = 0
-    last_executor: MigrationExecutor | None = None
-    last_version = 0
+    executors = {
+        name: MigrationExecutor(rank, WORLD, block.weights, g, cfg.layers_per_chunk)
+        for name, (g, _) in groups.items()
+    }
+    last_staged: tuple[MigrationExecutor, int] | None = None
+    mover_stream = torch.cuda.Stream(dev)
 
-    def prepare_runs(executor: MigrationExecutor, beside: bool, stream) -> tuple[list, list[float]]:  # type: ignore[no-untyped-def]
-        nonlocal version
-        stats: list = []
-        busy: list[float] = []
+    def run_mover(kind: str, name: str) -> tuple[float, int, int]:
+        """One prepare of the plan: (seconds, bytes sent, bytes received)."""
+        nonlocal version, last_staged
+        group = groups[name][0]
+        if kind == "packed":
+            st = packed_exchange(
+                rank, WORLD, block.weights, plan, group, cfg.chunk_experts, mover_stream
+            )
+            return st.seconds, st.bytes_sent, st.bytes_received
+        version += 1
+        executor = executors[name]
+        stats = executor.prepare(version, plan)
+        if last_staged is not None:
+            last_staged[0].abort(last_staged[1])  # one staged plan in memory at a time
+        last_staged = (executor, version)
+        return stats.seconds, stats.bytes_sent, stats.bytes_received
+
+    def serve(stream, until, queued: bool) -> list[float]:  # type: ignore[no-untyped-def]
+        """Replay times while `until()` is true (or cfg.replays * rounds if None)."""
+        out: list[float] = []
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            n = 0
+            while until() if until else n < cfg.replays * cfg.rounds // 2:
+                if not queued:
+                    out.append(replay_ms(g_ov, 2))
+                    n += 2
+                    continue
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(11)]
+                events[0].record()
+                for i in range(10):
+                    g_ov.replay()
+                    events[i + 1].record()
+                events[-1].synchronize()
+                out.extend(events[i].elapsed_time(events[i + 1]) for i in range(10))
+                n += 10
+        return out
+
+    def beside(kind: str, name: str, queued: bool) -> None:
+        stream = groups[name][1]
+        tag = f"{kind}_{name}_{'queued' if queued else 'sync'}"
+        idle_a = statistics.median(serve(stream, None, queued))
+        results: list[tuple[float, int, int]] = []
         errors: list[BaseException] = []
-        versions = list(range(version + 1, version + 1 + cfg.migration_repeats))
-        version = versions[-1]
+        deadline = time.perf_counter() + cfg.beside_seconds
 
-        def migrate() -> None:
+        def work() -> None:
             torch.cuda.set_device(rank)  # the current device is per thread
             try:
-                for v in versions:
-                    stats.append(executor.prepare(v, plan))
-                    if v != versions[-1]:
-                        executor.abort(v)
+                while time.perf_counter() < deadline or len(results) < 2:
+                    results.append(run_mover(kind, name))
             except BaseException as exc:  # re-raised below
                 errors.append(exc)
 
         dist.barrier()
         torch.cuda.synchronize()
-        thread = threading.Thread(target=migrate)
+        thread = threading.Thread(target=work)
         thread.start()
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            while beside and thread.is_alive():
-                busy.append(replay_ms(g_ov, 2))
+        busy = serve(stream, thread.is_alive, queued)
         thread.join()
         if errors:
             raise errors[0]
-        return stats, busy
+        idle_b = statistics.median(serve(stream, None, queued))
+        idle = (idle_a + idle_b) / 2
+        during = statistics.median(busy[1:-1] if len(busy) > 3 else busy)
+        secs = statistics.median(r[0] for r in results)
+        say(f"{tag}_replay_ms_idle", idle)
+        say(f"{tag}_replay_ms_during", during)
+        say(f"{tag}_dip_pct", max_over_ranks(100 * (during - idle) / idle, dev))
+        say(f"{tag}_moves_during", float(len(results)))
+        say(f"{tag}_GBps_busiest_dir", -max_over_ranks(-max(results[-1][1:]) / secs / 1e9, dev))
 
-    def idle_ms(stream) -> float:  # type: ignore[no-untyped-def]
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            return statistics.median(replay_ms(g_ov, cfg.replays) for _ in range(cfg.rounds))
-
-    for name, (group, stream) in groups.items():
-        executor = MigrationExecutor(rank, WORLD, block.weights, group, cfg.layers_per_chunk)
-        for beside in (False, True):
-            tag = f"{name}_{'beside' if beside else 'alone'}"
-            if name != "default" and not beside:
-                continue
-            before_ms = idle_ms(stream) if beside else 0.0
-            stats, busy = prepare_runs(executor, beside, stream)
-            secs = statistics.median(st.seconds for st in stats)
-            busiest = max(stats[-1].bytes_sent, stats[-1].bytes_received)
-            say(f"mig_{tag}_seconds", max_over_ranks(secs, dev))
-            say(f"mig_{tag}_GBps_busiest_dir", -max_over_ranks(-busiest / secs / 1e9, dev))
-            say(
-                f"mig_{tag}_GBps_both_dirs",
-                -max_over_ranks(
-                    -(stats[-1].bytes_sent + stats[-1].bytes_received) / secs / 1e9, dev
-                ),
-            )
-            if beside:
-                after_ms = idle_ms(stream)
-                idle = (before_ms + after_ms) / 2
-                during = statistics.median(busy[1:-1] if len(busy) > 3 else busy)
-                say(f"mig_{tag}_replay_ms_idle", idle)
-                say(f"mig_{tag}_replay_ms_during", during)
-                say(f"mig_{tag}_replays_during", float(len(busy)))
-                say(f"mig_{tag}_dip_pct", max_over_ranks(100 * (during - idle) / idle, dev))
-        if last_executor is not None:
-            last_executor.abort(last_version)  # keep one staged plan in memory at a time
-        last_executor, last_version = executor, version
-    assert last_executor is not None
-    say("migration_bytes_received_per_gpu", float(stats[-1].bytes_received))
-    say("migration_bytes_sent_per_gpu", float(stats[-1].bytes_sent))
+    for kind in ("executor", "packed"):
+        dist.barrier()
+        alone = [run_mover(kind, "default") for _ in range(cfg.migration_repeats)]
+        secs = statistics.median(r[0] for r in alone)
+        say(f"{kind}_alone_seconds", max_over_ranks(secs, dev))
+        say(
+            f"{kind}_alone_GBps_busiest_dir", -max_over_ranks(-max(alone[-1][1:]) / secs / 1e9, dev)
+        )
+        say(
+            f"{kind}_alone_GBps_both_dirs",
+            -max_over_ranks(-(alone[-1][1] + alone[-1][2]) / secs / 1e9, dev),
+        )
+        for name in groups:
+            for queued in (False, True):
+                beside(kind, name, queued)
+    say("migration_bytes_sent_per_gpu", float(alone[-1][1]))
+    say("migration_bytes_received_per_gpu", float(alone[-1][2]))
+    # The plan committed below is the executor's: prepare it once more, alone.
+    run_mover("executor", "default")
+    assert last_staged is not None
+    last_executor = last_staged[0]
 
     # -- commit between replays: weights, then maps, in place ------------------------
     torch.cuda.synchronize()
@@ -446,9 +483,10 @@ def main() -> None:
         "ranks": per_rank,
     }
     peak = base["copy_gpu0_to_gpu1_1344MiB_GBps"]
-    mig = per_rank[0]["mig_default_alone_GBps_busiest_dir"]
-    summary["migration_vs_copy_pct"] = 100 * mig / peak
-    print(f"{'migration_vs_copy_pct':40s} {summary['migration_vs_copy_pct']:14.4f}")
+    for kind in ("executor", "packed"):
+        pct = 100 * per_rank[0][f"{kind}_alone_GBps_busiest_dir"] / peak
+        summary[f"{kind}_vs_copy_pct"] = pct
+        print(f"{kind + '_vs_copy_pct':40s} {pct:14.4f}")
     print(json.dumps(summary))
 
 
