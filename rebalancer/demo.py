@@ -11,14 +11,12 @@ and, with --json, one JSON object on the last line.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ import numpy as np
 from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.server import ControllerServer
 from rebalancer.controller.state import WindowEvent
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
@@ -90,46 +89,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _ControllerThread:
-    """The controller's event loop on a thread of this process."""
+def write_profile(config: DemoConfig, folder: Path) -> Path:
+    """The routing profile the workers replay, as an .npz in `folder`."""
+    path = folder / "routing.npz"
+    np.savez(path, profiles=routing_profiles(config),
+             steps_per_phase=config.window_steps * config.windows_per_phase)
+    return path
 
-    def __init__(self, config: ControllerConfig, setup: Callable[[ControllerServer], None]) -> None:
-        self.config = config
-        self.setup = setup
-        self.server: ControllerServer | None = None
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="controller", daemon=True)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self._main())
-
-    async def _main(self) -> None:
-        self.server = ControllerServer(self.config)
-        self.setup(self.server)
-        await self.server.start()
-        self.ready.set()
-        await self.server.wait()
-
-    def start(self) -> ControllerServer:
-        self.thread.start()
-        if not self.ready.wait(30):
-            raise RuntimeError("controller did not start")
-        assert self.server is not None
-        return self.server
-
-    def stop(self) -> None:
-        if self.server is not None:
-            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
-        self.thread.join(30)
+def launch_workers(
+    config: DemoConfig, address: str, profile: Path, folder: Path,
+    extra_args: dict[int, list[str]] | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    """Start the G worker processes of one gloo EP group; each writes folder/rank<r>.json."""
+    port = _free_port()
+    env = {**os.environ, "REBALANCER_LOG": config.worker_log, "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank in range(config.workers):
+        cmd = [
+            sys.executable, "-m", "worker_hooks.cpu_worker", "--rank", str(rank),
+            "--world", str(config.workers), "--port", str(port), "--controller", address,
+            "--profile", str(profile), "--steps", str(config.steps), "--tokens", str(config.tokens),
+            "--experts", str(config.experts), "--slots", str(config.slots), "--layers", str(config.layers),
+            "--top-k", str(config.top_k), "--window-steps", str(config.window_steps),
+            "--max-seconds", str(config.timeout_seconds), "--out", str(folder / f"rank{rank}.json"),
+            *(extra_args or {}).get(rank, []),
+        ]
+        procs.append(subprocess.Popen(cmd, env=env))
+    return procs
 
 
 def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rebalancer-demo-"))
-    profile_path = tmp / "routing.npz"
-    np.savez(profile_path, profiles=routing_profiles(config),
-             steps_per_phase=config.window_steps * config.windows_per_phase)
+    profile_path = write_profile(config, tmp)
     events: list[WindowEvent] = []
     plan_log: list[tuple[str, int, str]] = []
     slots_total = config.layers * config.slots
@@ -154,7 +146,7 @@ def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[st
         server.controller.window_observers.append(on_window)
         server.controller.plan_observers.append(on_plan)
 
-    ctl = _ControllerThread(
+    ctl = EmbeddedController(
         ControllerConfig(port=config.port, db_path=config.db_path or str(tmp / "controller.sqlite"),
                          policy=config.policy),
         setup,
@@ -164,19 +156,7 @@ def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[st
          f"{config.workers} workers, {config.layers} layers x {config.experts} experts, "
          f"{config.slots} slots, top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads")
     start = time.monotonic()
-    port = _free_port()
-    env = {**os.environ, "REBALANCER_LOG": config.worker_log, "OMP_NUM_THREADS": "1"}
-    procs = []
-    for rank in range(config.workers):
-        cmd = [
-            sys.executable, "-m", "worker_hooks.cpu_worker", "--rank", str(rank),
-            "--world", str(config.workers), "--port", str(port), "--controller", server.address,
-            "--profile", str(profile_path), "--steps", str(config.steps), "--tokens", str(config.tokens),
-            "--experts", str(config.experts), "--slots", str(config.slots), "--layers", str(config.layers),
-            "--top-k", str(config.top_k), "--window-steps", str(config.window_steps),
-            "--max-seconds", str(config.timeout_seconds), "--out", str(tmp / f"rank{rank}.json"),
-        ]
-        procs.append(subprocess.Popen(cmd, env=env))
+    procs = launch_workers(config, server.address, profile_path, tmp)
     try:
         for p in procs:
             p.wait(timeout=config.timeout_seconds + 60)

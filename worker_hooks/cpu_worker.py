@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rebalancer.placement import trivial_placement
+from rebalancer.v1 import rebalancer_pb2 as pb
 from worker_hooks.hook import HookConfig, RebalanceHook
 from worker_hooks.moe import MoEConfig, ReferenceMoE, combine, expert_forward, slot_weights
 
@@ -79,6 +81,25 @@ def ep_forward(
     return combine(Y, gates)
 
 
+class FaultyHook(RebalanceHook):
+    """Fault injection for the tests of invariant 5.
+
+    fault "fail": every prepare fails after its transfers (peers finish theirs).
+    fault "die": the process is killed with SIGKILL as soon as a plan arrives,
+    while its peers are exchanging weights with it."""
+
+    fault = ""
+
+    def on_prepare(self, prepare: pb.Prepare) -> None:
+        if self.fault == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().on_prepare(prepare)
+
+    def after_transfers(self, version: int) -> None:
+        if self.fault == "fail":
+            raise RuntimeError("injected failure after transfers")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, required=True)
@@ -101,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--local", action="store_true", help="no token exchange (peers may die)")
     p.add_argument(
-        "--fail-prepare", action="store_true", help="fault injection: fail every prepare"
+        "--fault", choices=("", "fail", "die"), default="", help="fault injection (tests)"
     )
     p.add_argument(
         "--wait-version",
@@ -135,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     phy2log = trivial_placement(cfg.num_layers, cfg.num_experts, args.slots, args.world)
     S = args.slots // args.world
     weights = slot_weights(cfg, phy2log, range(args.rank * S, (args.rank + 1) * S))
-    hook = RebalanceHook(
+    hook = FaultyHook(
         HookConfig(
             controller=args.controller,
             deployment=args.deployment,
@@ -153,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         weights,
         agree_group,
         migrate_group,
-        fail_prepare=args.fail_prepare,
     )
+    hook.fault = args.fault
     reference = ReferenceMoE(cfg)
     hook.start()
     hook.agent.connected.wait(timeout=30)
@@ -223,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     with open(args.out, "w") as f:
         json.dump(result, f)
-    if not args.local:
+    if not args.local:  # with peers possibly dead, leave without a collective goodbye
         dist.barrier()
-    dist.destroy_process_group()
+        dist.destroy_process_group()
     return 0
 
 

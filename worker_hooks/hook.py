@@ -81,7 +81,6 @@ class RebalanceHook(PlanHandlers):
         agree_group: dist.ProcessGroup | None,
         migrate_group: dist.ProcessGroup | None,
         device: torch.device | str = "cpu",
-        fail_prepare: bool = False,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -113,7 +112,6 @@ class RebalanceHook(PlanHandlers):
         # Newest version the controller said to commit; read by the serving thread.
         self._commit_ready = 0
         self._staged_phy2log: dict[int, np.ndarray] = {}
-        self._fail_prepare = fail_prepare
         shape = pb.ModelShape(
             num_layers=config.num_layers,
             num_logical_experts=config.num_logical,
@@ -188,8 +186,6 @@ class RebalanceHook(PlanHandlers):
     def _prepare(self, prepare: pb.Prepare) -> None:
         version = prepare.version
         try:
-            if self._fail_prepare:
-                raise RuntimeError("injected prepare failure")
             if prepare.base_version != self.version:
                 raise RuntimeError(
                     f"plan is based on v{prepare.base_version}, rank serves v{self.version}"
@@ -200,6 +196,7 @@ class RebalanceHook(PlanHandlers):
             )
             transfers = codec.decode(prepare.transfers, "transfers")
             stats = self.executor.prepare(version, transfers)
+            self.after_transfers(version)
             self.dispatch.stage(
                 log2phy_of(new, cfg.num_logical, cfg.num_slots - cfg.num_logical + 1)
             )
@@ -220,6 +217,10 @@ class RebalanceHook(PlanHandlers):
             bytes_received=stats.bytes_received,
             seconds=stats.seconds,
         )
+
+    def after_transfers(self, version: int) -> None:
+        """Called on the migration thread once a plan's weights are staged; raising
+        here fails the plan. A seam for checks (and for fault injection in tests)."""
 
     def on_commit(self, version: int) -> None:
         self._commit_ready = max(self._commit_ready, version)

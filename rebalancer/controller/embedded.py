@@ -1,0 +1,62 @@
+"""A controller server running on a thread of the calling process.
+
+Used by the demo (workers are separate processes, the controller and its
+observers live with the orchestrator) and by tests that need a real server on
+loopback next to assertions on its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+from rebalancer.controller.config import ControllerConfig
+from rebalancer.controller.server import ControllerServer
+
+
+class EmbeddedController:
+    """The controller's event loop on a thread of this process."""
+
+    def __init__(
+        self, config: ControllerConfig, setup: Callable[[ControllerServer], None] | None = None
+    ) -> None:
+        self.config = config
+        self.setup = setup
+        self.server: ControllerServer | None = None
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="controller", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        self.server = ControllerServer(self.config)
+        if self.setup is not None:
+            self.setup(self.server)
+        await self.server.start()
+        self.ready.set()
+        await self.server.wait()
+
+    def start(self) -> ControllerServer:
+        self.thread.start()
+        if not self.ready.wait(30):
+            raise RuntimeError("controller did not start")
+        assert self.server is not None
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self.thread.join(30)
+
+    def call(self, fn: Callable[[], object]) -> object:
+        """Run `fn` on the controller's loop thread (state is not thread-safe) and return its result."""
+
+        async def run() -> object:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+

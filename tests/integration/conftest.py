@@ -1,0 +1,35 @@
+"""Fixtures: a real controller on loopback, and real worker processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rebalancer.controller.config import ControllerConfig, client_options
+from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.embedded import EmbeddedController
+from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+
+
+def start_controller(db: Path | str, policy: PolicyConfig | None = None, **kw: object) -> EmbeddedController:
+    config = ControllerConfig(port=0, db_path=str(db), policy=policy or PolicyConfig(), **kw)  # type: ignore[arg-type]
+    ctl = EmbeddedController(config)
+    ctl.start()
+    return ctl
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[EmbeddedController]:
+    ctl = start_controller(tmp_path / "controller.sqlite")
+    yield ctl
+    ctl.stop()
+
+
+@pytest.fixture
+def worker_stub(controller: EmbeddedController) -> Iterator[pb_grpc.WorkerServiceStub]:
+    assert controller.server is not None
+    with grpc.insecure_channel(controller.server.address, options=client_options()) as channel:
+        yield pb_grpc.WorkerServiceStub(channel)
