@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rebalancer.controller import codec
+from rebalancer.errors import InputError
+from rebalancer.v1 import rebalancer_pb2 as pb
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint32, np.float32])
+def test_round_trip(dtype: type) -> None:
+    a = (np.arange(12).reshape(3, 4) * 3).astype(dtype)
+    back = codec.decode(codec.encode(a), "a", (3, 4))
+    assert back.dtype == np.dtype(dtype) and np.array_equal(back, a)
+
+
+def test_big_endian_input_is_sent_little_endian() -> None:
+    a = np.arange(6, dtype=">i8").reshape(2, 3)
+    assert np.array_equal(codec.decode(codec.encode(a), "a"), a)
+
+
+def test_refusals() -> None:
+    with pytest.raises(InputError, match="cannot encode"):
+        codec.encode(np.zeros(3, np.float64))
+    msg = codec.encode(np.ones((2, 2), np.int64))
+    with pytest.raises(InputError, match="does not match expected"):
+        codec.decode(msg, "c", (2, 3))
+    with pytest.raises(InputError, match="unsupported dtype"):
+        codec.decode(pb.Array(dtype=pb.DTYPE_UNSPECIFIED, shape=[1], data=b"\0" * 8), "c")
+    with pytest.raises(InputError, match="negative"):
+        codec.decode_counts(codec.encode(-np.ones((2, 2), np.int64)), "c", (2, 2))
+    with pytest.raises(InputError, match="NaN"):
+        codec.decode_counts(codec.encode(np.full((2, 2), np.inf, np.float32)), "c", (2, 2))
+
+
+def test_phy2log_must_cover_every_expert() -> None:
+    ok = np.array([[0, 1, 2, 0]], np.int32)
+    assert codec.decode_phy2log(codec.encode(ok), 1, 4, 3).tolist() == [[0, 1, 2, 0]]
+    with pytest.raises(InputError, match="without a slot"):
+        codec.decode_phy2log(codec.encode(np.array([[0, 1, 1, 0]], np.int32)), 1, 4, 3)
+    with pytest.raises(InputError, match=r"\[0, 3\)"):
+        codec.decode_phy2log(codec.encode(np.array([[0, 1, 2, 3]], np.int32)), 1, 4, 3)
