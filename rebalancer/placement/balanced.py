@@ -39,6 +39,7 @@ def refine_swaps(
     slot_expert: np.ndarray,
     num_packs: int,
     max_rounds: int = 8,
+    max_pairs: int = 16,
 ) -> np.ndarray:
     """Even out packs by swapping items between heavy and light packs.
 
@@ -56,7 +57,9 @@ def refine_swaps(
     perm = np.tile(np.arange(num_items, dtype=np.int64), (num_rows, 1))
     if num_packs == 1:
         return perm
-    num_pairs = num_packs // 2
+    if per_pack <= 1:
+        return perm
+    num_pairs = min(max_pairs, num_packs // 2)
     weight = slot_weight.reshape(num_rows, num_packs, per_pack).copy()
     expert = slot_expert.reshape(num_rows, num_packs, per_pack).copy()
     perm3 = perm.reshape(num_rows, num_packs, per_pack)
@@ -225,13 +228,13 @@ def spread_duplicates(
 
 def polish(
     item_at: np.ndarray, weight: np.ndarray, item_expert: np.ndarray, num_packs: int,
-    max_rounds: int,
+    max_rounds: int, steps: tuple[str, ...] = ("spread", "swap", "spread"),
 ) -> np.ndarray:
     """Spread duplicates, swap heavy against light packs, spread again.
 
     item_at, weight, item_expert: [X, n]. Returns: item_at [X, n].
     """
-    for step in ("spread", "swap", "spread"):
+    for step in steps:
         slot_weight = np.take_along_axis(weight, item_at, axis=1)
         slot_expert = np.take_along_axis(item_expert, item_at, axis=1)
         if step == "spread":
@@ -243,7 +246,7 @@ def polish(
 
 
 def pack_balanced(
-    weight: np.ndarray, num_packs: int, item_expert: np.ndarray, max_rounds: int = 4
+    weight: np.ndarray, num_packs: int, item_expert: np.ndarray, max_rounds: int = 3
 ) -> np.ndarray:
     """Round packing, duplicates spread, then refined by swaps (with two items per pack
     the rounds alone are already the optimal pairing).
@@ -251,4 +254,13 @@ def pack_balanced(
     weight: [X, n] replica loads, item_expert: [X, n] expert of each replica.
     Returns: item_at [X, n] int64, the item in each slot (pack k owns slots [k*c, (k+1)*c)).
     """
-    return polish(pack_rounds(weight, num_packs), weight, item_expert, num_packs, max_rounds)
+    item_at = pack_rounds(weight, num_packs)
+    if num_items_per_pack(weight, num_packs) <= 2:
+        # two items per pack: the rounds pair heaviest with lightest, which is optimal;
+        # only duplicates are left to spread
+        return polish(item_at, weight, item_expert, num_packs, 0, steps=("spread",))
+    return polish(item_at, weight, item_expert, num_packs, max_rounds)
+
+
+def num_items_per_pack(weight: np.ndarray, num_packs: int) -> int:
+    return weight.shape[1] // num_packs

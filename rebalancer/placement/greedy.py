@@ -29,31 +29,43 @@ def replicate_greedy(
     base = np.tile(np.arange(num_log, dtype=np.int64), (num_rows, 1))
     if num_extra == 0:
         return base, np.ones((num_rows, num_log), dtype=np.int64)
-    # 1. An expert replicated c times so far offers the value weight / c for its next
-    #    replica. The greedy takes the num_extra largest offers overall; an expert gets
-    #    more than k extras only if weight/k is among them, so weight/k >= total/P
-    #    bounds k and keeps the candidate table small.
+    # 1. An expert replicated c times so far offers weight / c for its next replica;
+    #    the greedy takes the num_extra largest offers of the row. The last one taken is
+    #    at least total / P, so only offers weight / k with k <= weight * P / total
+    #    can be taken: a short ragged list of candidates per row.
     total = weight.sum(axis=1, keepdims=True)
-    share = np.where(total > 0, weight / np.where(total > 0, total, 1), 0.0)
-    depth = int(np.ceil(share.max() * num_phy)) + 1
+    share = weight / np.where(total > 0, total, 1)
+    limit = np.floor(share * num_phy + 1e-9).astype(np.int64)
     if max_count is not None:
-        depth = min(depth, max(max_count, -(-num_phy // num_log)) - 1)
-    depth = max(1, min(num_extra, max(depth, -(-num_extra // num_log))))
-    divisor = np.arange(1, depth + 1, dtype=np.float64)
-    offers = (weight[:, :, None] / divisor).reshape(num_rows, num_log * depth)
+        limit = np.minimum(limit, max(max_count, -(-num_phy // num_log)) - 1)
+    if (limit.sum(axis=1) < num_extra).any():
+        # rows without load (or caps): every expert offers up to num_extra replicas
+        limit = np.full_like(limit, num_extra)
+        if max_count is not None:
+            limit = np.minimum(limit, max(max_count, -(-num_phy // num_log)) - 1)
+    per_row = limit.sum(axis=1)
+    width = int(per_row.max())
+    flat_limit = limit.ravel()
+    owner = np.repeat(np.arange(num_rows * num_log), flat_limit)  # row * n + expert
+    run_start = np.cumsum(flat_limit) - flat_limit
+    divisor = np.arange(owner.size) - np.repeat(run_start, flat_limit) + 1
+    row = owner // num_log
+    column = np.arange(owner.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    offers = np.full((num_rows, width), -np.inf)
+    offers[row, column] = weight.ravel()[owner] / divisor
     # 2. threshold = the num_extra-th largest offer; take everything above it and the
-    #    lowest-index offers equal to it (the greedy's tie order)
-    kth = num_log * depth - num_extra
+    #    lowest-index offers equal to it (the greedy's tie order: candidates are laid
+    #    out in expert order)
+    kth = width - num_extra
     threshold = np.partition(offers, kth, axis=1)[:, kth : kth + 1]
     above = offers > threshold
     tied = offers == threshold
     taken = above | tied
     need = num_extra - np.count_nonzero(above, axis=1)
-    # ties are rare (integer counts of one expert twice another's); only those rows
-    # pay for ordering them
-    for row in np.flatnonzero(np.count_nonzero(tied, axis=1) > need):
-        taken[row] = above[row] | (tied[row] & (np.cumsum(tied[row]) <= need[row]))
-    extras = np.count_nonzero(taken.reshape(num_rows, num_log, depth), axis=2)
+    for r in np.flatnonzero(np.count_nonzero(tied, axis=1) > need):
+        taken[r] = above[r] | (tied[r] & (np.cumsum(tied[r]) <= need[r]))
+    extras = np.bincount(owner[taken[row, column]], minlength=num_rows * num_log)
+    extras = extras.reshape(num_rows, num_log)
     logcnt = 1 + extras
     # 3. lay out the extras in expert order after the identity block
     extra_experts = np.repeat(
