@@ -110,7 +110,7 @@ class WorkerAgent:
                 self._merge_oldest()
         self._poke()
 
-    def report(self, version: int, phase: int, step: int = 0, error: str = "",
+    def report(self, version: int, phase: pb.PlanPhase, step: int = 0, error: str = "",
                bytes_received: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
             self._reports.append(pb.PlanReport(

@@ -7,18 +7,20 @@ no Python loops over experts) and the only place that says what is malformed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 
-_TO_NUMPY = {
+_TO_NUMPY: dict[Any, np.dtype] = {
     pb.DTYPE_INT32: np.dtype("<i4"),
     pb.DTYPE_INT64: np.dtype("<i8"),
     pb.DTYPE_UINT32: np.dtype("<u4"),
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
 }
-_FROM_NUMPY = {v: k for k, v in _TO_NUMPY.items()}
+_FROM_NUMPY: dict[np.dtype, Any] = {v: k for k, v in _TO_NUMPY.items()}
 
 
 def encode(array: np.ndarray) -> pb.Array:

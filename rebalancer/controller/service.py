@@ -26,6 +26,7 @@ from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 log = logging.getLogger("rebalancer.service")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_EOF = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime, missing in the stubs
 _PHASES = {
     pb.PLAN_PHASE_PREPARED: "prepared",
     pb.PLAN_PHASE_FAILED: "failed",
@@ -125,7 +126,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
 
     async def Stream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
-        if first is grpc.aio.EOF or not first.HasField("hello"):
+        if first is _EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first stream message must be hello")
             return
         outbox: asyncio.Queue[pb.ControllerMessage] = asyncio.Queue(_SEND_QUEUE)
@@ -157,7 +158,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         try:
             while True:
                 msg = await context.read()
-                if msg is grpc.aio.EOF:
+                if msg is _EOF:
                     break
                 if not msg.HasField("window"):
                     raise InputError("only windows may follow hello on the stream")

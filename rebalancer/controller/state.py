@@ -336,7 +336,8 @@ class Controller:
     def _act(self, dep: Deployment, decision: Decision, trigger: str, now: float) -> Plan | None:
         """Record a decision; start its plan when it says so and every rank is there."""
         plan = None
-        if decision.take and decision.candidate is not None:
+        candidate = decision.candidate
+        if decision.take and candidate is not None:
             if dep.connected_ranks < dep.shape.num_gpus:
                 decision = replace(
                     decision, outcome="skip_ranks",
@@ -344,7 +345,7 @@ class Controller:
                 )
                 dep.loop.last_decision = decision
             else:
-                plan = self._start_plan(dep, decision.candidate, trigger, now)
+                plan = self._start_plan(dep, candidate, trigger, now)
         record = decision.to_dict()
         record.update(time=time.time(), plan_version=plan.version if plan else 0)
         self.store.record_decision(dep.name, record)

@@ -53,6 +53,6 @@ def test_prepare_commit_abort_across_three_ranks() -> None:
         init = f"file://{os.path.join(out, 'rdzv')}"
         mp.spawn(_worker, args=(init, old, new, moves, out), nprocs=G, join=True)
         results = [np.load(f"{out}/{r}.npy") for r in range(G)]
-    for same, before_commit_same, ok, received in results:
+    for same, before_commit_same, ok, _received in results:
         assert same and before_commit_same and ok
     assert sum(int(r[3]) for r in results) == len(moves)
