@@ -34,7 +34,7 @@ def plot_balancedness(
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise InputError("--plot needs matplotlib (pip install matplotlib)") from exc
-    fig, ax = plt.subplots(figsize=(8.0, 3.6), dpi=100)
+    fig, ax = plt.subplots(figsize=(8.0, 3.6), dpi=80)
     for name, res in results.items():
         colour = COLOURS.get(name)
         xs = [w * window_seconds / 60.0 for w in range(len(res.balancedness_per_window))]
