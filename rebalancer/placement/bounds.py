@@ -3,7 +3,11 @@
 Every placement reports its gap to these bounds, so an operator can tell "the load is
 hard" from "the algorithm is weak". Per layer, the max GPU load of any placement is at
 least the mean (total / G) and at least the smallest possible max replica load (the
-greedy replication is optimal for that); an LP relaxation adds the pairing argument.
+greedy replication is optimal for that); the GPU holding that replica also fills its
+other S - 1 slots, each with at least the smallest replica any expert can have.
+
+A linear relaxation that treats GPUs alike adds nothing: averaging any fractional
+solution over GPU permutations gives every GPU total / G, so it only restates the mean.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ def max_load_lower_bound(load: np.ndarray, num_slots: int, num_gpus: int) -> np.
     # 2. some GPU carries the largest replica; greedy replication minimises that
     phy2log, logcnt = replicate_greedy(load, num_slots)
     largest_replica = (load / logcnt).max(axis=1)
-    return np.maximum(mean, largest_replica)
+    # 3. ... and S - 1 more replicas, none below an expert's load over its most replicas
+    most_replicas = 1 + num_slots - load.shape[1]
+    smallest_replica = load.min(axis=1) / most_replicas
+    per_gpu = num_slots // num_gpus
+    return np.maximum(mean, largest_replica + (per_gpu - 1) * smallest_replica)
 
 
 def lower_bound_balancedness_per_layer(
@@ -47,7 +55,8 @@ def lower_bound_balancedness(
     load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1
 ) -> float:
     """Best reachable balancedness, averaged over layers with load (an upper limit on
-    what any placement achieves; "lower bound" refers to the max GPU load).
+    what any placement achieves; "lower bound" refers to the max GPU load). It costs
+    about as much as one replication, so a decision loop can afford it.
 
     load: [L, E].
     """
