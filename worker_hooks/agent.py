@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from rebalancer.client import ChannelConfig, aio_channel
 from rebalancer.controller import codec
-from rebalancer.controller.config import client_options
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 
@@ -38,6 +38,10 @@ class AgentConfig:
     rank: int
     shape: pb.ModelShape
     worker_id: str = ""
+    token: str | None = None          # bearer token of the deployment
+    ca_file: str | None = None        # TLS: the controller's CA
+    cert_file: str | None = None      # mutual TLS: this rank's certificate and key
+    key_file: str | None = None
     max_pending: int = 32             # unsent windows before merging
     rpc_timeout_seconds: float = 5.0
     backoff_initial_seconds: float = 0.2
@@ -83,6 +87,8 @@ class WorkerAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stop = threading.Event()
+        self._channel = ChannelConfig(config.address, config.ca_file, config.cert_file, config.key_file, config.token)
+        self._metadata = self._channel.metadata()
         self._thread = threading.Thread(target=self._run, name=f"rebalancer-agent-{config.rank}", daemon=True)
         self.connected = threading.Event()
         self.merged_windows = 0
@@ -155,7 +161,7 @@ class WorkerAgent:
         self._wake = asyncio.Event()
         backoff = self.config.backoff_initial_seconds
         while not self._stop.is_set():
-            async with grpc.aio.insecure_channel(self.config.address, options=client_options()) as channel:
+            async with aio_channel(self._channel) as channel:
                 stub = pb_grpc.WorkerServiceStub(channel)
                 try:
                     await self._register(stub)
@@ -173,7 +179,7 @@ class WorkerAgent:
             backoff = min(backoff * 2, self.config.backoff_max_seconds)
             try:
                 await asyncio.wait_for(self._wait_stop(), timeout=delay)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _wait_stop(self) -> None:
@@ -189,7 +195,9 @@ class WorkerAgent:
             request.initial_placement.CopyFrom(
                 pb.Placement(version=0, phy2log=codec.encode(self._initial.astype(np.int32)))
             )
-        response = await stub.Register(request, timeout=self.config.rpc_timeout_seconds, wait_for_ready=True)
+        response = await stub.Register(
+            request, timeout=self.config.rpc_timeout_seconds, wait_for_ready=True, metadata=self._metadata
+        )
         self._session = response.session_id
         self.committed_placement = codec.decode(response.committed.phy2log, "committed").astype(np.int64)
         # Resend what the controller has not counted; renumber if it expects less.
@@ -206,7 +214,7 @@ class WorkerAgent:
 
     async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
         assert self._wake is not None
-        call = stub.Stream()
+        call = stub.Stream(metadata=self._metadata)
         await call.write(pb.WorkerMessage(hello=pb.Hello(session_id=self._session)))
         with self._lock:
             resend = [self._unacked[s] for s in sorted(self._unacked)]
@@ -255,7 +263,7 @@ class WorkerAgent:
                 report = self._reports[0]
             report.session_id = self._session
             try:
-                await stub.ReportPlan(report, timeout=self.config.rpc_timeout_seconds)
+                await stub.ReportPlan(report, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise  # reconnect, then send it again

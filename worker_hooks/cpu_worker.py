@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         help="after --steps, keep stepping until this version is committed",
     )
     p.add_argument("--max-seconds", type=float, default=120.0)
+    p.add_argument("--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             window_steps=args.window_steps,
             agree_every=args.agree_every,
             worker_id=f"cpu-worker-{os.getpid()}",
+            token=args.token,
         ),
         phy2log,
         weights,

@@ -54,6 +54,10 @@ class HookConfig:
     layers_per_chunk: int = 4
     record_physical: bool = True
     worker_id: str = ""
+    token: str | None = None        # bearer token of the deployment (controller's worker_tokens)
+    ca_file: str | None = None      # TLS to the controller
+    cert_file: str | None = None    # mutual TLS
+    key_file: str | None = None
 
     @property
     def slots_per_rank(self) -> int:
@@ -121,7 +125,10 @@ class RebalanceHook(PlanHandlers):
             expert_bytes=config.expert_bytes,
         )
         self.agent = WorkerAgent(
-            AgentConfig(config.controller, config.deployment, config.rank, shape, config.worker_id),
+            AgentConfig(
+                config.controller, config.deployment, config.rank, shape, config.worker_id,
+                token=config.token, ca_file=config.ca_file, cert_file=config.cert_file, key_file=config.key_file,
+            ),
             self,
             lambda: self.version,
             initial_phy2log=self.phy2log,

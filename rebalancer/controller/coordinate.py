@@ -50,6 +50,7 @@ class Plan:
     prepared: set[int] = field(default_factory=set)
     committed: set[int] = field(default_factory=set)
     reason: str = ""
+    started_at: float = 0.0    # monotonic seconds when Prepare went out
     prepared_at: float = 0.0
     committed_at: float = 0.0
 

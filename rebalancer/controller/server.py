@@ -12,13 +12,17 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from rebalancer.controller.admin import AdminService
 from rebalancer.controller.config import ControllerConfig, server_options
+from rebalancer.controller.metrics import ControllerMetrics
 from rebalancer.controller.service import WorkerService
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
@@ -42,16 +46,30 @@ class ControllerServer:
         self.controller = Controller(self.store, config.policy)
         self.server = grpc.aio.server(options=server_options(config.max_message_bytes))
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-        pb_grpc.add_WorkerServiceServicer_to_server(WorkerService(self.controller), self.server)
+        self.metrics = ControllerMetrics(self.controller)
+        self.metrics_port: int | None = None
+        pb_grpc.add_WorkerServiceServicer_to_server(
+            WorkerService(self.controller, config.worker_tokens, self.metrics.on_ingest), self.server
+        )
         pb_grpc.add_AdminServiceServicer_to_server(AdminService(self.controller, config.admin_token), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert and config.tls_key:
+            creds = grpc.ssl_server_credentials(
+                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+                root_certificates=Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None,
+                require_client_auth=bool(config.tls_client_ca),
+            )
+            self.port = self.server.add_secure_port(address, creds)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         self._tick_task: asyncio.Task[None] | None = None
+        self._metrics_http: Any = None
         self._stopping = False
         self._stopped = asyncio.Event()
 
@@ -68,6 +86,12 @@ class ControllerServer:
     async def start(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.config.metrics_port is not None:
+            self._metrics_http, _ = start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
+            )
+            self.metrics_port = int(self._metrics_http.server_port)
+            log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
         self._tick_task = asyncio.create_task(self._ticker())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("controller serving on %s (store %s)", self.address, self.store.path)
@@ -90,6 +114,8 @@ class ControllerServer:
         if self._tick_task:
             self._tick_task.cancel()
         await self.server.stop(self.config.grace_seconds)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
         self.store.close()
         self._stopped.set()
         log.info("controller stopped")

@@ -8,9 +8,11 @@ and a log line. Validation happens before any state is touched (invariant 6).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -98,12 +100,32 @@ def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
 
 
 class WorkerService(pb_grpc.WorkerServiceServicer):
-    def __init__(self, controller: Controller) -> None:
+    """`tokens` maps a deployment to the bearer token its ranks must present; when
+    empty, workers are not authenticated (use mutual TLS or a private network)."""
+
+    def __init__(
+        self, controller: Controller, tokens: dict[str, str] | None = None,
+        on_ingest: Callable[[str, int, float], None] | None = None,
+    ) -> None:
         self.controller = controller
+        self.tokens = dict(tokens or {})
+        self.on_ingest = on_ingest  # (deployment, bytes, seconds) per window, for metrics
+
+    def _check_token(self, context: grpc.aio.ServicerContext, deployment: str) -> None:
+        """Raise StateError unless the call may speak for `deployment`."""
+        if not self.tokens:
+            return
+        got = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not isinstance(got, str) or not got.startswith("Bearer "):
+            raise StateError("UNAUTHENTICATED", "worker calls need 'authorization: Bearer <token>'")
+        expected = self.tokens.get(deployment)
+        if expected is None or not hmac.compare_digest(got[7:].encode(), expected.encode()):
+            raise StateError("PERMISSION_DENIED", f"token does not allow speaking for deployment {deployment!r}")
 
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         try:
             name = check_name(request.deployment)
+            self._check_token(context, name)
             shape = shape_of(request.shape)
             if request.rank >= shape.num_gpus:
                 raise InputError(f"rank {request.rank} out of range for {shape.num_gpus} GPUs")
@@ -142,6 +164,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
 
         session_id = first.hello.session_id
         try:
+            self._check_token(context, self.controller.session(session_id)[0].name)
             dep, session = self.controller.attach(session_id, send)
         except StateError as exc:
             await refuse(context, exc, "Stream hello")
@@ -163,11 +186,15 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 if not msg.HasField("window"):
                     raise InputError("only windows may follow hello on the stream")
                 w = msg.window
+                t0 = time.perf_counter()
                 logical = codec.decode_counts(w.logical_count, "logical_count", logical_shape)
                 physical = None
                 if w.HasField("physical_count"):
                     physical = codec.decode_counts(w.physical_count, "physical_count", physical_shape)
                 self.controller.ingest(dep, session.rank, w.seq, w.placement_version, logical, physical)
+                if self.on_ingest is not None:
+                    nbytes = len(w.logical_count.data) + len(w.physical_count.data)
+                    self.on_ingest(dep.name, nbytes, time.perf_counter() - t0)
                 send("ack", w.seq)
         except (InputError, StateError) as exc:
             await refuse(context, exc, f"Stream window from rank {session.rank} of {dep.name!r}")
@@ -177,6 +204,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
 
     async def ReportPlan(self, request: pb.PlanReport, context: grpc.aio.ServicerContext) -> pb.PlanReportResponse:
         try:
+            self._check_token(context, self.controller.session(request.session_id)[0].name)
             phase = _PHASES.get(request.phase)
             if phase is None:
                 raise InputError(f"plan phase {request.phase} is not reportable")

@@ -127,6 +127,7 @@ class Controller:
         self.sessions: dict[str, tuple[str, int]] = {}
         self.window_observers: list[Callable[[WindowEvent], None]] = []
         self.plan_observers: list[Callable[[str, Plan, str], None]] = []
+        self.decision_observers: list[Callable[[str, Decision, str], None]] = []
         self._load()
 
     # ------------------------------------------------------------ restart
@@ -350,6 +351,8 @@ class Controller:
         record.update(time=time.time(), plan_version=plan.version if plan else 0)
         self.store.record_decision(dep.name, record)
         log.info("%s decision: %s (%s)", dep.name, decision.outcome, decision.reason)
+        for observer in self.decision_observers:
+            observer(dep.name, decision, trigger)
         return plan
 
     # ------------------------------------------------------------ plans
@@ -364,7 +367,7 @@ class Controller:
             version=version, base_version=dep.version, phy2log=new, transfers=transfers,
             num_ranks=G, trigger=trigger, created=time.time(),
             deadline=now + dep.policy.prepare_timeout_seconds,
-            slots_moved=moved, bytes_moved=bytes_moved,
+            slots_moved=moved, bytes_moved=bytes_moved, started_at=now,
         )
         self.store.begin_plan(dep.name, version, dep.version, trigger, new, moved, bytes_moved)
         dep.plan = plan

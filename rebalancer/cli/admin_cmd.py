@@ -1,0 +1,172 @@
+"""`rebalancer admin`: operate a running controller over the AdminService.
+
+Exit codes: 0 ok, 2 bad input, 3 not found, 4 refused in this state,
+5 controller unreachable, 6 not authenticated / not allowed, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+EXIT_CODES = {
+    "INVALID_ARGUMENT": 2, "NOT_FOUND": 3, "FAILED_PRECONDITION": 4, "ALREADY_EXISTS": 4,
+    "UNAVAILABLE": 5, "DEADLINE_EXCEEDED": 5, "UNAUTHENTICATED": 6, "PERMISSION_DENIED": 6,
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "admin", help="inspect and steer a running controller",
+        description="Talk to a controller's AdminService. The token comes from --token or "
+        "REBALANCER_ADMIN_TOKEN. " + (__doc__ or "").splitlines()[-2].strip(),
+    )
+    p.add_argument("--address", default=os.environ.get("REBALANCER_ADDRESS", "127.0.0.1:50051"),
+                   help="controller host:port (env REBALANCER_ADDRESS)")
+    p.add_argument("--token", default=os.environ.get("REBALANCER_ADMIN_TOKEN"), help="admin bearer token")
+    p.add_argument("--ca", help="CA certificate of the server (enables TLS)")
+    p.add_argument("--cert", help="client certificate (mutual TLS)")
+    p.add_argument("--key", help="client key (mutual TLS)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    cmds = p.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
+
+    s = cmds.add_parser("status", help="per deployment: version, balancedness, plan in flight, last decision")
+    s.add_argument("deployment", nargs="?", default="", help="one deployment (default: all)")
+    s = cmds.add_parser("placement", help="print or export the committed placement")
+    s.add_argument("deployment")
+    s.add_argument("--out", help="write PLACEMENT.json here")
+    s.add_argument("--sglang", help="write SGLang's --init-expert-location file here")
+    s = cmds.add_parser("history", help="plans and decisions, newest first")
+    s.add_argument("deployment")
+    s.add_argument("--limit", type=int, default=20)
+    s = cmds.add_parser("force", help="rebalance now, skipping the gate (or --dry-run)")
+    s.add_argument("deployment")
+    s.add_argument("--dry-run", action="store_true", help="show the plan, its gain and cost; start nothing")
+    s.add_argument("--max-moved-fraction", type=float, default=0.0, help="budget for this plan (0: policy's)")
+    for name, text in (("pause", "stop automatic rebalancing"), ("resume", "resume automatic rebalancing")):
+        s = cmds.add_parser(name, help=text)
+        s.add_argument("deployment")
+    s = cmds.add_parser("policy", help="get or set the policy: policy DEP [key=value ...]")
+    s.add_argument("deployment")
+    s.add_argument("settings", nargs="*", metavar="key=value")
+    p.set_defaults(func=run)
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"rebalancer admin: error: {message}", file=sys.stderr)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from rebalancer.client import ChannelConfig, sync_channel
+    from rebalancer.v1 import rebalancer_pb2 as pb
+    from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+
+    config = ChannelConfig(args.address, args.ca, args.cert, args.key, args.token)
+    with sync_channel(config) as channel:
+        stub = pb_grpc.AdminServiceStub(channel)
+        kw: dict[str, Any] = {"timeout": args.timeout, "metadata": config.metadata()}
+        try:
+            return _dispatch(args, stub, pb, kw)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            return _fail(EXIT_CODES.get(code.name, 1), f"{code.name}: {exc.details()}")
+
+
+def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from rebalancer.errors import InputError
+
+    def show(msg: Any, text: str) -> None:
+        if args.json:
+            print(json.dumps(MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        else:
+            print(text)
+
+    cmd = args.admin_command
+    ref = pb.DeploymentRef(deployment=getattr(args, "deployment", ""))
+    if cmd == "status":
+        reply = stub.Status(pb.StatusRequest(deployment=args.deployment), **kw)
+        show(reply, "\n".join(_status_text(d) for d in reply.deployments) or "no deployments")
+    elif cmd == "placement":
+        from rebalancer.controller import codec
+        from rebalancer.formats import write_placement, write_sglang_expert_location
+
+        reply = stub.GetPlacement(ref, **kw)
+        status = stub.Status(pb.StatusRequest(deployment=args.deployment), **kw).deployments[0]
+        phy2log = codec.decode(reply.phy2log, "phy2log")
+        if args.out:
+            write_placement(args.out, phy2log, status.shape.num_gpus, status.shape.num_nodes or 1,
+                            status.shape.num_logical_experts, reply.version)
+        if args.sglang:
+            write_sglang_expert_location(args.sglang, phy2log)
+        if args.json:
+            print(json.dumps({"version": reply.version, "phy2log": phy2log.tolist()}))
+        elif not (args.out or args.sglang):
+            print(f"placement v{reply.version} of {args.deployment}: {phy2log.shape[0]} layers x {phy2log.shape[1]} slots")
+            for layer, row in enumerate(phy2log):
+                print(f"  layer {layer:3d}: {' '.join(map(str, row))}")
+        else:
+            print(f"wrote placement v{reply.version} to {', '.join(p for p in (args.out, args.sglang) if p)}")
+    elif cmd == "history":
+        reply = stub.History(pb.HistoryRequest(deployment=args.deployment, limit=args.limit), **kw)
+        lines = ["plans:"] + [f"  v{p.version} from v{p.base_version} {p.state:10s} {p.trigger:7s} "
+                              f"{p.slots_moved} slots {p.bytes_moved / 1e6:.1f} MB {p.reason}" for p in reply.plans]
+        lines += ["decisions:"] + [f"  {d.outcome:18s} {d.reason}" for d in reply.decisions]
+        show(reply, "\n".join(lines))
+    elif cmd == "force":
+        reply = stub.ForceRebalance(pb.ForceRebalanceRequest(
+            deployment=args.deployment, dry_run=args.dry_run, max_moved_fraction=args.max_moved_fraction), **kw)
+        d = reply.decision
+        text = (f"{d.outcome}: balancedness {d.balancedness_current:.3f} -> {d.balancedness_candidate:.3f} "
+                f"(bound {d.bound_balancedness:.3f}), moves {d.moved_fraction:.1%} of slots "
+                f"({d.bytes_to_move / 1e6:.1f} MB), predicted gain {d.predicted_gain_seconds:.2f} s vs cost "
+                f"{d.migration_cost_seconds:.3f} s" + (f"; plan v{d.plan_version} started" if d.plan_version else ""))
+        if args.json:
+            out = MessageToDict(d, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            out["transfers"] = len(reply.transfers.data) // 20 if reply.transfers.data else 0
+            print(json.dumps(out))
+        else:
+            print(text)
+    elif cmd in ("pause", "resume"):
+        (stub.Pause if cmd == "pause" else stub.Resume)(ref, **kw)
+        print(json.dumps({"deployment": args.deployment, "paused": cmd == "pause"}) if args.json
+              else f"{args.deployment}: {'paused' if cmd == 'pause' else 'resumed'}")
+    elif cmd == "policy":
+        policy = stub.GetPolicy(ref, **kw)
+        if args.settings:
+            for item in args.settings:
+                key, sep, value = item.partition("=")
+                field = policy.DESCRIPTOR.fields_by_name.get(key)
+                if not sep or field is None:
+                    names = ", ".join(policy.DESCRIPTOR.fields_by_name)
+                    raise InputError(f"setting {item!r}: expected key=value with key one of {names}")
+                try:
+                    setattr(policy, key, int(value) if field.type == field.TYPE_UINT32 else float(value))
+                except ValueError:
+                    raise InputError(f"setting {item!r}: {value!r} is not a number") from None
+            policy = stub.SetPolicy(pb.SetPolicyRequest(deployment=args.deployment, policy=policy), **kw)
+        show(policy, "\n".join(f"{f.name} = {getattr(policy, f.name)}" for f in policy.DESCRIPTOR.fields))
+    return 0
+
+
+def _status_text(d: Any) -> str:
+    s = d.shape
+    last = d.last_decision
+    return (
+        f"{d.deployment}: v{d.placement_version}, {d.connected_ranks}/{s.num_gpus} ranks, "
+        f"L={s.num_layers} E={s.num_logical_experts} P={s.num_physical_slots} N={s.num_nodes}\n"
+        f"  balancedness actual {d.balancedness_actual:.3f}, on estimate {d.balancedness_estimated:.3f}; "
+        f"{d.windows_ingested} windows{', PAUSED' if d.paused else ''}\n"
+        f"  plans committed {d.plans_committed}, aborted {d.plans_aborted}; moved {d.slots_moved} slots, "
+        f"{d.bytes_moved / 1e6:.1f} MB"
+        + (f"\n  plan in flight: v{d.plan_in_flight} ({d.plan_phase})" if d.plan_in_flight else "")
+        + (f"\n  last decision: {last.outcome}: {last.reason}" if last.outcome else "")
+    )
