@@ -159,30 +159,35 @@ def _clean_choices(
 
 def spread_duplicates(
     slot_weight: np.ndarray, slot_expert: np.ndarray, num_packs: int, max_sweeps: int = 16
-) -> np.ndarray:
+) -> np.ndarray | None:
     """Move second replicas of an expert off a pack by swapping each with the item of
     closest weight on a pack that lacks that expert (and whose expert the first pack
     lacks), never raising the row's peak load. A duplicate stays only where no such swap
     exists (e.g. an expert with more replicas than packs). One duplicate per row per sweep.
 
     slot_weight, slot_expert: [X, n], pack k owning slots [k*c, (k+1)*c).
-    Returns: permutation [X, n]: new slot s takes the item of old slot perm[s].
+    Returns: permutation [X, n]: new slot s takes the item of old slot perm[s]; None
+    when there is no duplicate.
     """
-    num_rows, num_items = slot_weight.shape
+    total_rows, num_items = slot_weight.shape
     per_pack = num_items // num_packs
-    perm = np.tile(np.arange(num_items, dtype=np.int64), (num_rows, 1))
     if per_pack == 1:
-        return perm
-    weight = slot_weight.copy()
-    expert = slot_expert.copy()
+        return None
+    # only rows with a duplicate somewhere take part (sorting finds them cheaply)
+    by_pack = np.sort(slot_expert.reshape(total_rows, num_packs, per_pack), axis=2)
+    with_dup = np.flatnonzero((np.diff(by_pack, axis=2) == 0).any(axis=(1, 2)))
+    if with_dup.size == 0:
+        return None
+    num_rows = with_dup.size
+    weight = slot_weight[with_dup]
+    expert = slot_expert[with_dup]
+    perm = np.tile(np.arange(num_items, dtype=np.int64), (num_rows, 1))
     slot_pack = np.arange(num_items) // per_pack
     earlier = np.tril(np.ones((per_pack, per_pack), dtype=bool), -1)
     load = weight.reshape(num_rows, num_packs, per_pack).sum(axis=2)
     peak = load.max(axis=1)
     stuck = np.zeros((num_rows, num_items), dtype=bool)
-    # only rows with a duplicate somewhere take part (sorting finds them cheaply)
-    by_pack = np.sort(expert.reshape(num_rows, num_packs, per_pack), axis=2)
-    rows = np.flatnonzero((np.diff(by_pack, axis=2) == 0).any(axis=(1, 2)))
+    rows = np.arange(num_rows)
     for _ in range(max_sweeps):
         # 1. a slot is a duplicate if an earlier slot of its pack holds the same expert
         packed = expert[rows].reshape(rows.size, num_packs, per_pack)
@@ -223,7 +228,9 @@ def spread_duplicates(
             a_val = state[r, a]
             state[r, a] = state[r, b]
             state[r, b] = a_val
-    return perm
+    full = np.tile(np.arange(num_items, dtype=np.int64), (total_rows, 1))
+    full[with_dup] = perm
+    return full
 
 
 def polish(
@@ -241,7 +248,8 @@ def polish(
             perm = spread_duplicates(slot_weight, slot_expert, num_packs)
         else:
             perm = refine_swaps(slot_weight, slot_expert, num_packs, max_rounds)
-        item_at = np.take_along_axis(item_at, perm, axis=1)
+        if perm is not None:
+            item_at = np.take_along_axis(item_at, perm, axis=1)
     return item_at
 
 

@@ -172,11 +172,12 @@ def finish(
     """Wrap a placement with its derived maps and figures."""
     num_logical = load.shape[1]
     phy2log = np.ascontiguousarray(phy2log, dtype=np.int64)
+    logcnt = logcnt_of(phy2log, num_logical)
     return PlacementResult(
         phy2log=phy2log,
-        logcnt=logcnt_of(phy2log, num_logical),
-        log2phy=log2phy_of(phy2log, num_logical),
-        balancedness=mean_balancedness(balancedness_of(phy2log, load, num_gpus)),
+        logcnt=logcnt,
+        log2phy=log2phy_of(phy2log, num_logical, logcnt=logcnt),
+        balancedness=mean_balancedness(balancedness_of(phy2log, load, num_gpus, logcnt)),
         moved_fraction=0.0 if previous is None else float(np.mean(previous != phy2log)),
         algorithm=algorithm,
         num_gpus=num_gpus,

@@ -38,16 +38,20 @@ def logcnt_of(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
 
 
 def log2phy_of(
-    phy2log: np.ndarray, num_logical: int, max_replicas: int | None = None
+    phy2log: np.ndarray,
+    num_logical: int,
+    max_replicas: int | None = None,
+    logcnt: np.ndarray | None = None,
 ) -> np.ndarray:
     """Replica slots of every expert, in ascending slot order, -1 padded.
 
-    phy2log: [L, P]. Returns: log2phy [L, E, R] int64 with R = max_replicas or the
-    largest replica count.
+    phy2log: [L, P]; logcnt: [L, E] if already known. Returns: log2phy [L, E, R] int64
+    with R = max_replicas or the largest replica count.
     """
     phy2log = np.asarray(phy2log, dtype=np.int64)
     num_layers, num_slots = phy2log.shape
-    logcnt = logcnt_of(phy2log, num_logical)
+    if logcnt is None:
+        logcnt = logcnt_of(phy2log, num_logical)
     needed = int(logcnt.max())
     width = needed if max_replicas is None else int(max_replicas)
     if width < needed:
@@ -65,12 +69,15 @@ def log2phy_of(
     return out
 
 
-def replica_load(phy2log: np.ndarray, load: np.ndarray) -> np.ndarray:
+def replica_load(
+    phy2log: np.ndarray, load: np.ndarray, logcnt: np.ndarray | None = None
+) -> np.ndarray:
     """Load carried by each physical slot: its expert's load over its replica count.
 
-    phy2log: [L, P], load: [L, E]. Returns: [L, P] float64.
+    phy2log: [L, P], load: [L, E], logcnt: [L, E] if already known. Returns: [L, P].
     """
-    logcnt = logcnt_of(phy2log, load.shape[1])
+    if logcnt is None:
+        logcnt = logcnt_of(phy2log, load.shape[1])
     per_replica = load / np.maximum(logcnt, 1)
     return np.take_along_axis(per_replica, phy2log, axis=1)
 
@@ -105,12 +112,15 @@ def balancedness_per_layer(phy2log: np.ndarray, load: np.ndarray, num_gpus: int)
     return balancedness_of(p2l, load_arr, num_gpus)
 
 
-def balancedness_of(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:
+def balancedness_of(
+    phy2log: np.ndarray, load: np.ndarray, num_gpus: int, logcnt: np.ndarray | None = None
+) -> np.ndarray:
     """`balancedness_per_layer` without input checks, for the engine's own placements.
 
-    phy2log: [L, P] int64, load: [L, E] float64. Returns: [L].
+    phy2log: [L, P] int64, load: [L, E] float64, logcnt: [L, E] if known. Returns: [L].
     """
-    loads = replica_load(phy2log, load).reshape(phy2log.shape[0], num_gpus, -1).sum(axis=2)
+    per_slot = replica_load(phy2log, load, logcnt)
+    loads = per_slot.reshape(phy2log.shape[0], num_gpus, -1).sum(axis=2)
     peak = loads.max(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(peak > 0, loads.mean(axis=1) / peak, np.nan)
