@@ -146,6 +146,7 @@ class WorkerAgent:
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
         self._loop = loop
         try:
             loop.run_until_complete(self._main())
@@ -155,7 +156,8 @@ class WorkerAgent:
             for task in pending:
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.close()
+            # The loop is left unclosed on purpose: gRPC's process-wide completion-queue
+            # poller may still post to it, which on a closed loop logs spurious errors.
 
     async def _main(self) -> None:
         self._wake = asyncio.Event()

@@ -56,6 +56,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def plain(msg: Any) -> dict[str, Any]:
+    """A protobuf message as JSON-able Python values (64-bit integers stay numbers)."""
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.type == field.TYPE_MESSAGE:
+            value = [plain(v) for v in value] if _repeated(field) else plain(value)
+        elif field.type == field.TYPE_BYTES:
+            continue
+        elif field.type == field.TYPE_ENUM:
+            value = field.enum_type.values_by_number[value].name
+        elif _repeated(field):
+            value = list(value)
+        out[field.name] = value
+    return out
+
+
+def _repeated(field: Any) -> bool:
+    return bool(field.is_repeated)
+
+
 def _fail(code: int, message: str) -> int:
     print(f"rebalancer admin: error: {message}", file=sys.stderr)
     return code
@@ -80,13 +101,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) -> int:
-    from google.protobuf.json_format import MessageToDict
-
     from rebalancer.errors import InputError
 
     def show(msg: Any, text: str) -> None:
         if args.json:
-            print(json.dumps(MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+            print(json.dumps(plain(msg)))
         else:
             print(text)
 
@@ -130,7 +149,7 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
                 f"({d.bytes_to_move / 1e6:.1f} MB), predicted gain {d.predicted_gain_seconds:.2f} s vs cost "
                 f"{d.migration_cost_seconds:.3f} s" + (f"; plan v{d.plan_version} started" if d.plan_version else ""))
         if args.json:
-            out = MessageToDict(d, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            out = plain(d)
             out["transfers"] = len(reply.transfers.data) // 20 if reply.transfers.data else 0
             print(json.dumps(out))
         else:
