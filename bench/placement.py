@@ -116,7 +116,7 @@ def quality(loads: dict[str, np.ndarray]) -> list[str]:
         trivial = np.tile(np.arange(slots) % load.shape[1], (load.shape[0], 1))
         greedy = compute_placement(load, slots, gpus, nodes, groups, algorithm="greedy")
         ours = compute_placement(load, slots, gpus, nodes, groups)
-        bound = lower_bound_balancedness(load, slots, gpus, nodes)
+        bound = lower_bound_balancedness(load, slots, gpus, nodes, groups)
         line = (
             f"| {workload} | {name} | {balancedness(trivial, load, gpus):.3f} | "
             f"{greedy.balancedness:.4f} | {ours.balancedness:.4f} | {bound:.4f} | "

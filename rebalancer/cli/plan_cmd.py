@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         algorithm=args.algorithm,
     )
     seconds = time.perf_counter() - start
-    bound = lower_bound_balancedness(counts, args.slots, args.gpus, args.nodes)
+    bound = lower_bound_balancedness(counts, args.slots, args.gpus, args.nodes, args.groups)
     report = {
         "balancedness": result.balancedness,
         "bound_balancedness": bound,

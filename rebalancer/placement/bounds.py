@@ -15,12 +15,20 @@ from __future__ import annotations
 import numpy as np
 
 from rebalancer.placement.greedy import replicate_greedy
+from rebalancer.placement.hierarchical import uses_hierarchy
 from rebalancer.placement.metrics import mean_balancedness
 from rebalancer.placement.types import check_layout, check_load
 
 
-def max_load_lower_bound(load: np.ndarray, num_slots: int, num_gpus: int) -> np.ndarray:
-    """Per layer, a value no placement's max GPU load can go below.
+def max_load_lower_bound(
+    load: np.ndarray,
+    num_slots: int,
+    num_gpus: int,
+    num_nodes: int = 1,
+    num_groups: int | None = None,
+) -> np.ndarray:
+    """Per layer, a value no placement's max GPU load can go below (no hierarchical
+    placement, when the groups put it in hierarchical mode).
 
     load: [L, E] float64. Returns: [L] float64.
     """
@@ -33,26 +41,51 @@ def max_load_lower_bound(load: np.ndarray, num_slots: int, num_gpus: int) -> np.
     most_replicas = 1 + num_slots - load.shape[1]
     smallest_replica = load.min(axis=1) / most_replicas
     per_gpu = num_slots // num_gpus
-    return np.maximum(mean, largest_replica + (per_gpu - 1) * smallest_replica)
+    bound = np.maximum(mean, largest_replica + (per_gpu - 1) * smallest_replica)
+    # 4. hierarchical: whole groups per node, so the busiest node's load spreads over
+    #    its G/N GPUs at best; two groups per node are best paired heaviest-lightest
+    if uses_hierarchy(load.shape[1], num_nodes, num_groups):
+        assert num_groups is not None
+        group = np.sort(load.reshape(load.shape[0], num_groups, -1).sum(axis=2), axis=1)
+        per_node = num_groups // num_nodes
+        node = np.maximum(
+            group.sum(axis=1) / num_nodes,
+            group[:, -1] + (per_node - 1) * group[:, 0],
+        )
+        if per_node == 2:
+            node = np.maximum(node, (group + group[:, ::-1]).max(axis=1))
+        if per_node == 1:
+            node = np.maximum(node, group[:, -1])
+        bound = np.maximum(bound, node / (num_gpus // num_nodes))
+    return bound
 
 
 def lower_bound_balancedness_per_layer(
-    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1
+    load: np.ndarray,
+    num_slots: int,
+    num_gpus: int,
+    num_nodes: int = 1,
+    num_groups: int | None = None,
 ) -> np.ndarray:
-    """Best reachable balancedness per layer (NaN for layers without load).
+    """Best reachable balancedness per layer (NaN for layers without load); with
+    num_groups in hierarchical mode, best reachable by a hierarchical placement.
 
     load: [L, E]. Returns: [L] float64.
     """
     load_arr = check_load(load)
     check_layout(load_arr.shape[1], num_slots, num_gpus, num_nodes)
-    bound = max_load_lower_bound(load_arr, num_slots, num_gpus)
+    bound = max_load_lower_bound(load_arr, num_slots, num_gpus, num_nodes, num_groups)
     mean = load_arr.sum(axis=1) / num_gpus
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(bound > 0, mean / bound, np.nan)
 
 
 def lower_bound_balancedness(
-    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1
+    load: np.ndarray,
+    num_slots: int,
+    num_gpus: int,
+    num_nodes: int = 1,
+    num_groups: int | None = None,
 ) -> float:
     """Best reachable balancedness, averaged over layers with load (an upper limit on
     what any placement achieves; "lower bound" refers to the max GPU load). It costs
@@ -61,5 +94,5 @@ def lower_bound_balancedness(
     load: [L, E].
     """
     return mean_balancedness(
-        lower_bound_balancedness_per_layer(load, num_slots, num_gpus, num_nodes)
+        lower_bound_balancedness_per_layer(load, num_slots, num_gpus, num_nodes, num_groups)
     )

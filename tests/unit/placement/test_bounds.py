@@ -38,7 +38,7 @@ def test_zero_layers_are_skipped():
 def test_no_placement_beats_the_bound(deepseek, layout):
     num_slots, num_gpus, num_nodes, num_groups = layout
     for load in deepseek.values():
-        bound = lower_bound_balancedness(load, num_slots, num_gpus, num_nodes)
+        bound = lower_bound_balancedness(load, num_slots, num_gpus, num_nodes, num_groups)
         for algorithm in ("greedy", "balanced"):
             result = compute_placement(
                 load, num_slots, num_gpus, num_nodes, num_groups, algorithm=algorithm
@@ -64,3 +64,14 @@ def test_bound_is_valid_on_random_loads(seed):
         for algorithm in ("greedy", "balanced"):
             per_layer = compute_placement(load, slots, gpus, algorithm=algorithm)
             assert (balancedness_per_layer(per_layer.phy2log, load, gpus) <= bound + 1e-9).all()
+
+
+def test_hierarchical_bound_sees_the_busiest_node():
+    # 4 groups of 2 experts on 2 nodes: groups weigh 10, 1, 1, 1 -> best node pair 11
+    load = np.array([[5.0, 5.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]])
+    flat = max_load_lower_bound(load, 16, 4)[0]
+    nested = max_load_lower_bound(load, 16, 4, num_nodes=2, num_groups=4)[0]
+    assert flat == pytest.approx(13 / 4)
+    assert nested == pytest.approx(11 / 2)
+    result = compute_placement(load, 16, 4, 2, 4)
+    assert result.balancedness <= (13 / 4) / nested + 1e-9
