@@ -214,3 +214,23 @@ def test_policy_loop_timing() -> None:
     later = loop.on_window(load, current, now=15.0)
     assert later is not None and later.outcome == "skip_min_interval"
     assert loop.estimator.windows == 5
+
+
+def test_policy_loop_force_and_set_policy() -> None:
+    loop = PolicyLoop(SHAPE, _policy())
+    current = _trivial()
+    load = _skewed_load().round().astype(np.int64)
+    loop.observe(load)
+    dry = loop.force(current, now=1.0, dry_run=True)
+    assert dry.outcome == "dry_run" and loop.last_decision is None  # a dry run records nothing
+    forced = loop.force(current, now=2.0)
+    assert forced.outcome == "forced" and loop.last_rebalance == 2.0
+    before = loop.estimator.estimate()
+    loop.set_policy(_policy(decay=0.9))  # same mode: the estimate is kept
+    np.testing.assert_allclose(loop.estimator.estimate(), before)
+    assert loop.estimator.config.decay == 0.9
+    loop.set_policy(_policy(estimate_window=3))  # another mode: it starts afresh
+    assert loop.estimator.windows == 0
+    with pytest.raises(InputError):
+        loop.set_policy(_policy(decay=2.0))
+    assert loop.estimator.config.window == 3  # a refused policy changes nothing
