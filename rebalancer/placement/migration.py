@@ -241,6 +241,80 @@ def swap_to_target(
     return phy2log
 
 
+def swap_peak(
+    phy2log: np.ndarray,
+    old: np.ndarray,
+    load: np.ndarray,
+    target: np.ndarray,
+    quota: np.ndarray,
+    per_gpu: int,
+    max_rounds: int = 256,
+) -> np.ndarray:
+    """Swap an item of each layer's busiest GPU with the item of any other GPU that
+    lowers the pair's peak most, one swap per layer per round, until the layer meets its
+    target, no swap helps or its quota is spent. Slower than `swap_to_target` but not
+    limited to the lightest GPUs, which matters with few slots per GPU.
+
+    phy2log: [L, P] (updated in place), old: [L, P], load: [L, E], target: [L],
+    quota: [L] (updated in place). Returns: phy2log.
+    """
+    num_layers, num_slots = phy2log.shape
+    num_gpus = num_slots // per_gpu
+    logcnt = logcnt_of(phy2log, load.shape[1])
+    weight = _slot_load(phy2log, load, logcnt)
+    gpu_of = np.arange(num_slots) // per_gpu
+    gpu_load = weight.reshape(num_layers, num_gpus, per_gpu).sum(axis=2)
+    for _ in range(max_rounds):
+        peak_gpu = gpu_load.argmax(axis=1)
+        peak = gpu_load[np.arange(num_layers), peak_gpu]
+        active = np.flatnonzero((peak > target) & (quota > 0))
+        if active.size == 0:
+            break
+        g = peak_gpu[active]
+        own = g[:, None] * per_gpu + np.arange(per_gpu)  # [A, c]
+        own_w = weight[active[:, None], own]
+        own_e = phy2log[active[:, None], own]
+        other_w = weight[active]  # [A, P]
+        other_e = phy2log[active]
+        other_load = gpu_load[active[:, None], gpu_of[None, :]]
+        delta = own_w[:, :, None] - other_w[:, None, :]  # [A, c, P]
+        new_peak = np.maximum(peak[active, None, None] - delta, other_load[:, None, :] + delta)
+        # no duplicate on either GPU, nothing from the peak GPU itself
+        on_peak = (other_e[:, None, :] == own_e[:, :, None]).any(axis=1)  # [A, P]
+        own_there = np.zeros((active.size, per_gpu, num_slots), dtype=bool)
+        for i in range(per_gpu):
+            has = (other_e == own_e[:, i : i + 1]).reshape(active.size, num_gpus, per_gpu)
+            own_there[:, i, :] = has.any(axis=2)[:, gpu_of]
+        allowed = (delta > 0) & ~on_peak[:, None, :] & ~own_there
+        allowed &= gpu_of[None, None, :] != g[:, None, None]
+        new_peak = np.where(allowed, new_peak, np.inf).reshape(active.size, -1)
+        best = new_peak.argmin(axis=1)
+        a = own[np.arange(active.size), best // num_slots]
+        b = best % num_slots
+        layer = active
+        cost = (
+            (phy2log[layer, b] != old[layer, a]).astype(np.int64)
+            + (phy2log[layer, a] != old[layer, b])
+            - (phy2log[layer, a] != old[layer, a])
+            - (phy2log[layer, b] != old[layer, b])
+        )
+        ok = (new_peak[np.arange(active.size), best] < peak[active] * (1 - 1e-9)) & (
+            cost <= quota[layer]
+        )
+        if not ok.any():
+            break
+        layer, a, b, cost = layer[ok], a[ok], b[ok], cost[ok]
+        quota[layer] -= cost
+        moved = weight[layer, a] - weight[layer, b]
+        gpu_load[layer, a // per_gpu] -= moved
+        gpu_load[layer, b // per_gpu] += moved
+        for state in (weight, phy2log):
+            a_val = state[layer, a]
+            state[layer, a] = state[layer, b]
+            state[layer, b] = a_val
+    return phy2log
+
+
 def peak_load(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:
     """Max GPU load per layer [L]."""
     logcnt = logcnt_of(phy2log, load.shape[1])
@@ -290,13 +364,16 @@ def migrate(
         spent_before = int((phy2log != old).sum())
         move_replicas(phy2log, old, load, threshold, quota, per_gpu)
         swap_to_target(phy2log, old, load, target, quota, per_gpu)
+        swap_peak(phy2log, old, load, target, quota, per_gpu)
         if not unlimited:
             remaining -= int((phy2log != old).sum()) - spent_before
     # 3. a layer still far off may take the fresh placement relabelled onto the old
     #    GPUs, when the budget allows it
     peak = peak_load(phy2log, load, num_gpus)
     behind = np.flatnonzero(loaded & (peak > target))
-    if behind.size and (unlimited or remaining > 0):
+    # (a relabelled refit changes well over half of a layer's slots, so a budget below
+    # that cannot pay for one and the matching is not even tried)
+    if behind.size and (unlimited or remaining >= num_slots // 2):
         relabelled = keep_in_place(old[behind], fresh[behind], num_gpus, load.shape[1])
         extra = (relabelled != old[behind]).sum(axis=1) - (phy2log[behind] != old[behind]).sum(1)
         better = peak_load(relabelled, load[behind], num_gpus) < peak[behind]
