@@ -77,6 +77,11 @@ def register(subparsers: Any) -> None:
         "--period-steps", type=int, default=None, help="periodic: steps between refits (1000)"
     )
     p.add_argument(
+        "--periodic-algorithm",
+        default=None,
+        help="placement algorithm of static/periodic (default greedy, like the engines)",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -133,6 +138,12 @@ def run(args: argparse.Namespace) -> int:
     periodic = PeriodicConfig()
     if args.period_steps is not None:
         periodic = dataclasses.replace(periodic, period_steps=args.period_steps)
+    if args.periodic_algorithm is not None:
+        from rebalancer.placement import ALGORITHMS
+
+        if args.periodic_algorithm not in ALGORITHMS or args.periodic_algorithm == "migration":
+            raise InputError("--periodic-algorithm must be greedy, balanced or auto")
+        periodic = dataclasses.replace(periodic, algorithm=args.periodic_algorithm)
     config = SimConfig(
         num_gpus=args.gpus,
         num_slots=args.slots,
