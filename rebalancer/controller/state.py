@@ -72,6 +72,7 @@ class WindowEvent:
 class DeploymentStats:
     windows_ingested: int = 0
     windows_folded: int = 0
+    tokens_folded: int = 0   # routed (token, k) pairs counted; persisted with the cursor
     duplicate_windows: int = 0
     plans_committed: int = 0
     plans_aborted: int = 0
@@ -141,6 +142,7 @@ class Controller:
             if saved:
                 dep.next_seq = {int(k): int(v) for k, v in saved["next_seq"].items()}
                 dep.estimator.load_state_dict(saved["estimator"])
+                dep.stats.tokens_folded = int(saved.get("tokens_folded", 0))
             for plan in self.store.unfinished_plans(row.name):
                 # A plan that never reached commit before the restart is void; ranks that
                 # staged it drop their staging when they re-register with the old version.
@@ -277,6 +279,7 @@ class Controller:
         logical = slot["logical"]
         G = dep.shape.num_gpus
         dep.stats.windows_folded += 1
+        dep.stats.tokens_folded += int(logical.sum())
         actual = float("nan")
         if slot["physical"] is not None:
             per_gpu = slot["physical"].reshape(dep.shape.num_layers, G, -1).sum(axis=2)
@@ -286,7 +289,11 @@ class Controller:
         decision = dep.loop.on_window(logical, dep.phy2log, now, in_flight=dep.plan is not None)
         self.store.save_ingest_state(
             dep.name,
-            {"next_seq": {str(k): v for k, v in dep.next_seq.items()}, "estimator": dep.estimator.state_dict()},
+            {
+                "next_seq": {str(k): v for k, v in dep.next_seq.items()},
+                "estimator": dep.estimator.state_dict(),
+                "tokens_folded": dep.stats.tokens_folded,
+            },
         )
         if self.window_observers:
             best = float("nan")
