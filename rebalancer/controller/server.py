@@ -43,7 +43,7 @@ class ControllerServer:
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self.store = Store(config.db_path)
-        self.controller = Controller(self.store, config.policy)
+        self.controller = Controller(self.store, config.policy, config.persist_seconds)
         self.server = grpc.aio.server(options=server_options(config.max_message_bytes))
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.metrics = ControllerMetrics(self.controller)
@@ -114,6 +114,8 @@ class ControllerServer:
         if self._tick_task:
             self._tick_task.cancel()
         await self.server.stop(self.config.grace_seconds)
+        for dep in self.controller.deployments.values():
+            self.controller.persist(dep)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         self.store.close()

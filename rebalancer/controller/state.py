@@ -91,6 +91,8 @@ class Deployment:
         self.phy2log = phy2log
         self.sessions: dict[int, Session] = {}
         self.next_seq: dict[int, int] = {}
+        self.newest_seq = -1  # highest window seq any rank sent
+        self.persisted_at = -float("inf")
         self.pending: dict[int, dict[str, Any]] = {}
         # Estimate and decision timing: the same object the simulator drives.
         self.loop = PolicyLoop(shape, policy)
@@ -121,8 +123,13 @@ def _policy_dict(policy: PolicyConfig) -> dict[str, Any]:
 class Controller:
     """All deployments, the store, and the observers of what happens."""
 
-    def __init__(self, store: Store, default_policy: PolicyConfig | None = None) -> None:
+    def __init__(
+        self, store: Store, default_policy: PolicyConfig | None = None, persist_seconds: float = 1.0
+    ) -> None:
         self.store = store
+        # The ingest cursor (per-rank next seq + estimate) is saved at most this often per
+        # deployment; a crash loses at most that much counting, and never counts twice.
+        self.persist_seconds = persist_seconds
         self.default_policy = default_policy or PolicyConfig()
         self.deployments: dict[str, Deployment] = {}
         self.sessions: dict[str, tuple[str, int]] = {}
@@ -141,6 +148,7 @@ class Controller:
             saved = self.store.ingest_state(row.name)
             if saved:
                 dep.next_seq = {int(k): int(v) for k, v in saved["next_seq"].items()}
+                dep.newest_seq = max(dep.next_seq.values(), default=0) - 1
                 dep.estimator.load_state_dict(saved["estimator"])
                 dep.stats.tokens_folded = int(saved.get("tokens_folded", 0))
             for plan in self.store.unfinished_plans(row.name):
@@ -253,6 +261,7 @@ class Controller:
         if seq > expected and rank in dep.next_seq:
             raise StateError("FAILED_PRECONDITION", f"window seq {seq} from rank {rank}: expected {expected}")
         dep.next_seq[rank] = seq + 1
+        dep.newest_seq = max(dep.newest_seq, seq)
         dep.stats.windows_ingested += 1
         slot = dep.pending.get(seq)
         if slot is None:
@@ -267,8 +276,9 @@ class Controller:
         return True
 
     def _fold_ready(self, dep: Deployment) -> None:
-        newest = max((s for s in dep.next_seq.values()), default=0) - 1
-        for seq in sorted(dep.pending):
+        newest = dep.newest_seq
+        while dep.pending:
+            seq = min(dep.pending)
             slot = dep.pending[seq]
             if len(slot["ranks"]) < dep.shape.num_gpus and newest - seq < FOLD_LAG:
                 break
@@ -287,14 +297,8 @@ class Controller:
             dep.stats.balancedness_actual = actual
         now = time.monotonic()
         decision = dep.loop.on_window(logical, dep.phy2log, now, in_flight=dep.plan is not None)
-        self.store.save_ingest_state(
-            dep.name,
-            {
-                "next_seq": {str(k): v for k, v in dep.next_seq.items()},
-                "estimator": dep.estimator.state_dict(),
-                "tokens_folded": dep.stats.tokens_folded,
-            },
-        )
+        if now - dep.persisted_at >= self.persist_seconds:
+            self.persist(dep, now)
         if self.window_observers:
             best = float("nan")
             if logical.sum() > 0:
@@ -307,6 +311,18 @@ class Controller:
                 observer(event)
         if decision is not None:
             self._act(dep, decision, "policy", now)
+
+    def persist(self, dep: Deployment, now: float | None = None) -> None:
+        """Save the ingest cursor: per-rank next window seq with the estimate built from them."""
+        dep.persisted_at = time.monotonic() if now is None else now
+        self.store.save_ingest_state(
+            dep.name,
+            {
+                "next_seq": {str(k): v for k, v in dep.next_seq.items()},
+                "estimator": dep.estimator.state_dict(),
+                "tokens_folded": dep.stats.tokens_folded,
+            },
+        )
 
     # ------------------------------------------------------------ decide
 

@@ -9,6 +9,7 @@ windows are counted once.
 
 from __future__ import annotations
 
+import io
 import json
 import sqlite3
 import time
@@ -56,7 +57,8 @@ CREATE TABLE IF NOT EXISTS decisions (
 );
 CREATE TABLE IF NOT EXISTS ingest_state (
     deployment TEXT PRIMARY KEY,
-    state TEXT NOT NULL
+    state TEXT NOT NULL,
+    arrays BLOB NOT NULL
 );
 """
 
@@ -214,12 +216,47 @@ class Store:
     # ------------------------------------------------------------ ingest cursor
 
     def save_ingest_state(self, name: str, state: dict[str, Any]) -> None:
+        """Numeric lists travel as one npz blob (JSON of [L, E] floats is ~100x slower)."""
+        arrays: dict[str, np.ndarray] = {}
+        doc = _split_arrays(state, arrays, "")
+        blob = io.BytesIO()
+        np.savez(blob, **arrays)  # type: ignore[arg-type]
         self._db.execute(
-            "INSERT OR REPLACE INTO ingest_state VALUES (?, ?)", (name, json.dumps(state))
+            "INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, json.dumps(doc), blob.getvalue())
         )
 
     def ingest_state(self, name: str) -> dict[str, Any] | None:
         row = self._db.execute(
-            "SELECT state FROM ingest_state WHERE deployment = ?", (name,)
+            "SELECT state, arrays FROM ingest_state WHERE deployment = ?", (name,)
         ).fetchone()
-        return json.loads(row[0]) if row else None
+        if row is None:
+            return None
+        with np.load(io.BytesIO(row[1])) as arrays:
+            return _join_arrays(json.loads(row[0]), dict(arrays))
+
+
+_ARRAY_TAG = "__array__"
+
+
+def _split_arrays(value: Any, arrays: dict[str, np.ndarray], path: str) -> Any:
+    """Replace numeric lists (and arrays) in a JSON-like value by references into `arrays`."""
+    if isinstance(value, dict):
+        return {k: _split_arrays(v, arrays, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, np.ndarray)) and len(value) > 0:
+        arr = np.asarray(value)
+        if arr.dtype.kind in "iuf":
+            key = f"a{len(arrays)}"
+            arrays[key] = arr
+            return {_ARRAY_TAG: key}
+        return [_split_arrays(v, arrays, f"{path}[]") for v in value]
+    return value
+
+
+def _join_arrays(value: Any, arrays: dict[str, np.ndarray]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {_ARRAY_TAG}:
+            return arrays[value[_ARRAY_TAG]]
+        return {k: _join_arrays(v, arrays) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_join_arrays(v, arrays) for v in value]
+    return value

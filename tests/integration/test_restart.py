@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 CONFIG = """
 [server]
 host = "127.0.0.1"
+persist_seconds = 0.0
 [policy]
 min_interval_seconds = 0.5
 gain_threshold = 0.03
