@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -62,7 +64,9 @@ class MigrationBenchConfig:
     port: int = 29517
     cta_caps: tuple[int, ...] = (4,)
     chunk_experts: int = 32
-    beside_seconds: float = 0.6
+    beside_repeats: int = 8
+    # sys.setswitchinterval for the worker processes; 0 keeps Python's default (5 ms).
+    switch_interval: float = 0.0
 
 
 def pick_layers(counts: np.ndarray, cfg: MigrationBenchConfig, num_slots: int) -> np.ndarray:
@@ -152,7 +156,11 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
     os.environ.setdefault("MASTER_PORT", str(cfg.port))
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=dev)
+    if cfg.switch_interval > 0:
+        sys.setswitchinterval(cfg.switch_interval)
+    dist.init_process_group(
+        "nccl", rank=rank, world_size=WORLD, device_id=dev, timeout=datetime.timedelta(seconds=90)
+    )
     migrate_group = dist.new_group([0, 1])  # transfers stay off serving's communicator
     log: dict[str, object] = {}
 
@@ -320,12 +328,11 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
         idle_a = statistics.median(serve(stream, None, queued))
         results: list[tuple[float, int, int]] = []
         errors: list[BaseException] = []
-        deadline = time.perf_counter() + cfg.beside_seconds
 
         def work() -> None:
             torch.cuda.set_device(rank)  # the current device is per thread
             try:
-                while time.perf_counter() < deadline or len(results) < 2:
+                for _ in range(cfg.beside_repeats):  # a fixed count: both ranks agree
                     results.append(run_mover(kind, name))
             except BaseException as exc:  # re-raised below
                 errors.append(exc)
