@@ -111,13 +111,13 @@ class WindowClock:
         )
 
 
-def transfer_seconds(
+def rank_receive_seconds(
     rows: np.ndarray, num_gpus: int, num_nodes: int, cost: CostModel
-) -> tuple[float, int]:
-    """Time for a transfer list [K, 5] (busiest receiver) and the bytes sent between GPUs."""
+) -> np.ndarray:
+    """Seconds each rank [G] needs to receive its incoming experts of a transfer list."""
     rows = np.asarray(rows)
     if rows.shape[0] == 0:
-        return 0.0, 0
+        return np.zeros(num_gpus)
     dst, src = rows[:, 1], rows[:, 3]
     remote = dst != src  # a copy inside one GPU costs HBM time only
     per_node = num_gpus // num_nodes
@@ -125,7 +125,18 @@ def transfer_seconds(
     intra = remote & ~inter
     intra_n = np.bincount(dst[intra], minlength=num_gpus)
     inter_n = np.bincount(dst[inter], minlength=num_gpus)
-    per_rank = cost.expert_bytes * (
+    return cost.expert_bytes * (
         intra_n / (cost.intra_node_gbps * 1e9) + inter_n / (cost.inter_node_gbps * 1e9)
     )
-    return float(per_rank.max()), int(remote.sum()) * int(cost.expert_bytes)
+
+
+def transfer_seconds(
+    rows: np.ndarray, num_gpus: int, num_nodes: int, cost: CostModel
+) -> tuple[float, int]:
+    """Time for a transfer list [K, 5] (busiest receiver) and the bytes sent between GPUs."""
+    rows = np.asarray(rows)
+    if rows.shape[0] == 0:
+        return 0.0, 0
+    per_rank = rank_receive_seconds(rows, num_gpus, num_nodes, cost)
+    remote = int(np.count_nonzero(rows[:, 1] != rows[:, 3]))
+    return float(per_rank.max()), remote * int(cost.expert_bytes)

@@ -10,9 +10,12 @@ plus its stalls, so decisions see the time they would see in production:
 - `periodic`: a from-scratch greedy refit on the recent windows every K windows, with a
   blocking stall, like SGLang's and vLLM's in-process EPLB;
 - `adaptive`: the controller as shipped. Windows go through `PolicyLoop.on_window` (the
-  estimator and the decision policy the live controller runs), a taken decision becomes
-  a plan from `transfers`, its weights move beside serving (overlap penalty) for as long
-  as the busiest receiver needs, then the maps swap (`swap_seconds`);
+  estimator and the decision policy the live controller runs); a taken decision becomes
+  a plan (transfer list from `transfers`) driven through the controller's coordinator
+  (`rebalancer.controller.coordinate`) by simulated ranks: each rank reports prepared
+  once its incoming weights are staged (beside serving, with the overlap penalty), the
+  plan commits when all did and every rank swaps its maps (`swap_seconds`), or it aborts
+  at the prepare timeout and the old maps keep serving;
 - `follow`: refit from scratch on the previous window before each window, free;
 - `oracle`: refit on each window's own counts, free (an upper bound).
 `follow` and `oracle` use the engine's best from-scratch algorithm ("auto").
@@ -27,11 +30,12 @@ from typing import Any
 
 import numpy as np
 
+from rebalancer.controller import coordinate
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.errors import InputError
 from rebalancer.placement import compute_placement, gpu_load, transfers, trivial_placement
-from rebalancer.sim.cost import CostModel, WindowClock, transfer_seconds
+from rebalancer.sim.cost import CostModel, WindowClock, rank_receive_seconds, transfer_seconds
 from rebalancer.sim.trace import Trace
 
 POLICIES = ("none", "static", "periodic", "adaptive", "follow", "oracle")
@@ -92,6 +96,7 @@ class PolicyResult:
     serving_seconds: float
     ideal_seconds: float
     decisions: dict[str, int] = field(default_factory=dict)
+    plans_aborted: int = 0
     balancedness_per_window: list[float] = field(default_factory=list, repr=False)
     rebalance_windows: list[int] = field(default_factory=list, repr=False)
     # adaptive: per decision, the window it followed, the virtual time, whether a plan was
@@ -114,6 +119,7 @@ class PolicyResult:
         }
         if self.decisions:
             out["decisions"] = dict(sorted(self.decisions.items()))
+            out["plans_aborted"] = self.plans_aborted
         return out
 
 
@@ -303,41 +309,94 @@ class Simulator:
     def _oracle(self) -> PolicyResult:
         return self._refit_each("oracle", lag=0)
 
+    def _start_plan(
+        self, current: np.ndarray, candidate: np.ndarray, now: float, version: int
+    ) -> _InFlight:
+        """A plan as the controller's coordinator holds it, with simulated rank timings."""
+        c = self.config
+        rows = np.asarray(transfers(current, candidate, c.num_gpus, c.num_nodes))
+        per_rank = rank_receive_seconds(rows, c.num_gpus, c.num_nodes, c.cost)
+        _, nbytes = transfer_seconds(rows, c.num_gpus, c.num_nodes, c.cost)
+        half_trip = c.cost.plan_overhead_seconds / 2.0
+        plan = coordinate.Plan(
+            version=version,
+            base_version=version - 1,
+            phy2log=np.asarray(candidate),
+            transfers=rows,
+            num_ranks=c.num_gpus,
+            trigger="policy",
+            created=now,
+            deadline=now + c.policy.prepare_timeout_seconds,
+            slots_moved=int(rows.shape[0]),
+            bytes_moved=nbytes,
+            started_at=now,
+        )
+        # Prepare reaches every rank half a round trip after the decision; each rank reports
+        # PREPARED once its incoming experts are staged; Commit takes another half trip.
+        prepared_at = now + half_trip + per_rank
+        last = float(prepared_at.max())
+        ends_at = last + half_trip if last <= plan.deadline else plan.deadline
+        return _InFlight(plan, prepared_at, ends_at)
+
+    @staticmethod
+    def _finish_plan(flight: _InFlight) -> bool:
+        """Drive the coordinator through the ranks' reports; True when the plan committed."""
+        plan = flight.plan
+        for rank in np.argsort(flight.prepared_at, kind="stable"):
+            if flight.prepared_at[rank] > plan.deadline:
+                break
+            coordinate.on_prepared(plan, int(rank), float(flight.prepared_at[rank]))
+        if plan.state is coordinate.PlanState.PREPARING:
+            coordinate.on_tick(plan, plan.deadline + 1e-9)  # times out: aborted everywhere
+            return False
+        done = coordinate.Transition()
+        for rank in range(plan.num_ranks):  # all ranks swap at the agreed step
+            done = coordinate.on_committed(plan, rank, flight.ends_at)
+        return done.finished
+
     def _adaptive(self) -> PolicyResult:
         cost = self.config.cost
         ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
         loop = PolicyLoop(self.shape, self.config.policy)
         current = self.start_placement()
         now = 0.0
-        # The plan in flight: its placement and the transfer seconds it still needs.
-        pending: np.ndarray | None = None
-        remaining = 0.0
+        flight: _InFlight | None = None
+        version = 1
+        aborted = 0
         outcomes: Counter[str] = Counter()
         log: list[dict[str, Any]] = []
         for w in range(self.trace.num_windows):
             m_old = ledger.max_load(w, current)
             t_old = self.clock.seconds(m_old)
-            if pending is None:
+            if flight is None:
                 ledger.served(w, m_old, t_old)
                 now += t_old
             else:
+                remaining = max(0.0, flight.ends_at - now)
                 slowed = t_old * (1.0 + cost.overlap_penalty)
                 if remaining >= slowed:  # the whole window is served beside the transfers
                     ledger.served(w, m_old, slowed)
                     ledger.overlap += slowed - t_old
-                    remaining -= slowed
                     now += slowed
-                else:  # transfers end inside the window: swap, serve the rest on the new maps
+                else:  # the plan ends inside the window
                     part = remaining / slowed
-                    m_new = ledger.max_load(w, pending)
+                    committed = self._finish_plan(flight)
+                    if committed:  # swap, then serve the rest on the new maps
+                        new = flight.plan.phy2log
+                        m_new = ledger.max_load(w, new)
+                        swap = cost.swap_seconds
+                        current, version = new, flight.plan.version
+                    else:  # aborted: staging dropped, the old maps keep serving
+                        m_new, swap = m_old, 0.0
+                        aborted += 1
                     t_new = self.clock.seconds(m_new)
                     seconds = remaining + (1.0 - part) * t_new
                     ledger.served(w, part * m_old + (1.0 - part) * m_new, seconds)
                     ledger.overlap += part * (slowed - t_old)
-                    ledger.stall += cost.swap_seconds
-                    now += seconds + cost.swap_seconds
-                    current, pending, remaining = pending, None, 0.0
-            in_flight = pending is not None
+                    ledger.stall += swap
+                    now += seconds + swap
+                    flight = None
+            in_flight = flight is not None
             decision = loop.on_window(self.trace.counts[w], current, now=now, in_flight=in_flight)
             if decision is None:
                 continue
@@ -353,11 +412,20 @@ class Simulator:
                 }
             )
             if decision.take and decision.candidate is not None:
-                rows, seconds, nbytes = self._move(current, decision.candidate)
-                ledger.moved(w + 1, int(rows.shape[0]), nbytes)
-                pending = np.asarray(decision.candidate)
-                remaining = seconds + cost.plan_overhead_seconds
-        return ledger.result("adaptive", dict(outcomes), log)
+                flight = self._start_plan(current, decision.candidate, now, version + 1)
+                ledger.moved(w + 1, flight.plan.slots_moved, flight.plan.bytes_moved)
+        result = ledger.result("adaptive", dict(outcomes), log)
+        result.plans_aborted = aborted
+        return result
+
+
+@dataclass
+class _InFlight:
+    """The plan in flight: the coordinator's Plan and the simulated ranks' timings."""
+
+    plan: coordinate.Plan
+    prepared_at: np.ndarray  # [G] virtual seconds at which each rank reports PREPARED
+    ends_at: float  # commit (every rank swaps) or abort at the prepare deadline
 
 
 def simulate(

@@ -190,3 +190,20 @@ def test_adaptive_decisions_replay_through_a_fresh_policy_loop(
             np.testing.assert_array_equal(again.candidate, first.candidate)
         entry = next(logged, None)
     assert entry is None
+
+
+def test_plans_that_cannot_prepare_in_time_abort(sources: dict[str, np.ndarray]) -> None:
+    """Plans go through the controller's coordinator: a prepare timeout aborts them."""
+    cfg = TraceGenConfig(kind="phase", windows=16, phase_min_windows=4, phase_max_windows=6, seed=5)
+    trace = make_trace(sources, cfg)
+    # 1 ms to prepare is never enough to move an expert: every plan aborts.
+    res = simulate(trace, _config(prepare_timeout_seconds=0.001), ["static", "adaptive"])
+    adaptive = res["adaptive"]
+    assert adaptive.rebalances > 0 and adaptive.plans_aborted >= adaptive.rebalances - 1
+    assert adaptive.summary()["plans_aborted"] == adaptive.plans_aborted
+    # The old maps kept serving: the same balance as static, and no swap.
+    assert adaptive.balancedness_per_window == pytest.approx(res["static"].balancedness_per_window)
+    assert adaptive.stall_seconds == 0.0
+    assert adaptive.relative_throughput <= res["static"].relative_throughput
+    ok = simulate(trace, _config(), ["adaptive"])["adaptive"]
+    assert ok.plans_aborted == 0
