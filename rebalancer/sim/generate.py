@@ -152,4 +152,12 @@ def deepseek_v3_sources(paths: list[Path] | None = None) -> dict[str, np.ndarray
     files = paths if paths else deepseek_v3_files()
     if not files:
         raise InputError("no DeepSeek-V3 workload files found")
-    return {Path(p).stem: load_deepseek_v3(Path(p)) for p in files}
+    sources = {}
+    for path in map(Path, files):
+        if not path.is_file():
+            raise InputError(f"{path}: no such file")
+        try:
+            sources[path.stem] = load_deepseek_v3(path)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"{path}: not a summed counts file ({exc})") from exc
+    return sources

@@ -142,3 +142,29 @@ def test_generator_kinds_are_deterministic_and_sized() -> None:
     assert len(set(phase.labels)) > 1  # it does change workload
     with pytest.raises(InputError):
         make_trace(sources, TraceGenConfig(kind="wobble"))
+
+
+def test_cli_trace_make_info_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(7)
+    sources = []
+    for i in range(2):
+        path = tmp_path / f"w{i}.json"
+        counts = rng.integers(1, 100, size=(3, 16))
+        counts[0] = 0  # a dense layer, dropped
+        path.write_text(json.dumps({"logical_count": counts.tolist()}))
+        sources += ["--source", str(path)]
+    out = tmp_path / "t.npz"
+    args = ["trace", "make", "--kind", "phase", "--windows", "7", "--tokens-per-window", "50"]
+    assert main(args + ["--top-k", "2", "--out", str(out), "--json"] + sources) == 0
+    made = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert made["windows"] == 7 and made["layers"] == 2 and made["experts"] == 16
+    trace = load_trace(out)
+    assert np.all(trace.counts.sum(axis=2) == 100)
+    assert main(["trace", "info", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["windows"] == 7
+    assert main(["trace", "convert", str(out), "--out", str(tmp_path / "c.npz")]) == 0
+    np.testing.assert_array_equal(load_trace(tmp_path / "c.npz").counts, trace.counts)
+    assert main(args + ["--out", str(tmp_path / "t.csv")] + sources) == 2
+    assert main(args + ["--out", str(out), "--source", str(tmp_path / "missing.json")]) == 2
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main(args + ["--out", str(out), "--source", str(tmp_path / "bad.json")]) == 2
