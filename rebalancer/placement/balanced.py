@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rebalancer.placement.metrics import gather
+
 
 def pack_rounds(weight: np.ndarray, num_packs: int) -> np.ndarray:
     """Round-by-round packing: in round r every pack gets one item, the heaviest item
@@ -22,7 +24,7 @@ def pack_rounds(weight: np.ndarray, num_packs: int) -> np.ndarray:
     num_rows, num_items = weight.shape
     per_pack = num_items // num_packs
     order = np.argsort(-weight, axis=1)
-    sorted_weight = np.take_along_axis(weight, order, axis=1)
+    sorted_weight = gather(weight, order)
     rows = np.arange(num_rows)[:, None]
     pack_load = np.zeros((num_rows, num_packs))
     item_at = np.empty((num_rows, num_items), dtype=np.int64)
@@ -62,7 +64,6 @@ def refine_swaps(
     num_pairs = min(max_pairs, num_packs // 2)
     weight = slot_weight.reshape(num_rows, num_packs, per_pack).copy()
     expert = slot_expert.reshape(num_rows, num_packs, per_pack).copy()
-    perm3 = perm.reshape(num_rows, num_packs, per_pack)
     load = weight.sum(axis=2)
     active = np.arange(num_rows)
     for _ in range(max_rounds):
@@ -75,8 +76,9 @@ def refine_swaps(
         order = np.argsort(sub_load, axis=1)
         heavy = order[:, : -num_pairs - 1 : -1]
         light = order[:, :num_pairs]
-        by_load = np.take_along_axis(
-            weight if everyone else weight[rows], order[:, :, None], axis=1
+        by_load = gather(
+            (weight if everyone else weight[rows]).reshape(rows.size, -1),
+            order[:, :, None] * per_pack + np.arange(per_pack),
         )
         heavy_weight = by_load[:, : -num_pairs - 1 : -1]  # [A, m, c]
         light_weight = by_load[:, :num_pairs]
@@ -84,12 +86,17 @@ def refine_swaps(
         half_gap = (heavy_load - light_weight.sum(axis=2)) / 2
         # 2. swapping heavy item i with light item j (moving d = w_i - w_j) leaves the
         #    pair's peak at their mean + |d - half_gap|: it helps when that is below half_gap
-        miss = heavy_weight[:, :, :, None] - (light_weight + half_gap[:, :, None])[:, :, None, :]
+        #    (searched in float32 for speed; the chosen swap is checked in float64)
+        shifted = (light_weight + half_gap[:, :, None]).astype(np.float32)
+        miss = heavy_weight.astype(np.float32)[:, :, :, None] - shifted[:, :, None, :]
         np.abs(miss, out=miss)
         miss = miss.reshape(rows.size, num_pairs, -1)
         best = miss.argmin(axis=2)
-        best_miss = np.take_along_axis(miss, best[:, :, None], axis=2)[:, :, 0]
-        improves = best_miss < half_gap * (1 - 1e-9)
+        moved_load = (
+            gather(heavy_weight.reshape(-1, per_pack), (best // per_pack).reshape(-1, 1))
+            - gather(light_weight.reshape(-1, per_pack), (best % per_pack).reshape(-1, 1))
+        ).reshape(best.shape)
+        improves = np.abs(moved_load - half_gap) < half_gap * (1 - 1e-9)
         row_idx, pair_idx = np.nonzero(improves)
         if row_idx.size == 0:
             break
@@ -112,15 +119,25 @@ def refine_swaps(
                 x[keep] for x in (row_idx, pair_idx, row, pack_a, pack_b, choice)
             )
             item_a, item_b = choice // per_pack, choice % per_pack
+            # the replacement was picked in float32: keep it only if it truly helps
+            gap = half_gap[row_idx, pair_idx]
+            moved_ab = heavy_weight[row_idx, pair_idx, item_a] - light_weight[row_idx, pair_idx, item_b]
+            sure = np.abs(moved_ab - gap) < gap * (1 - 1e-9)
+            row, pack_a, pack_b, item_a, item_b = (
+                x[sure] for x in (row, pack_a, pack_b, item_a, item_b)
+            )
+            improves[row_idx[~sure], pair_idx[~sure]] = False
         # 4. apply every chosen swap; the pairs of a row share no pack
-        for state in (weight, expert, perm3):
-            a_val = state[row, pack_a, item_a]
-            state[row, pack_a, item_a] = state[row, pack_b, item_b]
-            state[row, pack_b, item_b] = a_val
-        moved = weight[row, pack_b, item_b] - weight[row, pack_a, item_a]
-        load[row, pack_a] -= moved
-        load[row, pack_b] += moved
-        active = np.unique(row)
+        flat_a = (row * num_packs + pack_a) * per_pack + item_a
+        flat_b = (row * num_packs + pack_b) * per_pack + item_b
+        for state in (weight.reshape(-1), expert.reshape(-1), perm):
+            flat = state.reshape(-1)
+            flat[flat_a], flat[flat_b] = flat[flat_b], flat[flat_a]
+        moved = weight.reshape(-1)[flat_a] - weight.reshape(-1)[flat_b]
+        load_flat = load.reshape(-1)
+        load_flat[row * num_packs + pack_a] += moved
+        load_flat[row * num_packs + pack_b] -= moved
+        active = rows[improves.any(axis=1)]
     return perm
 
 
@@ -210,7 +227,9 @@ def spread_duplicates(
         pack_has = (row_experts == dup_expert[:, None]).reshape(rows.size, num_packs, per_pack)
         pack_has = pack_has.any(axis=2)[:, slot_pack]  # [D, n]
         home = packed[local, dup_pack]  # [D, c]
-        clash = (row_experts[:, :, None] == home[:, None, :]).any(axis=2)
+        in_home = np.zeros((rows.size, int(expert.max()) + 1), dtype=bool)
+        in_home[local[:, None], home] = True
+        clash = gather(in_home, row_experts)
         shift = row_weight - dup_weight[:, None]  # load the duplicate's pack gains
         row_load = load[rows]
         fits = (row_load[local, dup_pack][:, None] + shift <= peak[rows, None]) & (
@@ -242,14 +261,14 @@ def polish(
     item_at, weight, item_expert: [X, n]. Returns: item_at [X, n].
     """
     for step in steps:
-        slot_weight = np.take_along_axis(weight, item_at, axis=1)
-        slot_expert = np.take_along_axis(item_expert, item_at, axis=1)
+        slot_weight = gather(weight, item_at)
+        slot_expert = gather(item_expert, item_at)
         if step == "spread":
             perm = spread_duplicates(slot_weight, slot_expert, num_packs)
         else:
             perm = refine_swaps(slot_weight, slot_expert, num_packs, max_rounds)
         if perm is not None:
-            item_at = np.take_along_axis(item_at, perm, axis=1)
+            item_at = gather(item_at, perm)
     return item_at
 
 

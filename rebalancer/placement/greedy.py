@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rebalancer.placement.metrics import gather
+
 
 def replicate_greedy(
     weight: np.ndarray, num_phy: int, max_count: int | None = None
@@ -87,7 +89,7 @@ def pack_greedy(weight: np.ndarray, num_packs: int, item_expert: np.ndarray | No
     if capacity == 1:
         return np.tile(np.arange(num_items, dtype=np.int64), (num_rows, 1))
     order = np.argsort(-weight, axis=1, kind="stable")
-    sorted_weight = np.take_along_axis(weight, order, axis=1)
+    sorted_weight = gather(weight, order)
     rows = np.arange(num_rows)
     pack_load = np.zeros((num_rows, num_packs))
     pack_fill = np.zeros((num_rows, num_packs), dtype=np.int64)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from rebalancer.placement.metrics import gather
+
 # replicate(weight [X, n], num_phy, num_packs) -> (phy2log [X, num_phy], logcnt [X, n])
 Replicate = Callable[[np.ndarray, int, int], tuple[np.ndarray, np.ndarray]]
 # pack(weight [X, n], num_packs, item_expert [X, n]) -> item_at [X, n], the item in each
@@ -45,17 +47,16 @@ def place_in_nodes(
     """
     num_layers, num_nodes, per_node = node_experts.shape
     # 1. one row per (layer, node): the node's experts and their load
-    node_weight = np.take_along_axis(weight, node_experts.reshape(num_layers, -1), axis=1)
+    node_weight = gather(weight, node_experts.reshape(num_layers, -1))
     node_weight = node_weight.reshape(num_layers * num_nodes, per_node)
     # 2. replicate within the node's slot share
     phy2local, localcnt = replicate(node_weight, num_slots // num_nodes, num_gpus // num_nodes)
     # 3. pack the node's replicas onto its GPUs; GPU k owns the k-th run of slots
-    replica_weight = np.take_along_axis(node_weight / localcnt, phy2local, axis=1)
+    replica_weight = gather(node_weight / localcnt, phy2local)
     item_at = pack(replica_weight, num_gpus // num_nodes, phy2local)
-    local_by_slot = np.take_along_axis(phy2local, item_at, axis=1)
+    local_by_slot = gather(phy2local, item_at)
     # 4. back to logical expert ids
-    local_by_slot = local_by_slot.reshape(num_layers, num_nodes, -1)
-    phy2log = np.take_along_axis(node_experts, local_by_slot, axis=2)
+    phy2log = gather(node_experts.reshape(num_layers * num_nodes, per_node), local_by_slot)
     return phy2log.reshape(num_layers, num_slots)
 
 

@@ -13,6 +13,17 @@ from rebalancer.errors import InputError
 from rebalancer.placement.types import check_layout, check_load, check_phy2log
 
 
+def gather(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """values[r, index[r, ...]] for every row r: `take_along_axis` on axis 1 through
+    one flat `take`, several times faster on the small rows used here.
+
+    values: [X, n], index: [X, ...] integers in [0, n). Returns: [X, ...].
+    """
+    num_rows, width = values.shape
+    offsets = np.arange(0, num_rows * width, width).reshape((num_rows,) + (1,) * (index.ndim - 1))
+    return np.take(values.reshape(-1), index + offsets)
+
+
 def trivial_placement(num_layers: int, num_logical: int, num_slots: int, num_gpus: int) -> np.ndarray:
     """Contiguous placement: slot p holds expert p % E.
 
@@ -59,10 +70,10 @@ def log2phy_of(
     # 1. group the slots of each expert together, in slot order inside a group (the
     #    keys expert * P + slot are unique, so any sort keeps that order)
     order = np.argsort(phy2log * num_slots + np.arange(num_slots), axis=1)
-    experts = np.take_along_axis(phy2log, order, axis=1)
+    experts = gather(phy2log, order)
     # 2. the replica rank of a slot is its position minus the start of its group
     starts = np.cumsum(logcnt, axis=1) - logcnt
-    rank = np.arange(num_slots)[None, :] - np.take_along_axis(starts, experts, axis=1)
+    rank = np.arange(num_slots)[None, :] - gather(starts, experts)
     out = np.full((num_layers, num_logical, width), -1, dtype=np.int64)
     layers = np.broadcast_to(np.arange(num_layers)[:, None], experts.shape)
     out[layers, experts, rank] = order
@@ -79,7 +90,7 @@ def replica_load(
     if logcnt is None:
         logcnt = logcnt_of(phy2log, load.shape[1])
     per_replica = load / np.maximum(logcnt, 1)
-    return np.take_along_axis(per_replica, phy2log, axis=1)
+    return gather(per_replica, phy2log)
 
 
 def _checked(phy2log: object, load: object, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from rebalancer.placement.metrics import logcnt_of
+from rebalancer.placement.metrics import gather, logcnt_of
 
 
 def gpu_overlap(old: np.ndarray, new: np.ndarray, num_gpus: int, num_logical: int) -> np.ndarray:
@@ -98,7 +98,7 @@ def keep_in_place(
 
 def _slot_load(phy2log: np.ndarray, load: np.ndarray, logcnt: np.ndarray) -> np.ndarray:
     """Per-slot load [L, P] of phy2log [L, P] under load [L, E] and counts [L, E]."""
-    return np.take_along_axis(load / np.maximum(logcnt, 1), phy2log, axis=1)
+    return gather(load / np.maximum(logcnt, 1), phy2log)
 
 
 def move_replicas(
