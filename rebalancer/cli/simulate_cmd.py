@@ -26,7 +26,8 @@ adaptive (the controller: estimate, cost gate, migration-aware plan, overlapped
 transfers), follow (refit on the previous window, free), oracle (refit on the window
 itself, free: an upper bound).
 
-Trace formats: .npz (logical_count [T, L, E], window_seconds), SGLang .pt dumps,
+Trace formats: .npz (logical_count [T, L, E], window_seconds), SGLang .pt dumps (or a
+directory of dumps),
 .json (logical_count [L, E] or [T, L, E]), per-token .jsonl (grouped into windows of
 --tokens-per-window tokens).
 """

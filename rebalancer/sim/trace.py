@@ -8,6 +8,8 @@ formats the engines already dump, so this module reads all of them into one `Tra
 - SGLang `.pt` expert-distribution dumps (`logical_count [T, L, E]`; torch is imported
   only for these);
 - `.json` with `logical_count` `[L, E]` (one window, e.g. a summed SGLang dump) or `[T, L, E]`;
+- a directory of such `.pt` / `.json` / `.npz` files (e.g. one SGLang dump per window),
+  concatenated in file-name order;
 - per-token `.jsonl` lines `{"problem_id", "token_idx", "layer", "experts": [...]}` (the
   Mixtral GSM8K routing file), grouped in generation order into windows of a chosen
   number of tokens.
@@ -198,6 +200,27 @@ def _load_jsonl(
     )
 
 
+def _load_dir(path: Path, window_seconds: float | None, drop_empty_layers: bool) -> Trace:
+    """Dumps in a directory, one or more windows each, in file-name order."""
+    files = sorted(
+        f
+        for f in path.iterdir()
+        if f.is_file() and f.suffix.lower() in (".pt", ".pth", ".json", ".npz")
+    )
+    if not files:
+        raise InputError(f"{path}: no .pt, .json or .npz dumps in the directory")
+    parts = [load_trace(f, window_seconds=window_seconds, drop_empty_layers=False) for f in files]
+    shapes = {p.counts.shape[1:] for p in parts}
+    if len(shapes) != 1:
+        raise InputError(f"{path}: dumps disagree on [L, E]: {sorted(shapes)}")
+    trace = Trace(
+        np.concatenate([p.counts for p in parts]),
+        window_seconds if window_seconds is not None else parts[0].window_seconds,
+        path.name,
+    )
+    return trace.without_empty_layers() if drop_empty_layers else trace
+
+
 def load_trace(
     path: str | Path,
     tokens_per_window: int = 8,
@@ -211,6 +234,8 @@ def load_trace(
     `window_seconds` overrides what the file says (default 5 s when it says nothing).
     """
     path = Path(path)
+    if path.is_dir():
+        return _load_dir(path, window_seconds, drop_empty_layers)
     if not path.is_file():
         raise InputError(f"{path}: no such trace file")
     if window_seconds is not None and not (np.isfinite(window_seconds) and window_seconds > 0):

@@ -51,6 +51,21 @@ def test_sglang_pt_dump(tmp_path: Path) -> None:
     np.testing.assert_array_equal(load_trace(tmp_path / "d.pt").counts, counts)
 
 
+def test_directory_of_dumps(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    counts = _counts(t=4, layers=3)
+    counts[:, 0] = 0
+    for i, window in enumerate(counts):  # one SGLang-style [L, E] dump per window
+        torch.save({"logical_count": torch.tensor(window)}, tmp_path / f"dump_{i:03d}.pt")
+    trace = load_trace(tmp_path)
+    np.testing.assert_array_equal(trace.counts, counts[:, 1:])
+    (tmp_path / "dump_999.json").write_text(json.dumps({"logical_count": [[1, 2]]}))
+    with pytest.raises(InputError, match="disagree"):
+        load_trace(tmp_path)
+    with pytest.raises(InputError):
+        load_trace(tmp_path / "empty_dir_missing")
+
+
 def test_jsonl_tokens_grouped_in_generation_order(tmp_path: Path) -> None:
     lines = []
     # Layer-major per problem, like the Mixtral file: 2 problems, 3 then 2 tokens, 2 layers.
