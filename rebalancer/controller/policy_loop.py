@@ -75,7 +75,7 @@ class PolicyLoop:
             windows=self.estimator.windows,
             effective_windows=self.estimator.effective_windows,
         )
-        self._record(decision, now)
+        self.record(decision, now)
         return decision
 
     def on_window(
@@ -100,10 +100,11 @@ class PolicyLoop:
             dry_run=dry_run,
         )
         if not dry_run:
-            self._record(decision, now)
+            self.record(decision, now)
         return decision
 
-    def _record(self, decision: Decision, now: float) -> None:
+    def record(self, decision: Decision, now: float) -> None:
+        """Note a decision taken on this loop's inputs (the controller decides off its event loop)."""
         self.last_decision_time = now
         self.last_decision = decision
         if decision.take:

@@ -9,6 +9,7 @@ calls are refused, calls in flight get `grace_seconds`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import signal
 from collections.abc import Callable
@@ -70,6 +71,7 @@ class ControllerServer:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         self._tick_task: asyncio.Task[None] | None = None
         self._metrics_http: Any = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decide")
         self._stopping = False
         self._stopped = asyncio.Event()
 
@@ -83,7 +85,20 @@ class ControllerServer:
             if asyncio.iscoroutine(result):
                 await result
 
+    def _background(self, fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._executor, fn)
+
+        def finish(f: asyncio.Future[Any]) -> None:
+            try:
+                done(f.result())
+            except Exception:
+                log.exception("background decision failed")
+
+        future.add_done_callback(finish)
+
     async def start(self) -> None:
+        self.controller.background = self._background
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.config.metrics_port is not None:
@@ -114,6 +129,7 @@ class ControllerServer:
         if self._tick_task:
             self._tick_task.cancel()
         await self.server.stop(self.config.grace_seconds)
+        self._executor.shutdown(wait=True, cancel_futures=True)
         for dep in self.controller.deployments.values():
             self.controller.persist(dep)
         if self._metrics_http is not None:

@@ -24,7 +24,7 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import coordinate
 from rebalancer.controller.coordinate import Plan, PlanState, ReportError, Transition
-from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
+from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig, decide
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.controller.store import Store
 from rebalancer.errors import InputError
@@ -93,6 +93,7 @@ class Deployment:
         self.next_seq: dict[int, int] = {}
         self.newest_seq = -1  # highest window seq any rank sent
         self.persisted_at = -float("inf")
+        self.deciding = False  # a decision is being computed off the event loop
         self.pending: dict[int, dict[str, Any]] = {}
         # Estimate and decision timing: the same object the simulator drives.
         self.loop = PolicyLoop(shape, policy)
@@ -134,6 +135,11 @@ class Controller:
         self.deployments: dict[str, Deployment] = {}
         self.sessions: dict[str, tuple[str, int]] = {}
         self.window_observers: list[Callable[[WindowEvent], None]] = []
+        # Runs fn, then done(result) on the caller's thread; the server replaces this
+        # with a worker thread so long placement work never stalls ingest.
+        self.background: Callable[[Callable[[], Any], Callable[[Any], None]], None] = (
+            lambda fn, done: done(fn())
+        )
         self.plan_observers: list[Callable[[str, Plan, str], None]] = []
         self.decision_observers: list[Callable[[str, Decision, str], None]] = []
         self._load()
@@ -296,7 +302,7 @@ class Controller:
             actual = _balancedness_of_gpu_load(per_gpu)
             dep.stats.balancedness_actual = actual
         now = time.monotonic()
-        decision = dep.loop.on_window(logical, dep.phy2log, now, in_flight=dep.plan is not None)
+        dep.loop.observe(logical)
         if now - dep.persisted_at >= self.persist_seconds:
             self.persist(dep, now)
         if self.window_observers:
@@ -309,8 +315,33 @@ class Controller:
             )
             for observer in self.window_observers:
                 observer(event)
-        if decision is not None:
-            self._act(dep, decision, "policy", now)
+        if dep.plan is None and not dep.deciding and not dep.policy.paused and dep.loop.due(now):
+            self._decide(dep, now)
+
+    def _decide(self, dep: Deployment, now: float) -> None:
+        """The policy's decision on this window, computed by `self.background` (a worker
+        thread in the server, so ingest goes on meanwhile) on inputs copied here."""
+        loop = dep.loop
+        args = (dep.estimator.estimate(), dep.phy2log.copy(), dep.shape, dep.policy, now,
+                loop.last_rebalance, dep.estimator.windows)
+
+        def compute() -> Decision | None:
+            try:
+                return decide(*args)
+            except Exception:  # a bug here must not stop future decisions
+                log.exception("%s: decision failed", dep.name)
+                return None
+
+        def done(decision: Decision | None) -> None:
+            dep.deciding = False
+            if decision is None:
+                return
+            loop.record(decision, now)
+            if dep.plan is None:
+                self._act(dep, decision, "policy", time.monotonic())
+
+        dep.deciding = True
+        self.background(compute, done)
 
     def persist(self, dep: Deployment, now: float | None = None) -> None:
         """Save the ingest cursor: per-rank next window seq with the estimate built from them."""
