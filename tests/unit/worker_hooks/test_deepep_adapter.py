@@ -81,4 +81,3 @@ def test_received_counts_land_in_the_recorder_slice() -> None:
         rec.add_physical_counts(None, 0, torch.tensor([1]))  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         ExpertRecorder(1, 2).add_physical_counts(0, 0, torch.tensor([1]))
-
