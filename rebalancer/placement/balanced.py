@@ -254,9 +254,9 @@ def spread_duplicates(
 
 def polish(
     item_at: np.ndarray, weight: np.ndarray, item_expert: np.ndarray, num_packs: int,
-    max_rounds: int, steps: tuple[str, ...] = ("spread", "swap", "spread"),
+    max_rounds: int, steps: tuple[str, ...] = ("spread", "swap"),
 ) -> np.ndarray:
-    """Spread duplicates, swap heavy against light packs, spread again.
+    """Spread duplicates, then swap heavy against light packs (swaps never add one).
 
     item_at, weight, item_expert: [X, n]. Returns: item_at [X, n].
     """

@@ -36,25 +36,33 @@ def place_in_nodes(
     weight: np.ndarray,
     num_slots: int,
     num_gpus: int,
-    node_experts: np.ndarray,
+    node_experts: np.ndarray | None,
     replicate: Replicate,
     pack: Pack,
 ) -> np.ndarray:
     """Replicate and pack each node's own experts onto that node's GPUs.
 
-    weight: [L, E]; node_experts: [L, N, E/N], the experts each node hosts.
+    weight: [L, E]; node_experts: [L, N, E/N], the experts each node hosts, or None for
+    one node holding every expert (the global policy).
     Returns: phy2log [L, P], node n owning slots [n*P/N, (n+1)*P/N).
     """
-    num_layers, num_nodes, per_node = node_experts.shape
-    # 1. one row per (layer, node): the node's experts and their load
-    node_weight = gather(weight, node_experts.reshape(num_layers, -1))
-    node_weight = node_weight.reshape(num_layers * num_nodes, per_node)
+    num_layers = weight.shape[0]
+    if node_experts is None:
+        num_nodes, per_node = 1, weight.shape[1]
+        node_weight = weight
+    else:
+        num_nodes, per_node = node_experts.shape[1:]
+        # 1. one row per (layer, node): the node's experts and their load
+        node_weight = gather(weight, node_experts.reshape(num_layers, -1))
+        node_weight = node_weight.reshape(num_layers * num_nodes, per_node)
     # 2. replicate within the node's slot share
     phy2local, localcnt = replicate(node_weight, num_slots // num_nodes, num_gpus // num_nodes)
     # 3. pack the node's replicas onto its GPUs; GPU k owns the k-th run of slots
     replica_weight = gather(node_weight / localcnt, phy2local)
     item_at = pack(replica_weight, num_gpus // num_nodes, phy2local)
     local_by_slot = gather(phy2local, item_at)
+    if node_experts is None:
+        return local_by_slot
     # 4. back to logical expert ids
     phy2log = gather(node_experts.reshape(num_layers * num_nodes, per_node), local_by_slot)
     return phy2log.reshape(num_layers, num_slots)
@@ -90,10 +98,8 @@ def place(
 
     weight: [L, E]. Returns: phy2log [L, P] int64.
     """
-    num_layers, num_logical = weight.shape
-    if uses_hierarchy(num_logical, num_nodes, num_groups):
+    node_experts = None
+    if uses_hierarchy(weight.shape[1], num_nodes, num_groups):
         assert num_groups is not None
         node_experts = assign_groups(weight, num_nodes, num_groups, pack)
-    else:
-        node_experts = np.tile(np.arange(num_logical, dtype=np.int64), (num_layers, 1, 1))
     return place_in_nodes(weight, num_slots, num_gpus, node_experts, replicate, pack)
