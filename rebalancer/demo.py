@@ -58,7 +58,7 @@ class DemoConfig:
     timeout_seconds: float = 110.0
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(
         min_interval_seconds=1.0, gain_threshold=0.03, horizon_seconds=60.0,
-        max_moved_fraction=1.0, decay=0.5, min_windows=2, decision_period_seconds=0.25,
+        max_moved_fraction=0.3, decay=0.5, min_windows=2, decision_period_seconds=0.25,
         prepare_timeout_seconds=20.0, step_seconds=0.01,
     ))
 

@@ -2,9 +2,9 @@
 
 `prepare` receives every expert a rank gains into staging buffers with
 torch.distributed point-to-point transfers on a process group of its own
-(gloo on CPU, NCCL on GPU, on a side stream there), a few layers at a time:
-for each chunk of layers, each pair of ranks exchanges one packed buffer, so
-transfers are large and their number small. Serving keeps using the live
+(gloo on CPU, NCCL on GPU, on a side stream there), a few layers per round:
+in each round each pair of ranks exchanges one packed buffer per weight tensor,
+received in place into staging, so transfers are large and few. Serving keeps using the live
 weights meanwhile. `commit` copies staging into the live weights in place
 (storage unchanged: CUDA graphs stay valid); `abort` drops staging.
 """
@@ -69,14 +69,14 @@ class MigrationExecutor:
         self.num_layers, self.slots_per_rank = int(first.shape[0]), int(first.shape[1])
         self.device = first.device
         self.dtype = first.dtype
-        # Elements of one expert across all named tensors, and each tensor's share.
-        self._sizes = [int(np.prod(w.shape[2:])) for w in weights.values()]
-        self.expert_numel = sum(self._sizes)
-        self.expert_bytes = self.expert_numel * first.element_size()
+        for name, w in weights.items():
+            if not w.is_contiguous():
+                raise ValueError(f"weight {name!r} must be contiguous (its flat view is updated in place)")
+        self.expert_bytes = sum(int(np.prod(w.shape[2:])) for w in weights.values()) * first.element_size()
         self._lock = threading.Lock()
         self._staged_version: int | None = None
-        self._staging: torch.Tensor | None = None        # [n_in, expert_numel]
-        self._staged_index: torch.Tensor | None = None   # [n_in, 2] (layer, local slot)
+        self._staging: dict[str, torch.Tensor] | None = None  # name -> [n_in, ...]
+        self._staged_index: torch.Tensor | None = None         # [n_in] flat row of each
         self._aborted: set[int] = set()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -84,21 +84,14 @@ class MigrationExecutor:
     def staged_version(self) -> int | None:
         return self._staged_version
 
-    # ------------------------------------------------------------ packing
+    # ------------------------------------------------------------ helpers
 
-    def _pack(self, layers: np.ndarray, slots: np.ndarray) -> torch.Tensor:
-        """Experts at (layer, slot) pairs as one [n, expert_numel] buffer."""
-        li = torch.as_tensor(layers, device=self.device)
-        si = torch.as_tensor(slots, device=self.device)
-        parts = [w[li, si].reshape(len(layers), -1) for w in self.weights.values()]
-        return torch.cat(parts, dim=1)
+    def _flat_index(self, layers: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        """(layer, slot) pairs as row indices of the flat [L * S, ...] weight views."""
+        return torch.as_tensor(layers * self.slots_per_rank + slots, dtype=torch.int64, device=self.device)
 
-    def _unpack_into(self, flat: torch.Tensor, layers: torch.Tensor, slots: torch.Tensor) -> None:
-        offset = 0
-        for size, w in zip(self._sizes, self.weights.values(), strict=True):
-            part = flat[:, offset:offset + size].reshape((flat.shape[0],) + tuple(w.shape[2:]))
-            w[layers, slots] = part
-            offset += size
+    def _flat(self, w: torch.Tensor) -> torch.Tensor:
+        return w.view((self.num_layers * self.slots_per_rank,) + tuple(w.shape[2:]))
 
     # ------------------------------------------------------------ prepare
 
@@ -108,6 +101,11 @@ class MigrationExecutor:
         transfers: [K, 5] int (layer, dst_rank, dst_slot, src_rank, src_slot), the
         same list on every rank. Blocks the calling (background) thread until
         every exchange of this rank finished; raises on a failed peer.
+
+        Staging holds one contiguous tensor per weight, its rows ordered by (round,
+        source rank, layer, slot): the experts one peer sends in one round are one
+        contiguous block, received in place with no copy afterwards. Each round
+        sends one `index_select`-packed buffer per weight and peer.
         """
         start = time.perf_counter()
         t = np.asarray(transfers, dtype=np.int64).reshape(-1, 5)
@@ -115,45 +113,53 @@ class MigrationExecutor:
                        or t[:, [DST_SLOT, SRC_SLOT]].max() >= self.slots_per_rank
                        or t[:, LAYER].max() >= self.num_layers):
             raise ValueError("transfer list refers to ranks, slots or layers out of range")
-        # Canonical order, identical on every rank: by layer, then destination.
-        t = t[np.lexsort((t[:, DST_SLOT], t[:, DST_RANK], t[:, LAYER]))]
+        # 1. One order on every rank: round, then source rank, then layer and slot.
+        rounds = t[:, LAYER] // self.layers_per_chunk
+        t = t[np.lexsort((t[:, DST_SLOT], t[:, LAYER], t[:, DST_RANK], t[:, SRC_RANK], rounds))]
+        rounds = t[:, LAYER] // self.layers_per_chunk
         incoming = t[t[:, DST_RANK] == self.rank]
-        staging = torch.empty((len(incoming), self.expert_numel), dtype=self.dtype, device=self.device)
-        row_of = {(int(r[LAYER]), int(r[DST_SLOT])): i for i, r in enumerate(incoming)}
-        sent = received = 0
+        in_rounds = incoming[:, LAYER] // self.layers_per_chunk
+        # 2. Staging, allocated on the side stream that fills it.
         stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        sent = received = 0
         with stream_ctx:
-            for lo in range(0, self.num_layers, self.layers_per_chunk):
+            staging = {
+                name: torch.empty((len(incoming),) + tuple(w.shape[2:]), dtype=self.dtype, device=self.device)
+                for name, w in self.weights.items()
+            }
+            for r in np.unique(rounds):
                 if version in self._aborted:
                     raise MigrationAborted(f"plan v{version} aborted while preparing")
-                chunk = t[(t[:, LAYER] >= lo) & (t[:, LAYER] < lo + self.layers_per_chunk)]
-                ops, recvs = [], []
+                chunk = t[rounds == r]
+                ops = []
                 for peer in range(self.world_size):
-                    out_rows = chunk[(chunk[:, SRC_RANK] == self.rank) & (chunk[:, DST_RANK] == peer)]
-                    in_rows = chunk[(chunk[:, DST_RANK] == self.rank) & (chunk[:, SRC_RANK] == peer)]
-                    if peer == self.rank:
-                        if len(in_rows):  # a local move: no transfer, straight to staging
-                            rows = [row_of[(int(r[LAYER]), int(r[DST_SLOT]))] for r in in_rows]
-                            staging[rows] = self._pack(in_rows[:, LAYER], in_rows[:, SRC_SLOT])
+                    in_mask = (in_rounds == r) & (incoming[:, SRC_RANK] == peer)
+                    lo = int(np.argmax(in_mask)) if in_mask.any() else 0
+                    hi = lo + int(in_mask.sum())
+                    if peer == self.rank:  # local moves: straight into staging
+                        if hi > lo:
+                            idx = self._flat_index(incoming[lo:hi, LAYER], incoming[lo:hi, SRC_SLOT])
+                            for name, w in self.weights.items():
+                                torch.index_select(self._flat(w), 0, idx, out=staging[name][lo:hi])
                         continue
+                    out_rows = chunk[(chunk[:, SRC_RANK] == self.rank) & (chunk[:, DST_RANK] == peer)]
                     if len(out_rows):
-                        buf = self._pack(out_rows[:, LAYER], out_rows[:, SRC_SLOT]).contiguous()
-                        ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
-                        sent += buf.numel() * buf.element_size()
-                    if len(in_rows):
-                        buf = torch.empty((len(in_rows), self.expert_numel), dtype=self.dtype, device=self.device)
-                        ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
-                        recvs.append((in_rows, buf))
+                        idx = self._flat_index(out_rows[:, LAYER], out_rows[:, SRC_SLOT])
+                        for w in self.weights.values():
+                            buf = self._flat(w).index_select(0, idx)
+                            ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
+                            sent += buf.numel() * buf.element_size()
+                    if hi > lo:
+                        for name in self.weights:
+                            view = staging[name][lo:hi]  # contiguous rows: received in place
+                            ops.append(dist.P2POp(dist.irecv, view, peer, self.group))
+                            received += view.numel() * view.element_size()
                 if ops:
                     for work in dist.batch_isend_irecv(ops):
                         work.wait()
-                for in_rows, buf in recvs:
-                    rows = [row_of[(int(r[LAYER]), int(r[DST_SLOT]))] for r in in_rows]
-                    staging[rows] = buf
-                    received += buf.numel() * buf.element_size()
         if self._stream is not None:
             self._stream.synchronize()
-        index = torch.as_tensor(incoming[:, [LAYER, DST_SLOT]], device=self.device)
+        index = self._flat_index(incoming[:, LAYER], incoming[:, DST_SLOT])
         with self._lock:
             if version in self._aborted:
                 raise MigrationAborted(f"plan v{version} aborted while preparing")
@@ -165,7 +171,8 @@ class MigrationExecutor:
     def commit(self, version: int) -> int:
         """Copy staged experts into the live weights in place; returns experts written.
 
-        Call between forward steps (between graph replays)."""
+        One `index_copy_` per weight on its flat [L * S, ...] view. Call between
+        forward steps (between graph replays): storage never changes."""
         with self._lock:
             if self._staged_version != version or self._staging is None or self._staged_index is None:
                 raise RuntimeError(f"commit of v{version} but staged is v{self._staged_version}")
@@ -173,7 +180,8 @@ class MigrationExecutor:
             self._staging = self._staged_index = None
             self._staged_version = None
         if len(index):
-            self._unpack_into(staging, index[:, 0], index[:, 1])
+            for name, w in self.weights.items():
+                self._flat(w).index_copy_(0, index, staging[name])
         return len(index)
 
     def abort(self, version: int) -> None:
