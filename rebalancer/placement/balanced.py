@@ -41,7 +41,7 @@ def refine_swaps(
     slot_expert: np.ndarray,
     num_packs: int,
     max_rounds: int = 8,
-    max_pairs: int = 16,
+    max_pairs: int = 8,
 ) -> np.ndarray:
     """Even out packs by swapping items between heavy and light packs.
 
@@ -273,7 +273,7 @@ def polish(
 
 
 def pack_balanced(
-    weight: np.ndarray, num_packs: int, item_expert: np.ndarray, max_rounds: int = 3
+    weight: np.ndarray, num_packs: int, item_expert: np.ndarray, max_rounds: int = 2
 ) -> np.ndarray:
     """Round packing, duplicates spread, then refined by swaps (with two items per pack
     the rounds alone are already the optimal pairing).
