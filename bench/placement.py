@@ -188,6 +188,38 @@ def migration(loads: dict[str, np.ndarray], slots: int, gpus: int, nodes: int) -
     return rows
 
 
+def migration_summary(
+    loads: dict[str, np.ndarray], slots: int, gpus: int, nodes: int, budgets: list[float | None]
+) -> list[str]:
+    """Means over every ordered pair only, for a second layout."""
+    pairs = list(itertools.permutations(loads, 2))
+    fitted = {name: compute_placement(load, slots, gpus, nodes).phy2log for name, load in loads.items()}
+    rows = [
+        f"Layout G={gpus} N={nodes} P={slots}, {len(pairs)} ordered pairs (means):",
+        "",
+        "| max moved fraction | A's placement on B | ours on B | worst | moved | ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for budget in budgets:
+        stale, ours, moved, seconds = [], [], [], []
+        for a, b in pairs:
+            start = time.perf_counter()
+            result = compute_placement(loads[b], slots, gpus, nodes, previous=fitted[a],
+                                       max_moved_fraction=budget)
+            seconds.append(time.perf_counter() - start)
+            stale.append(balancedness(fitted[a], loads[b], gpus))
+            ours.append(result.balancedness)
+            moved.append(result.moved_fraction)
+        line = (
+            f"| {'none' if budget is None else f'{budget:.2f}'} | {np.mean(stale):.3f} | "
+            f"{np.mean(ours):.4f} | {np.min(ours):.4f} | {np.mean(moved):.3f} | "
+            f"{1e3 * np.median(seconds):.0f} |"
+        )
+        rows.append(line)
+        print(line, flush=True)
+    return rows
+
+
 def write_section(path: Path, lines: list[str]) -> None:
     """Replace (or append) the '## Placement engine' section of BENCHMARKS.md."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
@@ -224,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     quality_rows = quality(loads)
     print("\n### Migration", flush=True)
     migration_rows = migration(loads, 288, 32, 4)
+    migration_rows += [""] + migration_summary(loads, 512, 256, 32, [0.2, None])
     lines = [
         *header,
         "",
