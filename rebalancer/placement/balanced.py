@@ -2,9 +2,9 @@
 
 The greedy places one replica per step, which cannot be fast in numpy. Here round r
 hands the r-th heaviest batch of k replicas to the k GPUs, heaviest replica to the
-lightest GPU, for every layer at once; then swaps between the busiest GPU and any other
-lower the peak until no swap helps. Swaps never put two replicas of an expert on one GPU
-(unless an expert has more replicas than there are GPUs).
+lightest GPU, for every layer at once; second replicas of an expert on a GPU are then
+spread out, and swaps between the heaviest and the lightest GPUs, many pairs at once,
+lower the peak. No swap puts two replicas of an expert on one GPU.
 """
 
 from __future__ import annotations
@@ -282,12 +282,8 @@ def pack_balanced(
     Returns: item_at [X, n] int64, the item in each slot (pack k owns slots [k*c, (k+1)*c)).
     """
     item_at = pack_rounds(weight, num_packs)
-    if num_items_per_pack(weight, num_packs) <= 2:
+    if weight.shape[1] // num_packs <= 2:
         # two items per pack: the rounds pair heaviest with lightest, which is optimal;
         # only duplicates are left to spread
         return polish(item_at, weight, item_expert, num_packs, 0, steps=("spread",))
     return polish(item_at, weight, item_expert, num_packs, max_rounds)
-
-
-def num_items_per_pack(weight: np.ndarray, num_packs: int) -> int:
-    return weight.shape[1] // num_packs

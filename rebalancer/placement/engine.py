@@ -6,6 +6,9 @@ decide and to ship (replica lists, balancedness, moved fraction).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 
 from rebalancer.errors import InputError
@@ -31,10 +34,14 @@ from rebalancer.placement.types import (
 ALGORITHMS = ("auto", "greedy", "balanced", "migration", "reference")
 
 
-def _loaded_rows_only(place_rows):  # type: ignore[no-untyped-def]
+PlaceRows = Callable[[np.ndarray, int, int, int, "int | None"], np.ndarray]
+
+
+def _loaded_rows_only(place_rows: PlaceRows) -> PlaceRows:
     """Run a placement function on the layers with load only; layers without load (dense
     layers) get the contiguous placement."""
 
+    @functools.wraps(place_rows)
     def wrapped(
         load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
         num_groups: int | None = None,
@@ -45,8 +52,6 @@ def _loaded_rows_only(place_rows):  # type: ignore[no-untyped-def]
             out[loaded] = place_rows(load[loaded], num_slots, num_gpus, num_nodes, num_groups)
         return out
 
-    wrapped.__doc__ = place_rows.__doc__
-    wrapped.__name__ = place_rows.__name__
     return wrapped
 
 
