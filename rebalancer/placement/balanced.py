@@ -180,7 +180,7 @@ def spread_duplicates(
     """Move second replicas of an expert off a pack by swapping each with the item of
     closest weight on a pack that lacks that expert (and whose expert the first pack
     lacks), never raising the row's peak load. A duplicate stays only where no such swap
-    exists (e.g. an expert with more replicas than packs). One duplicate per row per sweep.
+    exists (e.g. an expert with more replicas than packs). One duplicate per row per step.
 
     slot_weight, slot_expert: [X, n], pack k owning slots [k*c, (k+1)*c).
     Returns: permutation [X, n]: new slot s takes the item of old slot perm[s]; None
@@ -200,22 +200,20 @@ def spread_duplicates(
     expert = slot_expert[with_dup]
     perm = np.tile(np.arange(num_items, dtype=np.int64), (num_rows, 1))
     slot_pack = np.arange(num_items) // per_pack
-    earlier = np.tril(np.ones((per_pack, per_pack), dtype=bool), -1)
     load = weight.reshape(num_rows, num_packs, per_pack).sum(axis=2)
     peak = load.max(axis=1)
-    stuck = np.zeros((num_rows, num_items), dtype=bool)
-    rows = np.arange(num_rows)
-    for _ in range(max_sweeps):
-        # 1. a slot is a duplicate if an earlier slot of its pack holds the same expert
-        packed = expert[rows].reshape(rows.size, num_packs, per_pack)
-        same = packed[:, :, :, None] == packed[:, :, None, :]
-        is_dup = (same & earlier).any(axis=3).reshape(rows.size, num_items) & ~stuck[rows]
-        has_dup = is_dup.any(axis=1)
-        rows, is_dup, packed = rows[has_dup], is_dup[has_dup], packed[has_dup]
-        if rows.size == 0:
-            break
+    # 1. the duplicates, found once: a slot whose pack holds its expert in an earlier slot;
+    #    the k-th duplicate of every row is handled in step k (a swap never creates one)
+    packed = expert.reshape(num_rows, num_packs, per_pack)
+    earlier = np.tril(np.ones((per_pack, per_pack), dtype=bool), -1)
+    is_dup = ((packed[:, :, :, None] == packed[:, :, None, :]) & earlier).any(axis=3)
+    dup_row, dup_slot_all = np.nonzero(is_dup.reshape(num_rows, num_items))
+    first = np.searchsorted(dup_row, dup_row, side="left")
+    step_of = np.arange(dup_row.size) - first
+    for step in range(min(int(step_of.max()) + 1, max_sweeps)):
+        pick = step_of == step
+        rows, dup_slot = dup_row[pick], dup_slot_all[pick]
         local = np.arange(rows.size)
-        dup_slot = is_dup.argmax(axis=1)  # first duplicate of each row
         dup_pack = dup_slot // per_pack
         dup_expert = expert[rows, dup_slot]
         dup_weight = weight[rows, dup_slot]
@@ -225,8 +223,9 @@ def spread_duplicates(
         row_experts = expert[rows]  # [D, n]
         row_weight = weight[rows]
         pack_has = (row_experts == dup_expert[:, None]).reshape(rows.size, num_packs, per_pack)
+        still_dup = pack_has.sum(axis=2)[local, dup_pack] > 1  # an earlier swap may have fixed it
         pack_has = pack_has.any(axis=2)[:, slot_pack]  # [D, n]
-        home = packed[local, dup_pack]  # [D, c]
+        home = gather(row_experts, dup_pack[:, None] * per_pack + np.arange(per_pack))
         in_home = np.zeros((rows.size, int(expert.max()) + 1), dtype=bool)
         in_home[local[:, None], home] = True
         clash = gather(in_home, row_experts)
@@ -237,8 +236,7 @@ def spread_duplicates(
         )
         distance = np.where(~pack_has & ~clash & fits, np.abs(shift), np.inf)
         partner = distance.argmin(axis=1)
-        ok = np.isfinite(distance[local, partner])
-        stuck[rows[~ok], dup_slot[~ok]] = True
+        ok = np.isfinite(distance[local, partner]) & still_dup
         r, a, b = rows[ok], dup_slot[ok], partner[ok]
         moved = shift[local[ok], b]
         load[r, a // per_pack] += moved
