@@ -1,0 +1,115 @@
+"""deploy/grafana/rebalancer.json: a dashboard on the templated data source, whose every
+query is valid PromQL selecting only metrics the controller exports, and which shows
+every metric family it exports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.deploy.conftest import DASHBOARD, base_name
+from tests.unit.deploy.promql import grafana_to_promql, metric_names
+
+DS_UID = "${DS_PROMETHEUS}"
+DEPLOYMENT_QUERY = "label_values(rebalancer_placement_version, deployment)"
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))  # collapsed rows hold their panels
+    return out
+
+
+def _queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(where, expr) of every panel target and query annotation."""
+    out = [(f"panel {p['title']!r} {t['refId']}", t["expr"])
+           for p in _panels(dashboard) for t in p.get("targets", [])]
+    out += [(f"annotation {a['name']!r}", a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a]
+    return out
+
+
+def test_templating(dashboard: dict[str, Any]) -> None:
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    ds = variables["DS_PROMETHEUS"]
+    assert (ds["type"], ds["query"]) == ("datasource", "prometheus")
+    dep = variables["deployment"]
+    assert dep["type"] == "query"
+    assert dep["datasource"]["uid"] == DS_UID
+    query = dep["query"]["query"] if isinstance(dep["query"], dict) else dep["query"]
+    assert query == DEPLOYMENT_QUERY
+    assert dep.get("definition", query) == DEPLOYMENT_QUERY
+    assert dep["multi"] and dep["includeAll"]
+
+
+def test_panels_use_the_templated_datasource(dashboard: dict[str, Any]) -> None:
+    panels = [p for p in _panels(dashboard) if p["type"] != "row"]
+    assert len(panels) >= 12
+    ids = [p["id"] for p in _panels(dashboard)]
+    assert len(ids) == len(set(ids)), "panel ids are unique"
+    for p in panels:
+        assert p["datasource"] == {"type": "prometheus", "uid": DS_UID}, p["title"]
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == DS_UID, p["title"]
+        pos = p["gridPos"]
+        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, p["title"]
+    for a in dashboard["annotations"]["list"]:
+        if "expr" in a:
+            assert a["datasource"]["uid"] == DS_UID
+
+
+def test_per_deployment_metrics_follow_the_variable(dashboard: dict[str, Any]) -> None:
+    # Every series labelled by deployment is filtered by $deployment; the two histograms
+    # without that label (ingest latency, plan phases) and build info are controller-wide.
+    global_metrics = {"rebalancer_ingest_seconds", "rebalancer_plan_phase_seconds", "rebalancer_build_info"}
+    for where, expr in _queries(dashboard):
+        names = {base_name(n) for n in metric_names(expr)}
+        if names - global_metrics:
+            assert 'deployment=~"$deployment"' in expr, f"{where}: {expr}"
+
+
+def test_queries_select_only_exported_metrics(dashboard: dict[str, Any], exported_metrics: set[str]) -> None:
+    used = set()
+    for where, expr in _queries(dashboard):
+        names = metric_names(grafana_to_promql(expr))
+        assert names, f"{where}: no metric in {expr!r}"
+        unknown = {n for n in names if base_name(n) not in exported_metrics}
+        assert not unknown, f"{where}: not exported by the controller: {sorted(unknown)}"
+        used |= {base_name(n) for n in names}
+    assert DEPLOYMENT_QUERY.split("(")[1].split(",")[0] in exported_metrics
+    # The other way round: a metric the controller exports but nobody can see is a gap.
+    assert exported_metrics - used == set(), f"exported but not on the dashboard: {sorted(exported_metrics - used)}"
+
+
+def test_required_views(dashboard: dict[str, Any]) -> None:
+    exprs = " ".join(expr for _, expr in _queries(dashboard))
+    assert 'histogram_quantile(0.99, sum by (le) (rate(rebalancer_ingest_seconds_bucket' in exprs
+    for by in ("outcome) (increase(rebalancer_decisions_total", "trigger) (increase(rebalancer_rebalances_total",
+               "reason) (increase(rebalancer_plan_aborts_total", "rebalancer_plan_phase_seconds_bucket",
+               "rate(rebalancer_ingest_bytes_total", "rate(rebalancer_windows_ingested_total",
+               "rebalancer_migrated_slots_total", "rebalancer_migrated_bytes_total"):
+        assert by in exprs, by
+    titles = {p["title"] for p in _panels(dashboard)}
+    assert "Balancedness: actual vs estimated" in titles
+    assert "Connected vs expected ranks" in titles
+
+
+def test_queries_are_valid_promql(dashboard: dict[str, Any], promtool: str, tmp_path: Path) -> None:
+    # promtool parses every expression of a recording-rule file: a syntax error fails it.
+    rules = [{"record": f"dashboard:query_{i}", "expr": grafana_to_promql(expr)}
+             for i, (_, expr) in enumerate(_queries(dashboard))]
+    path = tmp_path / "dashboard_rules.yml"
+    path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}))  # JSON is YAML
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
