@@ -16,6 +16,7 @@ import asyncio
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,6 +105,16 @@ class WorkerAgent:
         self._stop.set()
         self._poke()
         self._thread.join(timeout)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (off the hot path) until every window and report was delivered; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not (self._pending or self._unacked or self._reports):
+                    return True
+            time.sleep(0.02)
+        return False
 
     def submit_window(
         self, first_step: int, num_steps: int, version: int,

@@ -113,6 +113,7 @@ class RebalanceHook(PlanHandlers):
         self.stats = HookStats()
         self.step = 0
         self._window_start = 0
+        self._snapshot: tuple[int, int, int] | None = None  # (first step, steps, version) in flight
         # Newest version the controller said to commit; read by the serving thread.
         self._commit_ready = 0
         self._staged_phy2log: dict[int, np.ndarray] = {}
@@ -140,6 +141,17 @@ class RebalanceHook(PlanHandlers):
     def stop(self) -> None:
         self.agent.stop()
 
+    def finish(self, timeout: float = 5.0) -> None:
+        """At shutdown (not on the hot path): send the last partial window, give the
+        agent up to `timeout` seconds to deliver what it holds, then stop it."""
+        deadline = time.monotonic() + timeout
+        self._flush_window()
+        while self._snapshot is not None and time.monotonic() < deadline:
+            time.sleep(0.005)
+            self._poll_window()
+        self.agent.drain(max(0.0, deadline - time.monotonic()))
+        self.stop()
+
     # ------------------------------------------------------------ hot path
 
     def route(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -154,6 +166,7 @@ class RebalanceHook(PlanHandlers):
         """Call once per forward step, after the step, on every rank."""
         self.step += 1
         self.stats.steps += 1
+        self._poll_window()
         ready = self._commit_ready if self._commit_ready in self._staged_phy2log else self.version
         agreed = self.agreement.on_step(self.step, ready)
         if agreed is not None and agreed > self.version:
@@ -163,13 +176,27 @@ class RebalanceHook(PlanHandlers):
             self._flush_window()
 
     def _flush_window(self) -> None:
+        """Close the current window: start its snapshot (non-blocking on GPU).
+
+        If the previous snapshot is still in flight, the counts simply keep
+        accumulating into the next window (merged, never queued)."""
         if self.step == self._window_start:
             return
-        logical, physical = self.recorder.take_window()
-        self.agent.submit_window(
-            self._window_start, self.step - self._window_start, self.version, logical, physical
-        )
-        self._window_start = self.step
+        if self.recorder.begin_window():
+            self._snapshot = (self._window_start, self.step - self._window_start, self.version)
+            self._window_start = self.step
+        self._poll_window()
+
+    def _poll_window(self) -> None:
+        """Hand a finished snapshot to the agent; never waits for the device."""
+        if self._snapshot is None:
+            return
+        window = self.recorder.poll_window()
+        if window is None:
+            return
+        first_step, num_steps, version = self._snapshot
+        self._snapshot = None
+        self.agent.submit_window(first_step, num_steps, version, *window)
         self.stats.windows += 1
 
     def _commit(self, version: int) -> None:

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# How long past its prepare deadline a committing plan may wait for confirmations.
+COMMIT_GRACE_SECONDS = 60.0
+
 
 class PlanState(enum.Enum):
     PREPARING = "preparing"
@@ -64,6 +67,7 @@ class Transition:
     became_committed: bool = False  # first rank confirmed the switch
     finished: bool = False          # plan left the in-flight slot
     duplicate: bool = False
+    unconfirmed: bool = False       # finished without any rank confirming the commit
 
 
 def on_prepared(plan: Plan, rank: int, now: float) -> Transition:
@@ -127,8 +131,14 @@ def on_tick(plan: Plan, now: float) -> Transition:
     if plan.state is PlanState.PREPARING and now > plan.deadline:
         missing = sorted(set(range(plan.num_ranks)) - plan.prepared)
         return abort(plan, f"timeout: ranks {missing} not prepared")
-    if plan.state is PlanState.COMMITTED and now > plan.deadline + 60.0:
+    if plan.state is PlanState.COMMITTED and now > plan.deadline + COMMIT_GRACE_SECONDS:
         return Transition(finished=True)
+    if plan.state is PlanState.COMMITTING and now > plan.deadline + COMMIT_GRACE_SECONDS:
+        # Commit went out but no rank confirmed (their agreement lost a peer, or the
+        # confirmations were lost): free the slot. A rank that did switch reports its
+        # version when it re-registers and the controller adopts it then.
+        plan.reason = "commit sent, no rank confirmed in time"
+        return Transition(finished=True, unconfirmed=True)
     return Transition()
 
 

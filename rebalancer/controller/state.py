@@ -205,9 +205,7 @@ class Controller:
         known = self.store.placement(dep.name, version)
         if version > dep.version and known is not None:
             # The ranks committed a plan whose confirmation the controller lost: theirs wins.
-            log.warning("%s: rank %d serves v%d, controller had v%d: adopting v%d", dep.name, rank, version, dep.version, version)
-            self.store.commit_plan(dep.name, version)
-            dep.version, dep.phy2log = version, known
+            self._adopt(dep, version, known, f"rank {rank} registered serving it")
             return
         if dep.connected_ranks == 0 and known is not None:
             log.warning("%s: ranks restarted on v%d (controller had v%d)", dep.name, version, dep.version)
@@ -218,6 +216,11 @@ class Controller:
             "FAILED_PRECONDITION",
             f"rank {rank} of {dep.name!r} serves placement v{version}, the deployment is at v{dep.version}",
         )
+
+    def _adopt(self, dep: Deployment, version: int, phy2log: np.ndarray, why: str) -> None:
+        log.warning("%s: adopting placement v%d (controller had v%d): %s", dep.name, version, dep.version, why)
+        self.store.commit_plan(dep.name, version)
+        dep.version, dep.phy2log = version, phy2log
 
     def session(self, session_id: str) -> tuple[Deployment, Session]:
         entry = self.sessions.get(session_id)
@@ -439,6 +442,10 @@ class Controller:
         if plan is None or plan.version != version:
             if version == dep.version and phase in ("committed", "prepared"):
                 return  # late confirmation of a plan already finished: harmless
+            known = self.store.placement(dep.name, version) if version > dep.version else None
+            if phase == "committed" and known is not None and plan is None:
+                self._adopt(dep, version, known, f"rank {session.rank} confirmed it late")
+                return
             if version > max(dep.version, plan.version if plan else 0):
                 raise StateError("NOT_FOUND", f"plan v{version} unknown for {dep.name!r} (latest v{max(dep.version, plan.version if plan else 0)})")
             raise StateError(
@@ -487,6 +494,10 @@ class Controller:
             dep.stats.bytes_moved += plan.bytes_moved
             log.info("%s: plan v%d committed", dep.name, plan.version)
             self._notify(dep, plan, "committed")
+        if t.unconfirmed:
+            log.error("%s: plan v%d: %s", dep.name, plan.version, plan.reason)
+            self.store.set_plan_state(dep.name, plan.version, "unconfirmed", plan.reason)
+            self._notify(dep, plan, "unconfirmed")
         if t.finished:
             dep.plan = None
 

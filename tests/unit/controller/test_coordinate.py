@@ -60,3 +60,12 @@ def test_commit_confirmations() -> None:
     assert c.on_committed(p, 0, 2.0).finished
     with pytest.raises(c.ReportError):
         c.on_failed(p, 0, "late")  # a committed plan cannot be failed
+
+
+def test_unconfirmed_commit_frees_the_slot_after_grace() -> None:
+    p = plan(num_ranks=2, deadline=5.0)
+    c.on_prepared(p, 0, 1.0)
+    c.on_prepared(p, 1, 1.0)
+    assert not c.on_tick(p, 5.0 + c.COMMIT_GRACE_SECONDS - 1).finished
+    t = c.on_tick(p, 5.0 + c.COMMIT_GRACE_SECONDS + 1)
+    assert t.finished and t.unconfirmed and not t.send_abort
