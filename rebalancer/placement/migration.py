@@ -330,10 +330,12 @@ def migrate(
     budget_slots: int | None = None,
     gap: float = 0.005,
     passes: int = 3,
+    replica_share: float = 0.5,
 ) -> np.ndarray:
     """Repair `old` for `load` until every layer is within `gap` of the balancedness of
     `fresh` (a from-scratch placement for the same load), changing at most
-    `budget_slots` slots in all.
+    `budget_slots` slots in all. replica_share: an expert gets replicas from others
+    only while its load per replica is above this share of a GPU's target load.
 
     load: [L, E] float64, old, fresh: [L, P]. Returns: phy2log [L, P].
     """
@@ -341,13 +343,16 @@ def migrate(
     per_gpu = num_slots // num_gpus
     mean = load.sum(axis=1) / num_gpus
     loaded = mean > 0
-    # 1. what to aim for, from the fresh placement: its balance, less the gap, and its
-    #    largest load per replica
-    freshpeak_load = peak_load(fresh, load, num_gpus)
-    goal = np.where(loaded, mean / np.where(loaded, freshpeak_load, 1), 1.0)
+    # 1. what to aim for, from the fresh placement: its balance, less the gap
+    fresh_peak = peak_load(fresh, load, num_gpus)
+    goal = np.where(loaded, mean / np.where(loaded, fresh_peak, 1), 1.0)
     target = np.where(loaded, mean / np.maximum(goal - gap, 1e-9), np.inf)
+    # replica moves only for experts whose replicas are too large to even out by swaps
+    # (above both the fresh placement's largest replica and a share of a GPU's target);
+    # below that, swaps buy more balance per changed slot
     fresh_cnt = logcnt_of(fresh, load.shape[1])
-    threshold = np.where(loaded, (load / fresh_cnt).max(axis=1), np.inf)
+    largest = (load / fresh_cnt).max(axis=1)
+    threshold = np.where(loaded, np.maximum(largest, replica_share * target), np.inf)
     phy2log = np.ascontiguousarray(old, dtype=np.int64).copy()
     unlimited = budget_slots is None
     remaining = 2 * num_slots * num_layers if budget_slots is None else int(budget_slots)
