@@ -76,10 +76,18 @@ def test_vectorised_greedy_matches_loop_port(layout, seed):
 
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_vectorised_greedy_matches_loop_port_on_real_data(deepseek, hierarchical):
-    load = deepseek["decode_in1000out1000"].astype(np.float64)
     groups = 8 if hierarchical else None
-    ours = gpu_load(greedy_placement(load, 288, 32, 4, groups), load, 32).max(axis=1)
-    loop = gpu_load(reference_placement(load, 288, 32, 4, groups), load, 32).max(axis=1)
+    for name, counts in deepseek.items():
+        load = counts.astype(np.float64)
+        ours = gpu_load(greedy_placement(load, 288, 32, 4, groups), load, 32).max(axis=1)
+        loop = gpu_load(reference_placement(load, 288, 32, 4, groups), load, 32).max(axis=1)
+        assert np.allclose(ours, loop, rtol=1e-12), name
+
+
+def test_vectorised_greedy_matches_loop_port_on_256_gpus(deepseek):
+    load = deepseek["prefill_in4096"].astype(np.float64)
+    ours = gpu_load(greedy_placement(load, 512, 256, 32, 8), load, 256).max(axis=1)
+    loop = gpu_load(reference_placement(load, 512, 256, 32, 8), load, 256).max(axis=1)
     assert np.allclose(ours, loop, rtol=1e-12)
 
 
