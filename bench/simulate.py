@@ -63,7 +63,9 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
                 continue
             # The same drift seen through 8x fewer tokens per window: noisier windows.
             for tok, suffix in ((tokens, ""), (max(1, tokens // 8), "-noisy")):
-                cfg = TraceGenConfig(kind=kind, windows=windows, tokens_per_window=tok, seed=seed)
+                cfg = TraceGenConfig(
+                    kind=kind, windows=windows, tokens_per_window=tok, seed=seed + seed_offset
+                )
                 trace = make_trace(sources, cfg, name=f"deepseek-v3-{kind}{suffix}")
                 cases.append(Case(trace.name, trace, ds, predictable=kind != "burst"))
     if which & {"mixtral8", "mixtral16"}:

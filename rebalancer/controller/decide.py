@@ -19,8 +19,9 @@ Cost model of the gate (documented in docs/simulator.md as well):
 - Weights move in the background beside serving. The busiest receiving rank needs
   `bytes_in / link_bandwidth` seconds; while transfers run, serving runs slower by the
   fraction `overlap_penalty` (transfers share SMs, HBM and the links with the all-to-all),
-  then all ranks swap their maps between two graph replays (`swap_seconds`). The cost is
-  `transfer_seconds * overlap_penalty + swap_seconds`.
+  then all ranks pause between two graph replays to copy the staged experts into their
+  slots (busiest rank's bytes / `commit_gbps`) and swap their maps (`swap_seconds`). The
+  cost is `transfer_seconds * overlap_penalty + commit pause + swap_seconds`.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ class PolicyConfig:
     paused: bool = False
     # Fraction of serving throughput lost while weight transfers run beside serving.
     overlap_penalty: float = 0.15
-    # The map swap between two graph replays, the only stall a plan causes.
+    # The stall a plan causes at commit: staged experts copied into their live slots at
+    # `commit_gbps` (GB/s, H200: ~700), then the map swap between two graph replays.
+    commit_gbps: float = 700.0
     swap_seconds: float = 0.0005
     # > 0: the estimate is the mean of the last `estimate_window` windows instead of decay.
     estimate_window: int = 0
@@ -117,6 +120,7 @@ class PolicyConfig:
         number("step_seconds", 0.0, inf, lo_open=True)
         number("overlap_penalty", 0.0, 1.0)
         number("swap_seconds", 0.0, inf)
+        number("commit_gbps", 0.0, inf, lo_open=True)
         number("noise_z", 0.0, inf)
         for name in ("min_windows", "estimate_window"):
             value = getattr(self, name)
@@ -314,9 +318,14 @@ def decide(
     transfer_seconds = (
         float(per_rank_in.max()) * shape.expert_bytes / (policy.link_bandwidth_gbps * 1e9)
     )
-    migration_cost = transfer_seconds * policy.overlap_penalty + (
-        policy.swap_seconds if slots_moved else 0.0
+    per_rank_all = np.bincount(moves[:, 1], minlength=G) if slots_moved else np.zeros(G)
+    commit_seconds = (
+        float(per_rank_all.max()) * shape.expert_bytes / (policy.commit_gbps * 1e9)
+        + policy.swap_seconds
+        if slots_moved
+        else 0.0
     )
+    migration_cost = transfer_seconds * policy.overlap_penalty + commit_seconds
 
     r_current = _load_weighted_imbalance(current, estimate, G)
     r_candidate = _load_weighted_imbalance(candidate, estimate, G)

@@ -12,8 +12,13 @@ time, stalls stop serving, and weight transfers beside serving slow it down. The
   nodes, per receiving GPU, all GPUs in parallel: a plan takes as long as its busiest
   receiver (plus `plan_overhead_seconds` for the prepare/commit round trips).
 - While transfers run beside serving, serving takes `1 + overlap_penalty` times as long
-  (copies share SMs, HBM and links with the all-to-all); the switch itself is a
-  `swap_seconds` stall between two graph replays.
+  (copies share SMs, HBM and links with the all-to-all). At commit, serving pauses
+  between two graph replays to copy the staged experts into their live slots (the
+  busiest rank's received bytes over `commit_gbps`) and to swap the maps (`swap_seconds`).
+Defaults are the H200 measurements of bench.gpu_hooks and bench.gpu_migration where they
+exist (BENCHMARKS.md, "Worker hooks on GPU"): weights beside a serving loop at about 50
+GB/s with serving 14% slower, staged-weight commit at about 700 GB/s (54 experts of 84
+MiB in 6.7 ms), map swap 14 us. The inter-node bandwidth is not measured yet.
 - Engines that rebalance in-process (`periodic`) stop serving for
   `max(periodic_stall_seconds, transfer time)` per rebalance.
 """
@@ -40,20 +45,24 @@ class CostModel:
     # Explicit per-layer costs; None calibrates them from the trace (see module docstring).
     fixed_seconds_per_layer: float | None = None
     seconds_per_token: float | None = None
-    # Bytes of one expert's weights, and per-GPU receive bandwidths (GB/s).
+    # Bytes of one expert's weights, and per-GPU receive bandwidths (GB/s) beside serving:
+    # intra-node measured on H200 NVLink; inter-node assumed (a 400 Gb/s NIC shared with
+    # the all-to-all's RDMA traffic).
     expert_bytes: int = DEEPSEEK_V3_EXPERT_BYTES
-    intra_node_gbps: float = 150.0
-    inter_node_gbps: float = 40.0
-    # Serving slowdown while transfers run beside it, and the map swap stall.
+    intra_node_gbps: float = 50.0
+    inter_node_gbps: float = 20.0
+    # Serving slowdown while transfers run beside it (measured +14.2%).
     overlap_penalty: float = 0.15
-    swap_seconds: float = 0.0005
+    # Commit pause: staged experts copied into live slots at this rate, then the map swap.
+    commit_gbps: float = 700.0
+    swap_seconds: float = 0.00002
     # Controller round trips of a plan (prepare, prepared reports, commit).
     plan_overhead_seconds: float = 0.1
     # Blocking stall of one in-process rebalance (SGLang ~1-2 s, vLLM 0.65-1.7 s at EP32).
     periodic_stall_seconds: float = 1.5
 
     def validate(self) -> None:
-        positive = ("step_seconds", "intra_node_gbps", "inter_node_gbps")
+        positive = ("step_seconds", "intra_node_gbps", "inter_node_gbps", "commit_gbps")
         for name in positive:
             value = getattr(self, name)
             if not (np.isfinite(value) and value > 0):
@@ -109,6 +118,15 @@ class WindowClock:
             self.steps_per_window * self.num_layers * self.fixed_seconds_per_layer
             + self.seconds_per_token * max_load_sum
         )
+
+
+def commit_pause_seconds(rows: np.ndarray, num_gpus: int, cost: CostModel) -> float:
+    """The serving pause to copy staged experts into live slots: the busiest receiver's."""
+    rows = np.asarray(rows)
+    if rows.shape[0] == 0:
+        return 0.0
+    received = np.bincount(rows[:, 1], minlength=num_gpus)
+    return float(received.max()) * cost.expert_bytes / (cost.commit_gbps * 1e9)
 
 
 def rank_receive_seconds(

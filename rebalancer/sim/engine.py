@@ -14,7 +14,8 @@ plus its stalls, so decisions see the time they would see in production:
   a plan (transfer list from `transfers`) driven through the controller's coordinator
   (`rebalancer.controller.coordinate`) by simulated ranks: each rank reports prepared
   once its incoming weights are staged (beside serving, with the overlap penalty), the
-  plan commits when all did and every rank swaps its maps (`swap_seconds`), or it aborts
+  plan commits when all did and every rank copies its staged experts into their slots and
+  swaps its maps (the commit pause), or it aborts
   at the prepare timeout and the old maps keep serving;
 - `follow`: refit from scratch on the previous window before each window, free;
 - `oracle`: refit on each window's own counts, free (an upper bound).
@@ -35,7 +36,13 @@ from rebalancer.controller.decide import ClusterShape, PolicyConfig
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.errors import InputError
 from rebalancer.placement import compute_placement, gpu_load, transfers, trivial_placement
-from rebalancer.sim.cost import CostModel, WindowClock, rank_receive_seconds, transfer_seconds
+from rebalancer.sim.cost import (
+    CostModel,
+    WindowClock,
+    commit_pause_seconds,
+    rank_receive_seconds,
+    transfer_seconds,
+)
 from rebalancer.sim.trace import Trace
 
 POLICIES = ("none", "static", "periodic", "adaptive", "follow", "oracle")
@@ -336,7 +343,7 @@ class Simulator:
         prepared_at = now + half_trip + per_rank
         last = float(prepared_at.max())
         ends_at = last + half_trip if last <= plan.deadline else plan.deadline
-        return _InFlight(plan, prepared_at, ends_at)
+        return _InFlight(plan, prepared_at, ends_at, commit_pause_seconds(rows, c.num_gpus, c.cost))
 
     @staticmethod
     def _finish_plan(flight: _InFlight) -> bool:
@@ -384,7 +391,7 @@ class Simulator:
                     if committed:  # swap, then serve the rest on the new maps
                         new = flight.plan.phy2log
                         m_new = ledger.max_load(w, new)
-                        swap = cost.swap_seconds
+                        swap = cost.swap_seconds + flight.commit_pause
                         current, version = new, flight.plan.version
                     else:  # aborted: staging dropped, the old maps keep serving
                         m_new, swap = m_old, 0.0
@@ -426,6 +433,7 @@ class _InFlight:
     plan: coordinate.Plan
     prepared_at: np.ndarray  # [G] virtual seconds at which each rank reports PREPARED
     ends_at: float  # commit (every rank swaps) or abort at the prepare deadline
+    commit_pause: float  # staged weights into live slots + map swap, between two replays
 
 
 def simulate(

@@ -73,9 +73,14 @@ def test_skewed_load_on_trivial_placement_rebalances() -> None:
     assert d.slots_moved > 0
     assert d.moved_fraction == pytest.approx(d.slots_moved / (L * P))
     assert d.bytes_to_move <= d.slots_moved * SHAPE.expert_bytes
-    # cost = busiest receiver's transfer time x overlap penalty + one swap
+    # cost = busiest receiver's transfer time x overlap penalty + the commit pause (the
+    # busiest receiver's experts copied from staging into live slots) + one map swap
+    received = np.bincount(
+        np.argwhere(d.candidate != _trivial())[:, 1] // (P // G), minlength=G
+    ).max()
+    commit = received * SHAPE.expert_bytes / (policy.commit_gbps * 1e9) + policy.swap_seconds
     assert d.migration_cost_seconds == pytest.approx(
-        d.transfer_seconds * policy.overlap_penalty + policy.swap_seconds
+        d.transfer_seconds * policy.overlap_penalty + commit
     )
 
 

@@ -91,9 +91,8 @@ def test_adaptive_runs_the_controller_decisions(phase_results: dict) -> None:
     res = phase_results["adaptive"]
     assert res.decisions.get("rebalance", 0) == res.rebalances > 0
     assert sum(res.decisions.values()) <= res.windows
-    # One swap per plan; the last plan may still be moving weights when the trace ends.
-    swaps = round(res.stall_seconds / CostModel().swap_seconds)
-    assert res.rebalances - 1 <= swaps <= res.rebalances
+    # One commit pause per plan (staged experts into live slots + map swap): milliseconds.
+    assert 0 < res.stall_seconds <= res.rebalances * 0.05
     # It pays for what it moves: transfers beside serving cost overlap time.
     assert res.overlap_seconds > 0 and res.bytes_moved > 0
     assert res.relative_throughput > phase_results["static"].relative_throughput
