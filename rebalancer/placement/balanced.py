@@ -191,7 +191,8 @@ def spread_duplicates(
     if per_pack == 1:
         return None
     # only rows with a duplicate somewhere take part (sorting finds them cheaply)
-    by_pack = np.sort(slot_expert.reshape(total_rows, num_packs, per_pack), axis=2)
+    keys = slot_expert.astype(np.int16) if slot_expert.max() < 2**15 else slot_expert
+    by_pack = np.sort(keys.reshape(total_rows, num_packs, per_pack), axis=2, kind="stable")
     with_dup = np.flatnonzero((np.diff(by_pack, axis=2) == 0).any(axis=(1, 2)))
     if with_dup.size == 0:
         return None

@@ -109,7 +109,8 @@ def items_by_slot(pack_of: np.ndarray) -> np.ndarray:
 
     pack_of: [X, n] int64 with the same number of items per pack. Returns: item_at [X, n].
     """
-    return np.argsort(pack_of, axis=1, kind="stable")
+    small = pack_of.shape[1] <= np.iinfo(np.int16).max
+    return np.argsort(pack_of.astype(np.int16) if small else pack_of, axis=1, kind="stable")
 
 
 def pack_greedy_slots(
