@@ -11,6 +11,7 @@ in the simulator).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -61,20 +62,28 @@ class PolicyLoop:
             or now - self.last_decision_time >= self.policy.decision_period_seconds - 1e-9
         )
 
-    def tick(self, current: np.ndarray, now: float, in_flight: bool = False) -> Decision | None:
-        """Run the policy's decision if one is due and no plan is in flight, else None."""
-        if in_flight or not self.due(now):
-            return None
-        decision = decide(
-            self.estimator.estimate(),
-            current,
-            self.shape,
-            self.policy,
+    def prepare_decision(self, current: np.ndarray, now: float) -> Callable[[], Decision]:
+        """The policy's decision on the inputs as they are now, to run later or elsewhere.
+
+        Every input is copied here, so the returned call may run on another thread
+        while windows keep folding (the controller does that); `record` it afterwards."""
+        kwargs = dict(
+            estimate=self.estimator.estimate().copy(),
+            current=np.array(current, copy=True),
+            shape=self.shape,
+            policy=dataclasses.replace(self.policy),
             now=now,
             last_rebalance=self.last_rebalance,
             windows=self.estimator.windows,
             effective_windows=self.estimator.effective_windows,
         )
+        return lambda: decide(**kwargs)  # type: ignore[arg-type]
+
+    def tick(self, current: np.ndarray, now: float, in_flight: bool = False) -> Decision | None:
+        """Run the policy's decision if one is due and no plan is in flight, else None."""
+        if in_flight or not self.due(now):
+            return None
+        decision = self.prepare_decision(current, now)()
         self.record(decision, now)
         return decision
 

@@ -24,7 +24,7 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import coordinate
 from rebalancer.controller.coordinate import Plan, PlanState, ReportError, Transition
-from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig, decide
+from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.controller.store import Store
 from rebalancer.errors import InputError
@@ -128,6 +128,8 @@ class Controller:
         self, store: Store, default_policy: PolicyConfig | None = None, persist_seconds: float = 1.0
     ) -> None:
         self.store = store
+        # Monotonic seconds; tests (and replays) substitute their own clock.
+        self.clock: Callable[[], float] = time.monotonic
         # The ingest cursor (per-rank next seq + estimate) is saved at most this often per
         # deployment; a crash loses at most that much counting, and never counts twice.
         self.persist_seconds = persist_seconds
@@ -304,7 +306,7 @@ class Controller:
             per_gpu = slot["physical"].reshape(dep.shape.num_layers, G, -1).sum(axis=2)
             actual = _balancedness_of_gpu_load(per_gpu)
             dep.stats.balancedness_actual = actual
-        now = time.monotonic()
+        now = self.clock()
         dep.loop.observe(logical)
         if now - dep.persisted_at >= self.persist_seconds:
             self.persist(dep, now)
@@ -325,12 +327,11 @@ class Controller:
         """The policy's decision on this window, computed by `self.background` (a worker
         thread in the server, so ingest goes on meanwhile) on inputs copied here."""
         loop = dep.loop
-        args = (dep.estimator.estimate(), dep.phy2log.copy(), dep.shape, dep.policy, now,
-                loop.last_rebalance, dep.estimator.windows)
+        decision_call = loop.prepare_decision(dep.phy2log, now)
 
         def compute() -> Decision | None:
             try:
-                return decide(*args)
+                return decision_call()
             except Exception:  # a bug here must not stop future decisions
                 log.exception("%s: decision failed", dep.name)
                 return None
@@ -341,14 +342,14 @@ class Controller:
                 return
             loop.record(decision, now)
             if dep.plan is None:
-                self._act(dep, decision, "policy", time.monotonic())
+                self._act(dep, decision, "policy", self.clock())
 
         dep.deciding = True
         self.background(compute, done)
 
     def persist(self, dep: Deployment, now: float | None = None) -> None:
         """Save the ingest cursor: per-rank next window seq with the estimate built from them."""
-        dep.persisted_at = time.monotonic() if now is None else now
+        dep.persisted_at = self.clock() if now is None else now
         self.store.save_ingest_state(
             dep.name,
             {
@@ -362,7 +363,7 @@ class Controller:
 
     def tick(self, now: float | None = None) -> None:
         """Plan timeouts of every deployment (decisions run as windows fold)."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         for dep in self.deployments.values():
             if dep.plan is not None:
                 self._apply(dep, coordinate.on_tick(dep.plan, now))
@@ -382,7 +383,7 @@ class Controller:
                 raise StateError("INVALID_ARGUMENT", f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}")
             loop = PolicyLoop(dep.shape, replace(dep.policy, max_moved_fraction=max_moved_fraction))
             loop.estimator = dep.estimator
-        now = time.monotonic()
+        now = self.clock()
         decision = loop.force(dep.phy2log, now, dry_run=dry_run)
         if dry_run:
             return decision, None
@@ -455,11 +456,11 @@ class Controller:
             )
         try:
             if phase == "prepared":
-                t = coordinate.on_prepared(plan, session.rank, time.monotonic())
+                t = coordinate.on_prepared(plan, session.rank, self.clock())
             elif phase == "failed":
                 t = coordinate.on_failed(plan, session.rank, error)
             elif phase == "committed":
-                t = coordinate.on_committed(plan, session.rank, time.monotonic())
+                t = coordinate.on_committed(plan, session.rank, self.clock())
             elif phase == "aborted":
                 t = coordinate.on_aborted(plan, session.rank)
             else:
