@@ -252,32 +252,50 @@ def spread_duplicates(
 
 
 def polish(
-    item_at: np.ndarray, weight: np.ndarray, item_expert: np.ndarray, num_packs: int,
-    max_rounds: int, steps: tuple[str, ...] = ("spread", "swap"),
+    item_at: np.ndarray,
+    weight: np.ndarray,
+    item_expert: np.ndarray,
+    num_packs: int,
+    max_rounds: int,
+    steps: tuple[str, ...] = ("spread", "swap"),
+    floor: np.ndarray | None = None,
 ) -> np.ndarray:
     """Spread duplicates, then swap heavy against light packs (swaps never add one).
 
-    item_at, weight, item_expert: [X, n]. Returns: item_at [X, n].
+    item_at, weight, item_expert: [X, n]. floor: [X], a peak each row's layer reaches
+    anyway (its busiest node's mean); rows already at or below it are not swapped.
+    Returns: item_at [X, n].
     """
     for step in steps:
         slot_weight = gather(weight, item_at)
         slot_expert = gather(item_expert, item_at)
         if step == "spread":
             perm = spread_duplicates(slot_weight, slot_expert, num_packs)
-        else:
-            perm = refine_swaps(slot_weight, slot_expert, num_packs, max_rounds)
-        if perm is not None:
-            item_at = gather(item_at, perm)
+            if perm is not None:
+                item_at = gather(item_at, perm)
+            continue
+        rows = np.arange(item_at.shape[0])
+        if floor is not None:
+            peak = slot_weight.reshape(rows.size, num_packs, -1).sum(axis=2).max(axis=1)
+            rows = np.flatnonzero(peak > floor * (1 + 1e-12))
+        if rows.size:
+            perm = refine_swaps(slot_weight[rows], slot_expert[rows], num_packs, max_rounds)
+            item_at[rows] = gather(item_at[rows], perm)
     return item_at
 
 
 def pack_balanced(
-    weight: np.ndarray, num_packs: int, item_expert: np.ndarray, max_rounds: int = 2
+    weight: np.ndarray,
+    num_packs: int,
+    item_expert: np.ndarray,
+    floor: np.ndarray | None = None,
+    max_rounds: int = 2,
 ) -> np.ndarray:
     """Round packing, duplicates spread, then refined by swaps (with two items per pack
     the rounds alone are already the optimal pairing).
 
-    weight: [X, n] replica loads, item_expert: [X, n] expert of each replica.
+    weight: [X, n] replica loads, item_expert: [X, n] expert of each replica, floor: [X]
+    peak the row's layer cannot go below anyway (rows under it skip the swaps).
     Returns: item_at [X, n] int64, the item in each slot (pack k owns slots [k*c, (k+1)*c)).
     """
     item_at = pack_rounds(weight, num_packs)
@@ -285,4 +303,4 @@ def pack_balanced(
         # two items per pack: the rounds pair heaviest with lightest, which is optimal;
         # only duplicates are left to spread
         return polish(item_at, weight, item_expert, num_packs, 0, steps=("spread",))
-    return polish(item_at, weight, item_expert, num_packs, max_rounds)
+    return polish(item_at, weight, item_expert, num_packs, max_rounds, floor=floor)

@@ -114,7 +114,13 @@ def items_by_slot(pack_of: np.ndarray) -> np.ndarray:
 
 
 def pack_greedy_slots(
-    weight: np.ndarray, num_packs: int, item_expert: np.ndarray | None = None
+    weight: np.ndarray,
+    num_packs: int,
+    item_expert: np.ndarray | None = None,
+    floor: np.ndarray | None = None,
 ) -> np.ndarray:
-    """`pack_greedy` laid out by slot. weight: [X, n]. Returns: item_at [X, n]."""
+    """`pack_greedy` laid out by slot (item_expert and floor are ignored).
+
+    weight: [X, n]. Returns: item_at [X, n].
+    """
     return items_by_slot(pack_greedy(weight, num_packs, item_expert))

@@ -17,9 +17,10 @@ from rebalancer.placement.metrics import gather
 
 # replicate(weight [X, n], num_phy, num_packs) -> (phy2log [X, num_phy], logcnt [X, n])
 Replicate = Callable[[np.ndarray, int, int], tuple[np.ndarray, np.ndarray]]
-# pack(weight [X, n], num_packs, item_expert [X, n]) -> item_at [X, n], the item in each
-# slot, pack k owning slots [k*c, (k+1)*c)
-Pack = Callable[[np.ndarray, int, np.ndarray], np.ndarray]
+# pack(weight [X, n], num_packs, item_expert [X, n], floor [X] | None) -> item_at [X, n],
+# the item in each slot, pack k owning slots [k*c, (k+1)*c); floor is a peak the row's
+# layer reaches anyway, so a pack may stop refining a row below it
+Pack = Callable[[np.ndarray, int, np.ndarray, "np.ndarray | None"], np.ndarray]
 
 
 def uses_hierarchy(num_logical: int, num_nodes: int, num_groups: int | None) -> bool:
@@ -59,7 +60,10 @@ def place_in_nodes(
     phy2local, localcnt = replicate(node_weight, num_slots // num_nodes, num_gpus // num_nodes)
     # 3. pack the node's replicas onto its GPUs; GPU k owns the k-th run of slots
     replica_weight = gather(node_weight / localcnt, phy2local)
-    item_at = pack(replica_weight, num_gpus // num_nodes, phy2local)
+    # a layer's peak is at least its busiest node's mean GPU load
+    node_mean = node_weight.sum(axis=1).reshape(num_layers, num_nodes) / (num_gpus // num_nodes)
+    floor = np.repeat(node_mean.max(axis=1), num_nodes)
+    item_at = pack(replica_weight, num_gpus // num_nodes, phy2local, floor)
     local_by_slot = gather(phy2local, item_at)
     if node_experts is None:
         return local_by_slot
@@ -80,7 +84,7 @@ def assign_groups(
     group_size = num_logical // num_groups
     group_weight = weight.reshape(num_layers, num_groups, group_size).sum(axis=2)
     group_ids = np.tile(np.arange(num_groups, dtype=np.int64), (num_layers, 1))
-    groups_by_node = pack(group_weight, num_nodes, group_ids)
+    groups_by_node = pack(group_weight, num_nodes, group_ids, None)
     experts = groups_by_node[:, :, None] * group_size + np.arange(group_size)
     return experts.reshape(num_layers, num_nodes, num_logical // num_nodes)
 
