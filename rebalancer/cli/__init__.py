@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Output piped into `head` and the like: stop quietly, as other CLIs do.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

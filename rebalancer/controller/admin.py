@@ -35,7 +35,8 @@ def policy_msg(policy: PolicyConfig) -> pb.Policy:
 def policy_from_msg(msg: pb.Policy, base: PolicyConfig) -> PolicyConfig:
     known = {f.name for f in fields(PolicyConfig)}
     values = {name: getattr(msg, name) for name in _WIRE_POLICY_FIELDS if name in known}
-    values["min_windows"] = int(values.get("min_windows", base.min_windows))
+    for name in ("min_windows", "estimate_window"):
+        values[name] = int(values.get(name, getattr(base, name)))
     policy = replace(base, **values)
     policy.validate()
     return policy

@@ -151,7 +151,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         if first is _EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first stream message must be hello")
             return
-        outbox: asyncio.Queue[pb.ControllerMessage] = asyncio.Queue(_SEND_QUEUE)
+        outbox: asyncio.Queue[pb.ControllerMessage | None] = asyncio.Queue(_SEND_QUEUE)
 
         def send(kind: str, payload: Any) -> None:
             msg = controller_message(kind, payload)
@@ -174,14 +174,24 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         physical_shape = (shape.num_layers, shape.num_slots)
 
         async def writer() -> None:
-            while True:
-                await context.write(await outbox.get())
+            while (out := await outbox.get()) is not None:
+                await context.write(out)
+
+        async def stop_writer(flush: bool) -> None:
+            # A write cancelled half-way breaks the call, so the writer is either let
+            # finish what is queued (clean end) or cancelled before an abort.
+            if flush:
+                await outbox.put(None)
+            else:
+                write_task.cancel()
+            await asyncio.gather(write_task, return_exceptions=True)
 
         write_task = asyncio.create_task(writer())
         try:
             while True:
                 msg = await context.read()
                 if msg is _EOF:
+                    await stop_writer(flush=True)
                     break
                 if not msg.HasField("window"):
                     raise InputError("only windows may follow hello on the stream")
@@ -197,6 +207,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                     self.on_ingest(dep.name, nbytes, time.perf_counter() - t0)
                 send("ack", w.seq)
         except (InputError, StateError) as exc:
+            await stop_writer(flush=False)
             await refuse(context, exc, f"Stream window from rank {session.rank} of {dep.name!r}")
         finally:
             write_task.cancel()
