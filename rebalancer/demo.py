@@ -43,7 +43,7 @@ PHASES = (
 @dataclass
 class DemoConfig:
     workers: int = 4
-    layers: int = 8
+    layers: int = 6
     experts: int = 32
     slots: int = 40
     top_k: int = 4

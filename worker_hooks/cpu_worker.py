@@ -60,11 +60,12 @@ def ep_forward(
     phys = hook.route(layer, topk)
     S = hook.config.slots_per_rank
     if exchange:
-        xs = [torch.empty_like(x) for _ in range(world)]
-        ps = [torch.empty_like(phys) for _ in range(world)]
-        dist.all_gather(xs, x)
-        dist.all_gather(ps, phys)
-        X, PH = torch.cat(xs), torch.cat(ps)
+        # One all-gather carries tokens and their slots (slot ids are exact in fp32).
+        packed = torch.cat([x, phys.to(x.dtype)], dim=1)
+        parts = [torch.empty_like(packed) for _ in range(world)]
+        dist.all_gather(parts, packed)
+        gathered = torch.cat(parts)
+        X, PH = gathered[:, : x.shape[1]], gathered[:, x.shape[1]:].to(phys.dtype)
     else:  # serve alone: only the experts held here (used when peers may die)
         X, PH = x, phys
     mine = (PH // S) == rank

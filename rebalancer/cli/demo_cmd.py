@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window-steps", type=int, default=16, help="forward steps per window, default 16")
     p.add_argument("--experts", type=int, default=32, help="logical experts per layer, default 32")
     p.add_argument("--slots", type=int, default=0, help="physical slots (default experts + workers*2)")
-    p.add_argument("--layers", type=int, default=8, help="MoE layers, default 8")
+    p.add_argument("--layers", type=int, default=6, help="MoE layers, default 6")
     p.add_argument("--db", default=None, help="SQLite file of the controller (default: temporary)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--verbose", action="store_true", help="controller and worker logs")
