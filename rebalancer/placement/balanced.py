@@ -175,14 +175,19 @@ def _clean_choices(
 
 
 def spread_duplicates(
-    slot_weight: np.ndarray, slot_expert: np.ndarray, num_packs: int, max_sweeps: int = 16
+    slot_weight: np.ndarray,
+    slot_expert: np.ndarray,
+    num_packs: int,
+    max_sweeps: int = 16,
+    floor: np.ndarray | None = None,
 ) -> np.ndarray | None:
     """Move second replicas of an expert off a pack by swapping each with the item of
     closest weight on a pack that lacks that expert (and whose expert the first pack
     lacks), never raising the row's peak load. A duplicate stays only where no such swap
     exists (e.g. an expert with more replicas than packs). One duplicate per row per step.
 
-    slot_weight, slot_expert: [X, n], pack k owning slots [k*c, (k+1)*c).
+    slot_weight, slot_expert: [X, n], pack k owning slots [k*c, (k+1)*c); floor: [X], a
+    peak the row's layer reaches anyway, up to which a pack may rise.
     Returns: permutation [X, n]: new slot s takes the item of old slot perm[s]; None
     when there is no duplicate.
     """
@@ -203,6 +208,8 @@ def spread_duplicates(
     slot_pack = np.arange(num_items) // per_pack
     load = weight.reshape(num_rows, num_packs, per_pack).sum(axis=2)
     peak = load.max(axis=1)
+    if floor is not None:
+        peak = np.maximum(peak, floor[with_dup])
     # 1. the duplicates, found once: a slot whose pack holds its expert in an earlier slot;
     #    the k-th duplicate of every row is handled in step k (a swap never creates one)
     packed = expert.reshape(num_rows, num_packs, per_pack)
@@ -270,7 +277,7 @@ def polish(
         slot_weight = gather(weight, item_at)
         slot_expert = gather(item_expert, item_at)
         if step == "spread":
-            perm = spread_duplicates(slot_weight, slot_expert, num_packs)
+            perm = spread_duplicates(slot_weight, slot_expert, num_packs, floor=floor)
             if perm is not None:
                 item_at = gather(item_at, perm)
             continue
@@ -302,5 +309,5 @@ def pack_balanced(
     if weight.shape[1] // num_packs <= 2:
         # two items per pack: the rounds pair heaviest with lightest, which is optimal;
         # only duplicates are left to spread
-        return polish(item_at, weight, item_expert, num_packs, 0, steps=("spread",))
+        return polish(item_at, weight, item_expert, num_packs, 0, ("spread",), floor)
     return polish(item_at, weight, item_expert, num_packs, max_rounds, floor=floor)
