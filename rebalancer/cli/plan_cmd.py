@@ -26,6 +26,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="current placement: plan migration-aware from it")
     parser.add_argument("--max-moved-fraction", type=float, default=None, metavar="F",
                         help="at most this share of slots may change (needs --previous)")
+    parser.add_argument("--max-moved-bytes", type=int, default=None, metavar="BYTES",
+                        help="at most this many bytes of expert weights may move "
+                        "(needs --previous and --expert-bytes)")
+    parser.add_argument("--expert-bytes", type=int, default=None, metavar="BYTES",
+                        help="bytes of one expert's weights, for --max-moved-bytes")
     parser.add_argument("--algorithm", default="auto",
                         help="auto (default), greedy, balanced, migration or reference")
     parser.add_argument("--out", metavar="PLACEMENT.json", help="write the placement here")
@@ -67,11 +72,14 @@ def run(args: argparse.Namespace) -> int:
         previous = saved.phy2log
     if args.max_moved_fraction is not None and previous is None:
         raise InputError("--max-moved-fraction needs --previous")
+    if args.max_moved_bytes is not None and previous is None:
+        raise InputError("--max-moved-bytes needs --previous")
     start = time.perf_counter()
     result = compute_placement(
         counts, args.slots, args.gpus, args.nodes, args.groups,
         previous=previous, max_moved_fraction=args.max_moved_fraction,
-        algorithm=args.algorithm,
+        algorithm=args.algorithm, max_moved_bytes=args.max_moved_bytes,
+        expert_bytes=args.expert_bytes,
     )
     seconds = time.perf_counter() - start
     bound = lower_bound_balancedness(counts, args.slots, args.gpus, args.nodes, args.groups)

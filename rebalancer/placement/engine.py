@@ -115,12 +115,16 @@ def compute_placement(
     previous: np.ndarray | None = None,
     max_moved_fraction: float | None = None,
     algorithm: str = "auto",
+    max_moved_bytes: int | None = None,
+    expert_bytes: int | None = None,
 ) -> PlacementResult:
     """Place P slots of E experts on G GPUs (N nodes) for the given load.
 
     load: [L, E] float or int, non-negative; rows of zeros (dense layers) get any valid
     placement. previous: [L, P] current placement, enables migration-aware planning and
-    `moved_fraction`. max_moved_fraction: at most this share of all slots may change
+    `moved_fraction`. max_moved_bytes / expert_bytes: a budget in bytes (each changed
+    slot ships one expert's weights), combined with max_moved_fraction (the smaller
+    wins). max_moved_fraction: at most this share of all slots may change
     (needs `previous`). algorithm: "auto" (balanced, or migration with `previous`),
     "greedy", "balanced", "migration" or "reference" (the slow per-item port).
     """
@@ -136,6 +140,17 @@ def compute_placement(
                 f"groups ({num_groups}) must be positive and divide the experts ({num_logical})"
             )
     budget = check_fraction(max_moved_fraction)
+    if (max_moved_bytes is None) != (expert_bytes is None):
+        raise InputError("max_moved_bytes and expert_bytes go together")
+    if max_moved_bytes is not None and expert_bytes is not None:
+        for name, value in (("max_moved_bytes", max_moved_bytes), ("expert_bytes", expert_bytes)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise InputError(f"{name} must be a non-negative integer, got {value!r}")
+        if expert_bytes == 0:
+            raise InputError("expert_bytes must be positive")
+    byte_slots = None
+    if max_moved_bytes is not None and expert_bytes is not None:
+        byte_slots = int(max_moved_bytes) // int(expert_bytes)
     if algorithm not in ALGORITHMS:
         raise InputError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
     old = None
@@ -147,8 +162,9 @@ def compute_placement(
             )
     if algorithm == "migration" and old is None:
         raise InputError("algorithm 'migration' needs a previous placement")
-    if budget is not None and old is not None and algorithm not in ("auto", "migration"):
-        raise InputError(f"max_moved_fraction needs algorithm 'auto' or 'migration', not {algorithm!r}")
+    limited = budget is not None or byte_slots is not None
+    if limited and old is not None and algorithm not in ("auto", "migration"):
+        raise InputError(f"a move budget needs algorithm 'auto' or 'migration', not {algorithm!r}")
     if algorithm == "auto":
         algorithm = "migration" if old is not None else "balanced"
     # 2. compute
@@ -162,6 +178,8 @@ def compute_placement(
         assert old is not None
         fresh = balanced_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
         budget_slots = None if budget is None else int(np.floor(budget * old.size + 1e-9))
+        if byte_slots is not None:
+            budget_slots = byte_slots if budget_slots is None else min(budget_slots, byte_slots)
         phy2log = migrate(load_arr, old, fresh, num_gpus, budget_slots)
     return finish(phy2log, load_arr, num_gpus, num_nodes, old, algorithm)
 

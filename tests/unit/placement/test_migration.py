@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rebalancer.errors import InputError
 from rebalancer.placement import (
     balancedness,
     compute_placement,
@@ -123,3 +124,21 @@ def test_transfers_spread_over_replicas():
 def test_no_transfers_without_change():
     p2l = np.tile(np.arange(8), (3, 1))
     assert transfers(p2l, p2l, 4).shape == (0, 5)
+
+
+def test_byte_budget(pair):
+    _, second, fitted = pair
+    expert_bytes = 44 * 2**20  # one DeepSeek-V3 expert in fp8, roughly
+    slots = 500
+    result = compute_placement(
+        second, 288, 32, 4, previous=fitted.phy2log,
+        max_moved_bytes=slots * expert_bytes + expert_bytes // 2, expert_bytes=expert_bytes,
+    )
+    assert int((result.phy2log != fitted.phy2log).sum()) <= slots
+    both = compute_placement(
+        second, 288, 32, 4, previous=fitted.phy2log, max_moved_fraction=0.01,
+        max_moved_bytes=10**15, expert_bytes=expert_bytes,
+    )
+    assert both.moved_fraction <= 0.01
+    with pytest.raises(InputError, match="go together"):
+        compute_placement(second, 288, 32, 4, previous=fitted.phy2log, max_moved_bytes=1)
