@@ -266,12 +266,15 @@ def polish(
     max_rounds: int,
     steps: tuple[str, ...] = ("spread", "swap"),
     floor: np.ndarray | None = None,
+    extra_rounds: int = 8,
+    extra_gap: float = 0.004,
 ) -> np.ndarray:
     """Spread duplicates, then swap heavy against light packs (swaps never add one).
 
     item_at, weight, item_expert: [X, n]. floor: [X], a peak each row's layer reaches
     anyway (its busiest node's mean); rows already at or below it are not swapped.
-    Returns: item_at [X, n].
+    Rows still more than extra_gap above what they could reach after max_rounds get
+    extra_rounds more. Returns: item_at [X, n].
     """
     for step in steps:
         slot_weight = gather(weight, item_at)
@@ -281,13 +284,23 @@ def polish(
             if perm is not None:
                 item_at = gather(item_at, perm)
             continue
-        rows = np.arange(item_at.shape[0])
+        num_rows = item_at.shape[0]
+        # a row's peak cannot go below its mean, its largest item or its layer's floor
+        lowest = np.maximum(slot_weight.sum(axis=1) / num_packs, slot_weight.max(axis=1))
         if floor is not None:
-            peak = slot_weight.reshape(rows.size, num_packs, -1).sum(axis=2).max(axis=1)
-            rows = np.flatnonzero(peak > floor * (1 + 1e-12))
-        if rows.size:
-            perm = refine_swaps(slot_weight[rows], slot_expert[rows], num_packs, max_rounds)
+            lowest = np.maximum(lowest, floor)
+        rows = np.arange(num_rows)
+        for rounds in (max_rounds, extra_rounds):
+            peak = slot_weight.reshape(num_rows, num_packs, -1).sum(axis=2).max(axis=1)
+            gap = 1e-12 if rounds == max_rounds else extra_gap
+            rows = rows[peak[rows] > lowest[rows] * (1 + gap)]
+            if rows.size == 0 or rounds == 0:
+                break
+            # first a few rounds for every row, then more for the rows still far off
+            perm = refine_swaps(slot_weight[rows], slot_expert[rows], num_packs, rounds)
             item_at[rows] = gather(item_at[rows], perm)
+            slot_weight[rows] = gather(slot_weight[rows], perm)
+            slot_expert[rows] = gather(slot_expert[rows], perm)
     return item_at
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from rebalancer.errors import InputError
 from rebalancer.placement.balanced import pack_balanced
+from rebalancer.placement.bounds import max_load_lower_bound
 from rebalancer.placement.greedy import pack_greedy_slots, replicate_greedy
 from rebalancer.placement.hierarchical import place, uses_hierarchy
 from rebalancer.placement.metrics import (
@@ -34,7 +35,7 @@ from rebalancer.placement.types import (
 ALGORITHMS = ("auto", "greedy", "balanced", "migration", "reference")
 
 
-PlaceRows = Callable[[np.ndarray, int, int, int, "int | None"], np.ndarray]
+PlaceRows = Callable[..., np.ndarray]
 
 
 def _loaded_rows_only(place_rows: PlaceRows) -> PlaceRows:
@@ -44,12 +45,14 @@ def _loaded_rows_only(place_rows: PlaceRows) -> PlaceRows:
     @functools.wraps(place_rows)
     def wrapped(
         load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
-        num_groups: int | None = None,
+        num_groups: int | None = None, **options: float,
     ) -> np.ndarray:
         loaded = load.sum(axis=1) > 0
         out = np.tile(np.arange(num_slots, dtype=np.int64) % load.shape[1], (load.shape[0], 1))
         if loaded.any():
-            out[loaded] = place_rows(load[loaded], num_slots, num_gpus, num_nodes, num_groups)
+            out[loaded] = place_rows(
+                load[loaded], num_slots, num_gpus, num_nodes, num_groups, **options
+            )
         return out
 
     return wrapped
@@ -84,11 +87,16 @@ def greedy_placement(
 def balanced_placement(
     load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
     num_groups: int | None = None, greedy_check_items: int = 64,
+    greedy_check_gap: float = 0.01,
 ) -> np.ndarray:
-    """Capped greedy replication, round packing and swaps. Where a packing row has at
-    most `greedy_check_items` replicas (small models) the greedy is run too and a layer
-    keeps whichever is better, so it is never worse there; on large layouts it is
-    verified against the greedy on the real data instead.
+    """Capped greedy replication, round packing and swaps, checked against the greedy.
+
+    The greedy is run too, and a layer keeps whichever placement is better, on every
+    layer whose peak is more than `greedy_check_gap` above the lower bound, and on all
+    layers when a packing row has at most `greedy_check_items` replicas. A layer within
+    the gap of the bound is within the gap of anything the greedy can reach. With two
+    slots per GPU and no replica cap in force the packing is the optimal pairing of the
+    greedy's own replicas, so the check is skipped.
 
     load: [L, E]. Returns: phy2log [L, P].
     """
@@ -96,13 +104,23 @@ def balanced_placement(
         load, num_slots, num_gpus, num_nodes, num_groups, _replicate_capped, pack_balanced
     )
     nodes = num_nodes if uses_hierarchy(load.shape[1], num_nodes, num_groups) else 1
+    gpus_per_node = num_gpus // nodes
+    peak = peak_load(phy2log, load, num_gpus)
     if num_slots // nodes <= greedy_check_items:
+        check = np.ones(len(load), dtype=bool)
+    elif num_slots // num_gpus <= 2 and logcnt_of(phy2log, load.shape[1]).max() < gpus_per_node:
+        check = np.zeros(len(load), dtype=bool)
+    else:
+        bound = max_load_lower_bound(load, num_slots, num_gpus, num_nodes, num_groups)
+        check = peak > bound * (1 + greedy_check_gap)
+    if check.any():
         greedy = place(
-            load, num_slots, num_gpus, num_nodes, num_groups, _replicate_uncapped,
+            load[check], num_slots, num_gpus, num_nodes, num_groups, _replicate_uncapped,
             pack_greedy_slots,
         )
-        better = peak_load(greedy, load, num_gpus) < peak_load(phy2log, load, num_gpus)
-        phy2log[better] = greedy[better]
+        better = peak_load(greedy, load[check], num_gpus) < peak[check]
+        rows = np.flatnonzero(check)[better]
+        phy2log[rows] = greedy[better]
     return phy2log
 
 
