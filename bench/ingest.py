@@ -2,7 +2,7 @@
 
 A controller runs in its own process (`rebalancer serve`); N simulated ranks, spread over a
 few load-generator processes, each register and keep one stream open, sending
-DeepSeek-V3-shaped windows (58 x 256 int32 counts, pre-built from the real data) at R
+DeepSeek-V3-shaped windows (58 x 256 uint32 counts, pre-built from the real data) at R
 windows per second. Latency is send to acknowledgement (the controller acks a window
 after decoding, validating and merging it). Controller CPU is read from /proc.
 
@@ -86,7 +86,7 @@ def _generator(address: str, ranks: list[int], rate: float, seconds: float, warm
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 
-    logical = codec.encode(counts.astype(np.int32))
+    logical = codec.encode(counts.astype(np.uint32))  # what worker agents send
     shape = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P,
                           num_gpus=RANKS_PER_DEPLOYMENT, num_nodes=4, expert_bytes=44 << 20)
     latencies: list[float] = []

@@ -259,10 +259,10 @@ class WorkerAgent:
                 w = self._pending.popleft()
                 msg = pb.Window(
                     seq=self._next_seq, first_step=w.first_step, num_steps=w.num_steps,
-                    placement_version=w.version, logical_count=codec.encode(w.logical),
+                    placement_version=w.version, logical_count=_compact(w.logical),
                 )
                 if w.physical is not None:
-                    msg.physical_count.CopyFrom(codec.encode(w.physical))
+                    msg.physical_count.CopyFrom(_compact(w.physical))
                 self._unacked[self._next_seq] = msg
                 self._next_seq += 1
                 out.append(msg)
@@ -298,3 +298,11 @@ class WorkerAgent:
                 self.handlers.on_commit(msg.commit.version)
             elif kind == "abort":
                 self.handlers.on_abort(msg.abort.version, msg.abort.reason)
+
+
+def _compact(counts: np.ndarray) -> pb.Array:
+    """Counts on the wire as uint32 (half of int64, and the controller need not check
+    signs); int64 only for a window merged past 2^32 - 1 tokens on one expert."""
+    if counts.size and int(counts.max()) > np.iinfo(np.uint32).max:
+        return codec.encode(counts.astype(np.int64))
+    return codec.encode(counts.astype(np.uint32))

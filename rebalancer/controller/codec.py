@@ -7,6 +7,7 @@ no Python loops over experts) and the only place that says what is malformed.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -45,24 +46,25 @@ def decode(msg: pb.Array, what: str, shape: tuple[int, ...] | None = None) -> np
     got = tuple(int(d) for d in msg.shape)
     if shape is not None and got != tuple(shape):
         raise InputError(f"{what}: shape {list(got)} does not match expected {list(shape)}")
-    expected = int(np.prod(got, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(got) * dtype.itemsize
     if len(msg.data) != expected:
         raise InputError(f"{what}: {len(msg.data)} bytes for shape {list(got)} of {dtype.name} (expected {expected})")
     return np.frombuffer(msg.data, dtype=dtype).reshape(got)
 
 
 def decode_counts(msg: pb.Array, what: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Counts must be integers or finite non-negative floats; returned as int64/float64."""
+    """Counts must be integers or finite non-negative floats. Returned without a copy
+    (read-only, the wire dtype): callers add them into arrays of their own."""
     arr = decode(msg, what, shape)
     if arr.dtype.kind == "f":
-        if not np.isfinite(arr).all():
+        low = float(arr.min()) if arr.size else 0.0  # NaN propagates through min
+        if not math.isfinite(low) or (arr.size and not math.isfinite(float(arr.max()))):
             raise InputError(f"{what}: counts contain NaN or infinity")
-        if (arr < 0).any():
+        if low < 0:
             raise InputError(f"{what}: counts contain negative values")
-        return arr.astype(np.float64)
-    if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+    elif arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
         raise InputError(f"{what}: counts contain negative values")
-    return arr.astype(np.int64)
+    return arr
 
 
 def decode_phy2log(msg: pb.Array, num_layers: int, num_slots: int, num_logical: int) -> np.ndarray:

@@ -56,7 +56,7 @@ class ControllerConfig:
     metrics_port: int | None = None  # Prometheus exposition on its own port (0: any free)
     max_message_bytes: int = MAX_MESSAGE_BYTES
     tick_seconds: float = 0.2        # plan timeouts are checked this often
-    persist_seconds: float = 1.0     # ingest cursor saved at most this often per deployment
+    persist_seconds: float = 5.0     # ingest cursor saved at most this often per deployment
     grace_seconds: float = 5.0       # drain time on shutdown
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 

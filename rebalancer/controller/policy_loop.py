@@ -11,6 +11,7 @@ in the simulator).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -77,7 +78,8 @@ class PolicyLoop:
             windows=self.estimator.windows,
             effective_windows=self.estimator.effective_windows,
         )
-        return lambda: decide(**kwargs)  # type: ignore[arg-type]
+        # A partial of a module-level function: picklable, so it can run in another process.
+        return functools.partial(decide, **kwargs)  # type: ignore[arg-type]
 
     def tick(self, current: np.ndarray, now: float, in_flight: bool = False) -> Decision | None:
         """Run the policy's decision if one is due and no plan is in flight, else None."""

@@ -82,7 +82,9 @@ def placement_msg(version: int, phy2log: Any) -> pb.Placement:
 
 def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
     if kind == "ack":
-        return pb.ControllerMessage(window_ack=pb.WindowAck(seq=payload))
+        msg = pb.ControllerMessage()
+        msg.window_ack.seq = payload
+        return msg
     plan: Plan = payload
     if kind == "prepare":
         return pb.ControllerMessage(prepare=pb.Prepare(
@@ -153,13 +155,15 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             return
         outbox: asyncio.Queue[pb.ControllerMessage | None] = asyncio.Queue(_SEND_QUEUE)
 
+        # Plan phases come from controller callbacks (not coroutines): they are queued
+        # and written by a task; acks are written inline by the reader. One lock keeps
+        # writes on the call one at a time.
+        write_lock = asyncio.Lock()
+
         def send(kind: str, payload: Any) -> None:
-            msg = controller_message(kind, payload)
             try:
-                outbox.put_nowait(msg)
+                outbox.put_nowait(controller_message(kind, payload))
             except asyncio.QueueFull:
-                if kind == "ack":
-                    return  # a later ack covers this one
                 log.error("stream outbox full; dropping %s", kind)
 
         session_id = first.hello.session_id
@@ -175,7 +179,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
 
         async def writer() -> None:
             while (out := await outbox.get()) is not None:
-                await context.write(out)
+                async with write_lock:
+                    await context.write(out)
 
         async def stop_writer(flush: bool) -> None:
             # A write cancelled half-way breaks the call, so the writer is either let
@@ -205,7 +210,10 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 if self.on_ingest is not None:
                     nbytes = len(w.logical_count.data) + len(w.physical_count.data)
                     self.on_ingest(dep.name, nbytes, time.perf_counter() - t0)
-                send("ack", w.seq)
+                ack = pb.ControllerMessage()
+                ack.window_ack.seq = w.seq
+                async with write_lock:
+                    await context.write(ack)
         except (InputError, StateError) as exc:
             await stop_writer(flush=False)
             await refuse(context, exc, f"Stream window from rank {session.rank} of {dep.name!r}")

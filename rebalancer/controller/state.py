@@ -125,7 +125,7 @@ class Controller:
     """All deployments, the store, and the observers of what happens."""
 
     def __init__(
-        self, store: Store, default_policy: PolicyConfig | None = None, persist_seconds: float = 1.0
+        self, store: Store, default_policy: PolicyConfig | None = None, persist_seconds: float = 5.0
     ) -> None:
         self.store = store
         # Monotonic seconds; tests (and replays) substitute their own clock.
@@ -137,11 +137,10 @@ class Controller:
         self.deployments: dict[str, Deployment] = {}
         self.sessions: dict[str, tuple[str, int]] = {}
         self.window_observers: list[Callable[[WindowEvent], None]] = []
-        # Runs fn, then done(result) on the caller's thread; the server replaces this
-        # with a worker thread so long placement work never stalls ingest.
-        self.background: Callable[[Callable[[], Any], Callable[[Any], None]], None] = (
-            lambda fn, done: done(fn())
-        )
+        # Runs fn, then done(result), or done(None) if fn raised, on the caller's thread.
+        # The server replaces this with a worker process, so placement work neither
+        # blocks the event loop nor competes with ingest for the GIL.
+        self.background: Callable[[Callable[[], Any], Callable[[Any], None]], None] = _run_inline
         self.plan_observers: list[Callable[[str, Plan, str], None]] = []
         self.decision_observers: list[Callable[[str, Decision, str], None]] = []
         self._load()
@@ -327,14 +326,6 @@ class Controller:
         """The policy's decision on this window, computed by `self.background` (a worker
         thread in the server, so ingest goes on meanwhile) on inputs copied here."""
         loop = dep.loop
-        decision_call = loop.prepare_decision(dep.phy2log, now)
-
-        def compute() -> Decision | None:
-            try:
-                return decision_call()
-            except Exception:  # a bug here must not stop future decisions
-                log.exception("%s: decision failed", dep.name)
-                return None
 
         def done(decision: Decision | None) -> None:
             dep.deciding = False
@@ -345,7 +336,7 @@ class Controller:
                 self._act(dep, decision, "policy", self.clock())
 
         dep.deciding = True
-        self.background(compute, done)
+        self.background(loop.prepare_decision(dep.phy2log, now), done)
 
     def persist(self, dep: Deployment, now: float | None = None) -> None:
         """Save the ingest cursor: per-rank next window seq with the estimate built from them."""
@@ -538,3 +529,12 @@ def _balancedness_of_gpu_load(per_gpu: np.ndarray) -> float:
     return float((per_gpu[live].mean(axis=1) / peak[live]).mean())
 
 
+
+
+def _run_inline(fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
+    try:
+        result = fn()
+    except Exception:  # a bug in one decision must not stop the next ones
+        log.exception("decision failed")
+        result = None
+    done(result)
