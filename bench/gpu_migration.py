@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.gpu_hooks import capture
 from bench.p2p_exchange import packed_exchange
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 from rebalancer.placement.engine import compute_placement
@@ -85,20 +86,6 @@ def sample_routing(
     prob = torch.as_tensor(counts, dtype=torch.float32, device=dev) + 1e-3
     ids = [torch.multinomial(p.expand(tokens, -1).contiguous(), top_k, generator=gen) for p in prob]
     return torch.stack(ids)
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, n: int) -> float:

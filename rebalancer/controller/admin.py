@@ -84,6 +84,15 @@ class AdminService(pb_grpc.AdminServiceServicer):
         self.controller = controller
         self.token = token
 
+    async def _deployment(self, context: grpc.aio.ServicerContext, name: str, what: str) -> Deployment:
+        """The named deployment, after the caller is authorized; NOT_FOUND otherwise."""
+        await self._authorize(context, what)
+        try:
+            return self.controller.deployment(name)
+        except StateError as exc:
+            await refuse(context, exc, what)
+            raise
+
     async def _authorize(self, context: grpc.aio.ServicerContext, what: str) -> None:
         if not self.token:
             return
@@ -105,12 +114,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         return pb.StatusResponse(deployments=[status_msg(d) for d in deps])
 
     async def GetPlacement(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Placement:
-        await self._authorize(context, "GetPlacement")
-        try:
-            dep = self.controller.deployment(request.deployment)
-        except StateError as exc:
-            await refuse(context, exc, "GetPlacement")
-            raise
+        dep = await self._deployment(context, request.deployment, "GetPlacement")
         return placement_msg(dep.version, dep.phy2log)
 
     async def ForceRebalance(self, request: pb.ForceRebalanceRequest, context: grpc.aio.ServicerContext) -> pb.ForceRebalanceResponse:
@@ -136,12 +140,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         return response
 
     async def GetPolicy(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Policy:
-        await self._authorize(context, "GetPolicy")
-        try:
-            dep = self.controller.deployment(request.deployment)
-        except StateError as exc:
-            await refuse(context, exc, "GetPolicy")
-            raise
+        dep = await self._deployment(context, request.deployment, "GetPolicy")
         return policy_msg(dep.policy)
 
     async def SetPolicy(self, request: pb.SetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.Policy:
@@ -171,12 +170,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         return pb.Empty()
 
     async def History(self, request: pb.HistoryRequest, context: grpc.aio.ServicerContext) -> pb.HistoryResponse:
-        await self._authorize(context, "History")
-        try:
-            dep = self.controller.deployment(request.deployment)
-        except StateError as exc:
-            await refuse(context, exc, "History")
-            raise
+        dep = await self._deployment(context, request.deployment, "History")
         limit = request.limit or 50
         store = self.controller.store
         plans = [pb.PlanRecord(**vars(p)) for p in store.plans(dep.name, limit)]
