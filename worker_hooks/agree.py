@@ -29,6 +29,16 @@ class CommitAgreement:
         self._work: dist.Work | None = None
         self.broken: str | None = None  # set when a peer failed: no commit is ever agreed again
 
+    def close(self) -> None:
+        """Wait for the last agreement in flight (every rank started it at the same step),
+        so no collective is pending when the process group goes away."""
+        if self._work is not None and self.broken is None:
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                self.broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self._work = None
+
     def on_step(self, step: int, ready_version: int) -> int | None:
         """Call once per step boundary, on every rank, with the same `step`.
 

@@ -114,6 +114,8 @@ class RebalanceHook(PlanHandlers):
         self.step = 0
         self._window_start = 0
         self._snapshot: tuple[int, int, int] | None = None  # (first step, steps, version) in flight
+        self._migration: threading.Thread | None = None
+        self._closing = False
         # Newest version the controller said to commit; read by the serving thread.
         self._commit_ready = 0
         self._staged_phy2log: dict[int, np.ndarray] = {}
@@ -141,16 +143,28 @@ class RebalanceHook(PlanHandlers):
     def stop(self) -> None:
         self.agent.stop()
 
-    def finish(self, timeout: float = 5.0) -> None:
+    def finish(self, timeout: float = 5.0, transfer_timeout: float = 30.0) -> bool:
         """At shutdown (not on the hot path): send the last partial window, give the
-        agent up to `timeout` seconds to deliver what it holds, then stop it."""
+        agent up to `timeout` seconds to deliver what it holds, stop it, settle the
+        last commit agreement and wait up to `transfer_timeout` for a plan being
+        prepared. A plan arriving from now on still runs its transfers (peers wait for
+        them) but is reported failed, so it aborts everywhere.
+
+        Returns False when a transfer is still blocked (a peer left mid-plan): the
+        process must then exit without tearing down its process groups."""
         deadline = time.monotonic() + timeout
+        self._closing = True
         self._flush_window()
         while self._snapshot is not None and time.monotonic() < deadline:
             time.sleep(0.005)
             self._poll_window()
         self.agent.drain(max(0.0, deadline - time.monotonic()))
+        migration = self._migration
+        if migration is not None:
+            migration.join(transfer_timeout)
         self.stop()
+        self.agreement.close()
+        return migration is None or not migration.is_alive()
 
     # ------------------------------------------------------------ hot path
 
@@ -213,9 +227,10 @@ class RebalanceHook(PlanHandlers):
     # ------------------------------------------------------------ agent thread
 
     def on_prepare(self, prepare: pb.Prepare) -> None:
-        threading.Thread(
+        self._migration = threading.Thread(
             target=self._prepare, args=(prepare,), daemon=True, name=f"migrate-v{prepare.version}"
-        ).start()
+        )
+        self._migration.start()
 
     def _prepare(self, prepare: pb.Prepare) -> None:
         version = prepare.version
@@ -230,6 +245,8 @@ class RebalanceHook(PlanHandlers):
             )
             transfers = codec.decode(prepare.transfers, "transfers")
             stats = self.executor.prepare(version, transfers)
+            if self._closing:
+                raise RuntimeError("rank is shutting down")
             self.after_transfers(version)
             self.dispatch.stage(
                 log2phy_of(new, cfg.num_logical, cfg.num_slots - cfg.num_logical + 1)
