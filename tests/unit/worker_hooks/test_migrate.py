@@ -31,7 +31,7 @@ def _worker(rank: int, init: str, old: np.ndarray, new: np.ndarray, moves: np.nd
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
     group = dist.new_group(backend="gloo")
     weights = weights_for(old, rank)
-    ex = MigrationExecutor(rank, G, weights, group, layers_per_chunk=2)
+    ex = MigrationExecutor(rank, G, weights, group, layers_per_chunk=2, rounds_in_flight=2)
     # Plan 1 is aborted after preparing: nothing may change.
     ex.prepare(1, moves)
     ex.abort(1)
