@@ -103,11 +103,16 @@ def _generator(address: str, ranks: list[int], rate: float, seconds: float, warm
         async def reader() -> None:
             nonlocal acked
             async for msg in call:
-                t = sent.pop(msg.window_ack.seq, None)
                 now = time.perf_counter()
+                ack = msg.window_ack
+                t = sent.get(ack.seq)
                 if t is not None and start + warmup <= t:
-                    latencies.append(now - t)
-                    acked += 1
+                    # Acks are cumulative and paced: the acked window's send-to-ingested
+                    # time is the round trip less the time the controller held the ack.
+                    latencies.append(max(0.0, now - t - ack.held_seconds))
+                for seq in [s for s in sent if s <= ack.seq]:  # every window it covers
+                    if start + warmup <= sent.pop(seq):
+                        acked += 1
 
         task = asyncio.create_task(reader())
         period = 1.0 / rate
@@ -170,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--processes", type=int, default=2, help="load-generator processes")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--ack-interval", type=float, default=1.0,
+                   help="controller's ack_interval_seconds (0: one ack per window)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md")
     args = p.parse_args(argv)
@@ -188,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         # Decisions run as in production (default period, off the event loop); a plan they
         # start waits for ranks that never answer and times out, so this measures ingest,
         # estimate and decide together.
-        config.write_text("[server]\nhost = \"127.0.0.1\"\n[policy]\nmin_windows = 1\n")
+        config.write_text(
+            f"[server]\nhost = \"127.0.0.1\"\nack_interval_seconds = {args.ack_interval}\n"
+            "[policy]\nmin_windows = 1\n"
+        )
         server = subprocess.Popen(
             [sys.executable, "-m", "rebalancer", "serve", "--config", str(config), "--port", str(port),
              "--db", f"{tmp}/c.sqlite", "--log-level", "ERROR"], stdout=subprocess.PIPE, text=True)

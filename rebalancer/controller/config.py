@@ -57,13 +57,16 @@ class ControllerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     tick_seconds: float = 0.2        # plan timeouts are checked this often
     persist_seconds: float = 5.0     # ingest cursor saved at most this often per deployment
+    # Cumulative window acks at most this often per stream (0: one ack per window).
+    ack_interval_seconds: float = 1.0
     grace_seconds: float = 5.0       # drain time on shutdown
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 _SECTIONS = {"server", "tls", "worker_tokens", "policy"}
 _SERVER_KEYS = {"host", "port", "db_path", "admin_token", "admin_token_file", "metrics_port",
-                "max_message_bytes", "tick_seconds", "grace_seconds", "persist_seconds"}
+                "max_message_bytes", "tick_seconds", "grace_seconds", "persist_seconds",
+                "ack_interval_seconds"}
 _TLS_KEYS = {"cert": "tls_cert", "key": "tls_key", "client_ca": "tls_client_ca"}
 
 

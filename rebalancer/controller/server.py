@@ -51,7 +51,10 @@ class ControllerServer:
         self.metrics = ControllerMetrics(self.controller)
         self.metrics_port: int | None = None
         pb_grpc.add_WorkerServiceServicer_to_server(
-            WorkerService(self.controller, config.worker_tokens, self.metrics.on_ingest), self.server
+            WorkerService(
+                self.controller, config.worker_tokens, self.metrics.on_ingest, config.ack_interval_seconds
+            ),
+            self.server,
         )
         pb_grpc.add_AdminServiceServicer_to_server(AdminService(self.controller, config.admin_token), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -101,6 +101,50 @@ def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
     raise ValueError(kind)
 
 
+class AckPacer:
+    """Cumulative window acks, at most one per `interval` seconds per stream.
+
+    An ack only lets the rank drop windows from its resend buffer, so it may wait;
+    pacing saves most per-window writes, the largest cost of ingest after the read.
+    The first window after a quiet interval is acked at once; later ones by a timer.
+    Each ack says how long it was held, so senders can still tell ingest latency."""
+
+    def __init__(self, write: Callable[[pb.ControllerMessage], None], interval: float) -> None:
+        self._write = write
+        self.interval = interval
+        self._seq: int | None = None
+        self._ingested_at = 0.0
+        self._last_ack = -float("inf")
+        self._timer: asyncio.TimerHandle | None = None
+
+    def ingested(self, seq: int) -> None:
+        now = time.monotonic()
+        self._seq, self._ingested_at = seq, now
+        if now - self._last_ack >= self.interval:
+            self.flush()
+        elif self._timer is None:
+            delay = self._last_ack + self.interval - now
+            self._timer = asyncio.get_running_loop().call_later(delay, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._seq is None:
+            return
+        now = time.monotonic()
+        msg = pb.ControllerMessage()
+        msg.window_ack.seq = self._seq
+        msg.window_ack.held_seconds = now - self._ingested_at
+        self._seq, self._last_ack = None, now
+        self._write(msg)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class WorkerService(pb_grpc.WorkerServiceServicer):
     """`tokens` maps a deployment to the bearer token its ranks must present; when
     empty, workers are not authenticated (use mutual TLS or a private network)."""
@@ -108,8 +152,10 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
     def __init__(
         self, controller: Controller, tokens: dict[str, str] | None = None,
         on_ingest: Callable[[str, int, float], None] | None = None,
+        ack_interval: float = 0.0,
     ) -> None:
         self.controller = controller
+        self.ack_interval = ack_interval  # 0: ack every window at once
         self.tokens = dict(tokens or {})
         self.on_ingest = on_ingest  # (deployment, bytes, seconds) per window, for metrics
 
@@ -160,11 +206,14 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         # writes on the call one at a time.
         write_lock = asyncio.Lock()
 
-        def send(kind: str, payload: Any) -> None:
+        def enqueue(msg: pb.ControllerMessage) -> None:
             try:
-                outbox.put_nowait(controller_message(kind, payload))
+                outbox.put_nowait(msg)
             except asyncio.QueueFull:
-                log.error("stream outbox full; dropping %s", kind)
+                log.error("stream outbox full; dropping a %s", msg.WhichOneof("body"))
+
+        def send(kind: str, payload: Any) -> None:
+            enqueue(controller_message(kind, payload))
 
         session_id = first.hello.session_id
         try:
@@ -192,10 +241,13 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             await asyncio.gather(write_task, return_exceptions=True)
 
         write_task = asyncio.create_task(writer())
+        acks = AckPacer(enqueue, self.ack_interval) if self.ack_interval > 0 else None
         try:
             while True:
                 msg = await context.read()
                 if msg is _EOF:
+                    if acks is not None:
+                        acks.flush()
                     await stop_writer(flush=True)
                     break
                 if not msg.HasField("window"):
@@ -210,6 +262,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 if self.on_ingest is not None:
                     nbytes = len(w.logical_count.data) + len(w.physical_count.data)
                     self.on_ingest(dep.name, nbytes, time.perf_counter() - t0)
+                if acks is not None:
+                    acks.ingested(w.seq)
+                    continue
                 ack = pb.ControllerMessage()
                 ack.window_ack.seq = w.seq
                 async with write_lock:
@@ -218,6 +273,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             await stop_writer(flush=False)
             await refuse(context, exc, f"Stream window from rank {session.rank} of {dep.name!r}")
         finally:
+            if acks is not None:
+                acks.close()
             write_task.cancel()
             self.controller.detach(session_id)
 

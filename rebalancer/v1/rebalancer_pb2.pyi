@@ -126,10 +126,12 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ...) -> None: ...
 
 class WindowAck(_message.Message):
-    __slots__ = ("seq",)
+    __slots__ = ("seq", "held_seconds")
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+    held_seconds: float
+    def __init__(self, seq: _Optional[int] = ..., held_seconds: _Optional[float] = ...) -> None: ...
 
 class Prepare(_message.Message):
     __slots__ = ("version", "base_version", "placement", "transfers", "layers_per_chunk", "timeout_seconds")
