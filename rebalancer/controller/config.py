@@ -59,13 +59,14 @@ class ControllerConfig:
     persist_seconds: float = 5.0     # ingest cursor saved at most this often per deployment
     # Cumulative window acks at most this often per stream (0: one ack per window).
     ack_interval_seconds: float = 1.0
-    grace_seconds: float = 5.0       # drain time on shutdown
+    drain_seconds: float = 1.0       # NOT_SERVING before the port closes, on shutdown
+    grace_seconds: float = 5.0       # calls in flight may finish this long after
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 _SECTIONS = {"server", "tls", "worker_tokens", "policy"}
 _SERVER_KEYS = {"host", "port", "db_path", "admin_token", "admin_token_file", "metrics_port",
-                "max_message_bytes", "tick_seconds", "grace_seconds", "persist_seconds",
+                "max_message_bytes", "tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds",
                 "ack_interval_seconds"}
 _TLS_KEYS = {"cert": "tls_cert", "key": "tls_key", "client_ca": "tls_client_ca"}
 

@@ -136,8 +136,12 @@ class ControllerServer:
             await self._stopped.wait()
             return
         self._stopping = True
-        log.info("draining (grace %.1fs)", self.config.grace_seconds)
+        log.info("draining (%.1fs not ready, then grace %.1fs)", self.config.drain_seconds,
+                 self.config.grace_seconds)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        # Still serving, but reported NOT_SERVING: probes and balancers stop sending
+        # new work before the port closes.
+        await asyncio.sleep(self.config.drain_seconds)
         if self._tick_task:
             self._tick_task.cancel()
         await self.server.stop(self.config.grace_seconds)

@@ -15,6 +15,7 @@ from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 
 
 def start_controller(db: Path | str, policy: PolicyConfig | None = None, **kw: object) -> EmbeddedController:
+    kw.setdefault("drain_seconds", 0.0)
     config = ControllerConfig(port=0, db_path=str(db), policy=policy or PolicyConfig(), **kw)  # type: ignore[arg-type]
     ctl = EmbeddedController(config)
     ctl.start()

@@ -107,3 +107,43 @@ def test_bad_config_files_exit_2(tmp_path: Path) -> None:
         with contextlib.redirect_stderr(err):
             code = cli(["serve", "--config", str(bad)])
         assert code == 2 and words in err.getvalue(), err.getvalue()
+
+
+def test_sigterm_drains_with_health_not_serving(tmp_path: Path) -> None:
+    """SIGTERM: health turns NOT_SERVING for every service while the port still answers,
+    then the process exits 0 with its state saved."""
+    import signal
+    import socket
+    import sys
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "c.toml").write_text("[server]\ndrain_seconds = 3.0\ngrace_seconds = 1.0\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rebalancer", "serve", "--config", str(tmp_path / "c.toml"), "--port", str(port),
+         "--db", str(tmp_path / "c.sqlite"), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None and "serving on" in proc.stdout.readline()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = lambda name: health.Check(health_pb2.HealthCheckRequest(service=name), timeout=2).status  # noqa: E731
+            assert check("rebalancer.v1.WorkerService") == health_pb2.HealthCheckResponse.SERVING
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 2.5
+            seen = set()
+            while time.monotonic() < deadline and len(seen) < 3:
+                for name in ("", "rebalancer.v1.WorkerService", "rebalancer.v1.AdminService"):
+                    if check(name) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        seen.add(name)
+                time.sleep(0.05)
+            assert len(seen) == 3
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -152,10 +152,15 @@ def test_selectors_pick_the_controller_pod(manifests: dict[tuple[str, str], dict
 def test_sigterm_drain_fits_in_the_grace_period(
     manifests: dict[tuple[str, str], dict[str, Any]], controller_toml: dict[str, Any]
 ) -> None:
-    grace = controller_toml["server"].get("grace_seconds", 5.0)
+    from rebalancer.controller.config import ControllerConfig
+
+    server = controller_toml["server"]
+    grace = server.get("grace_seconds", ControllerConfig.grace_seconds)
+    drain = server.get("drain_seconds", ControllerConfig.drain_seconds)
     period = _pod(manifests)["spec"]["terminationGracePeriodSeconds"]
-    # Drain (grace_seconds), then the ingest cursor is saved and the store closed.
-    assert period >= grace + 5, (period, grace)
+    # NOT_SERVING for drain_seconds, calls in flight get grace_seconds, then the ingest
+    # cursor is saved and the store closed.
+    assert period >= drain + grace + 5, (period, drain, grace)
 
 
 def test_store_is_on_the_persistent_volume(
