@@ -175,3 +175,23 @@ def test_health_and_reflection(controller: EmbeddedController) -> None:
         reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
         names = {s.name for s in reply.list_services_response.service}
         assert {"rebalancer.v1.WorkerService", "rebalancer.v1.AdminService", "grpc.health.v1.Health"} <= names
+
+
+def test_deployments_are_independent(controller: EmbeddedController, worker_stub: pb_grpc.WorkerServiceStub) -> None:
+    other = pb.ModelShape(num_layers=3, num_logical_experts=8, num_physical_slots=12, num_gpus=4, num_nodes=2)
+    a = register(worker_stub, 0, "dep-a").session_id
+    b = register(worker_stub, 3, "dep-b", other).session_id
+    stream(worker_stub, a, window(0), window(1))
+    stream(worker_stub, b, pb.WorkerMessage(window=pb.Window(seq=0, logical_count=codec.encode(np.ones((3, 8), np.uint32)))))
+
+    def read() -> dict:
+        deps = controller.server.controller.deployments  # type: ignore[union-attr]
+        return {n: (d.shape.num_gpus, d.stats.windows_ingested, d.estimator.windows) for n, d in deps.items()}
+
+    state = controller.call(read)
+    assert state == {"dep-a": (G, 2, 0), "dep-b": (4, 1, 0)}  # nothing folds until every rank sent
+    # A session speaks only for its own deployment: dep-b's shape is refused on dep-a's session.
+    got, details = code_of(stream, worker_stub, register(worker_stub, 1, "dep-a").session_id,
+                           pb.WorkerMessage(window=pb.Window(seq=0, logical_count=codec.encode(np.ones((3, 8), np.uint32)))))
+    assert got == grpc.StatusCode.INVALID_ARGUMENT and "shape" in details
+    assert controller.call(read) == state
