@@ -18,7 +18,6 @@ from rebalancer.placement.greedy import pack_greedy_slots, replicate_greedy
 from rebalancer.placement.hierarchical import place, uses_hierarchy
 from rebalancer.placement.metrics import (
     balancedness_of,
-    log2phy_of,
     logcnt_of,
     mean_balancedness,
 )
@@ -217,7 +216,6 @@ def finish(
     return PlacementResult(
         phy2log=phy2log,
         logcnt=logcnt,
-        log2phy=log2phy_of(phy2log, num_logical, logcnt=logcnt),
         balancedness=mean_balancedness(balancedness_of(phy2log, load, num_gpus, logcnt)),
         moved_fraction=0.0 if previous is None else float(np.mean(previous != phy2log)),
         algorithm=algorithm,

@@ -6,6 +6,7 @@ an `InputError` with one line naming the argument and what is wrong with it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,12 +29,19 @@ class PlacementResult:
 
     phy2log: np.ndarray
     logcnt: np.ndarray
-    log2phy: np.ndarray
     balancedness: float
     moved_fraction: float
     algorithm: str
     num_gpus: int
     num_nodes: int
+
+    @functools.cached_property
+    def log2phy(self) -> np.ndarray:
+        """[L, E, R] replica slots of each expert, -1 padded; built on first use (the
+        controller ships phy2log, so most callers never need it)."""
+        from rebalancer.placement.metrics import log2phy_of
+
+        return log2phy_of(self.phy2log, self.logcnt.shape[1], logcnt=self.logcnt)
 
 
 def check_load(load: object) -> np.ndarray:
