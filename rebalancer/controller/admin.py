@@ -16,8 +16,9 @@ import grpc
 
 from rebalancer.controller import codec
 from rebalancer.controller.decide import Decision, PolicyConfig
+from rebalancer.controller.errors import StateError
 from rebalancer.controller.service import placement_msg, refuse, shape_msg
-from rebalancer.controller.state import Controller, Deployment, StateError
+from rebalancer.controller.state import Controller, Deployment
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc

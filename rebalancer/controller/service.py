@@ -20,7 +20,8 @@ import grpc
 from rebalancer.controller import codec
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape
-from rebalancer.controller.state import Controller, StateError
+from rebalancer.controller.errors import StateError
+from rebalancer.controller.state import Controller
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc

@@ -25,23 +25,14 @@ from rebalancer import placement
 from rebalancer.controller import coordinate
 from rebalancer.controller.coordinate import Plan, PlanState, ReportError, Transition
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
+from rebalancer.controller.errors import StateError
+from rebalancer.controller.ingest import MergedWindow, WindowMerger
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.controller.store import Store
 from rebalancer.errors import InputError
 
 log = logging.getLogger("rebalancer.controller")
 
-# Windows of a sequence number are folded once every rank sent theirs, or once
-# some rank is this many windows ahead (a rank that lags or left).
-FOLD_LAG = 2
-
-
-class StateError(Exception):
-    """A request that is well-formed but does not fit the state; `code` is a gRPC status name."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -90,11 +81,9 @@ class Deployment:
         self.version = version
         self.phy2log = phy2log
         self.sessions: dict[int, Session] = {}
-        self.next_seq: dict[int, int] = {}
-        self.newest_seq = -1  # highest window seq any rank sent
+        self.windows = WindowMerger(shape.num_gpus)
         self.persisted_at = -float("inf")
         self.deciding = False  # a decision is being computed off the event loop
-        self.pending: dict[int, dict[str, Any]] = {}
         # Estimate and decision timing: the same object the simulator drives.
         self.loop = PolicyLoop(shape, policy)
         self.plan: Plan | None = None
@@ -107,6 +96,10 @@ class Deployment:
     @property
     def estimator(self) -> Any:
         return self.loop.estimator
+
+    @property
+    def next_seq(self) -> dict[int, int]:
+        return self.windows.next_seq
 
     @property
     def connected_ranks(self) -> int:
@@ -154,8 +147,7 @@ class Controller:
             dep = Deployment(row.name, shape, policy, row.committed_version, row.phy2log)
             saved = self.store.ingest_state(row.name)
             if saved:
-                dep.next_seq = {int(k): int(v) for k, v in saved["next_seq"].items()}
-                dep.newest_seq = max(dep.next_seq.values(), default=0) - 1
+                dep.windows.restore({int(k): int(v) for k, v in saved["next_seq"].items()})
                 dep.estimator.load_state_dict(saved["estimator"])
                 dep.stats.tokens_folded = int(saved.get("tokens_folded", 0))
             for plan in self.store.unfinished_plans(row.name):
@@ -263,46 +255,23 @@ class Controller:
         self, dep: Deployment, rank: int, seq: int, version: int,
         logical: np.ndarray, physical: np.ndarray | None,
     ) -> bool:
-        """Merge one rank's window; False when it was a duplicate (already counted)."""
-        expected = dep.next_seq.get(rank, 0)
-        if seq < expected:
+        """Merge one rank's window and fold what became complete; False for a duplicate."""
+        if not dep.windows.add(rank, seq, logical, physical):
             dep.stats.duplicate_windows += 1
             return False
-        if seq > expected and rank in dep.next_seq:
-            raise StateError("FAILED_PRECONDITION", f"window seq {seq} from rank {rank}: expected {expected}")
-        dep.next_seq[rank] = seq + 1
-        dep.newest_seq = max(dep.newest_seq, seq)
         dep.stats.windows_ingested += 1
-        slot = dep.pending.get(seq)
-        if slot is None:
-            slot = dep.pending[seq] = {"logical": np.zeros_like(logical, dtype=np.float64), "physical": None, "ranks": set(), "version": version}
-        slot["logical"] += logical
-        if physical is not None:  # slot -> GPU is fixed, so any version's slots add up
-            if slot["physical"] is None:
-                slot["physical"] = np.zeros_like(physical, dtype=np.float64)
-            slot["physical"] += physical
-        slot["ranks"].add(rank)
-        self._fold_ready(dep)
+        for window in dep.windows.ready():
+            self._fold(dep, window)
         return True
 
-    def _fold_ready(self, dep: Deployment) -> None:
-        newest = dep.newest_seq
-        while dep.pending:
-            seq = min(dep.pending)
-            slot = dep.pending[seq]
-            if len(slot["ranks"]) < dep.shape.num_gpus and newest - seq < FOLD_LAG:
-                break
-            del dep.pending[seq]
-            self._fold(dep, seq, slot)
-
-    def _fold(self, dep: Deployment, seq: int, slot: dict[str, Any]) -> None:
-        logical = slot["logical"]
+    def _fold(self, dep: Deployment, window: MergedWindow) -> None:
+        logical = window.logical
         G = dep.shape.num_gpus
         dep.stats.windows_folded += 1
         dep.stats.tokens_folded += int(logical.sum())
         actual = float("nan")
-        if slot["physical"] is not None:
-            per_gpu = slot["physical"].reshape(dep.shape.num_layers, G, -1).sum(axis=2)
+        if window.physical is not None:
+            per_gpu = window.physical.reshape(dep.shape.num_layers, G, -1).sum(axis=2)
             actual = _balancedness_of_gpu_load(per_gpu)
             dep.stats.balancedness_actual = actual
         now = self.clock()
@@ -314,7 +283,7 @@ class Controller:
             if logical.sum() > 0:
                 best = placement.compute_placement(logical, dep.shape.num_slots, G, dep.shape.num_nodes).balancedness
             event = WindowEvent(
-                dep.name, seq, len(slot["ranks"]), dep.version, int(logical.sum()), actual,
+                dep.name, window.seq, len(window.ranks), dep.version, int(logical.sum()), actual,
                 placement.balancedness(dep.phy2log, dep.estimator.estimate(), G), best,
             )
             for observer in self.window_observers:

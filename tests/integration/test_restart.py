@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rebalancer.controller.state import FOLD_LAG
+from rebalancer.controller.ingest import FOLD_LAG
 from rebalancer.controller.store import Store
 from rebalancer.demo import launch_workers, write_profile
 from rebalancer.v1 import rebalancer_pb2 as pb
