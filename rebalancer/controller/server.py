@@ -111,6 +111,9 @@ class ControllerServer:
 
     async def start(self) -> None:
         self.controller.background = self._background
+        # Start the decision process now, not at the first decision (a spawned
+        # interpreter takes a second or two to import numpy, scipy and the engine).
+        self._executor.submit(_warm_up)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.config.metrics_port is not None:
@@ -168,3 +171,8 @@ async def serve(config: ControllerConfig, ready: Callable[[ControllerServer], No
     if ready:
         ready(server)
     await server.wait()
+
+
+def _warm_up() -> None:
+    """Runs in the decision process: import what decisions need."""
+    import rebalancer.controller.decide  # noqa: F401

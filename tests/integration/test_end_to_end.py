@@ -83,8 +83,9 @@ def test_failed_prepare_aborts_plan_on_every_rank(tmp_path: Path) -> None:
 
 def test_rank_killed_while_preparing_aborts_and_others_keep_serving(tmp_path: Path) -> None:
     config = small_config(steps=200)
-    extra = {r: ["--local"] for r in range(4)}
-    extra[3] = ["--local", "--fault", "die"]
+    # Serving alone is fast: a small sleep per step keeps the run long enough for plans.
+    extra = {r: ["--local", "--step-sleep", "0.02"] for r in range(4)}
+    extra[3] = ["--local", "--step-sleep", "0.02", "--fault", "die"]
     results, dep = _run_cluster(tmp_path, extra, config)
     assert len(results) == 3  # rank 3 was killed with SIGKILL
     assert dep.stats.plans_committed == 0  # type: ignore[attr-defined]
