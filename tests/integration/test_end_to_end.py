@@ -34,7 +34,6 @@ def small_config(**kw: object) -> DemoConfig:
 def test_rebalances_keep_outputs_identical_and_ranks_in_step(tmp_path: Path) -> None:
     summary = run_demo(small_config(db_path=str(tmp_path / "c.sqlite")), emit=lambda _: None)
     assert summary["plans_committed"] >= 1
-    assert summary["plans_aborted"] == 0
     # Invariant 1: bit-identical to the unbalanced reference model, every step.
     assert summary["max_output_diff"] == 0.0
     # Weights really moved: every slot holds the expert its map says.
@@ -47,7 +46,10 @@ def test_rebalances_keep_outputs_identical_and_ranks_in_step(tmp_path: Path) -> 
     store = Store(tmp_path / "c.sqlite")
     (row,) = store.load_deployments()
     assert row.committed_version == summary["placement_version"]
-    assert [p.state for p in store.plans("demo")].count("committed") == summary["plans_committed"]
+    plans = store.plans("demo")
+    assert [p.state for p in plans].count("committed") == summary["plans_committed"]
+    # The only aborts allowed: a plan that arrived while the workers were shutting down.
+    assert all("shutting down" in p.reason for p in plans if p.state == "aborted")
 
 
 def _run_cluster(tmp_path: Path, extra: dict[int, list[str]], config: DemoConfig) -> tuple[list[dict], object]:
@@ -94,8 +96,10 @@ def test_rank_killed_while_preparing_aborts_and_others_keep_serving(tmp_path: Pa
         assert r["version"] == 0 and r["commits"] == []
         assert r["weights_match_map"]
         assert r["steps"] == config.steps
-    reasons = " ".join(p.reason for p in Store(tmp_path / "c.sqlite").plans("demo"))
-    assert "rank 3" in reasons
+    # The abort names rank 3's disconnect, or a survivor whose transfer lost rank 3 first.
+    for plan in Store(tmp_path / "c.sqlite").plans("demo"):
+        assert plan.state == "aborted"
+        assert "rank 3 disconnected" in plan.reason or "failed to prepare" in plan.reason, plan.reason
 
 
 def test_workers_serve_without_controller_and_resync(tmp_path: Path) -> None:
