@@ -20,7 +20,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,12 +31,6 @@ import numpy as np
 
 RANKS_PER_DEPLOYMENT = 32  # DeepSeek-V3 at EP32: one deployment per 32 ranks
 L, E, P = 58, 256, 288
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -185,12 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
+    from rebalancer.demo import free_port
 
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000  # one window's worth, real skew
 
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
+        port = free_port()
         config = Path(tmp) / "c.toml"
         # Decisions run as in production (default period, off the event loop); a plan they
         # start waits for ranks that never answer and times out, so this measures ingest,
@@ -212,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_baseline:
             ctx = mp.get_context("spawn")
             ready = ctx.Event()
-            port = _free_port()
+            port = free_port()
             echo = ctx.Process(target=_echo_server, args=(port, ready), daemon=True)
             echo.start()
             ready.wait(30)

@@ -83,7 +83,8 @@ def routing_profiles(config: DemoConfig) -> np.ndarray:
     return out / out.sum(axis=2, keepdims=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now (for a rendezvous or a server)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -102,7 +103,7 @@ def launch_workers(
     extra_args: dict[int, list[str]] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """Start the G worker processes of one gloo EP group; each writes folder/rank<r>.json."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "REBALANCER_LOG": config.worker_log, "OMP_NUM_THREADS": "1"}
     procs = []
     for rank in range(config.workers):

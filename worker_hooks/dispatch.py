@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from worker_hooks.devices import resolve_device
+from worker_hooks.record import is_layer_index
 
 __all__ = ["ReplicaDispatch", "candidate_table"]
 
@@ -138,11 +139,7 @@ class ReplicaDispatch:
 
     def dispatch(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """`[..., K]` logical ids -> physical slot ids of the same shape and dtype."""
-        if (
-            not isinstance(layer, int)
-            or isinstance(layer, bool)
-            or not 0 <= layer < self.num_layers
-        ):
+        if not is_layer_index(layer, self.num_layers):
             raise ValueError(
                 f"dispatch needs a layer index in [0, {self.num_layers}), got {layer!r}"
             )

@@ -20,12 +20,19 @@ device, never on the host, so the next replay cannot race with the zeroing.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import numpy as np
 import torch
 
 from worker_hooks.devices import resolve_device
 
 __all__ = ["ExpertRecorder"]
+
+
+def is_layer_index(layer: object, num_layers: int) -> TypeGuard[int]:
+    """An explicit layer index: a plain int in [0, num_layers) (never a bool or None)."""
+    return isinstance(layer, int) and not isinstance(layer, bool) and 0 <= layer < num_layers
 
 
 def _is_capturing(device: torch.device) -> bool:
@@ -98,11 +105,7 @@ class ExpertRecorder:
         """Add dense per-slot counts (e.g. DeepEP's receive counts) from `first_slot` on."""
         if self.physical_counts is None:
             raise ValueError("add_physical_counts needs num_physical at construction")
-        if (
-            not isinstance(layer, int)
-            or isinstance(layer, bool)
-            or not 0 <= layer < self.num_layers
-        ):
+        if not is_layer_index(layer, self.num_layers):
             raise ValueError(
                 f"needs an explicit layer index in [0, {self.num_layers}), got {layer!r}"
             )
@@ -119,11 +122,7 @@ class ExpertRecorder:
         )
 
     def _add(self, layer: int | None, ids: torch.Tensor, base: int, width: int) -> None:
-        if (
-            not isinstance(layer, int)
-            or isinstance(layer, bool)
-            or not 0 <= layer < self.num_layers
-        ):
+        if not is_layer_index(layer, self.num_layers):
             if _is_capturing(self.device):
                 # Raising here would invalidate the whole capture; recording nothing
                 # is the only safe choice, and the counter makes it visible.

@@ -36,8 +36,8 @@ _PHASES = {
     pb.PLAN_PHASE_COMMITTED: "committed",
     pb.PLAN_PHASE_ABORTED: "aborted",
 }
-# Per-stream queue of outgoing messages; acks beyond this are merged (only the
-# newest ack matters) so a slow reader cannot grow controller memory.
+# Per-stream queue of outgoing messages, bounded so a slow reader cannot grow
+# controller memory (acks are cumulative: a dropped one is covered by the next).
 _SEND_QUEUE = 256
 
 
@@ -82,10 +82,6 @@ def placement_msg(version: int, phy2log: Any) -> pb.Placement:
 
 
 def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
-    if kind == "ack":
-        msg = pb.ControllerMessage()
-        msg.window_ack.seq = payload
-        return msg
     plan: Plan = payload
     if kind == "prepare":
         return pb.ControllerMessage(prepare=pb.Prepare(
@@ -156,7 +152,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         ack_interval: float = 0.0,
     ) -> None:
         self.controller = controller
-        self.ack_interval = ack_interval  # 0: ack every window at once
+        self.ack_interval = ack_interval  # 0: every window acked at once
         self.tokens = dict(tokens or {})
         self.on_ingest = on_ingest  # (deployment, bytes, seconds) per window, for metrics
 
@@ -202,11 +198,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             return
         outbox: asyncio.Queue[pb.ControllerMessage | None] = asyncio.Queue(_SEND_QUEUE)
 
-        # Plan phases come from controller callbacks (not coroutines): they are queued
-        # and written by a task; acks are written inline by the reader. One lock keeps
-        # writes on the call one at a time.
-        write_lock = asyncio.Lock()
-
+        # Every write (plan phases from controller callbacks, paced acks) goes through
+        # one queue and one writer task, so writes on the call never overlap.
         def enqueue(msg: pb.ControllerMessage) -> None:
             try:
                 outbox.put_nowait(msg)
@@ -229,8 +222,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
 
         async def writer() -> None:
             while (out := await outbox.get()) is not None:
-                async with write_lock:
-                    await context.write(out)
+                await context.write(out)
 
         async def stop_writer(flush: bool) -> None:
             # A write cancelled half-way breaks the call, so the writer is either let
@@ -242,13 +234,12 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             await asyncio.gather(write_task, return_exceptions=True)
 
         write_task = asyncio.create_task(writer())
-        acks = AckPacer(enqueue, self.ack_interval) if self.ack_interval > 0 else None
+        acks = AckPacer(enqueue, self.ack_interval)
         try:
             while True:
                 msg = await context.read()
                 if msg is _EOF:
-                    if acks is not None:
-                        acks.flush()
+                    acks.flush()
                     await stop_writer(flush=True)
                     break
                 if not msg.HasField("window"):
@@ -263,19 +254,12 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 if self.on_ingest is not None:
                     nbytes = len(w.logical_count.data) + len(w.physical_count.data)
                     self.on_ingest(dep.name, nbytes, time.perf_counter() - t0)
-                if acks is not None:
-                    acks.ingested(w.seq)
-                    continue
-                ack = pb.ControllerMessage()
-                ack.window_ack.seq = w.seq
-                async with write_lock:
-                    await context.write(ack)
+                acks.ingested(w.seq)
         except (InputError, StateError) as exc:
             await stop_writer(flush=False)
             await refuse(context, exc, f"Stream window from rank {session.rank} of {dep.name!r}")
         finally:
-            if acks is not None:
-                acks.close()
+            acks.close()
             write_task.cancel()
             self.controller.detach(session_id)
 

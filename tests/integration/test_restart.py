@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import pytest
 
 from rebalancer.controller.ingest import FOLD_LAG
 from rebalancer.controller.store import Store
-from rebalancer.demo import launch_workers, write_profile
+from rebalancer.demo import free_port, launch_workers, write_profile
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from tests.integration.test_end_to_end import small_config
@@ -39,12 +38,6 @@ decision_period_seconds = 0.2
 prepare_timeout_seconds = 20.0
 step_seconds = 0.01
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(tmp: Path, port: int) -> subprocess.Popen[str]:

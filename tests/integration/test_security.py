@@ -14,6 +14,7 @@ import pytest
 
 from rebalancer.cli import main as cli
 from rebalancer.client import ChannelConfig, sync_channel
+from rebalancer.demo import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from tests.integration.conftest import start_controller
@@ -113,15 +114,12 @@ def test_sigterm_drains_with_health_not_serving(tmp_path: Path) -> None:
     """SIGTERM: health turns NOT_SERVING for every service while the port still answers,
     then the process exits 0 with its state saved."""
     import signal
-    import socket
     import sys
     import time
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     (tmp_path / "c.toml").write_text("[server]\ndrain_seconds = 3.0\ngrace_seconds = 1.0\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rebalancer", "serve", "--config", str(tmp_path / "c.toml"), "--port", str(port),

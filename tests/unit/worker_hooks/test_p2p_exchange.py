@@ -4,7 +4,6 @@ moved slot ends up holding exactly the source slot's weights, local moves includ
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import torch
@@ -12,14 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.p2p_exchange import commit_staged, packed_exchange
+from rebalancer.demo import free_port
 
 LAYERS, SLOTS = 3, 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _plan() -> np.ndarray:
@@ -72,7 +66,7 @@ def _worker(rank: int, port: int, result: dict) -> None:  # type: ignore[type-ar
 def test_packed_exchange_moves_the_right_experts() -> None:
     with mp.Manager() as manager:
         result = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), result), nprocs=2, join=True)
+        mp.spawn(_worker, args=(free_port(), result), nprocs=2, join=True)
         got = dict(result)
     plan = _plan()
     for rank in range(2):
