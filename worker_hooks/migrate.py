@@ -1,12 +1,18 @@
 """Moving expert weights between ranks for a plan, off the serving path.
 
-`prepare` receives every expert a rank gains into staging buffers with
-torch.distributed point-to-point transfers on a process group of its own
-(gloo on CPU, NCCL on GPU, on a side stream there), a few layers per round:
-in each round each pair of ranks exchanges one packed buffer per weight tensor,
-received in place into staging, so transfers are large and few. Serving keeps using the live
-weights meanwhile. `commit` copies staging into the live weights in place
-(storage unchanged: CUDA graphs stay valid); `abort` drops staging.
+`prepare` receives every expert a rank gains into staging buffers, by one of two
+transports:
+- "p2p": torch.distributed point-to-point transfers on a process group of its own
+  (gloo on CPU, NCCL on GPU, on a side stream there), a few layers per round: in each
+  round each pair of ranks exchanges one packed buffer per weight tensor, received in
+  place into staging, so transfers are large and few. Works across hosts.
+- "outbox": ranks of one host pack what they send into shared outboxes and each
+  receiver pulls its rows with `copy_` (CUDA IPC on GPU: the copy engines do the
+  work, no SMs are taken from serving; shared memory on CPU). The group only carries
+  the handle exchange and one small all-reduce per step (gloo).
+Serving keeps using the live weights meanwhile; `max_gbps` paces either transport so an
+operator can bound its interference. `commit` copies staging into the live weights in
+place (storage unchanged: CUDA graphs stay valid); `abort` drops staging.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from worker_hooks.outbox import SharedOutboxes, outbox_schedule
+
+TRANSPORTS = ("p2p", "outbox")
 
 # Columns of a transfer list (see proto Prepare.transfers).
 LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
@@ -51,6 +61,12 @@ class MigrationExecutor:
             packing of a round overlaps the transfers of the previous ones (correct on
             gloo, tests/unit/worker_hooks/test_migrate.py; not yet measured on GPU, so
             the default keeps the measured one-round-at-a-time behaviour).
+        transport: "p2p" or "outbox" (module docstring); "outbox" needs every rank of
+            `group` on this host and `group` a gloo group.
+        outbox_bytes: size of each of the two outboxes per rank ("outbox" transport),
+            rounded down to whole experts (at least one).
+        max_gbps: pace transfers to at most this many GB/s received per rank (0: as
+            fast as the links go).
     """
 
     def __init__(
@@ -61,7 +77,14 @@ class MigrationExecutor:
         group: dist.ProcessGroup | None = None,
         layers_per_chunk: int = 4,
         rounds_in_flight: int = 1,
+        transport: str = "p2p",
+        outbox_bytes: int = 1 << 30,
+        max_gbps: float = 0.0,
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if max_gbps < 0:
+            raise ValueError(f"max_gbps must be >= 0, got {max_gbps}")
         if not weights:
             raise ValueError("weights must name at least one tensor")
         first = next(iter(weights.values()))
@@ -80,6 +103,10 @@ class MigrationExecutor:
             if not w.is_contiguous():
                 raise ValueError(f"weight {name!r} must be contiguous (its flat view is updated in place)")
         self.expert_bytes = sum(int(np.prod(w.shape[2:])) for w in weights.values()) * first.element_size()
+        self.transport = transport
+        self.outbox_rows = max(1, outbox_bytes // max(1, self.expert_bytes))
+        self.max_gbps = max_gbps
+        self._outboxes: SharedOutboxes | None = None
         self._lock = threading.Lock()
         self._staged_version: int | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # name -> [n_in, ...]
@@ -107,12 +134,8 @@ class MigrationExecutor:
 
         transfers: [K, 5] int (layer, dst_rank, dst_slot, src_rank, src_slot), the
         same list on every rank. Blocks the calling (background) thread until
-        every exchange of this rank finished; raises on a failed peer.
-
-        Staging holds one contiguous tensor per weight, its rows ordered by (round,
-        source rank, layer, slot): the experts one peer sends in one round are one
-        contiguous block, received in place with no copy afterwards. Each round
-        sends one `index_select`-packed buffer per weight and peer.
+        every exchange of this rank finished; raises on a failed peer, and raises
+        MigrationAborted when the plan is aborted meanwhile.
         """
         start = time.perf_counter()
         t = np.asarray(transfers, dtype=np.int64).reshape(-1, 5)
@@ -120,58 +143,12 @@ class MigrationExecutor:
                        or t[:, [DST_SLOT, SRC_SLOT]].max() >= self.slots_per_rank
                        or t[:, LAYER].max() >= self.num_layers):
             raise ValueError("transfer list refers to ranks, slots or layers out of range")
-        # 1. One order on every rank: round, then source rank, then layer and slot.
-        rounds = t[:, LAYER] // self.layers_per_chunk
-        t = t[np.lexsort((t[:, DST_SLOT], t[:, LAYER], t[:, DST_RANK], t[:, SRC_RANK], rounds))]
-        rounds = t[:, LAYER] // self.layers_per_chunk
-        incoming = t[t[:, DST_RANK] == self.rank]
-        in_rounds = incoming[:, LAYER] // self.layers_per_chunk
-        # 2. Staging, allocated on the side stream that fills it.
         stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-        sent = received = 0
         with stream_ctx:
-            staging = {
-                name: torch.empty((len(incoming),) + tuple(w.shape[2:]), dtype=self.dtype, device=self.device)
-                for name, w in self.weights.items()
-            }
-            # Rounds are pipelined: round r+1 is packed while round r is on the wire,
-            # with at most `rounds_in_flight` rounds (and their send buffers) alive.
-            in_flight: deque[list[dist.Work]] = deque()
-            for r in np.unique(rounds):
-                if version in self._aborted:
-                    raise MigrationAborted(f"plan v{version} aborted while preparing")
-                while len(in_flight) >= self.rounds_in_flight:
-                    for work in in_flight.popleft():
-                        work.wait()
-                chunk = t[rounds == r]
-                ops = []
-                for peer in range(self.world_size):
-                    in_mask = (in_rounds == r) & (incoming[:, SRC_RANK] == peer)
-                    lo = int(np.argmax(in_mask)) if in_mask.any() else 0
-                    hi = lo + int(in_mask.sum())
-                    if peer == self.rank:  # local moves: straight into staging
-                        if hi > lo:
-                            idx = self._flat_index(incoming[lo:hi, LAYER], incoming[lo:hi, SRC_SLOT])
-                            for name, w in self.weights.items():
-                                torch.index_select(self._flat(w), 0, idx, out=staging[name][lo:hi])
-                        continue
-                    out_rows = chunk[(chunk[:, SRC_RANK] == self.rank) & (chunk[:, DST_RANK] == peer)]
-                    if len(out_rows):
-                        idx = self._flat_index(out_rows[:, LAYER], out_rows[:, SRC_SLOT])
-                        for w in self.weights.values():
-                            buf = self._flat(w).index_select(0, idx)
-                            ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
-                            sent += buf.numel() * buf.element_size()
-                    if hi > lo:
-                        for name in self.weights:
-                            view = staging[name][lo:hi]  # contiguous rows: received in place
-                            ops.append(dist.P2POp(dist.irecv, view, peer, self.group))
-                            received += view.numel() * view.element_size()
-                if ops:
-                    in_flight.append(dist.batch_isend_irecv(ops))
-            while in_flight:
-                for work in in_flight.popleft():
-                    work.wait()
+            if self.transport == "outbox":
+                staging, incoming, sent, received = self._exchange_outbox(version, t, start)
+            else:
+                staging, incoming, sent, received = self._exchange_p2p(version, t, start)
         if self._stream is not None:
             self._stream.synchronize()
         index = self._flat_index(incoming[:, LAYER], incoming[:, DST_SLOT])
@@ -181,6 +158,177 @@ class MigrationExecutor:
             self._staging, self._staged_index, self._staged_version = staging, index, version
         return PrepareStats(version, len(incoming), received, sent, time.perf_counter() - start)
 
+    def _new_staging(self, rows: int) -> dict[str, torch.Tensor]:
+        """One contiguous tensor per weight, allocated on the current (side) stream."""
+        return {
+            name: torch.empty((rows,) + tuple(w.shape[2:]), dtype=self.dtype, device=self.device)
+            for name, w in self.weights.items()
+        }
+
+    def _copy_local(self, rows: np.ndarray, staging: dict[str, torch.Tensor], lo: int) -> None:
+        """Experts this rank already holds: straight from the live weights into staging."""
+        if len(rows):
+            idx = self._flat_index(rows[:, LAYER], rows[:, SRC_SLOT])
+            for name, w in self.weights.items():
+                torch.index_select(self._flat(w), 0, idx, out=staging[name][lo:lo + len(rows)])
+
+    def _pace(self, start: float, bytes_done: int) -> None:
+        """Sleep until `bytes_done` is within the `max_gbps` budget since `start`."""
+        if self.max_gbps > 0 and bytes_done:
+            if self._stream is not None:
+                self._stream.synchronize()  # pace what has moved, not what is queued
+            ahead = bytes_done / (self.max_gbps * 1e9) - (time.perf_counter() - start)
+            if ahead > 0:
+                time.sleep(ahead)
+
+    def _check_aborted(self, version: int) -> None:
+        if version in self._aborted:
+            raise MigrationAborted(f"plan v{version} aborted while preparing")
+
+    # ------------------------------------------------------------ p2p transport
+
+    def _exchange_p2p(
+        self, version: int, t: np.ndarray, start: float
+    ) -> tuple[dict[str, torch.Tensor], np.ndarray, int, int]:
+        """Staging holds one contiguous tensor per weight, its rows ordered by (round,
+        source rank, layer, slot): the experts one peer sends in one round are one
+        contiguous block, received in place with no copy afterwards. Each round
+        sends one `index_select`-packed buffer per weight and peer."""
+        # 1. One order on every rank: round, then source rank, then layer and slot.
+        rounds = t[:, LAYER] // self.layers_per_chunk
+        t = t[np.lexsort((t[:, DST_SLOT], t[:, LAYER], t[:, DST_RANK], t[:, SRC_RANK], rounds))]
+        rounds = t[:, LAYER] // self.layers_per_chunk
+        incoming = t[t[:, DST_RANK] == self.rank]
+        in_rounds = incoming[:, LAYER] // self.layers_per_chunk
+        # 2. Staging, allocated on the side stream that fills it.
+        staging = self._new_staging(len(incoming))
+        sent = received = 0
+        # 3. Rounds are pipelined: round r+1 is packed while round r is on the wire,
+        #    with at most `rounds_in_flight` rounds (and their send buffers) alive.
+        in_flight: deque[list[dist.Work]] = deque()
+        for r in np.unique(rounds):
+            self._check_aborted(version)
+            while len(in_flight) >= self.rounds_in_flight:
+                for work in in_flight.popleft():
+                    work.wait()
+            chunk = t[rounds == r]
+            ops = []
+            for peer in range(self.world_size):
+                in_mask = (in_rounds == r) & (incoming[:, SRC_RANK] == peer)
+                lo = int(np.argmax(in_mask)) if in_mask.any() else 0
+                hi = lo + int(in_mask.sum())
+                if peer == self.rank:  # local moves: straight into staging
+                    self._copy_local(incoming[lo:hi], staging, lo)
+                    continue
+                out_rows = chunk[(chunk[:, SRC_RANK] == self.rank) & (chunk[:, DST_RANK] == peer)]
+                if len(out_rows):
+                    idx = self._flat_index(out_rows[:, LAYER], out_rows[:, SRC_SLOT])
+                    for w in self.weights.values():
+                        buf = self._flat(w).index_select(0, idx)
+                        ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
+                        sent += buf.numel() * buf.element_size()
+                if hi > lo:
+                    for name in self.weights:
+                        view = staging[name][lo:hi]  # contiguous rows: received in place
+                        ops.append(dist.P2POp(dist.irecv, view, peer, self.group))
+                        received += view.numel() * view.element_size()
+            if ops:
+                in_flight.append(dist.batch_isend_irecv(ops))
+            self._pace(start, received)
+        while in_flight:
+            for work in in_flight.popleft():
+                work.wait()
+        return staging, incoming, sent, received
+
+    # ------------------------------------------------------------ outbox transport
+
+    def _exchange_outbox(
+        self, version: int, t: np.ndarray, start: float
+    ) -> tuple[dict[str, torch.Tensor], np.ndarray, int, int]:
+        """Step k: pack this rank's rows of step k into outbox k % 2, wait until every
+        rank packed step k and finished reading step k - 1 (one all-reduce, which also
+        carries an abort seen by any rank so that all stop together), then pull step
+        k's rows from each peer's outbox into staging. Reading step k overlaps packing
+        step k + 1 into the other outbox.
+
+        Staging rows: the remote experts in schedule order (source rank, layer, slot),
+        then the local ones."""
+        if self._outboxes is None:
+            shapes = {name: tuple(w.shape[2:]) for name, w in self.weights.items()}
+            self._outboxes = SharedOutboxes(
+                self.rank, self.world_size, shapes, self.dtype, self.device, self.outbox_rows, self.group
+            )
+        boxes = self._outboxes
+        plan = outbox_schedule(t, self.outbox_rows)
+        step = plan.step_of()
+        row = plan.position % plan.rows
+        mine_out = plan.remote[:, SRC_RANK] == self.rank
+        mine_in = plan.remote[:, DST_RANK] == self.rank
+        local = t[(t[:, DST_RANK] == self.rank) & (t[:, SRC_RANK] == self.rank)]
+        incoming = np.concatenate([plan.remote[mine_in], local])
+        in_step, in_row = step[mine_in], row[mine_in]
+        in_src = plan.remote[mine_in, SRC_RANK]
+        staging = self._new_staging(len(incoming))
+        self._copy_local(local, staging, int(mine_in.sum()))
+        # Reads run on a stream of the peer's device (torch copies between devices on
+        # the source's current stream, then makes the destination's current stream
+        # wait): streams of their own on both ends keep them off serving's stream and
+        # let packing the next step on the side stream overlap them.
+        read_streams: dict[int, torch.cuda.Stream] = {}
+        if self.device.type == "cuda":
+            first_name = next(iter(self.weights))
+            read_streams = {
+                peer: torch.cuda.Stream(boxes.peer[peer][0][first_name].device) for peer in boxes.peer
+            }
+            read_streams[self.rank] = torch.cuda.Stream(self.device)
+        flag = torch.zeros(1, dtype=torch.int32)
+        sent = received = 0
+        for k in range(plan.steps):
+            # 1. Pack step k (outbox k % 2 was last read in step k - 2: free).
+            out_rows = plan.remote[mine_out & (step == k)]
+            box = boxes.own[k % 2]
+            if len(out_rows):
+                idx = self._flat_index(out_rows[:, LAYER], out_rows[:, SRC_SLOT])
+                for name, w in self.weights.items():
+                    torch.index_select(self._flat(w), 0, idx, out=box[name][: len(out_rows)])
+                sent += len(out_rows) * self.expert_bytes
+            if self._stream is not None:
+                self._stream.synchronize()
+            for s in read_streams.values():
+                s.synchronize()  # step k - 1's reads are done
+            # 2. Everyone packed k and read k - 1; any abort stops every rank here.
+            flag[0] = int(version in self._aborted)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if int(flag[0]):
+                raise MigrationAborted(f"plan v{version} aborted while preparing")
+            # 3. Read step k from each peer: one contiguous block per peer and weight.
+            for peer in np.unique(in_src[in_step == k]):
+                sel = np.flatnonzero((in_step == k) & (in_src == peer))
+                lo, n = int(sel[0]), len(sel)
+                first = int(in_row[sel[0]])
+                src_box = boxes.peer[int(peer)][k % 2]
+                ctx = contextlib.ExitStack()
+                if read_streams:
+                    ctx.enter_context(torch.cuda.stream(read_streams[self.rank]))
+                    ctx.enter_context(torch.cuda.stream(read_streams[int(peer)]))
+                with ctx:
+                    for name in self.weights:
+                        staging[name][lo:lo + n].copy_(src_box[name][first:first + n], non_blocking=True)
+                received += n * self.expert_bytes
+            self._pace(start, received)
+        for s in read_streams.values():
+            s.synchronize()
+        # 4. No rank reuses its outboxes before every peer finished reading them.
+        if plan.steps:
+            flag[0] = 0
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return staging, incoming, sent, received
+
+    def close(self) -> None:
+        """Release the outboxes (and their peers' mappings)."""
+        if self._outboxes is not None:
+            self._outboxes.close()
+            self._outboxes = None
     # ------------------------------------------------------------ commit / abort
 
     def commit(self, version: int) -> int:

@@ -1,18 +1,22 @@
-"""MigrationExecutor over real gloo processes: after prepare + commit every slot
-holds exactly the expert the new placement says; abort leaves weights untouched."""
+"""MigrationExecutor over real gloo processes, both transports: after prepare + commit
+every slot holds exactly the expert the new placement says; abort leaves weights
+untouched; pacing holds the rate."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rebalancer.placement import transfers, trivial_placement
-from worker_hooks.migrate import MigrationExecutor
+from worker_hooks.migrate import MigrationAborted, MigrationExecutor
+from worker_hooks.outbox import outbox_schedule
 
 L, E, P, G = 5, 8, 12, 3
 S = P // G
@@ -27,11 +31,20 @@ def weights_for(phy2log: np.ndarray, rank: int) -> dict[str, torch.Tensor]:
     return {"w1": w.clone(), "w2": (w * -1).clone()}
 
 
-def _worker(rank: int, init: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray, out: str) -> None:
+EXPERT_BYTES = 2 * 6 * 4  # two float32 tensors of 2 x 3 per expert
+
+
+def _worker(
+    rank: int, init: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray, out: str, transport: str
+) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
     group = dist.new_group(backend="gloo")
     weights = weights_for(old, rank)
-    ex = MigrationExecutor(rank, G, weights, group, layers_per_chunk=2, rounds_in_flight=2)
+    # Outboxes of 3 experts: the plan needs several steps through both outboxes.
+    ex = MigrationExecutor(
+        rank, G, weights, group, layers_per_chunk=2, rounds_in_flight=2,
+        transport=transport, outbox_bytes=3 * EXPERT_BYTES,
+    )
     # Plan 1 is aborted after preparing: nothing may change.
     ex.prepare(1, moves)
     ex.abort(1)
@@ -40,19 +53,100 @@ def _worker(rank: int, init: str, old: np.ndarray, new: np.ndarray, moves: np.nd
     before_commit_same = torch.equal(weights["w1"], weights_for(old, rank)["w1"])
     ex.commit(2)
     ok = all(torch.equal(weights[k], weights_for(new, rank)[k]) for k in weights)
+    ex.close()
     np.save(f"{out}/{rank}.npy", np.array([same, before_commit_same, ok, stats.experts_received]))
     dist.destroy_process_group()
 
 
-def test_prepare_commit_abort_across_three_ranks() -> None:
+def _moves() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     old = trivial_placement(L, E, P, G)
     new = np.stack([rng.permutation(old[layer]) for layer in range(L)])
-    moves = transfers(old, new, G, 1)
+    return old, new, transfers(old, new, G, 1)
+
+
+@pytest.mark.parametrize("transport", ["p2p", "outbox"])
+def test_prepare_commit_abort_across_three_ranks(transport: str) -> None:
+    old, new, moves = _moves()
+    assert outbox_schedule(moves, 3).steps >= 3  # both outboxes reused
     with tempfile.TemporaryDirectory() as out:
         init = f"file://{os.path.join(out, 'rdzv')}"
-        mp.spawn(_worker, args=(init, old, new, moves, out), nprocs=G, join=True)
+        mp.spawn(_worker, args=(init, old, new, moves, out, transport), nprocs=G, join=True)
         results = [np.load(f"{out}/{r}.npy") for r in range(G)]
     for same, before_commit_same, ok, _received in results:
         assert same and before_commit_same and ok
     assert sum(int(r[3]) for r in results) == len(moves)
+
+
+def _abort_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
+    group = dist.new_group(backend="gloo")
+    weights = weights_for(old, rank)
+    ex = MigrationExecutor(rank, G, weights, group, transport="outbox", outbox_bytes=EXPERT_BYTES)
+    if rank == 1:  # only one rank hears of the abort: every rank must stop, none hangs
+        ex.abort(7)
+    outcome = "prepared"
+    try:
+        ex.prepare(7, moves)
+    except MigrationAborted:
+        outcome = "aborted"
+    unchanged = all(torch.equal(weights[k], weights_for(old, rank)[k]) for k in weights)
+    ex.close()
+    np.save(f"{out}/{rank}.npy", np.array([outcome == "aborted", unchanged]))
+    dist.destroy_process_group()
+
+
+def test_outbox_abort_seen_by_one_rank_stops_all() -> None:
+    old, _new, moves = _moves()
+    with tempfile.TemporaryDirectory() as out:
+        init = f"file://{os.path.join(out, 'rdzv')}"
+        mp.spawn(_abort_worker, args=(init, old, moves, out), nprocs=G, join=True)
+        results = [np.load(f"{out}/{r}.npy") for r in range(G)]
+    assert all(bool(aborted) and bool(unchanged) for aborted, unchanged in results)
+
+
+def _paced_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, gbps: float, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
+    group = dist.new_group(backend="gloo")
+    ex = MigrationExecutor(rank, G, weights_for(old, rank), group, transport="outbox",
+                           outbox_bytes=2 * EXPERT_BYTES, max_gbps=gbps)
+    t0 = time.perf_counter()
+    stats = ex.prepare(1, moves)
+    ex.close()
+    np.save(f"{out}/{rank}.npy", np.array([time.perf_counter() - t0, stats.bytes_received]))
+    dist.destroy_process_group()
+
+
+def test_max_gbps_paces_the_transfers() -> None:
+    old, _new, moves = _moves()
+    gbps = 1e-6  # 1 kB/s: the plan's few hundred bytes per rank take a visible time
+    with tempfile.TemporaryDirectory() as out:
+        init = f"file://{os.path.join(out, 'rdzv')}"
+        mp.spawn(_paced_worker, args=(init, old, moves, gbps, out), nprocs=G, join=True)
+        results = [np.load(f"{out}/{r}.npy") for r in range(G)]
+    for seconds, received in results:
+        assert received > 0
+        assert seconds >= received / (gbps * 1e9) * 0.95
+
+
+def test_outbox_schedule_covers_every_remote_move_once() -> None:
+    _old, _new, moves = _moves()
+    plan = outbox_schedule(moves, 4)
+    remote = moves[moves[:, 1] != moves[:, 3]]
+    assert len(plan.remote) == len(remote)
+    assert sorted(map(tuple, plan.remote)) == sorted(map(tuple, remote))
+    # Per sender: positions 0..n-1; every step's rows fit one outbox.
+    for src in range(G):
+        pos = plan.position[plan.remote[:, 3] == src]
+        assert np.array_equal(pos, np.arange(len(pos)))
+    assert plan.steps == int(plan.position.max()) // 4 + 1
+    with pytest.raises(ValueError, match="at least one expert"):
+        outbox_schedule(moves, 0)
+
+
+def test_bad_transport_settings_are_refused() -> None:
+    weights = weights_for(trivial_placement(L, E, P, G), 0)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        MigrationExecutor(0, G, weights, None, transport="rdma")
+    with pytest.raises(ValueError, match="max_gbps"):
+        MigrationExecutor(0, G, weights, None, max_gbps=-1.0)

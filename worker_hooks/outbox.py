@@ -1,0 +1,180 @@
+"""Send buffers that peers on the same host read directly: the copy-engine path.
+
+NCCL moves weights with kernels that take SMs from serving. Between ranks of one host
+a receiver can instead pull a peer's packed experts itself: on GPU the peer's buffer is
+mapped through CUDA IPC and read with `copy_`, which runs on the copy engines (no SMs,
+NVLink bandwidth of a plain peer copy); on CPU the buffer is a file in shared memory.
+Each rank owns two outboxes per weight tensor so that packing step k + 1 overlaps the
+peers' reads of step k. Outboxes are allocated once and reused across plans: opening
+an IPC handle costs milliseconds, and serving memory should not churn.
+
+`outbox_schedule` is the pure part: which rows go through which outbox at which step,
+and where each lands in the receiver's staging.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# Columns of a transfer list (see proto Prepare.transfers).
+LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
+
+
+@dataclass(frozen=True)
+class OutboxSchedule:
+    """The exchange of one plan through outboxes of `rows` experts each.
+
+    remote: [K, 5] the cross-rank transfers in exchange order (source rank, then
+        destination rank, layer, destination slot).
+    position: [K] row of each transfer in its sender's list; it travels in step
+        position // rows, at outbox row position % rows.
+    steps: number of exchange steps (the same on every rank).
+    """
+
+    remote: np.ndarray
+    position: np.ndarray
+    steps: int
+    rows: int
+
+    def step_of(self) -> np.ndarray:
+        return self.position // self.rows
+
+
+def outbox_schedule(transfers: np.ndarray, outbox_rows: int) -> OutboxSchedule:
+    """Order the cross-rank transfers of a plan for the outbox exchange.
+
+    transfers: [K, 5] (layer, dst_rank, dst_slot, src_rank, src_slot), the same on every
+    rank; rows with dst_rank == src_rank stay local and are left out.
+    """
+    if outbox_rows < 1:
+        raise ValueError(f"an outbox must hold at least one expert, got {outbox_rows}")
+    t = np.asarray(transfers, dtype=np.int64).reshape(-1, 5)
+    remote = t[t[:, DST_RANK] != t[:, SRC_RANK]]
+    # 1. Sender-major order: a sender's rows for one receiver are contiguous, so each
+    #    (sender, receiver, step) is one read of contiguous outbox rows.
+    remote = remote[np.lexsort((remote[:, DST_SLOT], remote[:, LAYER], remote[:, DST_RANK], remote[:, SRC_RANK]))]
+    # 2. Position of each row within its sender's list.
+    position = np.zeros(len(remote), dtype=np.int64)
+    if len(remote):
+        first = np.r_[0, np.flatnonzero(np.diff(remote[:, SRC_RANK])) + 1]
+        starts = np.repeat(first, np.diff(np.r_[first, len(remote)]))
+        position = np.arange(len(remote)) - starts
+    steps = int(position.max()) // outbox_rows + 1 if len(remote) else 0
+    return OutboxSchedule(remote, position, steps, outbox_rows)
+
+
+class SharedOutboxes:
+    """Two outboxes per weight tensor on this rank, readable by every peer of the group.
+
+    Args:
+        rank, world_size: this rank within `group`.
+        shapes: name -> per-expert shape of each weight tensor.
+        dtype, device: of the weights (CUDA: IPC; CPU: files in shared memory).
+        rows: experts per outbox.
+        group: a CPU (gloo) group of all ranks, all on this host; used for the handle
+            exchange only.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        shapes: dict[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        device: torch.device,
+        rows: int,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.rank, self.world_size, self.rows = rank, world_size, rows
+        self.device = device
+        self._files: list[str] = []
+        # 1. Own boxes: [box][name] -> [rows, ...].
+        self.own: list[dict[str, torch.Tensor]] = []
+        exported: list[dict[str, object]] = []
+        for box in range(2):
+            tensors: dict[str, torch.Tensor] = {}
+            handles: dict[str, object] = {}
+            for name, shape in shapes.items():
+                numel = rows * int(np.prod(shape))
+                if device.type == "cuda":
+                    t = torch.empty((rows, *shape), dtype=dtype, device=device)
+                    handles[name] = _cuda_handle(t)
+                else:
+                    path = _shm_path(f"{box}-{name}")
+                    self._files.append(path)
+                    t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(rows, *shape)
+                    handles[name] = path
+                tensors[name] = t
+            self.own.append(tensors)
+            exported.append(handles)
+        # 2. Every rank's handles to every rank, then open the peers' boxes.
+        gathered: list[object] = [None] * world_size
+        dist.all_gather_object(gathered, (exported, socket_host()), group=group)
+        self.peer: dict[int, list[dict[str, torch.Tensor]]] = {}
+        for peer, item in enumerate(gathered):
+            assert isinstance(item, tuple)
+            handles_of_peer, host = item
+            if host != socket_host():
+                self.close()
+                raise ValueError(
+                    f"outbox transport needs every rank on one host; rank {peer} is on {host}"
+                )
+            if peer == rank:
+                continue
+            boxes = []
+            for handles in handles_of_peer:
+                opened = {}
+                for name, shape in shapes.items():
+                    handle = handles[name]
+                    if isinstance(handle, bytes):
+                        opened[name] = pickle.loads(handle)
+                    else:
+                        numel = rows * int(np.prod(shape))
+                        opened[name] = torch.from_file(str(handle), shared=True, size=numel, dtype=dtype).view(rows, *shape)
+                boxes.append(opened)
+            self.peer[peer] = boxes
+        # 3. Everyone has mapped everything: the shared-memory names can go.
+        dist.barrier(group=group)
+        self._unlink()
+
+    def _unlink(self) -> None:
+        for path in self._files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._files.clear()
+
+    def close(self) -> None:
+        self._unlink()
+        self.peer.clear()
+        self.own.clear()
+
+
+def socket_host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _shm_path(tag: str) -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"rebalancer-outbox-{os.getpid()}-{uuid.uuid4().hex[:12]}-{tag}")
+
+
+def _cuda_handle(t: torch.Tensor) -> bytes:
+    """A CUDA IPC handle of `t` as bytes; `pickle.loads` in a peer process on the same
+    host maps the same memory (torch's multiprocessing reductions)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reductions)
+
+    return bytes(ForkingPickler.dumps(t))
