@@ -5,8 +5,10 @@ One process per GPU, NCCL. In one run it measures:
    send/recv at a few message sizes, one way and both ways at once;
 2. a real plan: DeepSeek-V3-sized experts (bf16, w13 + w2 = 84 MiB each) placed
    trivially, rebalanced for DeepSeek-V3 routing from shared/data with the
-   migration-aware `rebalancer.placement.compute_placement(previous=...)`, moved by `MigrationExecutor.prepare`
-   on its own process group and side stream: GB/s per direction;
+   migration-aware `rebalancer.placement.compute_placement(previous=...)`, moved by
+   `MigrationExecutor.prepare` with each configured mover (NCCL point-to-point on its
+   own process group and side stream, rounds pipelined or not; CUDA-IPC outboxes read
+   by the copy engines; either paced to a GB/s cap): GB/s per direction;
 3. the MoE block's graph replay time on each GPU while that migration runs beside it,
    against idle replays before and after (the throughput dip);
 4. the commit pause (staged weights into live slots, maps swapped in place) and
@@ -63,11 +65,33 @@ class MigrationBenchConfig:
     rounds: int = 5
     migration_repeats: int = 5
     port: int = 29517
-    cta_caps: tuple[int, ...] = (4,)
+    cta_caps: tuple[int, ...] = ()
     chunk_experts: int = 32
+    # Movers (see parse_mover): "p2p:<layers per round>:<rounds in flight>[:<GB/s cap>]",
+    # "outbox:<MiB per outbox>[:<GB/s cap>]", "packed" (the hand-packed NCCL harness).
+    movers: tuple[str, ...] = ("p2p:4:1", "p2p:1:2", "outbox:1024", "outbox:2048", "outbox:1024:100")
+    # The mover whose plan is committed for the invariant-1 check.
+    commit_mover: str = "outbox:1024"
     beside_repeats: int = 8
     # sys.setswitchinterval for the worker processes; 0 keeps Python's default (5 ms).
     switch_interval: float = 0.0
+
+
+def parse_mover(spec: str) -> dict[str, object]:
+    """MigrationExecutor settings of a mover spec (module docstring of the config)."""
+    kind, *args = spec.split(":")
+    try:
+        if kind == "p2p" and len(args) in (2, 3):
+            return {"transport": "p2p", "layers_per_chunk": int(args[0]),
+                    "rounds_in_flight": int(args[1]), "max_gbps": float(args[2]) if len(args) == 3 else 0.0}
+        if kind == "outbox" and len(args) in (1, 2):
+            return {"transport": "outbox", "outbox_bytes": int(args[0]) << 20,
+                    "max_gbps": float(args[1]) if len(args) == 2 else 0.0}
+        if kind == "packed" and not args:
+            return {}
+    except ValueError:
+        pass
+    raise SystemExit(f"bad mover {spec!r}: p2p:LAYERS:ROUNDS[:GBPS], outbox:MIB[:GBPS] or packed")
 
 
 def pick_layers(counts: np.ndarray, cfg: MigrationBenchConfig, num_slots: int) -> np.ndarray:
@@ -264,10 +288,19 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
             break
         groups[f"ctas{ctas}"] = (dist.new_group([0, 1], pg_options=opts), hi_prio)
     version = 0
-    executors = {
-        name: MigrationExecutor(rank, WORLD, block.weights, g, cfg.layers_per_chunk)
-        for name, (g, _) in groups.items()
-    }
+    gloo_group = dist.new_group([0, 1], backend="gloo")  # the outbox transport's control
+    executors: dict[tuple[str, str], MigrationExecutor] = {}
+    for spec in cfg.movers:
+        settings = parse_mover(spec)
+        if not settings:
+            continue
+        for name, (g, _) in groups.items():
+            if settings["transport"] == "outbox" and name != "default":
+                continue  # no NCCL kernels to cap
+            control = gloo_group if settings["transport"] == "outbox" else g
+            executors[(spec, name)] = MigrationExecutor(
+                rank, WORLD, block.weights, control, **settings  # type: ignore[arg-type]
+            )
     last_staged: tuple[MigrationExecutor, int] | None = None
     mover_stream = torch.cuda.Stream(dev)
 
@@ -281,7 +314,7 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
             )
             return st.seconds, st.bytes_sent, st.bytes_received
         version += 1
-        executor = executors[name]
+        executor = executors[(kind, name)]
         stats = executor.prepare(version, plan)
         if last_staged is not None:
             last_staged[0].abort(last_staged[1])  # one staged plan in memory at a time
@@ -342,7 +375,7 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
         say(f"{tag}_moves_during", float(len(results)))
         say(f"{tag}_GBps_busiest_dir", -max_over_ranks(-max(results[-1][1:]) / secs / 1e9, dev))
 
-    for kind in ("executor", "packed"):
+    for kind in cfg.movers:
         dist.barrier()
         alone = [run_mover(kind, "default") for _ in range(cfg.migration_repeats)]
         secs = statistics.median(r[0] for r in alone)
@@ -355,12 +388,14 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
             -max_over_ranks(-(alone[-1][1] + alone[-1][2]) / secs / 1e9, dev),
         )
         for name in groups:
+            if kind != "packed" and (kind, name) not in executors:
+                continue
             for queued in (False, True):
                 beside(kind, name, queued)
     say("migration_bytes_sent_per_gpu", float(alone[-1][1]))
     say("migration_bytes_received_per_gpu", float(alone[-1][2]))
     # The plan committed below is the executor's: prepare it once more, alone.
-    run_mover("executor", "default")
+    run_mover(cfg.commit_mover, "default")
     assert last_staged is not None
     last_executor = last_staged[0]
 
@@ -451,13 +486,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f, v in asdict(MigrationBenchConfig()).items():
         if isinstance(v, tuple):
-            parser.add_argument(f"--{f.replace('_', '-')}", type=int, nargs="*", default=v)
+            item_type: type = str if f == "movers" else int
+            parser.add_argument(f"--{f.replace('_', '-')}", type=item_type, nargs="*", default=v)
         else:
             parser.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
     parser.add_argument("--out", default="migration_result.json")
     args = vars(parser.parse_args())
     out_path = args.pop("out")
     args["cta_caps"] = tuple(args["cta_caps"])
+    args["movers"] = tuple(args["movers"])
+    for spec in args["movers"]:
+        parse_mover(spec)  # a bad spec fails before any GPU work
     cfg = MigrationBenchConfig(**args)
     if torch.cuda.device_count() < WORLD:
         raise SystemExit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
@@ -477,10 +516,10 @@ def main() -> None:
         "ranks": per_rank,
     }
     peak = base["copy_gpu0_to_gpu1_1344MiB_GBps"]
-    for kind in ("executor", "packed"):
-        pct = 100 * per_rank[0][f"{kind}_alone_GBps_busiest_dir"] / peak
-        summary[f"{kind}_vs_copy_pct"] = pct
-        print(f"{kind + '_vs_copy_pct':40s} {pct:14.4f}")
+    for spec in cfg.movers:
+        pct = 100 * per_rank[0][f"{spec}_alone_GBps_busiest_dir"] / peak
+        summary[f"{spec}_vs_copy_pct"] = pct
+        print(f"{spec + '_vs_copy_pct':40s} {pct:14.4f}")
     print(json.dumps(summary))
 
 

@@ -117,33 +117,49 @@ class SharedOutboxes:
             exported.append(handles)
         # 2. Every rank's handles to every rank, then open the peers' boxes.
         gathered: list[object] = [None] * world_size
-        dist.all_gather_object(gathered, (exported, socket_host()), group=group)
+        dist.all_gather_object(gathered, (exported, socket_host(), _gpu_id(device)), group=group)
         self.peer: dict[int, list[dict[str, torch.Tensor]]] = {}
-        for peer, item in enumerate(gathered):
-            assert isinstance(item, tuple)
-            handles_of_peer, host = item
-            if host != socket_host():
-                self.close()
-                raise ValueError(
-                    f"outbox transport needs every rank on one host; rank {peer} is on {host}"
-                )
-            if peer == rank:
-                continue
-            boxes = []
-            for handles in handles_of_peer:
-                opened = {}
-                for name, shape in shapes.items():
-                    handle = handles[name]
-                    if isinstance(handle, bytes):
-                        opened[name] = pickle.loads(handle)
-                    else:
-                        numel = rows * int(np.prod(shape))
-                        opened[name] = torch.from_file(str(handle), shared=True, size=numel, dtype=dtype).view(rows, *shape)
-                boxes.append(opened)
-            self.peer[peer] = boxes
-        # 3. Everyone has mapped everything: the shared-memory names can go.
-        dist.barrier(group=group)
+        hosts = {item[1] for item in gathered if isinstance(item, tuple)}
+        error = ""
+        if len(hosts) > 1:
+            error = f"outbox transport needs every rank on one host, found {sorted(hosts)}"
+        else:
+            try:
+                for peer, item in enumerate(gathered):
+                    if peer != rank:
+                        assert isinstance(item, tuple)
+                        handles_of_peer, _host, (index, uuid) = item
+                        if device.type == "cuda" and _gpu_id(torch.device("cuda", index))[1] != uuid:
+                            raise ValueError(
+                                f"rank {peer}'s cuda:{index} is another GPU here: give every rank "
+                                "of the host the same CUDA_VISIBLE_DEVICES"
+                            )
+                        self.peer[peer] = [self._open(h, shapes, dtype) for h in handles_of_peer]
+            except Exception as exc:  # reported on every rank below, none left waiting
+                error = f"rank {rank} could not map a peer's outbox: {exc!r}"
+        # 3. One verdict for all: a rank that raised alone would leave the others hanging.
+        errors: list[object] = [None] * world_size
+        dist.all_gather_object(errors, error, group=group)
+        first = next((e for e in errors if e), "")
+        if first:
+            self.close()
+            raise RuntimeError(str(first))
+        # 4. Everyone has mapped everything: the shared-memory names can go.
         self._unlink()
+
+    def _open(
+        self, handles: dict[str, object], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """Map one peer outbox (CUDA IPC handle bytes, or a shared-memory file name)."""
+        opened = {}
+        for name, shape in shapes.items():
+            handle = handles[name]
+            if isinstance(handle, bytes):
+                opened[name] = pickle.loads(handle)
+            else:
+                numel = self.rows * int(np.prod(shape))
+                opened[name] = torch.from_file(str(handle), shared=True, size=numel, dtype=dtype).view(self.rows, *shape)
+        return opened
 
     def _unlink(self) -> None:
         for path in self._files:
@@ -163,6 +179,14 @@ def socket_host() -> str:
     import socket
 
     return socket.gethostname()
+
+
+def _gpu_id(device: torch.device) -> tuple[int, str]:
+    """(index, UUID) of a CUDA device as this process numbers it; (-1, "") on CPU."""
+    if device.type != "cuda":
+        return -1, ""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
 
 
 def _shm_path(tag: str) -> str:
