@@ -26,22 +26,29 @@ def max_load_lower_bound(
     num_gpus: int,
     num_nodes: int = 1,
     num_groups: int | None = None,
+    replication: bool = True,
 ) -> np.ndarray:
     """Per layer, a value no placement's max GPU load can go below (no hierarchical
     placement, when the groups put it in hierarchical mode).
 
+    replication=False leaves out the largest-replica term (steps 2-3), which costs a
+    replication; what remains is still a bound, only a weaker one, for callers that
+    only need to know whether a peak is near the bound.
+
     load: [L, E] float64. Returns: [L] float64.
     """
     # 1. the mean: the load has to go somewhere
-    mean = load.sum(axis=1) / num_gpus
-    # 2. some GPU carries the largest replica; greedy replication minimises that
-    phy2log, logcnt = replicate_greedy(load, num_slots)
-    largest_replica = (load / logcnt).max(axis=1)
-    # 3. ... and S - 1 more replicas, none below an expert's load over its most replicas
-    most_replicas = 1 + num_slots - load.shape[1]
-    smallest_replica = load.min(axis=1) / most_replicas
-    per_gpu = num_slots // num_gpus
-    bound = np.maximum(mean, largest_replica + (per_gpu - 1) * smallest_replica)
+    bound = load.sum(axis=1) / num_gpus
+    if replication:
+        # 2. some GPU carries the largest replica; greedy replication minimises that
+        _, logcnt = replicate_greedy(load, num_slots)
+        largest_replica = (load / logcnt).max(axis=1)
+        # 3. ... and S - 1 more replicas, none below an expert's load over its most
+        #    replicas
+        most_replicas = 1 + num_slots - load.shape[1]
+        smallest_replica = load.min(axis=1) / most_replicas
+        per_gpu = num_slots // num_gpus
+        bound = np.maximum(bound, largest_replica + (per_gpu - 1) * smallest_replica)
     # 4. hierarchical: whole groups per node, so the busiest node's load spreads over
     #    its G/N GPUs at best; two groups per node are best paired heaviest-lightest
     if uses_hierarchy(load.shape[1], num_nodes, num_groups):

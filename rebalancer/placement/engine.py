@@ -110,8 +110,15 @@ def balanced_placement(
     elif num_slots // num_gpus <= 2 and logcnt_of(phy2log, load.shape[1]).max() < gpus_per_node:
         check = np.zeros(len(load), dtype=bool)
     else:
-        bound = max_load_lower_bound(load, num_slots, num_gpus, num_nodes, num_groups)
-        check = peak > bound * (1 + greedy_check_gap)
+        # the cheap terms of the bound first: a layer within the gap of them is within the
+        # gap of the full bound, so only the others pay for the bound's replication
+        cheap = max_load_lower_bound(
+            load, num_slots, num_gpus, num_nodes, num_groups, replication=False
+        )
+        check = peak > cheap * (1 + greedy_check_gap)
+        if check.any():
+            bound = max_load_lower_bound(load[check], num_slots, num_gpus, num_nodes, num_groups)
+            check[check] = peak[check] > bound * (1 + greedy_check_gap)
     if check.any():
         greedy = place(
             load[check], num_slots, num_gpus, num_nodes, num_groups, _replicate_uncapped,

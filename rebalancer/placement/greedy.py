@@ -31,49 +31,96 @@ def replicate_greedy(
     base = np.tile(np.arange(num_log, dtype=np.int64), (num_rows, 1))
     if num_extra == 0:
         return base, np.ones((num_rows, num_log), dtype=np.int64)
-    # 1. An expert replicated c times so far offers weight / c for its next replica;
-    #    the greedy takes the num_extra largest offers of the row. The last one taken is
-    #    at least total / P, so only offers weight / k with k <= weight * P / total
-    #    can be taken: a short ragged list of candidates per row.
-    total = weight.sum(axis=1, keepdims=True)
-    share = weight / np.where(total > 0, total, 1)
-    limit = np.floor(share * num_phy + 1e-9).astype(np.int64)
+    # An expert replicated c times so far offers weight / c for its next replica; the
+    # greedy takes the num_extra largest offers of the row (lowest expert first on ties).
+    cap = num_extra
     if max_count is not None:
-        limit = np.minimum(limit, max(max_count, -(-num_phy // num_log)) - 1)
-    if (limit.sum(axis=1) < num_extra).any():
-        # rows without load (or caps): every expert offers up to num_extra replicas
-        limit = np.full_like(limit, num_extra)
-        if max_count is not None:
-            limit = np.minimum(limit, max(max_count, -(-num_phy // num_log)) - 1)
-    per_row = limit.sum(axis=1)
-    width = int(per_row.max())
-    flat_limit = limit.ravel()
-    owner = np.repeat(np.arange(num_rows * num_log), flat_limit)  # row * n + expert
-    run_start = np.cumsum(flat_limit) - flat_limit
-    divisor = np.arange(owner.size) - np.repeat(run_start, flat_limit) + 1
-    row = owner // num_log
-    column = np.arange(owner.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
-    offers = np.full((num_rows, width), -np.inf)
-    offers[row, column] = weight.ravel()[owner] / divisor
-    # 2. threshold = the num_extra-th largest offer; take everything above it and the
-    #    lowest-index offers equal to it (the greedy's tie order: candidates are laid
-    #    out in expert order)
-    kth = width - num_extra
-    threshold = np.partition(offers, kth, axis=1)[:, kth : kth + 1]
-    above = offers > threshold
-    tied = offers == threshold
-    taken = above | tied
-    need = num_extra - np.count_nonzero(above, axis=1)
-    for r in np.flatnonzero(np.count_nonzero(tied, axis=1) > need):
-        taken[r] = above[r] | (tied[r] & (np.cumsum(tied[r]) <= need[r]))
-    extras = np.bincount(owner[taken[row, column]], minlength=num_rows * num_log)
-    extras = extras.reshape(num_rows, num_log)
-    logcnt = 1 + extras
+        cap = min(cap, max(max_count, -(-num_phy // num_log)) - 1)
+    # 1. every offer of at least total / num_extra is taken: there are at most num_extra
+    #    of them. The margin keeps float rounding from counting one more.
+    total = weight.sum(axis=1, keepdims=True)
+    scale = num_extra / np.where(total > 0, total, 1) * (1 - 1e-9)
+    sure = np.minimum(np.floor(weight * scale), cap).astype(np.int64)
+    left = num_extra - sure.sum(axis=1)
+    # 2. the rest are the `left` largest of the later offers. The left-th largest next
+    #    offer (one per expert) is a floor for them: that many offers are at least it. So
+    #    only offers at or above it are candidates, a short list per row.
+    next_offer = np.where(sure < cap, weight / (sure + 1), -np.inf)
+    ranked = np.sort(next_offer, axis=1)
+    floor = ranked[np.arange(num_rows), num_log - np.clip(left, 1, num_log)]
+    # rows without load, or whose floor is a zero or capped offer, or that need more
+    # offers than there are experts, take every offer into account (rare; the floor
+    # gives no short list there)
+    plain = (floor > 0) & np.isfinite(floor) & (left <= num_log)
+    extras = sure
+    if plain.all():
+        extras += _top_offers(weight, sure, floor, left, cap)
+    else:
+        rows = np.flatnonzero(plain)
+        if rows.size:
+            extras[rows] += _top_offers(weight[rows], sure[rows], floor[rows], left[rows], cap)
+        rows = np.flatnonzero(~plain)
+        extras[rows] = _top_offers(
+            weight[rows], np.zeros_like(sure[rows]), None,
+            np.full(rows.size, num_extra), cap,
+        )
     # 3. lay out the extras in expert order after the identity block
     extra_experts = np.repeat(
         np.tile(np.arange(num_log, dtype=np.int64), num_rows), extras.ravel()
     ).reshape(num_rows, num_extra)
-    return np.concatenate([base, extra_experts], axis=1), logcnt.astype(np.int64)
+    return np.concatenate([base, extra_experts], axis=1), extras + 1
+
+
+def _top_offers(
+    weight: np.ndarray,
+    taken: np.ndarray,
+    floor: np.ndarray | None,
+    count: np.ndarray,
+    cap: int,
+) -> np.ndarray:
+    """How many of each expert's offers are among the row's `count` largest, given that
+    the first `taken` offers of each expert are already out (lowest expert first on ties).
+
+    weight, taken: [X, n]; floor: [X], no offer below it can be among them (None: no
+    floor known); count: [X] int64; cap: at most this many offers per expert in all.
+    Returns: [X, n] int64 offers taken per expert.
+    """
+    num_rows, num_log = weight.shape
+    # 1. candidates: offers weight / k for taken < k <= limit, a ragged list per row in
+    #    expert order (the greedy's tie order); the limit errs high, extras rank low
+    if floor is None:
+        limit = np.full_like(taken, cap)
+    else:
+        limit = np.minimum(np.floor(weight / floor[:, None] * (1 + 1e-9)), cap)
+        limit = np.maximum(limit.astype(np.int64), taken)
+    flat_limit = (limit - taken).ravel()
+    per_row = flat_limit.reshape(num_rows, num_log).sum(axis=1)
+    width = int(per_row.max()) if num_rows else 0
+    if width == 0:
+        return np.zeros_like(taken)
+    owner = np.repeat(np.arange(num_rows * num_log), flat_limit)  # row * n + expert
+    position = np.arange(owner.size)
+    run_start = np.cumsum(flat_limit) - flat_limit
+    divisor = position - np.repeat(run_start - taken.ravel(), flat_limit) + 1
+    row_start = np.cumsum(per_row) - per_row
+    flat = owner // num_log * width + position - np.repeat(row_start, per_row)
+    offers = np.full(num_rows * width, -np.inf)
+    offers[flat] = weight.ravel()[owner] / divisor
+    offers = offers.reshape(num_rows, width)
+    # 2. threshold = the count-th largest offer; take everything above it and the
+    #    lowest-index offers equal to it (a row that takes none gets an infinite one)
+    ranked = np.sort(offers, axis=1)
+    threshold = np.where(
+        count > 0, ranked[np.arange(num_rows), np.minimum(width - count, width - 1)], np.inf
+    )[:, None]
+    above = offers > threshold
+    tied = offers == threshold
+    taken_here = above | tied
+    need = count - np.count_nonzero(above, axis=1)
+    for r in np.flatnonzero(np.count_nonzero(tied, axis=1) > need):
+        taken_here[r] = above[r] | (tied[r] & (np.cumsum(tied[r]) <= need[r]))
+    picked = np.bincount(owner[taken_here.ravel()[flat]], minlength=num_rows * num_log)
+    return picked.reshape(num_rows, num_log)
 
 
 def pack_greedy(weight: np.ndarray, num_packs: int, item_expert: np.ndarray | None = None) -> np.ndarray:

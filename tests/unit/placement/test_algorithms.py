@@ -15,6 +15,7 @@ from rebalancer.placement import (
     reference_placement,
 )
 from rebalancer.placement.engine import greedy_placement
+from rebalancer.placement.greedy import replicate_greedy
 
 from .conftest import LAYOUTS, random_load
 
@@ -171,3 +172,43 @@ def test_large_random_layouts_stay_within_the_check_gap_of_the_greedy(seed):
     per_ours = balancedness_per_layer(ours.phy2log, load, gpus)
     loaded = load.sum(axis=1) > 0
     assert (per_ours[loaded] >= per_greedy[loaded] * (1 - 0.01) - 1e-12).all()
+
+
+def _replicate_one_by_one(weight, num_phy, cap):
+    """Replica counts of the plain greedy: one replica at a time to the expert with the
+    highest load per replica among those under the cap, lowest index on ties."""
+    counts = [1] * len(weight)
+    for _ in range(num_phy - len(weight)):
+        best = -1
+        for e, w in enumerate(weight):
+            if counts[e] < cap and (best < 0 or w / counts[e] > weight[best] / counts[best]):
+                best = e
+        counts[best] += 1
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replication_matches_one_by_one_greedy(seed):
+    # the short candidate list must not change a count: ties, zero experts, rows without
+    # load, caps and more replicas than experts
+    rng = np.random.default_rng(seed)
+    for trial in range(200):
+        experts = int(rng.integers(1, 20))
+        num_phy = experts + int(rng.integers(0, 3 * experts + 2))
+        kind = trial % 4
+        if kind == 0:
+            weight = np.floor(rng.pareto(1.0, (3, experts)) * 10)
+        elif kind == 1:
+            weight = rng.integers(0, 4, (3, experts)).astype(np.float64)
+        elif kind == 2:
+            weight = np.zeros((3, experts))
+            weight[1, 0] = 3.0
+        else:
+            weight = rng.integers(1, 3, (3, experts)) * float(rng.integers(1, 4))
+        for max_count in (None, int(rng.integers(1, 6))):
+            phy2log, logcnt = replicate_greedy(weight, num_phy, max_count)
+            cap = num_phy if max_count is None else max(max_count, -(-num_phy // experts))
+            for row in range(3):
+                expected = _replicate_one_by_one(list(weight[row]), num_phy, cap)
+                assert list(logcnt[row]) == expected, (trial, max_count, weight[row])
+                assert (logcnt_of(phy2log[row : row + 1], experts)[0] == expected).all()
