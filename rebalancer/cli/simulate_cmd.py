@@ -24,7 +24,8 @@ Policies: none (trivial placement), static (fitted on the first windows, frozen)
 periodic (greedy refit every K windows with a blocking stall, like SGLang/vLLM EPLB),
 adaptive (the controller: estimate, cost gate, migration-aware plan, overlapped
 transfers), follow (refit on the previous window, free), oracle (refit on the window
-itself, free: an upper bound).
+itself, free: an upper bound), hindsight (one placement fitted on the whole trace, held
+fixed, free: what the best-informed fixed placement reaches).
 
 Trace formats: .npz (logical_count [T, L, E], window_seconds), SGLang .pt dumps (or a
 directory of dumps),
@@ -66,7 +67,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--policy",
         default="all",
-        help="none|static|periodic|adaptive|follow|oracle|all, or a comma list",
+        help="none|static|periodic|adaptive|follow|oracle|hindsight|all, or a comma list",
     )
     p.add_argument("--tokens-per-window", type=int, default=8, help=".jsonl: tokens per window")
     p.add_argument("--num-experts", type=int, default=None, help=".jsonl: experts per layer")

@@ -94,6 +94,12 @@ class PolicyConfig:
     # Sampling-noise margin added to the hysteresis, in standard errors of a GPU's load:
     # a candidate fitted on a noisy estimate looks better on it than it will serve.
     noise_z: float = 2.0
+    # Decide on the empirical-Bayes estimate (LoadEstimator.shrunk): short-run shares that
+    # differ from the long-run prior by no more than sampling noise are replaced by it, so
+    # sparse counts neither trigger a refit on noise nor keep a placement fitted on noise.
+    shrink: bool = True
+    # Weight of the old long-run prior per window (EstimatorConfig.prior_decay).
+    prior_decay: float = 0.99
 
     def validate(self) -> None:
         """Raise InputError naming the first field that is out of range."""
@@ -122,12 +128,14 @@ class PolicyConfig:
         number("swap_seconds", 0.0, inf)
         number("commit_gbps", 0.0, inf, lo_open=True)
         number("noise_z", 0.0, inf)
+        number("prior_decay", 0.0, 1.0)
         for name in ("min_windows", "estimate_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InputError(f"policy {name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.paused, bool):
-            raise InputError(f"policy paused must be a boolean, got {self.paused!r}")
+        for name in ("paused", "shrink"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"policy {name} must be a boolean, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -224,17 +232,22 @@ def _load_weighted_imbalance(phy2log: np.ndarray, load: np.ndarray, num_gpus: in
     return total_max / total_mean if total_mean > 0 else 1.0
 
 
-def sampling_noise(estimate: np.ndarray, num_gpus: int, effective_windows: float) -> float:
+def sampling_noise(
+    estimate: np.ndarray, num_gpus: int, effective_windows: float | np.ndarray
+) -> float:
     """Relative standard error of a GPU's load on the estimate, averaged over layers.
 
     A GPU with mean load m tokens per window, seen over n effective windows, carries
     about m * n routed tokens: Poisson noise of 1 / sqrt(m * n) relative to its load.
+    `effective_windows` is one number or one per layer (a shrunk estimate's, where a
+    layer equal to its noise-free prior is worth infinitely many).
     """
     mean_gpu = estimate.sum(axis=1) / num_gpus
+    n = np.broadcast_to(np.asarray(effective_windows, dtype=np.float64), mean_gpu.shape)
     live = mean_gpu > 0
-    if not live.any() or effective_windows <= 0:
+    if not live.any() or np.any(n[live] <= 0):
         return math.inf
-    return float(np.mean(1.0 / np.sqrt(mean_gpu[live] * effective_windows)))
+    return float(np.mean(1.0 / np.sqrt(mean_gpu[live] * n[live])))
 
 
 def _check_inputs(estimate: np.ndarray, current: np.ndarray, shape: ClusterShape) -> None:
@@ -263,15 +276,15 @@ def decide(
     windows: int,
     forced: bool = False,
     dry_run: bool = False,
-    effective_windows: float | None = None,
+    effective_windows: float | np.ndarray | None = None,
 ) -> Decision:
     """Decide whether to move from `current` (phy2log [L, P]) toward a candidate now.
 
     `estimate` is the load estimate [L, E] in tokens per window; `now` and
     `last_rebalance` are seconds on the caller's clock (`None`: never rebalanced);
     `windows` is how many windows the estimate holds and `effective_windows` how many
-    independent windows they are worth (`LoadEstimator.effective_windows`; default
-    `windows`). `forced` skips the gate (outcome "forced"); `dry_run` computes everything
+    independent windows they are worth (`LoadEstimator.effective_windows`, or per layer
+    with `LoadEstimator.shrunk`; default `windows`). `forced` skips the gate (outcome "forced"); `dry_run` computes everything
     and returns the candidate with outcome "dry_run", starting nothing.
     """
     estimate = np.asarray(estimate, dtype=np.float64)
@@ -332,7 +345,7 @@ def decide(
     steps_in_horizon = policy.horizon_seconds / policy.step_seconds
     gain = steps_in_horizon * policy.step_seconds * (r_current - r_candidate)
     delta_b = b_candidate - b_current
-    n_eff = float(windows if effective_windows is None else effective_windows)
+    n_eff = windows if effective_windows is None else effective_windows
     noise_margin = policy.noise_z * sampling_noise(estimate, G, n_eff) if policy.noise_z else 0.0
     needed = policy.gain_threshold + noise_margin
 

@@ -27,6 +27,11 @@ class EstimatorConfig:
     decay: float = 0.7
     # > 0: mean of the last `window` windows instead of the exponential decay.
     window: int = 0
+    # Weight of the old long-run estimate (the prior of `shrunk`) per window: 0.99 keeps
+    # about 200 windows, so the prior accumulates evidence but still follows slow drift.
+    prior_decay: float = 0.99
+    # `estimate` returns the empirical-Bayes estimate (`shrunk`) instead of the smoothed one.
+    shrink: bool = False
 
     def validate(self) -> None:
         if not (isinstance(self.decay, (int, float)) and math.isfinite(self.decay)):
@@ -35,6 +40,43 @@ class EstimatorConfig:
             raise InputError(f"estimator decay must be in [0, 1], got {self.decay}")
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
             raise InputError(f"estimator window must be an integer >= 0, got {self.window!r}")
+        prior = self.prior_decay
+        if isinstance(prior, bool) or not isinstance(prior, (int, float)):
+            raise InputError(f"estimator prior_decay must be a number, got {prior!r}")
+        if not (math.isfinite(prior) and 0.0 <= prior <= 1.0):
+            raise InputError(f"estimator prior_decay must be in [0, 1], got {prior}")
+        if not isinstance(self.shrink, bool):
+            raise InputError(f"estimator shrink must be a boolean, got {self.shrink!r}")
+
+
+def shrink_shares(counts: np.ndarray, prior: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, pull observed shares toward `prior` by the share of their spread that is noise.
+
+    `counts [L, E]` are (effective) token counts, `prior [L, E]` or `[E]` shares that sum
+    to 1 per layer. Under the prior alone, Pearson's chi-square of a layer's counts has
+    mean E - 1; what it holds beyond that is signal. The method-of-moments empirical-Bayes
+    weight on the prior is B = min(1, (E - 1) / chi2) (positive-part James-Stein): pure
+    noise is replaced by the prior, a deviation far beyond noise is kept. Returns the shares [L, E] and B [L] (1 for a layer without counts).
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), counts.shape)
+    total = counts.sum(axis=1, keepdims=True)
+    expected = total * prior
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(
+            expected > 0,
+            (counts - expected) ** 2 / np.where(expected > 0, expected, 1.0),
+            np.where(counts > 0, np.inf, 0.0),  # counts where the prior says none: signal
+        )
+        observed = np.where(total > 0, counts / np.where(total > 0, total, 1.0), prior)
+    chi2 = terms.sum(axis=1)
+    df = float(counts.shape[1] - 1)
+    weight = np.ones(counts.shape[0])
+    seen = total[:, 0] > 0
+    signal = seen & (chi2 > df)
+    weight[signal] = df / chi2[signal]
+    shares = prior + (1.0 - weight)[:, None] * (observed - prior)
+    return shares, weight
 
 
 class LoadEstimator:
@@ -58,6 +100,10 @@ class LoadEstimator:
         # Sliding mode: the last `window` windows and their running sum.
         self._recent: deque[np.ndarray] = deque()
         self._recent_sum = np.zeros((num_layers, num_experts), dtype=np.float64)
+        # Long-run decayed sums: the prior `shrunk` falls back on (kept in both modes).
+        self._prior_sum = np.zeros((num_layers, num_experts), dtype=np.float64)
+        self._prior_weight = 0.0
+        self._prior_weight_sq = 0.0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,6 +126,11 @@ class LoadEstimator:
         """Fold one window of counts `[L, E]` (summed over ranks) into the estimate."""
         arr = self._check(counts)
         self.windows += 1
+        prior = self.config.prior_decay
+        self._prior_sum *= prior
+        self._prior_sum += arr
+        self._prior_weight = self._prior_weight * prior + 1.0
+        self._prior_weight_sq = self._prior_weight_sq * prior * prior + 1.0
         if self.config.window > 0:
             window = arr.copy()
             self._recent.append(window)
@@ -97,7 +148,20 @@ class LoadEstimator:
         self._weight_sq_total = self._weight_sq_total * decay * decay + 1.0
 
     def estimate(self) -> np.ndarray:
-        """The load estimate `[L, E]` float64, in tokens per window; zeros before any window."""
+        """The load estimate `[L, E]` float64, in tokens per window; zeros before any window.
+
+        `shrunk` with config.shrink, else `smoothed`."""
+        return self.shrunk()[0] if self.config.shrink else self.smoothed()
+
+    def noise_windows(self) -> np.ndarray:
+        """Per layer [L], how many windows of sampling noise `estimate` carries: what the
+        decision's noise margin needs (`effective_windows` for every layer unless shrunk)."""
+        if self.config.shrink:
+            return self.shrunk()[1]
+        return np.full(self.num_layers, self.effective_windows)
+
+    def smoothed(self) -> np.ndarray:
+        """The decayed (or sliding-window) mean rate `[L, E]`; zeros before any window."""
         if self.config.window > 0:
             if not self._recent:
                 return np.zeros(self.shape, dtype=np.float64)
@@ -120,6 +184,31 @@ class LoadEstimator:
             return 0.0
         return self._weight_total**2 / self._weight_sq_total
 
+    def shrunk(self) -> tuple[np.ndarray, np.ndarray]:
+        """The estimate with its noise shrunk away, and how many windows it is worth per layer.
+
+        Two levels of `shrink_shares`: the long-run rate's shares toward uniform (weight
+        B0), then the short-run shares toward those (weight B); each layer keeps the
+        short-run total, so only the split between experts changes. The returned
+        effective windows [L] are those of the blend's sampling noise,
+        1 / ((1 - B)^2 / n_short + B^2 (1 - B0)^2 / n_long) with Kish's n of each level
+        (inf where the estimate is the uniform prior exactly): what the decision's noise
+        margin needs. Zeros and zero windows before any window.
+        """
+        L, E = self.shape
+        fast = self.smoothed()
+        n_fast = self.effective_windows
+        if n_fast <= 0.0 or self._prior_weight == 0.0:
+            return fast, np.zeros(L)
+        n_long = self._prior_weight**2 / self._prior_weight_sq
+        long_rate = self._prior_sum / self._prior_weight
+        prior, b0 = shrink_shares(long_rate * n_long, np.full(E, 1.0 / E))
+        shares, b = shrink_shares(fast * n_fast, prior)
+        variance = (1.0 - b) ** 2 / n_fast + (b * (1.0 - b0)) ** 2 / n_long
+        with np.errstate(divide="ignore"):
+            windows = np.where(variance > 0, 1.0 / np.where(variance > 0, variance, 1.0), np.inf)
+        return shares * fast.sum(axis=1, keepdims=True), windows
+
     def reset(self) -> None:
         """Forget every window (e.g. after the model shape changed)."""
         self.windows = 0
@@ -128,6 +217,9 @@ class LoadEstimator:
         self._weight_sq_total = 0.0
         self._recent.clear()
         self._recent_sum[:] = 0.0
+        self._prior_sum[:] = 0.0
+        self._prior_weight = 0.0
+        self._prior_weight_sq = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to rebuild the estimator, as JSON-ready plain values."""
@@ -141,6 +233,11 @@ class LoadEstimator:
             "weight_total": float(self._weight_total),
             "weight_sq_total": float(self._weight_sq_total),
             "recent": [w.tolist() for w in self._recent],
+            "prior_decay": float(self.config.prior_decay),
+            "shrink": bool(self.config.shrink),
+            "prior_sum": self._prior_sum.tolist(),
+            "prior_weight": float(self._prior_weight),
+            "prior_weight_sq": float(self._prior_weight_sq),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -150,11 +247,22 @@ class LoadEstimator:
             raise InputError(
                 f"estimator state has shape {list(shape)}, expected {list(self.shape)}"
             )
-        config = EstimatorConfig(decay=float(state["decay"]), window=int(state["window"]))
+        config = EstimatorConfig(
+            decay=float(state["decay"]),
+            window=int(state["window"]),
+            prior_decay=float(state.get("prior_decay", EstimatorConfig.prior_decay)),
+            shrink=bool(state.get("shrink", False)),
+        )
         config.validate()
         weighted_sum = np.asarray(state["weighted_sum"], dtype=np.float64)
         recent = [np.asarray(w, dtype=np.float64) for w in state.get("recent", [])]
-        if weighted_sum.shape != shape or any(w.shape != shape for w in recent):
+        # State saved before the long-run prior existed starts the prior afresh.
+        prior_sum = np.asarray(state.get("prior_sum", np.zeros(shape)), dtype=np.float64)
+        if (
+            weighted_sum.shape != shape
+            or prior_sum.shape != shape
+            or any(w.shape != shape for w in recent)
+        ):
             raise InputError("estimator state arrays do not match its shape")
         self.config = config
         self.windows = int(state["windows"])
@@ -165,3 +273,6 @@ class LoadEstimator:
         self._recent_sum = (
             np.sum(np.stack(recent), axis=0) if recent else np.zeros(shape, dtype=np.float64)
         )
+        self._prior_sum = prior_sum.copy()
+        self._prior_weight = float(state.get("prior_weight", 0.0))
+        self._prior_weight_sq = float(state.get("prior_weight_sq", 0.0))

@@ -22,7 +22,12 @@ from rebalancer.controller.estimate import EstimatorConfig, LoadEstimator
 
 def estimator_config(policy: PolicyConfig) -> EstimatorConfig:
     """The estimator settings a policy asks for."""
-    return EstimatorConfig(decay=policy.decay, window=policy.estimate_window)
+    return EstimatorConfig(
+        decay=policy.decay,
+        window=policy.estimate_window,
+        prior_decay=policy.prior_decay,
+        shrink=policy.shrink,
+    )
 
 
 class PolicyLoop:
@@ -63,20 +68,25 @@ class PolicyLoop:
             or now - self.last_decision_time >= self.policy.decision_period_seconds - 1e-9
         )
 
+    def _estimate(self) -> tuple[np.ndarray, np.ndarray]:
+        """What the decision sees: the estimate and its noise in windows per layer."""
+        return self.estimator.estimate(), self.estimator.noise_windows()
+
     def prepare_decision(self, current: np.ndarray, now: float) -> Callable[[], Decision]:
         """The policy's decision on the inputs as they are now, to run later or elsewhere.
 
         Every input is copied here, so the returned call may run on another thread
         while windows keep folding (the controller does that); `record` it afterwards."""
+        estimate, effective_windows = self._estimate()
         kwargs = dict(
-            estimate=self.estimator.estimate().copy(),
+            estimate=estimate.copy(),
             current=np.array(current, copy=True),
             shape=self.shape,
             policy=dataclasses.replace(self.policy),
             now=now,
             last_rebalance=self.last_rebalance,
             windows=self.estimator.windows,
-            effective_windows=self.estimator.effective_windows,
+            effective_windows=effective_windows,
         )
         # A partial of a module-level function: picklable, so it can run in another process.
         return functools.partial(decide, **kwargs)  # type: ignore[arg-type]
@@ -98,15 +108,16 @@ class PolicyLoop:
 
     def force(self, current: np.ndarray, now: float, dry_run: bool = False) -> Decision:
         """An operator's forced rebalance (or dry run): the gate is skipped."""
+        estimate, effective_windows = self._estimate()
         decision = decide(
-            self.estimator.estimate(),
+            estimate,
             current,
             self.shape,
             self.policy,
             now=now,
             last_rebalance=self.last_rebalance,
             windows=self.estimator.windows,
-            effective_windows=self.estimator.effective_windows,
+            effective_windows=effective_windows,
             forced=not dry_run,
             dry_run=dry_run,
         )

@@ -18,8 +18,12 @@ plus its stalls, so decisions see the time they would see in production:
   swaps its maps (the commit pause), or it aborts
   at the prepare timeout and the old maps keep serving;
 - `follow`: refit from scratch on the previous window before each window, free;
-- `oracle`: refit on each window's own counts, free (an upper bound).
-`follow` and `oracle` use the engine's best from-scratch algorithm ("auto").
+- `oracle`: refit on each window's own counts, free (an upper bound);
+- `hindsight`: one placement fitted on the whole trace's summed counts, in place from
+  the first window, free: what the best-informed fixed placement reaches, so a trace
+  tells how much of `oracle` comes from tracking change and how much only from fitting
+  each window's sampling noise, which no causal policy can do.
+`follow`, `oracle` and `hindsight` use the engine's best from-scratch algorithm ("auto").
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from rebalancer.sim.cost import (
 )
 from rebalancer.sim.trace import Trace
 
-POLICIES = ("none", "static", "periodic", "adaptive", "follow", "oracle")
+POLICIES = ("none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight")
 
 
 @dataclass(frozen=True)
@@ -259,6 +263,7 @@ class Simulator:
             "adaptive": self._adaptive,
             "follow": self._follow,
             "oracle": self._oracle,
+            "hindsight": self._hindsight,
         }
         if policy not in runners:
             raise InputError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
@@ -315,6 +320,10 @@ class Simulator:
 
     def _oracle(self) -> PolicyResult:
         return self._refit_each("oracle", lag=0)
+
+    def _hindsight(self) -> PolicyResult:
+        fit = self._fit(0, self.trace.num_windows, self.config.reference_algorithm)
+        return self._frozen("hindsight", fit)
 
     def _start_plan(
         self, current: np.ndarray, candidate: np.ndarray, now: float, version: int

@@ -20,6 +20,7 @@ COLOURS = {
     "adaptive": "#1e88e5",
     "follow": "#43a047",
     "oracle": "#212121",
+    "hindsight": "#8e24aa",
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 from rebalancer.controller.decide import ClusterShape, PolicyConfig, decide
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.errors import InputError
-from rebalancer.placement import balancedness, compute_placement, trivial_placement
+from rebalancer.placement import balancedness, compute_placement, gpu_load, trivial_placement
 
 L, E, P, G = 4, 16, 24, 4
 SHAPE = ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=10**8)
@@ -177,6 +177,8 @@ def test_dry_run_computes_but_takes_nothing() -> None:
         {"decision_period_seconds": -1.0},
         {"overlap_penalty": 2.0},
         {"paused": "yes"},
+        {"shrink": 1},
+        {"prior_decay": 1.5},
     ],
 )
 def test_policy_validation(change: dict) -> None:
@@ -239,3 +241,60 @@ def test_policy_loop_force_and_set_policy() -> None:
     with pytest.raises(InputError):
         loop.set_policy(_policy(decay=2.0))
     assert loop.estimator.config.window == 3  # a refused policy changes nothing
+
+
+def _sparse_loop(shares: np.ndarray, tokens: int, current: np.ndarray, shrink: bool,
+                 windows: int = 60, seed: int = 0) -> list[int]:
+    """Windows of `tokens` routings per layer drawn from `shares`; the windows rebalanced at."""
+    rng = np.random.default_rng(seed)
+    loop = PolicyLoop(SHAPE, _policy(shrink=shrink))
+    taken = []
+    for w in range(windows):
+        counts = np.stack([rng.multinomial(tokens, shares[layer]) for layer in range(L)])
+        d = loop.on_window(counts, current, now=5.0 * w)
+        if d is not None and d.take:
+            current = d.candidate
+            taken.append(w)
+    return taken
+
+
+@pytest.mark.parametrize("tokens", [10, 40, 400, 40000])
+def test_pure_noise_keeps_a_placement_fitted_to_uniform(tokens: int) -> None:
+    # Uniform traffic on a placement that balances it: every refit would only fit noise.
+    fitted = np.asarray(compute_placement(np.ones((L, E)), P, G).phy2log)
+    uniform = np.full((L, E), 1.0 / E)
+    for seed in range(3):
+        assert _sparse_loop(uniform, tokens, fitted, shrink=True, seed=seed) == []
+
+
+def test_strong_skew_still_rebalances_at_once() -> None:
+    rng = np.random.default_rng(1)
+    skew = np.stack([rng.dirichlet(np.full(E, 0.5)) for _ in range(L)])
+    assert _sparse_loop(skew, 100000, _trivial(), shrink=True, windows=4)[:1] == [1]
+
+
+def test_sparse_real_skew_becomes_significant_as_tokens_accumulate() -> None:
+    # 40 routings per layer and window: the short-run estimate (~2 windows) never clears
+    # the noise margin, but the shrunk estimate leans on the long-run prior, whose noise
+    # falls as windows accumulate, so the real skew is acted on once it is significant.
+    rng = np.random.default_rng(1)
+    skew = np.stack([rng.dirichlet(np.full(E, 2.0)) for _ in range(L)])
+    assert _sparse_loop(skew, 40, _trivial(), shrink=False) == []
+    taken = _sparse_loop(skew, 40, _trivial(), shrink=True)
+    assert taken and taken[0] > 2  # not on the first noisy windows
+
+
+def test_with_one_slot_per_gpu_every_placement_balances_alike() -> None:
+    # P == G: each GPU holds one expert, so the GPU loads of a layer are its expert loads
+    # in some order and the busiest GPU carries the hottest expert whatever the placement.
+    # No policy can beat another on balance there; the gate never finds a gain.
+    shape = ClusterShape(num_layers=L, num_logical=G, num_slots=G, num_gpus=G)
+    rng = np.random.default_rng(0)
+    load = rng.pareto(1.2, size=(L, G)) * 1000 + 10
+    perms = [np.stack([rng.permutation(G) for _ in range(L)]) for _ in range(5)]
+    busiest = {tuple(np.round(gpu_load(p, load, G).max(axis=1), 9)) for p in perms}
+    assert len(busiest) == 1
+    for p in perms:
+        d = decide(load, p, shape, _policy(), now=100.0, last_rebalance=None, windows=10)
+        assert d.outcome == "skip_gain"
+        assert d.balancedness_candidate == pytest.approx(d.balancedness_current)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rebalancer.controller.estimate import EstimatorConfig, LoadEstimator
+from rebalancer.controller.estimate import EstimatorConfig, LoadEstimator, shrink_shares
 from rebalancer.errors import InputError
 
 
@@ -87,7 +87,13 @@ def test_bad_window_is_refused_and_changes_nothing(bad: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize(
-    "config", [EstimatorConfig(decay=1.5), EstimatorConfig(decay=-0.1), EstimatorConfig(window=-1)]
+    "config",
+    [
+        EstimatorConfig(decay=1.5),
+        EstimatorConfig(decay=-0.1),
+        EstimatorConfig(window=-1),
+        EstimatorConfig(prior_decay=1.1),
+    ],
 )
 def test_bad_config(config: EstimatorConfig) -> None:
     with pytest.raises(InputError):
@@ -125,3 +131,62 @@ def test_effective_windows() -> None:
     assert decayed.effective_windows == pytest.approx((1 + 0.5) / (1 - 0.5), rel=1e-6)
     assert sliding.effective_windows == 4.0
     assert LoadEstimator(3, 5, EstimatorConfig(decay=1.0)).effective_windows == 0.0
+
+
+def test_shrink_replaces_noise_and_keeps_signal() -> None:
+    rng = np.random.default_rng(0)
+    E = 16
+    uniform = np.full(E, 1.0 / E)
+    noise = np.stack([rng.multinomial(50, uniform) for _ in range(200)]).astype(float)
+    shares, weight = shrink_shares(noise, uniform)
+    assert weight.mean() > 0.8  # chance deviations go back to the prior
+    raw_error = np.abs(noise / noise.sum(axis=1, keepdims=True) - uniform).mean()
+    assert np.abs(shares - uniform).mean() < 0.3 * raw_error
+    skew = rng.dirichlet(np.full(E, 0.5), size=20)
+    dense = np.stack([rng.multinomial(100000, s) for s in skew]).astype(float)
+    shares, weight = shrink_shares(dense, uniform)
+    assert weight.max() < 0.01  # far beyond noise: kept as observed
+    np.testing.assert_allclose(shares, skew, atol=0.01)
+    np.testing.assert_allclose(shares.sum(axis=1), 1.0)
+    _, empty = shrink_shares(np.zeros((2, E)), uniform)
+    np.testing.assert_array_equal(empty, 1.0)
+
+
+def test_shrunk_estimate_accumulates_evidence() -> None:
+    # Sparse windows from a fixed skew: the short-run estimate stays as noisy as ~2
+    # windows, the shrunk one gets closer to the truth and is worth more windows.
+    rng = np.random.default_rng(3)
+    L, E = 8, 8
+    truth = rng.dirichlet(np.full(E, 2.0), size=L)
+    est = LoadEstimator(L, E, EstimatorConfig(decay=0.3))
+    worth = []
+    for _ in range(40):
+        est.add(np.stack([rng.multinomial(32, truth[layer]) for layer in range(L)]))
+        worth.append(float(np.median(est.shrunk()[1])))
+    fast = est.estimate() / est.estimate().sum(axis=1, keepdims=True)
+    shrunk, _ = est.shrunk()
+    np.testing.assert_allclose(shrunk.sum(axis=1), est.estimate().sum(axis=1))
+    shrunk = shrunk / shrunk.sum(axis=1, keepdims=True)
+    assert np.abs(shrunk - truth).mean() < 0.6 * np.abs(fast - truth).mean()
+    assert worth[-1] > 3 * est.effective_windows and worth[-1] > worth[2]
+
+
+def test_shrunk_state_round_trip_and_old_state() -> None:
+    a = LoadEstimator(3, 5, EstimatorConfig(decay=0.3, prior_decay=0.9, shrink=True))
+    for w in _windows(6):
+        a.add(w)
+    np.testing.assert_array_equal(a.estimate(), a.shrunk()[0])  # shrink: what decisions see
+    np.testing.assert_array_equal(a.noise_windows(), a.shrunk()[1])
+    b = LoadEstimator(3, 5)
+    b.load_state_dict(a.state_dict())
+    assert b.config == a.config
+    for x, y in zip(a.shrunk(), b.shrunk(), strict=True):
+        np.testing.assert_allclose(x, y)
+    old = {
+        k: v for k, v in a.state_dict().items() if not k.startswith("prior") and k != "shrink"
+    }
+    c = LoadEstimator(3, 5)
+    c.load_state_dict(old)  # saved before the prior existed: it starts afresh
+    np.testing.assert_allclose(c.estimate(), a.smoothed())
+    c.add(_windows(1)[0])
+    assert np.all(np.isfinite(c.shrunk()[0]))
