@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rebalancer.placement.metrics import gather
+from rebalancer.placement.metrics import argsort_rows, gather, pack_sums
 
 
 def pack_rounds(weight: np.ndarray, num_packs: int) -> np.ndarray:
@@ -23,224 +23,195 @@ def pack_rounds(weight: np.ndarray, num_packs: int) -> np.ndarray:
     """
     num_rows, num_items = weight.shape
     per_pack = num_items // num_packs
-    order = np.argsort(-weight, axis=1)
+    order = argsort_rows(weight, descending=True)
     sorted_weight = gather(weight, order)
-    rows = np.arange(num_rows)[:, None]
-    pack_load = np.zeros((num_rows, num_packs))
-    item_at = np.empty((num_rows, num_items), dtype=np.int64)
-    for r in range(per_pack):
+    # by_round[r, x, k]: the item pack k of row x gets in round r (a contiguous [X, m]
+    # per round, so each round is one flat scatter)
+    by_round = np.empty((per_pack, num_rows, num_packs), dtype=np.int64)
+    by_round[0] = order[:, :num_packs]  # round 0: every pack is empty, any order will do
+    pack_load = sorted_weight[:, :num_packs].copy()
+    offsets = np.arange(0, num_rows * num_packs, num_packs)[:, None]
+    for r in range(1, per_pack):
         batch = slice(r * num_packs, (r + 1) * num_packs)
-        lightest_first = np.argsort(pack_load, axis=1)
-        item_at[rows, lightest_first * per_pack + r] = order[:, batch]
-        pack_load[rows, lightest_first] += sorted_weight[:, batch]
-    return item_at
+        lightest_first = (np.argsort(pack_load, axis=1) + offsets).ravel()
+        by_round[r].reshape(-1)[lightest_first] = order[:, batch].ravel()
+        pack_load.reshape(-1)[lightest_first] += sorted_weight[:, batch].ravel()
+    return by_round.transpose(1, 2, 0).reshape(num_rows, num_items)
 
 
 def refine_swaps(
-    slot_weight: np.ndarray,
-    slot_expert: np.ndarray,
-    num_packs: int,
+    weight: np.ndarray,
+    expert: np.ndarray,
+    item: np.ndarray,
+    load: np.ndarray,
+    lowest: np.ndarray | None = None,
     max_rounds: int = 8,
     max_pairs: int = 8,
-) -> np.ndarray:
-    """Even out packs by swapping items between heavy and light packs.
+) -> None:
+    """Even out packs by swapping items between heavy and light packs, in place.
 
     Each round pairs the i-th heaviest pack with the i-th lightest and, in every pair at
     once, makes the one swap that lowers the pair's peak most, so the highest load only
-    falls; no swap places a second replica of an expert on a pack. Stops when no pair of
-    any row improves, or after max_rounds.
+    falls; no swap places a second replica of an expert on a pack. A row stops when no
+    pair of it improves or its peak is at `lowest`; all stop after max_rounds.
 
-    slot_weight: [X, n] item weight by slot, pack k owning slots [k*c, (k+1)*c);
-    slot_expert: [X, n] expert id of each slot.
-    Returns: permutation [X, n]: new slot s takes the item of old slot perm[s].
+    weight, expert, item: [X, m, c] item weight, expert and id by pack and slot;
+    load: [X, m] pack loads; lowest: [X] a peak the row cannot go below (all updated in
+    place, rows' items swapped together).
     """
-    num_rows, num_items = slot_weight.shape
-    per_pack = num_items // num_packs
-    perm = np.tile(np.arange(num_items, dtype=np.int64), (num_rows, 1))
-    if num_packs == 1:
-        return perm
-    if per_pack <= 1:
-        return perm
+    num_rows, num_packs, per_pack = weight.shape
+    if num_packs == 1 or per_pack <= 1:
+        return
     num_pairs = min(max_pairs, num_packs // 2)
-    weight = slot_weight.reshape(num_rows, num_packs, per_pack).copy()
-    expert = slot_expert.reshape(num_rows, num_packs, per_pack).copy()
-    load = weight.sum(axis=2)
-    active = np.arange(num_rows)
+    weight_by_pack = weight.reshape(num_rows * num_packs, per_pack)
+    expert_by_pack = expert.reshape(num_rows * num_packs, per_pack)
+    load_flat = load.reshape(-1)
+    rows = np.arange(num_rows)
     for _ in range(max_rounds):
-        if active.size == 0:
-            break
-        rows = active
-        everyone = rows.size == num_rows
-        sub_load = load if everyone else load[rows]
-        # 1. pair the i-th heaviest pack with the i-th lightest [A, m]
-        order = np.argsort(sub_load, axis=1)
-        heavy = order[:, : -num_pairs - 1 : -1]
-        light = order[:, :num_pairs]
-        by_load = gather(
-            (weight if everyone else weight[rows]).reshape(rows.size, -1),
-            order[:, :, None] * per_pack + np.arange(per_pack),
-        )
-        heavy_weight = by_load[:, : -num_pairs - 1 : -1]  # [A, m, c]
-        light_weight = by_load[:, :num_pairs]
-        heavy_load = heavy_weight.sum(axis=2)
-        half_gap = (heavy_load - light_weight.sum(axis=2)) / 2
+        # 1. pair the i-th heaviest pack with the i-th lightest: pack ids [A, 2m],
+        #    heavy ones first
+        order = np.argsort(load[rows], axis=1)
+        pairs = np.concatenate(
+            [order[:, : -num_pairs - 1 : -1], order[:, :num_pairs]], axis=1
+        ) + rows[:, None] * num_packs
+        pair_weight = weight_by_pack[pairs]  # [A, 2m, c]
+        heavy_weight, light_weight = pair_weight[:, :num_pairs], pair_weight[:, num_pairs:]
+        pair_load = load_flat[pairs]
+        half_gap = (pair_load[:, :num_pairs] - pair_load[:, num_pairs:]) / 2  # [A, m]
         # 2. swapping heavy item i with light item j (moving d = w_i - w_j) leaves the
-        #    pair's peak at their mean + |d - half_gap|: it helps when that is below half_gap
-        #    (searched in float32 for speed; the chosen swap is checked in float64)
+        #    pair's peak at their mean + |d - half_gap|: it helps when that is below
+        #    half_gap (searched in float32 for speed; the chosen swap is checked in float64)
         shifted = (light_weight + half_gap[:, :, None]).astype(np.float32)
         miss = heavy_weight.astype(np.float32)[:, :, :, None] - shifted[:, :, None, :]
-        np.abs(miss, out=miss)
-        miss = miss.reshape(rows.size, num_pairs, -1)
-        best = miss.argmin(axis=2)
+        np.abs(miss, out=miss)  # [A, m, c(i), c(j)]
+        # 3. no swap may put a second replica of an expert on either pack: where the two
+        #    packs share an expert (rare once duplicates are spread), rule out moving it
+        #    off one pack and anything onto the pack that has it
+        pair_expert = expert_by_pack[pairs]
+        same = pair_expert[:, :num_pairs, :, None] == pair_expert[:, num_pairs:, None, :]
+        if same.any():
+            row_i, pair_i, item_i, item_j = np.nonzero(same)
+            miss[row_i, pair_i, item_i, :] = np.inf
+            miss[row_i, pair_i, :, item_j] = np.inf
+        miss = miss.reshape(rows.size * num_pairs, per_pack * per_pack)
+        best = miss.argmin(axis=1)
+        found = np.isfinite(miss[np.arange(best.size), best])
+        item_a, item_b = best // per_pack, best % per_pack
+        flat_pair = np.arange(best.size)
         moved_load = (
-            gather(heavy_weight.reshape(-1, per_pack), (best // per_pack).reshape(-1, 1))
-            - gather(light_weight.reshape(-1, per_pack), (best % per_pack).reshape(-1, 1))
-        ).reshape(best.shape)
-        improves = np.abs(moved_load - half_gap) < half_gap * (1 - 1e-9)
-        row_idx, pair_idx = np.nonzero(improves)
-        if row_idx.size == 0:
+            heavy_weight.reshape(-1, per_pack)[flat_pair, item_a]
+            - light_weight.reshape(-1, per_pack)[flat_pair, item_b]
+        )
+        gap = half_gap.reshape(-1)
+        improves = found & (np.abs(moved_load - gap) < gap * (1 - 1e-9))
+        chosen = np.flatnonzero(improves)
+        if chosen.size == 0:
             break
-        choice = best[row_idx, pair_idx]
-        row = rows[row_idx]
-        pack_a, pack_b = heavy[row_idx, pair_idx], light[row_idx, pair_idx]
-        item_a, item_b = choice // per_pack, choice % per_pack
-        # 3. no swap may put a second replica of an expert on either pack; the rare pair
-        #    whose best swap would, takes its best clean swap instead (or none)
-        expert_a = expert[row, pack_a, item_a]
-        expert_b = expert[row, pack_b, item_b]
-        clash = (expert[row, pack_a] == expert_b[:, None]).any(axis=1) | (
-            expert[row, pack_b] == expert_a[:, None]
-        ).any(axis=1)
-        if clash.any():
-            keep = _clean_choices(
-                miss, half_gap, expert, row_idx, pair_idx, row, pack_a, pack_b, clash, choice
-            )
-            row_idx, pair_idx, row, pack_a, pack_b, choice = (
-                x[keep] for x in (row_idx, pair_idx, row, pack_a, pack_b, choice)
-            )
-            item_a, item_b = choice // per_pack, choice % per_pack
-            # the replacement was picked in float32: keep it only if it truly helps
-            gap = half_gap[row_idx, pair_idx]
-            moved_ab = heavy_weight[row_idx, pair_idx, item_a] - light_weight[row_idx, pair_idx, item_b]
-            sure = np.abs(moved_ab - gap) < gap * (1 - 1e-9)
-            row, pack_a, pack_b, item_a, item_b = (
-                x[sure] for x in (row, pack_a, pack_b, item_a, item_b)
-            )
-            improves[row_idx[~sure], pair_idx[~sure]] = False
         # 4. apply every chosen swap; the pairs of a row share no pack
-        flat_a = (row * num_packs + pack_a) * per_pack + item_a
-        flat_b = (row * num_packs + pack_b) * per_pack + item_b
-        for state in (weight.reshape(-1), expert.reshape(-1), perm):
+        pack_a = pairs[:, :num_pairs].reshape(-1)[chosen]
+        pack_b = pairs[:, num_pairs:].reshape(-1)[chosen]
+        flat_a = pack_a * per_pack + item_a[chosen]
+        flat_b = pack_b * per_pack + item_b[chosen]
+        for state in (weight, expert, item):
             flat = state.reshape(-1)
             flat[flat_a], flat[flat_b] = flat[flat_b], flat[flat_a]
-        moved = weight.reshape(-1)[flat_a] - weight.reshape(-1)[flat_b]
-        load_flat = load.reshape(-1)
-        load_flat[row * num_packs + pack_a] += moved
-        load_flat[row * num_packs + pack_b] -= moved
-        active = rows[improves.any(axis=1)]
-    return perm
+        moved = moved_load[chosen]
+        load_flat[pack_a] -= moved
+        load_flat[pack_b] += moved
+        # 5. rows go on while some pair improved and their peak is above what they can reach
+        busy = improves.reshape(rows.size, num_pairs).any(axis=1)
+        if lowest is not None:
+            busy &= load[rows].max(axis=1) > lowest[rows] * (1 + 1e-12)
+        rows = rows[busy]
+        if rows.size == 0:
+            break
 
 
-def _clean_choices(
-    miss: np.ndarray,
-    half_gap: np.ndarray,
-    expert: np.ndarray,
-    row_idx: np.ndarray,
-    pair_idx: np.ndarray,
-    row: np.ndarray,
-    pack_a: np.ndarray,
-    pack_b: np.ndarray,
-    clash: np.ndarray,
-    choice: np.ndarray,
-) -> np.ndarray:
-    """For pairs whose best swap duplicates an expert, pick the best swap that does not
-    (in place in `choice`); returns which pairs still have a helpful swap.
+def duplicate_slots(expert: np.ndarray) -> np.ndarray:
+    """Slots whose pack holds their expert in an earlier slot too.
 
-    miss: [A, m, c*c]; the other arrays are per chosen pair [Q].
+    expert: [X, m, c]. Returns: [X, m, c] bool.
     """
-    keep = np.ones(row_idx.size, dtype=bool)
-    k = np.flatnonzero(clash)
-    heavy_experts = expert[row[k], pack_a[k]]  # [K, c]
-    light_experts = expert[row[k], pack_b[k]]
-    same = heavy_experts[:, :, None] == light_experts[:, None, :]  # [K, i, j]
-    forbidden = same.any(axis=1)[:, None, :] | same.any(axis=2)[:, :, None]
-    candidates = np.where(
-        forbidden.reshape(k.size, -1), np.inf, miss[row_idx[k], pair_idx[k]]
-    )
-    pick = candidates.argmin(axis=1)
-    helps = candidates[np.arange(k.size), pick] < half_gap[row_idx[k], pair_idx[k]] * (1 - 1e-9)
-    choice[k] = pick
-    keep[k] = helps
-    return keep
+    num_rows, num_packs, per_pack = expert.shape
+    if per_pack <= 4:
+        # few slot pairs: compare them directly
+        dup = np.zeros(expert.shape, dtype=bool)
+        for j in range(1, per_pack):
+            for i in range(j):
+                dup[:, :, j] |= expert[:, :, i] == expert[:, :, j]
+        return dup
+    # one sort per row of (pack, expert) keys with the slot in the low bits: equal
+    # neighbours are replicas on one pack, the later slot the duplicate
+    num_items = num_packs * per_pack
+    bits = (num_items - 1).bit_length()
+    flat = expert.reshape(num_rows, num_items).astype(np.int64)
+    pack = np.arange(num_items, dtype=np.int64) // per_pack
+    keys = ((pack * (int(flat.max()) + 1) + flat) << bits) | np.arange(num_items)
+    keys.sort(axis=1)
+    row, at = np.nonzero((keys[:, 1:] >> bits) == (keys[:, :-1] >> bits))
+    dup = np.zeros((num_rows, num_items), dtype=bool)
+    dup[row, keys[row, at + 1] & ((1 << bits) - 1)] = True
+    return dup.reshape(expert.shape)
 
 
 def spread_duplicates(
-    slot_weight: np.ndarray,
-    slot_expert: np.ndarray,
-    num_packs: int,
-    max_sweeps: int = 16,
+    weight: np.ndarray,
+    expert: np.ndarray,
+    item: np.ndarray,
+    load: np.ndarray,
     floor: np.ndarray | None = None,
-) -> np.ndarray | None:
+    max_sweeps: int = 16,
+) -> None:
     """Move second replicas of an expert off a pack by swapping each with the item of
     closest weight on a pack that lacks that expert (and whose expert the first pack
     lacks), never raising the row's peak load. A duplicate stays only where no such swap
     exists (e.g. an expert with more replicas than packs). One duplicate per row per step.
 
-    slot_weight, slot_expert: [X, n], pack k owning slots [k*c, (k+1)*c); floor: [X], a
-    peak the row's layer reaches anyway, up to which a pack may rise.
-    Returns: permutation [X, n]: new slot s takes the item of old slot perm[s]; None
-    when there is no duplicate.
+    weight, expert, item: [X, m, c] item weight, expert and id by pack and slot;
+    load: [X, m] pack loads (all updated in place); floor: [X], a peak the row's layer
+    reaches anyway, up to which a pack may rise.
     """
-    total_rows, num_items = slot_weight.shape
-    per_pack = num_items // num_packs
+    num_rows, num_packs, per_pack = weight.shape
     if per_pack == 1:
-        return None
-    # only rows with a duplicate somewhere take part (sorting finds them cheaply)
-    keys = slot_expert.astype(np.int16) if slot_expert.max() < 2**15 else slot_expert
-    by_pack = np.sort(keys.reshape(total_rows, num_packs, per_pack), axis=2, kind="stable")
-    with_dup = np.flatnonzero((np.diff(by_pack, axis=2) == 0).any(axis=(1, 2)))
-    if with_dup.size == 0:
-        return None
-    num_rows = with_dup.size
-    weight = slot_weight[with_dup]
-    expert = slot_expert[with_dup]
-    perm = np.tile(np.arange(num_items, dtype=np.int64), (num_rows, 1))
-    slot_pack = np.arange(num_items) // per_pack
-    load = weight.reshape(num_rows, num_packs, per_pack).sum(axis=2)
+        return
+    num_items = num_packs * per_pack
+    # 1. the duplicates, found once; the k-th duplicate of every row is handled in step k
+    #    (a swap never creates one)
+    dup_row, dup_slot_all = np.nonzero(duplicate_slots(expert).reshape(num_rows, num_items))
+    if dup_row.size == 0:
+        return
+    weight2 = weight.reshape(num_rows, num_items)
+    expert2 = expert.reshape(num_rows, num_items)
+    item2 = item.reshape(num_rows, num_items)
     peak = load.max(axis=1)
     if floor is not None:
-        peak = np.maximum(peak, floor[with_dup])
-    # 1. the duplicates, found once: a slot whose pack holds its expert in an earlier slot;
-    #    the k-th duplicate of every row is handled in step k (a swap never creates one)
-    packed = expert.reshape(num_rows, num_packs, per_pack)
-    earlier = np.tril(np.ones((per_pack, per_pack), dtype=bool), -1)
-    is_dup = ((packed[:, :, :, None] == packed[:, :, None, :]) & earlier).any(axis=3)
-    dup_row, dup_slot_all = np.nonzero(is_dup.reshape(num_rows, num_items))
-    first = np.searchsorted(dup_row, dup_row, side="left")
-    step_of = np.arange(dup_row.size) - first
+        peak = np.maximum(peak, floor)
+    step_of = np.arange(dup_row.size) - np.searchsorted(dup_row, dup_row, side="left")
+    num_experts = int(expert.max()) + 1
     for step in range(min(int(step_of.max()) + 1, max_sweeps)):
         pick = step_of == step
         rows, dup_slot = dup_row[pick], dup_slot_all[pick]
         local = np.arange(rows.size)
         dup_pack = dup_slot // per_pack
-        dup_expert = expert[rows, dup_slot]
-        dup_weight = weight[rows, dup_slot]
-        # 2. partners: slots on packs without that expert, holding an expert the
+        row_experts = expert2[rows]  # [D, n]
+        row_weight = weight2[rows]
+        dup_expert = row_experts[local, dup_slot]
+        # 2. the duplicate's pack; an earlier swap of this row may have fixed it
+        home = gather(row_experts, dup_pack[:, None] * per_pack + np.arange(per_pack))  # [D, c]
+        still_dup = np.count_nonzero(home == dup_expert[:, None], axis=1) > 1
+        # 3. partners: slots on packs without that expert, holding an expert the
         #    duplicate's pack lacks, that keep both packs at or under the row's peak;
         #    closest weight wins
-        row_experts = expert[rows]  # [D, n]
-        row_weight = weight[rows]
-        pack_has = (row_experts == dup_expert[:, None]).reshape(rows.size, num_packs, per_pack)
-        still_dup = pack_has.sum(axis=2)[local, dup_pack] > 1  # an earlier swap may have fixed it
-        pack_has = pack_has.any(axis=2)[:, slot_pack]  # [D, n]
-        home = gather(row_experts, dup_pack[:, None] * per_pack + np.arange(per_pack))
-        in_home = np.zeros((rows.size, int(expert.max()) + 1), dtype=bool)
+        has = (row_experts == dup_expert[:, None]).reshape(rows.size, num_packs, per_pack)
+        pack_has = np.repeat(has.any(axis=2), per_pack, axis=1)  # [D, n]
+        in_home = np.zeros((rows.size, num_experts), dtype=bool)
         in_home[local[:, None], home] = True
         clash = gather(in_home, row_experts)
-        shift = row_weight - dup_weight[:, None]  # load the duplicate's pack gains
+        shift = row_weight - row_weight[local, dup_slot][:, None]  # the duplicate's pack gains
         row_load = load[rows]
-        fits = (row_load[local, dup_pack][:, None] + shift <= peak[rows, None]) & (
-            row_load[:, slot_pack] - shift <= peak[rows, None]
+        row_peak = peak[rows, None]
+        fits = (row_load[local, dup_pack][:, None] + shift <= row_peak) & (
+            np.repeat(row_load, per_pack, axis=1) - shift <= row_peak
         )
         distance = np.where(~pack_has & ~clash & fits, np.abs(shift), np.inf)
         partner = distance.argmin(axis=1)
@@ -249,13 +220,10 @@ def spread_duplicates(
         moved = shift[local[ok], b]
         load[r, a // per_pack] += moved
         load[r, b // per_pack] -= moved
-        for state in (weight, expert, perm):
+        for state in (weight2, expert2, item2):
             a_val = state[r, a]
             state[r, a] = state[r, b]
             state[r, b] = a_val
-    full = np.tile(np.arange(num_items, dtype=np.int64), (total_rows, 1))
-    full[with_dup] = perm
-    return full
 
 
 def polish(
@@ -276,31 +244,37 @@ def polish(
     Rows still more than extra_gap above what they could reach after max_rounds get
     extra_rounds more. Returns: item_at [X, n].
     """
-    for step in steps:
-        slot_weight = gather(weight, item_at)
-        slot_expert = gather(item_expert, item_at)
-        if step == "spread":
-            perm = spread_duplicates(slot_weight, slot_expert, num_packs, floor=floor)
-            if perm is not None:
-                item_at = gather(item_at, perm)
-            continue
-        num_rows = item_at.shape[0]
-        # a row's peak cannot go below its mean, its largest item or its layer's floor
-        lowest = np.maximum(slot_weight.sum(axis=1) / num_packs, slot_weight.max(axis=1))
-        if floor is not None:
-            lowest = np.maximum(lowest, floor)
-        rows = np.arange(num_rows)
-        for rounds in (max_rounds, extra_rounds):
-            peak = slot_weight.reshape(num_rows, num_packs, -1).sum(axis=2).max(axis=1)
-            gap = 1e-12 if rounds == max_rounds else extra_gap
-            rows = rows[peak[rows] > lowest[rows] * (1 + gap)]
-            if rows.size == 0 or rounds == 0:
-                break
-            # first a few rounds for every row, then more for the rows still far off
-            perm = refine_swaps(slot_weight[rows], slot_expert[rows], num_packs, rounds)
-            item_at[rows] = gather(item_at[rows], perm)
-            slot_weight[rows] = gather(slot_weight[rows], perm)
-            slot_expert[rows] = gather(slot_expert[rows], perm)
+    num_rows, num_items = item_at.shape
+    shape = (num_rows, num_packs, num_items // num_packs)
+    # 1. the packing state by pack and slot; every step swaps items in it in place
+    slot_weight = gather(weight, item_at)
+    slot_expert = gather(item_expert, item_at)
+    load = pack_sums(slot_weight, num_packs)
+    state = (slot_weight.reshape(shape), slot_expert.reshape(shape), item_at.reshape(shape))
+    if "spread" in steps:
+        spread_duplicates(*state, load, floor=floor)
+    if "swap" not in steps or max_rounds == 0:
+        return item_at
+    # 2. a row's peak cannot go below its mean, its largest item or its layer's floor;
+    #    rows already there (within float noise) skip the swaps
+    lowest = np.maximum(load.sum(axis=1) / num_packs, slot_weight.max(axis=1))
+    if floor is not None:
+        lowest = np.maximum(lowest, floor)
+    rows = np.flatnonzero(load.max(axis=1) > lowest * (1 + 1e-12))
+    for rounds in (max_rounds, extra_rounds):
+        if rows.size == 0 or rounds == 0:
+            break
+        # first a few rounds for every row, then more for the rows still far off
+        if rows.size == num_rows:
+            refine_swaps(*state, load, lowest, rounds)
+        else:
+            part = (state[0][rows], state[1][rows], state[2][rows])
+            part_load = load[rows]
+            refine_swaps(*part, part_load, lowest[rows], rounds)
+            for whole, piece in zip(state, part, strict=True):
+                whole[rows] = piece
+            load[rows] = part_load
+        rows = rows[load[rows].max(axis=1) > lowest[rows] * (1 + extra_gap)]
     return item_at
 
 

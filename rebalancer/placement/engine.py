@@ -46,9 +46,10 @@ def _loaded_rows_only(place_rows: PlaceRows) -> PlaceRows:
         load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
         num_groups: int | None = None, **options: float,
     ) -> np.ndarray:
-        loaded = load.sum(axis=1) > 0
-        out = np.tile(np.arange(num_slots, dtype=np.int64) % load.shape[1], (load.shape[0], 1))
-        if loaded.any():
+        loaded = np.flatnonzero(load.sum(axis=1) > 0)
+        out = np.empty((load.shape[0], num_slots), dtype=np.int64)
+        out[:] = np.arange(num_slots, dtype=np.int64) % load.shape[1]
+        if loaded.size:
             out[loaded] = place_rows(
                 load[loaded], num_slots, num_gpus, num_nodes, num_groups, **options
             )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from rebalancer.placement.metrics import gather, logcnt_of
+from rebalancer.placement.metrics import gather, logcnt_of, pack_sums
 
 
 def gpu_overlap(old: np.ndarray, new: np.ndarray, num_gpus: int, num_logical: int) -> np.ndarray:
@@ -319,7 +319,7 @@ def peak_load(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarra
     """Max GPU load per layer [L]."""
     logcnt = logcnt_of(phy2log, load.shape[1])
     slot = _slot_load(phy2log, load, logcnt)
-    return slot.reshape(phy2log.shape[0], num_gpus, -1).sum(axis=2).max(axis=1)
+    return pack_sums(slot, num_gpus).max(axis=1)
 
 
 def migrate(
