@@ -7,8 +7,9 @@ One process per GPU, NCCL. In one run it measures:
    trivially, rebalanced for DeepSeek-V3 routing from shared/data with the
    migration-aware `rebalancer.placement.compute_placement(previous=...)`, moved by
    `MigrationExecutor.prepare` with each configured mover (NCCL point-to-point on its
-   own process group and side stream, rounds pipelined or not; CUDA-IPC outboxes read
-   by the copy engines; either paced to a GB/s cap): GB/s per direction;
+   own process group and side stream, rounds pipelined or not; peers' live weights or
+   outboxes mapped through CUDA IPC and read by the copy engines; any of them paced to
+   a GB/s cap): GB/s per direction;
 3. the MoE block's graph replay time on each GPU while that migration runs beside it,
    against idle replays before and after (the throughput dip);
 4. the commit pause (staged weights into live slots, maps swapped in place) and
@@ -68,10 +69,11 @@ class MigrationBenchConfig:
     cta_caps: tuple[int, ...] = ()
     chunk_experts: int = 32
     # Movers (see parse_mover): "p2p:<layers per round>:<rounds in flight>[:<GB/s cap>]",
-    # "outbox:<MiB per outbox>[:<GB/s cap>]", "packed" (the hand-packed NCCL harness).
-    movers: tuple[str, ...] = ("p2p:4:1", "p2p:1:2", "outbox:1024", "outbox:2048", "outbox:1024:100")
+    # "ipc[:<GB/s cap>]", "outbox:<MiB per outbox>[:<GB/s cap>]", "packed" (the
+    # hand-packed NCCL harness).
+    movers: tuple[str, ...] = ("p2p:4:1", "p2p:1:2", "ipc", "ipc:100", "outbox:1024")
     # The mover whose plan is committed for the invariant-1 check.
-    commit_mover: str = "outbox:1024"
+    commit_mover: str = "ipc"
     beside_repeats: int = 8
     # sys.setswitchinterval for the worker processes; 0 keeps Python's default (5 ms).
     switch_interval: float = 0.0
@@ -87,11 +89,15 @@ def parse_mover(spec: str) -> dict[str, object]:
         if kind == "outbox" and len(args) in (1, 2):
             return {"transport": "outbox", "outbox_bytes": int(args[0]) << 20,
                     "max_gbps": float(args[1]) if len(args) == 2 else 0.0}
+        if kind == "ipc" and len(args) in (0, 1):
+            return {"transport": "ipc", "max_gbps": float(args[0]) if args else 0.0}
         if kind == "packed" and not args:
             return {}
     except ValueError:
         pass
-    raise SystemExit(f"bad mover {spec!r}: p2p:LAYERS:ROUNDS[:GBPS], outbox:MIB[:GBPS] or packed")
+    raise SystemExit(
+        f"bad mover {spec!r}: p2p:LAYERS:ROUNDS[:GBPS], ipc[:GBPS], outbox:MIB[:GBPS] or packed"
+    )
 
 
 def pick_layers(counts: np.ndarray, cfg: MigrationBenchConfig, num_slots: int) -> np.ndarray:
@@ -295,9 +301,9 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
         if not settings:
             continue
         for name, (g, _) in groups.items():
-            if settings["transport"] == "outbox" and name != "default":
+            if settings["transport"] != "p2p" and name != "default":
                 continue  # no NCCL kernels to cap
-            control = gloo_group if settings["transport"] == "outbox" else g
+            control = g if settings["transport"] == "p2p" else gloo_group
             executors[(spec, name)] = MigrationExecutor(
                 rank, WORLD, block.weights, control, **settings  # type: ignore[arg-type]
             )

@@ -14,11 +14,14 @@ and combines. It checks its outputs against the unbalanced reference model
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -101,6 +104,27 @@ class FaultyHook(RebalanceHook):
             raise RuntimeError("injected failure after transfers")
 
 
+def in_shared_memory(weights: dict[str, torch.Tensor], tag: str, files: list[str]) -> dict[str, torch.Tensor]:
+    """The same tensors in shared-memory files, so that peers can map them ("ipc"
+    transport on CPU); their names are appended to `files`. Unlinked once mapped, or
+    at exit; mappings outlive the names."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    out = {}
+    for name, w in weights.items():
+        path = os.path.join(base, f"rebalancer-weights-{os.getpid()}-{tag}-{name}")
+        shared = torch.from_file(path, shared=True, size=w.numel(), dtype=w.dtype).view(w.shape)
+        shared.copy_(w)
+        atexit.register(_unlink_quietly, path)
+        files.append(path)
+        out[name] = shared
+    return out
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, required=True)
@@ -131,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="after --steps, keep stepping until this version is committed",
     )
+    p.add_argument(
+        "--transport", choices=("p2p", "ipc", "outbox"), default="p2p",
+        help="weight transfers: gloo point-to-point, or reads from the peers' shared memory",
+    )
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token")
     p.add_argument("--out", required=True)
@@ -158,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     phy2log = trivial_placement(cfg.num_layers, cfg.num_experts, args.slots, args.world)
     S = args.slots // args.world
     weights = slot_weights(cfg, phy2log, range(args.rank * S, (args.rank + 1) * S))
+    shared_files: list[str] = []
+    if args.transport == "ipc":
+        weights = in_shared_memory(weights, f"rank{args.rank}", shared_files)
     hook = FaultyHook(
         HookConfig(
             controller=args.controller,
@@ -172,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             agree_every=args.agree_every,
             worker_id=f"cpu-worker-{os.getpid()}",
             token=args.token,
+            migrate_transport=args.transport,
         ),
         phy2log,
         weights,
@@ -179,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         migrate_group,
     )
     hook.fault = args.fault
+    if args.transport != "p2p":
+        hook.executor.connect()  # map the peers now: then the file names can go
+        for path in shared_files:
+            _unlink_quietly(path)
     reference = ReferenceMoE(cfg)
     hook.start()
     hook.agent.connected.wait(timeout=10)  # serve anyway if the controller is not there

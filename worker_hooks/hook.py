@@ -52,6 +52,12 @@ class HookConfig:
     window_steps: int = 16  # steps per counts window
     agree_every: int = 4  # steps between commit agreements
     layers_per_chunk: int = 4
+    # Weight transfers (worker_hooks/migrate.py): "p2p" (NCCL/gloo, any hosts), "ipc" or
+    # "outbox" (copy engines between the GPUs of one host; migrate_group must be gloo).
+    migrate_transport: str = "p2p"
+    rounds_in_flight: int = 1
+    outbox_bytes: int = 1 << 30
+    max_migration_gbps: float = 0.0  # 0: unpaced
     record_physical: bool = True
     worker_id: str = ""
     token: str | None = None        # bearer token of the deployment (controller's worker_tokens)
@@ -107,7 +113,9 @@ class RebalanceHook(PlanHandlers):
         )
         self.weights = weights
         self.executor = MigrationExecutor(
-            config.rank, config.num_gpus, weights, migrate_group, config.layers_per_chunk
+            config.rank, config.num_gpus, weights, migrate_group, config.layers_per_chunk,
+            rounds_in_flight=config.rounds_in_flight, transport=config.migrate_transport,
+            outbox_bytes=config.outbox_bytes, max_gbps=config.max_migration_gbps,
         )
         self.agreement = CommitAgreement(agree_group, config.agree_every)
         self.stats = HookStats()

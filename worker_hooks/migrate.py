@@ -6,10 +6,17 @@ transports:
   (gloo on CPU, NCCL on GPU, on a side stream there), a few layers per round: in each
   round each pair of ranks exchanges one packed buffer per weight tensor, received in
   place into staging, so transfers are large and few. Works across hosts.
-- "outbox": ranks of one host pack what they send into shared outboxes and each
-  receiver pulls its rows with `copy_` (CUDA IPC on GPU: the copy engines do the
-  work, no SMs are taken from serving; shared memory on CPU). The group only carries
-  the handle exchange and one small all-reduce per step (gloo).
+- "ipc": ranks of one host map each other's live weights once (CUDA IPC on GPU; on
+  CPU the weights must live in shared-memory files) and each receiver reads the rows it
+  gains straight from its peers with `copy_`: on GPU the copy engines do the work, no
+  kernel of the migration takes SMs from serving, and nothing is packed or buffered.
+  Safe because live weights change only at commit, and no rank commits a plan before
+  every rank prepared it; one all-gather at the start makes sure every peer committed
+  the plan's base version on its device (and carries an abort to all).
+- "outbox": as "ipc", but senders pack their rows into two shared outboxes of bounded
+  size and receivers read from there, one all-reduce per step; for weights that cannot
+  be mapped whole.
+  Both need every rank of the group on one host and a gloo group.
 Serving keeps using the live weights meanwhile; `max_gbps` paces either transport so an
 operator can bound its interference. `commit` copies staging into the live weights in
 place (storage unchanged: CUDA graphs stay valid); `abort` drops staging.
@@ -27,9 +34,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from worker_hooks.outbox import SharedOutboxes, outbox_schedule
+from worker_hooks.outbox import SharedOutboxes, map_peer_weights, outbox_schedule
 
-TRANSPORTS = ("p2p", "outbox")
+TRANSPORTS = ("p2p", "ipc", "outbox")
 
 # Columns of a transfer list (see proto Prepare.transfers).
 LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
@@ -61,8 +68,8 @@ class MigrationExecutor:
             packing of a round overlaps the transfers of the previous ones (correct on
             gloo, tests/unit/worker_hooks/test_migrate.py; not yet measured on GPU, so
             the default keeps the measured one-round-at-a-time behaviour).
-        transport: "p2p" or "outbox" (module docstring); "outbox" needs every rank of
-            `group` on this host and `group` a gloo group.
+        transport: "p2p", "ipc" or "outbox" (module docstring); "ipc" and "outbox"
+            need every rank of `group` on this host and `group` a gloo group.
         outbox_bytes: size of each of the two outboxes per rank ("outbox" transport),
             rounded down to whole experts (at least one).
         max_gbps: pace transfers to at most this many GB/s received per rank (0: as
@@ -107,6 +114,9 @@ class MigrationExecutor:
         self.outbox_rows = max(1, outbox_bytes // max(1, self.expert_bytes))
         self.max_gbps = max_gbps
         self._outboxes: SharedOutboxes | None = None
+        self._peer_weights: dict[int, dict[str, torch.Tensor]] | None = None
+        self._committed_version = 0
+        self._commit_event: torch.cuda.Event | None = None
         self._lock = threading.Lock()
         self._staged_version: int | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # name -> [n_in, ...]
@@ -145,7 +155,9 @@ class MigrationExecutor:
             raise ValueError("transfer list refers to ranks, slots or layers out of range")
         stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with stream_ctx:
-            if self.transport == "outbox":
+            if self.transport == "ipc":
+                staging, incoming, sent, received = self._exchange_ipc(version, t, start)
+            elif self.transport == "outbox":
                 staging, incoming, sent, received = self._exchange_outbox(version, t, start)
             else:
                 staging, incoming, sent, received = self._exchange_p2p(version, t, start)
@@ -240,6 +252,70 @@ class MigrationExecutor:
                 work.wait()
         return staging, incoming, sent, received
 
+    # ------------------------------------------------------------ ipc transport
+
+    def _exchange_ipc(
+        self, version: int, t: np.ndarray, start: float
+    ) -> tuple[dict[str, torch.Tensor], np.ndarray, int, int]:
+        """Read each gained row from the peer's live weights. Staging rows are ordered
+        by (source rank, layer, source slot), so rows adjacent in a peer's weights
+        are one `copy_` per weight."""
+        # 1. Every rank's commits are on its device, nobody aborted, same base.
+        if self._commit_event is not None:
+            self._commit_event.synchronize()
+        state = torch.tensor([int(version in self._aborted), self._committed_version], dtype=torch.int64)
+        states = [torch.zeros_like(state) for _ in range(self.world_size)]
+        dist.all_gather(states, state, group=self.group)
+        if any(int(s[0]) for s in states):
+            raise MigrationAborted(f"plan v{version} aborted while preparing")
+        if len({int(s[1]) for s in states}) > 1:
+            raise RuntimeError(f"ranks committed different versions: {[int(s[1]) for s in states]}")
+        self.connect()
+        assert self._peer_weights is not None
+        # 2. Incoming rows, sorted so that runs of adjacent source rows are contiguous.
+        incoming = t[t[:, DST_RANK] == self.rank]
+        incoming = incoming[np.lexsort((incoming[:, SRC_SLOT], incoming[:, LAYER], incoming[:, SRC_RANK]))]
+        staging = self._new_staging(len(incoming))
+        src_row = incoming[:, LAYER] * self.slots_per_rank + incoming[:, SRC_SLOT]
+        breaks = np.flatnonzero(
+            (np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)
+        ) + 1 if len(incoming) else np.zeros(0, dtype=np.int64)
+        runs = np.split(np.arange(len(incoming)), breaks) if len(incoming) else []
+        read_streams: dict[int, torch.cuda.Stream] = {}
+        received = 0
+        for run in runs:
+            self._check_aborted(version)
+            lo, n = int(run[0]), len(run)
+            peer = int(incoming[lo, SRC_RANK])
+            if peer == self.rank:
+                self._copy_local(incoming[lo:lo + n], staging, lo)
+                continue
+            first = int(src_row[lo])
+            ctx = contextlib.ExitStack()
+            if self.device.type == "cuda":
+                src_dev = next(iter(self._peer_weights[peer].values())).device
+                for dev in (self.device, src_dev):  # reads off serving's streams, both ends
+                    key = -1 if dev == self.device else peer
+                    if key not in read_streams:
+                        read_streams[key] = torch.cuda.Stream(dev)
+                    ctx.enter_context(torch.cuda.stream(read_streams[key]))
+            with ctx:
+                for name, w in self._peer_weights[peer].items():
+                    staging[name][lo:lo + n].copy_(self._flat(w)[first:first + n], non_blocking=True)
+            received += n * self.expert_bytes
+            self._pace_streams(start, received, read_streams)
+        for stream in read_streams.values():
+            stream.synchronize()
+        # Senders do no work: their rows are read by the receivers.
+        sent = int((t[:, SRC_RANK] == self.rank).sum() - ((t[:, SRC_RANK] == self.rank) & (t[:, DST_RANK] == self.rank)).sum())
+        return staging, incoming, sent * self.expert_bytes, received
+
+    def _pace_streams(self, start: float, bytes_done: int, streams: dict[int, torch.cuda.Stream]) -> None:
+        if self.max_gbps > 0:
+            for stream in streams.values():
+                stream.synchronize()
+            self._pace(start, bytes_done)
+
     # ------------------------------------------------------------ outbox transport
 
     def _exchange_outbox(
@@ -253,12 +329,9 @@ class MigrationExecutor:
 
         Staging rows: the remote experts in schedule order (source rank, layer, slot),
         then the local ones."""
-        if self._outboxes is None:
-            shapes = {name: tuple(w.shape[2:]) for name, w in self.weights.items()}
-            self._outboxes = SharedOutboxes(
-                self.rank, self.world_size, shapes, self.dtype, self.device, self.outbox_rows, self.group
-            )
+        self.connect()
         boxes = self._outboxes
+        assert boxes is not None
         plan = outbox_schedule(t, self.outbox_rows)
         step = plan.step_of()
         row = plan.position % plan.rows
@@ -324,8 +397,21 @@ class MigrationExecutor:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return staging, incoming, sent, received
 
+    def connect(self) -> None:
+        """Map the peers' weights ("ipc") or outboxes ("outbox"); collective on the group,
+        done by the first prepare unless called earlier (at startup, say). No-op for
+        "p2p" and once connected."""
+        if self.transport == "ipc" and self._peer_weights is None:
+            self._peer_weights = map_peer_weights(self.rank, self.world_size, self.weights, self.group)
+        if self.transport == "outbox" and self._outboxes is None:
+            shapes = {name: tuple(w.shape[2:]) for name, w in self.weights.items()}
+            self._outboxes = SharedOutboxes(
+                self.rank, self.world_size, shapes, self.dtype, self.device, self.outbox_rows, self.group
+            )
+
     def close(self) -> None:
-        """Release the outboxes (and their peers' mappings)."""
+        """Release the outboxes and the peers' mapped weights."""
+        self._peer_weights = None
         if self._outboxes is not None:
             self._outboxes.close()
             self._outboxes = None
@@ -345,6 +431,10 @@ class MigrationExecutor:
         if len(index):
             for name, w in self.weights.items():
                 self._flat(w).index_copy_(0, index, staging[name])
+        self._committed_version = version
+        if self.device.type == "cuda":  # peers read these rows once the copy is done
+            self._commit_event = torch.cuda.Event()
+            self._commit_event.record()
         return len(index)
 
     def abort(self, version: int) -> None:

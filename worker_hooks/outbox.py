@@ -1,16 +1,18 @@
-"""Send buffers that peers on the same host read directly: the copy-engine path.
+"""Memory that peers on the same host read directly: the copy-engine path.
 
 NCCL moves weights with kernels that take SMs from serving. Between ranks of one host
-a receiver can instead pull a peer's packed experts itself: on GPU the peer's buffer is
-mapped through CUDA IPC and read with `copy_`, which runs on the copy engines (no SMs,
-NVLink bandwidth of a plain peer copy); on CPU the buffer is a file in shared memory.
-Each rank owns two outboxes per weight tensor so that packing step k + 1 overlaps the
-peers' reads of step k. Outboxes are allocated once and reused across plans: opening
-an IPC handle costs milliseconds, and serving memory should not churn.
+a receiver can instead read what it gains itself: on GPU the peer's memory is mapped
+through CUDA IPC and read with `copy_`, which runs on the copy engines (no SMs, the
+NVLink bandwidth of a plain peer copy); on CPU the memory is a file in shared memory.
+`map_peer_weights` maps the peers' live weights themselves (the "ipc" transport).
+For weights that cannot be mapped whole, `SharedOutboxes` gives each rank two outboxes
+per weight tensor that it packs its outgoing rows into, so that packing step k + 1
+overlaps the peers' reads of step k (the "outbox" transport). Mappings are made once
+and reused across plans: opening an IPC handle costs milliseconds, and serving memory
+should not churn.
 
-`outbox_schedule` is the pure part: which rows go through which outbox at which step,
-and where each lands in the receiver's staging.
-"""
+`outbox_schedule` is the pure part of the outbox exchange: which rows go through which
+outbox at which step."""
 
 from __future__ import annotations
 
@@ -173,6 +175,67 @@ class SharedOutboxes:
         self._unlink()
         self.peer.clear()
         self.own.clear()
+
+
+def map_peer_weights(
+    rank: int, world_size: int, weights: dict[str, torch.Tensor], group: dist.ProcessGroup | None
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Map every peer's live weight tensors into this process (collective on `group`).
+
+    CUDA tensors travel as IPC handles; CPU tensors must live in shared-memory files
+    (`torch.from_file(..., shared=True)`) and travel by file name. Every rank raises the
+    same error when any rank cannot map or export. Returns: peer -> name -> tensor.
+    """
+    error = ""
+    exported: dict[str, object] = {}
+    try:
+        for name, w in weights.items():
+            if w.device.type == "cuda":
+                exported[name] = _cuda_handle(w)
+            else:
+                path = w.untyped_storage().filename
+                if path is None:
+                    raise ValueError(f"weight {name!r} is not in a shared-memory file")
+                exported[name] = (path, w.untyped_storage().nbytes(), w.storage_offset(), tuple(w.shape))
+    except Exception as exc:
+        error = f"rank {rank} cannot share its weights: {exc}"
+    first = next(iter(weights.values()))
+    gathered: list[object] = [None] * world_size
+    dist.all_gather_object(gathered, (exported, socket_host(), _gpu_id(first.device), error), group=group)
+    peers: dict[int, dict[str, torch.Tensor]] = {}
+    items = [item for item in gathered if isinstance(item, tuple)]
+    hosts = {item[1] for item in items}
+    error = next((item[3] for item in items if item[3]), "")
+    if not error and len(hosts) > 1:
+        error = f"the ipc transport needs every rank on one host, found {sorted(hosts)}"
+    if not error:
+        try:
+            for peer, item in enumerate(items):
+                if peer == rank:
+                    continue
+                handles, _host, (index, uuid), _ = item
+                if first.device.type == "cuda" and _gpu_id(torch.device("cuda", index))[1] != uuid:
+                    raise ValueError(
+                        f"rank {peer}'s cuda:{index} is another GPU here: give every rank "
+                        "of the host the same CUDA_VISIBLE_DEVICES"
+                    )
+                peers[peer] = {}
+                for name, handle in handles.items():
+                    if isinstance(handle, bytes):
+                        peers[peer][name] = pickle.loads(handle)
+                    else:
+                        path, nbytes, offset, shape = handle
+                        whole = torch.from_file(path, shared=True, size=nbytes // first.element_size(), dtype=first.dtype)
+                        peers[peer][name] = whole[offset:offset + int(np.prod(shape))].view(shape)
+        except Exception as exc:
+            error = f"rank {rank} could not map a peer's weights: {exc!r}"
+    # One verdict for all: a rank that raised alone would leave the others hanging.
+    errors: list[object] = [None] * world_size
+    dist.all_gather_object(errors, error, group=group)
+    first_error = next((e for e in errors if e), "")
+    if first_error:
+        raise RuntimeError(str(first_error))
+    return peers
 
 
 def socket_host() -> str:

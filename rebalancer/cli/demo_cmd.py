@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", type=int, default=32, help="logical experts per layer, default 32")
     p.add_argument("--slots", type=int, default=0, help="physical slots (default experts + workers*2)")
     p.add_argument("--layers", type=int, default=6, help="MoE layers, default 6")
+    p.add_argument("--transport", choices=("p2p", "ipc"), default="p2p",
+                   help="weight transfers between workers: gloo send/recv (default) or reads "
+                        "from the peers' weights in shared memory")
     p.add_argument("--db", default=None, help="SQLite file of the controller (default: temporary)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--verbose", action="store_true", help="controller and worker logs")
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     config = DemoConfig(
         workers=args.workers, layers=args.layers, experts=args.experts, slots=slots,
         steps=args.windows * args.window_steps, window_steps=args.window_steps, db_path=args.db,
-        worker_log="INFO" if args.verbose else "WARNING",
+        worker_log="INFO" if args.verbose else "WARNING", transport=args.transport,
     )
     summary = run_demo(config)
     print()

@@ -1,6 +1,6 @@
 """MigrationExecutor between two GPUs, both transports (skipped without two GPUs):
-NCCL point-to-point, and outboxes mapped through CUDA IPC and read by the copy
-engines. After prepare + commit every slot holds its new expert's weights bit for bit;
+NCCL point-to-point, and peers' live weights or outboxes mapped through CUDA IPC and
+read by the copy engines. After prepare + commit every slot holds its new expert's weights bit for bit;
 an aborted plan leaves the live weights untouched."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _worker(rank: int, init: str, old: np.ndarray, new: np.ndarray, transport: s
         "nccl", init_method=init, rank=rank, world_size=G, device_id=dev,
         timeout=datetime.timedelta(seconds=60),
     )
-    group = dist.new_group(backend="gloo") if transport == "outbox" else dist.new_group()
+    group = dist.new_group() if transport == "p2p" else dist.new_group(backend="gloo")
     weights = live(old, rank, dev)
     before = {k: v.clone() for k, v in weights.items()}
     pointers = {k: v.data_ptr() for k, v in weights.items()}
@@ -62,6 +62,7 @@ def _worker(rank: int, init: str, old: np.ndarray, new: np.ndarray, transport: s
     ex.abort(1)
     untouched = all(torch.equal(weights[k], before[k]) for k in weights)
     stats = ex.prepare(2, moves)
+    dist.barrier()  # the coordinator: no rank commits before every rank prepared
     ex.commit(2)
     torch.cuda.synchronize()
     want = live(new, rank, dev)
@@ -73,7 +74,7 @@ def _worker(rank: int, init: str, old: np.ndarray, new: np.ndarray, transport: s
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("transport", ["p2p", "outbox"])
+@pytest.mark.parametrize("transport", ["p2p", "outbox", "ipc"])
 def test_migration_between_two_gpus_is_exact(transport: str) -> None:
     rng = np.random.default_rng(3)
     old = trivial_placement(L, E, P, G)

@@ -31,8 +31,10 @@ def small_config(**kw: object) -> DemoConfig:
     return DemoConfig(**base)  # type: ignore[arg-type]
 
 
-def test_rebalances_keep_outputs_identical_and_ranks_in_step(tmp_path: Path) -> None:
-    summary = run_demo(small_config(db_path=str(tmp_path / "c.sqlite")), emit=lambda _: None)
+@pytest.mark.parametrize("transport", ["p2p", "ipc"])
+def test_rebalances_keep_outputs_identical_and_ranks_in_step(tmp_path: Path, transport: str) -> None:
+    config = small_config(db_path=str(tmp_path / "c.sqlite"), transport=transport)
+    summary = run_demo(config, emit=lambda _: None)
     assert summary["plans_committed"] >= 1
     # Invariant 1: bit-identical to the unbalanced reference model, every step.
     assert summary["max_output_diff"] == 0.0

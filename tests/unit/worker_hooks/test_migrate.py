@@ -31,6 +31,17 @@ def weights_for(phy2log: np.ndarray, rank: int) -> dict[str, torch.Tensor]:
     return {"w1": w.clone(), "w2": (w * -1).clone()}
 
 
+def shared_weights_for(phy2log: np.ndarray, rank: int, folder: str) -> dict[str, torch.Tensor]:
+    """The same weights in shared-memory files, as the "ipc" transport needs on CPU."""
+    out = {}
+    for name, w in weights_for(phy2log, rank).items():
+        path = os.path.join(folder, f"w-{rank}-{name}")
+        shared = torch.from_file(path, shared=True, size=w.numel(), dtype=w.dtype).view(w.shape)
+        shared.copy_(w)
+        out[name] = shared
+    return out
+
+
 EXPERT_BYTES = 2 * 6 * 4  # two float32 tensors of 2 x 3 per expert
 
 
@@ -39,7 +50,7 @@ def _worker(
 ) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
     group = dist.new_group(backend="gloo")
-    weights = weights_for(old, rank)
+    weights = shared_weights_for(old, rank, out) if transport == "ipc" else weights_for(old, rank)
     # Outboxes of 3 experts: the plan needs several steps through both outboxes.
     ex = MigrationExecutor(
         rank, G, weights, group, layers_per_chunk=2, rounds_in_flight=2,
@@ -51,6 +62,7 @@ def _worker(
     same = all(torch.equal(weights[k], weights_for(old, rank)[k]) for k in weights)
     stats = ex.prepare(2, moves)
     before_commit_same = torch.equal(weights["w1"], weights_for(old, rank)["w1"])
+    dist.barrier()  # the coordinator: no rank commits before every rank prepared
     ex.commit(2)
     ok = all(torch.equal(weights[k], weights_for(new, rank)[k]) for k in weights)
     ex.close()
@@ -65,7 +77,7 @@ def _moves() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return old, new, transfers(old, new, G, 1)
 
 
-@pytest.mark.parametrize("transport", ["p2p", "outbox"])
+@pytest.mark.parametrize("transport", ["p2p", "outbox", "ipc"])
 def test_prepare_commit_abort_across_three_ranks(transport: str) -> None:
     old, new, moves = _moves()
     assert outbox_schedule(moves, 3).steps >= 3  # both outboxes reused
@@ -78,11 +90,11 @@ def test_prepare_commit_abort_across_three_ranks(transport: str) -> None:
     assert sum(int(r[3]) for r in results) == len(moves)
 
 
-def _abort_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, out: str) -> None:
+def _abort_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, out: str, transport: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
     group = dist.new_group(backend="gloo")
-    weights = weights_for(old, rank)
-    ex = MigrationExecutor(rank, G, weights, group, transport="outbox", outbox_bytes=EXPERT_BYTES)
+    weights = shared_weights_for(old, rank, out) if transport == "ipc" else weights_for(old, rank)
+    ex = MigrationExecutor(rank, G, weights, group, transport=transport, outbox_bytes=EXPERT_BYTES)
     if rank == 1:  # only one rank hears of the abort: every rank must stop, none hangs
         ex.abort(7)
     outcome = "prepared"
@@ -96,11 +108,12 @@ def _abort_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, out:
     dist.destroy_process_group()
 
 
-def test_outbox_abort_seen_by_one_rank_stops_all() -> None:
+@pytest.mark.parametrize("transport", ["outbox", "ipc"])
+def test_abort_seen_by_one_rank_stops_all(transport: str) -> None:
     old, _new, moves = _moves()
     with tempfile.TemporaryDirectory() as out:
         init = f"file://{os.path.join(out, 'rdzv')}"
-        mp.spawn(_abort_worker, args=(init, old, moves, out), nprocs=G, join=True)
+        mp.spawn(_abort_worker, args=(init, old, moves, out, transport), nprocs=G, join=True)
         results = [np.load(f"{out}/{r}.npy") for r in range(G)]
     assert all(bool(aborted) and bool(unchanged) for aborted, unchanged in results)
 
@@ -127,6 +140,31 @@ def test_max_gbps_paces_the_transfers() -> None:
     for seconds, received in results:
         assert received > 0
         assert seconds >= received / (gbps * 1e9) * 0.95
+
+
+def _unshared_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
+    group = dist.new_group(backend="gloo")
+    # Rank 2's weights are ordinary memory: no peer can map them.
+    weights = weights_for(old, rank) if rank == 2 else shared_weights_for(old, rank, out)
+    ex = MigrationExecutor(rank, G, weights, group, transport="ipc")
+    message = ""
+    try:
+        ex.prepare(1, moves)
+    except RuntimeError as exc:
+        message = str(exc)
+    with open(f"{out}/{rank}.txt", "w") as fh:
+        fh.write(message)
+    dist.destroy_process_group()
+
+
+def test_ipc_refuses_unshared_cpu_weights_on_every_rank() -> None:
+    old, _new, moves = _moves()
+    with tempfile.TemporaryDirectory() as out:
+        init = f"file://{os.path.join(out, 'rdzv')}"
+        mp.spawn(_unshared_worker, args=(init, old, moves, out), nprocs=G, join=True)
+        messages = [open(f"{out}/{r}.txt").read() for r in range(G)]
+    assert all("rank 2 cannot share its weights" in m for m in messages), messages
 
 
 def test_outbox_schedule_covers_every_remote_move_once() -> None:
