@@ -68,48 +68,42 @@ def refine_swaps(
     load_flat = load.reshape(-1)
     rows = np.arange(num_rows)
     for _ in range(max_rounds):
-        # 1. pair the i-th heaviest pack with the i-th lightest: pack ids [A, 2m],
-        #    heavy ones first
+        # 1. pair the i-th heaviest pack with the i-th lightest: flat pack ids [Q], Q = A*m
         order = np.argsort(load[rows], axis=1)
-        pairs = np.concatenate(
-            [order[:, : -num_pairs - 1 : -1], order[:, :num_pairs]], axis=1
-        ) + rows[:, None] * num_packs
-        pair_weight = weight_by_pack[pairs]  # [A, 2m, c]
-        heavy_weight, light_weight = pair_weight[:, :num_pairs], pair_weight[:, num_pairs:]
-        pair_load = load_flat[pairs]
-        half_gap = (pair_load[:, :num_pairs] - pair_load[:, num_pairs:]) / 2  # [A, m]
+        offsets = rows[:, None] * num_packs
+        heavy = (order[:, : -num_pairs - 1 : -1] + offsets).reshape(-1)
+        light = (order[:, :num_pairs] + offsets).reshape(-1)
+        heavy_weight, light_weight = weight_by_pack[heavy], weight_by_pack[light]  # [Q, c]
+        half_gap = (load_flat[heavy] - load_flat[light]) / 2
         # 2. swapping heavy item i with light item j (moving d = w_i - w_j) leaves the
         #    pair's peak at their mean + |d - half_gap|: it helps when that is below
-        #    half_gap (searched in float32 for speed; the chosen swap is checked in float64)
-        shifted = (light_weight + half_gap[:, :, None]).astype(np.float32)
-        miss = heavy_weight.astype(np.float32)[:, :, :, None] - shifted[:, :, None, :]
-        np.abs(miss, out=miss)  # [A, m, c(i), c(j)]
+        #    half_gap. Searched in float32 for speed (the chosen swap is checked in
+        #    float64), laid out [i, j, pair] so numpy's inner loops run over the pairs.
+        h = np.ascontiguousarray(heavy_weight.T, dtype=np.float32)  # [c, Q]
+        s = np.ascontiguousarray((light_weight + half_gap[:, None]).T, dtype=np.float32)
+        miss = h[:, None, :] - s[None, :, :]
+        np.abs(miss, out=miss)  # [c(i), c(j), Q]
         # 3. no swap may put a second replica of an expert on either pack: where the two
-        #    packs share an expert (rare once duplicates are spread), rule out moving it
-        #    off one pack and anything onto the pack that has it
-        pair_expert = expert_by_pack[pairs]
-        same = pair_expert[:, :num_pairs, :, None] == pair_expert[:, num_pairs:, None, :]
+        #    packs share an expert, rule out moving it off one pack and anything onto
+        #    the pack that has it
+        heavy_expert = np.ascontiguousarray(expert_by_pack[heavy].T)  # [c, Q]
+        light_expert = np.ascontiguousarray(expert_by_pack[light].T)
+        same = heavy_expert[:, None, :] == light_expert[None, :, :]
         if same.any():
-            row_i, pair_i, item_i, item_j = np.nonzero(same)
-            miss[row_i, pair_i, item_i, :] = np.inf
-            miss[row_i, pair_i, :, item_j] = np.inf
-        miss = miss.reshape(rows.size * num_pairs, per_pack * per_pack)
+            forbid = same.any(axis=1)[:, None, :] | same.any(axis=0)[None, :, :]
+            np.copyto(miss, np.inf, where=forbid)
+        miss = np.ascontiguousarray(miss.reshape(per_pack * per_pack, -1).T)  # [Q, c*c]
         best = miss.argmin(axis=1)
-        found = np.isfinite(miss[np.arange(best.size), best])
+        pair = np.arange(best.size)
+        found = np.isfinite(miss[pair, best])
         item_a, item_b = best // per_pack, best % per_pack
-        flat_pair = np.arange(best.size)
-        moved_load = (
-            heavy_weight.reshape(-1, per_pack)[flat_pair, item_a]
-            - light_weight.reshape(-1, per_pack)[flat_pair, item_b]
-        )
-        gap = half_gap.reshape(-1)
-        improves = found & (np.abs(moved_load - gap) < gap * (1 - 1e-9))
+        moved_load = heavy_weight[pair, item_a] - light_weight[pair, item_b]
+        improves = found & (np.abs(moved_load - half_gap) < half_gap * (1 - 1e-9))
         chosen = np.flatnonzero(improves)
         if chosen.size == 0:
             break
         # 4. apply every chosen swap; the pairs of a row share no pack
-        pack_a = pairs[:, :num_pairs].reshape(-1)[chosen]
-        pack_b = pairs[:, num_pairs:].reshape(-1)[chosen]
+        pack_a, pack_b = heavy[chosen], light[chosen]
         flat_a = pack_a * per_pack + item_a[chosen]
         flat_b = pack_b * per_pack + item_b[chosen]
         for state in (weight, expert, item):
@@ -144,9 +138,13 @@ def duplicate_slots(expert: np.ndarray) -> np.ndarray:
     # neighbours are replicas on one pack, the later slot the duplicate
     num_items = num_packs * per_pack
     bits = (num_items - 1).bit_length()
-    flat = expert.reshape(num_rows, num_items).astype(np.int64)
-    pack = np.arange(num_items, dtype=np.int64) // per_pack
-    keys = ((pack * (int(flat.max()) + 1) + flat) << bits) | np.arange(num_items)
+    num_experts = int(expert.max()) + 1
+    # int32 keys sort faster (twice the SIMD lanes) where they fit
+    small = (num_packs * num_experts) << bits < 2**31
+    dtype = np.int32 if small else np.int64
+    flat = expert.reshape(num_rows, num_items).astype(dtype)
+    pack = np.arange(num_items, dtype=dtype) // per_pack
+    keys = ((pack * num_experts + flat) << bits) | np.arange(num_items, dtype=dtype)
     keys.sort(axis=1)
     row, at = np.nonzero((keys[:, 1:] >> bits) == (keys[:, :-1] >> bits))
     dup = np.zeros((num_rows, num_items), dtype=bool)
@@ -249,6 +247,9 @@ def polish(
     # 1. the packing state by pack and slot; every step swaps items in it in place
     slot_weight = gather(weight, item_at)
     slot_expert = gather(item_expert, item_at)
+    if slot_expert.max() < 2**15:
+        # smaller keys: cheaper gathers and compares in the swaps
+        slot_expert = slot_expert.astype(np.int16)
     load = pack_sums(slot_weight, num_packs)
     state = (slot_weight.reshape(shape), slot_expert.reshape(shape), item_at.reshape(shape))
     if "spread" in steps:
