@@ -38,14 +38,27 @@ def replicate_greedy(
         cap = min(cap, max(max_count, -(-num_phy // num_log)) - 1)
     # 1. every offer of at least total / num_extra is taken: there are at most num_extra
     #    of them. The margin keeps float rounding from counting one more.
-    total = weight.sum(axis=1, keepdims=True)
-    scale = num_extra / np.where(total > 0, total, 1) * (1 - 1e-9)
-    sure = np.minimum(np.floor(weight * scale), cap).astype(np.int64)
+    total = np.where((total := weight.sum(axis=1, keepdims=True)) > 0, total, 1)
+    sure = (weight * (num_extra / total * (1 - 1e-9))).astype(np.int64)  # a floor
+    np.minimum(sure, cap, out=sure)
     left = num_extra - sure.sum(axis=1)
+    if left.max() > num_log // 4:
+        # many extras per expert: the first guess drops about `left` fractional
+        # replicas, so try the threshold total / (num_extra + 0.8 left) too. A row keeps
+        # it where even a slightly lower threshold counts at most num_extra offers.
+        guess = (num_extra + 0.8 * left[:, None]) / total
+        loose = np.minimum((weight * (guess * (1 + 1e-9))).astype(np.int64), cap)
+        fits = loose.sum(axis=1) <= num_extra
+        if fits.any():
+            more = np.minimum((weight * (guess * (1 - 1e-9))).astype(np.int64), cap)
+            sure = np.where(fits[:, None], more, sure)
+            left = num_extra - sure.sum(axis=1)
     # 2. the rest are the `left` largest of the later offers. The left-th largest next
     #    offer (one per expert) is a floor for them: that many offers are at least it. So
     #    only offers at or above it are candidates, a short list per row.
-    next_offer = np.where(sure < cap, weight / (sure + 1), -np.inf)
+    next_offer = weight / (sure + 1)
+    if sure.max() >= cap:
+        next_offer[sure >= cap] = -np.inf  # capped experts offer nothing more
     ranked = np.sort(next_offer, axis=1)
     floor = ranked[np.arange(num_rows), num_log - np.clip(left, 1, num_log)]
     # rows without load, or whose floor is a zero or capped offer, or that need more
@@ -54,14 +67,16 @@ def replicate_greedy(
     plain = (floor > 0) & np.isfinite(floor) & (left <= num_log)
     extras = sure
     if plain.all():
-        extras += _top_offers(weight, sure, floor, left, cap)
+        extras += _top_offers(weight, sure, next_offer, floor, left, cap)
     else:
         rows = np.flatnonzero(plain)
         if rows.size:
-            extras[rows] += _top_offers(weight[rows], sure[rows], floor[rows], left[rows], cap)
+            extras[rows] += _top_offers(
+                weight[rows], sure[rows], next_offer[rows], floor[rows], left[rows], cap
+            )
         rows = np.flatnonzero(~plain)
         extras[rows] = _top_offers(
-            weight[rows], np.zeros_like(sure[rows]), None,
+            weight[rows], np.zeros_like(sure[rows]), None, None,
             np.full(rows.size, num_extra), cap,
         )
     # 3. lay out the extras in expert order after the identity block
@@ -74,6 +89,7 @@ def replicate_greedy(
 def _top_offers(
     weight: np.ndarray,
     taken: np.ndarray,
+    next_offer: np.ndarray | None,
     floor: np.ndarray | None,
     count: np.ndarray,
     cap: int,
@@ -81,37 +97,45 @@ def _top_offers(
     """How many of each expert's offers are among the row's `count` largest, given that
     the first `taken` offers of each expert are already out (lowest expert first on ties).
 
-    weight, taken: [X, n]; floor: [X], no offer below it can be among them (None: no
-    floor known); count: [X] int64; cap: at most this many offers per expert in all.
+    weight, taken: [X, n]; next_offer: [X, n] weight / (taken + 1), -inf where capped;
+    floor: [X], no offer below it can be among them (None: no floor known, every offer
+    is a candidate); count: [X] int64; cap: at most this many offers per expert in all.
     Returns: [X, n] int64 offers taken per expert.
     """
     num_rows, num_log = weight.shape
-    # 1. candidates: offers weight / k for taken < k <= limit, a ragged list per row in
-    #    expert order (the greedy's tie order); the limit errs high, extras rank low
-    if floor is None:
-        limit = np.full_like(taken, cap)
+    picked = np.zeros((num_rows, num_log), dtype=np.int64)
+    # 1. the experts with a candidate (next offer at or above the floor, with a margin
+    #    for rounding), and their candidates: offers weight / k, first < k <= last.
+    #    The last errs high; an offer too many ranks below the floor and is not taken.
+    if next_offer is None or floor is None:
+        row, expert = np.divmod(np.arange(num_rows * num_log), num_log)
+        first = taken.ravel()
+        last = np.full(row.size, cap)
     else:
-        limit = np.minimum(np.floor(weight / floor[:, None] * (1 + 1e-9)), cap)
-        limit = np.maximum(limit.astype(np.int64), taken)
-    flat_limit = (limit - taken).ravel()
-    per_row = flat_limit.reshape(num_rows, num_log).sum(axis=1)
-    width = int(per_row.max()) if num_rows else 0
-    if width == 0:
-        return np.zeros_like(taken)
-    owner = np.repeat(np.arange(num_rows * num_log), flat_limit)  # row * n + expert
+        row, expert = np.nonzero(next_offer >= floor[:, None] * (1 - 1e-9))
+        first = taken[row, expert]
+        last = np.floor(weight[row, expert] / floor[row] * (1 + 1e-9))
+        last = np.clip(last.astype(np.int64), first + 1, cap)
+    per_expert = last - first
+    owner = np.repeat(np.arange(row.size), per_expert)
+    if owner.size == 0:
+        return picked
+    # 2. lay the candidates out row by row in expert order (the greedy's tie order)
     position = np.arange(owner.size)
-    run_start = np.cumsum(flat_limit) - flat_limit
-    divisor = position - np.repeat(run_start - taken.ravel(), flat_limit) + 1
-    row_start = np.cumsum(per_row) - per_row
-    flat = owner // num_log * width + position - np.repeat(row_start, per_row)
+    run_start = np.cumsum(per_expert) - per_expert
+    divisor = position - (run_start - first)[owner] + 1
+    owner_row = row[owner]
+    per_row = np.bincount(owner_row, minlength=num_rows)
+    width = int(per_row.max())
+    flat = owner_row * width + position - (np.cumsum(per_row) - per_row)[owner_row]
     offers = np.full(num_rows * width, -np.inf)
-    offers[flat] = weight.ravel()[owner] / divisor
+    offers[flat] = weight[row, expert][owner] / divisor
     offers = offers.reshape(num_rows, width)
-    # 2. threshold = the count-th largest offer; take everything above it and the
+    # 3. threshold = the count-th largest offer; take everything above it and the
     #    lowest-index offers equal to it (a row that takes none gets an infinite one)
     ranked = np.sort(offers, axis=1)
     threshold = np.where(
-        count > 0, ranked[np.arange(num_rows), np.minimum(width - count, width - 1)], np.inf
+        count > 0, ranked[np.arange(num_rows), np.clip(width - count, 0, width - 1)], np.inf
     )[:, None]
     above = offers > threshold
     tied = offers == threshold
@@ -119,8 +143,8 @@ def _top_offers(
     need = count - np.count_nonzero(above, axis=1)
     for r in np.flatnonzero(np.count_nonzero(tied, axis=1) > need):
         taken_here[r] = above[r] | (tied[r] & (np.cumsum(tied[r]) <= need[r]))
-    picked = np.bincount(owner[taken_here.ravel()[flat]], minlength=num_rows * num_log)
-    return picked.reshape(num_rows, num_log)
+    picked[row, expert] = np.bincount(owner[taken_here.ravel()[flat]], minlength=row.size)
+    return picked
 
 
 def pack_greedy(weight: np.ndarray, num_packs: int, item_expert: np.ndarray | None = None) -> np.ndarray:
