@@ -33,7 +33,12 @@ def pack_rounds(weight: np.ndarray, num_packs: int) -> np.ndarray:
     offsets = np.arange(0, num_rows * num_packs, num_packs)[:, None]
     for r in range(1, per_pack):
         batch = slice(r * num_packs, (r + 1) * num_packs)
-        lightest_first = (np.argsort(pack_load, axis=1) + offsets).ravel()
+        if r == 1:
+            # after round 0 pack k holds the k-th heaviest item: lightest is the last
+            lightest = np.arange(num_packs - 1, -1, -1)
+        else:
+            lightest = np.argsort(pack_load, axis=1)
+        lightest_first = (lightest + offsets).ravel()
         by_round[r].reshape(-1)[lightest_first] = order[:, batch].ravel()
         pack_load.reshape(-1)[lightest_first] += sorted_weight[:, batch].ravel()
     return by_round.transpose(1, 2, 0).reshape(num_rows, num_items)
