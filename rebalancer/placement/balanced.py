@@ -126,12 +126,24 @@ def refine_swaps(
             break
 
 
-def duplicate_slots(expert: np.ndarray) -> np.ndarray:
+def duplicate_slots(expert: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
     """Slots whose pack holds their expert in an earlier slot too.
 
-    expert: [X, m, c]. Returns: [X, m, c] bool.
+    expert: [X, m, c]; weight: [X, m, c] when every pack's items are in non-increasing
+    weight order (as the round packing leaves them): replicas of an expert weigh the
+    same, so a duplicate then sits in a run of equal weights and only slots d apart
+    within such runs are compared, d = 1, 2, ... while any run is that long.
+    Returns: [X, m, c] bool.
     """
     num_rows, num_packs, per_pack = expert.shape
+    if weight is not None:
+        dup = np.zeros(expert.shape, dtype=bool)
+        for d in range(1, per_pack):
+            equal = weight[:, :, d:] == weight[:, :, :-d]
+            if not equal.any():
+                break
+            dup[:, :, d:] |= equal & (expert[:, :, d:] == expert[:, :, :-d])
+        return dup
     if per_pack <= 4:
         # few slot pairs: compare them directly
         dup = np.zeros(expert.shape, dtype=bool)
@@ -164,6 +176,7 @@ def spread_duplicates(
     load: np.ndarray,
     floor: np.ndarray | None = None,
     max_sweeps: int = 16,
+    descending: bool = False,
 ) -> None:
     """Move second replicas of an expert off a pack by swapping each with the item of
     closest weight on a pack that lacks that expert (and whose expert the first pack
@@ -172,7 +185,8 @@ def spread_duplicates(
 
     weight, expert, item: [X, m, c] item weight, expert and id by pack and slot;
     load: [X, m] pack loads (all updated in place); floor: [X], a peak the row's layer
-    reaches anyway, up to which a pack may rise.
+    reaches anyway, up to which a pack may rise. descending: every pack's items are in
+    non-increasing weight order (finding the duplicates is then cheaper).
     """
     num_rows, num_packs, per_pack = weight.shape
     if per_pack == 1:
@@ -180,7 +194,8 @@ def spread_duplicates(
     num_items = num_packs * per_pack
     # 1. the duplicates, found once; the k-th duplicate of every row is handled in step k
     #    (a swap never creates one)
-    dup_row, dup_slot_all = np.nonzero(duplicate_slots(expert).reshape(num_rows, num_items))
+    found = duplicate_slots(expert, weight if descending else None)
+    dup_row, dup_slot_all = np.nonzero(found.reshape(num_rows, num_items))
     if dup_row.size == 0:
         return
     weight2 = weight.reshape(num_rows, num_items)
@@ -239,13 +254,15 @@ def polish(
     floor: np.ndarray | None = None,
     extra_rounds: int = 8,
     extra_gap: float = 0.004,
+    descending: bool = False,
 ) -> np.ndarray:
     """Spread duplicates, then swap heavy against light packs (swaps never add one).
 
     item_at, weight, item_expert: [X, n]. floor: [X], a peak each row's layer reaches
     anyway (its busiest node's mean); rows already at or below it are not swapped.
     Rows still more than extra_gap above what they could reach after max_rounds get
-    extra_rounds more. Returns: item_at [X, n].
+    extra_rounds more. descending: each pack's items come in non-increasing weight
+    order (the round packing's). Returns: item_at [X, n].
     """
     num_rows, num_items = item_at.shape
     shape = (num_rows, num_packs, num_items // num_packs)
@@ -258,7 +275,7 @@ def polish(
     load = pack_sums(slot_weight, num_packs)
     state = (slot_weight.reshape(shape), slot_expert.reshape(shape), item_at.reshape(shape))
     if "spread" in steps:
-        spread_duplicates(*state, load, floor=floor)
+        spread_duplicates(*state, load, floor=floor, descending=descending)
     if "swap" not in steps or max_rounds == 0:
         return item_at
     # 2. a row's peak cannot go below its mean, its largest item or its layer's floor;
@@ -302,5 +319,7 @@ def pack_balanced(
     if weight.shape[1] // num_packs <= 2:
         # two items per pack: the rounds pair heaviest with lightest, which is optimal;
         # only duplicates are left to spread
-        return polish(item_at, weight, item_expert, num_packs, 0, ("spread",), floor)
-    return polish(item_at, weight, item_expert, num_packs, max_rounds, floor=floor)
+        return polish(
+            item_at, weight, item_expert, num_packs, 0, ("spread",), floor, descending=True
+        )
+    return polish(item_at, weight, item_expert, num_packs, max_rounds, floor=floor, descending=True)
