@@ -69,9 +69,9 @@ class MigrationBenchConfig:
     cta_caps: tuple[int, ...] = ()
     chunk_experts: int = 32
     # Movers (see parse_mover): "p2p:<layers per round>:<rounds in flight>[:<GB/s cap>]",
-    # "ipc[:<GB/s cap>]", "outbox:<MiB per outbox>[:<GB/s cap>]", "packed" (the
-    # hand-packed NCCL harness).
-    movers: tuple[str, ...] = ("p2p:4:1", "p2p:1:2", "ipc", "ipc:100", "outbox:1024")
+    # "ipc[:<copy streams>[:<GB/s cap>]]", "outbox:<MiB per outbox>[:<GB/s cap>]",
+    # "packed" (the hand-packed NCCL harness).
+    movers: tuple[str, ...] = ("p2p:4:1", "p2p:1:2", "ipc", "ipc:2", "ipc:1:100", "outbox:1024")
     # The mover whose plan is committed for the invariant-1 check.
     commit_mover: str = "ipc"
     beside_repeats: int = 8
@@ -89,14 +89,16 @@ def parse_mover(spec: str) -> dict[str, object]:
         if kind == "outbox" and len(args) in (1, 2):
             return {"transport": "outbox", "outbox_bytes": int(args[0]) << 20,
                     "max_gbps": float(args[1]) if len(args) == 2 else 0.0}
-        if kind == "ipc" and len(args) in (0, 1):
-            return {"transport": "ipc", "max_gbps": float(args[0]) if args else 0.0}
+        if kind == "ipc" and len(args) in (0, 1, 2):
+            return {"transport": "ipc", "copy_streams": int(args[0]) if args else 1,
+                    "max_gbps": float(args[1]) if len(args) == 2 else 0.0}
         if kind == "packed" and not args:
             return {}
     except ValueError:
         pass
     raise SystemExit(
-        f"bad mover {spec!r}: p2p:LAYERS:ROUNDS[:GBPS], ipc[:GBPS], outbox:MIB[:GBPS] or packed"
+        f"bad mover {spec!r}: p2p:LAYERS:ROUNDS[:GBPS], ipc[:STREAMS[:GBPS]], outbox:MIB[:GBPS] "
+        "or packed"
     )
 
 
@@ -310,18 +312,19 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
     last_staged: tuple[MigrationExecutor, int] | None = None
     mover_stream = torch.cuda.Stream(dev)
 
-    def run_mover(kind: str, name: str) -> tuple[float, int, int]:
-        """One prepare of the plan: (seconds, bytes sent, bytes received)."""
+    def run_mover(kind: str, name: str, moves: np.ndarray | None = None) -> tuple[float, int, int]:
+        """One prepare of the plan (or `moves`): (seconds, bytes sent, bytes received)."""
         nonlocal version, last_staged
         group = groups[name][0]
+        moves = plan if moves is None else moves
         if kind == "packed":
             st = packed_exchange(
-                rank, WORLD, block.weights, plan, group, cfg.chunk_experts, mover_stream
+                rank, WORLD, block.weights, moves, group, cfg.chunk_experts, mover_stream
             )
             return st.seconds, st.bytes_sent, st.bytes_received
         version += 1
         executor = executors[(kind, name)]
-        stats = executor.prepare(version, plan)
+        stats = executor.prepare(version, moves)
         if last_staged is not None:
             last_staged[0].abort(last_staged[1])  # one staged plan in memory at a time
         last_staged = (executor, version)
@@ -393,6 +396,12 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
             f"{kind}_alone_GBps_both_dirs",
             -max_over_ranks(-(alone[-1][1] + alone[-1][2]) / secs / 1e9, dev),
         )
+        # The same experts of GPU0 -> GPU1 only: the shape of the copy_ baseline.
+        one_way = plan[(plan[:, 3] == 0) & (plan[:, 1] == 1)]
+        dist.barrier()
+        alone = [run_mover(kind, "default", one_way) for _ in range(cfg.migration_repeats)]
+        secs = max_over_ranks(statistics.median(r[0] for r in alone), dev)
+        say(f"{kind}_oneway_GBps", len(one_way) * mcfg.expert_bytes() / secs / 1e9)
         for name in groups:
             if kind != "packed" and (kind, name) not in executors:
                 continue
@@ -468,8 +477,27 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
 
 
 def copy_baseline() -> dict[str, float]:
-    """Plain GPU0 -> GPU1 copy_ (peer copy through the driver), GB/s."""
+    """Plain GPU0 -> GPU1 copy_ (peer copy through the driver), GB/s; and both ways at
+    once (GPU0 -> GPU1 and GPU1 -> GPU0 on a stream of each source), GB/s per direction."""
     out = {}
+    mib = 1344
+    a = torch.empty(mib << 20, dtype=torch.uint8, device="cuda:0").random_()
+    b = torch.empty(mib << 20, dtype=torch.uint8, device="cuda:1").random_()
+    a_in, b_in = torch.empty_like(a), torch.empty_like(b)
+    streams = (torch.cuda.Stream("cuda:0"), torch.cuda.Stream("cuda:1"))
+    for rep in range(4):
+        if rep == 1:
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+            t0 = time.perf_counter()
+        with torch.cuda.stream(streams[0]):
+            b_in.copy_(a, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            a_in.copy_(b, non_blocking=True)
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    out["copy_both_ways_1344MiB_GBps_per_direction"] = 3 * a.numel() / (time.perf_counter() - t0) / 1e9
+    del a, b, a_in, b_in
     for mib in (84, 1344):
         src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda:0").random_()
         dst = torch.empty(mib << 20, dtype=torch.uint8, device="cuda:1")
@@ -526,6 +554,13 @@ def main() -> None:
         pct = 100 * per_rank[0][f"{spec}_alone_GBps_busiest_dir"] / peak
         summary[f"{spec}_vs_copy_pct"] = pct
         print(f"{spec + '_vs_copy_pct':40s} {pct:14.4f}")
+        pct = 100 * per_rank[0][f"{spec}_oneway_GBps"] / peak
+        summary[f"{spec}_oneway_vs_copy_pct"] = pct
+        print(f"{spec + '_oneway_vs_copy_pct':40s} {pct:14.4f}")
+        pct = 100 * per_rank[0][f"{spec}_alone_GBps_busiest_dir"] / base[
+            "copy_both_ways_1344MiB_GBps_per_direction"]
+        summary[f"{spec}_vs_copy_both_ways_pct"] = pct
+        print(f"{spec + '_vs_copy_both_ways_pct':40s} {pct:14.4f}")
     print(json.dumps(summary))
 
 

@@ -74,6 +74,8 @@ class MigrationExecutor:
             rounded down to whole experts (at least one).
         max_gbps: pace transfers to at most this many GB/s received per rank (0: as
             fast as the links go).
+        copy_streams: "ipc" transport on GPU: reads from one peer spread round-robin
+            over this many streams (copy engines work in parallel).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class MigrationExecutor:
         transport: str = "p2p",
         outbox_bytes: int = 1 << 30,
         max_gbps: float = 0.0,
+        copy_streams: int = 1,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -113,6 +116,7 @@ class MigrationExecutor:
         self.transport = transport
         self.outbox_rows = max(1, outbox_bytes // max(1, self.expert_bytes))
         self.max_gbps = max_gbps
+        self.copy_streams = max(1, copy_streams)
         self._outboxes: SharedOutboxes | None = None
         self._peer_weights: dict[int, dict[str, torch.Tensor]] | None = None
         self._committed_version = 0
@@ -283,7 +287,7 @@ class MigrationExecutor:
         runs = np.split(np.arange(len(incoming)), breaks) if len(incoming) else []
         read_streams: dict[int, torch.cuda.Stream] = {}
         received = 0
-        for run in runs:
+        for i, run in enumerate(runs):
             self._check_aborted(version)
             lo, n = int(run[0]), len(run)
             peer = int(incoming[lo, SRC_RANK])
@@ -294,8 +298,9 @@ class MigrationExecutor:
             ctx = contextlib.ExitStack()
             if self.device.type == "cuda":
                 src_dev = next(iter(self._peer_weights[peer].values())).device
-                for dev in (self.device, src_dev):  # reads off serving's streams, both ends
-                    key = -1 if dev == self.device else peer
+                lane = i % self.copy_streams
+                # Reads off serving's streams, at both ends (keys: -1 - lane is ours).
+                for key, dev in ((-1 - lane, self.device), (peer * self.copy_streams + lane, src_dev)):
                     if key not in read_streams:
                         read_streams[key] = torch.cuda.Stream(dev)
                     ctx.enter_context(torch.cuda.stream(read_streams[key]))
