@@ -137,13 +137,18 @@ def duplicate_slots(expert: np.ndarray, weight: np.ndarray | None = None) -> np.
     """
     num_rows, num_packs, per_pack = expert.shape
     if weight is not None:
-        dup = np.zeros(expert.shape, dtype=bool)
+        # on whole rows (numpy is slow on a short last axis), pairs across packs masked
+        num_items = num_packs * per_pack
+        flat_weight = weight.reshape(num_rows, num_items)
+        flat_expert = expert.reshape(num_rows, num_items)
+        place = np.arange(num_items) % per_pack
+        dup = np.zeros((num_rows, num_items), dtype=bool)
         for d in range(1, per_pack):
-            equal = weight[:, :, d:] == weight[:, :, :-d]
+            equal = (flat_weight[:, d:] == flat_weight[:, :-d]) & (place[d:] >= d)
             if not equal.any():
                 break
-            dup[:, :, d:] |= equal & (expert[:, :, d:] == expert[:, :, :-d])
-        return dup
+            dup[:, d:] |= equal & (flat_expert[:, d:] == flat_expert[:, :-d])
+        return dup.reshape(expert.shape)
     if per_pack <= 4:
         # few slot pairs: compare them directly
         dup = np.zeros(expert.shape, dtype=bool)

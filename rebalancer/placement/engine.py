@@ -17,9 +17,10 @@ from rebalancer.placement.bounds import max_load_lower_bound
 from rebalancer.placement.greedy import pack_greedy_slots, replicate_greedy
 from rebalancer.placement.hierarchical import place, uses_hierarchy
 from rebalancer.placement.metrics import (
-    balancedness_of,
     logcnt_of,
     mean_balancedness,
+    pack_sums,
+    replica_load,
 )
 from rebalancer.placement.migration import migrate, peak_load
 from rebalancer.placement.reference import reference_placement
@@ -37,6 +38,21 @@ ALGORITHMS = ("auto", "greedy", "balanced", "migration", "reference")
 PlaceRows = Callable[..., np.ndarray]
 
 
+def _loaded_rows(load: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray | slice | None]:
+    """The contiguous placement of every layer [L, P], to overwrite on the layers with
+    load: their indices, a slice when they are one run (a view of the load, no copy), or
+    None when no layer has load."""
+    loaded = np.flatnonzero(load.sum(axis=1) > 0)
+    out = np.empty((load.shape[0], num_slots), dtype=np.int64)
+    out[:] = np.arange(num_slots, dtype=np.int64) % load.shape[1]
+    if loaded.size == 0:
+        return out, None
+    if loaded[-1] - loaded[0] + 1 == loaded.size:
+        # one run of layers (dense layers first, as in DeepSeek-V3)
+        return out, slice(int(loaded[0]), int(loaded[-1]) + 1)
+    return out, loaded
+
+
 def _loaded_rows_only(place_rows: PlaceRows) -> PlaceRows:
     """Run a placement function on the layers with load only; layers without load (dense
     layers) get the contiguous placement."""
@@ -46,12 +62,10 @@ def _loaded_rows_only(place_rows: PlaceRows) -> PlaceRows:
         load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
         num_groups: int | None = None, **options: float,
     ) -> np.ndarray:
-        loaded = np.flatnonzero(load.sum(axis=1) > 0)
-        out = np.empty((load.shape[0], num_slots), dtype=np.int64)
-        out[:] = np.arange(num_slots, dtype=np.int64) % load.shape[1]
-        if loaded.size:
-            out[loaded] = place_rows(
-                load[loaded], num_slots, num_gpus, num_nodes, num_groups, **options
+        out, rows = _loaded_rows(load, num_slots)
+        if rows is not None:
+            out[rows] = place_rows(
+                load[rows], num_slots, num_gpus, num_nodes, num_groups, **options
             )
         return out
 
@@ -83,7 +97,6 @@ def greedy_placement(
     )
 
 
-@_loaded_rows_only
 def balanced_placement(
     load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
     num_groups: int | None = None, greedy_check_items: int = 64,
@@ -96,10 +109,41 @@ def balanced_placement(
     layers when a packing row has at most `greedy_check_items` replicas. A layer within
     the gap of the bound is within the gap of anything the greedy can reach. With two
     slots per GPU and no replica cap in force the packing is the optimal pairing of the
-    greedy's own replicas, so the check is skipped.
+    greedy's own replicas, so the check is skipped. Layers without load get the
+    contiguous placement.
 
     load: [L, E]. Returns: phy2log [L, P].
     """
+    return _balanced_and_peak(
+        load, num_slots, num_gpus, num_nodes, num_groups, greedy_check_items, greedy_check_gap
+    )[0]
+
+
+def _balanced_and_peak(
+    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
+    num_groups: int | None = None, greedy_check_items: int = 64,
+    greedy_check_gap: float = 0.01,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`balanced_placement` and its max GPU load per layer (0 without load), which the
+    greedy check computes anyway and the result's balancedness needs.
+
+    load: [L, E]. Returns: phy2log [L, P], peak [L].
+    """
+    phy2log, rows = _loaded_rows(load, num_slots)
+    peak = np.zeros(len(load))
+    if rows is not None:
+        phy2log[rows], peak[rows] = _balanced_rows(
+            load[rows], num_slots, num_gpus, num_nodes, num_groups, greedy_check_items,
+            greedy_check_gap,
+        )
+    return phy2log, peak
+
+
+def _balanced_rows(
+    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int, num_groups: int | None,
+    greedy_check_items: int, greedy_check_gap: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`_balanced_and_peak` on layers that all have load."""
     phy2log = place(
         load, num_slots, num_gpus, num_nodes, num_groups, _replicate_capped, pack_balanced
     )
@@ -125,10 +169,12 @@ def balanced_placement(
             load[check], num_slots, num_gpus, num_nodes, num_groups, _replicate_uncapped,
             pack_greedy_slots,
         )
-        better = peak_load(greedy, load[check], num_gpus) < peak[check]
+        greedy_peak = peak_load(greedy, load[check], num_gpus)
+        better = greedy_peak < peak[check]
         rows = np.flatnonzero(check)[better]
         phy2log[rows] = greedy[better]
-    return phy2log
+        peak[rows] = greedy_peak[better]
+    return phy2log, peak
 
 
 def compute_placement(
@@ -193,12 +239,13 @@ def compute_placement(
     if algorithm == "auto":
         algorithm = "migration" if old is not None else "balanced"
     # 2. compute
+    peak = None
     if algorithm == "greedy":
         phy2log = greedy_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
     elif algorithm == "reference":
         phy2log = reference_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
     elif algorithm == "balanced":
-        phy2log = balanced_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
+        phy2log, peak = _balanced_and_peak(load_arr, num_slots, num_gpus, num_nodes, num_groups)
     else:
         assert old is not None
         fresh = balanced_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
@@ -206,7 +253,7 @@ def compute_placement(
         if byte_slots is not None:
             budget_slots = byte_slots if budget_slots is None else min(budget_slots, byte_slots)
         phy2log = migrate(load_arr, old, fresh, num_gpus, budget_slots)
-    return finish(phy2log, load_arr, num_gpus, num_nodes, old, algorithm)
+    return finish(phy2log, load_arr, num_gpus, num_nodes, old, algorithm, peak)
 
 
 def finish(
@@ -216,15 +263,24 @@ def finish(
     num_nodes: int,
     previous: np.ndarray | None,
     algorithm: str,
+    peak: np.ndarray | None = None,
 ) -> PlacementResult:
-    """Wrap a placement with its derived maps and figures."""
+    """Wrap a placement with its derived maps and figures.
+
+    peak: [L] the placement's max GPU load per layer, when already known.
+    """
     num_logical = load.shape[1]
     phy2log = np.ascontiguousarray(phy2log, dtype=np.int64)
     logcnt = logcnt_of(phy2log, num_logical)
+    if peak is None:
+        peak = pack_sums(replica_load(phy2log, load, logcnt), num_gpus).max(axis=1)
+    # balancedness per layer: the mean GPU load over the peak (NaN without load)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_layer = np.where(peak > 0, load.sum(axis=1) / num_gpus / peak, np.nan)
     return PlacementResult(
         phy2log=phy2log,
         logcnt=logcnt,
-        balancedness=mean_balancedness(balancedness_of(phy2log, load, num_gpus, logcnt)),
+        balancedness=mean_balancedness(per_layer),
         moved_fraction=0.0 if previous is None else float(np.mean(previous != phy2log)),
         algorithm=algorithm,
         num_gpus=num_gpus,
