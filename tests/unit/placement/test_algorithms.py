@@ -14,6 +14,7 @@ from rebalancer.placement import (
     lower_bound_balancedness_per_layer,
     reference_placement,
 )
+from rebalancer.placement.balanced import duplicate_slots, pack_rounds
 from rebalancer.placement.engine import greedy_placement
 from rebalancer.placement.greedy import replicate_greedy
 
@@ -212,3 +213,25 @@ def test_replication_matches_one_by_one_greedy(seed):
                 expected = _replicate_one_by_one(list(weight[row]), num_phy, cap)
                 assert list(logcnt[row]) == expected, (trial, max_count, weight[row])
                 assert (logcnt_of(phy2log[row : row + 1], experts)[0] == expected).all()
+
+
+def test_duplicates_found_alike_with_and_without_the_round_order():
+    # after the round packing every GPU's replicas come heaviest first, which the cheap
+    # search relies on; both searches must agree with a plain count
+    rng = np.random.default_rng(5)
+    for trial in range(150):
+        experts = int(rng.choice([8, 16, 64]))
+        gpus = int(rng.choice([2, 4, 8]))
+        per_gpu = int(rng.integers(-(-experts // gpus), -(-experts // gpus) + 6))
+        load = np.floor(rng.pareto(1.0, (5, experts)) * int(rng.choice([3, 10, 1000])))
+        phy2log, logcnt = replicate_greedy(load, gpus * per_gpu)
+        weight = np.take_along_axis(load / logcnt, phy2log, axis=1)
+        item_at = pack_rounds(weight, gpus)
+        slot_weight = np.take_along_axis(weight, item_at, axis=1).reshape(5, gpus, per_gpu)
+        slot_expert = np.take_along_axis(phy2log, item_at, axis=1).reshape(5, gpus, per_gpu)
+        assert (np.diff(slot_weight, axis=2) <= 0).all()
+        plain = np.zeros(slot_expert.shape, dtype=bool)
+        for j in range(1, per_gpu):
+            plain[:, :, j] = (slot_expert[:, :, :j] == slot_expert[:, :, j : j + 1]).any(axis=2)
+        assert (duplicate_slots(slot_expert) == plain).all(), trial
+        assert (duplicate_slots(slot_expert, slot_weight) == plain).all(), trial

@@ -12,6 +12,7 @@ from rebalancer.placement import (
     moved_fraction,
     trivial_placement,
 )
+from rebalancer.placement.metrics import argsort_rows, pack_sums
 
 from .conftest import random_load
 
@@ -75,3 +76,23 @@ def test_moved_fraction_counts_changed_slots():
     new[0, :2] = [3, 2]
     assert moved_fraction(old, new) == pytest.approx(2 / 16)
     assert moved_fraction(old, old) == 0.0
+
+
+def test_argsort_rows_orders_like_a_stable_argsort():
+    rng = np.random.default_rng(3)
+    for width in (1, 2, 31, 32, 33, 288, 600):
+        values = rng.random((5, width)) * 10.0 ** rng.integers(-3, 6)
+        values[0] = np.floor(values[0])  # ties: broken by column index
+        assert (argsort_rows(values) == np.argsort(values, axis=1, kind="stable")).all()
+        descending = np.argsort(-values, axis=1, kind="stable")
+        assert (argsort_rows(values, descending=True) == descending).all()
+    # -0.0 sorts as 0.0
+    assert argsort_rows(np.array([[0.0, -0.0, 1.0]]), descending=True).tolist() == [[2, 0, 1]]
+
+
+def test_pack_sums_match_numpy_sums():
+    rng = np.random.default_rng(4)
+    for packs, per_pack in ((1, 5), (4, 1), (32, 9), (256, 2)):
+        values = rng.random((3, packs * per_pack))
+        expected = values.reshape(3, packs, per_pack).sum(axis=2)
+        assert np.allclose(pack_sums(values, packs), expected, rtol=1e-14, atol=0)
