@@ -71,9 +71,9 @@ class MigrationBenchConfig:
     # Movers (see parse_mover): "p2p:<layers per round>:<rounds in flight>[:<GB/s cap>]",
     # "ipc[:<copy streams>[:<GB/s cap>]]", "outbox:<MiB per outbox>[:<GB/s cap>]",
     # "packed" (the hand-packed NCCL harness).
-    movers: tuple[str, ...] = ("p2p:4:1", "p2p:1:2", "ipc", "ipc:2", "ipc:1:100", "outbox:1024")
+    movers: tuple[str, ...] = ("p2p:4:1", "p2p:1:2", "ipc:1", "ipc:2", "ipc:4", "ipc:2:150")
     # The mover whose plan is committed for the invariant-1 check.
-    commit_mover: str = "ipc"
+    commit_mover: str = "ipc:2"
     beside_repeats: int = 8
     # sys.setswitchinterval for the worker processes; 0 keeps Python's default (5 ms).
     switch_interval: float = 0.0
@@ -90,7 +90,7 @@ def parse_mover(spec: str) -> dict[str, object]:
             return {"transport": "outbox", "outbox_bytes": int(args[0]) << 20,
                     "max_gbps": float(args[1]) if len(args) == 2 else 0.0}
         if kind == "ipc" and len(args) in (0, 1, 2):
-            return {"transport": "ipc", "copy_streams": int(args[0]) if args else 1,
+            return {"transport": "ipc", "copy_streams": int(args[0]) if args else 2,
                     "max_gbps": float(args[1]) if len(args) == 2 else 0.0}
         if kind == "packed" and not args:
             return {}
@@ -399,8 +399,8 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
         # The same experts of GPU0 -> GPU1 only: the shape of the copy_ baseline.
         one_way = plan[(plan[:, 3] == 0) & (plan[:, 1] == 1)]
         dist.barrier()
-        alone = [run_mover(kind, "default", one_way) for _ in range(cfg.migration_repeats)]
-        secs = max_over_ranks(statistics.median(r[0] for r in alone), dev)
+        runs = [run_mover(kind, "default", one_way) for _ in range(cfg.migration_repeats)]
+        secs = max_over_ranks(statistics.median(r[0] for r in runs), dev)
         say(f"{kind}_oneway_GBps", len(one_way) * mcfg.expert_bytes() / secs / 1e9)
         for name in groups:
             if kind != "packed" and (kind, name) not in executors:
@@ -473,6 +473,11 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
     if rank == 0:
         with open(result_path, "w") as fh:
             json.dump(gathered, fh)
+    # Unmap the peers' weights before anyone frees its own.
+    for executor in executors.values():
+        executor.close()
+    torch.cuda.synchronize()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -172,7 +172,13 @@ class RebalanceHook(PlanHandlers):
             migration.join(transfer_timeout)
         self.stop()
         self.agreement.close()
-        return migration is None or not migration.is_alive()
+        done = migration is None or not migration.is_alive()
+        if done:
+            # Drop the mappings of the peers' weights ("ipc"/"outbox"). A peer still
+            # reading ours after we exit reads freed memory into staging, but that plan
+            # cannot commit: the commit agreement needs every rank, us included.
+            self.executor.close()
+        return done
 
     # ------------------------------------------------------------ hot path
 

@@ -89,7 +89,7 @@ class MigrationExecutor:
         transport: str = "p2p",
         outbox_bytes: int = 1 << 30,
         max_gbps: float = 0.0,
-        copy_streams: int = 1,
+        copy_streams: int = 2,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -121,6 +121,7 @@ class MigrationExecutor:
         self._peer_weights: dict[int, dict[str, torch.Tensor]] | None = None
         self._committed_version = 0
         self._commit_event: torch.cuda.Event | None = None
+        self._read_streams: dict[int, torch.cuda.Stream] = {}  # "ipc" reads, made once
         self._lock = threading.Lock()
         self._staged_version: int | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # name -> [n_in, ...]
@@ -285,7 +286,8 @@ class MigrationExecutor:
             (np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)
         ) + 1 if len(incoming) else np.zeros(0, dtype=np.int64)
         runs = np.split(np.arange(len(incoming)), breaks) if len(incoming) else []
-        read_streams: dict[int, torch.cuda.Stream] = {}
+        read_streams = self._read_streams
+        used: set[int] = set()
         received = 0
         for i, run in enumerate(runs):
             self._check_aborted(version)
@@ -303,21 +305,22 @@ class MigrationExecutor:
                 for key, dev in ((-1 - lane, self.device), (peer * self.copy_streams + lane, src_dev)):
                     if key not in read_streams:
                         read_streams[key] = torch.cuda.Stream(dev)
+                    used.add(key)
                     ctx.enter_context(torch.cuda.stream(read_streams[key]))
             with ctx:
                 for name, w in self._peer_weights[peer].items():
                     staging[name][lo:lo + n].copy_(self._flat(w)[first:first + n], non_blocking=True)
             received += n * self.expert_bytes
-            self._pace_streams(start, received, read_streams)
-        for stream in read_streams.values():
-            stream.synchronize()
+            self._pace_streams(start, received, [read_streams[k] for k in used])
+        for key in used:
+            read_streams[key].synchronize()
         # Senders do no work: their rows are read by the receivers.
         sent = int((t[:, SRC_RANK] == self.rank).sum() - ((t[:, SRC_RANK] == self.rank) & (t[:, DST_RANK] == self.rank)).sum())
         return staging, incoming, sent * self.expert_bytes, received
 
-    def _pace_streams(self, start: float, bytes_done: int, streams: dict[int, torch.cuda.Stream]) -> None:
+    def _pace_streams(self, start: float, bytes_done: int, streams: list[torch.cuda.Stream]) -> None:
         if self.max_gbps > 0:
-            for stream in streams.values():
+            for stream in streams:
                 stream.synchronize()
             self._pace(start, bytes_done)
 
@@ -417,6 +420,7 @@ class MigrationExecutor:
     def close(self) -> None:
         """Release the outboxes and the peers' mapped weights."""
         self._peer_weights = None
+        self._read_streams.clear()
         if self._outboxes is not None:
             self._outboxes.close()
             self._outboxes = None
