@@ -72,28 +72,33 @@ def refine_swaps(
     expert_by_pack = expert.reshape(num_rows * num_packs, per_pack)
     load_flat = load.reshape(-1)
     rows = np.arange(num_rows)
-    for _ in range(max_rounds):
-        # 1. pair the i-th heaviest pack with the i-th lightest: flat pack ids [Q], Q = A*m
-        order = np.argsort(load[rows], axis=1)
-        offsets = rows[:, None] * num_packs
-        heavy = (order[:, : -num_pairs - 1 : -1] + offsets).reshape(-1)
-        light = (order[:, :num_pairs] + offsets).reshape(-1)
-        heavy_weight, light_weight = weight_by_pack[heavy], weight_by_pack[light]  # [Q, c]
-        half_gap = (load_flat[heavy] - load_flat[light]) / 2
+    for round_ in range(max_rounds):
+        # 1. pair the i-th heaviest pack with the i-th lightest: flat pack ids [2, Q]
+        #    (heavy, light), Q = A*m pairs in (row, pair) order; one gather for both sides
+        order = np.argsort(load if rows.size == num_rows else load[rows], axis=1)
+        pairs = np.empty((2, rows.size, num_pairs), dtype=np.int64)
+        pairs[0] = order[:, : -num_pairs - 1 : -1]
+        pairs[1] = order[:, :num_pairs]
+        pairs += (rows * num_packs)[:, None]
+        pairs = pairs.reshape(2, -1)
+        heavy, light = pairs
+        pair_weight = weight_by_pack[pairs]  # [2, Q, c]
+        pair_load = load_flat[pairs]
+        half_gap = (pair_load[0] - pair_load[1]) / 2
         # 2. swapping heavy item i with light item j (moving d = w_i - w_j) leaves the
         #    pair's peak at their mean + |d - half_gap|: it helps when that is below
         #    half_gap. Searched in float32 for speed (the chosen swap is checked in
         #    float64), laid out [i, j, pair] so numpy's inner loops run over the pairs.
-        h = np.ascontiguousarray(heavy_weight.T, dtype=np.float32)  # [c, Q]
-        s = np.ascontiguousarray((light_weight + half_gap[:, None]).T, dtype=np.float32)
+        by_item = pair_weight.transpose(0, 2, 1)  # [2, c, Q] view
+        h = np.ascontiguousarray(by_item[0], dtype=np.float32)
+        s = np.ascontiguousarray(by_item[1] + half_gap, dtype=np.float32)
         miss = h[:, None, :] - s[None, :, :]
         np.abs(miss, out=miss)  # [c(i), c(j), Q]
         # 3. no swap may put a second replica of an expert on either pack: where the two
         #    packs share an expert, rule out moving it off one pack and anything onto
         #    the pack that has it
-        heavy_expert = np.ascontiguousarray(expert_by_pack[heavy].T)  # [c, Q]
-        light_expert = np.ascontiguousarray(expert_by_pack[light].T)
-        same = heavy_expert[:, None, :] == light_expert[None, :, :]
+        pair_expert = np.ascontiguousarray(expert_by_pack[pairs].transpose(0, 2, 1))
+        same = pair_expert[0][:, None, :] == pair_expert[1][None, :, :]
         if same.any():
             forbid = same.any(axis=1)[:, None, :] | same.any(axis=0)[None, :, :]
             np.copyto(miss, np.inf, where=forbid)
@@ -102,7 +107,7 @@ def refine_swaps(
         pair = np.arange(best.size)
         found = np.isfinite(miss[pair, best])
         item_a, item_b = best // per_pack, best % per_pack
-        moved_load = heavy_weight[pair, item_a] - light_weight[pair, item_b]
+        moved_load = pair_weight[0][pair, item_a] - pair_weight[1][pair, item_b]
         improves = found & (np.abs(moved_load - half_gap) < half_gap * (1 - 1e-9))
         chosen = np.flatnonzero(improves)
         if chosen.size == 0:
@@ -117,6 +122,8 @@ def refine_swaps(
         moved = moved_load[chosen]
         load_flat[pack_a] -= moved
         load_flat[pack_b] += moved
+        if round_ == max_rounds - 1:
+            break
         # 5. rows go on while some pair improved and their peak is above what they can reach
         busy = improves.reshape(rows.size, num_pairs).any(axis=1)
         if lowest is not None:
