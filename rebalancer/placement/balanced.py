@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rebalancer.placement.metrics import argsort_rows, gather, pack_sums
+from rebalancer.placement.metrics import argsort_rows, gather, pack_sums, rows_cols
 
 
 def pack_rounds(weight: np.ndarray, num_packs: int) -> np.ndarray:
@@ -143,6 +143,10 @@ def duplicate_slots(expert: np.ndarray, weight: np.ndarray | None = None) -> np.
     Returns: [X, m, c] bool.
     """
     num_rows, num_packs, per_pack = expert.shape
+    if per_pack == 2:
+        dup = np.zeros(expert.shape, dtype=bool)
+        np.equal(expert[:, :, 0], expert[:, :, 1], out=dup[:, :, 1])
+        return dup
     if weight is not None:
         # on whole rows (numpy is slow on a short last axis), pairs across packs masked
         num_items = num_packs * per_pack
@@ -175,7 +179,7 @@ def duplicate_slots(expert: np.ndarray, weight: np.ndarray | None = None) -> np.
     pack = np.arange(num_items, dtype=dtype) // per_pack
     keys = ((pack * num_experts + flat) << bits) | np.arange(num_items, dtype=dtype)
     keys.sort(axis=1)
-    row, at = np.nonzero((keys[:, 1:] >> bits) == (keys[:, :-1] >> bits))
+    row, at = rows_cols((keys[:, 1:] >> bits) == (keys[:, :-1] >> bits))
     dup = np.zeros((num_rows, num_items), dtype=bool)
     dup[row, keys[row, at + 1] & ((1 << bits) - 1)] = True
     return dup.reshape(expert.shape)
@@ -193,7 +197,10 @@ def spread_duplicates(
     """Move second replicas of an expert off a pack by swapping each with the item of
     closest weight on a pack that lacks that expert (and whose expert the first pack
     lacks), never raising the row's peak load. A duplicate stays only where no such swap
-    exists (e.g. an expert with more replicas than packs). One duplicate per row per step.
+    exists (e.g. an expert with more replicas than packs).
+
+    All duplicates are handled at once; two swaps of one row that would touch a common
+    pack are not independent, so the later one waits for the next sweep.
 
     weight, expert, item: [X, m, c] item weight, expert and id by pack and slot;
     load: [X, m] pack loads (all updated in place); floor: [X], a peak the row's layer
@@ -204,10 +211,9 @@ def spread_duplicates(
     if per_pack == 1:
         return
     num_items = num_packs * per_pack
-    # 1. the duplicates, found once; the k-th duplicate of every row is handled in step k
-    #    (a swap never creates one)
+    # 1. the duplicates, found once (a swap never creates one)
     found = duplicate_slots(expert, weight if descending else None)
-    dup_row, dup_slot_all = np.nonzero(found.reshape(num_rows, num_items))
+    dup_row, dup_slot_all = rows_cols(found.reshape(num_rows, num_items))
     if dup_row.size == 0:
         return
     weight2 = weight.reshape(num_rows, num_items)
@@ -216,37 +222,56 @@ def spread_duplicates(
     peak = load.max(axis=1)
     if floor is not None:
         peak = np.maximum(peak, floor)
-    step_of = np.arange(dup_row.size) - np.searchsorted(dup_row, dup_row, side="left")
     num_experts = int(expert.max()) + 1
-    for step in range(min(int(step_of.max()) + 1, max_sweeps)):
-        pick = step_of == step
-        rows, dup_slot = dup_row[pick], dup_slot_all[pick]
+    for _ in range(max_sweeps):
+        rows = dup_row  # [D], sorted, a row once per duplicate
         local = np.arange(rows.size)
-        dup_pack = dup_slot // per_pack
+        dup_pack = dup_slot_all // per_pack
         row_experts = expert2[rows]  # [D, n]
         row_weight = weight2[rows]
-        dup_expert = row_experts[local, dup_slot]
-        # 2. the duplicate's pack; an earlier swap of this row may have fixed it
-        home = gather(row_experts, dup_pack[:, None] * per_pack + np.arange(per_pack))  # [D, c]
-        still_dup = np.count_nonzero(home == dup_expert[:, None], axis=1) > 1
+        dup_expert = row_experts[local, dup_slot_all]
+        # 2. the packs holding the duplicate's expert (a few slots); it is still a
+        #    duplicate unless a swap of an earlier sweep fixed it
+        at_d, at_slot = rows_cols(row_experts == dup_expert[:, None])
+        at_pack = at_slot // per_pack
+        at_home = at_pack == dup_pack[at_d]
+        still_dup = np.bincount(at_d[at_home], minlength=rows.size) > 1
         # 3. partners: slots on packs without that expert, holding an expert the
         #    duplicate's pack lacks, that keep both packs at or under the row's peak;
-        #    closest weight wins
-        has = (row_experts == dup_expert[:, None]).reshape(rows.size, num_packs, per_pack)
-        pack_has = np.repeat(has.any(axis=2), per_pack, axis=1)  # [D, n]
+        #    closest weight wins. A pack holding the expert counts as full (infinite
+        #    load), so the peak test rules it out too.
+        row_load = load[rows]
+        row_peak = peak[rows, None]
+        home_load = row_load[local, dup_pack][:, None]
+        row_load[at_d, at_pack] = np.inf
+        home = row_experts.reshape(rows.size, num_packs, per_pack)[local, dup_pack]  # [D, c]
         in_home = np.zeros((rows.size, num_experts), dtype=bool)
         in_home[local[:, None], home] = True
         clash = gather(in_home, row_experts)
-        shift = row_weight - row_weight[local, dup_slot][:, None]  # the duplicate's pack gains
-        row_load = load[rows]
-        row_peak = peak[rows, None]
-        fits = (row_load[local, dup_pack][:, None] + shift <= row_peak) & (
-            np.repeat(row_load, per_pack, axis=1) - shift <= row_peak
+        shift = row_weight - row_weight[local, dup_slot_all][:, None]  # the dup's pack gains
+        fits = (shift <= row_peak - home_load) & (
+            np.repeat(row_load, per_pack, axis=1) - row_peak <= shift
         )
-        distance = np.where(~pack_has & ~clash & fits, np.abs(shift), np.inf)
+        fits &= ~clash
+        distance = np.where(fits, np.abs(shift), np.inf)
         partner = distance.argmin(axis=1)
         ok = np.isfinite(distance[local, partner]) & still_dup
-        r, a, b = rows[ok], dup_slot[ok], partner[ok]
+        # 4. swaps of one row must touch disjoint packs to be made together; one that
+        #    shares a pack with an earlier swap of its row waits for the next sweep
+        #    (a row's duplicates are adjacent; lag d compares each with the d-th before)
+        wait = np.zeros(rows.size, dtype=bool)
+        pack_b = partner // per_pack
+        for d in range(1, rows.size):
+            same_row = rows[d:] == rows[:-d]
+            if not same_row.any():
+                break
+            pairs = same_row & ok[d:] & ok[:-d]
+            wait[d:] |= pairs & (
+                (dup_pack[d:] == dup_pack[:-d]) | (dup_pack[d:] == pack_b[:-d])
+                | (pack_b[d:] == dup_pack[:-d]) | (pack_b[d:] == pack_b[:-d])
+            )
+        ok &= ~wait
+        r, a, b = rows[ok], dup_slot_all[ok], partner[ok]
         moved = shift[local[ok], b]
         load[r, a // per_pack] += moved
         load[r, b // per_pack] -= moved
@@ -254,6 +279,9 @@ def spread_duplicates(
             a_val = state[r, a]
             state[r, a] = state[r, b]
             state[r, b] = a_val
+        if not wait.any():
+            break
+        dup_row, dup_slot_all = dup_row[wait], dup_slot_all[wait]
 
 
 def polish(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rebalancer.placement.metrics import gather
+from rebalancer.placement.metrics import gather, rows_cols
 
 
 def replicate_greedy(
@@ -112,7 +112,7 @@ def _top_offers(
         first = taken.ravel()
         last = np.full(row.size, cap)
     else:
-        row, expert = np.nonzero(next_offer >= floor[:, None] * (1 - 1e-9))
+        row, expert = rows_cols(next_offer >= floor[:, None] * (1 - 1e-9))
         first = taken[row, expert]
         last = np.floor(weight[row, expert] / floor[row] * (1 + 1e-9))
         last = np.clip(last.astype(np.int64), first + 1, cap)

@@ -62,6 +62,14 @@ def argsort_rows(values: np.ndarray, descending: bool = False) -> np.ndarray:
     return keys
 
 
+def rows_cols(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.nonzero` of a 2-D mask through the flat one, which numpy does ~10x faster.
+
+    mask: [X, n] bool. Returns: row, column [K] int64, in row-major order.
+    """
+    return np.divmod(np.flatnonzero(mask), mask.shape[1])
+
+
 def trivial_placement(num_layers: int, num_logical: int, num_slots: int, num_gpus: int) -> np.ndarray:
     """Contiguous placement: slot p holds expert p % E.
 
