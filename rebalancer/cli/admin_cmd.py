@@ -167,6 +167,11 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
                 if not sep or field is None:
                     names = ", ".join(policy.DESCRIPTOR.fields_by_name)
                     raise InputError(f"setting {item!r}: expected key=value with key one of {names}")
+                if field.type == field.TYPE_BOOL:
+                    if value.lower() not in ("true", "false", "1", "0"):
+                        raise InputError(f"setting {item!r}: {value!r} is not true or false")
+                    setattr(policy, key, value.lower() in ("true", "1"))
+                    continue
                 try:
                     setattr(policy, key, int(value) if field.type == field.TYPE_UINT32 else float(value))
                 except ValueError:

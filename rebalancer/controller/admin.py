@@ -33,9 +33,18 @@ def policy_msg(policy: PolicyConfig) -> pb.Policy:
     return pb.Policy(**{name: getattr(policy, name) for name in _WIRE_POLICY_FIELDS})
 
 
+# Fields with presence on the wire: absent means "keep the current value".
+_OPTIONAL_POLICY_FIELDS = tuple(
+    f.name for f in pb.Policy.DESCRIPTOR.fields if f.has_presence and f.containing_oneof is not None
+)
+
+
 def policy_from_msg(msg: pb.Policy, base: PolicyConfig) -> PolicyConfig:
     known = {f.name for f in fields(PolicyConfig)}
-    values = {name: getattr(msg, name) for name in _WIRE_POLICY_FIELDS if name in known}
+    values = {
+        name: getattr(msg, name) for name in _WIRE_POLICY_FIELDS
+        if name in known and (name not in _OPTIONAL_POLICY_FIELDS or msg.HasField(name))
+    }
     for name in ("min_windows", "estimate_window"):
         values[name] = int(values.get(name, getattr(base, name)))
     policy = replace(base, **values)

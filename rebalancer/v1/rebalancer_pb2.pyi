@@ -198,7 +198,7 @@ class PlanReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Policy(_message.Message):
-    __slots__ = ("min_interval_seconds", "gain_threshold", "horizon_seconds", "max_moved_fraction", "decay", "min_windows", "decision_period_seconds", "prepare_timeout_seconds", "link_bandwidth_gbps", "step_seconds", "overlap_penalty", "commit_gbps", "swap_seconds", "estimate_window", "noise_z")
+    __slots__ = ("min_interval_seconds", "gain_threshold", "horizon_seconds", "max_moved_fraction", "decay", "min_windows", "decision_period_seconds", "prepare_timeout_seconds", "link_bandwidth_gbps", "step_seconds", "overlap_penalty", "commit_gbps", "swap_seconds", "estimate_window", "noise_z", "shrink", "prior_decay")
     MIN_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GAIN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     HORIZON_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,8 @@ class Policy(_message.Message):
     SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_WINDOW_FIELD_NUMBER: _ClassVar[int]
     NOISE_Z_FIELD_NUMBER: _ClassVar[int]
+    SHRINK_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_DECAY_FIELD_NUMBER: _ClassVar[int]
     min_interval_seconds: float
     gain_threshold: float
     horizon_seconds: float
@@ -229,7 +231,9 @@ class Policy(_message.Message):
     swap_seconds: float
     estimate_window: int
     noise_z: float
-    def __init__(self, min_interval_seconds: _Optional[float] = ..., gain_threshold: _Optional[float] = ..., horizon_seconds: _Optional[float] = ..., max_moved_fraction: _Optional[float] = ..., decay: _Optional[float] = ..., min_windows: _Optional[int] = ..., decision_period_seconds: _Optional[float] = ..., prepare_timeout_seconds: _Optional[float] = ..., link_bandwidth_gbps: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overlap_penalty: _Optional[float] = ..., commit_gbps: _Optional[float] = ..., swap_seconds: _Optional[float] = ..., estimate_window: _Optional[int] = ..., noise_z: _Optional[float] = ...) -> None: ...
+    shrink: bool
+    prior_decay: float
+    def __init__(self, min_interval_seconds: _Optional[float] = ..., gain_threshold: _Optional[float] = ..., horizon_seconds: _Optional[float] = ..., max_moved_fraction: _Optional[float] = ..., decay: _Optional[float] = ..., min_windows: _Optional[int] = ..., decision_period_seconds: _Optional[float] = ..., prepare_timeout_seconds: _Optional[float] = ..., link_bandwidth_gbps: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overlap_penalty: _Optional[float] = ..., commit_gbps: _Optional[float] = ..., swap_seconds: _Optional[float] = ..., estimate_window: _Optional[int] = ..., noise_z: _Optional[float] = ..., shrink: _Optional[bool] = ..., prior_decay: _Optional[float] = ...) -> None: ...
 
 class DeploymentRef(_message.Message):
     __slots__ = ("deployment",)

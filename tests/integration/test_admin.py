@@ -22,6 +22,7 @@ import pytest
 
 from rebalancer import placement
 from rebalancer.cli import main as cli
+from rebalancer.controller.admin import policy_from_msg
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
@@ -159,6 +160,17 @@ def test_pause_resume_and_policy(live: tuple[EmbeddedController, list[InstantRan
     code, _, err = admin(ctl, "policy", "dsv3", "nonsense=1")
     assert code == 2 and "key one of" in err
     assert json.loads(admin(ctl, "--json", "policy", "dsv3")[1])["max_moved_fraction"] == 0.3
+    # The estimator's shrinkage: a boolean and a fraction; a bad boolean is refused.
+    code, out, _ = admin(ctl, "--json", "policy", "dsv3", "shrink=false", "prior_decay=0.95")
+    assert code == 0 and json.loads(out)["shrink"] is False and json.loads(out)["prior_decay"] == 0.95
+    code, _, err = admin(ctl, "policy", "dsv3", "shrink=maybe")
+    assert code == 2 and "true or false" in err
+    # A message without the optional fields keeps their current values.
+    base = PolicyConfig(shrink=False, prior_decay=0.95)
+    kept = policy_from_msg(pb.Policy(**{k: v for k, v in base.to_dict().items()
+                                        if k in pb.Policy.DESCRIPTOR.fields_by_name
+                                        and k not in ("shrink", "prior_decay")}), base)
+    assert kept.shrink is False and kept.prior_decay == 0.95
 
 
 def test_refusals_change_nothing(live: tuple[EmbeddedController, list[InstantRank]]) -> None:
