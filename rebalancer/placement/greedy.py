@@ -114,8 +114,9 @@ def _top_offers(
     else:
         row, expert = rows_cols(next_offer >= floor[:, None] * (1 - 1e-9))
         first = taken[row, expert]
-        last = np.floor(weight[row, expert] / floor[row] * (1 + 1e-9))
-        last = np.clip(last.astype(np.int64), first + 1, cap)
+        # capped as floats first: a tiny floor must not overflow the integer cast
+        last = np.minimum(np.floor(weight[row, expert] / floor[row] * (1 + 1e-9)), cap)
+        last = np.maximum(last.astype(np.int64), first + 1)
     per_expert = last - first
     owner = np.repeat(np.arange(row.size), per_expert)
     if owner.size == 0:
