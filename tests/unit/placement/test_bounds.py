@@ -75,3 +75,61 @@ def test_hierarchical_bound_sees_the_busiest_node():
     assert nested == pytest.approx(11 / 2)
     result = compute_placement(load, 16, 4, 2, 4)
     assert result.balancedness <= (13 / 4) / nested + 1e-9
+
+
+def _lp_relaxation_max_load(weight: np.ndarray, num_gpus: int, per_gpu: int) -> float:
+    """The natural LP relaxation of placement, solved by HiGHS: x[e, g] share of expert
+    e's load on GPU g, y[e, g] its (fractional) slot there; min T subject to every load
+    placed, x <= y, at most `per_gpu` slots per GPU, every GPU's load <= T."""
+    from scipy.optimize import linprog
+
+    E, G = len(weight), num_gpus
+    n = 2 * E * G + 1  # x, y, T
+    x = lambda e, g: e * G + g  # noqa: E731
+    y = lambda e, g: E * G + e * G + g  # noqa: E731
+    a_ub, b_ub, a_eq, b_eq = [], [], [], []
+    for e in range(E):
+        row = np.zeros(n)
+        row[[x(e, g) for g in range(G)]] = 1
+        a_eq.append(row)
+        b_eq.append(1.0)
+        for g in range(G):
+            row = np.zeros(n)
+            row[x(e, g)], row[y(e, g)] = 1, -1
+            a_ub.append(row)
+            b_ub.append(0.0)
+    for g in range(G):
+        row = np.zeros(n)
+        row[[y(e, g) for e in range(E)]] = 1
+        a_ub.append(row)
+        b_ub.append(per_gpu)
+        row = np.zeros(n)
+        row[[x(e, g) for e in range(E)]] = weight
+        row[-1] = -1
+        a_ub.append(row)
+        b_ub.append(0.0)
+    cost = np.zeros(n)
+    cost[-1] = 1
+    res = linprog(cost, A_ub=np.array(a_ub), b_ub=b_ub, A_eq=np.array(a_eq), b_eq=b_eq,
+                  bounds=[(0, 1)] * (2 * E * G) + [(0, None)], method="highs")
+    assert res.status == 0
+    return float(res.fun)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lp_relaxation_only_restates_the_mean_and_our_bound_is_stronger(seed):
+    # Why bounds.py has no LP: with GPUs alike, HiGHS's optimum of the LP relaxation is
+    # total / G on every input, while the combinatorial bound is at least that and
+    # strictly above it on skewed loads.
+    rng = np.random.default_rng(seed)
+    weight = rng.pareto(1.2, size=6) * 100 + 1
+    num_gpus, per_gpu = 3, 3
+    lp = _lp_relaxation_max_load(weight, num_gpus, per_gpu)
+    assert lp == pytest.approx(weight.sum() / num_gpus, rel=1e-7)
+    ours = max_load_lower_bound(weight[None, :], num_gpus * per_gpu, num_gpus)[0]
+    assert ours >= lp * (1 - 1e-12)
+    skewed = np.array([100.0, 1, 1, 1, 1, 1])
+    # no spare slot: the hot expert cannot split, so some GPU carries >= 100; the LP
+    # spreads it over fractional slots and says 35
+    assert _lp_relaxation_max_load(skewed, 3, 2) == pytest.approx(35.0)
+    assert max_load_lower_bound(skewed[None, :], 6, 3)[0] >= 100.0
