@@ -167,6 +167,34 @@ def test_ipc_refuses_unshared_cpu_weights_on_every_rank() -> None:
     assert all("rank 2 cannot share its weights" in m for m in messages), messages
 
 
+def _two_hosts_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, out: str, transport: str) -> None:
+    import worker_hooks.outbox as outbox
+
+    if rank == 1:  # as if rank 1 ran on another machine
+        outbox.socket_host = lambda: "elsewhere"  # type: ignore[assignment]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
+    group = dist.new_group(backend="gloo")
+    ex = MigrationExecutor(rank, G, shared_weights_for(old, rank, out), group, transport=transport)
+    message = ""
+    try:
+        ex.prepare(1, moves)
+    except RuntimeError as exc:
+        message = str(exc)
+    with open(f"{out}/{rank}.txt", "w") as fh:
+        fh.write(message)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "outbox"])
+def test_shared_transports_refuse_ranks_on_several_hosts(transport: str) -> None:
+    old, _new, moves = _moves()
+    with tempfile.TemporaryDirectory() as out:
+        init = f"file://{os.path.join(out, 'rdzv')}"
+        mp.spawn(_two_hosts_worker, args=(init, old, moves, out, transport), nprocs=G, join=True)
+        messages = [open(f"{out}/{r}.txt").read() for r in range(G)]
+    assert all("on one host" in m and "elsewhere" in m for m in messages), messages
+
+
 def test_outbox_schedule_covers_every_remote_move_once() -> None:
     _old, _new, moves = _moves()
     plan = outbox_schedule(moves, 4)
