@@ -59,6 +59,8 @@ class DemoConfig:
     # Weight transfers between the worker processes: "p2p" (gloo send/recv) or "ipc"
     # (each rank reads what it gains from its peers' weights in shared memory).
     transport: str = "p2p"
+    # Where the workers keep the hook and the expert weights: "cpu" or "cuda".
+    device: str = "cpu"
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(
         min_interval_seconds=1.0, gain_threshold=0.03, horizon_seconds=60.0,
         max_moved_fraction=0.3, decay=0.5, min_windows=2, decision_period_seconds=0.25,
@@ -117,7 +119,7 @@ def launch_workers(
             "--experts", str(config.experts), "--slots", str(config.slots), "--layers", str(config.layers),
             "--top-k", str(config.top_k), "--window-steps", str(config.window_steps),
             "--max-seconds", str(config.timeout_seconds), "--out", str(folder / f"rank{rank}.json"),
-            "--transport", config.transport,
+            "--transport", config.transport, "--device", config.device,
             *(extra_args or {}).get(rank, []),
         ]
         procs.append(subprocess.Popen(cmd, env=env))

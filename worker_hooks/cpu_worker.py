@@ -7,6 +7,11 @@ tokens with the other ranks, runs the experts it holds on its live weights,
 and combines. It checks its outputs against the unbalanced reference model
 (invariant 1) and logs the placement version of every step (invariant 2).
 
+With `--device cuda` the hook (recorder, dispatch, expert weights, migration) lives on
+GPU `rank % device_count`, weights move between GPUs (NCCL p2p, or the copy engines
+with `--transport ipc`); the small expert math and the token exchange stay on CPU, so
+outputs are still compared bit for bit with the CPU reference.
+
     python -m worker_hooks.cpu_worker --rank 0 --world 4 --port 29500 \
         --controller 127.0.0.1:50051 --profile routing.npz --out rank0.json
 """
@@ -60,7 +65,7 @@ def ep_forward(
     exchange: bool,
 ) -> torch.Tensor:
     """One MoE layer across the EP group; x [T, H] -> [T, H]."""
-    phys = hook.route(layer, topk)
+    phys = hook.route(layer, topk.to(hook.device)).cpu()
     S = hook.config.slots_per_rank
     if exchange:
         # One all-gather carries tokens and their slots (slot ids are exact in fp32).
@@ -75,8 +80,9 @@ def ep_forward(
     n, k = mine.nonzero(as_tuple=True)
     local = PH[n, k] - rank * S
     Y = torch.zeros(X.shape[0], PH.shape[1], X.shape[1])
+    on = local.to(hook.device)
     Y[n, k] = expert_forward(
-        X[n], hook.weights["w1"][layer, local], hook.weights["w2"][layer, local]
+        X[n], hook.weights["w1"][layer, on].cpu(), hook.weights["w2"][layer, on].cpu()
     )
     if exchange:
         dist.all_reduce(Y)  # each (token, k) is non-zero on exactly one rank: the sum is exact
@@ -159,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         "--transport", choices=("p2p", "ipc", "outbox"), default="p2p",
         help="weight transfers: gloo point-to-point, or reads from the peers' shared memory",
     )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the hook and the expert weights live (cuda: GPU rank %% count)")
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token")
     p.add_argument("--out", required=True)
@@ -177,8 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world,
         timeout=timeout,
     )
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", args.rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     agree_group = dist.new_group(backend="gloo", timeout=timeout)
-    migrate_group = dist.new_group(backend="gloo", timeout=timeout)
+    # NCCL carries GPU weights for p2p; the shared-memory transports talk over gloo.
+    nccl = device.type == "cuda" and args.transport == "p2p"
+    migrate_group = dist.new_group(backend="nccl" if nccl else "gloo", timeout=timeout)
 
     cfg = MoEConfig(num_layers=args.layers, num_experts=args.experts, top_k=args.top_k)
     data = np.load(args.profile)
@@ -187,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     S = args.slots // args.world
     weights = slot_weights(cfg, phy2log, range(args.rank * S, (args.rank + 1) * S))
     shared_files: list[str] = []
-    if args.transport == "ipc":
+    if device.type == "cuda":
+        weights = {name: w.to(device) for name, w in weights.items()}
+    elif args.transport == "ipc":
         weights = in_shared_memory(weights, f"rank{args.rank}", shared_files)
     hook = FaultyHook(
         HookConfig(
@@ -209,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         weights,
         agree_group,
         migrate_group,
+        device=device,
     )
     hook.fault = args.fault
     if args.transport != "p2p":
@@ -267,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "weights_match_map": bool(
             all(
                 torch.equal(
-                    hook.weights["w1"][layer, s],
+                    hook.weights["w1"][layer, s].cpu(),
                     reference.w1[layer, int(hook.phy2log[layer, args.rank * S + s])],
                 )
                 for layer in range(cfg.num_layers)

@@ -25,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", choices=("p2p", "ipc"), default="p2p",
                    help="weight transfers between workers: gloo send/recv (default) or reads "
                         "from the peers' weights in shared memory")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where workers keep hooks and expert weights (cuda: one GPU per rank)")
     p.add_argument("--db", default=None, help="SQLite file of the controller (default: temporary)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--verbose", action="store_true", help="controller and worker logs")
@@ -37,6 +39,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers < 2 or args.windows < 4 or args.window_steps < 1:
         raise InputError("need --workers >= 2, --windows >= 4, --window-steps >= 1")
+    if args.device == "cuda":
+        import torch  # the workers' dependency; only asked here to fail early and clearly
+
+        if torch.cuda.device_count() < args.workers:
+            raise InputError(
+                f"--device cuda needs one GPU per worker: {args.workers} workers, "
+                f"{torch.cuda.device_count()} GPU(s) visible"
+            )
     slots = args.slots or args.experts + 2 * args.workers
     if slots % args.workers or slots < args.experts:
         raise InputError(f"--slots {slots} must be a multiple of --workers and >= --experts")
@@ -46,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers, layers=args.layers, experts=args.experts, slots=slots,
         steps=args.windows * args.window_steps, window_steps=args.window_steps, db_path=args.db,
         worker_log="INFO" if args.verbose else "WARNING", transport=args.transport,
+        device=args.device,
     )
     summary = run_demo(config)
     print()
