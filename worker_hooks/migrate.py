@@ -158,7 +158,12 @@ class MigrationExecutor:
                        or t[:, [DST_SLOT, SRC_SLOT]].max() >= self.slots_per_rank
                        or t[:, LAYER].max() >= self.num_layers):
             raise ValueError("transfer list refers to ranks, slots or layers out of range")
-        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        # The current CUDA device is per thread: prepare runs on a background thread
+        # whose device would otherwise be cuda:0 (NCCL and events need this rank's).
+        stream_ctx = contextlib.ExitStack()
+        if self._stream is not None:
+            stream_ctx.enter_context(torch.cuda.device(self.device))
+            stream_ctx.enter_context(torch.cuda.stream(self._stream))
         with stream_ctx:
             if self.transport == "ipc":
                 staging, incoming, sent, received = self._exchange_ipc(version, t, start)
@@ -443,7 +448,7 @@ class MigrationExecutor:
         self._committed_version = version
         if self.device.type == "cuda":  # peers read these rows once the copy is done
             self._commit_event = torch.cuda.Event()
-            self._commit_event.record()
+            self._commit_event.record(torch.cuda.current_stream(self.device))
         return len(index)
 
     def abort(self, version: int) -> None:
