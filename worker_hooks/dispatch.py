@@ -194,9 +194,11 @@ class ReplicaDispatch:
             self._h2d_done.synchronize()
             self._host_table.numpy()[...] = table
             self._host_map.numpy()[...] = padded
-            self._staged.copy_(self._host_table, non_blocking=True)
-            self._staged_map.copy_(self._host_map, non_blocking=True)
-            self._h2d_done.record()
+            # Staging runs on the migration thread, whose current device is its own.
+            with torch.cuda.device(self.device):
+                self._staged.copy_(self._host_table, non_blocking=True)
+                self._staged_map.copy_(self._host_map, non_blocking=True)
+                self._h2d_done.record(torch.cuda.current_stream(self.device))
         self._has_staged = True
 
     def commit(self) -> None:
