@@ -119,7 +119,6 @@ class MigrationExecutor:
         self.copy_streams = max(1, copy_streams)
         self._outboxes: SharedOutboxes | None = None
         self._peer_weights: dict[int, dict[str, torch.Tensor]] | None = None
-        self._committed_version = 0
         self._commit_event: torch.cuda.Event | None = None
         self._read_streams: dict[int, torch.cuda.Stream] = {}  # "ipc" reads, made once
         self._lock = threading.Lock()
@@ -270,16 +269,17 @@ class MigrationExecutor:
         """Read each gained row from the peer's live weights. Staging rows are ordered
         by (source rank, layer, source slot), so rows adjacent in a peer's weights
         are one `copy_` per weight."""
-        # 1. Every rank's commits are on its device, nobody aborted, same base.
+        # 1. Every rank's last commit is done on its device, nobody aborted, and all
+        #    prepare the same plan (each rank's hook checked the plan's base version).
         if self._commit_event is not None:
             self._commit_event.synchronize()
-        state = torch.tensor([int(version in self._aborted), self._committed_version], dtype=torch.int64)
+        state = torch.tensor([int(version in self._aborted), version], dtype=torch.int64)
         states = [torch.zeros_like(state) for _ in range(self.world_size)]
         dist.all_gather(states, state, group=self.group)
         if any(int(s[0]) for s in states):
             raise MigrationAborted(f"plan v{version} aborted while preparing")
         if len({int(s[1]) for s in states}) > 1:
-            raise RuntimeError(f"ranks committed different versions: {[int(s[1]) for s in states]}")
+            raise RuntimeError(f"ranks prepare different plans: {[int(s[1]) for s in states]}")
         self.connect()
         assert self._peer_weights is not None
         # 2. Incoming rows, sorted so that runs of adjacent source rows are contiguous.
@@ -445,7 +445,6 @@ class MigrationExecutor:
         if len(index):
             for name, w in self.weights.items():
                 self._flat(w).index_copy_(0, index, staging[name])
-        self._committed_version = version
         if self.device.type == "cuda":  # peers read these rows once the copy is done
             self._commit_event = torch.cuda.Event()
             self._commit_event.record(torch.cuda.current_stream(self.device))
