@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -140,12 +141,11 @@ class SharedOutboxes:
             except Exception as exc:  # reported on every rank below, none left waiting
                 error = f"rank {rank} could not map a peer's outbox: {exc!r}"
         # 3. One verdict for all: a rank that raised alone would leave the others hanging.
-        errors: list[object] = [None] * world_size
-        dist.all_gather_object(errors, error, group=group)
-        first = next((e for e in errors if e), "")
-        if first:
+        try:
+            raise_on_any_error(error, world_size, group)
+        except RuntimeError:
             self.close()
-            raise RuntimeError(str(first))
+            raise
         # 4. Everyone has mapped everything: the shared-memory names can go.
         self._unlink()
 
@@ -229,19 +229,22 @@ def map_peer_weights(
                         peers[peer][name] = whole[offset:offset + int(np.prod(shape))].view(shape)
         except Exception as exc:
             error = f"rank {rank} could not map a peer's weights: {exc!r}"
-    # One verdict for all: a rank that raised alone would leave the others hanging.
-    errors: list[object] = [None] * world_size
-    dist.all_gather_object(errors, error, group=group)
-    first_error = next((e for e in errors if e), "")
-    if first_error:
-        raise RuntimeError(str(first_error))
+    raise_on_any_error(error, world_size, group)
     return peers
 
 
 def socket_host() -> str:
-    import socket
-
     return socket.gethostname()
+
+
+def raise_on_any_error(error: str, world_size: int, group: dist.ProcessGroup | None) -> None:
+    """One verdict for all ranks (collective): a rank that raised alone would leave its
+    peers waiting in the next collective. Raises the first rank's error everywhere."""
+    errors: list[object] = [None] * world_size
+    dist.all_gather_object(errors, error, group=group)
+    first = next((e for e in errors if e), "")
+    if first:
+        raise RuntimeError(str(first))
 
 
 def _gpu_id(device: torch.device) -> tuple[int, str]:
