@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import json
 import logging
 import os
 import signal
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
@@ -38,6 +36,7 @@ from rebalancer.placement import trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
 from worker_hooks.hook import HookConfig, RebalanceHook
 from worker_hooks.moe import MoEConfig, ReferenceMoE, combine, expert_forward, slot_weights
+from worker_hooks.outbox import in_shared_memory, unlink_quietly
 
 log = logging.getLogger("worker_hooks.cpu_worker")
 
@@ -108,27 +107,6 @@ class FaultyHook(RebalanceHook):
     def after_transfers(self, version: int) -> None:
         if self.fault == "fail":
             raise RuntimeError("injected failure after transfers")
-
-
-def in_shared_memory(weights: dict[str, torch.Tensor], tag: str, files: list[str]) -> dict[str, torch.Tensor]:
-    """The same tensors in shared-memory files, so that peers can map them ("ipc"
-    transport on CPU); their names are appended to `files`. Unlinked once mapped, or
-    at exit; mappings outlive the names."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    out = {}
-    for name, w in weights.items():
-        path = os.path.join(base, f"rebalancer-weights-{os.getpid()}-{tag}-{name}")
-        shared = torch.from_file(path, shared=True, size=w.numel(), dtype=w.dtype).view(w.shape)
-        shared.copy_(w)
-        atexit.register(_unlink_quietly, path)
-        files.append(path)
-        out[name] = shared
-    return out
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     shared_files: list[str] = []
     if device.type == "cuda":
         weights = {name: w.to(device) for name, w in weights.items()}
-    elif args.transport == "ipc":
-        weights = in_shared_memory(weights, f"rank{args.rank}", shared_files)
+    elif args.transport == "ipc":  # peers map CPU weights by file name
+        weights, shared_files = in_shared_memory(weights, f"rank{args.rank}")
+        for path in shared_files:
+            atexit.register(unlink_quietly, path)
     hook = FaultyHook(
         HookConfig(
             controller=args.controller,
@@ -231,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.transport != "p2p":
         hook.executor.connect()  # map the peers now: then the file names can go
         for path in shared_files:
-            _unlink_quietly(path)
+            unlink_quietly(path)
     reference = ReferenceMoE(cfg)
     hook.start()
     hook.agent.connected.wait(timeout=10)  # serve anyway if the controller is not there

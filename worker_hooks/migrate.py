@@ -120,7 +120,8 @@ class MigrationExecutor:
         self._outboxes: SharedOutboxes | None = None
         self._peer_weights: dict[int, dict[str, torch.Tensor]] | None = None
         self._commit_event: torch.cuda.Event | None = None
-        self._read_streams: dict[int, torch.cuda.Stream] = {}  # "ipc" reads, made once
+        # Streams that peer reads run on, by (device index, lane); made once.
+        self._read_streams: dict[tuple[int | None, int], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
         self._staged_version: int | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # name -> [n_in, ...]
@@ -174,8 +175,7 @@ class MigrationExecutor:
             self._stream.synchronize()
         index = self._flat_index(incoming[:, LAYER], incoming[:, DST_SLOT])
         with self._lock:
-            if version in self._aborted:
-                raise MigrationAborted(f"plan v{version} aborted while preparing")
+            self._check_aborted(version)
             self._staging, self._staged_index, self._staged_version = staging, index, version
         return PrepareStats(version, len(incoming), received, sent, time.perf_counter() - start)
 
@@ -196,8 +196,9 @@ class MigrationExecutor:
     def _pace(self, start: float, bytes_done: int) -> None:
         """Sleep until `bytes_done` is within the `max_gbps` budget since `start`."""
         if self.max_gbps > 0 and bytes_done:
-            if self._stream is not None:
-                self._stream.synchronize()  # pace what has moved, not what is queued
+            if self._stream is not None:  # pace what has moved, not what is queued
+                self._stream.synchronize()
+            self._sync_reads()
             ahead = bytes_done / (self.max_gbps * 1e9) - (time.perf_counter() - start)
             if ahead > 0:
                 time.sleep(ahead)
@@ -205,6 +206,35 @@ class MigrationExecutor:
     def _check_aborted(self, version: int) -> None:
         if version in self._aborted:
             raise MigrationAborted(f"plan v{version} aborted while preparing")
+
+    def _agree(self, version: int) -> None:
+        """Collective on the group: every rank got here in plan `version`. An abort seen
+        by any rank stops all of them here together, none is left waiting."""
+        state = torch.tensor([int(version in self._aborted), version], dtype=torch.int64)
+        states = [torch.zeros_like(state) for _ in range(self.world_size)]
+        dist.all_gather(states, state, group=self.group)
+        if any(int(s[0]) for s in states):
+            raise MigrationAborted(f"plan v{version} aborted while preparing")
+        if len({int(s[1]) for s in states}) > 1:
+            raise RuntimeError(f"ranks prepare different plans: {[int(s[1]) for s in states]}")
+
+    def _reading_from(self, src: torch.device, lane: int) -> contextlib.ExitStack:
+        """Run `copy_` from a peer's memory on `src` on read streams of its own at both
+        ends (torch copies between devices on the source's current stream, then makes
+        the destination's current stream wait): reads stay off serving's stream and off
+        the side stream, whose packing they then overlap. No-op on CPU."""
+        ctx = contextlib.ExitStack()
+        if self.device.type == "cuda":
+            for dev in (self.device, src):
+                key = (dev.index, lane)
+                if key not in self._read_streams:
+                    self._read_streams[key] = torch.cuda.Stream(dev)
+                ctx.enter_context(torch.cuda.stream(self._read_streams[key]))
+        return ctx
+
+    def _sync_reads(self) -> None:
+        for stream in self._read_streams.values():
+            stream.synchronize()
 
     # ------------------------------------------------------------ p2p transport
 
@@ -273,13 +303,7 @@ class MigrationExecutor:
         #    prepare the same plan (each rank's hook checked the plan's base version).
         if self._commit_event is not None:
             self._commit_event.synchronize()
-        state = torch.tensor([int(version in self._aborted), version], dtype=torch.int64)
-        states = [torch.zeros_like(state) for _ in range(self.world_size)]
-        dist.all_gather(states, state, group=self.group)
-        if any(int(s[0]) for s in states):
-            raise MigrationAborted(f"plan v{version} aborted while preparing")
-        if len({int(s[1]) for s in states}) > 1:
-            raise RuntimeError(f"ranks prepare different plans: {[int(s[1]) for s in states]}")
+        self._agree(version)
         self.connect()
         assert self._peer_weights is not None
         # 2. Incoming rows, sorted so that runs of adjacent source rows are contiguous.
@@ -287,12 +311,8 @@ class MigrationExecutor:
         incoming = incoming[np.lexsort((incoming[:, SRC_SLOT], incoming[:, LAYER], incoming[:, SRC_RANK]))]
         staging = self._new_staging(len(incoming))
         src_row = incoming[:, LAYER] * self.slots_per_rank + incoming[:, SRC_SLOT]
-        breaks = np.flatnonzero(
-            (np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)
-        ) + 1 if len(incoming) else np.zeros(0, dtype=np.int64)
+        breaks = np.flatnonzero((np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)) + 1
         runs = np.split(np.arange(len(incoming)), breaks) if len(incoming) else []
-        read_streams = self._read_streams
-        used: set[int] = set()
         received = 0
         for i, run in enumerate(runs):
             self._check_aborted(version)
@@ -302,32 +322,17 @@ class MigrationExecutor:
                 self._copy_local(incoming[lo:lo + n], staging, lo)
                 continue
             first = int(src_row[lo])
-            ctx = contextlib.ExitStack()
-            if self.device.type == "cuda":
-                src_dev = next(iter(self._peer_weights[peer].values())).device
-                lane = i % self.copy_streams
-                # Reads off serving's streams, at both ends (keys: -1 - lane is ours).
-                for key, dev in ((-1 - lane, self.device), (peer * self.copy_streams + lane, src_dev)):
-                    if key not in read_streams:
-                        read_streams[key] = torch.cuda.Stream(dev)
-                    used.add(key)
-                    ctx.enter_context(torch.cuda.stream(read_streams[key]))
-            with ctx:
-                for name, w in self._peer_weights[peer].items():
+            peer_weights = self._peer_weights[peer]
+            src = next(iter(peer_weights.values())).device
+            with self._reading_from(src, lane=i % self.copy_streams):
+                for name, w in peer_weights.items():
                     staging[name][lo:lo + n].copy_(self._flat(w)[first:first + n], non_blocking=True)
             received += n * self.expert_bytes
-            self._pace_streams(start, received, [read_streams[k] for k in used])
-        for key in used:
-            read_streams[key].synchronize()
+            self._pace(start, received)
+        self._sync_reads()
         # Senders do no work: their rows are read by the receivers.
-        sent = int((t[:, SRC_RANK] == self.rank).sum() - ((t[:, SRC_RANK] == self.rank) & (t[:, DST_RANK] == self.rank)).sum())
+        sent = int(((t[:, SRC_RANK] == self.rank) & (t[:, DST_RANK] != self.rank)).sum())
         return staging, incoming, sent * self.expert_bytes, received
-
-    def _pace_streams(self, start: float, bytes_done: int, streams: list[torch.cuda.Stream]) -> None:
-        if self.max_gbps > 0:
-            for stream in streams:
-                stream.synchronize()
-            self._pace(start, bytes_done)
 
     # ------------------------------------------------------------ outbox transport
 
@@ -335,7 +340,7 @@ class MigrationExecutor:
         self, version: int, t: np.ndarray, start: float
     ) -> tuple[dict[str, torch.Tensor], np.ndarray, int, int]:
         """Step k: pack this rank's rows of step k into outbox k % 2, wait until every
-        rank packed step k and finished reading step k - 1 (one all-reduce, which also
+        rank packed step k and finished reading step k - 1 (`_agree`, which also
         carries an abort seen by any rank so that all stop together), then pull step
         k's rows from each peer's outbox into staging. Reading step k overlaps packing
         step k + 1 into the other outbox.
@@ -356,18 +361,6 @@ class MigrationExecutor:
         in_src = plan.remote[mine_in, SRC_RANK]
         staging = self._new_staging(len(incoming))
         self._copy_local(local, staging, int(mine_in.sum()))
-        # Reads run on a stream of the peer's device (torch copies between devices on
-        # the source's current stream, then makes the destination's current stream
-        # wait): streams of their own on both ends keep them off serving's stream and
-        # let packing the next step on the side stream overlap them.
-        read_streams: dict[int, torch.cuda.Stream] = {}
-        if self.device.type == "cuda":
-            first_name = next(iter(self.weights))
-            read_streams = {
-                peer: torch.cuda.Stream(boxes.peer[peer][0][first_name].device) for peer in boxes.peer
-            }
-            read_streams[self.rank] = torch.cuda.Stream(self.device)
-        flag = torch.zeros(1, dtype=torch.int32)
         sent = received = 0
         for k in range(plan.steps):
             # 1. Pack step k (outbox k % 2 was last read in step k - 2: free).
@@ -380,34 +373,24 @@ class MigrationExecutor:
                 sent += len(out_rows) * self.expert_bytes
             if self._stream is not None:
                 self._stream.synchronize()
-            for s in read_streams.values():
-                s.synchronize()  # step k - 1's reads are done
+            self._sync_reads()  # step k - 1's reads are done
             # 2. Everyone packed k and read k - 1; any abort stops every rank here.
-            flag[0] = int(version in self._aborted)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            if int(flag[0]):
-                raise MigrationAborted(f"plan v{version} aborted while preparing")
+            self._agree(version)
             # 3. Read step k from each peer: one contiguous block per peer and weight.
             for peer in np.unique(in_src[in_step == k]):
                 sel = np.flatnonzero((in_step == k) & (in_src == peer))
                 lo, n = int(sel[0]), len(sel)
                 first = int(in_row[sel[0]])
                 src_box = boxes.peer[int(peer)][k % 2]
-                ctx = contextlib.ExitStack()
-                if read_streams:
-                    ctx.enter_context(torch.cuda.stream(read_streams[self.rank]))
-                    ctx.enter_context(torch.cuda.stream(read_streams[int(peer)]))
-                with ctx:
+                with self._reading_from(next(iter(src_box.values())).device, lane=0):
                     for name in self.weights:
                         staging[name][lo:lo + n].copy_(src_box[name][first:first + n], non_blocking=True)
                 received += n * self.expert_bytes
             self._pace(start, received)
-        for s in read_streams.values():
-            s.synchronize()
+        self._sync_reads()
         # 4. No rank reuses its outboxes before every peer finished reading them.
         if plan.steps:
-            flag[0] = 0
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            self._agree(version)
         return staging, incoming, sent, received
 
     def connect(self) -> None:

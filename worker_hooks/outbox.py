@@ -4,7 +4,8 @@ NCCL moves weights with kernels that take SMs from serving. Between ranks of one
 a receiver can instead read what it gains itself: on GPU the peer's memory is mapped
 through CUDA IPC and read with `copy_`, which runs on the copy engines (no SMs, the
 NVLink bandwidth of a plain peer copy); on CPU the memory is a file in shared memory.
-`map_peer_weights` maps the peers' live weights themselves (the "ipc" transport).
+`share_tensors` is the one mechanism: every rank exports handles of some tensors and
+maps its peers'. `map_peer_weights` shares the live weights (the "ipc" transport).
 For weights that cannot be mapped whole, `SharedOutboxes` gives each rank two outboxes
 per weight tensor that it packs its outgoing rows into, so that packing step k + 1
 overlaps the peers' reads of step k (the "outbox" transport). Mappings are made once
@@ -16,12 +17,15 @@ outbox at which step."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
 import tempfile
 import uuid
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +33,8 @@ import torch.distributed as dist
 
 # Columns of a transfer list (see proto Prepare.transfers).
 LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
+
+Key = TypeVar("Key", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -96,83 +102,30 @@ class SharedOutboxes:
         rows: int,
         group: dist.ProcessGroup | None,
     ) -> None:
-        self.rank, self.world_size, self.rows = rank, world_size, rows
-        self.device = device
-        self._files: list[str] = []
-        # 1. Own boxes: [box][name] -> [rows, ...].
-        self.own: list[dict[str, torch.Tensor]] = []
-        exported: list[dict[str, object]] = []
+        self.rows = rows
+        # 1. Own boxes, keyed (box, name): [rows, ...] each.
+        own: dict[tuple[int, str], torch.Tensor] = {}
+        files: list[str] = []
         for box in range(2):
-            tensors: dict[str, torch.Tensor] = {}
-            handles: dict[str, object] = {}
             for name, shape in shapes.items():
-                numel = rows * int(np.prod(shape))
                 if device.type == "cuda":
-                    t = torch.empty((rows, *shape), dtype=dtype, device=device)
-                    handles[name] = _cuda_handle(t)
+                    own[(box, name)] = torch.empty((rows, *shape), dtype=dtype, device=device)
                 else:
-                    path = _shm_path(f"{box}-{name}")
-                    self._files.append(path)
-                    t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(rows, *shape)
-                    handles[name] = path
-                tensors[name] = t
-            self.own.append(tensors)
-            exported.append(handles)
-        # 2. Every rank's handles to every rank, then open the peers' boxes.
-        gathered: list[object] = [None] * world_size
-        dist.all_gather_object(gathered, (exported, socket_host(), _gpu_id(device)), group=group)
-        self.peer: dict[int, list[dict[str, torch.Tensor]]] = {}
-        hosts = {item[1] for item in gathered if isinstance(item, tuple)}
-        error = ""
-        if len(hosts) > 1:
-            error = f"outbox transport needs every rank on one host, found {sorted(hosts)}"
-        else:
-            try:
-                for peer, item in enumerate(gathered):
-                    if peer != rank:
-                        assert isinstance(item, tuple)
-                        handles_of_peer, _host, (index, uuid) = item
-                        if device.type == "cuda" and _gpu_id(torch.device("cuda", index))[1] != uuid:
-                            raise ValueError(
-                                f"rank {peer}'s cuda:{index} is another GPU here: give every rank "
-                                "of the host the same CUDA_VISIBLE_DEVICES"
-                            )
-                        self.peer[peer] = [self._open(h, shapes, dtype) for h in handles_of_peer]
-            except Exception as exc:  # reported on every rank below, none left waiting
-                error = f"rank {rank} could not map a peer's outbox: {exc!r}"
-        # 3. One verdict for all: a rank that raised alone would leave the others hanging.
+                    own[(box, name)], path = shared_memory_tensor((rows, *shape), dtype, f"outbox{box}-{name}")
+                    files.append(path)
+        # 2. Map the peers' boxes; once every rank has (or failed), the names can go.
         try:
-            raise_on_any_error(error, world_size, group)
-        except RuntimeError:
-            self.close()
-            raise
-        # 4. Everyone has mapped everything: the shared-memory names can go.
-        self._unlink()
-
-    def _open(
-        self, handles: dict[str, object], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype
-    ) -> dict[str, torch.Tensor]:
-        """Map one peer outbox (CUDA IPC handle bytes, or a shared-memory file name)."""
-        opened = {}
-        for name, shape in shapes.items():
-            handle = handles[name]
-            if isinstance(handle, bytes):
-                opened[name] = pickle.loads(handle)
-            else:
-                numel = self.rows * int(np.prod(shape))
-                opened[name] = torch.from_file(str(handle), shared=True, size=numel, dtype=dtype).view(self.rows, *shape)
-        return opened
-
-    def _unlink(self) -> None:
-        for path in self._files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self._files.clear()
+            peers = share_tensors(rank, world_size, own, group, "outboxes")
+        finally:
+            for path in files:
+                unlink_quietly(path)
+        self.own = [{name: own[(box, name)] for name in shapes} for box in range(2)]
+        self.peer = {
+            peer: [{name: mapped[(box, name)] for name in shapes} for box in range(2)]
+            for peer, mapped in peers.items()
+        }
 
     def close(self) -> None:
-        self._unlink()
         self.peer.clear()
         self.own.clear()
 
@@ -181,60 +134,55 @@ def map_peer_weights(
     rank: int, world_size: int, weights: dict[str, torch.Tensor], group: dist.ProcessGroup | None
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Map every peer's live weight tensors into this process (collective on `group`).
+    CPU weights must live in shared-memory files (`in_shared_memory`).
+    Returns: peer -> name -> tensor."""
+    return share_tensors(rank, world_size, weights, group, "weights")
 
-    CUDA tensors travel as IPC handles; CPU tensors must live in shared-memory files
-    (`torch.from_file(..., shared=True)`) and travel by file name. Every rank raises the
-    same error when any rank cannot map or export. Returns: peer -> name -> tensor.
-    """
+
+def share_tensors(
+    rank: int,
+    world_size: int,
+    tensors: dict[Key, torch.Tensor],
+    group: dist.ProcessGroup | None,
+    what: str,
+) -> dict[int, dict[Key, torch.Tensor]]:
+    """Every rank exports `tensors` (the same keys everywhere) and maps its peers'
+    (collective on `group`). CUDA tensors travel as IPC handles, CPU ones by the name
+    of the shared-memory file they live in. All ranks must be on one host and number
+    its GPUs alike; any rank's failure is raised on every rank, so none is left
+    waiting. Returns: peer -> key -> tensor."""
+    # 1. Export; a failure travels with the handles.
     error = ""
-    exported: dict[str, object] = {}
+    exported: dict[Key, object] = {}
     try:
-        for name, w in weights.items():
-            if w.device.type == "cuda":
-                exported[name] = _cuda_handle(w)
-            else:
-                path = w.untyped_storage().filename
-                if path is None:
-                    raise ValueError(f"weight {name!r} is not in a shared-memory file")
-                exported[name] = (path, w.untyped_storage().nbytes(), w.storage_offset(), tuple(w.shape))
+        exported = {key: _export(t) for key, t in tensors.items()}
     except Exception as exc:
-        error = f"rank {rank} cannot share its weights: {exc}"
-    first = next(iter(weights.values()))
-    gathered: list[object] = [None] * world_size
-    dist.all_gather_object(gathered, (exported, socket_host(), _gpu_id(first.device), error), group=group)
-    peers: dict[int, dict[str, torch.Tensor]] = {}
-    items = [item for item in gathered if isinstance(item, tuple)]
-    hosts = {item[1] for item in items}
-    error = next((item[3] for item in items if item[3]), "")
+        error = f"rank {rank} cannot share its {what}: {exc}"
+    device = next(iter(tensors.values())).device
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, (exported, socket_host(), _gpu_id(device), error), group=group)
+    # 2. Check the group, then map the peers' tensors.
+    error = next((e for *_, e in gathered if e), "")
+    hosts = sorted({host for _, host, _, _ in gathered})
     if not error and len(hosts) > 1:
-        error = f"the ipc transport needs every rank on one host, found {sorted(hosts)}"
+        error = f"sharing {what} needs every rank on one host, found {hosts}"
+    peers: dict[int, dict[Key, torch.Tensor]] = {}
     if not error:
         try:
-            for peer, item in enumerate(items):
+            for peer, (handles, _host, (index, gpu_uuid), _error) in enumerate(gathered):
                 if peer == rank:
                     continue
-                handles, _host, (index, uuid), _ = item
-                if first.device.type == "cuda" and _gpu_id(torch.device("cuda", index))[1] != uuid:
+                if device.type == "cuda" and _gpu_id(torch.device("cuda", index))[1] != gpu_uuid:
                     raise ValueError(
                         f"rank {peer}'s cuda:{index} is another GPU here: give every rank "
                         "of the host the same CUDA_VISIBLE_DEVICES"
                     )
-                peers[peer] = {}
-                for name, handle in handles.items():
-                    if isinstance(handle, bytes):
-                        peers[peer][name] = pickle.loads(handle)
-                    else:
-                        path, nbytes, offset, shape = handle
-                        whole = torch.from_file(path, shared=True, size=nbytes // first.element_size(), dtype=first.dtype)
-                        peers[peer][name] = whole[offset:offset + int(np.prod(shape))].view(shape)
+                peers[peer] = {key: _open(handle) for key, handle in handles.items()}
         except Exception as exc:
-            error = f"rank {rank} could not map a peer's weights: {exc!r}"
+            error = f"rank {rank} could not map a peer's {what}: {exc!r}"
+    # 3. One verdict for all.
     raise_on_any_error(error, world_size, group)
     return peers
-
-
-def socket_host() -> str:
-    return socket.gethostname()
 
 
 def raise_on_any_error(error: str, world_size: int, group: dist.ProcessGroup | None) -> None:
@@ -247,17 +195,65 @@ def raise_on_any_error(error: str, world_size: int, group: dist.ProcessGroup | N
         raise RuntimeError(str(first))
 
 
+def shared_memory_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, tag: str, folder: str | None = None
+) -> tuple[torch.Tensor, str]:
+    """An empty tensor in a shared-memory file (in `folder`, default /dev/shm), and
+    the file's path: peers map it by name; unlink it once they have."""
+    base = folder or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    path = os.path.join(base, f"rebalancer-{os.getpid()}-{uuid.uuid4().hex[:12]}-{tag}")
+    numel = int(np.prod(shape))
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape), path
+
+
+def in_shared_memory(
+    tensors: dict[str, torch.Tensor], tag: str, folder: str | None = None
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Copies of `tensors` in shared-memory files (what "ipc" needs on CPU), and the
+    files' paths."""
+    out, paths = {}, []
+    for name, t in tensors.items():
+        out[name], path = shared_memory_tensor(tuple(t.shape), t.dtype, f"{tag}-{name}", folder)
+        out[name].copy_(t)
+        paths.append(path)
+    return out, paths
+
+
+def unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def socket_host() -> str:
+    return socket.gethostname()
+
+
+def _export(t: torch.Tensor) -> object:
+    """What a peer on this host needs to map `t`: IPC handle bytes (CUDA), or the
+    shared-memory file, its size, `t`'s offset, shape and dtype (CPU)."""
+    if t.device.type == "cuda":
+        return _cuda_handle(t)
+    storage = t.untyped_storage()
+    if storage.filename is None:
+        raise ValueError("a CPU tensor is not in a shared-memory file")
+    return storage.filename, storage.nbytes(), t.storage_offset(), tuple(t.shape), t.dtype
+
+
+def _open(handle: Any) -> torch.Tensor:
+    """Map what `_export` gave, in this process."""
+    if isinstance(handle, bytes):
+        return pickle.loads(handle)
+    path, nbytes, offset, shape, dtype = handle
+    whole = torch.from_file(path, shared=True, size=nbytes // dtype.itemsize, dtype=dtype)
+    return whole[offset:offset + int(np.prod(shape))].view(shape)
+
+
 def _gpu_id(device: torch.device) -> tuple[int, str]:
     """(index, UUID) of a CUDA device as this process numbers it; (-1, "") on CPU."""
     if device.type != "cuda":
         return -1, ""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return index, str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
-
-
-def _shm_path(tag: str) -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"rebalancer-outbox-{os.getpid()}-{uuid.uuid4().hex[:12]}-{tag}")
 
 
 def _cuda_handle(t: torch.Tensor) -> bytes:

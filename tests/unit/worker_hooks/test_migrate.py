@@ -1,12 +1,14 @@
-"""MigrationExecutor over real gloo processes, both transports: after prepare + commit
+"""MigrationExecutor over real gloo processes, all transports: after prepare + commit
 every slot holds exactly the expert the new placement says; abort leaves weights
-untouched; pacing holds the rate."""
+untouched; pacing holds the rate; the shared-memory transports refuse what they cannot
+map on every rank."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,10 +18,11 @@ import torch.multiprocessing as mp
 
 from rebalancer.placement import transfers, trivial_placement
 from worker_hooks.migrate import MigrationAborted, MigrationExecutor
-from worker_hooks.outbox import outbox_schedule
+from worker_hooks.outbox import in_shared_memory, outbox_schedule
 
 L, E, P, G = 5, 8, 12, 3
 S = P // G
+EXPERT_BYTES = 2 * 6 * 4  # two float32 tensors of 2 x 3 per expert
 
 
 def expert_value(layer: int, expert: int) -> torch.Tensor:
@@ -31,26 +34,33 @@ def weights_for(phy2log: np.ndarray, rank: int) -> dict[str, torch.Tensor]:
     return {"w1": w.clone(), "w2": (w * -1).clone()}
 
 
-def shared_weights_for(phy2log: np.ndarray, rank: int, folder: str) -> dict[str, torch.Tensor]:
-    """The same weights in shared-memory files, as the "ipc" transport needs on CPU."""
-    out = {}
-    for name, w in weights_for(phy2log, rank).items():
-        path = os.path.join(folder, f"w-{rank}-{name}")
-        shared = torch.from_file(path, shared=True, size=w.numel(), dtype=w.dtype).view(w.shape)
-        shared.copy_(w)
-        out[name] = shared
-    return out
+def weights_of(transport: str, phy2log: np.ndarray, rank: int, out: str) -> dict[str, torch.Tensor]:
+    """The rank's weights; in shared-memory files (in `out`) where "ipc" needs them."""
+    weights = weights_for(phy2log, rank)
+    return in_shared_memory(weights, f"rank{rank}", out)[0] if transport == "ipc" else weights
 
 
-EXPERT_BYTES = 2 * 6 * 4  # two float32 tensors of 2 x 3 per expert
+def join(rank: int, out: str) -> dist.ProcessGroup:
+    """Join the G-rank gloo group rendezvousing in `out`; returns a group for transfers."""
+    dist.init_process_group("gloo", init_method=f"file://{out}/rdzv", rank=rank, world_size=G)
+    return dist.new_group(backend="gloo")
 
 
-def _worker(
-    rank: int, init: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray, out: str, transport: str
-) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
-    group = dist.new_group(backend="gloo")
-    weights = shared_weights_for(old, rank, out) if transport == "ipc" else weights_for(old, rank)
+def spawn(worker: Callable[..., None], out: Path, *args: Any) -> None:
+    """Run worker(rank, out, *args) in G processes."""
+    mp.spawn(worker, args=(str(out), *args), nprocs=G, join=True)
+
+
+def _moves() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    old = trivial_placement(L, E, P, G)
+    new = np.stack([rng.permutation(old[layer]) for layer in range(L)])
+    return old, new, transfers(old, new, G, 1)
+
+
+def _worker(rank: int, out: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray, transport: str) -> None:
+    group = join(rank, out)
+    weights = weights_of(transport, old, rank, out)
     # Outboxes of 3 experts: the plan needs several steps through both outboxes.
     ex = MigrationExecutor(
         rank, G, weights, group, layers_per_chunk=2, rounds_in_flight=2,
@@ -70,30 +80,20 @@ def _worker(
     dist.destroy_process_group()
 
 
-def _moves() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    old = trivial_placement(L, E, P, G)
-    new = np.stack([rng.permutation(old[layer]) for layer in range(L)])
-    return old, new, transfers(old, new, G, 1)
-
-
 @pytest.mark.parametrize("transport", ["p2p", "outbox", "ipc"])
-def test_prepare_commit_abort_across_three_ranks(transport: str) -> None:
+def test_prepare_commit_abort_across_three_ranks(tmp_path: Path, transport: str) -> None:
     old, new, moves = _moves()
     assert outbox_schedule(moves, 3).steps >= 3  # both outboxes reused
-    with tempfile.TemporaryDirectory() as out:
-        init = f"file://{os.path.join(out, 'rdzv')}"
-        mp.spawn(_worker, args=(init, old, new, moves, out, transport), nprocs=G, join=True)
-        results = [np.load(f"{out}/{r}.npy") for r in range(G)]
+    spawn(_worker, tmp_path, old, new, moves, transport)
+    results = [np.load(tmp_path / f"{r}.npy") for r in range(G)]
     for same, before_commit_same, ok, _received in results:
         assert same and before_commit_same and ok
     assert sum(int(r[3]) for r in results) == len(moves)
 
 
-def _abort_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, out: str, transport: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
-    group = dist.new_group(backend="gloo")
-    weights = shared_weights_for(old, rank, out) if transport == "ipc" else weights_for(old, rank)
+def _abort_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, transport: str) -> None:
+    group = join(rank, out)
+    weights = weights_of(transport, old, rank, out)
     ex = MigrationExecutor(rank, G, weights, group, transport=transport, outbox_bytes=EXPERT_BYTES)
     if rank == 1:  # only one rank hears of the abort: every rank must stop, none hangs
         ex.abort(7)
@@ -109,18 +109,15 @@ def _abort_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, out:
 
 
 @pytest.mark.parametrize("transport", ["outbox", "ipc"])
-def test_abort_seen_by_one_rank_stops_all(transport: str) -> None:
+def test_abort_seen_by_one_rank_stops_all(tmp_path: Path, transport: str) -> None:
     old, _new, moves = _moves()
-    with tempfile.TemporaryDirectory() as out:
-        init = f"file://{os.path.join(out, 'rdzv')}"
-        mp.spawn(_abort_worker, args=(init, old, moves, out, transport), nprocs=G, join=True)
-        results = [np.load(f"{out}/{r}.npy") for r in range(G)]
+    spawn(_abort_worker, tmp_path, old, moves, transport)
+    results = [np.load(tmp_path / f"{r}.npy") for r in range(G)]
     assert all(bool(aborted) and bool(unchanged) for aborted, unchanged in results)
 
 
-def _paced_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, gbps: float, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
-    group = dist.new_group(backend="gloo")
+def _paced_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, gbps: float) -> None:
+    group = join(rank, out)
     ex = MigrationExecutor(rank, G, weights_for(old, rank), group, transport="outbox",
                            outbox_bytes=2 * EXPERT_BYTES, max_gbps=gbps)
     t0 = time.perf_counter()
@@ -130,68 +127,47 @@ def _paced_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, gbps
     dist.destroy_process_group()
 
 
-def test_max_gbps_paces_the_transfers() -> None:
+def test_max_gbps_paces_the_transfers(tmp_path: Path) -> None:
     old, _new, moves = _moves()
     gbps = 1e-6  # 1 kB/s: the plan's few hundred bytes per rank take a visible time
-    with tempfile.TemporaryDirectory() as out:
-        init = f"file://{os.path.join(out, 'rdzv')}"
-        mp.spawn(_paced_worker, args=(init, old, moves, gbps, out), nprocs=G, join=True)
-        results = [np.load(f"{out}/{r}.npy") for r in range(G)]
-    for seconds, received in results:
+    spawn(_paced_worker, tmp_path, old, moves, gbps)
+    for seconds, received in (np.load(tmp_path / f"{r}.npy") for r in range(G)):
         assert received > 0
         assert seconds >= received / (gbps * 1e9) * 0.95
 
 
-def _unshared_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
-    group = dist.new_group(backend="gloo")
-    # Rank 2's weights are ordinary memory: no peer can map them.
-    weights = weights_for(old, rank) if rank == 2 else shared_weights_for(old, rank, out)
-    ex = MigrationExecutor(rank, G, weights, group, transport="ipc")
+def _refused_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, transport: str, fault: str) -> None:
+    """Prepare with one rank unfit for a shared-memory transport; write what it raised."""
+    import worker_hooks.outbox as outbox
+
+    if fault == "unshared" and rank == 2:  # ordinary memory: no peer can map it
+        weights = weights_for(old, rank)
+    else:
+        weights = in_shared_memory(weights_for(old, rank), f"rank{rank}", out)[0]
+    if fault == "two_hosts" and rank == 1:  # as if rank 1 ran on another machine
+        outbox.socket_host = lambda: "elsewhere"  # type: ignore[assignment]
+    ex = MigrationExecutor(rank, G, weights, join(rank, out), transport=transport)
     message = ""
     try:
         ex.prepare(1, moves)
     except RuntimeError as exc:
         message = str(exc)
-    with open(f"{out}/{rank}.txt", "w") as fh:
-        fh.write(message)
+    Path(out, f"{rank}.txt").write_text(message)
     dist.destroy_process_group()
 
 
-def test_ipc_refuses_unshared_cpu_weights_on_every_rank() -> None:
+def test_ipc_refuses_unshared_cpu_weights_on_every_rank(tmp_path: Path) -> None:
     old, _new, moves = _moves()
-    with tempfile.TemporaryDirectory() as out:
-        init = f"file://{os.path.join(out, 'rdzv')}"
-        mp.spawn(_unshared_worker, args=(init, old, moves, out), nprocs=G, join=True)
-        messages = [open(f"{out}/{r}.txt").read() for r in range(G)]
+    spawn(_refused_worker, tmp_path, old, moves, "ipc", "unshared")
+    messages = [(tmp_path / f"{r}.txt").read_text() for r in range(G)]
     assert all("rank 2 cannot share its weights" in m for m in messages), messages
 
 
-def _two_hosts_worker(rank: int, init: str, old: np.ndarray, moves: np.ndarray, out: str, transport: str) -> None:
-    import worker_hooks.outbox as outbox
-
-    if rank == 1:  # as if rank 1 ran on another machine
-        outbox.socket_host = lambda: "elsewhere"  # type: ignore[assignment]
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=G)
-    group = dist.new_group(backend="gloo")
-    ex = MigrationExecutor(rank, G, shared_weights_for(old, rank, out), group, transport=transport)
-    message = ""
-    try:
-        ex.prepare(1, moves)
-    except RuntimeError as exc:
-        message = str(exc)
-    with open(f"{out}/{rank}.txt", "w") as fh:
-        fh.write(message)
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("transport", ["ipc", "outbox"])
-def test_shared_transports_refuse_ranks_on_several_hosts(transport: str) -> None:
+def test_shared_transports_refuse_ranks_on_several_hosts(tmp_path: Path, transport: str) -> None:
     old, _new, moves = _moves()
-    with tempfile.TemporaryDirectory() as out:
-        init = f"file://{os.path.join(out, 'rdzv')}"
-        mp.spawn(_two_hosts_worker, args=(init, old, moves, out, transport), nprocs=G, join=True)
-        messages = [open(f"{out}/{r}.txt").read() for r in range(G)]
+    spawn(_refused_worker, tmp_path, old, moves, transport, "two_hosts")
+    messages = [(tmp_path / f"{r}.txt").read_text() for r in range(G)]
     assert all("on one host" in m and "elsewhere" in m for m in messages), messages
 
 
