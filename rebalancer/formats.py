@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,13 +54,7 @@ def load_counts(path: str | Path) -> np.ndarray:
         raise InputError(f"{path}: no such file")
     suffix = path.suffix.lower()
     if suffix == ".json":
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InputError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(data, dict) or "logical_count" not in data:
-            raise InputError(f"{path}: missing key 'logical_count'")
-        return _counts_array(data["logical_count"], path)
+        return _counts_array(_json_object_with(path, "logical_count")["logical_count"], path)
     if suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as data:
@@ -114,17 +109,23 @@ def _positive_int(data: dict, key: str, path: Path, default: int | None = None) 
     return value
 
 
+def _json_object_with(path: Path, key: str) -> dict[str, Any]:
+    """The JSON object in `path`; InputError unless it parses and has `key`."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or key not in data:
+        raise InputError(f"{path}: missing key {key!r}")
+    return data
+
+
 def read_placement(path: str | Path) -> PlacementFile:
     """Read PLACEMENT.json (see `write_placement`), checking it is a valid placement."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such file")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict) or "phy2log" not in data:
-        raise InputError(f"{path}: missing key 'phy2log'")
+    data = _json_object_with(path, "phy2log")
     num_gpus = _positive_int(data, "num_gpus", path)
     num_nodes = _positive_int(data, "num_nodes", path, 1)
     try:
