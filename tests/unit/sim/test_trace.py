@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rebalancer.cli import main
+from rebalancer.datasets import shared_data_dir
 from rebalancer.errors import InputError
 from rebalancer.sim.generate import TraceGenConfig, make_trace
 from rebalancer.sim.trace import Trace, load_trace
@@ -88,9 +89,10 @@ def test_jsonl_tokens_grouped_in_generation_order(tmp_path: Path) -> None:
 
 
 def test_real_mixtral_file() -> None:
-    path = (
-        Path(__file__).resolve().parents[3].parent / "shared/data/mixtral-8x7b/gsm8k_routing.jsonl"
-    )
+    try:
+        path = shared_data_dir() / "mixtral-8x7b" / "gsm8k_routing.jsonl"
+    except InputError:
+        pytest.skip("shared routing data not present")
     if not path.is_file():
         pytest.skip("shared routing data not present")
     trace = load_trace(path, tokens_per_window=16)
