@@ -84,6 +84,11 @@ def register(subparsers: Any) -> None:
         help="placement algorithm of static/periodic (default greedy, like the engines)",
     )
     p.add_argument(
+        "--start",
+        default="trivial",
+        help="where periodic/adaptive/follow/oracle start: trivial (default) or static",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -154,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         cost=cost,
         policy=policy,
         periodic=periodic,
+        start=args.start,
     )
     results = simulate(trace, config, policies)
     if args.plot:

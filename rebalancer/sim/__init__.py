@@ -10,6 +10,7 @@ from __future__ import annotations
 from rebalancer.sim.cost import CostModel
 from rebalancer.sim.engine import (
     POLICIES,
+    STARTS,
     PeriodicConfig,
     PolicyResult,
     SimConfig,
@@ -21,6 +22,7 @@ from rebalancer.sim.trace import Trace, load_trace
 
 __all__ = [
     "POLICIES",
+    "STARTS",
     "CostModel",
     "PeriodicConfig",
     "PolicyResult",

@@ -5,8 +5,7 @@ each keeps its own virtual clock, which advances by the serving time of each win
 plus its stalls, so decisions see the time they would see in production:
 - `none`: the trivial contiguous placement, never changed;
 - `static`: fitted once (DeepSeek greedy) on the first windows, then frozen, like an
-  engine started with a recorded expert distribution; it is the starting placement of
-  the policies below;
+  engine started with a recorded expert distribution;
 - `periodic`: a from-scratch greedy refit on the recent windows every K windows, with a
   blocking stall, like SGLang's and vLLM's in-process EPLB;
 - `adaptive`: the controller as shipped. Windows go through `PolicyLoop.on_window` (the
@@ -24,6 +23,9 @@ plus its stalls, so decisions see the time they would see in production:
   tells how much of `oracle` comes from tracking change and how much only from fitting
   each window's sampling noise, which no causal policy can do.
 `follow`, `oracle` and `hindsight` use the engine's best from-scratch algorithm ("auto").
+The changing policies (periodic, adaptive, follow, oracle) start from `SimConfig.start`:
+the trivial placement an engine loads (default), or the static fit (a deployment started
+with a recorded expert distribution).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from rebalancer.sim.cost import (
 from rebalancer.sim.trace import Trace
 
 POLICIES = ("none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight")
+STARTS = ("trivial", "static")
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class SimConfig:
     periodic: PeriodicConfig = field(default_factory=PeriodicConfig)
     # Algorithm of the from-scratch references (follow, oracle).
     reference_algorithm: str = "auto"
+    # Where periodic, adaptive, follow and oracle start (STARTS): the trivial placement
+    # an engine loads, or the static fit (an engine given a recorded distribution).
+    start: str = "trivial"
 
     def shape(self, trace: Trace) -> ClusterShape:
         return ClusterShape(
@@ -210,6 +216,10 @@ class Simulator:
         self.shape.validate()
         if config.periodic.period_steps <= 0 or config.periodic.fit_steps <= 0:
             raise InputError("periodic period_steps and fit_steps must be > 0")
+        if config.start not in STARTS:
+            raise InputError(
+                f"unknown start {config.start!r}; expected one of {', '.join(STARTS)}"
+            )
         self.clock = WindowClock.calibrate(
             config.cost, trace.counts, trace.window_seconds, config.num_gpus
         )
@@ -241,10 +251,14 @@ class Simulator:
         s = self.shape
         return np.asarray(trivial_placement(s.num_layers, s.num_logical, s.num_slots, s.num_gpus))
 
-    def start_placement(self) -> np.ndarray:
-        """The static fit: where every changing policy starts."""
+    def static_placement(self) -> np.ndarray:
+        """The static fit: the engines' greedy on the first `fit_steps` of windows."""
         fit = min(self.fit_windows, self.trace.num_windows)
         return self._fit(0, fit, self.config.periodic.algorithm)
+
+    def start_placement(self) -> np.ndarray:
+        """Where every changing policy starts (`SimConfig.start`)."""
+        return self.trivial() if self.config.start == "trivial" else self.static_placement()
 
     def _move(self, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, float, int]:
         rows = np.asarray(transfers(old, new, self.config.num_gpus, self.config.num_nodes))
@@ -280,7 +294,7 @@ class Simulator:
         return self._frozen("none", self.trivial())
 
     def _frozen_static(self) -> PolicyResult:
-        return self._frozen("static", self.start_placement())
+        return self._frozen("static", self.static_placement())
 
     def _periodic(self) -> PolicyResult:
         cost = self.config.cost

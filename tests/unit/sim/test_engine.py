@@ -38,18 +38,18 @@ def sources() -> dict[str, np.ndarray]:
     return {name: counts[10:14] for name, counts in full.items()}
 
 
-def _config(**policy: object) -> SimConfig:
+def _config(start: str = "trivial", **policy: object) -> SimConfig:
     return SimConfig(
         num_gpus=G,
         num_slots=P,
         num_nodes=N,
         policy=dataclasses.replace(PolicyConfig(max_moved_fraction=1.0), **policy),
         periodic=PeriodicConfig(period_steps=400, fit_steps=400),
+        start=start,
     )
 
 
-@pytest.fixture(scope="module")
-def phase_results(sources: dict[str, np.ndarray]) -> dict:
+def _phase_trace(sources: dict[str, np.ndarray]) -> Trace:
     cfg = TraceGenConfig(
         kind="phase",
         windows=24,
@@ -58,7 +58,12 @@ def phase_results(sources: dict[str, np.ndarray]) -> dict:
         phase_max_windows=10,
         seed=3,
     )
-    return simulate(make_trace(sources, cfg), _config(), POLICIES)
+    return make_trace(sources, cfg)
+
+
+@pytest.fixture(scope="module")
+def phase_results(sources: dict[str, np.ndarray]) -> dict:
+    return simulate(_phase_trace(sources), _config(), POLICIES)
 
 
 def test_oracle_bounds_every_policy(phase_results: dict) -> None:
@@ -95,22 +100,51 @@ def test_adaptive_runs_the_controller_decisions(phase_results: dict) -> None:
     assert 0 < res.stall_seconds <= res.rebalances * 0.05
     # It pays for what it moves: transfers beside serving cost overlap time.
     assert res.overlap_seconds > 0 and res.bytes_moved > 0
-    assert res.relative_throughput > phase_results["static"].relative_throughput
+    assert res.relative_throughput > phase_results["none"].relative_throughput
 
 
-def test_a_paused_controller_is_static(sources: dict[str, np.ndarray]) -> None:
+def test_adaptive_from_the_static_fit_beats_it(sources: dict[str, np.ndarray]) -> None:
+    res = simulate(_phase_trace(sources), _config("static"), ["static", "adaptive"])
+    assert res["adaptive"].rebalances > 0
+    assert res["adaptive"].relative_throughput > res["static"].relative_throughput
+
+
+@pytest.mark.parametrize(("start", "frozen"), [("trivial", "none"), ("static", "static")])
+def test_a_paused_controller_keeps_its_start(
+    sources: dict[str, np.ndarray], start: str, frozen: str
+) -> None:
     trace = make_trace(sources, TraceGenConfig(kind="mix", windows=8, seed=1))
-    res = simulate(trace, _config(paused=True), ["static", "adaptive"])
+    res = simulate(trace, _config(start, paused=True), [frozen, "adaptive"])
     assert res["adaptive"].rebalances == 0
     assert res["adaptive"].decisions == {"skip_paused": 8}
-    assert res["adaptive"].relative_throughput == pytest.approx(res["static"].relative_throughput)
+    assert res["adaptive"].balancedness_per_window == pytest.approx(
+        res[frozen].balancedness_per_window
+    )
+    assert res["adaptive"].relative_throughput == pytest.approx(res[frozen].relative_throughput)
+
+
+def test_changing_policies_start_where_asked(sources: dict[str, np.ndarray]) -> None:
+    trace = make_trace(sources, TraceGenConfig(kind="mix", windows=4, seed=1))
+    cold = simulate(trace, _config("trivial"), ["none", "static", "periodic", "follow"])
+    warm = simulate(trace, _config("static"), ["periodic", "follow"])
+    # Window 0 is served before any refit: on the start placement.
+    for name in ("periodic", "follow"):
+        first_cold = cold[name].balancedness_per_window[0]
+        assert first_cold == pytest.approx(cold["none"].balancedness_per_window[0])
+        first_warm = warm[name].balancedness_per_window[0]
+        assert first_warm == pytest.approx(cold["static"].balancedness_per_window[0])
+    assert cold["none"].balancedness_per_window[0] < cold["static"].balancedness_per_window[0]
+    with pytest.raises(InputError, match="unknown start 'warm'"):
+        simulate(trace, _config("warm"), ["none"])
 
 
 def test_constant_traffic_on_a_fitted_placement_is_left_alone() -> None:
     rng = np.random.default_rng(0)
     window = (rng.pareto(1.3, size=(3, 32)) * 100 + 5).round().astype(np.int64)
     trace = Trace(np.repeat(window[None], 12, axis=0))
-    cfg = SimConfig(num_gpus=4, num_slots=40, policy=PolicyConfig(max_moved_fraction=1.0))
+    cfg = SimConfig(
+        num_gpus=4, num_slots=40, policy=PolicyConfig(max_moved_fraction=1.0), start="static"
+    )
     res = simulate(trace, cfg, ["static", "adaptive", "follow", "oracle"])
     assert res["adaptive"].rebalances == 0  # static already fits: nothing is worth moving
     # The same counts every window: after its first window, follow is the oracle.
@@ -157,6 +191,8 @@ def test_cli_all_policies_json(tmp_path: Path, sources: dict[str, np.ndarray], c
     assert (tmp_path / "b.png").stat().st_size > 1000
     assert main(args[:-4] + ["--policy", "sometimes"]) == 2
     assert main(args[:-4] + ["--policy", "none", "--set", "decay=7"]) == 2
+    assert main(args[:-4] + ["--policy", "adaptive", "--start", "warm"]) == 2
+    assert "unknown start 'warm'" in capsys.readouterr().err
 
 
 def test_adaptive_decisions_replay_through_a_fresh_policy_loop(
@@ -196,13 +232,13 @@ def test_plans_that_cannot_prepare_in_time_abort(sources: dict[str, np.ndarray])
     cfg = TraceGenConfig(kind="phase", windows=16, phase_min_windows=4, phase_max_windows=6, seed=5)
     trace = make_trace(sources, cfg)
     # 1 ms to prepare is never enough to move an expert: every plan aborts.
-    res = simulate(trace, _config(prepare_timeout_seconds=0.001), ["static", "adaptive"])
+    res = simulate(trace, _config(prepare_timeout_seconds=0.001), ["none", "adaptive"])
     adaptive = res["adaptive"]
     assert adaptive.rebalances > 0 and adaptive.plans_aborted >= adaptive.rebalances - 1
     assert adaptive.summary()["plans_aborted"] == adaptive.plans_aborted
-    # The old maps kept serving: the same balance as static, and no swap.
-    assert adaptive.balancedness_per_window == pytest.approx(res["static"].balancedness_per_window)
+    # The old maps kept serving: the start placement's balance, and no swap.
+    assert adaptive.balancedness_per_window == pytest.approx(res["none"].balancedness_per_window)
     assert adaptive.stall_seconds == 0.0
-    assert adaptive.relative_throughput <= res["static"].relative_throughput
+    assert adaptive.relative_throughput <= res["none"].relative_throughput
     ok = simulate(trace, _config(), ["adaptive"])["adaptive"]
     assert ok.plans_aborted == 0
