@@ -5,7 +5,9 @@ mixes, bursts; each at 65,536 and, "-noisy", 8,192 tokens per window) at G=32, P
 4 nodes, and replays the real Mixtral GSM8K routing at
 G=8 with P=8 and P=16; runs every policy (rebalancer.sim.POLICIES) on each, prints a table, checks the targets
 of the simulator issue, writes one plot per trace into docs/ and replaces the
-`## Simulator` section of BENCHMARKS.md.
+`## Simulator` section of BENCHMARKS.md. The changing policies start from the trivial
+placement (what an engine loads); a second pass starts them from the static fit (an
+engine given a recorded distribution) and is summarised beside it.
 
     python -m bench.simulate                 # everything (several minutes on 2 cores)
     python -m bench.simulate --windows 60 --no-write   # a quick look
@@ -14,6 +16,7 @@ of the simulator issue, writes one plot per trace into docs/ and replaces the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import re
@@ -21,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.datasets import shared_data_dir
@@ -76,8 +80,8 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
         for slots in (8, 16):
             if f"mixtral{slots}" not in which:
                 continue
-            cfg = SimConfig(num_gpus=8, num_slots=slots, cost=cost, policy=policy)
-            cases.append(Case(f"mixtral-gsm8k-P{slots}", trace, cfg, predictable=True))
+            mixtral = SimConfig(num_gpus=8, num_slots=slots, cost=cost, policy=policy)
+            cases.append(Case(f"mixtral-gsm8k-P{slots}", trace, mixtral, predictable=True))
     return cases
 
 
@@ -101,6 +105,17 @@ def _checks(case: Case, res: dict[str, PolicyResult]) -> dict[str, object]:
     if case.predictable:
         out["meets_oracle_95"] = out["adaptive_vs_oracle"] >= 0.95  # type: ignore[operator]
     return out
+
+
+# Policies that depend on where they start: rerun from the static fit in the warm pass.
+CHANGING = ("periodic", "adaptive", "follow", "oracle")
+
+
+def _warm(case: Case, cold: dict[str, PolicyResult]) -> dict[str, PolicyResult]:
+    """The changing policies again, started from the static fit; the rest as in `cold`."""
+    config = dataclasses.replace(case.config, start="static")
+    warm = simulate(case.trace, config, CHANGING)
+    return {name: warm.get(name, cold[name]) for name in cold}
 
 
 def _table(case: Case, res: dict[str, PolicyResult]) -> list[str]:
@@ -147,6 +162,26 @@ def _write_section(body: str) -> None:
     path.write_text(text)
 
 
+def _summary(report: dict[str, dict[str, Any]], key: str) -> list[str]:
+    """One markdown row per trace of the checks stored under `key`."""
+    rows = [
+        "| trace | adaptive / follow | adaptive / oracle | hindsight / oracle "
+        "| beats periodic | beats static | adaptive bytes / periodic |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, item in report.items():
+        c = item[key]
+        ratio = c["bytes_vs_periodic"]
+        rows.append(
+            f"| {name} | {c['adaptive_vs_follow']:.4f} | {c['adaptive_vs_oracle']:.4f} | "
+            f"{c['hindsight_vs_oracle']:.4f} | "
+            f"{'yes' if c['beats_periodic'] else 'no'} | "
+            f"{'yes' if c['beats_static'] else 'no'} | "
+            f"{'n/a' if ratio is None else f'{ratio:.3f}'} |"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=240, help="windows per DeepSeek trace")
@@ -166,22 +201,29 @@ def main(argv: list[str] | None = None) -> int:
 
     which = {t.strip() for t in args.traces.split(",") if t.strip()}
     started = time.time()
-    report: dict[str, object] = {}
+    report: dict[str, dict[str, Any]] = {}
     md: list[str] = []
     for case in _cases(args.windows, args.tokens_per_window, which, args.seed_offset):
         t0 = time.time()
         res = simulate(case.trace, case.config, POLICIES)
         checks = _checks(case, res)
+        warm_checks = _checks(case, _warm(case, res))
         report[case.name] = {
             "policies": {n: r.summary() for n, r in res.items()},
             "checks": checks,
+            "warm_checks": warm_checks,
             "seconds": round(time.time() - t0, 1),
         }
         table = _table(case, res)
         md += table + [""]
         if not args.json:
             print("\n".join(table))
-            print("checks:", json.dumps(checks, default=str), f"({time.time() - t0:.0f} s)\n")
+            print("checks:", json.dumps(checks, default=str))
+            print(
+                "from the static fit:",
+                json.dumps(warm_checks, default=str),
+                f"({time.time() - t0:.0f} s)\n",
+            )
         if not args.no_write:
             png = REPO / "docs" / f"sim_{case.name}.png"
             title = (
@@ -192,25 +234,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_write:
         cmd = "python -m bench.simulate " + " ".join(argv if argv is not None else sys.argv[1:])
-        summary_rows = [
-            "| trace | adaptive / follow | adaptive / oracle | hindsight / oracle "
-            "| beats periodic | beats static | adaptive bytes / periodic |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name, item in report.items():
-            c = item["checks"]  # type: ignore[index]
-            ratio = c["bytes_vs_periodic"]
-            summary_rows.append(
-                f"| {name} | {c['adaptive_vs_follow']:.4f} | {c['adaptive_vs_oracle']:.4f} | "
-                f"{c['hindsight_vs_oracle']:.4f} | "
-                f"{'yes' if c['beats_periodic'] else 'no'} | "
-                f"{'yes' if c['beats_static'] else 'no'} | "
-                f"{'n/a' if ratio is None else f'{ratio:.3f}'} |"
-            )
-        checks = {name: item["checks"] for name, item in report.items()}  # type: ignore[index]
+        summary_rows = _summary(report, "checks")
+        warm_rows = _summary(report, "warm_checks")
+        checks_of = {name: item["checks"] for name, item in report.items()}
 
         def failing(key: str) -> str:
-            bad = [n for n, c in checks.items() if key in c and not c[key]]
+            bad = [n for n, c in checks_of.items() if key in c and not c[key]]
             return "all met" if not bad else "not met on " + ", ".join(bad)
 
         targets = [
@@ -225,9 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             "routings per layer per 16-token window (about 4 per GPU): served balance is set by "
             "that sampling noise more than by how well a placement fits the mean load, so even "
             "the placement fitted on the whole trace in hindsight reaches only the hindsight / "
-            "oracle share of oracle, which fits each window's own noise. The gate finds no "
-            "candidate with a gain significant at these counts and keeps the static placement "
-            "(a tie); lower noise margins make it move and lose (docs/simulator.md).",
+            "oracle share of oracle, which fits each window's own noise, and follow (the "
+            "issue's causal reference) reaches 72 %. The gate finds no candidate with a gain "
+            "significant at these counts and keeps the placement it started from: from the "
+            "trivial one it beats the static fit, whose greedy on 10 noisy windows serves "
+            "worse; from the static fit it ties it; lower noise margins make it move and lose "
+            "(docs/simulator.md).",
         ]
         body = "\n".join(
             [
@@ -241,9 +273,18 @@ def main(argv: list[str] | None = None) -> int:
                 "Policies, cost model and defaults: docs/simulator.md. Plots: "
                 "docs/sim_<trace>.png.",
                 "",
+                "Periodic, adaptive, follow and oracle start from the trivial placement an "
+                "engine loads:",
+                "",
                 *summary_rows,
                 "",
-                "Targets of the simulator issue, checked by the benchmark:",
+                "The same policies started from the static fit (an engine given a recorded "
+                "expert distribution, SGLang `--init-expert-location`); none, static and "
+                "hindsight as above:",
+                "",
+                *warm_rows,
+                "",
+                "Targets of the simulator issue (trivial start), checked by the benchmark:",
                 "",
                 *targets,
                 "",
