@@ -242,3 +242,26 @@ def test_plans_that_cannot_prepare_in_time_abort(sources: dict[str, np.ndarray])
     assert adaptive.relative_throughput <= res["none"].relative_throughput
     ok = simulate(trace, _config(), ["adaptive"])["adaptive"]
     assert ok.plans_aborted == 0
+
+
+@pytest.mark.parametrize("slots", [8, 16])
+def test_real_mixtral_trace_is_not_chased(slots: int, mixtral_path: Path) -> None:
+    """32 routings per layer and window (the GSM8K trace in 16-token windows): the gate
+    must not move weights for sampling noise, and with one expert per GPU nothing can
+    balance better than anything else."""
+    from rebalancer.sim import load_trace
+    from rebalancer.sim.cost import MIXTRAL_8X7B_EXPERT_BYTES
+
+    trace = load_trace(mixtral_path, tokens_per_window=16)
+    cfg = SimConfig(
+        num_gpus=8, num_slots=slots, cost=CostModel(expert_bytes=MIXTRAL_8X7B_EXPERT_BYTES)
+    )
+    res = simulate(trace, cfg, ["none", "static", "adaptive", "oracle"])
+    adaptive = res["adaptive"]
+    assert adaptive.rebalances == 0 and adaptive.bytes_moved == 0
+    assert adaptive.decisions.get("skip_gain", 0) >= trace.num_windows - 2
+    assert adaptive.balancedness_per_window == pytest.approx(res["none"].balancedness_per_window)
+    for name, r in res.items():
+        assert r.relative_throughput <= res["oracle"].relative_throughput + 1e-12, name
+    if slots == 8:
+        assert len({round(r.mean_balancedness, 9) for r in res.values()}) == 1

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from rebalancer.cli import main
-from rebalancer.datasets import shared_data_dir
 from rebalancer.errors import InputError
 from rebalancer.sim.generate import TraceGenConfig, make_trace
 from rebalancer.sim.trace import Trace, load_trace
@@ -88,16 +87,10 @@ def test_jsonl_tokens_grouped_in_generation_order(tmp_path: Path) -> None:
     np.testing.assert_array_equal(trace.counts[1, 0], [1, 0, 2, 1])
 
 
-def test_real_mixtral_file() -> None:
-    try:
-        path = shared_data_dir() / "mixtral-8x7b" / "gsm8k_routing.jsonl"
-    except InputError:
-        pytest.skip("shared routing data not present")
-    if not path.is_file():
-        pytest.skip("shared routing data not present")
-    trace = load_trace(path, tokens_per_window=16)
+def test_real_mixtral_file(mixtral_path: Path) -> None:
+    trace = load_trace(mixtral_path, tokens_per_window=16)
     assert trace.num_layers == 32 and trace.num_experts == 8
-    assert trace.counts.sum() == 2 * sum(1 for _ in path.open())
+    assert trace.counts.sum() == 2 * sum(1 for _ in mixtral_path.open())
 
 
 @pytest.mark.parametrize(
