@@ -61,6 +61,8 @@ class DemoConfig:
     transport: str = "p2p"
     # Where the workers keep the hook and the expert weights: "cpu" or "cuda".
     device: str = "cpu"
+    # Spare weight rows per layer and rank: with enough, a commit copies no weights.
+    spare_rows: int = 0
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(
         min_interval_seconds=1.0, gain_threshold=0.03, horizon_seconds=60.0,
         max_moved_fraction=0.3, decay=0.5, min_windows=2, decision_period_seconds=0.25,
@@ -120,6 +122,7 @@ def launch_workers(
             "--top-k", str(config.top_k), "--window-steps", str(config.window_steps),
             "--max-seconds", str(config.timeout_seconds), "--out", str(folder / f"rank{rank}.json"),
             "--transport", config.transport, "--device", config.device,
+            "--spare-rows", str(config.spare_rows),
             *(extra_args or {}).get(rank, []),
         ]
         procs.append(subprocess.Popen(cmd, env=env))
@@ -197,6 +200,7 @@ def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[st
         "weights_match_map": all(r["weights_match_map"] for r in results),
         "ranks_agree_on_versions": len({json.dumps(r["versions"]) for r in results}) == 1,
         "max_swap_ms": 1e3 * max(r["swap_seconds_max"] for r in results),
+        "experts_copied_at_commit": int(sum(r["copied_at_commit"] for r in results)),
         "seconds": round(time.monotonic() - start, 1),
         "store": str(server.store.path),
     }

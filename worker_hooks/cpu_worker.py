@@ -64,8 +64,8 @@ def ep_forward(
     exchange: bool,
 ) -> torch.Tensor:
     """One MoE layer across the EP group; x [T, H] -> [T, H]."""
-    phys = hook.route(layer, topk.to(hook.device)).cpu()
-    S = hook.config.slots_per_rank
+    phys = hook.route(layer, topk.to(hook.device)).cpu()  # row ids (slot ids without spare rows)
+    S = hook.config.rows_per_rank
     if exchange:
         # One all-gather carries tokens and their slots (slot ids are exact in fp32).
         packed = torch.cat([x, phys.to(x.dtype)], dim=1)
@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         "--transport", choices=("p2p", "ipc", "outbox"), default="p2p",
         help="weight transfers: gloo point-to-point, or reads from the peers' shared memory",
     )
+    p.add_argument("--spare-rows", type=int, default=0,
+                   help="spare weight rows per layer: commits then copy no weights")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the hook and the expert weights live (cuda: GPU rank %% count)")
     p.add_argument("--max-seconds", type=float, default=120.0)
@@ -178,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     phy2log = trivial_placement(cfg.num_layers, cfg.num_experts, args.slots, args.world)
     S = args.slots // args.world
     weights = slot_weights(cfg, phy2log, range(args.rank * S, (args.rank + 1) * S))
+    if args.spare_rows:  # rows S .. S + R - 1 start free
+        weights = {
+            name: torch.cat([w, w.new_zeros((w.shape[0], args.spare_rows) + w.shape[2:])], dim=1)
+            for name, w in weights.items()
+        }
     shared_files: list[str] = []
     if device.type == "cuda":
         weights = {name: w.to(device) for name, w in weights.items()}
@@ -200,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             worker_id=f"cpu-worker-{os.getpid()}",
             token=args.token,
             migrate_transport=args.transport,
+            spare_rows=args.spare_rows,
         ),
         phy2log,
         weights,
@@ -256,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "aborted": hook.stats.aborted,
         "bytes_received": hook.stats.bytes_received,
         "swap_seconds_max": max(hook.stats.swap_seconds, default=0.0),
+        "copied_at_commit": hook.stats.copied_at_commit,
         "max_output_diff": max_diff,
         "step_seconds_median": float(np.median(step_seconds)) if step_seconds else 0.0,
         "agreement_broken": hook.agreement.broken,
@@ -264,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "weights_match_map": bool(
             all(
                 torch.equal(
-                    hook.weights["w1"][layer, s].cpu(),
+                    hook.weights["w1"][layer, int(hook.rows.rows[args.rank, layer, s])].cpu(),
                     reference.w1[layer, int(hook.phy2log[layer, args.rank * S + s])],
                 )
                 for layer in range(cfg.num_layers)

@@ -11,8 +11,14 @@
 The per-step work is O(1) host work plus graph-safe tensor ops: counts are
 recorded into static tensors, a finished window is handed to the agent
 without waiting, and a commit (when every rank agreed) is in-place copies of
-staged weights and map tables. Preparing a plan (receiving weights) runs on a
-migration thread; talking to the controller on the agent thread.
+map tables, plus the staged weights of any expert that found no spare row
+(`spare_rows`, worker_hooks/rows.py: with enough of them a commit copies no
+weight). Preparing a plan (receiving weights) runs on a migration thread;
+talking to the controller on the agent thread.
+
+With spare rows the weights are `[L, S + R, ...]` and `route` returns row ids
+(`rank * (S + R) + row`, see `rows_per_rank`), which the expert compute indexes
+exactly as it would slot ids; physical counts still reach the controller by slot.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from worker_hooks.agree import CommitAgreement
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.migrate import MigrationAborted, MigrationExecutor
 from worker_hooks.record import ExpertRecorder
+from worker_hooks.rows import RowMap
 
 log = logging.getLogger("worker_hooks.hook")
 
@@ -58,6 +65,9 @@ class HookConfig:
     rounds_in_flight: int = 1
     outbox_bytes: int = 1 << 30
     max_migration_gbps: float = 0.0  # 0: unpaced
+    # Spare weight rows per layer on each rank: incoming experts land there during
+    # prepare and commit only swaps maps (worker_hooks/rows.py). 0: copy at commit.
+    spare_rows: int = 0
     record_physical: bool = True
     worker_id: str = ""
     token: str | None = None        # bearer token of the deployment (controller's worker_tokens)
@@ -68,6 +78,11 @@ class HookConfig:
     @property
     def slots_per_rank(self) -> int:
         return self.num_slots // self.num_gpus
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Weight rows per layer on a rank: its slots plus the spare rows."""
+        return self.slots_per_rank + self.spare_rows
 
 
 @dataclass
@@ -80,6 +95,7 @@ class HookStats:
     aborted: int = 0
     bytes_received: int = 0
     swap_seconds: list[float] = field(default_factory=list)
+    copied_at_commit: int = 0  # experts copied in commit pauses (none with enough spare rows)
 
 
 class RebalanceHook(PlanHandlers):
@@ -96,32 +112,36 @@ class RebalanceHook(PlanHandlers):
         self.device = torch.device(device)
         self.version = 0
         self.phy2log = np.asarray(phy2log, dtype=np.int64)
-        max_replicas = config.num_slots - config.num_logical + 1
+        self.rows = RowMap(config.num_gpus, config.num_layers, config.slots_per_rank, config.spare_rows)
+        self._row_ids = self.rows.row_ids()  # [L, P] row id of each slot, current version
+        num_rows = config.num_gpus * config.rows_per_rank
         self.recorder = ExpertRecorder(
             config.num_layers,
             config.num_logical,
-            config.num_slots if config.record_physical else None,
+            num_rows if config.record_physical else None,
             device=self.device,
         )
         self.dispatch = ReplicaDispatch(
-            log2phy_of(self.phy2log, config.num_logical, max_replicas),
+            self._row_map_of(self.phy2log, self._row_ids),
             config.num_gpus,
             config.rank,
-            max_replicas=max_replicas,
+            max_replicas=self._max_replicas,
             device=self.device,
-            num_physical=config.num_slots,
+            num_physical=num_rows,
         )
         self.weights = weights
         self.executor = MigrationExecutor(
             config.rank, config.num_gpus, weights, migrate_group, config.layers_per_chunk,
             rounds_in_flight=config.rounds_in_flight, transport=config.migrate_transport,
             outbox_bytes=config.outbox_bytes, max_gbps=config.max_migration_gbps,
+            row_map=self.rows,
         )
         self.agreement = CommitAgreement(agree_group, config.agree_every)
         self.stats = HookStats()
         self.step = 0
         self._window_start = 0
-        self._snapshot: tuple[int, int, int] | None = None  # (first step, steps, version) in flight
+        # (first step, steps, version, row ids of that version) of the window in flight
+        self._snapshot: tuple[int, int, int, np.ndarray] | None = None
         self._migration: threading.Thread | None = None
         self._closing = False
         # Newest version the controller said to commit; read by the serving thread.
@@ -144,6 +164,16 @@ class RebalanceHook(PlanHandlers):
             lambda: self.version,
             initial_phy2log=self.phy2log,
         )
+
+    @property
+    def _max_replicas(self) -> int:
+        return self.config.num_slots - self.config.num_logical + 1
+
+    def _row_map_of(self, phy2log: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
+        """Dispatch's map `[L, E, R]`: each expert's replicas as row ids, -1 padded."""
+        slots = log2phy_of(phy2log, self.config.num_logical, self._max_replicas)
+        flat = np.take_along_axis(row_ids, np.maximum(slots, 0).reshape(slots.shape[0], -1), axis=1)
+        return np.where(slots >= 0, flat.reshape(slots.shape), -1)
 
     def start(self) -> None:
         self.agent.start()
@@ -211,7 +241,9 @@ class RebalanceHook(PlanHandlers):
         if self.step == self._window_start:
             return
         if self.recorder.begin_window():
-            self._snapshot = (self._window_start, self.step - self._window_start, self.version)
+            self._snapshot = (
+                self._window_start, self.step - self._window_start, self.version, self._row_ids
+            )
             self._window_start = self.step
         self._poll_window()
 
@@ -222,17 +254,22 @@ class RebalanceHook(PlanHandlers):
         window = self.recorder.poll_window()
         if window is None:
             return
-        first_step, num_steps, version = self._snapshot
+        first_step, num_steps, version, row_ids = self._snapshot
         self._snapshot = None
-        self.agent.submit_window(first_step, num_steps, version, *window)
+        logical, physical = window
+        if physical is not None:  # counted by row: back to the slots the controller knows
+            physical = np.take_along_axis(physical, row_ids, axis=1)
+        self.agent.submit_window(first_step, num_steps, version, logical, physical)
         self.stats.windows += 1
 
     def _commit(self, version: int) -> None:
         start = time.perf_counter()
-        self.executor.commit(version)
+        # Also moves self.rows to the plan's rows.
+        self.stats.copied_at_commit += self.executor.commit(version)
         new = self._staged_phy2log.pop(version)
         self.dispatch.commit()
         self.version, self.phy2log = version, new
+        self._row_ids = self.rows.row_ids()
         self.stats.swap_seconds.append(time.perf_counter() - start)
         self.stats.commits.append((self.step, version))
         self.agent.report(version, pb.PLAN_PHASE_COMMITTED, step=self.step)
@@ -262,9 +299,9 @@ class RebalanceHook(PlanHandlers):
             if self._closing:
                 raise RuntimeError("rank is shutting down")
             self.after_transfers(version)
-            self.dispatch.stage(
-                log2phy_of(new, cfg.num_logical, cfg.num_slots - cfg.num_logical + 1)
-            )
+            rows = self.executor.staged_rows
+            assert rows is not None
+            self.dispatch.stage(self._row_map_of(new, self.rows.row_ids(rows)))
             self._staged_phy2log = {version: new}
         except MigrationAborted:
             return

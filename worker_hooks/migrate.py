@@ -18,7 +18,10 @@ transports:
   be mapped whole.
   Both need every rank of the group on one host and a gloo group.
 Serving keeps using the live weights meanwhile; `max_gbps` paces either transport so an
-operator can bound its interference. `commit` copies staging into the live weights in
+operator can bound its interference. With spare rows (worker_hooks/rows.py) prepare
+then writes each incoming expert into a free row of the live weights, and commit only
+moves the row map (the caller swaps the dispatch maps): no weight is copied in the
+pause. Without them, or beyond them, `commit` copies staging into the live weights in
 place (storage unchanged: CUDA graphs stay valid); `abort` drops staging.
 """
 
@@ -35,11 +38,9 @@ import torch
 import torch.distributed as dist
 
 from worker_hooks.outbox import SharedOutboxes, map_peer_weights, outbox_schedule
+from worker_hooks.rows import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT, RowMap, RowPlan
 
 TRANSPORTS = ("p2p", "ipc", "outbox")
-
-# Columns of a transfer list (see proto Prepare.transfers).
-LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ class MigrationExecutor:
 
     Args:
         rank, world_size: this rank within `group`.
-        weights: name -> live tensor `[L, S, ...]` (S = slots on this rank); all
-            tensors share one dtype and device.
+        weights: name -> live tensor `[L, S + R, ...]` (S slots on this rank, R spare
+            rows); all tensors share one dtype and device.
         group: the process group for transfers (keep it apart from serving's).
         layers_per_chunk: layers exchanged per round of transfers.
         rounds_in_flight: rounds posted before the oldest is waited for; above 1 the
@@ -76,6 +77,8 @@ class MigrationExecutor:
             fast as the links go).
         copy_streams: "ipc" transport on GPU: reads from one peer spread round-robin
             over this many streams (copy engines work in parallel).
+        row_map: the rows of every rank (worker_hooks/rows.py), shared with the caller,
+            which reads it for dispatch; default: no spare rows.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class MigrationExecutor:
         outbox_bytes: int = 1 << 30,
         max_gbps: float = 0.0,
         copy_streams: int = 2,
+        row_map: RowMap | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -106,7 +110,19 @@ class MigrationExecutor:
         self.group = group
         self.layers_per_chunk = max(1, layers_per_chunk)
         self.rounds_in_flight = max(1, rounds_in_flight)
-        self.num_layers, self.slots_per_rank = int(first.shape[0]), int(first.shape[1])
+        self.num_layers, self.rows_per_layer = int(first.shape[0]), int(first.shape[1])
+        if row_map is None:
+            row_map = RowMap(world_size, self.num_layers, self.rows_per_layer)
+        if (row_map.num_gpus, row_map.num_layers, row_map.rows_per_rank) != (
+            world_size, self.num_layers, self.rows_per_layer
+        ):
+            raise ValueError(
+                f"row map of {row_map.num_gpus} ranks x {row_map.num_layers} layers x "
+                f"{row_map.rows_per_rank} rows does not fit weights [{self.num_layers}, "
+                f"{self.rows_per_layer}] on {world_size} ranks"
+            )
+        self.row_map = row_map
+        self.slots_per_rank = row_map.slots_per_rank
         self.device = first.device
         self.dtype = first.dtype
         for name, w in weights.items():
@@ -126,6 +142,7 @@ class MigrationExecutor:
         self._staged_version: int | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # name -> [n_in, ...]
         self._staged_index: torch.Tensor | None = None         # [n_in] flat row of each
+        self._staged_rows: np.ndarray | None = None            # [G, L, S] after commit
         self._aborted: set[int] = set()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -133,14 +150,21 @@ class MigrationExecutor:
     def staged_version(self) -> int | None:
         return self._staged_version
 
+    @property
+    def staged_rows(self) -> np.ndarray | None:
+        """The rows of every rank `[G, L, S]` once the staged plan commits."""
+        return self._staged_rows
+
     # ------------------------------------------------------------ helpers
 
     def _flat_index(self, layers: np.ndarray, slots: np.ndarray) -> torch.Tensor:
-        """(layer, slot) pairs as row indices of the flat [L * S, ...] weight views."""
-        return torch.as_tensor(layers * self.slots_per_rank + slots, dtype=torch.int64, device=self.device)
+        """This rank's (layer, slot) pairs as row indices of its flat [L * (S + R), ...]
+        weight views, through the row map."""
+        rows = layers * self.rows_per_layer + self.row_map.rows[self.rank, layers, slots]
+        return torch.as_tensor(rows, dtype=torch.int64, device=self.device)
 
     def _flat(self, w: torch.Tensor) -> torch.Tensor:
-        return w.view((self.num_layers * self.slots_per_rank,) + tuple(w.shape[2:]))
+        return w.view((self.num_layers * self.rows_per_layer,) + tuple(w.shape[2:]))
 
     # ------------------------------------------------------------ prepare
 
@@ -171,13 +195,42 @@ class MigrationExecutor:
                 staging, incoming, sent, received = self._exchange_outbox(version, t, start)
             else:
                 staging, incoming, sent, received = self._exchange_p2p(version, t, start)
+            experts_in = len(incoming)
+            plan = self.row_map.plan(t)
+            staging, incoming = self._fill_free_rows(t, plan, staging, incoming)
         if self._stream is not None:
             self._stream.synchronize()
         index = self._flat_index(incoming[:, LAYER], incoming[:, DST_SLOT])
         with self._lock:
             self._check_aborted(version)
             self._staging, self._staged_index, self._staged_version = staging, index, version
-        return PrepareStats(version, len(incoming), received, sent, time.perf_counter() - start)
+            self._staged_rows = plan.rows
+        return PrepareStats(version, experts_in, received, sent, time.perf_counter() - start)
+
+    def _fill_free_rows(
+        self, t: np.ndarray, plan: RowPlan, staging: dict[str, torch.Tensor], incoming: np.ndarray
+    ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+        """Write the incoming experts that `plan` gives a free row into it now; returns
+        the staging and incoming rows left for commit to copy in place."""
+        mine = plan.fresh & (t[:, DST_RANK] == self.rank)
+        fresh = np.zeros((self.num_layers, self.slots_per_rank), dtype=bool)
+        fresh[t[mine, LAYER], t[mine, DST_SLOT]] = True
+        take = fresh[incoming[:, LAYER], incoming[:, DST_SLOT]]
+        if not take.any():
+            return staging, incoming
+        # Rows freed by the last commit may still be read by replays queued before it.
+        if self._commit_event is not None and self._stream is not None:
+            self._stream.wait_event(self._commit_event)
+        src = torch.as_tensor(np.flatnonzero(take), dtype=torch.int64, device=self.device)
+        rows = incoming[take, LAYER] * self.rows_per_layer + plan.rows[self.rank][
+            incoming[take, LAYER], incoming[take, DST_SLOT]
+        ]
+        dst = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        for name, w in self.weights.items():
+            self._flat(w).index_copy_(0, dst, staging[name].index_select(0, src))
+        keep = torch.as_tensor(np.flatnonzero(~take), dtype=torch.int64, device=self.device)
+        rest = {name: buf.index_select(0, keep) for name, buf in staging.items()}
+        return rest, incoming[~take]
 
     def _new_staging(self, rows: int) -> dict[str, torch.Tensor]:
         """One contiguous tensor per weight, allocated on the current (side) stream."""
@@ -310,7 +363,9 @@ class MigrationExecutor:
         incoming = t[t[:, DST_RANK] == self.rank]
         incoming = incoming[np.lexsort((incoming[:, SRC_SLOT], incoming[:, LAYER], incoming[:, SRC_RANK]))]
         staging = self._new_staging(len(incoming))
-        src_row = incoming[:, LAYER] * self.slots_per_rank + incoming[:, SRC_SLOT]
+        src_row = incoming[:, LAYER] * self.rows_per_layer + self.row_map.rows[
+            incoming[:, SRC_RANK], incoming[:, LAYER], incoming[:, SRC_SLOT]
+        ]
         breaks = np.flatnonzero((np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)) + 1
         runs = np.split(np.arange(len(incoming)), breaks) if len(incoming) else []
         received = 0
@@ -420,14 +475,16 @@ class MigrationExecutor:
         One `index_copy_` per weight on its flat [L * S, ...] view. Call between
         forward steps (between graph replays): storage never changes."""
         with self._lock:
-            if self._staged_version != version or self._staging is None or self._staged_index is None:
+            if (self._staged_version != version or self._staging is None
+                    or self._staged_index is None or self._staged_rows is None):
                 raise RuntimeError(f"commit of v{version} but staged is v{self._staged_version}")
-            staging, index = self._staging, self._staged_index
-            self._staging = self._staged_index = None
+            staging, index, rows = self._staging, self._staged_index, self._staged_rows
+            self._staging = self._staged_index = self._staged_rows = None
             self._staged_version = None
         if len(index):
             for name, w in self.weights.items():
                 self._flat(w).index_copy_(0, index, staging[name])
+        self.row_map.rows = rows
         if self.device.type == "cuda":  # peers read these rows once the copy is done
             self._commit_event = torch.cuda.Event()
             self._commit_event.record(torch.cuda.current_stream(self.device))
@@ -438,6 +495,6 @@ class MigrationExecutor:
         with self._lock:
             self._aborted.add(version)
             if self._staged_version == version:
-                self._staging = self._staged_index = None
+                self._staging = self._staged_index = self._staged_rows = None
                 self._staged_version = None
 

@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "from the peers' weights in shared memory")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where workers keep hooks and expert weights (cuda: one GPU per rank)")
+    p.add_argument("--spare-rows", type=int, default=0,
+                   help="spare weight rows per layer and worker: incoming experts land there "
+                        "while serving and a commit only swaps maps (default 0: copy at commit)")
     p.add_argument("--db", default=None, help="SQLite file of the controller (default: temporary)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--verbose", action="store_true", help="controller and worker logs")
@@ -37,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     from rebalancer.demo import DemoConfig, run_demo
     from rebalancer.errors import InputError
 
+    if args.spare_rows < 0:
+        raise InputError(f"--spare-rows must be >= 0, got {args.spare_rows}")
     if args.workers < 2 or args.windows < 4 or args.window_steps < 1:
         raise InputError("need --workers >= 2, --windows >= 4, --window-steps >= 1")
     if args.device == "cuda":
@@ -56,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers, layers=args.layers, experts=args.experts, slots=slots,
         steps=args.windows * args.window_steps, window_steps=args.window_steps, db_path=args.db,
         worker_log="INFO" if args.verbose else "WARNING", transport=args.transport,
-        device=args.device,
+        device=args.device, spare_rows=args.spare_rows,
     )
     summary = run_demo(config)
     print()

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from rebalancer.placement import transfers, trivial_placement
 from worker_hooks.migrate import MigrationAborted, MigrationExecutor
 from worker_hooks.outbox import in_shared_memory, outbox_schedule
+from worker_hooks.rows import RowMap
 
 L, E, P, G = 5, 8, 12, 3
 S = P // G
@@ -34,10 +35,22 @@ def weights_for(phy2log: np.ndarray, rank: int) -> dict[str, torch.Tensor]:
     return {"w1": w.clone(), "w2": (w * -1).clone()}
 
 
-def weights_of(transport: str, phy2log: np.ndarray, rank: int, out: str) -> dict[str, torch.Tensor]:
-    """The rank's weights; in shared-memory files (in `out`) where "ipc" needs them."""
-    weights = weights_for(phy2log, rank)
+def weights_of(
+    transport: str, phy2log: np.ndarray, rank: int, out: str, spare: int = 0
+) -> dict[str, torch.Tensor]:
+    """The rank's weights plus `spare` free rows per layer; in shared-memory files (in
+    `out`) where "ipc" needs them."""
+    weights = {
+        name: torch.cat([w, torch.full((L, spare, 2, 3), -7.0)], dim=1)
+        for name, w in weights_for(phy2log, rank).items()
+    }
     return in_shared_memory(weights, f"rank{rank}", out)[0] if transport == "ipc" else weights
+
+
+def held(weights: dict[str, torch.Tensor], rows: RowMap, rank: int) -> dict[str, torch.Tensor]:
+    """What the rank serves: each slot's row, through the row map, as [L, S, ...]."""
+    index = torch.as_tensor(rows.rows[rank])
+    return {name: torch.stack([w[layer, index[layer]] for layer in range(L)]) for name, w in weights.items()}
 
 
 def join(rank: int, out: str) -> dist.ProcessGroup:
@@ -58,37 +71,63 @@ def _moves() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return old, new, transfers(old, new, G, 1)
 
 
-def _worker(rank: int, out: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray, transport: str) -> None:
+def _worker(
+    rank: int, out: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray, transport: str,
+    spare: int,
+) -> None:
     group = join(rank, out)
-    weights = weights_of(transport, old, rank, out)
+    weights = weights_of(transport, old, rank, out, spare)
+    rows = RowMap(G, L, S, spare)
     # Outboxes of 3 experts: the plan needs several steps through both outboxes.
     ex = MigrationExecutor(
         rank, G, weights, group, layers_per_chunk=2, rounds_in_flight=2,
-        transport=transport, outbox_bytes=3 * EXPERT_BYTES,
+        transport=transport, outbox_bytes=3 * EXPERT_BYTES, row_map=rows,
     )
-    # Plan 1 is aborted after preparing: nothing may change.
+    # Plan 1 is aborted after preparing: nothing served may change.
     ex.prepare(1, moves)
     ex.abort(1)
-    same = all(torch.equal(weights[k], weights_for(old, rank)[k]) for k in weights)
+    served = held(weights, rows, rank)
+    same = all(torch.equal(served[k], weights_for(old, rank)[k]) for k in weights)
     stats = ex.prepare(2, moves)
-    before_commit_same = torch.equal(weights["w1"], weights_for(old, rank)["w1"])
+    before_commit_same = torch.equal(held(weights, rows, rank)["w1"], weights_for(old, rank)["w1"])
     dist.barrier()  # the coordinator: no rank commits before every rank prepared
-    ex.commit(2)
-    ok = all(torch.equal(weights[k], weights_for(new, rank)[k]) for k in weights)
+    copied = ex.commit(2)
+    served = held(weights, rows, rank)
+    ok = all(torch.equal(served[k], weights_for(new, rank)[k]) for k in weights)
+    # A second plan moves back, reading the peers' experts from their new rows.
+    ex.prepare(3, transfers(new, old, G, 1))
+    dist.barrier()
+    copied += ex.commit(3)
+    served = held(weights, rows, rank)
+    back = all(torch.equal(served[k], weights_for(old, rank)[k]) for k in weights)
     ex.close()
-    np.save(f"{out}/{rank}.npy", np.array([same, before_commit_same, ok, stats.experts_received]))
+    np.save(
+        f"{out}/{rank}.npy",
+        np.array([same, before_commit_same, ok, back, stats.experts_received, copied]),
+    )
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("transport", ["p2p", "outbox", "ipc"])
-def test_prepare_commit_abort_across_three_ranks(tmp_path: Path, transport: str) -> None:
+@pytest.mark.parametrize(
+    ("transport", "spare"),
+    [("p2p", 0), ("outbox", 0), ("ipc", 0), ("p2p", 1), ("ipc", S), ("outbox", S)],
+)
+def test_prepare_commit_abort_across_three_ranks(tmp_path: Path, transport: str, spare: int) -> None:
     old, new, moves = _moves()
     assert outbox_schedule(moves, 3).steps >= 3  # both outboxes reused
-    spawn(_worker, tmp_path, old, new, moves, transport)
+    spawn(_worker, tmp_path, old, new, moves, transport, spare)
     results = [np.load(tmp_path / f"{r}.npy") for r in range(G)]
-    for same, before_commit_same, ok, _received in results:
-        assert same and before_commit_same and ok
-    assert sum(int(r[3]) for r in results) == len(moves)
+    for same, before_commit_same, ok, back, _received, _copied in results:
+        assert same and before_commit_same and ok and back
+    assert sum(int(r[4]) for r in results) == len(moves)
+    copied = sum(int(r[5]) for r in results)
+    back = transfers(new, old, G, 1)
+    if spare == 0:  # every expert waits in staging and is copied in the pause
+        assert copied == len(moves) + len(back)
+    elif spare == S:  # every expert found a free row: the commits copied nothing
+        assert copied == 0
+    else:  # one free row per (rank, layer) and plan: the rest are copied at commit
+        assert 0 < copied < len(moves) + len(back)
 
 
 def _abort_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, transport: str) -> None:

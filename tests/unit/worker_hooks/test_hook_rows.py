@@ -1,0 +1,43 @@
+"""RebalanceHook with spare rows: dispatch hands out row ids, the controller still gets
+its counts by slot."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rebalancer.placement import trivial_placement
+from worker_hooks.hook import HookConfig, RebalanceHook
+
+L, E, P, G, SPARE = 2, 4, 8, 2, 2
+S = P // G
+
+
+def test_rows_are_dispatched_and_counts_reported_by_slot() -> None:
+    config = HookConfig(
+        controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
+        num_slots=P, num_gpus=G, window_steps=1, agree_every=10**6, spare_rows=SPARE,
+    )
+    phy2log = trivial_placement(L, E, P, G)  # slot s holds expert s % 4
+    weights = {"w": torch.zeros(L, S + SPARE, 1)}
+    hook = RebalanceHook(config, phy2log, weights, agree_group=None, migrate_group=None)
+    # Rows as after a plan that moved slot 1 of rank 0 and slot 2 of rank 1 (layer 1)
+    # into their first spare rows; the hook's commit makes these same three calls.
+    rows = hook.rows.rows.copy()
+    rows[0, 1, 1], rows[1, 1, 2] = S, S
+    hook.rows.rows = rows
+    hook._row_ids = hook.rows.row_ids()
+    hook.dispatch.update_(hook._row_map_of(hook.phy2log, hook._row_ids))
+
+    # Layer 1, expert 1 lives in slots 1 (rank 0) and 5 (rank 1); rank 0 prefers its own.
+    out = hook.route(1, torch.tensor([[1], [1], [2]]))
+    assert out[:2].tolist() == [[S], [S]]  # rank 0's row S, not row 1 (now free)
+    # Expert 2: slot 2 (rank 0, row 2) is local.
+    assert out[2].tolist() == [2]
+    hook.step_end()  # window_steps=1: the window goes to the agent
+    (window,) = list(hook.agent._pending)
+    assert window.physical is not None and window.physical.shape == (L, P)
+    expected = np.zeros((L, P), dtype=np.int64)
+    expected[1, 1], expected[1, 2] = 2, 1  # by slot, as the controller numbers them
+    np.testing.assert_array_equal(window.physical, expected)
+    np.testing.assert_array_equal(window.logical[1], [0, 2, 1, 0])

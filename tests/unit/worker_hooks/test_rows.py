@@ -1,0 +1,74 @@
+"""RowMap: the deterministic rule that puts incoming experts into free rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rebalancer.placement import transfers, trivial_placement
+from worker_hooks.rows import DST_RANK, DST_SLOT, LAYER, RowMap
+
+L, E, P, G = 4, 8, 12, 3
+S = P // G
+
+
+def _plan_moves(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    old = trivial_placement(L, E, P, G)
+    new = np.stack([rng.permutation(old[layer]) for layer in range(L)])
+    return transfers(old, new, G, 1)
+
+
+def test_without_spare_rows_nothing_moves_rows() -> None:
+    rows = RowMap(G, L, S)
+    plan = rows.plan(_plan_moves(0))
+    assert not plan.fresh.any()
+    np.testing.assert_array_equal(plan.rows, rows.rows)
+    np.testing.assert_array_equal(rows.row_ids(), np.broadcast_to(np.arange(P), (L, P)))
+
+
+def test_incoming_experts_take_free_rows_then_fall_back() -> None:
+    moves = _plan_moves(1)
+    per_dest = np.bincount(moves[:, DST_RANK] * L + moves[:, LAYER], minlength=G * L)
+    spare = 2
+    rows = RowMap(G, L, S, spare)
+    plan = rows.plan(moves)
+    # Each (rank, layer) gives free rows to its first `spare` destinations, in slot order.
+    assert plan.fresh.sum() == np.minimum(per_dest, spare).sum()
+    for rank in range(G):
+        for layer in range(L):
+            mine = (moves[:, DST_RANK] == rank) & (moves[:, LAYER] == layer)
+            slots = np.sort(moves[mine, DST_SLOT])
+            fresh_slots = np.sort(moves[mine & plan.fresh, DST_SLOT])
+            np.testing.assert_array_equal(fresh_slots, slots[:spare])
+            # Rows stay a permutation-free assignment: distinct, in range.
+            got = plan.rows[rank, layer]
+            assert len(set(got.tolist())) == S and got.max() < S + spare
+            # Fresh destinations moved to rows nobody used before.
+            assert set(got[fresh_slots].tolist()) <= set(range(S, S + spare))
+            unchanged = np.setdiff1d(np.arange(S), fresh_slots)
+            np.testing.assert_array_equal(got[unchanged], rows.rows[rank, layer, unchanged])
+
+
+def test_rows_chain_over_plans_and_ids_follow() -> None:
+    rows = RowMap(G, L, S, S)  # as many spare rows as slots: every move finds a free row
+    for seed in range(3):
+        moves = _plan_moves(seed)
+        plan = rows.plan(moves)
+        assert plan.fresh.all()
+        before = rows.rows
+        rows.rows = plan.rows
+        changed = np.zeros((G, L, S), dtype=bool)
+        changed[moves[:, DST_RANK], moves[:, LAYER], moves[:, DST_SLOT]] = True
+        assert (rows.rows[changed] != before[changed]).all()
+        assert (rows.rows[~changed] == before[~changed]).all()
+    ids = rows.row_ids()
+    for rank in range(G):
+        np.testing.assert_array_equal(ids[:, rank * S:(rank + 1) * S], rank * 2 * S + rows.rows[rank])
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="spare_rows >= 0"):
+        RowMap(G, L, S, -1)
+    with pytest.raises(ValueError, match="positive"):
+        RowMap(0, L, S)

@@ -1,0 +1,90 @@
+"""Where each physical slot's weights are stored: the row indirection behind a zero-copy commit.
+
+Without spare storage a plan's incoming experts wait in staging and are copied into
+their slots at commit, between two graph replays: a pause of milliseconds for a large
+plan. With R spare rows per layer and rank (weights `[L, S + R, ...]`), an incoming
+expert is written during prepare into a row no map points to, and commit only swaps
+the maps: slot s of rank r is served from row `rows[r, layer, s]`, and dispatch hands
+out row ids (`rank * (S + R) + row`) instead of slot ids.
+
+Every rank keeps the rows of every rank: they follow from the plans' transfer lists,
+which every rank receives whole, by one deterministic rule (`RowMap.plan`), so ranks
+agree on where a peer's expert lives without exchanging row tables. A (layer, rank)
+that gains more experts than it has free rows writes the rest in place at commit, as
+without spare rows; with R = 0 every move is such a copy and the rows never change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Columns of a transfer list (see proto Prepare.transfers).
+LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Where a plan's incoming experts go.
+
+    rows: [G, L, S] the rows once the plan commits.
+    fresh: [K] per transfer row, True when its expert goes to a free row during prepare
+        (False: copied over the slot's current row at commit).
+    """
+
+    rows: np.ndarray
+    fresh: np.ndarray
+
+
+class RowMap:
+    """Storage row of every (rank, layer, slot); `rows: [G, L, S]` in `[0, S + R)`."""
+
+    def __init__(self, num_gpus: int, num_layers: int, slots_per_rank: int, spare_rows: int = 0) -> None:
+        if min(num_gpus, num_layers, slots_per_rank) <= 0 or spare_rows < 0:
+            raise ValueError(
+                f"need positive ranks, layers and slots and spare_rows >= 0, got "
+                f"{num_gpus}, {num_layers}, {slots_per_rank}, {spare_rows}"
+            )
+        self.num_gpus, self.num_layers = num_gpus, num_layers
+        self.slots_per_rank, self.spare_rows = slots_per_rank, spare_rows
+        identity = np.arange(slots_per_rank, dtype=np.int64)
+        self.rows = np.broadcast_to(identity, (num_gpus, num_layers, slots_per_rank)).copy()
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.slots_per_rank + self.spare_rows
+
+    def row_ids(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """Global row id of every physical slot: `[L, P]`, slot `r * S + s` -> `r * (S + R) + row`."""
+        rows = self.rows if rows is None else rows
+        base = (np.arange(self.num_gpus, dtype=np.int64) * self.rows_per_rank)[:, None, None]
+        return np.ascontiguousarray((rows + base).transpose(1, 0, 2).reshape(self.num_layers, -1))
+
+    def plan(self, transfers: np.ndarray) -> RowPlan:
+        """The rows after a plan, and which of its incoming experts get a free row.
+
+        transfers: [K, 5] (layer, dst_rank, dst_slot, src_rank, src_slot), the same list
+        on every rank. For each (rank, layer), the destinations in slot order take the
+        free rows (no slot maps to them) in row order; those beyond the free rows keep
+        their row and are written over at commit.
+        """
+        t = np.asarray(transfers, dtype=np.int64).reshape(-1, 5)
+        rows = self.rows.copy()
+        fresh = np.zeros(len(t), dtype=bool)
+        if not len(t) or not self.spare_rows:
+            return RowPlan(rows, fresh)
+        order = np.lexsort((t[:, DST_SLOT], t[:, LAYER], t[:, DST_RANK]))
+        key = t[order, DST_RANK] * self.num_layers + t[order, LAYER]
+        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        ends = np.r_[starts[1:], len(order)]
+        for lo, hi in zip(starts, ends, strict=True):
+            rank, layer = int(t[order[lo], DST_RANK]), int(t[order[lo], LAYER])
+            used = np.zeros(self.rows_per_rank, dtype=bool)
+            used[self.rows[rank, layer]] = True
+            free = np.flatnonzero(~used)
+            n = min(hi - lo, len(free))
+            take = order[lo : lo + n]
+            rows[rank, layer, t[take, DST_SLOT]] = free[:n]
+            fresh[take] = True
+        return RowPlan(rows, fresh)
