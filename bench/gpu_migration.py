@@ -12,7 +12,9 @@ One process per GPU, NCCL. In one run it measures:
    a GB/s cap): GB/s per direction;
 3. the MoE block's graph replay time on each GPU while that migration runs beside it,
    against idle replays before and after (the throughput dip);
-4. the commit pause (staged weights into live slots, maps swapped in place) and
+4. the commit pause (staged weights into live slots, maps swapped in place; with
+   spare rows, worker_hooks/rows.py, the experts already sit in free rows and only
+   the maps are swapped: `--spare-rows 0 32` runs both, the first as the baseline) and
    invariant 1: the 2-GPU block output for the same input is bit-identical before
    and after the rebalance (per-pick exact reduction), and moved slots hold exactly
    the weights of their new expert;
@@ -43,12 +45,13 @@ from bench.gpu_hooks import capture
 from bench.p2p_exchange import packed_exchange
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 from rebalancer.placement.engine import compute_placement
-from rebalancer.placement.metrics import balancedness_per_layer, log2phy_of, trivial_placement
+from rebalancer.placement.metrics import balancedness_per_layer, trivial_placement
 from rebalancer.placement.transfers import transfers
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.migrate import MigrationExecutor
 from worker_hooks.moe_gpu import MoEBlockConfig, ReferenceMoE, expert_weights
 from worker_hooks.record import ExpertRecorder
+from worker_hooks.rows import RowMap, replica_rows
 
 WORLD = 2
 
@@ -75,6 +78,8 @@ class MigrationBenchConfig:
     # The mover whose plan is committed for the invariant-1 check.
     commit_mover: str = "ipc:2"
     beside_repeats: int = 8
+    # One full run per value: spare weight rows per layer and GPU (0: copy at commit).
+    spare_rows: tuple[int, ...] = (0,)
     # sys.setswitchinterval for the worker processes; 0 keeps Python's default (5 ms).
     switch_interval: float = 0.0
 
@@ -170,7 +175,7 @@ def nccl_p2p(rank: int, group: dist.ProcessGroup, dev: torch.device) -> dict[str
     return out
 
 
-def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
+def worker(rank: int, cfg: MigrationBenchConfig, result_path: str, spare: int) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(cfg.port))
     torch.cuda.set_device(rank)
@@ -214,19 +219,24 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
         log["layers"] = layers.tolist()
 
     mcfg = MoEBlockConfig(
-        num_layers=cfg.num_layers, num_gpus=WORLD, rank=rank, num_redundant=cfg.num_redundant
+        num_layers=cfg.num_layers, num_gpus=WORLD, rank=rank, num_redundant=cfg.num_redundant,
+        spare_rows=spare,
     )
     say("expert_MiB", mcfg.expert_bytes() / 2**20)
+    say("spare_rows", float(spare))
     width = int(
         max(np.bincount(row, minlength=num_experts).max() for row in np.concatenate([old, new]))
     )
+    rows = RowMap(WORLD, cfg.num_layers, mcfg.slots_per_gpu, spare)
+    num_rows = WORLD * mcfg.rows_per_gpu  # dispatch hands out row ids
     disps = [
         ReplicaDispatch(
-            log2phy_of(old, num_experts, width), WORLD, r, device=dev, num_physical=num_slots
+            replica_rows(old, rows.row_ids(), num_experts, width), WORLD, r, device=dev,
+            num_physical=num_rows,
         )
         for r in range(WORLD)
     ]
-    rec = ExpertRecorder(cfg.num_layers, num_experts, num_physical=num_slots, device=dev)
+    rec = ExpertRecorder(cfg.num_layers, num_experts, num_physical=num_rows, device=dev)
     t0 = time.perf_counter()
     block = ReferenceMoE(mcfg, torch.from_numpy(old), dev, dispatch=disps, recorder=rec, seed=0)
     say("fill_seconds", time.perf_counter() - t0)
@@ -307,7 +317,8 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
                 continue  # no NCCL kernels to cap
             control = g if settings["transport"] == "p2p" else gloo_group
             executors[(spec, name)] = MigrationExecutor(
-                rank, WORLD, block.weights, control, **settings  # type: ignore[arg-type]
+                rank, WORLD, block.weights, control, row_map=rows,
+                **settings,  # type: ignore[arg-type]
             )
     last_staged: tuple[MigrationExecutor, int] | None = None
     mover_stream = torch.cuda.Stream(dev)
@@ -419,7 +430,8 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
     start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     tables = [d.table.data_ptr() for d in disps]
     w_ptr = block.weights["w13"].data_ptr()
-    new_map = log2phy_of(new, num_experts, width)
+    assert last_executor.staged_rows is not None
+    new_map = replica_rows(new, rows.row_ids(last_executor.staged_rows), num_experts, width)
     for d in disps:
         d.stage(new_map)
     torch.cuda.synchronize()
@@ -456,8 +468,9 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str) -> None:
         w13, w2 = expert_weights(
             mcfg, layer, int(new[layer, rank * mcfg.slots_per_gpu + slot]), dev
         )
-        bad += int(not torch.equal(block.weights["w13"][layer, slot], w13))
-        bad += int(not torch.equal(block.weights["w2"][layer, slot], w2))
+        row = int(rows.rows[rank, layer, slot])
+        bad += int(not torch.equal(block.weights["w13"][layer, row], w13))
+        bad += int(not torch.equal(block.weights["w2"][layer, row], w2))
     say("moved_slots_wrong_weights", max_over_ranks(float(bad), dev))
 
     # -- balance effect: same graph, rebalanced placement -----------------------------
@@ -534,17 +547,33 @@ def main() -> None:
     out_path = args.pop("out")
     args["cta_caps"] = tuple(args["cta_caps"])
     args["movers"] = tuple(args["movers"])
+    args["spare_rows"] = tuple(args["spare_rows"])
     for spec in args["movers"]:
         parse_mover(spec)  # a bad spec fails before any GPU work
     cfg = MigrationBenchConfig(**args)
+    if not cfg.spare_rows or min(cfg.spare_rows) < 0:
+        raise SystemExit("--spare-rows needs values >= 0")
+    if "packed" in cfg.movers and max(cfg.spare_rows) > 0:
+        raise SystemExit("the packed harness moves slots, not rows: run it with --spare-rows 0")
     if torch.cuda.device_count() < WORLD:
         raise SystemExit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
     base = copy_baseline()
     for k, v in base.items():
         print(f"{k:40s} {v:14.4f}", flush=True)
-    mp.spawn(worker, args=(cfg, out_path), nprocs=WORLD, join=True)
-    with open(out_path) as fh:
-        per_rank = json.load(fh)
+    runs = {}
+    for spare in cfg.spare_rows:
+        mp.spawn(worker, args=(cfg, out_path, spare), nprocs=WORLD, join=True)
+        with open(out_path) as fh:
+            runs[spare] = json.load(fh)
+    per_rank = runs[cfg.spare_rows[0]]
+    commit_keys = ("commit_experts_written", "commit_weights_us", "commit_maps_us",
+                   "invariant1_bit_identical", "moved_slots_wrong_weights")
+    commits = {spare: {k: max(r[k] for r in ranks) for k in commit_keys}
+               for spare, ranks in runs.items()}
+    for spare, figures in commits.items():
+        pause = figures["commit_weights_us"] + figures["commit_maps_us"]
+        figures["commit_pause_us"] = pause
+        print(f"{f'commit_pause_us_spare{spare}':40s} {pause:14.4f}")
     summary = {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
@@ -553,7 +582,13 @@ def main() -> None:
         "config": asdict(cfg),
         "copy": base,
         "ranks": per_rank,
+        "commit_by_spare_rows": commits,
     }
+    first = commits[cfg.spare_rows[0]]["commit_pause_us"]
+    for spare, figures in commits.items():
+        ratio = figures["commit_pause_us"] / first if first else float("nan")
+        summary[f"commit_pause_spare{spare}_vs_spare{cfg.spare_rows[0]}"] = ratio
+        print(f"{f'commit_pause_spare{spare}_vs_first':40s} {ratio:14.4f}")
     peak = base["copy_gpu0_to_gpu1_1344MiB_GBps"]
     for spec in cfg.movers:
         pct = 100 * per_rank[0][f"{spec}_alone_GBps_busiest_dir"] / peak

@@ -33,14 +33,13 @@ import torch
 import torch.distributed as dist
 
 from rebalancer.controller import codec
-from rebalancer.placement import log2phy_of
 from rebalancer.v1 import rebalancer_pb2 as pb
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.migrate import MigrationAborted, MigrationExecutor
 from worker_hooks.record import ExpertRecorder
-from worker_hooks.rows import RowMap
+from worker_hooks.rows import RowMap, replica_rows
 
 log = logging.getLogger("worker_hooks.hook")
 
@@ -171,9 +170,7 @@ class RebalanceHook(PlanHandlers):
 
     def _row_map_of(self, phy2log: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
         """Dispatch's map `[L, E, R]`: each expert's replicas as row ids, -1 padded."""
-        slots = log2phy_of(phy2log, self.config.num_logical, self._max_replicas)
-        flat = np.take_along_axis(row_ids, np.maximum(slots, 0).reshape(slots.shape[0], -1), axis=1)
-        return np.where(slots >= 0, flat.reshape(slots.shape), -1)
+        return replica_rows(phy2log, row_ids, self.config.num_logical, self._max_replicas)
 
     def start(self) -> None:
         self.agent.start()

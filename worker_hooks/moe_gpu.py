@@ -4,8 +4,9 @@ It is the minimum that behaves like one expert-parallel rank of a DeepSeek-V3-st
 model: a router, the recorder and replica dispatch hooks, and SwiGLU expert MLPs for
 the physical slots this rank holds, run as grouped matrix products over tokens sorted
 by slot. Everything in `forward` has static shapes, so the whole multi-layer block can
-be captured in one CUDA graph and replayed; expert weights are `[L, S, ...]` tensors
-(S = slots on this rank), the layout the migration executor moves.
+be captured in one CUDA graph and replayed; expert weights are `[L, S + R, ...]` tensors
+(S = slots on this rank, R spare rows, worker_hooks/rows.py), the layout the migration
+executor moves; with spare rows, dispatch hands out row ids.
 
 The expert output is combined per (token, top-k column) first and summed over top-k
 in a fixed order, so a token's output does not depend on which slot or rank computed
@@ -39,6 +40,7 @@ class MoEBlockConfig:
     num_gpus: int = 1
     rank: int = 0
     num_redundant: int = 0
+    spare_rows: int = 0
     dtype: torch.dtype = field(default=torch.bfloat16)
 
     @property
@@ -50,6 +52,11 @@ class MoEBlockConfig:
         if self.num_physical % self.num_gpus:
             raise ValueError(f"P={self.num_physical} is not a multiple of G={self.num_gpus}")
         return self.num_physical // self.num_gpus
+
+    @property
+    def rows_per_gpu(self) -> int:
+        """Weight rows per layer on a rank: its slots plus the spare rows."""
+        return self.slots_per_gpu + self.spare_rows
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (w13 + w2)."""
@@ -119,15 +126,15 @@ class ReferenceMoE:
             torch.randn(cfg.num_layers, cfg.num_experts, cfg.hidden, generator=gen, device=device)
             * cfg.hidden**-0.5
         ).to(cfg.dtype)
-        s = cfg.slots_per_gpu
+        s = cfg.rows_per_gpu
         if weights is not None:
             self.weights = weights
             return
-        self.weights = {
-            "w13": torch.empty(
+        self.weights = {  # spare rows start zero: no map points to them
+            "w13": torch.zeros(
                 cfg.num_layers, s, 2 * cfg.intermediate, cfg.hidden, dtype=cfg.dtype, device=device
             ),
-            "w2": torch.empty(
+            "w2": torch.zeros(
                 cfg.num_layers, s, cfg.hidden, cfg.intermediate, dtype=cfg.dtype, device=device
             ),
         }
@@ -177,10 +184,10 @@ class ReferenceMoE:
         )
 
     def experts(self, layer: int, x: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
-        """Expert outputs of this rank's slots per pick, `[T, K, H]` (zero for remote)."""
+        """Expert outputs of this rank's rows per pick, `[T, K, H]` (zero for remote)."""
         cfg = self.cfg
         num_tokens, top_k = phys.shape
-        s = cfg.slots_per_gpu
+        s = cfg.rows_per_gpu
         local = phys - cfg.rank * s
         is_local = (phys >= 0) & (local >= 0) & (local < s)
         key = torch.where(is_local, local, s).reshape(-1)

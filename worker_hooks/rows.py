@@ -20,8 +20,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rebalancer.placement import log2phy_of
+
 # Columns of a transfer list (see proto Prepare.transfers).
 LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
+
+
+def replica_rows(
+    phy2log: np.ndarray, row_ids: np.ndarray, num_logical: int, max_replicas: int
+) -> np.ndarray:
+    """Dispatch's map: the replicas of each expert as row ids, `[L, E, max_replicas]`, -1
+    padded. phy2log: `[L, P]`; row_ids: `[L, P]` (`RowMap.row_ids`)."""
+    slots = log2phy_of(phy2log, num_logical, max_replicas)
+    flat = np.take_along_axis(row_ids, np.maximum(slots, 0).reshape(slots.shape[0], -1), axis=1)
+    return np.where(slots >= 0, flat.reshape(slots.shape), -1)
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,14 @@ POLICY = PolicyConfig(
 )
 
 
-@pytest.mark.parametrize("transport", ["p2p", "ipc"])
-def test_loop_on_gpus_keeps_outputs_identical(tmp_path: Path, transport: str) -> None:
+@pytest.mark.parametrize(("transport", "spare_rows"), [("p2p", 0), ("ipc", 0), ("ipc", 12)])
+def test_loop_on_gpus_keeps_outputs_identical(
+    tmp_path: Path, transport: str, spare_rows: int
+) -> None:
     config = DemoConfig(
         workers=2, layers=4, experts=16, slots=24, tokens=16, steps=160, window_steps=8,
         windows_per_phase=5, timeout_seconds=90.0, policy=POLICY, transport=transport,
-        device="cuda", db_path=str(tmp_path / "c.sqlite"),
+        device="cuda", db_path=str(tmp_path / "c.sqlite"), spare_rows=spare_rows,
     )
     summary = run_demo(config, emit=lambda _: None)
     assert summary["plans_committed"] >= 1
@@ -38,3 +40,5 @@ def test_loop_on_gpus_keeps_outputs_identical(tmp_path: Path, transport: str) ->
     assert summary["max_output_diff"] == 0.0
     assert summary["weights_match_map"]
     assert summary["ranks_agree_on_versions"]
+    if spare_rows:  # 12 spare rows hold anything a rank of 12 slots gains: no copy at commit
+        assert summary["experts_copied_at_commit"] == 0

@@ -1,7 +1,8 @@
 """MigrationExecutor between two GPUs, both transports (skipped without two GPUs):
 NCCL point-to-point, and peers' live weights or outboxes mapped through CUDA IPC and
 read by the copy engines. After prepare + commit every slot holds its new expert's weights bit for bit;
-an aborted plan leaves the live weights untouched."""
+an aborted plan leaves the live weights untouched. With spare rows the experts land in
+free rows during prepare and the commit copies none."""
 
 from __future__ import annotations
 
@@ -32,16 +33,27 @@ def expert(layer: int, e: int, dev: torch.device) -> torch.Tensor:
     return torch.randn(SHAPE, generator=gen, device=dev, dtype=torch.bfloat16)
 
 
-def live(phy2log: np.ndarray, rank: int, dev: torch.device) -> dict[str, torch.Tensor]:
+def live(phy2log: np.ndarray, rank: int, dev: torch.device, spare: int = 0) -> dict[str, torch.Tensor]:
+    """Each slot's expert in row = slot, then `spare` free (zero) rows per layer."""
     w = torch.stack([
-        torch.stack([expert(layer, int(phy2log[layer, rank * S + s]), dev) for s in range(S)])
+        torch.stack([expert(layer, int(phy2log[layer, rank * S + s]), dev) for s in range(S)]
+                    + [torch.zeros(SHAPE, device=dev, dtype=torch.bfloat16)] * spare)
         for layer in range(L)
     ])
     return {"w13": w.contiguous(), "w2": (w * 2).contiguous()}
 
 
-def _worker(rank: int, init: str, old: np.ndarray, new: np.ndarray, transport: str, out: str) -> None:
+def served(weights: dict[str, torch.Tensor], rows: np.ndarray) -> dict[str, torch.Tensor]:
+    """Each slot's row ([L, S] of this rank) gathered into [L, S, ...]."""
+    index = torch.as_tensor(rows, device=next(iter(weights.values())).device)
+    return {k: torch.stack([w[layer, index[layer]] for layer in range(L)]) for k, w in weights.items()}
+
+
+def _worker(
+    rank: int, init: str, old: np.ndarray, new: np.ndarray, transport: str, out: str, spare: int
+) -> None:
     from worker_hooks.migrate import MigrationExecutor
+    from worker_hooks.rows import RowMap
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -50,32 +62,40 @@ def _worker(rank: int, init: str, old: np.ndarray, new: np.ndarray, transport: s
         timeout=datetime.timedelta(seconds=60),
     )
     group = dist.new_group() if transport == "p2p" else dist.new_group(backend="gloo")
-    weights = live(old, rank, dev)
-    before = {k: v.clone() for k, v in weights.items()}
+    weights = live(old, rank, dev, spare)
+    rows = RowMap(G, L, S, spare)
+    before = served(weights, rows.rows[rank])
     pointers = {k: v.data_ptr() for k, v in weights.items()}
     expert_bytes = 2 * SHAPE[0] * SHAPE[1] * 2
     ex = MigrationExecutor(
-        rank, G, weights, group, layers_per_chunk=2, transport=transport, outbox_bytes=5 * expert_bytes
+        rank, G, weights, group, layers_per_chunk=2, transport=transport,
+        outbox_bytes=5 * expert_bytes, row_map=rows,
     )
     moves = transfers(old, new, G, 1)
     ex.prepare(1, moves)
     ex.abort(1)
-    untouched = all(torch.equal(weights[k], before[k]) for k in weights)
+    untouched = all(torch.equal(served(weights, rows.rows[rank])[k], before[k]) for k in weights)
     stats = ex.prepare(2, moves)
     dist.barrier()  # the coordinator: no rank commits before every rank prepared
-    ex.commit(2)
+    copied = ex.commit(2)
     torch.cuda.synchronize()
     want = live(new, rank, dev)
-    exact = all(torch.equal(weights[k], want[k]) for k in weights)
+    now = served(weights, rows.rows[rank])
+    exact = all(torch.equal(now[k], want[k]) for k in weights)
     same_storage = all(weights[k].data_ptr() == pointers[k] for k in weights)
     ex.close()
-    np.save(f"{out}/{rank}.npy", np.array([untouched, exact, same_storage, stats.experts_received]))
+    np.save(
+        f"{out}/{rank}.npy",
+        np.array([untouched, exact, same_storage, stats.experts_received, copied]),
+    )
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("transport", ["p2p", "outbox", "ipc"])
-def test_migration_between_two_gpus_is_exact(transport: str) -> None:
+@pytest.mark.parametrize(
+    ("transport", "spare"), [("p2p", 0), ("outbox", 0), ("ipc", 0), ("p2p", S), ("ipc", S)]
+)
+def test_migration_between_two_gpus_is_exact(transport: str, spare: int) -> None:
     rng = np.random.default_rng(3)
     old = trivial_placement(L, E, P, G)
     new = np.stack([rng.permutation(old[layer]) for layer in range(L)])
@@ -83,8 +103,10 @@ def test_migration_between_two_gpus_is_exact(transport: str) -> None:
     assert (moves[:, 1] != moves[:, 3]).sum() > 10  # several outbox steps each way
     with tempfile.TemporaryDirectory() as out:
         init = f"file://{os.path.join(out, 'rdzv')}"
-        mp.spawn(_worker, args=(init, old, new, transport, out), nprocs=G, join=True)
+        mp.spawn(_worker, args=(init, old, new, transport, out, spare), nprocs=G, join=True)
         results = [np.load(f"{out}/{r}.npy") for r in range(G)]
-    for untouched, exact, same_storage, _n in results:
+    for untouched, exact, same_storage, _n, _copied in results:
         assert untouched and exact and same_storage
     assert sum(int(r[3]) for r in results) == len(moves)
+    copied = sum(int(r[4]) for r in results)
+    assert copied == (0 if spare else len(moves))
