@@ -188,16 +188,17 @@ class MigrationExecutor:
         if self._stream is not None:
             stream_ctx.enter_context(torch.cuda.device(self.device))
             stream_ctx.enter_context(torch.cuda.stream(self._stream))
+        plan = self.row_map.plan(t)
+        experts_in = int((t[:, DST_RANK] == self.rank).sum())
         with stream_ctx:
-            if self.transport == "ipc":
-                staging, incoming, sent, received = self._exchange_ipc(version, t, start)
-            elif self.transport == "outbox":
-                staging, incoming, sent, received = self._exchange_outbox(version, t, start)
+            if self.transport == "ipc":  # reads straight into the free rows
+                staging, incoming, sent, received = self._exchange_ipc(version, t, plan, start)
             else:
-                staging, incoming, sent, received = self._exchange_p2p(version, t, start)
-            experts_in = len(incoming)
-            plan = self.row_map.plan(t)
-            staging, incoming = self._fill_free_rows(t, plan, staging, incoming)
+                if self.transport == "outbox":
+                    staging, incoming, sent, received = self._exchange_outbox(version, t, start)
+                else:
+                    staging, incoming, sent, received = self._exchange_p2p(version, t, start)
+                staging, incoming = self._fill_free_rows(plan, staging, incoming)
         if self._stream is not None:
             self._stream.synchronize()
         index = self._flat_index(incoming[:, LAYER], incoming[:, DST_SLOT])
@@ -207,25 +208,36 @@ class MigrationExecutor:
             self._staged_rows = plan.rows
         return PrepareStats(version, experts_in, received, sent, time.perf_counter() - start)
 
-    def _fill_free_rows(
-        self, t: np.ndarray, plan: RowPlan, staging: dict[str, torch.Tensor], incoming: np.ndarray
-    ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-        """Write the incoming experts that `plan` gives a free row into it now; returns
-        the staging and incoming rows left for commit to copy in place."""
+    def _free_rows_of(self, plan: RowPlan, incoming: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For this rank's incoming transfer rows: which get a free row under `plan`, and
+        that row in the flat weight views (meaningful where the first is True)."""
+        t = plan.transfers
         mine = plan.fresh & (t[:, DST_RANK] == self.rank)
         fresh = np.zeros((self.num_layers, self.slots_per_rank), dtype=bool)
         fresh[t[mine, LAYER], t[mine, DST_SLOT]] = True
         take = fresh[incoming[:, LAYER], incoming[:, DST_SLOT]]
+        rows = incoming[:, LAYER] * self.rows_per_layer + plan.rows[self.rank][
+            incoming[:, LAYER], incoming[:, DST_SLOT]
+        ]
+        return take, rows
+
+    def _fill_free_rows(
+        self, plan: RowPlan, staging: dict[str, torch.Tensor], incoming: np.ndarray
+    ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+        """Write the staged experts that `plan` gives a free row into it now; returns the
+        staging and incoming rows left for commit to copy in place."""
+        take, rows = self._free_rows_of(plan, incoming)
         if not take.any():
             return staging, incoming
         # Rows freed by the last commit may still be read by replays queued before it.
         if self._commit_event is not None and self._stream is not None:
             self._stream.wait_event(self._commit_event)
+        dst = torch.as_tensor(rows[take], dtype=torch.int64, device=self.device)
+        if take.all():
+            for name, w in self.weights.items():
+                self._flat(w).index_copy_(0, dst, staging[name])
+            return self._new_staging(0), incoming[:0]
         src = torch.as_tensor(np.flatnonzero(take), dtype=torch.int64, device=self.device)
-        rows = incoming[take, LAYER] * self.rows_per_layer + plan.rows[self.rank][
-            incoming[take, LAYER], incoming[take, DST_SLOT]
-        ]
-        dst = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         for name, w in self.weights.items():
             self._flat(w).index_copy_(0, dst, staging[name].index_select(0, src))
         keep = torch.as_tensor(np.flatnonzero(~take), dtype=torch.int64, device=self.device)
@@ -347,11 +359,12 @@ class MigrationExecutor:
     # ------------------------------------------------------------ ipc transport
 
     def _exchange_ipc(
-        self, version: int, t: np.ndarray, start: float
+        self, version: int, t: np.ndarray, plan: RowPlan, start: float
     ) -> tuple[dict[str, torch.Tensor], np.ndarray, int, int]:
-        """Read each gained row from the peer's live weights. Staging rows are ordered
-        by (source rank, layer, source slot), so rows adjacent in a peer's weights
-        are one `copy_` per weight."""
+        """Read each gained row from the peer's live weights, straight into its free row
+        where `plan` gives it one, else into staging (returned with its incoming rows).
+        Rows are ordered by (source rank, layer, source slot), so rows adjacent in a
+        peer's weights and at the destination are one `copy_` per weight."""
         # 1. Every rank's last commit is done on its device, nobody aborted, and all
         #    prepare the same plan (each rank's hook checked the plan's base version).
         if self._commit_event is not None:
@@ -359,35 +372,45 @@ class MigrationExecutor:
         self._agree(version)
         self.connect()
         assert self._peer_weights is not None
-        # 2. Incoming rows, sorted so that runs of adjacent source rows are contiguous.
+        # 2. Incoming rows, sorted so that runs of adjacent source rows are contiguous;
+        #    each goes to its free row (live weights) or to the next staging row.
         incoming = t[t[:, DST_RANK] == self.rank]
         incoming = incoming[np.lexsort((incoming[:, SRC_SLOT], incoming[:, LAYER], incoming[:, SRC_RANK]))]
-        staging = self._new_staging(len(incoming))
+        live, live_row = self._free_rows_of(plan, incoming)
+        staged = incoming[~live]
+        staging = self._new_staging(len(staged))
+        dst_row = np.where(live, live_row, np.cumsum(~live) - 1)
         src_row = incoming[:, LAYER] * self.rows_per_layer + self.row_map.rows[
             incoming[:, SRC_RANK], incoming[:, LAYER], incoming[:, SRC_SLOT]
         ]
-        breaks = np.flatnonzero((np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)) + 1
+        breaks = np.flatnonzero(
+            (np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)
+            | (np.diff(dst_row) != 1) | (np.diff(live.astype(np.int8)) != 0)
+        ) + 1
         runs = np.split(np.arange(len(incoming)), breaks) if len(incoming) else []
+        own = {name: self._flat(w) for name, w in self.weights.items()}
         received = 0
         for i, run in enumerate(runs):
             self._check_aborted(version)
             lo, n = int(run[0]), len(run)
             peer = int(incoming[lo, SRC_RANK])
-            if peer == self.rank:
-                self._copy_local(incoming[lo:lo + n], staging, lo)
+            first, to = int(src_row[lo]), int(dst_row[lo])
+            target = own if live[lo] else staging
+            if peer == self.rank:  # a local move: free rows and mapped rows never overlap
+                for name in self.weights:
+                    target[name][to:to + n].copy_(own[name][first:first + n])
                 continue
-            first = int(src_row[lo])
             peer_weights = self._peer_weights[peer]
             src = next(iter(peer_weights.values())).device
             with self._reading_from(src, lane=i % self.copy_streams):
                 for name, w in peer_weights.items():
-                    staging[name][lo:lo + n].copy_(self._flat(w)[first:first + n], non_blocking=True)
+                    target[name][to:to + n].copy_(self._flat(w)[first:first + n], non_blocking=True)
             received += n * self.expert_bytes
             self._pace(start, received)
         self._sync_reads()
         # Senders do no work: their rows are read by the receivers.
         sent = int(((t[:, SRC_RANK] == self.rank) & (t[:, DST_RANK] != self.rank)).sum())
-        return staging, incoming, sent * self.expert_bytes, received
+        return staging, staged, sent * self.expert_bytes, received
 
     # ------------------------------------------------------------ outbox transport
 

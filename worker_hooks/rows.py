@@ -40,11 +40,13 @@ def replica_rows(
 class RowPlan:
     """Where a plan's incoming experts go.
 
+    transfers: [K, 5] the plan's transfer list.
     rows: [G, L, S] the rows once the plan commits.
     fresh: [K] per transfer row, True when its expert goes to a free row during prepare
         (False: copied over the slot's current row at commit).
     """
 
+    transfers: np.ndarray
     rows: np.ndarray
     fresh: np.ndarray
 
@@ -85,7 +87,7 @@ class RowMap:
         rows = self.rows.copy()
         fresh = np.zeros(len(t), dtype=bool)
         if not len(t) or not self.spare_rows:
-            return RowPlan(rows, fresh)
+            return RowPlan(t, rows, fresh)
         order = np.lexsort((t[:, DST_SLOT], t[:, LAYER], t[:, DST_RANK]))
         key = t[order, DST_RANK] * self.num_layers + t[order, LAYER]
         starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
@@ -99,4 +101,4 @@ class RowMap:
             take = order[lo : lo + n]
             rows[rank, layer, t[take, DST_SLOT]] = free[:n]
             fresh[take] = True
-        return RowPlan(rows, fresh)
+        return RowPlan(t, rows, fresh)

@@ -110,7 +110,7 @@ def _worker(
 
 @pytest.mark.parametrize(
     ("transport", "spare"),
-    [("p2p", 0), ("outbox", 0), ("ipc", 0), ("p2p", 1), ("ipc", S), ("outbox", S)],
+    [("p2p", 0), ("outbox", 0), ("ipc", 0), ("p2p", 1), ("ipc", 1), ("ipc", S), ("outbox", S)],
 )
 def test_prepare_commit_abort_across_three_ranks(tmp_path: Path, transport: str, spare: int) -> None:
     old, new, moves = _moves()
