@@ -3,7 +3,10 @@ its counts by slot."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 import torch
 
 from rebalancer.placement import trivial_placement
@@ -41,3 +44,18 @@ def test_rows_are_dispatched_and_counts_reported_by_slot() -> None:
     expected[1, 1], expected[1, 2] = 2, 1  # by slot, as the controller numbers them
     np.testing.assert_array_equal(window.physical, expected)
     np.testing.assert_array_equal(window.logical[1], [0, 2, 1, 0])
+
+
+def test_weights_without_the_spare_rows_are_refused() -> None:
+    config = HookConfig(
+        controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
+        num_slots=P, num_gpus=G, spare_rows=SPARE,
+    )
+    phy2log = trivial_placement(L, E, P, G)
+    with pytest.raises(ValueError, match=r"does not fit weights \[2, 4\]"):
+        RebalanceHook(config, phy2log, {"w": torch.zeros(L, S, 1)}, None, None)
+    with pytest.raises(ValueError, match="spare_rows >= 0"):
+        RebalanceHook(
+            dataclasses.replace(config, spare_rows=-1), phy2log, {"w": torch.zeros(L, S, 1)},
+            None, None,
+        )
