@@ -372,17 +372,19 @@ class MigrationExecutor:
         self._agree(version)
         self.connect()
         assert self._peer_weights is not None
-        # 2. Incoming rows, sorted so that runs of adjacent source rows are contiguous;
-        #    each goes to its free row (live weights) or to the next staging row.
+        # 2. Incoming rows, sorted so that runs of adjacent source rows are contiguous
+        #    (free rows are handed out in the same order, rows.RowMap.plan); each goes to
+        #    its free row (live weights) or to the next staging row.
         incoming = t[t[:, DST_RANK] == self.rank]
-        incoming = incoming[np.lexsort((incoming[:, SRC_SLOT], incoming[:, LAYER], incoming[:, SRC_RANK]))]
+        src_row = incoming[:, LAYER] * self.rows_per_layer + self.row_map.rows[
+            incoming[:, SRC_RANK], incoming[:, LAYER], incoming[:, SRC_SLOT]
+        ]
+        order = np.lexsort((src_row, incoming[:, SRC_RANK]))
+        incoming, src_row = incoming[order], src_row[order]
         live, live_row = self._free_rows_of(plan, incoming)
         staged = incoming[~live]
         staging = self._new_staging(len(staged))
         dst_row = np.where(live, live_row, np.cumsum(~live) - 1)
-        src_row = incoming[:, LAYER] * self.rows_per_layer + self.row_map.rows[
-            incoming[:, SRC_RANK], incoming[:, LAYER], incoming[:, SRC_SLOT]
-        ]
         breaks = np.flatnonzero(
             (np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)
             | (np.diff(dst_row) != 1) | (np.diff(live.astype(np.int8)) != 0)

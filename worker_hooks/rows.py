@@ -79,16 +79,18 @@ class RowMap:
         """The rows after a plan, and which of its incoming experts get a free row.
 
         transfers: [K, 5] (layer, dst_rank, dst_slot, src_rank, src_slot), the same list
-        on every rank. For each (rank, layer), the destinations in slot order take the
-        free rows (no slot maps to them) in row order; those beyond the free rows keep
-        their row and are written over at commit.
+        on every rank. For each (rank, layer), the destinations in the order of their
+        sources' (rank, row) take the free rows (no slot maps to them) in row order, so
+        experts adjacent at the source land adjacent (one copy for a run); those beyond
+        the free rows keep their row and are written over at commit.
         """
         t = np.asarray(transfers, dtype=np.int64).reshape(-1, 5)
         rows = self.rows.copy()
         fresh = np.zeros(len(t), dtype=bool)
         if not len(t) or not self.spare_rows:
             return RowPlan(t, rows, fresh)
-        order = np.lexsort((t[:, DST_SLOT], t[:, LAYER], t[:, DST_RANK]))
+        src_row = self.rows[t[:, SRC_RANK], t[:, LAYER], t[:, SRC_SLOT]]
+        order = np.lexsort((src_row, t[:, SRC_RANK], t[:, LAYER], t[:, DST_RANK]))
         key = t[order, DST_RANK] * self.num_layers + t[order, LAYER]
         starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
         ends = np.r_[starts[1:], len(order)]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rebalancer.placement import transfers, trivial_placement
-from worker_hooks.rows import DST_RANK, DST_SLOT, LAYER, RowMap
+from worker_hooks.rows import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT, RowMap
 
 L, E, P, G = 4, 8, 12, 3
 S = P // G
@@ -33,14 +33,20 @@ def test_incoming_experts_take_free_rows_then_fall_back() -> None:
     spare = 2
     rows = RowMap(G, L, S, spare)
     plan = rows.plan(moves)
-    # Each (rank, layer) gives free rows to its first `spare` destinations, in slot order.
+    # Each (rank, layer) gives free rows to its first `spare` destinations in the order
+    # of their sources (rank, then row: identity rows here, so slot).
     assert plan.fresh.sum() == np.minimum(per_dest, spare).sum()
     for rank in range(G):
         for layer in range(L):
             mine = (moves[:, DST_RANK] == rank) & (moves[:, LAYER] == layer)
-            slots = np.sort(moves[mine, DST_SLOT])
+            by_source = np.flatnonzero(mine)[
+                np.lexsort((moves[mine, SRC_SLOT], moves[mine, SRC_RANK]))
+            ]
+            np.testing.assert_array_equal(np.flatnonzero(mine & plan.fresh), np.sort(by_source[:spare]))
             fresh_slots = np.sort(moves[mine & plan.fresh, DST_SLOT])
-            np.testing.assert_array_equal(fresh_slots, slots[:spare])
+            # Free rows go out in row order along the sources.
+            got_rows = plan.rows[rank, layer, moves[by_source[:spare], DST_SLOT]]
+            assert (np.diff(got_rows) > 0).all()
             # Rows stay a permutation-free assignment: distinct, in range.
             got = plan.rows[rank, layer]
             assert len(set(got.tolist())) == S and got.max() < S + spare
