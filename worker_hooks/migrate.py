@@ -199,9 +199,11 @@ class MigrationExecutor:
                 else:
                     staging, incoming, sent, received = self._exchange_p2p(version, t, start)
                 staging, incoming = self._fill_free_rows(plan, staging, incoming)
+            # Built here, on the side stream: made on the thread's default stream, its
+            # host-to-device copy would wait for every replay serving has queued there.
+            index = self._flat_index(incoming[:, LAYER], incoming[:, DST_SLOT])
         if self._stream is not None:
             self._stream.synchronize()
-        index = self._flat_index(incoming[:, LAYER], incoming[:, DST_SLOT])
         with self._lock:
             self._check_aborted(version)
             self._staging, self._staged_index, self._staged_version = staging, index, version
