@@ -553,6 +553,8 @@ def main() -> None:
     cfg = MigrationBenchConfig(**args)
     if not cfg.spare_rows or min(cfg.spare_rows) < 0:
         raise SystemExit("--spare-rows needs values >= 0")
+    if cfg.commit_mover not in cfg.movers:
+        raise SystemExit(f"--commit-mover {cfg.commit_mover} must be one of --movers")
     if "packed" in cfg.movers and max(cfg.spare_rows) > 0:
         raise SystemExit("the packed harness moves slots, not rows: run it with --spare-rows 0")
     if torch.cuda.device_count() < WORLD:
