@@ -16,9 +16,11 @@ time, stalls stop serving, and weight transfers beside serving slow it down. The
   between two graph replays to copy the staged experts into their live slots (the
   busiest rank's received bytes over `commit_gbps`) and to swap the maps (`swap_seconds`).
 Defaults are the H200 measurements of bench.gpu_hooks and bench.gpu_migration where they
-exist (BENCHMARKS.md, "Worker hooks on GPU"): weights beside a serving loop at about 50
-GB/s with serving 14% slower, staged-weight commit at about 700 GB/s (54 experts of 84
-MiB in 6.7 ms), map swap 14 us. The inter-node bandwidth is not measured yet.
+exist (BENCHMARKS.md, "Worker hooks on GPU"): weights between the GPUs of a node beside a
+serving loop at about 300 GB/s (the ipc transport: 306-310 GB/s measured), serving 15%
+slower meanwhile (between the ipc transport's +6.8% and NCCL's +31%, as plans across
+nodes use NCCL), staged-weight commit at about 700 GB/s (54 experts of 84 MiB in 6.7
+ms), map swap 14 us. The inter-node bandwidth is not measured yet.
 - Engines that rebalance in-process (`periodic`) stop serving for
   `max(periodic_stall_seconds, transfer time)` per rebalance.
 """
@@ -49,9 +51,9 @@ class CostModel:
     # intra-node measured on H200 NVLink; inter-node assumed (a 400 Gb/s NIC shared with
     # the all-to-all's RDMA traffic).
     expert_bytes: int = DEEPSEEK_V3_EXPERT_BYTES
-    intra_node_gbps: float = 50.0
+    intra_node_gbps: float = 300.0
     inter_node_gbps: float = 20.0
-    # Serving slowdown while transfers run beside it (measured +14.2%).
+    # Serving slowdown while transfers run beside it (measured +6.8% ipc, +31% NCCL).
     overlap_penalty: float = 0.15
     # Commit pause: staged experts copied into live slots at this rate, then the map swap.
     commit_gbps: float = 700.0
