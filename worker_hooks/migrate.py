@@ -275,15 +275,27 @@ class MigrationExecutor:
             raise MigrationAborted(f"plan v{version} aborted while preparing")
 
     def _agree(self, version: int) -> None:
-        """Collective on the group: every rank got here in plan `version`. An abort seen
-        by any rank stops all of them here together, none is left waiting."""
-        state = torch.tensor([int(version in self._aborted), version], dtype=torch.int64)
+        """Collective on the group: every rank got here in plan `version`, with the same
+        rows for every rank (ipc reads a peer's expert where this rank's row map says it
+        is). An abort seen by any rank stops all of them here together, none is left
+        waiting; a disagreement fails the plan on every rank."""
+        state = torch.tensor(
+            [int(version in self._aborted), version, self.row_map.digest()], dtype=torch.int64
+        )
         states = [torch.zeros_like(state) for _ in range(self.world_size)]
         dist.all_gather(states, state, group=self.group)
         if any(int(s[0]) for s in states):
             raise MigrationAborted(f"plan v{version} aborted while preparing")
         if len({int(s[1]) for s in states}) > 1:
             raise RuntimeError(f"ranks prepare different plans: {[int(s[1]) for s in states]}")
+        digests = [int(s[2]) for s in states]
+        if len(set(digests)) > 1:
+            odd = [r for r, d in enumerate(digests) if digests.count(d) == 1]
+            raise RuntimeError(
+                f"ranks disagree on where the weights of the EP group are (row maps differ; "
+                f"rank(s) {odd or list(range(self.world_size))} differ): a rank restarted "
+                "alone? Restart the whole EP group"
+            )
 
     def _reading_from(self, src: torch.device, lane: int) -> contextlib.ExitStack:
         """Run `copy_` from a peer's memory on `src` on read streams of its own at both

@@ -16,6 +16,7 @@ without spare rows; with R = 0 every move is such a copy and the rows never chan
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,11 @@ class RowMap:
     @property
     def rows_per_rank(self) -> int:
         return self.slots_per_rank + self.spare_rows
+
+    def digest(self) -> int:
+        """A 63-bit fingerprint of the rows, to check that ranks agree on them."""
+        raw = hashlib.blake2b(np.ascontiguousarray(self.rows, dtype=np.int64).tobytes(), digest_size=8)
+        return int.from_bytes(raw.digest(), "little") >> 1
 
     def row_ids(self, rows: np.ndarray | None = None) -> np.ndarray:
         """Global row id of every physical slot: `[L, P]`, slot `r * S + s` -> `r * (S + R) + row`."""

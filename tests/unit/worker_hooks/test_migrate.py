@@ -210,6 +210,30 @@ def test_shared_transports_refuse_ranks_on_several_hosts(tmp_path: Path, transpo
     assert all("on one host" in m and "elsewhere" in m for m in messages), messages
 
 
+def _diverged_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray) -> None:
+    """Rank 2's row map differs from its peers' (as if it restarted alone after plans)."""
+    rows = RowMap(G, L, S, 1)
+    if rank == 2:
+        rows.rows[0, 0, [0, 1]] = [S, 0]  # it believes rank 0 moved slot 0 to a spare row
+    weights = in_shared_memory(weights_of("p2p", old, rank, out, 1), f"rank{rank}", out)[0]
+    ex = MigrationExecutor(rank, G, weights, join(rank, out), transport="ipc", row_map=rows)
+    message = ""
+    try:
+        ex.prepare(1, moves)
+    except RuntimeError as exc:
+        message = str(exc)
+    Path(out, f"{rank}.txt").write_text(message)
+    ex.close()
+    dist.destroy_process_group()
+
+
+def test_ranks_that_disagree_on_the_rows_fail_the_plan_everywhere(tmp_path: Path) -> None:
+    old, _new, moves = _moves()
+    spawn(_diverged_worker, tmp_path, old, moves)
+    messages = [(tmp_path / f"{r}.txt").read_text() for r in range(G)]
+    assert all("row maps differ; rank(s) [2]" in m for m in messages), messages
+
+
 def test_outbox_schedule_covers_every_remote_move_once() -> None:
     _old, _new, moves = _moves()
     plan = outbox_schedule(moves, 4)
