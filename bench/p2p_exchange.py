@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
+from rebalancer.placement.transfers import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
 
 
 @dataclass

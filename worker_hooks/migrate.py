@@ -37,8 +37,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rebalancer.placement.transfers import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
 from worker_hooks.outbox import SharedOutboxes, map_peer_weights, outbox_schedule
-from worker_hooks.rows import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT, RowMap, RowPlan
+from worker_hooks.rows import RowMap
 
 TRANSPORTS = ("p2p", "ipc", "outbox")
 
@@ -188,17 +189,17 @@ class MigrationExecutor:
         if self._stream is not None:
             stream_ctx.enter_context(torch.cuda.device(self.device))
             stream_ctx.enter_context(torch.cuda.stream(self._stream))
-        plan = self.row_map.plan(t)
+        new_rows = self.row_map.plan(t).rows
         experts_in = int((t[:, DST_RANK] == self.rank).sum())
         with stream_ctx:
             if self.transport == "ipc":  # reads straight into the free rows
-                staging, incoming, sent, received = self._exchange_ipc(version, t, plan, start)
+                staging, incoming, sent, received = self._exchange_ipc(version, t, new_rows, start)
             else:
                 if self.transport == "outbox":
                     staging, incoming, sent, received = self._exchange_outbox(version, t, start)
                 else:
                     staging, incoming, sent, received = self._exchange_p2p(version, t, start)
-                staging, incoming = self._fill_free_rows(plan, staging, incoming)
+                staging, incoming = self._fill_free_rows(new_rows, staging, incoming)
             # Built here, on the side stream: made on the thread's default stream, its
             # host-to-device copy would wait for every replay serving has queued there.
             index = self._flat_index(incoming[:, LAYER], incoming[:, DST_SLOT])
@@ -207,28 +208,23 @@ class MigrationExecutor:
         with self._lock:
             self._check_aborted(version)
             self._staging, self._staged_index, self._staged_version = staging, index, version
-            self._staged_rows = plan.rows
+            self._staged_rows = new_rows
         return PrepareStats(version, experts_in, received, sent, time.perf_counter() - start)
 
-    def _free_rows_of(self, plan: RowPlan, incoming: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For this rank's incoming transfer rows: which get a free row under `plan`, and
-        that row in the flat weight views (meaningful where the first is True)."""
-        t = plan.transfers
-        mine = plan.fresh & (t[:, DST_RANK] == self.rank)
-        fresh = np.zeros((self.num_layers, self.slots_per_rank), dtype=bool)
-        fresh[t[mine, LAYER], t[mine, DST_SLOT]] = True
-        take = fresh[incoming[:, LAYER], incoming[:, DST_SLOT]]
-        rows = incoming[:, LAYER] * self.rows_per_layer + plan.rows[self.rank][
-            incoming[:, LAYER], incoming[:, DST_SLOT]
-        ]
-        return take, rows
+    def _free_rows_of(self, new_rows: np.ndarray, incoming: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For this rank's incoming transfer rows: which get a free row (their row changes
+        from now to `new_rows` [G, L, S]), and that row in the flat weight views."""
+        layers, slots = incoming[:, LAYER], incoming[:, DST_SLOT]
+        new = new_rows[self.rank][layers, slots]
+        take = new != self.row_map.rows[self.rank][layers, slots]
+        return take, layers * self.rows_per_layer + new
 
     def _fill_free_rows(
-        self, plan: RowPlan, staging: dict[str, torch.Tensor], incoming: np.ndarray
+        self, new_rows: np.ndarray, staging: dict[str, torch.Tensor], incoming: np.ndarray
     ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-        """Write the staged experts that `plan` gives a free row into it now; returns the
-        staging and incoming rows left for commit to copy in place."""
-        take, rows = self._free_rows_of(plan, incoming)
+        """Write the staged experts that get a free row under `new_rows` into it now;
+        returns the staging and incoming rows left for commit to copy in place."""
+        take, rows = self._free_rows_of(new_rows, incoming)
         if not take.any():
             return staging, incoming
         # Rows freed by the last commit may still be read by replays queued before it.
@@ -373,10 +369,10 @@ class MigrationExecutor:
     # ------------------------------------------------------------ ipc transport
 
     def _exchange_ipc(
-        self, version: int, t: np.ndarray, plan: RowPlan, start: float
+        self, version: int, t: np.ndarray, new_rows: np.ndarray, start: float
     ) -> tuple[dict[str, torch.Tensor], np.ndarray, int, int]:
         """Read each gained row from the peer's live weights, straight into its free row
-        where `plan` gives it one, else into staging (returned with its incoming rows).
+        where `new_rows` gives it one, else into staging (returned with its incoming rows).
         Rows are ordered by (source rank, layer, source slot), so rows adjacent in a
         peer's weights and at the destination are one `copy_` per weight."""
         # 1. Every rank's last commit is done on its device, nobody aborted, and all
@@ -395,7 +391,7 @@ class MigrationExecutor:
         ]
         order = np.lexsort((src_row, incoming[:, SRC_RANK]))
         incoming, src_row = incoming[order], src_row[order]
-        live, live_row = self._free_rows_of(plan, incoming)
+        live, live_row = self._free_rows_of(new_rows, incoming)
         staged = incoming[~live]
         staging = self._new_staging(len(staged))
         dst_row = np.where(live, live_row, np.cumsum(~live) - 1)
@@ -509,9 +505,10 @@ class MigrationExecutor:
     # ------------------------------------------------------------ commit / abort
 
     def commit(self, version: int) -> int:
-        """Copy staged experts into the live weights in place; returns experts written.
+        """Make the staged plan live: copy the staged experts (those without a free row)
+        into their rows in place, then move the row map; returns experts written.
 
-        One `index_copy_` per weight on its flat [L * S, ...] view. Call between
+        One `index_copy_` per weight on its flat [L * (S + R), ...] view. Call between
         forward steps (between graph replays): storage never changes."""
         with self._lock:
             if (self._staged_version != version or self._staging is None

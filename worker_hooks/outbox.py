@@ -31,8 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# Columns of a transfer list (see proto Prepare.transfers).
-LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
+from rebalancer.placement.transfers import DST_RANK, DST_SLOT, LAYER, SRC_RANK
 
 Key = TypeVar("Key", bound=Hashable)
 

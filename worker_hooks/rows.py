@@ -22,9 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rebalancer.placement import log2phy_of
-
-# Columns of a transfer list (see proto Prepare.transfers).
-LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
+from rebalancer.placement.transfers import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
 
 
 def replica_rows(
@@ -41,13 +39,11 @@ def replica_rows(
 class RowPlan:
     """Where a plan's incoming experts go.
 
-    transfers: [K, 5] the plan's transfer list.
     rows: [G, L, S] the rows once the plan commits.
     fresh: [K] per transfer row, True when its expert goes to a free row during prepare
         (False: copied over the slot's current row at commit).
     """
 
-    transfers: np.ndarray
     rows: np.ndarray
     fresh: np.ndarray
 
@@ -94,7 +90,7 @@ class RowMap:
         rows = self.rows.copy()
         fresh = np.zeros(len(t), dtype=bool)
         if not len(t) or not self.spare_rows:
-            return RowPlan(t, rows, fresh)
+            return RowPlan(rows, fresh)
         src_row = self.rows[t[:, SRC_RANK], t[:, LAYER], t[:, SRC_SLOT]]
         order = np.lexsort((src_row, t[:, SRC_RANK], t[:, LAYER], t[:, DST_RANK]))
         key = t[order, DST_RANK] * self.num_layers + t[order, LAYER]
@@ -109,4 +105,4 @@ class RowMap:
             take = order[lo : lo + n]
             rows[rank, layer, t[take, DST_SLOT]] = free[:n]
             fresh[take] = True
-        return RowPlan(t, rows, fresh)
+        return RowPlan(rows, fresh)

@@ -156,9 +156,13 @@ class LoadEstimator:
     def noise_windows(self) -> np.ndarray:
         """Per layer [L], how many windows of sampling noise `estimate` carries: what the
         decision's noise margin needs (`effective_windows` for every layer unless shrunk)."""
+        return self.estimate_and_noise()[1]
+
+    def estimate_and_noise(self) -> tuple[np.ndarray, np.ndarray]:
+        """`estimate` and `noise_windows` from one computation: what a decision needs."""
         if self.config.shrink:
-            return self.shrunk()[1]
-        return np.full(self.num_layers, self.effective_windows)
+            return self.shrunk()
+        return self.smoothed(), np.full(self.num_layers, self.effective_windows)
 
     def smoothed(self) -> np.ndarray:
         """The decayed (or sliding-window) mean rate `[L, E]`; zeros before any window."""

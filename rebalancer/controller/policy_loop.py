@@ -68,16 +68,12 @@ class PolicyLoop:
             or now - self.last_decision_time >= self.policy.decision_period_seconds - 1e-9
         )
 
-    def _estimate(self) -> tuple[np.ndarray, np.ndarray]:
-        """What the decision sees: the estimate and its noise in windows per layer."""
-        return self.estimator.estimate(), self.estimator.noise_windows()
-
     def prepare_decision(self, current: np.ndarray, now: float) -> Callable[[], Decision]:
         """The policy's decision on the inputs as they are now, to run later or elsewhere.
 
         Every input is copied here, so the returned call may run on another thread
         while windows keep folding (the controller does that); `record` it afterwards."""
-        estimate, effective_windows = self._estimate()
+        estimate, effective_windows = self.estimator.estimate_and_noise()
         kwargs = dict(
             estimate=estimate.copy(),
             current=np.array(current, copy=True),
@@ -108,7 +104,7 @@ class PolicyLoop:
 
     def force(self, current: np.ndarray, now: float, dry_run: bool = False) -> Decision:
         """An operator's forced rebalance (or dry run): the gate is skipped."""
-        estimate, effective_windows = self._estimate()
+        estimate, effective_windows = self.estimator.estimate_and_noise()
         decision = decide(
             estimate,
             current,

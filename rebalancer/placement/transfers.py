@@ -13,6 +13,9 @@ from rebalancer.errors import InputError
 from rebalancer.placement.metrics import log2phy_of
 from rebalancer.placement.types import check_phy2log
 
+# Columns of a transfer list (see proto Prepare.transfers).
+LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
+
 
 def transfers(
     old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_gpus: int, num_nodes: int = 1

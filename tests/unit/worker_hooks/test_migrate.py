@@ -186,13 +186,18 @@ def _refused_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, tra
     if fault == "two_hosts" and rank == 1:  # as if rank 1 ran on another machine
         outbox.socket_host = lambda: "elsewhere"  # type: ignore[assignment]
     ex = MigrationExecutor(rank, G, weights, join(rank, out), transport=transport)
+    _write_refusal(ex, moves, rank, out)
+    dist.destroy_process_group()
+
+
+def _write_refusal(ex: MigrationExecutor, moves: np.ndarray, rank: int, out: str) -> None:
+    """Prepare plan 1; write what it raised (empty if nothing) to out/<rank>.txt."""
     message = ""
     try:
         ex.prepare(1, moves)
     except RuntimeError as exc:
         message = str(exc)
     Path(out, f"{rank}.txt").write_text(message)
-    dist.destroy_process_group()
 
 
 def test_ipc_refuses_unshared_cpu_weights_on_every_rank(tmp_path: Path) -> None:
@@ -217,12 +222,7 @@ def _diverged_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray) ->
         rows.rows[0, 0, [0, 1]] = [S, 0]  # it believes rank 0 moved slot 0 to a spare row
     weights = in_shared_memory(weights_of("p2p", old, rank, out, 1), f"rank{rank}", out)[0]
     ex = MigrationExecutor(rank, G, weights, join(rank, out), transport="ipc", row_map=rows)
-    message = ""
-    try:
-        ex.prepare(1, moves)
-    except RuntimeError as exc:
-        message = str(exc)
-    Path(out, f"{rank}.txt").write_text(message)
+    _write_refusal(ex, moves, rank, out)
     ex.close()
     dist.destroy_process_group()
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from rebalancer.placement import transfers, trivial_placement
-from worker_hooks.rows import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT, RowMap
+from rebalancer.placement.transfers import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
+from worker_hooks.rows import RowMap
 
 L, E, P, G = 4, 8, 12, 3
 S = P // G
