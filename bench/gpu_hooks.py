@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from reference.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
 from worker_hooks.dispatch import ReplicaDispatch
-from worker_hooks.moe_gpu import MoEBlockConfig, ReferenceMoE
 from worker_hooks.record import ExpertRecorder
 
 
@@ -109,12 +109,12 @@ def bench_block(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
         num_layers=cfg.num_layers,
     )
     phy2log = torch.arange(cfg.num_experts).repeat(cfg.num_layers, 1)
-    plain = ReferenceMoE(mcfg, phy2log, dev, seed=0)
+    plain = ReferenceMoEBlock(mcfg, phy2log, dev, seed=0)
     disp = ReplicaDispatch(
         identity_map(cfg.num_layers, cfg.num_experts), 1, 0, max_replicas=4, device=dev
     )
     rec = ExpertRecorder(cfg.num_layers, cfg.num_experts, num_physical=cfg.num_experts, device=dev)
-    hooked = ReferenceMoE(
+    hooked = ReferenceMoEBlock(
         mcfg, phy2log, dev, dispatch=disp, recorder=rec, seed=0, weights=plain.weights
     )
     x = torch.randn(cfg.tokens, cfg.hidden, device=dev, dtype=mcfg.dtype)

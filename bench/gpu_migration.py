@@ -4,7 +4,7 @@ One process per GPU, NCCL. In one run it measures:
 1. the ceiling: a plain GPU0 -> GPU1 `copy_` (one process, both GPUs), and NCCL
    send/recv at a few message sizes, one way and both ways at once;
 2. a real plan: DeepSeek-V3-sized experts (bf16, w13 + w2 = 84 MiB each) placed
-   trivially, rebalanced for DeepSeek-V3 routing from shared/data with the
+   trivially, rebalanced for DeepSeek-V3 routing from rebalancer/data with the
    migration-aware `rebalancer.placement.compute_placement(previous=...)`, moved by
    `MigrationExecutor.prepare` with each configured mover (NCCL point-to-point on its
    own process group and side stream, rounds pipelined or not; peers' live weights or
@@ -47,9 +47,9 @@ from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 from rebalancer.placement.engine import compute_placement
 from rebalancer.placement.metrics import balancedness_per_layer, trivial_placement
 from rebalancer.placement.transfers import transfers
+from reference.moe_gpu import MoEBlockConfig, ReferenceMoEBlock, expert_weights
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.migrate import MigrationExecutor
-from worker_hooks.moe_gpu import MoEBlockConfig, ReferenceMoE, expert_weights
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap, replica_rows
 
@@ -238,7 +238,7 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str, spare: int) -
     ]
     rec = ExpertRecorder(cfg.num_layers, num_experts, num_physical=num_rows, device=dev)
     t0 = time.perf_counter()
-    block = ReferenceMoE(mcfg, torch.from_numpy(old), dev, dispatch=disps, recorder=rec, seed=0)
+    block = ReferenceMoEBlock(mcfg, torch.from_numpy(old), dev, dispatch=disps, recorder=rec, seed=0)
     say("fill_seconds", time.perf_counter() - t0)
 
     # -- graphs: local expert work only (no collective), one for the balance figure --

@@ -44,9 +44,9 @@ def _echo_server(port: int, ready: Any) -> None:
     """A WorkerService that registers anything and acks every window unread."""
     import grpc
 
-    from rebalancer.controller.config import server_options
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+    from rebalancer.wire.channel import server_options
 
     class Echo(pb_grpc.WorkerServiceServicer):
         async def Register(self, request: Any, context: Any) -> Any:
@@ -74,10 +74,10 @@ def _generator(address: str, ranks: list[int], rate: float, seconds: float, warm
                counts: np.ndarray, out: Any) -> None:
     import grpc
 
-    from rebalancer.controller import codec
-    from rebalancer.controller.config import client_options
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+    from rebalancer.wire import codec
+    from rebalancer.wire.channel import client_options
 
     logical = codec.encode(counts.astype(np.uint32))  # what worker agents send
     shape = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P,

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from rebalancer.client import ChannelConfig, aio_channel
-from rebalancer.controller import codec
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire import codec
+from rebalancer.wire.channel import ChannelConfig, aio_channel
 
 log = logging.getLogger("worker_hooks.agent")
 

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rebalancer.controller import codec
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire import codec
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.dispatch import ReplicaDispatch

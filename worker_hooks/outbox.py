@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rebalancer.placement.transfers import DST_RANK, DST_SLOT, LAYER, SRC_RANK
+from rebalancer.wire.layout import DST_RANK, DST_SLOT, LAYER, SRC_RANK
 
 Key = TypeVar("Key", bound=Hashable)
 

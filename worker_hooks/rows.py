@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rebalancer.placement import log2phy_of
-from rebalancer.placement.transfers import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
+from rebalancer.wire.layout import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT, log2phy_of
 
 
 def replica_rows(

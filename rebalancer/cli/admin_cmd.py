@@ -85,9 +85,9 @@ def _fail(code: int, message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from rebalancer.client import ChannelConfig, sync_channel
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+    from rebalancer.wire.channel import ChannelConfig, sync_channel
 
     config = ChannelConfig(args.address, args.ca, args.cert, args.key, args.token)
     with sync_channel(config) as channel:
@@ -115,8 +115,8 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
         reply = stub.Status(pb.StatusRequest(deployment=args.deployment), **kw)
         show(reply, "\n".join(_status_text(d) for d in reply.deployments) or "no deployments")
     elif cmd == "placement":
-        from rebalancer.controller import codec
         from rebalancer.formats import write_placement, write_sglang_expert_location
+        from rebalancer.wire import codec
 
         reply = stub.GetPlacement(ref, **kw)
         status = stub.Status(pb.StatusRequest(deployment=args.deployment), **kw).deployments[0]

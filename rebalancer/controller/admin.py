@@ -14,7 +14,6 @@ from dataclasses import fields, replace
 
 import grpc
 
-from rebalancer.controller import codec
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.errors import StateError
 from rebalancer.controller.service import placement_msg, refuse, shape_msg
@@ -22,6 +21,7 @@ from rebalancer.controller.state import Controller, Deployment
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire import codec
 
 log = logging.getLogger("rebalancer.admin")
 

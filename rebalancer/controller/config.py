@@ -1,4 +1,4 @@
-"""Controller settings, and the gRPC channel options both sides must agree on."""
+"""Controller settings: the TOML file (deploy/controller.toml) and its checks."""
 
 from __future__ import annotations
 
@@ -9,37 +9,7 @@ from typing import Any
 
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.errors import InputError
-
-# A DeepSeek-V3 window is 58 x 256 int64 = 119 KB (+ 58 x 288 physical); 16 MiB
-# leaves room for the largest models while refusing absurd messages early.
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-# Keepalive: clients ping every 20 s; the server permits pings that often even
-# without calls in flight, so neither side closes the other with GOAWAY.
-KEEPALIVE_TIME_MS = 20_000
-KEEPALIVE_TIMEOUT_MS = 10_000
-
-
-def _shared_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """What both ends must agree on: message sizes and keepalive."""
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
-
-
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [
-        *_shared_options(max_message_bytes),
-        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-    ]
-
-
-def client_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [*_shared_options(max_message_bytes), ("grpc.http2.max_pings_without_data", 0)]
+from rebalancer.wire.channel import MAX_MESSAGE_BYTES
 
 
 @dataclass

@@ -40,6 +40,7 @@ from rebalancer.placement import (
     lower_bound_balancedness,
     transfers,
 )
+from rebalancer.wire.layout import check_layout
 
 # DeepSeek-V3 routed expert in FP8: gate, up (7168 x 2048 each) and down (2048 x 7168).
 DEEPSEEK_V3_EXPERT_BYTES = 3 * 7168 * 2048
@@ -165,22 +166,9 @@ class ClusterShape:
     expert_bytes: int = DEEPSEEK_V3_EXPERT_BYTES
 
     def validate(self) -> None:
-        for name in ("num_layers", "num_logical", "num_slots", "num_gpus", "num_nodes"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_slots < self.num_logical:
-            raise InputError(
-                f"num_slots ({self.num_slots}) must be >= num_logical ({self.num_logical})"
-            )
-        if self.num_slots % self.num_gpus:
-            raise InputError(
-                f"num_slots ({self.num_slots}) must be a multiple of num_gpus ({self.num_gpus})"
-            )
-        if self.num_gpus % self.num_nodes:
-            raise InputError(
-                f"num_gpus ({self.num_gpus}) must be a multiple of num_nodes ({self.num_nodes})"
-            )
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, (int, np.integer)) or self.num_layers <= 0:
+            raise InputError(f"num_layers must be a positive integer, got {self.num_layers!r}")
+        check_layout(self.num_logical, self.num_slots, self.num_gpus, self.num_nodes)
         if self.num_groups < 0 or (self.num_groups and self.num_logical % self.num_groups):
             raise InputError(
                 f"num_groups ({self.num_groups}) must be 0 or divide num_logical "

@@ -23,13 +23,14 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from rebalancer.controller.admin import AdminService
-from rebalancer.controller.config import ControllerConfig, server_options
+from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.metrics import ControllerMetrics
 from rebalancer.controller.service import WorkerService
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.channel import server_options
 
 log = logging.getLogger("rebalancer.server")
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import grpc
 
-from rebalancer.controller import codec
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape
 from rebalancer.controller.errors import StateError
@@ -25,6 +24,7 @@ from rebalancer.controller.state import Controller
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire import codec
 
 log = logging.getLogger("rebalancer.service")
 

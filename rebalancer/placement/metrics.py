@@ -10,18 +10,15 @@ from __future__ import annotations
 import numpy as np
 
 from rebalancer.errors import InputError
-from rebalancer.placement.types import check_layout, check_load, check_phy2log
-
-
-def gather(values: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """values[r, index[r, ...]] for every row r: `take_along_axis` on axis 1 through
-    one flat `take`, several times faster on the small rows used here.
-
-    values: [X, n], index: [X, ...] integers in [0, n). Returns: [X, ...].
-    """
-    num_rows, width = values.shape
-    offsets = np.arange(0, num_rows * width, width).reshape((num_rows,) + (1,) * (index.ndim - 1))
-    return np.take(values.reshape(-1), index + offsets)
+from rebalancer.placement.types import check_load
+from rebalancer.wire.layout import (  # noqa: F401  (re-exported: the placement API)
+    check_layout,
+    check_phy2log,
+    gather,
+    log2phy_of,
+    logcnt_of,
+    trivial_placement,
+)
 
 
 def pack_sums(values: np.ndarray, num_packs: int) -> np.ndarray:
@@ -70,61 +67,6 @@ def rows_cols(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.divmod(np.flatnonzero(mask), mask.shape[1])
 
 
-def trivial_placement(num_layers: int, num_logical: int, num_slots: int, num_gpus: int) -> np.ndarray:
-    """Contiguous placement: slot p holds expert p % E.
-
-    Returns: phy2log [L, P] int64.
-    """
-    check_layout(num_logical, num_slots, num_gpus)
-    if num_layers <= 0:
-        raise InputError(f"num_layers must be positive, got {num_layers}")
-    row = np.arange(num_slots, dtype=np.int64) % num_logical
-    return np.tile(row, (num_layers, 1))
-
-
-def logcnt_of(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
-    """Replicas per logical expert.
-
-    phy2log: [L, P]. Returns: logcnt [L, E] int64.
-    """
-    phy2log = np.asarray(phy2log, dtype=np.int64)
-    num_layers = phy2log.shape[0]
-    offsets = np.arange(num_layers, dtype=np.int64)[:, None] * num_logical
-    counts = np.bincount((phy2log + offsets).ravel(), minlength=num_layers * num_logical)
-    return counts.reshape(num_layers, num_logical).astype(np.int64)
-
-
-def log2phy_of(
-    phy2log: np.ndarray,
-    num_logical: int,
-    max_replicas: int | None = None,
-    logcnt: np.ndarray | None = None,
-) -> np.ndarray:
-    """Replica slots of every expert, in ascending slot order, -1 padded.
-
-    phy2log: [L, P]; logcnt: [L, E] if already known. Returns: log2phy [L, E, R] int64
-    with R = max_replicas or the largest replica count.
-    """
-    phy2log = np.asarray(phy2log, dtype=np.int64)
-    num_layers, num_slots = phy2log.shape
-    if logcnt is None:
-        logcnt = logcnt_of(phy2log, num_logical)
-    needed = int(logcnt.max())
-    width = needed if max_replicas is None else int(max_replicas)
-    if width < needed:
-        raise InputError(f"max_replicas {width} is below the largest replica count {needed}")
-    # 1. group the slots of each expert together, in slot order inside a group (a stable
-    #    sort; on 16-bit keys numpy uses a radix sort, several times faster)
-    keys = phy2log.astype(np.int16) if num_logical <= np.iinfo(np.int16).max else phy2log
-    order = np.argsort(keys, axis=1, kind="stable")
-    experts = gather(phy2log, order)
-    # 2. the replica rank of a slot is its position minus the start of its group
-    starts = np.cumsum(logcnt, axis=1) - logcnt
-    rank = np.arange(num_slots)[None, :] - gather(starts, experts)
-    out = np.full((num_layers, num_logical, width), -1, dtype=np.int64)
-    layers = np.broadcast_to(np.arange(num_layers)[:, None], experts.shape)
-    out[layers, experts, rank] = order
-    return out
 
 
 def replica_load(

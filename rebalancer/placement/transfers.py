@@ -10,11 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from rebalancer.errors import InputError
-from rebalancer.placement.metrics import log2phy_of
-from rebalancer.placement.types import check_phy2log
-
-# Columns of a transfer list (see proto Prepare.transfers).
-LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
+from rebalancer.wire.layout import TRANSFER_COLUMNS, check_layout, check_phy2log, log2phy_of
 
 
 def transfers(
@@ -23,7 +19,7 @@ def transfers(
     """Transfer list from one placement to the next.
 
     old_phy2log, new_phy2log: [L, P] with the same experts.
-    Returns: [K, 5] int32 rows (layer, dst_rank, dst_slot, src_rank, src_slot), slots
+    Returns: [K, 5] int32 rows (columns: `rebalancer.wire.layout`) (layer, dst_rank, dst_slot, src_rank, src_slot), slots
     local to their rank (0 .. P/G - 1), one row per slot whose expert changes, sorted by
     (layer, dst_rank, dst_slot). Sources are slots of the OLD placement, so all reads
     happen before any write is committed.
@@ -33,18 +29,15 @@ def transfers(
     if old.shape != new.shape:
         raise InputError(f"placements differ in shape: {old.shape} vs {new.shape}")
     num_layers, num_slots = old.shape
-    if num_gpus <= 0 or num_slots % num_gpus:
-        raise InputError(f"slots ({num_slots}) must be a multiple of GPUs ({num_gpus})")
-    if num_nodes <= 0 or num_gpus % num_nodes:
-        raise InputError(f"GPUs ({num_gpus}) must be a multiple of nodes ({num_nodes})")
     num_logical = int(max(old.max(), new.max())) + 1
+    check_layout(num_logical, num_slots, num_gpus, num_nodes)
     old = check_phy2log(old, num_logical, name="old placement")
     per_gpu = num_slots // num_gpus
     gpus_per_node = num_gpus // num_nodes
     # 1. the destinations: slots whose expert changes
     layer, dst = np.nonzero(old != new)
     if layer.size == 0:
-        return np.zeros((0, 5), dtype=np.int32)
+        return np.zeros((0, TRANSFER_COLUMNS), dtype=np.int32)
     expert = new[layer, dst]
     # 2. candidate sources: every old replica of that expert [K, R]
     replicas = log2phy_of(old, num_logical)[layer, expert]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from reference.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
 from worker_hooks.dispatch import ReplicaDispatch
-from worker_hooks.moe_gpu import MoEBlockConfig, ReferenceMoE
 from worker_hooks.record import ExpertRecorder
 
 pytestmark = [
@@ -215,7 +215,7 @@ def test_moe_block_graph_matches_eager_and_survives_swap() -> None:
     old, new = placement(), placement()
     disp = ReplicaDispatch(log2phy(old), num_gpus=1, rank=0, device=dev)
     rec = ExpertRecorder(2, 32, num_physical=40, device=dev)
-    block = ReferenceMoE(cfg, torch.from_numpy(old), dev, dispatch=disp, recorder=rec, seed=2)
+    block = ReferenceMoEBlock(cfg, torch.from_numpy(old), dev, dispatch=disp, recorder=rec, seed=2)
     x = torch.randn(384, cfg.hidden, device=dev, dtype=cfg.dtype)
     out = torch.empty_like(x)
     eager = block.forward(x)

@@ -8,10 +8,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rebalancer.controller.config import ControllerConfig, client_options
+from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.channel import client_options
 
 
 def start_controller(db: Path | str, policy: PolicyConfig | None = None, **kw: object) -> EmbeddedController:

@@ -13,10 +13,10 @@ import grpc
 import pytest
 
 from rebalancer.cli import main as cli
-from rebalancer.client import ChannelConfig, sync_channel
 from rebalancer.demo import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.channel import ChannelConfig, sync_channel
 from tests.integration.conftest import start_controller
 
 SHAPE = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=2, num_nodes=1)

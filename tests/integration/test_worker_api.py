@@ -9,10 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
-from rebalancer.controller import codec
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire import codec
 
 L, E, P, G = 2, 4, 6, 2
 SHAPE = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G, num_nodes=1, expert_bytes=1000)
@@ -73,7 +73,7 @@ def test_good_windows_are_acked_and_counted_once(controller: EmbeddedController,
         (dict(shape=pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=5, num_gpus=G, num_nodes=1)), grpc.StatusCode.INVALID_ARGUMENT, "slots"),
         (dict(rank=2), grpc.StatusCode.INVALID_ARGUMENT, "rank 2 out of range"),
         (dict(initial_placement=pb.Placement(phy2log=codec.encode(np.zeros((L, P + 1), np.int32)))), grpc.StatusCode.INVALID_ARGUMENT, "shape"),
-        (dict(initial_placement=pb.Placement(phy2log=codec.encode(np.zeros((L, P), np.int32)))), grpc.StatusCode.INVALID_ARGUMENT, "without a slot"),
+        (dict(initial_placement=pb.Placement(phy2log=codec.encode(np.zeros((L, P), np.int32)))), grpc.StatusCode.INVALID_ARGUMENT, "has no replica of expert"),
     ],
 )
 def test_register_refuses_bad_requests(controller: EmbeddedController, worker_stub: pb_grpc.WorkerServiceStub, request_kw: dict, code: grpc.StatusCode, words: str) -> None:

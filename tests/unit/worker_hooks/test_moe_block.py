@@ -7,8 +7,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from reference.moe_gpu import MoEBlockConfig, ReferenceMoEBlock, expert_weights
 from worker_hooks.dispatch import ReplicaDispatch
-from worker_hooks.moe_gpu import MoEBlockConfig, ReferenceMoE, expert_weights
 from worker_hooks.record import ExpertRecorder
 
 CPU = torch.device("cpu")
@@ -37,7 +37,7 @@ def test_matches_per_token_loop() -> None:
     cfg = _cfg()
     phy2log = torch.arange(8).repeat(2, 1)
     rec = ExpertRecorder(cfg.num_layers, cfg.num_experts)
-    block = ReferenceMoE(cfg, phy2log, CPU, recorder=rec, seed=3)
+    block = ReferenceMoEBlock(cfg, phy2log, CPU, recorder=rec, seed=3)
     x = torch.randn(13, cfg.hidden, generator=torch.Generator().manual_seed(0))
     out = block.forward(x)
     ref = x.clone()
@@ -75,7 +75,7 @@ def test_rebalance_keeps_output_bit_identical() -> None:
         ]
         return np.stack(rows)
 
-    def run(blocks: list[ReferenceMoE]) -> torch.Tensor:
+    def run(blocks: list[ReferenceMoEBlock]) -> torch.Tensor:
         y = x.clone()
         for layer in range(cfg.num_layers):
             ids, weight = blocks[0].route(layer, y, forced[layer])
@@ -90,7 +90,7 @@ def test_rebalance_keeps_output_bit_identical() -> None:
         for _ in range(2)
     ]
     blocks = [
-        ReferenceMoE(
+        ReferenceMoEBlock(
             _cfg(num_gpus=2, num_redundant=4, rank=rank),
             torch.from_numpy(old),
             CPU,
@@ -121,7 +121,7 @@ def test_rebalance_keeps_output_bit_identical() -> None:
 
 
 def run_reference(
-    x: torch.Tensor, forced: torch.Tensor, block: ReferenceMoE, cfg: MoEBlockConfig
+    x: torch.Tensor, forced: torch.Tensor, block: ReferenceMoEBlock, cfg: MoEBlockConfig
 ) -> torch.Tensor:
     y = x.clone()
     for layer in range(cfg.num_layers):

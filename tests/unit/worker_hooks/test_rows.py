@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rebalancer.placement import transfers, trivial_placement
-from rebalancer.placement.transfers import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
+from rebalancer.wire.layout import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
 from worker_hooks.rows import RowMap
 
 L, E, P, G = 4, 8, 12, 3

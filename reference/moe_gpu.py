@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.record import ExpertRecorder
 
-__all__ = ["MoEBlockConfig", "ReferenceMoE", "expert_weights"]
+__all__ = ["MoEBlockConfig", "ReferenceMoEBlock", "expert_weights"]
 
 
 @dataclass
@@ -83,7 +83,7 @@ def expert_weights(
     return (w13 * scale).to(cfg.dtype), (w2 * cfg.intermediate**-0.5).to(cfg.dtype)
 
 
-class ReferenceMoE:
+class ReferenceMoEBlock:
     """L MoE layers of one EP rank: router, hooks, grouped expert MLPs, residual.
 
     Args:

@@ -14,6 +14,7 @@ import numpy as np
 
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.layout import check_phy2log
 
 _TO_NUMPY: dict[Any, np.dtype] = {
     pb.DTYPE_INT32: np.dtype("<i4"),
@@ -72,12 +73,4 @@ def decode_phy2log(msg: pb.Array, num_layers: int, num_slots: int, num_logical: 
     arr = decode(msg, "phy2log", (num_layers, num_slots))
     if arr.dtype.kind not in "iu":
         raise InputError("phy2log: must be an integer array")
-    arr = arr.astype(np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() >= num_logical):
-        raise InputError(f"phy2log: expert ids must lie in [0, {num_logical})")
-    held = np.zeros((num_layers, num_logical), dtype=bool)
-    np.put_along_axis(held, arr, True, axis=1)
-    if not held.all():
-        layer = int(np.argmin(held.all(axis=1)))
-        raise InputError(f"phy2log: layer {layer} leaves some experts without a slot")
-    return arr
+    return check_phy2log(arr, num_logical, name="phy2log")

@@ -12,7 +12,7 @@ GPU `rank % device_count`, weights move between GPUs (NCCL p2p, or the copy engi
 with `--transport ipc`); the small expert math and the token exchange stay on CPU, so
 outputs are still compared bit for bit with the CPU reference.
 
-    python -m worker_hooks.cpu_worker --rank 0 --world 4 --port 29500 \
+    python -m reference.cpu_worker --rank 0 --world 4 --port 29500 \
         --controller 127.0.0.1:50051 --profile routing.npz --out rank0.json
 """
 
@@ -32,13 +32,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rebalancer.placement import trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.layout import trivial_placement
+from reference.moe_cpu import MoEConfig, ReferenceMoE, combine, expert_forward, slot_weights
 from worker_hooks.hook import HookConfig, RebalanceHook
-from worker_hooks.moe import MoEConfig, ReferenceMoE, combine, expert_forward, slot_weights
 from worker_hooks.outbox import in_shared_memory, unlink_quietly
 
-log = logging.getLogger("worker_hooks.cpu_worker")
+log = logging.getLogger("reference.cpu_worker")
 
 
 def sample_routing(

@@ -1,0 +1,11 @@
+"""The wire layer: what the controller and the workers must agree on, and nothing else.
+
+- `codec`: numpy arrays <-> `rebalancer.v1.Array` messages, validated.
+- `channel`: gRPC channel and server options (message sizes, keepalive) and client
+  channels with TLS, mutual TLS and bearer tokens.
+- `layout`: placement layout rules, `phy2log` -> replica tables, transfer-list columns.
+
+It sits at the bottom with `rebalancer.errors` and the generated `rebalancer.v1`: numpy,
+grpc and protobuf only, so an inference process that imports `worker_hooks` loads
+neither the controller nor the placement engine (nor scipy).
+"""

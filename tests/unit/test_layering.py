@@ -1,0 +1,142 @@
+"""The layering of ARCHITECTURE.md, held: which package may import which.
+
+Two checks. A static walk of every import statement in `rebalancer/` and `worker_hooks/`
+(function-level lazy imports included) against the allowed edges; and a fresh
+interpreter that imports every `worker_hooks` module and must not have loaded the
+controller, the placement engine or scipy (what an inference process pays for).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Layer of a module: the longest matching prefix wins.
+LAYERS = {
+    "rebalancer": "base",  # the package itself (__version__)
+    "rebalancer.errors": "base",
+    "rebalancer.v1": "base",
+    "rebalancer.wire": "wire",
+    "rebalancer.data": "data",
+    "rebalancer.datasets": "data",
+    "rebalancer.formats": "data",
+    "rebalancer.placement": "placement",
+    "rebalancer.controller": "controller",
+    "worker_hooks": "worker_hooks",
+    "rebalancer.sidecar": "sidecar",
+    "rebalancer.sim": "sim",
+    "reference": "reference",
+    "rebalancer.demo": "top",
+    "rebalancer.cli": "top",
+    "rebalancer.__main__": "top",
+}
+
+# What each layer may import (besides itself). Bottom: base and wire; placement on top of
+# them; controller and worker_hooks beside each other; the rest above.
+ALLOWED = {
+    "base": {"base"},
+    "wire": {"base"},
+    "data": {"base"},
+    "placement": {"base", "wire"},
+    "controller": {"base", "wire", "data", "placement"},
+    "worker_hooks": {"base", "wire"},
+    "sidecar": {"base", "wire"},
+    "sim": {"base", "wire", "data", "placement", "controller"},
+    "reference": {"base", "wire", "worker_hooks"},
+    "top": set(LAYERS.values()),
+}
+
+
+def layer_of(module: str) -> str | None:
+    best = None
+    for prefix in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            if best is None or len(prefix) > len(best):
+                best = prefix
+    return None if best is None else LAYERS[best]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in the file, lazy ones included."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, node.lineno))
+            # `from rebalancer import placement` imports the package rebalancer.placement
+            found.extend((f"{node.module}.{alias.name}", node.lineno) for alias in node.names)
+    return found
+
+
+def source_files() -> list[Path]:
+    files = []
+    for top in ("rebalancer", "worker_hooks", "reference"):
+        files += [p for p in (ROOT / top).rglob("*.py") if "v1" not in p.relative_to(ROOT).parts]
+    return sorted(files)
+
+
+def forbidden_edges(files: dict[str, Path] | None = None) -> list[str]:
+    """Every import of `files` (module name -> path; default: the project's) that its
+    layer may not make, as `path:line: layer imports module (layer)`."""
+    if files is None:
+        files = {module_name(p): p for p in source_files()}
+    bad = []
+    for importer, path in files.items():
+        src = layer_of(importer)
+        assert src is not None, f"{importer} belongs to no layer: add it to LAYERS"
+        for imported, line in imports_of(path):
+            dst = layer_of(imported)
+            if dst is None or dst == src:
+                continue
+            if dst not in ALLOWED[src]:
+                bad.append(f"{path.name}:{line}: {src} imports {imported} ({dst})")
+    return bad
+
+
+def test_no_import_crosses_the_layers_the_wrong_way() -> None:
+    assert forbidden_edges() == []
+
+
+def test_the_walk_sees_a_forbidden_edge(tmp_path: Path) -> None:
+    """The checker itself: a worker hook importing the controller is caught."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import numpy\n\ndef f():\n    from rebalancer.controller import decide\n")
+    assert forbidden_edges({"worker_hooks.probe": probe}) == [
+        "probe.py:4: worker_hooks imports rebalancer.controller (controller)",
+        "probe.py:4: worker_hooks imports rebalancer.controller.decide (controller)",
+    ]
+    assert forbidden_edges({"rebalancer.sim.probe": probe}) == []
+
+
+def test_importing_worker_hooks_loads_neither_controller_nor_placement_nor_scipy() -> None:
+    torch = pytest.importorskip("torch")  # noqa: F841
+    # deepep.py included: it must import deep_ep only when an adapter is built.
+    modules = sorted(module_name(p) for p in (ROOT / "worker_hooks").rglob("*.py"))
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True)
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "worker_hooks.hook" in loaded and "worker_hooks.migrate" in loaded
+    leaked = [m for m in loaded if m.startswith(("rebalancer.controller", "rebalancer.placement",
+                                                   "rebalancer.sim", "scipy", "deep_ep"))]
+    assert leaked == []
