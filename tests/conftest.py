@@ -1,0 +1,63 @@
+"""Test-session guard: no process started by the tests outlives them.
+
+Every process the suite starts (controllers, worker processes, the controller's decision
+pool, multiprocessing helpers) inherits a marker variable set here. When the session ends,
+any live process still carrying this session's marker leaked, even one that was orphaned
+and re-parented to init: it is killed and the session fails with its command line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+MARKER = "REBALANCER_TEST_SESSION"
+
+
+def marked_processes(token: str) -> dict[int, str]:
+    """pid -> command line of every live process whose environment holds MARKER=token."""
+    needle = f"{MARKER}={token}".encode()
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            status = (entry / "status").read_text()
+            if "\nState:\tZ" in status:  # a zombie holds nothing; its parent reaps it
+                continue
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found[int(entry.name)] = cmd.strip()
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    if not Path("/proc/self/environ").exists():  # not Linux: nothing to check with
+        yield
+        return
+    token = uuid.uuid4().hex
+    os.environ[MARKER] = token
+    yield
+    deadline = time.monotonic() + 5.0  # let processes on their way out finish exiting
+    leaked = marked_processes(token)
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.2)
+        leaked = marked_processes(token)
+    for pid in leaked:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not leaked, "processes outlived the test session (killed now):\n" + "\n".join(
+        f"  {pid}: {cmd}" for pid, cmd in sorted(leaked.items())
+    )
