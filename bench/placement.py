@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     header = [
         f"Command: `python -m bench.placement` ({datetime.date.today().isoformat()}; "
         f"{machine()}; numpy {np.__version__}, one thread).",
-        "Counts: the six DeepSeek-V3 workloads in shared/data (61 layers, 58 with load, "
+        "Counts: the six DeepSeek-V3 workloads in rebalancer/data (61 layers, 58 with load, "
         "256 experts). Balancedness = mean/max GPU load per layer, averaged over layers "
         "with load; bound = best reachable (see docs/placement.md).",
     ]

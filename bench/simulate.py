@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rebalancer.controller.decide import PolicyConfig
-from rebalancer.datasets import shared_data_dir
+from rebalancer.datasets import mixtral_gsm8k_file
 from rebalancer.sim import (
     POLICIES,
     CostModel,
@@ -73,8 +73,7 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
                 trace = make_trace(sources, cfg, name=f"deepseek-v3-{kind}{suffix}")
                 cases.append(Case(trace.name, trace, ds, predictable=kind != "burst"))
     if which & {"mixtral8", "mixtral16"}:
-        path = shared_data_dir() / "mixtral-8x7b" / "gsm8k_routing.jsonl"
-        trace = load_trace(path, tokens_per_window=16)
+        trace = load_trace(mixtral_gsm8k_file(), tokens_per_window=16)
         trace.name = "mixtral-gsm8k"
         cost = CostModel(expert_bytes=MIXTRAL_8X7B_EXPERT_BYTES)
         for slots in (8, 16):

@@ -6,17 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from rebalancer.datasets import shared_data_dir
-from rebalancer.errors import InputError
+from rebalancer.datasets import mixtral_gsm8k_file
 
 
 @pytest.fixture
 def mixtral_path() -> Path:
-    """The real Mixtral GSM8K routing file; the test skips where the data is absent."""
-    try:
-        path = shared_data_dir() / "mixtral-8x7b" / "gsm8k_routing.jsonl"
-    except InputError:
-        pytest.skip("shared routing data not present")
-    if not path.is_file():
-        pytest.skip("shared routing data not present")
-    return path
+    """The real Mixtral GSM8K routing file (shipped in rebalancer/data)."""
+    return mixtral_gsm8k_file()
