@@ -1,7 +1,7 @@
 """The main job: a controller with an embedded demo on real routing data.
 
 Starts the controller (gRPC, SQLite store) in this process and G real CPU
-worker processes (worker_hooks.cpu_worker, one gloo EP group) that serve a
+worker processes (reference.cpu_worker, one gloo EP group) that serve a
 small fp32 MoE model. Their routing replays DeepSeek-V3's real per-layer
 expert loads, scaled down to the small model (a fixed random subset of the
 256 experts keeps the real skew) and drifting across the six published
@@ -115,7 +115,7 @@ def launch_workers(
     procs = []
     for rank in range(config.workers):
         cmd = [
-            sys.executable, "-m", "worker_hooks.cpu_worker", "--rank", str(rank),
+            sys.executable, "-m", "reference.cpu_worker", "--rank", str(rank),
             "--world", str(config.workers), "--port", str(port), "--controller", address,
             "--profile", str(profile), "--steps", str(config.steps), "--tokens", str(config.tokens),
             "--experts", str(config.experts), "--slots", str(config.slots), "--layers", str(config.layers),
