@@ -28,9 +28,9 @@ import numpy as np
 from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.deployment import WindowEvent
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.server import ControllerServer
-from rebalancer.controller.state import WindowEvent
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 
 # Phase order: alternate prefill and decode so the hot experts move.
@@ -153,8 +153,8 @@ def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[st
             emit(f"  plan v{plan.version} {what}")
 
     def setup(server: ControllerServer) -> None:
-        server.controller.window_observers.append(on_window)
-        server.controller.plan_observers.append(on_plan)
+        server.controller.observers.window.append(on_window)
+        server.controller.observers.plan.append(on_plan)
 
     ctl = EmbeddedController(
         ControllerConfig(port=config.port, db_path=config.db_path or str(tmp / "controller.sqlite"),

@@ -2,28 +2,26 @@
 
 Status, placement, history, force (or dry-run) a rebalance, pause/resume and
 policy get/set. When the server is given an admin token, every call must carry
-`authorization: Bearer <token>`; others get UNAUTHENTICATED and change nothing.
+`authorization: Bearer <token>`; the server's interceptor (auth.py) refuses the others
+before they reach this service, so they change nothing.
 """
 
 from __future__ import annotations
 
-import hmac
-import logging
 import math
 from dataclasses import fields, replace
 
 import grpc
 
 from rebalancer.controller.decide import Decision, PolicyConfig
+from rebalancer.controller.deployment import Deployment
 from rebalancer.controller.errors import StateError
 from rebalancer.controller.service import placement_msg, refuse, shape_msg
-from rebalancer.controller.state import Controller, Deployment
+from rebalancer.controller.state import Controller
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
-
-log = logging.getLogger("rebalancer.admin")
 
 # Policy fields that the v1 message carries; the others keep their current value.
 _WIRE_POLICY_FIELDS = tuple(f.name for f in pb.Policy.DESCRIPTOR.fields)
@@ -90,32 +88,18 @@ def status_msg(dep: Deployment) -> pb.DeploymentStatus:
 
 
 class AdminService(pb_grpc.AdminServiceServicer):
-    def __init__(self, controller: Controller, token: str | None = None) -> None:
+    def __init__(self, controller: Controller) -> None:
         self.controller = controller
-        self.token = token
 
     async def _deployment(self, context: grpc.aio.ServicerContext, name: str, what: str) -> Deployment:
-        """The named deployment, after the caller is authorized; NOT_FOUND otherwise."""
-        await self._authorize(context, what)
+        """The named deployment; NOT_FOUND otherwise."""
         try:
             return self.controller.deployment(name)
         except StateError as exc:
             await refuse(context, exc, what)
             raise
 
-    async def _authorize(self, context: grpc.aio.ServicerContext, what: str) -> None:
-        if not self.token:
-            return
-        got = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not isinstance(got, str) or not got.startswith("Bearer "):
-            log.warning("admin %s refused: no bearer token", what)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin calls need 'authorization: Bearer <token>'")
-        if not hmac.compare_digest(got[len("Bearer "):].encode(), self.token.encode()):
-            log.warning("admin %s refused: wrong token", what)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "admin token not accepted")
-
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        await self._authorize(context, "Status")
         try:
             deps = [self.controller.deployment(request.deployment)] if request.deployment else list(self.controller.deployments.values())
         except StateError as exc:
@@ -128,7 +112,6 @@ class AdminService(pb_grpc.AdminServiceServicer):
         return placement_msg(dep.version, dep.phy2log)
 
     async def ForceRebalance(self, request: pb.ForceRebalanceRequest, context: grpc.aio.ServicerContext) -> pb.ForceRebalanceResponse:
-        await self._authorize(context, "ForceRebalance")
         try:
             decision, plan = self.controller.force(
                 request.deployment, dry_run=request.dry_run, max_moved_fraction=request.max_moved_fraction
@@ -154,7 +137,6 @@ class AdminService(pb_grpc.AdminServiceServicer):
         return policy_msg(dep.policy)
 
     async def SetPolicy(self, request: pb.SetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.Policy:
-        await self._authorize(context, "SetPolicy")
         try:
             dep = self.controller.deployment(request.deployment)
             policy = policy_from_msg(request.policy, dep.policy)
@@ -171,7 +153,6 @@ class AdminService(pb_grpc.AdminServiceServicer):
         return await self._pause(request, context, False)
 
     async def _pause(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext, paused: bool) -> pb.Empty:
-        await self._authorize(context, "Pause" if paused else "Resume")
         try:
             self.controller.set_paused(request.deployment, paused)
         except StateError as exc:

@@ -8,7 +8,7 @@ timeout before that aborts the plan on every rank (invariant 5).
 
 The coordinator is a plain state machine; it never does I/O itself. Each
 transition returns what to send to whom, so the server and the simulator can
-drive the same code.
+drive the same code. A report that does not fit the plan raises StateError.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import enum
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from rebalancer.controller.errors import StateError
 
 # How long past its prepare deadline a committing plan may wait for confirmations.
 COMMIT_GRACE_SECONDS = 60.0
@@ -29,14 +31,6 @@ class PlanState(enum.Enum):
     ABORTED = "aborted"
 
 
-class ReportError(Exception):
-    """A plan report that does not fit the plan in flight; `code` names the gRPC status."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 @dataclass
 class Plan:
     version: int
@@ -46,14 +40,14 @@ class Plan:
     num_ranks: int
     trigger: str
     created: float
-    deadline: float          # monotonic seconds; preparing past this aborts
+    deadline: float          # controller clock seconds; preparing past this aborts
     slots_moved: int
     bytes_moved: int
     state: PlanState = PlanState.PREPARING
     prepared: set[int] = field(default_factory=set)
     committed: set[int] = field(default_factory=set)
     reason: str = ""
-    started_at: float = 0.0    # monotonic seconds when Prepare went out
+    started_at: float = 0.0    # controller clock seconds when Prepare went out
     prepared_at: float = 0.0
     committed_at: float = 0.0
 
@@ -74,7 +68,7 @@ def on_prepared(plan: Plan, rank: int, now: float) -> Transition:
     if plan.state is not PlanState.PREPARING:
         if rank in plan.prepared:
             return Transition(duplicate=True)
-        raise ReportError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}, not preparing")
+        raise StateError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}, not preparing")
     if rank in plan.prepared:
         return Transition(duplicate=True)
     plan.prepared.add(rank)
@@ -90,7 +84,7 @@ def on_failed(plan: Plan, rank: int, error: str) -> Transition:
         return abort(plan, f"rank {rank} failed to prepare: {error or 'no reason given'}")
     if plan.state is PlanState.ABORTED:
         return Transition(duplicate=True)
-    raise ReportError(
+    raise StateError(
         "FAILED_PRECONDITION",
         f"plan v{plan.version} is {plan.state.value}: a failure can no longer abort it",
     )
@@ -98,7 +92,7 @@ def on_failed(plan: Plan, rank: int, error: str) -> Transition:
 
 def on_committed(plan: Plan, rank: int, now: float) -> Transition:
     if plan.state not in (PlanState.COMMITTING, PlanState.COMMITTED):
-        raise ReportError(
+        raise StateError(
             "FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}; no commit was sent"
         )
     if rank in plan.committed:

@@ -153,13 +153,9 @@ class LoadEstimator:
         `shrunk` with config.shrink, else `smoothed`."""
         return self.shrunk()[0] if self.config.shrink else self.smoothed()
 
-    def noise_windows(self) -> np.ndarray:
-        """Per layer [L], how many windows of sampling noise `estimate` carries: what the
-        decision's noise margin needs (`effective_windows` for every layer unless shrunk)."""
-        return self.estimate_and_noise()[1]
-
     def estimate_and_noise(self) -> tuple[np.ndarray, np.ndarray]:
-        """`estimate` and `noise_windows` from one computation: what a decision needs."""
+        """`estimate` and, per layer [L], how many windows of sampling noise it carries
+        (`effective_windows` for every layer unless shrunk): what a decision needs."""
         if self.config.shrink:
             return self.shrunk()
         return self.smoothed(), np.full(self.num_layers, self.effective_windows)
@@ -212,18 +208,6 @@ class LoadEstimator:
         with np.errstate(divide="ignore"):
             windows = np.where(variance > 0, 1.0 / np.where(variance > 0, variance, 1.0), np.inf)
         return shares * fast.sum(axis=1, keepdims=True), windows
-
-    def reset(self) -> None:
-        """Forget every window (e.g. after the model shape changed)."""
-        self.windows = 0
-        self._weighted_sum[:] = 0.0
-        self._weight_total = 0.0
-        self._weight_sq_total = 0.0
-        self._recent.clear()
-        self._recent_sum[:] = 0.0
-        self._prior_sum[:] = 0.0
-        self._prior_weight = 0.0
-        self._prior_weight_sq = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to rebuild the estimator, as JSON-ready plain values."""

@@ -34,7 +34,6 @@ class WindowMerger:
         self.fold_lag = fold_lag
         self.next_seq: dict[int, int] = {}  # rank -> next window it may send
         self.newest_seq = -1                # highest sequence number any rank sent
-        self.duplicates = 0
         self._pending: dict[int, MergedWindow] = {}
 
     def restore(self, next_seq: dict[int, int]) -> None:
@@ -48,7 +47,6 @@ class WindowMerger:
         logical: [L, E] counts, physical: [L, P] or None (any integer or float dtype)."""
         expected = self.next_seq.get(rank, 0)
         if seq < expected:
-            self.duplicates += 1
             return False
         if seq > expected and rank in self.next_seq:
             raise StateError("FAILED_PRECONDITION", f"window seq {seq} from rank {rank}: expected {expected}")

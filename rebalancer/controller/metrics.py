@@ -112,8 +112,8 @@ class ControllerMetrics:
         self.ingest_refused = Counter("rebalancer_ingest_refused", "Windows refused as bad input.",
                                       ["deployment"], registry=r)
         self._started: dict[tuple[str, int], float] = {}
-        controller.plan_observers.append(self.on_plan)
-        controller.decision_observers.append(self.on_decision)
+        controller.observers.plan.append(self.on_plan)
+        controller.observers.decision.append(self.on_decision)
 
     def on_decision(self, deployment: str, decision: Decision, trigger: str) -> None:
         self.decisions.labels(deployment, decision.outcome).inc()

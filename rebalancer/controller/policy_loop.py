@@ -102,14 +102,26 @@ class PolicyLoop:
         self.observe(counts)
         return self.tick(current, now, in_flight=in_flight)
 
-    def force(self, current: np.ndarray, now: float, dry_run: bool = False) -> Decision:
-        """An operator's forced rebalance (or dry run): the gate is skipped."""
+    def force(
+        self,
+        current: np.ndarray,
+        now: float,
+        dry_run: bool = False,
+        max_moved_fraction: float | None = None,
+    ) -> Decision:
+        """An operator's forced rebalance (or dry run): the gate is skipped.
+
+        `max_moved_fraction` overrides the policy's for this decision only. The decision
+        is recorded on this loop, with or without the override; a dry run records nothing."""
+        policy = self.policy
+        if max_moved_fraction is not None:
+            policy = dataclasses.replace(policy, max_moved_fraction=max_moved_fraction)
         estimate, effective_windows = self.estimator.estimate_and_noise()
         decision = decide(
             estimate,
             current,
             self.shape,
-            self.policy,
+            policy,
             now=now,
             last_rebalance=self.last_rebalance,
             windows=self.estimator.windows,
@@ -127,3 +139,8 @@ class PolicyLoop:
         self.last_decision = decision
         if decision.take:
             self.last_rebalance = now
+
+    def amend(self, decision: Decision) -> None:
+        """Replace the recorded last decision by what the caller made of it (a take it
+        could not start, say); the decision and rebalance times stay as recorded."""
+        self.last_decision = decision

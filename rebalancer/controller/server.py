@@ -2,16 +2,16 @@
 
 Standard health checking (per service; NOT_SERVING until loaded and while
 draining) and reflection are registered; keepalive and message sizes are set
-on purpose (config.py). Shutdown drains: health flips to NOT_SERVING, new
-calls are refused, calls in flight get `grace_seconds`.
+on purpose (config.py); bearer tokens are checked by one interceptor (auth.py).
+Shutdown drains: health flips to NOT_SERVING, new calls are refused, calls in
+flight get `grace_seconds`, the decision process ends (pool.py) and every ingest
+cursor is saved before the store closes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import multiprocessing
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -23,21 +23,19 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from rebalancer.controller.admin import AdminService
+from rebalancer.controller.auth import ADMIN_SERVICE, WORKER_SERVICE, TokenAuth
 from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.metrics import ControllerMetrics
+from rebalancer.controller.pool import DecisionPool
 from rebalancer.controller.service import WorkerService
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
-from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import server_options
 
 log = logging.getLogger("rebalancer.server")
 
-SERVICE_NAMES = (
-    pb.DESCRIPTOR.services_by_name["WorkerService"].full_name,
-    pb.DESCRIPTOR.services_by_name["AdminService"].full_name,
-)
+SERVICE_NAMES = (WORKER_SERVICE, ADMIN_SERVICE)
 
 
 class ControllerServer:
@@ -46,18 +44,26 @@ class ControllerServer:
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self.store = Store(config.db_path)
-        self.controller = Controller(self.store, config.policy, config.persist_seconds)
-        self.server = grpc.aio.server(options=server_options(config.max_message_bytes))
+        # Decisions run in a process of their own (pool.py), started in `start`.
+        self.pool = DecisionPool()
+        self.controller = Controller(
+            self.store, config.policy, config.persist_seconds, background=self.pool.submit
+        )
+        self.auth = TokenAuth(config.admin_token, config.worker_tokens)
+        self.server = grpc.aio.server(
+            interceptors=[self.auth], options=server_options(config.max_message_bytes)
+        )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.metrics = ControllerMetrics(self.controller)
         self.metrics_port: int | None = None
         pb_grpc.add_WorkerServiceServicer_to_server(
             WorkerService(
-                self.controller, config.worker_tokens, self.metrics.on_ingest, config.ack_interval_seconds
+                self.controller, self.auth.check_deployment, self.metrics.on_ingest,
+                config.ack_interval_seconds,
             ),
             self.server,
         )
-        pb_grpc.add_AdminServiceServicer_to_server(AdminService(self.controller, config.admin_token), self.server)
+        pb_grpc.add_AdminServiceServicer_to_server(AdminService(self.controller), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -76,11 +82,6 @@ class ControllerServer:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         self._tick_task: asyncio.Task[None] | None = None
         self._metrics_http: Any = None
-        # Decisions (placement math, ~0.1 s for DeepSeek-V3 at EP32) run in a process of
-        # their own: ingest keeps the event loop and the GIL to itself.
-        self._executor = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn")
-        )
         self._stopping = False
         self._stopped = asyncio.Event()
 
@@ -94,27 +95,8 @@ class ControllerServer:
             if asyncio.iscoroutine(result):
                 await result
 
-    def _background(self, fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, fn)
-
-        def finish(f: asyncio.Future[Any]) -> None:
-            if self._stopping or f.cancelled():
-                return  # draining: the store may be closed already
-            try:
-                result = f.result()
-            except Exception:
-                log.exception("background decision failed")
-                result = None
-            done(result)
-
-        future.add_done_callback(finish)
-
     async def start(self) -> None:
-        self.controller.background = self._background
-        # Start the decision process now, not at the first decision (a spawned
-        # interpreter takes a second or two to import numpy, scipy and the engine).
-        self._executor.submit(_warm_up)
+        self.pool.start()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.config.metrics_port is not None:
@@ -140,6 +122,7 @@ class ControllerServer:
             await self._stopped.wait()
             return
         self._stopping = True
+        self.pool.stop_accepting()  # no plan starts while draining
         log.info("draining (%.1fs not ready, then grace %.1fs)", self.config.drain_seconds,
                  self.config.grace_seconds)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -149,9 +132,8 @@ class ControllerServer:
         if self._tick_task:
             self._tick_task.cancel()
         await self.server.stop(self.config.grace_seconds)
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        for dep in self.controller.deployments.values():
-            self.controller.persist(dep)
+        self.pool.close()
+        self.controller.persist_all()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         self.store.close()
@@ -173,7 +155,3 @@ async def serve(config: ControllerConfig, ready: Callable[[ControllerServer], No
         ready(server)
     await server.wait()
 
-
-def _warm_up() -> None:
-    """Runs in the decision process: import what decisions need."""
-    import rebalancer.controller.decide  # noqa: F401

@@ -3,20 +3,21 @@
 This layer only translates: protobuf in, validated numpy and calls on the
 Controller out, and StateError / InputError into a gRPC status with a message
 and a log line. Validation happens before any state is touched (invariant 6).
+Tokens are checked by the server's interceptor (auth.py); this layer only says which
+deployment a call is about, once it knows.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
-import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
+from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape
 from rebalancer.controller.errors import StateError
@@ -81,7 +82,8 @@ def placement_msg(version: int, phy2log: Any) -> pb.Placement:
     return pb.Placement(version=version, phy2log=codec.encode(phy2log.astype("int32")))
 
 
-def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
+def controller_message(kind: str, payload: Any, now: float) -> pb.ControllerMessage:
+    """A plan phase for a rank's stream; `now` on the controller's clock."""
     plan: Plan = payload
     if kind == "prepare":
         return pb.ControllerMessage(prepare=pb.Prepare(
@@ -89,7 +91,7 @@ def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
             placement=placement_msg(plan.version, plan.phy2log),
             transfers=codec.encode(plan.transfers.astype("int32")),
             layers_per_chunk=4,
-            timeout_seconds=max(0.0, plan.deadline - time.monotonic()),
+            timeout_seconds=max(0.0, plan.deadline - now),
         ))
     if kind == "commit":
         return pb.ControllerMessage(commit=pb.Commit(version=plan.version))
@@ -106,16 +108,17 @@ class AckPacer:
     The first window after a quiet interval is acked at once; later ones by a timer.
     Each ack says how long it was held, so senders can still tell ingest latency."""
 
-    def __init__(self, write: Callable[[pb.ControllerMessage], None], interval: float) -> None:
+    def __init__(self, write: Callable[[pb.ControllerMessage], None], interval: float, clock: Clock) -> None:
         self._write = write
         self.interval = interval
+        self._clock = clock
         self._seq: int | None = None
         self._ingested_at = 0.0
         self._last_ack = -float("inf")
         self._timer: asyncio.TimerHandle | None = None
 
     def ingested(self, seq: int) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._seq, self._ingested_at = seq, now
         if now - self._last_ack >= self.interval:
             self.flush()
@@ -129,7 +132,7 @@ class AckPacer:
             self._timer = None
         if self._seq is None:
             return
-        now = time.monotonic()
+        now = self._clock()
         msg = pb.ControllerMessage()
         msg.window_ack.seq = self._seq
         msg.window_ack.held_seconds = now - self._ingested_at
@@ -143,34 +146,24 @@ class AckPacer:
 
 
 class WorkerService(pb_grpc.WorkerServiceServicer):
-    """`tokens` maps a deployment to the bearer token its ranks must present; when
-    empty, workers are not authenticated (use mutual TLS or a private network)."""
+    """`check_deployment(name)` raises StateError unless the call in progress may speak
+    for deployment `name` (auth.TokenAuth.check_deployment); None: no such check."""
 
     def __init__(
-        self, controller: Controller, tokens: dict[str, str] | None = None,
+        self, controller: Controller, check_deployment: Callable[[str], None] | None = None,
         on_ingest: Callable[[str, int, float], None] | None = None,
         ack_interval: float = 0.0,
     ) -> None:
         self.controller = controller
+        self.clock = controller.clock
         self.ack_interval = ack_interval  # 0: every window acked at once
-        self.tokens = dict(tokens or {})
+        self.check_deployment = check_deployment or (lambda _name: None)
         self.on_ingest = on_ingest  # (deployment, bytes, seconds) per window, for metrics
-
-    def _check_token(self, context: grpc.aio.ServicerContext, deployment: str) -> None:
-        """Raise StateError unless the call may speak for `deployment`."""
-        if not self.tokens:
-            return
-        got = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not isinstance(got, str) or not got.startswith("Bearer "):
-            raise StateError("UNAUTHENTICATED", "worker calls need 'authorization: Bearer <token>'")
-        expected = self.tokens.get(deployment)
-        if expected is None or not hmac.compare_digest(got[7:].encode(), expected.encode()):
-            raise StateError("PERMISSION_DENIED", f"token does not allow speaking for deployment {deployment!r}")
 
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         try:
             name = check_name(request.deployment)
-            self._check_token(context, name)
+            self.check_deployment(name)
             shape = shape_of(request.shape)
             if request.rank >= shape.num_gpus:
                 raise InputError(f"rank {request.rank} out of range for {shape.num_gpus} GPUs")
@@ -207,11 +200,11 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 log.error("stream outbox full; dropping a %s", msg.WhichOneof("body"))
 
         def send(kind: str, payload: Any) -> None:
-            enqueue(controller_message(kind, payload))
+            enqueue(controller_message(kind, payload, self.clock()))
 
         session_id = first.hello.session_id
         try:
-            self._check_token(context, self.controller.session(session_id)[0].name)
+            self.check_deployment(self.controller.session(session_id)[0].name)
             dep, session = self.controller.attach(session_id, send)
         except StateError as exc:
             await refuse(context, exc, "Stream hello")
@@ -234,7 +227,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             await asyncio.gather(write_task, return_exceptions=True)
 
         write_task = asyncio.create_task(writer())
-        acks = AckPacer(enqueue, self.ack_interval)
+        acks = AckPacer(enqueue, self.ack_interval, self.clock)
         try:
             while True:
                 msg = await context.read()
@@ -245,7 +238,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 if not msg.HasField("window"):
                     raise InputError("only windows may follow hello on the stream")
                 w = msg.window
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 logical = codec.decode_counts(w.logical_count, "logical_count", logical_shape)
                 physical = None
                 if w.HasField("physical_count"):
@@ -253,7 +246,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 self.controller.ingest(dep, session.rank, w.seq, w.placement_version, logical, physical)
                 if self.on_ingest is not None:
                     nbytes = len(w.logical_count.data) + len(w.physical_count.data)
-                    self.on_ingest(dep.name, nbytes, time.perf_counter() - t0)
+                    self.on_ingest(dep.name, nbytes, self.clock() - t0)
                 acks.ingested(w.seq)
         except (InputError, StateError) as exc:
             await stop_writer(flush=False)
@@ -265,7 +258,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
 
     async def ReportPlan(self, request: pb.PlanReport, context: grpc.aio.ServicerContext) -> pb.PlanReportResponse:
         try:
-            self._check_token(context, self.controller.session(request.session_id)[0].name)
+            self.check_deployment(self.controller.session(request.session_id)[0].name)
             phase = _PHASES.get(request.phase)
             if phase is None:
                 raise InputError(f"plan phase {request.phase} is not reportable")

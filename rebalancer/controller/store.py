@@ -5,6 +5,9 @@ policy and committed placement, every placement version a plan proposed, the
 plan and decision history, and the ingest cursor (per-rank next window
 sequence number plus the load estimate) so a reconnecting rank's resent
 windows are counted once.
+
+The store keeps no clock: every time it writes (created, finished, a decision's time)
+is given by the caller, read off the controller's one clock.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import io
 import json
 import sqlite3
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,9 +104,9 @@ class Store:
     # ------------------------------------------------------------ deployments
 
     def create_deployment(
-        self, name: str, shape: dict[str, int], policy: dict[str, Any], version: int, phy2log: np.ndarray
+        self, name: str, shape: dict[str, int], policy: dict[str, Any], version: int,
+        phy2log: np.ndarray, *, now: float,
     ) -> None:
-        now = time.time()
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
@@ -150,10 +152,9 @@ class Store:
 
     def begin_plan(
         self, name: str, version: int, base_version: int, trigger: str, phy2log: np.ndarray,
-        slots_moved: int, bytes_moved: int,
+        slots_moved: int, bytes_moved: int, *, now: float,
     ) -> None:
         """Record a plan and its placement before any rank hears of it."""
-        now = time.time()
         with self._db:
             self._db.execute("BEGIN")
             self._put_placement(name, version, phy2log, now)
@@ -163,19 +164,21 @@ class Store:
                 (name, version, base_version, trigger, now, slots_moved, bytes_moved),
             )
 
-    def set_plan_state(self, name: str, version: int, state: str, reason: str = "") -> None:
+    def set_plan_state(
+        self, name: str, version: int, state: str, reason: str = "", *, now: float
+    ) -> None:
         self._db.execute(
             "UPDATE plans SET state = ?, finished = ?, reason = ? WHERE deployment = ? AND version = ?",
-            (state, time.time(), reason, name, version),
+            (state, now, reason, name, version),
         )
 
-    def commit_plan(self, name: str, version: int) -> None:
+    def commit_plan(self, name: str, version: int, *, now: float) -> None:
         """Mark plan `version` committed and make it the deployment's placement, atomically."""
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
                 "UPDATE plans SET state = 'committed', finished = ? WHERE deployment = ? AND version = ?",
-                (time.time(), name, version),
+                (now, name, version),
             )
             self._db.execute(
                 "UPDATE deployments SET committed_version = ? WHERE name = ?", (version, name)
@@ -201,9 +204,10 @@ class Store:
     # ------------------------------------------------------------ decisions
 
     def record_decision(self, name: str, record: dict[str, Any]) -> None:
+        """`record` carries its own "time" (the controller clock's)."""
         self._db.execute(
             "INSERT INTO decisions (deployment, time, record) VALUES (?, ?, ?)",
-            (name, float(record.get("time", time.time())), json.dumps(record)),
+            (name, float(record["time"]), json.dumps(record)),
         )
 
     def decisions(self, name: str, limit: int = 50) -> list[dict[str, Any]]:

@@ -120,7 +120,15 @@ def balancedness_of(
     phy2log: [L, P] int64, load: [L, E] float64, logcnt: [L, E] if known. Returns: [L].
     """
     per_slot = replica_load(phy2log, load, logcnt)
-    loads = pack_sums(per_slot, num_gpus)
+    return balancedness_of_gpu_loads(pack_sums(per_slot, num_gpus))
+
+
+def balancedness_of_gpu_loads(loads: np.ndarray) -> np.ndarray:
+    """Mean GPU load over max GPU load, per layer, of loads already summed per GPU (as
+    measured on the GPUs, or `gpu_load`); NaN for a layer without load.
+
+    loads: [L, G] float64. Returns: [L] float64.
+    """
     peak = loads.max(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(peak > 0, loads.mean(axis=1) / peak, np.nan)

@@ -91,6 +91,17 @@ def test_worker_tokens_bind_ranks_to_their_deployment(tmp_path: Path) -> None:
                 stub.ReportPlan(pb.PlanReport(session_id=session, version=1, phase=pb.PLAN_PHASE_PREPARED),
                                 timeout=5, metadata=(("authorization", "Bearer c-token"),))
             assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            # The stream too: refused by the interceptor without a token, by the service
+            # with the token of another deployment, accepted with its own.
+            hello = pb.WorkerMessage(hello=pb.Hello(session_id=session))
+            for metadata, code in (
+                ((), grpc.StatusCode.UNAUTHENTICATED),
+                ((("authorization", "Bearer c-token"),), grpc.StatusCode.PERMISSION_DENIED),
+            ):
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Stream(iter([hello]), timeout=5, metadata=metadata))
+                assert info.value.code() == code
+            assert list(stub.Stream(iter([hello]), timeout=5, metadata=(("authorization", "Bearer p-token"),))) == []
     finally:
         ctl.stop()
 

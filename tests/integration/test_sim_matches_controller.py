@@ -42,9 +42,7 @@ def test_same_windows_same_decisions() -> None:
             expected.append((w, d))
 
     # The controller's side: G ranks send their windows; rank 0 carries the counts.
-    controller = Controller(Store(":memory:"), policy)
     clock = [0.0]
-    controller.clock = lambda: clock[0]
     got: list[tuple[int, Decision]] = []
 
     def background(fn, done):  # type: ignore[no-untyped-def]
@@ -52,7 +50,7 @@ def test_same_windows_same_decisions() -> None:
         got.append((int(clock[0]), result))
         done(result)
 
-    controller.background = background
+    controller = Controller(Store(":memory:"), policy, clock=lambda: clock[0], background=background)
     for rank in range(G):
         _, dep = controller.register("d", rank, shape, 0, current, f"w{rank}")
     for w in range(trace.num_windows):

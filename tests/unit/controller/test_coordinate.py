@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rebalancer.controller import coordinate as c
+from rebalancer.controller.errors import StateError
 
 
 def plan(num_ranks: int = 3, deadline: float = 10.0) -> c.Plan:
@@ -30,9 +31,9 @@ def test_one_failure_aborts_and_nothing_commits_after() -> None:
     t = c.on_failed(p, 1, "out of memory")
     assert t.send_abort and t.finished and p.state is c.PlanState.ABORTED
     assert "rank 1" in p.reason and "out of memory" in p.reason
-    with pytest.raises(c.ReportError):
+    with pytest.raises(StateError):
         c.on_prepared(p, 2, 1.0)
-    with pytest.raises(c.ReportError):
+    with pytest.raises(StateError):
         c.on_committed(p, 0, 1.0)
 
 
@@ -51,14 +52,14 @@ def test_timeout_and_disconnect_abort_only_while_preparing() -> None:
 def test_commit_confirmations() -> None:
     p = plan(num_ranks=2)
     c.on_prepared(p, 0, 1.0)
-    with pytest.raises(c.ReportError):
+    with pytest.raises(StateError):
         c.on_committed(p, 0, 1.0)  # no commit was sent yet
     c.on_prepared(p, 1, 1.0)
     first = c.on_committed(p, 1, 2.0)
     assert first.became_committed and not first.finished
     assert c.on_committed(p, 1, 2.0).duplicate
     assert c.on_committed(p, 0, 2.0).finished
-    with pytest.raises(c.ReportError):
+    with pytest.raises(StateError):
         c.on_failed(p, 0, "late")  # a committed plan cannot be failed
 
 

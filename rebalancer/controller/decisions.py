@@ -1,0 +1,89 @@
+"""Decisions: run the policy's off the event loop, then record and act on any decision.
+
+A due decision is computed by `background` (in the server: a worker process, see
+pool.py) on inputs copied at the time it is due, so ingest goes on meanwhile; when it
+comes back it is noted on the deployment's PolicyLoop and acted on. Acting is the same
+for the policy's and an operator's decisions: store it with its numbers, and start the
+plan when it says take and every rank is connected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from rebalancer.controller.clock import Clock
+from rebalancer.controller.coordinate import Plan
+from rebalancer.controller.decide import Decision
+from rebalancer.controller.deployment import Deployment, Observers
+from rebalancer.controller.plans import Plans
+from rebalancer.controller.store import Store
+
+log = logging.getLogger("rebalancer.controller")
+
+# Runs fn, then done(result), or done(None) if fn raised, back on the event loop thread.
+Background = Callable[[Callable[[], Any], Callable[[Any], None]], None]
+
+
+def run_inline(fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
+    """The `Background` without a worker process (tests, replays)."""
+    try:
+        result = fn()
+    except Exception:  # a bug in one decision must not stop the next ones
+        log.exception("decision failed")
+        result = None
+    done(result)
+
+
+class Decisions:
+    def __init__(
+        self, store: Store, clock: Clock, plans: Plans, observers: Observers,
+        background: Background = run_inline,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.plans = plans
+        self.observers = observers
+        self.background = background
+
+    def due(self, dep: Deployment, now: float) -> bool:
+        """Whether the policy should decide now: no plan or decision under way, not paused."""
+        return dep.plan is None and not dep.deciding and not dep.policy.paused and dep.loop.due(now)
+
+    def run(self, dep: Deployment, now: float) -> None:
+        """The policy's decision on the inputs as they are at `now`, computed by `background`."""
+        loop = dep.loop
+
+        def done(decision: Decision | None) -> None:
+            dep.deciding = False
+            if decision is None:
+                return
+            loop.record(decision, now)
+            if dep.plan is None:
+                self.act(dep, decision, "policy", self.clock())
+
+        dep.deciding = True
+        self.background(loop.prepare_decision(dep.phy2log, now), done)
+
+    def act(self, dep: Deployment, decision: Decision, trigger: str, now: float) -> Plan | None:
+        """Record a decision; start its plan when it says so and every rank is there."""
+        plan = None
+        candidate = decision.candidate
+        if decision.take and candidate is not None:
+            if dep.connected_ranks < dep.shape.num_gpus:
+                decision = replace(
+                    decision, outcome="skip_ranks",
+                    reason=f"only {dep.connected_ranks} of {dep.shape.num_gpus} ranks connected",
+                )
+                dep.loop.amend(decision)
+            else:
+                plan = self.plans.start(dep, candidate, trigger, now)
+        record = decision.to_dict()
+        record.update(time=now, plan_version=plan.version if plan else 0)
+        self.store.record_decision(dep.name, record)
+        log.info("%s decision: %s (%s)", dep.name, decision.outcome, decision.reason)
+        for observer in self.observers.decision:
+            observer(dep.name, decision, trigger)
+        return plan

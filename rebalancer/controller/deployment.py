@@ -1,0 +1,116 @@
+"""What the controller holds about one deployment, and who is told when it changes.
+
+A deployment is one model served by one EP group of G ranks: its shape, committed
+placement, the ranks' sessions, the window merger, the policy loop (estimate + decision
+timing), the plan in flight and running totals. The modules beside this one (registry,
+reconcile, fold, decisions, plans, operate) change these objects; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rebalancer.controller.coordinate import Plan
+from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
+from rebalancer.controller.estimate import LoadEstimator
+from rebalancer.controller.ingest import WindowMerger
+from rebalancer.controller.policy_loop import PolicyLoop
+
+# (kind, payload) -> queued for the rank's stream; kind is "prepare", "commit" or "abort".
+Send = Callable[[str, Any], None]
+
+
+@dataclass
+class Session:
+    session_id: str
+    rank: int
+    worker_id: str
+    registered_at: float  # controller clock
+    send: Send | None = None
+    streaming: bool = False
+
+
+@dataclass
+class WindowEvent:
+    """One folded window, for observers (demo display, metrics)."""
+
+    deployment: str
+    seq: int
+    ranks: int
+    version: int
+    tokens: int
+    balancedness_actual: float     # routed load of this window on the GPUs, measured
+    balancedness_estimated: float  # current placement on the estimate
+    balancedness_best: float       # a fresh placement on this window's counts
+
+
+@dataclass
+class DeploymentStats:
+    windows_ingested: int = 0
+    tokens_folded: int = 0   # routed (token, k) pairs counted; persisted with the cursor
+    duplicate_windows: int = 0  # resent windows recognised (the merger refuses them)
+    plans_committed: int = 0
+    plans_aborted: int = 0
+    slots_moved: int = 0
+    bytes_moved: int = 0
+    balancedness_actual: float = float("nan")
+
+
+@dataclass
+class Observers:
+    """Callbacks on the controller's event loop: (deployment, plan, what) with what in
+    proposed / prepared / committed / aborted / unconfirmed, and (deployment, decision,
+    trigger) with trigger "policy" or "forced"."""
+
+    window: list[Callable[[WindowEvent], None]] = field(default_factory=list)
+    plan: list[Callable[[str, Plan, str], None]] = field(default_factory=list)
+    decision: list[Callable[[str, Decision, str], None]] = field(default_factory=list)
+
+
+class Deployment:
+    def __init__(
+        self, name: str, shape: ClusterShape, policy: PolicyConfig, version: int, phy2log: np.ndarray
+    ) -> None:
+        self.name = name
+        self.shape = shape
+        self.version = version
+        self.phy2log = phy2log
+        self.sessions: dict[int, Session] = {}
+        self.windows = WindowMerger(shape.num_gpus)
+        self.persisted_at = -float("inf")
+        self.deciding = False  # a decision is being computed off the event loop
+        # Estimate and decision timing: the same object the simulator drives.
+        self.loop = PolicyLoop(shape, policy)
+        self.plan: Plan | None = None
+        self.stats = DeploymentStats()
+
+    @property
+    def policy(self) -> PolicyConfig:
+        return self.loop.policy
+
+    @property
+    def estimator(self) -> LoadEstimator:
+        return self.loop.estimator
+
+    @property
+    def next_seq(self) -> dict[int, int]:
+        return self.windows.next_seq
+
+    @property
+    def connected_ranks(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.streaming)
+
+    def send_all(self, kind: str, plan: Plan) -> None:
+        """Queue one plan phase on every rank with a stream open."""
+        for session in self.sessions.values():
+            if session.send is not None:
+                session.send(kind, plan)
+
+
+def shape_key(shape: ClusterShape) -> dict[str, int]:
+    """The shape as stored and compared: plain ints."""
+    return {k: int(v) for k, v in asdict(shape).items()}

@@ -1,0 +1,89 @@
+"""Windows in: merge each rank's window, fold what became complete, decide when due.
+
+A window a rank sends is merged with the other ranks' windows of the same sequence
+number (ingest.py); a complete (or left-behind) one is folded into the deployment's load
+estimate, measured (routed balancedness on the GPUs), shown to the window observers, and
+may make a policy decision due. The ingest cursor (per-rank next seq + the estimate built
+from them) is saved at most every `persist_seconds`, so a crash loses at most that much
+counting and never counts a window twice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rebalancer import placement
+from rebalancer.controller.clock import Clock
+from rebalancer.controller.decisions import Decisions
+from rebalancer.controller.deployment import Deployment, Observers, WindowEvent
+from rebalancer.controller.ingest import MergedWindow
+from rebalancer.controller.store import Store
+from rebalancer.placement.metrics import balancedness_of_gpu_loads, mean_balancedness, pack_sums
+
+
+class Folder:
+    def __init__(
+        self, store: Store, clock: Clock, decisions: Decisions, observers: Observers,
+        persist_seconds: float,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.decisions = decisions
+        self.observers = observers
+        self.persist_seconds = persist_seconds
+
+    def ingest(
+        self, dep: Deployment, rank: int, seq: int, version: int,
+        logical: np.ndarray, physical: np.ndarray | None,
+    ) -> bool:
+        """Merge one rank's window and fold what became complete; False for a duplicate."""
+        if not dep.windows.add(rank, seq, logical, physical):
+            dep.stats.duplicate_windows += 1
+            return False
+        dep.stats.windows_ingested += 1
+        for window in dep.windows.ready():
+            self._fold(dep, window)
+        return True
+
+    def _fold(self, dep: Deployment, window: MergedWindow) -> None:
+        logical = window.logical
+        G = dep.shape.num_gpus
+        dep.stats.tokens_folded += int(logical.sum())
+        actual = float("nan")
+        if window.physical is not None:
+            actual = routed_balancedness(window.physical, G)
+            dep.stats.balancedness_actual = actual
+        now = self.clock()
+        dep.loop.observe(logical)
+        if now - dep.persisted_at >= self.persist_seconds:
+            self.persist(dep, now)
+        if self.observers.window:
+            best = float("nan")
+            if logical.sum() > 0:
+                best = placement.compute_placement(logical, dep.shape.num_slots, G, dep.shape.num_nodes).balancedness
+            event = WindowEvent(
+                dep.name, window.seq, len(window.ranks), dep.version, int(logical.sum()), actual,
+                placement.balancedness(dep.phy2log, dep.estimator.estimate(), G), best,
+            )
+            for observer in self.observers.window:
+                observer(event)
+        if self.decisions.due(dep, now):
+            self.decisions.run(dep, now)
+
+    def persist(self, dep: Deployment, now: float | None = None) -> None:
+        """Save the ingest cursor: per-rank next window seq with the estimate built from them."""
+        dep.persisted_at = self.clock() if now is None else now
+        self.store.save_ingest_state(
+            dep.name,
+            {
+                "next_seq": {str(k): v for k, v in dep.next_seq.items()},
+                "estimator": dep.estimator.state_dict(),
+                "tokens_folded": dep.stats.tokens_folded,
+            },
+        )
+
+
+def routed_balancedness(physical: np.ndarray, num_gpus: int) -> float:
+    """Balancedness of dispatched slot counts [L, P] on their GPUs; NaN without load."""
+    per_layer = balancedness_of_gpu_loads(pack_sums(physical, num_gpus))
+    return mean_balancedness(per_layer) if np.isfinite(per_layer).any() else float("nan")

@@ -1,0 +1,62 @@
+"""What an operator does to a deployment: force (or dry-run) a rebalance, set its policy,
+pause and resume it.
+
+The AdminService (admin.py) translates messages; the checks and the state changes are
+here, each refused with a StateError that names the gRPC status before anything changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rebalancer.controller.clock import Clock
+from rebalancer.controller.coordinate import Plan
+from rebalancer.controller.decide import Decision, PolicyConfig
+from rebalancer.controller.decisions import Decisions
+from rebalancer.controller.errors import StateError
+from rebalancer.controller.registry import Registry
+from rebalancer.controller.store import Store
+from rebalancer.errors import InputError
+
+
+class Operations:
+    def __init__(self, store: Store, clock: Clock, registry: Registry, decisions: Decisions) -> None:
+        self.store = store
+        self.clock = clock
+        self.registry = registry
+        self.decisions = decisions
+
+    def force(
+        self, name: str, dry_run: bool = False, max_moved_fraction: float = 0.0
+    ) -> tuple[Decision, Plan | None]:
+        """An operator's rebalance: skips the gate; a dry run changes nothing.
+
+        `max_moved_fraction` (0: the policy's) bounds this plan's moved slots only."""
+        dep = self.registry.deployment(name)
+        if dep.plan is not None and not dry_run:
+            raise StateError("FAILED_PRECONDITION", f"plan v{dep.plan.version} is in flight for {name!r}")
+        if dep.estimator.windows == 0:
+            raise StateError("FAILED_PRECONDITION", f"no counts ingested yet for {name!r}")
+        if max_moved_fraction and not 0.0 < max_moved_fraction <= 1.0:
+            raise StateError("INVALID_ARGUMENT", f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}")
+        now = self.clock()
+        decision = dep.loop.force(
+            dep.phy2log, now, dry_run=dry_run, max_moved_fraction=max_moved_fraction or None
+        )
+        if dry_run:
+            return decision, None
+        return decision, self.decisions.act(dep, decision, "forced", now)
+
+    def set_policy(self, name: str, policy: PolicyConfig) -> PolicyConfig:
+        dep = self.registry.deployment(name)
+        try:
+            policy.validate()
+        except InputError as exc:
+            raise StateError("INVALID_ARGUMENT", str(exc)) from exc
+        dep.loop.set_policy(policy)
+        self.store.set_policy(name, policy.to_dict())
+        return policy
+
+    def set_paused(self, name: str, paused: bool) -> None:
+        dep = self.registry.deployment(name)
+        self.set_policy(name, replace(dep.policy, paused=paused))

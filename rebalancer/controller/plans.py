@@ -1,0 +1,142 @@
+"""A plan's life on the controller: start, fan out, follow the ranks' reports, finish.
+
+coordinate.py is the pure state machine; this module does what its transitions say:
+store the plan before any rank hears of it, queue Prepare / Commit / Abort on every
+rank's stream, resend the phase a reconnecting rank missed, commit to the store on the
+first confirmation, and tell the observers. One plan in flight per deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from rebalancer import placement
+from rebalancer.controller import coordinate, reconcile
+from rebalancer.controller.clock import Clock
+from rebalancer.controller.coordinate import Plan, PlanState, Transition
+from rebalancer.controller.deployment import Deployment, Observers, Session
+from rebalancer.controller.errors import StateError
+from rebalancer.controller.store import Store
+
+log = logging.getLogger("rebalancer.controller")
+
+
+class Plans:
+    def __init__(self, store: Store, clock: Clock, observers: Observers) -> None:
+        self.store = store
+        self.clock = clock
+        self.observers = observers
+
+    def start(self, dep: Deployment, new: np.ndarray, trigger: str, now: float) -> Plan:
+        """Store plan v+1 toward `new` and send Prepare to every connected rank."""
+        G, N = dep.shape.num_gpus, dep.shape.num_nodes
+        transfers = placement.transfers(dep.phy2log, new, G, N)
+        version = max(self.store.max_version(dep.name), dep.version) + 1
+        moved = int(transfers.shape[0])
+        bytes_moved = moved * int(dep.shape.expert_bytes)
+        plan = Plan(
+            version=version, base_version=dep.version, phy2log=new, transfers=transfers,
+            num_ranks=G, trigger=trigger, created=now,
+            deadline=now + dep.policy.prepare_timeout_seconds,
+            slots_moved=moved, bytes_moved=bytes_moved, started_at=now,
+        )
+        self.store.begin_plan(dep.name, version, dep.version, trigger, new, moved, bytes_moved, now=now)
+        dep.plan = plan
+        log.info("%s: plan v%d (%s) moves %d slots, %d bytes", dep.name, version, trigger, moved, bytes_moved)
+        dep.send_all("prepare", plan)
+        self._notify(dep, plan, "proposed")
+        return plan
+
+    def catch_up(self, dep: Deployment, session: Session) -> None:
+        """A rank (re)opened its stream: resend the phase of the plan in flight it missed."""
+        plan = dep.plan
+        if plan is None or session.send is None:
+            return
+        if plan.state is PlanState.PREPARING and session.rank not in plan.prepared:
+            session.send("prepare", plan)
+        elif plan.state in (PlanState.COMMITTING, PlanState.COMMITTED) and session.rank not in plan.committed:
+            session.send("commit", plan)
+
+    def report(self, dep: Deployment, session: Session, version: int, phase: str, error: str = "") -> None:
+        """A rank's plan progress: prepared / failed / committed / aborted."""
+        plan = dep.plan
+        now = self.clock()
+        if plan is None or plan.version != version:
+            self._report_off_plan(dep, session, version, phase, now)
+            return
+        if phase == "prepared":
+            t = coordinate.on_prepared(plan, session.rank, now)
+        elif phase == "failed":
+            t = coordinate.on_failed(plan, session.rank, error)
+        elif phase == "committed":
+            t = coordinate.on_committed(plan, session.rank, now)
+        elif phase == "aborted":
+            t = coordinate.on_aborted(plan, session.rank)
+        else:
+            raise StateError("INVALID_ARGUMENT", f"plan phase {phase!r} is not reportable")
+        self.apply(dep, t)
+
+    def _report_off_plan(self, dep: Deployment, session: Session, version: int, phase: str, now: float) -> None:
+        """A report of a version that is not the plan in flight."""
+        plan = dep.plan
+        if version == dep.version and phase in ("committed", "prepared"):
+            return  # late confirmation of a plan already finished: harmless
+        known = self.store.placement(dep.name, version) if version > dep.version else None
+        if phase == "committed" and known is not None and plan is None:
+            reconcile.adopt(self.store, dep, version, known, f"rank {session.rank} confirmed it late", now)
+            return
+        latest = max(dep.version, plan.version if plan else 0)
+        if version > latest:
+            raise StateError("NOT_FOUND", f"plan v{version} unknown for {dep.name!r} (latest v{latest})")
+        raise StateError(
+            "FAILED_PRECONDITION",
+            f"plan v{version} of {dep.name!r} is not in flight (committed v{dep.version}"
+            + (f", in flight v{plan.version})" if plan else ", none in flight)"),
+        )
+
+    def tick(self, dep: Deployment, now: float) -> None:
+        """Timeouts of the plan in flight."""
+        if dep.plan is not None:
+            self.apply(dep, coordinate.on_tick(dep.plan, now))
+
+    def disconnected(self, dep: Deployment, rank: int) -> None:
+        """A rank's session ended: a plan still preparing cannot complete."""
+        if dep.plan is not None:
+            self.apply(dep, coordinate.on_disconnect(dep.plan, rank))
+
+    def apply(self, dep: Deployment, t: Transition) -> None:
+        """Do what a transition says: fan out, store, count, notify, free the slot."""
+        plan = dep.plan
+        if plan is None:
+            return
+        now = self.clock()
+        if t.send_commit:
+            log.info("%s: plan v%d prepared on all ranks, committing", dep.name, plan.version)
+            dep.send_all("commit", plan)
+            self._notify(dep, plan, "prepared")
+        if t.send_abort:
+            log.warning("%s: plan v%d aborted: %s", dep.name, plan.version, plan.reason)
+            self.store.set_plan_state(dep.name, plan.version, "aborted", plan.reason, now=now)
+            dep.stats.plans_aborted += 1
+            dep.send_all("abort", plan)
+            self._notify(dep, plan, "aborted")
+        if t.became_committed:
+            self.store.commit_plan(dep.name, plan.version, now=now)
+            dep.version, dep.phy2log = plan.version, plan.phy2log
+            dep.stats.plans_committed += 1
+            dep.stats.slots_moved += plan.slots_moved
+            dep.stats.bytes_moved += plan.bytes_moved
+            log.info("%s: plan v%d committed", dep.name, plan.version)
+            self._notify(dep, plan, "committed")
+        if t.unconfirmed:
+            log.error("%s: plan v%d: %s", dep.name, plan.version, plan.reason)
+            self.store.set_plan_state(dep.name, plan.version, "unconfirmed", plan.reason, now=now)
+            self._notify(dep, plan, "unconfirmed")
+        if t.finished:
+            dep.plan = None
+
+    def _notify(self, dep: Deployment, plan: Plan, what: str) -> None:
+        for observer in self.observers.plan:
+            observer(dep.name, plan, what)

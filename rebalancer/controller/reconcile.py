@@ -1,0 +1,49 @@
+"""When a rank and the controller disagree on the committed placement version.
+
+A rank registers with the version it serves, or confirms a commit the controller no
+longer has in flight. Either side may be ahead: the controller may have lost a commit
+confirmation (crash after the ranks switched), or the ranks may have restarted on an
+older stored version. What is decided here: adopt the ranks' version when the store
+knows it and they are ahead (or all ranks are gone), refuse otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from rebalancer.controller.coordinate import PlanState
+from rebalancer.controller.deployment import Deployment
+from rebalancer.controller.errors import StateError
+from rebalancer.controller.store import Store
+
+log = logging.getLogger("rebalancer.controller")
+
+
+def reconcile(store: Store, dep: Deployment, rank: int, version: int, now: float) -> None:
+    """A rank registers with another version than the controller holds as committed."""
+    plan = dep.plan
+    if plan is not None and plan.version == version and plan.state in (PlanState.COMMITTING, PlanState.COMMITTED):
+        return  # it already switched; its COMMITTED report will follow
+    known = store.placement(dep.name, version)
+    if version > dep.version and known is not None:
+        # The ranks committed a plan whose confirmation the controller lost: theirs wins.
+        adopt(store, dep, version, known, f"rank {rank} registered serving it", now)
+        return
+    if dep.connected_ranks == 0 and known is not None:
+        log.warning("%s: ranks restarted on v%d (controller had v%d)", dep.name, version, dep.version)
+        store.commit_plan(dep.name, version, now=now)
+        dep.version, dep.phy2log = version, known
+        return
+    raise StateError(
+        "FAILED_PRECONDITION",
+        f"rank {rank} of {dep.name!r} serves placement v{version}, the deployment is at v{dep.version}",
+    )
+
+
+def adopt(store: Store, dep: Deployment, version: int, phy2log: np.ndarray, why: str, now: float) -> None:
+    """Make a stored placement the committed one because the ranks serve it."""
+    log.warning("%s: adopting placement v%d (controller had v%d): %s", dep.name, version, dep.version, why)
+    store.commit_plan(dep.name, version, now=now)
+    dep.version, dep.phy2log = version, phy2log

@@ -1,0 +1,125 @@
+"""Deployments and the ranks' sessions: who is registered, who has a stream open.
+
+At start the deployments are read back from the store (a plan that never reached commit
+is void). A rank registers (creating its deployment on first sight, or checking its
+shape against it, reconciling a differing placement version), gets a session, attaches
+one stream to it, and detaches when the stream ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import numpy as np
+
+from rebalancer import placement
+from rebalancer.controller import reconcile
+from rebalancer.controller.clock import Clock
+from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.deployment import Deployment, Send, Session, shape_key
+from rebalancer.controller.errors import StateError
+from rebalancer.controller.store import Store
+
+log = logging.getLogger("rebalancer.controller")
+
+# A rank's earlier session without a stream blocks a new registration this long (the
+# stream of a registration that just succeeded may still be on its way).
+REREGISTER_SECONDS = 10.0
+
+
+class Registry:
+    def __init__(self, store: Store, clock: Clock, default_policy: PolicyConfig) -> None:
+        self.store = store
+        self.clock = clock
+        self.default_policy = default_policy
+        self.deployments: dict[str, Deployment] = {}
+        self.sessions: dict[str, tuple[str, int]] = {}  # session id -> (deployment, rank)
+
+    def load(self) -> None:
+        """Read every deployment back from the store (a controller restart)."""
+        now = self.clock()
+        for row in self.store.load_deployments():
+            shape = ClusterShape(**row.shape)
+            policy = PolicyConfig.from_dict(row.policy)
+            dep = Deployment(row.name, shape, policy, row.committed_version, row.phy2log)
+            saved = self.store.ingest_state(row.name)
+            if saved:
+                dep.windows.restore({int(k): int(v) for k, v in saved["next_seq"].items()})
+                dep.estimator.load_state_dict(saved["estimator"])
+                dep.stats.tokens_folded = int(saved.get("tokens_folded", 0))
+            for plan in self.store.unfinished_plans(row.name):
+                # A plan that never reached commit before the restart is void; ranks that
+                # staged it drop their staging when they re-register with the old version.
+                self.store.set_plan_state(row.name, plan.version, "aborted", "controller restarted", now=now)
+            self.deployments[row.name] = dep
+            log.info("loaded deployment %s at placement v%d", row.name, row.committed_version)
+
+    def deployment(self, name: str) -> Deployment:
+        dep = self.deployments.get(name)
+        if dep is None:
+            raise StateError("NOT_FOUND", f"unknown deployment {name!r}")
+        return dep
+
+    def register(
+        self, name: str, rank: int, shape: ClusterShape, version: int,
+        initial: np.ndarray | None, worker_id: str,
+    ) -> tuple[Session, Deployment]:
+        now = self.clock()
+        dep = self.deployments.get(name)
+        if dep is None:
+            phy2log = initial if initial is not None else placement.trivial_placement(
+                shape.num_layers, shape.num_logical, shape.num_slots, shape.num_gpus
+            )
+            dep = Deployment(name, shape, self.default_policy, version, phy2log)
+            self.store.create_deployment(
+                name, shape_key(shape), dep.policy.to_dict(), version, phy2log, now=now
+            )
+            self.deployments[name] = dep
+            log.info("new deployment %s: %s", name, shape_key(shape))
+        elif shape_key(dep.shape) != shape_key(shape):
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"deployment {name!r} is registered with shape {shape_key(dep.shape)}, rank {rank} reports {shape_key(shape)}",
+            )
+        old = dep.sessions.get(rank)
+        if old is not None and (old.streaming or now - old.registered_at < REREGISTER_SECONDS):
+            raise StateError("ALREADY_EXISTS", f"rank {rank} of {name!r} is already registered (session {old.session_id[:8]})")
+        if version != dep.version:
+            reconcile.reconcile(self.store, dep, rank, version, now)
+        if old is not None:
+            self.sessions.pop(old.session_id, None)
+        session = Session(uuid.uuid4().hex, rank, worker_id, registered_at=now)
+        dep.sessions[rank] = session
+        self.sessions[session.session_id] = (name, rank)
+        log.info("rank %d of %s registered (worker %s, v%d)", rank, name, worker_id or "?", version)
+        return session, dep
+
+    def session(self, session_id: str) -> tuple[Deployment, Session]:
+        entry = self.sessions.get(session_id)
+        if entry is None:
+            raise StateError("NOT_FOUND", f"unknown session {session_id[:16]!r}: register first")
+        name, rank = entry
+        dep = self.deployments[name]
+        return dep, dep.sessions[rank]
+
+    def attach(self, session_id: str, send: Send) -> tuple[Deployment, Session]:
+        """Open the session's one stream: plan phases go to `send` from now on."""
+        dep, session = self.session(session_id)
+        if session.streaming:
+            raise StateError("ALREADY_EXISTS", f"session of rank {session.rank} already has a stream")
+        session.send, session.streaming = send, True
+        return dep, session
+
+    def detach(self, session_id: str) -> tuple[Deployment, int] | None:
+        """End the session; returns its deployment and rank (None if it was gone)."""
+        entry = self.sessions.pop(session_id, None)
+        if entry is None:
+            return None
+        name, rank = entry
+        dep = self.deployments[name]
+        session = dep.sessions.get(rank)
+        if session is not None and session.session_id == session_id:
+            del dep.sessions[rank]
+        log.info("rank %d of %s disconnected", rank, name)
+        return dep, rank

@@ -1,0 +1,95 @@
+"""The Controller façade on its parts: one injected clock for every time it keeps or
+stores, a forced plan with its own migration budget recorded on the deployment's loop,
+resent windows counted once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.errors import StateError
+from rebalancer.controller.state import Controller
+from rebalancer.controller.store import Store
+
+SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, expert_bytes=10)
+SKEWED = np.array([[40, 2, 1, 1], [1, 1, 30, 8]])
+
+
+class FakeClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def connected(clock: FakeClock, policy: PolicyConfig | None = None) -> tuple[Controller, list[tuple[int, str, int]]]:
+    """A controller on `clock` with both ranks of deployment "d" streaming."""
+    ctl = Controller(Store(":memory:"), policy or PolicyConfig(min_windows=1), clock=clock)
+    sent: list[tuple[int, str, int]] = []
+    for rank in range(SHAPE.num_gpus):
+        session, _ = ctl.register("d", rank, SHAPE, 0, None, f"w{rank}")
+
+        def send(kind: str, plan: Any, rank: int = rank) -> None:
+            sent.append((rank, kind, plan.version))
+
+        ctl.attach(session.session_id, send)
+    return ctl, sent
+
+
+def test_one_clock_for_sessions_plans_and_history() -> None:
+    clock = FakeClock(1000.0)
+    ctl, sent = connected(clock, PolicyConfig(paused=True, prepare_timeout_seconds=30.0))
+    dep = ctl.deployment("d")
+    assert {s.registered_at for s in dep.sessions.values()} == {1000.0}
+    for rank in range(2):
+        ctl.ingest(dep, rank, 0, 0, SKEWED, None)
+    clock.now = 1010.0
+    decision, plan = ctl.force("d")
+    assert decision.outcome == "forced" and plan is not None
+    assert (plan.created, plan.started_at, plan.deadline) == (1010.0, 1010.0, 1040.0)
+    assert sorted(sent) == [(0, "prepare", plan.version), (1, "prepare", plan.version)]
+    stored = ctl.store.plans("d")[0]
+    assert stored.created == 1010.0 and ctl.store.decisions("d")[0]["time"] == 1010.0
+    clock.now = 1040.5  # past the deadline on the injected clock: the plan aborts
+    ctl.tick()
+    assert dep.plan is None and ctl.store.plans("d")[0].finished == 1040.5
+
+
+def test_a_rank_without_stream_is_replaced_after_the_grace_on_the_clock() -> None:
+    clock = FakeClock(50.0)
+    ctl = Controller(Store(":memory:"), clock=clock)
+    ctl.register("d", 0, SHAPE, 0, None, "w0")
+    clock.now = 55.0
+    with pytest.raises(StateError) as info:
+        ctl.register("d", 0, SHAPE, 0, None, "w0")
+    assert info.value.code == "ALREADY_EXISTS"
+    clock.now = 61.0
+    session, _ = ctl.register("d", 0, SHAPE, 0, None, "w0")
+    assert session.registered_at == 61.0
+
+
+def test_forced_budget_is_recorded_on_the_deployments_loop() -> None:
+    clock = FakeClock(7.0)
+    ctl, _ = connected(clock, PolicyConfig(paused=True, max_moved_fraction=1.0))
+    dep = ctl.deployment("d")
+    for rank in range(2):
+        ctl.ingest(dep, rank, 0, 0, SKEWED, None)
+    decision, plan = ctl.force("d", max_moved_fraction=0.2)
+    assert plan is not None and decision.moved_fraction <= 0.2
+    assert dep.loop.last_decision is decision and dep.loop.last_rebalance == 7.0
+    assert dep.policy.max_moved_fraction == 1.0  # the override was for this plan only
+    with pytest.raises(StateError) as info:
+        ctl.force("d", dry_run=True, max_moved_fraction=1.5)
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_a_resent_window_is_counted_once() -> None:
+    ctl, _ = connected(FakeClock(0.0))
+    dep = ctl.deployment("d")
+    assert ctl.ingest(dep, 0, 0, 0, SKEWED, None)
+    assert not ctl.ingest(dep, 0, 0, 0, SKEWED, None)
+    assert (dep.stats.windows_ingested, dep.stats.duplicate_windows) == (1, 1)

@@ -1,0 +1,57 @@
+"""The decision worker: runs calls in a process of its own, survives a failing call,
+restarts after a crash, and ends with `close` (or with its parent, see
+tests/integration/test_process_lifetime.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from rebalancer.controller.pool import DecisionPool
+
+
+def _fail() -> None:
+    raise ValueError("bad decision")
+
+
+async def _run(pool: DecisionPool, fn: Callable[[], Any]) -> Any:
+    done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    pool.submit(fn, done.set_result)
+    return await asyncio.wait_for(done, 60)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_calls_run_in_the_worker_which_close_ends() -> None:
+    async def main() -> tuple[list[Any], int, int]:
+        pool = DecisionPool()
+        pool.start()
+        first = pool.worker_pid
+        assert first is not None
+        results = [await _run(pool, os.getpid), await _run(pool, _fail), await _run(pool, functools.partial(sum, [1, 2]))]
+        os.kill(first, signal.SIGKILL)  # a crashed worker fails its call and is replaced at the next
+        results.append(await _run(pool, os.getpid))
+        results.append(await _run(pool, os.getpid))
+        second = pool.worker_pid
+        assert second is not None
+        pool.close()
+        return results, first, second
+
+    results, first, second = asyncio.run(main())
+    assert results[0] == first and results[0] != os.getpid()
+    assert results[1] is None and results[2] == 3  # a failing call does not stop the next ones
+    assert results[3] is None and results[4] == second != first
+    assert not _alive(first) and not _alive(second)
