@@ -6,8 +6,9 @@ One process per GPU, NCCL. In one run it measures:
 2. a real plan: DeepSeek-V3-sized experts (bf16, w13 + w2 = 84 MiB each) placed
    trivially, rebalanced for DeepSeek-V3 routing from rebalancer/data with the
    migration-aware `rebalancer.placement.compute_placement(previous=...)`, moved by
-   `MigrationExecutor.prepare` with each configured mover (NCCL point-to-point on its
-   own process group and side stream, rounds pipelined or not; peers' live weights or
+   `MigrationExecutor.prepare` with each configured mover (a `MigrationConfig` per
+   spec, so one of worker_hooks.migrate's transports: NCCL point-to-point on its own
+   process group and side stream, rounds pipelined or not; peers' live weights or
    outboxes mapped through CUDA IPC and read by the copy engines; any of them paced to
    a GB/s cap): GB/s per direction;
 3. the MoE block's graph replay time on each GPU while that migration runs beside it,
@@ -49,7 +50,7 @@ from rebalancer.placement.metrics import balancedness_per_layer, trivial_placeme
 from rebalancer.placement.transfers import transfers
 from reference.moe_gpu import MoEBlockConfig, ReferenceMoEBlock, expert_weights
 from worker_hooks.dispatch import ReplicaDispatch
-from worker_hooks.migrate import MigrationExecutor
+from worker_hooks.migrate import MigrationConfig, MigrationExecutor, transport_class
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap, replica_rows
 
@@ -84,22 +85,23 @@ class MigrationBenchConfig:
     switch_interval: float = 0.0
 
 
-def parse_mover(spec: str) -> dict[str, object]:
-    """MigrationExecutor settings of a mover spec (module docstring of the config)."""
+def parse_mover(spec: str) -> MigrationConfig | None:
+    """The MigrationExecutor settings of a mover spec (module docstring of the config);
+    None for the packed harness."""
     kind, *args = spec.split(":")
     try:
         if kind == "p2p" and len(args) in (2, 3):
-            return {"transport": "p2p", "layers_per_chunk": int(args[0]),
-                    "rounds_in_flight": int(args[1]), "max_gbps": float(args[2]) if len(args) == 3 else 0.0}
+            return MigrationConfig("p2p", layers_per_chunk=int(args[0]), rounds_in_flight=int(args[1]),
+                                   max_gbps=float(args[2]) if len(args) == 3 else 0.0)
         if kind == "outbox" and len(args) in (1, 2):
-            return {"transport": "outbox", "outbox_bytes": int(args[0]) << 20,
-                    "max_gbps": float(args[1]) if len(args) == 2 else 0.0}
+            return MigrationConfig("outbox", outbox_bytes=int(args[0]) << 20,
+                                   max_gbps=float(args[1]) if len(args) == 2 else 0.0)
         if kind == "ipc" and len(args) in (0, 1, 2):
-            return {"transport": "ipc", "copy_streams": int(args[0]) if args else 2,
-                    "max_gbps": float(args[1]) if len(args) == 2 else 0.0}
+            return MigrationConfig("ipc", copy_streams=int(args[0]) if args else 2,
+                                   max_gbps=float(args[1]) if len(args) == 2 else 0.0)
         if kind == "packed" and not args:
-            return {}
-    except ValueError:
+            return None
+    except ValueError:  # also a setting MigrationConfig refuses
         pass
     raise SystemExit(
         f"bad mover {spec!r}: p2p:LAYERS:ROUNDS[:GBPS], ipc[:STREAMS[:GBPS]], outbox:MIB[:GBPS] "
@@ -310,15 +312,15 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str, spare: int) -
     executors: dict[tuple[str, str], MigrationExecutor] = {}
     for spec in cfg.movers:
         settings = parse_mover(spec)
-        if not settings:
+        if settings is None:
             continue
+        nccl = transport_class(settings.transport).group_backend(dev) == "nccl"
         for name, (g, _) in groups.items():
-            if settings["transport"] != "p2p" and name != "default":
+            if not nccl and name != "default":
                 continue  # no NCCL kernels to cap
-            control = g if settings["transport"] == "p2p" else gloo_group
+            control = g if nccl else gloo_group
             executors[(spec, name)] = MigrationExecutor(
-                rank, WORLD, block.weights, control, row_map=rows,
-                **settings,  # type: ignore[arg-type]
+                rank, WORLD, block.weights, control, settings, row_map=rows
             )
     last_staged: tuple[MigrationExecutor, int] | None = None
     mover_stream = torch.cuda.Stream(dev)

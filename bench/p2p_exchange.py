@@ -6,7 +6,8 @@ contiguous send buffer (one `index_select`), sent as one message, and received
 directly into a contiguous slice of the staging tensor (no copy after the receive
 whenever a peer's rows are contiguous in the canonical order: always with 2 ranks).
 Two send buffers alternate so that gathering chunk i+1 overlaps sending chunk i.
-Commit is one `index_copy_` per weight tensor into the flat `[L * S, ...]` view.
+Committing is one `index_copy_` per weight tensor of `Staged.tensors` at
+`Staged.dst_rows` of the flat `[L * S, ...]` view (as `MigrationExecutor.commit`).
 """
 
 from __future__ import annotations
@@ -138,9 +139,3 @@ def packed_exchange(
         assert stream is not None
         stream.synchronize()
     return Staged(staged, dst_rows, sent, received, time.perf_counter() - start)
-
-
-def commit_staged(weights: dict[str, torch.Tensor], staged: Staged) -> None:
-    """Write staged experts into the live weights, in place (between replays)."""
-    for k, w in weights.items():
-        _flat(w).index_copy_(0, staged.dst_rows, staged.tensors[k])

@@ -1,5 +1,9 @@
 """An expert-parallel MoE worker on CPU: the demo's and the tests' inference process.
 
+An example of an engine integration built on `worker_hooks`, not part of the product:
+it shows where `RebalanceHook` goes in a forward loop. The model is
+reference/moe_cpu.py's (`ExpertParallelMoE`, checked against `ReferenceMoE`).
+
 Each process is one EP rank of a gloo group. Every step it samples routing for
 its own tokens from a routing profile (real per-layer expert loads, drifting
 between workloads), maps them to physical slots through the hook, exchanges
@@ -27,6 +31,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -34,11 +39,17 @@ import torch.distributed as dist
 
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.layout import trivial_placement
-from reference.moe_cpu import MoEConfig, ReferenceMoE, combine, expert_forward, slot_weights
+from reference.moe_cpu import ExpertParallelMoE, MoEConfig, ReferenceMoE, slot_weights
+from worker_hooks.devices import DEVICE_KINDS
 from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.migrate import TRANSPORTS, transport_class
 from worker_hooks.outbox import in_shared_memory, unlink_quietly
 
 log = logging.getLogger("reference.cpu_worker")
+
+# Fault injection for the tests of invariant 5 (FaultyHook).
+Fault = Literal["", "fail", "die"]
+FAULTS: tuple[Fault, ...] = get_args(Fault)
 
 
 def sample_routing(
@@ -53,43 +64,6 @@ def sample_routing(
     return topk, gates
 
 
-def ep_forward(
-    hook: RebalanceHook,
-    layer: int,
-    x: torch.Tensor,
-    topk: torch.Tensor,
-    gates: torch.Tensor,
-    rank: int,
-    world: int,
-    exchange: bool,
-) -> torch.Tensor:
-    """One MoE layer across the EP group; x [T, H] -> [T, H]."""
-    phys = hook.route(layer, topk.to(hook.device)).cpu()  # row ids (slot ids without spare rows)
-    S = hook.config.rows_per_rank
-    if exchange:
-        # One all-gather carries tokens and their slots (slot ids are exact in fp32).
-        packed = torch.cat([x, phys.to(x.dtype)], dim=1)
-        parts = [torch.empty_like(packed) for _ in range(world)]
-        dist.all_gather(parts, packed)
-        gathered = torch.cat(parts)
-        X, PH = gathered[:, : x.shape[1]], gathered[:, x.shape[1]:].to(phys.dtype)
-    else:  # serve alone: only the experts held here (used when peers may die)
-        X, PH = x, phys
-    mine = (PH // S) == rank
-    n, k = mine.nonzero(as_tuple=True)
-    local = PH[n, k] - rank * S
-    Y = torch.zeros(X.shape[0], PH.shape[1], X.shape[1])
-    on = local.to(hook.device)
-    Y[n, k] = expert_forward(
-        X[n], hook.weights["w1"][layer, on].cpu(), hook.weights["w2"][layer, on].cpu()
-    )
-    if exchange:
-        dist.all_reduce(Y)  # each (token, k) is non-zero on exactly one rank: the sum is exact
-        T = x.shape[0]
-        Y = Y[rank * T : (rank + 1) * T]
-    return combine(Y, gates)
-
-
 class FaultyHook(RebalanceHook):
     """Fault injection for the tests of invariant 5.
 
@@ -97,7 +71,7 @@ class FaultyHook(RebalanceHook):
     fault "die": the process is killed with SIGKILL as soon as a plan arrives,
     while its peers are exchanging weights with it."""
 
-    fault = ""
+    fault: Fault = ""
 
     def on_prepare(self, prepare: pb.Prepare) -> None:
         if self.fault == "die":
@@ -131,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--local", action="store_true", help="no token exchange (peers may die)")
     p.add_argument(
-        "--fault", choices=("", "fail", "die"), default="", help="fault injection (tests)"
+        "--fault", choices=FAULTS, default="", help="fault injection (tests)"
     )
     p.add_argument(
         "--wait-version",
@@ -140,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         help="after --steps, keep stepping until this version is committed",
     )
     p.add_argument(
-        "--transport", choices=("p2p", "ipc", "outbox"), default="p2p",
+        "--transport", choices=TRANSPORTS, default="p2p",
         help="weight transfers: gloo point-to-point, or reads from the peers' shared memory",
     )
     p.add_argument("--spare-rows", type=int, default=0,
                    help="spare weight rows per layer: commits then copy no weights")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+    p.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
                    help="where the hook and the expert weights live (cuda: GPU rank %% count)")
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token")
@@ -171,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     agree_group = dist.new_group(backend="gloo", timeout=timeout)
     # NCCL carries GPU weights for p2p; the shared-memory transports talk over gloo.
-    nccl = device.type == "cuda" and args.transport == "p2p"
-    migrate_group = dist.new_group(backend="nccl" if nccl else "gloo", timeout=timeout)
+    mover = transport_class(args.transport)
+    migrate_group = dist.new_group(backend=mover.group_backend(device), timeout=timeout)
 
     cfg = MoEConfig(num_layers=args.layers, num_experts=args.experts, top_k=args.top_k)
     data = np.load(args.profile)
@@ -188,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     shared_files: list[str] = []
     if device.type == "cuda":
         weights = {name: w.to(device) for name, w in weights.items()}
-    elif args.transport == "ipc":  # peers map CPU weights by file name
+    elif mover.maps_live_weights:  # peers map CPU weights by file name
         weights, shared_files = in_shared_memory(weights, f"rank{args.rank}")
         for path in shared_files:
             atexit.register(unlink_quietly, path)
@@ -216,11 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
     )
     hook.fault = args.fault
-    if args.transport != "p2p":
-        hook.executor.connect()  # map the peers now: then the file names can go
-        for path in shared_files:
-            unlink_quietly(path)
+    hook.executor.connect()  # map the peers now (ipc, outbox): then the file names can go
+    for path in shared_files:
+        unlink_quietly(path)
     reference = ReferenceMoE(cfg)
+    moe = ExpertParallelMoE(
+        hook.route, hook.weights, hook.config.rows_per_rank, args.rank, args.world, hook.device,
+        exchange=not args.local,
+    )
     hook.start()
     hook.agent.connected.wait(timeout=10)  # serve anyway if the controller is not there
 
@@ -240,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             x = torch.randn(args.tokens, cfg.hidden, generator=gen)
             topk, gates = sample_routing(profiles[phase, layer], cfg.top_k, args.tokens, gen)
-            out = ep_forward(hook, layer, x, topk, gates, args.rank, args.world, not args.local)
+            out = moe.forward(layer, x, topk, gates)
             if not args.local and step % args.check_every == 0:
                 ref = reference.forward(layer, x, topk, gates)
                 max_diff = max(max_diff, float((out - ref).abs().max()))

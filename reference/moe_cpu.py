@@ -1,18 +1,26 @@
 """A small fp32 MoE layer for CPU: the reference for invariant 1 ("same math").
 
+An example of what an engine runs, not part of the product: the demo's workers
+(reference/cpu_worker.py) and the CPU tests serve it through `worker_hooks`.
+
 Expert weights are a pure function of (seed, layer, expert), so every rank can
 build the slots it holds and a single-process reference can build all logical
 experts, and both compute each (token, expert) pair with the same function on
-the same shapes. A rebalanced EP group must therefore reproduce the
-reference's output bit for bit, however its slots moved.
+the same shapes. `ReferenceMoE` is the layer with every expert in one process;
+`ExpertParallelMoE` is the same layer spread over an EP group, each rank computing
+the picks routed to the rows it holds on its live (migrating) weights. A rebalanced
+EP group must therefore reproduce the reference's output bit for bit, however its
+slots moved.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -81,3 +89,58 @@ class ReferenceMoE:
         ids = topk_ids.reshape(-1)
         y = expert_forward(x.repeat_interleave(K, dim=0), self.w1[layer, ids], self.w2[layer, ids])
         return combine(y.view(T, K, -1), gates)
+
+
+class ExpertParallelMoE:
+    """The layer of `ReferenceMoE` on one rank of an EP group of `world` ranks.
+
+    Args:
+        route: `(layer, topk_ids) -> row ids` (`RebalanceHook.route`: records the routing
+            and picks each expert's replica; row ids are slot ids without spare rows).
+        weights: this rank's live weights, w1 `[L, S + R, H, F]` and w2 `[L, S + R, F, H]`,
+            on `device` (read at every forward: migration may move rows between calls).
+        rows_per_rank: S + R.
+        exchange: all-gather the tokens and all-reduce the outputs over the default group
+            (False: serve alone with the experts held here, when peers may die).
+    """
+
+    def __init__(
+        self,
+        route: Callable[[int, torch.Tensor], torch.Tensor],
+        weights: dict[str, torch.Tensor],
+        rows_per_rank: int,
+        rank: int,
+        world: int,
+        device: torch.device,
+        exchange: bool = True,
+    ) -> None:
+        self.route, self.weights, self.rows_per_rank = route, weights, rows_per_rank
+        self.rank, self.world, self.device, self.exchange = rank, world, device, exchange
+
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, gates: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's tokens x [T, H] (on CPU) -> [T, H]."""
+        phys = self.route(layer, topk_ids.to(self.device)).cpu()
+        rank, S = self.rank, self.rows_per_rank
+        if self.exchange:
+            # One all-gather carries tokens and their rows (row ids are exact in fp32).
+            packed = torch.cat([x, phys.to(x.dtype)], dim=1)
+            parts = [torch.empty_like(packed) for _ in range(self.world)]
+            dist.all_gather(parts, packed)
+            gathered = torch.cat(parts)
+            X, PH = gathered[:, : x.shape[1]], gathered[:, x.shape[1]:].to(phys.dtype)
+        else:
+            X, PH = x, phys
+        mine = (PH // S) == rank
+        n, k = mine.nonzero(as_tuple=True)
+        local = (PH[n, k] - rank * S).to(self.device)
+        Y = torch.zeros(X.shape[0], PH.shape[1], X.shape[1])
+        Y[n, k] = expert_forward(
+            X[n], self.weights["w1"][layer, local].cpu(), self.weights["w2"][layer, local].cpu()
+        )
+        if self.exchange:
+            dist.all_reduce(Y)  # each (token, k) is non-zero on exactly one rank: the sum is exact
+            T = x.shape[0]
+            Y = Y[rank * T : (rank + 1) * T]
+        return combine(Y, gates)

@@ -1,5 +1,8 @@
 """A small reference MoE block for measuring the worker hooks on a GPU.
 
+An example of what an engine runs, not part of the product: the GPU benches and tests
+drive `worker_hooks` through it.
+
 It is the minimum that behaves like one expert-parallel rank of a DeepSeek-V3-style
 model: a router, the recorder and replica dispatch hooks, and SwiGLU expert MLPs for
 the physical slots this rank holds, run as grouped matrix products over tokens sorted

@@ -36,6 +36,11 @@ def marked_processes(token: str) -> dict[int, str]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # gone meanwhile, or not ours to read
             continue
+        parent = int(status.split("\nPPid:\t", 1)[1].split("\n", 1)[0])
+        if parent == os.getpid() and "multiprocessing.resource_tracker" in cmd:
+            # torch.multiprocessing's tracker for this very process: it reads a pipe from
+            # us and exits when pytest does, so it is ours to keep, not a leak.
+            continue
         found[int(entry.name)] = cmd.strip()
     return found
 

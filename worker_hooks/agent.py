@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, Protocol, cast, get_args
 
 import grpc
 import numpy as np
@@ -48,6 +49,18 @@ class AgentConfig:
     backoff_initial_seconds: float = 0.2
     backoff_max_seconds: float = 5.0
 
+    def __post_init__(self) -> None:
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        for name in ("rpc_timeout_seconds", "backoff_initial_seconds", "backoff_max_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.backoff_max_seconds < self.backoff_initial_seconds:
+            raise ValueError(
+                f"backoff_max_seconds ({self.backoff_max_seconds}) must be >= "
+                f"backoff_initial_seconds ({self.backoff_initial_seconds})"
+            )
+
 
 @dataclass
 class _Window:
@@ -58,9 +71,15 @@ class _Window:
     physical: np.ndarray | None
 
 
-class PlanHandlers:
-    """What the rank does when the controller speaks; called on the agent thread,
-    each must return quickly (start work on another thread if it is long)."""
+# What the controller sends down the stream: the `body` of a ControllerMessage.
+ControllerMessageKind = Literal["window_ack", "prepare", "commit", "abort"]
+CONTROLLER_MESSAGE_KINDS: tuple[ControllerMessageKind, ...] = get_args(ControllerMessageKind)
+
+
+class PlanHandlers(Protocol):
+    """What the rank does when the controller speaks: one method per plan message
+    (`prepare`, `commit`, `abort`), each with that message's fields. Called on the
+    agent thread; each must return quickly (start work on another thread if it is long)."""
 
     def on_prepare(self, prepare: pb.Prepare) -> None: ...
     def on_commit(self, version: int) -> None: ...
@@ -287,17 +306,24 @@ class WorkerAgent:
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         async for msg in call:
-            kind = msg.WhichOneof("body")
-            if kind == "window_ack":
+            self._deliver(msg)
+
+    def _deliver(self, msg: pb.ControllerMessage) -> None:
+        """One message from the controller: an ack here, a plan phase to the handlers."""
+        kind = cast(ControllerMessageKind | None, msg.WhichOneof("body"))
+        match kind:
+            case "window_ack":
                 with self._lock:
                     for seq in [s for s in self._unacked if s <= msg.window_ack.seq]:
                         del self._unacked[seq]
-            elif kind == "prepare":
+            case "prepare":
                 self.handlers.on_prepare(msg.prepare)
-            elif kind == "commit":
+            case "commit":
                 self.handlers.on_commit(msg.commit.version)
-            elif kind == "abort":
+            case "abort":
                 self.handlers.on_abort(msg.abort.version, msg.abort.reason)
+            case _:  # empty, or a kind this version does not know
+                log.warning("rank %d: controller message %r ignored", self.config.rank, kind)
 
 
 def _compact(counts: np.ndarray) -> pb.Array:

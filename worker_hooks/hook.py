@@ -36,8 +36,9 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
+from worker_hooks.devices import resolve_device
 from worker_hooks.dispatch import ReplicaDispatch
-from worker_hooks.migrate import MigrationAborted, MigrationExecutor
+from worker_hooks.migrate import MigrationAborted, MigrationConfig, MigrationExecutor, Transport
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap, replica_rows
 
@@ -60,7 +61,7 @@ class HookConfig:
     layers_per_chunk: int = 4
     # Weight transfers (worker_hooks/migrate.py): "p2p" (NCCL/gloo, any hosts), "ipc" or
     # "outbox" (copy engines between the GPUs of one host; migrate_group must be gloo).
-    migrate_transport: str = "p2p"
+    migrate_transport: Transport = "p2p"
     rounds_in_flight: int = 1
     outbox_bytes: int = 1 << 30
     max_migration_gbps: float = 0.0  # 0: unpaced
@@ -73,6 +74,22 @@ class HookConfig:
     ca_file: str | None = None      # TLS to the controller
     cert_file: str | None = None    # mutual TLS
     key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_gpus < 1 or not 0 <= self.rank < self.num_gpus:
+            raise ValueError(f"need 0 <= rank < num_gpus, got rank={self.rank}, num_gpus={self.num_gpus}")
+        if self.num_slots % self.num_gpus:
+            raise ValueError(f"num_slots={self.num_slots} is not a multiple of num_gpus={self.num_gpus}")
+        _ = self.migration  # a bad transport or setting fails here, with its name
+
+    @property
+    def migration(self) -> MigrationConfig:
+        """The migration settings (checked: a bad transport name raises ValueError)."""
+        return MigrationConfig(
+            transport=self.migrate_transport, layers_per_chunk=self.layers_per_chunk,
+            rounds_in_flight=self.rounds_in_flight, outbox_bytes=self.outbox_bytes,
+            max_gbps=self.max_migration_gbps,
+        )
 
     @property
     def slots_per_rank(self) -> int:
@@ -108,7 +125,7 @@ class RebalanceHook(PlanHandlers):
         device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.version = 0
         self.phy2log = np.asarray(phy2log, dtype=np.int64)
         self.rows = RowMap(config.num_gpus, config.num_layers, config.slots_per_rank, config.spare_rows)
@@ -130,10 +147,7 @@ class RebalanceHook(PlanHandlers):
         )
         self.weights = weights
         self.executor = MigrationExecutor(
-            config.rank, config.num_gpus, weights, migrate_group, config.layers_per_chunk,
-            rounds_in_flight=config.rounds_in_flight, transport=config.migrate_transport,
-            outbox_bytes=config.outbox_bytes, max_gbps=config.max_migration_gbps,
-            row_map=self.rows,
+            config.rank, config.num_gpus, weights, migrate_group, config.migration, row_map=self.rows
         )
         self.agreement = CommitAgreement(agree_group, config.agree_every)
         self.stats = HookStats()

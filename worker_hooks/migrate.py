@@ -1,28 +1,33 @@
 """Moving expert weights between ranks for a plan, off the serving path.
 
-`prepare` receives every expert a rank gains into staging buffers, by one of two
-transports:
-- "p2p": torch.distributed point-to-point transfers on a process group of its own
-  (gloo on CPU, NCCL on GPU, on a side stream there), a few layers per round: in each
-  round each pair of ranks exchanges one packed buffer per weight tensor, received in
-  place into staging, so transfers are large and few. Works across hosts.
-- "ipc": ranks of one host map each other's live weights once (CUDA IPC on GPU; on
-  CPU the weights must live in shared-memory files) and each receiver reads the rows it
-  gains straight from its peers with `copy_`: on GPU the copy engines do the work, no
-  kernel of the migration takes SMs from serving, and nothing is packed or buffered.
-  Safe because live weights change only at commit, and no rank commits a plan before
-  every rank prepared it; one all-gather at the start makes sure every peer committed
-  the plan's base version on its device (and carries an abort to all).
-- "outbox": as "ipc", but senders pack their rows into two shared outboxes of bounded
-  size and receivers read from there, one all-reduce per step; for weights that cannot
-  be mapped whole.
+`MigrationExecutor` runs a plan's life on one rank: `prepare` receives every expert the
+rank gains, `commit` makes them live, `abort` drops them. How the experts travel is
+one `WeightTransport`, picked from `MigrationConfig.transport` by `make_transport`; the
+executor sees only its `connect` / `receive` / `close`, and an engine asks the class
+(`transport_class`) what it needs: `group_backend`, `one_host`, `maps_live_weights`.
+- `P2PTransport` ("p2p"): torch.distributed point-to-point transfers on a process group
+  of its own (gloo on CPU, NCCL on GPU, on a side stream there), a few layers per round:
+  in each round each pair of ranks exchanges one packed buffer per weight tensor,
+  received in place into staging, so transfers are large and few. Works across hosts.
+- `IpcTransport` ("ipc"): ranks of one host map each other's live weights once (CUDA
+  IPC on GPU; on CPU the weights must live in shared-memory files) and each receiver
+  reads the rows it gains straight from its peers with `copy_`: on GPU the copy engines
+  do the work, no kernel of the migration takes SMs from serving, and nothing is packed
+  or buffered. Safe because live weights change only at commit, and no rank commits a
+  plan before every rank prepared it; one all-gather at the start makes sure every peer
+  committed the plan's base version on its device (and carries an abort to all).
+- `OutboxTransport` ("outbox"): as "ipc", but senders pack their rows into two shared
+  outboxes of bounded size and receivers read from there, one all-gather per step; for
+  weights that cannot be mapped whole.
   Both need every rank of the group on one host and a gloo group.
-Serving keeps using the live weights meanwhile; `max_gbps` paces either transport so an
-operator can bound its interference. With spare rows (worker_hooks/rows.py) prepare
-then writes each incoming expert into a free row of the live weights, and commit only
-moves the row map (the caller swaps the dispatch maps): no weight is copied in the
-pause. Without them, or beyond them, `commit` copies staging into the live weights in
-place (storage unchanged: CUDA graphs stay valid); `abort` drops staging.
+Serving keeps using the live weights meanwhile; `max_gbps` paces any transport so an
+operator can bound its interference. With spare rows (worker_hooks/rows.py) each
+incoming expert goes into a free row of the live weights during prepare (the ipc
+transport reads it straight there; the executor writes the others' received experts
+there), and commit only moves the row map (the caller swaps the dispatch maps): no
+weight is copied in the pause. Without them, or beyond them, `commit` copies staging
+into the live weights in place (storage unchanged: CUDA graphs stay valid); `abort`
+drops staging.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar, Literal, get_args
 
 import numpy as np
 import torch
@@ -41,7 +48,47 @@ from rebalancer.wire.layout import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
 from worker_hooks.outbox import SharedOutboxes, map_peer_weights, outbox_schedule
 from worker_hooks.rows import RowMap
 
-TRANSPORTS = ("p2p", "ipc", "outbox")
+Transport = Literal["p2p", "ipc", "outbox"]
+TRANSPORTS: tuple[Transport, ...] = get_args(Transport)
+
+
+@dataclass(frozen=True)
+class MigrationConfig:
+    """How a rank moves weights; checked on construction.
+
+    transport: "p2p", "ipc" or "outbox" (module docstring); "ipc" and "outbox" need
+        every rank of the group on this host and the group a gloo group.
+    layers_per_chunk: p2p: layers exchanged per round of transfers.
+    rounds_in_flight: p2p: rounds posted before the oldest is waited for; above 1 the
+        packing of a round overlaps the transfers of the previous ones (correct on
+        gloo, tests/unit/worker_hooks/test_migrate.py; not yet measured on GPU, so the
+        default keeps the measured one-round-at-a-time behaviour).
+    outbox_bytes: outbox: size of each of the two outboxes per rank, rounded down to
+        whole experts (at least one).
+    copy_streams: ipc on GPU: reads from one peer spread round-robin over this many
+        streams (copy engines work in parallel).
+    max_gbps: any transport: at most this many GB/s received per rank (0: as fast as
+        the links go).
+    """
+
+    transport: Transport = "p2p"
+    layers_per_chunk: int = 4
+    rounds_in_flight: int = 1
+    outbox_bytes: int = 1 << 30
+    copy_streams: int = 2
+    max_gbps: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
+        for name in ("layers_per_chunk", "rounds_in_flight", "outbox_bytes", "copy_streams"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.max_gbps >= 0:
+            raise ValueError(f"max_gbps must be >= 0, got {self.max_gbps}")
 
 
 @dataclass(frozen=True)
@@ -57,29 +104,12 @@ class MigrationAborted(RuntimeError):
     pass
 
 
-class MigrationExecutor:
-    """Stages, commits or drops the expert weights of one plan at a time.
+class RankWeights:
+    """One rank's live weights and what every transport needs around them.
 
-    Args:
-        rank, world_size: this rank within `group`.
-        weights: name -> live tensor `[L, S + R, ...]` (S slots on this rank, R spare
-            rows); all tensors share one dtype and device.
-        group: the process group for transfers (keep it apart from serving's).
-        layers_per_chunk: layers exchanged per round of transfers.
-        rounds_in_flight: rounds posted before the oldest is waited for; above 1 the
-            packing of a round overlaps the transfers of the previous ones (correct on
-            gloo, tests/unit/worker_hooks/test_migrate.py; not yet measured on GPU, so
-            the default keeps the measured one-round-at-a-time behaviour).
-        transport: "p2p", "ipc" or "outbox" (module docstring); "ipc" and "outbox"
-            need every rank of `group` on this host and `group` a gloo group.
-        outbox_bytes: size of each of the two outboxes per rank ("outbox" transport),
-            rounded down to whole experts (at least one).
-        max_gbps: pace transfers to at most this many GB/s received per rank (0: as
-            fast as the links go).
-        copy_streams: "ipc" transport on GPU: reads from one peer spread round-robin
-            over this many streams (copy engines work in parallel).
-        row_map: the rows of every rank (worker_hooks/rows.py), shared with the caller,
-            which reads it for dispatch; default: no spare rows.
+    weights: name -> live tensor `[L, S + R, ...]` (S slots on this rank, R spare rows),
+    all of one dtype and device, contiguous. Also holds the group, the row map, the
+    side stream (GPU), the event of the last commit and the versions aborted so far.
     """
 
     def __init__(
@@ -87,19 +117,9 @@ class MigrationExecutor:
         rank: int,
         world_size: int,
         weights: dict[str, torch.Tensor],
-        group: dist.ProcessGroup | None = None,
-        layers_per_chunk: int = 4,
-        rounds_in_flight: int = 1,
-        transport: str = "p2p",
-        outbox_bytes: int = 1 << 30,
-        max_gbps: float = 0.0,
-        copy_streams: int = 2,
+        group: dist.ProcessGroup | None,
         row_map: RowMap | None = None,
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-        if max_gbps < 0:
-            raise ValueError(f"max_gbps must be >= 0, got {max_gbps}")
         if not weights:
             raise ValueError("weights must name at least one tensor")
         first = next(iter(weights.values()))
@@ -109,8 +129,6 @@ class MigrationExecutor:
         self.rank, self.world_size = rank, world_size
         self.weights = weights
         self.group = group
-        self.layers_per_chunk = max(1, layers_per_chunk)
-        self.rounds_in_flight = max(1, rounds_in_flight)
         self.num_layers, self.rows_per_layer = int(first.shape[0]), int(first.shape[1])
         if row_map is None:
             row_map = RowMap(world_size, self.num_layers, self.rows_per_layer)
@@ -130,42 +148,472 @@ class MigrationExecutor:
             if not w.is_contiguous():
                 raise ValueError(f"weight {name!r} must be contiguous (its flat view is updated in place)")
         self.expert_bytes = sum(int(np.prod(w.shape[2:])) for w in weights.values()) * first.element_size()
-        self.transport = transport
-        self.outbox_rows = max(1, outbox_bytes // max(1, self.expert_bytes))
-        self.max_gbps = max_gbps
-        self.copy_streams = max(1, copy_streams)
-        self._outboxes: SharedOutboxes | None = None
-        self._peer_weights: dict[int, dict[str, torch.Tensor]] | None = None
-        self._commit_event: torch.cuda.Event | None = None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.commit_event: torch.cuda.Event | None = None  # peers may read once it is done
+        self.aborted: set[int] = set()
+
+    def check_aborted(self, version: int) -> None:
+        if version in self.aborted:
+            raise MigrationAborted(f"plan v{version} aborted while preparing")
+
+    def flat(self, w: torch.Tensor) -> torch.Tensor:
+        """`w` as its flat `[L * (S + R), ...]` view."""
+        return w.view((self.num_layers * self.rows_per_layer,) + tuple(w.shape[2:]))
+
+    def flat_index(self, layers: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        """This rank's (layer, slot) pairs as row indices of its flat weight views,
+        through the row map."""
+        rows = layers * self.rows_per_layer + self.row_map.rows[self.rank, layers, slots]
+        return torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+
+    def free_rows_of(self, new_rows: np.ndarray, incoming: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For this rank's incoming transfer rows: which get a free row (their row changes
+        from now to `new_rows` [G, L, S]), and that row in the flat weight views."""
+        layers, slots = incoming[:, LAYER], incoming[:, DST_SLOT]
+        new = new_rows[self.rank][layers, slots]
+        take = new != self.row_map.rows[self.rank][layers, slots]
+        return take, layers * self.rows_per_layer + new
+
+    def new_staging(self, rows: int) -> dict[str, torch.Tensor]:
+        """One contiguous tensor per weight, allocated on the current (side) stream."""
+        return {
+            name: torch.empty((rows,) + tuple(w.shape[2:]), dtype=self.dtype, device=self.device)
+            for name, w in self.weights.items()
+        }
+
+    def copy_local(self, rows: np.ndarray, staging: dict[str, torch.Tensor], lo: int) -> None:
+        """Experts this rank already holds: straight from the live weights into staging."""
+        if len(rows):
+            idx = self.flat_index(rows[:, LAYER], rows[:, SRC_SLOT])
+            for name, w in self.weights.items():
+                torch.index_select(self.flat(w), 0, idx, out=staging[name][lo:lo + len(rows)])
+
+
+@dataclass(frozen=True)
+class PlanMoves:
+    """What a transport moves for one plan.
+
+    transfers: [K, 5] (layer, dst_rank, dst_slot, src_rank, src_slot), checked, the same
+        on every rank.
+    new_rows: [G, L, S] every rank's rows once the plan commits (rows.RowMap.plan): an
+        incoming expert whose row differs from today's goes to that free row.
+    start: `time.perf_counter()` when prepare began (pacing counts from there).
+    """
+
+    version: int
+    transfers: np.ndarray
+    new_rows: np.ndarray
+    start: float
+
+
+@dataclass
+class Received:
+    """A transport's result: `incoming` [n, 5] transfer rows and their experts in
+    `staging` (name -> [n, ...]), plus bytes moved. Experts a transport wrote straight
+    into their free rows are left out; the executor writes the returned ones that have
+    a free row into it and keeps the rest for commit."""
+
+    staging: dict[str, torch.Tensor]
+    incoming: np.ndarray
+    bytes_sent: int
+    bytes_received: int
+
+
+class WeightTransport(ABC):
+    """How one rank receives a plan's experts: the interface the executor sees.
+
+    `receive` runs on the migration thread, inside the side stream on GPU; it is
+    collective on the group (every rank calls it for the same plan) and raises
+    MigrationAborted once the plan is aborted. `connect` does any collective setup once
+    (mapping the peers' memory), `close` releases it."""
+
+    name: ClassVar[Transport]
+    # Every rank of the group on one host, the group a gloo group (peers' memory is mapped).
+    one_host: ClassVar[bool] = False
+    # Peers map this rank's live weights: on CPU they must live in shared-memory files
+    # (worker_hooks.outbox.in_shared_memory).
+    maps_live_weights: ClassVar[bool] = False
+
+    def __init__(self, ctx: RankWeights, config: MigrationConfig) -> None:
+        self.ctx = ctx
+        self.config = config
+
+    @classmethod
+    def group_backend(cls, device: torch.device) -> Literal["nccl", "gloo"]:
+        """The backend of the process group this transport needs for weights on `device`."""
+        return "nccl" if device.type == "cuda" and not cls.one_host else "gloo"
+
+    @abstractmethod
+    def connect(self) -> None:
+        """Collective setup, done by the first `receive` unless called earlier (at startup,
+        say); a no-op once connected or when there is nothing to set up."""
+
+    @abstractmethod
+    def receive(self, plan: PlanMoves) -> Received:
+        """This rank's incoming experts of `plan` (see `Received`)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what `connect` set up."""
+
+    def _settle(self) -> None:
+        """Wait until what was queued so far has moved."""
+        if self.ctx.stream is not None:
+            self.ctx.stream.synchronize()
+
+    def _pace(self, start: float, bytes_done: int) -> None:
+        """Sleep until `bytes_done` is within the `max_gbps` budget since `start`."""
+        if self.config.max_gbps > 0 and bytes_done:
+            self._settle()  # pace what has moved, not what is queued
+            ahead = bytes_done / (self.config.max_gbps * 1e9) - (time.perf_counter() - start)
+            if ahead > 0:
+                time.sleep(ahead)
+
+
+class P2PTransport(WeightTransport):
+    """torch.distributed send/recv on the group, a few layers per round (any hosts)."""
+
+    name = "p2p"
+
+    def connect(self) -> None:
+        """Nothing to set up: the process group is all it needs."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def receive(self, plan: PlanMoves) -> Received:
+        """Staging holds one contiguous tensor per weight, its rows ordered by (round,
+        source rank, layer, slot): the experts one peer sends in one round are one
+        contiguous block, received in place with no copy afterwards. Each round
+        sends one `index_select`-packed buffer per weight and peer."""
+        ctx, per_round = self.ctx, self.config.layers_per_chunk
+        t = plan.transfers
+        # 1. One order on every rank: round, then source rank, then layer and slot.
+        rounds = t[:, LAYER] // per_round
+        t = t[np.lexsort((t[:, DST_SLOT], t[:, LAYER], t[:, DST_RANK], t[:, SRC_RANK], rounds))]
+        rounds = t[:, LAYER] // per_round
+        incoming = t[t[:, DST_RANK] == ctx.rank]
+        in_rounds = incoming[:, LAYER] // per_round
+        # 2. Staging, allocated on the side stream that fills it.
+        staging = ctx.new_staging(len(incoming))
+        sent = received = 0
+        # 3. Rounds are pipelined: round r+1 is packed while round r is on the wire,
+        #    with at most `rounds_in_flight` rounds (and their send buffers) alive.
+        in_flight: deque[list[dist.Work]] = deque()
+        for r in np.unique(rounds):
+            ctx.check_aborted(plan.version)
+            while len(in_flight) >= self.config.rounds_in_flight:
+                for work in in_flight.popleft():
+                    work.wait()
+            chunk = t[rounds == r]
+            ops = []
+            for peer in range(ctx.world_size):
+                in_mask = (in_rounds == r) & (incoming[:, SRC_RANK] == peer)
+                lo = int(np.argmax(in_mask)) if in_mask.any() else 0
+                hi = lo + int(in_mask.sum())
+                if peer == ctx.rank:  # local moves: straight into staging
+                    ctx.copy_local(incoming[lo:hi], staging, lo)
+                    continue
+                out_rows = chunk[(chunk[:, SRC_RANK] == ctx.rank) & (chunk[:, DST_RANK] == peer)]
+                if len(out_rows):
+                    idx = ctx.flat_index(out_rows[:, LAYER], out_rows[:, SRC_SLOT])
+                    for w in ctx.weights.values():
+                        buf = ctx.flat(w).index_select(0, idx)
+                        ops.append(dist.P2POp(dist.isend, buf, peer, ctx.group))
+                        sent += buf.numel() * buf.element_size()
+                if hi > lo:
+                    for name in ctx.weights:
+                        view = staging[name][lo:hi]  # contiguous rows: received in place
+                        ops.append(dist.P2POp(dist.irecv, view, peer, ctx.group))
+                        received += view.numel() * view.element_size()
+            if ops:
+                in_flight.append(dist.batch_isend_irecv(ops))
+            self._pace(plan.start, received)
+        while in_flight:
+            for work in in_flight.popleft():
+                work.wait()
+        return Received(staging, incoming, sent, received)
+
+
+class _PeerMemoryTransport(WeightTransport):
+    """What the transports that read their peers' memory on this host share: read
+    streams, and one collective that checks the ranks agree before reading."""
+
+    one_host = True
+
+    def __init__(self, ctx: RankWeights, config: MigrationConfig) -> None:
+        super().__init__(ctx, config)
         # Streams that peer reads run on, by (device index, lane); made once.
         self._read_streams: dict[tuple[int | None, int], torch.cuda.Stream] = {}
+
+    def close(self) -> None:
+        self._read_streams.clear()
+
+    def _settle(self) -> None:
+        super()._settle()
+        self._sync_reads()
+
+    def _reading_from(self, src: torch.device, lane: int) -> contextlib.ExitStack:
+        """Run `copy_` from a peer's memory on `src` on read streams of its own at both
+        ends (torch copies between devices on the source's current stream, then makes
+        the destination's current stream wait): reads stay off serving's stream and off
+        the side stream, whose packing they then overlap. No-op on CPU."""
+        ctx = contextlib.ExitStack()
+        if self.ctx.device.type == "cuda":
+            for dev in (self.ctx.device, src):
+                key = (dev.index, lane)
+                if key not in self._read_streams:
+                    self._read_streams[key] = torch.cuda.Stream(dev)
+                ctx.enter_context(torch.cuda.stream(self._read_streams[key]))
+        return ctx
+
+    def _sync_reads(self) -> None:
+        for stream in self._read_streams.values():
+            stream.synchronize()
+
+    def _agree(self, version: int) -> None:
+        """Collective on the group: every rank got here in plan `version`, with the same
+        rows for every rank (a peer's expert is read where this rank's row map says it
+        is). An abort seen by any rank stops all of them here together, none is left
+        waiting; a disagreement fails the plan on every rank."""
+        ctx = self.ctx
+        state = torch.tensor(
+            [int(version in ctx.aborted), version, ctx.row_map.digest()], dtype=torch.int64
+        )
+        states = [torch.zeros_like(state) for _ in range(ctx.world_size)]
+        dist.all_gather(states, state, group=ctx.group)
+        if any(int(s[0]) for s in states):
+            raise MigrationAborted(f"plan v{version} aborted while preparing")
+        if len({int(s[1]) for s in states}) > 1:
+            raise RuntimeError(f"ranks prepare different plans: {[int(s[1]) for s in states]}")
+        digests = [int(s[2]) for s in states]
+        if len(set(digests)) > 1:
+            odd = [r for r, d in enumerate(digests) if digests.count(d) == 1]
+            raise RuntimeError(
+                f"ranks disagree on where the weights of the EP group are (row maps differ; "
+                f"rank(s) {odd or list(range(ctx.world_size))} differ): a rank restarted "
+                "alone? Restart the whole EP group"
+            )
+
+
+class IpcTransport(_PeerMemoryTransport):
+    """Receivers read their rows from the peers' mapped live weights (one host)."""
+
+    name = "ipc"
+    maps_live_weights = True
+
+    def __init__(self, ctx: RankWeights, config: MigrationConfig) -> None:
+        super().__init__(ctx, config)
+        self._peer_weights: dict[int, dict[str, torch.Tensor]] | None = None
+
+    def connect(self) -> None:
+        if self._peer_weights is None:
+            ctx = self.ctx
+            self._peer_weights = map_peer_weights(ctx.rank, ctx.world_size, ctx.weights, ctx.group)
+
+    def close(self) -> None:
+        self._peer_weights = None
+        super().close()
+
+    def receive(self, plan: PlanMoves) -> Received:
+        """Read each gained row from the peer's live weights, straight into its free row
+        where `plan.new_rows` gives it one, else into staging (returned with its incoming
+        rows). Rows are ordered by (source rank, layer, source slot), so rows adjacent in
+        a peer's weights and at the destination are one `copy_` per weight."""
+        ctx, t, version = self.ctx, plan.transfers, plan.version
+        # 1. Every rank's last commit is done on its device, nobody aborted, and all
+        #    prepare the same plan (each rank's hook checked the plan's base version).
+        if ctx.commit_event is not None:
+            ctx.commit_event.synchronize()
+        self._agree(version)
+        self.connect()
+        assert self._peer_weights is not None
+        # 2. Incoming rows, sorted so that runs of adjacent source rows are contiguous
+        #    (free rows are handed out in the same order, rows.RowMap.plan); each goes to
+        #    its free row (live weights) or to the next staging row.
+        incoming = t[t[:, DST_RANK] == ctx.rank]
+        src_row = incoming[:, LAYER] * ctx.rows_per_layer + ctx.row_map.rows[
+            incoming[:, SRC_RANK], incoming[:, LAYER], incoming[:, SRC_SLOT]
+        ]
+        order = np.lexsort((src_row, incoming[:, SRC_RANK]))
+        incoming, src_row = incoming[order], src_row[order]
+        live, live_row = ctx.free_rows_of(plan.new_rows, incoming)
+        staged = incoming[~live]
+        staging = ctx.new_staging(len(staged))
+        dst_row = np.where(live, live_row, np.cumsum(~live) - 1)
+        breaks = np.flatnonzero(
+            (np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)
+            | (np.diff(dst_row) != 1) | (np.diff(live.astype(np.int8)) != 0)
+        ) + 1
+        runs = np.split(np.arange(len(incoming)), breaks) if len(incoming) else []
+        own = {name: ctx.flat(w) for name, w in ctx.weights.items()}
+        received = 0
+        for i, run in enumerate(runs):
+            ctx.check_aborted(version)
+            lo, n = int(run[0]), len(run)
+            peer = int(incoming[lo, SRC_RANK])
+            first, to = int(src_row[lo]), int(dst_row[lo])
+            target = own if live[lo] else staging
+            if peer == ctx.rank:  # a local move: free rows and mapped rows never overlap
+                for name in ctx.weights:
+                    target[name][to:to + n].copy_(own[name][first:first + n])
+                continue
+            peer_weights = self._peer_weights[peer]
+            src = next(iter(peer_weights.values())).device
+            with self._reading_from(src, lane=i % self.config.copy_streams):
+                for name, w in peer_weights.items():
+                    target[name][to:to + n].copy_(ctx.flat(w)[first:first + n], non_blocking=True)
+            received += n * ctx.expert_bytes
+            self._pace(plan.start, received)
+        self._sync_reads()
+        # Senders do no work: their rows are read by the receivers.
+        sent = int(((t[:, SRC_RANK] == ctx.rank) & (t[:, DST_RANK] != ctx.rank)).sum())
+        return Received(staging, staged, sent * ctx.expert_bytes, received)
+
+
+class OutboxTransport(_PeerMemoryTransport):
+    """Senders pack into two bounded shared outboxes, receivers read them (one host)."""
+
+    name = "outbox"
+
+    def __init__(self, ctx: RankWeights, config: MigrationConfig) -> None:
+        super().__init__(ctx, config)
+        self.outbox_rows = max(1, config.outbox_bytes // max(1, ctx.expert_bytes))
+        self._outboxes: SharedOutboxes | None = None
+
+    def connect(self) -> None:
+        if self._outboxes is None:
+            ctx = self.ctx
+            shapes = {name: tuple(w.shape[2:]) for name, w in ctx.weights.items()}
+            self._outboxes = SharedOutboxes(
+                ctx.rank, ctx.world_size, shapes, ctx.dtype, ctx.device, self.outbox_rows, ctx.group
+            )
+
+    def close(self) -> None:
+        super().close()
+        if self._outboxes is not None:
+            self._outboxes.close()
+            self._outboxes = None
+
+    def receive(self, plan: PlanMoves) -> Received:
+        """Step k: pack this rank's rows of step k into outbox k % 2, wait until every
+        rank packed step k and finished reading step k - 1 (`_agree`, which also
+        carries an abort seen by any rank so that all stop together), then pull step
+        k's rows from each peer's outbox into staging. Reading step k overlaps packing
+        step k + 1 into the other outbox.
+
+        Staging rows: the remote experts in schedule order (source rank, layer, slot),
+        then the local ones."""
+        ctx, t, version = self.ctx, plan.transfers, plan.version
+        self.connect()
+        boxes = self._outboxes
+        assert boxes is not None
+        schedule = outbox_schedule(t, self.outbox_rows)
+        step = schedule.step_of()
+        row = schedule.position % schedule.rows
+        mine_out = schedule.remote[:, SRC_RANK] == ctx.rank
+        mine_in = schedule.remote[:, DST_RANK] == ctx.rank
+        local = t[(t[:, DST_RANK] == ctx.rank) & (t[:, SRC_RANK] == ctx.rank)]
+        incoming = np.concatenate([schedule.remote[mine_in], local])
+        in_step, in_row = step[mine_in], row[mine_in]
+        in_src = schedule.remote[mine_in, SRC_RANK]
+        staging = ctx.new_staging(len(incoming))
+        ctx.copy_local(local, staging, int(mine_in.sum()))
+        sent = received = 0
+        for k in range(schedule.steps):
+            # 1. Pack step k (outbox k % 2 was last read in step k - 2: free).
+            out_rows = schedule.remote[mine_out & (step == k)]
+            box = boxes.own[k % 2]
+            if len(out_rows):
+                idx = ctx.flat_index(out_rows[:, LAYER], out_rows[:, SRC_SLOT])
+                for name, w in ctx.weights.items():
+                    torch.index_select(ctx.flat(w), 0, idx, out=box[name][: len(out_rows)])
+                sent += len(out_rows) * ctx.expert_bytes
+            self._settle()  # packed, and step k - 1's reads are done
+            # 2. Everyone packed k and read k - 1; any abort stops every rank here.
+            self._agree(version)
+            # 3. Read step k from each peer: one contiguous block per peer and weight.
+            for peer in np.unique(in_src[in_step == k]):
+                sel = np.flatnonzero((in_step == k) & (in_src == peer))
+                lo, n = int(sel[0]), len(sel)
+                first = int(in_row[sel[0]])
+                src_box = boxes.peer[int(peer)][k % 2]
+                with self._reading_from(next(iter(src_box.values())).device, lane=0):
+                    for name in ctx.weights:
+                        staging[name][lo:lo + n].copy_(src_box[name][first:first + n], non_blocking=True)
+                received += n * ctx.expert_bytes
+            self._pace(plan.start, received)
+        self._sync_reads()
+        # 4. No rank reuses its outboxes before every peer finished reading them.
+        if schedule.steps:
+            self._agree(version)
+        return Received(staging, incoming, sent, received)
+
+
+_TRANSPORT_CLASSES: dict[Transport, type[WeightTransport]] = {
+    cls.name: cls for cls in (P2PTransport, IpcTransport, OutboxTransport)
+}
+
+
+def transport_class(name: Transport) -> type[WeightTransport]:
+    """The class of the transport `name` (what it needs: `one_host`, `maps_live_weights`,
+    `group_backend`)."""
+    if name not in _TRANSPORT_CLASSES:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {name!r}")
+    return _TRANSPORT_CLASSES[name]
+
+
+def make_transport(config: MigrationConfig, ctx: RankWeights) -> WeightTransport:
+    """The transport `config.transport` names, over this rank's weights."""
+    return transport_class(config.transport)(ctx, config)
+
+
+class MigrationExecutor:
+    """Stages, commits or drops the expert weights of one plan at a time.
+
+    Args:
+        rank, world_size: this rank within `group`.
+        weights: name -> live tensor `[L, S + R, ...]` (S slots on this rank, R spare
+            rows); all tensors share one dtype and device.
+        group: the process group for transfers (keep it apart from serving's).
+        config: the transport and its settings (MigrationConfig; default p2p).
+        row_map: the rows of every rank (worker_hooks/rows.py), shared with the caller,
+            which reads it for dispatch; default: no spare rows.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        weights: dict[str, torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        config: MigrationConfig | None = None,
+        row_map: RowMap | None = None,
+    ) -> None:
+        self.config = config if config is not None else MigrationConfig()
+        self.ctx = RankWeights(rank, world_size, weights, group, row_map)
+        self.transport = make_transport(self.config, self.ctx)
+        self.weights = weights
+        self.row_map = self.ctx.row_map
         self._lock = threading.Lock()
         self._staged_version: int | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # name -> [n_in, ...]
         self._staged_index: torch.Tensor | None = None         # [n_in] flat row of each
         self._staged_rows: np.ndarray | None = None            # [G, L, S] after commit
-        self._aborted: set[int] = set()
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-
-    @property
-    def staged_version(self) -> int | None:
-        return self._staged_version
 
     @property
     def staged_rows(self) -> np.ndarray | None:
         """The rows of every rank `[G, L, S]` once the staged plan commits."""
         return self._staged_rows
 
-    # ------------------------------------------------------------ helpers
+    def connect(self) -> None:
+        """The transport's collective setup (mapping the peers' weights or outboxes), done
+        by the first prepare unless called earlier (at startup, say)."""
+        self.transport.connect()
 
-    def _flat_index(self, layers: np.ndarray, slots: np.ndarray) -> torch.Tensor:
-        """This rank's (layer, slot) pairs as row indices of its flat [L * (S + R), ...]
-        weight views, through the row map."""
-        rows = layers * self.rows_per_layer + self.row_map.rows[self.rank, layers, slots]
-        return torch.as_tensor(rows, dtype=torch.int64, device=self.device)
-
-    def _flat(self, w: torch.Tensor) -> torch.Tensor:
-        return w.view((self.num_layers * self.rows_per_layer,) + tuple(w.shape[2:]))
+    def close(self) -> None:
+        """Release what the transport holds (the peers' mapped weights, the outboxes)."""
+        self.transport.close()
 
     # ------------------------------------------------------------ prepare
 
@@ -178,330 +626,60 @@ class MigrationExecutor:
         MigrationAborted when the plan is aborted meanwhile.
         """
         start = time.perf_counter()
+        ctx = self.ctx
         t = np.asarray(transfers, dtype=np.int64).reshape(-1, 5)
-        if t.size and (t[:, [DST_RANK, SRC_RANK]].max() >= self.world_size or t.min() < 0
-                       or t[:, [DST_SLOT, SRC_SLOT]].max() >= self.slots_per_rank
-                       or t[:, LAYER].max() >= self.num_layers):
+        if t.size and (t[:, [DST_RANK, SRC_RANK]].max() >= ctx.world_size or t.min() < 0
+                       or t[:, [DST_SLOT, SRC_SLOT]].max() >= ctx.slots_per_rank
+                       or t[:, LAYER].max() >= ctx.num_layers):
             raise ValueError("transfer list refers to ranks, slots or layers out of range")
         # The current CUDA device is per thread: prepare runs on a background thread
         # whose device would otherwise be cuda:0 (NCCL and events need this rank's).
         stream_ctx = contextlib.ExitStack()
-        if self._stream is not None:
-            stream_ctx.enter_context(torch.cuda.device(self.device))
-            stream_ctx.enter_context(torch.cuda.stream(self._stream))
-        new_rows = self.row_map.plan(t).rows
-        experts_in = int((t[:, DST_RANK] == self.rank).sum())
+        if ctx.stream is not None:
+            stream_ctx.enter_context(torch.cuda.device(ctx.device))
+            stream_ctx.enter_context(torch.cuda.stream(ctx.stream))
+        new_rows = self.row_map.plan(t)
+        experts_in = int((t[:, DST_RANK] == ctx.rank).sum())
         with stream_ctx:
-            if self.transport == "ipc":  # reads straight into the free rows
-                staging, incoming, sent, received = self._exchange_ipc(version, t, new_rows, start)
-            else:
-                if self.transport == "outbox":
-                    staging, incoming, sent, received = self._exchange_outbox(version, t, start)
-                else:
-                    staging, incoming, sent, received = self._exchange_p2p(version, t, start)
-                staging, incoming = self._fill_free_rows(new_rows, staging, incoming)
+            got = self.transport.receive(PlanMoves(version, t, new_rows, start))
+            staging, incoming = self._fill_free_rows(new_rows, got.staging, got.incoming)
             # Built here, on the side stream: made on the thread's default stream, its
             # host-to-device copy would wait for every replay serving has queued there.
-            index = self._flat_index(incoming[:, LAYER], incoming[:, DST_SLOT])
-        if self._stream is not None:
-            self._stream.synchronize()
+            index = ctx.flat_index(incoming[:, LAYER], incoming[:, DST_SLOT])
+        if ctx.stream is not None:
+            ctx.stream.synchronize()
         with self._lock:
-            self._check_aborted(version)
+            ctx.check_aborted(version)
             self._staging, self._staged_index, self._staged_version = staging, index, version
             self._staged_rows = new_rows
-        return PrepareStats(version, experts_in, received, sent, time.perf_counter() - start)
-
-    def _free_rows_of(self, new_rows: np.ndarray, incoming: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For this rank's incoming transfer rows: which get a free row (their row changes
-        from now to `new_rows` [G, L, S]), and that row in the flat weight views."""
-        layers, slots = incoming[:, LAYER], incoming[:, DST_SLOT]
-        new = new_rows[self.rank][layers, slots]
-        take = new != self.row_map.rows[self.rank][layers, slots]
-        return take, layers * self.rows_per_layer + new
+        return PrepareStats(
+            version, experts_in, got.bytes_received, got.bytes_sent, time.perf_counter() - start
+        )
 
     def _fill_free_rows(
         self, new_rows: np.ndarray, staging: dict[str, torch.Tensor], incoming: np.ndarray
     ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-        """Write the staged experts that get a free row under `new_rows` into it now;
+        """Write the received experts that get a free row under `new_rows` into it now;
         returns the staging and incoming rows left for commit to copy in place."""
-        take, rows = self._free_rows_of(new_rows, incoming)
+        ctx = self.ctx
+        take, rows = ctx.free_rows_of(new_rows, incoming)
         if not take.any():
             return staging, incoming
         # Rows freed by the last commit may still be read by replays queued before it.
-        if self._commit_event is not None and self._stream is not None:
-            self._stream.wait_event(self._commit_event)
-        dst = torch.as_tensor(rows[take], dtype=torch.int64, device=self.device)
+        if ctx.commit_event is not None and ctx.stream is not None:
+            ctx.stream.wait_event(ctx.commit_event)
+        dst = torch.as_tensor(rows[take], dtype=torch.int64, device=ctx.device)
         if take.all():
             for name, w in self.weights.items():
-                self._flat(w).index_copy_(0, dst, staging[name])
-            return self._new_staging(0), incoming[:0]
-        src = torch.as_tensor(np.flatnonzero(take), dtype=torch.int64, device=self.device)
+                ctx.flat(w).index_copy_(0, dst, staging[name])
+            return ctx.new_staging(0), incoming[:0]
+        src = torch.as_tensor(np.flatnonzero(take), dtype=torch.int64, device=ctx.device)
         for name, w in self.weights.items():
-            self._flat(w).index_copy_(0, dst, staging[name].index_select(0, src))
-        keep = torch.as_tensor(np.flatnonzero(~take), dtype=torch.int64, device=self.device)
+            ctx.flat(w).index_copy_(0, dst, staging[name].index_select(0, src))
+        keep = torch.as_tensor(np.flatnonzero(~take), dtype=torch.int64, device=ctx.device)
         rest = {name: buf.index_select(0, keep) for name, buf in staging.items()}
         return rest, incoming[~take]
 
-    def _new_staging(self, rows: int) -> dict[str, torch.Tensor]:
-        """One contiguous tensor per weight, allocated on the current (side) stream."""
-        return {
-            name: torch.empty((rows,) + tuple(w.shape[2:]), dtype=self.dtype, device=self.device)
-            for name, w in self.weights.items()
-        }
-
-    def _copy_local(self, rows: np.ndarray, staging: dict[str, torch.Tensor], lo: int) -> None:
-        """Experts this rank already holds: straight from the live weights into staging."""
-        if len(rows):
-            idx = self._flat_index(rows[:, LAYER], rows[:, SRC_SLOT])
-            for name, w in self.weights.items():
-                torch.index_select(self._flat(w), 0, idx, out=staging[name][lo:lo + len(rows)])
-
-    def _pace(self, start: float, bytes_done: int) -> None:
-        """Sleep until `bytes_done` is within the `max_gbps` budget since `start`."""
-        if self.max_gbps > 0 and bytes_done:
-            if self._stream is not None:  # pace what has moved, not what is queued
-                self._stream.synchronize()
-            self._sync_reads()
-            ahead = bytes_done / (self.max_gbps * 1e9) - (time.perf_counter() - start)
-            if ahead > 0:
-                time.sleep(ahead)
-
-    def _check_aborted(self, version: int) -> None:
-        if version in self._aborted:
-            raise MigrationAborted(f"plan v{version} aborted while preparing")
-
-    def _agree(self, version: int) -> None:
-        """Collective on the group: every rank got here in plan `version`, with the same
-        rows for every rank (ipc reads a peer's expert where this rank's row map says it
-        is). An abort seen by any rank stops all of them here together, none is left
-        waiting; a disagreement fails the plan on every rank."""
-        state = torch.tensor(
-            [int(version in self._aborted), version, self.row_map.digest()], dtype=torch.int64
-        )
-        states = [torch.zeros_like(state) for _ in range(self.world_size)]
-        dist.all_gather(states, state, group=self.group)
-        if any(int(s[0]) for s in states):
-            raise MigrationAborted(f"plan v{version} aborted while preparing")
-        if len({int(s[1]) for s in states}) > 1:
-            raise RuntimeError(f"ranks prepare different plans: {[int(s[1]) for s in states]}")
-        digests = [int(s[2]) for s in states]
-        if len(set(digests)) > 1:
-            odd = [r for r, d in enumerate(digests) if digests.count(d) == 1]
-            raise RuntimeError(
-                f"ranks disagree on where the weights of the EP group are (row maps differ; "
-                f"rank(s) {odd or list(range(self.world_size))} differ): a rank restarted "
-                "alone? Restart the whole EP group"
-            )
-
-    def _reading_from(self, src: torch.device, lane: int) -> contextlib.ExitStack:
-        """Run `copy_` from a peer's memory on `src` on read streams of its own at both
-        ends (torch copies between devices on the source's current stream, then makes
-        the destination's current stream wait): reads stay off serving's stream and off
-        the side stream, whose packing they then overlap. No-op on CPU."""
-        ctx = contextlib.ExitStack()
-        if self.device.type == "cuda":
-            for dev in (self.device, src):
-                key = (dev.index, lane)
-                if key not in self._read_streams:
-                    self._read_streams[key] = torch.cuda.Stream(dev)
-                ctx.enter_context(torch.cuda.stream(self._read_streams[key]))
-        return ctx
-
-    def _sync_reads(self) -> None:
-        for stream in self._read_streams.values():
-            stream.synchronize()
-
-    # ------------------------------------------------------------ p2p transport
-
-    def _exchange_p2p(
-        self, version: int, t: np.ndarray, start: float
-    ) -> tuple[dict[str, torch.Tensor], np.ndarray, int, int]:
-        """Staging holds one contiguous tensor per weight, its rows ordered by (round,
-        source rank, layer, slot): the experts one peer sends in one round are one
-        contiguous block, received in place with no copy afterwards. Each round
-        sends one `index_select`-packed buffer per weight and peer."""
-        # 1. One order on every rank: round, then source rank, then layer and slot.
-        rounds = t[:, LAYER] // self.layers_per_chunk
-        t = t[np.lexsort((t[:, DST_SLOT], t[:, LAYER], t[:, DST_RANK], t[:, SRC_RANK], rounds))]
-        rounds = t[:, LAYER] // self.layers_per_chunk
-        incoming = t[t[:, DST_RANK] == self.rank]
-        in_rounds = incoming[:, LAYER] // self.layers_per_chunk
-        # 2. Staging, allocated on the side stream that fills it.
-        staging = self._new_staging(len(incoming))
-        sent = received = 0
-        # 3. Rounds are pipelined: round r+1 is packed while round r is on the wire,
-        #    with at most `rounds_in_flight` rounds (and their send buffers) alive.
-        in_flight: deque[list[dist.Work]] = deque()
-        for r in np.unique(rounds):
-            self._check_aborted(version)
-            while len(in_flight) >= self.rounds_in_flight:
-                for work in in_flight.popleft():
-                    work.wait()
-            chunk = t[rounds == r]
-            ops = []
-            for peer in range(self.world_size):
-                in_mask = (in_rounds == r) & (incoming[:, SRC_RANK] == peer)
-                lo = int(np.argmax(in_mask)) if in_mask.any() else 0
-                hi = lo + int(in_mask.sum())
-                if peer == self.rank:  # local moves: straight into staging
-                    self._copy_local(incoming[lo:hi], staging, lo)
-                    continue
-                out_rows = chunk[(chunk[:, SRC_RANK] == self.rank) & (chunk[:, DST_RANK] == peer)]
-                if len(out_rows):
-                    idx = self._flat_index(out_rows[:, LAYER], out_rows[:, SRC_SLOT])
-                    for w in self.weights.values():
-                        buf = self._flat(w).index_select(0, idx)
-                        ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
-                        sent += buf.numel() * buf.element_size()
-                if hi > lo:
-                    for name in self.weights:
-                        view = staging[name][lo:hi]  # contiguous rows: received in place
-                        ops.append(dist.P2POp(dist.irecv, view, peer, self.group))
-                        received += view.numel() * view.element_size()
-            if ops:
-                in_flight.append(dist.batch_isend_irecv(ops))
-            self._pace(start, received)
-        while in_flight:
-            for work in in_flight.popleft():
-                work.wait()
-        return staging, incoming, sent, received
-
-    # ------------------------------------------------------------ ipc transport
-
-    def _exchange_ipc(
-        self, version: int, t: np.ndarray, new_rows: np.ndarray, start: float
-    ) -> tuple[dict[str, torch.Tensor], np.ndarray, int, int]:
-        """Read each gained row from the peer's live weights, straight into its free row
-        where `new_rows` gives it one, else into staging (returned with its incoming rows).
-        Rows are ordered by (source rank, layer, source slot), so rows adjacent in a
-        peer's weights and at the destination are one `copy_` per weight."""
-        # 1. Every rank's last commit is done on its device, nobody aborted, and all
-        #    prepare the same plan (each rank's hook checked the plan's base version).
-        if self._commit_event is not None:
-            self._commit_event.synchronize()
-        self._agree(version)
-        self.connect()
-        assert self._peer_weights is not None
-        # 2. Incoming rows, sorted so that runs of adjacent source rows are contiguous
-        #    (free rows are handed out in the same order, rows.RowMap.plan); each goes to
-        #    its free row (live weights) or to the next staging row.
-        incoming = t[t[:, DST_RANK] == self.rank]
-        src_row = incoming[:, LAYER] * self.rows_per_layer + self.row_map.rows[
-            incoming[:, SRC_RANK], incoming[:, LAYER], incoming[:, SRC_SLOT]
-        ]
-        order = np.lexsort((src_row, incoming[:, SRC_RANK]))
-        incoming, src_row = incoming[order], src_row[order]
-        live, live_row = self._free_rows_of(new_rows, incoming)
-        staged = incoming[~live]
-        staging = self._new_staging(len(staged))
-        dst_row = np.where(live, live_row, np.cumsum(~live) - 1)
-        breaks = np.flatnonzero(
-            (np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)
-            | (np.diff(dst_row) != 1) | (np.diff(live.astype(np.int8)) != 0)
-        ) + 1
-        runs = np.split(np.arange(len(incoming)), breaks) if len(incoming) else []
-        own = {name: self._flat(w) for name, w in self.weights.items()}
-        received = 0
-        for i, run in enumerate(runs):
-            self._check_aborted(version)
-            lo, n = int(run[0]), len(run)
-            peer = int(incoming[lo, SRC_RANK])
-            first, to = int(src_row[lo]), int(dst_row[lo])
-            target = own if live[lo] else staging
-            if peer == self.rank:  # a local move: free rows and mapped rows never overlap
-                for name in self.weights:
-                    target[name][to:to + n].copy_(own[name][first:first + n])
-                continue
-            peer_weights = self._peer_weights[peer]
-            src = next(iter(peer_weights.values())).device
-            with self._reading_from(src, lane=i % self.copy_streams):
-                for name, w in peer_weights.items():
-                    target[name][to:to + n].copy_(self._flat(w)[first:first + n], non_blocking=True)
-            received += n * self.expert_bytes
-            self._pace(start, received)
-        self._sync_reads()
-        # Senders do no work: their rows are read by the receivers.
-        sent = int(((t[:, SRC_RANK] == self.rank) & (t[:, DST_RANK] != self.rank)).sum())
-        return staging, staged, sent * self.expert_bytes, received
-
-    # ------------------------------------------------------------ outbox transport
-
-    def _exchange_outbox(
-        self, version: int, t: np.ndarray, start: float
-    ) -> tuple[dict[str, torch.Tensor], np.ndarray, int, int]:
-        """Step k: pack this rank's rows of step k into outbox k % 2, wait until every
-        rank packed step k and finished reading step k - 1 (`_agree`, which also
-        carries an abort seen by any rank so that all stop together), then pull step
-        k's rows from each peer's outbox into staging. Reading step k overlaps packing
-        step k + 1 into the other outbox.
-
-        Staging rows: the remote experts in schedule order (source rank, layer, slot),
-        then the local ones."""
-        self.connect()
-        boxes = self._outboxes
-        assert boxes is not None
-        plan = outbox_schedule(t, self.outbox_rows)
-        step = plan.step_of()
-        row = plan.position % plan.rows
-        mine_out = plan.remote[:, SRC_RANK] == self.rank
-        mine_in = plan.remote[:, DST_RANK] == self.rank
-        local = t[(t[:, DST_RANK] == self.rank) & (t[:, SRC_RANK] == self.rank)]
-        incoming = np.concatenate([plan.remote[mine_in], local])
-        in_step, in_row = step[mine_in], row[mine_in]
-        in_src = plan.remote[mine_in, SRC_RANK]
-        staging = self._new_staging(len(incoming))
-        self._copy_local(local, staging, int(mine_in.sum()))
-        sent = received = 0
-        for k in range(plan.steps):
-            # 1. Pack step k (outbox k % 2 was last read in step k - 2: free).
-            out_rows = plan.remote[mine_out & (step == k)]
-            box = boxes.own[k % 2]
-            if len(out_rows):
-                idx = self._flat_index(out_rows[:, LAYER], out_rows[:, SRC_SLOT])
-                for name, w in self.weights.items():
-                    torch.index_select(self._flat(w), 0, idx, out=box[name][: len(out_rows)])
-                sent += len(out_rows) * self.expert_bytes
-            if self._stream is not None:
-                self._stream.synchronize()
-            self._sync_reads()  # step k - 1's reads are done
-            # 2. Everyone packed k and read k - 1; any abort stops every rank here.
-            self._agree(version)
-            # 3. Read step k from each peer: one contiguous block per peer and weight.
-            for peer in np.unique(in_src[in_step == k]):
-                sel = np.flatnonzero((in_step == k) & (in_src == peer))
-                lo, n = int(sel[0]), len(sel)
-                first = int(in_row[sel[0]])
-                src_box = boxes.peer[int(peer)][k % 2]
-                with self._reading_from(next(iter(src_box.values())).device, lane=0):
-                    for name in self.weights:
-                        staging[name][lo:lo + n].copy_(src_box[name][first:first + n], non_blocking=True)
-                received += n * self.expert_bytes
-            self._pace(start, received)
-        self._sync_reads()
-        # 4. No rank reuses its outboxes before every peer finished reading them.
-        if plan.steps:
-            self._agree(version)
-        return staging, incoming, sent, received
-
-    def connect(self) -> None:
-        """Map the peers' weights ("ipc") or outboxes ("outbox"); collective on the group,
-        done by the first prepare unless called earlier (at startup, say). No-op for
-        "p2p" and once connected."""
-        if self.transport == "ipc" and self._peer_weights is None:
-            self._peer_weights = map_peer_weights(self.rank, self.world_size, self.weights, self.group)
-        if self.transport == "outbox" and self._outboxes is None:
-            shapes = {name: tuple(w.shape[2:]) for name, w in self.weights.items()}
-            self._outboxes = SharedOutboxes(
-                self.rank, self.world_size, shapes, self.dtype, self.device, self.outbox_rows, self.group
-            )
-
-    def close(self) -> None:
-        """Release the outboxes and the peers' mapped weights."""
-        self._peer_weights = None
-        self._read_streams.clear()
-        if self._outboxes is not None:
-            self._outboxes.close()
-            self._outboxes = None
     # ------------------------------------------------------------ commit / abort
 
     def commit(self, version: int) -> int:
@@ -510,6 +688,7 @@ class MigrationExecutor:
 
         One `index_copy_` per weight on its flat [L * (S + R), ...] view. Call between
         forward steps (between graph replays): storage never changes."""
+        ctx = self.ctx
         with self._lock:
             if (self._staged_version != version or self._staging is None
                     or self._staged_index is None or self._staged_rows is None):
@@ -519,18 +698,18 @@ class MigrationExecutor:
             self._staged_version = None
         if len(index):
             for name, w in self.weights.items():
-                self._flat(w).index_copy_(0, index, staging[name])
+                ctx.flat(w).index_copy_(0, index, staging[name])
         self.row_map.rows = rows
-        if self.device.type == "cuda":  # peers read these rows once the copy is done
-            self._commit_event = torch.cuda.Event()
-            self._commit_event.record(torch.cuda.current_stream(self.device))
+        if ctx.device.type == "cuda":  # peers read these rows once the copy is done
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(ctx.device))
+            ctx.commit_event = event
         return len(index)
 
     def abort(self, version: int) -> None:
         """Drop the staging of `version` (also while it is still being prepared)."""
         with self._lock:
-            self._aborted.add(version)
+            self.ctx.aborted.add(version)
             if self._staged_version == version:
                 self._staging = self._staged_index = self._staged_rows = None
                 self._staged_version = None
-

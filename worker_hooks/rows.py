@@ -17,7 +17,6 @@ without spare rows; with R = 0 every move is such a copy and the rows never chan
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,19 +31,6 @@ def replica_rows(
     slots = log2phy_of(phy2log, num_logical, max_replicas)
     flat = np.take_along_axis(row_ids, np.maximum(slots, 0).reshape(slots.shape[0], -1), axis=1)
     return np.where(slots >= 0, flat.reshape(slots.shape), -1)
-
-
-@dataclass(frozen=True)
-class RowPlan:
-    """Where a plan's incoming experts go.
-
-    rows: [G, L, S] the rows once the plan commits.
-    fresh: [K] per transfer row, True when its expert goes to a free row during prepare
-        (False: copied over the slot's current row at commit).
-    """
-
-    rows: np.ndarray
-    fresh: np.ndarray
 
 
 class RowMap:
@@ -76,8 +62,9 @@ class RowMap:
         base = (np.arange(self.num_gpus, dtype=np.int64) * self.rows_per_rank)[:, None, None]
         return np.ascontiguousarray((rows + base).transpose(1, 0, 2).reshape(self.num_layers, -1))
 
-    def plan(self, transfers: np.ndarray) -> RowPlan:
-        """The rows after a plan, and which of its incoming experts get a free row.
+    def plan(self, transfers: np.ndarray) -> np.ndarray:
+        """The rows `[G, L, S]` once a plan commits; an incoming expert whose row differs
+        from today's goes to that free row during prepare.
 
         transfers: [K, 5] (layer, dst_rank, dst_slot, src_rank, src_slot), the same list
         on every rank. For each (rank, layer), the destinations in the order of their
@@ -87,9 +74,8 @@ class RowMap:
         """
         t = np.asarray(transfers, dtype=np.int64).reshape(-1, 5)
         rows = self.rows.copy()
-        fresh = np.zeros(len(t), dtype=bool)
         if not len(t) or not self.spare_rows:
-            return RowPlan(rows, fresh)
+            return rows
         src_row = self.rows[t[:, SRC_RANK], t[:, LAYER], t[:, SRC_SLOT]]
         order = np.lexsort((src_row, t[:, SRC_RANK], t[:, LAYER], t[:, DST_RANK]))
         key = t[order, DST_RANK] * self.num_layers + t[order, LAYER]
@@ -103,5 +89,4 @@ class RowMap:
             n = min(hi - lo, len(free))
             take = order[lo : lo + n]
             rows[rank, layer, t[take, DST_SLOT]] = free[:n]
-            fresh[take] = True
-        return RowPlan(rows, fresh)
+        return rows

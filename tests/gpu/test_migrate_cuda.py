@@ -1,4 +1,4 @@
-"""MigrationExecutor between two GPUs, both transports (skipped without two GPUs):
+"""MigrationExecutor between two GPUs, every transport (skipped without two GPUs):
 NCCL point-to-point, and peers' live weights or outboxes mapped through CUDA IPC and
 read by the copy engines. After prepare + commit every slot holds its new expert's weights bit for bit;
 an aborted plan leaves the live weights untouched. With spare rows the experts land in
@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rebalancer.placement import transfers, trivial_placement
+from worker_hooks.migrate import Transport
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,9 +51,10 @@ def served(weights: dict[str, torch.Tensor], rows: np.ndarray) -> dict[str, torc
 
 
 def _worker(
-    rank: int, init: str, old: np.ndarray, new: np.ndarray, transport: str, out: str, spare: int
+    rank: int, init: str, old: np.ndarray, new: np.ndarray, transport: Transport, out: str,
+    spare: int,
 ) -> None:
-    from worker_hooks.migrate import MigrationExecutor
+    from worker_hooks.migrate import MigrationConfig, MigrationExecutor, transport_class
     from worker_hooks.rows import RowMap
 
     torch.cuda.set_device(rank)
@@ -61,16 +63,14 @@ def _worker(
         "nccl", init_method=init, rank=rank, world_size=G, device_id=dev,
         timeout=datetime.timedelta(seconds=60),
     )
-    group = dist.new_group() if transport == "p2p" else dist.new_group(backend="gloo")
+    group = dist.new_group(backend=transport_class(transport).group_backend(dev))
     weights = live(old, rank, dev, spare)
     rows = RowMap(G, L, S, spare)
     before = served(weights, rows.rows[rank])
     pointers = {k: v.data_ptr() for k, v in weights.items()}
     expert_bytes = 2 * SHAPE[0] * SHAPE[1] * 2
-    ex = MigrationExecutor(
-        rank, G, weights, group, layers_per_chunk=2, transport=transport,
-        outbox_bytes=5 * expert_bytes, row_map=rows,
-    )
+    config = MigrationConfig(transport, layers_per_chunk=2, outbox_bytes=5 * expert_bytes)
+    ex = MigrationExecutor(rank, G, weights, group, config, row_map=rows)
     moves = transfers(old, new, G, 1)
     ex.prepare(1, moves)
     ex.abort(1)
@@ -95,7 +95,7 @@ def _worker(
 @pytest.mark.parametrize(
     ("transport", "spare"), [("p2p", 0), ("outbox", 0), ("ipc", 0), ("p2p", S), ("ipc", S)]
 )
-def test_migration_between_two_gpus_is_exact(transport: str, spare: int) -> None:
+def test_migration_between_two_gpus_is_exact(transport: Transport, spare: int) -> None:
     rng = np.random.default_rng(3)
     old = trivial_placement(L, E, P, G)
     new = np.stack([rng.permutation(old[layer]) for layer in range(L)])

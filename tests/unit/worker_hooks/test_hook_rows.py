@@ -1,5 +1,5 @@
 """RebalanceHook with spare rows: dispatch hands out row ids, the controller still gets
-its counts by slot."""
+its counts by slot. HookConfig refuses bad enumerated values by name."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from rebalancer.placement import trivial_placement
 from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.migrate import IpcTransport
 
 L, E, P, G, SPARE = 2, 4, 8, 2, 2
 S = P // G
@@ -59,3 +60,27 @@ def test_weights_without_the_spare_rows_are_refused() -> None:
             dataclasses.replace(config, spare_rows=-1), phy2log, {"w": torch.zeros(L, S, 1)},
             None, None,
         )
+
+
+def test_bad_hook_settings_are_refused_by_name() -> None:
+    config = HookConfig(
+        controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
+        num_slots=P, num_gpus=G,
+    )
+    with pytest.raises(ValueError, match="transport must be one of p2p, ipc, outbox, got 'rdma'"):
+        dataclasses.replace(config, migrate_transport="rdma")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_gbps"):
+        dataclasses.replace(config, max_migration_gbps=-1.0)
+    with pytest.raises(ValueError, match="rank < num_gpus"):
+        dataclasses.replace(config, rank=G)
+    with pytest.raises(ValueError, match="not a multiple of num_gpus"):
+        dataclasses.replace(config, num_slots=P + 1)
+    phy2log = trivial_placement(L, E, P, G)
+    with pytest.raises(ValueError, match="run on cpu or cuda, got device 'meta'"):
+        RebalanceHook(config, phy2log, {"w": torch.zeros(L, S, 1)}, None, None, device="meta")
+    # The factory picks the transport's class from the config.
+    hook = RebalanceHook(
+        dataclasses.replace(config, migrate_transport="ipc"), phy2log,
+        {"w": torch.zeros(L, S, 1)}, None, None,
+    )
+    assert isinstance(hook.executor.transport, IpcTransport)

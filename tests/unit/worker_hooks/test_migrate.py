@@ -1,7 +1,8 @@
 """MigrationExecutor over real gloo processes, all transports: after prepare + commit
 every slot holds exactly the expert the new placement says; abort leaves weights
 untouched; pacing holds the rate; the shared-memory transports refuse what they cannot
-map on every rank."""
+map on every rank. Each transport class also keeps the contract of the one interface
+the executor sees (`WeightTransport.receive`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rebalancer.placement import transfers, trivial_placement
-from worker_hooks.migrate import MigrationAborted, MigrationExecutor
+from worker_hooks.migrate import (
+    TRANSPORTS,
+    IpcTransport,
+    MigrationAborted,
+    MigrationConfig,
+    MigrationExecutor,
+    OutboxTransport,
+    P2PTransport,
+    PlanMoves,
+    RankWeights,
+    Transport,
+    make_transport,
+    transport_class,
+)
 from worker_hooks.outbox import in_shared_memory, outbox_schedule
 from worker_hooks.rows import RowMap
 
@@ -36,15 +50,17 @@ def weights_for(phy2log: np.ndarray, rank: int) -> dict[str, torch.Tensor]:
 
 
 def weights_of(
-    transport: str, phy2log: np.ndarray, rank: int, out: str, spare: int = 0
+    transport: Transport, phy2log: np.ndarray, rank: int, out: str, spare: int = 0
 ) -> dict[str, torch.Tensor]:
     """The rank's weights plus `spare` free rows per layer; in shared-memory files (in
-    `out`) where "ipc" needs them."""
+    `out`) where the transport maps them ("ipc")."""
     weights = {
         name: torch.cat([w, torch.full((L, spare, 2, 3), -7.0)], dim=1)
         for name, w in weights_for(phy2log, rank).items()
     }
-    return in_shared_memory(weights, f"rank{rank}", out)[0] if transport == "ipc" else weights
+    if transport_class(transport).maps_live_weights:
+        return in_shared_memory(weights, f"rank{rank}", out)[0]
+    return weights
 
 
 def held(weights: dict[str, torch.Tensor], rows: RowMap, rank: int) -> dict[str, torch.Tensor]:
@@ -72,17 +88,17 @@ def _moves() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _worker(
-    rank: int, out: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray, transport: str,
-    spare: int,
+    rank: int, out: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray,
+    transport: Transport, spare: int,
 ) -> None:
     group = join(rank, out)
     weights = weights_of(transport, old, rank, out, spare)
     rows = RowMap(G, L, S, spare)
     # Outboxes of 3 experts: the plan needs several steps through both outboxes.
-    ex = MigrationExecutor(
-        rank, G, weights, group, layers_per_chunk=2, rounds_in_flight=2,
-        transport=transport, outbox_bytes=3 * EXPERT_BYTES, row_map=rows,
+    config = MigrationConfig(
+        transport, layers_per_chunk=2, rounds_in_flight=2, outbox_bytes=3 * EXPERT_BYTES
     )
+    ex = MigrationExecutor(rank, G, weights, group, config, row_map=rows)
     # Plan 1 is aborted after preparing: nothing served may change.
     ex.prepare(1, moves)
     ex.abort(1)
@@ -112,7 +128,9 @@ def _worker(
     ("transport", "spare"),
     [("p2p", 0), ("outbox", 0), ("ipc", 0), ("p2p", 1), ("ipc", 1), ("ipc", S), ("outbox", S)],
 )
-def test_prepare_commit_abort_across_three_ranks(tmp_path: Path, transport: str, spare: int) -> None:
+def test_prepare_commit_abort_across_three_ranks(
+    tmp_path: Path, transport: Transport, spare: int
+) -> None:
     old, new, moves = _moves()
     assert outbox_schedule(moves, 3).steps >= 3  # both outboxes reused
     spawn(_worker, tmp_path, old, new, moves, transport, spare)
@@ -130,10 +148,14 @@ def test_prepare_commit_abort_across_three_ranks(tmp_path: Path, transport: str,
         assert 0 < copied < len(moves) + len(back)
 
 
-def _abort_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, transport: str) -> None:
+def _abort_worker(
+    rank: int, out: str, old: np.ndarray, moves: np.ndarray, transport: Transport
+) -> None:
     group = join(rank, out)
     weights = weights_of(transport, old, rank, out)
-    ex = MigrationExecutor(rank, G, weights, group, transport=transport, outbox_bytes=EXPERT_BYTES)
+    ex = MigrationExecutor(
+        rank, G, weights, group, MigrationConfig(transport, outbox_bytes=EXPERT_BYTES)
+    )
     if rank == 1:  # only one rank hears of the abort: every rank must stop, none hangs
         ex.abort(7)
     outcome = "prepared"
@@ -148,17 +170,19 @@ def _abort_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, trans
 
 
 @pytest.mark.parametrize("transport", ["outbox", "ipc"])
-def test_abort_seen_by_one_rank_stops_all(tmp_path: Path, transport: str) -> None:
+def test_abort_seen_by_one_rank_stops_all(tmp_path: Path, transport: Transport) -> None:
     old, _new, moves = _moves()
     spawn(_abort_worker, tmp_path, old, moves, transport)
     results = [np.load(tmp_path / f"{r}.npy") for r in range(G)]
     assert all(bool(aborted) and bool(unchanged) for aborted, unchanged in results)
 
 
-def _paced_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, gbps: float) -> None:
+def _paced_worker(
+    rank: int, out: str, old: np.ndarray, moves: np.ndarray, transport: Transport, gbps: float
+) -> None:
     group = join(rank, out)
-    ex = MigrationExecutor(rank, G, weights_for(old, rank), group, transport="outbox",
-                           outbox_bytes=2 * EXPERT_BYTES, max_gbps=gbps)
+    config = MigrationConfig(transport, outbox_bytes=2 * EXPERT_BYTES, max_gbps=gbps)
+    ex = MigrationExecutor(rank, G, weights_of(transport, old, rank, out), group, config)
     t0 = time.perf_counter()
     stats = ex.prepare(1, moves)
     ex.close()
@@ -166,16 +190,19 @@ def _paced_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, gbps:
     dist.destroy_process_group()
 
 
-def test_max_gbps_paces_the_transfers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_max_gbps_paces_the_transfers(tmp_path: Path, transport: Transport) -> None:
     old, _new, moves = _moves()
     gbps = 1e-6  # 1 kB/s: the plan's few hundred bytes per rank take a visible time
-    spawn(_paced_worker, tmp_path, old, moves, gbps)
+    spawn(_paced_worker, tmp_path, old, moves, transport, gbps)
     for seconds, received in (np.load(tmp_path / f"{r}.npy") for r in range(G)):
         assert received > 0
         assert seconds >= received / (gbps * 1e9) * 0.95
 
 
-def _refused_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, transport: str, fault: str) -> None:
+def _refused_worker(
+    rank: int, out: str, old: np.ndarray, moves: np.ndarray, transport: Transport, fault: str
+) -> None:
     """Prepare with one rank unfit for a shared-memory transport; write what it raised."""
     import worker_hooks.outbox as outbox
 
@@ -185,7 +212,7 @@ def _refused_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray, tra
         weights = in_shared_memory(weights_for(old, rank), f"rank{rank}", out)[0]
     if fault == "two_hosts" and rank == 1:  # as if rank 1 ran on another machine
         outbox.socket_host = lambda: "elsewhere"  # type: ignore[assignment]
-    ex = MigrationExecutor(rank, G, weights, join(rank, out), transport=transport)
+    ex = MigrationExecutor(rank, G, weights, join(rank, out), MigrationConfig(transport))
     _write_refusal(ex, moves, rank, out)
     dist.destroy_process_group()
 
@@ -208,7 +235,9 @@ def test_ipc_refuses_unshared_cpu_weights_on_every_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("transport", ["ipc", "outbox"])
-def test_shared_transports_refuse_ranks_on_several_hosts(tmp_path: Path, transport: str) -> None:
+def test_shared_transports_refuse_ranks_on_several_hosts(
+    tmp_path: Path, transport: Transport
+) -> None:
     old, _new, moves = _moves()
     spawn(_refused_worker, tmp_path, old, moves, transport, "two_hosts")
     messages = [(tmp_path / f"{r}.txt").read_text() for r in range(G)]
@@ -221,7 +250,7 @@ def _diverged_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray) ->
     if rank == 2:
         rows.rows[0, 0, [0, 1]] = [S, 0]  # it believes rank 0 moved slot 0 to a spare row
     weights = in_shared_memory(weights_of("p2p", old, rank, out, 1), f"rank{rank}", out)[0]
-    ex = MigrationExecutor(rank, G, weights, join(rank, out), transport="ipc", row_map=rows)
+    ex = MigrationExecutor(rank, G, weights, join(rank, out), MigrationConfig("ipc"), row_map=rows)
     _write_refusal(ex, moves, rank, out)
     ex.close()
     dist.destroy_process_group()
@@ -249,9 +278,73 @@ def test_outbox_schedule_covers_every_remote_move_once() -> None:
         outbox_schedule(moves, 0)
 
 
+def _receive_worker(
+    rank: int, out: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray,
+    transport: Transport,
+) -> None:
+    """One plan through `make_transport(...).receive` alone, one spare row per layer (so
+    some experts get a free row and some do not): write what the contract needs."""
+    group = join(rank, out)
+    weights = weights_of(transport, old, rank, out, spare=1)
+    rows = RowMap(G, L, S, 1)
+    ctx = RankWeights(rank, G, weights, group, rows)
+    mover = make_transport(
+        MigrationConfig(transport, layers_per_chunk=2, outbox_bytes=3 * EXPERT_BYTES), ctx
+    )
+    mover.connect()
+    after = rows.plan(moves)
+    got = mover.receive(PlanMoves(1, moves, after, time.perf_counter()))
+    mine = moves[moves[:, 1] == rank]
+    returned = {tuple(row) for row in got.incoming.tolist()}
+    # A returned expert sits at its index in staging; any other went to its free row.
+    staged_ok = all(
+        torch.equal(got.staging["w1"][i], expert_value(int(layer), int(new[layer, rank * S + slot])))
+        and torch.equal(got.staging["w2"][i], -got.staging["w1"][i])
+        for i, (layer, _dst, slot, _src, _src_slot) in enumerate(got.incoming.tolist())
+    )
+    written_ok = all(
+        after[rank, layer, slot] != rows.rows[rank, layer, slot]
+        and torch.equal(
+            weights["w1"][layer, after[rank, layer, slot]],
+            expert_value(int(layer), int(new[layer, rank * S + slot])),
+        )
+        for layer, _dst, slot, _src, _src_slot in mine.tolist()
+        if (layer, _dst, slot, _src, _src_slot) not in returned
+    )
+    remote = int((mine[:, 3] != rank).sum())
+    kind = {"p2p": P2PTransport, "ipc": IpcTransport, "outbox": OutboxTransport}[transport]
+    mover.close()
+    np.save(f"{out}/{rank}.npy", np.array([
+        type(mover) is kind and mover.name == transport,
+        returned <= {tuple(row) for row in mine.tolist()} and len(returned) == len(got.incoming),
+        staged_ok, written_ok, got.bytes_received == remote * EXPERT_BYTES,
+        len(mine) - len(returned),
+    ]))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_each_transport_keeps_the_receive_contract(tmp_path: Path, transport: Transport) -> None:
+    old, new, moves = _moves()
+    spawn(_receive_worker, tmp_path, old, new, moves, transport)
+    results = [np.load(tmp_path / f"{r}.npy") for r in range(G)]
+    for right_class, subset, staged_ok, written_ok, bytes_ok, _written in results:
+        assert right_class and subset and staged_ok and written_ok and bytes_ok
+    written = sum(int(r[5]) for r in results)
+    # ipc reads straight into the free rows; the others leave that to the executor.
+    assert written > 0 if transport == "ipc" else written == 0
+
+
 def test_bad_transport_settings_are_refused() -> None:
-    weights = weights_for(trivial_placement(L, E, P, G), 0)
-    with pytest.raises(ValueError, match="transport must be one of"):
-        MigrationExecutor(0, G, weights, None, transport="rdma")
+    with pytest.raises(ValueError, match="transport must be one of p2p, ipc, outbox, got 'rdma'"):
+        MigrationConfig(transport="rdma")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_gbps"):
-        MigrationExecutor(0, G, weights, None, max_gbps=-1.0)
+        MigrationConfig(max_gbps=-1.0)
+    with pytest.raises(ValueError, match="max_gbps"):
+        MigrationConfig(max_gbps=float("nan"))
+    for name in ("layers_per_chunk", "rounds_in_flight", "outbox_bytes", "copy_streams"):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+            MigrationConfig(**{name: 0})  # type: ignore[arg-type]
+    weights = weights_for(trivial_placement(L, E, P, G), 0)
+    ex = MigrationExecutor(0, G, weights, None)
+    assert isinstance(ex.transport, P2PTransport)  # the default

@@ -4,16 +4,22 @@ moved slot ends up holding exactly the source slot's weights, local moves includ
 from __future__ import annotations
 
 import os
+import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.p2p_exchange import commit_staged, packed_exchange
-from rebalancer.demo import free_port
+from bench.p2p_exchange import packed_exchange
 
 LAYERS, SLOTS = 3, 5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _plan() -> np.ndarray:
@@ -49,7 +55,8 @@ def _worker(rank: int, port: int, result: dict) -> None:  # type: ignore[type-ar
     weights = _weights(rank)
     plan = _plan()
     staged = packed_exchange(rank, 2, weights, plan, dist.group.WORLD, chunk_experts=2)
-    commit_staged(weights, staged)
+    for k, w in weights.items():  # commit: staged rows into their flat rows, in place
+        w.view(LAYERS * SLOTS, *w.shape[2:]).index_copy_(0, staged.dst_rows, staged.tensors[k])
     origin = [_weights(r) for r in range(2)]
     wrong = 0
     for layer, dst, dst_slot, src, src_slot in plan:
