@@ -56,10 +56,26 @@ class Case:
     predictable: bool
 
 
+def _case(name: str, trace: Trace, config: SimConfig, predictable: bool) -> Case:
+    """A case whose adaptive policy has the timing derived for the trace's windows (what
+    `rebalancer simulate` runs by default; PolicyConfig's defaults are for ~1 s windows)."""
+    policy = config.policy.for_windows(config.shape(trace), trace.window_seconds)
+    return Case(name, trace, dataclasses.replace(config, policy=policy), predictable)
+
+
+# Fast drift (opt-in: `--traces ...,fast`): one-second windows, workload phases of 2-6
+# windows and mixes that turn over in ~12, the case the derived minimum interval is for.
+FAST: dict[str, dict[str, Any]] = {
+    "phase": {"phase_min_windows": 2, "phase_max_windows": 6},
+    "mix": {"mix_period_windows": 12.0},
+    "burst": {},
+}
+
+
 def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> list[Case]:
     cases: list[Case] = []
     policy = PolicyConfig()
-    if which & {"phase", "mix", "burst"}:
+    if which & {"phase", "mix", "burst", "fast"}:
         sources = deepseek_v3_sources()
         ds = SimConfig(num_gpus=32, num_slots=288, num_nodes=4, policy=policy)
         for kind, seed in (("phase", 11), ("mix", 12), ("burst", 13)):
@@ -71,7 +87,19 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
                     kind=kind, windows=windows, tokens_per_window=tok, seed=seed + seed_offset
                 )
                 trace = make_trace(sources, cfg, name=f"deepseek-v3-{kind}{suffix}")
-                cases.append(Case(trace.name, trace, ds, predictable=kind != "burst"))
+                cases.append(_case(trace.name, trace, ds, predictable=kind != "burst"))
+        if "fast" in which:
+            for kind, seed in (("phase", 11), ("mix", 12), ("burst", 13)):
+                cfg = TraceGenConfig(
+                    kind=kind,
+                    windows=windows,
+                    tokens_per_window=tokens,
+                    window_seconds=1.0,
+                    seed=seed + seed_offset,
+                    **FAST[kind],
+                )
+                trace = make_trace(sources, cfg, name=f"deepseek-v3-{kind}-1s")
+                cases.append(_case(trace.name, trace, ds, predictable=kind != "burst"))
     if which & {"mixtral8", "mixtral16"}:
         trace = load_trace(mixtral_gsm8k_file(), tokens_per_window=16)
         trace.name = "mixtral-gsm8k"
@@ -80,7 +108,7 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
             if f"mixtral{slots}" not in which:
                 continue
             mixtral = SimConfig(num_gpus=8, num_slots=slots, cost=cost, policy=policy)
-            cases.append(Case(f"mixtral-gsm8k-P{slots}", trace, mixtral, predictable=True))
+            cases.append(_case(f"mixtral-gsm8k-P{slots}", trace, mixtral, predictable=True))
     return cases
 
 
@@ -186,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=240, help="windows per DeepSeek trace")
     parser.add_argument("--tokens-per-window", type=int, default=65536)
     parser.add_argument(
-        "--traces", default="phase,mix,burst,mixtral8,mixtral16", help="comma list of cases"
+        "--traces",
+        default="phase,mix,burst,mixtral8,mixtral16",
+        help="comma list of cases (also: fast, the 1 s-window traces)",
     )
     parser.add_argument(
         "--seed-offset",

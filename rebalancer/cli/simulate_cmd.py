@@ -34,15 +34,43 @@ directory of dumps),
 """
 
 
-def _key_values(items: list[str], target: Any, what: str) -> Any:
-    """Apply KEY=VALUE overrides to a dataclass, parsing values as JSON when possible."""
+# --cost keys that name a migration-cost parameter (rebalancer.controller.cost.CostParams):
+# they are the adaptive policy's fields, so the gate decides with what the simulator
+# charges. KEY -> PolicyConfig field.
+POLICY_COST_KEYS = {
+    "step_seconds": "step_seconds",
+    "intra_node_gbps": "intra_node_gbps",
+    "inter_node_gbps": "link_bandwidth_gbps",
+    "overlap_penalty": "overlap_penalty",
+    "commit_gbps": "commit_gbps",
+    "swap_seconds": "swap_seconds",
+}
+
+# The policy fields `--timing` derives.
+TIMING_KEYS = ("min_interval_seconds", "decision_period_seconds")
+
+
+def _key_values(
+    items: list[str],
+    target: Any,
+    what: str,
+    aliases: dict[str, str] | None = None,
+    also: tuple[str, ...] = (),
+) -> Any:
+    """Apply KEY=VALUE overrides to a dataclass, parsing values as JSON when possible.
+
+    `aliases` maps further accepted keys to field names; `also` names keys the caller
+    accepts elsewhere (for the error message)."""
     known = {f.name: f for f in dataclasses.fields(target)}
+    aliases = aliases or {}
     changes: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
+        key = aliases.get(key, key)
         if not sep or key not in known:
+            names = [*known, *(a for a in (*aliases, *also) if a not in known)]
             raise InputError(
-                f"{what}: expected KEY=VALUE with KEY in {', '.join(known)}, got {item!r}"
+                f"{what}: expected KEY=VALUE with KEY in {', '.join(names)}, got {item!r}"
             )
         try:
             value = json.loads(raw)
@@ -96,11 +124,29 @@ def register(subparsers: Any) -> None:
         help="adaptive policy field (repeatable)",
     )
     p.add_argument(
+        "--timing",
+        choices=("trace", "defaults"),
+        default="trace",
+        help=(
+            "adaptive min_interval_seconds and decision_period_seconds: derived for the "
+            "trace's window length and the simulated deployment (trace, default; "
+            "PolicyConfig.for_windows), or PolicyConfig's defaults, derived for ~1 s windows "
+            "of DeepSeek-V3 at EP32 (defaults); --set overrides either"
+        ),
+    )
+    p.add_argument(
         "--cost",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="cost model field (repeatable)",
+        help=(
+            "cost model field (repeatable): the serving clock's (moe_fraction, "
+            "seconds_per_token, fixed_seconds_per_layer, expert_bytes, plan_overhead_seconds, "
+            "periodic_stall_seconds) or a migration-cost parameter (step_seconds, "
+            "intra_node_gbps, inter_node_gbps, overlap_penalty, commit_gbps, swap_seconds), "
+            "which sets the adaptive policy's field of that name (inter_node_gbps: "
+            "link_bandwidth_gbps) so the gate and the simulator agree"
+        ),
     )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw balancedness over time")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
@@ -120,7 +166,15 @@ def _table(results: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from rebalancer.controller.decide import PolicyConfig
-    from rebalancer.sim import POLICIES, CostModel, PeriodicConfig, SimConfig, load_trace, simulate
+    from rebalancer.sim import (
+        FIT_ALGORITHMS,
+        POLICIES,
+        CostModel,
+        PeriodicConfig,
+        SimConfig,
+        load_trace,
+        simulate,
+    )
 
     if args.policy == "all":
         policies = list(POLICIES)
@@ -140,16 +194,20 @@ def run(args: argparse.Namespace) -> int:
     cost = CostModel()
     if args.expert_bytes is not None:
         cost = dataclasses.replace(cost, expert_bytes=args.expert_bytes)
-    cost = _key_values(args.cost, cost, "--cost")
+    serving = [i for i in args.cost if i.partition("=")[0] not in POLICY_COST_KEYS]
+    migration = [i for i in args.cost if i.partition("=")[0] in POLICY_COST_KEYS]
+    cost = _key_values(serving, cost, "--cost", also=tuple(POLICY_COST_KEYS))
     policy = _key_values(args.set, PolicyConfig(), "--set")
+    policy = _key_values(migration, policy, "--cost", POLICY_COST_KEYS)
     periodic = PeriodicConfig()
     if args.period_steps is not None:
         periodic = dataclasses.replace(periodic, period_steps=args.period_steps)
     if args.periodic_algorithm is not None:
-        from rebalancer.placement import ALGORITHMS
-
-        if args.periodic_algorithm not in ALGORITHMS or args.periodic_algorithm == "migration":
-            raise InputError("--periodic-algorithm must be greedy, balanced or auto")
+        if args.periodic_algorithm not in FIT_ALGORITHMS:
+            raise InputError(
+                f"--periodic-algorithm must be one of {', '.join(FIT_ALGORITHMS)}, "
+                f"got {args.periodic_algorithm!r}"
+            )
         periodic = dataclasses.replace(periodic, algorithm=args.periodic_algorithm)
     config = SimConfig(
         num_gpus=args.gpus,
@@ -161,6 +219,11 @@ def run(args: argparse.Namespace) -> int:
         periodic=periodic,
         start=args.start,
     )
+    if args.timing == "trace":
+        derived = policy.for_windows(config.shape(trace), trace.window_seconds)
+        given = {item.partition("=")[0] for item in args.set} & set(TIMING_KEYS)
+        policy = dataclasses.replace(derived, **{k: getattr(policy, k) for k in given})
+        config = dataclasses.replace(config, policy=policy)
     results = simulate(trace, config, policies)
     if args.plot:
         from rebalancer.sim.plot import plot_balancedness
@@ -172,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"trace {trace.name}: {trace.num_windows} windows x {trace.num_layers} layers x "
             f"{trace.num_experts} experts, {trace.window_seconds:g} s per window; "
-            f"G={args.gpus} P={args.slots} N={args.nodes}"
+            f"G={args.gpus} P={args.slots} N={args.nodes}; adaptive timing ({args.timing}): "
+            + ", ".join(f"{k}={getattr(config.policy, k):g}" for k in TIMING_KEYS)
         )
         print(_table(results))
     if len(policies) == 1 and args.policy != "all":

@@ -11,85 +11,104 @@ filled whatever the outcome, so an operator can ask why it did or did not rebala
 It is a pure function of its arguments (time included), so the live controller and the
 simulator's virtual clock take the same decisions on the same input.
 
-Cost model of the gate (documented in docs/simulator.md as well):
-- Step time at perfect balance is `step_seconds`; with the load-weighted imbalance
-  ratio r = sum over layers of max GPU load / sum of mean GPU load, a step takes
-  `step_seconds * r`. Over `horizon_seconds` there are horizon/step_seconds steps, so the
-  candidate saves `horizon_seconds * (r_current - r_candidate)` seconds.
-- Weights move in the background beside serving. The busiest receiving rank needs
-  `bytes_in / link_bandwidth` seconds; while transfers run, serving runs slower by the
-  fraction `overlap_penalty` (transfers share SMs, HBM and the links with the all-to-all),
-  then all ranks pause between two graph replays to copy the staged experts into their
-  slots (busiest rank's bytes / `commit_gbps`) and swap their maps (`swap_seconds`). The
-  cost is `transfer_seconds * overlap_penalty + commit pause + swap_seconds`.
+The numbers come from the one migration-cost model, rebalancer/controller/cost.py (the
+simulator charges plans with the same functions): the candidate saves
+`gain_seconds(horizon_seconds, r_current, r_candidate)`, with r the load-weighted
+imbalance ratio (sum over layers of max GPU load / sum of mean GPU load: step time over
+step time at perfect balance), and its transfer list costs `plan_cost(...).seconds` =
+busiest receiver's transfer time (intra- and inter-node bandwidths) x overlap_penalty +
+commit pause + map swap. PolicyConfig's cost fields and timing defaults come from that
+module too (`DEFAULT_COST`, `derived_timing`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
+from rebalancer.controller.cost import (
+    DEEPSEEK_V3_EXPERT_BYTES,
+    DEFAULT_COST,
+    CostParams,
+    Deployment,
+    derived_timing,
+    gain_seconds,
+    imbalance_ratio,
+    plan_cost,
+)
 from rebalancer.errors import InputError
 from rebalancer.placement import (
     balancedness,
     compute_placement,
-    gpu_load,
     lower_bound_balancedness,
     transfers,
 )
 from rebalancer.wire.layout import check_layout
 
-# DeepSeek-V3 routed expert in FP8: gate, up (7168 x 2048 each) and down (2048 x 7168).
-DEEPSEEK_V3_EXPERT_BYTES = 3 * 7168 * 2048
+__all__ = [
+    "DEEPSEEK_V3_EXPERT_BYTES",
+    "ClusterShape",
+    "Decision",
+    "PolicyConfig",
+    "decide",
+    "sampling_noise",
+]
 
-OUTCOMES = (
-    "rebalance",
-    "forced",
-    "dry_run",
-    "skip_paused",
-    "skip_min_interval",
-    "skip_min_windows",
-    "skip_gain",
-    "skip_no_load",
-)
 TAKEN = ("rebalance", "forced")
+
+# Defaults the timing defaults are derived from (rebalancer/controller/cost.py).
+_DECAY = 0.3
+_GAIN_THRESHOLD = 0.02
+_MAX_MOVED_FRACTION = 0.25
+_TIMING = derived_timing(_DECAY, _GAIN_THRESHOLD, _MAX_MOVED_FRACTION)
 
 
 @dataclass
 class PolicyConfig:
-    """When to rebalance; mirrors the proto message rebalancer.v1.Policy (plus a few knobs)."""
+    """When to rebalance; mirrors the proto message rebalancer.v1.Policy (plus a few knobs).
 
-    # No two rebalances closer than this (seconds of the controller's clock).
-    min_interval_seconds: float = 10.0
+    Every field but `paused` (set by pause/resume) and `intra_node_gbps` (not on the v1
+    wire yet) is a field of the Policy message. The cost fields (`step_seconds`,
+    `link_bandwidth_gbps`, `intra_node_gbps`, `overlap_penalty`, `commit_gbps`,
+    `swap_seconds`) are the deployment's `CostParams` (`cost_params()`), with the cost
+    model's defaults; `min_interval_seconds` and `decision_period_seconds` default to what
+    the cost model derives from them (rebalancer/controller/cost.py, `derived_timing`).
+    """
+
+    # No two rebalances closer than this (seconds of the controller's clock). Default:
+    # the time the smallest accepted gain needs to repay the largest plan, at least one
+    # window plus the estimate's half-life (2.2 s for ~1 s windows; `for_windows`).
+    min_interval_seconds: float = _TIMING.min_interval_seconds
     # Hysteresis: minimum predicted balancedness gain (candidate - current, layer mean).
-    gain_threshold: float = 0.02
+    gain_threshold: float = _GAIN_THRESHOLD
     # The predicted step-time saving is credited over this horizon.
     horizon_seconds: float = 300.0
     # Migration budget per plan: at most this fraction of the slots change.
-    max_moved_fraction: float = 0.25
+    max_moved_fraction: float = _MAX_MOVED_FRACTION
     # Load estimate: weight of the old estimate per window (see EstimatorConfig.decay).
-    decay: float = 0.3
+    decay: float = _DECAY
     # Windows folded into the estimate before the first decision.
     min_windows: int = 2
-    # How often the controller runs a decision.
-    decision_period_seconds: float = 5.0
+    # How often the controller runs a decision (it decides only on a folded window).
+    # Default: the estimate's half-life, at least one window (1.0 s for ~1 s windows).
+    decision_period_seconds: float = _TIMING.decision_period_seconds
     # A rank that has not prepared within this time aborts the plan.
     prepare_timeout_seconds: float = 30.0
-    # GB/s one rank can receive expert weights at (migration cost).
-    link_bandwidth_gbps: float = 50.0
-    # Serving step time at perfect balance (gain in seconds).
-    step_seconds: float = 0.05
+    # GB/s one rank receives expert weights at from another node (CostParams.inter_node_gbps).
+    link_bandwidth_gbps: float = DEFAULT_COST.inter_node_gbps
+    # Serving step time at perfect balance (CostParams.step_seconds).
+    step_seconds: float = DEFAULT_COST.step_seconds
     # No policy rebalances while paused (forced ones still run).
     paused: bool = False
     # Fraction of serving throughput lost while weight transfers run beside serving.
-    overlap_penalty: float = 0.15
+    overlap_penalty: float = DEFAULT_COST.overlap_penalty
     # The stall a plan causes at commit: staged experts copied into their live slots at
-    # `commit_gbps` (GB/s, H200: ~700), then the map swap between two graph replays.
-    commit_gbps: float = 700.0
-    swap_seconds: float = 0.0005
+    # `commit_gbps` (GB/s), then the map swap between two graph replays.
+    commit_gbps: float = DEFAULT_COST.commit_gbps
+    swap_seconds: float = DEFAULT_COST.swap_seconds
     # > 0: the estimate is the mean of the last `estimate_window` windows instead of decay.
     estimate_window: int = 0
     # Sampling-noise margin added to the hysteresis, in standard errors of a GPU's load:
@@ -101,6 +120,51 @@ class PolicyConfig:
     shrink: bool = True
     # Weight of the old long-run prior per window (EstimatorConfig.prior_decay).
     prior_decay: float = 0.99
+    # GB/s one rank receives expert weights at from a rank of its own node
+    # (CostParams.intra_node_gbps). Not in the v1 Policy message: TOML and `simulate --set`.
+    intra_node_gbps: float = DEFAULT_COST.intra_node_gbps
+
+    def cost_params(self) -> CostParams:
+        """The migration-cost parameters this policy charges plans with."""
+        return CostParams(
+            step_seconds=self.step_seconds,
+            intra_node_gbps=self.intra_node_gbps,
+            inter_node_gbps=self.link_bandwidth_gbps,
+            overlap_penalty=self.overlap_penalty,
+            commit_gbps=self.commit_gbps,
+            swap_seconds=self.swap_seconds,
+        )
+
+    def for_windows(self, shape: ClusterShape, window_seconds: float) -> PolicyConfig:
+        """A copy with `min_interval_seconds` and `decision_period_seconds` derived for
+        this deployment and window length (`cost.derived_timing`) from this policy's
+        decay (or estimate_window), gain_threshold, max_moved_fraction and cost parameters. The defaults are
+        this for `cost.REFERENCE`: DeepSeek-V3 at EP32 on 4 nodes, ~1 s windows."""
+        self.validate()
+        shape.validate()
+        if not (math.isfinite(window_seconds) and window_seconds > 0):
+            raise InputError(f"window_seconds must be > 0, got {window_seconds}")
+        deployment = Deployment(
+            num_layers=shape.num_layers,
+            num_slots=shape.num_slots,
+            num_gpus=shape.num_gpus,
+            num_nodes=shape.num_nodes,
+            expert_bytes=shape.expert_bytes,
+            window_seconds=window_seconds,
+        )
+        timing = derived_timing(
+            self.decay,
+            self.gain_threshold,
+            self.max_moved_fraction,
+            self.cost_params(),
+            deployment,
+            self.estimate_window,
+        )
+        return replace(
+            self,
+            min_interval_seconds=timing.min_interval_seconds,
+            decision_period_seconds=timing.decision_period_seconds,
+        )
 
     def validate(self) -> None:
         """Raise InputError naming the first field that is out of range."""
@@ -124,6 +188,7 @@ class PolicyConfig:
         number("decision_period_seconds", 0.0, inf, lo_open=True)
         number("prepare_timeout_seconds", 0.0, inf, lo_open=True)
         number("link_bandwidth_gbps", 0.0, inf, lo_open=True)
+        number("intra_node_gbps", 0.0, inf, lo_open=True)
         number("step_seconds", 0.0, inf, lo_open=True)
         number("overlap_penalty", 0.0, 1.0)
         number("swap_seconds", 0.0, inf)
@@ -210,14 +275,6 @@ class Decision:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "candidate"}
         out["take"] = self.take
         return out
-
-
-def _load_weighted_imbalance(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> float:
-    """Sum over layers of max GPU load / sum of mean GPU load (>= 1; step time / ideal)."""
-    per_gpu = gpu_load(phy2log, load, num_gpus)
-    total_max = float(per_gpu.max(axis=1).sum())
-    total_mean = float(per_gpu.mean(axis=1).sum())
-    return total_max / total_mean if total_mean > 0 else 1.0
 
 
 def sampling_noise(
@@ -312,26 +369,12 @@ def decide(
     moves = np.asarray(transfers(current, candidate, G, shape.num_nodes))
     slots_moved = int(moves.shape[0])
     moved_fraction = slots_moved / float(current.size)
-    remote = moves[moves[:, 1] != moves[:, 3]] if slots_moved else moves
-    bytes_to_move = int(remote.shape[0]) * int(shape.expert_bytes)
-    # Every rank receives in parallel: the busiest receiver sets the transfer time.
-    per_rank_in = np.bincount(remote[:, 1], minlength=G) if remote.shape[0] else np.zeros(G)
-    transfer_seconds = (
-        float(per_rank_in.max()) * shape.expert_bytes / (policy.link_bandwidth_gbps * 1e9)
-    )
-    per_rank_all = np.bincount(moves[:, 1], minlength=G) if slots_moved else np.zeros(G)
-    commit_seconds = (
-        float(per_rank_all.max()) * shape.expert_bytes / (policy.commit_gbps * 1e9)
-        + policy.swap_seconds
-        if slots_moved
-        else 0.0
-    )
-    migration_cost = transfer_seconds * policy.overlap_penalty + commit_seconds
+    cost = plan_cost(moves, G, shape.num_nodes, shape.expert_bytes, policy.cost_params())
+    migration_cost = cost.seconds
 
-    r_current = _load_weighted_imbalance(current, estimate, G)
-    r_candidate = _load_weighted_imbalance(candidate, estimate, G)
-    steps_in_horizon = policy.horizon_seconds / policy.step_seconds
-    gain = steps_in_horizon * policy.step_seconds * (r_current - r_candidate)
+    r_current = imbalance_ratio(current, estimate, G)
+    r_candidate = imbalance_ratio(candidate, estimate, G)
+    gain = gain_seconds(policy.horizon_seconds, r_current, r_candidate)
     delta_b = b_candidate - b_current
     n_eff = windows if effective_windows is None else effective_windows
     noise_margin = policy.noise_z * sampling_noise(estimate, G, n_eff) if policy.noise_z else 0.0
@@ -383,11 +426,11 @@ def decide(
         bound_balancedness=bound,
         moved_fraction=moved_fraction,
         slots_moved=slots_moved,
-        bytes_to_move=bytes_to_move,
+        bytes_to_move=cost.bytes_between_gpus,
         predicted_gain_seconds=gain,
         migration_cost_seconds=migration_cost,
         candidate=candidate if outcome in ("rebalance", "forced", "dry_run") else None,
-        transfer_seconds=transfer_seconds,
+        transfer_seconds=cost.transfer_seconds,
         gate=gate,
         noise_margin=noise_margin if math.isfinite(noise_margin) else 1.0,
     )

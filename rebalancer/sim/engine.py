@@ -1,7 +1,9 @@
 """Replay a trace through each placement policy and account what it buys and costs.
 
-Every policy serves the same windows under the same cost model (rebalancer.sim.cost);
-each keeps its own virtual clock, which advances by the serving time of each window
+Every policy serves the same windows under the same cost model: the serving clock of
+rebalancer.sim.cost and, for every weight move, the controller's migration-cost model
+(rebalancer.controller.cost, on the adaptive policy's `PolicyConfig.cost_params()`, the
+parameters its gate decides with); each keeps its own virtual clock, which advances by the serving time of each window
 plus its stalls, so decisions see the time they would see in production:
 - `none`: the trivial contiguous placement, never changed;
 - `static`: fitted once (DeepSeek greedy) on the first windows, then frozen, like an
@@ -32,27 +34,37 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from rebalancer.controller import coordinate
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
-from rebalancer.controller.policy_loop import PolicyLoop
-from rebalancer.errors import InputError
-from rebalancer.placement import compute_placement, gpu_load, transfers, trivial_placement
-from rebalancer.sim.cost import (
-    CostModel,
-    WindowClock,
-    commit_pause_seconds,
+from rebalancer.controller.cost import (
+    CostParams,
+    bytes_between_gpus,
+    peak_load,
+    plan_cost,
     rank_receive_seconds,
     transfer_seconds,
 )
+from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.policy_loop import PolicyLoop
+from rebalancer.errors import InputError
+from rebalancer.placement import compute_placement, transfers, trivial_placement
+from rebalancer.sim.cost import CostModel, WindowClock
 from rebalancer.sim.trace import Trace
 
-POLICIES = ("none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight")
-STARTS = ("trivial", "static")
+PolicyName = Literal["none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight"]
+POLICIES: tuple[PolicyName, ...] = get_args(PolicyName)
+# Where the changing policies start: the trivial placement or the static fit.
+Start = Literal["trivial", "static"]
+STARTS: tuple[Start, ...] = get_args(Start)
+# From-scratch algorithms of the static, periodic and reference fits
+# (rebalancer.placement.ALGORITHMS without the migration-aware and reference ones).
+FitAlgorithm = Literal["greedy", "balanced", "auto"]
+FIT_ALGORITHMS: tuple[FitAlgorithm, ...] = get_args(FitAlgorithm)
 
 
 @dataclass(frozen=True)
@@ -64,7 +76,7 @@ class PeriodicConfig:
     # Steps of counts the refit uses (SGLang's recorder buffer, vLLM's window_size: 1000).
     fit_steps: int = 1000
     # DeepSeek's greedy, what both engines run.
-    algorithm: str = "greedy"
+    algorithm: FitAlgorithm = "greedy"
 
 
 @dataclass(frozen=True)
@@ -73,14 +85,20 @@ class SimConfig:
     num_slots: int
     num_nodes: int = 1
     num_groups: int = 0
+    # The serving clock and the engines' stall; the migration parameters are the policy's.
     cost: CostModel = field(default_factory=CostModel)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     periodic: PeriodicConfig = field(default_factory=PeriodicConfig)
-    # Algorithm of the from-scratch references (follow, oracle).
-    reference_algorithm: str = "auto"
+    # Algorithm of the from-scratch references (follow, oracle, hindsight).
+    reference_algorithm: FitAlgorithm = "auto"
     # Where periodic, adaptive, follow and oracle start (STARTS): the trivial placement
     # an engine loads, or the static fit (an engine given a recorded distribution).
-    start: str = "trivial"
+    start: Start = "trivial"
+
+    @property
+    def params(self) -> CostParams:
+        """What moving weights costs: the adaptive policy's cost parameters, for every policy."""
+        return self.policy.cost_params()
 
     def shape(self, trace: Trace) -> ClusterShape:
         return ClusterShape(
@@ -95,7 +113,7 @@ class SimConfig:
 
     def windows_for_steps(self, steps: int, trace: Trace) -> int:
         """How many trace windows hold `steps` serving steps (at least one)."""
-        steps_per_window = trace.window_seconds / self.cost.step_seconds
+        steps_per_window = trace.window_seconds / self.policy.step_seconds
         return max(1, int(round(steps / steps_per_window)))
 
 
@@ -163,7 +181,7 @@ class _Ledger:
 
     def max_load(self, w: int, phy2log: np.ndarray) -> float:
         """Sum over layers of the busiest GPU's load of window w under a placement."""
-        return float(gpu_load(phy2log, self.trace.counts[w], self.num_gpus).max(axis=1).sum())
+        return peak_load(phy2log, self.trace.counts[w], self.num_gpus)
 
     def served(self, w: int, max_load: float, seconds: float) -> None:
         mean = float(self.mean_load[w].sum())
@@ -210,6 +228,7 @@ class Simulator:
     def __init__(self, trace: Trace, config: SimConfig) -> None:
         config.cost.validate()
         config.policy.validate()
+        self.params = config.params
         self.trace = trace
         self.config = config
         self.shape = config.shape(trace)
@@ -220,8 +239,16 @@ class Simulator:
             raise InputError(
                 f"unknown start {config.start!r}; expected one of {', '.join(STARTS)}"
             )
+        for what, algorithm in (
+            ("periodic algorithm", config.periodic.algorithm),
+            ("reference_algorithm", config.reference_algorithm),
+        ):
+            if algorithm not in FIT_ALGORITHMS:
+                raise InputError(
+                    f"unknown {what} {algorithm!r}; expected one of {', '.join(FIT_ALGORITHMS)}"
+                )
         self.clock = WindowClock.calibrate(
-            config.cost, trace.counts, trace.window_seconds, config.num_gpus
+            config.cost, self.params, trace.counts, trace.window_seconds, config.num_gpus
         )
         self.period_windows = config.windows_for_steps(config.periodic.period_steps, trace)
         self.fit_windows = config.windows_for_steps(config.periodic.fit_steps, trace)
@@ -261,16 +288,16 @@ class Simulator:
         return self.trivial() if self.config.start == "trivial" else self.static_placement()
 
     def _move(self, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, float, int]:
-        rows = np.asarray(transfers(old, new, self.config.num_gpus, self.config.num_nodes))
-        seconds, nbytes = transfer_seconds(
-            rows, self.config.num_gpus, self.config.num_nodes, self.config.cost
-        )
-        return rows, seconds, nbytes
+        """Transfer list from `old` to `new`, its transfer seconds and bytes between GPUs."""
+        c = self.config
+        rows = np.asarray(transfers(old, new, c.num_gpus, c.num_nodes))
+        seconds = transfer_seconds(rows, c.num_gpus, c.num_nodes, c.cost.expert_bytes, self.params)
+        return rows, seconds, bytes_between_gpus(rows, c.cost.expert_bytes)
 
     # -- policies --------------------------------------------------------------------
 
     def run(self, policy: str) -> PolicyResult:
-        runners = {
+        runners: dict[str, Callable[[], PolicyResult]] = {
             "none": self._frozen_none,
             "static": self._frozen_static,
             "periodic": self._periodic,
@@ -345,8 +372,10 @@ class Simulator:
         """A plan as the controller's coordinator holds it, with simulated rank timings."""
         c = self.config
         rows = np.asarray(transfers(current, candidate, c.num_gpus, c.num_nodes))
-        per_rank = rank_receive_seconds(rows, c.num_gpus, c.num_nodes, c.cost)
-        _, nbytes = transfer_seconds(rows, c.num_gpus, c.num_nodes, c.cost)
+        per_rank = rank_receive_seconds(
+            rows, c.num_gpus, c.num_nodes, c.cost.expert_bytes, self.params
+        )
+        cost = plan_cost(rows, c.num_gpus, c.num_nodes, c.cost.expert_bytes, self.params)
         half_trip = c.cost.plan_overhead_seconds / 2.0
         plan = coordinate.Plan(
             version=version,
@@ -358,7 +387,7 @@ class Simulator:
             created=now,
             deadline=now + c.policy.prepare_timeout_seconds,
             slots_moved=int(rows.shape[0]),
-            bytes_moved=nbytes,
+            bytes_moved=cost.bytes_between_gpus,
             started_at=now,
         )
         # Prepare reaches every rank half a round trip after the decision; each rank reports
@@ -366,7 +395,8 @@ class Simulator:
         prepared_at = now + half_trip + per_rank
         last = float(prepared_at.max())
         ends_at = last + half_trip if last <= plan.deadline else plan.deadline
-        return _InFlight(plan, prepared_at, ends_at, commit_pause_seconds(rows, c.num_gpus, c.cost))
+        pause = cost.commit_pause_seconds + cost.swap_seconds
+        return _InFlight(plan, prepared_at, ends_at, pause)
 
     @staticmethod
     def _finish_plan(flight: _InFlight) -> bool:
@@ -385,7 +415,7 @@ class Simulator:
         return done.finished
 
     def _adaptive(self) -> PolicyResult:
-        cost = self.config.cost
+        penalty = self.params.overlap_penalty
         ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
         loop = PolicyLoop(self.shape, self.config.policy)
         current = self.start_placement()
@@ -403,7 +433,7 @@ class Simulator:
                 now += t_old
             else:
                 remaining = max(0.0, flight.ends_at - now)
-                slowed = t_old * (1.0 + cost.overlap_penalty)
+                slowed = t_old * (1.0 + penalty)
                 if remaining >= slowed:  # the whole window is served beside the transfers
                     ledger.served(w, m_old, slowed)
                     ledger.overlap += slowed - t_old
@@ -414,7 +444,7 @@ class Simulator:
                     if committed:  # swap, then serve the rest on the new maps
                         new = flight.plan.phy2log
                         m_new = ledger.max_load(w, new)
-                        swap = cost.swap_seconds + flight.commit_pause
+                        swap = flight.pause
                         current, version = new, flight.plan.version
                     else:  # aborted: staging dropped, the old maps keep serving
                         m_new, swap = m_old, 0.0
@@ -456,11 +486,11 @@ class _InFlight:
     plan: coordinate.Plan
     prepared_at: np.ndarray  # [G] virtual seconds at which each rank reports PREPARED
     ends_at: float  # commit (every rank swaps) or abort at the prepare deadline
-    commit_pause: float  # staged weights into live slots + map swap, between two replays
+    pause: float  # staged weights into live slots + map swap, between two replays
 
 
 def simulate(
-    trace: Trace, config: SimConfig, policies: list[str] | tuple[str, ...]
+    trace: Trace, config: SimConfig, policies: Sequence[str]
 ) -> dict[str, PolicyResult]:
     """Run the named policies over one trace; results keyed by policy name."""
     for name in policies:

@@ -139,8 +139,14 @@ def test_gain_below_threshold() -> None:
 
 
 def test_gain_does_not_beat_cost() -> None:
-    # A very slow link makes moving weights cost more than the horizon's gain.
-    d = _decide(_policy(link_bandwidth_gbps=1e-6, overlap_penalty=1.0))
+    # Very slow links make moving weights cost more than the horizon's gain (SHAPE is
+    # one node: its transfers run at intra_node_gbps; link_bandwidth_gbps is across nodes).
+    d = _decide(_policy(intra_node_gbps=1e-6, overlap_penalty=1.0))
+    assert d.outcome == "skip_gain" and "cost" in d.reason
+    assert d.migration_cost_seconds >= d.predicted_gain_seconds
+    assert _decide(_policy(link_bandwidth_gbps=1e-6, overlap_penalty=1.0)).take
+    two_nodes = dataclasses.replace(SHAPE, num_nodes=2)
+    d = _decide(_policy(link_bandwidth_gbps=1e-6, overlap_penalty=1.0), shape=two_nodes)
     assert d.outcome == "skip_gain" and "cost" in d.reason
     assert d.migration_cost_seconds >= d.predicted_gain_seconds
 
@@ -174,6 +180,7 @@ def test_dry_run_computes_but_takes_nothing() -> None:
         {"min_windows": -1},
         {"horizon_seconds": float("nan")},
         {"link_bandwidth_gbps": 0.0},
+        {"intra_node_gbps": -1.0},
         {"decision_period_seconds": -1.0},
         {"overlap_penalty": 2.0},
         {"paused": "yes"},

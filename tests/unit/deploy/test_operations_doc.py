@@ -36,3 +36,35 @@ def test_admin_actions_and_exit_codes() -> None:
     assert set(table) == {"0", "1", *map(str, EXIT_CODES.values())}
     for status, code in EXIT_CODES.items():
         assert status in table[str(code)], f"exit {code}: {status} not named"
+
+
+def _policy_table() -> dict[str, tuple[str, str]]:
+    """field -> (default, wire) of the table under "### Policy fields"."""
+    text = DOC.read_text()
+    section = text.split("### Policy fields", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \| ([^|]+) \|", section, re.M)
+    names = [name for name, _, _ in rows]
+    assert len(names) == len(set(names)), "a field is listed twice"
+    return {name: (default.strip(), wire.strip()) for name, default, wire in rows}
+
+
+def test_every_policy_field_is_listed_with_its_default_and_wire_number() -> None:
+    import dataclasses
+    import tomllib
+
+    from rebalancer.controller.decide import PolicyConfig
+    from rebalancer.v1 import rebalancer_pb2 as pb
+
+    table = _policy_table()
+    names = {f.name for f in dataclasses.fields(PolicyConfig)}
+    assert set(table) == names, (
+        f"not in the table: {sorted(names - set(table))}; "
+        f"not PolicyConfig fields: {sorted(set(table) - names)}"
+    )
+    wire = {f.name: f.number for f in pb.Policy.DESCRIPTOR.fields}
+    assert wire.keys() <= names, f"Policy fields PolicyConfig lacks: {sorted(wire.keys() - names)}"
+    defaults = PolicyConfig()
+    for name, (default, number) in table.items():
+        assert number == str(wire.get(name, "none")), f"{name}: wire {number}, proto {wire.get(name)}"
+        value = tomllib.loads(f"v = {default}")["v"]
+        assert value == getattr(defaults, name), f"{name}: documented {default}, code {getattr(defaults, name)!r}"

@@ -22,7 +22,6 @@ from rebalancer.sim import (
     make_trace,
     simulate,
 )
-from rebalancer.sim.cost import transfer_seconds
 from rebalancer.sim.trace import Trace
 
 G, P, N = 8, 288, 2
@@ -153,16 +152,6 @@ def test_constant_traffic_on_a_fitted_placement_is_left_alone() -> None:
     assert follow[0] == pytest.approx(res["static"].balancedness_per_window[0])
 
 
-def test_transfer_time_is_set_by_the_busiest_receiver() -> None:
-    cost = CostModel(expert_bytes=10**9, intra_node_gbps=100.0, inter_node_gbps=10.0)
-    # 4 GPUs on 2 nodes: rank 0 receives one expert from its node and one from the other
-    # node; rank 3 receives one local copy (free).
-    rows = np.array([[0, 0, 0, 1, 0], [0, 0, 1, 2, 0], [0, 3, 0, 3, 1]])
-    seconds, nbytes = transfer_seconds(rows, num_gpus=4, num_nodes=2, cost=cost)
-    assert seconds == pytest.approx(1 / 100 + 1 / 10)
-    assert nbytes == 2 * 10**9
-
-
 def test_cli_all_policies_json(tmp_path: Path, sources: dict[str, np.ndarray], capsys) -> None:
     trace = make_trace(sources, TraceGenConfig(kind="burst", windows=6, seed=2))
     trace.save(tmp_path / "b.npz")
@@ -265,3 +254,59 @@ def test_real_mixtral_trace_is_not_chased(slots: int, mixtral_path: Path) -> Non
         assert r.relative_throughput <= res["oracle"].relative_throughput + 1e-12, name
     if slots == 8:
         assert len({round(r.mean_balancedness, 9) for r in res.values()}) == 1
+
+
+def test_the_simulator_charges_what_the_gate_predicted(sources: dict[str, np.ndarray]) -> None:
+    """One cost model: every plan the adaptive policy starts is charged (bytes, transfer
+    time, commit pause + swap) with the parameters and functions its decision used."""
+    from rebalancer.controller.cost import plan_cost
+    from rebalancer.placement import transfers
+
+    trace = _phase_trace(sources)
+    # Non-default links, so a second default anywhere would show.
+    config = _config(link_bandwidth_gbps=3.0, intra_node_gbps=40.0, commit_gbps=90.0)
+    res = simulate(trace, config, ["adaptive"])["adaptive"]
+    taken = [e for e in res.decision_log if e["decision"].take]
+    assert taken
+    pauses = 0.0
+    for entry in taken:
+        d = entry["decision"]
+        rows = np.asarray(transfers(entry["current"], d.candidate, G, N))
+        c = plan_cost(rows, G, N, config.cost.expert_bytes, config.params)
+        assert (d.migration_cost_seconds, d.transfer_seconds, d.bytes_to_move) == (
+            c.seconds, c.transfer_seconds, c.bytes_between_gpus
+        )
+        if entry["window"] < trace.num_windows - 1:  # a plan of the last window never lands
+            pauses += c.commit_pause_seconds + c.swap_seconds
+    assert res.bytes_moved == sum(e["decision"].bytes_to_move for e in taken)
+    assert res.plans_aborted == 0
+    # The stalls are the commit pauses (copy + swap) of the plans that landed.
+    assert res.stall_seconds == pytest.approx(pauses)
+
+
+def test_cli_timing_and_migration_cost_keys(
+    tmp_path: Path, sources: dict[str, np.ndarray], capsys
+) -> None:
+    trace = make_trace(sources, TraceGenConfig(kind="phase", windows=4, seed=2))
+    trace.save(tmp_path / "p.npz")
+    base = ["simulate", "--gpus", str(G), "--slots", str(P), "--nodes", str(N),
+            "--trace", str(tmp_path / "p.npz"), "--policy", "adaptive"]
+    assert main(base) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    # Derived for the trace's 5 s windows: settling binds.
+    assert "adaptive timing (trace): min_interval_seconds=7.9, decision_period_seconds=5" in head
+    assert main([*base, "--timing", "defaults"]) == 0
+    default = PolicyConfig()
+    assert (
+        f"min_interval_seconds={default.min_interval_seconds:g}, "
+        f"decision_period_seconds={default.decision_period_seconds:g}"
+    ) in capsys.readouterr().out
+    assert main([*base, "--set", "min_interval_seconds=3"]) == 0
+    assert "min_interval_seconds=3, decision_period_seconds=5" in capsys.readouterr().out
+    # A migration-cost key of --cost sets the policy's field: the gate sees it too.
+    assert main([*base, "--json", "--cost", "commit_gbps=1e9", "--cost", "inter_node_gbps=5"]) == 0
+    assert main([*base, "--json", "--set", "commit_gbps=1e9", "--set", "link_bandwidth_gbps=5"]) == 0
+    first, second = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines())
+    assert first == second
+    assert main([*base, "--cost", "nonsense=1"]) == 2
+    assert "inter_node_gbps" in capsys.readouterr().err
