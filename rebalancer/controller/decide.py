@@ -39,6 +39,7 @@ from rebalancer.controller.cost import (
     imbalance_ratio,
     plan_cost,
 )
+from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.errors import InputError
 from rebalancer.placement import (
     balancedness,
@@ -60,7 +61,7 @@ __all__ = [
 TAKEN = ("rebalance", "forced")
 
 # Defaults the timing defaults are derived from (rebalancer/controller/cost.py).
-_DECAY = 0.3
+_DECAY = EstimatorConfig.decay
 _GAIN_THRESHOLD = 0.02
 _MAX_MOVED_FRACTION = 0.25
 _TIMING = derived_timing(_DECAY, _GAIN_THRESHOLD, _MAX_MOVED_FRACTION)
@@ -110,16 +111,16 @@ class PolicyConfig:
     commit_gbps: float = DEFAULT_COST.commit_gbps
     swap_seconds: float = DEFAULT_COST.swap_seconds
     # > 0: the estimate is the mean of the last `estimate_window` windows instead of decay.
-    estimate_window: int = 0
+    estimate_window: int = EstimatorConfig.window
     # Sampling-noise margin added to the hysteresis, in standard errors of a GPU's load:
     # a candidate fitted on a noisy estimate looks better on it than it will serve.
     noise_z: float = 2.0
     # Decide on the empirical-Bayes estimate (LoadEstimator.shrunk): short-run shares that
     # differ from the long-run prior by no more than sampling noise are replaced by it, so
     # sparse counts neither trigger a refit on noise nor keep a placement fitted on noise.
-    shrink: bool = True
+    shrink: bool = EstimatorConfig.shrink
     # Weight of the old long-run prior per window (EstimatorConfig.prior_decay).
-    prior_decay: float = 0.99
+    prior_decay: float = EstimatorConfig.prior_decay
     # GB/s one rank receives expert weights at from a rank of its own node
     # (CostParams.intra_node_gbps). Not in the v1 Policy message: TOML and `simulate --set`.
     intra_node_gbps: float = DEFAULT_COST.intra_node_gbps

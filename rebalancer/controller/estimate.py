@@ -22,16 +22,19 @@ from rebalancer.errors import InputError
 
 @dataclass(frozen=True)
 class EstimatorConfig:
+    """The estimator's settings. Its defaults are the product's (PolicyConfig takes its
+    estimate fields from here), so a deployment and a bare estimator smooth alike."""
+
     # Weight of the old estimate each time a window is folded in, in [0, 1]: 0 keeps only
     # the last window, 1 is the plain mean of every window since the start.
-    decay: float = 0.7
+    decay: float = 0.3
     # > 0: mean of the last `window` windows instead of the exponential decay.
     window: int = 0
     # Weight of the old long-run estimate (the prior of `shrunk`) per window: 0.99 keeps
     # about 200 windows, so the prior accumulates evidence but still follows slow drift.
     prior_decay: float = 0.99
     # `estimate` returns the empirical-Bayes estimate (`shrunk`) instead of the smoothed one.
-    shrink: bool = False
+    shrink: bool = True
 
     def validate(self) -> None:
         if not (isinstance(self.decay, (int, float)) and math.isfinite(self.decay)):

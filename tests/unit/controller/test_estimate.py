@@ -22,7 +22,7 @@ def test_zero_before_any_window() -> None:
 
 def test_decay_is_a_normalised_exponential_mean() -> None:
     a, b, c = _windows(3)
-    est = LoadEstimator(3, 5, EstimatorConfig(decay=0.7))
+    est = LoadEstimator(3, 5, EstimatorConfig(shrink=False, decay=0.7))
     est.add(a)
     np.testing.assert_allclose(est.estimate(), a)  # no start-up bias toward zero
     est.add(b)
@@ -34,8 +34,8 @@ def test_decay_is_a_normalised_exponential_mean() -> None:
 
 def test_decay_extremes() -> None:
     ws = _windows(4, seed=1)
-    last = LoadEstimator(3, 5, EstimatorConfig(decay=0.0))
-    mean = LoadEstimator(3, 5, EstimatorConfig(decay=1.0))
+    last = LoadEstimator(3, 5, EstimatorConfig(shrink=False, decay=0.0))
+    mean = LoadEstimator(3, 5, EstimatorConfig(shrink=False, decay=1.0))
     for w in ws:
         last.add(w)
         mean.add(w)
@@ -45,7 +45,7 @@ def test_decay_extremes() -> None:
 
 def test_sliding_window_keeps_only_the_last_windows() -> None:
     ws = _windows(40, seed=2)
-    est = LoadEstimator(3, 5, EstimatorConfig(window=3))
+    est = LoadEstimator(3, 5, EstimatorConfig(shrink=False, window=3))
     for i, w in enumerate(ws):
         est.add(w)
         lo = max(0, i - 2)
@@ -54,7 +54,7 @@ def test_sliding_window_keeps_only_the_last_windows() -> None:
 
 def test_state_dict_round_trip_continues_identically() -> None:
     ws = _windows(6, seed=3)
-    for config in (EstimatorConfig(decay=0.5), EstimatorConfig(window=2)):
+    for config in (EstimatorConfig(shrink=False, decay=0.5), EstimatorConfig(shrink=False, window=2)):
         a = LoadEstimator(3, 5, config)
         for w in ws[:4]:
             a.add(w)
@@ -77,7 +77,7 @@ def test_state_dict_round_trip_continues_identically() -> None:
     ],
 )
 def test_bad_window_is_refused_and_changes_nothing(bad: np.ndarray) -> None:
-    est = LoadEstimator(3, 5)
+    est = LoadEstimator(3, 5, EstimatorConfig(shrink=False))
     good = _windows(1)[0]
     est.add(good)
     with pytest.raises(InputError):
@@ -89,10 +89,10 @@ def test_bad_window_is_refused_and_changes_nothing(bad: np.ndarray) -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        EstimatorConfig(decay=1.5),
-        EstimatorConfig(decay=-0.1),
-        EstimatorConfig(window=-1),
-        EstimatorConfig(prior_decay=1.1),
+        EstimatorConfig(shrink=False, decay=1.5),
+        EstimatorConfig(shrink=False, decay=-0.1),
+        EstimatorConfig(shrink=False, window=-1),
+        EstimatorConfig(shrink=False, prior_decay=1.1),
     ],
 )
 def test_bad_config(config: EstimatorConfig) -> None:
@@ -110,7 +110,7 @@ def test_state_of_another_shape_is_refused() -> None:
 def test_state_dict_is_json_ready() -> None:
     import json
 
-    est = LoadEstimator(3, 5, EstimatorConfig(window=2))
+    est = LoadEstimator(3, 5, EstimatorConfig(shrink=False, window=2))
     for w in _windows(3):
         est.add(w)
     again = LoadEstimator(3, 5)
@@ -120,8 +120,8 @@ def test_state_dict_is_json_ready() -> None:
 
 def test_effective_windows() -> None:
     ws = _windows(30, seed=5)
-    decayed = LoadEstimator(3, 5, EstimatorConfig(decay=0.5))
-    sliding = LoadEstimator(3, 5, EstimatorConfig(window=4))
+    decayed = LoadEstimator(3, 5, EstimatorConfig(shrink=False, decay=0.5))
+    sliding = LoadEstimator(3, 5, EstimatorConfig(shrink=False, window=4))
     assert decayed.effective_windows == 0.0 and sliding.effective_windows == 0.0
     decayed.add(ws[0])
     assert decayed.effective_windows == 1.0
@@ -130,7 +130,7 @@ def test_effective_windows() -> None:
         sliding.add(w)
     assert decayed.effective_windows == pytest.approx((1 + 0.5) / (1 - 0.5), rel=1e-6)
     assert sliding.effective_windows == 4.0
-    assert LoadEstimator(3, 5, EstimatorConfig(decay=1.0)).effective_windows == 0.0
+    assert LoadEstimator(3, 5, EstimatorConfig(shrink=False, decay=1.0)).effective_windows == 0.0
 
 
 def test_shrink_replaces_noise_and_keeps_signal() -> None:
@@ -158,7 +158,7 @@ def test_shrunk_estimate_accumulates_evidence() -> None:
     rng = np.random.default_rng(3)
     L, E = 8, 8
     truth = rng.dirichlet(np.full(E, 2.0), size=L)
-    est = LoadEstimator(L, E, EstimatorConfig(decay=0.3))
+    est = LoadEstimator(L, E, EstimatorConfig(shrink=False, decay=0.3))
     worth = []
     for _ in range(40):
         est.add(np.stack([rng.multinomial(32, truth[layer]) for layer in range(L)]))
