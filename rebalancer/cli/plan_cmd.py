@@ -50,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
     )
     from rebalancer.placement import compute_placement, lower_bound_balancedness, transfers
 
+    # Where the results go, checked before any work: a typo must not cost a placement.
+    for flag, out in (("--out", args.out), ("--sglang-out", args.sglang_out)):
+        if out:
+            check_output_path(out, flag)
     counts = load_counts(args.counts)
     previous = None
     if args.previous:
@@ -112,3 +116,19 @@ def run(args: argparse.Namespace) -> int:
             f"{seconds * 1e3:.1f} ms"
         )
     return 0
+
+
+def check_output_path(path: str, flag: str) -> None:
+    """InputError naming the reason unless a file can be written at `path`."""
+    from pathlib import Path
+
+    from rebalancer.errors import InputError
+
+    target = Path(path)
+    folder = target.parent
+    if not folder.exists():
+        raise InputError(f"{flag} {path}: folder {folder} does not exist")
+    if not folder.is_dir():
+        raise InputError(f"{flag} {path}: {folder} is not a folder")
+    if target.is_dir():
+        raise InputError(f"{flag} {path}: is a folder, not a file")

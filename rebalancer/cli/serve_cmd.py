@@ -22,7 +22,21 @@ def register(sub: argparse._SubParsersAction) -> None:
             Settings come from --config (TOML; see deploy/controller.toml) and are overridden by
             the flags given. Example:
 
-              rebalancer serve --config deploy/controller.toml --port 50051 --metrics-port 9400
+              rebalancer serve --config deploy/controller.toml --host 127.0.0.1 --db /tmp/r.sqlite
+
+            Safe by default: a service without credentials (the admin service without an
+            admin token, the worker service without [worker_tokens]; mutual TLS counts for
+            both) is served on loopback only. Another --host is refused unless --insecure (or
+            server.insecure = true) says so; either way the log says, as a WARNING at start,
+            which services are unauthenticated and whether TLS is off.
+
+            One controller per store and port: a second controller on the same --db (an
+            exclusive lock on DB.lock, dropped by the kernel when the holder dies, however it
+            dies) or the same --port is refused with exit code 7.
+
+            Exit codes: 0 stopped cleanly (SIGTERM/SIGINT, drained); 2 bad input (a flag, the
+            config file, the store file, a TLS file, a host or port that cannot be used);
+            7 in use (the store or a port belongs to another process); 1 anything else.
             """),
     )
     p.add_argument("--config", help="TOML file: [server], [tls], [worker_tokens], [policy]")
@@ -35,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="CA for client certificates; requires mutual TLS")
     p.add_argument("--grace", type=float, help="drain seconds on shutdown (default 5)")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="listen on a non-loopback --host although a service is unauthenticated "
+                   "(no token, no mutual TLS); refused without it")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(func=run)
 
@@ -45,23 +62,30 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from rebalancer.controller.config import ControllerConfig, load_config, validate_config
+    from rebalancer.controller.config import (
+        ControllerConfig,
+        check_exposure,
+        load_config,
+        read_admin_token,
+        validate_config,
+    )
     from rebalancer.controller.server import ControllerServer, serve
+    from rebalancer.controller.store import check_store_path
     from rebalancer.errors import InputError
 
     config = load_config(args.config) if args.config else ControllerConfig()
     overrides = {
         "host": args.host, "port": args.port, "db_path": args.db, "metrics_port": args.metrics_port,
         "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
-        "grace_seconds": args.grace,
+        "grace_seconds": args.grace, "insecure": args.insecure,
     }
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.admin_token_file:
-        try:
-            config = replace(config, admin_token=Path(args.admin_token_file).read_text().strip())
-        except OSError as exc:
-            raise InputError(f"--admin-token-file {args.admin_token_file}: {exc.strerror}") from None
+        config = replace(config, admin_token=read_admin_token(Path(args.admin_token_file), "--admin-token-file"))
     validate_config(config)
+    # The cheap refusals before any logging or import of the server's machinery.
+    check_exposure(config)
+    check_store_path(config.db_path)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def ready(server: ControllerServer) -> None:
@@ -71,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve(config, ready))
+    except InputError:
+        raise  # one line already, naming what and why (InUseError: exit code 7)
     except OSError as exc:
-        raise InputError(f"cannot serve on {config.host}:{config.port}: {exc}") from None
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise InputError(f"cannot serve on {config.host}:{config.port}: {exc.strerror or exc}{where}") from None
     return 0

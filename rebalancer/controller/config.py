@@ -1,9 +1,18 @@
-"""Controller settings: the TOML file (deploy/controller.toml) and its checks."""
+"""Controller settings: the TOML file (deploy/controller.toml) and its checks.
+
+Safe by default: a service is authenticated when it has its token (admin token,
+[worker_tokens]) or when mutual TLS makes every client present a certificate. A
+controller with an unauthenticated service listens on loopback only; a non-loopback
+host is refused (`check_exposure`) unless `insecure` (`--insecure`, `server.insecure`)
+says that is meant, and the server logs a WARNING at start naming what is open.
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,68 +40,208 @@ class ControllerConfig:
     ack_interval_seconds: float = 1.0
     drain_seconds: float = 1.0       # NOT_SERVING before the port closes, on shutdown
     grace_seconds: float = 5.0       # calls in flight may finish this long after
+    # Listen on a non-loopback host although a service is unauthenticated (no token and
+    # no mutual TLS); without it such a config is refused (check_exposure).
+    insecure: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 _SECTIONS = {"server", "tls", "worker_tokens", "policy"}
 _SERVER_KEYS = {"host", "port", "db_path", "admin_token", "admin_token_file", "metrics_port",
                 "max_message_bytes", "tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds",
-                "ack_interval_seconds"}
+                "ack_interval_seconds", "insecure"}
 _TLS_KEYS = {"cert": "tls_cert", "key": "tls_key", "client_ca": "tls_client_ca"}
+_SECONDS = ("tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds", "ack_interval_seconds")
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """The UTF-8 text of `path`; InputError naming `what` and the reason otherwise."""
+    try:
+        data = path.read_bytes()
+    except IsADirectoryError:
+        raise InputError(f"{what} {path}: is a folder, not a file") from None
+    except FileNotFoundError:
+        raise InputError(f"{what} {path}: no such file") from None
+    except OSError as exc:
+        raise InputError(f"{what} {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} {path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _table(doc: dict[str, Any], name: str, path: Path) -> dict[str, Any]:
+    value = doc.get(name, {})
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: {name} must be a table ([{name}]), got {type(value).__name__}")
+    return value
 
 
 def load_config(path: str | Path) -> ControllerConfig:
     """Read a TOML config file (see deploy/controller.toml); InputError names what is wrong."""
     path = Path(path)
+    text = read_text_file(path, "config")
     try:
-        doc = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputError(f"{path}: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise InputError(f"{path}: not valid TOML (nested too deeply)") from None
     unknown = set(doc) - _SECTIONS
     if unknown:
         raise InputError(f"{path}: unknown section(s) {sorted(unknown)}; expected {sorted(_SECTIONS)}")
     values: dict[str, Any] = {}
-    server = doc.get("server", {})
+    server = _table(doc, "server", path)
     bad = set(server) - _SERVER_KEYS
     if bad:
         raise InputError(f"{path}: unknown [server] key(s) {sorted(bad)}")
     if "admin_token_file" in server:
         server = dict(server)
-        token_path = Path(server.pop("admin_token_file"))
-        try:
-            values["admin_token"] = token_path.read_text().strip()
-        except OSError as exc:
-            raise InputError(f"{path}: admin_token_file {token_path}: {exc.strerror}") from None
+        token_file = server.pop("admin_token_file")
+        if not isinstance(token_file, str) or not token_file:
+            raise InputError(f"{path}: admin_token_file must be a file name, got {token_file!r}")
+        values["admin_token"] = read_admin_token(Path(token_file), f"{path}: admin_token_file")
     values.update(server)
-    tls = doc.get("tls", {})
+    tls = _table(doc, "tls", path)
     bad = set(tls) - set(_TLS_KEYS)
     if bad:
         raise InputError(f"{path}: unknown [tls] key(s) {sorted(bad)}")
     values.update({_TLS_KEYS[k]: v for k, v in tls.items()})
-    tokens = doc.get("worker_tokens", {})
+    tokens = _table(doc, "worker_tokens", path)
     if not all(isinstance(v, str) and v for v in tokens.values()):
         raise InputError(f"{path}: [worker_tokens] maps deployment names to non-empty strings")
     values["worker_tokens"] = dict(tokens)
-    values["policy"] = PolicyConfig.from_dict(doc.get("policy", {}))
+    values["policy"] = PolicyConfig.from_dict(_table(doc, "policy", path))
     config = ControllerConfig(**values)
-    validate_config(config)
+    try:
+        validate_config(config)
+    except InputError as exc:
+        raise InputError(f"{path}: {exc}") from None
     return config
 
 
+def read_admin_token(path: Path, what: str) -> str:
+    """The token in `path` (surrounding whitespace dropped); an empty file is refused."""
+    token = read_text_file(path, what).strip()
+    if not token:
+        raise InputError(f"{what} {path}: is empty")
+    if not token.isprintable():
+        raise InputError(f"{what} {path}: a token is one line of printable characters")
+    return token
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def validate_config(config: ControllerConfig) -> None:
-    for f in fields(ControllerConfig):
-        if f.name in ("port", "metrics_port"):
-            value = getattr(config, f.name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value < 65536):
-                raise InputError(f"{f.name} must be a port number, got {value!r}")
+    """InputError naming the first setting of the wrong type or range (files are checked
+    to exist here; that they hold usable PEM is checked as the server starts)."""
+    for name in ("port", "metrics_port"):
+        value = getattr(config, name)
+        if value is None and name == "metrics_port":
+            continue
+        if not _is_int(value) or not 0 <= value < 65536:
+            raise InputError(f"{name} must be a port number (0-65535), got {value!r}")
+    for name in ("host", "db_path"):
+        value = getattr(config, name)
+        if not isinstance(value, str) or not value.strip():
+            raise InputError(f"{name} must be a non-empty string, got {value!r}")
+    if config.admin_token is not None and (not isinstance(config.admin_token, str) or not config.admin_token):
+        raise InputError("admin_token must be a non-empty string (or unset)")
+    if not _is_int(config.max_message_bytes) or config.max_message_bytes <= 0:
+        raise InputError(f"max_message_bytes must be a positive integer, got {config.max_message_bytes!r}")
+    for name in _SECONDS:
+        value = getattr(config, name)
+        if not _is_number(value) or not math.isfinite(value) or value < 0:
+            raise InputError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    if config.tick_seconds <= 0:
+        raise InputError(f"tick_seconds must be > 0, got {config.tick_seconds!r}")
+    if not isinstance(config.insecure, bool):
+        raise InputError(f"insecure must be true or false, got {config.insecure!r}")
+    if not isinstance(config.worker_tokens, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v for k, v in config.worker_tokens.items()
+    ):
+        raise InputError("worker_tokens maps deployment names to non-empty strings")
+    for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise InputError(f"{name} must be a file name, got {value!r}")
     if bool(config.tls_cert) != bool(config.tls_key):
         raise InputError("TLS needs both a certificate (tls.cert) and its key (tls.key)")
     if config.tls_client_ca and not config.tls_cert:
         raise InputError("mutual TLS (tls.client_ca) needs server TLS (tls.cert, tls.key)")
     for name in ("tls_cert", "tls_key", "tls_client_ca"):
         value = getattr(config, name)
+        if value and Path(value).is_dir():
+            raise InputError(f"{name} {value}: is a folder, not a file")
         if value and not Path(value).is_file():
             raise InputError(f"{name} {value}: no such file")
     config.policy.validate()
+
+
+# ------------------------------------------------------------------ exposure
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only ("localhost", 127.0.0.0/8, ::1)."""
+    name = host.strip().strip("[]").lower()
+    if name in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def mutual_tls(config: ControllerConfig) -> bool:
+    return bool(config.tls_cert and config.tls_key and config.tls_client_ca)
+
+
+def unauthenticated_services(config: ControllerConfig) -> list[str]:
+    """"admin" / "worker" for each service anyone who reaches the port may call: no token
+    of its own and no mutual TLS."""
+    if mutual_tls(config):
+        return []
+    out = []
+    if not config.admin_token:
+        out.append("admin")
+    if not config.worker_tokens:
+        out.append("worker")
+    return out
+
+
+def check_exposure(config: ControllerConfig) -> None:
+    """Refuse (InputError) a non-loopback host while a service is unauthenticated, unless
+    `config.insecure`."""
+    open_services = unauthenticated_services(config)
+    if not open_services or is_loopback(config.host) or config.insecure:
+        return
+    what = " and ".join(f"the {s} service" for s in open_services)
+    raise InputError(
+        f"refusing to listen on {config.host} with {what} unauthenticated: set "
+        + " and ".join({"admin": "an admin token (--admin-token-file)",
+                        "worker": "[worker_tokens]"}[s] for s in open_services)
+        + ", or mutual TLS, or listen on 127.0.0.1; --insecure (server.insecure = true) accepts it"
+    )
+
+
+def exposure_warnings(config: ControllerConfig) -> list[str]:
+    """One line per thing left open, for the WARNING log at start (empty: nothing)."""
+    local = is_loopback(config.host)
+    who = ("any process on this machine (loopback only)" if local
+           else f"anyone who reaches the port ({config.host}, not loopback)")
+    where = "loopback only" if local else f"{config.host}, not loopback"
+    lines = []
+    for service in unauthenticated_services(config):
+        why = {"admin": "no admin token", "worker": "no [worker_tokens]"}[service]
+        lines.append(f"{service} service unauthenticated ({why}, no mutual TLS): {who} may call it")
+    if mutual_tls(config) and not config.admin_token:
+        lines.append("admin service has no admin token: any client certificate of the client CA may call it")
+    if not config.tls_cert:
+        lines.append(f"TLS off: calls and tokens travel in plain text ({where})")
+    return lines

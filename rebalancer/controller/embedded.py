@@ -26,24 +26,40 @@ class EmbeddedController:
         self.server: ControllerServer | None = None
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
+        self.error: BaseException | None = None  # why it did not start
         self.thread = threading.Thread(target=self._run, name="controller", daemon=True)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self._main())
+        try:
+            self.loop.run_until_complete(self._main())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of start()
+            if not self.ready.is_set():
+                self.error = exc
+                self.ready.set()
+            else:
+                raise
+        finally:
+            self.loop.close()
 
     async def _main(self) -> None:
-        self.server = ControllerServer(self.config)
+        server = ControllerServer(self.config)
         if self.setup is not None:
-            self.setup(self.server)
-        await self.server.start()
+            self.setup(server)
+        await server.start()
+        self.server = server
         self.ready.set()
-        await self.server.wait()
+        await server.wait()
 
     def start(self) -> ControllerServer:
+        """The server, serving; the error it raised if it could not start (InputError:
+        a store in use, a busy port, a bad TLS file, ...)."""
         self.thread.start()
         if not self.ready.wait(30):
             raise RuntimeError("controller did not start")
+        if self.error is not None:
+            self.thread.join(30)
+            raise self.error
         assert self.server is not None
         return self.server
 

@@ -6,13 +6,23 @@ on purpose (config.py); bearer tokens are checked by one interceptor (auth.py).
 Shutdown drains: health flips to NOT_SERVING, new calls are refused, calls in
 flight get `grace_seconds`, the decision process ends (pool.py) and every ingest
 cursor is saved before the store closes.
+
+One controller per store and port: the store's lock (store.StoreLock) is taken before
+the store is opened, and the gRPC port is bound without SO_REUSEPORT (wire/channel.py),
+so a second controller on either is refused with InUseError instead of sharing. Every
+failure to start (store, TLS files, ports) is an InputError of one line naming the
+reason, raised after undoing whatever had started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
+import sqlite3
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,12 +34,13 @@ from prometheus_client import start_http_server
 
 from rebalancer.controller.admin import AdminService
 from rebalancer.controller.auth import ADMIN_SERVICE, WORKER_SERVICE, TokenAuth
-from rebalancer.controller.config import ControllerConfig
+from rebalancer.controller.config import ControllerConfig, check_exposure, exposure_warnings
 from rebalancer.controller.metrics import ControllerMetrics
 from rebalancer.controller.pool import DecisionPool
 from rebalancer.controller.service import WorkerService
 from rebalancer.controller.state import Controller
-from rebalancer.controller.store import Store
+from rebalancer.controller.store import InUseError, Store, StoreLock, check_store_path
+from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import server_options
 
@@ -43,12 +54,44 @@ class ControllerServer:
 
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
+        # Every check that can refuse runs before the store is opened: a refused start
+        # changes nothing. The lock comes first, so a controller started twice with the
+        # same settings hears which process holds the store.
+        check_exposure(config)
+        check_store_path(config.db_path)
+        tls = _tls_credentials(config)
+        self._lock = StoreLock(config.db_path) if config.db_path != ":memory:" else None
+        try:
+            self._open(config, tls)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
+
+    def _open(self, config: ControllerConfig, tls: grpc.ServerCredentials | None) -> None:
+        # gRPC reports a failed bind without its reason (and logs a line of its own): try
+        # the ports first, so a busy one (or a host that is not here) gets its own message.
+        if config.metrics_port and config.metrics_port == config.port:
+            raise InputError(f"metrics port and gRPC port are both {config.port}: the metrics need a port of their own")
+        probe_port(config.host, config.port, "gRPC")
+        if config.metrics_port is not None:
+            probe_port(config.host, config.metrics_port, "metrics")
         self.store = Store(config.db_path)
+        try:
+            self._build(config, tls)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def _build(self, config: ControllerConfig, tls: grpc.ServerCredentials | None) -> None:
         # Decisions run in a process of their own (pool.py), started in `start`.
         self.pool = DecisionPool()
-        self.controller = Controller(
-            self.store, config.policy, config.persist_seconds, background=self.pool.submit
-        )
+        try:
+            self.controller = Controller(
+                self.store, config.policy, config.persist_seconds, background=self.pool.submit
+            )
+        except sqlite3.DatabaseError as exc:  # an SQLite file, but not one we can load
+            raise InputError(f"store {config.db_path}: cannot load it ({exc})") from None
         self.auth = TokenAuth(config.admin_token, config.worker_tokens)
         self.server = grpc.aio.server(
             interceptors=[self.auth], options=server_options(config.max_message_bytes)
@@ -68,18 +111,17 @@ class ControllerServer:
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        address = f"{config.host}:{config.port}"
-        if config.tls_cert and config.tls_key:
-            creds = grpc.ssl_server_credentials(
-                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
-                root_certificates=Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None,
-                require_client_auth=bool(config.tls_client_ca),
-            )
-            self.port = self.server.add_secure_port(address, creds)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        address = f"{_bracketed(config.host)}:{config.port}"
+        try:
+            if tls is not None:
+                self.port = self.server.add_secure_port(address, tls)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {config.host}:{config.port}")
+            probe_port(config.host, config.port, "gRPC")  # taken meanwhile?
+            raise InputError(f"cannot listen on {address} (gRPC)")
         self._tick_task: asyncio.Task[None] | None = None
         self._metrics_http: Any = None
         self._stopping = False
@@ -96,18 +138,52 @@ class ControllerServer:
                 await result
 
     async def start(self) -> None:
-        self.pool.start()
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.start()
-        if self.config.metrics_port is not None:
-            self._metrics_http, _ = start_http_server(
-                self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
-            )
-            self.metrics_port = int(self._metrics_http.server_port)
-            log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
+        """Start serving; on failure (a busy metrics port, ...) everything started is
+        stopped again, the store closed and its lock released, then the error raised."""
+        try:
+            self._start_metrics()  # first: the likeliest to fail, and nothing to undo yet
+            self.pool.start()
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.server.start()
+        except BaseException:
+            await self._abandon()
+            raise
         self._tick_task = asyncio.create_task(self._ticker())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        for line in exposure_warnings(self.config):
+            log.warning("%s", line)
         log.info("controller serving on %s (store %s)", self.address, self.store.path)
+
+    def _start_metrics(self) -> None:
+        port = self.config.metrics_port
+        if port is None:
+            return
+        try:
+            self._metrics_http, _ = start_http_server(port, addr=self.config.host, registry=self.metrics.registry)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise InUseError(f"metrics port {port} is in use (another controller?)") from None
+            raise InputError(f"cannot serve metrics on {_bracketed(self.config.host)}:{port}: "
+                             f"{exc.strerror or exc}") from None
+        self.metrics_port = int(self._metrics_http.server_port)
+        log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
+
+    async def _abandon(self) -> None:
+        """Undo a start that failed half-way."""
+        self._stopping = True
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
+        await self.server.stop(None)
+        self.pool.close()
+        self._close_store()
+        self._stopped.set()
+
+    def _close_store(self) -> None:
+        self.store.close()
+        if self._lock is not None:
+            self._lock.release()
 
     async def _ticker(self) -> None:
         while True:
@@ -136,7 +212,8 @@ class ControllerServer:
         self.controller.persist_all()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
-        self.store.close()
+            self._metrics_http.server_close()
+        self._close_store()
         self._stopped.set()
         log.info("controller stopped")
 
@@ -155,3 +232,78 @@ async def serve(config: ControllerConfig, ready: Callable[[ControllerServer], No
         ready(server)
     await server.wait()
 
+
+
+def _bracketed(host: str) -> str:
+    """An IPv6 literal in brackets, as `host:port` needs it."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def probe_port(host: str, port: int, what: str) -> None:
+    """Bind `host:port` as gRPC would (SO_REUSEADDR, no SO_REUSEPORT) and let go at once:
+    InUseError when another process listens there, InputError for any other reason."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InputError(f"cannot listen on {host}: unknown host ({exc.strerror})") from None
+    failures: list[OSError] = []
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise InUseError(f"{what} port {port} is in use (another controller?)") from None
+            failures.append(exc)
+    # gRPC listens on the addresses it can bind ("localhost" without IPv6: 127.0.0.1 only)
+    # and fails only when none is left.
+    if failures and len(failures) == len(infos):
+        first = failures[0]
+        raise InputError(f"cannot listen on {_bracketed(host)}:{port} ({what}): {first.strerror or first}")
+
+
+def _read_pem(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except IsADirectoryError:
+        raise InputError(f"{what} {path}: is a folder, not a file") from None
+    except OSError as exc:
+        raise InputError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _tls_credentials(config: ControllerConfig) -> grpc.ServerCredentials | None:
+    """The server's TLS credentials, the files checked first with Python's own TLS: gRPC
+    would only fail to bind the port, without saying which file is wrong or why."""
+    if not (config.tls_cert and config.tls_key):
+        return None
+    cert = _read_pem(config.tls_cert, "tls cert")
+    key = _read_pem(config.tls_key, "tls key")
+    ca = _read_pem(config.tls_client_ca, "tls client_ca") if config.tls_client_ca else None
+    if b"-----BEGIN CERTIFICATE-----" not in cert:
+        raise InputError(f"tls cert {config.tls_cert}: no PEM certificate in it")
+    if b"PRIVATE KEY-----" not in key:
+        raise InputError(f"tls key {config.tls_key}: no PEM private key in it")
+    if b"ENCRYPTED" in key:
+        raise InputError(f"tls key {config.tls_key}: is encrypted (gRPC needs an unencrypted key)")
+    if ca is not None and b"-----BEGIN CERTIFICATE-----" not in ca:
+        raise InputError(f"tls client_ca {config.tls_client_ca}: no PEM certificate in it")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A password-protected key would prompt on the terminal without `password`.
+        context.load_cert_chain(config.tls_cert, config.tls_key, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        reason = getattr(exc, "reason", None) or str(exc)
+        if "MISMATCH" in str(reason).upper():
+            raise InputError(f"tls key {config.tls_key} is not the key of tls cert {config.tls_cert}") from None
+        raise InputError(f"tls cert {config.tls_cert} and key {config.tls_key}: not a usable PEM "
+                         f"certificate and private key ({reason})") from None
+    if ca is not None:
+        try:
+            context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+        except (ssl.SSLError, ValueError) as exc:
+            reason = getattr(exc, "reason", None) or str(exc)
+            raise InputError(f"tls client_ca {config.tls_client_ca}: not a usable PEM CA certificate ({reason})") from None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )

@@ -8,18 +8,116 @@ windows are counted once.
 
 The store keeps no clock: every time it writes (created, finished, a decision's time)
 is given by the caller, read off the controller's one clock.
+
+One controller per store: the controller holds `StoreLock` (an exclusive `flock` on
+`<db>.lock`, with its pid written in it) for as long as it runs, so a second controller
+on the same file is refused, naming the holder. The kernel drops the lock when the
+process ends however it ends, so a controller killed with SIGKILL leaves nothing to
+clean up and a restart on the same store opens it at once. Readers that only inspect
+the file (tests, `sqlite3 .backup`) need no lock: SQLite's WAL lets them read beside it.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import io
 import json
+import os
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from rebalancer.errors import InputError
+
+
+class InUseError(InputError):
+    """A resource another process holds: the store's lock or a port (another controller?).
+    The CLI exits with `exit_code` (7) and the message."""
+
+    exit_code = 7
+
+
+def check_store_path(path: str | Path) -> None:
+    """InputError, naming the reason, unless `path` can be an SQLite file (':memory:' can)."""
+    if str(path) == ":memory:":
+        return
+    if not str(path):
+        raise InputError("the store path is empty")
+    p = Path(path)
+    folder = p.parent
+    if not folder.exists():
+        raise InputError(f"store {path}: folder {folder} does not exist")
+    if not folder.is_dir():
+        raise InputError(f"store {path}: {folder} is not a folder")
+    if p.is_dir():
+        raise InputError(f"store {path}: is a folder, not an SQLite file")
+    if p.exists() and not p.is_file():
+        raise InputError(f"store {path}: not a regular file")
+
+
+class StoreLock:
+    """An exclusive lock on `<db>.lock`, held until `release` or the process ends.
+
+    `flock` locks belong to the open file, not to the path: the file is never deleted
+    (deleting it would let two processes lock two different files of one name), it is
+    opened close-on-exec (a child such as the decision worker must not keep it locked
+    after the controller died) and it holds the holder's pid, for the refusal message.
+    """
+
+    def __init__(self, db_path: str | Path) -> None:
+        self.path = f"{db_path}.lock"
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise InputError(f"store {db_path}: cannot open its lock file {self.path}: "
+                             f"{exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_pid(fd)
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                who = f"pid {holder}" if holder else "another process"
+                raise InUseError(f"store {db_path} is in use by another controller ({who}; "
+                                 f"lock {self.path}): one controller per store") from None
+            raise InputError(f"store {db_path}: cannot lock {self.path}: {exc.strerror or exc}") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # the pid is only for the message; the lock is what counts
+        self._fd: int | None = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+            os.close(fd)  # closing the only descriptor drops the lock
+
+    def __enter__(self) -> StoreLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS deployments (
@@ -91,12 +189,25 @@ class Store:
     """One SQLite file (or ':memory:'); every method is one short transaction."""
 
     def __init__(self, path: str | Path = ":memory:") -> None:
+        """InputError, naming the reason, for a path that cannot be a store: a missing
+        folder, a folder, a file that is not SQLite, one that cannot be written."""
         self.path = str(path)
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        if self.path != ":memory:":
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        check_store_path(self.path)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise InputError(f"store {self.path}: cannot open ({exc})") from None
+        try:
+            if self.path != ":memory:":
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            self._db.close()
+            reason = str(exc)
+            if isinstance(exc, sqlite3.DatabaseError) and "not a database" in reason:
+                reason = "not an SQLite database (file is not a database)"
+            raise InputError(f"store {self.path}: {reason}") from None
 
     def close(self) -> None:
         self._db.close()

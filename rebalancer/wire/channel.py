@@ -25,8 +25,13 @@ KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 
 
+# gRPC takes channel arguments as C ints: a larger limit is this one.
+MAX_GRPC_INT = 2**31 - 1
+
+
 def _shared_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """What both ends must agree on: message sizes and keepalive."""
+    max_message_bytes = min(int(max_message_bytes), MAX_GRPC_INT)
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -40,6 +45,10 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
     return [
         *_shared_options(max_message_bytes),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        # gRPC sets SO_REUSEPORT by default: a second controller on the same port would then
+        # bind too, and the kernel would share connections between the two. Off, so the
+        # second bind fails and that controller is refused (one controller per port).
+        ("grpc.so_reuseport", 0),
     ]
 
 
