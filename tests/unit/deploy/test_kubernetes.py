@@ -1,5 +1,7 @@
-"""deploy/kubernetes: every manifest parses, and what the Deployment, Service, probes and
-ConfigMap say agrees with deploy/controller.toml and with `rebalancer serve`."""
+"""deploy/kubernetes: every manifest parses, and what the base's Deployment, Service,
+probes, NetworkPolicy and ConfigMap say agrees with deploy/controller.toml and with
+`rebalancer serve`, read from the files as written (no tool needed; test_kustomize.py
+checks what kustomize renders from them)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,22 @@ import pytest
 
 from rebalancer.cli import build_parser
 from rebalancer.controller.config import load_config
-from tests.unit.deploy.conftest import CONTROLLER_TOML, KUBERNETES, documents, manifest_files
+from tests.unit.deploy.conftest import (
+    BASE,
+    CONTROLLER_TOML,
+    EXAMPLES,
+    KUBERNETES,
+    base_files,
+    documents,
+    kustomization,
+    manifest_files,
+)
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 NAMESPACE = "rebalancer"
-CLUSTER_SCOPED = {"Namespace"}
+CLUSTER_SCOPED = {"Namespace", "PriorityClass"}
+SIDECAR_LABEL = ("rebalancer.io/sidecar", "true")   # components/sidecar puts it on pods
+WORKER_LABEL = ("rebalancer.io/worker", "true")     # ranks that dial the controller directly
 CONFIG_PATH = "/etc/rebalancer/controller.toml"
 
 
@@ -46,8 +59,20 @@ def _mount_of(container: dict[str, Any], path: str) -> dict[str, Any]:
 
 def test_the_manifests_are_there() -> None:
     names = {p.relative_to(KUBERNETES).as_posix() for p in manifest_files()}
-    assert {"namespace.yaml", "deployment.yaml", "service.yaml", "configmap.yaml", "pvc.yaml",
-            "secret-admin-token.yaml", "pdb.yaml", "examples/inference-pod.yaml"} <= names
+    assert {*(f"base/{n}.yaml" for n in ("namespace", "serviceaccount", "deployment", "service",
+                                          "pvc", "pdb", "networkpolicy")),
+            "templates/secret-admin-token.yaml", "examples/inference-pod.yaml", "examples/leaderworkerset.yaml",
+            "overlays/prod/priorityclass.yaml", "components/monitoring/servicemonitor.yaml",
+            "components/monitoring/podmonitor.yaml"} <= names
+
+
+def test_the_base_lists_its_files() -> None:
+    """Every manifest of base/ is a resource of its kustomization, and the other way round."""
+    listed = [p.name for p in base_files()]
+    assert len(listed) == len(set(listed))
+    present = {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(listed) == present
+    assert kustomization(BASE)["kind"] == "Kustomization"
 
 
 @pytest.mark.parametrize("path", manifest_files(), ids=lambda p: p.relative_to(KUBERNETES).as_posix())
@@ -63,17 +88,19 @@ def test_every_manifest_parses_and_names_its_object(path: Path) -> None:
         if doc["kind"] not in CLUSTER_SCOPED:
             namespace = doc["metadata"].get("namespace")
             assert namespace, f"{path.name}: {doc['kind']} {name} has no namespace"
-            if path.parent == KUBERNETES:
+            if path.parent == BASE:
                 assert namespace == NAMESPACE
 
 
 def test_the_kinds_a_platform_team_applies(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
     kinds = {kind for kind, _ in manifests}
-    assert {"Namespace", "Deployment", "Service", "ConfigMap", "Secret", "PersistentVolumeClaim",
-            "PodDisruptionBudget"} <= kinds
+    assert {"Namespace", "ServiceAccount", "Deployment", "Service", "ConfigMap", "Secret",
+            "PersistentVolumeClaim", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
     assert ("Namespace", NAMESPACE) in manifests
-    # The example is not applied with the directory (kubectl apply -f is not recursive).
+    # The examples are no part of the base.
     assert all(doc["metadata"].get("namespace") != "inference" for doc in manifests.values())
+    # Secrets are referenced by the base, never created by it (templates/ only).
+    assert not [p for p in base_files() if any(d["kind"] == "Secret" for d in documents(p))]
 
 
 def test_configmap_holds_controller_toml(manifests: dict[tuple[str, str], dict[str, Any]], tmp_path: Path) -> None:
@@ -206,20 +233,54 @@ def test_admin_token_secret_is_a_template(manifests: dict[tuple[str, str], dict[
     assert (ref["name"], ref["key"]) == ("rebalancer-admin-token", "token")
 
 
-def test_inference_pod_example_points_at_the_controller(
+def test_service_account_without_token(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
+    spec = _pod(manifests)["spec"]
+    account = manifests[("ServiceAccount", spec["serviceAccountName"])]
+    assert account["automountServiceAccountToken"] is False
+    assert spec["automountServiceAccountToken"] is False, "the controller calls no Kubernetes API"
+
+
+def test_network_policy_admits_ranks_and_prometheus_only(
     manifests: dict[tuple[str, str], dict[str, Any]], controller_toml: dict[str, Any]
 ) -> None:
-    docs = documents(KUBERNETES / "examples" / "inference-pod.yaml")
-    pods = [d for d in docs if d["kind"] == "Pod"]
+    server = controller_toml["server"]
+    policy = manifests[("NetworkPolicy", "rebalancer")]["spec"]
+    labels = _pod(manifests)["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    by_port: dict[int, list[dict[str, Any]]] = {}
+    for rule in policy["ingress"]:
+        (port,) = rule["ports"]
+        assert port["protocol"] == "TCP"
+        by_port.setdefault(port["port"], []).extend(rule["from"])
+    assert set(by_port) == {server["port"], server["metrics_port"]}, "only the gRPC and metrics ports"
+    grpc_peers = {tuple(peer["podSelector"]["matchLabels"].items()) for peer in by_port[server["port"]]}
+    assert grpc_peers == {(SIDECAR_LABEL,), (WORKER_LABEL,)}
+    for peer in by_port[server["port"]] + by_port[server["metrics_port"]]:
+        assert peer["podSelector"]["matchLabels"], "every peer is a label selector, never everyone"
+    (prometheus,) = by_port[server["metrics_port"]]
+    assert prometheus["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert prometheus["namespaceSelector"]["matchLabels"]
+
+
+def test_inference_pod_example_goes_through_the_sidecar(
+    manifests: dict[tuple[str, str], dict[str, Any]], controller_toml: dict[str, Any]
+) -> None:
+    docs = documents(EXAMPLES / "inference-pod.yaml")
+    (pod,) = [d for d in docs if d["kind"] == "Pod"]
     secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-    assert pods
     service = manifests[("Service", "rebalancer")]
-    for pod in pods:
-        for c in pod["spec"]["containers"]:
-            env = {e["name"]: e for e in c["env"]}
-            host, port = env["REBALANCER_ADDRESS"]["value"].rsplit(":", 1)
-            assert int(port) == controller_toml["server"]["port"]
-            assert host.split(".")[:3] == [service["metadata"]["name"], service["metadata"]["namespace"], "svc"]
-            ref = env["REBALANCER_WORKER_TOKEN"]["valueFrom"]["secretKeyRef"]
-            assert ref["key"] in secrets[ref["name"]]["stringData"]
-            assert secrets[ref["name"]]["metadata"]["namespace"] == pod["metadata"]["namespace"]
+    (sidecar,) = pod["spec"]["initContainers"]
+    env = {e["name"]: e for e in sidecar["env"]}
+    host, port = env["REBALANCER_CONTROLLER"]["value"].rsplit(":", 1)
+    assert int(port) == controller_toml["server"]["port"]
+    assert host.split(".")[:3] == [service["metadata"]["name"], service["metadata"]["namespace"], "svc"]
+    # The token comes from the Secret the example ships (a placeholder), into the sidecar.
+    (credentials,) = [v for v in pod["spec"]["volumes"] if v["name"] == "rebalancer-credentials"]
+    token_source = credentials["projected"]["sources"][0]["secret"]
+    assert token_source["items"][0]["key"] in secrets[token_source["name"]]["stringData"]
+    assert "REPLACE" in secrets[token_source["name"]]["stringData"]["token"]
+    assert secrets[token_source["name"]]["metadata"]["namespace"] == pod["metadata"]["namespace"]
+    (engine,) = pod["spec"]["containers"]
+    engine_env = {e["name"]: e for e in engine["env"]}
+    assert engine_env["REBALANCER_ADDRESS"]["value"] == "unix:///run/rebalancer/agent.sock"
