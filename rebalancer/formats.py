@@ -23,9 +23,14 @@ PLACEMENT_FORMAT = "rebalancer.placement/v1"
 def _counts_array(raw: object, path: Path, key: str = "logical_count") -> np.ndarray:
     """Validate counts [L, E] or [T, L, E] (summed over T) into float64 [L, E]."""
     try:
-        arr = np.asarray(raw, dtype=np.float64)
+        arr = np.asarray(raw)
     except (TypeError, ValueError):
-        raise InputError(f"{path}: '{key}' is not a numeric array of equal-length rows") from None
+        arr = None
+    # Booleans, strings, complex numbers and integers beyond 64 bits (object arrays) are
+    # not counts: refuse them rather than let numpy convert them.
+    if arr is None or arr.dtype.kind not in "iuf":
+        raise InputError(f"{path}: '{key}' is not a numeric array of equal-length rows")
+    arr = arr.astype(np.float64)
     if arr.ndim == 3:
         arr = arr.sum(axis=0)
     if arr.ndim != 2:
@@ -61,8 +66,12 @@ def load_counts(path: str | Path) -> np.ndarray:
                 if "logical_count" not in data.files:
                     raise InputError(f"{path}: missing key 'logical_count'")
                 raw = data["logical_count"]
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{path}: not a readable .npz file ({exc})") from None
+        except InputError:
+            raise
+        except Exception as exc:  # zip, zlib, header, size and pickle errors: a bad file
+            # (a bare .npy has no context manager: also "not an .npz file")
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise InputError(f"{path}: not a readable .npz file ({reason})") from None
         return _counts_array(raw, path)
     if suffix in (".pt", ".pth"):
         return _counts_array(_load_torch_counts(path), path)
@@ -86,7 +95,21 @@ def _load_torch_counts(path: Path) -> np.ndarray:
         data = data["logical_count"]
     if not isinstance(data, torch.Tensor):
         raise InputError(f"{path}: 'logical_count' is not a tensor")
-    return data.detach().to(torch.float64).numpy()
+    if (
+        data.layout != torch.strided
+        or data.device.type != "cpu"
+        or data.is_quantized
+        or data.is_complex()
+        or data.dtype == torch.bool
+    ):
+        raise InputError(
+            f"{path}: 'logical_count' must be a dense real-valued tensor, got {data.dtype} "
+            f"({data.layout}, {data.device.type})"
+        )
+    try:
+        return data.detach().to(torch.float64).numpy()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        raise InputError(f"{path}: 'logical_count' is not readable as numbers ({type(exc).__name__})") from None
 
 
 @dataclass(frozen=True)
@@ -115,6 +138,8 @@ def _json_object_with(path: Path, key: str) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise InputError(f"{path}: JSON nested too deeply") from None
     if not isinstance(data, dict) or key not in data:
         raise InputError(f"{path}: missing key {key!r}")
     return data
@@ -129,14 +154,31 @@ def read_placement(path: str | Path) -> PlacementFile:
     num_gpus = _positive_int(data, "num_gpus", path)
     num_nodes = _positive_int(data, "num_nodes", path, 1)
     try:
-        phy2log = np.asarray(data["phy2log"], dtype=np.int64)
+        phy2log = np.asarray(data["phy2log"])
     except (TypeError, ValueError):
-        raise InputError(f"{path}: 'phy2log' is not an integer array of equal-length rows") from None
+        phy2log = None
+    # Only JSON integers (numpy would truncate 1.7 to 1 and take true for 1; integers
+    # beyond 64 bits make an object array).
+    if phy2log is None or (phy2log.size and phy2log.dtype.kind not in "iu"):
+        raise InputError(f"{path}: 'phy2log' is not an integer array of equal-length rows")
     if phy2log.ndim != 2 or phy2log.size == 0:
         raise InputError(f"{path}: 'phy2log' must have rank 2 [layers, slots], got {phy2log.shape}")
     if (phy2log < 0).any():
         raise InputError(f"{path}: 'phy2log' has a negative expert index")
+    if phy2log.max() > np.iinfo(np.int64).max:  # uint64 beyond int64
+        raise InputError(f"{path}: 'phy2log' refers to expert {int(phy2log.max())}")
+    phy2log = phy2log.astype(np.int64)
     num_logical = _positive_int(data, "num_logical", path, int(phy2log.max()) + 1)
+    if num_logical > phy2log.shape[1]:
+        # every expert needs a slot in every layer (this also bounds the count below)
+        if "num_logical" not in data:
+            raise InputError(
+                f"{path}: 'phy2log' refers to expert {int(phy2log.max())} but has only "
+                f"{phy2log.shape[1]} slots per layer"
+            )
+        raise InputError(
+            f"{path}: {num_logical} experts do not fit in {phy2log.shape[1]} slots per layer"
+        )
     if phy2log.shape[1] % num_gpus:
         raise InputError(f"{path}: {phy2log.shape[1]} slots do not divide over {num_gpus} GPUs")
     if num_gpus % num_nodes:

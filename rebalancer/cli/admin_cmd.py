@@ -78,8 +78,78 @@ def _repeated(field: Any) -> bool:
 
 
 def _fail(code: int, message: str) -> int:
-    print(f"rebalancer admin: error: {message}", file=sys.stderr)
+    print(f"rebalancer admin: error: {' '.join(message.split())}", file=sys.stderr)
     return code
+
+
+UINT32_MAX = 2**32 - 1
+
+
+def _check_args(args: argparse.Namespace, pb: Any) -> list[tuple[str, Any]]:
+    """Refuse bad flags before any call (exit 2, nothing sent); the parsed policy settings."""
+    import math
+
+    from rebalancer.errors import InputError
+
+    texts = [("--address", args.address), ("--token", args.token),
+             ("deployment", getattr(args, "deployment", None)), *(("setting", s) for s in getattr(args, "settings", None) or [])]
+    for what, value in texts:
+        if value is None:
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"{what} {value!r} is not valid UTF-8 text") from None
+    if not args.address.strip():
+        raise InputError("--address is empty; expected host:port")
+    if args.token is not None and not all(0x20 <= ord(c) < 0x7F for c in args.token):
+        raise InputError("--token must be printable ASCII (it travels as a gRPC header)")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise InputError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.admin_command == "history" and not 0 <= args.limit <= UINT32_MAX:
+        raise InputError(f"--limit must be in [0, {UINT32_MAX}], got {args.limit}")
+    if args.admin_command == "force" and not math.isfinite(args.max_moved_fraction):
+        raise InputError(f"--max-moved-fraction must be a number, got {args.max_moved_fraction}")
+    if args.admin_command == "policy":
+        return _parse_settings(args.settings, pb)
+    return []
+
+
+def _parse_settings(settings: list[str], pb: Any) -> list[tuple[str, Any]]:
+    """`key=value` items as (field, value) of the v1 Policy message; InputError otherwise."""
+    from rebalancer.errors import InputError
+
+    fields = pb.Policy.DESCRIPTOR.fields_by_name
+    parsed: list[tuple[str, Any]] = []
+    for item in settings:
+        key, sep, value = item.partition("=")
+        field = fields.get(key)
+        if not sep or field is None:
+            raise InputError(f"setting {item!r}: expected key=value with key one of {', '.join(fields)}")
+        if field.type == field.TYPE_BOOL:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise InputError(f"setting {item!r}: {value!r} is not true or false")
+            parsed.append((key, value.lower() in ("true", "1")))
+            continue
+        try:
+            number: Any = int(value) if field.type == field.TYPE_UINT32 else float(value)
+        except ValueError:
+            kind = "an integer" if field.type == field.TYPE_UINT32 else "a number"
+            raise InputError(f"setting {item!r}: {value!r} is not {kind}") from None
+        if field.type == field.TYPE_UINT32 and not 0 <= number <= UINT32_MAX:
+            raise InputError(f"setting {item!r}: {number} is out of range [0, {UINT32_MAX}]")
+        parsed.append((key, number))
+    return parsed
+
+
+def _write(what: str, path: str, write: Any) -> None:
+    """Run `write()`; an unwritable path is bad input naming the flag."""
+    from rebalancer.errors import InputError
+
+    try:
+        write()
+    except OSError as exc:
+        raise InputError(f"{what} {path}: {exc.strerror or exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
     from rebalancer.wire.channel import ChannelConfig, sync_channel
 
+    args.parsed_settings = _check_args(args, pb)
     config = ChannelConfig(args.address, args.ca, args.cert, args.key, args.token)
     with sync_channel(config) as channel:
         stub = pb_grpc.AdminServiceStub(channel)
@@ -101,8 +172,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) -> int:
-    from rebalancer.errors import InputError
-
     def show(msg: Any, text: str) -> None:
         if args.json:
             print(json.dumps(plain(msg)))
@@ -122,10 +191,11 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
         status = stub.Status(pb.StatusRequest(deployment=args.deployment), **kw).deployments[0]
         phy2log = codec.decode(reply.phy2log, "phy2log")
         if args.out:
-            write_placement(args.out, phy2log, status.shape.num_gpus, status.shape.num_nodes or 1,
-                            status.shape.num_logical_experts, reply.version)
+            _write("--out", args.out, lambda: write_placement(
+                args.out, phy2log, status.shape.num_gpus, status.shape.num_nodes or 1,
+                status.shape.num_logical_experts, reply.version))
         if args.sglang:
-            write_sglang_expert_location(args.sglang, phy2log)
+            _write("--sglang", args.sglang, lambda: write_sglang_expert_location(args.sglang, phy2log))
         if args.json:
             print(json.dumps({"version": reply.version, "phy2log": phy2log.tolist()}))
         elif not (args.out or args.sglang):
@@ -161,21 +231,8 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
     elif cmd == "policy":
         policy = stub.GetPolicy(ref, **kw)
         if args.settings:
-            for item in args.settings:
-                key, sep, value = item.partition("=")
-                field = policy.DESCRIPTOR.fields_by_name.get(key)
-                if not sep or field is None:
-                    names = ", ".join(policy.DESCRIPTOR.fields_by_name)
-                    raise InputError(f"setting {item!r}: expected key=value with key one of {names}")
-                if field.type == field.TYPE_BOOL:
-                    if value.lower() not in ("true", "false", "1", "0"):
-                        raise InputError(f"setting {item!r}: {value!r} is not true or false")
-                    setattr(policy, key, value.lower() in ("true", "1"))
-                    continue
-                try:
-                    setattr(policy, key, int(value) if field.type == field.TYPE_UINT32 else float(value))
-                except ValueError:
-                    raise InputError(f"setting {item!r}: {value!r} is not a number") from None
+            for key, value in args.parsed_settings:  # checked before any call (_check_args)
+                setattr(policy, key, value)
             policy = stub.SetPolicy(pb.SetPolicyRequest(deployment=args.deployment, policy=policy), **kw)
         show(policy, "\n".join(f"{f.name} = {getattr(policy, f.name)}" for f in policy.DESCRIPTOR.fields))
     return 0

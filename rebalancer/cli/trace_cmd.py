@@ -22,7 +22,7 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="trace_command", metavar="ACTION")
+    sub = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
 
     make = sub.add_parser("make", help="build a drifting trace from summed routing files")
     make.add_argument("--kind", choices=("phase", "mix", "burst"), default="phase")
@@ -56,7 +56,6 @@ def register(subparsers: Any) -> None:
     )
     convert.add_argument("--window-seconds", type=float, default=None)
     convert.set_defaults(func=run_convert)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
 def _describe(trace: Any) -> dict[str, Any]:
@@ -71,12 +70,29 @@ def _describe(trace: Any) -> dict[str, Any]:
     }
 
 
+def _sources(paths: list[str]) -> dict[str, Any]:
+    """--source files, read and checked like any counts file (rebalancer.formats: summed
+    [L, E], a [T, L, E] dump is summed over T), without the layers that carry no load."""
+    from rebalancer.formats import load_counts
+
+    sources = {}
+    for raw in paths:
+        counts = load_counts(raw)
+        counts = counts[counts.sum(axis=1) > 0]
+        if not counts.size:
+            raise InputError(f"{raw}: no layer carries any count")
+        sources[Path(raw).stem] = counts
+    return sources
+
+
 def run_make(args: argparse.Namespace) -> int:
     from rebalancer.sim.generate import TraceGenConfig, deepseek_v3_sources, make_trace
 
     if not args.out.endswith(".npz"):
         raise InputError(f"--out must end in .npz, got {args.out!r}")
-    sources = deepseek_v3_sources([Path(s) for s in args.source] if args.source else None)
+    if args.seed < 0:
+        raise InputError(f"--seed must be >= 0, got {args.seed}")  # numpy's seeds are unsigned
+    sources = _sources(args.source) if args.source else deepseek_v3_sources()
     config = TraceGenConfig(
         kind=args.kind,
         windows=args.windows,

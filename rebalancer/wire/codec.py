@@ -31,7 +31,8 @@ def encode(array: np.ndarray) -> pb.Array:
     dtype = arr.dtype.newbyteorder("<")
     if dtype not in _FROM_NUMPY:
         raise InputError(f"cannot encode dtype {arr.dtype}; use int32, int64, uint32 or float32")
-    arr = np.ascontiguousarray(arr, dtype=dtype)
+    # np.asarray keeps a 0-d array 0-d (np.ascontiguousarray would make it [1]).
+    arr = np.asarray(arr, dtype=dtype, order="C")
     return pb.Array(dtype=_FROM_NUMPY[dtype], shape=list(arr.shape), data=arr.tobytes())
 
 
@@ -50,7 +51,10 @@ def decode(msg: pb.Array, what: str, shape: tuple[int, ...] | None = None) -> np
     expected = math.prod(got) * dtype.itemsize
     if len(msg.data) != expected:
         raise InputError(f"{what}: {len(msg.data)} bytes for shape {list(got)} of {dtype.name} (expected {expected})")
-    return np.frombuffer(msg.data, dtype=dtype).reshape(got)
+    try:
+        return np.frombuffer(msg.data, dtype=dtype).reshape(got)
+    except ValueError as exc:  # an empty shape numpy cannot hold: too many or too large dims
+        raise InputError(f"{what}: shape {list(got)} is not a valid array shape ({exc})") from None
 
 
 def decode_counts(msg: pb.Array, what: str, shape: tuple[int, ...]) -> np.ndarray:
