@@ -42,7 +42,8 @@ exit codes (every command):
   4    admin: refused in this state (FAILED_PRECONDITION, ALREADY_EXISTS)
   5    admin: controller unreachable or too slow (UNAVAILABLE, DEADLINE_EXCEEDED)
   6    admin: not authenticated or not allowed (UNAUTHENTICATED, PERMISSION_DENIED)
-  7    serve: in use: the store or a port belongs to another process (another controller?)
+  7    in use: serve: the store or a port belongs to another process (another controller?);
+       sidecar: its socket belongs to a live sidecar
   130  interrupted (Ctrl-C)
 Errors are one line on stderr: "rebalancer COMMAND: error: what and why".
 """

@@ -9,11 +9,15 @@ timeout before that aborts the plan on every rank (invariant 5).
 The coordinator is a plain state machine; it never does I/O itself. Each
 transition returns what to send to whom, so the server and the simulator can
 drive the same code. A report that does not fit the plan raises StateError.
+
+A report comes from one rank or from a group session (a pod's sidecar), which stands
+for all its ranks at once: `rank` is an int or a collection of ints everywhere here.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +26,22 @@ from rebalancer.controller.errors import StateError
 
 # How long past its prepare deadline a committing plan may wait for confirmations.
 COMMIT_GRACE_SECONDS = 60.0
+
+# One rank, or the ranks of a group session.
+Ranks = int | Collection[int]
+
+
+def rank_set(ranks: Ranks) -> frozenset[int]:
+    return frozenset((ranks,) if isinstance(ranks, int) else ranks)
+
+
+def who(ranks: Ranks, pod: str = "") -> str:
+    """`rank 3`, or `ranks 4-7 (pod ns/name)` for a group: for logs and abort reasons."""
+    rs = sorted(rank_set(ranks))
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    span = f"{rs[0]}-{rs[-1]}" if rs[-1] - rs[0] == len(rs) - 1 else ", ".join(map(str, rs))
+    return f"ranks {span}" + (f" (pod {pod})" if pod else "")
 
 
 class PlanState(enum.Enum):
@@ -53,6 +73,15 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Aborted:
+    """The newest aborted plan, retold to a session that (re)opens its stream: what it
+    staged while away is dropped (a sidecar or controller restarted mid-prepare)."""
+
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Transition:
     """What a call changed: messages to send and whether the plan ended."""
 
@@ -64,14 +93,15 @@ class Transition:
     unconfirmed: bool = False       # finished without any rank confirming the commit
 
 
-def on_prepared(plan: Plan, rank: int, now: float) -> Transition:
+def on_prepared(plan: Plan, rank: Ranks, now: float) -> Transition:
+    ranks = rank_set(rank)
     if plan.state is not PlanState.PREPARING:
-        if rank in plan.prepared:
+        if ranks <= plan.prepared:
             return Transition(duplicate=True)
         raise StateError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}, not preparing")
-    if rank in plan.prepared:
+    if ranks <= plan.prepared:
         return Transition(duplicate=True)
-    plan.prepared.add(rank)
+    plan.prepared |= ranks
     if len(plan.prepared) == plan.num_ranks:
         plan.state = PlanState.COMMITTING
         plan.prepared_at = now
@@ -79,9 +109,9 @@ def on_prepared(plan: Plan, rank: int, now: float) -> Transition:
     return Transition()
 
 
-def on_failed(plan: Plan, rank: int, error: str) -> Transition:
+def on_failed(plan: Plan, rank: Ranks, error: str, pod: str = "") -> Transition:
     if plan.state is PlanState.PREPARING:
-        return abort(plan, f"rank {rank} failed to prepare: {error or 'no reason given'}")
+        return abort(plan, f"{who(rank, pod)} failed to prepare: {error or 'no reason given'}")
     if plan.state is PlanState.ABORTED:
         return Transition(duplicate=True)
     raise StateError(
@@ -90,15 +120,16 @@ def on_failed(plan: Plan, rank: int, error: str) -> Transition:
     )
 
 
-def on_committed(plan: Plan, rank: int, now: float) -> Transition:
+def on_committed(plan: Plan, rank: Ranks, now: float) -> Transition:
+    ranks = rank_set(rank)
     if plan.state not in (PlanState.COMMITTING, PlanState.COMMITTED):
         raise StateError(
             "FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}; no commit was sent"
         )
-    if rank in plan.committed:
+    if ranks <= plan.committed:
         return Transition(duplicate=True)
     first = not plan.committed
-    plan.committed.add(rank)
+    plan.committed |= ranks
     if first:
         plan.state = PlanState.COMMITTED
         plan.committed_at = now
@@ -106,7 +137,7 @@ def on_committed(plan: Plan, rank: int, now: float) -> Transition:
     return Transition(became_committed=first, finished=done)
 
 
-def on_aborted(plan: Plan, rank: int) -> Transition:
+def on_aborted(plan: Plan, rank: Ranks) -> Transition:
     # A rank confirming it dropped its staging; nothing left to decide.
     return Transition(duplicate=True)
 
@@ -136,7 +167,8 @@ def on_tick(plan: Plan, now: float) -> Transition:
     return Transition()
 
 
-def on_disconnect(plan: Plan, rank: int) -> Transition:
+def on_disconnect(plan: Plan, rank: Ranks, pod: str = "") -> Transition:
+    """A session's stream ended: for a group session, all its ranks at once."""
     if plan.state is PlanState.PREPARING:
-        return abort(plan, f"rank {rank} disconnected while preparing")
+        return abort(plan, f"{who(rank, pod)} disconnected while preparing")
     return Transition()

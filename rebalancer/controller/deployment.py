@@ -1,9 +1,11 @@
 """What the controller holds about one deployment, and who is told when it changes.
 
 A deployment is one model served by one EP group of G ranks: its shape, committed
-placement, the ranks' sessions, the window merger, the policy loop (estimate + decision
-timing), the plan in flight and running totals. The modules beside this one (registry,
-reconcile, fold, decisions, plans, operate) change these objects; nothing here does I/O.
+placement, the ranks' sessions (one per rank, or one per group of ranks: a pod's
+sidecar), the window merger, the policy loop (estimate + decision timing), the plan in
+flight, the newest aborted plan (retold to a session that reconnects) and running
+totals. The modules beside this one (registry, reconcile, fold, decisions, plans,
+operate) change these objects; nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rebalancer.controller.coordinate import Plan
+from rebalancer.controller.coordinate import Aborted, Plan, who
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.ingest import WindowMerger
@@ -26,12 +28,29 @@ Send = Callable[[str, Any], None]
 
 @dataclass
 class Session:
+    """One registration: of one rank, or of a group of ranks (`ranks`, a pod's sidecar),
+    which then speaks for all of them: windows summed over them, reports for all."""
+
     session_id: str
-    rank: int
+    rank: int             # the rank, or a group's lowest rank
     worker_id: str
     registered_at: float  # controller clock
     send: Send | None = None
     streaming: bool = False
+    ranks: tuple[int, ...] = ()  # every rank it stands for; () means (rank,)
+    pod: str = ""                # a group's pod, for logs
+
+    def __post_init__(self) -> None:
+        self.ranks = tuple(sorted(self.ranks)) if self.ranks else (self.rank,)
+
+    @property
+    def group(self) -> bool:
+        return len(self.ranks) > 1 or bool(self.pod)
+
+    @property
+    def label(self) -> str:
+        """`rank 3`, or `ranks 0-7 (pod ns/name)`."""
+        return who(self.ranks, self.pod)
 
 
 @dataclass
@@ -79,13 +98,16 @@ class Deployment:
         self.shape = shape
         self.version = version
         self.phy2log = phy2log
-        self.sessions: dict[int, Session] = {}
+        self.sessions: dict[int, Session] = {}  # rank -> its session (a group's under each rank)
         self.windows = WindowMerger(shape.num_gpus)
         self.persisted_at = -float("inf")
         self.deciding = False  # a decision is being computed off the event loop
         # Estimate and decision timing: the same object the simulator drives.
         self.loop = PolicyLoop(shape, policy)
         self.plan: Plan | None = None
+        # The newest aborted plan while it is above the committed version: told again to
+        # a session opening its stream, so staging made while it was away is dropped.
+        self.last_aborted: Aborted | None = None
         self.stats = DeploymentStats()
 
     @property
@@ -102,11 +124,16 @@ class Deployment:
 
     @property
     def connected_ranks(self) -> int:
+        """Ranks with a stream open, their own or their group's."""
         return sum(1 for s in self.sessions.values() if s.streaming)
 
+    def live_sessions(self) -> list[Session]:
+        """Each session once (a group's is held under each of its ranks)."""
+        return list({id(s): s for s in self.sessions.values()}.values())
+
     def send_all(self, kind: str, plan: Plan) -> None:
-        """Queue one plan phase on every rank with a stream open."""
-        for session in self.sessions.values():
+        """Queue one plan phase on every session with a stream open (once per group)."""
+        for session in self.live_sessions():
             if session.send is not None:
                 session.send(kind, plan)
 

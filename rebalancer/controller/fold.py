@@ -1,7 +1,7 @@
 """Windows in: merge each rank's window, fold what became complete, decide when due.
 
-A window a rank sends is merged with the other ranks' windows of the same sequence
-number (ingest.py); a complete (or left-behind) one is folded into the deployment's load
+A window a rank (or a pod's sidecar, for its ranks) sends is merged with the other
+ranks' windows of the same sequence number (ingest.py); a complete (or left-behind) one is folded into the deployment's load
 estimate, measured (routed balancedness on the GPUs), shown to the window observers, and
 may make a policy decision due. The ingest cursor (per-rank next seq + the estimate built
 from them) is saved at most every `persist_seconds`, so a crash loses at most that much
@@ -14,6 +14,7 @@ import numpy as np
 
 from rebalancer import placement
 from rebalancer.controller.clock import Clock
+from rebalancer.controller.coordinate import Ranks
 from rebalancer.controller.decisions import Decisions
 from rebalancer.controller.deployment import Deployment, Observers, WindowEvent
 from rebalancer.controller.ingest import MergedWindow
@@ -33,10 +34,11 @@ class Folder:
         self.persist_seconds = persist_seconds
 
     def ingest(
-        self, dep: Deployment, rank: int, seq: int, version: int,
+        self, dep: Deployment, rank: Ranks, seq: int, version: int,
         logical: np.ndarray, physical: np.ndarray | None,
     ) -> bool:
-        """Merge one rank's window and fold what became complete; False for a duplicate."""
+        """Merge one rank's window (or a group's, summed over its ranks) and fold what
+        became complete; False for a duplicate."""
         if not dep.windows.add(rank, seq, logical, physical):
             dep.stats.duplicate_windows += 1
             return False

@@ -6,6 +6,10 @@ The windows of one sequence number are summed over ranks and released, in order,
 every rank sent its own, or once some rank is `fold_lag` windows ahead (a rank that lags
 or left must not hold the others back). Memory stays bounded: at most `fold_lag` + 1
 sequence numbers are pending.
+
+A group session (a pod's sidecar) sends one window per sequence number for all its
+ranks, already summed: it covers each of them and moves each one's cursor; the group
+resumes from the highest cursor of its ranks (`expected`), so nothing counts twice.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rebalancer.controller.coordinate import Ranks, rank_set, who
 from rebalancer.controller.errors import StateError
 
 FOLD_LAG = 2
@@ -41,16 +46,23 @@ class WindowMerger:
         self.next_seq = dict(next_seq)
         self.newest_seq = max(next_seq.values(), default=0) - 1
 
-    def add(self, rank: int, seq: int, logical: np.ndarray, physical: np.ndarray | None) -> bool:
-        """Merge one rank's window; False when it is a duplicate. Raises StateError on a gap.
+    def expected(self, rank: Ranks) -> int:
+        """The next seq a rank (or a group: the highest cursor of its ranks) may send."""
+        return max(self.next_seq.get(r, 0) for r in rank_set(rank))
+
+    def add(self, rank: Ranks, seq: int, logical: np.ndarray, physical: np.ndarray | None) -> bool:
+        """Merge one rank's window (or a group's, summed over its ranks); False when it is a
+        duplicate. Raises StateError on a gap.
 
         logical: [L, E] counts, physical: [L, P] or None (any integer or float dtype)."""
-        expected = self.next_seq.get(rank, 0)
+        ranks = rank_set(rank)
+        expected = self.expected(ranks)
         if seq < expected:
             return False
-        if seq > expected and rank in self.next_seq:
-            raise StateError("FAILED_PRECONDITION", f"window seq {seq} from rank {rank}: expected {expected}")
-        self.next_seq[rank] = seq + 1
+        if seq > expected and any(r in self.next_seq for r in ranks):
+            raise StateError("FAILED_PRECONDITION", f"window seq {seq} from {who(ranks)}: expected {expected}")
+        for r in ranks:
+            self.next_seq[r] = seq + 1
         self.newest_seq = max(self.newest_seq, seq)
         window = self._pending.get(seq)
         if window is None:
@@ -60,7 +72,7 @@ class WindowMerger:
             if window.physical is None:
                 window.physical = np.zeros(physical.shape)
             window.physical += physical
-        window.ranks.add(rank)
+        window.ranks |= ranks
         return True
 
     def ready(self) -> Iterator[MergedWindow]:

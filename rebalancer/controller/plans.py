@@ -2,8 +2,20 @@
 
 coordinate.py is the pure state machine; this module does what its transitions say:
 store the plan before any rank hears of it, queue Prepare / Commit / Abort on every
-rank's stream, resend the phase a reconnecting rank missed, commit to the store on the
-first confirmation, and tell the observers. One plan in flight per deployment.
+session's stream, resend the phase a reconnecting session missed, commit to the store on
+the first confirmation, and tell the observers. One plan in flight per deployment.
+
+A session is one rank or a group of ranks (a pod's sidecar): a group's report counts for
+each of its ranks, and its stream ending is a disconnect of all of them.
+
+Staging left behind: when a session's link goes down mid-prepare (its sidecar was killed,
+or the controller restarted), the plan aborts without that session hearing Abort, and
+its ranks may still hold the plan's staging. So a session opening its stream is told the
+newest aborted plan again while that plan is above the committed version
+(`Deployment.last_aborted`); a rank that never staged it ignores it. That keeps
+invariant 5 (staging dropped everywhere) without any state in the sidecar surviving its
+restart, and cannot break invariant 2: no rank commits a plan without its Commit, and
+Commit is never sent for an aborted plan.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import coordinate, reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Plan, PlanState, Transition
+from rebalancer.controller.coordinate import Aborted, Plan, PlanState, Transition
 from rebalancer.controller.deployment import Deployment, Observers, Session
 from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
@@ -50,30 +62,38 @@ class Plans:
         return plan
 
     def catch_up(self, dep: Deployment, session: Session) -> None:
-        """A rank (re)opened its stream: resend the phase of the plan in flight it missed."""
-        plan = dep.plan
-        if plan is None or session.send is None:
+        """A session (re)opened its stream: tell it the newest aborted plan if its ranks may
+        hold staging of it, then resend the phase of the plan in flight it missed."""
+        if session.send is None:
             return
-        if plan.state is PlanState.PREPARING and session.rank not in plan.prepared:
+        aborted = dep.last_aborted
+        if aborted is not None and aborted.version > dep.version:
+            session.send("abort", aborted)
+        plan = dep.plan
+        if plan is None:
+            return
+        ranks = set(session.ranks)
+        if plan.state is PlanState.PREPARING and not ranks <= plan.prepared:
             session.send("prepare", plan)
-        elif plan.state in (PlanState.COMMITTING, PlanState.COMMITTED) and session.rank not in plan.committed:
+        elif plan.state in (PlanState.COMMITTING, PlanState.COMMITTED) and not ranks <= plan.committed:
             session.send("commit", plan)
 
     def report(self, dep: Deployment, session: Session, version: int, phase: str, error: str = "") -> None:
-        """A rank's plan progress: prepared / failed / committed / aborted."""
+        """A session's plan progress (for each of its ranks): prepared / failed / committed /
+        aborted."""
         plan = dep.plan
         now = self.clock()
         if plan is None or plan.version != version:
             self._report_off_plan(dep, session, version, phase, now)
             return
         if phase == "prepared":
-            t = coordinate.on_prepared(plan, session.rank, now)
+            t = coordinate.on_prepared(plan, session.ranks, now)
         elif phase == "failed":
-            t = coordinate.on_failed(plan, session.rank, error)
+            t = coordinate.on_failed(plan, session.ranks, error, session.pod)
         elif phase == "committed":
-            t = coordinate.on_committed(plan, session.rank, now)
+            t = coordinate.on_committed(plan, session.ranks, now)
         elif phase == "aborted":
-            t = coordinate.on_aborted(plan, session.rank)
+            t = coordinate.on_aborted(plan, session.ranks)
         else:
             raise StateError("INVALID_ARGUMENT", f"plan phase {phase!r} is not reportable")
         self.apply(dep, t)
@@ -85,9 +105,12 @@ class Plans:
             return  # late confirmation of a plan already finished: harmless
         known = self.store.placement(dep.name, version) if version > dep.version else None
         if phase == "committed" and known is not None and plan is None:
-            reconcile.adopt(self.store, dep, version, known, f"rank {session.rank} confirmed it late", now)
+            reconcile.adopt(self.store, dep, version, known, f"{session.label} confirmed it late", now)
             return
-        latest = max(dep.version, plan.version if plan else 0)
+        latest = max(dep.version, plan.version if plan else 0,
+                     dep.last_aborted.version if dep.last_aborted else 0)
+        if phase == "aborted" and version <= latest:
+            return  # staging of a finished plan dropped (an Abort told again): harmless
         if version > latest:
             raise StateError("NOT_FOUND", f"plan v{version} unknown for {dep.name!r} (latest v{latest})")
         raise StateError(
@@ -101,10 +124,10 @@ class Plans:
         if dep.plan is not None:
             self.apply(dep, coordinate.on_tick(dep.plan, now))
 
-    def disconnected(self, dep: Deployment, rank: int) -> None:
-        """A rank's session ended: a plan still preparing cannot complete."""
+    def disconnected(self, dep: Deployment, session: Session) -> None:
+        """A session ended (a group's: all its ranks): a plan still preparing cannot complete."""
         if dep.plan is not None:
-            self.apply(dep, coordinate.on_disconnect(dep.plan, rank))
+            self.apply(dep, coordinate.on_disconnect(dep.plan, session.ranks, session.pod))
 
     def apply(self, dep: Deployment, t: Transition) -> None:
         """Do what a transition says: fan out, store, count, notify, free the slot."""
@@ -120,6 +143,7 @@ class Plans:
             log.warning("%s: plan v%d aborted: %s", dep.name, plan.version, plan.reason)
             self.store.set_plan_state(dep.name, plan.version, "aborted", plan.reason, now=now)
             dep.stats.plans_aborted += 1
+            dep.last_aborted = Aborted(plan.version, plan.reason)
             dep.send_all("abort", plan)
             self._notify(dep, plan, "aborted")
         if t.became_committed:

@@ -1,7 +1,7 @@
 """When a rank and the controller disagree on the committed placement version.
 
-A rank registers with the version it serves, or confirms a commit the controller no
-longer has in flight. Either side may be ahead: the controller may have lost a commit
+A rank (or a pod's sidecar, for its ranks) registers with the version it serves, or
+confirms a commit the controller no longer has in flight. Either side may be ahead: the controller may have lost a commit
 confirmation (crash after the ranks switched), or the ranks may have restarted on an
 older stored version. What is decided here: adopt the ranks' version when the store
 knows it and they are ahead (or all ranks are gone), refuse otherwise.
@@ -21,15 +21,16 @@ from rebalancer.controller.store import Store
 log = logging.getLogger("rebalancer.controller")
 
 
-def reconcile(store: Store, dep: Deployment, rank: int, version: int, now: float) -> None:
-    """A rank registers with another version than the controller holds as committed."""
+def reconcile(store: Store, dep: Deployment, who: str, version: int, now: float) -> None:
+    """A rank (`who`: "rank 3", or a group's "ranks 0-7 (pod p)") registers with another
+    version than the controller holds as committed."""
     plan = dep.plan
     if plan is not None and plan.version == version and plan.state in (PlanState.COMMITTING, PlanState.COMMITTED):
         return  # it already switched; its COMMITTED report will follow
     known = store.placement(dep.name, version)
     if version > dep.version and known is not None:
         # The ranks committed a plan whose confirmation the controller lost: theirs wins.
-        adopt(store, dep, version, known, f"rank {rank} registered serving it", now)
+        adopt(store, dep, version, known, f"{who} registered serving it", now)
         return
     if dep.connected_ranks == 0 and known is not None:
         log.warning("%s: ranks restarted on v%d (controller had v%d)", dep.name, version, dep.version)
@@ -38,7 +39,7 @@ def reconcile(store: Store, dep: Deployment, rank: int, version: int, now: float
         return
     raise StateError(
         "FAILED_PRECONDITION",
-        f"rank {rank} of {dep.name!r} serves placement v{version}, the deployment is at v{dep.version}",
+        f"{who} of {dep.name!r} serves placement v{version}, the deployment is at v{dep.version}",
     )
 
 

@@ -4,6 +4,11 @@ At start the deployments are read back from the store (a plan that never reached
 is void). A rank registers (creating its deployment on first sight, or checking its
 shape against it, reconciling a differing placement version), gets a session, attaches
 one stream to it, and detaches when the stream ends.
+
+A group session (a pod's sidecar) registers several ranks at once: each must be free (no
+other live session holds it) and the session is held under each of them, so counting
+connected ranks and checking "every rank is there" stay per rank; its stream ending
+detaches all of them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import reconcile
 from rebalancer.controller.clock import Clock
+from rebalancer.controller.coordinate import Aborted, Ranks, rank_set, who
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
 from rebalancer.controller.deployment import Deployment, Send, Session, shape_key
 from rebalancer.controller.errors import StateError
@@ -34,7 +40,7 @@ class Registry:
         self.clock = clock
         self.default_policy = default_policy
         self.deployments: dict[str, Deployment] = {}
-        self.sessions: dict[str, tuple[str, int]] = {}  # session id -> (deployment, rank)
+        self.sessions: dict[str, tuple[str, Session]] = {}  # session id -> (deployment, session)
 
     def load(self) -> None:
         """Read every deployment back from the store (a controller restart)."""
@@ -52,6 +58,11 @@ class Registry:
                 # A plan that never reached commit before the restart is void; ranks that
                 # staged it drop their staging when they re-register with the old version.
                 self.store.set_plan_state(row.name, plan.version, "aborted", "controller restarted", now=now)
+            # A session reconnecting is told of the newest plan if it aborted above the
+            # committed version: its ranks may hold staging of it (plans.catch_up).
+            newest = self.store.plans(row.name, 1)
+            if newest and newest[0].state == "aborted" and newest[0].version > dep.version:
+                dep.last_aborted = Aborted(newest[0].version, newest[0].reason)
             self.deployments[row.name] = dep
             log.info("loaded deployment %s at placement v%d", row.name, row.committed_version)
 
@@ -62,10 +73,13 @@ class Registry:
         return dep
 
     def register(
-        self, name: str, rank: int, shape: ClusterShape, version: int,
-        initial: np.ndarray | None, worker_id: str,
+        self, name: str, rank: Ranks, shape: ClusterShape, version: int,
+        initial: np.ndarray | None, worker_id: str, pod: str = "",
     ) -> tuple[Session, Deployment]:
+        """Register one rank, or a group of ranks (a sequence: a pod's sidecar)."""
         now = self.clock()
+        ranks = tuple(sorted(rank_set(rank)))
+        label = who(rank, pod)
         dep = self.deployments.get(name)
         if dep is None:
             phy2log = initial if initial is not None else placement.trivial_placement(
@@ -80,46 +94,61 @@ class Registry:
         elif shape_key(dep.shape) != shape_key(shape):
             raise StateError(
                 "FAILED_PRECONDITION",
-                f"deployment {name!r} is registered with shape {shape_key(dep.shape)}, rank {rank} reports {shape_key(shape)}",
+                f"deployment {name!r} is registered with shape {shape_key(dep.shape)}, {label} reports {shape_key(shape)}",
             )
-        old = dep.sessions.get(rank)
-        if old is not None and (old.streaming or now - old.registered_at < REREGISTER_SECONDS):
-            raise StateError("ALREADY_EXISTS", f"rank {rank} of {name!r} is already registered (session {old.session_id[:8]})")
+        olds = {}
+        for r in ranks:
+            old = dep.sessions.get(r)
+            if old is None:
+                continue
+            if old.streaming or now - old.registered_at < REREGISTER_SECONDS:
+                held_by = f", {old.label}" if old.group else ""
+                raise StateError(
+                    "ALREADY_EXISTS",
+                    f"rank {r} of {name!r} is already registered (session {old.session_id[:8]}{held_by})",
+                )
+            olds[old.session_id] = old
         if version != dep.version:
-            reconcile.reconcile(self.store, dep, rank, version, now)
-        if old is not None:
-            self.sessions.pop(old.session_id, None)
-        session = Session(uuid.uuid4().hex, rank, worker_id, registered_at=now)
-        dep.sessions[rank] = session
-        self.sessions[session.session_id] = (name, rank)
-        log.info("rank %d of %s registered (worker %s, v%d)", rank, name, worker_id or "?", version)
+            reconcile.reconcile(self.store, dep, label, version, now)
+        for old in olds.values():  # expired registrations that never streamed: replaced whole
+            self._forget(dep, old)
+        session = Session(uuid.uuid4().hex, ranks[0], worker_id, registered_at=now, ranks=ranks, pod=pod)
+        for r in ranks:
+            dep.sessions[r] = session
+        self.sessions[session.session_id] = (name, session)
+        log.info("%s of %s registered (worker %s, v%d)", label, name, worker_id or "?", version)
         return session, dep
+
+    def _forget(self, dep: Deployment, session: Session) -> None:
+        """Drop a session under every rank it holds."""
+        self.sessions.pop(session.session_id, None)
+        for r in session.ranks:
+            if dep.sessions.get(r) is session:
+                del dep.sessions[r]
 
     def session(self, session_id: str) -> tuple[Deployment, Session]:
         entry = self.sessions.get(session_id)
         if entry is None:
             raise StateError("NOT_FOUND", f"unknown session {session_id[:16]!r}: register first")
-        name, rank = entry
-        dep = self.deployments[name]
-        return dep, dep.sessions[rank]
+        name, session = entry
+        return self.deployments[name], session
 
     def attach(self, session_id: str, send: Send) -> tuple[Deployment, Session]:
         """Open the session's one stream: plan phases go to `send` from now on."""
         dep, session = self.session(session_id)
         if session.streaming:
-            raise StateError("ALREADY_EXISTS", f"session of rank {session.rank} already has a stream")
+            raise StateError("ALREADY_EXISTS", f"session of {session.label} already has a stream")
         session.send, session.streaming = send, True
         return dep, session
 
-    def detach(self, session_id: str) -> tuple[Deployment, int] | None:
-        """End the session; returns its deployment and rank (None if it was gone)."""
-        entry = self.sessions.pop(session_id, None)
+    def detach(self, session_id: str) -> tuple[Deployment, Session] | None:
+        """End the session (all its ranks); returns its deployment and the session (None
+        if it was gone)."""
+        entry = self.sessions.get(session_id)
         if entry is None:
             return None
-        name, rank = entry
+        name, session = entry
         dep = self.deployments[name]
-        session = dep.sessions.get(rank)
-        if session is not None and session.session_id == session_id:
-            del dep.sessions[rank]
-        log.info("rank %d of %s disconnected", rank, name)
-        return dep, rank
+        self._forget(dep, session)
+        log.info("%s of %s disconnected", session.label, name)
+        return dep, session

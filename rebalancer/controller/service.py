@@ -3,6 +3,8 @@
 This layer only translates: protobuf in, validated numpy and calls on the
 Controller out, and StateError / InputError into a gRPC status with a message
 and a log line. Validation happens before any state is touched (invariant 6).
+A session is one rank or, with `RegisterRequest.ranks`, a group of ranks (a pod's
+sidecar): its windows are summed over its ranks and its reports stand for all of them.
 Tokens are checked by the server's interceptor (auth.py); this layer only says which
 deployment a call is about, once it knows.
 """
@@ -30,6 +32,7 @@ from rebalancer.wire import codec
 log = logging.getLogger("rebalancer.service")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_POD_CHARS = 253  # a Kubernetes namespace/name fits
 _EOF = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime, missing in the stubs
 _PHASES = {
     pb.PLAN_PHASE_PREPARED: "prepared",
@@ -60,6 +63,30 @@ def check_name(name: str) -> str:
     return name
 
 
+def ranks_of(request: pb.RegisterRequest, num_gpus: int) -> int | tuple[int, ...]:
+    """The rank, or a group session's ranks (distinct, each in range)."""
+    if not request.ranks:
+        if request.rank >= num_gpus:
+            raise InputError(f"rank {request.rank} out of range for {num_gpus} GPUs")
+        return int(request.rank)
+    ranks = tuple(int(r) for r in request.ranks)
+    if len(set(ranks)) != len(ranks):
+        twice = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise InputError(f"ranks {list(ranks)} name rank {twice[0]} more than once")
+    out = [r for r in ranks if r >= num_gpus]
+    if out:
+        raise InputError(f"rank {out[0]} out of range for {num_gpus} GPUs")
+    if len(request.pod) > MAX_POD_CHARS or not request.pod.isprintable():
+        raise InputError(f"pod must be at most {MAX_POD_CHARS} printable characters")
+    return ranks
+
+
+def register_label(request: pb.RegisterRequest) -> str:
+    if request.ranks:
+        return f"ranks {list(request.ranks)}" + (f" (pod {request.pod[:64]})" if request.pod else "")
+    return f"rank {request.rank}"
+
+
 def shape_of(msg: pb.ModelShape) -> ClusterShape:
     shape = ClusterShape(
         num_layers=msg.num_layers, num_logical=msg.num_logical_experts,
@@ -83,7 +110,8 @@ def placement_msg(version: int, phy2log: Any) -> pb.Placement:
 
 
 def controller_message(kind: str, payload: Any, now: float) -> pb.ControllerMessage:
-    """A plan phase for a rank's stream; `now` on the controller's clock."""
+    """A plan phase for a session's stream; `now` on the controller's clock. `payload`
+    is the Plan, or for "abort" anything with `version` and `reason` (an Aborted)."""
     plan: Plan = payload
     if kind == "prepare":
         return pb.ControllerMessage(prepare=pb.Prepare(
@@ -165,23 +193,22 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             name = check_name(request.deployment)
             self.check_deployment(name)
             shape = shape_of(request.shape)
-            if request.rank >= shape.num_gpus:
-                raise InputError(f"rank {request.rank} out of range for {shape.num_gpus} GPUs")
+            ranks = ranks_of(request, shape.num_gpus)
             initial = None
             if request.HasField("initial_placement"):
                 initial = codec.decode_phy2log(
                     request.initial_placement.phy2log, shape.num_layers, shape.num_slots, shape.num_logical
                 )
             session, dep = self.controller.register(
-                name, request.rank, shape, request.placement_version, initial, request.worker_id
+                name, ranks, shape, request.placement_version, initial, request.worker_id, request.pod
             )
         except (InputError, StateError) as exc:
-            await refuse(context, exc, f"Register({request.deployment!r}, rank {request.rank})")
+            await refuse(context, exc, f"Register({request.deployment!r}, {register_label(request)})")
             raise AssertionError("unreachable") from exc
         return pb.RegisterResponse(
             session_id=session.session_id,
             committed=placement_msg(dep.version, dep.phy2log),
-            next_window_seq=dep.next_seq.get(request.rank, 0),
+            next_window_seq=dep.windows.expected(session.ranks),
         )
 
     async def Stream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
@@ -243,14 +270,14 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 physical = None
                 if w.HasField("physical_count"):
                     physical = codec.decode_counts(w.physical_count, "physical_count", physical_shape)
-                self.controller.ingest(dep, session.rank, w.seq, w.placement_version, logical, physical)
+                self.controller.ingest(dep, session.ranks, w.seq, w.placement_version, logical, physical)
                 if self.on_ingest is not None:
                     nbytes = len(w.logical_count.data) + len(w.physical_count.data)
                     self.on_ingest(dep.name, nbytes, self.clock() - t0)
                 acks.ingested(w.seq)
         except (InputError, StateError) as exc:
             await stop_writer(flush=False)
-            await refuse(context, exc, f"Stream window from rank {session.rank} of {dep.name!r}")
+            await refuse(context, exc, f"Stream window from {session.label} of {dep.name!r}")
         finally:
             acks.close()
             write_task.cancel()

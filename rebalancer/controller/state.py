@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from rebalancer.controller.clock import Clock, system_clock
-from rebalancer.controller.coordinate import Plan
+from rebalancer.controller.coordinate import Plan, Ranks
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.decisions import Background, Decisions, run_inline
 from rebalancer.controller.deployment import Deployment, Observers, Send, Session
@@ -59,10 +59,11 @@ class Controller:
     # ------------------------------------------------------------ ranks
 
     def register(
-        self, name: str, rank: int, shape: ClusterShape, version: int,
-        initial: np.ndarray | None, worker_id: str,
+        self, name: str, rank: Ranks, shape: ClusterShape, version: int,
+        initial: np.ndarray | None, worker_id: str, pod: str = "",
     ) -> tuple[Session, Deployment]:
-        return self.registry.register(name, rank, shape, version, initial, worker_id)
+        """One rank, or a group of ranks (a sequence: a pod's sidecar speaking for them)."""
+        return self.registry.register(name, rank, shape, version, initial, worker_id, pod)
 
     def session(self, session_id: str) -> tuple[Deployment, Session]:
         return self.registry.session(session_id)
@@ -78,14 +79,15 @@ class Controller:
             self.plans.disconnected(*gone)
 
     def ingest(
-        self, dep: Deployment, rank: int, seq: int, version: int,
+        self, dep: Deployment, rank: Ranks, seq: int, version: int,
         logical: np.ndarray, physical: np.ndarray | None,
     ) -> bool:
-        """Merge one rank's window and fold what became complete; False for a duplicate."""
+        """Merge one session's window (a group's: summed over its ranks) and fold what
+        became complete; False for a duplicate."""
         return self.folder.ingest(dep, rank, seq, version, logical, physical)
 
     def report(self, session_id: str, version: int, phase: str, error: str = "") -> None:
-        """A rank's plan progress: prepared / failed / committed / aborted."""
+        """A session's plan progress (for all its ranks): prepared / failed / committed / aborted."""
         dep, session = self.registry.session(session_id)
         self.plans.report(dep, session, version, phase, error)
 

@@ -70,20 +70,24 @@ class Placement(_message.Message):
     def __init__(self, version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("deployment", "rank", "shape", "placement_version", "initial_placement", "worker_id")
+    __slots__ = ("deployment", "rank", "shape", "placement_version", "initial_placement", "worker_id", "ranks", "pod")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIAL_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     rank: int
     shape: ModelShape
     placement_version: int
     initial_placement: Placement
     worker_id: str
-    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., initial_placement: _Optional[_Union[Placement, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    pod: str
+    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., initial_placement: _Optional[_Union[Placement, _Mapping]] = ..., worker_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., pod: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "committed", "next_window_seq")

@@ -1,0 +1,165 @@
+"""The sidecar's settings: one typed dataclass, filled from flags or the pod's environment.
+
+Kubernetes conventions: the controller's address from `REBALANCER_CONTROLLER`, pod name
+and namespace from the downward API (`POD_NAME`, `POD_NAMESPACE`), and in a
+LeaderWorkerSet the pod's ranks from `LWS_GROUP_SIZE` / `LWS_WORKER_INDEX` with
+`--ranks-per-pod` (pod i of the group holds ranks i*n .. i*n + n - 1). Credentials are
+read from files (mounted secrets), never from flags or the environment.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+from rebalancer.errors import InputError
+from rebalancer.wire.channel import ChannelConfig
+
+DEFAULT_LISTEN = "unix:///run/rebalancer/agent.sock"
+
+# Who may connect to the socket: its owner only (directory 0700, socket 0600), or also
+# its group (0750, 0660: an engine container running as another user of the pod's
+# fsGroup).
+SocketAccess = Literal["owner", "group"]
+SOCKET_ACCESS: tuple[SocketAccess, ...] = get_args(SocketAccess)
+MODES: dict[SocketAccess, tuple[int, int]] = {"owner": (0o700, 0o600), "group": (0o750, 0o660)}
+
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything the daemon needs; checked on construction (InputError, one line)."""
+
+    controller: str                      # the controller's gRPC target (host:port)
+    ranks: tuple[int, ...]               # the EP ranks of this pod
+    listen: str = DEFAULT_LISTEN         # unix:///absolute/path of the ranks' socket
+    socket_access: SocketAccess = "group"
+    deployment: str = ""                 # empty: the deployment the ranks register with
+    pod: str = ""                        # namespace/name, for logs and the controller
+    # Upstream credentials (files): TLS with the controller's CA, mutual TLS with a client
+    # certificate and key, and the deployment's bearer token.
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    token_file: str | None = None
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None      # None: no /metrics server; 0 picks a port
+    max_buffered_windows: int = 64       # merged windows held while upstream is down
+    fold_lag: int = 2                    # a rank this many windows behind is not waited for
+    rpc_timeout_seconds: float = 5.0     # deadline of upstream unary calls
+    backoff_initial_seconds: float = 0.2
+    backoff_max_seconds: float = 5.0
+    grace_seconds: float = 2.0           # on SIGTERM: calls in flight and last windows
+
+    def __post_init__(self) -> None:
+        if not self.controller:
+            raise InputError("the controller's address is needed (--controller or REBALANCER_CONTROLLER)")
+        if not self.ranks:
+            raise InputError("the pod's ranks are needed (--ranks, or LWS_GROUP_SIZE/LWS_WORKER_INDEX with --ranks-per-pod)")
+        if len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
+            raise InputError(f"ranks {list(self.ranks)} must be distinct and >= 0")
+        socket_path(self.listen)  # raises on a target that is not unix:///absolute/path
+        if self.socket_access not in SOCKET_ACCESS:
+            raise InputError(f"socket access {self.socket_access!r} is not one of {SOCKET_ACCESS}")
+        if self.max_buffered_windows < 1:
+            raise InputError(f"max buffered windows must be >= 1, got {self.max_buffered_windows}")
+        if self.fold_lag < 1:
+            raise InputError(f"fold lag must be >= 1, got {self.fold_lag}")
+        for name in ("rpc_timeout_seconds", "backoff_initial_seconds", "backoff_max_seconds"):
+            if not getattr(self, name) > 0:
+                raise InputError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.backoff_max_seconds < self.backoff_initial_seconds:
+            raise InputError("backoff max must be >= backoff initial")
+        if self.grace_seconds < 0:
+            raise InputError(f"grace must be >= 0, got {self.grace_seconds}")
+        self.channel()  # a missing credential file fails now, not at the first connect
+
+    @property
+    def socket(self) -> Path:
+        return socket_path(self.listen)
+
+    @property
+    def modes(self) -> tuple[int, int]:
+        """(directory mode, socket mode)."""
+        return MODES[self.socket_access]
+
+    @property
+    def ranks_label(self) -> str:
+        return format_ranks(self.ranks)
+
+    def channel(self) -> ChannelConfig:
+        """The upstream channel: TLS / mutual TLS / bearer token, all from files."""
+        token = None
+        if self.token_file:
+            path = Path(self.token_file)
+            if not path.is_file():
+                raise InputError(f"{self.token_file}: no such file (worker token)")
+            token = path.read_text().strip() or None
+            if token is None:
+                raise InputError(f"{self.token_file}: the worker token file is empty")
+        config = ChannelConfig(self.controller, self.ca_file, self.cert_file, self.key_file, token)
+        config.credentials()  # reads the certificate files, raises InputError on a missing one
+        return config
+
+
+def socket_path(target: str) -> Path:
+    """The path of a `unix:///absolute/path` (or `unix:/absolute/path`) target."""
+    for prefix in ("unix://", "unix:"):
+        if target.startswith(prefix):
+            path = Path(target[len(prefix):])
+            if path.is_absolute() and path.name:
+                if len(str(path).encode()) > 107:
+                    raise InputError(f"socket path {path} is longer than the 107 bytes a Unix socket allows")
+                return path
+            break
+    raise InputError(f"listen address {target!r} must be unix:///absolute/path")
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """`0-7`, `8,9,10` or `0-3,8-11` -> the ranks, in order."""
+    ranks: list[int] = []
+    for part in text.split(","):
+        m = _RANGE.match(part)
+        if m is None:
+            raise InputError(f"ranks {text!r}: {part.strip()!r} is not a rank or a range like 0-7")
+        lo, hi = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
+        if hi < lo:
+            raise InputError(f"ranks {text!r}: range {lo}-{hi} is empty")
+        ranks.extend(range(lo, hi + 1))
+    if len(set(ranks)) != len(ranks):
+        raise InputError(f"ranks {text!r} name a rank twice")
+    return tuple(ranks)
+
+
+def format_ranks(ranks: tuple[int, ...]) -> str:
+    rs = sorted(ranks)
+    if rs and rs[-1] - rs[0] == len(rs) - 1:
+        return f"{rs[0]}-{rs[-1]}" if len(rs) > 1 else str(rs[0])
+    return ",".join(map(str, rs))
+
+
+def lws_ranks(env: Mapping[str, str], ranks_per_pod: int) -> tuple[int, ...]:
+    """This pod's ranks in a LeaderWorkerSet group: pod LWS_WORKER_INDEX of LWS_GROUP_SIZE."""
+    if ranks_per_pod < 1:
+        raise InputError(f"--ranks-per-pod must be >= 1, got {ranks_per_pod}")
+    try:
+        size, index = int(env["LWS_GROUP_SIZE"]), int(env["LWS_WORKER_INDEX"])
+    except KeyError as exc:
+        raise InputError(f"{exc.args[0]} is not set: give --ranks, or run in a LeaderWorkerSet") from None
+    except ValueError:
+        raise InputError("LWS_GROUP_SIZE and LWS_WORKER_INDEX must be integers") from None
+    if size < 1 or not 0 <= index < size:
+        raise InputError(f"LWS_WORKER_INDEX={index} is not in a group of LWS_GROUP_SIZE={size}")
+    return tuple(range(index * ranks_per_pod, (index + 1) * ranks_per_pod))
+
+
+def pod_identity(env: Mapping[str, str]) -> str:
+    """`namespace/name` from the downward API; the host name outside Kubernetes."""
+    name = env.get("POD_NAME") or socket.gethostname()
+    namespace = env.get("POD_NAMESPACE", "")
+    return f"{namespace}/{name}" if namespace else name

@@ -1,0 +1,134 @@
+"""The sidecar process: one grpc.aio server on the ranks' socket and one upstream link,
+on one event loop.
+
+Start: claim the socket path (one sidecar per path; a stale socket is replaced), serve
+the WorkerService and gRPC health (NOT_SERVING until up, then SERVING: the startup
+probe, `rebalancer sidecar --check`, waits for it) on the socket, born with its
+restrictive mode; Prometheus metrics on a port of their own; then the upstream link.
+Shutdown (SIGTERM, SIGINT) drains: health turns NOT_SERVING, the windows still being
+merged are sent with the last ones and the group stream ends cleanly, ranks' calls in
+flight get `grace_seconds`, the socket and its lock go. A plan still preparing aborts
+when the group stream ends (invariant 5), as it does when the sidecar dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from rebalancer.sidecar import listen
+from rebalancer.sidecar.config import SidecarConfig
+from rebalancer.sidecar.metrics import SidecarMetrics
+from rebalancer.sidecar.pod import Pod
+from rebalancer.sidecar.ranks import RankService
+from rebalancer.sidecar.upstream import Upstream
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.channel import server_options
+
+log = logging.getLogger("rebalancer.sidecar")
+
+WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+class Sidecar:
+    """Owns the pod state, the socket server, the upstream link and the metrics server."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.pod = Pod(config)
+        self.upstream = Upstream(config, self.pod)
+        self.metrics = SidecarMetrics(self.pod, self.upstream)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=server_options())
+        pb_grpc.add_WorkerServiceServicer_to_server(RankService(self.pod), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.metrics_port: int | None = None
+        self._claim: listen.SocketClaim | None = None
+        self._metrics_http: Any = None
+        self._upstream_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._stopped = asyncio.Event()
+
+    @property
+    def target(self) -> str:
+        return f"unix://{self.config.socket}"
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", WORKER_SERVICE):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        dir_mode, socket_mode = self.config.modes
+        self._claim = listen.claim(self.config.socket, dir_mode)
+        try:
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            with listen.umask_for(socket_mode):
+                if self.server.add_insecure_port(self.target) == 0:
+                    raise OSError(f"cannot listen on {self.target}")
+                await self.server.start()
+            os.chmod(self.config.socket, socket_mode)
+            if self.config.metrics_port is not None:
+                try:
+                    self._metrics_http, _ = start_http_server(
+                        self.config.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
+                    )
+                except OSError as exc:
+                    if exc.errno == errno.EADDRINUSE:
+                        raise listen.InUse(f"metrics port {self.config.metrics_port} is in use") from None
+                    raise
+                self.metrics_port = int(self._metrics_http.server_port)
+                log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
+        except BaseException:
+            await self.server.stop(0)  # a server already started must not outlive the failure
+            self._claim.release()
+            raise
+        self._upstream_task = asyncio.create_task(self.upstream.run())
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("sidecar of ranks %s serving on %s (controller %s)",
+                 self.config.ranks_label, self.target, self.config.controller)
+
+    async def stop(self) -> None:
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        log.info("draining (grace %.1fs)", self.config.grace_seconds)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.pod.flush_windows()
+        self.upstream.stop()
+        if self._upstream_task is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._upstream_task, self.config.grace_seconds + 1.0)
+        await self.server.stop(self.config.grace_seconds)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        if self._claim is not None:
+            self._claim.release()
+        self._stopped.set()
+        log.info("sidecar stopped")
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: SidecarConfig, ready: Callable[[Sidecar], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain."""
+    sidecar = Sidecar(config)
+    await sidecar.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(sidecar.stop()))
+    if ready is not None:
+        ready(sidecar)
+    await sidecar.wait()

@@ -1,0 +1,270 @@
+"""What the sidecar knows about its pod, shared by the ranks' side and the upstream side.
+
+The pod's ranks register here (deployment and shape must agree, each rank once), open
+one stream each, send windows (merged per seq into the bounded buffer) and plan reports
+(narrowed by the relay into the group's reports). The upstream link reads the buffer and
+the report queue, registers the pod as one group session once every rank has registered
+(and, the first time, opened its stream), and hands down the controller's plan phases.
+
+A rank's Register is answered at once, never waiting on the controller: with the
+controller's committed placement as of the sidecar's last registration or relayed
+commit, or, before the sidecar first reached the controller, the placement the rank
+started with (version 0). The rank does not act on it (worker_hooks keeps it for
+inspection); what keeps ranks consistent is the plan phases. `next_window_seq` is the
+rank's cursor on this sidecar: windows are numbered per rank between rank and sidecar,
+and the sidecar numbers the merged windows it sends upstream itself, from the
+controller's cursor of the group.
+
+Everything here runs on the sidecar's event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from rebalancer.sidecar.config import SidecarConfig
+from rebalancer.sidecar.errors import SidecarError
+from rebalancer.sidecar.merge import MergedWindow, WindowBuffer, WindowMerge
+from rebalancer.sidecar.relay import Actions, Event, Relay, RelayPlan
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire import codec
+from rebalancer.wire.layout import trivial_placement
+
+log = logging.getLogger("rebalancer.sidecar")
+
+Send = Callable[[pb.ControllerMessage], None]
+
+
+@dataclass
+class RankSession:
+    rank: int
+    session_id: str
+    worker_id: str
+    send: Send | None = None  # set while its stream is open
+
+
+@dataclass
+class PodStats:
+    windows_in: int = 0        # rank windows received
+    windows_out: int = 0       # merged windows sent upstream
+    duplicate_windows: int = 0
+    plans_committed: int = 0
+    plans_aborted: int = 0
+
+
+class Pod:
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.ranks = tuple(sorted(config.ranks))
+        self.deployment = config.deployment
+        self.shape: pb.ModelShape | None = None
+        self.initial: pb.Placement | None = None
+        self.sessions: dict[str, RankSession] = {}  # local session id -> session
+        self.by_rank: dict[int, RankSession] = {}
+        self.merge = WindowMerge(self.ranks, config.fold_lag)
+        self.buffer = WindowBuffer(config.max_buffered_windows)
+        self.relay = Relay(self.ranks)
+        self.reports: deque[pb.PlanReport] = deque()  # for the controller, in order
+        self.committed: pb.Placement | None = None    # the controller's, once known
+        self.upstream_registered = False
+        self.stats = PodStats()
+        self.changed = asyncio.Event()  # wakes the upstream link: windows, reports, ranks
+        self.observers: list[Callable[[Event, RelayPlan], None]] = []
+
+    # ------------------------------------------------------------ the ranks
+
+    @property
+    def connected_ranks(self) -> int:
+        # list() first: metrics read this from their own thread while the loop may add a rank.
+        return sum(1 for s in list(self.by_rank.values()) if s.send is not None)
+
+    def register(self, request: pb.RegisterRequest) -> pb.RegisterResponse:
+        """A rank registers on the socket: checked against the pod, answered at once."""
+        rank = int(request.rank)
+        if request.ranks:
+            raise SidecarError("INVALID_ARGUMENT", "a sidecar serves single ranks, not group sessions")
+        if rank not in self.ranks:
+            raise SidecarError("INVALID_ARGUMENT", f"rank {rank} is not one of this pod's ranks {self.config.ranks_label}")
+        if self.deployment and request.deployment != self.deployment:
+            raise SidecarError(
+                "FAILED_PRECONDITION",
+                f"rank {rank} registers for deployment {request.deployment!r}, this pod serves {self.deployment!r}",
+            )
+        if self.shape is not None and request.shape != self.shape:
+            raise SidecarError(
+                "FAILED_PRECONDITION",
+                f"rank {rank} reports shape {_shape_text(request.shape)}, the pod's ranks {_shape_text(self.shape)}",
+            )
+        if max(self.ranks) >= request.shape.num_gpus:
+            raise SidecarError(
+                "INVALID_ARGUMENT",
+                f"this pod's ranks {self.config.ranks_label} do not fit {request.shape.num_gpus} GPUs",
+            )
+        old = self.by_rank.get(rank)
+        if old is not None and old.send is not None:
+            raise SidecarError("ALREADY_EXISTS", f"rank {rank} is already registered here with a stream open")
+        # Accepted: nothing above changed any state.
+        self.deployment = request.deployment
+        if self.shape is None:
+            self.shape = pb.ModelShape()
+            self.shape.CopyFrom(request.shape)
+        if self.initial is None and request.HasField("initial_placement"):
+            self.initial = pb.Placement()
+            self.initial.CopyFrom(request.initial_placement)
+        if old is not None:
+            self.sessions.pop(old.session_id, None)
+        session = RankSession(rank, uuid.uuid4().hex, request.worker_id)
+        self.sessions[session.session_id] = self.by_rank[rank] = session
+        self.relay.serves(rank, request.placement_version, registering=True)
+        log.info("rank %d registered (worker %s, v%d)", rank, request.worker_id or "?", request.placement_version)
+        self.changed.set()
+        return pb.RegisterResponse(
+            session_id=session.session_id,
+            committed=self._committed_for(request),
+            next_window_seq=self.merge.cursor(rank),
+        )
+
+    def _committed_for(self, request: pb.RegisterRequest) -> pb.Placement:
+        if self.committed is not None:
+            return self.committed
+        if self.initial is not None:  # the sidecar has not reached the controller yet
+            return pb.Placement(version=0, phy2log=self.initial.phy2log)
+        s = request.shape
+        phy2log = trivial_placement(s.num_layers, s.num_logical_experts, s.num_physical_slots, s.num_gpus)
+        return pb.Placement(version=0, phy2log=codec.encode(np.asarray(phy2log, dtype=np.int32)))
+
+    def session(self, session_id: str) -> RankSession:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SidecarError("NOT_FOUND", f"unknown session {session_id[:16]!r}: register first")
+        return session
+
+    def attach(self, session_id: str, send: Send) -> RankSession:
+        session = self.session(session_id)
+        if session.send is not None:
+            raise SidecarError("ALREADY_EXISTS", f"session of rank {session.rank} already has a stream")
+        session.send = send
+        log.info("rank %d connected", session.rank)
+        self.apply(self.relay.attached(session.rank))
+        self.changed.set()
+        return session
+
+    def detach(self, session: RankSession) -> None:
+        if self.by_rank.get(session.rank) is not session or session.send is None:
+            session.send = None
+            return
+        session.send = None
+        log.info("rank %d disconnected", session.rank)
+        self.apply(self.relay.detached(session.rank))
+
+    def window(self, session: RankSession, w: pb.Window) -> bool:
+        """One rank window: validated, merged; False for a duplicate."""
+        assert self.shape is not None  # a session exists only after a registration
+        L, E, P = self.shape.num_layers, self.shape.num_logical_experts, self.shape.num_physical_slots
+        logical = codec.decode_counts(w.logical_count, "logical_count", (L, E))
+        physical = None
+        if w.HasField("physical_count"):
+            physical = codec.decode_counts(w.physical_count, "physical_count", (L, P))
+        fresh = self.merge.add(session.rank, w.seq, w.first_step, w.num_steps, w.placement_version, logical, physical)
+        log.debug("rank %d window seq %d (steps %d+%d, v%d)%s", session.rank, w.seq, w.first_step,
+                  w.num_steps, w.placement_version, "" if fresh else " again")
+        if not fresh:
+            self.stats.duplicate_windows += 1
+            return False
+        self.stats.windows_in += 1
+        self.relay.serves(session.rank, w.placement_version)
+        for merged in self.merge.ready():
+            self.buffer.push(merged)
+        self.changed.set()
+        return True
+
+    def report(self, report: pb.PlanReport) -> None:
+        session = self.session(report.session_id)
+        self.apply(self.relay.report(session.rank, report))
+
+    # ------------------------------------------------------------ the controller
+
+    def upstream_ready(self) -> bool:
+        """Every rank registered (and, before the first upstream registration, has its
+        stream open, so that no plan finds a rank missing at the start)."""
+        if self.shape is None or set(self.by_rank) != set(self.ranks):
+            return False
+        return self.upstream_registered or self.connected_ranks == len(self.ranks)
+
+    def group_request(self) -> pb.RegisterRequest:
+        """The pod's registration as one group session of its ranks."""
+        assert self.shape is not None
+        version = max((self.relay.versions.get(r, 0) for r in self.ranks), default=0)
+        request = pb.RegisterRequest(
+            deployment=self.deployment, rank=self.ranks[0], ranks=self.ranks, shape=self.shape,
+            placement_version=version, pod=self.config.pod,
+            worker_id=f"sidecar {self.config.pod} pid {os.getpid()}",
+        )
+        if self.initial is not None:
+            request.initial_placement.CopyFrom(self.initial)
+        return request
+
+    def registered_upstream(self, response: pb.RegisterResponse) -> None:
+        self.committed = pb.Placement()
+        self.committed.CopyFrom(response.committed)
+        self.upstream_registered = True
+
+    def from_controller(self, msg: pb.ControllerMessage) -> None:
+        """A plan phase from the controller, relayed to the ranks."""
+        kind = msg.WhichOneof("body")
+        if kind == "prepare":
+            log.info("plan v%d: prepare relayed to ranks %s", msg.prepare.version, self.config.ranks_label)
+            self.apply(self.relay.prepare(msg.prepare))
+        elif kind == "commit":
+            log.info("plan v%d: commit relayed", msg.commit.version)
+            self.apply(self.relay.commit(msg.commit.version))
+        elif kind == "abort":
+            log.warning("plan v%d aborted: %s", msg.abort.version, msg.abort.reason)
+            self.apply(self.relay.abort(msg.abort.version, msg.abort.reason))
+        else:
+            log.warning("controller message %r ignored", kind)
+
+    def take_windows(self) -> list[MergedWindow]:
+        return self.buffer.take()
+
+    def flush_windows(self) -> None:
+        """Release every open merge slot into the buffer (shutdown: send what we have)."""
+        for merged in self.merge.flush():
+            self.buffer.push(merged)
+        self.changed.set()
+
+    # ------------------------------------------------------------ relay actions
+
+    def apply(self, actions: Actions) -> None:
+        for rank, message in actions.to_ranks:
+            session = self.by_rank.get(rank)
+            if session is not None and session.send is not None:
+                session.send(message)
+        if actions.drop_reports is not None:
+            version = actions.drop_reports
+            self.reports = deque(r for r in self.reports if r.version != version)
+        self.reports.extend(actions.upstream)
+        for event, plan in actions.events:
+            if event == "committed":
+                self.stats.plans_committed += 1
+                if plan.prepare is not None:
+                    self.committed = pb.Placement(version=plan.version, phy2log=plan.prepare.placement.phy2log)
+            elif event == "aborted":
+                self.stats.plans_aborted += 1
+            for observer in self.observers:
+                observer(event, plan)
+        if actions.upstream:
+            self.changed.set()
+
+
+def _shape_text(shape: pb.ModelShape) -> str:
+    return (f"L={shape.num_layers} E={shape.num_logical_experts} P={shape.num_physical_slots} "
+            f"G={shape.num_gpus} N={shape.num_nodes} groups={shape.num_groups} bytes={shape.expert_bytes}")

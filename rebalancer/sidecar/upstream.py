@@ -1,0 +1,208 @@
+"""The pod's one link to the controller: a group session and its stream.
+
+Once every rank has registered on the socket, the link registers the pod as one group
+session of its ranks (pod identity, rank set, shape, the version the ranks serve), opens
+one stream, sends the merged windows (numbered from the controller's cursor of the
+group), relays the controller's plan phases to the Pod, and sends the pod's plan reports
+with the unary ReportPlan. It holds the credentials (TLS, mutual TLS, bearer token).
+
+When the controller is unreachable nothing waits on it: windows pile up merged in the
+pod's bounded buffer, reports stay queued. The link reconnects with exponential backoff
+and jitter, registers again (which resyncs the placement version: the controller
+reconciles, answers with its committed placement and its cursor, and tells the group the
+newest aborted plan and any commit it missed), resends the windows it had sent but that
+were not acknowledged from that cursor on, and carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Literal, get_args
+
+import grpc
+import numpy as np
+
+from rebalancer.sidecar.config import SidecarConfig
+from rebalancer.sidecar.merge import MergedWindow
+from rebalancer.sidecar.pod import Pod
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire import codec
+from rebalancer.wire.channel import aio_channel
+
+log = logging.getLogger("rebalancer.sidecar")
+
+UpstreamState = Literal["waiting_for_ranks", "connecting", "connected", "backoff", "refused", "stopped"]
+UPSTREAM_STATES: tuple[UpstreamState, ...] = get_args(UpstreamState)
+
+# A refusal that another try can fix (the controller restarting, or still holding the
+# previous stream of this pod): retried quietly; anything else is logged as an error.
+_TRANSIENT = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class Upstream:
+    def __init__(self, config: SidecarConfig, pod: Pod) -> None:
+        self.config = config
+        self.pod = pod
+        self.channel = config.channel()
+        self._metadata = self.channel.metadata()
+        self.state: UpstreamState = "waiting_for_ranks"
+        self.reconnects = 0
+        self.last_error = ""
+        self._session = ""
+        self._next_seq = 0
+        self._unacked: dict[int, pb.Window] = {}
+        self._stop = asyncio.Event()
+
+    @property
+    def unacked(self) -> int:
+        return len(self._unacked)
+
+    def stop(self) -> None:
+        """Leave: the session loop sends what is buffered, ends the stream and returns."""
+        self._stop.set()
+        self.pod.changed.set()
+
+    async def run(self) -> None:
+        backoff = self.config.backoff_initial_seconds
+        while not self._stop.is_set():
+            self.state = "waiting_for_ranks"
+            while not self.pod.upstream_ready() and not self._stop.is_set():
+                await self._wait(1.0)
+            if self._stop.is_set():
+                break
+            self.state = "connecting"
+            try:
+                async with aio_channel(self.channel) as channel:
+                    stub = pb_grpc.WorkerServiceStub(channel)
+                    await self._register(stub)
+                    backoff = self.config.backoff_initial_seconds
+                    await self._session_loop(stub)
+            except grpc.aio.AioRpcError as exc:
+                self._lost(exc.code(), exc.details() or "")
+            except ConnectionError as exc:
+                self._lost(None, str(exc))
+            if self._stop.is_set():
+                break
+            self.reconnects += 1
+            delay = backoff * (0.5 + random.random())
+            backoff = min(backoff * 2, self.config.backoff_max_seconds)
+            await self._wait(delay, only_stop=True)
+        self.state = "stopped"
+
+    def _lost(self, code: grpc.StatusCode | None, detail: str) -> None:
+        name = code.name if code is not None else "ConnectionError"
+        message = f"{name}: {detail}"
+        if code is None or code in _TRANSIENT:
+            # Once per outage (and when the cause changes), not once per try.
+            lost = self.state == "connected" or message != self.last_error
+            self.state = "backoff"
+            log.log(logging.WARNING if lost else logging.DEBUG, "controller link lost (%s)", message)
+        else:
+            self.state = "refused"
+            if message != self.last_error:
+                log.error("controller refused the pod (%s); retrying", message)
+        self.last_error = message
+
+    async def _wait(self, timeout: float, only_stop: bool = False) -> None:
+        """Until the pod changes (or only a stop, with `only_stop`), at most `timeout` s."""
+        event = self._stop if only_stop else self.pod.changed
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        if not only_stop:
+            self.pod.changed.clear()
+
+    async def _register(self, stub: pb_grpc.WorkerServiceStub) -> None:
+        request = self.pod.group_request()
+        response = await stub.Register(request, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata)
+        self._session = response.session_id
+        self.pod.registered_upstream(response)
+        # Resend what the controller has not counted, renumbered from its cursor.
+        expected = response.next_window_seq
+        kept = [w for s, w in sorted(self._unacked.items()) if s >= expected]
+        self._unacked = {}
+        for i, w in enumerate(kept):
+            w.seq = expected + i
+            self._unacked[w.seq] = w
+        self._next_seq = expected + len(kept)
+        log.info("registered ranks %s as one group with %s (v%d committed, resend %d windows)",
+                 self.config.ranks_label, self.config.controller, response.committed.version, len(kept))
+
+    async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
+        call = stub.Stream(metadata=self._metadata)
+        await call.write(pb.WorkerMessage(hello=pb.Hello(session_id=self._session)))
+        for seq in sorted(self._unacked):
+            await call.write(pb.WorkerMessage(window=self._unacked[seq]))
+        self.state = "connected"
+        self.last_error = ""
+        reader = asyncio.create_task(self._read(call))
+        try:
+            while True:
+                self.pod.changed.clear()
+                if reader.done():
+                    reader.result()  # raises the stream's error
+                    raise ConnectionError("controller closed the stream")
+                await self._flush_reports(stub)
+                for window in self.pod.take_windows():
+                    msg = self._window(window)
+                    await call.write(pb.WorkerMessage(window=msg))
+                    self.pod.stats.windows_out += 1
+                if self._stop.is_set():
+                    break
+                waiter = asyncio.create_task(self.pod.changed.wait())
+                await asyncio.wait({waiter, reader}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            # Leaving: the controller reads to the end, then ends the call.
+            await call.done_writing()
+            await asyncio.wait({reader}, timeout=self.config.grace_seconds)
+        finally:
+            reader.cancel()
+            call.cancel()
+
+    def _window(self, window: MergedWindow) -> pb.Window:
+        msg = pb.Window(
+            seq=self._next_seq, first_step=window.first_step, num_steps=window.num_steps,
+            placement_version=window.version, logical_count=_compact(window.logical),
+        )
+        if window.physical is not None:
+            msg.physical_count.CopyFrom(_compact(window.physical))
+        self._unacked[self._next_seq] = msg
+        self._next_seq += 1
+        return msg
+
+    async def _flush_reports(self, stub: pb_grpc.WorkerServiceStub) -> None:
+        while self.pod.reports:
+            report = self.pod.reports[0]
+            report.session_id = self._session
+            try:
+                await stub.ReportPlan(report, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise  # reconnect, then send it again
+                log.warning("report of v%d (%s) refused: %s: %s", report.version,
+                            pb.PlanPhase.Name(report.phase), exc.code().name, exc.details())
+            if self.pod.reports and self.pod.reports[0] is report:
+                self.pod.reports.popleft()
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        async for msg in call:
+            if msg.WhichOneof("body") == "window_ack":
+                for seq in [s for s in self._unacked if s <= msg.window_ack.seq]:
+                    del self._unacked[seq]
+            else:
+                self.pod.from_controller(msg)
+
+
+def _compact(counts: np.ndarray) -> pb.Array:
+    """Counts as uint32 (as ranks send them); int64 only past 2^32 - 1 on one expert."""
+    if counts.size and int(counts.max()) > np.iinfo(np.uint32).max:
+        return codec.encode(counts.astype(np.int64))
+    return codec.encode(counts.astype(np.uint32))

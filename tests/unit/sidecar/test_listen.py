@@ -1,0 +1,117 @@
+"""The ranks' socket: born with restrictive modes, one sidecar per path (a live one is
+never displaced, a dead one's socket is taken over), and the readiness probe."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rebalancer.errors import InputError
+from rebalancer.sidecar import listen
+from rebalancer.sidecar.config import SidecarConfig
+from rebalancer.sidecar.daemon import Sidecar
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder whose socket paths fit the 107 bytes a Unix socket allows."""
+    with tempfile.TemporaryDirectory(prefix="sc", dir="/tmp") as d:
+        yield Path(d)
+
+
+def test_claim_makes_a_private_folder_and_refuses_a_second_holder(short_dir: Path) -> None:
+    path = short_dir / "run" / "agent.sock"
+    first = listen.claim(path, 0o700)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    with pytest.raises(InputError, match=f"in use by a live sidecar \\(pid {os.getpid()}\\)"):
+        listen.claim(path, 0o700)
+    first.release()
+    listen.claim(path, 0o750).release()  # free again once released
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o750
+
+
+def test_claim_refuses_a_path_that_is_not_a_socket(short_dir: Path) -> None:
+    path = short_dir / "agent.sock"
+    path.write_text("not a socket")
+    with pytest.raises(InputError, match="not a socket"):
+        listen.claim(path, 0o700)
+
+
+def test_claim_takes_over_the_socket_of_a_sidecar_that_died(short_dir: Path) -> None:
+    path = short_dir / "agent.sock"
+    with socket.socket(socket.AF_UNIX) as dead:  # bound, never listening: what SIGKILL leaves
+        dead.bind(str(path))
+    assert stat.S_ISSOCK(path.stat().st_mode)
+    listen.claim(path, 0o700).release()
+    assert not path.exists()
+
+
+def test_sidecar_serves_health_on_a_socket_born_restricted(short_dir: Path) -> None:
+    path = short_dir / "s" / "agent.sock"
+    config = SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1), listen=f"unix://{path}",
+                           socket_access="owner", grace_seconds=0.1)
+
+    async def run() -> None:
+        sidecar = Sidecar(config)
+        await sidecar.start()
+        try:
+            assert stat.S_ISSOCK(path.stat().st_mode)
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+            assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+            ok, seen = await asyncio.to_thread(listen.probe, f"unix://{path}", 2.0)
+            assert ok and seen == "SERVING"
+            with pytest.raises(InputError, match="in use"):  # a live one is never displaced
+                listen.claim(path, 0o700)
+        finally:
+            await sidecar.stop()
+        assert not path.exists()
+        ok, _ = await asyncio.to_thread(listen.probe, f"unix://{path}", 0.5)
+        assert not ok
+
+    asyncio.run(run())
+
+
+def test_cli_refuses_a_path_held_by_a_live_sidecar_with_one_line(short_dir: Path) -> None:
+    path = short_dir / "agent.sock"
+    held = listen.claim(path, 0o700)  # as a running sidecar holds it
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "rebalancer", "sidecar", "--listen", f"unix://{path}",
+             "--controller", "127.0.0.1:1", "--ranks", "0-1"],
+            capture_output=True, text=True, timeout=60,
+        )
+    finally:
+        held.release()
+    assert out.returncode == 7  # in use, as a controller's store or port
+    assert out.stderr.strip().splitlines() == [
+        f"rebalancer sidecar: error: {path} is in use by a live sidecar (pid {os.getpid()})"
+    ]
+    probe = subprocess.run([sys.executable, "-m", "rebalancer", "sidecar", "--check", f"unix://{path}",
+                            "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 1 and "is not serving" in probe.stderr
+
+
+def test_cli_refuses_a_metrics_port_in_use_and_leaves_no_socket(short_dir: Path) -> None:
+    path = short_dir / "agent.sock"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "rebalancer", "sidecar", "--listen", f"unix://{path}", "--controller",
+             "127.0.0.1:1", "--ranks", "0", "--metrics-port", str(port), "--metrics-host", "127.0.0.1"],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert out.returncode == 7
+    assert out.stderr.splitlines() == [f"rebalancer sidecar: error: metrics port {port} is in use"]
+    assert not path.exists()
+    listen.claim(path, 0o700).release()  # and the path is free again
