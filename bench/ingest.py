@@ -1,15 +1,35 @@
 """Ingest throughput of the controller over real gRPC streams.
 
-A controller runs in its own process (`rebalancer serve`); N simulated ranks, spread over a
-few load-generator processes, each register and keep one stream open, sending
-DeepSeek-V3-shaped windows (58 x 256 uint32 counts, pre-built from the real data) at R
-windows per second. Latency is send to acknowledgement (the controller acks a window
-after decoding, validating and merging it). Controller CPU is read from /proc.
+A controller runs in its own process (`rebalancer serve`) and load-generator processes
+speak to it as the workers of DeepSeek-V3 deployments at EP32 (32 ranks each) would:
+
+- direct (`--ranks-per-pod 1`, the default): every rank registers on its own and keeps
+  one stream, sending one window (58 x 256 uint32 counts, pre-built from the real data)
+  every 1/R seconds;
+- through pod sidecars (`--ranks-per-pod K`, e.g. 8: 4 pods per deployment): every pod
+  registers once as a group of its K ranks (`RegisterRequest(ranks=[...], pod="ns/pod-i")`)
+  and keeps one stream, sending every 1/R seconds the pod's merged window: the counts
+  summed over its K ranks, as `rebalancer sidecar` sends them upstream (uint32; pre-built
+  from K per-rank Poisson draws around the real counts).
+
+Either way `ranks x rate` rank-windows per second reach the controller, as `ranks x rate`
+or `pods x rate` messages. Latency is send to acknowledgement (the controller acks a
+window after decoding, validating and merging it; acks are cumulative and paced, so the
+time the controller held an ack is taken off). Controller CPU is read from /proc, over
+the measured interval only; the decision worker (its child process) is reported apart.
 
 The baseline, measured in the same run with the same load generator, is a bare grpc.aio
 server that acks each window without decoding it: what gRPC itself costs.
 
+    python -m bench.ingest --ranks 16384 --ranks-per-pod 8 --rate 1 --seconds 20 --json
     python -m bench.ingest --ranks 1024 --rate 3 --seconds 20 --json
+
+The last line with --json is one JSON object: the controller's figures (`ranks`, `pods`
+(0: direct), `windows_per_second` = rank windows ingested per second, `messages_per_second`,
+`p50_ms`, `p99_ms`, `controller_cpu_cores`, `decision_worker_cpu_cores`, the 1/5/15-min
+load average at the start and end of the measured interval, ...), the same for the
+baseline under `baseline`, the machine and the date. `--no-decisions` pauses the policy:
+ingest alone, without the estimate-and-decide work and plans that otherwise run.
 """
 
 from __future__ import annotations
@@ -31,11 +51,38 @@ import numpy as np
 
 RANKS_PER_DEPLOYMENT = 32  # DeepSeek-V3 at EP32: one deployment per 32 ranks
 L, E, P = 58, 256, 288
+POD_VARIANTS = 8  # distinct pre-built pod windows (pod i sends variant i % 8)
 
 
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass  # gone meanwhile
+    return out
+
+
+def _cpu_of(pids: list[int]) -> dict[int, float]:
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = _cpu_seconds(pid)
+        except OSError:
+            pass
+    return out
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 # ---------------------------------------------------------------- baseline server
@@ -50,7 +97,8 @@ def _echo_server(port: int, ready: Any) -> None:
 
     class Echo(pb_grpc.WorkerServiceServicer):
         async def Register(self, request: Any, context: Any) -> Any:
-            return pb.RegisterResponse(session_id=f"{request.deployment}/{request.rank}")
+            who = request.pod or request.rank
+            return pb.RegisterResponse(session_id=f"{request.deployment}/{who}")
 
         async def Stream(self, request_iterator: Any, context: Any) -> Any:
             async for msg in request_iterator:
@@ -70,8 +118,18 @@ def _echo_server(port: int, ready: Any) -> None:
 
 # ---------------------------------------------------------------- load generator
 
-def _generator(address: str, ranks: list[int], rate: float, seconds: float, warmup: float,
-               counts: np.ndarray, out: Any) -> None:
+def pod_windows(counts: np.ndarray, ranks_per_pod: int, variants: int = POD_VARIANTS,
+                seed: int = 0) -> list[np.ndarray]:
+    """Pre-built merged windows of a pod: each the sum over its ranks of one window per
+    rank, a Poisson draw around the real counts (so ranks differ as real ones do)."""
+    rng = np.random.default_rng(seed)
+    return [sum((rng.poisson(counts) for _ in range(ranks_per_pod)), np.zeros_like(counts))
+            for _ in range(variants)]
+
+
+def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, seconds: float,
+               warmup: float, windows: list[np.ndarray], drain: float, ready: Any, go: Any, out: Any) -> None:
+    """Speaks for `units`: ranks (direct) or pods of `ranks_per_pod` ranks (sidecars)."""
     import grpc
 
     from rebalancer.v1 import rebalancer_pb2 as pb
@@ -79,24 +137,53 @@ def _generator(address: str, ranks: list[int], rate: float, seconds: float, warm
     from rebalancer.wire import codec
     from rebalancer.wire.channel import client_options
 
-    logical = codec.encode(counts.astype(np.uint32))  # what worker agents send
+    encoded = [codec.encode(w.astype(np.uint32)) for w in windows]  # what agents / sidecars send
     shape = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P,
                           num_gpus=RANKS_PER_DEPLOYMENT, num_nodes=4, expert_bytes=44 << 20)
     latencies: list[float] = []
-    acked = 0
+    acked = 0  # messages sent in the measured interval and acknowledged
+    registered = 0
+    errors: list[str] = []
 
-    async def one_rank(stub: Any, rank: int, start: float, stop: float) -> None:
-        nonlocal acked
-        deployment, local = f"dsv3-{rank // RANKS_PER_DEPLOYMENT}", rank % RANKS_PER_DEPLOYMENT
-        reply = await stub.Register(pb.RegisterRequest(deployment=deployment, rank=local, shape=shape), timeout=30)
+    def request(unit: int) -> Any:
+        first = unit * ranks_per_pod
+        deployment, local = f"dsv3-{first // RANKS_PER_DEPLOYMENT}", first % RANKS_PER_DEPLOYMENT
+        if ranks_per_pod == 1:  # a v1 client: one rank
+            return pb.RegisterRequest(deployment=deployment, rank=local, shape=shape)
+        return pb.RegisterRequest(deployment=deployment, ranks=list(range(local, local + ranks_per_pod)),
+                                  pod=f"ns/pod-{unit}", shape=shape)
+
+    async def register(stub: Any, unit: int, gate: asyncio.Semaphore) -> Any:
+        # A burst of thousands of simultaneous Registers is partly CANCELLED by gRPC itself
+        # (a bare grpc.aio server does it too); sidecars and agents retry such refusals with
+        # backoff, and so does this, a few at a time.
+        for attempt in range(8):
+            try:
+                async with gate:
+                    return await stub.Register(request(unit), timeout=120)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE) or attempt == 7:
+                    raise
+                await asyncio.sleep(0.2 * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    async def one_unit(stub: Any, unit: int, started: asyncio.Future[float], gate: asyncio.Semaphore) -> None:
+        nonlocal acked, registered
+        reply = await register(stub, unit, gate)
         call = stub.Stream()
         await call.write(pb.WorkerMessage(hello=pb.Hello(session_id=reply.session_id)))
+        registered += 1
+        start = await started
+        stop = start + warmup + seconds
         sent: dict[int, float] = {}
+        logical = encoded[unit % len(encoded)]
 
         async def reader() -> None:
             nonlocal acked
             async for msg in call:
-                now = time.perf_counter()
+                if msg.WhichOneof("body") != "window_ack":
+                    continue  # plan phases: this load generator never prepares
+                now = time.monotonic()
                 ack = msg.window_ack
                 t = sent.get(ack.seq)
                 if t is not None and start + warmup <= t:
@@ -109,65 +196,114 @@ def _generator(address: str, ranks: list[int], rate: float, seconds: float, warm
 
         task = asyncio.create_task(reader())
         period = 1.0 / rate
-        next_at = start + (rank % 97) / 97 * period  # spread the ranks over a period
+        next_at = start + (unit % 97) / 97 * period  # spread the streams over a period
         seq = reply.next_window_seq
         while True:
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-            if time.perf_counter() >= stop:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            if time.monotonic() >= stop:
                 break
-            sent[seq] = time.perf_counter()
+            sent[seq] = time.monotonic()
             await call.write(pb.WorkerMessage(window=pb.Window(seq=seq, num_steps=1, logical_count=logical)))
             seq += 1
             next_at += period
-        await asyncio.sleep(1.0)  # last acks
+        await asyncio.sleep(drain)  # last acks (paced: up to the ack interval)
         await call.done_writing()
         task.cancel()
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[float] = loop.create_future()
         async with grpc.aio.insecure_channel(address, options=client_options()) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
-            start = time.perf_counter() + 2.0  # registration first, then all start together
-            stop = start + warmup + seconds
-            await asyncio.gather(*(one_rank(stub, r, start, stop) for r in ranks))
+            gate = asyncio.Semaphore(64)
+            units_done = asyncio.gather(*(one_unit(stub, u, started, gate) for u in units))
+            while registered < len(units):  # every stream open before the clock starts
+                if units_done.done():
+                    units_done.result()  # a registration failed: raise it
+                await asyncio.sleep(0.05)
+            ready.put(len(units))
+            started.set_result(await loop.run_in_executor(None, go.get))
+            await units_done
 
-    asyncio.run(main())
-    out.put((acked, latencies))
+    try:
+        asyncio.run(main())
+    except Exception as exc:  # reported to the parent, which fails the run
+        errors.append(f"{type(exc).__name__}: {exc}")
+        ready.put(-1)
+    out.put((acked, latencies, errors))
 
 
-def run_load(address: str, server_pid: int, ranks: int, rate: float, seconds: float,
-             processes: int, counts: np.ndarray, warmup: float = 3.0) -> dict[str, Any]:
+def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate: float, seconds: float,
+             processes: int, windows: list[np.ndarray], warmup: float = 3.0, drain: float = 2.0) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    shards = [list(range(i, ranks, processes)) for i in range(processes)]
-    gens = [ctx.Process(target=_generator, args=(address, s, rate, seconds, warmup, counts, out)) for s in shards]
-    for g in gens:
-        g.start()
-    time.sleep(2.0 + warmup)  # registration and warm-up are not measured
-    cpu0, t0 = _cpu_seconds(server_pid), time.perf_counter()
-    time.sleep(seconds)
-    cpu1, t1 = _cpu_seconds(server_pid), time.perf_counter()
-    results = [out.get(timeout=120) for _ in gens]
-    for g in gens:
-        g.join(30)
-    lat = np.array([x for _, ls in results for x in ls]) * 1e3
+    ready, out = ctx.Queue(), ctx.Queue()
+    units = ranks // ranks_per_pod
+    shards = [list(range(i, units, processes)) for i in range(processes)]
+    gos = [ctx.Queue() for _ in shards]
+    gens = [ctx.Process(target=_generator, args=(address, s, ranks_per_pod, rate, seconds, warmup, windows, drain,
+                                                 ready, go, out), daemon=True)
+            for s, go in zip(shards, gos, strict=True)]
+    try:
+        for g in gens:
+            g.start()
+        for _ in gens:  # registration is not measured
+            if ready.get(timeout=600) < 0:
+                raise RuntimeError(f"a load generator failed: {out.get(timeout=10)[2]}")
+        start = time.monotonic() + 0.5
+        for go in gos:
+            go.put(start)
+        time.sleep(max(0.0, start + warmup - time.monotonic()))  # warm-up is not measured either
+        load0 = load_average()
+        kids = _children(server_pid)  # the decision worker
+        cpu0, kcpu0, t0 = _cpu_seconds(server_pid), _cpu_of(kids), time.monotonic()
+        time.sleep(max(0.0, start + warmup + seconds - time.monotonic()))
+        cpu1, kcpu1, t1 = _cpu_seconds(server_pid), _cpu_of(kids), time.monotonic()
+        load1 = load_average()
+        results = [out.get(timeout=120) for _ in gens]
+        for g in gens:
+            g.join(30)
+    finally:
+        for g in gens:
+            if g.is_alive():
+                g.kill()
+                g.join(5)
+    errors = [e for _, _, es in results for e in es]
+    if errors:
+        raise RuntimeError(f"load generator errors: {errors}")
+    lat = np.array([x for _, ls, _ in results for x in ls]) * 1e3
+    messages = sum(a for a, _, _ in results) / seconds
+    nbytes = windows[0].size * 4
     return {
         "ranks": ranks,
+        "pods": units if ranks_per_pod > 1 else 0,
+        "ranks_per_pod": ranks_per_pod,
+        "streams": units,
         "offered_windows_per_second": ranks * rate,
-        "windows_per_second": sum(a for a, _ in results) / seconds,
+        "windows_per_second": messages * ranks_per_pod,  # rank windows
+        "messages_per_second": messages,
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
         "controller_cpu_cores": (cpu1 - cpu0) / (t1 - t0),
-        "mb_per_second": sum(a for a, _ in results) / seconds * counts.size * 4 / 1e6,
+        "decision_worker_cpu_cores": sum(kcpu1[p] - kcpu0[p] for p in kcpu1 if p in kcpu0) / (t1 - t0),
+        "mb_per_second": messages * nbytes / 1e6,
+        "load_avg_start": load0,
+        "load_avg_end": load1,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=1024)
-    p.add_argument("--rate", type=float, default=3.0, help="windows per second per rank")
+    p.add_argument("--ranks-per-pod", type=int, default=1,
+                   help="1: every rank streams on its own (direct); K: one group stream per pod of K "
+                        "ranks, as pod sidecars speak (must divide 32)")
+    p.add_argument("--rate", type=float, default=3.0, help="windows per second per rank (per pod with K > 1)")
     p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds sent before the measured interval")
     p.add_argument("--processes", type=int, default=2, help="load-generator processes")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--no-decisions", action="store_true",
+                   help="pause the controller's policy (ingest alone: no estimate-and-decide, no plans)")
     p.add_argument("--ack-interval", type=float, default=1.0,
                    help="controller's ack_interval_seconds (0: one ack per window)")
     p.add_argument("--json", action="store_true")
@@ -176,75 +312,102 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks % RANKS_PER_DEPLOYMENT:
         print(f"--ranks must be a multiple of {RANKS_PER_DEPLOYMENT}", file=sys.stderr)
         return 2
+    if args.ranks_per_pod < 1 or RANKS_PER_DEPLOYMENT % args.ranks_per_pod:
+        print(f"--ranks-per-pod must divide {RANKS_PER_DEPLOYMENT} (pods do not straddle deployments)",
+              file=sys.stderr)
+        return 2
 
     from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
     from rebalancer.demo import free_port
 
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000  # one window's worth, real skew
+    windows = [counts] if args.ranks_per_pod == 1 else pod_windows(counts, args.ranks_per_pod)
+    drain = args.ack_interval + 1.0
+    load = {"ranks": args.ranks, "ranks_per_pod": args.ranks_per_pod, "rate": args.rate, "seconds": args.seconds,
+            "processes": args.processes, "windows": windows, "warmup": args.warmup, "drain": drain}
 
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
         config = Path(tmp) / "c.toml"
-        # Decisions run as in production (default period, off the event loop); a plan they
-        # start waits for ranks that never answer and times out, so this measures ingest,
-        # estimate and decide together.
+        # Decisions run as in production (default period, in the decision worker); a plan
+        # they start waits for ranks that never answer and times out, so this measures
+        # ingest, estimate and decide together (--no-decisions: ingest alone).
         config.write_text(
             f"[server]\nhost = \"127.0.0.1\"\nack_interval_seconds = {args.ack_interval}\n"
-            "[policy]\nmin_windows = 1\n"
+            "[policy]\nmin_windows = 1\n" + ("paused = true\n" if args.no_decisions else "")
         )
         server = subprocess.Popen(
             [sys.executable, "-m", "rebalancer", "serve", "--config", str(config), "--port", str(port),
              "--db", f"{tmp}/c.sqlite", "--log-level", "ERROR"], stdout=subprocess.PIPE, text=True)
-        assert server.stdout is not None and "serving on" in server.stdout.readline()
         try:
-            rows["controller"] = run_load(f"127.0.0.1:{port}", server.pid, args.ranks, args.rate,
-                                          args.seconds, args.processes, counts)
+            assert server.stdout is not None and "serving on" in server.stdout.readline()
+            rows["controller"] = run_load(f"127.0.0.1:{port}", server.pid, **load)
         finally:
             server.terminate()
-            server.wait(30)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(10)
         if not args.no_baseline:
             ctx = mp.get_context("spawn")
             ready = ctx.Event()
             port = free_port()
             echo = ctx.Process(target=_echo_server, args=(port, ready), daemon=True)
             echo.start()
-            ready.wait(30)
             try:
-                rows["bare_grpc_echo"] = run_load(f"127.0.0.1:{port}", echo.pid or 0, args.ranks, args.rate,
-                                                  args.seconds, args.processes, counts)
+                ready.wait(30)
+                rows["bare_grpc_echo"] = run_load(f"127.0.0.1:{port}", echo.pid or 0, **load)
             finally:
                 echo.terminate()
                 echo.join(10)
+                if echo.is_alive():
+                    echo.kill()
+                    echo.join(5)
     for name, r in rows.items():
-        print(f"{name:16s} {r['windows_per_second']:8.0f} windows/s of {r['offered_windows_per_second']:.0f} offered, "
-              f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {r['controller_cpu_cores']:.2f} cores, "
-              f"{r['mb_per_second']:.0f} MB/s")
+        who = f"{r['pods']} pods of {r['ranks_per_pod']}" if r["pods"] else "direct"
+        print(f"{name:16s} {r['ranks']} ranks ({who}): {r['windows_per_second']:8.0f} rank windows/s of "
+              f"{r['offered_windows_per_second']:.0f} offered ({r['messages_per_second']:.0f} messages/s), "
+              f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {r['controller_cpu_cores']:.2f} cores "
+              f"(+{r['decision_worker_cpu_cores']:.2f} decision worker), {r['mb_per_second']:.0f} MB/s, "
+              f"load {r['load_avg_start'][0]:.2f} -> {r['load_avg_end'][0]:.2f}")
     if args.record:
         record(args, rows)
     summary = dict(rows["controller"])
+    summary["decisions"] = not args.no_decisions
     if "bare_grpc_echo" in rows:
         summary["baseline"] = rows["bare_grpc_echo"]
+    summary["machine"] = f"{os.cpu_count()} cores, {_cpu_model()}"
+    summary["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if args.json:
         print(json.dumps(summary))
     return 0
 
 
+def _cpu_model() -> str:
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor())
+
+
 def record(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
     path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    how = f"pods of {args.ranks_per_pod}" if args.ranks_per_pod > 1 else "direct"
     lines = [
-        f"\n### Ingest, {args.ranks} ranks x {args.rate:g} windows/s ({time.strftime('%Y-%m-%d')})\n",
-        f"`python -m bench.ingest --ranks {args.ranks} --rate {args.rate:g} --seconds {args.seconds:g} "
-        f"--processes {args.processes} --record` on {os.cpu_count()} cores ({cpu}), load generator on the same "
-        "machine.\n",
-        "| server | windows/s ingested | offered | p50 ms | p99 ms | server CPU cores | MB/s |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"\n### Ingest, {args.ranks} ranks ({how}) x {args.rate:g} windows/s ({time.strftime('%Y-%m-%d')})\n",
+        f"`python -m bench.ingest --ranks {args.ranks} --ranks-per-pod {args.ranks_per_pod} --rate {args.rate:g} "
+        f"--seconds {args.seconds:g} --processes {args.processes}{' --no-decisions' if args.no_decisions else ''} "
+        f"--record` on {os.cpu_count()} cores "
+        f"({_cpu_model()}), load generator on the same machine.\n",
+        "| server | rank windows/s ingested | offered | messages/s | p50 ms | p99 ms | server CPU cores "
+        "| decision worker cores | MB/s | load avg 1 min (start / end) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in rows.items():
         lines.append(f"| {name} | {r['windows_per_second']:.0f} | {r['offered_windows_per_second']:.0f} | "
-                     f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['controller_cpu_cores']:.2f} | {r['mb_per_second']:.0f} |")
+                     f"{r['messages_per_second']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                     f"{r['controller_cpu_cores']:.2f} | {r['decision_worker_cpu_cores']:.2f} | "
+                     f"{r['mb_per_second']:.0f} | {r['load_avg_start'][0]:.2f} / {r['load_avg_end'][0]:.2f} |")
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     marker = "## Controller ingest"
     if marker not in text:
