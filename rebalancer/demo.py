@@ -5,20 +5,30 @@ worker processes (reference.cpu_worker, one gloo EP group) that serve a
 small fp32 MoE model. Their routing replays DeepSeek-V3's real per-layer
 expert loads, scaled down to the small model (a fixed random subset of the
 256 experts keeps the real skew) and drifting across the six published
-workloads. Each folded window is printed live; the run ends with a summary
-and, with --json, one JSON object on the last line.
+workloads. By default the workers form pods, each with a `rebalancer sidecar`
+on a Unix socket between its ranks and the controller, as in Kubernetes;
+with `sidecars=0` they talk to the controller directly. Each folded window is
+printed live; the run ends with a summary and, with --json, one JSON object on
+the last line.
+
+No process outlives the demo: the workers and sidecars are reaped on every way out
+(done, error, Ctrl-C), and each asked the kernel to SIGKILL it should the demo itself
+be killed (PR_SET_PDEATHSIG, Linux: tied to the thread that started it, so call
+`run_demo` and `launch_workers` from a thread that outlives them, e.g. the main one).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +48,34 @@ PHASES = (
     "prefill_in1024", "decode_in1000out1000", "prefill_in4096",
     "decode_in2000out100", "prefill_in500out1500", "prefill_in1000out1000",
 )
+
+# The first line the demo prints: what each field of a window line means.
+LEGEND = (
+    "each window: seq | vN placement it ran on | routed balancedness = mean/max GPU load "
+    "measured on the workers' dispatched tokens (1.0 = even) | on estimate = the live "
+    "placement scored on the controller's load estimate | fresh fit = a placement fitted "
+    "from scratch to the window's counts (the ceiling) | ranks, tokens; a window cut short "
+    "by a commit ran on the old placement and is marked (ends at commit vN)"
+)
+
+# Windows averaged for balancedness_first / balancedness_last.
+EDGE_WINDOWS = 3
+
+# Run argv[2:] in place of this process (exec) once the kernel is told to SIGKILL it when
+# its parent, pid argv[1], ends: a demo killed outright leaves no worker or sidecar behind.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG\n"
+    "    if os.getppid() != int(sys.argv[1]):\n"
+    "        os._exit(1)  # the parent died before the request took effect\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def bound_to_this_process(cmd: Sequence[str]) -> list[str]:
+    """`cmd` (an executable path first) run as a child that dies with this process."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 @dataclass
@@ -63,11 +101,31 @@ class DemoConfig:
     device: str = "cpu"
     # Spare weight rows per layer and rank: with enough, a commit copies no weights.
     spare_rows: int = 0
+    # Pods, each with a `rebalancer sidecar` between its workers/sidecars ranks and the
+    # controller; 0: every worker talks to the controller directly. `rebalancer demo`
+    # defaults to default_sidecars(workers).
+    sidecars: int = 0
+    # Keep the temporary folder (store, routing profile, rank results, sockets).
+    keep: bool = False
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(
         min_interval_seconds=1.0, gain_threshold=0.03, horizon_seconds=60.0,
         max_moved_fraction=0.3, decay=0.5, min_windows=2, decision_period_seconds=0.25,
         prepare_timeout_seconds=20.0, step_seconds=0.01,
     ))
+
+
+def default_sidecars(workers: int) -> int:
+    """Two pods of workers/2 ranks (like two 2-GPU pods of the default 4 workers) when the
+    workers split evenly, else one pod holding them all."""
+    return 2 if workers >= 2 and workers % 2 == 0 else 1
+
+
+def pod_ranks(workers: int, sidecars: int) -> list[range]:
+    """The ranks of each pod: pod i holds i*n .. i*n+n-1, n = workers / sidecars."""
+    if sidecars < 1 or workers % sidecars:
+        raise ValueError(f"{workers} workers do not split into {sidecars} equal pods")
+    n = workers // sidecars
+    return [range(i * n, (i + 1) * n) for i in range(sidecars)]
 
 
 def routing_profiles(config: DemoConfig) -> np.ndarray:
@@ -106,44 +164,167 @@ def write_profile(config: DemoConfig, folder: Path) -> Path:
 
 
 def launch_workers(
-    config: DemoConfig, address: str, profile: Path, folder: Path,
+    config: DemoConfig, address: str | Sequence[str], profile: Path, folder: Path,
     extra_args: dict[int, list[str]] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
-    """Start the G worker processes of one gloo EP group; each writes folder/rank<r>.json."""
+    """Start the G worker processes of one gloo EP group; each writes folder/rank<r>.json.
+
+    `address`: the controller's, or one target per rank (its pod sidecar's socket). Each
+    worker dies with this process (see the module's docstring)."""
+    targets = [address] * config.workers if isinstance(address, str) else list(address)
+    if len(targets) != config.workers:
+        raise ValueError(f"{len(targets)} controller targets for {config.workers} workers")
     port = free_port()
     env = {**os.environ, "REBALANCER_LOG": config.worker_log, "OMP_NUM_THREADS": "1"}
-    procs = []
-    for rank in range(config.workers):
-        cmd = [
-            sys.executable, "-m", "reference.cpu_worker", "--rank", str(rank),
-            "--world", str(config.workers), "--port", str(port), "--controller", address,
-            "--profile", str(profile), "--steps", str(config.steps), "--tokens", str(config.tokens),
-            "--experts", str(config.experts), "--slots", str(config.slots), "--layers", str(config.layers),
-            "--top-k", str(config.top_k), "--window-steps", str(config.window_steps),
-            "--max-seconds", str(config.timeout_seconds), "--out", str(folder / f"rank{rank}.json"),
-            "--transport", config.transport, "--device", config.device,
-            "--spare-rows", str(config.spare_rows),
-            *(extra_args or {}).get(rank, []),
-        ]
-        procs.append(subprocess.Popen(cmd, env=env))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(config.workers):
+            cmd = [
+                sys.executable, "-m", "reference.cpu_worker", "--rank", str(rank),
+                "--world", str(config.workers), "--port", str(port), "--controller", targets[rank],
+                "--profile", str(profile), "--steps", str(config.steps), "--tokens", str(config.tokens),
+                "--experts", str(config.experts), "--slots", str(config.slots), "--layers", str(config.layers),
+                "--top-k", str(config.top_k), "--window-steps", str(config.window_steps),
+                "--max-seconds", str(config.timeout_seconds), "--out", str(folder / f"rank{rank}.json"),
+                "--transport", config.transport, "--device", config.device,
+                "--spare-rows", str(config.spare_rows),
+                *(extra_args or {}).get(rank, []),
+            ]
+            procs.append(subprocess.Popen(bound_to_this_process(cmd), env=env))
+    except BaseException:
+        reap(procs, terminate=False)
+        raise
     return procs
+
+
+def reap(procs: Sequence[subprocess.Popen[Any]], terminate: bool = True, seconds: float = 10.0) -> None:
+    """End every process still running and wait for all: SIGTERM first (a sidecar drains)
+    and SIGKILL after `seconds`, or SIGKILL at once; killed anyway if interrupted."""
+    try:
+        if terminate:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + seconds
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+
+
+def launch_sidecars(
+    config: DemoConfig, address: str, folder: Path, started: list[subprocess.Popen[bytes]],
+) -> list[str]:
+    """Start one `rebalancer sidecar` per pod (socket folder/pod<i>/agent.sock, the pod's
+    ranks, upstream `address`), appended to `started` as they start, and wait until each
+    answers its readiness check (gRPC health on its socket, what `rebalancer sidecar
+    --check` asks). Returns each rank's target: its pod's socket."""
+    from rebalancer.sidecar.config import format_ranks, socket_path
+    from rebalancer.sidecar.listen import probe
+
+    pods = pod_ranks(config.workers, config.sidecars)
+    sockets = [f"unix://{folder / f'pod{i}' / 'agent.sock'}" for i in range(len(pods))]
+    for target in sockets:
+        socket_path(target)  # InputError if the temporary folder's path is too long for a socket
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for i, ranks in enumerate(pods):
+        cmd = [
+            sys.executable, "-m", "rebalancer", "sidecar", "--listen", sockets[i], "--controller", address,
+            "--ranks", format_ranks(tuple(ranks)), "--pod", f"demo/pod{i}", "--deployment", "demo",
+            "--socket-access", "owner", "--grace", "1", "--log-level", config.worker_log,
+        ]
+        started.append(subprocess.Popen(bound_to_this_process(cmd), env=env, stdout=subprocess.DEVNULL))
+    for i, (proc, target) in enumerate(zip(started, sockets, strict=True)):
+        deadline = time.monotonic() + 60.0
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sidecar of pod {i} exited with code {proc.returncode} before it "
+                                   "was ready (see its output above)")
+            ok, seen = probe(target, timeout=1.0)
+            if ok:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sidecar of pod {i} not ready on {target} after 60 s ({seen})")
+            time.sleep(0.1)
+    return [sockets[rank // (config.workers // config.sidecars)] for rank in range(config.workers)]
+
+
+@dataclass
+class CommitCuts:
+    """Which placement each window ran on, as far as the demo can tell live: the window a
+    commit cuts short (every rank flushes its window at the agreed step, so no window
+    mixes two placements) ran on the version before the commit, even when it is folded
+    after the controller saw the commit."""
+
+    base: dict[int, int] = field(default_factory=dict)  # plan version -> version it replaces
+    in_flight: int | None = None   # proposed, not finished
+    unclaimed: int | None = None   # committed, its cut window not seen yet
+    claimed: set[int] = field(default_factory=set)
+
+    def on_plan(self, what: str, plan: Plan) -> None:
+        if what == "proposed":
+            self.base[plan.version] = plan.base_version
+            self.in_flight, self.unclaimed = plan.version, None
+        elif what == "committed":
+            self.in_flight = None
+            if plan.version not in self.claimed:
+                self.unclaimed = plan.version
+        elif what == "aborted":
+            self.in_flight = None
+
+    def cut(self) -> int | None:
+        """A window just came in cut short (not the last): the commit that cut it."""
+        version = self.unclaimed if self.unclaimed is not None else self.in_flight
+        if version is not None:
+            self.claimed.add(version)
+            self.unclaimed = None
+        return version
 
 
 def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rebalancer-demo-"))
+    try:
+        return _run(config, tmp, emit)
+    finally:
+        if config.keep:
+            emit(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str, Any]:
     profile_path = write_profile(config, tmp)
     events: list[WindowEvent] = []
     plan_log: list[tuple[str, int, str]] = []
     slots_total = config.layers * config.slots
+    step_tokens = config.tokens * config.layers * config.top_k  # routed pairs, one rank, one step
+    commits = CommitCuts()
+    steps_seen = 0.0
 
     def on_window(e: WindowEvent) -> None:
+        nonlocal steps_seen
         events.append(e)
-        emit(f"window {e.seq:3d} | v{e.version:<2d} | routed balancedness {e.balancedness_actual:.3f}"
+        steps = e.tokens / (e.ranks * step_tokens) if e.ranks else 0.0
+        steps_seen += steps
+        version, note = e.version, ""
+        if steps < config.window_steps - 1e-6 and steps_seen < config.steps - 1e-6:
+            cut = commits.cut()
+            if cut is not None:
+                version, note = commits.base.get(cut, version), f" (ends at commit v{cut})"
+        emit(f"window {e.seq:3d} | v{version:<2d} | routed balancedness {e.balancedness_actual:.3f}"
              f" | on estimate {e.balancedness_estimated:.3f} | fresh fit {e.balancedness_best:.3f}"
-             f" | {e.ranks} ranks, {e.tokens} tokens")
+             f" | {e.ranks} ranks, {e.tokens} tokens{note}")
 
     def on_plan(name: str, plan: Plan, what: str) -> None:
         plan_log.append((what, plan.version, plan.reason))
+        commits.on_plan(what, plan)
         if what == "proposed":
             emit(f"  plan v{plan.version} proposed ({plan.trigger}): {plan.slots_moved} slots "
                  f"({plan.slots_moved / slots_total:.1%}), {plan.bytes_moved / 1e6:.2f} MB")
@@ -156,37 +337,60 @@ def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[st
         server.controller.observers.window.append(on_window)
         server.controller.observers.plan.append(on_plan)
 
+    emit(LEGEND)
     ctl = EmbeddedController(
         ControllerConfig(port=config.port, db_path=config.db_path or str(tmp / "controller.sqlite"),
                          policy=config.policy),
         setup,
     )
     server = ctl.start()
-    emit(f"controller on {server.address}, store {server.store.path}; "
-         f"{config.workers} workers, {config.layers} layers x {config.experts} experts, "
+    temporary = "" if config.db_path or config.keep else " (temporary; --keep keeps it)"
+    emit(f"controller on {server.address}, store {server.store.path}{temporary}; "
+         f"{config.layers} layers x {config.experts} experts, "
          f"{config.slots} slots, top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads")
+    if config.sidecars:
+        pods = pod_ranks(config.workers, config.sidecars)
+        emit(f"{config.workers} workers in {len(pods)} pods via sidecars "
+             f"({', '.join(f'ranks {r[0]}-{r[-1]}' if len(r) > 1 else f'rank {r[0]}' for r in pods)}, "
+             f"each pod's sidecar on a Unix socket, one upstream stream per pod)")
+    else:
+        emit(f"{config.workers} workers direct to the controller (one stream per rank)")
     start = time.monotonic()
-    procs = launch_workers(config, server.address, profile_path, tmp)
+    sidecars: list[subprocess.Popen[bytes]] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    sidecars_failed: list[tuple[int, int]] = []
     try:
+        targets: str | list[str] = server.address
+        if config.sidecars:
+            targets = launch_sidecars(config, server.address, tmp, sidecars)
+        procs = launch_workers(config, targets, profile_path, tmp)
         for p in procs:
             p.wait(timeout=config.timeout_seconds + 60)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        time.sleep(0.3)  # last windows
-        dep = server.controller.deployments.get("demo")
-        ctl.stop()
+        try:
+            reap(procs, terminate=False)
+            # A sidecar that ended before it was asked to failed; the others drain their
+            # last windows to the controller on SIGTERM.
+            sidecars_failed = [(i, p.returncode) for i, p in enumerate(sidecars) if p.poll() is not None]
+            reap(sidecars, terminate=True)
+            time.sleep(0.3)  # last windows
+        finally:
+            dep = server.controller.deployments.get("demo")
+            ctl.stop()
     failed = [i for i, p in enumerate(procs) if p.returncode != 0]
     if failed:
         raise RuntimeError(f"workers {failed} failed (see their output above)")
+    if sidecars_failed:
+        raise RuntimeError("sidecars ended during the run (see their output above): " + ", ".join(
+            f"pod {i} with code {code}" for i, code in sidecars_failed))
     results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(config.workers)]
     actual = [e.balancedness_actual for e in events if np.isfinite(e.balancedness_actual)]
-    k = 3
+    k = EDGE_WINDOWS
     summary = {
         "windows": len(events),
         "steps": min(r["steps"] for r in results),
         "workers": config.workers,
+        "sidecars": config.sidecars,
         "plans_proposed": sum(1 for w, _, _ in plan_log if w == "proposed"),
         "plans_committed": dep.stats.plans_committed if dep else 0,
         "plans_aborted": dep.stats.plans_aborted if dep else 0,

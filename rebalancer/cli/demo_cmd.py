@@ -6,17 +6,51 @@ import argparse
 import json
 import logging
 import math
+import textwrap
+
+SUMMARY_HELP = textwrap.dedent("""\
+    the summary (with --json also one JSON object on the last line):
+      windows, steps, workers   windows folded, forward steps per rank, worker processes
+      sidecars                  pod sidecars the workers went through (0: direct)
+      plans_proposed/_committed/_aborted, placement_version
+      balancedness_first        routed balancedness (mean/max GPU load measured on the
+                                workers' dispatched tokens; 1.0 = every GPU equally
+                                loaded) averaged over the first 3 windows, i.e. on the
+                                initial placement, before any rebalancing
+      balancedness_last/_mean   the same over the last 3 windows / over every window
+      slots_moved, bytes_moved  slot changes over all plans, weight bytes the workers received
+      max_output_diff           largest difference between the workers' MoE outputs and an
+                                unbalanced reference model on the same inputs (0.0:
+                                rebalancing never changes the math)
+      weights_match_map         every slot holds the expert its map says
+      ranks_agree_on_versions   every rank ran every step on the same placement
+      max_swap_ms, experts_copied_at_commit, seconds, store
+    exit code 1 unless a plan committed and max_output_diff is 0.0.
+    """)
+
+# Shown beside these keys in the printed summary.
+SUMMARY_NOTES = {
+    "balancedness_first": "routed, mean of the first 3 windows: the initial placement",
+    "balancedness_last": "routed, mean of the last 3 windows",
+    "balancedness_mean": "routed, mean of every window",
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
         help="run a controller and CPU workers on real DeepSeek-V3 routing",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Start a controller (gRPC + SQLite) and N CPU worker processes serving a small "
-        "MoE model whose routing replays DeepSeek-V3's real expert loads drifting across workloads; "
-        "print each window live and a summary.",
+        "MoE model whose routing replays DeepSeek-V3's real expert loads drifting across workloads, "
+        "by default in pods whose sidecar (`rebalancer sidecar`, one per pod on a Unix socket) "
+        "speaks to the controller for them; print each window live and a summary.",
+        epilog=SUMMARY_HELP,
     )
     p.add_argument("--workers", type=int, default=4, help="EP ranks (worker processes), default 4")
+    p.add_argument("--sidecars", type=int, default=None,
+                   help="pods of workers/N ranks, each behind its own sidecar (default 2 when the "
+                        "workers split evenly, else 1); 0: workers talk to the controller directly")
     p.add_argument("--windows", type=int, default=30, help="windows of counts per rank, default 30")
     p.add_argument("--window-steps", type=int, default=16, help="forward steps per window, default 16")
     p.add_argument("--experts", type=int, default=32, help="logical experts per layer, default 32")
@@ -31,19 +65,28 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="spare weight rows per layer and worker: incoming experts land there "
                         "while serving and a commit only swaps maps (default 0: copy at commit)")
     p.add_argument("--db", default=None, help="SQLite file of the controller (default: temporary)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the temporary folder (store, rank results, sockets); default: removed")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
-    p.add_argument("--verbose", action="store_true", help="controller and worker logs")
+    p.add_argument("--verbose", action="store_true", help="controller, sidecar and worker logs")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from rebalancer.demo import DemoConfig, run_demo
+    import signal
+    import threading
+
+    from rebalancer.demo import DemoConfig, default_sidecars, run_demo
     from rebalancer.errors import InputError
 
     if args.spare_rows < 0:
         raise InputError(f"--spare-rows must be >= 0, got {args.spare_rows}")
     if args.workers < 2 or args.windows < 4 or args.window_steps < 1:
         raise InputError("need --workers >= 2, --windows >= 4, --window-steps >= 1")
+    sidecars = default_sidecars(args.workers) if args.sidecars is None else args.sidecars
+    if sidecars < 0 or (sidecars and args.workers % sidecars):
+        raise InputError(f"--sidecars {sidecars} must be 0 (direct) or divide --workers {args.workers} "
+                         "into pods of equal size")
     if args.device == "cuda":
         import torch  # the workers' dependency; only asked here to fail early and clearly
 
@@ -61,14 +104,26 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers, layers=args.layers, experts=args.experts, slots=slots,
         steps=args.windows * args.window_steps, window_steps=args.window_steps, db_path=args.db,
         worker_log="INFO" if args.verbose else "WARNING", transport=args.transport,
-        device=args.device, spare_rows=args.spare_rows,
+        device=args.device, spare_rows=args.spare_rows, sidecars=sidecars, keep=args.keep,
     )
-    summary = run_demo(config)
+
+    def terminated(signum: int, frame: object) -> None:
+        # SIGTERM unwinds like Ctrl-C: every worker and sidecar reaped, the folder removed.
+        raise SystemExit(128 + signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
+    try:
+        summary = run_demo(config)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     print()
     print("summary")
     for key, value in summary.items():
         shown = f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else value
-        print(f"  {key:24s} {shown}")
+        note = f"  ({SUMMARY_NOTES[key]})" if key in SUMMARY_NOTES else ""
+        print(f"  {key:24s} {shown}{note}")
     if args.json:
         print(json.dumps(summary))
     ok = summary["plans_committed"] >= 1 and summary["max_output_diff"] == 0.0
