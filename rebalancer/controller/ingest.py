@@ -65,13 +65,15 @@ class WindowMerger:
             self.next_seq[r] = seq + 1
         self.newest_seq = max(self.newest_seq, seq)
         window = self._pending.get(seq)
-        if window is None:
-            window = self._pending[seq] = MergedWindow(seq, np.zeros(logical.shape), None)
-        window.logical += logical
+        if window is None:  # the first window of a seq is copied (as float64), not added to zeros
+            window = self._pending[seq] = MergedWindow(seq, logical.astype(np.float64), None)
+        else:
+            window.logical += logical
         if physical is not None:  # slot -> GPU is fixed, so any version's slots add up
             if window.physical is None:
-                window.physical = np.zeros(physical.shape)
-            window.physical += physical
+                window.physical = physical.astype(np.float64)
+            else:
+                window.physical += physical
         window.ranks |= ranks
         return True
 

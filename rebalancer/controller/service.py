@@ -24,10 +24,12 @@ from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape
 from rebalancer.controller.errors import StateError
 from rebalancer.controller.state import Controller
+from rebalancer.controller.store import MAX_VERSION
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
+from rebalancer.wire.layout import MAX_EXPERT_BYTES, MAX_LAYER_SLOTS, MAX_LAYERS
 
 log = logging.getLogger("rebalancer.service")
 
@@ -87,13 +89,35 @@ def register_label(request: pb.RegisterRequest) -> str:
     return f"rank {request.rank}"
 
 
+def check_version(value: int, field: str) -> int:
+    """A placement or plan version from the wire (uint64), refused above MAX_VERSION
+    (2**63 - 1, what the store holds). Every RPC that takes a version checks it here,
+    before the version is compared, looked up or stored."""
+    if value > MAX_VERSION:
+        raise InputError(f"{field} {value} is above the largest version {MAX_VERSION} (2**63 - 1)")
+    return int(value)
+
+
 def shape_of(msg: pb.ModelShape) -> ClusterShape:
+    """A Register's shape, checked before anything of its size is allocated: the layout
+    rules and limits (wire/layout.py: E <= P <= MAX_SLOTS, P / G <= MAX_SLOTS_PER_GPU,
+    L <= MAX_LAYERS, L x P <= MAX_LAYER_SLOTS, expert bytes <= MAX_EXPERT_BYTES)."""
+    if msg.num_layers > MAX_LAYERS:
+        raise InputError(f"shape.num_layers {msg.num_layers} is above the limit {MAX_LAYERS}")
+    if msg.expert_bytes > MAX_EXPERT_BYTES:
+        raise InputError(f"shape.expert_bytes {msg.expert_bytes} is above the limit {MAX_EXPERT_BYTES} (1 TiB)")
     shape = ClusterShape(
         num_layers=msg.num_layers, num_logical=msg.num_logical_experts,
         num_slots=msg.num_physical_slots, num_gpus=msg.num_gpus, num_nodes=msg.num_nodes or 1,
         num_groups=msg.num_groups, expert_bytes=msg.expert_bytes or ClusterShape.expert_bytes,
     )
     shape.validate()
+    cells = shape.num_layers * shape.num_slots
+    if cells > MAX_LAYER_SLOTS:
+        raise InputError(
+            f"shape.num_layers x shape.num_physical_slots ({shape.num_layers} x {shape.num_slots} = {cells}) "
+            f"is above the limit {MAX_LAYER_SLOTS}"
+        )
     return shape
 
 
@@ -194,13 +218,15 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             self.check_deployment(name)
             shape = shape_of(request.shape)
             ranks = ranks_of(request, shape.num_gpus)
+            version = check_version(request.placement_version, "placement_version")
             initial = None
             if request.HasField("initial_placement"):
+                check_version(request.initial_placement.version, "initial_placement.version")
                 initial = codec.decode_phy2log(
                     request.initial_placement.phy2log, shape.num_layers, shape.num_slots, shape.num_logical
                 )
             session, dep = self.controller.register(
-                name, ranks, shape, request.placement_version, initial, request.worker_id, request.pod
+                name, ranks, shape, version, initial, request.worker_id, request.pod
             )
         except (InputError, StateError) as exc:
             await refuse(context, exc, f"Register({request.deployment!r}, {register_label(request)})")
@@ -266,6 +292,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                     raise InputError("only windows may follow hello on the stream")
                 w = msg.window
                 t0 = self.clock()
+                check_version(w.placement_version, "window placement_version")
                 logical = codec.decode_counts(w.logical_count, "logical_count", logical_shape)
                 physical = None
                 if w.HasField("physical_count"):
@@ -289,7 +316,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             phase = _PHASES.get(request.phase)
             if phase is None:
                 raise InputError(f"plan phase {request.phase} is not reportable")
-            self.controller.report(request.session_id, request.version, phase, request.error)
+            version = check_version(request.version, "version")
+            self.controller.report(request.session_id, version, phase, request.error)
         except (InputError, StateError) as exc:
             await refuse(context, exc, f"ReportPlan(v{request.version})")
         return pb.PlanReportResponse()

@@ -18,8 +18,27 @@ LAYER, DST_RANK, DST_SLOT, SRC_RANK, SRC_SLOT = range(5)
 TRANSFER_COLUMNS = 5
 
 
+# The largest layout the placement engine takes (docs/placement.md, "Limits"): its time
+# and memory per layer grow with the square of the slots (P = 2048: up to ~0.6 s and
+# ~170 MB per layer), so a larger shape is refused before anything is allocated. Real
+# models need far less: DeepSeek-V3 288 slots (9 per GPU at EP32), Kimi K2 / Qwen3-Next
+# with 384-512 experts at EP8 48-80 per GPU.
+MAX_SLOTS = 2048
+MAX_SLOTS_PER_GPU = 1024
+# The rest of a deployment's shape, as the controller takes it at Register (checked with
+# the above before anything is allocated). Layers multiply every [L, P] array; L x P is
+# bounded so that a Prepare moving every slot (int32 placement [L, P] plus transfers
+# [K <= L*P, 5]: 24 bytes a slot) fits in one 16 MiB message (wire/channel.py). Real
+# models: DeepSeek-V3 58 MoE layers x 288 = 16,704; Qwen3-235B 94 layers. Expert bytes bound
+# the bytes a plan moves (slots x bytes) below 2**63, what the store's integers hold.
+MAX_LAYERS = 1024
+MAX_LAYER_SLOTS = 2**19  # L x P
+MAX_EXPERT_BYTES = 2**40
+
+
 def check_layout(num_logical: int, num_slots: int, num_gpus: int, num_nodes: int = 1) -> None:
-    """Raise InputError unless E <= P, P % G == 0 and G % N == 0 (all positive)."""
+    """Raise InputError unless E <= P <= MAX_SLOTS, P % G == 0, P / G <= MAX_SLOTS_PER_GPU
+    and G % N == 0 (all positive integers)."""
     for name, value in (
         ("num_logical", num_logical),
         ("num_slots", num_slots),
@@ -32,8 +51,15 @@ def check_layout(num_logical: int, num_slots: int, num_gpus: int, num_nodes: int
         raise InputError(
             f"slots ({num_slots}) must be at least the number of logical experts ({num_logical})"
         )
+    if num_slots > MAX_SLOTS:
+        raise InputError(f"slots ({num_slots}) must be at most {MAX_SLOTS}")
     if num_slots % num_gpus:
         raise InputError(f"slots ({num_slots}) must be a multiple of GPUs ({num_gpus})")
+    if num_slots // num_gpus > MAX_SLOTS_PER_GPU:
+        raise InputError(
+            f"slots per GPU ({num_slots} / {num_gpus} = {num_slots // num_gpus}) must be at "
+            f"most {MAX_SLOTS_PER_GPU}"
+        )
     if num_gpus % num_nodes:
         raise InputError(f"GPUs ({num_gpus}) must be a multiple of nodes ({num_nodes})")
 

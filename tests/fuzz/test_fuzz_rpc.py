@@ -31,6 +31,13 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.channel import MAX_MESSAGE_BYTES, client_options
+from rebalancer.wire.layout import (
+    MAX_EXPERT_BYTES,
+    MAX_LAYER_SLOTS,
+    MAX_LAYERS,
+    MAX_SLOTS,
+    MAX_SLOTS_PER_GPU,
+)
 from tests.fuzz.cli_helpers import check_run
 from tests.fuzz.rpc_helpers import (
     NAME_RE,
@@ -64,9 +71,9 @@ from tests.integration.conftest import start_controller
 
 DEP = "dep"
 HAS_GROUPS = "ranks" in pb.RegisterRequest.DESCRIPTOR.fields_by_name
-# Plan and placement versions the store can hold: at or above 2**63 SQLite overflows
-# (pinned in test_defect_versions_beyond_int64).
-versions = st.one_of(st.integers(0, 8), st.sampled_from([2**63 - 1, 2**32]), st.integers(0, 2**63 - 1))
+# Plan and placement versions: any uint64; above 2**63 - 1 (what the store holds) they are
+# refused with INVALID_ARGUMENT (test_versions_beyond_int64_are_refused).
+versions = st.one_of(st.integers(0, 8), st.sampled_from([2**63 - 1, 2**63, U64, 2**32]), st.integers(0, U64))
 # RPC examples cost a few round trips each: fewer than the profile's default.
 rpc_settings = settings(max_examples=max(10, settings.default.max_examples * 2 // 3))
 
@@ -159,9 +166,10 @@ def shapes(draw: st.DrawFn) -> pb.ModelShape:
     else:
         shape = pb.ModelShape(**{f.name: draw(st.integers(0, 9)) for f in pb.ModelShape.DESCRIPTOR.fields})
     if shape_valid(shape) and max(shape.num_layers, shape.num_logical_experts, shape.num_physical_slots) > 16:
-        # A valid shape this large makes the controller allocate [L, P] placements and
-        # more at once (test_defect_register_huge_shape, in a child process under a memory
-        # limit); kept small here so no run allocates gigabytes.
+        # Shapes beyond the limits are refused before anything is allocated
+        # (test_register_huge_shape_is_refused, in a child process under a memory limit,
+        # and test_shape_limits); kept small here all the same, so that a regression
+        # fails those tests rather than making this one allocate gigabytes.
         layers = min(shape.num_layers, 16)
         shape.CopyFrom(SHAPE)
         shape.num_layers = layers
@@ -202,6 +210,7 @@ def register_requests(draw: st.DrawFn) -> pb.RegisterRequest:
 @example(req=pb.RegisterRequest(deployment=DEP, rank=0, shape=pb.ModelShape(num_layers=L, num_logical_experts=E,
                                                                             num_physical_slots=P + 1, num_gpus=G)))
 @example(req=pb.RegisterRequest(deployment=DEP, rank=0, shape=SHAPE, placement_version=2**63 - 1))  # future
+@example(req=pb.RegisterRequest(deployment="r1", rank=0, shape=SHAPE, placement_version=2**63))  # beyond the store
 @example(req=pb.RegisterRequest(deployment=DEP, rank=1, shape=SHAPE, placement_version=0))
 @example(req=pb.RegisterRequest(deployment="r0", rank=0, shape=SHAPE, initial_placement=pb.Placement(
     phy2log=pb.Array(dtype=pb.DTYPE_INT32, shape=[0, U32, U32], data=b""))))
@@ -212,6 +221,7 @@ def test_register(worker: pb_grpc.WorkerServiceStub, admin: pb_grpc.AdminService
     if code == OK:
         event("OK")
         assert NAME_RE.match(req.deployment) and shape_valid(req.shape), req
+        assert req.placement_version < 2**63, req
         assert req.rank < req.shape.num_gpus or (HAS_GROUPS and req.ranks)
         consume_sessions(worker, [reply.session_id])
         return
@@ -385,9 +395,9 @@ def raw_call(channel: grpc.Channel, method: str, data: bytes) -> tuple[grpc.Stat
 
 @rpc_settings
 @given(st.sampled_from(METHODS), st.binary(max_size=64))
-def test_raw_bytes_that_parse(channel: grpc.Channel, admin: pb_grpc.AdminServiceStub, method: str, data: bytes) -> None:
-    """Bytes as a request: whatever protobuf parses is handled like any message. (Bytes
-    it cannot parse: test_defect_undecodable_request.)"""
+def test_raw_bytes(channel: grpc.Channel, admin: pb_grpc.AdminServiceStub, method: str, data: bytes) -> None:
+    """Bytes as a request: whatever protobuf parses is handled like any message; bytes it
+    cannot parse are refused with INVALID_ARGUMENT (test_undecodable_request_is_refused)."""
     service, name = method.split("/")[1:]
     request_type = {m.name: m.input_type for m in pb.DESCRIPTOR.services_by_name[service.split(".")[-1]].methods}[name]
     from google.protobuf import message_factory
@@ -396,27 +406,66 @@ def test_raw_bytes_that_parse(channel: grpc.Channel, admin: pb_grpc.AdminService
     cls = message_factory.GetMessageClass(request_type)
     try:
         cls.FromString(data)
+        parses = True
     except DecodeError:
-        return
+        parses = False
     before = snapshot(admin, (DEP,))
     code, details = raw_call(channel, method, data)
+    if not parses:
+        event("does not parse")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details, data)
     if method.endswith(("Resume", "SetPolicy", "Pause")) and code == OK:
         call(admin.Pause, pb.DeploymentRef(deployment=cls.FromString(data).deployment))
         return
     refused_changes_nothing(admin, before, code, details, (method, data))
 
 
-@pytest.mark.xfail(strict=True, reason="grpc-python answers a request it cannot deserialize (bad wire "
-                   "format, invalid UTF-8 in a string field) with INTERNAL 'Exception deserializing "
-                   "request!', not INVALID_ARGUMENT; the controller registers the generated handlers as is "
-                   "(controller/server.py)")
+BAD_UTF8 = b"\x0a\x02\xff\xfe"  # field 1 (a string in every request here): invalid UTF-8
+NOT_PROTOBUF = b"\xff\xff\xff"
+
+
 @pytest.mark.parametrize("method, data", [
-    ("/rebalancer.v1.AdminService/Status", b"\x0a\x02\xff\xfe"),  # deployment: invalid UTF-8
-    ("/rebalancer.v1.WorkerService/Register", b"\xff\xff\xff"),  # not protobuf
+    ("/rebalancer.v1.AdminService/Status", BAD_UTF8),
+    ("/rebalancer.v1.AdminService/Pause", NOT_PROTOBUF),
+    ("/rebalancer.v1.WorkerService/Register", NOT_PROTOBUF),
+    ("/rebalancer.v1.WorkerService/Register", BAD_UTF8),
+    ("/rebalancer.v1.WorkerService/ReportPlan", BAD_UTF8),
+    ("/grpc.health.v1.Health/Check", BAD_UTF8),
 ])
-def test_defect_undecodable_request(channel: grpc.Channel, method: str, data: bytes) -> None:
+def test_undecodable_request_is_refused(channel: grpc.Channel, admin: pb_grpc.AdminServiceStub, method: str,
+                                        data: bytes) -> None:
+    """A request grpc-python cannot parse (bytes that are not protobuf, invalid UTF-8 in
+    a string field): INVALID_ARGUMENT naming the message type, nothing changed (it used
+    to be UNKNOWN "Unexpected DecodeError" from grpc-python's aio server)."""
+    before = snapshot(admin, (DEP,))
     code, details = raw_call(channel, method, data)
-    assert_refusal(code, details, (method, data))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert "request is not a valid " in details, details
+    refused_changes_nothing(admin, before, code, details, (method, data))
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_undecodable_stream_message_is_refused(channel: grpc.Channel, worker: pb_grpc.WorkerServiceStub,
+                                               admin: pb_grpc.AdminServiceStub, first: bool) -> None:
+    """On the Stream: as its first message, or after the hello of a registered session (which
+    is then detached, as after any refused window)."""
+    session = register(worker, 1).session_id
+    before = snapshot(admin, (DEP,))
+    messages = [NOT_PROTOBUF] if first else [hello(session).SerializeToString(), BAD_UTF8]
+    fn = channel.stream_stream("/rebalancer.v1.WorkerService/Stream", request_serializer=None,
+                               response_deserializer=None)
+    try:
+        replies = list(fn(iter(messages), timeout=TIMEOUT))
+        code, details = OK, ""
+    except grpc.RpcError as exc:
+        replies, code, details = [], exc.code(), exc.details() or ""
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and not replies, (code, details)
+    assert "request is not a valid rebalancer.v1.WorkerMessage" in details, details
+    refused_changes_nothing(admin, before, code, details, messages)
+    if first:
+        consume_sessions(worker, [session])
+    else:  # the session ended with its stream
+        assert stream(worker, [hello(session)])[0] == grpc.StatusCode.NOT_FOUND
 
 
 def test_oversized_window_is_refused(controller: EmbeddedController, admin: pb_grpc.AdminServiceStub,
@@ -445,25 +494,74 @@ def test_resume_is_ok_and_pause_restores(admin: pb_grpc.AdminServiceStub) -> Non
     assert call(admin.Pause, pb.DeploymentRef(deployment=DEP))[0] == OK
 
 
-@pytest.mark.xfail(strict=True, reason="controller store (SQLite): a placement or plan version >= 2**63 (a "
-                   "valid uint64 on the wire) escapes as OverflowError 'Python int too large to convert "
-                   "to SQLite INTEGER': status UNKNOWN (Register's placement_version; ReportPlan's version)")
-@pytest.mark.parametrize("rpc", ["Register", "ReportPlan"])
-def test_defect_versions_beyond_int64(worker: pb_grpc.WorkerServiceStub, admin: pb_grpc.AdminServiceStub,
-                                      rpc: str) -> None:
-    before = snapshot(admin, (DEP,))
-    if rpc == "Register":
-        code, details, reply = call(worker.Register, pb.RegisterRequest(deployment=DEP, rank=0, shape=SHAPE,
-                                                                       placement_version=2**63))
+@pytest.mark.parametrize("version", [2**63, U64])
+@pytest.mark.parametrize("where", ["Register", "Register new", "initial_placement", "ReportPlan", "Window"])
+def test_versions_beyond_int64_are_refused(worker: pb_grpc.WorkerServiceStub, admin: pb_grpc.AdminServiceStub,
+                                           where: str, version: int) -> None:
+    """A placement or plan version above 2**63 - 1 (a valid uint64 on the wire, more than
+    the store's SQLite INTEGER holds): INVALID_ARGUMENT naming the field, nothing changed
+    (it used to escape as OverflowError: UNKNOWN). Every RPC that takes a version."""
+    name = "r2" if where in ("Register new", "initial_placement") else DEP
+    before = snapshot(admin, (DEP, name))
+    session = None
+    if where.startswith("Register") or where == "initial_placement":
+        req = pb.RegisterRequest(deployment=name, rank=0, shape=SHAPE)
+        if where == "initial_placement":
+            req.initial_placement.version = version
+            req.initial_placement.phy2log.CopyFrom(codec.encode(np.tile(np.arange(P) % E, (L, 1)).astype(np.int32)))
+        else:
+            req.placement_version = version
+        code, details, reply = call(worker.Register, req)
+        field = "initial_placement.version" if where == "initial_placement" else "placement_version"
         if code == OK:
             consume_sessions(worker, [reply.session_id])
     else:
-        session = register(worker, 0).session_id
-        code, details, _ = call(worker.ReportPlan, pb.PlanReport(session_id=session, version=2**63,
-                                                                 phase=pb.PLAN_PHASE_COMMITTED))
+        reply = register(worker, 0)
+        session = reply.session_id
+        before = snapshot(admin, (DEP,))
+        if where == "ReportPlan":
+            code, details, _ = call(worker.ReportPlan, pb.PlanReport(session_id=session, version=version,
+                                                                     phase=pb.PLAN_PHASE_COMMITTED))
+            field = "version"
+        else:
+            msg = window(reply.next_window_seq, placement_version=version)
+            code, details, _ = stream(worker, [hello(session), msg])  # the session ends with it
+            field = "window placement_version"
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert details.startswith(f"{field} {version} is above the largest version {2**63 - 1}"), details
+    refused_changes_nothing(admin, before, code, details, where, (DEP, name))
+    if session is not None and where == "ReportPlan":
         consume_sessions(worker, [session])
-    refused_changes_nothing(admin, before, code, details, rpc)
-    assert code != OK
+
+
+def test_no_plan_version_after_the_largest(worker: pb_grpc.WorkerServiceStub,
+                                           admin: pb_grpc.AdminServiceStub) -> None:
+    """A deployment whose ranks registered at the largest version, 2**63 - 1: a forced
+    rebalance has no plan version left and is refused with FAILED_PRECONDITION, nothing
+    stored (it used to overflow the store: UNKNOWN)."""
+    name, top = "at-the-top", 2**63 - 1
+    rng = np.random.default_rng(1)
+    sessions = [register(worker, rank, name, placement_version=top).session_id for rank in range(G)]
+    for session in sessions:
+        code, details, _ = stream(worker, [hello(session), window(0, rng.integers(1, 50, (L, E)))])
+        assert code == OK, details
+    sessions = [register(worker, rank, name, placement_version=top).session_id for rank in range(G)]
+    streams = [OpenStream(worker, s) for s in sessions]
+    try:
+        deadline = time.monotonic() + 5
+        while admin.Status(pb.StatusRequest(deployment=name), timeout=TIMEOUT).deployments[0].connected_ranks < G:
+            assert time.monotonic() < deadline, "ranks did not connect"
+            time.sleep(0.01)
+        history = admin.History(pb.HistoryRequest(deployment=name), timeout=TIMEOUT)
+        code, details, _ = call(admin.ForceRebalance, pb.ForceRebalanceRequest(deployment=name, max_moved_fraction=1.0))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
+        assert "no plan version is left" in details, details
+        status = admin.Status(pb.StatusRequest(deployment=name), timeout=TIMEOUT).deployments[0]
+        assert status.placement_version == top and not status.plan_in_flight
+        assert admin.History(pb.HistoryRequest(deployment=name), timeout=TIMEOUT).plans == history.plans
+    finally:
+        for s in streams:
+            s.close()
 
 
 # ------------------------------------------------------------------ reports while a plan is in flight
@@ -567,7 +665,7 @@ def test_reports_during_a_plan(worker: pb_grpc.WorkerServiceStub, admin: pb_grpc
 # ------------------------------------------------------------------ shapes too large to hold
 
 HUGE_SHAPE_CHILD = r"""
-import os, resource, sys, tempfile, pathlib
+import json, os, resource, sys, tempfile, pathlib
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a failed allocation, never a real one
 import grpc
 from rebalancer.controller.decide import PolicyConfig
@@ -577,33 +675,89 @@ from tests.integration.conftest import start_controller
 ctl = start_controller(pathlib.Path(tempfile.mkdtemp()) / "c.sqlite", policy=PolicyConfig(paused=True))
 with grpc.insecure_channel(ctl.server.address, options=client_options()) as ch:
     stub = pb_grpc.WorkerServiceStub(ch)
-    for shape in ({"num_layers": 2**31, "num_logical_experts": 1, "num_physical_slots": 1, "num_gpus": 1},
-                  {"num_layers": 1, "num_logical_experts": 1, "num_physical_slots": 2**32 - 1, "num_gpus": 1},
-                  {"num_layers": 2**16, "num_logical_experts": 2**16, "num_physical_slots": 2**16, "num_gpus": 1}):
+    for shape in json.loads(sys.argv[1]):
         try:
             stub.Register(pb.RegisterRequest(deployment="huge", rank=0, shape=pb.ModelShape(**shape)), timeout=30)
             print("OK", flush=True)
         except grpc.RpcError as exc:
-            print(exc.code().name, (exc.details() or "").replace(chr(10), " ")[:120], flush=True)
+            print(exc.code().name, (exc.details() or "").replace(chr(10), " "), flush=True)
 os._exit(0)  # the decision process dies with this one (PR_SET_PDEATHSIG)
 """
+HUGE_SHAPES = [  # (shape, what the refusal says), each a valid layout but for its size
+    (dict(num_layers=2**31, num_logical_experts=1, num_physical_slots=1, num_gpus=1),
+     f"shape.num_layers {2**31} is above the limit {MAX_LAYERS}"),
+    (dict(num_layers=1, num_logical_experts=1, num_physical_slots=U32, num_gpus=1),
+     f"slots ({U32}) must be at most {MAX_SLOTS}"),
+    (dict(num_layers=2**16, num_logical_experts=2**16, num_physical_slots=2**16, num_gpus=1),
+     f"shape.num_layers {2**16} is above the limit {MAX_LAYERS}"),
+    (dict(num_layers=MAX_LAYERS + 1, num_logical_experts=1, num_physical_slots=1, num_gpus=1),
+     f"shape.num_layers {MAX_LAYERS + 1} is above the limit {MAX_LAYERS}"),
+    (dict(num_layers=MAX_LAYERS, num_logical_experts=MAX_SLOTS, num_physical_slots=MAX_SLOTS, num_gpus=2),
+     f"({MAX_LAYERS} x {MAX_SLOTS} = {MAX_LAYERS * MAX_SLOTS}) is above the limit {MAX_LAYER_SLOTS}"),
+    (dict(num_layers=1, num_logical_experts=1, num_physical_slots=MAX_SLOTS, num_gpus=1),
+     f"must be at most {MAX_SLOTS_PER_GPU}"),
+    (dict(num_layers=1, num_logical_experts=1, num_physical_slots=1, num_gpus=1, expert_bytes=U64),
+     f"shape.expert_bytes {U64} is above the limit {MAX_EXPERT_BYTES}"),
+]
 
 
-@pytest.mark.xfail(strict=True, reason="controller: ModelShape has no upper bound, so one Register of a valid "
-                   "but huge shape (L=2**31, or P=2**32-1, or L=E=P=2**16) makes the controller allocate the "
-                   "trivial [L, P] placement (16-32 GiB): UNKNOWN (MemoryError) where it fails, gigabytes "
-                   "really allocated where it does not. Run in a child under a 4 GiB address-space limit.")
-def test_defect_register_huge_shape() -> None:
+def test_register_huge_shape_is_refused() -> None:
+    """A valid but huge shape (L=2**31, or P=2**32-1, or L=E=P=2**16, ...) is refused with
+    INVALID_ARGUMENT naming the field and the limit, before anything is allocated (it used
+    to make the controller allocate the trivial [L, P] placement: 16-32 GiB). Run in a
+    child under a 4 GiB address-space limit, so that a regression fails instead of
+    allocating."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", HUGE_SHAPE_CHILD], cwd=root, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
-    codes = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
-    assert len(codes) == 3, out.stdout + out.stderr
-    assert set(codes) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}, out.stdout
+    shapes = json.dumps([shape for shape, _ in HUGE_SHAPES])
+    out = subprocess.run([sys.executable, "-c", HUGE_SHAPE_CHILD, shapes], cwd=root, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert len(lines) == len(HUGE_SHAPES), out.stdout + out.stderr
+    for line, (shape, words) in zip(lines, HUGE_SHAPES, strict=True):
+        assert line.startswith("INVALID_ARGUMENT ") and words in line, (shape, line)
+
+
+@pytest.mark.parametrize("shape, ok", [
+    (dict(num_layers=MAX_LAYERS, num_logical_experts=1, num_physical_slots=1, num_gpus=1), True),
+    (dict(num_layers=MAX_LAYERS, num_logical_experts=MAX_LAYER_SLOTS // MAX_LAYERS,
+          num_physical_slots=MAX_LAYER_SLOTS // MAX_LAYERS, num_gpus=2), True),
+    (dict(num_layers=MAX_LAYERS, num_logical_experts=2, num_physical_slots=MAX_LAYER_SLOTS // MAX_LAYERS + 2,
+          num_gpus=2), False),
+    (dict(num_layers=1, num_logical_experts=1, num_physical_slots=MAX_SLOTS_PER_GPU, num_gpus=1), True),
+    (dict(num_layers=1, num_logical_experts=1, num_physical_slots=MAX_SLOTS_PER_GPU + 1, num_gpus=1), False),
+    (dict(num_layers=1, num_logical_experts=1, num_physical_slots=1, num_gpus=1, expert_bytes=MAX_EXPERT_BYTES),
+     True),
+    (dict(num_layers=1, num_logical_experts=1, num_physical_slots=1, num_gpus=1, expert_bytes=MAX_EXPERT_BYTES + 1),
+     False),
+])
+def test_shape_limits(worker: pb_grpc.WorkerServiceStub, admin: pb_grpc.AdminServiceStub, shape: dict[str, int],
+                      ok: bool) -> None:
+    """Each limit of wire/layout.py, at the limit (a new deployment) and one past it
+    (INVALID_ARGUMENT naming the limit, nothing changed). All small enough to run here."""
+    name = "lim-" + "-".join(str(shape[k]) for k in sorted(shape))
+    before = snapshot(admin, (DEP, name))
+    code, details, reply = call(worker.Register, pb.RegisterRequest(deployment=name, rank=0,
+                                                                   shape=pb.ModelShape(**shape)))
+    if ok:
+        assert code == OK, details
+        consume_sessions(worker, [reply.session_id])
+        return
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert "limit" in details or "at most" in details, details
+    refused_changes_nothing(admin, before, code, details, shape, (DEP, name))
+
+
+def test_limits_fit_one_message() -> None:
+    """A Prepare that moves every slot of the largest shape (int32 placement [L, P] plus
+    transfers [L*P, 5]) fits in one message; so do its windows (int64 [L, E] + [L, P])."""
+    assert MAX_LAYER_SLOTS * 4 * (1 + 5) < MAX_MESSAGE_BYTES * 0.9
+    assert MAX_LAYER_SLOTS * 8 * 2 < MAX_MESSAGE_BYTES * 0.9
+    assert MAX_LAYER_SLOTS * MAX_EXPERT_BYTES < 2**63  # bytes a plan moves, in the store
 
 
 # ------------------------------------------------------------------ `rebalancer admin` against this controller

@@ -153,3 +153,28 @@ def test_stream_and_report_tokens(stubs: tuple, md: tuple[tuple[str, str], ...])
     assert_refusal(code, details, md)
     assert settled_snapshot(admin, before, ("dep",), ADMIN_MD) == before
     consume_sessions(worker, [reply.session_id], bearer(TOKENS["dep"]))
+
+
+@pytest.mark.parametrize("method", ["/rebalancer.v1.AdminService/Status", "/rebalancer.v1.WorkerService/Register"])
+@pytest.mark.parametrize("token", [None, "wrong", "right"])
+def test_undecodable_request_and_tokens(controller: EmbeddedController, stubs: tuple, method: str,
+                                        token: str | None) -> None:
+    """A request that does not parse: the token is checked first (UNAUTHENTICATED /
+    PERMISSION_DENIED), then INVALID_ARGUMENT for the bytes; nothing changes."""
+    _, admin = stubs
+    assert controller.server is not None
+    right = ADMIN if "Admin" in method else TOKENS["dep"]
+    md = () if token is None else bearer(right if token == "right" else "wrong")
+    before = snapshot(admin, ("dep",), ADMIN_MD)
+    with grpc.insecure_channel(controller.server.address, options=client_options()) as channel:
+        fn = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        try:
+            fn(b"\x0a\x02\xff\xfe", timeout=10, metadata=md)  # field 1, a string: invalid UTF-8
+            code, details = OK, ""
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+    expected = {None: grpc.StatusCode.UNAUTHENTICATED, "wrong": grpc.StatusCode.PERMISSION_DENIED,
+                "right": grpc.StatusCode.INVALID_ARGUMENT}[token]
+    assert code == expected, (code, details)
+    assert_refusal(code, details, md)
+    assert settled_snapshot(admin, before, ("dep",), ADMIN_MD) == before

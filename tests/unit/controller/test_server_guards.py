@@ -45,16 +45,31 @@ def test_store_lock_is_exclusive_and_names_the_holder(tmp_path: Path) -> None:
 
 def test_store_lock_is_not_inherited_by_children(tmp_path: Path) -> None:
     """The decision worker is a child: it must not keep the store locked after the
-    controller is gone."""
+    controller is gone.
+
+    close_fds=False, so only close-on-exec keeps the lock's descriptor from the child.
+    The child says when it runs: with close_fds=False, Popen uses posix_spawn, which
+    returns as soon as the child has left the parent's memory (vfork), before the
+    kernel has closed the child's close-on-exec descriptors; tried in that window, the
+    lock is still held by the child for a moment (InUseError, "another process").
+    Once the child's Python runs, its exec is complete: an inherited descriptor would
+    still be open (and the lock held for the child's 60 s), a close-on-exec one is gone.
+    """
     db = tmp_path / "c.sqlite"
     lock = StoreLock(db)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], close_fds=False)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(60)"],
+        close_fds=False, stdout=subprocess.PIPE, text=True,
+    )
     try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
         lock.release()
         StoreLock(db).release()  # the child, still alive, holds nothing
+        assert child.poll() is None
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()  # type: ignore[union-attr]
 
 
 def test_server_options_turn_port_reuse_off() -> None:
