@@ -58,6 +58,8 @@ h = log(2) / log(1 / decay) windows (0.58 at decay 0.3; N / 2 for the sliding me
   half-way. At decay 0.3: every window, 1.0 s at the reference (5.0 s for 5 s windows).
   The live controller and the simulator decide only on a folded window, so any period
   up to the window length means "every window".
+A window longer than `MAX_WINDOW_SECONDS` (1e6 s) is refused with an InputError, as is a
+derived figure that is not finite.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ from rebalancer.wire.layout import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
 
 # DeepSeek-V3 routed expert in FP8: gate, up (7168 x 2048 each) and down (2048 x 7168).
 DEEPSEEK_V3_EXPERT_BYTES = 3 * 7168 * 2048
+
+# The longest counts window the timing defaults are derived for (and the simulator's
+# traces may declare): about 11.6 days, far beyond any real window (seconds to minutes),
+# yet small enough that every timing figure stays a finite float.
+MAX_WINDOW_SECONDS = 1e6
 
 
 @dataclass(frozen=True)
@@ -268,7 +275,32 @@ def reference_transfers(deployment: Deployment, moved_fraction: float) -> np.nda
 
 
 def _ceil_tenth(seconds: float) -> float:
+    """Round up to 0.1 s; InputError (not OverflowError) for a figure that is not finite."""
+    if not math.isfinite(seconds):
+        raise InputError(
+            f"a derived timing figure is not finite ({seconds} s): the window length or the "
+            "cost parameters are out of range"
+        )
     return math.ceil(round(seconds * 10.0, 6)) / 10.0
+
+
+def check_window_seconds(value: object, what: str = "window_seconds") -> float:
+    """Return a window length in seconds as a float, or raise InputError: a number (not a
+    bool), finite, in (0, MAX_WINDOW_SECONDS]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        text = repr(value)
+        text = text if len(text) <= 40 else text[:37] + "..."
+        raise InputError(f"{what} must be a number of seconds, got {text}")
+    try:
+        seconds = float(value)
+        shown = f"{seconds:g}"
+    except OverflowError:  # an int beyond float's range
+        seconds, shown = math.inf, "an integer beyond float's range"
+    if not (math.isfinite(seconds) and 0.0 < seconds <= MAX_WINDOW_SECONDS):
+        raise InputError(f"{what} must be in (0, {MAX_WINDOW_SECONDS:g}] seconds, got {shown}")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -293,6 +325,7 @@ def derived_timing(
 ) -> Timing:
     """`min_interval_seconds` and `decision_period_seconds` (see the module docstring)."""
     d = deployment
+    check_window_seconds(d.window_seconds, "deployment window_seconds")
     rows = reference_transfers(d, max_moved_fraction)
     plan = plan_cost(rows, d.num_gpus, d.num_nodes, d.expert_bytes, params)
     # gain_threshold 0 accepts any gain: nothing bounds the repay time, only settling.

@@ -22,7 +22,8 @@ time, stalls stop serving, and weight transfers beside serving slow it down.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -31,6 +32,15 @@ from rebalancer.errors import InputError
 
 # Mixtral-8x7B expert in FP8: w1, w3 (4096 x 14336) and w2 (14336 x 4096).
 MIXTRAL_8X7B_EXPERT_BYTES = 3 * 4096 * 14336
+# Largest expert size the cost model takes: byte counts stay exact as floats (8 PiB).
+MAX_EXPERT_BYTES = 2**53
+# Fields that may be None (calibrated from the trace).
+OPTIONAL_FIELDS = ("fixed_seconds_per_layer", "seconds_per_token")
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -53,17 +63,36 @@ class CostModel:
     periodic_stall_seconds: float = 1.5
 
     def validate(self) -> None:
-        non_negative = ("plan_overhead_seconds", "periodic_stall_seconds", "expert_bytes")
-        for name in non_negative:
-            value = getattr(self, name)
-            if not (np.isfinite(value) and value >= 0):
-                raise InputError(f"cost {name} must be >= 0, got {value}")
-        if not 0.0 < self.moe_fraction <= 1.0:
-            raise InputError(f"cost moe_fraction must be in (0, 1], got {self.moe_fraction}")
-        for name in ("fixed_seconds_per_layer", "seconds_per_token"):
-            value = getattr(self, name)
-            if value is not None and not (np.isfinite(value) and value >= 0):
-                raise InputError(f"cost {name} must be >= 0, got {value}")
+        """Raise InputError naming the first field of the wrong type or out of range (the
+        fields come from `--cost KEY=VALUE`, parsed as JSON: any type may arrive)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name in OPTIONAL_FIELDS:
+                continue
+            if f.name == "expert_bytes":
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                    raise InputError(f"cost expert_bytes must be an integer, got {_brief(value)}")
+                if not 0 <= value <= MAX_EXPERT_BYTES:
+                    raise InputError(
+                        f"cost expert_bytes must be in [0, 2**53], got {_brief(value)}"
+                    )
+                continue
+            if isinstance(value, bool) or not isinstance(
+                value, (int, float, np.integer, np.floating)
+            ):
+                kind = "a number or null" if f.name in OPTIONAL_FIELDS else "a number"
+                raise InputError(f"cost {f.name} must be {kind}, got {_brief(value)}")
+            try:
+                finite = math.isfinite(value)
+            except OverflowError:  # an int beyond float's range
+                finite = False
+            if not finite:
+                raise InputError(f"cost {f.name} must be finite, got {_brief(value)}")
+            if f.name == "moe_fraction":
+                if not 0.0 < value <= 1.0:
+                    raise InputError(f"cost moe_fraction must be in (0, 1], got {value}")
+            elif value < 0:
+                raise InputError(f"cost {f.name} must be >= 0, got {value}")
 
 
 @dataclass(frozen=True)

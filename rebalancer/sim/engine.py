@@ -101,6 +101,7 @@ class SimConfig:
         return self.policy.cost_params()
 
     def shape(self, trace: Trace) -> ClusterShape:
+        self.cost.validate()  # expert_bytes goes into the shape: refuse a bad one first
         return ClusterShape(
             num_layers=trace.num_layers,
             num_logical=trace.num_experts,

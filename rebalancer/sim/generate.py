@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from rebalancer.controller.cost import check_window_seconds
 from rebalancer.errors import InputError
-from rebalancer.sim.trace import Trace
+from rebalancer.sim.trace import MAX_TOTAL_COUNT, MAX_TRACE_CELLS, Trace
 
 KINDS = ("phase", "mix", "burst")
 
@@ -57,8 +58,9 @@ class TraceGenConfig:
                 raise InputError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.phase_max_windows < self.phase_min_windows:
             raise InputError("phase_max_windows must be >= phase_min_windows")
-        if not self.window_seconds > 0 or not self.mix_period_windows > 0:
-            raise InputError("window_seconds and mix_period_windows must be > 0")
+        check_window_seconds(self.window_seconds)
+        if not self.mix_period_windows > 0:
+            raise InputError("mix_period_windows must be > 0")
         if not 0.0 <= self.burst_probability <= 1.0 or self.burst_factor < 1.0:
             raise InputError("burst_probability must be in [0, 1] and burst_factor >= 1")
         if self.burst_experts < 0 or self.burst_max_windows <= 0 or self.mix_sharpness < 0:
@@ -116,6 +118,23 @@ def make_trace(
     names, dists = _normalise(sources)
     rng = np.random.default_rng(config.seed)
     k, num_layers, num_experts = dists.shape
+    if config.top_k > num_experts:
+        raise InputError(
+            f"top_k ({config.top_k}) must be at most the number of experts ({num_experts}): "
+            "a token routes to top_k distinct experts"
+        )
+    cells = config.windows * num_layers * num_experts
+    if cells > MAX_TRACE_CELLS:
+        raise InputError(
+            f"{config.windows} windows x {num_layers} layers x {num_experts} experts is {cells} "
+            "counts, more than the limit of 2**27"
+        )
+    routings = config.windows * num_layers * config.tokens_per_window * config.top_k
+    if routings > MAX_TOTAL_COUNT:
+        raise InputError(
+            f"{config.windows} windows x {num_layers} layers x {config.tokens_per_window} tokens "
+            f"x top_k {config.top_k} is {routings:.4g} routings, more than 2**62"
+        )
     if config.kind == "phase":
         weights = _phase_weights(config, k, rng)
     else:
@@ -157,7 +176,19 @@ def deepseek_v3_sources(paths: list[Path] | None = None) -> dict[str, np.ndarray
         if not path.is_file():
             raise InputError(f"{path}: no such file")
         try:
-            sources[path.stem] = load_deepseek_v3(path)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InputError(f"{path}: not a summed counts file ({exc})") from exc
+            counts = load_deepseek_v3(path, moe_only=False)
+        except RecursionError as exc:
+            raise InputError(f"{path}: not a summed counts file (JSON nested too deeply)") from exc
+        except (ValueError, KeyError, TypeError, IndexError, OverflowError) as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise InputError(
+                f"{path}: not a summed counts file (logical_count [L, E]): "
+                f"{type(exc).__name__}: {reason[:200]}"
+            ) from exc
+        if counts.ndim != 2:
+            raise InputError(
+                f"{path}: not a summed counts file: logical_count must be [L, E], got shape "
+                f"{list(counts.shape)}"
+            )
+        sources[path.stem] = counts[counts.sum(axis=1) > 0]  # the MoE layers (load_deepseek_v3)
     return sources

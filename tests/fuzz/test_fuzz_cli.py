@@ -71,8 +71,8 @@ def _digests(d: Path) -> dict[str, str]:
 # Each flag has values that fit the tiny files (L=2 layers, E=4 experts) and values that do
 # not; an argv starts valid and gets a few flags corrupted, dropped, repeated or added, so
 # both the success paths and every refusal are reached. Sizes stay tiny: the placement
-# engine's memory grows superlinearly in slots per GPU, so no moderate P/G is drawn (only
-# absurd ones, which fail their allocation at once).
+# engine's memory grows superlinearly in slots, so no moderate P/G is drawn (only absurd
+# ones, refused by the layout bound of wire/layout.py).
 
 bad_ints = st.sampled_from(["0", "-1", "-7", HUGE, "x", "", "1.5", "nan", "1e3", "٣", "\udcff"])
 bad_floats = st.sampled_from(["-1", "nan", "inf", "-inf", "1e308", "x", "", "2", "\udcff"])
@@ -175,9 +175,8 @@ def test_evaluate_valid(files: dict[str, str]) -> None:
     assert 0 < json.loads(out)["balancedness"] <= 1
 
 
-# garbage.jsonl: a pinned sim/trace.py defect (test_defect_trace_garbage_jsonl)
 TRACES = ("trace.npz", "trace.json", "trace.jsonl", "counts.json")
-BAD_TRACES = ("garbage.json", "garbage.npz", "garbage.bin", "missing", "dir", "placement.json")
+BAD_TRACES = ("garbage.json", "garbage.npz", "garbage.jsonl", "garbage.bin", "missing", "dir", "placement.json")
 
 
 @st.composite
@@ -241,15 +240,13 @@ def simulate_argv(draw: st.DrawFn) -> list[str]:
         "--policy": (st.sampled_from([*POLICIES, "all", "none,adaptive"]), st.sampled_from(["x", "", ",", "all,x"])),
         "--tokens-per-window": (st.sampled_from(["1", "2"]), bad_ints),
         "--num-experts": (st.sampled_from(["4", "8"]), st.sampled_from(["1", "2"]) | bad_ints),
-        # 1e308: a pinned defect (test_defect_simulate_huge_window_seconds)
-        "--window-seconds": (st.sampled_from(["1", "5"]), bad_floats.filter(lambda v: v != "1e308")),
+        "--window-seconds": (st.sampled_from(["1", "5"]), bad_floats),
         "--expert-bytes": (st.sampled_from(["1000", "1"]), bad_ints),
         "--period-steps": (st.sampled_from(["1", "100"]), bad_ints),
         "--periodic-algorithm": (st.sampled_from(["greedy", "balanced", "auto"]), st.sampled_from(["migration", "x"])),
         "--start": (st.sampled_from(["trivial", "static"]), text),
         "--set": key_values([f for f in PolicyConfig.__dataclass_fields__ if f != "paused"], numeric_bad | other_bad),
-        # non-numbers in --cost: a pinned defect (test_defect_simulate_cost_types)
-        "--cost": key_values(list(CostModel.__dataclass_fields__), numeric_bad),
+        "--cost": key_values(list(CostModel.__dataclass_fields__), numeric_bad | other_bad),
         "--json": (None, None),
     }
     return ["simulate", *flags(draw, spec, ("--trace", "--gpus", "--slots"))]
@@ -316,39 +313,52 @@ def test_admin_without_server(files: dict[str, str], argv: list[str]) -> None:
         assert "UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err
 
 
-@pytest.mark.xfail(strict=True, reason="sim/trace.py _load_jsonl: a .jsonl that is not UTF-8 escapes as "
-                   "UnicodeDecodeError (traceback from `trace info/convert` and `simulate`)")
 @pytest.mark.parametrize("argv", [["trace", "info", "@garbage.jsonl"],
+                                  ["trace", "convert", "@garbage.jsonl", "--out", "@out_npz"],
                                   ["simulate", "--trace", "@garbage.jsonl", "--gpus", "2", "--slots", "4"]])
-def test_defect_trace_garbage_jsonl(files: dict[str, str], argv: list[str]) -> None:
-    check_run(resolve(argv, files), {2})
+def test_trace_garbage_jsonl(files: dict[str, str], argv: list[str]) -> None:
+    """A .jsonl that is not UTF-8 escaped as UnicodeDecodeError (sim/trace.py _load_jsonl)."""
+    _, _, err = check_run(resolve(argv, files), {2})
+    assert "garbage.jsonl:1: not UTF-8 text" in err
 
 
-@pytest.mark.xfail(strict=True, reason="sim/cost.py CostModel.validate (via simulate_cmd._key_values): a --cost "
-                   "value that is not a number (JSON string, list, object) escapes as TypeError")
-@pytest.mark.parametrize("setting", ['expert_bytes="x"', "moe_fraction=[1]", 'fixed_seconds_per_layer="x"'])
-def test_defect_simulate_cost_types(files: dict[str, str], setting: str) -> None:
-    check_run(["simulate", "--trace", files["trace.npz"], "--gpus", "2", "--slots", "4", "--cost", setting], {2})
+@pytest.mark.parametrize("setting", ['expert_bytes="x"', "moe_fraction=[1]", 'fixed_seconds_per_layer="x"',
+                                     "expert_bytes={}", "seconds_per_token=true", f"expert_bytes={2**70}"])
+def test_simulate_cost_types(files: dict[str, str], setting: str) -> None:
+    """A --cost value that is not a number (JSON string, list, object) escaped as TypeError
+    (sim/cost.py CostModel.validate, via simulate_cmd._key_values)."""
+    _, _, err = check_run(["simulate", "--trace", files["trace.npz"], "--gpus", "2", "--slots", "4",
+                           "--cost", setting], {2})
+    assert f"cost {setting.partition('=')[0]} must be" in err
 
 
-@pytest.mark.xfail(strict=True, reason="controller/cost.py derived_timing (_ceil_tenth): simulate "
-                   "--window-seconds 1e308 overflows to inf and escapes as OverflowError")
-def test_defect_simulate_huge_window_seconds(files: dict[str, str]) -> None:
-    check_run(["simulate", "--trace", files["trace.npz"], "--gpus", "1", "--slots", "4",
-               "--window-seconds", "1e308", "--policy", "adaptive"], {0, 2})
+@pytest.mark.parametrize("seconds", ["1e308", "1e7", "inf"])
+def test_simulate_huge_window_seconds(files: dict[str, str], seconds: str) -> None:
+    """simulate --window-seconds 1e308 overflowed to inf in controller/cost.py derived_timing
+    (_ceil_tenth) and escaped as OverflowError."""
+    _, _, err = check_run(["simulate", "--trace", files["trace.npz"], "--gpus", "1", "--slots", "4",
+                           "--window-seconds", seconds, "--policy", "adaptive"], {2})
+    assert "window seconds must be in (0, 1e+06]" in err
 
 
-@pytest.mark.xfail(strict=True, reason="rebalancer/placement compute_placement: memory and time grow with "
-                   "the square of the slots per GPU (P/G = 2048: 0.35 GB, 1.2 s; 4096: 1.4 GB, 4.4 s; 65536: "
-                   "out of memory after 40 s and 17 GB), so `plan --gpus 1 --slots 4096` on 4 experts fails "
-                   "under a 1 GiB address-space limit (now exit 1, 'out of memory', no traceback)")
-def test_defect_plan_memory_quadratic_in_slots_per_gpu(files: dict[str, str]) -> None:
+@pytest.mark.parametrize("gpus, slots, refusal", [
+    ("1", "4096", "slots (4096) must be at most 2048"),
+    ("1", "65536", "slots (65536) must be at most 2048"),
+    ("1", "2048", "slots per GPU (2048 / 1 = 2048) must be at most 1024"),
+])
+def test_plan_memory_quadratic_in_slots_per_gpu(files: dict[str, str], gpus: str, slots: str, refusal: str) -> None:
+    """compute_placement's memory and time grow with the square of the slots (per GPU and
+    in all: P/G = 2048: 0.35 GB, 1.2 s; 4096: 1.4 GB, 4.4 s; 65536: out of memory after
+    40 s and 17 GB), so `plan --gpus 1 --slots 4096` on 4 experts failed under a 1 GiB
+    address-space limit: the layout bound (wire/layout.py check_layout) now refuses it at
+    once, with exit 2, under the same limit."""
     import subprocess
     import sys
 
     child = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)); "
              "from rebalancer.cli import main; sys.exit(main(sys.argv[1:]))")
-    out = subprocess.run([sys.executable, "-c", child, "plan", "--counts", files["counts.json"], "--gpus", "1",
-                          "--slots", "4096", "--json"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", child, "plan", "--counts", files["counts.json"], "--gpus", gpus,
+                          "--slots", slots, "--json"], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in out.stderr, out.stderr
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [f"rebalancer plan: error: {refusal}"], out.stderr

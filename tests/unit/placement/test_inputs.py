@@ -68,3 +68,34 @@ def test_valid_input_is_not_modified():
     before = previous.copy()
     compute_placement(load, 16, 4, previous=previous, max_moved_fraction=0.5)
     assert (load == LOAD).all() and (previous == before).all()
+
+
+@pytest.mark.parametrize(
+    "num_slots, num_gpus, message",
+    [
+        (4096, 1, "slots (4096) must be at most 2048"),  # 1.4 GB and 4.4 s before the bound
+        (65536, 64, "slots (65536) must be at most 2048"),  # 6 GB and 88 s for one layer
+        (2**40, 1, "must be at most 2048"),  # a MemoryError before the bound
+        (2048, 1, "slots per GPU (2048 / 1 = 2048) must be at most 1024"),
+    ],
+)
+def test_layout_bound_refused_before_allocating(num_slots, num_gpus, message):
+    """The engine's time and memory grow with the square of the slots (docs/placement.md,
+    "Limits"): every entry point refuses a layout beyond the bound, at once."""
+    load = np.ones((64, 4))
+    for call in (
+        lambda: compute_placement(load, num_slots, num_gpus),
+        lambda: lower_bound_balancedness(load, num_slots, num_gpus),
+        lambda: trivial_placement(64, 4, num_slots, num_gpus),
+    ):
+        with pytest.raises(InputError) as info:
+            call()
+        assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_layout_bound_itself_is_placed():
+    from rebalancer.wire.layout import MAX_SLOTS, MAX_SLOTS_PER_GPU
+
+    load = np.random.default_rng(0).pareto(1.5, size=(1, 512)) + 0.1
+    result = compute_placement(load, MAX_SLOTS, MAX_SLOTS // MAX_SLOTS_PER_GPU)
+    assert result.phy2log.shape == (1, MAX_SLOTS) and 0 < result.balancedness <= 1
