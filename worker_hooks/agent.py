@@ -276,12 +276,9 @@ class WorkerAgent:
         with self._lock:
             while self._pending:
                 w = self._pending.popleft()
-                msg = pb.Window(
-                    seq=self._next_seq, first_step=w.first_step, num_steps=w.num_steps,
-                    placement_version=w.version, logical_count=_compact(w.logical),
+                msg = codec.window_message(
+                    self._next_seq, w.first_step, w.num_steps, w.version, w.logical, w.physical
                 )
-                if w.physical is not None:
-                    msg.physical_count.CopyFrom(_compact(w.physical))
                 self._unacked[self._next_seq] = msg
                 self._next_seq += 1
                 out.append(msg)
@@ -325,10 +322,3 @@ class WorkerAgent:
             case _:  # empty, or a kind this version does not know
                 log.warning("rank %d: controller message %r ignored", self.config.rank, kind)
 
-
-def _compact(counts: np.ndarray) -> pb.Array:
-    """Counts on the wire as uint32 (half of int64, and the controller need not check
-    signs); int64 only for a window merged past 2^32 - 1 tokens on one expert."""
-    if counts.size and int(counts.max()) > np.iinfo(np.uint32).max:
-        return codec.encode(counts.astype(np.int64))
-    return codec.encode(counts.astype(np.uint32))

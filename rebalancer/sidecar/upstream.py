@@ -22,7 +22,6 @@ import random
 from typing import Literal, get_args
 
 import grpc
-import numpy as np
 
 from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.merge import MergedWindow
@@ -168,12 +167,10 @@ class Upstream:
             call.cancel()
 
     def _window(self, window: MergedWindow) -> pb.Window:
-        msg = pb.Window(
-            seq=self._next_seq, first_step=window.first_step, num_steps=window.num_steps,
-            placement_version=window.version, logical_count=_compact(window.logical),
+        msg = codec.window_message(
+            self._next_seq, window.first_step, window.num_steps, window.version,
+            window.logical, window.physical,
         )
-        if window.physical is not None:
-            msg.physical_count.CopyFrom(_compact(window.physical))
         self._unacked[self._next_seq] = msg
         self._next_seq += 1
         return msg
@@ -200,9 +197,3 @@ class Upstream:
             else:
                 self.pod.from_controller(msg)
 
-
-def _compact(counts: np.ndarray) -> pb.Array:
-    """Counts as uint32 (as ranks send them); int64 only past 2^32 - 1 on one expert."""
-    if counts.size and int(counts.max()) > np.iinfo(np.uint32).max:
-        return codec.encode(counts.astype(np.int64))
-    return codec.encode(counts.astype(np.uint32))

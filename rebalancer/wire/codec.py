@@ -78,3 +78,26 @@ def decode_phy2log(msg: pb.Array, num_layers: int, num_slots: int, num_logical: 
     if arr.dtype.kind not in "iu":
         raise InputError("phy2log: must be an integer array")
     return check_phy2log(arr, num_logical, name="phy2log")
+
+
+def encode_counts(counts: np.ndarray) -> pb.Array:
+    """Counts on the wire as uint32 (half of int64, and the receiver need not check
+    signs); int64 only for a window merged past 2^32 - 1 tokens on one expert."""
+    if counts.size and int(counts.max()) > np.iinfo(np.uint32).max:
+        return encode(counts.astype(np.int64))
+    return encode(counts.astype(np.uint32))
+
+
+def window_message(
+    seq: int, first_step: int, num_steps: int, version: int,
+    logical: np.ndarray, physical: np.ndarray | None,
+) -> pb.Window:
+    """One window of counts as ranks and sidecars send it: logical `[L, E]`, and the
+    dispatched slot counts `[L, P]` when there are any."""
+    msg = pb.Window(
+        seq=seq, first_step=first_step, num_steps=num_steps,
+        placement_version=version, logical_count=encode_counts(logical),
+    )
+    if physical is not None:
+        msg.physical_count.CopyFrom(encode_counts(physical))
+    return msg
