@@ -235,14 +235,10 @@ class WorkerAgent:
         # Resend what the controller has not counted; renumber if it expects less.
         expected = response.next_window_seq
         with self._lock:
-            kept = [w for s, w in sorted(self._unacked.items()) if s >= expected]
-            self._unacked = {}
-            for i, w in enumerate(kept):
-                w.seq = expected + i
-                self._unacked[w.seq] = w
-            self._next_seq = expected + len(kept)
+            self._unacked = codec.resend_from(self._unacked, expected)
+            self._next_seq = expected + len(self._unacked)
         log.info("rank %d registered with %s (session %s, resend %d windows)",
-                 self.config.rank, self.config.address, self._session[:8], len(kept))
+                 self.config.rank, self.config.address, self._session[:8], len(self._unacked))
 
     async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
         assert self._wake is not None

@@ -212,23 +212,31 @@ class LoadEstimator:
             windows = np.where(variance > 0, 1.0 / np.where(variance > 0, variance, 1.0), np.inf)
         return shares * fast.sum(axis=1, keepdims=True), windows
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to rebuild the estimator, as JSON-ready plain values."""
+    def state(self) -> dict[str, Any]:
+        """Everything needed to rebuild the estimator, arrays kept as numpy arrays (the
+        store writes their bytes; `load_state_dict` takes this as it is)."""
         return {
             "num_layers": self.num_layers,
             "num_experts": self.num_experts,
             "decay": float(self.config.decay),
             "window": int(self.config.window),
             "windows": int(self.windows),
-            "weighted_sum": self._weighted_sum.tolist(),
+            "weighted_sum": self._weighted_sum,
             "weight_total": float(self._weight_total),
             "weight_sq_total": float(self._weight_sq_total),
-            "recent": [w.tolist() for w in self._recent],
+            "recent": list(self._recent),
             "prior_decay": float(self.config.prior_decay),
             "shrink": bool(self.config.shrink),
-            "prior_sum": self._prior_sum.tolist(),
+            "prior_sum": self._prior_sum,
             "prior_weight": float(self._prior_weight),
             "prior_weight_sq": float(self._prior_weight_sq),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """`state()` as JSON-ready plain values."""
+        return {
+            k: [w.tolist() for w in v] if k == "recent" else v.tolist() if isinstance(v, np.ndarray) else v
+            for k, v in self.state().items()
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

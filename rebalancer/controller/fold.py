@@ -11,7 +11,6 @@ counting and never counts a window twice.
 from __future__ import annotations
 
 import zlib
-from typing import Any
 
 import numpy as np
 
@@ -20,7 +19,6 @@ from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Ranks
 from rebalancer.controller.decisions import Decisions
 from rebalancer.controller.deployment import Deployment, Observers, WindowEvent
-from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.ingest import MergedWindow
 from rebalancer.controller.store import Store
 from rebalancer.placement.metrics import balancedness_of_gpu_loads, mean_balancedness, pack_sums
@@ -92,7 +90,7 @@ class Folder:
             dep.name,
             {
                 "next_seq": {str(k): v for k, v in dep.next_seq.items()},
-                "estimator": estimator_state(dep.estimator),
+                "estimator": dep.estimator.state(),
                 "tokens_folded": dep.stats.tokens_folded,
             },
         )
@@ -105,28 +103,6 @@ MAX_STAGGER_SECONDS = 10.0
 def _phase(name: str) -> float:
     """A fraction in [0, 1) fixed by the deployment's name."""
     return zlib.crc32(name.encode()) / 2**32
-
-
-def estimator_state(est: LoadEstimator) -> dict[str, Any]:
-    """`est.state_dict()` with its arrays kept as numpy arrays: the store writes their bytes,
-    while `state_dict`'s lists (tolist, then back to arrays) cost ~10x the save itself on
-    the event loop. Same keys and values (tests/unit/controller/test_fold_persist.py)."""
-    return {
-        "num_layers": est.num_layers,
-        "num_experts": est.num_experts,
-        "decay": float(est.config.decay),
-        "window": int(est.config.window),
-        "windows": int(est.windows),
-        "weighted_sum": est._weighted_sum,
-        "weight_total": float(est._weight_total),
-        "weight_sq_total": float(est._weight_sq_total),
-        "recent": list(est._recent),
-        "prior_decay": float(est.config.prior_decay),
-        "shrink": bool(est.config.shrink),
-        "prior_sum": est._prior_sum,
-        "prior_weight": float(est._prior_weight),
-        "prior_weight_sq": float(est._prior_weight_sq),
-    }
 
 
 def routed_balancedness(physical: np.ndarray, num_gpus: int) -> float:

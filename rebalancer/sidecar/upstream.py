@@ -126,14 +126,11 @@ class Upstream:
         self.pod.registered_upstream(response)
         # Resend what the controller has not counted, renumbered from its cursor.
         expected = response.next_window_seq
-        kept = [w for s, w in sorted(self._unacked.items()) if s >= expected]
-        self._unacked = {}
-        for i, w in enumerate(kept):
-            w.seq = expected + i
-            self._unacked[w.seq] = w
-        self._next_seq = expected + len(kept)
+        self._unacked = codec.resend_from(self._unacked, expected)
+        self._next_seq = expected + len(self._unacked)
         log.info("registered ranks %s as one group with %s (v%d committed, resend %d windows)",
-                 self.config.ranks_label, self.config.controller, response.committed.version, len(kept))
+                 self.config.ranks_label, self.config.controller, response.committed.version,
+                 len(self._unacked))
 
     async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
         call = stub.Stream(metadata=self._metadata)

@@ -101,3 +101,13 @@ def window_message(
     if physical is not None:
         msg.physical_count.CopyFrom(encode_counts(physical))
     return msg
+
+
+def resend_from(unacked: dict[int, pb.Window], expected: int) -> dict[int, pb.Window]:
+    """After a (re-)Register: the unacknowledged windows the controller has not counted
+    (seq >= its cursor `expected`), renumbered from `expected` in order, so the sender
+    resends them and continues at `expected + len(result)`."""
+    kept = [w for s, w in sorted(unacked.items()) if s >= expected]
+    for i, w in enumerate(kept):
+        w.seq = expected + i
+    return {w.seq: w for w in kept}

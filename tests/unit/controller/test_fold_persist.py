@@ -13,7 +13,6 @@ import numpy as np
 
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
 from rebalancer.controller.estimate import EstimatorConfig, LoadEstimator
-from rebalancer.controller.fold import estimator_state
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
 
@@ -39,14 +38,14 @@ def _filled(config: EstimatorConfig) -> LoadEstimator:
 def test_estimator_state_is_state_dict_with_arrays() -> None:
     for config in (EstimatorConfig(), EstimatorConfig(window=3, shrink=False)):
         est = _filled(config)
-        fast = estimator_state(est)
+        fast = est.state()
         assert {k: _plain(v) for k, v in fast.items()} == est.state_dict()
 
 
 def test_cursor_round_trips_through_the_store(tmp_path: Path) -> None:
     est = _filled(EstimatorConfig(window=3))
     store = Store(tmp_path / "s.sqlite")
-    store.save_ingest_state("d", {"next_seq": {"0": 7, "1": 7}, "estimator": estimator_state(est), "tokens_folded": 9})
+    store.save_ingest_state("d", {"next_seq": {"0": 7, "1": 7}, "estimator": est.state(), "tokens_folded": 9})
     store.close()
     saved = Store(tmp_path / "s.sqlite").ingest_state("d")
     assert saved is not None
