@@ -25,6 +25,7 @@ from rebalancer.formats import (
     write_placement,
     write_sglang_expert_location,
 )
+from tests.fuzz.file_helpers import mutate, mutations, npz_bytes, pt_bytes
 
 torch = pytest.importorskip("torch")
 
@@ -91,32 +92,6 @@ def dumps(value: object) -> bytes:
     return json.dumps(value, allow_nan=True).encode()
 
 
-def npz_bytes(**arrays: object) -> bytes:
-    buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)  # type: ignore[arg-type]
-    return buf.getvalue()
-
-
-def pt_bytes(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def mutate(data: bytes, flips: list[tuple[int, int]], cut: int | None) -> bytes:
-    out = bytearray(data)
-    for pos, value in flips:
-        if out:
-            out[pos % len(out)] = value
-    if cut is not None and out:
-        out = out[: cut % (len(out) + 1)]
-    return bytes(out)
-
-
-mutations = st.tuples(
-    st.lists(st.tuples(st.integers(0, 2**20), st.integers(0, 255)), max_size=3),
-    st.one_of(st.none(), st.integers(0, 2**20)),
-)
 
 
 # ------------------------------------------------------------------ counts

@@ -8,7 +8,6 @@ below as regression tests, one per defect, with the input that found it.
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from hypothesis.extra import numpy as hnp
 
 from rebalancer.errors import InputError
 from rebalancer.sim.trace import Trace, load_trace
+from tests.fuzz.file_helpers import mutate, mutations, npz_bytes, pt_bytes
 
 torch = pytest.importorskip("torch")
 
@@ -48,32 +48,6 @@ def load_or_refuse(path: Path, **kw: object) -> Trace | None:
     return trace
 
 
-def npz_bytes(**arrays: object) -> bytes:
-    buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)  # type: ignore[arg-type]
-    return buf.getvalue()
-
-
-def pt_bytes(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def mutate(data: bytes, flips: list[tuple[int, int]], cut: int | None) -> bytes:
-    out = bytearray(data)
-    for pos, value in flips:
-        if out:
-            out[pos % len(out)] = value
-    if cut is not None and out:
-        out = out[: cut % (len(out) + 1)]
-    return bytes(out)
-
-
-mutations = st.tuples(
-    st.lists(st.tuples(st.integers(0, 2**20), st.integers(0, 255)), max_size=3),
-    st.one_of(st.none(), st.integers(0, 2**20)),
-)
 # Numbers within int64 and beyond it (up to beyond float's range).
 safe_numbers = st.one_of(
     st.integers(0, 1000), st.integers(-(2**62), 2**62), st.booleans(),
