@@ -1,6 +1,6 @@
 """The layering of ARCHITECTURE.md, held: which package may import which.
 
-Two checks. A static walk of every import statement in `rebalancer/` and `worker_hooks/`
+Two checks. A static walk of every import statement in `rebalancer/`, `worker_hooks/`, `reference/`, `engines/`
 (function-level lazy imports included) against the allowed edges; and a fresh
 interpreter that imports every `worker_hooks` module and must not have loaded the
 controller, the placement engine or scipy (what an inference process pays for).
@@ -33,6 +33,7 @@ LAYERS = {
     "rebalancer.sidecar": "sidecar",
     "rebalancer.sim": "sim",
     "reference": "reference",
+    "engines": "engines",
     "rebalancer.demo": "top",
     "rebalancer.cli": "top",
     "rebalancer.__main__": "top",
@@ -50,6 +51,7 @@ ALLOWED = {
     "sidecar": {"base", "wire"},
     "sim": {"base", "wire", "data", "placement", "controller"},
     "reference": {"base", "wire", "worker_hooks"},
+    "engines": {"base", "wire", "data", "worker_hooks"},
     "top": set(LAYERS.values()),
 }
 
@@ -86,7 +88,7 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
 
 def source_files() -> list[Path]:
     files = []
-    for top in ("rebalancer", "worker_hooks", "reference"):
+    for top in ("rebalancer", "worker_hooks", "reference", "engines"):
         files += [p for p in (ROOT / top).rglob("*.py") if "v1" not in p.relative_to(ROOT).parts]
     return sorted(files)
 
