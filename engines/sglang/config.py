@@ -1,0 +1,86 @@
+"""The SGLang adapter's settings, read from the environment of SGLang's processes.
+
+SGLang starts its scheduler and worker processes itself and has no flag for a plugin,
+so the adapter is configured like SGLang's own `SGLANG_*` switches: environment
+variables, read once per process when the plugin registers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from rebalancer.errors import InputError
+
+ENV_PREFIX = "REBALANCER_"
+
+
+@dataclass(frozen=True)
+class SGLangAdapterConfig:
+    address: str                      # REBALANCER_ADDRESS: unix:/path of the sidecar, or host:port
+    deployment: str = "sglang"        # REBALANCER_DEPLOYMENT
+    token: str | None = None          # read from REBALANCER_TOKEN_FILE
+    ca_file: str | None = None        # REBALANCER_CA_FILE: TLS to the controller
+    cert_file: str | None = None      # REBALANCER_CERT_FILE / REBALANCER_KEY_FILE: mutual TLS
+    key_file: str | None = None
+    window_steps: int = 16            # REBALANCER_WINDOW_STEPS: forward passes per counts window
+    agree_every: int = 4              # REBALANCER_AGREE_EVERY: passes between commit agreements
+    # REBALANCER_AGREE_TIMEOUT_SECONDS: the adapter's gloo group gives up on a lost peer
+    # after this long (agreements and the per-layer "done" of an update).
+    agree_timeout_seconds: float = 60.0
+    worker_id: str = ""               # REBALANCER_WORKER_ID (default: host and pid)
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise InputError(f"{ENV_PREFIX}ADDRESS is empty")
+        for name in ("window_steps", "agree_every"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
+        if not self.agree_timeout_seconds > 0:
+            raise InputError(
+                f"{ENV_PREFIX}AGREE_TIMEOUT_SECONDS must be > 0, got {self.agree_timeout_seconds}"
+            )
+
+    @staticmethod
+    def from_env(env: Mapping[str, str] | None = None) -> SGLangAdapterConfig | None:
+        """The settings in `env` (default os.environ); None when REBALANCER_ADDRESS is
+        unset (the plugin then leaves SGLang's own EPLB alone). InputError on a bad value."""
+        env = os.environ if env is None else env
+
+        def get(name: str) -> str | None:
+            value = env.get(ENV_PREFIX + name, "").strip()
+            return value or None
+
+        def number(name: str, kind: type) -> float:
+            raw = get(name)
+            if raw is None:  # the dataclass default (its class attribute)
+                return getattr(SGLangAdapterConfig, name.lower())
+            try:
+                return kind(raw)
+            except ValueError:
+                raise InputError(f"{ENV_PREFIX}{name}={raw!r} is not a {kind.__name__}") from None
+
+        address = get("ADDRESS")
+        if address is None:
+            return None
+        token = None
+        token_file = get("TOKEN_FILE")
+        if token_file is not None:
+            try:
+                token = Path(token_file).read_text().strip()
+            except OSError as exc:
+                raise InputError(f"{ENV_PREFIX}TOKEN_FILE {token_file}: {exc.strerror}") from None
+        return SGLangAdapterConfig(
+            address=address,
+            deployment=get("DEPLOYMENT") or SGLangAdapterConfig.deployment,
+            token=token,
+            ca_file=get("CA_FILE"),
+            cert_file=get("CERT_FILE"),
+            key_file=get("KEY_FILE"),
+            window_steps=int(number("WINDOW_STEPS", int)),
+            agree_every=int(number("AGREE_EVERY", int)),
+            agree_timeout_seconds=float(number("AGREE_TIMEOUT_SECONDS", float)),
+            worker_id=get("WORKER_ID") or "",
+        )

@@ -1,0 +1,130 @@
+"""The SGLang plugin on SGLang's real EPLB code: 4 gloo ranks, a real controller.
+
+Each rank (tests/engines/sglang/worker.py) loads the plugin through SGLang's own
+entry-point loader, records with SGLang's recorder, dispatches with SGLang's dispatch,
+and installs the controller's plans with SGLang's EPLBManager and ExpertLocationUpdater.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.store import Store
+from tests.engines.sglang import sglang_env
+from tests.integration.conftest import start_controller
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sglang_env.available(), reason=sglang_env.MISSING),
+]
+
+WORLD = 4
+DEPLOYMENT = "sglang-test"
+FAST_POLICY = PolicyConfig(
+    min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
+    decay=0.5, min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
+    step_seconds=0.01,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
+               ) -> tuple[list[int], dict[int, dict]]:
+    env = sglang_env.environment(
+        REBALANCER_ADDRESS=address, REBALANCER_DEPLOYMENT=DEPLOYMENT,
+        REBALANCER_WINDOW_STEPS="4", REBALANCER_AGREE_EVERY="2",
+        REBALANCER_AGREE_TIMEOUT_SECONDS="15",
+    )
+    port = _free_port()
+    procs = []
+    try:
+        for rank in range(WORLD):
+            cmd = [sys.executable, "-m", "tests.engines.sglang.worker", "--rank", str(rank),
+                   "--world", str(WORLD), "--port", str(port), "--steps", str(steps),
+                   "--out", str(tmp_path / f"rank{rank}.json"), *(extra or {}).get(rank, [])]
+            log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
+            procs.append((subprocess.Popen(cmd, cwd=sglang_env.ROOT, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT), log))
+        codes = [p.wait(timeout=150) for p, _ in procs]
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text())
+               for r in range(WORLD) if codes[r] == 0}
+    return codes, results
+
+
+def _logs(tmp_path: Path) -> str:
+    return "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
+
+
+def test_controller_plans_commit_through_sglang_updater(tmp_path: Path) -> None:
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    assert ctl.server is not None
+    try:
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=160)
+        dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
+    finally:
+        ctl.stop()
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    assert dep.stats.plans_committed >= 1
+    committed = np.asarray(dep.phy2log)
+    for r in results.values():
+        # Every rank runs the controller's committed placement, in SGLang's own metadata.
+        assert r["version"] == dep.version
+        assert np.array_equal(np.asarray(r["phy2log"]), committed)
+        assert r["weights_match_map"]          # SGLang's updater moved the weights to match
+        assert r["dispatch_mismatches"] == 0   # every token reached a slot holding its expert
+        assert r["steps"] == 160 and r["windows"] >= 160 // 4 - 1
+    # All ranks switched at the same forward pass to the same versions.
+    assert len({json.dumps(r["commits"]) for r in results.values()}) == 1
+    assert [v for _, v in results[0]["commits"]] == list(range(1, dep.version + 1))
+    plans = Store(tmp_path / "c.sqlite").plans(DEPLOYMENT)
+    assert [p.state for p in plans].count("committed") == dep.version
+
+
+def test_rank_killed_mid_update_leaves_survivors_on_one_placement(tmp_path: Path) -> None:
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    assert ctl.server is not None
+    try:
+        # Rank 3 exits inside SGLang's updater at the second MoE layer of the first plan.
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=120,
+                                    extra={3: ["--die-at-layer", "2"]})
+    finally:
+        ctl.stop()
+    store = Store(tmp_path / "c.sqlite")
+    (plan_v1,) = [p for p in store.plans(DEPLOYMENT) if p.version == 1]
+    placement_v1 = store.placement(DEPLOYMENT, 1)
+    assert codes[3] == 3 and codes[:3] == [0, 0, 0], _logs(tmp_path)
+    # The controller told every rank to commit plan v1 (it is never marked committed:
+    # rank 3 never reported, and no failure can abort it any more); the move lost rank 3.
+    assert plan_v1.state not in ("aborted", "committed") and placement_v1 is not None
+    survivors = [results[r] for r in range(3)]
+    maps = [np.asarray(r["phy2log"]) for r in survivors]
+    assert all(np.array_equal(m, maps[0]) for m in maps)  # one placement on every survivor
+    for r in survivors:
+        assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
+        assert r["version"] == 0 and r["commits"] == []
+        assert "layer 2" in r["broken"]
+        assert np.array_equal(np.asarray(r["adapter_phy2log"]), maps[0])
+    # Which placement: v1 on MoE layer 1 (finished before rank 3 died), v0 from layer 2 on.
+    initial = np.asarray(json.loads((tmp_path / "rank0.json").read_text())["initial_phy2log"])
+    assert not np.array_equal(placement_v1[1], initial[1])
+    assert np.array_equal(maps[0][1], placement_v1[1])
+    assert np.array_equal(maps[0][2:], initial[2:])

@@ -1,0 +1,191 @@
+"""One SGLang EP rank on CPU for the adapter's tests: SGLang's real EPLB code, a tiny MoE.
+
+Run by tests/engines/sglang/test_plugin.py as `python -m tests.engines.sglang.worker`
+with SGLang's folder (and cpu_shims) on PYTHONPATH. Real parts: SGLang's ServerArgs and
+runtime context, ExpertLocationMetadata, the expert distribution recorder (stat mode),
+dispatch (`topk_ids_logical_to_physical`), EPLBManager, ExpertLocationUpdater, the
+plugin loader (entry point discovery + HookRegistry), and torch.distributed gloo
+moving the weights. Stood in: the model (a dict of expert weight tensors, the
+`routed_experts_weights_of_layer` SGLang's updater moves) and the model-class lookup
+`ModelConfigForExpertLocation.from_model_config` (it would import SGLang's DeepSeek
+model code, which needs GPU kernels), the recorder's `get_device` (answers "cpu") and
+`torch.cpu.empty_cache` (a no-op the updater calls once);
+triton and torchvision are stubs (cpu_shims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+NUM_LAYERS = 4        # layer 0 dense (first_k_dense_replace=1), 1..3 MoE
+NUM_EXPERTS = 8
+REDUNDANT = 4         # 12 slots over 4 ranks
+TOP_K = 2
+TOKENS = 16
+SHAPES = ((4, 3), (3, 2))  # two weight tensors per expert, like w13 and w2
+
+
+def reference_weights(layer: int, expert: int) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * layer + expert)
+    return [torch.randn(shape, generator=g) for shape in SHAPES]
+
+
+def write_model(folder: Path) -> None:
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "num_hidden_layers": NUM_LAYERS, "first_k_dense_replace": 1,
+        "n_routed_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K, "n_group": 1,
+        "topk_group": 1, "hidden_size": 16, "intermediate_size": 32,
+        "moe_intermediate_size": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "vocab_size": 64, "kv_lora_rank": 8, "q_lora_rank": None, "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 4, "v_head_dim": 4, "max_position_embeddings": 64,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--step-sleep", type=float, default=0.01)
+    parser.add_argument("--die-at-layer", type=int, default=None,
+                        help="exit inside SGLang's updater at this layer of the first plan")
+    args = parser.parse_args()
+    rank = args.rank
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                            world_size=args.world, timeout=timedelta(seconds=15))
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb import expert_distribution, expert_location_updater
+    from sglang.srt.eplb.eplb_manager import EPLBManager
+    from sglang.srt.eplb.expert_distribution import (
+        ExpertDistributionRecorder,
+        set_global_expert_distribution_recorder,
+    )
+    from sglang.srt.eplb.expert_location import (
+        ExpertLocationMetadata,
+        ModelConfigForExpertLocation,
+        get_global_expert_location_metadata,
+        set_global_expert_location_metadata,
+    )
+    from sglang.srt.eplb.expert_location_dispatch import (
+        ExpertLocationDispatchInfo,
+        topk_ids_logical_to_physical,
+    )
+    from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    model_dir = Path(tempfile.mkdtemp(prefix=f"sgl-model-{rank}-"))
+    write_model(model_dir)
+    server_args = ServerArgs(
+        model_path=str(model_dir), device="cpu", tp_size=args.world, ep_size=args.world,
+        enable_eplb=True, ep_num_redundant_experts=REDUNDANT, skip_tokenizer_init=True,
+        eplb_rebalance_num_iterations=1000,
+    )
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+    model_config = ModelConfig.from_server_args(server_args)
+    # Stand-in for the model-class lookup (see the module docstring).
+    ModelConfigForExpertLocation.from_model_config = staticmethod(  # type: ignore[method-assign]
+        lambda _config: ModelConfigForExpertLocation(NUM_LAYERS, NUM_EXPERTS, None))
+    load_plugins()  # SGLang's own loader: finds engines.sglang:register by entry point
+
+    # The recorder asks sglang.srt.utils.get_device(), which raises without an accelerator
+    # (its CPU answer needs SGLANG_USE_CPU_ENGINE, whose platform needs sgl_kernel).
+    expert_distribution.get_device = lambda *_a, **_k: "cpu"
+    # The updater empties the device cache once (torch.get_device_module().empty_cache());
+    # torch.cpu has none.
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None
+    metadata = ExpertLocationMetadata.init_trivial(model_config, moe_ep_rank=rank)
+    set_global_expert_location_metadata(metadata)
+    recorder = ExpertDistributionRecorder.init_new(metadata, rank)
+    set_global_expert_distribution_recorder(recorder)
+    slots = metadata.num_local_physical_experts
+    phy2log = metadata.physical_to_logical_map_cpu.clone()
+
+    class TinyModel:
+        routed_experts_weights_of_layer = {
+            layer: [torch.stack([reference_weights(layer, int(phy2log[layer, rank * slots + s]))[i]
+                                 for s in range(slots)]) for i in range(len(SHAPES))]
+            for layer in range(1, NUM_LAYERS)
+        }
+
+    model = TinyModel()
+    updater = ExpertLocationUpdater()
+    manager = EPLBManager(model_config=model_config, get_model=lambda: model,
+                          get_expert_location_updater=lambda: updater,
+                          get_expert_backup_client=lambda: None, get_weight_updater=lambda: None)
+
+    if args.die_at_layer is not None:  # die inside SGLang's updater, mid-transfer
+        original = expert_location_updater.update_expert_weights_single_layer
+        calls = {"n": 0}
+
+        def dying(*a, **kw):
+            calls["n"] += 1
+            if calls["n"] == args.die_at_layer:
+                os._exit(3)
+            return original(*a, **kw)
+
+        expert_location_updater.update_expert_weights_single_layer = dying
+
+    from engines.sglang.plugin import current_adapter
+
+    # Skewed routing: experts 0 and 1 (both on rank 0 at first) take most tokens.
+    popularity = np.array([8, 6, 1, 1, 1, 1, 1, 1], dtype=np.float64)
+    rng = np.random.default_rng(rank)
+    mismatches = 0
+    for step in range(args.steps):
+        with recorder.with_forward_pass(step, None):
+            for layer in range(1, NUM_LAYERS):
+                with recorder.with_current_layer(layer):
+                    p = np.roll(popularity, layer) / popularity.sum()
+                    ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)])
+                    topk = torch.from_numpy(ids).to(torch.int32)
+                    info = ExpertLocationDispatchInfo.init_new(layer_id=layer)
+                    physical = topk_ids_logical_to_physical(topk, info)
+                    recorder.on_select_experts(topk_ids=physical)
+                    # Same math: every slot a token goes to holds the expert it chose.
+                    current = get_global_expert_location_metadata().physical_to_logical_map_cpu
+                    mismatches += int((current[layer][physical.long()] != topk.long()).sum())
+        manager.on_forward_pass_end()
+        time.sleep(args.step_sleep)
+
+    adapter = current_adapter()
+    adapter.finish()
+    final = get_global_expert_location_metadata().physical_to_logical_map_cpu
+    weights_ok = all(
+        torch.equal(model.routed_experts_weights_of_layer[layer][i][s],
+                    reference_weights(layer, int(final[layer, rank * slots + s]))[i])
+        for layer in range(1, NUM_LAYERS) for s in range(slots) for i in range(len(SHAPES))
+    )
+    result = {
+        "rank": rank, "version": adapter.version, "commits": adapter.stats.commits,
+        "windows": adapter.stats.windows, "steps": adapter.stats.steps,
+        "phy2log": final.tolist(), "initial_phy2log": phy2log.tolist(), "adapter_phy2log": adapter.phy2log.tolist(),
+        "weights_match_map": weights_ok, "dispatch_mismatches": mismatches,
+        "broken": adapter.broken, "update_seconds": adapter.stats.update_seconds,
+    }
+    Path(args.out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
