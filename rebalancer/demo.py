@@ -11,6 +11,11 @@ with `sidecars=0` they talk to the controller directly. Each folded window is
 printed live; the run ends with a summary and, with --json, one JSON object on
 the last line.
 
+With `controller` set (`rebalancer demo --controller ADDR`), no controller is started:
+the workers (and their sidecars) attach to one already running (`rebalancer serve`), as
+deployment `deployment`, so `rebalancer admin` and the metrics can be tried on a live
+deployment; the demo then shows the deployment's status as the AdminService reports it.
+
 No process outlives the demo: the workers and sidecars are reaped on every way out
 (done, error, Ctrl-C), and each asked the kernel to SIGKILL it should the demo itself
 be killed (PR_SET_PDEATHSIG, Linux: tied to the thread that started it, so call
@@ -61,6 +66,10 @@ LEGEND = (
 # Windows averaged for balancedness_first / balancedness_last.
 EDGE_WINDOWS = 3
 
+# The deployment's worker token, for workers (reference.cpu_worker reads it) and sidecars
+# attached to a controller that asks for one ([worker_tokens]).
+WORKER_TOKEN_ENV = "REBALANCER_WORKER_TOKEN"
+
 # Run argv[2:] in place of this process (exec) once the kernel is told to SIGKILL it when
 # its parent, pid argv[1], ends: a demo killed outright leaves no worker or sidecar behind.
 _DIE_WITH_PARENT = (
@@ -107,6 +116,12 @@ class DemoConfig:
     sidecars: int = 0
     # Keep the temporary folder (store, routing profile, rank results, sockets).
     keep: bool = False
+    # The embedded controller's Prometheus port (None: none; 0: any free), with the
+    # per-layer series on (a demo deployment is small).
+    metrics_port: int | None = None
+    # Attach to this running controller (host:port) instead of starting one.
+    controller: str = ""
+    deployment: str = "demo"
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(
         min_interval_seconds=1.0, gain_threshold=0.03, horizon_seconds=60.0,
         max_moved_fraction=0.3, decay=0.5, min_windows=2, decision_period_seconds=0.25,
@@ -187,7 +202,7 @@ def launch_workers(
                 "--top-k", str(config.top_k), "--window-steps", str(config.window_steps),
                 "--max-seconds", str(config.timeout_seconds), "--out", str(folder / f"rank{rank}.json"),
                 "--transport", config.transport, "--device", config.device,
-                "--spare-rows", str(config.spare_rows),
+                "--spare-rows", str(config.spare_rows), "--deployment", config.deployment,
                 *(extra_args or {}).get(rank, []),
             ]
             procs.append(subprocess.Popen(bound_to_this_process(cmd), env=env))
@@ -237,9 +252,15 @@ def launch_sidecars(
     for i, ranks in enumerate(pods):
         cmd = [
             sys.executable, "-m", "rebalancer", "sidecar", "--listen", sockets[i], "--controller", address,
-            "--ranks", format_ranks(tuple(ranks)), "--pod", f"demo/pod{i}", "--deployment", "demo",
+            "--ranks", format_ranks(tuple(ranks)), "--pod", f"demo/pod{i}", "--deployment", config.deployment,
             "--socket-access", "owner", "--grace", "1", "--log-level", config.worker_log,
         ]
+        token = os.environ.get(WORKER_TOKEN_ENV)
+        if token:  # the sidecar holds the pod's credentials: hand it the workers' token
+            token_file = folder / f"pod{i}-token"
+            token_file.write_text(token)
+            token_file.chmod(0o600)
+            cmd += ["--token-file", str(token_file)]
         started.append(subprocess.Popen(bound_to_this_process(cmd), env=env, stdout=subprocess.DEVNULL))
     for i, (proc, target) in enumerate(zip(started, sockets, strict=True)):
         deadline = time.monotonic() + 60.0
@@ -291,7 +312,7 @@ class CommitCuts:
 def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rebalancer-demo-"))
     try:
-        return _run(config, tmp, emit)
+        return _attach(config, tmp, emit) if config.controller else _run(config, tmp, emit)
     finally:
         if config.keep:
             emit(f"kept {tmp}")
@@ -340,11 +361,14 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
     emit(LEGEND)
     ctl = EmbeddedController(
         ControllerConfig(port=config.port, db_path=config.db_path or str(tmp / "controller.sqlite"),
-                         policy=config.policy),
+                         policy=config.policy, metrics_port=config.metrics_port,
+                         per_layer_metrics=config.metrics_port is not None),
         setup,
     )
     server = ctl.start()
     temporary = "" if config.db_path or config.keep else " (temporary; --keep keeps it)"
+    if server.metrics_port:
+        emit(f"metrics on http://127.0.0.1:{server.metrics_port}/metrics (per-layer series on)")
     emit(f"controller on {server.address}, store {server.store.path}{temporary}; "
          f"{config.layers} layers x {config.experts} experts, "
          f"{config.slots} slots, top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads")
@@ -375,7 +399,7 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
             reap(sidecars, terminate=True)
             time.sleep(0.3)  # last windows
         finally:
-            dep = server.controller.deployments.get("demo")
+            dep = server.controller.deployments.get(config.deployment)
             ctl.stop()
     failed = [i for i, p in enumerate(procs) if p.returncode != 0]
     if failed:
@@ -409,3 +433,116 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
         "store": str(server.store.path),
     }
     return summary
+
+
+class StatusPoller:
+    """The deployment's status as `rebalancer admin status` gets it (AdminService.Status),
+    one line per poll; the admin token from REBALANCER_ADMIN_TOKEN if the controller
+    asks for one. A failed call is a line saying why, never an exception."""
+
+    def __init__(self, address: str, deployment: str, timeout: float = 2.0) -> None:
+        from rebalancer.v1 import rebalancer_pb2 as pb
+        from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+        from rebalancer.wire.channel import ChannelConfig, sync_channel
+
+        self.pb = pb
+        self.deployment = deployment
+        self.timeout = timeout
+        self.config = ChannelConfig(address, token=os.environ.get("REBALANCER_ADMIN_TOKEN"))
+        self.channel = sync_channel(self.config)
+        self.stub = pb_grpc.AdminServiceStub(self.channel)
+
+    def status(self) -> Any:
+        """The deployment's DeploymentStatus, or None while the controller does not know it."""
+        import grpc
+
+        try:
+            reply = self.stub.Status(self.pb.StatusRequest(deployment=self.deployment),
+                                     timeout=self.timeout, metadata=self.config.metadata())
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+        return reply.deployments[0]
+
+    def line(self) -> str:
+        import grpc
+
+        try:
+            d = self.status()
+        except grpc.RpcError as exc:
+            return f"status: {exc.code().name}: {exc.details()}"
+        if d is None:
+            return f"status: {self.deployment!r} not registered yet"
+        flight = f" | plan v{d.plan_in_flight} {d.plan_phase}" if d.plan_in_flight else ""
+        last = d.last_decision
+        decision = f" | last decision {last.outcome}" if last.outcome else ""
+        return (f"status v{d.placement_version:<2d} | routed balancedness {d.balancedness_actual:.3f}"
+                f" | on estimate {d.balancedness_estimated:.3f} | {d.windows_ingested} windows"
+                f" | {d.connected_ranks}/{d.shape.num_gpus} ranks | plans committed {d.plans_committed}"
+                f", aborted {d.plans_aborted}{flight}{decision}")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _attach(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str, Any]:
+    """The demo's workers (and sidecars) on a controller already running: nothing of the
+    controller runs here, so what is shown is what an operator sees (the AdminService)."""
+    profile_path = write_profile(config, tmp)
+    poller = StatusPoller(config.controller, config.deployment)
+    emit(f"attaching {config.workers} workers to the controller at {config.controller} as deployment "
+         f"{config.deployment!r}: {config.layers} layers x {config.experts} experts, {config.slots} slots, "
+         f"top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads"
+         + (f", in {config.sidecars} pods via sidecars" if config.sidecars else ", direct"))
+    emit("each second: the deployment's status as `rebalancer admin status` shows it "
+         "(try `rebalancer admin status|history|force` meanwhile)")
+    start = time.monotonic()
+    deadline = start + config.timeout_seconds + 60
+    sidecars: list[subprocess.Popen[bytes]] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    sidecars_failed: list[tuple[int, int]] = []
+    try:
+        targets: str | list[str] = config.controller
+        if config.sidecars:
+            targets = launch_sidecars(config, config.controller, tmp, sidecars)
+        procs = launch_workers(config, targets, profile_path, tmp)
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers still running after {deadline - start:.0f} s")
+            emit(poller.line())
+            tick = time.monotonic() + 1.0
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, tick - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+    finally:
+        try:
+            reap(procs, terminate=False)
+            sidecars_failed = [(i, p.returncode) for i, p in enumerate(sidecars) if p.poll() is not None]
+            reap(sidecars, terminate=True)
+        finally:
+            poller.close()
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"workers {failed} failed (see their output above)")
+    if sidecars_failed:
+        raise RuntimeError("sidecars ended during the run (see their output above): " + ", ".join(
+            f"pod {i} with code {code}" for i, code in sidecars_failed))
+    results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(config.workers)]
+    return {
+        "controller": config.controller,
+        "deployment": config.deployment,
+        "steps": min(r["steps"] for r in results),
+        "workers": config.workers,
+        "sidecars": config.sidecars,
+        "plans_committed": len(results[0]["commits"]),
+        "placement_version": int(results[0]["version"]),
+        "bytes_moved": int(sum(r["bytes_received"] for r in results)),
+        "max_output_diff": max(r["max_output_diff"] for r in results),
+        "weights_match_map": all(r["weights_match_map"] for r in results),
+        "ranks_agree_on_versions": len({json.dumps(r["versions"]) for r in results}) == 1,
+        "max_swap_ms": 1e3 * max(r["swap_seconds_max"] for r in results),
+        "seconds": round(time.monotonic() - start, 1),
+    }

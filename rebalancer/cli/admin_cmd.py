@@ -1,7 +1,7 @@
 """`rebalancer admin`: operate a running controller over the AdminService.
 
-Exit codes: 0 ok, 2 bad input, 3 not found, 4 refused in this state,
-5 controller unreachable, 6 not authenticated / not allowed, 1 anything else.
+Exit codes: EXIT_CODES maps the controller's gRPC status to one (the help lists them
+from it); 2 for bad input found before any call, 1 for any other gRPC status.
 """
 
 from __future__ import annotations
@@ -16,13 +16,37 @@ EXIT_CODES = {
     "INVALID_ARGUMENT": 2, "NOT_FOUND": 3, "FAILED_PRECONDITION": 4, "ALREADY_EXISTS": 4,
     "UNAVAILABLE": 5, "DEADLINE_EXCEEDED": 5, "UNAUTHENTICATED": 6, "PERMISSION_DENIED": 6,
 }
+# Any other gRPC status the controller answers with.
+EXIT_OTHER = 1
+EXIT_MEANINGS = {
+    0: "done",
+    EXIT_OTHER: "failed: any other gRPC error (INTERNAL, RESOURCE_EXHAUSTED, ...), or a file "
+                "the system refused",
+    2: "bad input: usage, a flag or setting, an unwritable --out/--sglang file (nothing "
+       "sent), or input the controller refused",
+    3: "not found: no such deployment, or nothing stored for it yet",
+    4: "refused in this state: a plan in flight, no counts yet",
+    5: "controller unreachable or too slow (--timeout)",
+    6: "not authenticated or not allowed: --token / REBALANCER_ADMIN_TOKEN, client certificate",
+    130: "interrupted (Ctrl-C)",
+}
+
+
+def exit_codes_help() -> str:
+    """The exit-code list of `rebalancer admin --help`, from EXIT_CODES and EXIT_MEANINGS."""
+    lines = ["exit codes:"]
+    for code, meaning in sorted(EXIT_MEANINGS.items()):
+        statuses = sorted(name for name, c in EXIT_CODES.items() if c == code)
+        lines.append(f"  {code:<4d} {meaning}" + (f" ({', '.join(statuses)})" if statuses else ""))
+    return "\n".join(lines)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "admin", help="inspect and steer a running controller",
         description="Talk to a controller's AdminService. The token comes from --token or "
-        "REBALANCER_ADMIN_TOKEN. " + (__doc__ or "").splitlines()[-2].strip(),
+        "REBALANCER_ADMIN_TOKEN. --json goes before or after the action.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=exit_codes_help(),
     )
     p.add_argument("--address", default=os.environ.get("REBALANCER_ADDRESS", "127.0.0.1:50051"),
                    help="controller host:port (env REBALANCER_ADDRESS)")
@@ -53,6 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = cmds.add_parser("policy", help="get or set the policy: policy DEP [key=value ...]")
     s.add_argument("deployment")
     s.add_argument("settings", nargs="*", metavar="key=value")
+    # --json after the action as well: SUPPRESS keeps the value given before it.
+    for action in cmds.choices.values():
+        action.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                            help="print one JSON object")
     p.set_defaults(func=run)
 
 
@@ -168,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             return _dispatch(args, stub, pb, kw)
         except grpc.RpcError as exc:
             code = exc.code()
-            return _fail(EXIT_CODES.get(code.name, 1), f"{code.name}: {exc.details()}")
+            return _fail(EXIT_CODES.get(code.name, EXIT_OTHER), f"{code.name}: {exc.details()}")
 
 
 def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) -> int:
@@ -245,9 +273,11 @@ def _status_text(d: Any) -> str:
         f"{d.deployment}: v{d.placement_version}, {d.connected_ranks}/{s.num_gpus} ranks, "
         f"L={s.num_layers} E={s.num_logical_experts} P={s.num_physical_slots} N={s.num_nodes}\n"
         f"  balancedness actual {d.balancedness_actual:.3f}, on estimate {d.balancedness_estimated:.3f}; "
-        f"{d.windows_ingested} windows{', PAUSED' if d.paused else ''}\n"
+        f"{d.windows_ingested} windows folded{', PAUSED' if d.paused else ''}\n"
         f"  plans committed {d.plans_committed}, aborted {d.plans_aborted}; moved {d.slots_moved} slots, "
         f"{d.bytes_moved / 1e6:.1f} MB"
         + (f"\n  plan in flight: v{d.plan_in_flight} ({d.plan_phase})" if d.plan_in_flight else "")
-        + (f"\n  last decision: {last.outcome}: {last.reason}" if last.outcome else "")
+        + (f"\n  last decision: {last.outcome}"
+           + (f" (plan v{last.plan_version})" if last.plan_version else "") + f": {last.reason}"
+           if last.outcome else "")
     )

@@ -25,7 +25,12 @@ SUMMARY_HELP = textwrap.dedent("""\
       weights_match_map         every slot holds the expert its map says
       ranks_agree_on_versions   every rank ran every step on the same placement
       max_swap_ms, experts_copied_at_commit, seconds, store
-    exit code 1 unless a plan committed and max_output_diff is 0.0.
+    exit code 1 unless a plan committed (not asked with --controller), max_output_diff is
+    0.0 and the ranks agree on versions.
+    with --controller ADDR: no controller is started; the workers (and sidecars) attach to
+    the one at ADDR (`rebalancer serve`), and the demo prints the deployment's status each
+    second instead of its windows; try `rebalancer admin status|history|force` meanwhile
+    (docs/operations.md, "An operator's first hour").
     """)
 
 # Shown beside these keys in the printed summary.
@@ -65,6 +70,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="spare weight rows per layer and worker: incoming experts land there "
                         "while serving and a commit only swaps maps (default 0: copy at commit)")
     p.add_argument("--db", default=None, help="SQLite file of the controller (default: temporary)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve the controller's Prometheus metrics on this port (0: any free), "
+                        "per-layer series included (default: none)")
+    p.add_argument("--controller", default="", metavar="ADDR",
+                   help="attach the workers (and sidecars) to this running controller "
+                        "(`rebalancer serve`, host:port, plain gRPC) instead of starting one; "
+                        "shows its status each second (admin token: REBALANCER_ADMIN_TOKEN, "
+                        "worker token: REBALANCER_WORKER_TOKEN)")
+    p.add_argument("--deployment", default="demo",
+                   help="deployment name the workers register (default demo)")
     p.add_argument("--keep", action="store_true",
                    help="keep the temporary folder (store, rank results, sockets); default: removed")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
@@ -95,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
                 f"--device cuda needs one GPU per worker: {args.workers} workers, "
                 f"{torch.cuda.device_count()} GPU(s) visible"
             )
+    if args.controller and (args.db or args.metrics_port is not None):
+        raise InputError("--db and --metrics-port belong to the demo's own controller: with "
+                         "--controller, give them to `rebalancer serve`")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise InputError(f"--metrics-port must be a port number (0-65535), got {args.metrics_port}")
     slots = args.slots or args.experts + 2 * args.workers
     if slots % args.workers or slots < args.experts:
         raise InputError(f"--slots {slots} must be a multiple of --workers and >= --experts")
@@ -105,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.windows * args.window_steps, window_steps=args.window_steps, db_path=args.db,
         worker_log="INFO" if args.verbose else "WARNING", transport=args.transport,
         device=args.device, spare_rows=args.spare_rows, sidecars=sidecars, keep=args.keep,
+        metrics_port=args.metrics_port, controller=args.controller, deployment=args.deployment,
     )
 
     def terminated(signum: int, frame: object) -> None:
@@ -126,5 +147,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {key:24s} {shown}{note}")
     if args.json:
         print(json.dumps(summary))
-    ok = summary["plans_committed"] >= 1 and summary["max_output_diff"] == 0.0
+    # Attached, the running controller's policy (or its operator) decides whether a plan
+    # commits; the demo checks the math and the ranks' agreement only.
+    committed = bool(args.controller) or summary["plans_committed"] >= 1
+    ok = committed and summary["max_output_diff"] == 0.0 and summary["ranks_agree_on_versions"]
     return 0 if ok else 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields, replace
+from typing import Any
 
 import grpc
 
@@ -68,7 +69,21 @@ def decision_msg(decision: Decision | None, plan_version: int = 0) -> pb.Decisio
     )
 
 
-def status_msg(dep: Deployment) -> pb.DeploymentStatus:
+def decision_record_msg(record: dict[str, Any]) -> pb.Decision:
+    """A stored decision (store.decisions) as the wire message: what History lists and
+    Status shows as the last decision, so the two agree (plan version and time included)."""
+    names = pb.Decision.DESCRIPTOR.fields_by_name
+    return pb.Decision(**{
+        k: v for k, v in record.items()
+        if k in names and v is not None and not (isinstance(v, float) and not math.isfinite(v))
+    })
+
+
+def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None) -> pb.DeploymentStatus:
+    """One deployment's status. `last_decision`: its newest stored decision (the store
+    keeps them across restarts; a dry run is not one). Windows are counted as the
+    decisions count them: windows folded into the estimate, one per sequence number
+    merged over every rank (kept across restarts with the estimate)."""
     from rebalancer import placement
 
     estimate = dep.estimator.estimate()
@@ -78,10 +93,10 @@ def status_msg(dep: Deployment) -> pb.DeploymentStatus:
         deployment=dep.name, shape=shape_msg(dep.shape), placement_version=dep.version,
         balancedness_actual=actual if math.isfinite(actual) else 0.0,
         balancedness_estimated=float(est), connected_ranks=dep.connected_ranks,
-        windows_ingested=dep.stats.windows_ingested, paused=dep.policy.paused,
+        windows_ingested=dep.estimator.windows, paused=dep.policy.paused,
         plan_in_flight=dep.plan.version if dep.plan else 0,
         plan_phase=dep.plan.state.value if dep.plan else "",
-        last_decision=decision_msg(dep.loop.last_decision),
+        last_decision=decision_record_msg(last_decision) if last_decision else pb.Decision(),
         plans_committed=dep.stats.plans_committed, plans_aborted=dep.stats.plans_aborted,
         slots_moved=dep.stats.slots_moved, bytes_moved=dep.stats.bytes_moved,
     )
@@ -105,7 +120,10 @@ class AdminService(pb_grpc.AdminServiceServicer):
         except StateError as exc:
             await refuse(context, exc, "Status")
             raise
-        return pb.StatusResponse(deployments=[status_msg(d) for d in deps])
+        store = self.controller.store
+        return pb.StatusResponse(deployments=[
+            status_msg(d, next(iter(store.decisions(d.name, 1)), None)) for d in deps
+        ])
 
     async def GetPlacement(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Placement:
         dep = await self._deployment(context, request.deployment, "GetPlacement")
@@ -165,7 +183,5 @@ class AdminService(pb_grpc.AdminServiceServicer):
         limit = request.limit or 50
         store = self.controller.store
         plans = [pb.PlanRecord(**vars(p)) for p in store.plans(dep.name, limit)]
-        decisions = []
-        for rec in store.decisions(dep.name, limit):
-            decisions.append(pb.Decision(**{k: v for k, v in rec.items() if k in pb.Decision.DESCRIPTOR.fields_by_name and v is not None and not (isinstance(v, float) and not math.isfinite(v))}))
+        decisions = [decision_record_msg(rec) for rec in store.decisions(dep.name, limit)]
         return pb.HistoryResponse(plans=plans, decisions=decisions)

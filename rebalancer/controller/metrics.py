@@ -1,11 +1,20 @@
-"""Prometheus metrics of the controller, on a port of their own.
+"""Prometheus metrics of the controller, on a port of their own; every name defined here once.
 
-Two kinds: state read at scrape time from the controller (balancedness,
-versions, connected ranks, totals kept in each deployment's stats) through a
-custom collector, so nothing is copied on the hot path; and events counted as
-they happen (decisions, plan phases and aborts, ingest latency and bytes).
-Labels are bounded: deployment, and small fixed sets (outcome, trigger,
-phase, reason). Never per expert, per layer or per rank.
+Two kinds: state read at scrape time from the controller (balancedness, versions,
+connected ranks, the rebalancing state, totals kept in each deployment's stats) through
+a custom collector, so nothing is copied on the hot path; and events counted as they
+happen (decisions with their predicted gain and cost, plan phases, durations and aborts,
+ingest latency and bytes).
+
+Labels are bounded: deployment, and small fixed sets (source, stat, state, outcome,
+trigger, phase, reason). Per-layer and per-rank series (`layer`, `rank` labels: 61
+layers x 72 ranks is 4,392 series for one DeepSeek-V3 deployment) come only with
+`per_layer` (the server's `per_layer_metrics` setting, default off).
+
+For readers of vLLM's EPLB metrics: `vllm:eplb_balancedness_{min,p50,p90,avg}` is
+`rebalancer_balancedness{source="actual", stat=...}` here (mean/max GPU load per layer of
+the routed tokens, summarised over layers); rearrangements are
+`rebalancer_plans_total{outcome="committed"}`.
 """
 
 from __future__ import annotations
@@ -14,14 +23,53 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from rebalancer import __version__
-from rebalancer.controller.coordinate import Plan
+from rebalancer.controller.coordinate import Plan, PlanState
+from rebalancer.controller.cost import plan_cost
 from rebalancer.controller.decide import Decision
+from rebalancer.controller.deployment import Deployment
 from rebalancer.controller.state import Controller
+
+# ---------------------------------------------------------------- names (the API)
+BUILD = "rebalancer_build"                          # _info{version}
+BALANCEDNESS = "rebalancer_balancedness"            # {deployment, source, stat}
+PLACEMENT_VERSION = "rebalancer_placement_version"  # committed placement version
+CONNECTED_RANKS = "rebalancer_connected_ranks"      # ranks with a stream open
+RANKS = "rebalancer_ranks"                          # G of the EP group
+STREAMS = "rebalancer_streams"                      # open streams (one per rank or per pod)
+STATE = "rebalancer_rebalancing_state"              # {deployment, state}: 1 for the current one
+PAUSED = "rebalancer_paused"                        # 1: automatic rebalancing paused
+WINDOWS_INGESTED = "rebalancer_windows_ingested"    # counter: windows received (per stream)
+WINDOWS_FOLDED = "rebalancer_windows_folded"        # counter: merged windows in the estimate
+DUPLICATE_WINDOWS = "rebalancer_duplicate_windows"  # counter: resent windows recognised
+PLANS = "rebalancer_plans"                          # counter {outcome}: committed | aborted
+MIGRATED_SLOTS = "rebalancer_migrated_slots"        # counter
+MIGRATED_BYTES = "rebalancer_migrated_bytes"        # counter
+STORE_ERRORS = "rebalancer_store_errors"            # counter: statements SQLite refused
+DECISIONS = "rebalancer_decisions"                  # counter {outcome}
+DECISION_GAIN = "rebalancer_decision_predicted_gain_seconds"   # {outcome}: newest such decision
+DECISION_COST = "rebalancer_decision_migration_cost_seconds"   # {outcome}: newest such decision
+REBALANCES = "rebalancer_rebalances"                # counter {trigger}: plans started
+ABORTS = "rebalancer_plan_aborts"                   # counter {reason}
+PHASE_SECONDS = "rebalancer_plan_phase_seconds"     # histogram {phase}: prepare | commit
+LAST_PLAN_SECONDS = "rebalancer_last_plan_seconds"  # newest committed plan: proposed -> committed
+LAST_PLAN_STALL = "rebalancer_last_plan_stall_seconds"  # its serving stall (cost model)
+INGEST_SECONDS = "rebalancer_ingest_seconds"        # histogram
+INGEST_BYTES = "rebalancer_ingest_bytes"            # counter
+INGEST_REFUSED = "rebalancer_ingest_refused"        # counter
+# Only with per_layer:
+LAYER_IMBALANCE = "rebalancer_layer_imbalance"      # {deployment, layer}: max/mean GPU load
+RANK_LOAD_SHARE = "rebalancer_rank_load_share"      # {deployment, layer, rank}: share of the layer
+
+# The rebalancing state of a deployment, as vLLM users ask for it.
+STATES = ("idle", "preparing", "committing")
+# Summaries over layers of the per-layer balancedness (as vLLM's eplb_balancedness_*).
+STATS = ("min", "p50", "p90", "avg")
 
 
 def abort_reason(reason: str) -> str:
@@ -33,90 +81,167 @@ def abort_reason(reason: str) -> str:
     return "other"
 
 
+def rebalancing_state(plan: Plan | None) -> str:
+    """idle, preparing (weights moving), or committing (Commit sent, ranks switching)."""
+    if plan is None or plan.state is PlanState.ABORTED:
+        return "idle"
+    return "preparing" if plan.state is PlanState.PREPARING else "committing"
+
+
+def layer_summary(per_layer: np.ndarray) -> dict[str, float]:
+    """min / p50 / p90 / avg over the layers with load of a per-layer balancedness [L];
+    empty when no layer has load."""
+    valid = per_layer[np.isfinite(per_layer)]
+    if not valid.size:
+        return {}
+    return {"min": float(valid.min()), "p50": float(np.percentile(valid, 50)),
+            "p90": float(np.percentile(valid, 90)), "avg": float(valid.mean())}
+
+
+def _per_layer(gpu_load: np.ndarray) -> np.ndarray:
+    """Mean / max GPU load of each layer of [L, G] loads; NaN for a layer without load."""
+    from rebalancer.placement.metrics import balancedness_of_gpu_loads
+
+    return balancedness_of_gpu_loads(np.asarray(gpu_load, dtype=np.float64))
+
+
 class _StateCollector(Collector):
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, per_layer: bool) -> None:
         self.controller = controller
+        self.per_layer = per_layer
 
     def collect(self) -> Iterator[Any]:
-        info = InfoMetricFamily("rebalancer_build", "Build of the controller.")
+        info = InfoMetricFamily(BUILD, "Build of the controller.")
         info.add_metric([], {"version": __version__})
         yield info
-        g = GaugeMetricFamily
-        bal = g("rebalancer_balancedness", "Mean/max GPU load averaged over layers (1 is perfect).",
-                labels=["deployment", "source"])
-        imb = g("rebalancer_imbalance_ratio", "Max/mean GPU load of the routed load in the last window.",
-                labels=["deployment"])
-        version = g("rebalancer_placement_version", "Committed placement version.", labels=["deployment"])
-        ranks = g("rebalancer_connected_ranks", "Ranks with an open stream.", labels=["deployment"])
-        expected = g("rebalancer_ranks", "Ranks of the deployment's EP group (G).", labels=["deployment"])
-        flight = g("rebalancer_plan_in_flight", "1 while a plan is being prepared or committed.",
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        bal = g(BALANCEDNESS, "Mean/max GPU load per layer (1 is perfect), summarised over layers "
+                "(stat: min, p50, p90, avg); source actual: the routed tokens of the newest window, "
+                "estimated: the committed placement on the load estimate.",
+                labels=["deployment", "source", "stat"])
+        version = g(PLACEMENT_VERSION, "Committed placement version.", labels=["deployment"])
+        ranks = g(CONNECTED_RANKS, "Ranks with an open stream (their own or their pod's).", labels=["deployment"])
+        expected = g(RANKS, "Ranks of the deployment's EP group (G).", labels=["deployment"])
+        streams = g(STREAMS, "Open worker streams: one per rank, or one per pod through its sidecar.",
+                    labels=["deployment"])
+        state = g(STATE, "Rebalancing state (1 for the current one): idle, preparing (weights "
+                  "moving beside serving), committing (ranks switching at an agreed step).",
+                  labels=["deployment", "state"])
+        paused = g(PAUSED, "1 when automatic rebalancing is paused.", labels=["deployment"])
+        windows = c(WINDOWS_INGESTED, "Windows of counts received, one per stream and sequence number.",
+                    labels=["deployment"])
+        folded = c(WINDOWS_FOLDED, "Windows folded into the load estimate, one per sequence number "
+                   "merged over all ranks (what status and decisions count; kept across restarts).",
                    labels=["deployment"])
-        paused = g("rebalancer_paused", "1 when automatic rebalancing is paused.", labels=["deployment"])
-        c = CounterMetricFamily
-        windows = c("rebalancer_windows_ingested", "Windows of counts ingested.", labels=["deployment"])
-        dups = c("rebalancer_duplicate_windows", "Resent windows recognised and not counted again.",
-                 labels=["deployment"])
-        plans = c("rebalancer_plans", "Plans finished, by outcome.", labels=["deployment", "outcome"])
-        slots = c("rebalancer_migrated_slots", "Physical slots whose expert changed.", labels=["deployment"])
-        moved = c("rebalancer_migrated_bytes", "Expert weight bytes moved by committed plans.",
-                  labels=["deployment"])
+        dups = c(DUPLICATE_WINDOWS, "Resent windows recognised and not counted again.", labels=["deployment"])
+        plans = c(PLANS, "Plans finished, by outcome (committed: a rearrangement).",
+                  labels=["deployment", "outcome"])
+        slots = c(MIGRATED_SLOTS, "Physical slots whose expert changed.", labels=["deployment"])
+        moved = c(MIGRATED_BYTES, "Expert weight bytes moved by committed plans.", labels=["deployment"])
+        layer = g(LAYER_IMBALANCE, "Max/mean GPU load of each layer's routed tokens in the newest "
+                  "window (1 is perfect); per_layer_metrics only.", labels=["deployment", "layer"])
+        share = g(RANK_LOAD_SHARE, "Share of each layer's routed tokens on each rank in the newest "
+                  "window (1/G is even); per_layer_metrics only.", labels=["deployment", "layer", "rank"])
         for dep in list(self.controller.deployments.values()):
             name, stats = dep.name, dep.stats
-            if math.isfinite(stats.balancedness_actual):
-                bal.add_metric([name, "actual"], stats.balancedness_actual)
-                imb.add_metric([name], 1.0 / max(stats.balancedness_actual, 1e-9))
-            if dep.estimator.windows:
-                from rebalancer import placement
-
-                est = float(placement.balancedness(dep.phy2log, dep.estimator.estimate(), dep.shape.num_gpus))
-                if math.isfinite(est):
-                    bal.add_metric([name, "estimated"], est)
+            for source, per_layer in self._balancedness(dep).items():
+                for stat, value in layer_summary(per_layer).items():
+                    bal.add_metric([name, source, stat], value)
             version.add_metric([name], dep.version)
             ranks.add_metric([name], dep.connected_ranks)
             expected.add_metric([name], dep.shape.num_gpus)
-            flight.add_metric([name], 1.0 if dep.plan is not None else 0.0)
+            streams.add_metric([name], sum(1 for s in dep.live_sessions() if s.streaming))
+            current = rebalancing_state(dep.plan)
+            for state_name in STATES:
+                state.add_metric([name, state_name], 1.0 if state_name == current else 0.0)
             paused.add_metric([name], 1.0 if dep.policy.paused else 0.0)
             windows.add_metric([name], stats.windows_ingested)
+            folded.add_metric([name], dep.estimator.windows)
             dups.add_metric([name], stats.duplicate_windows)
             plans.add_metric([name, "committed"], stats.plans_committed)
             plans.add_metric([name, "aborted"], stats.plans_aborted)
             slots.add_metric([name], stats.slots_moved)
             moved.add_metric([name], stats.bytes_moved)
-        yield from (bal, imb, version, ranks, expected, flight, paused, windows, dups, plans, slots, moved)
+            if self.per_layer and stats.gpu_load is not None:
+                loads = np.asarray(stats.gpu_load, dtype=np.float64)
+                totals = loads.sum(axis=1)
+                for i, b in enumerate(_per_layer(loads)):
+                    if math.isfinite(b) and b > 0:
+                        layer.add_metric([name, str(i)], 1.0 / b)
+                for i, row in enumerate(loads):
+                    if totals[i] > 0:
+                        for r, value in enumerate(row / totals[i]):
+                            share.add_metric([name, str(i), str(r)], float(value))
+        errors = c(STORE_ERRORS, "Statements the SQLite store refused (disk full, I/O error, locked).")
+        errors.add_metric([], self.controller.store.errors)
+        yield from (bal, version, ranks, expected, streams, state, paused, windows, folded, dups,
+                    plans, slots, moved, errors)
+        if self.per_layer:
+            yield from (layer, share)
+
+    @staticmethod
+    def _balancedness(dep: Deployment) -> dict[str, np.ndarray]:
+        """Per-layer balancedness [L] by source: measured on the newest window's routed
+        tokens, and the committed placement on the load estimate."""
+        out = {}
+        if dep.stats.gpu_load is not None:
+            out["actual"] = _per_layer(dep.stats.gpu_load)
+        if dep.estimator.windows:
+            from rebalancer import placement
+
+            load = placement.gpu_load(dep.phy2log, dep.estimator.estimate(), dep.shape.num_gpus)
+            out["estimated"] = _per_layer(load)
+        return out
 
 
 class ControllerMetrics:
-    """The registry of one controller, wired to its observers."""
+    """The registry of one controller, wired to its observers.
 
-    def __init__(self, controller: Controller) -> None:
+    `per_layer`: also export the per-layer and per-rank series (many: see the module
+    docstring)."""
+
+    def __init__(self, controller: Controller, per_layer: bool = False) -> None:
+        self.controller = controller
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_StateCollector(controller))
+        self.registry.register(_StateCollector(controller, per_layer))
         r = self.registry
-        self.decisions = Counter("rebalancer_decisions", "Decisions taken, by outcome.",
-                                 ["deployment", "outcome"], registry=r)
-        self.rebalances = Counter("rebalancer_rebalances", "Plans started, by trigger.",
-                                  ["deployment", "trigger"], registry=r)
-        self.aborts = Counter("rebalancer_plan_aborts", "Plans aborted, by reason.",
-                              ["deployment", "reason"], registry=r)
+        self.decisions = Counter(DECISIONS, "Decisions taken, by outcome.", ["deployment", "outcome"], registry=r)
+        self.decision_gain = Gauge(
+            DECISION_GAIN, "Predicted serving seconds saved over the policy's horizon by the newest "
+            "decision of this outcome.", ["deployment", "outcome"], registry=r)
+        self.decision_cost = Gauge(
+            DECISION_COST, "Predicted serving seconds its weight migration costs (transfers beside "
+            "serving, commit pause, map swap), newest decision of this outcome.",
+            ["deployment", "outcome"], registry=r)
+        self.rebalances = Counter(REBALANCES, "Plans started, by trigger.", ["deployment", "trigger"], registry=r)
+        self.aborts = Counter(ABORTS, "Plans aborted, by reason.", ["deployment", "reason"], registry=r)
         self.phase_seconds = Histogram(
-            "rebalancer_plan_phase_seconds", "Duration of plan phases (prepare: proposed to all "
+            PHASE_SECONDS, "Duration of plan phases (prepare: proposed to all "
             "prepared; commit: all prepared to first commit confirmed).", ["phase"], registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
+        self.last_plan_seconds = Gauge(
+            LAST_PLAN_SECONDS, "Newest committed plan (rearrangement): seconds from proposed to the "
+            "first rank's commit confirmed.", ["deployment"], registry=r)
+        self.last_plan_stall = Gauge(
+            LAST_PLAN_STALL, "Newest committed plan: serving stall at its commit (staged experts copied "
+            "into live slots on the busiest rank, plus the map swap), as the cost model predicts it "
+            "from its transfer list and the deployment's policy.", ["deployment"], registry=r)
         self.ingest_seconds = Histogram(
-            "rebalancer_ingest_seconds", "Decode, validate and merge time of one window.", registry=r,
+            INGEST_SECONDS, "Decode, validate and merge time of one window.", registry=r,
             buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1),
         )
-        self.ingest_bytes = Counter("rebalancer_ingest_bytes", "Bytes of count arrays ingested.",
-                                    ["deployment"], registry=r)
-        self.ingest_refused = Counter("rebalancer_ingest_refused", "Windows refused as bad input.",
-                                      ["deployment"], registry=r)
-        self._started: dict[tuple[str, int], float] = {}
+        self.ingest_bytes = Counter(INGEST_BYTES, "Bytes of count arrays ingested.", ["deployment"], registry=r)
+        self.ingest_refused = Counter(INGEST_REFUSED, "Windows refused (bad input, or not acceptable in this state); the stream ends.", ["deployment"], registry=r)
         controller.observers.plan.append(self.on_plan)
         controller.observers.decision.append(self.on_decision)
 
     def on_decision(self, deployment: str, decision: Decision, trigger: str) -> None:
         self.decisions.labels(deployment, decision.outcome).inc()
+        for gauge, value in ((self.decision_gain, decision.predicted_gain_seconds),
+                             (self.decision_cost, decision.migration_cost_seconds)):
+            if math.isfinite(value):
+                gauge.labels(deployment, decision.outcome).set(value)
 
     def on_plan(self, deployment: str, plan: Plan, what: str) -> None:
         if what == "proposed":
@@ -125,9 +250,21 @@ class ControllerMetrics:
             self.phase_seconds.labels("prepare").observe(max(0.0, plan.prepared_at - plan.started_at))
         elif what == "committed" and plan.committed_at and plan.prepared_at:
             self.phase_seconds.labels("commit").observe(max(0.0, plan.committed_at - plan.prepared_at))
+            self.last_plan_seconds.labels(deployment).set(max(0.0, plan.committed_at - plan.started_at))
+            self.last_plan_stall.labels(deployment).set(self._stall(deployment, plan))
         elif what == "aborted":
             self.aborts.labels(deployment, abort_reason(plan.reason)).inc()
+
+    def _stall(self, deployment: str, plan: Plan) -> float:
+        dep = self.controller.deployments[deployment]
+        shape = dep.shape
+        cost = plan_cost(plan.transfers, shape.num_gpus, shape.num_nodes, shape.expert_bytes,
+                         dep.policy.cost_params())
+        return cost.commit_pause_seconds + cost.swap_seconds
 
     def on_ingest(self, deployment: str, nbytes: int, seconds: float) -> None:
         self.ingest_bytes.labels(deployment).inc(nbytes)
         self.ingest_seconds.observe(seconds)
+
+    def on_refused(self, deployment: str) -> None:
+        self.ingest_refused.labels(deployment).inc()

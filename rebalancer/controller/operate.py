@@ -45,7 +45,10 @@ class Operations:
         )
         if dry_run:
             return decision, None
-        return decision, self.decisions.act(dep, decision, "forced", now)
+        plan = self.decisions.act(dep, decision, "forced", now)
+        # Acting may amend it (skip_ranks: a rank is not connected): the operator is told
+        # what was recorded, as status and history tell it.
+        return dep.loop.last_decision or decision, plan
 
     def set_policy(self, name: str, policy: PolicyConfig) -> PolicyConfig:
         dep = self.registry.deployment(name)

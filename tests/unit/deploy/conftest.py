@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tomllib
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,20 +180,21 @@ def documents_of(text: str) -> list[Any]:
 
 
 @pytest.fixture(scope="session")
-def exported_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
-    """Base names of every metric family a freshly started controller exposes."""
-    from tests.integration.conftest import start_controller
+def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """The /metrics text of a live controller and of a live sidecar, scraped after windows,
+    a decision and a plan went through them (tests/unit/deploy/live.py)."""
+    from tests.unit.deploy.live import live_exposition
 
-    ctl = start_controller(tmp_path_factory.mktemp("ctl") / "c.sqlite", metrics_port=0)
-    try:
-        assert ctl.server is not None and ctl.server.metrics_port
-        url = f"http://127.0.0.1:{ctl.server.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-    finally:
-        ctl.stop()
-    names = {base_name(m) for m in re.findall(r"^# TYPE (\S+) \S+$", text, re.M)}
-    names |= {base_name(m) for m in re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, re.M)}
-    # prometheus_client's creation-time series are not part of the contract.
-    names = {n for n in names if not n.endswith("_created")}
-    assert "rebalancer_placement_version" in names, text
-    yield names
+    return live_exposition(tmp_path_factory.mktemp("live"))
+
+
+@pytest.fixture(scope="session")
+def exported_metrics(live_metrics: tuple[str, str]) -> set[str]:
+    """Every series name (with its _total, _bucket, _sum, _count, _info suffix) the live
+    controller and sidecar expose."""
+    from tests.unit.deploy.live import series_names
+
+    controller, sidecar = live_metrics
+    names = series_names(controller) | series_names(sidecar)
+    assert "rebalancer_placement_version" in names and "rebalancer_sidecar_ranks" in names
+    return names

@@ -1,6 +1,7 @@
 """deploy/grafana/rebalancer.json: a dashboard on the templated data source, whose every
-query is valid PromQL selecting only metrics the controller exports, and which shows
-every metric family it exports."""
+query is valid PromQL selecting only series a live controller or sidecar exposes (names
+with their _total / _bucket / _sum / _count suffixes, scraped: tests/unit/deploy/live.py),
+and which shows every metric family they expose."""
 
 from __future__ import annotations
 
@@ -70,9 +71,11 @@ def test_panels_use_the_templated_datasource(dashboard: dict[str, Any]) -> None:
 
 
 def test_per_deployment_metrics_follow_the_variable(dashboard: dict[str, Any]) -> None:
-    # Every series labelled by deployment is filtered by $deployment; the two histograms
-    # without that label (ingest latency, plan phases) and build info are controller-wide.
-    global_metrics = {"rebalancer_ingest_seconds", "rebalancer_plan_phase_seconds", "rebalancer_build_info"}
+    # Every series labelled by deployment is filtered by $deployment (a sidecar's through
+    # its info series' deployment label); the two histograms without that label (ingest
+    # latency, plan phases), the store's errors and build info are controller-wide.
+    global_metrics = {"rebalancer_ingest_seconds", "rebalancer_plan_phase_seconds", "rebalancer_build_info",
+                      "rebalancer_store_errors"}
     for where, expr in _queries(dashboard):
         names = {base_name(n) for n in metric_names(expr)}
         if names - global_metrics:
@@ -84,12 +87,21 @@ def test_queries_select_only_exported_metrics(dashboard: dict[str, Any], exporte
     for where, expr in _queries(dashboard):
         names = metric_names(grafana_to_promql(expr))
         assert names, f"{where}: no metric in {expr!r}"
-        unknown = {n for n in names if base_name(n) not in exported_metrics}
-        assert not unknown, f"{where}: not exported by the controller: {sorted(unknown)}"
+        unknown = names - exported_metrics
+        assert not unknown, f"{where}: no live controller or sidecar exposes {sorted(unknown)}"
         used |= {base_name(n) for n in names}
     assert DEPLOYMENT_QUERY.split("(")[1].split(",")[0] in exported_metrics
-    # The other way round: a metric the controller exports but nobody can see is a gap.
-    assert exported_metrics - used == set(), f"exported but not on the dashboard: {sorted(exported_metrics - used)}"
+    # The other way round: a family exposed but nowhere on the dashboard is a gap.
+    families = {base_name(n) for n in exported_metrics}
+    assert families - used == set(), f"exported but not on the dashboard: {sorted(families - used)}"
+
+
+def test_names_are_checked_with_their_suffixes(exported_metrics: set[str]) -> None:
+    # A counter is selected as name_total, a histogram by its _bucket/_sum/_count: the
+    # bare family name selects nothing, so the check above would catch it.
+    assert {"rebalancer_plans_total", "rebalancer_ingest_seconds_bucket", "rebalancer_ingest_seconds_count",
+            "rebalancer_build_info", "rebalancer_sidecar_plans_total"} <= exported_metrics
+    assert not {"rebalancer_plans", "rebalancer_ingest_seconds", "rebalancer_build"} & exported_metrics
 
 
 def test_required_views(dashboard: dict[str, Any]) -> None:
@@ -98,11 +110,22 @@ def test_required_views(dashboard: dict[str, Any]) -> None:
     for by in ("outcome) (increase(rebalancer_decisions_total", "trigger) (increase(rebalancer_rebalances_total",
                "reason) (increase(rebalancer_plan_aborts_total", "rebalancer_plan_phase_seconds_bucket",
                "rate(rebalancer_ingest_bytes_total", "rate(rebalancer_windows_ingested_total",
-               "rebalancer_migrated_slots_total", "rebalancer_migrated_bytes_total"):
+               "rebalancer_migrated_slots_total", "rebalancer_migrated_bytes_total",
+               "rebalancer_last_plan_stall_seconds", "rebalancer_store_errors_total", "rebalancer_streams"):
         assert by in exprs, by
-    titles = {p["title"] for p in _panels(dashboard)}
-    assert "Balancedness: actual vs estimated" in titles
-    assert "Connected vs expected ranks" in titles
+    panels = {p["title"]: p for p in _panels(dashboard)}
+    # One overview row per deployment: a row repeated over the deployment variable.
+    (overview,) = [p for p in dashboard["panels"] if p["type"] == "row" and p.get("repeat")]
+    assert overview["repeat"] == "deployment"
+    for title in ("Balancedness now", "Balancedness over layers", "Plans and aborts", "Stall and duration per plan",
+                  "Weights moved", "Decision outcomes", "Windows per second", "Ingest latency per window",
+                  "Streams and ranks", "Store errors"):
+        assert title in panels, title
+    stats = {t["expr"] for t in panels["Balancedness over layers"]["targets"]}
+    assert 'rebalancer_balancedness{deployment=~"$deployment",source="actual"}' in stats  # min/p50/p90/avg
+    heatmap = panels["Load imbalance per layer"]
+    assert heatmap["type"] == "heatmap" and "rebalancer_layer_imbalance" in heatmap["targets"][0]["expr"]
+    assert "per_layer_metrics = true" in heatmap["description"]
 
 
 def test_queries_are_valid_promql(dashboard: dict[str, Any], promtool: str, tmp_path: Path) -> None:

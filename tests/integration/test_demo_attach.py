@@ -1,0 +1,75 @@
+"""An operator's first hour, for real: `rebalancer serve` runs, `rebalancer demo --controller`
+attaches CPU workers and a pod sidecar to it, and `rebalancer admin` sees the deployment
+they make (status, history, a forced plan) and the metrics port shows it. Every process
+is a real one and is reaped whatever happens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from rebalancer.demo import free_port
+
+
+def _admin(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rebalancer", "admin", "--address", address, "--timeout", "10", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_demo_attaches_to_a_running_controller(tmp_path: Path) -> None:
+    metrics_port = free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rebalancer", "serve", "--port", "0", "--metrics-port", str(metrics_port),
+         "--db", str(tmp_path / "c.sqlite")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    demo: subprocess.Popen[str] | None = None
+    try:
+        assert serve.stdout is not None
+        line = serve.stdout.readline()
+        assert line.startswith("serving on "), line
+        address = line.split()[2].rstrip(",")
+        assert "no deployments" in _admin(address, "status").stdout
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "rebalancer", "demo", "--controller", address, "--workers", "2", "--sidecars", "1",
+             "--windows", "6", "--deployment", "tryout", "--json"], stdout=subprocess.PIPE, text=True)
+        # While it runs, the operator sees the deployment the workers made.
+        deadline = time.monotonic() + 90
+        while True:
+            status = _admin(address, "status", "tryout", "--json")
+            if status.returncode == 0 and json.loads(status.stdout)["deployments"][0]["windows_ingested"]:
+                break
+            assert demo.poll() is None, "the demo ended before the controller saw a window"
+            assert time.monotonic() < deadline, status.stderr
+            time.sleep(0.5)
+        out, _ = demo.communicate(timeout=180)
+        assert demo.returncode == 0, out[-3000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["controller"] == address and summary["deployment"] == "tryout"
+        assert summary["max_output_diff"] == 0.0 and summary["ranks_agree_on_versions"]
+        assert "status v" in out  # the demo showed the AdminService's status as it ran
+        # After the workers left, the controller keeps what they did.
+        (dep,) = json.loads(_admin(address, "--json", "status").stdout)["deployments"]
+        assert dep["deployment"] == "tryout" and dep["connected_ranks"] == 0
+        assert int(dep["placement_version"]) == summary["placement_version"]
+        history = json.loads(_admin(address, "history", "tryout", "--json").stdout)
+        assert len([p for p in history["plans"] if p["state"] == "committed"]) == summary["plans_committed"]
+        # No rank connected: a forced decision is taken and recorded, but starts no plan.
+        force = _admin(address, "force", "tryout")
+        assert force.returncode == 0 and force.stdout.startswith("skip_ranks: "), force.stdout + force.stderr
+        status = json.loads(_admin(address, "status", "tryout", "--json").stdout)["deployments"][0]
+        assert status["last_decision"]["outcome"] == "skip_ranks" and not status["plan_in_flight"]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert 'rebalancer_placement_version{deployment="tryout"}' in metrics
+        assert 'rebalancer_rebalancing_state{deployment="tryout",state="idle"} 1.0' in metrics
+    finally:
+        for proc in (demo, serve):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
