@@ -270,6 +270,12 @@ class WeightTransport(ABC):
                 time.sleep(ahead)
 
 
+def plan_tag(version: int) -> int:
+    """The point-to-point tag of plan `version`'s messages: positive, fits a C int, and
+    differs between consecutive plans."""
+    return 1 + version % (2**31 - 2)
+
+
 class P2PTransport(WeightTransport):
     """torch.distributed send/recv on the group, a few layers per round (any hosts)."""
 
@@ -300,8 +306,14 @@ class P2PTransport(WeightTransport):
         # 3. Rounds are pipelined: round r+1 is packed while round r is on the wire,
         #    with at most `rounds_in_flight` rounds (and their send buffers) alive.
         in_flight: deque[list[dist.Work]] = deque()
+        # Each plan's messages carry a tag of their own: a plan aborted on one rank
+        # mid-exchange leaves its peers' buffers on the wire, and on a shared tag the next
+        # plan's receives would take them (a size mismatch aborts the process in gloo).
+        tag = plan_tag(plan.version)
+        # An abort does not stop the exchange half-way: the peers would wait for this
+        # rank's buffers until their group times out (and gloo closes its pairs for good).
+        # Every rank runs every round; the executor drops the staging after (invariant 5).
         for r in np.unique(rounds):
-            ctx.check_aborted(plan.version)
             while len(in_flight) >= self.config.rounds_in_flight:
                 for work in in_flight.popleft():
                     work.wait()
@@ -319,12 +331,12 @@ class P2PTransport(WeightTransport):
                     idx = ctx.flat_index(out_rows[:, LAYER], out_rows[:, SRC_SLOT])
                     for w in ctx.weights.values():
                         buf = ctx.flat(w).index_select(0, idx)
-                        ops.append(dist.P2POp(dist.isend, buf, peer, ctx.group))
+                        ops.append(dist.P2POp(dist.isend, buf, peer, ctx.group, tag))
                         sent += buf.numel() * buf.element_size()
                 if hi > lo:
                     for name in ctx.weights:
                         view = staging[name][lo:hi]  # contiguous rows: received in place
-                        ops.append(dist.P2POp(dist.irecv, view, peer, ctx.group))
+                        ops.append(dist.P2POp(dist.irecv, view, peer, ctx.group, tag))
                         received += view.numel() * view.element_size()
             if ops:
                 in_flight.append(dist.batch_isend_irecv(ops))

@@ -21,6 +21,8 @@ Commit is never sent for an aborted plan.
 from __future__ import annotations
 
 import logging
+import sqlite3
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,6 +42,10 @@ class Plans:
         self.store = store
         self.clock = clock
         self.observers = observers
+        # Outcome writes SQLite refused (disk full, read-only, I/O error), per deployment,
+        # in order: retried at every tick until written. The plan's outcome is decided and
+        # told to the ranks regardless; only the record waits.
+        self._unwritten: dict[str, list[Callable[[], None]]] = {}
 
     def start(self, dep: Deployment, new: np.ndarray, trigger: str, now: float) -> Plan:
         """Store plan v+1 toward `new` and send Prepare to every connected rank."""
@@ -78,6 +84,23 @@ class Plans:
         elif plan.state in (PlanState.COMMITTING, PlanState.COMMITTED) and not ranks <= plan.committed:
             session.send("commit", plan)
 
+    def registered(self, dep: Deployment, session: Session, version: int) -> None:
+        """A session registered serving `version`. A plan whose commit went out, that no
+        rank confirmed, is moot once ranks come back on an older version (its base, or the
+        one they restarted on) and no session that had the Commit is left: the group
+        restarted (a gloo group that lost a rank starts again), so no rank can switch to
+        the plan any more.
+        It is finished as unconfirmed now instead of after its commit grace, which would
+        hold every later plan back. Ranks that did switch (their sessions only lost their
+        link) report it, and the controller adopts it then (`_report_off_plan`)."""
+        plan = dep.plan
+        if (plan is None or plan.state is not PlanState.COMMITTING or plan.committed
+                or version >= plan.version
+                or any(s.session_id in plan.commit_sessions for s in dep.live_sessions())):
+            return
+        plan.reason = f"{session.label} came back on v{version} before any rank confirmed the commit"
+        self.apply(dep, Transition(finished=True, unconfirmed=True))
+
     def report(self, dep: Deployment, session: Session, version: int, phase: str, error: str = "") -> None:
         """A session's plan progress (for each of its ranks): prepared / failed / committed /
         aborted."""
@@ -104,6 +127,13 @@ class Plans:
         if version == dep.version and phase in ("committed", "prepared"):
             return  # late confirmation of a plan already finished: harmless
         known = self.store.placement(dep.name, version) if version > dep.version else None
+        if (phase == "committed" and known is not None and plan is not None
+                and plan.state is PlanState.PREPARING and plan.base_version < version):
+            # The ranks switched to a plan the controller had given up on: the plan in
+            # flight is based on an older version and cannot prepare anywhere.
+            self.apply(dep, coordinate.abort(plan, f"{session.label} serves v{version}, the plan is based "
+                                                   f"on v{plan.base_version}"))
+            plan = dep.plan
         if phase == "committed" and known is not None and plan is None:
             reconcile.adopt(self.store, dep, version, known, f"{session.label} confirmed it late", now)
             return
@@ -120,9 +150,29 @@ class Plans:
         )
 
     def tick(self, dep: Deployment, now: float) -> None:
-        """Timeouts of the plan in flight."""
+        """Timeouts of the plan in flight; outcome writes the store refused, again."""
+        self._write_pending(dep.name)
         if dep.plan is not None:
             self.apply(dep, coordinate.on_tick(dep.plan, now))
+
+    def _write(self, name: str, write: Callable[[], None]) -> None:
+        """Record a plan's outcome in the store, after any still unwritten (order kept). A
+        write SQLite refuses is kept for the next tick: the plan still finishes in memory
+        and on the ranks, so a full or read-only disk never leaves a plan stuck in flight
+        (which would stop every later plan)."""
+        self._unwritten.setdefault(name, []).append(write)
+        self._write_pending(name)
+
+    def _write_pending(self, name: str) -> None:
+        pending = self._unwritten.get(name)
+        while pending:
+            try:
+                pending[0]()
+            except sqlite3.Error as exc:
+                log.error("%s: store refused a plan record (%s); %d write(s) retried at the next tick",
+                          name, exc, len(pending))
+                return
+            pending.pop(0)
 
     def disconnected(self, dep: Deployment, session: Session) -> None:
         """A session ended (a group's: all its ranks): a plan still preparing cannot complete."""
@@ -137,17 +187,20 @@ class Plans:
         now = self.clock()
         if t.send_commit:
             log.info("%s: plan v%d prepared on all ranks, committing", dep.name, plan.version)
+            plan.commit_sessions = frozenset(s.session_id for s in dep.live_sessions() if s.streaming)
             dep.send_all("commit", plan)
             self._notify(dep, plan, "prepared")
         if t.send_abort:
             log.warning("%s: plan v%d aborted: %s", dep.name, plan.version, plan.reason)
-            self.store.set_plan_state(dep.name, plan.version, "aborted", plan.reason, now=now)
+            version, reason = plan.version, plan.reason
+            self._write(dep.name, lambda: self.store.set_plan_state(dep.name, version, "aborted", reason, now=now))
             dep.stats.plans_aborted += 1
             dep.last_aborted = Aborted(plan.version, plan.reason)
             dep.send_all("abort", plan)
             self._notify(dep, plan, "aborted")
         if t.became_committed:
-            self.store.commit_plan(dep.name, plan.version, now=now)
+            version = plan.version
+            self._write(dep.name, lambda: self.store.commit_plan(dep.name, version, now=now))
             dep.version, dep.phy2log = plan.version, plan.phy2log
             dep.stats.plans_committed += 1
             dep.stats.slots_moved += plan.slots_moved
@@ -156,7 +209,9 @@ class Plans:
             self._notify(dep, plan, "committed")
         if t.unconfirmed:
             log.error("%s: plan v%d: %s", dep.name, plan.version, plan.reason)
-            self.store.set_plan_state(dep.name, plan.version, "unconfirmed", plan.reason, now=now)
+            version, reason = plan.version, plan.reason
+            self._write(dep.name, lambda: self.store.set_plan_state(dep.name, version, "unconfirmed", reason,
+                                                                    now=now))
             self._notify(dep, plan, "unconfirmed")
         if t.finished:
             dep.plan = None

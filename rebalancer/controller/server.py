@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import inspect
 import logging
 import signal
 import socket
 import sqlite3
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from rebalancer.controller.store import InUseError, Store, StoreLock, check_stor
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import server_options
+from rebalancer.wire.service import add_service
 
 log = logging.getLogger("rebalancer.server")
 
@@ -98,14 +98,14 @@ class ControllerServer:
             interceptors=[self.auth], options=server_options(config.max_message_bytes)
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-        self.metrics = ControllerMetrics(self.controller)
+        self.metrics = ControllerMetrics(self.controller, config.per_layer_metrics)
         self.metrics_port: int | None = None
-        # Requests that do not parse are refused with INVALID_ARGUMENT (add_service).
+        # Requests that do not parse are refused with INVALID_ARGUMENT (wire/service.py).
         add_service(
             pb_grpc.add_WorkerServiceServicer_to_server,
             WorkerService(
                 self.controller, self.auth.check_deployment, self.metrics.on_ingest,
-                config.ack_interval_seconds,
+                config.ack_interval_seconds, on_refused=self.metrics.on_refused,
             ),
             self.server,
         )
@@ -234,153 +234,6 @@ async def serve(config: ControllerConfig, ready: Callable[[ControllerServer], No
     if ready:
         ready(server)
     await server.wait()
-
-
-# ---------------------------------------------------------------- requests that do not parse
-#
-# grpc-python parses a request with the handler's `request_deserializer` and, when that
-# raises (bytes that are not protobuf, invalid UTF-8 in a string field), answers with a
-# status of its own: UNKNOWN "Unexpected DecodeError" on the aio server (INTERNAL
-# "Exception deserializing request!" on the sync one). The deserializer cannot choose the
-# status: it runs before the servicer, with no context. So each service is registered
-# with handlers built from the generated ones where the deserializer returns an
-# `Undecodable` in place of a message that does not parse, and the method refuses it
-# with INVALID_ARGUMENT before the servicer sees it: a unary request at once; on a
-# request stream where it is read (`context.read()` or the request iterator raise
-# UndecodableRequest, an InputError the servicer refuses like any bad message; one it
-# lets escape is refused by the wrapper). Nothing has changed: invariant 6.
-
-
-class UndecodableRequest(InputError):
-    """A request message that does not parse, raised where a handler reads it."""
-
-
-class Undecodable:
-    """Stands in for a request message that did not parse."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: UndecodableRequest) -> None:
-        self.error = error
-
-
-def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    owner = getattr(parse, "__self__", None)
-    descriptor = getattr(owner, "DESCRIPTOR", None)
-    type_name = getattr(descriptor, "full_name", "message")
-
-    def parse_or_mark(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever a parser raises on bad bytes
-            return Undecodable(UndecodableRequest(f"request is not a valid {type_name}: {exc}"))
-
-    return parse_or_mark
-
-
-def _parsed(message: Any) -> Any:
-    if isinstance(message, Undecodable):
-        raise message.error
-    return message
-
-
-class _CheckedReads:
-    """The call's context, whose `read` raises UndecodableRequest for a message that did
-    not parse; everything else is the context's own."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self._context = context
-
-    async def read(self) -> Any:
-        return _parsed(await self._context.read())
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
-
-
-async def _checked_iter(requests: Any) -> AsyncIterator[Any]:
-    async for message in requests:
-        yield _parsed(message)
-
-
-async def _refuse_undecodable(context: grpc.aio.ServicerContext, method: str, exc: UndecodableRequest) -> None:
-    log.warning("%s refused: INVALID_ARGUMENT: %s", method, exc)
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
-
-def _guard(behavior: Callable[..., Any], method: str, request_streaming: bool) -> Callable[..., Any]:
-    """`behavior` refusing a request that did not parse, of the same kind (coroutine or
-    async generator) so the server drives it the same way."""
-
-    def arguments(request: Any, context: grpc.aio.ServicerContext) -> tuple[Any, Any]:
-        if request_streaming:
-            return _checked_iter(request), _CheckedReads(context)
-        return _parsed(request), context
-
-    if inspect.isasyncgenfunction(behavior):
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                async for item in behavior(*arguments(request, context)):
-                    yield item
-            except UndecodableRequest as exc:
-                await _refuse_undecodable(context, method, exc)
-
-        return stream
-
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await behavior(*arguments(request, context))
-        except UndecodableRequest as exc:
-            await _refuse_undecodable(context, method, exc)
-
-    return call
-
-
-def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """`handler` with a tolerant deserializer and its behavior guarded; as it is when its
-    behavior is not async (a sync servicer would then run on the event loop)."""
-    behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary
-                or handler.stream_stream)
-    parse = handler.request_deserializer
-    if parse is None or not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
-        return handler
-    guarded = _guard(behavior, method, handler.request_streaming)
-    des, ser = _tolerant(parse), handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(guarded, des, ser)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(guarded, des, ser)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(guarded, des, ser)
-    return grpc.unary_unary_rpc_method_handler(guarded, des, ser)
-
-
-class _Collector:
-    """Stands in for the server while a generated `add_*_to_server` registers a service:
-    keeps its method handlers."""
-
-    def __init__(self) -> None:
-        self.services: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        pass  # the same handlers come to add_registered_method_handlers
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.services[service] = dict(handlers)
-
-
-def add_service(add: Callable[[Any, Any], None], servicer: Any, server: Any) -> None:
-    """Register `servicer` on `server` as the generated `add(servicer, server)` does, each
-    method refusing a request that does not parse with INVALID_ARGUMENT."""
-    collector = _Collector()
-    add(servicer, collector)
-    if not collector.services:  # generated code older than grpcio 1.63 registers generic handlers only
-        raise RuntimeError(f"{add.__qualname__} registered no method handlers")
-    for service, handlers in collector.services.items():
-        guarded = {name: _guarded(h, f"/{service}/{name}") for name, h in handlers.items()}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, guarded),))
-        server.add_registered_method_handlers(service, guarded)
 
 
 def _bracketed(host: str) -> str:

@@ -35,6 +35,7 @@ from rebalancer.sidecar.upstream import Upstream
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import server_options
+from rebalancer.wire.service import add_service
 
 log = logging.getLogger("rebalancer.sidecar")
 
@@ -51,8 +52,10 @@ class Sidecar:
         self.metrics = SidecarMetrics(self.pod, self.upstream)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=server_options())
-        pb_grpc.add_WorkerServiceServicer_to_server(RankService(self.pod), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # Requests that do not parse are refused with INVALID_ARGUMENT, as the controller
+        # refuses them (wire/service.py), not grpc-python's UNKNOWN.
+        add_service(pb_grpc.add_WorkerServiceServicer_to_server, RankService(self.pod), self.server)
+        add_service(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
         self.metrics_port: int | None = None
         self._claim: listen.SocketClaim | None = None
         self._metrics_http: Any = None

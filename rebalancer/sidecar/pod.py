@@ -36,6 +36,7 @@ from rebalancer.sidecar.merge import MergedWindow, WindowBuffer, WindowMerge
 from rebalancer.sidecar.relay import Actions, Event, Relay, RelayPlan
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, DISPATCH_MODES
 from rebalancer.wire.layout import trivial_placement
 
 log = logging.getLogger("rebalancer.sidecar")
@@ -66,6 +67,10 @@ class Pod:
         self.ranks = tuple(sorted(config.ranks))
         self.deployment = config.deployment
         self.shape: pb.ModelShape | None = None
+        # The ranks' dispatch mode (None until the first rank registers; a rank sending
+        # none means split) and top_k (0: unknown until a rank says), sent upstream.
+        self.dispatch_mode: str | None = None
+        self.top_k = 0
         self.initial: pb.Placement | None = None
         self.sessions: dict[str, RankSession] = {}  # local session id -> session
         self.by_rank: dict[int, RankSession] = {}
@@ -75,6 +80,12 @@ class Pod:
         self.reports: deque[pb.PlanReport] = deque()  # for the controller, in order
         self.committed: pb.Placement | None = None    # the controller's, once known
         self.upstream_registered = False
+        # A rank came back serving an older version than the group session registered (its
+        # process restarted): the upstream link ends that session and registers the group
+        # again once every rank is back, so the controller reconciles to what the ranks
+        # serve (invariant 7) instead of planning from a placement no rank holds.
+        self.resync = False
+        self._confirmed_late = 0  # newest switch told upstream outside the relay's plan
         self.stats = PodStats()
         self.changed = asyncio.Event()  # wakes the upstream link: windows, reports, ranks
         self.observers: list[Callable[[Event, RelayPlan], None]] = []
@@ -103,6 +114,18 @@ class Pod:
                 "FAILED_PRECONDITION",
                 f"rank {rank} reports shape {_shape_text(request.shape)}, the pod's ranks {_shape_text(self.shape)}",
             )
+        mode = request.dispatch_mode or DEFAULT_DISPATCH_MODE
+        if mode not in DISPATCH_MODES:
+            raise SidecarError("INVALID_ARGUMENT", f"rank {rank} names an unknown dispatch mode {request.dispatch_mode!r}")
+        if self.dispatch_mode is not None and mode != self.dispatch_mode:
+            raise SidecarError(
+                "FAILED_PRECONDITION",
+                f"rank {rank} dispatches by {mode!r}, the pod's ranks by {self.dispatch_mode!r}",
+            )
+        if request.top_k and self.top_k and request.top_k != self.top_k:
+            raise SidecarError(
+                "FAILED_PRECONDITION", f"rank {rank} reports top_k {request.top_k}, the pod's ranks {self.top_k}"
+            )
         if max(self.ranks) >= request.shape.num_gpus:
             raise SidecarError(
                 "INVALID_ARGUMENT",
@@ -116,6 +139,8 @@ class Pod:
         if self.shape is None:
             self.shape = pb.ModelShape()
             self.shape.CopyFrom(request.shape)
+        self.dispatch_mode = mode
+        self.top_k = self.top_k or int(request.top_k)
         if self.initial is None and request.HasField("initial_placement"):
             self.initial = pb.Placement()
             self.initial.CopyFrom(request.initial_placement)
@@ -124,6 +149,13 @@ class Pod:
         session = RankSession(rank, uuid.uuid4().hex, request.worker_id)
         self.sessions[session.session_id] = self.by_rank[rank] = session
         self.relay.serves(rank, request.placement_version, registering=True)
+        behind = self.committed is not None and request.placement_version < self.committed.version
+        restarted = bool(old is not None and old.worker_id and request.worker_id
+                         and old.worker_id != request.worker_id)
+        if self.upstream_registered and (behind or restarted):
+            log.warning("rank %d %s on v%d: registering the group again once every rank is back", rank,
+                        "restarted" if restarted else "came back", request.placement_version)
+            self.upstream_registered, self.resync = False, True
         log.info("rank %d registered (worker %s, v%d)", rank, request.worker_id or "?", request.placement_version)
         self.changed.set()
         return pb.RegisterResponse(
@@ -188,7 +220,18 @@ class Pod:
 
     def report(self, report: pb.PlanReport) -> None:
         session = self.session(report.session_id)
-        self.apply(self.relay.report(session.rank, report))
+        actions = self.relay.report(session.rank, report)
+        # A switch the relay no longer follows (the controller gave up on the plan and
+        # moved on before the ranks' agreement switched): tell the controller once, so it
+        # adopts what the ranks serve instead of planning from an older version forever.
+        late = (report.phase == pb.PLAN_PHASE_COMMITTED and self.committed is not None
+                and report.version > max(self.committed.version, self._confirmed_late)
+                and (self.relay.plan is None or self.relay.plan.version != report.version))
+        if late:
+            self._confirmed_late = report.version
+            actions.upstream.append(pb.PlanReport(version=report.version, phase=pb.PLAN_PHASE_COMMITTED,
+                                                  step=report.step))
+        self.apply(actions)
 
     # ------------------------------------------------------------ the controller
 
@@ -207,6 +250,7 @@ class Pod:
             deployment=self.deployment, rank=self.ranks[0], ranks=self.ranks, shape=self.shape,
             placement_version=version, pod=self.config.pod,
             worker_id=f"sidecar {self.config.pod} pid {os.getpid()}",
+            dispatch_mode=self.dispatch_mode or DEFAULT_DISPATCH_MODE, top_k=self.top_k,
         )
         if self.initial is not None:
             request.initial_placement.CopyFrom(self.initial)
@@ -215,7 +259,7 @@ class Pod:
     def registered_upstream(self, response: pb.RegisterResponse) -> None:
         self.committed = pb.Placement()
         self.committed.CopyFrom(response.committed)
-        self.upstream_registered = True
+        self.upstream_registered, self.resync = True, False
 
     def from_controller(self, msg: pb.ControllerMessage) -> None:
         """A plan phase from the controller, relayed to the ranks."""

@@ -14,7 +14,12 @@ ranks say into what one group session may say (invariant 5 across the relay):
   ranks switch together by their own agreement, invariant 2).
 - Abort goes to every rank, and the pod's reports of that plan still queued are moot.
 - A rank that (re)attaches is told what it missed: Commit of a plan committing, Abort of
-  an aborted plan it did not confirm. Never Prepare again: its migration may still run.
+  an aborted plan it did not confirm, and first the Prepare of the plan preparing or
+  aborted: its peers run the plan's transfers with it (p2p: they would wait for it until
+  their group timed out, and gloo then closes the group's pairs for good), and a stream
+  that went down as the Prepare was sent may have lost it. A rank runs a plan's
+  transfers once, however often its Prepare comes (worker_hooks.hook); the Abort makes
+  it keep nothing.
 
 A sidecar restarted mid-plan knows nothing; the controller tells a group session that
 (re)opens its stream the newest aborted plan (and resends Commit of a plan committing),
@@ -94,6 +99,11 @@ class Relay:
         plan = self.plan
         if plan is None:
             return a
+        if (plan.prepare is not None and rank in self.ranks and plan.phase in ("preparing", "aborted")
+                and rank not in plan.prepared | plan.aborted):
+            # Its peers' transfers wait for it; a rank that has it ignores it (the Abort,
+            # if any, follows).
+            a.to_ranks.append((rank, pb.ControllerMessage(prepare=plan.prepare)))
         if plan.phase in ("committing", "committed") and rank not in plan.committed:
             if self.versions.get(rank, 0) >= plan.version:
                 plan.committed.add(rank)

@@ -85,8 +85,10 @@ class Upstream:
                     await self._session_loop(stub)
             except grpc.aio.AioRpcError as exc:
                 self._lost(exc.code(), exc.details() or "")
-            except ConnectionError as exc:
-                self._lost(None, str(exc))
+            except (ConnectionError, asyncio.InvalidStateError) as exc:
+                # InvalidStateError: the controller ended the stream between two writes
+                # ("RPC already finished"); left uncaught it ended this link for good.
+                self._lost(None, str(exc) or type(exc).__name__)
             if self._stop.is_set():
                 break
             self.reconnects += 1
@@ -151,8 +153,8 @@ class Upstream:
                     msg = self._window(window)
                     await call.write(pb.WorkerMessage(window=msg))
                     self.pod.stats.windows_out += 1
-                if self._stop.is_set():
-                    break
+                if self._stop.is_set() or self.pod.resync:
+                    break  # leaving, or the ranks restarted: end the session, register again
                 waiter = asyncio.create_task(self.pod.changed.wait())
                 await asyncio.wait({waiter, reader}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()

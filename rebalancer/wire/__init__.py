@@ -3,6 +3,8 @@
 - `codec`: numpy arrays <-> `rebalancer.v1.Array` messages, validated.
 - `channel`: gRPC channel and server options (message sizes, keepalive) and client
   channels with TLS, mutual TLS and bearer tokens.
+- `service`: service registration refusing requests that do not parse (INVALID_ARGUMENT),
+  used by both servers (controller, sidecar).
 - `layout`: placement layout rules, `phy2log` -> replica tables, transfer-list columns.
 
 It sits at the bottom with `rebalancer.errors` and the generated `rebalancer.v1`: numpy,

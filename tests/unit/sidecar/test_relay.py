@@ -81,7 +81,9 @@ def test_a_rank_not_connected_at_prepare_fails_the_pod_at_once() -> None:
     a = r.prepare(prepare())
     assert kinds(a) == [(4, "prepare"), (5, "prepare")]
     assert up(a) == ["PLAN_PHASE_FAILED"] and "rank 6 is not connected" in a.upstream[0].error
-    assert kinds(r.attached(6)) == []  # never a Prepare later: the plan is doomed, it waits for Abort
+    # The plan is doomed, but its peers run its transfers with rank 6: it gets the Prepare
+    # late, and the Abort when it comes.
+    assert kinds(r.attached(6)) == [(6, "prepare")]
 
 
 def test_the_same_prepare_told_again_is_not_relayed_twice() -> None:
@@ -89,7 +91,9 @@ def test_the_same_prepare_told_again_is_not_relayed_twice() -> None:
     r.prepare(prepare())
     assert kinds(r.prepare(prepare())) == []
     r.detached(5)
-    assert kinds(r.attached(5)) == []  # a rank back on its stream: its migration may still run
+    # A rank back on its stream may have lost the Prepare with its link: told again (a rank
+    # that has it runs its transfers once: worker_hooks/hook.py).
+    assert kinds(r.attached(5)) == [(5, "prepare")]
 
 
 def test_commit_goes_up_when_every_rank_committed() -> None:
@@ -127,7 +131,9 @@ def test_abort_reaches_every_rank_and_a_rank_that_missed_it_hears_it_on_return()
     assert kinds(a) == [(4, "abort"), (5, "abort")] and a.drop_reports == 2
     assert r.phase == "aborted"
     r.report(4, report(2, pb.PLAN_PHASE_ABORTED))
-    assert kinds(r.attached(6)) == [(6, "abort")]
+    # The Prepare again first (its stream may have lost it; a rank runs a plan's
+    # transfers once), then the Abort.
+    assert kinds(r.attached(6)) == [(6, "prepare"), (6, "abort")]
     r.detached(4)
     assert kinds(r.attached(4)) == []  # it confirmed already
     assert kinds(r.abort(2, "again")) == [(5, "abort"), (6, "abort")]  # told again: the unconfirmed
@@ -182,3 +188,23 @@ def test_a_new_prepare_supersedes_one_never_resolved() -> None:
     a = r.prepare(prepare(3))
     assert kinds(a) == [(4, "abort"), (5, "abort"), (6, "abort"), (4, "prepare"), (5, "prepare"), (6, "prepare")]
     assert a.drop_reports == 2 and r.plan is not None and r.plan.version == 3
+
+
+def test_a_rank_that_missed_the_prepare_gets_it_then_the_abort() -> None:
+    """Found by the chaos campaign (a rank's link to the sidecar dropped as a plan went
+    out): its peers ran the plan's p2p transfers with it and waited, until their gloo group
+    timed out, for a rank that never heard of the plan. It now gets the Prepare when it is
+    back, then the Abort."""
+    r = relay(connected=(4, 5))
+    a = r.prepare(prepare(7))
+    assert kinds(a) == [(4, "prepare"), (5, "prepare")] and up(a) == ["PLAN_PHASE_FAILED"]
+    r.abort(7, "rank 6 is not connected to the sidecar")
+    assert kinds(r.attached(6)) == [(6, "prepare"), (6, "abort")]
+    r.detached(6)
+    assert kinds(r.attached(6)) == [(6, "prepare"), (6, "abort")]  # its transfers run once (the hook)
+    r.report(6, report(7, pb.PLAN_PHASE_ABORTED))
+    r.detached(6)
+    assert kinds(r.attached(6)) == []  # it confirmed: nothing more to tell
+    r.prepare(prepare(8))
+    r.detached(6)
+    assert [m.prepare.version for _, m in r.attached(6).to_ranks] == [8]  # only the current plan

@@ -1,0 +1,103 @@
+"""The chaos harness's worker: reference.cpu_worker with a step log that survives SIGKILL.
+
+The worker itself is unchanged (its hook and model classes are subclassed here, as
+tests/integration/sidecar_worker.py does). Every step appends one line to
+CHAOS_STEP_LOG/steps<rank>.jsonl, flushed at once, so the harness checks the invariants
+from the rank's own record even when the rank is killed mid-run:
+
+    [step, version, ready, prepared, aborted, staged, hook_ms, diff, wall]
+
+step: index of the step; version: the placement version the step ran on; ready: the
+newest version the controller said to commit; prepared / aborted: the hook's counters;
+staged: 1 while a plan's weights are staged; hook_ms: milliseconds the step spent in the
+rebalancer's code (route + step_end: where a step would wait on a sidecar or the
+controller); diff: max |output - unbalanced reference| of the step (invariant 1);
+wall: unix time at the step's end.
+
+CHAOS_PREPARE_SECONDS: each prepare sleeps rank-dependent time once its weights are
+staged (rank r: s * (r + 1) / world), so a plan spends a while in each phase and the
+harness can hit preparing and prepared (some ranks done, others not).
+
+    python -m bench.chaos_worker <reference.cpu_worker flags>
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reference import cpu_worker
+
+STEP_LOG = "CHAOS_STEP_LOG"
+PREPARE_SECONDS = "CHAOS_PREPARE_SECONDS"
+
+# The step's max output difference, across its layers (one serving thread per process).
+_step: dict[str, Any] = {"out": None, "diff": 0.0}
+
+
+class RecordingMoE(cpu_worker.ExpertParallelMoE):
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = super().forward(*args, **kwargs)
+        _step["out"] = out
+        return out
+
+
+class CheckingReference(cpu_worker.ReferenceMoE):
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        ref = super().forward(*args, **kwargs)
+        out = _step["out"]
+        if isinstance(out, torch.Tensor):
+            _step["diff"] = max(float(_step["diff"]), float((out - ref).abs().max()))
+        return ref
+
+
+class LoggingHook(cpu_worker.FaultyHook):
+    prepare_seconds = float(os.environ.get(PREPARE_SECONDS, "0") or 0)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        folder = os.environ.get(STEP_LOG, "")
+        path = Path(folder) / f"steps{self.config.rank}.jsonl" if folder else Path(os.devnull)
+        self._log = path.open("a", buffering=1)
+        self._hook_seconds = 0.0
+
+    def after_transfers(self, version: int) -> None:
+        if self.prepare_seconds:
+            time.sleep(self.prepare_seconds * (self.config.rank + 1) / self.config.num_gpus)
+        super().after_transfers(version)
+
+    def route(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return super().route(layer, topk_ids)
+        finally:
+            self._hook_seconds += time.perf_counter() - t0
+
+    def step_end(self) -> None:
+        step, version = self.step, self.version
+        t0 = time.perf_counter()
+        super().step_end()
+        hook_ms = 1e3 * (self._hook_seconds + time.perf_counter() - t0)
+        self._hook_seconds = 0.0
+        line = [step, version, self._commit_ready, self.stats.prepared, self.stats.aborted,
+                int(bool(self._staged_phy2log)), round(hook_ms, 3), float(_step["diff"]),
+                round(time.time(), 4)]
+        _step["diff"] = 0.0
+        self._log.write(json.dumps(line) + "\n")
+
+
+def main() -> int:
+    cpu_worker.FaultyHook = LoggingHook  # type: ignore[misc]
+    cpu_worker.ExpertParallelMoE = RecordingMoE  # type: ignore[misc]
+    cpu_worker.ReferenceMoE = CheckingReference  # type: ignore[misc]
+    return cpu_worker.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
