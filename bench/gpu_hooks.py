@@ -6,7 +6,16 @@ Measures, on one DeepSeek-V3-sized MoE layer (or a few) replayed as a CUDA graph
 - the hooks alone, captured in a graph of their own;
 - the swap pause between replays: committing a staged DeepSeek-V3-shaped map
   (61 layers x 256 experts) and one layer's staged expert weights;
-- a recorder window snapshot (begin_window) between replays.
+- a recorder window snapshot (begin_window) between replays;
+- with `--dispatch all` (or a comma list of modes), each dispatch mode
+  (rebalancer.wire.dispatch) as `RebalanceHook.route` runs it, at EP32 with a shared
+  expert, captured in a CUDA graph of its own over every layer of the block, against the
+  block's replay: `dispatch_<mode>_ms` and `dispatch_<mode>_pct_of_block` (the target:
+  at most 1 %). One GPU stands in for rank 0 of 32: the other ranks' counts of the step
+  are a static function of its own (so the water-fill works on a real spread); the
+  all-gather of `[G, E + 1]` counts that replaces it on a real EP group is not in the
+  figure (latency-bound, ~10-20 us per layer at EP32 on NVLink; measure it on 2 GPUs).
+  Without CUDA, the modes run eagerly at small shapes on CPU (a smoke check only).
 Prints one line per figure and a JSON object last.
 """
 
@@ -22,8 +31,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from rebalancer.wire.dispatch import DISPATCH_MODES, WATERFILL_PASSES, check_dispatch_mode
+from rebalancer.wire.layout import trivial_placement
 from reference.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
 from worker_hooks.dispatch import ReplicaDispatch
+from worker_hooks.hook import HookConfig, RebalanceHook
 from worker_hooks.record import ExpertRecorder
 
 
@@ -39,6 +51,12 @@ class HookBenchConfig:
     rounds: int = 5
     map_layers: int = 61
     moved_experts: int = 8
+    # Dispatch modes to measure ("all", a comma list, or "" for none); EP size emulated.
+    dispatch: str = ""
+    dispatch_gpus: int = 32
+    dispatch_slots: int = 288
+    waterfill_passes: int = WATERFILL_PASSES
+    compile_dispatch: int = 0  # 1: HookConfig.compile_dispatch (torch.compile, CUDA only)
 
 
 def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -151,6 +169,112 @@ def bench_block(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
     }
 
 
+def dispatch_modes(text: str) -> list[str]:
+    if not text:
+        return []
+    if text == "all":
+        return list(DISPATCH_MODES)
+    return [check_dispatch_mode(m.strip()) for m in text.split(",") if m.strip()]
+
+
+def dispatch_hook(cfg: HookBenchConfig, mode: str, dev: torch.device) -> RebalanceHook:
+    """Rank 0 of `dispatch_gpus` with a shared expert, on a DeepSeek-like placement; the
+    other ranks' counts are its own, rolled (static ops: capturable)."""
+    G, P, E = cfg.dispatch_gpus, cfg.dispatch_slots, cfg.num_experts
+    rng = np.random.default_rng(0)
+    phy2log = trivial_placement(cfg.num_layers, E, P, G)
+    phy2log[:, E:] = rng.integers(0, E, size=(cfg.num_layers, P - E))
+    config = HookConfig(
+        controller="127.0.0.1:1", deployment="bench", rank=0, num_layers=cfg.num_layers,
+        num_logical=E, num_slots=P, num_gpus=G, dispatch_mode=mode,  # type: ignore[arg-type]
+        shared_expert=True, top_k=cfg.top_k, waterfill_passes=cfg.waterfill_passes,
+        compile_dispatch=bool(cfg.compile_dispatch) and dev.type == "cuda",
+    )
+    weights = {"w": torch.zeros(cfg.num_layers, P // G, 1, device=dev)}
+
+    # rank r's counts: rank 0's rotated by 3 r experts (one gather, so the stand-in adds
+    # one kernel where the real all-gather is one collective)
+    width = E + 1
+    rotate = (torch.arange(width, device=dev)[None, :] + 3 * torch.arange(G, device=dev)[:, None]) % width
+
+    def gather(local: torch.Tensor) -> torch.Tensor:
+        return local[rotate]
+
+    return RebalanceHook(config, phy2log, weights, None, None, device=dev, counts_gather=gather)
+
+
+# aten ops that only make a view or allocate: no kernel
+_NO_KERNEL = frozenset(
+    f"aten::{name}" for name in (
+        "view", "reshape", "_reshape_alias", "_unsafe_view", "unsqueeze", "squeeze", "slice",
+        "select", "t", "transpose", "permute", "expand", "expand_as", "as_strided", "alias",
+        "detach", "empty", "empty_like", "empty_strided", "resize_", "result_type",
+    )
+)
+
+
+def ops_per_layer(fn: Callable[[], object]) -> int:
+    """Kernel-launching aten ops of one call (top-level, views and allocations left out):
+    replayed from a graph each costs a kernel (~2 us), so it is the dispatch's cost on a
+    GPU where the work itself is tiny. Counted on the host, so also without a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm: one-time work is not per step
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    count = 0
+    for event in prof.events():
+        parent = event.cpu_parent
+        top = parent is None or not parent.name.startswith("aten::")
+        if event.name.startswith("aten::") and top and event.name not in _NO_KERNEL:
+            count += 1
+    return count
+
+
+def bench_dispatch(cfg: HookBenchConfig, dev: torch.device, block_ms: float | None) -> dict[str, float]:
+    """Each mode's route over every layer, replayed as a graph (eager on CPU)."""
+    out: dict[str, float] = {}
+    gen = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.randint(0, cfg.num_experts, (cfg.tokens, cfg.top_k), device=dev, generator=gen)
+    routes: dict[str, Callable[[], object]] = {}
+    results: dict[str, list[torch.Tensor]] = {}
+    for mode in dispatch_modes(cfg.dispatch):
+        hook = dispatch_hook(cfg, mode, dev)
+        results[mode] = [torch.empty(cfg.tokens, cfg.top_k + 1, dtype=ids.dtype, device=dev) for _ in range(cfg.num_layers)]
+
+        def route(hook: RebalanceHook = hook, res: list[torch.Tensor] = results[mode]) -> None:
+            for layer in range(cfg.num_layers):
+                res[layer].copy_(hook.route(layer, ids))
+
+        routes[mode] = route
+        out[f"dispatch_{mode}_ops_per_layer"] = float(ops_per_layer(lambda hook=hook: hook.route(0, ids)))
+    if dev.type == "cuda":
+        graphs = {mode: capture(fn) for mode, fn in routes.items()}
+        eager = {}
+        for mode, fn in routes.items():  # capture + replay equals eager
+            graphs[mode].replay()
+            torch.cuda.synchronize()
+            replayed = [r.clone() for r in results[mode]]
+            fn()
+            torch.cuda.synchronize()
+            eager[mode] = all(torch.equal(a, b) for a, b in zip(replayed, results[mode], strict=True))
+        times = interleaved(graphs, cfg)
+        for mode in routes:
+            ms = statistics.median(times[mode])
+            out[f"dispatch_{mode}_ms"] = ms
+            if block_ms:
+                out[f"dispatch_{mode}_pct_of_block"] = 100 * ms / block_ms
+            out[f"dispatch_{mode}_replay_equals_eager"] = float(eager[mode])
+    else:
+        for mode, fn in routes.items():
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(cfg.replays):
+                fn()
+            out[f"dispatch_{mode}_ms"] = 1e3 * (time.perf_counter() - t0) / cfg.replays
+    return out
+
+
 def bench_swap(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
     rng = np.random.default_rng(0)
     num_slots = cfg.num_experts + 32
@@ -245,7 +369,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f, v in asdict(HookBenchConfig()).items():
         parser.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
-    cfg = HookBenchConfig(**{k.replace("-", "_"): v for k, v in vars(parser.parse_args()).items()})
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    args = vars(parser.parse_args())
+    quiet = args.pop("json")
+    cfg = HookBenchConfig(**{k.replace("-", "_"): v for k, v in args.items()})
+    dispatch_modes(cfg.dispatch)  # a bad mode fails before any work
+    if not torch.cuda.is_available():  # a smoke check of the dispatch modes, small shapes
+        small = HookBenchConfig(tokens=64, num_layers=2, num_experts=32, top_k=4, replays=3,
+                                dispatch=cfg.dispatch or "all", dispatch_gpus=4, dispatch_slots=40,
+                                waterfill_passes=cfg.waterfill_passes)
+        figures = bench_dispatch(small, torch.device("cpu"), None)
+        if not quiet:
+            for k, v in figures.items():
+                print(f"dispatch  {k:28s} {v:12.4f}", flush=True)
+        print(json.dumps({"gpu": None, "date": time.strftime("%Y-%m-%d"), "config": asdict(small), "dispatch": figures}))
+        return
     dev = torch.device("cuda")
     result: dict[str, object] = {
         "gpu": torch.cuda.get_device_name(dev),
@@ -254,10 +392,16 @@ def main() -> None:
         "config": asdict(cfg),
         "copy_GBps": copy_bandwidth(dev),
     }
-    for name, fn in (("block", bench_block), ("swap", bench_swap), ("snapshot", bench_snapshot)):
+    benches: list[tuple[str, Callable[[HookBenchConfig, torch.device], dict[str, float]]]] = [
+        ("block", bench_block), ("swap", bench_swap), ("snapshot", bench_snapshot),
+    ]
+    if cfg.dispatch:
+        benches.append(("dispatch", lambda c, d: bench_dispatch(c, d, result["block"]["block_ms"])))  # type: ignore[index]
+    for name, fn in benches:
         figures = fn(cfg, dev)
-        for k, v in figures.items():
-            print(f"{name:9s} {k:28s} {v:12.4f}", flush=True)
+        if not quiet:
+            for k, v in figures.items():
+                print(f"{name:9s} {k:28s} {v:12.4f}", flush=True)
         result[name] = figures
         torch.cuda.empty_cache()
     print(json.dumps(result))

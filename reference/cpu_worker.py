@@ -38,8 +38,15 @@ import torch
 import torch.distributed as dist
 
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.dispatch import DISPATCH_MODES
 from rebalancer.wire.layout import trivial_placement
-from reference.moe_cpu import ExpertParallelMoE, MoEConfig, ReferenceMoE, slot_weights
+from reference.moe_cpu import (
+    ExpertParallelMoE,
+    MoEConfig,
+    ReferenceMoE,
+    shared_weights,
+    slot_weights,
+)
 from worker_hooks.devices import DEVICE_KINDS
 from worker_hooks.hook import HookConfig, RebalanceHook
 from worker_hooks.migrate import TRANSPORTS, transport_class
@@ -121,10 +128,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="spare weight rows per layer: commits then copy no weights")
     p.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
                    help="where the hook and the expert weights live (cuda: GPU rank %% count)")
+    p.add_argument("--dispatch", choices=DISPATCH_MODES, default="split",
+                   help="how an expert's tokens are divided among its replicas each step")
+    p.add_argument("--shared-expert", action="store_true",
+                   help="the model has a shared expert (needed by --dispatch load+shared)")
     p.add_argument("--max-seconds", type=float, default=120.0)
+    p.add_argument("--stop-file", default="",
+                   help="stop at the step written in this file, once it appears (every rank "
+                        "stops at the same step; for harnesses that run an open-ended group)")
     p.add_argument("--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.dispatch != "split" and args.local:
+        p.error("--dispatch by load exchanges counts every step: not with --local")
+    if args.dispatch == "load+shared" and not args.shared_expert:
+        p.error("--dispatch load+shared needs --shared-expert")
     logging.basicConfig(
         level=os.environ.get("REBALANCER_LOG", "WARNING"),
         format=f"%(asctime)s rank{args.rank} %(name)s %(levelname)s %(message)s",
@@ -148,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     mover = transport_class(args.transport)
     migrate_group = dist.new_group(backend=mover.group_backend(device), timeout=timeout)
 
-    cfg = MoEConfig(num_layers=args.layers, num_experts=args.experts, top_k=args.top_k)
+    cfg = MoEConfig(
+        num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,
+        shared_expert=args.shared_expert,
+    )
     data = np.load(args.profile)
     profiles, steps_per_phase = data["profiles"], int(data["steps_per_phase"])
     phy2log = trivial_placement(cfg.num_layers, cfg.num_experts, args.slots, args.world)
@@ -182,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             token=args.token,
             migrate_transport=args.transport,
             spare_rows=args.spare_rows,
+            dispatch_mode=args.dispatch,
+            shared_expert=args.shared_expert,
+            top_k=cfg.top_k,
         ),
         phy2log,
         weights,
@@ -196,8 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     reference = ReferenceMoE(cfg)
     moe = ExpertParallelMoE(
         hook.route, hook.weights, hook.config.rows_per_rank, args.rank, args.world, hook.device,
-        exchange=not args.local,
+        exchange=not args.local, shared=shared_weights(cfg),
     )
+    # What this rank computed, per layer: routed picks and shared-expert tokens.
+    computed = np.zeros((cfg.num_layers, 2), dtype=np.int64)
     hook.start()
     hook.agent.connected.wait(timeout=10)  # serve anyway if the controller is not there
 
@@ -206,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     step_seconds = []
     deadline = time.monotonic() + args.max_seconds
     step = 0
+    stop_at: int | None = None
     while step < args.steps or (hook.version < args.wait_version and time.monotonic() < deadline):
+        if args.stop_file and stop_at is None and step % 8 == 0 and os.path.exists(args.stop_file):
+            with open(args.stop_file) as f:
+                stop_at = int(f.read().strip() or 0)
+        if stop_at is not None and step >= stop_at:
+            break
         t0 = time.perf_counter()
         phase = (step // steps_per_phase) % len(profiles)
         if not versions or versions[-1][1] != hook.version:
@@ -218,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(args.tokens, cfg.hidden, generator=gen)
             topk, gates = sample_routing(profiles[phase, layer], cfg.top_k, args.tokens, gen)
             out = moe.forward(layer, x, topk, gates)
+            computed[layer] += moe.computed[layer]
             if not args.local and step % args.check_every == 0:
                 ref = reference.forward(layer, x, topk, gates)
                 max_diff = max(max_diff, float((out - ref).abs().max()))
@@ -245,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         "max_output_diff": max_diff,
         "step_seconds_median": float(np.median(step_seconds)) if step_seconds else 0.0,
         "agreement_broken": hook.agreement.broken,
+        "dispatch": args.dispatch,
+        "computed": computed.tolist(),
+        # What the recorder counted: picks sent to each GPU [L, G (+ G shared)].
+        "recorded_per_gpu": None if hook.stats.gpu_total is None else hook.stats.gpu_total.tolist(),
+        "recorded_logical": None if hook.stats.logical_total is None else hook.stats.logical_total.tolist(),
         "phy2log": hook.phy2log.tolist(),
         # What the rank holds, expert by expert: the test checks it against the map.
         "weights_match_map": bool(

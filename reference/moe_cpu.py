@@ -32,6 +32,9 @@ class MoEConfig:
     hidden: int = 32
     ffn: int = 64
     seed: int = 1234
+    # A shared expert every token goes through (DeepSeek-V3/V4), the size of a routed one;
+    # its weights are expert_weights(config, layer, num_experts). Off: none.
+    shared_expert: bool = False
 
     @property
     def expert_bytes(self) -> int:
@@ -71,6 +74,11 @@ def combine(y: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     return (y * gates.unsqueeze(-1)).sum(dim=1)
 
 
+def with_shared(routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """The layer's output: routed combine plus the shared expert's output (one order)."""
+    return routed if shared is None else routed + shared
+
+
 class ReferenceMoE:
     """All logical experts in one process: the unbalanced reference model."""
 
@@ -81,6 +89,7 @@ class ReferenceMoE:
         for layer in range(config.num_layers):
             for e in range(config.num_experts):
                 self.w1[layer, e], self.w2[layer, e] = expert_weights(config, layer, e)
+        self.shared = shared_weights(config)
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, gates: torch.Tensor
@@ -88,7 +97,27 @@ class ReferenceMoE:
         T, K = topk_ids.shape
         ids = topk_ids.reshape(-1)
         y = expert_forward(x.repeat_interleave(K, dim=0), self.w1[layer, ids], self.w2[layer, ids])
-        return combine(y.view(T, K, -1), gates)
+        shared = None
+        if self.shared is not None:
+            shared = expert_forward(x, *shared_rows(self.shared, layer, T))
+        return with_shared(combine(y.view(T, K, -1), gates), shared)
+
+
+def shared_rows(
+    shared: tuple[torch.Tensor, torch.Tensor], layer: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert's weights once per row, materialised like a routed expert's
+    gathered weights, so each row runs the same per-row matmul wherever it is computed."""
+    w1, w2 = shared
+    return w1[layer].expand(rows, -1, -1).contiguous(), w2[layer].expand(rows, -1, -1).contiguous()
+
+
+def shared_weights(config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The shared expert of every layer (w1 [L, H, F], w2 [L, F, H]), or None without one."""
+    if not config.shared_expert:
+        return None
+    pairs = [expert_weights(config, layer, config.num_experts) for layer in range(config.num_layers)]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 
 class ExpertParallelMoE:
@@ -102,6 +131,9 @@ class ExpertParallelMoE:
         rows_per_rank: S + R.
         exchange: all-gather the tokens and all-reduce the outputs over the default group
             (False: serve alone with the experts held here, when peers may die).
+        shared: the shared expert's weights (`shared_weights`), every rank holding them;
+            `route` then returns one more column, `world * rows_per_rank + gpu`: where
+            each token's shared expert is computed.
     """
 
     def __init__(
@@ -113,9 +145,14 @@ class ExpertParallelMoE:
         world: int,
         device: torch.device,
         exchange: bool = True,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.route, self.weights, self.rows_per_rank = route, weights, rows_per_rank
         self.rank, self.world, self.device, self.exchange = rank, world, device, exchange
+        self.shared = shared
+        # Per layer, the tokens of this rank's expert compute (routed, shared) of the
+        # last forward: what the GPU computed, to check against the recorded counts.
+        self.computed: dict[int, tuple[int, int]] = {}
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, gates: torch.Tensor
@@ -132,15 +169,27 @@ class ExpertParallelMoE:
             X, PH = gathered[:, : x.shape[1]], gathered[:, x.shape[1]:].to(phys.dtype)
         else:
             X, PH = x, phys
-        mine = (PH // S) == rank
+        K = gates.shape[1]
+        routed = PH[:, :K]
+        mine = (routed // S) == rank
         n, k = mine.nonzero(as_tuple=True)
-        local = (PH[n, k] - rank * S).to(self.device)
-        Y = torch.zeros(X.shape[0], PH.shape[1], X.shape[1])
+        local = (routed[n, k] - rank * S).to(self.device)
+        Y = torch.zeros(X.shape[0], K + (1 if self.shared is not None else 0), X.shape[1])
         Y[n, k] = expert_forward(
             X[n], self.weights["w1"][layer, local].cpu(), self.weights["w2"][layer, local].cpu()
         )
+        shared_here = 0
+        if self.shared is not None:
+            # The shared expert's output rides in an extra column of Y: one all-reduce.
+            ts = (PH[:, K] - self.world * S == rank).nonzero(as_tuple=True)[0]
+            n_s = int(ts.numel())
+            Y[ts, K] = expert_forward(X[ts], *shared_rows(self.shared, layer, n_s))
+            shared_here = n_s
+        self.computed[layer] = (int(n.numel()), shared_here)
         if self.exchange:
             dist.all_reduce(Y)  # each (token, k) is non-zero on exactly one rank: the sum is exact
             T = x.shape[0]
             Y = Y[rank * T : (rank + 1) * T]
-        return combine(Y, gates)
+        if self.shared is None:
+            return combine(Y, gates)
+        return with_shared(combine(Y[:, :K], gates), Y[:, K])

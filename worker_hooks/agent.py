@@ -40,6 +40,8 @@ class AgentConfig:
     rank: int
     shape: pb.ModelShape
     worker_id: str = ""
+    dispatch_mode: str = "split"      # told at Register: the controller predicts under it
+    top_k: int = 0                    # routed experts per token (0: unknown)
     token: str | None = None          # bearer token of the deployment
     ca_file: str | None = None        # TLS: the controller's CA
     cert_file: str | None = None      # mutual TLS: this rank's certificate and key
@@ -222,6 +224,7 @@ class WorkerAgent:
         request = pb.RegisterRequest(
             deployment=self.config.deployment, rank=self.config.rank, shape=self.config.shape,
             placement_version=self._version(), worker_id=self.config.worker_id,
+            dispatch_mode=self.config.dispatch_mode, top_k=self.config.top_k,
         )
         if self._initial is not None:
             request.initial_placement.CopyFrom(

@@ -19,13 +19,23 @@ talking to the controller on the agent thread.
 With spare rows the weights are `[L, S + R, ...]` and `route` returns row ids
 (`rank * (S + R) + row`, see `rows_per_rank`), which the expert compute indexes
 exactly as it would slot ids; physical counts still reach the controller by slot.
+
+`HookConfig.dispatch_mode` picks how an expert's tokens are divided among its replicas
+(rebalancer.wire.dispatch): `split` (the hash split, default), `load` or `load+shared`
+(by this step's load: one all-gather of `[G, X]` counts per layer on `dispatch_group`,
+worker_hooks/waterfill.py). With `shared_expert` the model's shared expert is counted as
+expert E of every layer, and `route` returns one more column: the id
+`num_rows + gpu` of the GPU that computes the token's shared expert (its own GPU except
+under `load+shared`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +44,13 @@ import torch.distributed as dist
 
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.dispatch import (
+    WATERFILL_PASSES,
+    DispatchMode,
+    check_dispatch_mode,
+    check_waterfill_passes,
+    has_shared_replicas,
+)
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.devices import resolve_device
@@ -69,6 +86,18 @@ class HookConfig:
     # prepare and commit only swaps maps (worker_hooks/rows.py). 0: copy at commit.
     spare_rows: int = 0
     record_physical: bool = True
+    # How an expert's tokens are divided among its replicas (rebalancer.wire.dispatch).
+    dispatch_mode: DispatchMode = "split"
+    # The model has a shared expert (DeepSeek-V3/V4): counted as expert E, and under
+    # "load+shared" dispatched like a routed expert with a replica on every GPU.
+    shared_expert: bool = False
+    top_k: int = 0  # routed experts per token, told to the controller (0: unknown)
+    # Water-filling passes per layer and step under "load"/"load+shared" (more: closer to
+    # even, 14 kernels each; rebalancer.wire.dispatch.WATERFILL_PASSES says what each buys).
+    waterfill_passes: int = WATERFILL_PASSES
+    # Fuse each layer's water-fill with torch.compile (CUDA; compiled at the first step,
+    # so run a step eagerly before capturing graphs). Off: ~140 small kernels per layer.
+    compile_dispatch: bool = False
     worker_id: str = ""
     token: str | None = None        # bearer token of the deployment (controller's worker_tokens)
     ca_file: str | None = None      # TLS to the controller
@@ -81,6 +110,16 @@ class HookConfig:
         if self.num_slots % self.num_gpus:
             raise ValueError(f"num_slots={self.num_slots} is not a multiple of num_gpus={self.num_gpus}")
         _ = self.migration  # a bad transport or setting fails here, with its name
+        try:
+            check_dispatch_mode(self.dispatch_mode)
+        except Exception as exc:
+            raise ValueError(str(exc)) from None
+        try:
+            check_waterfill_passes(self.waterfill_passes)
+        except Exception as exc:
+            raise ValueError(str(exc)) from None
+        if has_shared_replicas(self.dispatch_mode) and not self.shared_expert:
+            raise ValueError('dispatch_mode "load+shared" needs shared_expert=True')
 
     @property
     def migration(self) -> MigrationConfig:
@@ -112,6 +151,10 @@ class HookStats:
     bytes_received: int = 0
     swap_seconds: list[float] = field(default_factory=list)
     copied_at_commit: int = 0  # experts copied in commit pauses (none with enough spare rows)
+    # Everything recorded so far (windows handed to the agent, summed): logical [L, X]
+    # (X = E, +1 with the shared expert) and per GPU [L, G (+ G shared)] picks sent.
+    logical_total: np.ndarray | None = None
+    gpu_total: np.ndarray | None = None
 
 
 class RebalanceHook(PlanHandlers):
@@ -123,7 +166,12 @@ class RebalanceHook(PlanHandlers):
         agree_group: dist.ProcessGroup | None,
         migrate_group: dist.ProcessGroup | None,
         device: torch.device | str = "cpu",
+        dispatch_group: dist.ProcessGroup | None = None,
+        counts_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        """dispatch_group: the EP group the per-step counts are all-gathered on (dispatch
+        by load; None: the default group). counts_gather: replaces that all-gather
+        ([X] -> [G, X]; benchmarks on one GPU)."""
         self.config = config
         self.device = resolve_device(device)
         self.version = 0
@@ -131,12 +179,18 @@ class RebalanceHook(PlanHandlers):
         self.rows = RowMap(config.num_gpus, config.num_layers, config.slots_per_rank, config.spare_rows)
         self._row_ids = self.rows.row_ids()  # [L, P] row id of each slot, current version
         num_rows = config.num_gpus * config.rows_per_rank
+        self._num_rows = num_rows
+        shared = 1 if config.shared_expert else 0
+        # With a shared expert: its column E, and its G replicas at ids num_rows + g.
         self.recorder = ExpertRecorder(
             config.num_layers,
-            config.num_logical,
-            num_rows if config.record_physical else None,
+            config.num_logical + shared,
+            num_rows + shared * config.num_gpus if config.record_physical else None,
             device=self.device,
         )
+        self._by_load = config.dispatch_mode != "split"
+        self._dispatch_group = dispatch_group
+        self._counts_gather = counts_gather
         self.dispatch = ReplicaDispatch(
             self._row_map_of(self.phy2log, self._row_ids),
             config.num_gpus,
@@ -144,6 +198,10 @@ class RebalanceHook(PlanHandlers):
             max_replicas=self._max_replicas,
             device=self.device,
             num_physical=num_rows,
+            by_load=self._by_load,
+            shared_expert=config.shared_expert,
+            waterfill_passes=config.waterfill_passes,
+            compiled=config.compile_dispatch and config.dispatch_mode != "split",
         )
         self.weights = weights
         self.executor = MigrationExecutor(
@@ -156,6 +214,8 @@ class RebalanceHook(PlanHandlers):
         # (first step, steps, version, row ids of that version) of the window in flight
         self._snapshot: tuple[int, int, int, np.ndarray] | None = None
         self._migration: threading.Thread | None = None
+        self._migrations: list[threading.Thread] = []  # those still running, newest last
+        self._last_prepare = 0  # newest plan version whose Prepare came (agent thread)
         self._closing = False
         # Newest version the controller said to commit; read by the serving thread.
         self._commit_ready = 0
@@ -171,6 +231,7 @@ class RebalanceHook(PlanHandlers):
         self.agent = WorkerAgent(
             AgentConfig(
                 config.controller, config.deployment, config.rank, shape, config.worker_id,
+                dispatch_mode=config.dispatch_mode, top_k=config.top_k,
                 token=config.token, ca_file=config.ca_file, cert_file=config.cert_file, key_file=config.key_file,
             ),
             self,
@@ -208,12 +269,14 @@ class RebalanceHook(PlanHandlers):
             time.sleep(0.005)
             self._poll_window()
         self.agent.drain(max(0.0, deadline - time.monotonic()))
-        migration = self._migration
-        if migration is not None:
-            migration.join(transfer_timeout)
+        # Every plan's thread, not only the newest: an older one may still wait for a peer
+        # (a daemon thread inside a gloo wait at exit aborts the process).
+        until = time.monotonic() + transfer_timeout
+        for migration in self._migrations:
+            migration.join(max(0.0, until - time.monotonic()))
         self.stop()
         self.agreement.close()
-        done = migration is None or not migration.is_alive()
+        done = not any(m.is_alive() for m in self._migrations)
         if done:
             # Drop the mappings of the peers' weights ("ipc"/"outbox"). A peer still
             # reading ours after we exit reads freed memory into staging, but that plan
@@ -224,12 +287,39 @@ class RebalanceHook(PlanHandlers):
     # ------------------------------------------------------------ hot path
 
     def route(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Record `layer`'s routing and map logical ids to physical slots."""
-        self.recorder.record(layer, topk_ids)
-        phys = self.dispatch.dispatch(layer, topk_ids)
-        if self.config.record_physical:
+        """Record `layer`'s routing and map logical ids `[T, K]` to physical slots.
+
+        With `shared_expert` the result has K + 1 columns, the last one the id
+        `num_rows + gpu` of the GPU computing each token's shared expert."""
+        cfg = self.config
+        ids = topk_ids
+        if cfg.shared_expert:
+            shared = torch.full_like(topk_ids[:, :1], cfg.num_logical)
+            ids = torch.cat([topk_ids, shared], dim=1)
+        self.recorder.record(layer, ids)
+        if not self._by_load:
+            phys = self.dispatch.dispatch(layer, topk_ids)
+            if cfg.shared_expert:
+                own = torch.full_like(phys[:, :1], self._num_rows + cfg.rank)
+                phys = torch.cat([phys, own], dim=1)
+        else:
+            counts = self._gather_counts(self.dispatch.count_picks(ids))
+            phys = self.dispatch.dispatch_by_load(
+                layer, ids, counts, has_shared_replicas(cfg.dispatch_mode)
+            )
+        if cfg.record_physical:
             self.recorder.record_physical(layer, phys)
         return phys
+
+    def _gather_counts(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's per-expert picks of this layer and step: [X] -> [G, X] int64."""
+        if self._counts_gather is not None:
+            return self._counts_gather(local)
+        if self.config.num_gpus == 1:
+            return local.unsqueeze(0)
+        out = local.new_empty(self.config.num_gpus * local.shape[0])  # flat: gloo's form
+        dist.all_gather_into_tensor(out, local, group=self._dispatch_group)
+        return out.view(self.config.num_gpus, local.shape[0])
 
     def step_end(self) -> None:
         """Call once per forward step, after the step, on every rank."""
@@ -268,10 +358,24 @@ class RebalanceHook(PlanHandlers):
         first_step, num_steps, version, row_ids = self._snapshot
         self._snapshot = None
         logical, physical = window
+        self._add_totals(logical, physical)
+        cfg = self.config
+        logical = logical[:, : cfg.num_logical]  # the controller counts routed experts
         if physical is not None:  # counted by row: back to the slots the controller knows
-            physical = np.take_along_axis(physical, row_ids, axis=1)
+            physical = np.take_along_axis(physical[:, : self._num_rows], row_ids, axis=1)
         self.agent.submit_window(first_step, num_steps, version, logical, physical)
         self.stats.windows += 1
+
+    def _add_totals(self, logical: np.ndarray, physical: np.ndarray | None) -> None:
+        """Sum what was recorded: logical [L, X] and per GPU [L, G (+ G shared)]."""
+        st = self.stats
+        st.logical_total = logical.copy() if st.logical_total is None else st.logical_total + logical
+        if physical is None:
+            return
+        cfg = self.config
+        rows = physical[:, : self._num_rows].reshape(cfg.num_layers, cfg.num_gpus, cfg.rows_per_rank)
+        per_gpu = np.concatenate([rows.sum(axis=2), physical[:, self._num_rows :]], axis=1)
+        st.gpu_total = per_gpu if st.gpu_total is None else st.gpu_total + per_gpu
 
     def _commit(self, version: int) -> None:
         start = time.perf_counter()
@@ -289,23 +393,34 @@ class RebalanceHook(PlanHandlers):
     # ------------------------------------------------------------ agent thread
 
     def on_prepare(self, prepare: pb.Prepare) -> None:
+        # A Prepare can come twice (resent to a rank whose stream went down as it was
+        # sent): its transfers run once, or the peers' messages would be taken twice.
+        if prepare.version <= self._last_prepare:
+            return
+        self._last_prepare = prepare.version
         self._migration = threading.Thread(
             target=self._prepare, args=(prepare,), daemon=True, name=f"migrate-v{prepare.version}"
         )
         self._migration.start()
+        self._migrations = [t for t in self._migrations if t.is_alive()] + [self._migration]
 
     def _prepare(self, prepare: pb.Prepare) -> None:
         version = prepare.version
         try:
-            if prepare.base_version != self.version:
-                raise RuntimeError(
-                    f"plan is based on v{prepare.base_version}, rank serves v{self.version}"
-                )
+            refusal = self._refusal(prepare)
             cfg = self.config
             new = codec.decode_phy2log(
                 prepare.placement.phy2log, cfg.num_layers, cfg.num_slots, cfg.num_logical
             )
             transfers = codec.decode(prepare.transfers, "transfers")
+            if refusal:
+                # The peers exchange this plan's weights with this rank whatever it decides
+                # (p2p: they would wait for it until their group times out): take part with
+                # nothing kept (the abort mark drops it at the end), then fail the plan.
+                self.executor.abort(version)
+                with contextlib.suppress(MigrationAborted):
+                    self.executor.prepare(version, transfers)
+                raise RuntimeError(refusal)
             stats = self.executor.prepare(version, transfers)
             if self._closing:
                 raise RuntimeError("rank is shutting down")
@@ -330,6 +445,18 @@ class RebalanceHook(PlanHandlers):
             bytes_received=stats.bytes_received,
             seconds=stats.seconds,
         )
+
+    def _refusal(self, prepare: pb.Prepare) -> str:
+        """Why this rank cannot prepare `prepare` ("" if it can). A rank told to commit a
+        staged plan keeps that staging until it switched: a later plan (the controller
+        gave up waiting for confirmations) must not replace it, or the agreed switch would
+        install the other plan's map (invariant 2) or find no staging."""
+        if prepare.base_version != self.version:
+            return f"plan is based on v{prepare.base_version}, rank serves v{self.version}"
+        ready = self._commit_ready
+        if ready > self.version and ready in self._staged_phy2log:
+            return f"rank is switching to v{ready}, plan v{prepare.version} must wait"
+        return ""
 
     def after_transfers(self, version: int) -> None:
         """Called on the migration thread once a plan's weights are staged; raising

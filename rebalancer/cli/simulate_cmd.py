@@ -148,6 +148,32 @@ def register(subparsers: Any) -> None:
             "link_bandwidth_gbps) so the gate and the simulator agree"
         ),
     )
+    p.add_argument(
+        "--dispatch",
+        default=None,
+        help=(
+            "also model each step under these dispatch modes (split|load|load+shared, a "
+            "comma list, or all): per policy and batch size, the relative step throughput "
+            "of each mode and its ratio to split on the same sampled steps"
+        ),
+    )
+    p.add_argument(
+        "--batch-tokens",
+        default=None,
+        help="with --dispatch: tokens per GPU per step, a comma list (default 64,128,256,512,4096,16384)",
+    )
+    p.add_argument(
+        "--step-windows",
+        type=int,
+        default=None,
+        help="with --dispatch: windows sampled for the per-step model (default 32)",
+    )
+    p.add_argument(
+        "--waterfill-passes",
+        type=int,
+        default=None,
+        help="with --dispatch: water-filling passes of the load modes (HookConfig.waterfill_passes)",
+    )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw balancedness over time")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.set_defaults(func=run)
@@ -162,6 +188,57 @@ def _table(results: dict[str, Any]) -> str:
             f"{r.slots_moved:9d} {r.bytes_moved / 1e9:10.1f} {r.stall_seconds:8.2f}"
         )
     return "\n".join(lines)
+
+
+def _dispatch_table(results: dict[str, Any]) -> str:
+    lines = [f"{'policy':9s} {'batch':>6s} {'mode':12s} {'step_tput':>9s} {'vs_split':>8s}"]
+    for name, r in results.items():
+        for batch, modes in r.dispatch.items():
+            for mode, figures in modes.items():
+                lines.append(
+                    f"{name:9s} {batch:>6s} {mode:12s} {figures['relative_step_throughput']:9.4f} "
+                    f"{figures['vs_split'] or float('nan'):8.4f}"
+                )
+    return "\n".join(lines)
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise InputError(f"{what} must be a comma list of integers, got {text!r}") from None
+    if not values:
+        raise InputError(f"{what} must name at least one value, got {text!r}")
+    return values
+
+
+def _step_config(args: argparse.Namespace) -> Any:
+    """The per-step model's settings from --dispatch / --batch-tokens, or None."""
+    from rebalancer.sim.steps import DECODE_BATCH_TOKENS, PREFILL_BATCH_TOKENS, StepConfig
+    from rebalancer.wire.dispatch import DISPATCH_MODES, check_dispatch_mode
+
+    if args.dispatch is None:
+        if args.batch_tokens is not None or args.step_windows is not None or args.waterfill_passes is not None:
+            raise InputError("--batch-tokens, --step-windows and --waterfill-passes need --dispatch")
+        return None
+    if args.dispatch == "all":
+        modes = DISPATCH_MODES
+    else:
+        modes = tuple(check_dispatch_mode(m.strip(), "--dispatch mode") for m in args.dispatch.split(",") if m.strip())
+        if not modes:
+            raise InputError(f"--dispatch names no mode: {args.dispatch!r}")
+    batch = (
+        DECODE_BATCH_TOKENS + PREFILL_BATCH_TOKENS
+        if args.batch_tokens is None
+        else _int_list(args.batch_tokens, "--batch-tokens")
+    )
+    config = StepConfig(batch_tokens=batch, modes=modes)
+    if args.step_windows is not None:
+        config = dataclasses.replace(config, sampled_windows=args.step_windows)
+    if args.waterfill_passes is not None:
+        config = dataclasses.replace(config, waterfill_passes=args.waterfill_passes)
+    config.validate()
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(
                 f"unknown policy {args.policy!r}; expected one of {', '.join(POLICIES)} or all"
             )
+    steps = _step_config(args)
     trace = load_trace(
         args.trace,
         tokens_per_window=args.tokens_per_window,
@@ -225,6 +303,10 @@ def run(args: argparse.Namespace) -> int:
         policy = dataclasses.replace(derived, **{k: getattr(policy, k) for k in given})
         config = dataclasses.replace(config, policy=policy)
     results = simulate(trace, config, policies)
+    if steps is not None:
+        from rebalancer.sim.steps import attach_step_balance
+
+        attach_step_balance(results, trace, config.num_gpus, steps)
     if args.plot:
         from rebalancer.sim.plot import plot_balancedness
 
@@ -239,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
             + ", ".join(f"{k}={getattr(config.policy, k):g}" for k in TIMING_KEYS)
         )
         print(_table(results))
+        if steps is not None:
+            print(_dispatch_table(results))
     if len(policies) == 1 and args.policy != "all":
         print(json.dumps(summaries[policies[0]]))
     else:

@@ -47,6 +47,12 @@ from rebalancer.placement import (
     lower_bound_balancedness,
     transfers,
 )
+from rebalancer.placement.metrics import (
+    balancedness_of_gpu_loads,
+    expected_gpu_loads,
+    mean_balancedness,
+)
+from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, check_dispatch_mode
 from rebalancer.wire.layout import check_layout
 
 __all__ = [
@@ -230,6 +236,11 @@ class ClusterShape:
     num_nodes: int = 1
     num_groups: int = 0  # expert groups for hierarchical placement, 0 = none
     expert_bytes: int = DEEPSEEK_V3_EXPERT_BYTES
+    # How the ranks divide an expert's tokens among its replicas (rebalancer.wire.dispatch):
+    # a placement's balance is predicted under it. top_k (0: unknown) sizes the shared
+    # expert's load under "load+shared" (one shared pick per token).
+    dispatch_mode: str = DEFAULT_DISPATCH_MODE
+    top_k: int = 0
 
     def validate(self) -> None:
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, (int, np.integer)) or self.num_layers <= 0:
@@ -242,6 +253,32 @@ class ClusterShape:
             )
         if self.expert_bytes < 0:
             raise InputError(f"expert_bytes must be >= 0, got {self.expert_bytes}")
+        check_dispatch_mode(self.dispatch_mode)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or not 0 <= self.top_k <= self.num_logical:
+            raise InputError(f"top_k must be an integer in [0, num_logical], got {self.top_k!r}")
+
+
+def predicted_balance(phy2log: np.ndarray, estimate: np.ndarray, shape: ClusterShape) -> tuple[float, float]:
+    """(balancedness, imbalance ratio) of a placement on a load estimate, under the
+    deployment's dispatch mode.
+
+    1. split: each replica carries its expert's load / replicas (`balancedness`,
+       `imbalance_ratio`), as before dispatch modes existed.
+    2. load, load+shared: each expert's load water-filled over its GPUs
+       (`expected_gpu_loads`), with the shared expert's load (routed picks / top_k)
+       fixed per GPU or movable; without top_k the shared load is left out.
+
+    phy2log: [L, P]; estimate: [L, E]. Returns: (mean over layers of mean/max GPU load,
+    sum over layers of max / sum of mean GPU load).
+    """
+    G = shape.num_gpus
+    if shape.dispatch_mode == "split":
+        return float(balancedness(phy2log, estimate, G)), imbalance_ratio(phy2log, estimate, G)
+    shared = estimate.sum(axis=1) / shape.top_k if shape.top_k else None
+    loads = expected_gpu_loads(phy2log, estimate, G, shape.dispatch_mode, shared)
+    mean = float(loads.sum()) / G
+    ratio = float(loads.max(axis=1).sum()) / mean if mean > 0 else 1.0
+    return mean_balancedness(balancedness_of_gpu_loads(loads)), ratio
 
 
 @dataclass(frozen=True)
@@ -353,7 +390,7 @@ def decide(
             migration_cost_seconds=0.0,
         )
 
-    b_current = float(balancedness(current, estimate, G))
+    b_current, r_current = predicted_balance(current, estimate, shape)
     bound = float(lower_bound_balancedness(estimate, shape.num_slots, G, shape.num_nodes))
     result = compute_placement(
         estimate,
@@ -365,7 +402,7 @@ def decide(
         max_moved_fraction=policy.max_moved_fraction,
     )
     candidate = np.asarray(result.phy2log)
-    b_candidate = float(balancedness(candidate, estimate, G))
+    b_candidate, r_candidate = predicted_balance(candidate, estimate, shape)
 
     moves = np.asarray(transfers(current, candidate, G, shape.num_nodes))
     slots_moved = int(moves.shape[0])
@@ -373,8 +410,6 @@ def decide(
     cost = plan_cost(moves, G, shape.num_nodes, shape.expert_bytes, policy.cost_params())
     migration_cost = cost.seconds
 
-    r_current = imbalance_ratio(current, estimate, G)
-    r_candidate = imbalance_ratio(candidate, estimate, G)
     gain = gain_seconds(policy.horizon_seconds, r_current, r_candidate)
     delta_b = b_candidate - b_current
     n_eff = windows if effective_windows is None else effective_windows

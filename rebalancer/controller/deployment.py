@@ -11,7 +11,7 @@ operate) change these objects; nothing here does I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.ingest import WindowMerger
 from rebalancer.controller.policy_loop import PolicyLoop
+from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE
 
 # (kind, payload) -> queued for the rank's stream; kind is "prepare", "commit" or "abort".
 Send = Callable[[str, Any], None]
@@ -77,6 +78,9 @@ class DeploymentStats:
     slots_moved: int = 0
     bytes_moved: int = 0
     balancedness_actual: float = float("nan")
+    # [L, G] routed load per GPU of the newest window with dispatch counts (metrics.py
+    # derives the per-layer balancedness quantiles and the per-rank series from it).
+    gpu_load: np.ndarray | None = None
 
 
 @dataclass
@@ -109,6 +113,9 @@ class Deployment:
         # a session opening its stream, so staging made while it was away is dropped.
         self.last_aborted: Aborted | None = None
         self.stats = DeploymentStats()
+        # Shape fields the store held no value for (written before they existed): the
+        # first rank that reports them sets them (`merge_shape`).
+        self.unknown_fields: frozenset[str] = frozenset()
 
     @property
     def policy(self) -> PolicyConfig:
@@ -138,6 +145,36 @@ class Deployment:
                 session.send(kind, plan)
 
 
-def shape_key(shape: ClusterShape) -> dict[str, int]:
-    """The shape as stored and compared: plain ints."""
-    return {k: int(v) for k, v in asdict(shape).items()}
+def shape_key(shape: ClusterShape) -> dict[str, Any]:
+    """The shape as stored and compared: plain ints (the dispatch mode: its name)."""
+    return {k: v if isinstance(v, str) else int(v) for k, v in asdict(shape).items()}
+
+
+def dispatch_shape(shape: ClusterShape, dispatch_mode: str, top_k: int) -> ClusterShape:
+    """A Register's shape with its dispatch mode ("" = split) and top_k, checked."""
+    out = replace(shape, dispatch_mode=dispatch_mode or DEFAULT_DISPATCH_MODE, top_k=int(top_k))
+    out.validate()
+    return out
+
+
+# Shape fields added after deployments were first stored: a row without them loads with
+# the field unknown (registry.load), and top_k 0 means unknown wherever it comes from.
+LATER_SHAPE_FIELDS = ("dispatch_mode", "top_k")
+
+
+def merge_shape(stored: ClusterShape, reported: ClusterShape, unknown: frozenset[str]) -> ClusterShape | None:
+    """The deployment's shape once a rank reports `reported`, or None if the two disagree.
+
+    1. A stored field that is unknown (in `unknown`: absent from an older store; top_k 0)
+       takes the reported value, so ranks that now send their dispatch mode and top_k
+       join a deployment saved before they did.
+    2. A rank reporting top_k 0 (it does not know) accepts the stored top_k.
+    3. Everything else must be equal (a rank sending no dispatch mode means split).
+    """
+    merged = stored
+    if "dispatch_mode" in unknown:
+        merged = replace(merged, dispatch_mode=reported.dispatch_mode)
+    if merged.top_k == 0 or "top_k" in unknown:
+        merged = replace(merged, top_k=reported.top_k or merged.top_k)
+    seen = reported if reported.top_k else replace(reported, top_k=merged.top_k)
+    return merged if shape_key(merged) == shape_key(seen) else None

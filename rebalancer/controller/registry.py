@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Any, cast
 
 import numpy as np
 
@@ -23,7 +24,14 @@ from rebalancer.controller import reconcile
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Aborted, Ranks, rank_set, who
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
-from rebalancer.controller.deployment import Deployment, Send, Session, shape_key
+from rebalancer.controller.deployment import (
+    LATER_SHAPE_FIELDS,
+    Deployment,
+    Send,
+    Session,
+    merge_shape,
+    shape_key,
+)
 from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
 
@@ -46,9 +54,11 @@ class Registry:
         """Read every deployment back from the store (a controller restart)."""
         now = self.clock()
         for row in self.store.load_deployments():
-            shape = ClusterShape(**row.shape)
+            # Stored as JSON: ints, and the dispatch mode's name (absent in older stores).
+            shape = ClusterShape(**cast(dict[str, Any], row.shape))
             policy = PolicyConfig.from_dict(row.policy)
             dep = Deployment(row.name, shape, policy, row.committed_version, row.phy2log)
+            dep.unknown_fields = frozenset(f for f in LATER_SHAPE_FIELDS if f not in row.shape)
             saved = self.store.ingest_state(row.name)
             if saved:
                 dep.windows.restore({int(k): int(v) for k, v in saved["next_seq"].items()})
@@ -81,6 +91,7 @@ class Registry:
         ranks = tuple(sorted(rank_set(rank)))
         label = who(rank, pod)
         dep = self.deployments.get(name)
+        created = dep is None
         if dep is None:
             phy2log = initial if initial is not None else placement.trivial_placement(
                 shape.num_layers, shape.num_logical, shape.num_slots, shape.num_gpus
@@ -91,11 +102,14 @@ class Registry:
             )
             self.deployments[name] = dep
             log.info("new deployment %s: %s", name, shape_key(shape))
-        elif shape_key(dep.shape) != shape_key(shape):
-            raise StateError(
-                "FAILED_PRECONDITION",
-                f"deployment {name!r} is registered with shape {shape_key(dep.shape)}, {label} reports {shape_key(shape)}",
-            )
+        merged: ClusterShape | None = dep.shape
+        if not created:
+            merged = merge_shape(dep.shape, shape, dep.unknown_fields)
+            if merged is None:
+                raise StateError(
+                    "FAILED_PRECONDITION",
+                    f"deployment {name!r} is registered with shape {shape_key(dep.shape)}, {label} reports {shape_key(shape)}",
+                )
         olds = {}
         for r in ranks:
             old = dep.sessions.get(r)
@@ -108,6 +122,11 @@ class Registry:
                     f"rank {r} of {name!r} is already registered (session {old.session_id[:8]}{held_by})",
                 )
             olds[old.session_id] = old
+        if merged is not None and (merged != dep.shape or dep.unknown_fields):  # an older store's unknown fields, now known: kept
+            self.store.set_shape(name, shape_key(merged))
+            dep.shape = dep.loop.shape = merged
+            dep.unknown_fields = frozenset()
+            log.info("deployment %s: %s set the shape's unknown fields: %s", name, label, shape_key(merged))
         if version != dep.version:
             reconcile.reconcile(self.store, dep, label, version, now)
         for old in olds.values():  # expired registrations that never streamed: replaced whole

@@ -138,6 +138,10 @@ class PolicyResult:
     # adaptive: per decision, the window it followed, the virtual time, whether a plan was
     # in flight, the placement served, and the Decision (to replay through the controller).
     decision_log: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    # The placement serving each window (from its start), for the per-step model.
+    placements: list[np.ndarray] = field(default_factory=list, repr=False)
+    # Per-step balance under each dispatch mode (sim/steps.py), when asked for.
+    dispatch: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def summary(self) -> dict[str, Any]:
         """The JSON-ready figures (without the per-window series)."""
@@ -156,6 +160,8 @@ class PolicyResult:
         if self.decisions:
             out["decisions"] = dict(sorted(self.decisions.items()))
             out["plans_aborted"] = self.plans_aborted
+        if self.dispatch:
+            out["dispatch"] = self.dispatch
         return out
 
 
@@ -179,9 +185,12 @@ class _Ledger:
         self.rebalances = 0
         self.slots_moved = 0
         self.bytes_moved = 0
+        self.placements: dict[int, np.ndarray] = {}
 
     def max_load(self, w: int, phy2log: np.ndarray) -> float:
         """Sum over layers of the busiest GPU's load of window w under a placement."""
+        # The placement serving the window's start: the steps model (sim/steps.py) reads it.
+        self.placements.setdefault(w, phy2log)
         return peak_load(phy2log, self.trace.counts[w], self.num_gpus)
 
     def served(self, w: int, max_load: float, seconds: float) -> None:
@@ -220,6 +229,7 @@ class _Ledger:
             balancedness_per_window=self.per_window,
             rebalance_windows=self.rebalance_windows,
             decision_log=decision_log or [],
+            placements=[self.placements[w] for w in sorted(self.placements)],
         )
 
 

@@ -70,7 +70,7 @@ class Placement(_message.Message):
     def __init__(self, version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("deployment", "rank", "shape", "placement_version", "initial_placement", "worker_id", "ranks", "pod")
+    __slots__ = ("deployment", "rank", "shape", "placement_version", "initial_placement", "worker_id", "ranks", "pod", "dispatch_mode", "top_k")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class RegisterRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_MODE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     rank: int
     shape: ModelShape
@@ -87,7 +89,9 @@ class RegisterRequest(_message.Message):
     worker_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     pod: str
-    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., initial_placement: _Optional[_Union[Placement, _Mapping]] = ..., worker_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., pod: _Optional[str] = ...) -> None: ...
+    dispatch_mode: str
+    top_k: int
+    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., initial_placement: _Optional[_Union[Placement, _Mapping]] = ..., worker_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., pod: _Optional[str] = ..., dispatch_mode: _Optional[str] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "committed", "next_window_seq")

@@ -188,6 +188,8 @@ def test_plans_commit_through_sidecars(cluster: Cluster, tmp_path: Path) -> None
         ctl.stop()
     results = cluster.results(config)
     assert dep.stats.plans_committed >= 1
+    # the sidecars forwarded the ranks' dispatch mode and top_k in their group Register
+    assert (dep.shape.dispatch_mode, dep.shape.top_k) == ("split", config.top_k)
     assert_same_math_and_one_version_per_step(results)
     assert results[0]["commits"] and results[0]["version"] == dep.version
     assert sum(r["bytes_received"] for r in results) > 0  # weights moved, rank to rank
