@@ -18,6 +18,11 @@ window after decoding, validating and merging it; acks are cumulative and paced,
 time the controller held an ack is taken off). Controller CPU is read from /proc, over
 the measured interval only; the decision worker (its child process) is reported apart.
 
+Every session answers a Prepare with PREPARED and a Commit with COMMITTED at once (as a
+pod's sidecar whose ranks hold spare rows would), so plans commit and the controller's
+whole plan work (decide, transfer lists, Prepare fan-out, commit) is in the figures;
+`session_commits` counts the commits reported.
+
 The baseline, measured in the same run with the same load generator, is a bare grpc.aio
 server that acks each window without decoding it: what gRPC itself costs.
 
@@ -142,6 +147,8 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
                           num_gpus=RANKS_PER_DEPLOYMENT, num_nodes=4, expert_bytes=44 << 20)
     latencies: list[float] = []
     acked = 0  # messages sent in the measured interval and acknowledged
+    plans_committed = 0  # plan commits this generator's sessions reported
+    reports: set[asyncio.Task[None]] = set()
     registered = 0
     errors: list[str] = []
 
@@ -178,11 +185,29 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
         sent: dict[int, float] = {}
         logical = encoded[unit % len(encoded)]
 
+        async def report(version: int, phase: int) -> None:
+            nonlocal plans_committed
+            try:
+                await stub.ReportPlan(pb.PlanReport(session_id=reply.session_id, version=version, phase=phase),
+                                      timeout=30)
+            except grpc.aio.AioRpcError:
+                return  # a plan that timed out or aborted meanwhile: its report is refused
+            if phase == pb.PLAN_PHASE_COMMITTED:
+                plans_committed += 1
+
         async def reader() -> None:
             nonlocal acked
             async for msg in call:
-                if msg.WhichOneof("body") != "window_ack":
-                    continue  # plan phases: this load generator never prepares
+                body = msg.WhichOneof("body")
+                # Plan phases are answered at once, as a pod's sidecar whose ranks hold
+                # spare rows would: the controller's plan work is measured, the weights'
+                # moves are not (they are rank to rank, never through the controller).
+                if body == "prepare":
+                    reports.add(asyncio.create_task(report(msg.prepare.version, pb.PLAN_PHASE_PREPARED)))
+                if body == "commit":
+                    reports.add(asyncio.create_task(report(msg.commit.version, pb.PLAN_PHASE_COMMITTED)))
+                if body != "window_ack":
+                    continue
                 now = time.monotonic()
                 ack = msg.window_ack
                 t = sent.get(ack.seq)
@@ -230,7 +255,7 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
     except Exception as exc:  # reported to the parent, which fails the run
         errors.append(f"{type(exc).__name__}: {exc}")
         ready.put(-1)
-    out.put((acked, latencies, errors))
+    out.put((acked, latencies, errors, plans_committed))
 
 
 def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate: float, seconds: float,
@@ -267,11 +292,11 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
             if g.is_alive():
                 g.kill()
                 g.join(5)
-    errors = [e for _, _, es in results for e in es]
+    errors = [e for _, _, es, _ in results for e in es]
     if errors:
         raise RuntimeError(f"load generator errors: {errors}")
-    lat = np.array([x for _, ls, _ in results for x in ls]) * 1e3
-    messages = sum(a for a, _, _ in results) / seconds
+    lat = np.array([x for _, ls, _, _ in results for x in ls]) * 1e3
+    messages = sum(a for a, _, _, _ in results) / seconds
     nbytes = windows[0].size * 4
     return {
         "ranks": ranks,
@@ -286,6 +311,9 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
         "controller_cpu_cores": (cpu1 - cpu0) / (t1 - t0),
         "decision_worker_cpu_cores": sum(kcpu1[p] - kcpu0[p] for p in kcpu1 if p in kcpu0) / (t1 - t0),
         "mb_per_second": messages * nbytes / 1e6,
+        # Plan commits reported by the sessions (group sessions report for their ranks);
+        # counted over the whole run, warm-up included.
+        "session_commits": sum(c for _, _, _, c in results),
         "load_avg_start": load0,
         "load_avg_end": load1,
     }

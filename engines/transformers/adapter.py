@@ -373,6 +373,16 @@ def graph_moe_blocks(
     of the static shape served. Map swaps and migrations write the tensors the graphs
     read in place, so the graphs stay valid across rebalances."""
     blocks = find_moe_blocks(model)
+    for b in blocks:
+        experts = b.block.experts
+        if isinstance(experts, SlotExperts):
+            w = experts.weights[WEIGHT_NAMES[0]]
+            if w.device.type != "cuda" or w.dtype != torch.bfloat16:
+                # torch runs grouped products of other dtypes through a host-side loop over
+                # the groups (it reads the offsets on the host): not capturable.
+                raise ValueError(
+                    f"graph_moe_blocks needs bfloat16 expert weights on a CUDA device, got {w.dtype} on {w.device}"
+                )
     names = dict(model.named_modules())
     for b in blocks:
         parent_name, _, attr = b.name.rpartition(".")

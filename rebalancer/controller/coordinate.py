@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +71,11 @@ class Plan:
     started_at: float = 0.0    # controller clock seconds when Prepare went out
     prepared_at: float = 0.0
     committed_at: float = 0.0
+    # Sessions with a stream open when Commit went out: only their ranks can switch.
+    commit_sessions: frozenset[str] = frozenset()
+    # The plan's arrays as the wire carries them, encoded once for all its sessions
+    # (service.controller_message): a Prepare goes to every rank or pod of the deployment.
+    encoded: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

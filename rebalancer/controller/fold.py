@@ -55,12 +55,13 @@ class Folder:
         dep.stats.tokens_folded += int(logical.sum())
         actual = float("nan")
         if window.physical is not None:
+            dep.stats.gpu_load = pack_sums(window.physical, G)
             actual = routed_balancedness(window.physical, G)
             dep.stats.balancedness_actual = actual
         now = self.clock()
         dep.loop.observe(logical)
         if now - dep.persisted_at >= self.persist_seconds:
-            self.persist(dep, now)
+            self.persist(dep, now, background=True)
         if self.observers.window:
             best = float("nan")
             if logical.sum() > 0:
@@ -74,8 +75,10 @@ class Folder:
         if self.decisions.due(dep, now):
             self.decisions.run(dep, now)
 
-    def persist(self, dep: Deployment, now: float | None = None) -> None:
+    def persist(self, dep: Deployment, now: float | None = None, background: bool = False) -> None:
         """Save the ingest cursor: per-rank next window seq with the estimate built from them.
+        `background`: written by the store's writer thread (the periodic saves of `_fold`,
+        so the event loop never waits for SQLite); the drain path saves in line.
 
         The first save (at the deployment's first fold) sets its phase: the next one comes
         up to one period early, by a fraction fixed by its name, so the saves of deployments
@@ -93,6 +96,7 @@ class Folder:
                 "estimator": dep.estimator.state(),
                 "tokens_folded": dep.stats.tokens_folded,
             },
+            background=background,
         )
 
 

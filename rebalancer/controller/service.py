@@ -22,6 +22,7 @@ import grpc
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape
+from rebalancer.controller.deployment import dispatch_shape
 from rebalancer.controller.errors import StateError
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import MAX_VERSION
@@ -138,10 +139,14 @@ def controller_message(kind: str, payload: Any, now: float) -> pb.ControllerMess
     is the Plan, or for "abort" anything with `version` and `reason` (an Aborted)."""
     plan: Plan = payload
     if kind == "prepare":
+        if "prepare" not in plan.encoded:  # the same arrays for every session of the plan
+            plan.encoded["prepare"] = (
+                placement_msg(plan.version, plan.phy2log), codec.encode(plan.transfers.astype("int32"))
+            )
+        placement, transfers = plan.encoded["prepare"]
         return pb.ControllerMessage(prepare=pb.Prepare(
             version=plan.version, base_version=plan.base_version,
-            placement=placement_msg(plan.version, plan.phy2log),
-            transfers=codec.encode(plan.transfers.astype("int32")),
+            placement=placement, transfers=transfers,
             layers_per_chunk=4,
             timeout_seconds=max(0.0, plan.deadline - now),
         ))
@@ -205,18 +210,20 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         self, controller: Controller, check_deployment: Callable[[str], None] | None = None,
         on_ingest: Callable[[str, int, float], None] | None = None,
         ack_interval: float = 0.0,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self.controller = controller
         self.clock = controller.clock
         self.ack_interval = ack_interval  # 0: every window acked at once
         self.check_deployment = check_deployment or (lambda _name: None)
         self.on_ingest = on_ingest  # (deployment, bytes, seconds) per window, for metrics
+        self.on_refused = on_refused  # (deployment) per window refused, for metrics
 
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         try:
             name = check_name(request.deployment)
             self.check_deployment(name)
-            shape = shape_of(request.shape)
+            shape = dispatch_shape(shape_of(request.shape), request.dispatch_mode, request.top_k)
             ranks = ranks_of(request, shape.num_gpus)
             version = check_version(request.placement_version, "placement_version")
             initial = None
@@ -303,6 +310,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                     self.on_ingest(dep.name, nbytes, self.clock() - t0)
                 acks.ingested(w.seq)
         except (InputError, StateError) as exc:
+            if self.on_refused is not None:
+                self.on_refused(dep.name)
             await stop_writer(flush=False)
             await refuse(context, exc, f"Stream window from {session.label} of {dep.name!r}")
         finally:

@@ -63,7 +63,9 @@ class Controller:
         initial: np.ndarray | None, worker_id: str, pod: str = "",
     ) -> tuple[Session, Deployment]:
         """One rank, or a group of ranks (a sequence: a pod's sidecar speaking for them)."""
-        return self.registry.register(name, rank, shape, version, initial, worker_id, pod)
+        session, dep = self.registry.register(name, rank, shape, version, initial, worker_id, pod)
+        self.plans.registered(dep, session, version)
+        return session, dep
 
     def session(self, session_id: str) -> tuple[Deployment, Session]:
         return self.registry.session(session_id)
@@ -105,7 +107,8 @@ class Controller:
     def persist_all(self) -> None:
         """Save every deployment's ingest cursor (the drain path before the store closes)."""
         for dep in self.deployments.values():
-            self.folder.persist(dep)
+            self.folder.persist(dep, background=True)
+        self.store.flush_ingest_states()
 
     # ------------------------------------------------------------ operators
 

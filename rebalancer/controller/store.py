@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from rebalancer.controller.cursor_writer import CursorWriter
 from rebalancer.controller.errors import StateError
 from rebalancer.errors import InputError
 
@@ -191,6 +192,20 @@ class PlanRow:
     reason: str
 
 
+class _Connection(sqlite3.Connection):
+    """A connection that counts the statements SQLite refused (disk full, I/O error,
+    locked, corrupt): the controller's store-errors metric. Nothing here expects one."""
+
+    errors = 0
+
+    def execute(self, *args: Any, **kwargs: Any) -> sqlite3.Cursor:
+        try:
+            return super().execute(*args, **kwargs)
+        except sqlite3.Error:
+            self.errors += 1
+            raise
+
+
 class Store:
     """One SQLite file (or ':memory:'); every method is one short transaction."""
 
@@ -200,7 +215,8 @@ class Store:
         self.path = str(path)
         check_store_path(self.path)
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                       factory=_Connection)
         except sqlite3.Error as exc:
             raise InputError(f"store {self.path}: cannot open ({exc})") from None
         try:
@@ -214,9 +230,21 @@ class Store:
             if isinstance(exc, sqlite3.DatabaseError) and "not a database" in reason:
                 reason = "not an SQLite database (file is not a database)"
             raise InputError(f"store {self.path}: {reason}") from None
+        # Started by the first background save (cursor_writer.py); a ':memory:' store
+        # has no second connection, so it always saves in line.
+        self._writer: CursorWriter | None = None
 
     def close(self) -> None:
+        """Write the ingest cursors still pending, then close."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         self._db.close()
+
+    @property
+    def errors(self) -> int:
+        """Statements SQLite refused since the store opened."""
+        return self._db.errors + (self._writer.errors if self._writer is not None else 0)
 
     # ------------------------------------------------------------ deployments
 
@@ -234,6 +262,11 @@ class Store:
 
     def set_policy(self, name: str, policy: dict[str, Any]) -> None:
         self._db.execute("UPDATE deployments SET policy = ? WHERE name = ?", (json.dumps(policy), name))
+
+    def set_shape(self, name: str, shape: dict[str, Any]) -> None:
+        """Rewrite a deployment's shape: a field an older store lacked, now known
+        (registry.py adopts a rank's dispatch mode and top_k)."""
+        self._db.execute("UPDATE deployments SET shape = ? WHERE name = ?", (json.dumps(shape), name))
 
     def load_deployments(self) -> list[DeploymentRow]:
         rows = self._db.execute(
@@ -341,16 +374,41 @@ class Store:
 
     # ------------------------------------------------------------ ingest cursor
 
-    def save_ingest_state(self, name: str, state: dict[str, Any]) -> None:
+    def save_ingest_state(self, name: str, state: dict[str, Any], background: bool = False) -> None:
         """Numeric lists and arrays travel as one blob of raw little-endian bytes (JSON of
-        [L, E] floats is ~100x slower, npz ~10x); pass arrays, not lists, where you can."""
+        [L, E] floats is ~100x slower, npz ~10x); pass arrays, not lists, where you can.
+
+        The row is packed here (a snapshot of the arrays). `background`: a thread writes
+        it (cursor_writer.py), so the caller does not wait for SQLite; once any save went
+        that way, every save does, so a newer cursor is never overwritten by an older one,
+        and a save in line waits for it."""
         arrays: dict[str, np.ndarray] = {}
         doc = _split_arrays(state, arrays, "")
-        self._db.execute(
-            "INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, json.dumps(doc), _pack_arrays(arrays))
-        )
+        row = (json.dumps(doc), _pack_arrays(arrays))
+        if background and self._writer is None and self.path != ":memory:":
+            self._writer = CursorWriter(self.path, self._connect_writer)
+        if self._writer is not None:
+            self._writer.put(name, row)
+            if not background:
+                self._writer.flush()
+            return
+        self._db.execute("INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, *row))
+
+    def flush_ingest_states(self) -> None:
+        """Wait until every background save handed over so far is written."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _connect_writer(self, path: str, timeout: float) -> sqlite3.Connection:
+        db = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False,
+                             factory=_Connection)
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
 
     def ingest_state(self, name: str) -> dict[str, Any] | None:
+        pending = self._writer.pending(name) if self._writer is not None else None
+        if pending is not None:
+            return _join_arrays(json.loads(pending[0]), _unpack_arrays(pending[1]))
         row = self._db.execute(
             "SELECT state, arrays FROM ingest_state WHERE deployment = ?", (name,)
         ).fetchone()

@@ -40,7 +40,8 @@ def test_graphed_blocks_replay_eager_across_a_committed_placement(family: str) -
     from tests.engines.transformers.test_adapter import _commit_through_hook, _shuffled_placement
 
     device = torch.device("cuda", 0)
-    reference = build_tiny_model(family, seed=5, experts=EXPERTS).to(device)  # type: ignore[arg-type]
+    # bfloat16: torch's grouped products of other dtypes loop over the groups on the host.
+    reference = build_tiny_model(family, seed=5, experts=EXPERTS).to(device, torch.bfloat16)  # type: ignore[arg-type]
     model = copy.deepcopy(reference)
     ep = attach(model, AdapterConfig(
         controller="127.0.0.1:1", deployment="t", redundant_slots=REDUNDANT, spare_rows=SPARE, agree_every=2,
@@ -52,12 +53,13 @@ def test_graphed_blocks_replay_eager_across_a_committed_placement(family: str) -
             return m(ids).logits.clone()
 
     eager = logits(model)
-    # The grouped products (CUDA) against transformers' own experts: same picks, other kernels.
-    torch.testing.assert_close(eager, logits(reference), rtol=1e-4, atol=1e-4)
+    # The grouped products (CUDA) against transformers' own experts: same picks, other
+    # kernels, bfloat16 rounding.
+    torch.testing.assert_close(eager, logits(reference), rtol=2e-2, atol=2e-2)
     hidden = int(reference.config.hidden_size)
 
     def example(_block: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        return torch.randn(1, TOKENS, hidden, device=device), {}
+        return torch.randn(1, TOKENS, hidden, device=device, dtype=torch.bfloat16), {}
 
     graph_moe_blocks(model, example)
     graphed = logits(model)
@@ -70,4 +72,14 @@ def test_graphed_blocks_replay_eager_across_a_committed_placement(family: str) -
     assert (ep.hook.rows.rows != np.arange(ep.hook.config.slots_per_rank)).any()
     assert weights_match_map(ep, reference)
     # Same graphs, new maps and rows: the same logits (each pick computed by a copy of its expert).
-    torch.testing.assert_close(logits(model), eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(model), eager, rtol=2e-2, atol=2e-2)
+
+
+def test_capture_of_float32_experts_is_refused_with_the_reason() -> None:
+    from engines.transformers import AdapterConfig, attach, graph_moe_blocks
+    from engines.transformers.families import build_tiny_model
+
+    model = build_tiny_model("qwen3_moe", seed=5, experts=EXPERTS).to("cuda")  # type: ignore[arg-type]
+    attach(model, AdapterConfig(controller="127.0.0.1:1", deployment="t", redundant_slots=REDUNDANT))
+    with pytest.raises(ValueError, match="needs bfloat16 expert weights on a CUDA device"):
+        graph_moe_blocks(model, lambda _b: (torch.zeros(1, TOKENS, 8, device="cuda"), {}))

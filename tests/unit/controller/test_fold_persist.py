@@ -74,9 +74,9 @@ def test_saves_are_staggered_and_never_further_apart_than_the_period() -> None:
     saves: dict[str, list[float]] = {name: [] for name in names}
     original = ctl.store.save_ingest_state
 
-    def save(name: str, state: dict[str, Any]) -> None:
+    def save(name: str, state: dict[str, Any], background: bool = False) -> None:
         saves[name].append(now[0])
-        original(name, state)
+        original(name, state, background=background)
 
     ctl.store.save_ingest_state = save  # type: ignore[method-assign]
     deps = {}

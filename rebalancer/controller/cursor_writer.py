@@ -1,0 +1,122 @@
+"""Ingest cursors written off the event loop, by a thread with a connection of its own.
+
+Every deployment saves its ingest cursor (per-rank next window and the estimate built
+from them, about 120 kB at DeepSeek-V3 shapes) every `persist_seconds`. At 512
+deployments that is about 100 SQLite writes a second, and done on the event loop they
+were a quarter of its time, so windows queued behind them. Here the loop only packs the
+row (a snapshot: the bytes are copied, so later folds cannot change what is saved) and
+hands it over; the thread writes it. SQLite's WAL lets the two connections of one
+process take turns (each waits for the other's short write lock, never fails on it).
+
+Rules that keep a cursor from going backwards (a window counted twice after a restart):
+- one row per deployment is pending at a time; a newer save replaces the pending one;
+- rows are written in one thread, in order, so a newer row is never overwritten by an
+  older one;
+- `pending(name)` serves reads of a row not yet written; `flush()` waits until every
+  row handed over is written (the drain path before the store closes).
+
+A failed write (disk full, read-only file) is logged and counted in `errors`; the next
+save of that deployment tries again. Counting is lost for at most the time the store
+refuses writes, as with any crash between saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("rebalancer.store")
+
+# sqlite3's busy timeout of the writer's connection: how long a write waits for the
+# loop's connection to release the WAL write lock before it counts as an error.
+BUSY_TIMEOUT_SECONDS = 30.0
+# At most one "cannot save" line per this many seconds (a full disk fails every save).
+ERROR_LOG_SECONDS = 10.0
+
+Row = tuple[str, bytes]  # (JSON document, packed arrays) of the ingest_state table
+
+
+class CursorWriter:
+    def __init__(self, path: str, connect: Any) -> None:
+        """`connect(path, timeout)` opens the writer's own connection (the store's
+        connection class, so refused statements are counted the same way)."""
+        self.path = path
+        self._connect = connect
+        self._pending: dict[str, Row] = {}
+        self._writing: dict[str, Row] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self.errors = 0
+        self.written = 0
+        self._last_error_log = -float("inf")
+        self._thread = threading.Thread(target=self._run, name="cursor-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, name: str, row: Row) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("cursor writer is closed")
+            self._pending[name] = row
+            self._cond.notify_all()
+
+    def pending(self, name: str) -> Row | None:
+        """The newest row of `name` handed over and not yet written, if any."""
+        with self._cond:
+            return self._pending.get(name) or self._writing.get(name)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every row handed over so far is written (or failed); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._writing, timeout)
+
+    def close(self) -> None:
+        """Write what is pending, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        db = None
+        try:
+            db = self._connect(self.path, BUSY_TIMEOUT_SECONDS)
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._pending or self._closed)
+                    if not self._pending:
+                        return  # closed, nothing left
+                    self._writing, self._pending = self._pending, {}
+                self._write(db, self._writing)
+                with self._cond:
+                    self._writing = {}
+                    self._cond.notify_all()
+        finally:
+            if db is not None:
+                db.close()
+            with self._cond:  # nothing more will be written: release any flush()
+                self._pending, self._writing = {}, {}
+                self._cond.notify_all()
+
+    def _write(self, db: sqlite3.Connection, rows: dict[str, Row]) -> None:
+        try:
+            db.execute("BEGIN")
+            db.executemany(
+                "INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)",
+                [(name, doc, blob) for name, (doc, blob) in rows.items()],
+            )
+            db.execute("COMMIT")
+            self.written += len(rows)
+        except sqlite3.Error as exc:
+            self.errors += 1
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # no transaction left to roll back
+            now = time.monotonic()
+            if now - self._last_error_log >= ERROR_LOG_SECONDS:
+                self._last_error_log = now
+                log.error("store %s: cannot save the ingest cursor of %d deployment(s): %s",
+                          self.path, len(rows), exc)

@@ -1,0 +1,99 @@
+"""The ingest cursor written by the store's writer thread (cursor_writer.py): a newer
+save is never overwritten by an older one, a save not yet written reads back, closing
+writes what is pending, and a store that refuses writes is counted, not raised."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from rebalancer.controller.store import Store
+
+
+def _state(seq: int) -> dict:
+    return {"next_seq": {"0": seq}, "estimator": {"weighted_sum": np.full((3, 4), float(seq))}}
+
+
+def test_background_saves_land_in_order_and_close_writes_the_rest(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    for seq in range(200):
+        store.save_ingest_state(f"d{seq % 7}", _state(seq), background=True)
+    store.close()
+    again = Store(tmp_path / "s.sqlite")
+    for k in range(7):
+        last = max(s for s in range(200) if s % 7 == k)
+        saved = again.ingest_state(f"d{k}")
+        assert saved is not None and saved["next_seq"] == {"0": last}
+        np.testing.assert_array_equal(saved["estimator"]["weighted_sum"], np.full((3, 4), float(last)))
+    again.close()
+
+
+def test_the_saved_arrays_are_a_snapshot(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    live = np.zeros((2, 2))
+    store.save_ingest_state("d", {"estimator": {"weighted_sum": live}}, background=True)
+    live += 5  # the next fold changes the live estimate in place
+    store.flush_ingest_states()
+    saved = store.ingest_state("d")
+    assert saved is not None and float(saved["estimator"]["weighted_sum"].sum()) == 0.0
+    store.close()
+
+
+def test_a_pending_save_reads_back_before_it_is_written(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    store.save_ingest_state("d", _state(1), background=True)
+    writer = store._writer
+    assert writer is not None
+    gate = threading.Event()
+    original = writer._write
+
+    def slow(db, rows):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        original(db, rows)
+
+    store.flush_ingest_states()
+    writer._write = slow  # type: ignore[method-assign]
+    store.save_ingest_state("d", _state(2), background=True)
+    saved = store.ingest_state("d")
+    assert saved is not None and saved["next_seq"] == {"0": 2}
+    gate.set()
+    store.close()
+    again = Store(tmp_path / "s.sqlite")
+    assert again.ingest_state("d")["next_seq"] == {"0": 2}  # type: ignore[index]
+    again.close()
+
+
+def test_an_in_line_save_after_background_ones_is_not_overwritten(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    for seq in range(50):
+        store.save_ingest_state("d", _state(seq), background=True)
+    store.save_ingest_state("d", _state(99))  # the drain path: in line, after the rest
+    raw = Store(tmp_path / "s.sqlite")  # another reader sees it written already
+    assert raw.ingest_state("d")["next_seq"] == {"0": 99}  # type: ignore[index]
+    raw.close()
+    store.close()
+
+
+def test_refused_writes_are_counted_and_the_next_save_retries(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    store.save_ingest_state("d", _state(1), background=True)
+    store.flush_ingest_states()
+    errors_before = store.errors
+    # Another connection holds the write lock longer than the writer waits for it.
+    blocker = sqlite3.connect(tmp_path / "s.sqlite", isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    writer = store._writer
+    assert writer is not None
+    db = writer._connect(str(tmp_path / "s.sqlite"), 0.05)  # a short wait, then refused
+    writer._write(db, {"d": ("{}", b"")})
+    db.close()
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    assert store.errors == errors_before + 1
+    store.save_ingest_state("d", _state(3), background=True)
+    store.flush_ingest_states()
+    assert store.ingest_state("d")["next_seq"] == {"0": 3}  # type: ignore[index]
+    store.close()
