@@ -7,6 +7,7 @@ equal to the same route on CPU (the ranks of a deployment must agree bit for bit
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -18,6 +19,16 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+@pytest.fixture(scope="module", autouse=True)
+def reap_compile_workers() -> Iterator[None]:
+    """torch.compile (the compiled dispatch) starts inductor's pool of compile workers;
+    they would outlive the tests until this process exits: reap them here."""
+    yield
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    shutdown_compile_workers()
+
 
 CFG = HookBenchConfig(tokens=256, num_layers=3, num_experts=64, top_k=4, dispatch_gpus=8, dispatch_slots=80)
 
