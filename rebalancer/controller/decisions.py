@@ -10,6 +10,7 @@ plan when it says take and every rank is connected.
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -37,6 +38,14 @@ def run_inline(fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
     done(result)
 
 
+# Policy decisions handed to `background` and not yet back, over all deployments: one
+# running and one queued keeps the worker busy. More would only queue inputs that are
+# stale by the time they run, each prepared on the event loop (the estimate): with 512
+# deployments due every few seconds that work made windows wait (issue 12). A deployment
+# found due while the queue is full decides at one of its next windows.
+MAX_DECISIONS_IN_FLIGHT = 2
+
+
 class Decisions:
     def __init__(
         self, store: Store, clock: Clock, plans: Plans, observers: Observers,
@@ -47,16 +56,22 @@ class Decisions:
         self.plans = plans
         self.observers = observers
         self.background = background
+        self.in_flight = 0  # decisions handed to `background`, not yet back
 
     def due(self, dep: Deployment, now: float) -> bool:
-        """Whether the policy should decide now: no plan or decision under way, not paused."""
-        return dep.plan is None and not dep.deciding and not dep.policy.paused and dep.loop.due(now)
+        """Whether the policy should decide now: no plan or decision under way, not paused,
+        and room in the decision queue (MAX_DECISIONS_IN_FLIGHT)."""
+        return (
+            dep.plan is None and not dep.deciding and not dep.policy.paused
+            and self.in_flight < MAX_DECISIONS_IN_FLIGHT and dep.loop.due(now)
+        )
 
     def run(self, dep: Deployment, now: float) -> None:
         """The policy's decision on the inputs as they are at `now`, computed by `background`."""
         loop = dep.loop
 
         def done(decision: Decision | None) -> None:
+            self.in_flight -= 1
             dep.deciding = False
             if decision is None:
                 return
@@ -64,8 +79,10 @@ class Decisions:
             if dep.plan is None:
                 self.act(dep, decision, "policy", self.clock())
 
+        work = loop.prepare_decision(dep.phy2log, now)
         dep.deciding = True
-        self.background(loop.prepare_decision(dep.phy2log, now), done)
+        self.in_flight += 1
+        self.background(work, done)
 
     def act(self, dep: Deployment, decision: Decision, trigger: str, now: float) -> Plan | None:
         """Record a decision; start its plan when it says so and every rank is there."""
@@ -79,10 +96,17 @@ class Decisions:
                 )
                 dep.loop.amend(decision)
             else:
-                plan = self.plans.start(dep, candidate, trigger, now)
+                try:
+                    plan = self.plans.start(dep, candidate, trigger, now)
+                except sqlite3.Error as exc:  # nothing changed: the plan is stored before it starts
+                    decision = replace(decision, outcome="skip_store", reason=f"the store refused the plan: {exc}")
+                    dep.loop.amend(decision)
         record = decision.to_dict()
         record.update(time=now, plan_version=plan.version if plan else 0)
-        self.store.record_decision(dep.name, record)
+        try:
+            self.store.record_decision(dep.name, record)
+        except sqlite3.Error as exc:  # a full or read-only disk: the history misses this one
+            log.error("%s: the store refused a decision record (%s)", dep.name, exc)
         log.info("%s decision: %s (%s)", dep.name, decision.outcome, decision.reason)
         for observer in self.observers.decision:
             observer(dep.name, decision, trigger)

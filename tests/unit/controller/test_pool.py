@@ -55,3 +55,18 @@ def test_calls_run_in_the_worker_which_close_ends() -> None:
     assert results[1] is None and results[2] == 3  # a failing call does not stop the next ones
     assert results[3] is None and results[4] == second != first
     assert not _alive(first) and not _alive(second)
+
+
+def test_the_worker_runs_below_the_controllers_priority() -> None:
+    """Decisions are background work: where cores are short, ingest is served first."""
+    from rebalancer.controller.pool import DECISION_NICENESS
+
+    async def main() -> int:
+        pool = DecisionPool()
+        pool.start()
+        try:
+            return int(await _run(pool, functools.partial(os.nice, 0)))
+        finally:
+            pool.close()
+
+    assert asyncio.run(main()) == min(os.nice(0) + DECISION_NICENESS, 19)

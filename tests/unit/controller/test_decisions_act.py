@@ -1,0 +1,76 @@
+"""Acting on decisions: a store that refuses writes (disk full, read-only) does not start
+the plan (it must be stored before any rank hears of it), the decision says why, and
+nothing raises into the event loop; and the decision queue stays short over all
+deployments (MAX_DECISIONS_IN_FLIGHT)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.state import Controller
+from rebalancer.controller.store import Store
+from rebalancer.wire.layout import trivial_placement
+
+SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, expert_bytes=10)
+
+
+def _refuse(*_args: object, **_kwargs: object) -> None:
+    raise sqlite3.OperationalError("database or disk is full")
+
+
+def test_a_refused_plan_is_a_skip_and_a_refused_record_is_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ctl = Controller(Store(tmp_path / "s.sqlite"), PolicyConfig(min_windows=1))
+    for rank in range(2):
+        session, dep = ctl.register("d", rank, SHAPE, 0, None, "", "")
+        ctl.attach(session.session_id, lambda *_: None)
+    rng = np.random.default_rng(0)
+    skewed = np.array([[400, 10, 10, 10], [300, 20, 5, 5]], dtype=np.int64)
+    for seq in range(3):
+        for rank in range(2):
+            ctl.ingest(dep, rank, seq, 0, skewed + rng.integers(0, 3, skewed.shape), None)
+    monkeypatch.setattr(ctl.store, "begin_plan", _refuse)
+    monkeypatch.setattr(ctl.store, "record_decision", _refuse)
+    decision, plan = ctl.force("d")
+    assert plan is None and dep.plan is None
+    assert decision.outcome == "skip_store" and "disk is full" in decision.reason
+    np.testing.assert_array_equal(dep.phy2log, trivial_placement(2, 4, 6, 2))
+    assert "refused a decision record" in caplog.text
+
+
+def test_decisions_queue_at_most_max_in_flight_over_all_deployments(tmp_path: Path) -> None:
+    """With the worker busy, deployments found due wait for a slot instead of queueing
+    inputs on the event loop; each still decides once slots free up."""
+    from rebalancer.controller.decisions import MAX_DECISIONS_IN_FLIGHT
+
+    held: list[tuple[object, object]] = []
+    ctl = Controller(Store(tmp_path / "s.sqlite"), PolicyConfig(min_windows=1),
+                     background=lambda fn, done: held.append((fn, done)))
+    deps = []
+    for name in ("a", "b", "c", "d"):
+        for rank in range(2):
+            session, dep = ctl.register(name, rank, SHAPE, 0, None, "", "")
+        deps.append(dep)
+    window = np.array([[400, 10, 10, 10], [300, 20, 5, 5]], dtype=np.int64)
+    for seq in range(2):
+        for dep in deps:
+            for rank in range(2):
+                ctl.ingest(dep, rank, seq, 0, window, None)
+    assert len(held) == MAX_DECISIONS_IN_FLIGHT == ctl.decisions.in_flight
+    while held:  # the worker answers; the next windows give the waiting deployments their turn
+        fn, done = held.pop(0)
+        done(fn())  # type: ignore[operator]
+        seq += 1
+        for dep in deps:
+            for rank in range(2):
+                ctl.ingest(dep, rank, seq, 0, window, None)
+        assert ctl.decisions.in_flight <= MAX_DECISIONS_IN_FLIGHT
+        if all(dep.loop.last_decision is not None for dep in deps):
+            break
+    assert all(dep.loop.last_decision is not None for dep in deps)
