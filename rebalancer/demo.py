@@ -24,6 +24,7 @@ be killed (PR_SET_PDEATHSIG, Linux: tied to the thread that started it, so call
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,6 +310,53 @@ class CommitCuts:
         return version
 
 
+@contextlib.contextmanager
+def demo_fleet(
+    config: DemoConfig, controller: str, profile_path: Path, tmp: Path
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """The demo's sidecars (one per pod, if any) and workers, pointed at `controller`;
+    yields the workers. Everything is reaped on the way out, however it is left; on a
+    normal exit a worker that failed, or a sidecar that ended before it was asked to,
+    raises RuntimeError (the others drain their last windows on SIGTERM)."""
+    sidecars: list[subprocess.Popen[bytes]] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        targets: str | list[str] = controller
+        if config.sidecars:
+            targets = launch_sidecars(config, controller, tmp, sidecars)
+        procs.extend(launch_workers(config, targets, profile_path, tmp))
+        yield procs
+    finally:
+        try:
+            reap(procs, terminate=False)
+        finally:
+            sidecars_failed = [(i, p.returncode) for i, p in enumerate(sidecars) if p.poll() is not None]
+            reap(sidecars, terminate=True)
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"workers {failed} failed (see their output above)")
+    if sidecars_failed:
+        raise RuntimeError("sidecars ended during the run (see their output above): " + ", ".join(
+            f"pod {i} with code {code}" for i, code in sidecars_failed))
+
+
+def _follow(
+    procs: list[subprocess.Popen[bytes]], poller: StatusPoller, deadline: float, start: float,
+    emit: Callable[[str], None],
+) -> None:
+    """Until the workers end: the deployment's status line each second."""
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers still running after {deadline - start:.0f} s")
+        emit(poller.line())
+        tick = time.monotonic() + 1.0
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, tick - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+
+
 def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rebalancer-demo-"))
     try:
@@ -380,33 +428,14 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
     else:
         emit(f"{config.workers} workers direct to the controller (one stream per rank)")
     start = time.monotonic()
-    sidecars: list[subprocess.Popen[bytes]] = []
-    procs: list[subprocess.Popen[bytes]] = []
-    sidecars_failed: list[tuple[int, int]] = []
     try:
-        targets: str | list[str] = server.address
-        if config.sidecars:
-            targets = launch_sidecars(config, server.address, tmp, sidecars)
-        procs = launch_workers(config, targets, profile_path, tmp)
-        for p in procs:
-            p.wait(timeout=config.timeout_seconds + 60)
+        with demo_fleet(config, server.address, profile_path, tmp) as procs:
+            for p in procs:
+                p.wait(timeout=config.timeout_seconds + 60)
+        time.sleep(0.3)  # last windows
     finally:
-        try:
-            reap(procs, terminate=False)
-            # A sidecar that ended before it was asked to failed; the others drain their
-            # last windows to the controller on SIGTERM.
-            sidecars_failed = [(i, p.returncode) for i, p in enumerate(sidecars) if p.poll() is not None]
-            reap(sidecars, terminate=True)
-            time.sleep(0.3)  # last windows
-        finally:
-            dep = server.controller.deployments.get(config.deployment)
-            ctl.stop()
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        raise RuntimeError(f"workers {failed} failed (see their output above)")
-    if sidecars_failed:
-        raise RuntimeError("sidecars ended during the run (see their output above): " + ", ".join(
-            f"pod {i} with code {code}" for i, code in sidecars_failed))
+        dep = server.controller.deployments.get(config.deployment)
+        ctl.stop()
     results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(config.workers)]
     actual = [e.balancedness_actual for e in events if np.isfinite(e.balancedness_actual)]
     k = EDGE_WINDOWS
@@ -499,37 +528,11 @@ def _attach(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[
          "(try `rebalancer admin status|history|force` meanwhile)")
     start = time.monotonic()
     deadline = start + config.timeout_seconds + 60
-    sidecars: list[subprocess.Popen[bytes]] = []
-    procs: list[subprocess.Popen[bytes]] = []
-    sidecars_failed: list[tuple[int, int]] = []
     try:
-        targets: str | list[str] = config.controller
-        if config.sidecars:
-            targets = launch_sidecars(config, config.controller, tmp, sidecars)
-        procs = launch_workers(config, targets, profile_path, tmp)
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"workers still running after {deadline - start:.0f} s")
-            emit(poller.line())
-            tick = time.monotonic() + 1.0
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.0, tick - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    break
+        with demo_fleet(config, config.controller, profile_path, tmp) as procs:
+            _follow(procs, poller, deadline, start, emit)
     finally:
-        try:
-            reap(procs, terminate=False)
-            sidecars_failed = [(i, p.returncode) for i, p in enumerate(sidecars) if p.poll() is not None]
-            reap(sidecars, terminate=True)
-        finally:
-            poller.close()
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        raise RuntimeError(f"workers {failed} failed (see their output above)")
-    if sidecars_failed:
-        raise RuntimeError("sidecars ended during the run (see their output above): " + ", ".join(
-            f"pod {i} with code {code}" for i, code in sidecars_failed))
+        poller.close()
     results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(config.workers)]
     return {
         "controller": config.controller,
