@@ -110,14 +110,8 @@ class HookConfig:
         if self.num_slots % self.num_gpus:
             raise ValueError(f"num_slots={self.num_slots} is not a multiple of num_gpus={self.num_gpus}")
         _ = self.migration  # a bad transport or setting fails here, with its name
-        try:
-            check_dispatch_mode(self.dispatch_mode)
-        except Exception as exc:
-            raise ValueError(str(exc)) from None
-        try:
-            check_waterfill_passes(self.waterfill_passes)
-        except Exception as exc:
-            raise ValueError(str(exc)) from None
+        check_dispatch_mode(self.dispatch_mode)  # InputError: a ValueError naming the choices
+        check_waterfill_passes(self.waterfill_passes)
         if has_shared_replicas(self.dispatch_mode) and not self.shared_expert:
             raise ValueError('dispatch_mode "load+shared" needs shared_expert=True')
 
@@ -201,7 +195,7 @@ class RebalanceHook(PlanHandlers):
             by_load=self._by_load,
             shared_expert=config.shared_expert,
             waterfill_passes=config.waterfill_passes,
-            compiled=config.compile_dispatch and config.dispatch_mode != "split",
+            compiled=config.compile_dispatch and self._by_load,
         )
         self.weights = weights
         self.executor = MigrationExecutor(

@@ -31,6 +31,7 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.layout import MAX_EXPERT_BYTES, MAX_LAYER_SLOTS, MAX_LAYERS
+from rebalancer.wire.service import StreamWriter
 
 log = logging.getLogger("rebalancer.service")
 
@@ -43,9 +44,6 @@ _PHASES = {
     pb.PLAN_PHASE_COMMITTED: "committed",
     pb.PLAN_PHASE_ABORTED: "aborted",
 }
-# Per-stream queue of outgoing messages, bounded so a slow reader cannot grow
-# controller memory (acks are cumulative: a dropped one is covered by the next).
-_SEND_QUEUE = 256
 
 
 def status_of(exc: Exception) -> grpc.StatusCode:
@@ -249,51 +247,30 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         if first is _EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first stream message must be hello")
             return
-        outbox: asyncio.Queue[pb.ControllerMessage | None] = asyncio.Queue(_SEND_QUEUE)
-
-        # Every write (plan phases from controller callbacks, paced acks) goes through
-        # one queue and one writer task, so writes on the call never overlap.
-        def enqueue(msg: pb.ControllerMessage) -> None:
-            try:
-                outbox.put_nowait(msg)
-            except asyncio.QueueFull:
-                log.error("stream outbox full; dropping a %s", msg.WhichOneof("body"))
+        writer = StreamWriter(context, "stream to a session")
 
         def send(kind: str, payload: Any) -> None:
-            enqueue(controller_message(kind, payload, self.clock()))
+            writer.put(controller_message(kind, payload, self.clock()))
 
         session_id = first.hello.session_id
         try:
             self.check_deployment(self.controller.session(session_id)[0].name)
             dep, session = self.controller.attach(session_id, send)
         except StateError as exc:
+            writer.cancel()
             await refuse(context, exc, "Stream hello")
             return
         shape = dep.shape
         logical_shape = (shape.num_layers, shape.num_logical)
         physical_shape = (shape.num_layers, shape.num_slots)
 
-        async def writer() -> None:
-            while (out := await outbox.get()) is not None:
-                await context.write(out)
-
-        async def stop_writer(flush: bool) -> None:
-            # A write cancelled half-way breaks the call, so the writer is either let
-            # finish what is queued (clean end) or cancelled before an abort.
-            if flush:
-                await outbox.put(None)
-            else:
-                write_task.cancel()
-            await asyncio.gather(write_task, return_exceptions=True)
-
-        write_task = asyncio.create_task(writer())
-        acks = AckPacer(enqueue, self.ack_interval, self.clock)
+        acks = AckPacer(writer.put, self.ack_interval, self.clock)
         try:
             while True:
                 msg = await context.read()
                 if msg is _EOF:
                     acks.flush()
-                    await stop_writer(flush=True)
+                    await writer.stop(flush=True)
                     break
                 if not msg.HasField("window"):
                     raise InputError("only windows may follow hello on the stream")
@@ -312,11 +289,11 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         except (InputError, StateError) as exc:
             if self.on_refused is not None:
                 self.on_refused(dep.name)
-            await stop_writer(flush=False)
+            await writer.stop(flush=False)
             await refuse(context, exc, f"Stream window from {session.label} of {dep.name!r}")
         finally:
             acks.close()
-            write_task.cancel()
+            writer.cancel()
             self.controller.detach(session_id)
 
     async def ReportPlan(self, request: pb.PlanReport, context: grpc.aio.ServicerContext) -> pb.PlanReportResponse:

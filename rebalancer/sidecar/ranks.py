@@ -13,7 +13,6 @@ windows); nothing is ever counted twice.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -24,12 +23,11 @@ from rebalancer.sidecar.errors import SidecarError
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.service import StreamWriter
 
 log = logging.getLogger("rebalancer.sidecar")
 
 _EOF = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime, missing in the stubs
-# Per-stream queue of outgoing messages (plan phases, acks), bounded as the controller's.
-_SEND_QUEUE = 256
 
 
 async def refuse(context: grpc.aio.ServicerContext, exc: Exception, what: str) -> None:
@@ -54,44 +52,30 @@ class RankService(pb_grpc.WorkerServiceServicer):
         if first is _EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first stream message must be hello")
             return
-        outbox: asyncio.Queue[pb.ControllerMessage | None] = asyncio.Queue(_SEND_QUEUE)
-
-        def send(msg: pb.ControllerMessage) -> None:
-            try:
-                outbox.put_nowait(msg)
-            except asyncio.QueueFull:
-                log.error("stream of a rank is full; dropping a %s", msg.WhichOneof("body"))
-
+        writer = StreamWriter(context, "stream of a rank")
         try:
-            session = self.pod.attach(first.hello.session_id, send)
+            session = self.pod.attach(first.hello.session_id, writer.put)
         except SidecarError as exc:
+            writer.cancel()
             await refuse(context, exc, "Stream hello")
             return
-
-        async def writer() -> None:
-            while (out := await outbox.get()) is not None:
-                await context.write(out)
-
-        write_task = asyncio.create_task(writer())
         try:
             while True:
                 msg = await context.read()
                 if msg is _EOF:
-                    await outbox.put(None)  # let the writer finish what is queued
-                    await asyncio.gather(write_task, return_exceptions=True)
+                    await writer.stop(flush=True)
                     break
                 if not msg.HasField("window"):
                     raise InputError("only windows may follow hello on the stream")
                 self.pod.window(session, msg.window)
                 ack = pb.ControllerMessage()
                 ack.window_ack.seq = msg.window.seq
-                send(ack)
+                writer.put(ack)
         except (InputError, SidecarError) as exc:
-            write_task.cancel()
-            await asyncio.gather(write_task, return_exceptions=True)
+            await writer.stop(flush=False)
             await refuse(context, exc, f"Stream window from rank {session.rank}")
         finally:
-            write_task.cancel()
+            writer.cancel()
             self.pod.detach(session)
 
     async def ReportPlan(self, request: pb.PlanReport, context: grpc.aio.ServicerContext) -> pb.PlanReportResponse:

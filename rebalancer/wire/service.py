@@ -16,10 +16,13 @@ with INVALID_ARGUMENT before the servicer sees it: a unary request at once; on a
 request stream where it is read (`context.read()` or the request iterator raise
 UndecodableRequest, an InputError the servicer refuses like any bad message; one it
 lets escape is refused by the wrapper). Nothing has changed: invariant 6.
+
+Both servers' Stream handlers also write through one `StreamWriter` each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -162,3 +165,41 @@ def add_service(add: Callable[[Any, Any], None], servicer: Any, server: Any) -> 
         guarded = {name: _guarded(h, f"/{service}/{name}") for name, h in handlers.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, guarded),))
         server.add_registered_method_handlers(service, guarded)
+
+
+# Outgoing messages queued per stream, bounded so a slow reader cannot grow the server's
+# memory (acks are cumulative: a dropped one is covered by the next).
+SEND_QUEUE = 256
+
+
+class StreamWriter:
+    """The one writer of a server stream. Callbacks on the event loop `put` messages (plan
+    phases, acks); one task writes them in order, so writes on the call never overlap."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, what: str, size: int = SEND_QUEUE) -> None:
+        self.what = what  # names the stream in the log line of a dropped message
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(size)
+        self._task = asyncio.create_task(self._run(context))
+
+    async def _run(self, context: grpc.aio.ServicerContext) -> None:
+        while (out := await self._queue.get()) is not None:
+            await context.write(out)
+
+    def put(self, msg: Any) -> None:
+        try:
+            self._queue.put_nowait(msg)
+        except asyncio.QueueFull:
+            log.error("%s: send queue full; dropping a %s", self.what, msg.WhichOneof("body"))
+
+    async def stop(self, flush: bool) -> None:
+        """End the writer: after what is queued (`flush`, a clean end), or at once (before
+        an abort). A write cancelled half-way breaks the call, so it is one or the other."""
+        if flush:
+            await self._queue.put(None)
+        else:
+            self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    def cancel(self) -> None:
+        """The handler is leaving however it leaves: nothing more is written."""
+        self._task.cancel()
