@@ -88,6 +88,18 @@ class Aborted:
 
 
 @dataclass(frozen=True)
+class Unconfirmed:
+    """The newest plan whose Commit went out but that no rank confirmed (the controller
+    restarted, or the confirmations did not come in time), while it is above the committed
+    version: its Commit is told again to a session that (re)opens its stream, so ranks
+    holding it staged (one of them perhaps waiting on a peer that missed the Commit) switch
+    together, and the controller adopts the version when they report it. Never an Abort:
+    after a Commit, an Abort could leave one rank switching and another not."""
+
+    version: int
+
+
+@dataclass(frozen=True)
 class Transition:
     """What a call changed: messages to send and whether the plan ended."""
 
@@ -141,6 +153,17 @@ def on_committed(plan: Plan, rank: Ranks, now: float) -> Transition:
         plan.committed_at = now
     done = len(plan.committed) == plan.num_ranks
     return Transition(became_committed=first, finished=done)
+
+
+def commit_unrecorded(plan: Plan, reason: str) -> Transition:
+    """Every rank prepared but the store refused to record that Commit goes out: abort
+    instead, before any Commit is sent (a controller restarting on that store would hold
+    the plan as preparing and abort it, while ranks might already have switched)."""
+    if plan.state is not PlanState.COMMITTING or plan.committed:
+        raise StateError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}, its commit is out")
+    plan.state = PlanState.ABORTED
+    plan.reason = reason
+    return Transition(send_abort=True, finished=True)
 
 
 def on_aborted(plan: Plan, rank: Ranks) -> Transition:

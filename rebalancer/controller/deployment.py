@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rebalancer.controller.coordinate import Aborted, Plan, who
+from rebalancer.controller.coordinate import Aborted, Plan, Unconfirmed, who
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.ingest import WindowMerger
@@ -112,6 +112,9 @@ class Deployment:
         # The newest aborted plan while it is above the committed version: told again to
         # a session opening its stream, so staging made while it was away is dropped.
         self.last_aborted: Aborted | None = None
+        # The newest plan whose Commit went out unconfirmed, while above the committed
+        # version: its Commit is told again to a session opening its stream.
+        self.last_unconfirmed: Unconfirmed | None = None
         self.stats = DeploymentStats()
         # Shape fields the store held no value for (written before they existed): the
         # first rank that reports them sets them (`merge_shape`).

@@ -29,7 +29,7 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import coordinate, reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Aborted, Plan, PlanState, Transition
+from rebalancer.controller.coordinate import Aborted, Plan, PlanState, Ranks, Transition, Unconfirmed, who
 from rebalancer.controller.deployment import Deployment, Observers, Session
 from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
@@ -46,6 +46,7 @@ class Plans:
         # in order: retried at every tick until written. The plan's outcome is decided and
         # told to the ranks regardless; only the record waits.
         self._unwritten: dict[str, list[Callable[[], None]]] = {}
+        self._unadoptable: set[tuple[str, int]] = set()  # (deployment, version) logged once
 
     def start(self, dep: Deployment, new: np.ndarray, trigger: str, now: float) -> Plan:
         """Store plan v+1 toward `new` and send Prepare to every connected rank."""
@@ -72,6 +73,9 @@ class Plans:
         hold staging of it, then resend the phase of the plan in flight it missed."""
         if session.send is None:
             return
+        unconfirmed = dep.last_unconfirmed
+        if unconfirmed is not None and unconfirmed.version > dep.version:
+            session.send("commit", unconfirmed)
         aborted = dep.last_aborted
         if aborted is not None and aborted.version > dep.version:
             session.send("abort", aborted)
@@ -107,7 +111,7 @@ class Plans:
         plan = dep.plan
         now = self.clock()
         if plan is None or plan.version != version:
-            self._report_off_plan(dep, session, version, phase, now)
+            self._report_off_plan(dep, session.label, version, phase, now)
             return
         if phase == "prepared":
             t = coordinate.on_prepared(plan, session.ranks, now)
@@ -121,8 +125,29 @@ class Plans:
             raise StateError("INVALID_ARGUMENT", f"plan phase {phase!r} is not reportable")
         self.apply(dep, t)
 
-    def _report_off_plan(self, dep: Deployment, session: Session, version: int, phase: str, now: float) -> None:
-        """A report of a version that is not the plan in flight."""
+    def serving(self, dep: Deployment, ranks: Ranks, version: int) -> None:
+        """A window shows `ranks` serving `version`. Above the committed version, the ranks
+        switched to it (all together, invariant 2), whatever became of their confirmation:
+        lost with a link, refused by a controller that had restarted, dropped by a sidecar
+        that had. The window stands for that confirmation, so the controller never plans
+        from a placement no rank serves any more (invariant 7)."""
+        if version <= dep.version:
+            return
+        plan, now = dep.plan, self.clock()
+        try:
+            if plan is not None and plan.version == version:
+                if plan.state in (PlanState.COMMITTING, PlanState.COMMITTED):
+                    self.apply(dep, coordinate.on_committed(plan, ranks, now))
+                return  # still preparing: no rank can serve it yet
+            self._report_off_plan(dep, who(ranks), version, "committed", now)
+        except StateError as exc:
+            if (dep.name, version) not in self._unadoptable:  # once, not once per window
+                self._unadoptable.add((dep.name, version))
+                log.error("%s: %s serve v%d, not adopted: %s", dep.name, who(ranks), version, exc)
+
+    def _report_off_plan(self, dep: Deployment, label: str, version: int, phase: str, now: float) -> None:
+        """A report (by `label`: "rank 3", "ranks 0-7 (pod p)") of a version that is not the
+        plan in flight."""
         plan = dep.plan
         if version == dep.version and phase in ("committed", "prepared"):
             return  # late confirmation of a plan already finished: harmless
@@ -131,14 +156,15 @@ class Plans:
                 and plan.state is PlanState.PREPARING and plan.base_version < version):
             # The ranks switched to a plan the controller had given up on: the plan in
             # flight is based on an older version and cannot prepare anywhere.
-            self.apply(dep, coordinate.abort(plan, f"{session.label} serves v{version}, the plan is based "
+            self.apply(dep, coordinate.abort(plan, f"{label} serves v{version}, the plan is based "
                                                    f"on v{plan.base_version}"))
             plan = dep.plan
         if phase == "committed" and known is not None and plan is None:
-            reconcile.adopt(self.store, dep, version, known, f"{session.label} confirmed it late", now)
+            reconcile.adopt(self.store, dep, version, known, f"{label} confirmed it late", now)
             return
         latest = max(dep.version, plan.version if plan else 0,
-                     dep.last_aborted.version if dep.last_aborted else 0)
+                     dep.last_aborted.version if dep.last_aborted else 0,
+                     dep.last_unconfirmed.version if dep.last_unconfirmed else 0)
         if phase == "aborted" and version <= latest:
             return  # staging of a finished plan dropped (an Abort told again): harmless
         if version > latest:
@@ -174,6 +200,19 @@ class Plans:
                 return
             pending.pop(0)
 
+    def _record_commit(self, dep: Deployment, plan: Plan) -> str:
+        """Record that plan's Commit goes out, before it does (after any outcome still
+        unwritten, order kept): "" once written, else why the store refused."""
+        self._write_pending(dep.name)
+        if self._unwritten.get(dep.name):
+            return "earlier plan records are still unwritten"
+        try:
+            self.store.mark_committing(dep.name, plan.version)
+        except sqlite3.Error as exc:
+            log.error("%s: store refused to record the commit of plan v%d (%s)", dep.name, plan.version, exc)
+            return str(exc)
+        return ""
+
     def disconnected(self, dep: Deployment, session: Session) -> None:
         """A session ended (a group's: all its ranks): a plan still preparing cannot complete."""
         if dep.plan is not None:
@@ -185,6 +224,10 @@ class Plans:
         if plan is None:
             return
         now = self.clock()
+        if t.send_commit:
+            refused = self._record_commit(dep, plan)
+            if refused:
+                t = coordinate.commit_unrecorded(plan, f"the store refused to record the commit ({refused})")
         if t.send_commit:
             log.info("%s: plan v%d prepared on all ranks, committing", dep.name, plan.version)
             plan.commit_sessions = frozenset(s.session_id for s in dep.live_sessions() if s.streaming)
@@ -209,6 +252,7 @@ class Plans:
             self._notify(dep, plan, "committed")
         if t.unconfirmed:
             log.error("%s: plan v%d: %s", dep.name, plan.version, plan.reason)
+            dep.last_unconfirmed = Unconfirmed(plan.version)
             version, reason = plan.version, plan.reason
             self._write(dep.name, lambda: self.store.set_plan_state(dep.name, version, "unconfirmed", reason,
                                                                     now=now))

@@ -22,7 +22,7 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Aborted, Ranks, rank_set, who
+from rebalancer.controller.coordinate import Aborted, Ranks, Unconfirmed, rank_set, who
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
 from rebalancer.controller.deployment import (
     LATER_SHAPE_FIELDS,
@@ -65,14 +65,25 @@ class Registry:
                 dep.estimator.load_state_dict(saved["estimator"])
                 dep.stats.tokens_folded = int(saved.get("tokens_folded", 0))
             for plan in self.store.unfinished_plans(row.name):
-                # A plan that never reached commit before the restart is void; ranks that
-                # staged it drop their staging when they re-register with the old version.
-                self.store.set_plan_state(row.name, plan.version, "aborted", "controller restarted", now=now)
-            # A session reconnecting is told of the newest plan if it aborted above the
-            # committed version: its ranks may hold staging of it (plans.catch_up).
+                if plan.state == "committing":
+                    # Its Commit went out before the restart: ranks may have switched, or
+                    # hold it staged waiting for a peer's Commit. Never aborted (an Abort
+                    # after a Commit could split the ranks): unconfirmed, its Commit told
+                    # again, adopted once ranks serve it (reconcile).
+                    self.store.set_plan_state(row.name, plan.version, "unconfirmed",
+                                              "controller restarted after its Commit went out", now=now)
+                else:
+                    # Never reached commit: void; ranks that staged it drop their staging
+                    # when told of it again (plans.catch_up).
+                    self.store.set_plan_state(row.name, plan.version, "aborted", "controller restarted", now=now)
+            # A session reconnecting is told of the newest plan if it ended unfinished
+            # above the committed version: its ranks may hold staging of it.
             newest = self.store.plans(row.name, 1)
-            if newest and newest[0].state == "aborted" and newest[0].version > dep.version:
-                dep.last_aborted = Aborted(newest[0].version, newest[0].reason)
+            if newest and newest[0].version > dep.version:
+                if newest[0].state == "aborted":
+                    dep.last_aborted = Aborted(newest[0].version, newest[0].reason)
+                elif newest[0].state == "unconfirmed":
+                    dep.last_unconfirmed = Unconfirmed(newest[0].version)
             self.deployments[row.name] = dep
             log.info("loaded deployment %s at placement v%d", row.name, row.committed_version)
 

@@ -327,6 +327,14 @@ class Store:
             (state, now, reason, name, version),
         )
 
+    def mark_committing(self, name: str, version: int) -> None:
+        """Record that Commit of plan `version` goes out, before it does: a controller
+        restarted after that must not abort the plan (registry.load)."""
+        with self._db:
+            self._db.execute(
+                "UPDATE plans SET state = 'committing' WHERE deployment = ? AND version = ?", (name, version)
+            )
+
     def commit_plan(self, name: str, version: int, *, now: float) -> None:
         """Mark plan `version` committed and make it the deployment's placement, atomically."""
         with self._db:
@@ -354,7 +362,8 @@ class Store:
         return [PlanRow(*row) for row in rows]
 
     def unfinished_plans(self, name: str) -> list[PlanRow]:
-        return [p for p in self.plans(name, limit=1_000_000) if p.state == "preparing"]
+        """Plans a controller left in flight: preparing, or committing (Commit went out)."""
+        return [p for p in self.plans(name, limit=1_000_000) if p.state in ("preparing", "committing")]
 
     # ------------------------------------------------------------ decisions
 
