@@ -4,11 +4,17 @@ Counts arrive in the forms the engines already dump (SGLang's summed JSON and `.
 expert-distribution dumps, `.npz`); placements are saved as PLACEMENT.json and can be
 exported in the form SGLang's `--init-expert-location` takes. Every malformed file is
 refused with an InputError whose one line says what is wrong and where.
+
+A count file may also carry what the worker's recorder counts beside SGLang's routed
+`logical_count`: the shared expert's tokens per layer and what each GPU computed
+(`CountFile`). They sit under keys of their own, so SGLang's loaders, which read only
+`logical_count`, still take the file.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,12 +22,31 @@ from typing import Any
 import numpy as np
 
 from rebalancer.errors import InputError
+from rebalancer.wire.countfile import (
+    COUNT_KEYS,
+    COUNT_SUFFIXES_WRITTEN,
+    GPU_COUNT,
+    GPU_SHARED_COUNT,
+    LOGICAL_COUNT,
+    SHARED_COUNT,
+    save_count_arrays,
+)
 
 PLACEMENT_FORMAT = "rebalancer.placement/v1"
 
+# Each key's axes (singular), after an optional leading steps axis that is summed over
+# (SGLang's `.pt` dumps hold [T, L, E]).
+_COUNT_AXES = {
+    LOGICAL_COUNT: ("layer", "expert"),
+    SHARED_COUNT: ("layer",),
+    GPU_COUNT: ("layer", "GPU"),
+    GPU_SHARED_COUNT: ("layer", "GPU"),
+}
 
-def _counts_array(raw: object, path: Path, key: str = "logical_count") -> np.ndarray:
-    """Validate counts [L, E] or [T, L, E] (summed over T) into float64 [L, E]."""
+
+def _counts_array(raw: object, path: Path, key: str = LOGICAL_COUNT) -> np.ndarray:
+    """Validate `key`'s counts (its axes, or [T, *axes] summed over T) into float64."""
+    axes = _COUNT_AXES[key]
     try:
         arr = np.asarray(raw)
     except (TypeError, ValueError):
@@ -29,58 +54,147 @@ def _counts_array(raw: object, path: Path, key: str = "logical_count") -> np.nda
     # Booleans, strings, complex numbers and integers beyond 64 bits (object arrays) are
     # not counts: refuse them rather than let numpy convert them.
     if arr is None or arr.dtype.kind not in "iuf":
-        raise InputError(f"{path}: '{key}' is not a numeric array of equal-length rows")
+        rows = " of equal-length rows" if len(axes) > 1 else ""
+        raise InputError(f"{path}: '{key}' is not a numeric array{rows}")
     arr = arr.astype(np.float64)
-    if arr.ndim == 3:
+    if arr.ndim == len(axes) + 1:
         arr = arr.sum(axis=0)
-    if arr.ndim != 2:
+    if arr.ndim != len(axes):
+        names = ", ".join(f"{axis}s" for axis in axes)
         raise InputError(
-            f"{path}: '{key}' must have rank 2 [layers, experts] or 3 [steps, layers, experts], "
-            f"got rank {arr.ndim}"
+            f"{path}: '{key}' must have rank {len(axes)} [{names}] or {len(axes) + 1} "
+            f"[steps, {names}], got rank {arr.ndim}"
         )
-    if arr.shape[0] == 0 or arr.shape[1] == 0:
+    if 0 in arr.shape:
         raise InputError(f"{path}: '{key}' is empty (shape {arr.shape})")
     if not np.isfinite(arr).all():
         raise InputError(f"{path}: '{key}' has NaN or infinite values")
     if (arr < 0).any():
-        layer, expert = np.argwhere(arr < 0)[0]
-        raise InputError(f"{path}: '{key}' has a negative value at layer {layer}, expert {expert}")
+        first = np.argwhere(arr < 0)[0]
+        where = ", ".join(f"{axis} {i}" for axis, i in zip(axes, first, strict=True))
+        raise InputError(f"{path}: '{key}' has a negative value at {where}")
     return arr
 
 
-def load_counts(path: str | Path) -> np.ndarray:
-    """Expert counts from a file: `[L, E]` float64.
+@dataclass(frozen=True)
+class CountFile:
+    """A count file's arrays, float64, summed over any steps axis.
 
-    Reads SGLang's summed JSON `{"logical_count": [L][E]}`, SGLang's `.pt` dump
-    (`logical_count` [T, L, E] or [L, E], summed over T) and `.npz` with `logical_count`.
+    logical: [L, E] routed picks per expert (SGLang's `logical_count`); shared: [L] tokens
+    through the shared expert, or None; gpu: [L, G] routed picks each GPU computed, or
+    None; gpu_shared: [L, G] shared-expert tokens each GPU computed, or None.
     """
+
+    logical: np.ndarray
+    shared: np.ndarray | None = None
+    gpu: np.ndarray | None = None
+    gpu_shared: np.ndarray | None = None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays present, by their key in the file (COUNT_KEYS order)."""
+        values = (self.logical, self.shared, self.gpu, self.gpu_shared)
+        return {key: arr for key, arr in zip(COUNT_KEYS, values, strict=True) if arr is not None}
+
+
+def _count_file(raw: Mapping[str, object], path: Path) -> CountFile:
+    """Validate the arrays of `raw` (COUNT_KEYS present, LOGICAL_COUNT among them) and
+    check that their layers (and GPUs) agree."""
+    arrays = {key: _counts_array(raw[key], path, key) for key in COUNT_KEYS if key in raw}
+    layers = arrays[LOGICAL_COUNT].shape[0]
+    for key, arr in arrays.items():
+        if arr.shape[0] != layers:
+            raise InputError(
+                f"{path}: '{key}' covers {arr.shape[0]} layers, '{LOGICAL_COUNT}' {layers}"
+            )
+    if GPU_COUNT in arrays and GPU_SHARED_COUNT in arrays:
+        gpus, shared_gpus = arrays[GPU_COUNT].shape[1], arrays[GPU_SHARED_COUNT].shape[1]
+        if gpus != shared_gpus:
+            raise InputError(
+                f"{path}: '{GPU_SHARED_COUNT}' has {shared_gpus} GPUs, '{GPU_COUNT}' {gpus}"
+            )
+    return CountFile(
+        arrays[LOGICAL_COUNT],
+        arrays.get(SHARED_COUNT),
+        arrays.get(GPU_COUNT),
+        arrays.get(GPU_SHARED_COUNT),
+    )
+
+
+def read_counts(path: str | Path) -> CountFile:
+    """A count file: SGLang's summed JSON `{"logical_count": [L][E]}`, SGLang's `.pt` dump
+    (`logical_count` [T, L, E] or [L, E], summed over T) or `.npz`, each optionally with
+    `shared_count` [L], `gpu_count` [L, G] and `gpu_shared_count` [L, G] (any of them
+    with a leading [T] axis, summed, like `logical_count`)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such file")
     suffix = path.suffix.lower()
     if suffix == ".json":
-        return _counts_array(_json_object_with(path, "logical_count")["logical_count"], path)
+        data = _json_object_with(path, LOGICAL_COUNT)
+        return _count_file({key: data[key] for key in COUNT_KEYS if key in data}, path)
     if suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as data:
-                if "logical_count" not in data.files:
-                    raise InputError(f"{path}: missing key 'logical_count'")
-                raw = data["logical_count"]
+                if LOGICAL_COUNT not in data.files:
+                    raise InputError(f"{path}: missing key '{LOGICAL_COUNT}'")
+                raw = {key: data[key] for key in COUNT_KEYS if key in data.files}
         except InputError:
             raise
         except Exception as exc:  # zip, zlib, header, size and pickle errors: a bad file
             # (a bare .npy has no context manager: also "not an .npz file")
             reason = " ".join(str(exc).split()) or type(exc).__name__
             raise InputError(f"{path}: not a readable .npz file ({reason})") from None
-        return _counts_array(raw, path)
+        return _count_file(raw, path)
     if suffix in (".pt", ".pth"):
-        return _counts_array(_load_torch_counts(path), path)
+        return _count_file(_load_torch_counts(path), path)
     raise InputError(f"{path}: unknown counts format '{suffix}' (expected .json, .pt or .npz)")
 
 
-def _load_torch_counts(path: Path) -> np.ndarray:
-    """`logical_count` of an SGLang expert-distribution `.pt` dump (torch imported here
-    only, so the controller stays torch-free)."""
+def load_counts(path: str | Path) -> np.ndarray:
+    """Expert counts from a file: `[L, E]` float64 (`read_counts(path).logical`)."""
+    return read_counts(path).logical
+
+
+def write_counts(
+    path: str | Path,
+    logical: np.ndarray,
+    shared: np.ndarray | None = None,
+    gpu: np.ndarray | None = None,
+    gpu_shared: np.ndarray | None = None,
+) -> None:
+    """Write a count file `read_counts` reads back: `.json` (SGLang's summed form
+    `{"logical_count": [L][E]}` plus the keys given) or `.npz`.
+
+    logical: [L, E]; shared: [L]; gpu, gpu_shared: [L, G] (each may have a leading [T]
+    axis, written summed). Whole numbers are written as integers, as SGLang writes them.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in COUNT_SUFFIXES_WRITTEN:
+        raise InputError(
+            f"{path}: cannot write counts as '{suffix}' "
+            f"(expected {' or '.join(COUNT_SUFFIXES_WRITTEN)})"
+        )
+    # Checked as they would be read: a file written here is one read_counts takes.
+    given = CountFile(logical, shared, gpu, gpu_shared).arrays()
+    arrays: dict[str, Any] = {
+        key: _whole_if_whole(arr) for key, arr in _count_file(given, path).arrays().items()
+    }
+    save_count_arrays(path, arrays)
+
+
+def _whole_if_whole(arr: np.ndarray) -> np.ndarray:
+    """int64 when every value is a whole number int64 holds exactly, else float64."""
+    if (arr == np.rint(arr)).all() and arr.max() < 2.0**53:
+        return arr.astype(np.int64)
+    return arr
+
+
+def _load_torch_counts(path: Path) -> dict[str, np.ndarray]:
+    """The count arrays of an SGLang expert-distribution `.pt` dump, or of one with the
+    extra keys of `read_counts` (torch imported here only, so the controller stays
+    torch-free). A bare tensor is `logical_count`; other keys (SGLang's `rank`, ...) are
+    ignored."""
     try:
         import torch
     except ImportError:
@@ -90,26 +204,31 @@ def _load_torch_counts(path: Path) -> np.ndarray:
     except Exception as exc:  # torch raises many types for a bad file
         raise InputError(f"{path}: not a readable torch file ({type(exc).__name__})") from None
     if isinstance(data, dict):
-        if "logical_count" not in data:
-            raise InputError(f"{path}: missing key 'logical_count'")
-        data = data["logical_count"]
-    if not isinstance(data, torch.Tensor):
-        raise InputError(f"{path}: 'logical_count' is not a tensor")
-    if (
-        data.layout != torch.strided
-        or data.device.type != "cpu"
-        or data.is_quantized
-        or data.is_complex()
-        or data.dtype == torch.bool
-    ):
-        raise InputError(
-            f"{path}: 'logical_count' must be a dense real-valued tensor, got {data.dtype} "
-            f"({data.layout}, {data.device.type})"
-        )
-    try:
-        return data.detach().to(torch.float64).numpy()
-    except (RuntimeError, TypeError, NotImplementedError) as exc:
-        raise InputError(f"{path}: 'logical_count' is not readable as numbers ({type(exc).__name__})") from None
+        if LOGICAL_COUNT not in data:
+            raise InputError(f"{path}: missing key '{LOGICAL_COUNT}'")
+        tensors = {key: data[key] for key in COUNT_KEYS if key in data}
+    else:
+        tensors = {LOGICAL_COUNT: data}
+    out = {}
+    for key, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise InputError(f"{path}: '{key}' is not a tensor")
+        if (
+            tensor.layout != torch.strided
+            or tensor.device.type != "cpu"
+            or tensor.is_quantized
+            or tensor.is_complex()
+            or tensor.dtype == torch.bool
+        ):
+            raise InputError(
+                f"{path}: '{key}' must be a dense real-valued tensor, got {tensor.dtype} "
+                f"({tensor.layout}, {tensor.device.type})"
+            )
+        try:
+            out[key] = tensor.detach().to(torch.float64).numpy()
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            raise InputError(f"{path}: '{key}' is not readable as numbers ({type(exc).__name__})") from None
+    return out
 
 
 @dataclass(frozen=True)

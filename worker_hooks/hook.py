@@ -37,13 +37,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.countfile import (
+    COUNT_SUFFIXES_WRITTEN,
+    GPU_COUNT,
+    GPU_SHARED_COUNT,
+    LOGICAL_COUNT,
+    SHARED_COUNT,
+    save_count_arrays,
+)
 from rebalancer.wire.dispatch import (
     WATERFILL_PASSES,
     DispatchMode,
@@ -60,7 +70,6 @@ from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap, replica_rows
 
 log = logging.getLogger("worker_hooks.hook")
-
 
 @dataclass(frozen=True)
 class HookConfig:
@@ -277,6 +286,51 @@ class RebalanceHook(PlanHandlers):
             # cannot commit: the commit agreement needs every rank, us included.
             self.executor.close()
         return done
+
+    def write_counts(self, path: str | Path) -> None:
+        """Write what this rank recorded so far to a count file (`.json`, `.npz` or `.pt`).
+
+        Not on the hot path: call it from the serving thread, at the end of a run (after
+        `finish`, which closes the last window) or on demand (the windows closed so far,
+        every `window_steps` steps; a window not yet closed is not in it). It holds this
+        rank's picks: the files of all ranks sum to the deployment's.
+
+        Keys (rebalancer.formats.read_counts reads them; SGLang's loaders read
+        `logical_count` and ignore the rest): `logical_count` [L, E] routed picks per
+        expert; with `shared_expert`, `shared_count` [L] tokens through the shared expert;
+        with `record_physical`, `gpu_count` [L, G] routed picks this rank sent to each GPU
+        and, with `shared_expert`, `gpu_shared_count` [L, G] its shared-expert tokens
+        computed on each GPU. `.pt` is SGLang's dump layout: a dict of tensors with a
+        leading steps axis of 1 (`logical_count` [1, L, E]) and `rank`. All counts int64.
+        """
+        cfg = self.config
+        path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix not in (*COUNT_SUFFIXES_WRITTEN, ".pt", ".pth"):
+            raise InputError(f"{path}: cannot write counts as '{suffix}' (expected .json, .npz or .pt)")
+        shared = 1 if cfg.shared_expert else 0
+        G = cfg.num_gpus
+        logical = self.stats.logical_total
+        if logical is None:  # no window closed yet: nothing recorded so far
+            logical = np.zeros((cfg.num_layers, cfg.num_logical + shared), dtype=np.int64)
+        arrays = {LOGICAL_COUNT: logical[:, : cfg.num_logical]}
+        if cfg.shared_expert:
+            arrays[SHARED_COUNT] = logical[:, cfg.num_logical]
+        if cfg.record_physical:
+            # gpu_total: [L, G] routed, then [L, G] shared (see _add_totals)
+            per_gpu = self.stats.gpu_total
+            if per_gpu is None:
+                per_gpu = np.zeros((cfg.num_layers, G * (1 + shared)), dtype=np.int64)
+            arrays[GPU_COUNT] = per_gpu[:, :G]
+            if cfg.shared_expert:
+                arrays[GPU_SHARED_COUNT] = per_gpu[:, G:]
+        ints = {key: np.ascontiguousarray(a, dtype=np.int64) for key, a in arrays.items()}
+        if suffix in (".pt", ".pth"):
+            dump: dict[str, object] = {"rank": cfg.rank}
+            dump.update({key: torch.from_numpy(arr)[None] for key, arr in ints.items()})
+            torch.save(dump, path)
+        else:
+            save_count_arrays(path, ints)
 
     # ------------------------------------------------------------ hot path
 

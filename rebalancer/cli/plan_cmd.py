@@ -1,10 +1,23 @@
-"""`rebalancer plan`: compute a placement for a counts file, optionally from a previous one."""
+"""`rebalancer plan`: compute a placement for a counts file, optionally from a previous one.
+
+Besides the balancedness the placement engine optimises (each replica carries its expert's
+load / replicas), it reports the balancedness the placement is predicted to reach under a
+dispatch mode (`--dispatch`), the same prediction the controller's decisions use, with the
+shared expert's load the count file measured (`shared_count`) or routed picks / --top-k.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported in run() only: `rebalancer --help` stays numpy-free
+    import numpy as np
+
+    from rebalancer.formats import CountFile
+    from rebalancer.wire.dispatch import DispatchMode
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -15,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "balancedness, the best reachable balancedness and the share of slots moved.",
     )
     parser.add_argument("--counts", required=True, metavar="PATH",
-                        help="counts file: SGLang JSON/.pt dump or .npz with logical_count")
+                        help="counts file: SGLang JSON/.pt dump or .npz with logical_count "
+                        "(and optionally the recorder's shared_count)")
     parser.add_argument("--gpus", required=True, type=int, metavar="G", help="EP ranks")
     parser.add_argument("--slots", required=True, type=int, metavar="P",
                         help="physical expert slots per layer (multiple of G)")
@@ -33,6 +47,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="bytes of one expert's weights, for --max-moved-bytes")
     parser.add_argument("--algorithm", default="auto",
                         help="auto (default), greedy, balanced, migration or reference")
+    parser.add_argument("--dispatch", default=None, metavar="MODE",
+                        help="also report the placement's predicted balancedness under this "
+                        "dispatch mode: split (default), load or load+shared "
+                        "(rebalancer.wire.dispatch)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K",
+                        help="routed experts per token: the shared expert's load is routed "
+                        "picks / K when the counts file has no shared_count")
     parser.add_argument("--out", metavar="PLACEMENT.json", help="write the placement here")
     parser.add_argument("--sglang-out", metavar="PATH",
                         help="also write it for SGLang's --init-expert-location")
@@ -41,20 +62,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rebalancer.controller.decide import balance_under_dispatch
     from rebalancer.errors import InputError
     from rebalancer.formats import (
-        load_counts,
+        read_counts,
         read_placement,
         write_placement,
         write_sglang_expert_location,
     )
     from rebalancer.placement import compute_placement, lower_bound_balancedness, transfers
+    from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, check_dispatch_mode
 
     # Where the results go, checked before any work: a typo must not cost a placement.
     for flag, out in (("--out", args.out), ("--sglang-out", args.sglang_out)):
         if out:
             check_output_path(out, flag)
-    counts = load_counts(args.counts)
+    mode = check_dispatch_mode(args.dispatch or DEFAULT_DISPATCH_MODE, "--dispatch mode")
+    count_file = read_counts(args.counts)
+    counts = count_file.logical
+    shared, shared_from = _shared_load(count_file, args.top_k, mode, args.counts)
     previous = None
     if args.previous:
         saved = read_placement(args.previous)
@@ -87,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     )
     seconds = time.perf_counter() - start
     bound = lower_bound_balancedness(counts, args.slots, args.gpus, args.nodes, args.groups)
+    dispatch_balancedness, _ = balance_under_dispatch(result.phy2log, counts, args.gpus, mode, shared)
     report = {
         "balancedness": result.balancedness,
         "bound_balancedness": bound,
@@ -99,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
         "slots": args.slots,
         "nodes": args.nodes,
         "max_replicas": int(result.logcnt.max()),
+        "dispatch": mode,
+        "dispatch_balancedness": dispatch_balancedness,
+        "shared_load_from": shared_from,
     }
     if previous is not None:
         report["transfers"] = int(len(transfers(previous, result.phy2log, args.gpus, args.nodes)))
@@ -112,10 +142,34 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(
             f"{result.algorithm}: balancedness {result.balancedness:.4f} "
-            f"(bound {bound:.4f}), moved {result.moved_fraction:.1%}, "
+            f"(bound {bound:.4f}), {mode} dispatch {dispatch_balancedness:.4f}, "
+            f"moved {result.moved_fraction:.1%}, "
             f"{seconds * 1e3:.1f} ms"
         )
     return 0
+
+
+def _shared_load(
+    count_file: CountFile, top_k: int | None, mode: DispatchMode, path: str
+) -> tuple[np.ndarray | None, str | None]:
+    """(shared expert's load per layer [L] or None, where it came from: "shared_count",
+    "top_k" or None). The file's measured count wins over the estimate from --top-k."""
+    from rebalancer.errors import InputError
+    from rebalancer.wire.dispatch import has_shared_replicas
+
+    num_experts = count_file.logical.shape[1]
+    if top_k is not None and not 1 <= top_k <= num_experts:
+        raise InputError(f"--top-k must be in [1, {num_experts}] (the counts' experts), got {top_k}")
+    if count_file.shared is not None:
+        return count_file.shared, "shared_count"
+    if top_k is not None:
+        return count_file.logical.sum(axis=1) / top_k, "top_k"
+    if has_shared_replicas(mode):
+        raise InputError(
+            f"--dispatch {mode} needs the shared expert's load: {path} has no shared_count, "
+            "give --top-k"
+        )
+    return None, None
 
 
 def check_output_path(path: str, flag: str) -> None:

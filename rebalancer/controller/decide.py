@@ -271,11 +271,19 @@ def predicted_balance(phy2log: np.ndarray, estimate: np.ndarray, shape: ClusterS
     phy2log: [L, P]; estimate: [L, E]. Returns: (mean over layers of mean/max GPU load,
     sum over layers of max / sum of mean GPU load).
     """
-    G = shape.num_gpus
-    if shape.dispatch_mode == "split":
-        return float(balancedness(phy2log, estimate, G)), imbalance_ratio(phy2log, estimate, G)
     shared = estimate.sum(axis=1) / shape.top_k if shape.top_k else None
-    loads = expected_gpu_loads(phy2log, estimate, G, shape.dispatch_mode, shared)
+    return balance_under_dispatch(phy2log, estimate, shape.num_gpus, shape.dispatch_mode, shared)
+
+
+def balance_under_dispatch(
+    phy2log: np.ndarray, load: np.ndarray, num_gpus: int, mode: str, shared: np.ndarray | None
+) -> tuple[float, float]:
+    """`predicted_balance` with the shared expert's load given (`rebalancer plan` passes
+    the one a count file measured). shared: [L] or None; split leaves it out."""
+    G = num_gpus
+    if mode == "split":
+        return float(balancedness(phy2log, load, G)), imbalance_ratio(phy2log, load, G)
+    loads = expected_gpu_loads(phy2log, load, G, mode, shared)
     mean = float(loads.sum()) / G
     ratio = float(loads.max(axis=1).sum()) / mean if mean > 0 else 1.0
     return mean_balancedness(balancedness_of_gpu_loads(loads)), ratio

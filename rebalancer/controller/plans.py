@@ -29,7 +29,15 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import coordinate, reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Aborted, Plan, PlanState, Ranks, Transition, Unconfirmed, who
+from rebalancer.controller.coordinate import (
+    Aborted,
+    Plan,
+    PlanState,
+    Ranks,
+    Transition,
+    Unconfirmed,
+    who,
+)
 from rebalancer.controller.deployment import Deployment, Observers, Session
 from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store

@@ -44,7 +44,7 @@ LAYERS = {
 ALLOWED = {
     "base": {"base"},
     "wire": {"base"},
-    "data": {"base"},
+    "data": {"base", "wire"},
     "placement": {"base", "wire"},
     "controller": {"base", "wire", "data", "placement"},
     "worker_hooks": {"base", "wire"},
