@@ -304,9 +304,11 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, policy=policy)
     results = simulate(trace, config, policies)
     if steps is not None:
-        from rebalancer.sim.steps import attach_step_balance
+        from rebalancer.sim.steps import attach_step_balance, decide_under_modes
 
-        attach_step_balance(results, trace, config.num_gpus, steps)
+        # The adaptive policy decides under each mode it is modelled in, as the controller does.
+        decided = decide_under_modes(trace, config, steps) if "adaptive" in results else None
+        attach_step_balance(results, trace, config.num_gpus, steps, decided)
     if args.plot:
         from rebalancer.sim.plot import plot_balancedness
 

@@ -55,6 +55,7 @@ from rebalancer.errors import InputError
 from rebalancer.placement import compute_placement, transfers, trivial_placement
 from rebalancer.sim.cost import CostModel, WindowClock
 from rebalancer.sim.trace import Trace
+from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, DispatchMode
 
 PolicyName = Literal["none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight"]
 POLICIES: tuple[PolicyName, ...] = get_args(PolicyName)
@@ -94,6 +95,10 @@ class SimConfig:
     # Where periodic, adaptive, follow and oracle start (STARTS): the trivial placement
     # an engine loads, or the static fit (an engine given a recorded distribution).
     start: Start = "trivial"
+    # The dispatch mode the adaptive policy decides under (its predicted balance), and
+    # the routed picks per token it derives the shared expert's load from (0: unknown).
+    dispatch_mode: DispatchMode = DEFAULT_DISPATCH_MODE
+    top_k: int = 0
 
     @property
     def params(self) -> CostParams:
@@ -110,6 +115,8 @@ class SimConfig:
             num_nodes=self.num_nodes,
             num_groups=self.num_groups,
             expert_bytes=self.cost.expert_bytes,
+            dispatch_mode=self.dispatch_mode,
+            top_k=self.top_k,
         )
 
     def windows_for_steps(self, steps: int, trace: Trace) -> int:
@@ -142,6 +149,8 @@ class PolicyResult:
     placements: list[np.ndarray] = field(default_factory=list, repr=False)
     # Per-step balance under each dispatch mode (sim/steps.py), when asked for.
     dispatch: dict[str, Any] = field(default_factory=dict, repr=False)
+    # adaptive with the per-step model: its plans when deciding under each dispatch mode.
+    dispatch_decisions: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def summary(self) -> dict[str, Any]:
         """The JSON-ready figures (without the per-window series)."""
@@ -162,6 +171,8 @@ class PolicyResult:
             out["plans_aborted"] = self.plans_aborted
         if self.dispatch:
             out["dispatch"] = self.dispatch
+        if self.dispatch_decisions:
+            out["decided_under_mode"] = self.dispatch_decisions
         return out
 
 

@@ -19,15 +19,15 @@ seconds per batch size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from rebalancer.errors import InputError
 from rebalancer.placement.metrics import dispatch_allocation, gpu_replicas
-from rebalancer.sim.engine import PolicyResult
+from rebalancer.sim.engine import PolicyResult, SimConfig, Simulator
 from rebalancer.sim.trace import Trace
 from rebalancer.wire.dispatch import (
     DISPATCH_MODES,
@@ -111,18 +111,26 @@ def sampled_windows(num_windows: int, count: int) -> np.ndarray:
 
 
 def step_balance(
-    trace: Trace, placements: Sequence[np.ndarray], num_gpus: int, config: StepConfig
+    trace: Trace,
+    placements: Sequence[np.ndarray] | Mapping[str, Sequence[np.ndarray]],
+    num_gpus: int,
+    config: StepConfig,
 ) -> dict[str, Any]:
     """Per-step balance of one policy's placements under each dispatch mode.
 
-    placements: [T] of [L, P], the placement serving each window. Returns
+    placements: [T] of [L, P], the placement serving each window; or, per mode, the
+    placements a policy deciding under that mode served (`decide_under_modes`). Returns
     `{str(batch_tokens): {mode: {"relative_step_throughput", "vs_split", "steps"}}}`.
     The draws depend only on (seed, window, batch size, step): every policy and mode
     sees the same tokens.
     """
     config.validate()
-    if len(placements) != trace.num_windows:
-        raise InputError(f"{len(placements)} placements for {trace.num_windows} windows")
+    by_mode = placements if isinstance(placements, Mapping) else dict.fromkeys(config.modes, placements)
+    for mode in config.modes:
+        if mode not in by_mode:
+            raise InputError(f"no placements for dispatch mode {mode!r}")
+        if len(by_mode[mode]) != trace.num_windows:
+            raise InputError(f"{len(by_mode[mode])} placements for {trace.num_windows} windows")
     windows = sampled_windows(trace.num_windows, config.sampled_windows)
     out: dict[str, Any] = {}
     for batch in config.batch_tokens:
@@ -131,7 +139,11 @@ def step_balance(
         steps = 0
         for w in windows:
             probs = window_probs(trace.counts[w])
-            replicas = gpu_replicas(np.asarray(placements[w], dtype=np.int64), trace.num_experts, num_gpus)
+            replicas_of: dict[int, np.ndarray] = {}  # one table per distinct placement
+            for mode in config.modes:
+                p2l = by_mode[mode][w]
+                if id(p2l) not in replicas_of:
+                    replicas_of[id(p2l)] = gpu_replicas(np.asarray(p2l, dtype=np.int64), trace.num_experts, num_gpus)
             for s in range(config.steps_per_window):
                 rng = np.random.default_rng([config.seed, int(w), batch, s])
                 counts = sample_step(rng, probs, num_gpus, batch, config.top_k)
@@ -139,6 +151,7 @@ def step_balance(
                 if config.shared_experts:
                     shared = np.full((trace.num_layers, num_gpus), batch * config.shared_experts)
                 for mode in config.modes:
+                    replicas = replicas_of[id(by_mode[mode][w])]
                     loads = dispatch_allocation(counts, replicas, mode, shared, config.waterfill_passes).sum(axis=1)
                     busiest[mode] += float(loads.max(axis=1).sum())
                 ideal += float(counts.sum()) / num_gpus
@@ -157,9 +170,40 @@ def step_balance(
     return out
 
 
+def decide_under_modes(trace: Trace, sim: SimConfig, config: StepConfig) -> dict[str, PolicyResult]:
+    """The adaptive policy run once per dispatch mode, deciding under it: the controller
+    predicts a placement's balance under the deployment's mode (`predicted_balance`), so
+    a placement worth a plan under `split` need not be one under `load`. The shared
+    expert's load is derived from the routed picks (`top_k`) when the model has one.
+
+    Returns: {mode: the adaptive PolicyResult of a simulator deciding under it}."""
+    config.validate()
+    top_k = config.top_k if config.shared_experts else 0
+    out: dict[str, PolicyResult] = {}
+    for mode in config.modes:
+        decided = replace(sim, dispatch_mode=mode, top_k=top_k)
+        out[mode] = Simulator(trace, decided).run("adaptive")
+    return out
+
+
 def attach_step_balance(
-    results: dict[str, PolicyResult], trace: Trace, num_gpus: int, config: StepConfig
+    results: dict[str, PolicyResult],
+    trace: Trace,
+    num_gpus: int,
+    config: StepConfig,
+    decided: Mapping[str, PolicyResult] | None = None,
 ) -> None:
-    """Fill every result's `dispatch` with `step_balance` of the placements it served."""
-    for result in results.values():
-        result.dispatch = step_balance(trace, result.placements, num_gpus, config)
+    """Fill every result's `dispatch` with `step_balance` of the placements it served;
+    the adaptive result's, with `decided` (`decide_under_modes`), from the placements of
+    the run that decided under each mode, and its plan count per mode under
+    `"decided_under_mode"`."""
+    for name, result in results.items():
+        if name == "adaptive" and decided is not None:
+            result.dispatch = step_balance(trace, {m: r.placements for m, r in decided.items()}, num_gpus, config)
+            result.dispatch_decisions = {
+                m: {"rebalances": r.rebalances, "slots_moved": r.slots_moved,
+                    "relative_throughput": round(r.relative_throughput, 6)}
+                for m, r in decided.items()
+            }
+        else:
+            result.dispatch = step_balance(trace, result.placements, num_gpus, config)

@@ -19,7 +19,13 @@ from rebalancer.placement.metrics import (
     waterfill,
 )
 from rebalancer.sim import SimConfig, TraceGenConfig, deepseek_v3_sources, make_trace, simulate
-from rebalancer.sim.steps import StepConfig, attach_step_balance, sample_step, step_balance
+from rebalancer.sim.steps import (
+    StepConfig,
+    attach_step_balance,
+    decide_under_modes,
+    sample_step,
+    step_balance,
+)
 from rebalancer.wire.dispatch import WATERFILL_UNITS, waterfill_tables
 
 G, P = 8, 40
@@ -121,6 +127,32 @@ def test_step_balance_per_policy_and_mode(sources: dict[str, np.ndarray]) -> Non
     assert again == results["static"].dispatch  # the same draws: deterministic
 
 
+def test_adaptive_decides_under_each_mode(sources: dict[str, np.ndarray]) -> None:
+    """The adaptive policy deciding under a load mode judges placements by the water-filled
+    balance (`predicted_balance`), so it sees less to gain and plans no more than under
+    split; each mode's figures then come from the placements of its own run."""
+    trace = make_trace(sources, TraceGenConfig(kind="phase", windows=12, seed=5, tokens_per_window=4096))
+    config = SimConfig(num_gpus=G, num_slots=P)
+    steps = StepConfig(batch_tokens=(64,), sampled_windows=6)
+    decided = decide_under_modes(trace, config, steps)
+    assert set(decided) == {"split", "load", "load+shared"}
+    plain = simulate(trace, config, ["adaptive"])["adaptive"]
+    assert decided["split"].rebalances == plain.rebalances  # split is what the plain run decides under
+    for got, want in zip(decided["split"].placements, plain.placements, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert decided["load+shared"].rebalances <= decided["split"].rebalances
+    assert decided["load"].rebalances <= decided["split"].rebalances
+    results = {"adaptive": plain}
+    attach_step_balance(results, trace, G, steps, decided)
+    by_mode = {m: r.placements for m, r in decided.items()}
+    assert plain.dispatch == step_balance(trace, by_mode, G, steps)
+    assert plain.summary()["decided_under_mode"]["split"]["rebalances"] == plain.rebalances
+    only_split = step_balance(trace, dict.fromkeys(steps.modes, decided["split"].placements), G, steps)
+    assert only_split["64"]["split"] == plain.dispatch["64"]["split"]  # split's own run is the baseline
+    with pytest.raises(InputError, match="no placements for dispatch mode 'load'"):
+        step_balance(trace, {"split": plain.placements}, G, steps)
+
+
 def test_step_config_refuses_bad_values() -> None:
     for bad in (StepConfig(batch_tokens=()), StepConfig(batch_tokens=(0,)),
                 StepConfig(modes=("even",)), StepConfig(sampled_windows=0),
@@ -138,6 +170,7 @@ def test_cli_dispatch_json(tmp_path: Path, sources: dict[str, np.ndarray], capsy
     assert "load+shared" in out  # the table
     last = json.loads(out.strip().splitlines()[-1])
     assert set(last["adaptive"]["dispatch"]["128"]) == {"split", "load", "load+shared"}
+    assert set(last["adaptive"]["decided_under_mode"]) == {"split", "load", "load+shared"}
     assert main([*base, "--batch-tokens", "128"]) == 2
     assert "need --dispatch" in capsys.readouterr().err
     assert main([*base, "--dispatch", "hash"]) == 2
