@@ -57,7 +57,6 @@ class HookBenchConfig:
     dispatch_slots: int = 288
     waterfill_passes: int = WATERFILL_PASSES
     compile_dispatch: int = 0  # 1: HookConfig.compile_dispatch (torch.compile, CUDA only)
-    waterfill_kernel: str = "torch"  # HookConfig.waterfill_kernel: torch | triton (CUDA only)
 
 
 def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -190,7 +189,6 @@ def dispatch_hook(cfg: HookBenchConfig, mode: str, dev: torch.device) -> Rebalan
         num_logical=E, num_slots=P, num_gpus=G, dispatch_mode=mode,  # type: ignore[arg-type]
         shared_expert=True, top_k=cfg.top_k, waterfill_passes=cfg.waterfill_passes,
         compile_dispatch=bool(cfg.compile_dispatch) and dev.type == "cuda",
-        waterfill_kernel=cfg.waterfill_kernel if dev.type == "cuda" else "torch",  # type: ignore[arg-type]
     )
     weights = {"w": torch.zeros(cfg.num_layers, P // G, 1, device=dev)}
 

@@ -148,7 +148,6 @@ class ReplicaDispatch:
         shared_expert: bool = False,
         waterfill_passes: int = WATERFILL_PASSES,
         compiled: bool = False,
-        waterfill_kernel: waterfill.WaterfillKernel = "torch",
     ) -> None:
         arr = _as_numpy_map(log2phy)
         if num_gpus <= 0 or not 0 <= rank < num_gpus:
@@ -193,12 +192,6 @@ class ReplicaDispatch:
         # `compiled`: the water-fill and assignment of a layer fused by torch.compile (a
         # few kernels instead of ~140 launches; CUDA only, compiled at the first call,
         # which must come before any graph capture: warm up eagerly first).
-        # `waterfill_kernel="triton"`: the water-fill passes as one kernel per layer (CUDA
-        # only; the same integers as the torch ops).
-        waterfill.check_waterfill_kernel(waterfill_kernel)
-        if waterfill_kernel == "triton" and by_load and self.device.type != "cuda":
-            raise ValueError('waterfill_kernel "triton" needs a CUDA device')
-        self._fill = waterfill.waterfill_function(waterfill_kernel) if by_load else waterfill.waterfill
         self._route_by_load = waterfill.route_by_load
         if compiled:
             if self.device.type != "cuda":
@@ -264,7 +257,7 @@ class ReplicaDispatch:
         flat = ids.reshape(-1).to(torch.int64)
         slot = self._route_by_load(
             flat, counts, self.fill_tables[layer], self.slot_on[layer], self.rank,
-            shared_movable, self.shared_expert, self.waterfill_passes, self._fill,
+            shared_movable, self.shared_expert, self.waterfill_passes,
         )
         return slot.view(ids.shape).to(ids.dtype)
 

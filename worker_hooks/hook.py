@@ -68,7 +68,6 @@ from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.migrate import MigrationAborted, MigrationConfig, MigrationExecutor, Transport
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap, replica_rows
-from worker_hooks.waterfill import WaterfillKernel, check_waterfill_kernel
 
 log = logging.getLogger("worker_hooks.hook")
 
@@ -108,9 +107,6 @@ class HookConfig:
     # Fuse each layer's water-fill with torch.compile (CUDA; compiled at the first step,
     # so run a step eagerly before capturing graphs). Off: ~140 small kernels per layer.
     compile_dispatch: bool = False
-    # Who runs the water-fill passes: "torch" ops (any device) or "triton", one kernel per
-    # layer (CUDA; worker_hooks/waterfill_triton.py), with or without compile_dispatch.
-    waterfill_kernel: WaterfillKernel = "torch"
     worker_id: str = ""
     token: str | None = None        # bearer token of the deployment (controller's worker_tokens)
     ca_file: str | None = None      # TLS to the controller
@@ -125,7 +121,6 @@ class HookConfig:
         _ = self.migration  # a bad transport or setting fails here, with its name
         check_dispatch_mode(self.dispatch_mode)  # InputError: a ValueError naming the choices
         check_waterfill_passes(self.waterfill_passes)
-        check_waterfill_kernel(self.waterfill_kernel)
         if has_shared_replicas(self.dispatch_mode) and not self.shared_expert:
             raise ValueError('dispatch_mode "load+shared" needs shared_expert=True')
 
@@ -210,7 +205,6 @@ class RebalanceHook(PlanHandlers):
             shared_expert=config.shared_expert,
             waterfill_passes=config.waterfill_passes,
             compiled=config.compile_dispatch and self._by_load,
-            waterfill_kernel=config.waterfill_kernel,
         )
         self.weights = weights
         self.executor = MigrationExecutor(

@@ -35,21 +35,13 @@ cumulative sum, the level, the damped move). `RebalanceHook.route` under load+sh
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from fractions import Fraction
-from typing import Literal, get_args
 
 import torch
 
-from rebalancer.errors import InputError
 from rebalancer.wire.dispatch import WATERFILL_DAMPING, WATERFILL_PASSES, WATERFILL_UNITS
 
-__all__ = ["WATERFILL_KERNELS", "WaterfillKernel", "allocate", "assign", "route_by_load", "split_units", "waterfill"]
-
-# Which code runs the water-fill passes: these torch ops (any device, a few kernels per
-# pass), or one Triton kernel per layer (CUDA only: worker_hooks/waterfill_triton.py).
-WaterfillKernel = Literal["torch", "triton"]
-WATERFILL_KERNELS: tuple[WaterfillKernel, ...] = get_args(WaterfillKernel)
+__all__ = ["allocate", "assign", "route_by_load", "split_units", "waterfill"]
 
 
 def split_units(counts: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -99,29 +91,12 @@ def round_allocation(share: torch.Tensor, demand: torch.Tensor, tail: torch.Tens
     return torch.diff(cum, dim=1, prepend=torch.zeros_like(cum[:, :1]))
 
 
-def check_waterfill_kernel(kernel: object) -> WaterfillKernel:
-    """`kernel` if it names a WaterfillKernel, else InputError (a ValueError) naming them."""
-    if kernel not in WATERFILL_KERNELS:
-        raise InputError(f"waterfill_kernel must be one of {', '.join(WATERFILL_KERNELS)}, got {kernel!r}")
-    return kernel  # type: ignore[return-value]
-
-
-def waterfill_function(kernel: WaterfillKernel) -> Callable[..., torch.Tensor]:
-    """`waterfill`, or its one-kernel twin (the same integers) for "triton"."""
-    if check_waterfill_kernel(kernel) == "triton":
-        from worker_hooks import waterfill_triton  # triton only where asked for
-
-        return waterfill_triton.waterfill
-    return waterfill
-
-
 def allocate(
     counts: torch.Tensor,
     tables: torch.Tensor,
     shared_movable: bool,
     shared_column: bool,
     passes: int = WATERFILL_PASSES,
-    fill: Callable[..., torch.Tensor] = waterfill,
 ) -> torch.Tensor:
     """Whole tokens each GPU computes of each expert this step (every rank the same).
 
@@ -129,19 +104,19 @@ def allocate(
     the shared expert last); tables: [5, X, G] int64 (`waterfill_tables` of the layer's
     replicas, the shared row held once by every GPU). shared_movable: the shared expert
     is water-filled too (`load+shared`), else its tokens stay local as fixed load
-    (`load`). fill: `waterfill` or its twin (`waterfill_function`). Returns: [X, G] int64.
+    (`load`). Returns: [X, G] int64.
     """
     demand = counts.sum(dim=0)
     if shared_column and not shared_movable:
         routed = counts[:, :-1]
-        share = fill(
+        share = waterfill(
             demand[:-1] * WATERFILL_UNITS, split_units(routed, tables[:, :-1]), tables[1, :-1],
             counts[:, -1] * WATERFILL_UNITS, passes,
         )
         out = round_allocation(share, demand[:-1], tables[4, :-1])
         return torch.cat([out, counts[:, -1].unsqueeze(0)], dim=0)
     # The shared row is held by every GPU: its split start is each rank's own tokens.
-    share = fill(demand * WATERFILL_UNITS, split_units(counts, tables), tables[1], None, passes)
+    share = waterfill(demand * WATERFILL_UNITS, split_units(counts, tables), tables[1], None, passes)
     return round_allocation(share, demand, tables[4])
 
 
@@ -185,9 +160,8 @@ def assign(
 def route_by_load(
     ids: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, slot_on: torch.Tensor, rank: int,
     shared_movable: bool, shared_column: bool, passes: int,
-    fill: Callable[..., torch.Tensor] = waterfill,
 ) -> torch.Tensor:
     """`allocate` then `assign`: one layer's picks [N] -> slots [N] (one function, so that
     `torch.compile` can fuse the whole of it: ReplicaDispatch's `compiled`)."""
-    alloc = allocate(counts, tables, shared_movable, shared_column, passes, fill)
+    alloc = allocate(counts, tables, shared_movable, shared_column, passes)
     return assign(ids, counts, alloc, rank, slot_on)

@@ -129,10 +129,7 @@ def test_the_walk_sees_a_forbidden_edge(tmp_path: Path) -> None:
 def test_importing_worker_hooks_loads_neither_controller_nor_placement_nor_scipy() -> None:
     torch = pytest.importorskip("torch")  # noqa: F841
     # deepep.py included: it must import deep_ep only when an adapter is built.
-    # waterfill_triton.py left out: it is the Triton kernel, imported (with triton) only
-    # when a CUDA dispatch asks for it; nothing else may load triton.
-    modules = sorted(module_name(p) for p in (ROOT / "worker_hooks").rglob("*.py")
-                     if p.name != "waterfill_triton.py")
+    modules = sorted(module_name(p) for p in (ROOT / "worker_hooks").rglob("*.py"))
     code = (
         "import importlib, json, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
@@ -143,5 +140,5 @@ def test_importing_worker_hooks_loads_neither_controller_nor_placement_nor_scipy
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert "worker_hooks.hook" in loaded and "worker_hooks.migrate" in loaded
     leaked = [m for m in loaded if m.startswith(("rebalancer.controller", "rebalancer.placement",
-                                                   "rebalancer.sim", "scipy", "deep_ep", "triton"))]
+                                                   "rebalancer.sim", "scipy", "deep_ep"))]
     assert leaked == []
