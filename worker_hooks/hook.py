@@ -344,14 +344,18 @@ class RebalanceHook(PlanHandlers):
         if cfg.shared_expert:
             shared = torch.full_like(topk_ids[:, :1], cfg.num_logical)
             ids = torch.cat([topk_ids, shared], dim=1)
-        self.recorder.record(layer, ids)
         if not self._by_load:
+            self.recorder.record(layer, ids)
             phys = self.dispatch.dispatch(layer, topk_ids)
             if cfg.shared_expert:
                 own = torch.full_like(phys[:, :1], self._num_rows + cfg.rank)
                 phys = torch.cat([phys, own], dim=1)
         else:
-            counts = self._gather_counts(self.dispatch.count_picks(ids))
+            # The picks per expert the water-fill needs are what the recorder counts:
+            # counted once (one scatter-add over the picks fewer per layer and step).
+            local = self.dispatch.count_picks(ids)
+            self.recorder.add_logical_counts(layer, local)
+            counts = self._gather_counts(local)
             phys = self.dispatch.dispatch_by_load(
                 layer, ids, counts, has_shared_replicas(cfg.dispatch_mode)
             )

@@ -101,6 +101,17 @@ class ExpertRecorder:
             raise ValueError("record_physical needs num_physical at construction")
         self._add(layer, phys_ids, base=self._n_log, width=self.num_physical)
 
+    def add_logical_counts(self, layer: int, counts: torch.Tensor) -> None:
+        """Add one step's dense per-expert counts [num_logical] of `layer` (what `record`
+        would count from the ids, when the caller has counted them already)."""
+        if not is_layer_index(layer, self.num_layers):
+            raise ValueError(
+                f"needs an explicit layer index in [0, {self.num_layers}), got {layer!r}"
+            )
+        if counts.shape != (self.num_logical,):
+            raise ValueError(f"counts of shape {tuple(counts.shape)}, expected ({self.num_logical},)")
+        self.logical_counts[layer] += counts.to(torch.int64)
+
     def add_physical_counts(self, layer: int, first_slot: int, counts: torch.Tensor) -> None:
         """Add dense per-slot counts (e.g. DeepEP's receive counts) from `first_slot` on."""
         if self.physical_counts is None:

@@ -29,8 +29,10 @@ is the number of kernels, ~2 us each even replayed from a graph. Everything that
 only on the placement (`tables`, rebalancer.wire.dispatch.waterfill_tables) is computed
 once per placement, not per step; a pass is 14 kernels (the loads, the sort, the
 cumulative sum, the level, the damped move). `RebalanceHook.route` under load+shared is
-139 kernel-launching ops per layer with 4 passes (split: 38), against 360 with the
-8 float64 passes before (bench/gpu_hooks.py `dispatch_<mode>_ops_per_layer`).
+136 kernel-launching ops per layer with 4 passes (split: 38); `torch.compile` fuses them
+into a few kernels (HookConfig.compile_dispatch). The largest single cost left is the
+stable sort of a step's picks by expert in `assign`, a radix sort: its key is int16, 2
+passes over the picks instead of 8 (BENCHMARKS.md, "Dispatch modes in the CUDA graph").
 """
 
 from __future__ import annotations
@@ -137,7 +139,11 @@ def assign(
     """
     num_gpus, num_experts = counts.shape
     valid = (ids >= 0) & (ids < num_experts)
-    sorted_key, order = torch.sort(torch.where(valid, ids, num_experts), stable=True)
+    # The narrowest key the experts fit: a radix sort makes one pass per byte of key, so
+    # int16 (X < 2^15, always in practice) sorts in 2 passes where int64 takes 8.
+    key_type = torch.int16 if num_experts < (1 << 15) else torch.int32
+    sorted_key, order = torch.sort(torch.where(valid, ids, num_experts).to(key_type), stable=True)
+    sorted_key = sorted_key.to(torch.int64)
     own = counts[rank]  # [X]
     first = torch.cumsum(own, dim=0) - own  # [X] exclusive
     position = torch.empty_like(ids)  # every element written by the scatter below
