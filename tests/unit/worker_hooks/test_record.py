@@ -155,3 +155,19 @@ def test_take_window_merges_an_unpolled_snapshot() -> None:
     rec.record(0, torch.tensor([0, 2]))
     logical, _ = rec.take_window()
     np.testing.assert_array_equal(logical, [[2, 0, 1]])
+
+
+def test_dense_logical_counts_add_what_record_would_count() -> None:
+    """The dispatch by load counts a step's picks per expert once and hands the vector to
+    the recorder (`add_logical_counts`): the same counts as `record` on the ids."""
+    ids = torch.tensor([[0, 3, 3], [-1, 2, 9], [3, 0, 1]])  # -1 padding, 9 out of range
+    by_ids = ExpertRecorder(num_layers=2, num_logical=4)
+    by_ids.record(1, ids)
+    dense = ExpertRecorder(num_layers=2, num_logical=4)
+    dense.add_logical_counts(1, torch.tensor([2, 1, 1, 3]))
+    assert torch.equal(by_ids.logical_counts, dense.logical_counts)
+    with pytest.raises(ValueError, match="expected \\(4,\\)"):
+        dense.add_logical_counts(0, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="layer index"):
+        dense.add_logical_counts(2, torch.tensor([1, 2, 3, 4]))
+    assert torch.equal(by_ids.logical_counts, dense.logical_counts)  # refused: nothing added
