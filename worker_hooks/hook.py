@@ -478,7 +478,8 @@ class RebalanceHook(PlanHandlers):
                 raise RuntimeError("rank is shutting down")
             self.after_transfers(version)
             rows = self.executor.staged_rows
-            assert rows is not None
+            if rows is None:  # an Abort dropped the staging after the transfers (on_abort reported it)
+                raise MigrationAborted(f"plan v{version} aborted while its weights were staged")
             self.dispatch.stage(self._row_map_of(new, self.rows.row_ids(rows)))
             self._staged_phy2log = {version: new}
         except MigrationAborted:

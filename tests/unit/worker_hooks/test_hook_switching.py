@@ -108,3 +108,29 @@ def test_finish_waits_for_every_plans_transfers(tmp_path: Path) -> None:
     finally:
         release.set()
         dist.destroy_process_group()
+
+
+def test_an_abort_right_after_the_transfers_is_no_failure(tmp_path: Path) -> None:
+    """Found by the chaos campaign: an Abort that dropped the staging between the end of a
+    plan's transfers and the staging of its maps failed an assertion, and the rank reported
+    FAILED with an empty reason. Now the plan simply ends aborted (its Abort was reported)."""
+
+    class AbortedThen(RebalanceHook):
+        def after_transfers(self, version: int) -> None:
+            self.on_abort(version, "the controller gave up")  # arrives on the agent thread right then
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
+                            num_slots=P, num_gpus=G, window_steps=10**6, agree_every=1)
+        old = trivial_placement(L, E, P, G)
+        new = np.stack([np.roll(old[layer], 1) for layer in range(L)])
+        hook = AbortedThen(config, old, {"w": torch.zeros(L, P, 1)}, dist.group.WORLD, dist.group.WORLD)
+        reports: list[tuple[int, int, str]] = []
+        hook.agent.report = lambda version, phase, **kw: reports.append((version, phase, kw.get("error", "")))  # type: ignore[method-assign]
+        hook._prepare(prepare(1, 0, old, new))
+        assert (hook.stats.prepared, hook.stats.failed, hook.stats.aborted) == (0, 0, 1)
+        assert reports == [(1, pb.PLAN_PHASE_ABORTED, "")]
+        assert 1 not in hook._staged_phy2log
+    finally:
+        dist.destroy_process_group()
