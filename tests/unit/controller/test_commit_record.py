@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rebalancer.controller.coordinate import PlanState
+from rebalancer.controller.coordinate import Plan, PlanState
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
@@ -39,7 +39,8 @@ def streaming(ctl: Controller, version: int = 0) -> tuple[list[str], list[tuple[
     return sessions, sent
 
 
-def prepared_everywhere(db: Path, clock: FakeClock) -> tuple[Controller, list[tuple[int, str, int]], int]:
+def forced(db: Path, clock: FakeClock) -> tuple[Controller, list[str], list[tuple[int, str, int]], Plan]:
+    """A controller on `db` with both ranks streaming and a forced plan preparing."""
     ctl = Controller(Store(db), POLICY, clock=clock)
     sessions, sent = streaming(ctl)
     dep = ctl.deployment("d")
@@ -47,6 +48,11 @@ def prepared_everywhere(db: Path, clock: FakeClock) -> tuple[Controller, list[tu
         ctl.ingest(dep, rank, 0, 0, SKEWED, None)
     _, plan = ctl.force("d")
     assert plan is not None
+    return ctl, sessions, sent, plan
+
+
+def prepared_everywhere(db: Path, clock: FakeClock) -> tuple[Controller, list[tuple[int, str, int]], int]:
+    ctl, sessions, sent, plan = forced(db, clock)
     for sid in sessions:
         ctl.report(sid, plan.version, "prepared")
     return ctl, sent, plan.version
@@ -112,13 +118,8 @@ def test_ranks_that_restarted_on_the_base_version_move_on(tmp_path: Path) -> Non
 
 def test_a_store_refusing_the_commit_record_aborts_before_any_commit(tmp_path: Path) -> None:
     clock = FakeClock(100.0)
-    ctl = Controller(Store(tmp_path / "c.sqlite"), POLICY, clock=clock)
-    sessions, sent = streaming(ctl)
+    ctl, sessions, sent, plan = forced(tmp_path / "c.sqlite", clock)
     dep = ctl.deployment("d")
-    for rank in range(SHAPE.num_gpus):
-        ctl.ingest(dep, rank, 0, 0, SKEWED, None)
-    _, plan = ctl.force("d")
-    assert plan is not None
     ctl.report(sessions[0], plan.version, "prepared")
     ctl.store._db.execute("PRAGMA query_only = ON")  # SQLite now refuses every write
     ctl.report(sessions[1], plan.version, "prepared")

@@ -29,6 +29,16 @@ def prepare(version: int, base: int, old: np.ndarray, new: np.ndarray) -> pb.Pre
     return msg
 
 
+def one_rank_hook(cls: type[RebalanceHook]) -> tuple[RebalanceHook, np.ndarray, np.ndarray]:
+    """A `cls` hook of rank 0 of 1 (gloo WORLD initialised by the test), its placement and
+    a plan's placement (every layer's slots rolled by one)."""
+    config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
+                        num_slots=P, num_gpus=G, window_steps=10**6, agree_every=1)
+    old = trivial_placement(L, E, P, G)
+    new = np.stack([np.roll(old[layer], 1) for layer in range(L)])
+    return cls(config, old, {"w": torch.zeros(L, P, 1)}, dist.group.WORLD, dist.group.WORLD), old, new
+
+
 def test_a_prepare_while_switching_is_refused_and_the_switch_completes(tmp_path: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
@@ -62,11 +72,7 @@ def test_a_prepare_that_comes_twice_runs_once(tmp_path: Path) -> None:
     take its peers' messages twice."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
-        config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                            num_slots=P, num_gpus=G, window_steps=10**6, agree_every=1)
-        old = trivial_placement(L, E, P, G)
-        new = np.stack([np.roll(old[layer], 1) for layer in range(L)])
-        hook = RebalanceHook(config, old, {"w": torch.zeros(L, P, 1)}, dist.group.WORLD, dist.group.WORLD)
+        hook, old, new = one_rank_hook(RebalanceHook)
         for _ in range(2):
             hook.on_prepare(prepare(1, 0, old, new))
             assert hook._migration is not None
@@ -85,21 +91,21 @@ def test_finish_waits_for_every_plans_transfers(tmp_path: Path) -> None:
     import threading
 
     release = threading.Event()
+    inside = threading.Event()
 
     class Stuck(RebalanceHook):
         def after_transfers(self, version: int) -> None:
             if version == 1:
+                inside.set()
                 release.wait(30)  # stands in for a transfer waiting on a peer that left
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
-        config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                            num_slots=P, num_gpus=G, window_steps=10**6, agree_every=1)
-        old = trivial_placement(L, E, P, G)
-        new = np.stack([np.roll(old[layer], 1) for layer in range(L)])
-        hook = Stuck(config, old, {"w": torch.zeros(L, P, 1)}, dist.group.WORLD, dist.group.WORLD)
+        hook, old, new = one_rank_hook(Stuck)
         hook.start()  # its agent retries a controller that is not there: no matter
         hook.on_prepare(prepare(1, 0, old, new))  # stuck
+        # v1 past its transfers first: a Prepare that came while they ran would abort them
+        assert inside.wait(30)
         hook.on_prepare(prepare(2, 0, old, new))  # the controller moved on (v1 timed out)
         assert hook._migration is not None
         hook._migration.join(30)
@@ -121,11 +127,7 @@ def test_an_abort_right_after_the_transfers_is_no_failure(tmp_path: Path) -> Non
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
-        config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                            num_slots=P, num_gpus=G, window_steps=10**6, agree_every=1)
-        old = trivial_placement(L, E, P, G)
-        new = np.stack([np.roll(old[layer], 1) for layer in range(L)])
-        hook = AbortedThen(config, old, {"w": torch.zeros(L, P, 1)}, dist.group.WORLD, dist.group.WORLD)
+        hook, old, new = one_rank_hook(AbortedThen)
         reports: list[tuple[int, int, str]] = []
         hook.agent.report = lambda version, phase, **kw: reports.append((version, phase, kw.get("error", "")))  # type: ignore[method-assign]
         hook._prepare(prepare(1, 0, old, new))
