@@ -33,10 +33,8 @@ from rebalancer.controller.coordinate import (
     Aborted,
     Plan,
     PlanState,
-    Ranks,
     Transition,
     Unconfirmed,
-    who,
 )
 from rebalancer.controller.deployment import Deployment, Observers, Session
 from rebalancer.controller.errors import StateError
@@ -54,7 +52,6 @@ class Plans:
         # in order: retried at every tick until written. The plan's outcome is decided and
         # told to the ranks regardless; only the record waits.
         self._unwritten: dict[str, list[Callable[[], None]]] = {}
-        self._unadoptable: set[tuple[str, int]] = set()  # (deployment, version) logged once
 
     def start(self, dep: Deployment, new: np.ndarray, trigger: str, now: float) -> Plan:
         """Store plan v+1 toward `new` and send Prepare to every connected rank."""
@@ -132,26 +129,6 @@ class Plans:
         else:
             raise StateError("INVALID_ARGUMENT", f"plan phase {phase!r} is not reportable")
         self.apply(dep, t)
-
-    def serving(self, dep: Deployment, ranks: Ranks, version: int) -> None:
-        """A window shows `ranks` serving `version`. Above the committed version, the ranks
-        switched to it (all together, invariant 2), whatever became of their confirmation:
-        lost with a link, refused by a controller that had restarted, dropped by a sidecar
-        that had. The window stands for that confirmation, so the controller never plans
-        from a placement no rank serves any more (invariant 7)."""
-        if version <= dep.version:
-            return
-        plan, now = dep.plan, self.clock()
-        try:
-            if plan is not None and plan.version == version:
-                if plan.state in (PlanState.COMMITTING, PlanState.COMMITTED):
-                    self.apply(dep, coordinate.on_committed(plan, ranks, now))
-                return  # still preparing: no rank can serve it yet
-            self._report_off_plan(dep, who(ranks), version, "committed", now)
-        except StateError as exc:
-            if (dep.name, version) not in self._unadoptable:  # once, not once per window
-                self._unadoptable.add((dep.name, version))
-                log.error("%s: %s serve v%d, not adopted: %s", dep.name, who(ranks), version, exc)
 
     def _report_off_plan(self, dep: Deployment, label: str, version: int, phase: str, now: float) -> None:
         """A report (by `label`: "rank 3", "ranks 0-7 (pod p)") of a version that is not the

@@ -85,9 +85,7 @@ class Controller:
         logical: np.ndarray, physical: np.ndarray | None,
     ) -> bool:
         """Merge one session's window (a group's: summed over its ranks) and fold what
-        became complete; False for a duplicate. A window on a newer version than the
-        committed one confirms the switch to it first (its counts are on that placement)."""
-        self.plans.serving(dep, rank, version)
+        became complete; False for a duplicate."""
         return self.folder.ingest(dep, rank, seq, version, logical, physical)
 
     def report(self, session_id: str, version: int, phase: str, error: str = "") -> None:
