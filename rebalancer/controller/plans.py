@@ -1,9 +1,10 @@
 """A plan's life on the controller: start, fan out, follow the ranks' reports, finish.
 
 coordinate.py is the pure state machine; this module does what its transitions say:
-store the plan before any rank hears of it, queue Prepare / Commit / Abort on every
-session's stream, resend the phase a reconnecting session missed, commit to the store on
-the first confirmation, and tell the observers. One plan in flight per deployment.
+store the plan before any rank hears of it (and "committing" before any rank hears its
+Commit), queue Prepare / Commit / Abort on every session's stream, resend the phase a
+reconnecting session missed, commit to the store on the first confirmation, and tell the
+observers. One plan in flight per deployment.
 
 A session is one rank or a group of ranks (a pod's sidecar): a group's report counts for
 each of its ranks, and its stream ending is a disconnect of all of them.
