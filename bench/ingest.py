@@ -31,7 +31,8 @@ server that acks each window without decoding it: what gRPC itself costs.
 
 The last line with --json is one JSON object: the controller's figures (`ranks`, `pods`
 (0: direct), `windows_per_second` = rank windows ingested per second, `messages_per_second`,
-`p50_ms`, `p99_ms`, `controller_cpu_cores`, `decision_worker_cpu_cores`, the 1/5/15-min
+`p50_ms`, `p99_ms`, `controller_cpu_cores`, `decision_worker_cpu_cores`,
+`generator_cpu_cores` (the load generators share the machine), the 1/5/15-min
 load average at the start and end of the measured interval, ...), the same for the
 baseline under `baseline`, the machine and the date. `--no-decisions` pauses the policy:
 ingest alone, without the estimate-and-decide work and plans that otherwise run.
@@ -133,8 +134,14 @@ def pod_windows(counts: np.ndarray, ranks_per_pod: int, variants: int = POD_VARI
 
 
 def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, seconds: float,
-               warmup: float, windows: list[np.ndarray], drain: float, ready: Any, go: Any, out: Any) -> None:
-    """Speaks for `units`: ranks (direct) or pods of `ranks_per_pod` ranks (sidecars)."""
+               warmup: float, windows: list[np.ndarray], drain: float, ready: Any, go: Any, out: Any,
+               niceness: int = 0) -> None:
+    """Speaks for `units`: ranks (direct) or pods of `ranks_per_pod` ranks (sidecars).
+    `niceness`: the generators stand for remote pods, which in a cluster do not share the
+    controller's cores; on a 2-core machine they do, and `--generator-nice` lowers their
+    priority below the controller's (the figure then says so)."""
+    if niceness:
+        os.nice(niceness)
     import grpc
 
     from rebalancer.v1 import rebalancer_pb2 as pb
@@ -259,14 +266,15 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
 
 
 def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate: float, seconds: float,
-             processes: int, windows: list[np.ndarray], warmup: float = 3.0, drain: float = 2.0) -> dict[str, Any]:
+             processes: int, windows: list[np.ndarray], warmup: float = 3.0, drain: float = 2.0,
+             generator_nice: int = 0) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ready, out = ctx.Queue(), ctx.Queue()
     units = ranks // ranks_per_pod
     shards = [list(range(i, units, processes)) for i in range(processes)]
     gos = [ctx.Queue() for _ in shards]
     gens = [ctx.Process(target=_generator, args=(address, s, ranks_per_pod, rate, seconds, warmup, windows, drain,
-                                                 ready, go, out), daemon=True)
+                                                 ready, go, out, generator_nice), daemon=True)
             for s, go in zip(shards, gos, strict=True)]
     try:
         for g in gens:
@@ -280,9 +288,10 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
         time.sleep(max(0.0, start + warmup - time.monotonic()))  # warm-up is not measured either
         load0 = load_average()
         kids = _children(server_pid)  # the decision worker
-        cpu0, kcpu0, t0 = _cpu_seconds(server_pid), _cpu_of(kids), time.monotonic()
+        gen_pids = [g.pid for g in gens if g.pid is not None]
+        cpu0, kcpu0, gcpu0, t0 = _cpu_seconds(server_pid), _cpu_of(kids), _cpu_of(gen_pids), time.monotonic()
         time.sleep(max(0.0, start + warmup + seconds - time.monotonic()))
-        cpu1, kcpu1, t1 = _cpu_seconds(server_pid), _cpu_of(kids), time.monotonic()
+        cpu1, kcpu1, gcpu1, t1 = _cpu_seconds(server_pid), _cpu_of(kids), _cpu_of(gen_pids), time.monotonic()
         load1 = load_average()
         results = [out.get(timeout=120) for _ in gens]
         for g in gens:
@@ -310,6 +319,10 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
         "controller_cpu_cores": (cpu1 - cpu0) / (t1 - t0),
         "decision_worker_cpu_cores": sum(kcpu1[p] - kcpu0[p] for p in kcpu1 if p in kcpu0) / (t1 - t0),
+        # The load generators share this machine (2 cores here): what they took, and at
+        # which niceness (0: the controller's own).
+        "generator_cpu_cores": sum(gcpu1[p] - gcpu0[p] for p in gcpu1 if p in gcpu0) / (t1 - t0),
+        "generator_nice": generator_nice,
         "mb_per_second": messages * nbytes / 1e6,
         # Plan commits reported by the sessions (group sessions report for their ranks);
         # counted over the whole run, warm-up included.
@@ -330,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=3.0, help="seconds sent before the measured interval")
     p.add_argument("--processes", type=int, default=2, help="load-generator processes")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--generator-nice", type=int, default=0, metavar="N",
+                   help="run the load generators at this niceness (they stand for remote pods; "
+                   "here they share the controller's cores)")
     p.add_argument("--no-decisions", action="store_true",
                    help="pause the controller's policy (ingest alone: no estimate-and-decide, no plans)")
     p.add_argument("--ack-interval", type=float, default=1.0,
@@ -352,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     windows = [counts] if args.ranks_per_pod == 1 else pod_windows(counts, args.ranks_per_pod)
     drain = args.ack_interval + 1.0
     load = {"ranks": args.ranks, "ranks_per_pod": args.ranks_per_pod, "rate": args.rate, "seconds": args.seconds,
-            "processes": args.processes, "windows": windows, "warmup": args.warmup, "drain": drain}
+            "processes": args.processes, "windows": windows, "warmup": args.warmup, "drain": drain,
+            "generator_nice": args.generator_nice}
 
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -398,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:16s} {r['ranks']} ranks ({who}): {r['windows_per_second']:8.0f} rank windows/s of "
               f"{r['offered_windows_per_second']:.0f} offered ({r['messages_per_second']:.0f} messages/s), "
               f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {r['controller_cpu_cores']:.2f} cores "
-              f"(+{r['decision_worker_cpu_cores']:.2f} decision worker), {r['mb_per_second']:.0f} MB/s, "
+              f"(+{r['decision_worker_cpu_cores']:.2f} decision worker; generators "
+              f"{r['generator_cpu_cores']:.2f} at nice {r['generator_nice']}), {r['mb_per_second']:.0f} MB/s, "
               f"load {r['load_avg_start'][0]:.2f} -> {r['load_avg_end'][0]:.2f}")
     if args.record:
         record(args, rows)
