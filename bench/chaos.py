@@ -710,6 +710,21 @@ class Harness:
     def run(self) -> dict[str, Any]:
         start = time.monotonic()
         try:
+            self._run(start)
+        except BaseException:  # an error or SIGTERM: no tmpfs or folder is left behind either
+            self.release_files()
+            raise
+        return self.report(time.monotonic() - start)
+
+    def release_files(self) -> None:
+        """Unmount the store's tmpfs and remove the run's folder (kept with --keep)."""
+        if self.tmpfs:
+            subprocess.run(["umount", "-l", str(self.store_dir)], capture_output=True)
+        if not self.cfg.keep:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _run(self, start: float) -> None:
+        try:
             self.setup()
             self.say(f"up: controller :{self.port}, {self.cfg.pods} sidecars, {self.cfg.workers} ranks; "
                      f"store on {'tmpfs' if self.tmpfs else 'disk'}; {self.tmp}")
@@ -737,7 +752,6 @@ class Harness:
         finally:
             self.track_descendants()
             self.teardown()
-        return self.report(time.monotonic() - start)
 
     def finish_group(self) -> None:
         """End the live group at one step on every rank and check its final results."""
@@ -939,6 +953,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = ChaosConfig(seconds=args.seconds, seed=args.seed, workers=args.workers, pods=args.pods,
                          kinds=kinds, keep=args.keep, progress=not args.quiet)
+    # SIGTERM (a timeout, an operator) ends the run like Ctrl-C: every process, the store's
+    # tmpfs and the run's folder are released on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     result = run_chaos(config)
     if args.json:
         print(json.dumps(result))

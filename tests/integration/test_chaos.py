@@ -32,3 +32,48 @@ def test_short_chaos_campaign_keeps_every_invariant() -> None:
     assert result["controller_recovery_seconds_p99"] < config.recovery_bound_seconds
     assert result["max_step_wait_ms"] <= config.step_wait_bound_ms
     assert result["steps_logged"] > 0 and result["plans_committed"] >= 1
+
+
+def test_sigterm_ends_the_harness_with_nothing_left_behind() -> None:
+    """A campaign cut short (a CI timeout, an operator's Ctrl-C or SIGTERM) leaves no
+    process, no tmpfs mount and no run folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.chaos", "--seconds", "60", "--workers", "2", "--pods", "2",
+         "--kinds", "latency", "--json"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        folder = None
+        deadline = time.monotonic() + 120
+        while folder is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            if "] up: " in line:
+                folder = line.rstrip().rsplit("; ", 1)[-1]
+        assert folder is not None and Path(folder).is_dir(), "the harness did not come up"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not Path(folder).exists()
+    assert folder not in Path("/proc/mounts").read_text()
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if folder in cmdline:
+            left.append(cmdline)
+    assert left == []
