@@ -511,15 +511,7 @@ class Harness:
                 return
             assert proc is not None
             self.say(f"{sig.name} sidecar {pod}")
-            proc.send_signal(sig)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.violation(f"sidecar {pod} still running 10 s after {sig.name}")
-                proc.kill()
-                proc.wait()
-            if sig == signal.SIGTERM and proc.returncode != 0:
-                self.violation(f"sidecar {pod} exited {proc.returncode} on SIGTERM: {self.tail(f'sidecar{pod}.log')}")
+            self.stop(proc, sig, f"sidecar {pod}", f"sidecar{pod}.log", 10.0)
             self.start_sidecar(pod)
             self.out.sidecar_restarts += 1
         else:
@@ -577,20 +569,25 @@ class Harness:
                 return
             time.sleep(0.1)
 
+    def stop(self, proc: subprocess.Popen[Any], sig: signal.Signals, name: str, log: str, seconds: float) -> None:
+        """Send `sig` and wait for the exit: still running after `seconds`, or a SIGTERM
+        answered with a non-zero exit, is a finding (the process is killed either way)."""
+        proc.send_signal(sig)
+        try:
+            proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            self.violation(f"{name} still running {seconds:g} s after {sig.name}")
+            proc.kill()
+            proc.wait()
+        if sig == signal.SIGTERM and proc.returncode != 0:
+            self.violation(f"{name} exited {proc.returncode} on SIGTERM: {self.tail(log)}")
+
     def kill_controller(self, sig: signal.Signals, torn_wal: bool = False) -> None:
         proc = self.controller
         assert proc is not None
         start = time.monotonic()
         self.say(f"{sig.name} controller" + (", then a torn frame on its WAL" if torn_wal else ""))
-        proc.send_signal(sig)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.violation(f"controller still running 15 s after {sig.name}")
-            proc.kill()
-            proc.wait()
-        if sig == signal.SIGTERM and proc.returncode != 0:
-            self.violation(f"controller exited {proc.returncode} on SIGTERM: {self.tail('controller.log')}")
+        self.stop(proc, sig, "controller", "controller.log", 15.0)
         if torn_wal:
             self.tear_wal()
         self.restart_controller(start)
@@ -885,12 +882,9 @@ class Harness:
     def report(self, seconds: float) -> dict[str, Any]:
         figures = self.check_logs()
         leaked = self.leaked()
-        if self.tmpfs:
-            # Keep the store for a look when asked; the tmpfs goes either way.
-            if self.cfg.keep:
-                with contextlib.suppress(OSError):
-                    shutil.copytree(self.store_dir, self.tmp / "store-copy", ignore=shutil.ignore_patterns("ballast"))
-            subprocess.run(["umount", "-l", str(self.store_dir)], capture_output=True)
+        if self.tmpfs and self.cfg.keep:  # keep the store for a look; the tmpfs goes either way
+            with contextlib.suppress(OSError):
+                shutil.copytree(self.store_dir, self.tmp / "store-copy", ignore=shutil.ignore_patterns("ballast"))
         rec = sorted(self.out.recoveries)
         p99 = float(np.percentile(rec, 99)) if rec else 0.0
         if rec and p99 > self.cfg.recovery_bound_seconds:
@@ -923,9 +917,8 @@ class Harness:
             "sidecars": self.cfg.pods,
             "load_avg": round(os.getloadavg()[0], 2),
         }
-        if not self.cfg.keep:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        else:
+        self.release_files()
+        if self.cfg.keep:
             result["kept"] = str(self.tmp)
         return result
 

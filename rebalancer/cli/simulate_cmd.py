@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         from rebalancer.sim.steps import attach_step_balance, decide_under_modes
 
         # The adaptive policy decides under each mode it is modelled in, as the controller does.
-        decided = decide_under_modes(trace, config, steps) if "adaptive" in results else None
+        decided = decide_under_modes(trace, config, steps, results["adaptive"]) if "adaptive" in results else None
         attach_step_balance(results, trace, config.num_gpus, steps, decided)
     if args.plot:
         from rebalancer.sim.plot import plot_balancedness

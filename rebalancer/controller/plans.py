@@ -30,13 +30,7 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import coordinate, reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import (
-    Aborted,
-    Plan,
-    PlanState,
-    Transition,
-    Unconfirmed,
-)
+from rebalancer.controller.coordinate import Aborted, Plan, PlanState, Transition, Unconfirmed
 from rebalancer.controller.deployment import Deployment, Observers, Session
 from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
@@ -117,7 +111,7 @@ class Plans:
         plan = dep.plan
         now = self.clock()
         if plan is None or plan.version != version:
-            self._report_off_plan(dep, session.label, version, phase, now)
+            self._report_off_plan(dep, session, version, phase, now)
             return
         if phase == "prepared":
             t = coordinate.on_prepared(plan, session.ranks, now)
@@ -131,9 +125,8 @@ class Plans:
             raise StateError("INVALID_ARGUMENT", f"plan phase {phase!r} is not reportable")
         self.apply(dep, t)
 
-    def _report_off_plan(self, dep: Deployment, label: str, version: int, phase: str, now: float) -> None:
-        """A report (by `label`: "rank 3", "ranks 0-7 (pod p)") of a version that is not the
-        plan in flight."""
+    def _report_off_plan(self, dep: Deployment, session: Session, version: int, phase: str, now: float) -> None:
+        """A report of a version that is not the plan in flight."""
         plan = dep.plan
         if version == dep.version and phase in ("committed", "prepared"):
             return  # late confirmation of a plan already finished: harmless
@@ -142,11 +135,11 @@ class Plans:
                 and plan.state is PlanState.PREPARING and plan.base_version < version):
             # The ranks switched to a plan the controller had given up on: the plan in
             # flight is based on an older version and cannot prepare anywhere.
-            self.apply(dep, coordinate.abort(plan, f"{label} serves v{version}, the plan is based "
+            self.apply(dep, coordinate.abort(plan, f"{session.label} serves v{version}, the plan is based "
                                                    f"on v{plan.base_version}"))
             plan = dep.plan
         if phase == "committed" and known is not None and plan is None:
-            reconcile.adopt(self.store, dep, version, known, f"{label} confirmed it late", now)
+            reconcile.adopt(self.store, dep, version, known, f"{session.label} confirmed it late", now)
             return
         latest = max(dep.version, plan.version if plan else 0,
                      dep.last_aborted.version if dep.last_aborted else 0,

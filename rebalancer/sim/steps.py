@@ -170,19 +170,26 @@ def step_balance(
     return out
 
 
-def decide_under_modes(trace: Trace, sim: SimConfig, config: StepConfig) -> dict[str, PolicyResult]:
+def decide_under_modes(
+    trace: Trace, sim: SimConfig, config: StepConfig, adaptive: PolicyResult | None = None
+) -> dict[str, PolicyResult]:
     """The adaptive policy run once per dispatch mode, deciding under it: the controller
     predicts a placement's balance under the deployment's mode (`predicted_balance`), so
     a placement worth a plan under `split` need not be one under `load`. The shared
     expert's load is derived from the routed picks (`top_k`) when the model has one.
 
-    Returns: {mode: the adaptive PolicyResult of a simulator deciding under it}."""
+    adaptive: the adaptive run of `sim` itself, if already made: it stands for the mode
+    `sim` decides under when that is `split` (which leaves the shared load out, so
+    `top_k` changes nothing there). Returns: {mode: the adaptive PolicyResult of a
+    simulator deciding under it}."""
     config.validate()
     top_k = config.top_k if config.shared_experts else 0
     out: dict[str, PolicyResult] = {}
     for mode in config.modes:
-        decided = replace(sim, dispatch_mode=mode, top_k=top_k)
-        out[mode] = Simulator(trace, decided).run("adaptive")
+        if adaptive is not None and mode == sim.dispatch_mode == "split":
+            out[mode] = adaptive
+        else:
+            out[mode] = Simulator(trace, replace(sim, dispatch_mode=mode, top_k=top_k)).run("adaptive")
     return out
 
 

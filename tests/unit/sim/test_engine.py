@@ -18,23 +18,12 @@ from rebalancer.sim import (
     PeriodicConfig,
     SimConfig,
     TraceGenConfig,
-    deepseek_v3_sources,
     make_trace,
     simulate,
 )
 from rebalancer.sim.trace import Trace
 
 G, P, N = 8, 288, 2
-
-
-@pytest.fixture(scope="module")
-def sources() -> dict[str, np.ndarray]:
-    try:
-        full = deepseek_v3_sources()
-    except InputError:
-        pytest.skip("shared routing data not present")
-    # Four real MoE layers keep the test fast; the routing skew is the real one.
-    return {name: counts[10:14] for name, counts in full.items()}
 
 
 def _config(start: str = "trivial", **policy: object) -> SimConfig:
