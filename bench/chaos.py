@@ -2,7 +2,7 @@
 from the ranks' own step logs (RELIABILITY.md).
 
 It runs a `rebalancer serve` process on an SQLite store, one `rebalancer sidecar` per pod
-and the G ranks of one gloo group (bench.chaos_worker = reference.cpu_worker with a step
+and the G ranks of one gloo group (bench.chaos_worker = worker_hooks.examples.cpu_worker with a step
 log) on DeepSeek-V3 routing drifting over six workloads. Every gRPC link goes through a
 loopback fault proxy (bench/faultproxy.py): each rank's Unix socket to its sidecar, and
 the sidecars' TCP link to the controller. Plans come from the policy and from forced

@@ -1,4 +1,4 @@
-"""The chaos harness's worker: reference.cpu_worker with a step log that survives SIGKILL.
+"""The chaos harness's worker: worker_hooks.examples.cpu_worker with a step log that survives SIGKILL.
 
 The worker itself is unchanged (its hook and model classes are subclassed here, as
 tests/integration/sidecar_worker.py does). Every step appends one line to
@@ -18,7 +18,7 @@ CHAOS_PREPARE_SECONDS: each prepare sleeps rank-dependent time once its weights 
 staged (rank r: s * (r + 1) / world), so a plan spends a while in each phase and the
 harness can hit preparing and prepared (some ranks done, others not).
 
-    python -m bench.chaos_worker <reference.cpu_worker flags>
+    python -m bench.chaos_worker <worker_hooks.examples.cpu_worker flags>
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from reference import cpu_worker
+from worker_hooks.examples import cpu_worker
 
 STEP_LOG = "CHAOS_STEP_LOG"
 PREPARE_SECONDS = "CHAOS_PREPARE_SECONDS"

@@ -33,8 +33,8 @@ import torch
 
 from rebalancer.wire.dispatch import DISPATCH_MODES, WATERFILL_PASSES, check_dispatch_mode
 from rebalancer.wire.layout import trivial_placement
-from reference.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
 from worker_hooks.dispatch import ReplicaDispatch
+from worker_hooks.examples.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
 from worker_hooks.hook import HookConfig, RebalanceHook
 from worker_hooks.record import ExpertRecorder
 

@@ -48,8 +48,8 @@ from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 from rebalancer.placement.engine import compute_placement
 from rebalancer.placement.metrics import balancedness_per_layer, trivial_placement
 from rebalancer.placement.transfers import transfers
-from reference.moe_gpu import MoEBlockConfig, ReferenceMoEBlock, expert_weights
 from worker_hooks.dispatch import ReplicaDispatch
+from worker_hooks.examples.moe_gpu import MoEBlockConfig, ReferenceMoEBlock, expert_weights
 from worker_hooks.migrate import MigrationConfig, MigrationExecutor, transport_class
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap, replica_rows

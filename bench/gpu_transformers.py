@@ -38,7 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engines.transformers.adapter import (
+from rebalancer.controller.config import ControllerConfig
+from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.embedded import EmbeddedController
+from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
+from rebalancer.demo import free_port
+from worker_hooks.engines.transformers.adapter import (
     AdapterConfig,
     ExpertParallelModel,
     MoEBlock,
@@ -46,11 +51,6 @@ from engines.transformers.adapter import (
     find_moe_blocks,
     graph_moe_blocks,
 )
-from rebalancer.controller.config import ControllerConfig
-from rebalancer.controller.decide import PolicyConfig
-from rebalancer.controller.embedded import EmbeddedController
-from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
-from rebalancer.demo import free_port
 
 DeviceKind = Literal["cuda", "cpu"]
 

@@ -1,7 +1,7 @@
 """The main job: a controller with an embedded demo on real routing data.
 
 Starts the controller (gRPC, SQLite store) in this process and G real CPU
-worker processes (reference.cpu_worker, one gloo EP group) that serve a
+worker processes (worker_hooks.examples.cpu_worker, one gloo EP group) that serve a
 small fp32 MoE model. Their routing replays DeepSeek-V3's real per-layer
 expert loads, scaled down to the small model (a fixed random subset of the
 256 experts keeps the real skew) and drifting across the six published
@@ -67,7 +67,7 @@ LEGEND = (
 # Windows averaged for balancedness_first / balancedness_last.
 EDGE_WINDOWS = 3
 
-# The deployment's worker token, for workers (reference.cpu_worker reads it) and sidecars
+# The deployment's worker token, for workers (worker_hooks.examples.cpu_worker reads it) and sidecars
 # attached to a controller that asks for one ([worker_tokens]).
 WORKER_TOKEN_ENV = "REBALANCER_WORKER_TOKEN"
 
@@ -196,7 +196,7 @@ def launch_workers(
     try:
         for rank in range(config.workers):
             cmd = [
-                sys.executable, "-m", "reference.cpu_worker", "--rank", str(rank),
+                sys.executable, "-m", "worker_hooks.examples.cpu_worker", "--rank", str(rank),
                 "--world", str(config.workers), "--port", str(port), "--controller", targets[rank],
                 "--profile", str(profile), "--steps", str(config.steps), "--tokens", str(config.tokens),
                 "--experts", str(config.experts), "--slots", str(config.slots), "--layers", str(config.layers),

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from reference.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
 from worker_hooks.dispatch import ReplicaDispatch
+from worker_hooks.examples.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
 from worker_hooks.record import ExpertRecorder
 
 pytestmark = [

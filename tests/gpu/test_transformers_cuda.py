@@ -34,10 +34,10 @@ def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_graphed_blocks_replay_eager_across_a_committed_placement(family: str) -> None:
-    from engines.transformers import AdapterConfig, attach, graph_moe_blocks
-    from engines.transformers.families import build_tiny_model
-    from engines.transformers.worker import token_batch, weights_match_map
     from tests.engines.transformers.test_adapter import _commit_through_hook, _shuffled_placement
+    from worker_hooks.engines.transformers import AdapterConfig, attach, graph_moe_blocks
+    from worker_hooks.engines.transformers.families import build_tiny_model
+    from worker_hooks.engines.transformers.worker import token_batch, weights_match_map
 
     device = torch.device("cuda", 0)
     # bfloat16: torch's grouped products of other dtypes loop over the groups on the host.
@@ -76,8 +76,8 @@ def test_graphed_blocks_replay_eager_across_a_committed_placement(family: str) -
 
 
 def test_capture_of_float32_experts_is_refused_with_the_reason() -> None:
-    from engines.transformers import AdapterConfig, attach, graph_moe_blocks
-    from engines.transformers.families import build_tiny_model
+    from worker_hooks.engines.transformers import AdapterConfig, attach, graph_moe_blocks
+    from worker_hooks.engines.transformers.families import build_tiny_model
 
     model = build_tiny_model("qwen3_moe", seed=5, experts=EXPERTS).to("cuda")  # type: ignore[arg-type]
     attach(model, AdapterConfig(controller="127.0.0.1:1", deployment="t", redundant_slots=REDUNDANT))

@@ -1,4 +1,4 @@
-"""The sidecar tests' worker: reference.cpu_worker, with two test seams set from the
+"""The sidecar tests' worker: worker_hooks.examples.cpu_worker, with two test seams set from the
 environment (the worker itself is unchanged; its hook is subclassed here).
 
 SIDECAR_TEST_PREPARE_SECONDS: every prepare sleeps this long once its weights are staged
@@ -7,7 +7,7 @@ SIDECAR_TEST_PREPARE_SECONDS: every prepare sleeps this long once its weights ar
 SIDECAR_TEST_STEP_LOG: a folder; each rank writes steps<rank>.json there, the wall-clock
     time of every step end, to show that no step waited on anything.
 
-    python -m tests.integration.sidecar_worker <reference.cpu_worker flags>
+    python -m tests.integration.sidecar_worker <worker_hooks.examples.cpu_worker flags>
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reference import cpu_worker
+from worker_hooks.examples import cpu_worker
 
 PREPARE_SECONDS = "SIDECAR_TEST_PREPARE_SECONDS"
 STEP_LOG = "SIDECAR_TEST_STEP_LOG"

@@ -1,7 +1,8 @@
 """The layering of ARCHITECTURE.md, held: which package may import which.
 
-Two checks. A static walk of every import statement in `rebalancer/`, `worker_hooks/`, `reference/`, `engines/`
-(function-level lazy imports included) against the allowed edges; and a fresh
+Two checks. A static walk of every import statement in `rebalancer/` and `worker_hooks/`
+(function-level lazy imports included, and every `-m module` a process is started with)
+against the allowed edges; and a fresh
 interpreter that imports every `worker_hooks` module and must not have loaded the
 controller, the placement engine or scipy (what an inference process pays for).
 """
@@ -32,8 +33,8 @@ LAYERS = {
     "worker_hooks": "worker_hooks",
     "rebalancer.sidecar": "sidecar",
     "rebalancer.sim": "sim",
-    "reference": "reference",
-    "engines": "engines",
+    "worker_hooks.examples": "examples",
+    "worker_hooks.engines": "engines",
     "rebalancer.demo": "top",
     "rebalancer.cli": "top",
     "rebalancer.__main__": "top",
@@ -50,7 +51,7 @@ ALLOWED = {
     "worker_hooks": {"base", "wire"},
     "sidecar": {"base", "wire"},
     "sim": {"base", "wire", "data", "placement", "controller"},
-    "reference": {"base", "wire", "worker_hooks"},
+    "examples": {"base", "wire", "worker_hooks"},
     "engines": {"base", "wire", "data", "worker_hooks"},
     "top": set(LAYERS.values()),
 }
@@ -73,10 +74,17 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path) -> list[tuple[str, int]]:
-    """(imported module, line) for every import in the file, lazy ones included."""
+    """(imported module, line) for every import in the file, lazy ones included, and every
+    module a child process is started with (`"-m", "pkg.mod"` in a list, tuple or call)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     found: list[tuple[str, int]] = []
     for node in ast.walk(tree):
+        items = (node.elts if isinstance(node, ast.List | ast.Tuple)
+                 else node.args if isinstance(node, ast.Call) else [])
+        for flag, target in zip(items, items[1:], strict=False):
+            if (isinstance(flag, ast.Constant) and flag.value == "-m"
+                    and isinstance(target, ast.Constant) and isinstance(target.value, str)):
+                found.append((target.value, target.lineno))
         if isinstance(node, ast.Import):
             found.extend((alias.name, node.lineno) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -88,7 +96,7 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
 
 def source_files() -> list[Path]:
     files = []
-    for top in ("rebalancer", "worker_hooks", "reference", "engines"):
+    for top in ("rebalancer", "worker_hooks"):
         files += [p for p in (ROOT / top).rglob("*.py") if "v1" not in p.relative_to(ROOT).parts]
     return sorted(files)
 
@@ -124,6 +132,16 @@ def test_the_walk_sees_a_forbidden_edge(tmp_path: Path) -> None:
         "probe.py:4: worker_hooks imports rebalancer.controller.decide (controller)",
     ]
     assert forbidden_edges({"rebalancer.sim.probe": probe}) == []
+
+
+def test_the_walk_sees_a_module_started_as_a_process(tmp_path: Path) -> None:
+    """`python -m worker_hooks.examples.cpu_worker` from the controller is an edge too."""
+    probe = tmp_path / "probe.py"
+    probe.write_text('import sys\ncmd = [sys.executable, "-m", "worker_hooks.examples.cpu_worker"]\n')
+    assert forbidden_edges({"rebalancer.controller.probe": probe}) == [
+        "probe.py:2: controller imports worker_hooks.examples.cpu_worker (examples)",
+    ]
+    assert forbidden_edges({"rebalancer.demo": probe}) == []
 
 
 def test_importing_worker_hooks_loads_neither_controller_nor_placement_nor_scipy() -> None:

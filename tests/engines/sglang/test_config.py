@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engines.sglang.adapter import logical_counts
-from engines.sglang.config import SGLangAdapterConfig
 from rebalancer.errors import InputError
+from worker_hooks.engines.sglang.adapter import logical_counts
+from worker_hooks.engines.sglang.config import SGLangAdapterConfig
 
 
 def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:

@@ -105,7 +105,7 @@ def main() -> None:
     # Stand-in for the model-class lookup (see the module docstring).
     ModelConfigForExpertLocation.from_model_config = staticmethod(  # type: ignore[method-assign]
         lambda _config: ModelConfigForExpertLocation(NUM_LAYERS, NUM_EXPERTS, None))
-    load_plugins()  # SGLang's own loader: finds engines.sglang:register by entry point
+    load_plugins()  # SGLang's own loader: finds worker_hooks.engines.sglang:register by entry point
 
     # The recorder asks sglang.srt.utils.get_device(), which raises without an accelerator
     # (its CPU answer needs SGLANG_USE_CPU_ENGINE, whose platform needs sgl_kernel).
@@ -146,7 +146,7 @@ def main() -> None:
 
         expert_location_updater.update_expert_weights_single_layer = dying
 
-    from engines.sglang.plugin import current_adapter
+    from worker_hooks.engines.sglang.plugin import current_adapter
 
     # Skewed routing: experts 0 and 1 (both on rank 0 at first) take most tokens.
     popularity = np.array([8, 6, 1, 1, 1, 1, 1, 1], dtype=np.float64)

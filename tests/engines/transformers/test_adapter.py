@@ -14,12 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engines.transformers import AdapterConfig, ExpertParallelModel, attach, find_moe_blocks
-from engines.transformers.families import FAMILIES, Family, build_tiny_model
-from engines.transformers.worker import token_batch, weights_match_map
 from rebalancer.placement.transfers import transfers
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from worker_hooks.engines.transformers import (
+    AdapterConfig,
+    ExpertParallelModel,
+    attach,
+    find_moe_blocks,
+)
+from worker_hooks.engines.transformers.families import FAMILIES, Family, build_tiny_model
+from worker_hooks.engines.transformers.worker import token_batch, weights_match_map
 
 pytest.importorskip("transformers")
 

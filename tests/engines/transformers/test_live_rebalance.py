@@ -1,5 +1,5 @@
 """A transformers model served by 2 gloo ranks in real worker processes
-(engines/transformers/worker.py) and rebalanced live by a real controller on loopback:
+(worker_hooks/engines/transformers/worker.py) and rebalanced live by a real controller on loopback:
 a plan forced through the controller is prepared, moved between the ranks and committed
 at one step on both; logits equal the unwrapped model's bit for bit before and after."""
 
@@ -35,7 +35,7 @@ def test_two_ranks_rebalanced_live_keep_logits_identical(tmp_path: Path) -> None
     try:
         for rank in range(WORLD):
             cmd = [
-                sys.executable, "-m", "engines.transformers.worker", "--rank", str(rank),
+                sys.executable, "-m", "worker_hooks.engines.transformers.worker", "--rank", str(rank),
                 "--world", str(WORLD), "--port", str(port), "--controller", ctl.server.address,
                 "--deployment", DEPLOYMENT, "--family", "qwen3_moe", "--spare-rows", "2",
                 "--steps", "30", "--wait-version", "1", "--max-seconds", "40",

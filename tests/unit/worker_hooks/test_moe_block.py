@@ -7,8 +7,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from reference.moe_gpu import MoEBlockConfig, ReferenceMoEBlock, expert_weights
 from worker_hooks.dispatch import ReplicaDispatch
+from worker_hooks.examples.moe_gpu import MoEBlockConfig, ReferenceMoEBlock, expert_weights
 from worker_hooks.record import ExpertRecorder
 
 CPU = torch.device("cpu")

@@ -2,7 +2,7 @@
 
 An example of an engine integration built on `worker_hooks`, not part of the product:
 it shows where `RebalanceHook` goes in a forward loop. The model is
-reference/moe_cpu.py's (`ExpertParallelMoE`, checked against `ReferenceMoE`).
+worker_hooks/examples/moe_cpu.py's (`ExpertParallelMoE`, checked against `ReferenceMoE`).
 
 Each process is one EP rank of a gloo group. Every step it samples routing for
 its own tokens from a routing profile (real per-layer expert loads, drifting
@@ -16,7 +16,7 @@ GPU `rank % device_count`, weights move between GPUs (NCCL p2p, or the copy engi
 with `--transport ipc`); the small expert math and the token exchange stay on CPU, so
 outputs are still compared bit for bit with the CPU reference.
 
-    python -m reference.cpu_worker --rank 0 --world 4 --port 29500 \
+    python -m worker_hooks.examples.cpu_worker --rank 0 --world 4 --port 29500 \
         --controller 127.0.0.1:50051 --profile routing.npz --out rank0.json
 """
 
@@ -40,19 +40,19 @@ import torch.distributed as dist
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.dispatch import DISPATCH_MODES
 from rebalancer.wire.layout import trivial_placement
-from reference.moe_cpu import (
+from worker_hooks.devices import DEVICE_KINDS
+from worker_hooks.examples.moe_cpu import (
     ExpertParallelMoE,
     MoEConfig,
     ReferenceMoE,
     shared_weights,
     slot_weights,
 )
-from worker_hooks.devices import DEVICE_KINDS
 from worker_hooks.hook import HookConfig, RebalanceHook
 from worker_hooks.migrate import TRANSPORTS, transport_class
 from worker_hooks.outbox import in_shared_memory, unlink_quietly
 
-log = logging.getLogger("reference.cpu_worker")
+log = logging.getLogger("worker_hooks.examples.cpu_worker")
 
 # Fault injection for the tests of invariant 5 (FaultyHook).
 Fault = Literal["", "fail", "die"]

@@ -9,7 +9,7 @@ on the same tokens and records the largest logit difference per placement versio
 test can assert bit-identical logits before and after live rebalances. At the end it
 checks every slot row it holds against the expert its map names, and writes one JSON.
 
-    python -m engines.transformers.worker --rank 0 --world 2 --port 29500 \
+    python -m worker_hooks.engines.transformers.worker --rank 0 --world 2 --port 29500 \
         --controller 127.0.0.1:50051 --family qwen3_moe --out rank0.json
 """
 
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engines.transformers.adapter import AdapterConfig, ExpertParallelModel, attach
-from engines.transformers.families import FAMILIES, build_tiny_model
+from worker_hooks.engines.transformers.adapter import AdapterConfig, ExpertParallelModel, attach
+from worker_hooks.engines.transformers.families import FAMILIES, build_tiny_model
 
 
 def token_batch(step: int, rank: int, tokens: int, vocab: int, seed: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def token_batch(step: int, rank: int, tokens: int, vocab: int, seed: int) -> tor
 
 def weights_match_map(ep: ExpertParallelModel, reference: torch.nn.Module) -> bool:
     """Every slot this rank serves holds, in its row, the expert its map names."""
-    from engines.transformers.adapter import WEIGHT_NAMES, find_moe_blocks
+    from worker_hooks.engines.transformers.adapter import WEIGHT_NAMES, find_moe_blocks
 
     hook = ep.hook
     rank, per_rank = hook.config.rank, hook.config.slots_per_rank

@@ -1,12 +1,12 @@
 """Hugging Face transformers MoE models served with expert parallelism through `worker_hooks`.
 
-`attach(model, AdapterConfig(...))` (engines/transformers/adapter.py) swaps the experts of
+`attach(model, AdapterConfig(...))` (worker_hooks/engines/transformers/adapter.py) swaps the experts of
 every MoE block for slot-aware ones driven by a `RebalanceHook`; `families` builds tiny
 random-weight models of the supported families for tests and benches. transformers itself
 is imported only by `families`, when a model is built.
 """
 
-from engines.transformers.adapter import (
+from worker_hooks.engines.transformers.adapter import (
     AdapterConfig,
     ExpertParallelModel,
     MoEBlock,

@@ -1,9 +1,9 @@
 """One SGLang rank's side of the rebalancer: windows up, plans in through SGLang's updater.
 
-Created by the plugin (engines/sglang/plugin.py) at the first forward pass that
+Created by the plugin (worker_hooks/engines/sglang/plugin.py) at the first forward pass that
 SGLang's `EPLBManager` sees, once SGLang has loaded the model, set the global
 `ExpertLocationMetadata` and initialised torch.distributed. The guarantees, and the one
-SGLang's updater cannot give, are in the package docstring (engines/sglang/__init__.py).
+SGLang's updater cannot give, are in the package docstring (worker_hooks/engines/sglang/__init__.py).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engines.sglang.config import SGLangAdapterConfig
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
+from worker_hooks.engines.sglang.config import SGLangAdapterConfig
 
-log = logging.getLogger("engines.sglang")
+log = logging.getLogger("worker_hooks.engines.sglang")
 
 
 def logical_counts(physical: np.ndarray, phy2log: np.ndarray, num_logical: int) -> np.ndarray:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from engines.sglang.config import SGLangAdapterConfig
 from rebalancer.errors import InputError
+from worker_hooks.engines.sglang.config import SGLangAdapterConfig
 
-log = logging.getLogger("engines.sglang")
+log = logging.getLogger("worker_hooks.engines.sglang")
 
 ON_FORWARD_PASS_END = "sglang.srt.eplb.eplb_manager.EPLBManager.on_forward_pass_end"
 STAT_ACCUMULATOR_APPEND = "sglang.srt.eplb.expert_distribution._StatAccumulator.append"
@@ -54,7 +54,7 @@ def _on_forward_pass_end(original: Any, manager: Any, *args: Any, **kwargs: Any)
     if _config is None:
         return original(manager, *args, **kwargs)
     if _adapter is None:
-        from engines.sglang.adapter import SGLangRebalanceAdapter
+        from worker_hooks.engines.sglang.adapter import SGLangRebalanceAdapter
 
         _adapter = SGLangRebalanceAdapter(_config, manager)
     _adapter.on_forward_pass_end()

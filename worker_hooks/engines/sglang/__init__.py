@@ -3,7 +3,7 @@
 Installed with `pip install moe-rebalancer[sglang]`, SGLang finds `register` through
 its plugin entry point (`sglang.srt.plugins`) in every process it starts. With
 `--enable-eplb` and `REBALANCER_ADDRESS` set (the pod's sidecar socket or the
-controller; `engines/sglang/config.py` lists the other variables), each rank
+controller; `worker_hooks/engines/sglang/config.py` lists the other variables), each rank
 
 * streams the counts SGLang's own recorder gathers (`_StatAccumulator.append`, one
   `[L, P]` physical count per forward pass) to the controller every
@@ -50,7 +50,7 @@ What holds, and what SGLang's updater cannot give
 
 from __future__ import annotations
 
-from engines.sglang.config import SGLangAdapterConfig
-from engines.sglang.plugin import register
+from worker_hooks.engines.sglang.config import SGLangAdapterConfig
+from worker_hooks.engines.sglang.plugin import register
 
 __all__ = ["SGLangAdapterConfig", "register"]

@@ -1,7 +1,7 @@
 """A small fp32 MoE layer for CPU: the reference for invariant 1 ("same math").
 
 An example of what an engine runs, not part of the product: the demo's workers
-(reference/cpu_worker.py) and the CPU tests serve it through `worker_hooks`.
+(worker_hooks/examples/cpu_worker.py) and the CPU tests serve it through `worker_hooks`.
 
 Expert weights are a pure function of (seed, layer, expert), so every rank can
 build the slots it holds and a single-process reference can build all logical
