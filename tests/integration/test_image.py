@@ -71,17 +71,18 @@ def locked_wheels() -> Path:
 
 @dataclass
 class Buildah:
-    """buildah on storage of its own under `home` (vfs: no mounts to leave behind), its
-    temporary files there too, so that every process it starts has its root under `home`."""
+    """buildah on storage of its own under `home`, its temporary files there too, so that
+    every mount it makes and every process it starts lies under `home`."""
 
     home: Path
     binary: str
+    driver: str  # overlay: no full copy of the base per stage and container; vfs where overlay fails
     started: list[subprocess.Popen[str]] = field(default_factory=list)
 
     @property
     def argv(self) -> list[str]:
         return [self.binary, "--root", str(self.home / "storage"), "--runroot", str(self.home / "run"),
-                "--storage-driver", "vfs"]
+                "--storage-driver", self.driver]
 
     @property
     def env(self) -> dict[str, str]:
@@ -155,13 +156,29 @@ def mounts_under(folder: Path) -> list[str]:
 @dataclass
 class Image:
     buildah: Buildah
-    seconds: dict[str, float]
+    container: str  # a working container of the image, for the tests to run in
+
+
+def storage(home: Path, binary: str) -> tuple[Buildah, str]:
+    """buildah on overlay storage, or vfs if overlay cannot mount here; and a new scratch
+    container on it."""
+    failures = []
+    for driver in ("overlay", "vfs"):
+        buildah = Buildah(home / driver, binary, driver)
+        (buildah.home / "tmp").mkdir(parents=True)
+        try:
+            return buildah, buildah("from", "scratch")
+        except AssertionError as error:
+            failures.append(str(error))
+            left = buildah.remove_everything()
+            assert not left, f"the image test left behind: {left}"
+    raise AssertionError("buildah cannot make a container here:\n" + "\n".join(failures))
 
 
 @pytest.fixture(scope="module")
 def image() -> Iterator[Image]:
     if os.geteuid() != 0:
-        missing("root", "buildah's chroot isolation on vfs storage runs as root here")
+        missing("root", "buildah's chroot isolation and storage of its own run as root here")
     binary = find_tool("buildah")
     if binary is None:
         missing("buildah", ".ci/run installs Debian's (`.ci/run --tools` alone)")
@@ -170,12 +187,14 @@ def image() -> Iterator[Image]:
     assert binary is not None
     wheels = locked_wheels()
     home = Path(tempfile.mkdtemp(prefix="rebalancer-image-"))
-    (home / "tmp").mkdir()
-    buildah = Buildah(home, binary)
+    try:
+        buildah, base = storage(home, binary)
+    except BaseException:
+        shutil.rmtree(home, ignore_errors=True)
+        raise
     seconds: dict[str, float] = {}
     try:
         start = time.monotonic()
-        base = buildah("from", "scratch")
         buildah("add", base, str(BASE_TAR), "/", timeout=600)
         buildah("config", "--env", BASE_PATH, "--cmd", "/bin/sh", base)
         buildah("commit", "--quiet", "--rm", base, BASE_IMAGE, timeout=600)
@@ -187,13 +206,15 @@ def image() -> Iterator[Image]:
                 "--volume", f"{wheels}:/wheels:ro",
                 "-f", str(ROOT / "Containerfile"), "-t", IMAGE, str(ROOT), timeout=1000)
         seconds["build"] = time.monotonic() - start
-        print(f"\n[image] base imported in {seconds['base']:.1f}s, image built in {seconds['build']:.1f}s")
-        yield Image(buildah, seconds)
+        print(f"\n[image] {buildah.driver} storage: base imported in {seconds['base']:.1f}s,"
+              f" image built in {seconds['build']:.1f}s")
+        yield Image(buildah, buildah("from", "--pull-never", IMAGE))
     finally:
         start = time.monotonic()
         left = buildah.remove_everything()
+        shutil.rmtree(home, ignore_errors=True)
         print(f"\n[image] everything removed in {time.monotonic() - start:.1f}s")
-        assert not left, f"the image test left behind: {left}"
+        assert not left and not home.exists(), f"the image test left behind: {left or home}"
 
 
 def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
@@ -228,8 +249,7 @@ def stop(proc: subprocess.Popen[str], log: Path) -> int:
 
 
 def test_serves_health_and_the_sidecar_check_in_the_image(image: Image) -> None:
-    buildah = image.buildah
-    container = buildah("from", "--pull-never", IMAGE)
+    buildah, container = image.buildah, image.container
     assert buildah("run", container, "--", "id", "-u") == "10001", "the manifests' runAsUser"
     serve_log = buildah.home / "serve.log"
     serve = buildah.start(container, "rebalancer", "serve", "--host", "127.0.0.1", "--port", "0",
@@ -253,7 +273,6 @@ def test_serves_health_and_the_sidecar_check_in_the_image(image: Image) -> None:
     assert stop(sidecar, sidecar_log) == 0, sidecar_log.read_text()[-2000:]
     assert stop(serve, serve_log) == 0, serve_log.read_text()[-2000:]
     assert "controller stopped" in serve_log.read_text()
-    buildah("rm", container)
 
 
 CONTENTS = """
@@ -267,10 +286,7 @@ print(json.dumps({
 
 
 def test_holds_exactly_the_lock_and_the_package(image: Image) -> None:
-    buildah = image.buildah
-    container = buildah("from", "--pull-never", IMAGE)
-    found = json.loads(buildah("run", container, "--", VENV_PYTHON, "-c", CONTENTS))
-    buildah("rm", container)
+    found = json.loads(image.buildah("run", image.container, "--", VENV_PYTHON, "-c", CONTENTS))
     assert found["python"] == [3, 11]
     locked = {f"{name}=={pin.version}" for name, pin in read_lock(RUNTIME_LOCK).items()}
     installed = set()
