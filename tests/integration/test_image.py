@@ -96,9 +96,10 @@ class Buildah:
 
     def start(self, container: str, *command: str, log: Path) -> subprocess.Popen[str]:
         """`buildah run` in a session of its own: its whole tree is one process group."""
-        proc = subprocess.Popen([*self.argv, "run", "--isolation", "chroot", container, "--", *command],
-                                stdout=subprocess.PIPE, stderr=log.open("w"), stdin=subprocess.DEVNULL,
-                                text=True, env=self.env, start_new_session=True)
+        with log.open("w") as stderr:
+            proc = subprocess.Popen([*self.argv, "run", "--isolation", "chroot", container, "--", *command],
+                                    stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+                                    text=True, env=self.env, start_new_session=True)
         self.started.append(proc)
         return proc
 
