@@ -507,7 +507,7 @@ class StatusPoller:
         last = d.last_decision
         decision = f" | last decision {last.outcome}" if last.outcome else ""
         return (f"status v{d.placement_version:<2d} | routed balancedness {d.balancedness_actual:.3f}"
-                f" | on estimate {d.balancedness_estimated:.3f} | {d.windows_ingested} windows"
+                f" | on estimate {d.balancedness_estimated:.3f} | {d.windows_folded} windows"
                 f" | {d.connected_ranks}/{d.shape.num_gpus} ranks | plans committed {d.plans_committed}"
                 f", aborted {d.plans_aborted}{flight}{decision}")
 
