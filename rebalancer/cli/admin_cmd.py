@@ -184,11 +184,15 @@ def _write(what: str, path: str, write: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # gRPC's C core logs a failed TLS handshake in lines of its own (ssl_transport_security.cc)
+    # before the call fails; the error line below names the cause. GRPC_VERBOSITY set by the
+    # caller wins; read when grpc is first imported.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     import grpc
 
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-    from rebalancer.wire.channel import ChannelConfig, sync_channel
+    from rebalancer.wire.channel import ChannelConfig, sync_channel, unavailable_cause
 
     args.parsed_settings = _check_args(args, pb)
     config = ChannelConfig(args.address, args.ca, args.cert, args.key, args.token)
@@ -198,8 +202,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             return _dispatch(args, stub, pb, kw)
         except grpc.RpcError as exc:
-            code = exc.code()
-            return _fail(EXIT_CODES.get(code.name, EXIT_OTHER), f"{code.name}: {exc.details()}")
+            code, details = exc.code(), exc.details() or ""
+            cause = unavailable_cause(config, details) if code == grpc.StatusCode.UNAVAILABLE else ""
+            return _fail(EXIT_CODES.get(code.name, EXIT_OTHER), f"{code.name}: {cause or details}")
 
 
 def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) -> int:
