@@ -81,6 +81,42 @@ class ChannelConfig:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
 
+@dataclass(frozen=True)
+class TlsFlags:
+    """How a command names the channel's TLS files, for the hints below."""
+
+    ca: str = "--ca"
+    cert: str = "--cert"
+    key: str = "--key"
+
+
+def unavailable_cause(config: ChannelConfig, details: str, flags: TlsFlags = TlsFlags()) -> str:
+    """The likely cause of an UNAVAILABLE call, in words, from gRPC's details (which say
+    "Socket closed" when the server ends a TLS handshake, or quote the TLS library);
+    "" when the details name none of the causes known here."""
+    tls = bool(config.ca_file)
+    where = config.address
+    if "Connection refused" in details:
+        return f"nothing listens on {where} (is the controller running there?)"
+    if "WRONG_VERSION_NUMBER" in details:
+        return f"the server at {where} does not speak TLS: leave out {flags.ca}, {flags.cert} and {flags.key}"
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return f"the server's certificate is not signed by the CA of {flags.ca} {config.ca_file}"
+    if "Hostname Verification" in details or "Peer name" in details:
+        return (f"the server's certificate does not name the host of {where}: connect by a name "
+                "or address its subjectAltName lists")
+    if "Socket closed" in details:
+        if not tls:
+            return (f"the server at {where} closed the connection at once: it likely serves TLS "
+                    f"(give {flags.ca}, and {flags.cert} / {flags.key} for mutual TLS)")
+        if not config.cert_file:
+            return (f"the server at {where} ended the TLS handshake: it likely asks for a client "
+                    f"certificate (mutual TLS): give {flags.cert} and {flags.key}")
+        return (f"the server at {where} ended the TLS handshake: it likely does not accept the client "
+                f"certificate {config.cert_file} (not signed by the CA it trusts for clients?)")
+    return ""
+
+
 def _read(path: str) -> bytes:
     p = Path(path)
     if not p.is_file():
