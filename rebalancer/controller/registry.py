@@ -22,18 +22,20 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Aborted, Ranks, Unconfirmed, rank_set, who
+from rebalancer.controller.coordinate import Aborted, Unconfirmed
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
 from rebalancer.controller.deployment import (
     LATER_SHAPE_FIELDS,
     Deployment,
+    Observers,
     Send,
     Session,
     merge_shape,
     shape_key,
 )
-from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
+from rebalancer.wire.windows import Ranks, rank_set, who
 
 log = logging.getLogger("rebalancer.controller")
 
@@ -43,10 +45,13 @@ REREGISTER_SECONDS = 10.0
 
 
 class Registry:
-    def __init__(self, store: Store, clock: Clock, default_policy: PolicyConfig) -> None:
+    def __init__(
+        self, store: Store, clock: Clock, default_policy: PolicyConfig, observers: Observers | None = None,
+    ) -> None:
         self.store = store
         self.clock = clock
         self.default_policy = default_policy
+        self.observers = observers or Observers()
         self.deployments: dict[str, Deployment] = {}
         self.sessions: dict[str, tuple[str, Session]] = {}  # session id -> (deployment, session)
 
@@ -113,6 +118,8 @@ class Registry:
             )
             self.deployments[name] = dep
             log.info("new deployment %s: %s", name, shape_key(shape))
+            for observer in self.observers.deployment:
+                observer(name)
         merged: ClusterShape | None = dep.shape
         if not created:
             merged = merge_shape(dep.shape, shape, dep.unknown_fields)

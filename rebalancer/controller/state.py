@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from rebalancer.controller.clock import Clock, system_clock
-from rebalancer.controller.coordinate import Plan, Ranks
+from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.decisions import Background, Decisions, run_inline
 from rebalancer.controller.deployment import Deployment, Observers, Send, Session
@@ -25,6 +25,7 @@ from rebalancer.controller.operate import Operations
 from rebalancer.controller.plans import Plans
 from rebalancer.controller.registry import Registry
 from rebalancer.controller.store import Store
+from rebalancer.wire.windows import Ranks
 
 
 class Controller:
@@ -45,7 +46,7 @@ class Controller:
         self.store = store
         self.clock: Clock = clock or system_clock()
         self.observers = Observers()
-        self.registry = Registry(store, self.clock, default_policy or PolicyConfig())
+        self.registry = Registry(store, self.clock, default_policy or PolicyConfig(), self.observers)
         self.plans = Plans(store, self.clock, self.observers)
         self.decisions = Decisions(store, self.clock, self.plans, self.observers, background)
         self.folder = Folder(store, self.clock, self.decisions, self.observers, persist_seconds)
