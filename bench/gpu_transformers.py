@@ -303,7 +303,8 @@ def run(cfg: BenchConfig, emit: Callable[[str], None]) -> dict[str, Any]:
         for experts, held in stock_experts:
             for name, weight in held.items():
                 setattr(experts, name, weight)
-        del stock_experts
+        # `stock_experts` stays referenced to the end of run: on CUDA the stock graphs read
+        # these weights, and a graph holds no reference to what it reads.
         ep.start()
         ep.hook.agent.connected.wait(10)
         set_routing(probe_ids)
@@ -336,6 +337,7 @@ def run(cfg: BenchConfig, emit: Callable[[str], None]) -> dict[str, Any]:
         set_routing(probe_ids)
         after_logits = forward()
         ep.finish()
+        del stock_experts  # the stock graphs are not replayed again
     finally:
         if ctl is not None:
             ctl.stop()
