@@ -51,7 +51,6 @@ from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
-from rebalancer.demo import free_port
 from worker_hooks.engines.transformers.adapter import (
     WEIGHT_NAMES,
     AdapterConfig,
@@ -79,7 +78,9 @@ class BenchConfig:
     window_steps: int = 4
     agree_every: int = 2
     workload: str = "prefill_in4096"
-    max_swap_steps: int = 400  # steps to wait for the forced plan to commit
+    # How long to serve waiting for the forced plan to commit: bounded by time, not by a
+    # number of steps that a fast machine happens to reach before a loaded one decides.
+    swap_timeout_s: float = 120.0
 
     @property
     def rounds(self) -> int:
@@ -212,7 +213,8 @@ def step_figures(times: dict[str, list[list[float]]], base: str, variant: str) -
     }
 
 
-def run(cfg: BenchConfig, emit: Callable[[str], None]) -> dict[str, Any]:
+def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str, Any]:
+    """The bench on this rank; `scratch` is a folder for the controller's store (rank 0)."""
     import transformers
 
     if cfg.steps < 1 or cfg.block_steps < 1 or cfg.routings < 1:
@@ -285,9 +287,8 @@ def run(cfg: BenchConfig, emit: Callable[[str], None]) -> dict[str, Any]:
     ctl: EmbeddedController | None = None
     address = [""]
     if rank == 0:
-        folder = tempfile.mkdtemp(prefix="bench-tf-")
         ctl = EmbeddedController(ControllerConfig(
-            port=0, db_path=os.path.join(folder, "c.sqlite"), drain_seconds=0.0,
+            port=0, db_path=os.path.join(scratch, "c.sqlite"), drain_seconds=0.0,
             policy=PolicyConfig(min_windows=1, decision_period_seconds=0.2, prepare_timeout_seconds=60.0,
                                 max_moved_fraction=1.0, paused=True),
         ))
@@ -400,7 +401,8 @@ def _rebalance_live(
     first_step = ep.hook.step  # times[i] is the hook's step first_step + i + 1
     forced = [0]
     times: list[float] = []
-    for _ in range(cfg.max_swap_steps):
+    deadline = time.monotonic() + cfg.swap_timeout_s
+    while time.monotonic() < deadline:
         times += timed_steps(step, 1, device)
         if ctl is not None and not forced[0]:
             forced[0] = int(ctl.call(lambda: _force(ctl, "bench-tf")))  # type: ignore[call-overload]
@@ -409,7 +411,7 @@ def _rebalance_live(
         if ep.version >= 1:
             break
     if ep.version < 1:
-        raise RuntimeError(f"no plan committed within {cfg.max_swap_steps} steps")
+        raise RuntimeError(f"no plan committed within {cfg.swap_timeout_s:g} s ({len(times)} steps served)")
     stats = ep.hook.stats
     commit_step = stats.commits[0][0]
     return {
@@ -487,17 +489,20 @@ def main() -> None:
                       steps=args.steps, block_steps=args.block_steps, routings=args.routings,
                       redundant=args.redundant, spare_rows=args.spare_rows,
                       workload=args.workload)
-    if "RANK" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    if cfg.device == "cpu":
-        torch.set_num_threads(1)
-    try:
-        out = run(cfg, print if dist.get_rank() == 0 else (lambda _: None))
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    # The store, and a world of one's rendezvous (a file: no port to race other processes
+    # for), live in a folder removed on the way out.
+    with tempfile.TemporaryDirectory(prefix="bench-tf-") as scratch:
+        if "RANK" in os.environ:  # torchrun
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", init_method=f"file://{scratch}/rdzv", rank=0, world_size=1)
+        if cfg.device == "cpu":
+            torch.set_num_threads(1)
+        try:
+            out = run(cfg, print if dist.get_rank() == 0 else (lambda _: None), scratch)
+        finally:
+            dist.barrier()
+            dist.destroy_process_group()
     if args.json and int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(out))
 

@@ -7,6 +7,7 @@ GPU only (bench.gpu_hooks' graphs, the transformers bench's graphed blocks)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -86,13 +87,16 @@ def test_hook_bench_prints_spreads_as_text_and_json() -> None:
     assert line.endswith("1.000 % (IQR 0.950..1.050, range 0.900..1.100, 3 rounds)")
 
 
-def test_transformers_bench_on_cpu_gives_interleaved_figures_and_keeps_the_stock_model() -> None:
-    """The whole bench at tiny shapes (real embedded controller on loopback, one rank)."""
+def test_transformers_bench_on_cpu_gives_interleaved_figures_and_keeps_the_stock_model(tmp_path: Path) -> None:
+    """The whole bench at tiny shapes (real embedded controller on loopback, one rank);
+    it leaves no folder behind (its store and rendezvous live in one it removes)."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench.gpu_transformers", "--device", "cpu", "--small",
          "--steps", "4", "--block-steps", "2", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        cwd=ROOT, capture_output=True, text=True, timeout=280,  # the bench waits for its plan up to 120 s
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
+    assert list(tmp_path.glob("bench-tf-*")) == []
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["rounds"] == 2
