@@ -229,9 +229,11 @@ class WorkerAgent:
     def _link_failed(self, exc: grpc.aio.AioRpcError | ConnectionError) -> bool:
         """Log why the link failed, once per cause (not once per try); True if this rank was
         refused (the `refused` attribute then holds the status and the message)."""
-        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-        message = f"{code.name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else (
-            f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, grpc.aio.AioRpcError):
+            code: grpc.StatusCode | None = exc.code()
+            message = f"{exc.code().name}: {exc.details()}"
+        else:
+            code, message = None, f"{type(exc).__name__}: {exc}"
         was_connected = self.connected.is_set()
         if code in REFUSALS:
             if message != self.refused:
