@@ -215,7 +215,8 @@ class WorkerAgent:
         """Log why the link failed, once per cause (not once per try); True if this rank was
         refused (the `refused` attribute then holds the status and the message)."""
         if isinstance(exc, grpc.aio.AioRpcError):
-            code, message = exc.code(), f"{exc.code().name}: {exc.details()}"
+            code: grpc.StatusCode | None = exc.code()
+            message = f"{exc.code().name}: {exc.details()}"
         else:
             code, message = None, f"{type(exc).__name__}: {exc}"
         was_connected = self.connected.is_set()

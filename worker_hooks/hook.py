@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -78,6 +79,12 @@ from worker_hooks.rows import RowMap, replica_rows
 
 log = logging.getLogger("worker_hooks.hook")
 
+# HookConfig's integer fields: a str or float there fails at construction, by name.
+_INT_FIELDS = ("rank", "num_layers", "num_logical", "num_slots", "num_gpus", "num_nodes", "expert_bytes",
+               "window_steps", "agree_every", "layers_per_chunk", "rounds_in_flight", "outbox_bytes",
+               "spare_rows", "top_k", "waterfill_passes")
+
+
 @dataclass(frozen=True)
 class HookConfig:
     controller: str  # host:port of the controller
@@ -121,6 +128,13 @@ class HookConfig:
     key_file: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("controller", "deployment"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise TypeError(f"HookConfig.{name} must be a non-empty str, got {getattr(self, name)!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise TypeError(f"HookConfig.{name} must be an int, got {type(value).__name__} {value!r}")
         if self.num_gpus < 1 or not 0 <= self.rank < self.num_gpus:
             raise ValueError(f"need 0 <= rank < num_gpus, got rank={self.rank}, num_gpus={self.num_gpus}")
         if self.num_slots % self.num_gpus:

@@ -70,7 +70,10 @@ def claim(path: Path, dir_mode: int) -> SocketClaim:
                              "(mount the pod's shared volume there, or fix --listen)")
         with contextlib.suppress(FileExistsError):
             folder.mkdir(mode=0o700)  # private until the mode below is set
-    if folder.stat().st_uid == os.getuid():
+    if folder.stat().st_mode & stat.S_ISVTX:  # /tmp and the like: everyone's, never narrowed
+        log.warning("socket directory %s is shared by everyone (sticky, mode %o): leaving its mode; "
+                    "give the socket a folder of its own", folder, stat.S_IMODE(folder.stat().st_mode))
+    elif folder.stat().st_uid == os.getuid():
         os.chmod(folder, dir_mode)
     else:  # a shared volume made by someone else: its mode is theirs
         log.warning("socket directory %s belongs to uid %d; leaving its mode %o",

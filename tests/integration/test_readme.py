@@ -24,8 +24,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from rebalancer.controller.decide import PolicyConfig
 from tests.integration.conftest import start_controller
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

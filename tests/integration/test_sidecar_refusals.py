@@ -21,6 +21,8 @@ import pytest
 from rebalancer.v1 import rebalancer_pb2 as pb
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
+pytestmark = pytest.mark.slow
+
 SHAPE = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=2, num_nodes=1)
 REFUSAL = "FAILED_PRECONDITION: rank 1 registers for deployment 'canary', this pod serves 'prod'"
 

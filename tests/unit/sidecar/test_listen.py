@@ -71,6 +71,14 @@ def test_claim_makes_the_sockets_own_folder_only(short_dir: Path) -> None:
     assert list(short_dir.iterdir()) == []
 
 
+def test_claim_never_narrows_a_folder_shared_by_everyone(short_dir: Path) -> None:
+    """`--listen unix:///tmp/agent.sock` run as root must not make /tmp 0700: a sticky
+    folder (everyone's) keeps its mode."""
+    os.chmod(short_dir, 0o1777)
+    listen.claim(short_dir / "agent.sock", 0o700).release()
+    assert stat.S_IMODE(short_dir.stat().st_mode) == 0o1777
+
+
 def test_claim_never_takes_a_live_socket_that_is_not_a_sidecars(short_dir: Path) -> None:
     """A process listening on the path without the sidecar's lock (it speaks no gRPC
     health): the path is refused as in use, the socket and its server left alone."""

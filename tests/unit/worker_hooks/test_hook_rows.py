@@ -111,6 +111,11 @@ def test_wrong_types_are_refused_at_construction_with_what_was_given() -> None:
     ):
         with pytest.raises(error, match=words):
             RebalanceHook(*args, None, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="HookConfig.num_layers must be an int, got str '2'"):
+        dataclasses.replace(config, num_layers="2")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="HookConfig.controller must be a non-empty str, got None"):
+        dataclasses.replace(config, controller=None)  # type: ignore[arg-type]
+    assert dataclasses.replace(config, num_layers=np.int64(L)).num_layers == L  # numpy ints are ints
     with pytest.raises(TypeError, match=r"agree_group must be a torch.distributed group .* got list"):
         RebalanceHook(config, phy2log, {"w": w}, [0, 1], None)  # type: ignore[arg-type]
     hook = RebalanceHook(config, torch.from_numpy(phy2log), {"w": w}, None, None)  # a tensor map is fine
