@@ -532,8 +532,10 @@ class StatusPoller:
         flight = f" | plan v{d.plan_in_flight} {d.plan_phase}" if d.plan_in_flight else ""
         last = d.last_decision
         decision = f" | last decision {last.outcome}" if last.outcome else ""
-        return (f"status v{d.placement_version:<2d} | routed balancedness {d.balancedness_actual:.3f}"
-                f" | on estimate {d.balancedness_estimated:.3f} | {d.windows_folded} windows"
+        from rebalancer.cli.admin_cmd import balancedness_text
+
+        return (f"status v{d.placement_version:<2d} | routed balancedness {balancedness_text(d.balancedness_actual, 'none yet')}"
+                f" | on estimate {balancedness_text(d.balancedness_estimated, 'none yet')} | {d.windows_folded} windows"
                 f" | {d.connected_ranks}/{d.shape.num_gpus} ranks | plans committed {d.plans_committed}"
                 f", aborted {d.plans_aborted}{flight}{decision}")
 
