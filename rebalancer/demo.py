@@ -150,8 +150,8 @@ def stopped_early(config: DemoConfig, results: Sequence[dict[str, Any]]) -> str:
     steps = min(int(r["steps"]) for r in results)
     if steps >= config.steps:
         return ""
-    return (f"the workers stopped at step {steps} of {config.steps}: their time limit of "
-            f"{time_limit(config):.0f} s ran out (--max-seconds)")
+    return (f"the workers stopped at step {steps} of {config.steps}: their time limit ran out "
+            f"(--max-seconds {time_limit(config):g})")
 
 
 def default_sidecars(workers: int) -> int:
