@@ -186,8 +186,10 @@ def _write(what: str, path: str, write: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     # gRPC's C core logs a failed TLS handshake in lines of its own (ssl_transport_security.cc)
     # before the call fails; the error line below names the cause. GRPC_VERBOSITY set by the
-    # caller wins; read when grpc is first imported.
-    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    # caller wins; it is read when grpc is first imported (in this process: not yet, unless
+    # a caller in the same process imported it, whose settings then stand).
+    if "grpc" not in sys.modules:
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     import grpc
 
     from rebalancer.v1 import rebalancer_pb2 as pb
