@@ -150,8 +150,8 @@ def stopped_early(config: DemoConfig, results: Sequence[dict[str, Any]]) -> str:
     steps = min(int(r["steps"]) for r in results)
     if steps >= config.steps:
         return ""
-    return (f"the workers stopped at step {steps} of {config.steps}: their time limit of "
-            f"{time_limit(config):.0f} s ran out (--max-seconds)")
+    return (f"the workers stopped at step {steps} of {config.steps}: their time limit ran out "
+            f"(--max-seconds {time_limit(config):g})")
 
 
 def default_sidecars(workers: int) -> int:
@@ -532,8 +532,10 @@ class StatusPoller:
         flight = f" | plan v{d.plan_in_flight} {d.plan_phase}" if d.plan_in_flight else ""
         last = d.last_decision
         decision = f" | last decision {last.outcome}" if last.outcome else ""
-        return (f"status v{d.placement_version:<2d} | routed balancedness {d.balancedness_actual:.3f}"
-                f" | on estimate {d.balancedness_estimated:.3f} | {d.windows_folded} windows"
+        from rebalancer.cli.admin_cmd import balancedness_text
+
+        return (f"status v{d.placement_version:<2d} | routed balancedness {balancedness_text(d.balancedness_actual, 'none yet')}"
+                f" | on estimate {balancedness_text(d.balancedness_estimated, 'none yet')} | {d.windows_folded} windows"
                 f" | {d.connected_ranks}/{d.shape.num_gpus} ranks | plans committed {d.plans_committed}"
                 f", aborted {d.plans_aborted}{flight}{decision}")
 

@@ -186,8 +186,10 @@ def _write(what: str, path: str, write: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     # gRPC's C core logs a failed TLS handshake in lines of its own (ssl_transport_security.cc)
     # before the call fails; the error line below names the cause. GRPC_VERBOSITY set by the
-    # caller wins; read when grpc is first imported.
-    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    # caller wins; it is read when grpc is first imported (in this process: not yet, unless
+    # a caller in the same process imported it, whose settings then stand).
+    if "grpc" not in sys.modules:
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     import grpc
 
     from rebalancer.v1 import rebalancer_pb2 as pb
@@ -285,8 +287,8 @@ def _status_text(d: Any) -> str:
     return (
         f"{d.deployment}: v{d.placement_version}, {d.connected_ranks}/{s.num_gpus} ranks, "
         f"L={s.num_layers} E={s.num_logical_experts} P={s.num_physical_slots} N={s.num_nodes}\n"
-        f"  balancedness actual {_balancedness(d.balancedness_actual, 'no window measured yet')}, "
-        f"on estimate {_balancedness(d.balancedness_estimated, 'no counts folded yet')}; "
+        f"  balancedness actual {balancedness_text(d.balancedness_actual, 'no window measured yet')}, "
+        f"on estimate {balancedness_text(d.balancedness_estimated, 'no counts folded yet')}; "
         f"{d.windows_folded} windows folded ({d.windows_ingested} received since start)"
         f"{', PAUSED' if d.paused else ''}\n"
         f"  plans committed {d.plans_committed}, aborted {d.plans_aborted}; moved {d.slots_moved} slots, "
@@ -298,7 +300,7 @@ def _status_text(d: Any) -> str:
     )
 
 
-def _balancedness(value: float, missing: str) -> str:
+def balancedness_text(value: float, missing: str) -> str:
     """A balancedness as status shows it: 0 on the wire means none yet (a measured one
     is mean / max load of a window with load, above 0)."""
     return f"{value:.3f}" if value > 0 else f"- ({missing})"

@@ -108,7 +108,7 @@ def test_a_run_cut_short_says_why_and_exits_1(
     config = DemoConfig(steps=3200, timeout_seconds=140.0)
     assert stopped_early(config, [{"steps": 3200}, {"steps": 3200}]) == ""
     why = stopped_early(config, [{"steps": 1301}, {"steps": 1300}])
-    assert why == "the workers stopped at step 1300 of 3200: their time limit of 140 s ran out (--max-seconds)"
+    assert why == "the workers stopped at step 1300 of 3200: their time limit ran out (--max-seconds 140)"
     seen: list[DemoConfig] = []
 
     def cut_short(config: DemoConfig, emit: Any = print) -> dict[str, Any]:

@@ -73,3 +73,15 @@ def test_every_policy_field_is_listed_with_its_default_and_wire_number() -> None
         assert number == str(wire.get(name, "none")), f"{name}: wire {number}, proto {wire.get(name)}"
         value = tomllib.loads(f"v = {default}")["v"]
         assert value == getattr(defaults, name), f"{name}: documented {default}, code {getattr(defaults, name)!r}"
+
+
+def test_decision_outcomes_are_those_the_controller_records() -> None:
+    """The decisions counter's row lists the outcomes the controller records, no more (it
+    listed skip_paused, which a paused deployment never records: its policy does not
+    decide) and no fewer (skip_store was missing)."""
+    from rebalancer.controller.decisions import RECORDED_OUTCOMES
+
+    (row,) = [ln for ln in DOC.read_text().splitlines() if ln.startswith("| `rebalancer_decisions_total{")]
+    listed = row.split("| counter | decisions: ", 1)[1]
+    outcomes = re.findall(r"`([a-z_]+)`", listed.split(" (dry runs")[0])  # not the notes after it
+    assert sorted(outcomes) == sorted(RECORDED_OUTCOMES)
