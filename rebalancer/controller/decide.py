@@ -33,7 +33,7 @@ from rebalancer.controller.cost import (
     DEEPSEEK_V3_EXPERT_BYTES,
     DEFAULT_COST,
     CostParams,
-    Deployment,
+    ReferenceDeployment,
     derived_timing,
     gain_seconds,
     imbalance_ratio,
@@ -151,7 +151,7 @@ class PolicyConfig:
         shape.validate()
         if not (math.isfinite(window_seconds) and window_seconds > 0):
             raise InputError(f"window_seconds must be > 0, got {window_seconds}")
-        deployment = Deployment(
+        deployment = ReferenceDeployment(
             num_layers=shape.num_layers,
             num_slots=shape.num_slots,
             num_gpus=shape.num_gpus,

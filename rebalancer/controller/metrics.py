@@ -36,7 +36,7 @@ from rebalancer import __version__
 from rebalancer.controller.coordinate import Plan, PlanState
 from rebalancer.controller.cost import plan_cost
 from rebalancer.controller.decide import Decision
-from rebalancer.controller.decisions import RECORDED_OUTCOMES, TRIGGERS
+from rebalancer.controller.decision_runner import RECORDED_OUTCOMES, TRIGGERS
 from rebalancer.controller.deployment import Deployment
 from rebalancer.controller.state import Controller
 

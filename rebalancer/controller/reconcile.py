@@ -35,7 +35,7 @@ def reconcile(store: Store, dep: Deployment, who: str, version: int, now: float)
     if dep.connected_ranks == 0 and known is not None:
         log.warning("%s: ranks restarted on v%d (controller had v%d)", dep.name, version, dep.version)
         store.commit_plan(dep.name, version, now=now)
-        dep.version, dep.phy2log = version, known
+        dep.adopt(version, known)
         return
     raise StateError(
         "FAILED_PRECONDITION",
@@ -47,4 +47,4 @@ def adopt(store: Store, dep: Deployment, version: int, phy2log: np.ndarray, why:
     """Make a stored placement the committed one because the ranks serve it."""
     log.warning("%s: adopting placement v%d (controller had v%d): %s", dep.name, version, dep.version, why)
     store.commit_plan(dep.name, version, now=now)
-    dep.version, dep.phy2log = version, phy2log
+    dep.adopt(version, phy2log)

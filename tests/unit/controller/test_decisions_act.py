@@ -48,7 +48,7 @@ def test_a_refused_plan_is_a_skip_and_a_refused_record_is_logged(
 def test_decisions_queue_at_most_max_in_flight_over_all_deployments(tmp_path: Path) -> None:
     """With the worker busy, deployments found due wait for a slot instead of queueing
     inputs on the event loop; each still decides once slots free up."""
-    from rebalancer.controller.decisions import MAX_DECISIONS_IN_FLIGHT
+    from rebalancer.controller.decision_runner import MAX_DECISIONS_IN_FLIGHT
 
     held: list[tuple[object, object]] = []
     ctl = Controller(Store(tmp_path / "s.sqlite"), PolicyConfig(min_windows=1),

@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client import generate_latest
 
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
-from rebalancer.controller.decisions import RECORDED_OUTCOMES, TRIGGERS
+from rebalancer.controller.decision_runner import RECORDED_OUTCOMES, TRIGGERS
 from rebalancer.controller.metrics import ABORT_REASONS, ControllerMetrics
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store

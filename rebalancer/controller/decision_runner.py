@@ -1,4 +1,4 @@
-"""Decisions: run the policy's off the event loop, then record and act on any decision.
+"""DecisionRunner: run the policy's decisions off the event loop, then record and act on them.
 
 A due decision is computed by `background` (in the server: a worker process, see
 pool.py) on inputs copied at the time it is due, so ingest goes on meanwhile; when it
@@ -56,7 +56,7 @@ def run_inline(fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
 MAX_DECISIONS_IN_FLIGHT = 2
 
 
-class Decisions:
+class DecisionRunner:
     def __init__(
         self, store: Store, clock: Clock, plans: Plans, observers: Observers,
         background: Background = run_inline,
@@ -83,7 +83,7 @@ class Decisions:
 
         def done(decision: Decision | None) -> None:
             self.in_flight -= 1
-            dep.deciding = False
+            dep.decision_done()
             if decision is None:
                 return
             loop.record(decision, now)
@@ -91,7 +91,7 @@ class Decisions:
                 self.act(dep, decision, "policy", self.clock())
 
         work = loop.prepare_decision(dep.phy2log, now)
-        dep.deciding = True
+        dep.decision_started()
         self.in_flight += 1
         self.background(work, done)
 
