@@ -29,6 +29,7 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.channel import ChannelConfig, aio_channel
+from rebalancer.wire.windows import BoundedWindows, CountWindow
 
 log = logging.getLogger("worker_hooks.agent")
 
@@ -64,15 +65,6 @@ class AgentConfig:
             )
 
 
-@dataclass
-class _Window:
-    first_step: int
-    num_steps: int
-    version: int
-    logical: np.ndarray
-    physical: np.ndarray | None
-
-
 # What the controller sends down the stream: the `body` of a ControllerMessage.
 ControllerMessageKind = Literal["window_ack", "prepare", "commit", "abort"]
 CONTROLLER_MESSAGE_KINDS: tuple[ControllerMessageKind, ...] = get_args(ControllerMessageKind)
@@ -101,7 +93,7 @@ class WorkerAgent:
         self._version = version
         self._initial = initial_phy2log
         self._lock = threading.Lock()
-        self._pending: deque[_Window] = deque()
+        self._pending = BoundedWindows(config.max_pending)  # rebalancer.wire.windows' rule
         self._reports: deque[pb.PlanReport] = deque()
         self._unacked: dict[int, pb.Window] = {}
         self._next_seq = 0
@@ -113,7 +105,6 @@ class WorkerAgent:
         self._metadata = self._channel.metadata()
         self._thread = threading.Thread(target=self._run, name=f"rebalancer-agent-{config.rank}", daemon=True)
         self.connected = threading.Event()
-        self.merged_windows = 0
         self.reconnects = 0
         self.committed_placement: np.ndarray | None = None
 
@@ -143,9 +134,7 @@ class WorkerAgent:
     ) -> None:
         """Queue one window; O(1), never blocks on the network."""
         with self._lock:
-            self._pending.append(_Window(first_step, num_steps, version, logical, physical))
-            if len(self._pending) > self.config.max_pending:
-                self._merge_oldest()
+            self._pending.push(CountWindow(-1, first_step, num_steps, version, logical, physical))
         self._poke()
 
     def report(self, version: int, phase: pb.PlanPhase, step: int = 0, error: str = "",
@@ -157,14 +146,10 @@ class WorkerAgent:
             ))
         self._poke()
 
-    def _merge_oldest(self) -> None:
-        a = self._pending.popleft()
-        b = self._pending[0]
-        physical = None
-        if a.physical is not None and b.physical is not None and a.version == b.version:
-            physical = a.physical + b.physical
-        self._pending[0] = _Window(a.first_step, a.num_steps + b.num_steps, b.version, a.logical + b.logical, physical)
-        self.merged_windows += 1
+    @property
+    def merged_windows(self) -> int:
+        """Times two unsent windows were merged to keep within `max_pending`."""
+        return self._pending.merged
 
     def _poke(self) -> None:
         loop, wake = self._loop, self._wake
@@ -273,8 +258,7 @@ class WorkerAgent:
     def _take_pending(self) -> list[pb.Window]:
         out = []
         with self._lock:
-            while self._pending:
-                w = self._pending.popleft()
+            for w in self._pending.take():
                 msg = codec.window_message(
                     self._next_seq, w.first_step, w.num_steps, w.version, w.logical, w.physical
                 )

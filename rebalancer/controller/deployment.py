@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from rebalancer.controller.coordinate import Aborted, Plan, Unconfirmed, who
+from rebalancer.controller.coordinate import Aborted, Plan, Unconfirmed
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
-from rebalancer.controller.ingest import WindowMerger
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE
+from rebalancer.wire.windows import SeqMerger, who
 
 # (kind, payload) -> queued for the rank's stream; kind is "prepare", "commit" or "abort".
 Send = Callable[[str, Any], None]
@@ -106,7 +106,7 @@ class Deployment:
         self.version = version
         self.phy2log = phy2log
         self.sessions: dict[int, Session] = {}  # rank -> its session (a group's under each rank)
-        self.windows = WindowMerger(shape.num_gpus)
+        self.windows = SeqMerger(range(shape.num_gpus), dtype=np.float64)
         self.persisted_at = -float("inf")
         self.deciding = False  # a decision is being computed off the event loop
         # Estimate and decision timing: the same object the simulator drives.

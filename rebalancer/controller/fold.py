@@ -16,12 +16,11 @@ import numpy as np
 
 from rebalancer import placement
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Ranks
 from rebalancer.controller.decisions import Decisions
 from rebalancer.controller.deployment import Deployment, Observers, WindowEvent
-from rebalancer.controller.ingest import MergedWindow
 from rebalancer.controller.store import Store
 from rebalancer.placement.metrics import balancedness_of_gpu_loads, mean_balancedness, pack_sums
+from rebalancer.wire.windows import CountWindow, Ranks
 
 
 class Folder:
@@ -49,7 +48,7 @@ class Folder:
             self._fold(dep, window)
         return True
 
-    def _fold(self, dep: Deployment, window: MergedWindow) -> None:
+    def _fold(self, dep: Deployment, window: CountWindow) -> None:
         logical = window.logical
         G = dep.shape.num_gpus
         dep.stats.tokens_folded += int(logical.sum())

@@ -13,10 +13,9 @@ from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.decisions import Decisions
-from rebalancer.controller.errors import StateError
 from rebalancer.controller.registry import Registry
 from rebalancer.controller.store import Store
-from rebalancer.errors import InputError
+from rebalancer.errors import InputError, StateError
 
 
 class Operations:

@@ -32,8 +32,8 @@ from rebalancer.controller import coordinate, reconcile
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Aborted, Plan, PlanState, Transition, Unconfirmed
 from rebalancer.controller.deployment import Deployment, Observers, Session
-from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
 
 log = logging.getLogger("rebalancer.controller")
 

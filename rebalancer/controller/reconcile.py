@@ -15,8 +15,8 @@ import numpy as np
 
 from rebalancer.controller.coordinate import PlanState
 from rebalancer.controller.deployment import Deployment
-from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
 
 log = logging.getLogger("rebalancer.controller")
 

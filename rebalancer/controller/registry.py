@@ -24,7 +24,7 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Aborted, Ranks, Unconfirmed, rank_set, who
+from rebalancer.controller.coordinate import Aborted, Unconfirmed
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
 from rebalancer.controller.deployment import (
     LATER_SHAPE_FIELDS,
@@ -34,8 +34,9 @@ from rebalancer.controller.deployment import (
     merge_shape,
     shape_key,
 )
-from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
+from rebalancer.wire.windows import Ranks, rank_set, who
 
 log = logging.getLogger("rebalancer.controller")
 

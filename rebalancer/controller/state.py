@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from rebalancer.controller.clock import Clock, system_clock
-from rebalancer.controller.coordinate import Plan, Ranks
+from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.decisions import Background, Decisions, run_inline
 from rebalancer.controller.deployment import Deployment, Observers, Send, Session
@@ -25,6 +25,7 @@ from rebalancer.controller.operate import Operations
 from rebalancer.controller.plans import Plans
 from rebalancer.controller.registry import Registry
 from rebalancer.controller.store import Store
+from rebalancer.wire.windows import Ranks
 
 
 class Controller:

@@ -32,8 +32,7 @@ from typing import Any
 import numpy as np
 
 from rebalancer.controller.cursor_writer import CursorWriter
-from rebalancer.controller.errors import StateError
-from rebalancer.errors import InputError
+from rebalancer.errors import InputError, StateError
 
 # The largest placement or plan version: SQLite's INTEGER is a signed 64-bit integer (a
 # larger Python int raises OverflowError), while the wire's versions are uint64. Versions

@@ -26,12 +26,12 @@ from typing import Literal, get_args
 import grpc
 
 from rebalancer.sidecar.config import SidecarConfig
-from rebalancer.sidecar.merge import MergedWindow
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.channel import aio_channel
+from rebalancer.wire.windows import CountWindow
 
 log = logging.getLogger("rebalancer.sidecar")
 
@@ -173,7 +173,7 @@ class Upstream:
             reader.cancel()
             call.cancel()
 
-    def _window(self, window: MergedWindow) -> pb.Window:
+    def _window(self, window: CountWindow) -> pb.Window:
         msg = codec.window_message(
             self._next_seq, window.first_step, window.num_steps, window.version,
             window.logical, window.physical,
