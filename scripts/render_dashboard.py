@@ -5,11 +5,12 @@ drawn as a PNG (docs/dashboard.png).
 A Prometheus server (Debian's, from `.ci/run --tools`) scrapes a live fleet every second
 (scripts/prometheus_live.py: the controller, the demo's 2 sidecars and its 4 CPU workers
 on DeepSeek-V3's real routing) until the workers finish; then each panel's every query
-goes to Prometheus's query_range over the run and the panel is drawn from the answer, at
-its place on the dashboard's grid. Grafana's variables get what Grafana would give them:
-`$deployment` the fleet's deployment, `$__range` the run, `$__rate_interval`
-max(step + scrape interval, 4 x scrape interval). A query that returns nothing says so
-on its panel and in the report, and the script exits 1.
+goes to Prometheus's query_range over the run (up to the last moment every rank was
+connected) and the panel is drawn from the answer, at its place on the dashboard's grid.
+Grafana's variables get what Grafana would give them: `$deployment` the fleet's
+deployment, `$__range` the run, `$__rate_interval` max(step + scrape interval, 4 x
+scrape interval). A query that returns nothing says so on its panel and on stderr, and
+the script exits 1 unless NO_SERIES_BEFORE_FIRST_EVENT excuses it.
 
     .venv/bin/python scripts/render_dashboard.py --out docs/dashboard.png
 """
@@ -203,6 +204,7 @@ def draw(dashboard: dict[str, Any], answers: Answers, start: float, end: float, 
             for name, values in series.items():
                 ax.plot(times, values, label=name, linewidth=1.4, drawstyle="steps-post" if bars else "default")
             ax.grid(color="#2a2d33")
+            ax.set_xlim(times[0], times[-1])
             if unit == "percentunit":
                 ax.set_ylim(top=1.0)
             if series:
@@ -228,6 +230,15 @@ def fmt(value: float, unit: str) -> str:
     return f"{value:.0f}" if value == int(value) else f"{value:.3g}"
 
 
+def last_all_connected(prom: Prometheus, deployment: str, start: float, end: float, step: float) -> float:
+    """The last time in [start, end] every rank of `deployment` was connected (the run,
+    before the workers leave), or `end` if never."""
+    answer = prom.query_range(f'rebalancer_connected_ranks{{deployment="{deployment}"}} '
+                              f'== rebalancer_ranks{{deployment="{deployment}"}}', start, end, step)
+    times = [float(t) for series in answer for t, _ in series["values"]]
+    return max(times, default=end)
+
+
 def run(dashboard: dict[str, Any], steps: int, every: float) -> dict[str, Any]:
     """A live run scraped by a real Prometheus, and its answers to every dashboard query."""
     sys.path.insert(0, str(ROOT))  # run as a script: scripts.prometheus_live from the checkout
@@ -243,9 +254,9 @@ def run(dashboard: dict[str, Any], steps: int, every: float) -> dict[str, Any]:
             deadline = time.monotonic() + demo.timeout_seconds
             while all(w.poll() is None for w in fleet.workers) and time.monotonic() < deadline:
                 time.sleep(0.5)
-            end = time.time()  # the run: until the first worker finished (then the ranks leave)
             while any(w.poll() is None for w in fleet.workers) and time.monotonic() < deadline:
                 time.sleep(0.5)
+            end = last_all_connected(prom, demo.deployment, start, time.time(), every)
             failed = [r for r, w in enumerate(fleet.workers) if w.poll() != 0]
             if failed:
                 raise SystemExit(f"workers {failed} failed or did not finish (see their output above)")
