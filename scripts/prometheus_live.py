@@ -174,10 +174,6 @@ class Prometheus:
         groups = self.api("rules", type="alert")["groups"]
         return {rule["name"]: rule for group in groups for rule in group["rules"]}
 
-    def alerts(self) -> list[dict[str, Any]]:
-        """The active (pending or firing) alerts."""
-        return list(self.api("alerts")["alerts"])
-
 
 class Fleet:
     """A controller, the demo's sidecars and the demo's workers, as separate processes.
@@ -195,7 +191,7 @@ class Fleet:
         self.port = free_port()
         self.metrics_port = free_port()
         self.sidecar_ports = [free_port() for _ in range(self.demo.sidecars)]
-        self.sockets = Path(tempfile.mkdtemp(prefix="fleet", dir="/tmp"))  # short: 107-byte socket paths
+        self.sockets: Path | None = None  # made at start: short, for 107-byte socket paths
         self.controller: subprocess.Popen[str] | None = None
         self.sidecars: list[subprocess.Popen[bytes]] = []
         self.workers: list[subprocess.Popen[bytes]] = []
@@ -217,6 +213,7 @@ class Fleet:
 
     def start(self) -> Fleet:
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.sockets = Path(tempfile.mkdtemp(prefix="fleet", dir="/tmp"))
         self.start_controller()
         self.rank_targets = launch_sidecars(self.demo, self.address, self.sockets, self.sidecars, self.sidecar_ports)
         self.start_engines()
@@ -272,7 +269,8 @@ class Fleet:
         finally:
             if self.controller is not None and self.controller.stdout is not None:
                 self.controller.stdout.close()
-            shutil.rmtree(self.sockets, ignore_errors=True)
+            if self.sockets is not None:
+                shutil.rmtree(self.sockets, ignore_errors=True)
 
     def __enter__(self) -> Fleet:
         try:
