@@ -70,6 +70,15 @@ ControllerMessageKind = Literal["window_ack", "prepare", "commit", "abort"]
 CONTROLLER_MESSAGE_KINDS: tuple[ControllerMessageKind, ...] = get_args(ControllerMessageKind)
 
 
+# Statuses that turn this rank down (another deployment on the sidecar, a shape or token
+# that does not fit): asking again gets the same answer until someone changes the pod, so
+# they are an error said once and asked again at the slowest pace, not a link lost.
+REFUSALS = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+})
+
+
 class PlanHandlers(Protocol):
     """What the rank does when the controller speaks: one method per plan message
     (`prepare`, `commit`, `abort`), each with that message's fields. Called on the
@@ -106,6 +115,8 @@ class WorkerAgent:
         self._thread = threading.Thread(target=self._run, name=f"rebalancer-agent-{config.rank}", daemon=True)
         self.connected = threading.Event()
         self.reconnects = 0
+        self.refused = ""        # "STATUS: message" while the controller (or sidecar) turns this rank down
+        self._logged_loss = ""   # the loss last logged: said once per outage, not per try
         self.committed_placement: np.ndarray | None = None
 
     # ------------------------------------------------------------ serving-thread API
@@ -187,9 +198,8 @@ class WorkerAgent:
                     backoff = self.config.backoff_initial_seconds
                     await self._session_loop(stub)
                 except (grpc.aio.AioRpcError, ConnectionError) as exc:
-                    code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
-                    detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                    log.warning("rank %d: controller link lost (%s: %s)", self.config.rank, code, detail)
+                    if self._link_failed(exc):  # turned down: the slowest pace at once
+                        backoff = self.config.backoff_max_seconds
             self.connected.clear()
             if self._stop.is_set():
                 break
@@ -200,6 +210,26 @@ class WorkerAgent:
                 await asyncio.wait_for(self._wait_stop(), timeout=delay)
             except TimeoutError:
                 pass
+
+    def _link_failed(self, exc: grpc.aio.AioRpcError | ConnectionError) -> bool:
+        """Log why the link failed, once per cause (not once per try); True if this rank was
+        refused (the `refused` attribute then holds the status and the message)."""
+        if isinstance(exc, grpc.aio.AioRpcError):
+            code, message = exc.code(), f"{exc.code().name}: {exc.details()}"
+        else:
+            code, message = None, f"{type(exc).__name__}: {exc}"
+        was_connected = self.connected.is_set()
+        if code in REFUSALS:
+            if message != self.refused:
+                log.error("rank %d: refused by %s (%s); serving on without rebalancing, asking again every ~"
+                          "%g s", self.config.rank, self.config.address, message, self.config.backoff_max_seconds)
+            self.refused = message
+            return True
+        loss = was_connected or bool(self.refused) or message != self._logged_loss
+        log.log(logging.WARNING if loss else logging.DEBUG, "rank %d: controller link lost (%s)",
+                self.config.rank, message)
+        self._logged_loss, self.refused = message, ""
+        return False
 
     async def _wait_stop(self) -> None:
         while not self._stop.is_set():
@@ -219,6 +249,7 @@ class WorkerAgent:
             request, timeout=self.config.rpc_timeout_seconds, wait_for_ready=True, metadata=self._metadata
         )
         self._session = response.session_id
+        self.refused = ""
         self.committed_placement = codec.decode(response.committed.phy2log, "committed").astype(np.int64)
         # Resend what the controller has not counted; renumber if it expects less.
         expected = response.next_window_seq

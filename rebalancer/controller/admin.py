@@ -62,7 +62,7 @@ def decision_msg(decision: Decision | None, plan_version: int = 0) -> pb.Decisio
         return float(x) if math.isfinite(x) else 0.0
 
     return pb.Decision(
-        outcome=decision.outcome, reason=decision.reason,
+        time=num(decision.time), outcome=decision.outcome, reason=decision.reason,
         balancedness_current=num(decision.balancedness_current),
         balancedness_candidate=num(decision.balancedness_candidate),
         bound_balancedness=num(decision.bound_balancedness),
@@ -84,9 +84,11 @@ def decision_record_msg(record: dict[str, Any]) -> pb.Decision:
 
 def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None) -> pb.DeploymentStatus:
     """One deployment's status. `last_decision`: its newest stored decision (the store
-    keeps them across restarts; a dry run is not one). Windows are counted as the
-    decisions count them: windows folded into the estimate, one per sequence number
-    merged over every rank (kept across restarts with the estimate)."""
+    keeps them across restarts; a dry run is not one). Windows two ways: received since
+    this controller started (one per stream and sequence number, as the metric
+    rebalancer_windows_ingested_total counts them) and folded into the estimate (one per
+    sequence number merged over every rank, what the decisions count; kept across
+    restarts with the estimate)."""
     from rebalancer import placement
 
     estimate = dep.estimator.estimate()
@@ -96,7 +98,8 @@ def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None) -> 
         deployment=dep.name, shape=shape_msg(dep.shape), placement_version=dep.version,
         balancedness_actual=actual if math.isfinite(actual) else 0.0,
         balancedness_estimated=float(est), connected_ranks=dep.connected_ranks,
-        windows_ingested=dep.estimator.windows, paused=dep.policy.paused,
+        windows_ingested=dep.stats.windows_ingested, windows_folded=dep.estimator.windows,
+        paused=dep.policy.paused,
         plan_in_flight=dep.plan.version if dep.plan else 0,
         plan_phase=dep.plan.state.value if dep.plan else "",
         last_decision=decision_record_msg(last_decision) if last_decision else pb.Decision(),

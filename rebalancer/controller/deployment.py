@@ -89,10 +89,12 @@ class DeploymentStats:
 @dataclass
 class Observers:
     """Callbacks on the controller's event loop: (deployment, plan, what) with what in
-    proposed / prepared / committed / aborted / unconfirmed, and (deployment, decision,
-    trigger) with trigger "policy" or "forced"."""
+    proposed / prepared / committed / aborted / unconfirmed, (deployment, decision,
+    trigger) with trigger "policy" or "forced", and (deployment) for one created by a
+    Register (those read back from the store at start are in `Controller.deployments`)."""
 
     window: list[Callable[[WindowEvent], None]] = field(default_factory=list)
+    deployment: list[Callable[[str], None]] = field(default_factory=list)
     plan: list[Callable[[str, Plan, str], None]] = field(default_factory=list)
     decision: list[Callable[[str, Decision, str], None]] = field(default_factory=list)
 

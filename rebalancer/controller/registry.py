@@ -29,6 +29,7 @@ from rebalancer.controller.decide import ClusterShape, PolicyConfig
 from rebalancer.controller.deployment import (
     LATER_SHAPE_FIELDS,
     Deployment,
+    Observers,
     Send,
     Session,
     merge_shape,
@@ -46,10 +47,13 @@ REREGISTER_SECONDS = 10.0
 
 
 class Registry:
-    def __init__(self, store: Store, clock: Clock, default_policy: PolicyConfig) -> None:
+    def __init__(
+        self, store: Store, clock: Clock, default_policy: PolicyConfig, observers: Observers | None = None,
+    ) -> None:
         self.store = store
         self.clock = clock
         self.default_policy = default_policy
+        self.observers = observers or Observers()
         self.deployments: dict[str, Deployment] = {}
         self.sessions: dict[str, tuple[str, Session]] = {}  # session id -> (deployment, session)
 
@@ -116,6 +120,8 @@ class Registry:
             )
             self.deployments[name] = dep
             log.info("new deployment %s: %s", name, shape_key(shape))
+            for observer in self.observers.deployment:
+                observer(name)
         merged: ClusterShape | None = dep.shape
         if not created:
             merged = merge_shape(dep.shape, shape, dep.unknown_fields)

@@ -46,7 +46,7 @@ class Controller:
         self.store = store
         self.clock: Clock = clock or system_clock()
         self.observers = Observers()
-        self.registry = Registry(store, self.clock, default_policy or PolicyConfig())
+        self.registry = Registry(store, self.clock, default_policy or PolicyConfig(), self.observers)
         self.plans = Plans(store, self.clock, self.observers)
         self.decisions = Decisions(store, self.clock, self.plans, self.observers, background)
         self.folder = Folder(store, self.clock, self.decisions, self.observers, persist_seconds)

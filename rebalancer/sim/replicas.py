@@ -17,8 +17,9 @@ members) are R times less so.
   moving together) is not modelled: each member migrates when its plan is due, which
   charges the same per-member cost and only moves when the gain arrives;
 - a joiner: one more replica, sampled afresh, that starts serving at `join_window`, either
-  warm (the pool's placement of that window installed before it serves) or from the
-  trivial placement an engine loads. Both then follow the pool's estimate from there on.
+  warm (the pool's newest placement installed before it serves: a plan the pool is still
+  rolling out included, since a new member loads its weights anyway) or from the trivial
+  placement an engine loads. Both then follow the pool's estimate from there on.
 
 Fleet figures sum over members: relative throughput = ideal seconds / served seconds
 (stalls and overlap included), slots and bytes moved, rebalances.
@@ -103,6 +104,17 @@ def fleet(results: list[PolicyResult]) -> dict[str, Any]:
     }
 
 
+def newest_placement(result: PolicyResult, window: int) -> np.ndarray:
+    """The newest placement the adaptive policy had decided on before `window`: a plan
+    still moving weights included, since a joining member loads its weights anyway and
+    can load them in any placement for free; else the placement serving `window`."""
+    for entry in reversed(result.decision_log):
+        decision = entry["decision"]
+        if entry["window"] < window and decision.take and decision.candidate is not None:
+            return np.asarray(decision.candidate)
+    return result.placements[window]
+
+
 def simulate_replicas(trace: Trace, config: SimConfig, replicas: ReplicaConfig) -> dict[str, Any]:
     """Pooled against per-deployment adaptive over `replicas.replicas` members, and a
     joining member warm and trivial (module doc). JSON-ready."""
@@ -117,9 +129,10 @@ def simulate_replicas(trace: Trace, config: SimConfig, replicas: ReplicaConfig) 
              for r in range(R)]
     pooled = [Simulator(_as_trace(trace, members[r], f"{trace.name}#r{r}"), config,
                         observed=pool).run("adaptive") for r in range(R)]
-    # The pool's placement and balancedness at the joining window (member 0's: every
-    # member serves the pool's placement, up to when each one's plan landed).
-    pool_placement = pooled[0].placements[join]
+    # What a joining member is told: the pool's newest placement (member 0's; every
+    # member serves the pool's, up to when each one's plan lands), and the pool's
+    # balancedness in the window it joins at.
+    pool_placement = newest_placement(pooled[0], join)
     pool_balance = float(np.mean([r.balancedness_per_window[join] for r in pooled]))
     joiner_trace = _as_trace(trace, joiner_counts, f"{trace.name}#joiner")
     joiner_observed = pool[join:]
