@@ -10,7 +10,7 @@ connected) and the panel is drawn from the answer, at its place on the dashboard
 Grafana's variables get what Grafana would give them: `$deployment` the fleet's
 deployment, `$__range` the run, `$__rate_interval` max(step + scrape interval, 4 x
 scrape interval). A query that returns nothing says so on its panel and on stderr, and
-the script exits 1 unless NO_SERIES_BEFORE_FIRST_EVENT excuses it.
+the script exits 1.
 
     .venv/bin/python scripts/render_dashboard.py --out docs/dashboard.png
 """
@@ -68,32 +68,6 @@ def rate_interval(step: float, scrape_interval: float) -> str:
 # One query's answer: Prometheus's query_range matrix.
 Answers = dict[Query, list[dict[str, Any]]]
 
-# prometheus_client exports a labelled counter's series only once it counts: a query of
-# one of these may come back empty, but only while Prometheus holds no series of it at all
-# (once the controller exports the counter's zero series, the query must answer).
-NO_SERIES_BEFORE_FIRST_EVENT = {
-    "rebalancer_plan_aborts_total": "no plan aborted during the run",
-    "rebalancer_ingest_refused_total": "no window refused during the run",
-}
-
-
-def has_data(answer: list[dict[str, Any]]) -> bool:
-    """Whether a query_range answer holds a number anywhere (a series of NaNs shows nothing)."""
-    return any(not math.isnan(float(v)) for series in answer for _, v in series["values"])
-
-
-def excuse(prom: Prometheus, query: Query) -> str:
-    """Why `query` may return no data (NO_SERIES_BEFORE_FIRST_EVENT), or "" if it may not."""
-    named = [n for n in NO_SERIES_BEFORE_FIRST_EVENT if re.search(rf"\b{n}\b", query.expr)]
-    if named and not any(prom.api("series", **{"match[]": n}) for n in named):
-        return "; ".join(NO_SERIES_BEFORE_FIRST_EVENT[n] for n in named)
-    return ""
-
-
-def unanswered(prom: Prometheus, answers: Answers) -> dict[Query, str]:
-    """The queries that returned no data, each with its excuse ("" for none)."""
-    return {q: excuse(prom, q) for q, a in answers.items() if not has_data(a)}
-
 
 def ask(prom: Prometheus, queries: list[Query], deployment: str, start: float, end: float,
         step: float) -> Answers:
@@ -102,6 +76,11 @@ def ask(prom: Prometheus, queries: list[Query], deployment: str, start: float, e
     span = f"{max(1, math.ceil(end - start))}s"
     return {q: prom.query_range(grafana_to_promql(q.expr, deployment, interval, span), start, end, step)
             for q in queries}
+
+
+def has_data(answer: list[dict[str, Any]]) -> bool:
+    """Whether a query_range answer holds a number anywhere (a series of NaNs shows nothing)."""
+    return any(not math.isnan(float(v)) for series in answer for _, v in series["values"])
 
 
 def legend(fmt: str, labels: dict[str, str]) -> str:
@@ -245,13 +224,14 @@ def run(dashboard: dict[str, Any], steps: int, every: float) -> dict[str, Any]:
     from rebalancer.demo import DemoConfig
     from scripts.prometheus_live import Fleet, Prometheus
 
-    demo = DemoConfig(steps=steps, timeout_seconds=600.0)
+    run_seconds = 600.0
+    demo = DemoConfig(steps=steps, timeout_seconds=run_seconds)
     with tempfile.TemporaryDirectory(prefix="dashboard") as tmp:
         fleet = Fleet(Path(tmp) / "fleet", demo)
         with Prometheus(Path(tmp) / "prometheus", fleet.targets(), scrape_interval=every,
                         evaluation_interval=every) as prom, fleet:
             start = time.time()
-            deadline = time.monotonic() + demo.timeout_seconds
+            deadline = time.monotonic() + run_seconds
             while all(w.poll() is None for w in fleet.workers) and time.monotonic() < deadline:
                 time.sleep(0.5)
             while any(w.poll() is None for w in fleet.workers) and time.monotonic() < deadline:
@@ -261,10 +241,9 @@ def run(dashboard: dict[str, Any], steps: int, every: float) -> dict[str, Any]:
             if failed:
                 raise SystemExit(f"workers {failed} failed or did not finish (see their output above)")
             answers = ask(prom, dashboard_queries(dashboard), demo.deployment, start, end, every)
-            empty = unanswered(prom, answers)
             version = prom.api("status/buildinfo")["version"]
     return {"start": start, "end": end, "step": every, "prometheus": version,
-            "answers": [{"query": vars(q), "answer": a, "excuse": empty.get(q)} for q, a in answers.items()]}
+            "answers": [{"query": vars(q), "answer": a} for q, a in answers.items()]}
 
 
 def main() -> int:
@@ -290,11 +269,10 @@ def main() -> int:
     for line in draw(dashboard, answers, start, end, step, Path(args.out), title):
         print(line)
     print(f"wrote {args.out}")
-    empty = {f"{a['query']['panel']} {a['query']['ref']}": a["excuse"] for a in saved["answers"]
-             if a["excuse"] is not None}
-    for name, why in empty.items():
-        print(f"{name}: no data ({why or 'unexplained'})", file=sys.stderr)
-    return 1 if any(not why for why in empty.values()) else 0
+    empty = [f"{q.panel} {q.ref}: {q.expr}" for q, a in answers.items() if not has_data(a)]
+    for line in empty:
+        print(f"no data: {line}", file=sys.stderr)
+    return 1 if empty else 0
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import pytest
 
 from rebalancer.demo import DemoConfig
 from scripts.prometheus_live import Fleet, Prometheus
-from scripts.render_dashboard import Query, ask, dashboard_queries, draw, unanswered
+from scripts.render_dashboard import Query, ask, dashboard_queries, draw, has_data
 from tests.unit.deploy.conftest import DASHBOARD, PROMETHEUS
 from tests.unit.deploy.yamlish import load_all
 
@@ -85,12 +85,6 @@ def live(tmp_path: Path, prometheus: str) -> Iterator[tuple[Prometheus, Fleet]]:
         yield server, fleet
 
 
-def empty_queries(prom: Prometheus, answers: dict[Query, list[dict[str, Any]]]) -> list[str]:
-    """The queries without data, less those NO_SERIES_BEFORE_FIRST_EVENT excuses (a
-    counter of which Prometheus holds no series yet)."""
-    return [f"{q.panel} {q.ref}: {q.expr}" for q, why in unanswered(prom, answers).items() if not why]
-
-
 def rule(prom: Prometheus, name: str) -> dict[str, Any]:
     return prom.alert_rules()[name]
 
@@ -123,14 +117,17 @@ def test_every_dashboard_query_answers_and_alerts_fire_and_resolve_on_real_fault
     # 1. Every panel's every query answers with data (a plan committed, sidecars relayed it).
     answers: dict[Query, list[dict[str, Any]]] = {}
 
+    def empty() -> list[str]:
+        return [f"{q.panel} {q.ref}: {q.expr}" for q, answer in answers.items() if not has_data(answer)]
+
     def all_answer() -> bool:
         nonlocal answers
         answers = ask(prom, queries, DEPLOYMENT, start, time.time(), 1.0)
-        return not empty_queries(prom, answers)
+        return not empty()
     try:
         wait_for(all_answer, 150, "every dashboard query to answer", every=3.0)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}: {empty_queries(prom, answers)}") from None
+        raise AssertionError(f"{exc}: {empty()}") from None
     report = draw(dashboard, answers, start, time.time(), 1.0, tmp_path / "dashboard.png", "live")
     assert (tmp_path / "dashboard.png").stat().st_size > 50_000
     assert len(report) == len({q.panel for q in queries})
