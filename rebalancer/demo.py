@@ -261,11 +261,13 @@ def reap(procs: Sequence[subprocess.Popen[Any]], terminate: bool = True, seconds
 
 def launch_sidecars(
     config: DemoConfig, address: str, folder: Path, started: list[subprocess.Popen[bytes]],
+    metrics_ports: Sequence[int] = (),
 ) -> list[str]:
     """Start one `rebalancer sidecar` per pod (socket folder/pod<i>/agent.sock, the pod's
-    ranks, upstream `address`), appended to `started` as they start, and wait until each
-    answers its readiness check (gRPC health on its socket, what `rebalancer sidecar
-    --check` asks). Returns each rank's target: its pod's socket."""
+    ranks, upstream `address`, pod name demo/pod<i>), appended to `started` as they start,
+    and wait until each answers its readiness check (gRPC health on its socket, what
+    `rebalancer sidecar --check` asks). `metrics_ports`: one per pod, each sidecar's
+    /metrics on loopback (none without). Returns each rank's target: its pod's socket."""
     from rebalancer.sidecar.config import format_ranks, socket_path
     from rebalancer.sidecar.listen import probe
 
@@ -280,6 +282,8 @@ def launch_sidecars(
             "--ranks", format_ranks(tuple(ranks)), "--pod", f"demo/pod{i}", "--deployment", config.deployment,
             "--socket-access", "owner", "--grace", "1", "--log-level", config.worker_log,
         ]
+        if metrics_ports:
+            cmd += ["--metrics-port", str(metrics_ports[i]), "--metrics-host", "127.0.0.1"]
         token = os.environ.get(WORKER_TOKEN_ENV)
         if token:  # the sidecar holds the pod's credentials: hand it the workers' token
             token_file = folder / f"pod{i}-token"

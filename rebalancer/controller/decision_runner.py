@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Plan
+from rebalancer.controller.coordinate import Plan, who
 from rebalancer.controller.decide import Decision
 from rebalancer.controller.deployment import Deployment, Observers
 from rebalancer.controller.plans import Plans
@@ -103,7 +103,8 @@ class DecisionRunner:
             if dep.connected_ranks < dep.shape.num_gpus:
                 decision = replace(
                     decision, outcome="skip_ranks",
-                    reason=f"only {dep.connected_ranks} of {dep.shape.num_gpus} ranks connected",
+                    reason=f"only {dep.connected_ranks} of {dep.shape.num_gpus} ranks connected "
+                           f"(missing: {who(dep.missing_ranks())})",
                 )
                 dep.loop.amend(decision)
             else:

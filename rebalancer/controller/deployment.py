@@ -44,6 +44,9 @@ class Session:
     streaming: bool = False
     ranks: tuple[int, ...] = ()  # every rank it stands for; () means (rank,)
     pod: str = ""                # a group's pod, for logs
+    # Ranks of a group its sidecar reports without a stream to it (their engine exited
+    # or is restarting: ReportRanks). Not connected, though the group's stream is open.
+    absent: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         self.ranks = tuple(sorted(self.ranks)) if self.ranks else (self.rank,)
@@ -140,8 +143,20 @@ class Deployment:
 
     @property
     def connected_ranks(self) -> int:
-        """Ranks with a stream open, their own or their group's."""
+        """Ranks there: with a stream open, their own or their group's, and for a group
+        one its sidecar does not report absent (what metrics, status and plans count)."""
+        return sum(1 for r, s in self.sessions.items() if s.streaming and r not in s.absent)
+
+    @property
+    def streaming_ranks(self) -> int:
+        """Ranks under a session with a stream open, present or not (reconcile: a
+        placement a streaming session stands for is not given up)."""
         return sum(1 for s in self.sessions.values() if s.streaming)
+
+    def missing_ranks(self) -> list[int]:
+        """The ranks of the EP group not counted in `connected_ranks`."""
+        return [r for r in range(self.shape.num_gpus)
+                if (s := self.sessions.get(r)) is None or not s.streaming or r in s.absent]
 
     def live_sessions(self) -> list[Session]:
         """Each session once (a group's is held under each of its ranks)."""

@@ -44,7 +44,7 @@ from rebalancer.controller.state import Controller
 BUILD = "rebalancer_build"                          # _info{version}
 BALANCEDNESS = "rebalancer_balancedness"            # {deployment, source, stat}
 PLACEMENT_VERSION = "rebalancer_placement_version"  # committed placement version
-CONNECTED_RANKS = "rebalancer_connected_ranks"      # ranks with a stream open
+CONNECTED_RANKS = "rebalancer_connected_ranks"      # ranks there (own stream, or their sidecar's report)
 RANKS = "rebalancer_ranks"                          # G of the EP group
 STREAMS = "rebalancer_streams"                      # open streams (one per rank or per pod)
 STATE = "rebalancer_rebalancing_state"              # {deployment, state}: 1 for the current one
@@ -130,7 +130,8 @@ class _StateCollector(Collector):
                 "estimated: the committed placement on the load estimate.",
                 labels=["deployment", "source", "stat"])
         version = g(PLACEMENT_VERSION, "Committed placement version.", labels=["deployment"])
-        ranks = g(CONNECTED_RANKS, "Ranks with an open stream (their own or their pod's).", labels=["deployment"])
+        ranks = g(CONNECTED_RANKS, "Ranks connected: with a stream of their own, or with one to their pod's "
+                  "sidecar (as it reports them) while the pod's stream is open.", labels=["deployment"])
         expected = g(RANKS, "Ranks of the deployment's EP group (G).", labels=["deployment"])
         streams = g(STREAMS, "Open worker streams: one per rank, or one per pod through its sidecar.",
                     labels=["deployment"])

@@ -32,7 +32,7 @@ def reconcile(store: Store, dep: Deployment, who: str, version: int, now: float)
         # The ranks committed a plan whose confirmation the controller lost: theirs wins.
         adopt(store, dep, version, known, f"{who} registered serving it", now)
         return
-    if dep.connected_ranks == 0 and known is not None:
+    if dep.streaming_ranks == 0 and known is not None:
         log.warning("%s: ranks restarted on v%d (controller had v%d)", dep.name, version, dep.version)
         store.commit_plan(dep.name, version, now=now)
         dep.adopt(version, known)

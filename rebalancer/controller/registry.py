@@ -8,7 +8,9 @@ one stream to it, and detaches when the stream ends.
 A group session (a pod's sidecar) registers several ranks at once: each must be free (no
 other live session holds it) and the session is held under each of them, so counting
 connected ranks and checking "every rank is there" stay per rank; its stream ending
-detaches all of them.
+detaches all of them. Its sidecar also tells which of its ranks have a stream open to it
+(`presence`, the ReportRanks call): a rank whose engine exited is not connected, though
+the group's stream stays open.
 """
 
 from __future__ import annotations
@@ -171,6 +173,22 @@ class Registry:
         if session.streaming:
             raise StateError("ALREADY_EXISTS", f"session of {session.label} already has a stream")
         session.send, session.streaming = send, True
+        return dep, session
+
+    def presence(self, session_id: str, connected: frozenset[int]) -> tuple[Deployment, Session]:
+        """A group's sidecar tells which of the session's ranks have a stream open to it;
+        the others are absent (not connected) until it tells otherwise."""
+        dep, session = self.session(session_id)
+        stranger = sorted(connected - set(session.ranks))
+        if stranger:
+            raise StateError("INVALID_ARGUMENT", f"rank {stranger[0]} is not one of the session's {session.label}")
+        absent = frozenset(session.ranks) - connected
+        if absent != session.absent:
+            if absent:
+                log.warning("%s of %s: %s not connected to the sidecar", session.label, dep.name, who(sorted(absent)))
+            else:
+                log.info("%s of %s: every rank connected to the sidecar", session.label, dep.name)
+        session.absent = absent
         return dep, session
 
     def detach(self, session_id: str) -> tuple[Deployment, Session] | None:

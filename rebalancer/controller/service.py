@@ -4,7 +4,8 @@ This layer only translates: protobuf in, validated numpy and calls on the
 Controller out, and StateError / InputError into a gRPC status with a message
 and a log line. Validation happens before any state is touched (invariant 6).
 A session is one rank or, with `RegisterRequest.ranks`, a group of ranks (a pod's
-sidecar): its windows are summed over its ranks and its reports stand for all of them.
+sidecar): its windows are summed over its ranks and its reports stand for all of them;
+its sidecar reports which of its ranks are there (ReportRanks).
 Tokens are checked by the server's interceptor (auth.py); this layer only says which
 deployment a call is about, once it knows.
 """
@@ -310,3 +311,15 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         except (InputError, StateError) as exc:
             await refuse(context, exc, f"ReportPlan(v{request.version})", log)
         return pb.PlanReportResponse()
+
+    async def ReportRanks(self, request: pb.RankPresence, context: grpc.aio.ServicerContext) -> pb.RankPresenceResponse:
+        try:
+            self.check_deployment(self.controller.session(request.session_id)[0].name)
+            connected = [int(r) for r in request.connected_ranks]
+            if len(set(connected)) != len(connected):
+                twice = sorted({r for r in connected if connected.count(r) > 1})
+                raise InputError(f"connected_ranks name rank {twice[0]} more than once")
+            self.controller.presence(request.session_id, frozenset(connected))
+        except (InputError, StateError) as exc:
+            await refuse(context, exc, "ReportRanks", log)
+        return pb.RankPresenceResponse()

@@ -76,6 +76,10 @@ class Controller:
         self.plans.catch_up(dep, session)
         return dep, session
 
+    def presence(self, session_id: str, connected: frozenset[int]) -> None:
+        """Which of a group session's ranks have a stream open to its sidecar."""
+        self.registry.presence(session_id, connected)
+
     def detach(self, session_id: str) -> None:
         gone = self.registry.detach(session_id)
         if gone is not None:

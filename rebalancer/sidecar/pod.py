@@ -94,8 +94,12 @@ class Pod:
 
     @property
     def connected_ranks(self) -> int:
+        return len(self.connected())
+
+    def connected(self) -> frozenset[int]:
+        """The ranks with a stream open here (what the controller is told: ReportRanks)."""
         # list() first: metrics read this from their own thread while the loop may add a rank.
-        return sum(1 for s in list(self.by_rank.values()) if s.send is not None)
+        return frozenset(s.rank for s in list(self.by_rank.values()) if s.send is not None)
 
     def register(self, request: pb.RegisterRequest) -> pb.RegisterResponse:
         """A rank registers on the socket: checked against the pod, answered at once."""
@@ -196,6 +200,7 @@ class Pod:
         session.send = None
         log.info("rank %d disconnected", session.rank)
         self.apply(self.relay.detached(session.rank))
+        self.changed.set()  # the upstream link tells the controller
 
     def window(self, session: RankSession, w: pb.Window) -> bool:
         """One rank window: validated, merged; False for a duplicate."""

@@ -77,3 +77,9 @@ class RankService(pb_grpc.WorkerServiceServicer):
         except (StateError, InputError) as exc:
             await refuse(context, exc, f"ReportPlan(v{request.version})", log)
         return pb.PlanReportResponse()
+
+    async def ReportRanks(self, request: pb.RankPresence, context: grpc.aio.ServicerContext) -> pb.RankPresenceResponse:
+        # The sidecar's own call to the controller; here a rank's presence is its stream.
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "ReportRanks is what a sidecar tells the controller, not a rank's call")
+        raise AssertionError("unreachable")

@@ -4,7 +4,9 @@ Once every rank has registered on the socket, the link registers the pod as one 
 session of its ranks (pod identity, rank set, shape, the version the ranks serve), opens
 one stream, sends the merged windows (numbered from the controller's cursor of the
 group), relays the controller's plan phases to the Pod, and sends the pod's plan reports
-with the unary ReportPlan. It holds the credentials (TLS, mutual TLS, bearer token).
+with the unary ReportPlan, and which ranks have a stream open here with the unary
+ReportRanks (whenever that changes: the controller counts a rank whose engine exited as
+gone). It holds the credentials (TLS, mutual TLS, bearer token).
 
 When the controller is unreachable nothing waits on it: windows pile up merged in the
 pod's bounded buffer, reports stay queued. The link reconnects with exponential backoff
@@ -66,6 +68,10 @@ class Upstream:
         self._session = ""
         self._next_seq = 0
         self._unacked: dict[int, pb.Window] = {}
+        # The ranks last told connected in this session (None: not yet). A controller older
+        # than ReportRanks counts the group by its stream: not told again in that session.
+        self._told_connected: frozenset[int] | None = None
+        self._ranks_report_known = True
         self._token_missing = ""  # why the token file gave no token, as last logged
         self._stop = asyncio.Event()
 
@@ -171,6 +177,7 @@ class Upstream:
         request = self.pod.group_request()
         response = await stub.Register(request, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata)
         self._session = response.session_id
+        self._told_connected, self._ranks_report_known = None, True  # a new session: tell it
         self.pod.registered_upstream(response)
         # Resend what the controller has not counted, renumbered from its cursor.
         expected = response.next_window_seq
@@ -195,6 +202,7 @@ class Upstream:
                     reader.result()  # raises the stream's error
                     raise ConnectionError("controller closed the stream")
                 await self._flush_reports(stub)
+                await self._tell_connected(stub)
                 for window in self.pod.take_windows():
                     msg = self._window(window)
                     await call.write(pb.WorkerMessage(window=msg))
@@ -233,6 +241,26 @@ class Upstream:
                             pb.PlanPhase.Name(report.phase), exc.code().name, exc.details())
             if self.pod.reports and self.pod.reports[0] is report:
                 self.pod.reports.popleft()
+
+    async def _tell_connected(self, stub: pb_grpc.WorkerServiceStub) -> None:
+        """Tell the controller which ranks have a stream open here, when that changed, so
+        it counts a rank whose engine exited as gone although this pod's stream is open."""
+        connected = self.pod.connected()
+        if not self._ranks_report_known or connected == self._told_connected:
+            return
+        request = pb.RankPresence(session_id=self._session, connected_ranks=sorted(connected))
+        try:
+            await stub.ReportRanks(request, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise  # reconnect; the new session is told
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.warning("the controller does not take ReportRanks (older than this sidecar): "
+                            "it counts ranks %s connected while this pod's stream is open", self.config.ranks_label)
+                self._ranks_report_known = False
+                return
+            log.warning("ranks connected %s refused: %s: %s", sorted(connected), exc.code().name, exc.details())
+        self._told_connected = connected
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         async for msg in call:

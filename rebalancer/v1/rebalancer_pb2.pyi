@@ -205,6 +205,18 @@ class PlanReportResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RankPresence(_message.Message):
+    __slots__ = ("session_id", "connected_ranks")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    connected_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., connected_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RankPresenceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Policy(_message.Message):
     __slots__ = ("min_interval_seconds", "gain_threshold", "horizon_seconds", "max_moved_fraction", "decay", "min_windows", "decision_period_seconds", "prepare_timeout_seconds", "link_bandwidth_gbps", "step_seconds", "overlap_penalty", "commit_gbps", "swap_seconds", "estimate_window", "noise_z", "shrink", "prior_decay")
     MIN_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]

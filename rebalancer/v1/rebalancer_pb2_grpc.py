@@ -49,6 +49,11 @@ class WorkerServiceStub:
                 request_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.PlanReport.SerializeToString,
                 response_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.PlanReportResponse.FromString,
                 _registered_method=True)
+        self.ReportRanks = channel.unary_unary(
+                '/rebalancer.v1.WorkerService/ReportRanks',
+                request_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.RankPresence.SerializeToString,
+                response_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.RankPresenceResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -72,6 +77,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportRanks(self, request, context):
+        """Only a group session's sidecar calls it (see RankPresence); a controller older
+        than this call answers UNIMPLEMENTED and counts the group's ranks by its stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +102,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ReportPlan,
                     request_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.PlanReport.FromString,
                     response_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.PlanReportResponse.SerializeToString,
+            ),
+            'ReportRanks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRanks,
+                    request_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.RankPresence.FromString,
+                    response_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.RankPresenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +190,33 @@ class WorkerService:
             '/rebalancer.v1.WorkerService/ReportPlan',
             rebalancer_dot_v1_dot_rebalancer__pb2.PlanReport.SerializeToString,
             rebalancer_dot_v1_dot_rebalancer__pb2.PlanReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRanks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rebalancer.v1.WorkerService/ReportRanks',
+            rebalancer_dot_v1_dot_rebalancer__pb2.RankPresence.SerializeToString,
+            rebalancer_dot_v1_dot_rebalancer__pb2.RankPresenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

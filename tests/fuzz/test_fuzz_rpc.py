@@ -381,7 +381,7 @@ def test_admin(admin: pb_grpc.AdminServiceStub, case: tuple[str, Any]) -> None:
 
 # ------------------------------------------------------------------ undecodable and oversized
 
-METHODS = [f"/rebalancer.v1.WorkerService/{m}" for m in ("Register", "ReportPlan")] + [
+METHODS = [f"/rebalancer.v1.WorkerService/{m}" for m in ("Register", "ReportPlan", "ReportRanks")] + [
     f"/rebalancer.v1.AdminService/{m.name}" for m in pb.DESCRIPTOR.services_by_name["AdminService"].methods]
 
 
@@ -431,6 +431,7 @@ NOT_PROTOBUF = b"\xff\xff\xff"
     ("/rebalancer.v1.WorkerService/Register", NOT_PROTOBUF),
     ("/rebalancer.v1.WorkerService/Register", BAD_UTF8),
     ("/rebalancer.v1.WorkerService/ReportPlan", BAD_UTF8),
+    ("/rebalancer.v1.WorkerService/ReportRanks", BAD_UTF8),
     ("/grpc.health.v1.Health/Check", BAD_UTF8),
 ])
 def test_undecodable_request_is_refused(channel: grpc.Channel, admin: pb_grpc.AdminServiceStub, method: str,

@@ -236,3 +236,42 @@ def test_a_group_serving_another_version_is_reconciled_like_a_rank(
     assert "ranks 2-3 (pod ns/b) of 'dep' serves placement v5, the deployment is at v0" in details
     assert snapshot(controller) == before
     link.close()
+
+
+def presence(stub: pb_grpc.WorkerServiceStub, session: str, connected: list[int]) -> None:
+    stub.ReportRanks(pb.RankPresence(session_id=session, connected_ranks=connected), timeout=5)
+
+
+def test_a_groups_absent_ranks_are_not_connected_and_no_plan_starts(
+    controller: EmbeddedController, worker_stub: pb_grpc.WorkerServiceStub
+) -> None:
+    """ReportRanks: the ranks a sidecar reports without a stream to it count as gone
+    (metrics, status, plans) although its group stream is open; refusals change nothing."""
+    ids, links = two_pods(controller, worker_stub)
+    connected = lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks)  # noqa: E731
+    assert connected() == 4
+    presence(worker_stub, ids["a"], [1])  # rank 0's engine exited
+    assert connected() == 3
+    decision, plan = on_loop(controller, lambda c: c.force("dep"))
+    assert plan is None and decision.outcome == "skip_ranks"
+    assert decision.reason == "only 3 of 4 ranks connected (missing: rank 0)"
+    presence(worker_stub, ids["b"], [])
+    assert connected() == 1
+    _, plan = on_loop(controller, lambda c: c.force("dep"))
+    assert plan is None and on_loop(controller, lambda c: c.deployments["dep"].missing_ranks()) == [0, 2, 3]
+    before = snapshot(controller)
+    for session, ranks, code, says in (
+        (ids["a"], [0, 2], grpc.StatusCode.INVALID_ARGUMENT, "rank 2 is not one of the session's ranks 0-1 (pod ns/a)"),
+        (ids["a"], [1, 1], grpc.StatusCode.INVALID_ARGUMENT, "connected_ranks name rank 1 more than once"),
+        ("nope", [0], grpc.StatusCode.NOT_FOUND, "unknown session 'nope'"),
+    ):
+        got, details = code_of(presence, worker_stub, session, ranks)
+        assert (got, details) == (code, says + (": register first" if got == grpc.StatusCode.NOT_FOUND else ""))
+    assert snapshot(controller) == before and connected() == 1
+    presence(worker_stub, ids["a"], [0, 1])
+    presence(worker_stub, ids["b"], [2, 3])
+    assert connected() == 4
+    _, plan = on_loop(controller, lambda c: c.force("dep"))
+    assert plan is not None  # every rank back: the plan starts
+    for link in links.values():
+        link.cancel()

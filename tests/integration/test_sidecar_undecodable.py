@@ -45,6 +45,7 @@ def sidecar_target() -> Iterator[str]:
     ("/rebalancer.v1.WorkerService/Register", NOT_PROTOBUF, "rebalancer.v1.RegisterRequest"),
     ("/rebalancer.v1.WorkerService/Register", BAD_UTF8, "rebalancer.v1.RegisterRequest"),
     ("/rebalancer.v1.WorkerService/ReportPlan", BAD_UTF8, "rebalancer.v1.PlanReport"),
+    ("/rebalancer.v1.WorkerService/ReportRanks", BAD_UTF8, "rebalancer.v1.RankPresence"),
     ("/grpc.health.v1.Health/Check", BAD_UTF8, "grpc.health.v1.HealthCheckRequest"),
 ])
 def test_sidecar_refuses_undecodable_unary_request(sidecar_target: str, method: str, data: bytes,

@@ -132,6 +132,16 @@ def promtool() -> str:
 
 
 @pytest.fixture(scope="session")
+def prometheus() -> str:
+    """The Prometheus server of the same Debian package as promtool."""
+    path = find_tool("prometheus")
+    if path is None:
+        missing("prometheus", ".ci/run provides it beside promtool; `.ci/run --tools` alone")
+    assert path is not None
+    return path
+
+
+@pytest.fixture(scope="session")
 def kubectl() -> str:
     path = find_tool("kubectl")
     if path is None:

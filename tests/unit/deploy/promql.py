@@ -26,12 +26,3 @@ def metric_names(expr: str) -> set[str]:
             continue  # a function or aggregation, or an operator keyword
         names.add(match.group(0))
     return names
-
-
-def grafana_to_promql(expr: str) -> str:
-    """A dashboard query with Grafana's variables replaced by values PromQL accepts."""
-    for var, value in (("$__rate_interval", "5m"), ("$__interval", "1m"), ("$__range", "1h"),
-                       ("${deployment}", ".*"), ("$deployment", ".*")):
-        expr = expr.replace(var, value)
-    assert "$" not in expr, f"unknown Grafana variable in {expr!r}"
-    return expr

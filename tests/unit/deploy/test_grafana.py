@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from scripts.render_dashboard import grafana_to_promql
 from tests.unit.deploy.conftest import DASHBOARD, PROCESS_PREFIX, base_name
-from tests.unit.deploy.promql import grafana_to_promql, metric_names
+from tests.unit.deploy.promql import metric_names
 
 DS_UID = "${DS_PROMETHEUS}"
 DEPLOYMENT_QUERY = "label_values(rebalancer_placement_version, deployment)"
