@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rebalancer.controller.coordinate import Aborted, Plan, Unconfirmed, who
+from rebalancer.controller.coordinate import Aborted, Mixed, Plan, Unconfirmed, who
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.ingest import WindowMerger
@@ -75,6 +75,7 @@ class DeploymentStats:
     duplicate_windows: int = 0  # resent windows recognised (the merger refuses them)
     plans_committed: int = 0
     plans_aborted: int = 0
+    plans_partial: int = 0   # Commit out, then a rank failed: applied in part (Mixed)
     slots_moved: int = 0
     bytes_moved: int = 0
     balancedness_actual: float = float("nan")
@@ -86,7 +87,7 @@ class DeploymentStats:
 @dataclass
 class Observers:
     """Callbacks on the controller's event loop: (deployment, plan, what) with what in
-    proposed / prepared / committed / aborted / unconfirmed, and (deployment, decision,
+    proposed / prepared / committed / aborted / unconfirmed / partial, and (deployment, decision,
     trigger) with trigger "policy" or "forced"."""
 
     window: list[Callable[[WindowEvent], None]] = field(default_factory=list)
@@ -115,6 +116,9 @@ class Deployment:
         # The newest plan whose Commit went out unconfirmed, while above the committed
         # version: its Commit is told again to a session opening its stream.
         self.last_unconfirmed: Unconfirmed | None = None
+        # Set while the ranks serve a placement a plan left applied in part: no plan
+        # starts until the group restarts (registry.register clears it).
+        self.mixed: Mixed | None = None
         self.stats = DeploymentStats()
         # Shape fields the store held no value for (written before they existed): the
         # first rank that reports them sets them (`merge_shape`).
