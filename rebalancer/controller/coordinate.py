@@ -159,6 +159,9 @@ def on_failed(plan: Plan, rank: Ranks, error: str, pod: str = "") -> Transition:
         return abort(plan, f"{who(rank, pod)} failed to prepare: {error or 'no reason given'}")
     if plan.state in (PlanState.ABORTED, PlanState.PARTIAL):
         return Transition(duplicate=True)
+    if rank_set(rank) & plan.committed:
+        raise StateError("FAILED_PRECONDITION",
+                         f"plan v{plan.version}: {who(rank, pod)} confirmed it committed, it cannot fail it")
     plan.state = PlanState.PARTIAL
     plan.reason = f"{who(rank, pod)} failed after the commit: {error or 'no reason given'}"
     return Transition(partial=True, finished=True)

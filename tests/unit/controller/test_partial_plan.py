@@ -110,3 +110,21 @@ def test_the_record_survives_a_restart_and_clears_when_the_group_restarts(tmp_pa
     _, plan = back.force("d")  # plans resume, on the placement the ranks serve
     assert plan is not None and plan.version == version + 1 and plan.base_version == 0
     back.store.close()
+
+
+def test_a_failure_without_the_placement_is_recorded_as_unknown_until_told(tmp_path: Path) -> None:
+    """A rank that cannot say what it serves (an older adapter, a relay that dropped it):
+    the mix is recorded all the same, the placement as unknown, then filled in by the next
+    survivor that says it."""
+    ctl, _, version = prepared_everywhere(tmp_path / "c.sqlite", FakeClock(100.0))
+    served = mixed_of(ctl, version)
+    dep = ctl.deployment("d")
+    sessions = [s.session_id for s in dep.live_sessions()]
+    ctl.report(sessions[0], version, "failed", "update lost a peer")
+    assert dep.mixed is not None and dep.mixed.phy2log is None
+    assert "the placement served is unknown" in status_msg(dep).mixed
+    ctl.report(sessions[1], version, "failed", "update lost a peer", served)
+    stored = ctl.store.mixed("d")
+    assert stored is not None and stored.phy2log is not None and np.array_equal(stored.phy2log, served)
+    assert np.array_equal(dep.phy2log, served) and dep.stats.plans_partial == 1
+    ctl.store.close()
