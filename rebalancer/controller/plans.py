@@ -39,7 +39,14 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import coordinate, reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Aborted, Mixed, Plan, PlanState, Transition, Unconfirmed
+from rebalancer.controller.coordinate import (
+    Aborted,
+    Mixed,
+    Plan,
+    PlanState,
+    Transition,
+    Unconfirmed,
+)
 from rebalancer.controller.deployment import Deployment, Observers, Session
 from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
