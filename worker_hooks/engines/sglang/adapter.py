@@ -95,7 +95,9 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.agent = WorkerAgent(
             AgentConfig(
                 config.address, config.deployment, self.rank, shape,
-                config.worker_id or f"{socket.gethostname()}:{os.getpid()}",
+                # The pid always: the controller tells a restarted rank by it (a mixed
+                # placement clears only when the processes holding it are gone).
+                f"{config.worker_id or socket.gethostname()} pid {os.getpid()}",
                 token=config.token, ca_file=config.ca_file, cert_file=config.cert_file,
                 key_file=config.key_file,
             ),

@@ -30,7 +30,7 @@ class SGLangAdapterConfig:
     # REBALANCER_AGREE_TIMEOUT_SECONDS: the adapter's gloo group gives up on a lost peer
     # after this long (agreements and the per-layer "done" of an update).
     agree_timeout_seconds: float = 60.0
-    worker_id: str = ""               # REBALANCER_WORKER_ID (default: host and pid)
+    worker_id: str = ""               # REBALANCER_WORKER_ID (default: the host), the pid appended
 
     def __post_init__(self) -> None:
         if not self.address:
