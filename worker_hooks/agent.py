@@ -25,6 +25,7 @@ from typing import Literal, Protocol, cast, get_args
 import grpc
 import numpy as np
 
+from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
@@ -111,6 +112,7 @@ class WorkerAgent:
         self._wake: asyncio.Event | None = None
         self._stop = threading.Event()
         self._channel = ChannelConfig(config.address, config.ca_file, config.cert_file, config.key_file, config.token)
+        self._channel.credentials()  # InputError now, at start, for TLS settings that cannot work
         self._metadata = self._channel.metadata()
         self._thread = threading.Thread(target=self._run, name=f"rebalancer-agent-{config.rank}", daemon=True)
         self.connected = threading.Event()
@@ -149,11 +151,13 @@ class WorkerAgent:
         self._poke()
 
     def report(self, version: int, phase: pb.PlanPhase, step: int = 0, error: str = "",
-               bytes_received: int = 0, seconds: float = 0.0) -> None:
+               bytes_received: int = 0, seconds: float = 0.0, serving: np.ndarray | None = None) -> None:
+        """`serving`: with FAILED after a Commit, the placement the rank serves (applied in part)."""
+        placement = None if serving is None else pb.Placement(phy2log=codec.encode(serving.astype(np.int32)))
         with self._lock:
             self._reports.append(pb.PlanReport(
                 version=version, phase=phase, step=step, error=error,
-                bytes_received=bytes_received, seconds=seconds,
+                bytes_received=bytes_received, seconds=seconds, serving=placement,
             ))
         self._poke()
 
@@ -191,15 +195,20 @@ class WorkerAgent:
         self._wake = asyncio.Event()
         backoff = self.config.backoff_initial_seconds
         while not self._stop.is_set():
-            async with aio_channel(self._channel) as channel:
-                stub = pb_grpc.WorkerServiceStub(channel)
-                try:
-                    await self._register(stub)
-                    backoff = self.config.backoff_initial_seconds
-                    await self._session_loop(stub)
-                except (grpc.aio.AioRpcError, ConnectionError) as exc:
-                    if self._link_failed(exc):  # turned down: the slowest pace at once
-                        backoff = self.config.backoff_max_seconds
+            try:
+                channel = aio_channel(self._channel)  # reads the certificate files
+            except InputError as exc:  # one gone since start (rotated away): retried, the agent lives on
+                log.error("rank %d: cannot connect to %s: %s", self.config.rank, self.config.address, exc)
+            else:
+                async with channel:
+                    stub = pb_grpc.WorkerServiceStub(channel)
+                    try:
+                        await self._register(stub)
+                        backoff = self.config.backoff_initial_seconds
+                        await self._session_loop(stub)
+                    except (grpc.aio.AioRpcError, ConnectionError) as exc:
+                        if self._link_failed(exc):  # turned down: the slowest pace at once
+                            backoff = self.config.backoff_max_seconds
             self.connected.clear()
             if self._stop.is_set():
                 break

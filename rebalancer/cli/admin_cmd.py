@@ -294,6 +294,7 @@ def _status_text(d: Any) -> str:
         f"  plans committed {d.plans_committed}, aborted {d.plans_aborted}; moved {d.slots_moved} slots, "
         f"{d.bytes_moved / 1e6:.1f} MB"
         + (f"\n  plan in flight: v{d.plan_in_flight} ({d.plan_phase})" if d.plan_in_flight else "")
+        + (f"\n  MIXED PLACEMENT: {d.mixed}; no plan starts until its ranks restart" if d.mixed else "")
         + (f"\n  last decision: {last.outcome}"
            + (f" (plan v{last.plan_version})" if last.plan_version else "") + f": {last.reason}"
            if last.outcome else "")

@@ -105,6 +105,7 @@ def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None) -> 
         last_decision=decision_record_msg(last_decision) if last_decision else pb.Decision(),
         plans_committed=dep.stats.plans_committed, plans_aborted=dep.stats.plans_aborted,
         slots_moved=dep.stats.slots_moved, bytes_moved=dep.stats.bytes_moved,
+        mixed=dep.mixed.describe() if dep.mixed is not None else "",
     )
 
 

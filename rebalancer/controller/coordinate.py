@@ -34,6 +34,8 @@ class PlanState(enum.Enum):
     COMMITTING = "committing"
     COMMITTED = "committed"
     ABORTED = "aborted"
+    # Commit went out and a rank reported FAILED: applied in part (Mixed, below).
+    PARTIAL = "partial"
 
 
 @dataclass
@@ -81,6 +83,27 @@ class Unconfirmed:
 
 
 @dataclass(frozen=True)
+class Mixed:
+    """The ranks serve a placement no plan describes: plan `version`'s Commit went out and
+    a rank reported FAILED after it (an engine whose updater moves the live weights layer
+    by layer, SGLang's, lost a peer midway; invariant 5 is what it cannot keep). Recorded
+    (store, status, metrics) until the group restarts; no plan starts on top of it, since
+    every plan's transfers assume the ranks serve the placement the controller holds."""
+
+    version: int                 # the plan applied in part
+    base_version: int            # the version the ranks still report serving
+    phy2log: np.ndarray | None   # [L, P] what they serve, as a rank reported it (None: unknown)
+    reason: str
+    since: float                 # controller clock
+    workers: frozenset[str]      # worker ids of the sessions that hold it (a restart clears)
+
+    def describe(self) -> str:
+        served = "" if self.phy2log is not None else "; the placement served is unknown"
+        return (f"plan v{self.version} applied in part over v{self.base_version} "
+                f"({self.reason}){served}")
+
+
+@dataclass(frozen=True)
 class Transition:
     """What a call changed: messages to send and whether the plan ended."""
 
@@ -90,6 +113,7 @@ class Transition:
     finished: bool = False          # plan left the in-flight slot
     duplicate: bool = False
     unconfirmed: bool = False       # finished without any rank confirming the commit
+    partial: bool = False           # finished applied in part: the ranks serve a mix
 
 
 def on_prepared(plan: Plan, rank: Ranks, now: float) -> Transition:
@@ -109,14 +133,19 @@ def on_prepared(plan: Plan, rank: Ranks, now: float) -> Transition:
 
 
 def on_failed(plan: Plan, rank: Ranks, error: str, pod: str = "") -> Transition:
+    """Before the Commit a failure aborts the plan everywhere. After it nothing can abort
+    it: a rank failing then applied it in part, and the plan ends PARTIAL (the deployment
+    records what the ranks serve, plans.py)."""
     if plan.state is PlanState.PREPARING:
         return abort(plan, f"{who(rank, pod)} failed to prepare: {error or 'no reason given'}")
-    if plan.state is PlanState.ABORTED:
+    if plan.state in (PlanState.ABORTED, PlanState.PARTIAL):
         return Transition(duplicate=True)
-    raise StateError(
-        "FAILED_PRECONDITION",
-        f"plan v{plan.version} is {plan.state.value}: a failure can no longer abort it",
-    )
+    if rank_set(rank) & plan.committed:
+        raise StateError("FAILED_PRECONDITION",
+                         f"plan v{plan.version}: {who(rank, pod)} confirmed it committed, it cannot fail it")
+    plan.state = PlanState.PARTIAL
+    plan.reason = f"{who(rank, pod)} failed after the commit: {error or 'no reason given'}"
+    return Transition(partial=True, finished=True)
 
 
 def on_committed(plan: Plan, rank: Ranks, now: float) -> Transition:

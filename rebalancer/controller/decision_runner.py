@@ -71,9 +71,9 @@ class DecisionRunner:
 
     def due(self, dep: Deployment, now: float) -> bool:
         """Whether the policy should decide now: no plan or decision under way, not paused,
-        and room in the decision queue (MAX_DECISIONS_IN_FLIGHT)."""
+        the ranks not on a mixed placement, and room in the decision queue (MAX_DECISIONS_IN_FLIGHT)."""
         return (
-            dep.plan is None and not dep.deciding and not dep.policy.paused
+            dep.plan is None and not dep.deciding and not dep.policy.paused and dep.mixed is None
             and self.in_flight < MAX_DECISIONS_IN_FLIGHT and dep.loop.due(now)
         )
 
@@ -100,7 +100,11 @@ class DecisionRunner:
         plan = None
         candidate = decision.candidate
         if decision.take and candidate is not None:
-            if dep.connected_ranks < dep.shape.num_gpus:
+            if dep.mixed is not None:
+                decision = replace(decision, outcome="skip_mixed",
+                                   reason=f"the ranks serve a mixed placement: {dep.mixed.describe()}")
+                dep.loop.amend(decision)
+            elif dep.connected_ranks < dep.shape.num_gpus:
                 decision = replace(
                     decision, outcome="skip_ranks",
                     reason=f"only {dep.connected_ranks} of {dep.shape.num_gpus} ranks connected "

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from rebalancer.controller.coordinate import Aborted, Plan, Unconfirmed
+from rebalancer.controller.coordinate import Aborted, Mixed, Plan, Unconfirmed
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.policy_loop import PolicyLoop
@@ -82,6 +82,7 @@ class DeploymentStats:
     duplicate_windows: int = 0  # resent windows recognised (the merger refuses them)
     plans_committed: int = 0
     plans_aborted: int = 0
+    plans_partial: int = 0   # Commit out, then a rank failed: applied in part (Mixed)
     slots_moved: int = 0
     bytes_moved: int = 0
     balancedness_actual: float = float("nan")
@@ -93,9 +94,9 @@ class DeploymentStats:
 @dataclass
 class Observers:
     """Callbacks on the controller's event loop: (deployment, plan, what) with what in
-    proposed / prepared / committed / aborted / unconfirmed, (deployment, decision,
-    trigger) with trigger "policy" or "forced", and (deployment) for one created by a
-    Register (those read back from the store at start are in `Controller.deployments`)."""
+    proposed / prepared / committed / aborted / unconfirmed / partial, (deployment,
+    decision, trigger) with trigger "policy" or "forced", and (deployment) for one created
+    by a Register (those read back from the store at start are in `Controller.deployments`)."""
 
     window: list[Callable[[WindowEvent], None]] = field(default_factory=list)
     deployment: list[Callable[[str], None]] = field(default_factory=list)
@@ -124,6 +125,9 @@ class Deployment:
         # The newest plan whose Commit went out unconfirmed, while above the committed
         # version: its Commit is told again to a session opening its stream.
         self.last_unconfirmed: Unconfirmed | None = None
+        # Set while the ranks serve a placement a plan left applied in part: no plan
+        # starts until the group restarts (registry.register clears it).
+        self.mixed: Mixed | None = None
         self.stats = DeploymentStats()
         # Shape fields the store held no value for (written before they existed): the
         # first rank that reports them sets them (`merge_shape`).
@@ -235,6 +239,24 @@ class Deployment:
     def adopt(self, version: int, phy2log: np.ndarray) -> None:
         """A stored placement is the committed one, because the ranks serve it."""
         self.version, self.phy2log = version, phy2log
+
+    def serve_mixed(self, mixed: Mixed, counted: bool = False) -> None:
+        """The ranks serve what a plan left applied in part: that is the current placement
+        (when known) until the group restarts; `counted`: a new partial plan, not one read
+        back or filled in. Its Commit is not retold: nothing is left to switch to."""
+        self.mixed = mixed
+        if mixed.phy2log is not None:
+            self.phy2log = mixed.phy2log
+        if counted:
+            self.stats.plans_partial += 1
+        if self.last_unconfirmed is not None and self.last_unconfirmed.version == mixed.version:
+            self.last_unconfirmed = None
+
+    def end_mixed(self, committed: np.ndarray | None) -> None:
+        """The ranks that served a mixed placement are gone: back to the committed one."""
+        if committed is not None:
+            self.phy2log = committed
+        self.mixed = None
 
     def count_window(self, fresh: bool) -> None:
         """One window merged (`fresh`), or recognised as resent and dropped."""

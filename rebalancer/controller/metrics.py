@@ -49,10 +49,11 @@ RANKS = "rebalancer_ranks"                          # G of the EP group
 STREAMS = "rebalancer_streams"                      # open streams (one per rank or per pod)
 STATE = "rebalancer_rebalancing_state"              # {deployment, state}: 1 for the current one
 PAUSED = "rebalancer_paused"                        # 1: automatic rebalancing paused
+MIXED = "rebalancer_mixed_placement"                # 1: the ranks serve a plan applied in part
 WINDOWS_INGESTED = "rebalancer_windows_ingested"    # counter: windows received (per stream)
 WINDOWS_FOLDED = "rebalancer_windows_folded"        # counter: merged windows in the estimate
 DUPLICATE_WINDOWS = "rebalancer_duplicate_windows"  # counter: resent windows recognised
-PLANS = "rebalancer_plans"                          # counter {outcome}: committed | aborted
+PLANS = "rebalancer_plans"                          # counter {outcome}: committed | aborted | partial
 MIGRATED_SLOTS = "rebalancer_migrated_slots"        # counter
 MIGRATED_BYTES = "rebalancer_migrated_bytes"        # counter
 STORE_ERRORS = "rebalancer_store_errors"            # counter: statements SQLite refused
@@ -139,13 +140,17 @@ class _StateCollector(Collector):
                   "moving beside serving), committing (ranks switching at an agreed step).",
                   labels=["deployment", "state"])
         paused = g(PAUSED, "1 when automatic rebalancing is paused.", labels=["deployment"])
+        mixed = g(MIXED, "1 while the ranks serve a mixed placement (a plan applied in part: "
+                  "its Commit went out, then a rank failed midway); no plan starts until they restart.",
+                  labels=["deployment"])
         windows = c(WINDOWS_INGESTED, "Windows of counts received, one per stream and sequence number.",
                     labels=["deployment"])
         folded = c(WINDOWS_FOLDED, "Windows folded into the load estimate, one per sequence number "
                    "merged over all ranks (what status and decisions count; kept across restarts).",
                    labels=["deployment"])
         dups = c(DUPLICATE_WINDOWS, "Resent windows recognised and not counted again.", labels=["deployment"])
-        plans = c(PLANS, "Plans finished, by outcome (committed: a rearrangement).",
+        plans = c(PLANS, "Plans finished, by outcome (committed: a rearrangement; partial: "
+                  "applied in part, see rebalancer_mixed_placement).",
                   labels=["deployment", "outcome"])
         slots = c(MIGRATED_SLOTS, "Physical slots whose expert changed.", labels=["deployment"])
         moved = c(MIGRATED_BYTES, "Expert weight bytes moved by committed plans.", labels=["deployment"])
@@ -166,11 +171,13 @@ class _StateCollector(Collector):
             for state_name in STATES:
                 state.add_metric([name, state_name], 1.0 if state_name == current else 0.0)
             paused.add_metric([name], 1.0 if dep.policy.paused else 0.0)
+            mixed.add_metric([name], 1.0 if dep.mixed is not None else 0.0)
             windows.add_metric([name], stats.windows_ingested)
             folded.add_metric([name], dep.estimator.windows)
             dups.add_metric([name], stats.duplicate_windows)
             plans.add_metric([name, "committed"], stats.plans_committed)
             plans.add_metric([name, "aborted"], stats.plans_aborted)
+            plans.add_metric([name, "partial"], stats.plans_partial)
             slots.add_metric([name], stats.slots_moved)
             moved.add_metric([name], stats.bytes_moved)
             if self.per_layer and stats.gpu_load is not None:
@@ -185,7 +192,7 @@ class _StateCollector(Collector):
                             share.add_metric([name, str(i), str(r)], float(value))
         errors = c(STORE_ERRORS, "Statements the SQLite store refused (disk full, I/O error, locked).")
         errors.add_metric([], self.controller.store.errors)
-        yield from (bal, version, ranks, expected, streams, state, paused, windows, folded, dups,
+        yield from (bal, version, ranks, expected, streams, state, paused, mixed, windows, folded, dups,
                     plans, slots, moved, errors)
         if self.per_layer:
             yield from (layer, share)

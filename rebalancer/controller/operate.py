@@ -36,6 +36,9 @@ class Operations:
             raise StateError("FAILED_PRECONDITION", f"plan v{dep.plan.version} is in flight for {name!r}")
         if dep.estimator.windows == 0:
             raise StateError("FAILED_PRECONDITION", f"no counts ingested yet for {name!r}")
+        if dep.mixed is not None and not dry_run:
+            raise StateError("FAILED_PRECONDITION", f"{name!r} serves a mixed placement, no plan can start "
+                                                    f"until its ranks restart: {dep.mixed.describe()}")
         if max_moved_fraction and not 0.0 < max_moved_fraction <= 1.0:
             raise StateError("INVALID_ARGUMENT", f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}")
         now = self.clock()

@@ -9,6 +9,14 @@ observers. One plan in flight per deployment.
 A session is one rank or a group of ranks (a pod's sidecar): a group's report counts for
 each of its ranks, and its stream ending is a disconnect of all of them.
 
+Applied in part: after its Commit a plan cannot abort, but an engine whose updater moves
+the live weights layer by layer (SGLang's) can lose a peer midway; its survivors then
+serve the plan on some layers and its base on the others, and report FAILED with that
+placement. The plan ends "partial" and the deployment records the mix (`Deployment.mixed`,
+stored): it is what the ranks serve, no plan starts on top of it (every plan's transfers
+assume the placement the controller holds), and a restarted group clears it
+(registry.register).
+
 Staging left behind: when a session's link goes down mid-prepare (its sidecar was killed,
 or the controller restarted), the plan aborts without that session hearing Abort, and
 its ranks may still hold the plan's staging. So a session opening its stream is told the
@@ -24,13 +32,19 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
 from rebalancer import placement
 from rebalancer.controller import coordinate, reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Plan, PlanState, Transition
+from rebalancer.controller.coordinate import (
+    Mixed,
+    Plan,
+    PlanState,
+    Transition,
+)
 from rebalancer.controller.deployment import Deployment, Observers, Session
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
@@ -105,18 +119,21 @@ class Plans:
         plan.reason = f"{session.label} came back on v{version} before any rank confirmed the commit"
         self.apply(dep, Transition(finished=True, unconfirmed=True))
 
-    def report(self, dep: Deployment, session: Session, version: int, phase: str, error: str = "") -> None:
+    def report(self, dep: Deployment, session: Session, version: int, phase: str, error: str = "",
+               serving: np.ndarray | None = None) -> None:
         """A session's plan progress (for each of its ranks): prepared / failed / committed /
-        aborted."""
+        aborted. `serving`: with failed after a Commit, the placement the ranks serve now."""
         plan = dep.plan
         now = self.clock()
         if plan is None or plan.version != version:
-            self._report_off_plan(dep, session, version, phase, now)
+            self._report_off_plan(dep, session, version, phase, now, error, serving)
             return
         if phase == "prepared":
             t = coordinate.on_prepared(plan, session.ranks, now)
         elif phase == "failed":
             t = coordinate.on_failed(plan, session.ranks, error, session.pod)
+            if t.partial:
+                self._record_mixed(dep, plan.version, plan.base_version, plan.reason, serving, now)
         elif phase == "committed":
             t = coordinate.on_committed(plan, session.ranks, now)
         elif phase == "aborted":
@@ -125,9 +142,43 @@ class Plans:
             raise StateError("INVALID_ARGUMENT", f"plan phase {phase!r} is not reportable")
         self.apply(dep, t)
 
-    def _report_off_plan(self, dep: Deployment, session: Session, version: int, phase: str, now: float) -> None:
+    def _record_mixed(self, dep: Deployment, version: int, base_version: int, reason: str,
+                      serving: np.ndarray | None, now: float) -> None:
+        """Plan `version` was applied in part: record what the ranks serve (module docstring)."""
+        workers = frozenset(s.worker_id for s in dep.live_sessions() if s.worker_id)
+        mixed = Mixed(version, base_version, serving, reason, now, workers)
+        dep.serve_mixed(mixed, counted=True)
+        log.error("%s: the ranks serve a mixed placement: %s; no plan starts until the group restarts",
+                  dep.name, mixed.describe())
+        self._write(dep.name, lambda: self.store.set_mixed(dep.name, mixed, reason, now=now))
+
+    def _failed_after_commit(self, dep: Deployment, session: Session, version: int, error: str,
+                             serving: np.ndarray | None, now: float) -> bool:
+        """FAILED of a plan no longer in flight whose Commit went out: told by another
+        survivor of the same partial plan (the placement filled in if still unknown), or
+        after the plan finished unconfirmed (its commit grace ran out, or the controller
+        restarted). True when handled."""
+        mixed = dep.mixed
+        if mixed is not None and mixed.version == version:
+            if mixed.phy2log is None and serving is not None:
+                known = replace(mixed, phy2log=serving)
+                dep.serve_mixed(known)
+                self._write(dep.name, lambda: self.store.set_mixed(dep.name, known, known.reason, now=now))
+            return True
+        if dep.last_unconfirmed is None or dep.last_unconfirmed.version != version:
+            return False
+        row = next((p for p in self.store.plans(dep.name, 5) if p.version == version), None)
+        base = row.base_version if row is not None else dep.version
+        reason = f"{session.label} failed after the commit: {error or 'no reason given'}"
+        self._record_mixed(dep, version, base, reason, serving, now)
+        return True
+
+    def _report_off_plan(self, dep: Deployment, session: Session, version: int, phase: str, now: float,
+                         error: str = "", serving: np.ndarray | None = None) -> None:
         """A report of a version that is not the plan in flight."""
         plan = dep.plan
+        if phase == "failed" and self._failed_after_commit(dep, session, version, error, serving, now):
+            return
         if version == dep.version and phase in ("committed", "prepared"):
             return  # late confirmation of a plan already finished: harmless
         known = self.store.placement(dep.name, version) if version > dep.version else None
@@ -225,6 +276,8 @@ class Plans:
             dep.commit(plan)
             log.info("%s: plan v%d committed", dep.name, plan.version)
             self._notify(dep, plan, "committed")
+        if t.partial:
+            self._notify(dep, plan, "partial")
         if t.unconfirmed:
             log.error("%s: plan v%d: %s", dep.name, plan.version, plan.reason)
             dep.leave_unconfirmed(plan)

@@ -90,6 +90,10 @@ class Registry:
                     dep.remember_unfinished(Aborted(newest[0].version, newest[0].reason))
                 elif newest[0].state == "unconfirmed":
                     dep.remember_unfinished(Unconfirmed(newest[0].version))
+            mixed = self.store.mixed(row.name)
+            if mixed is not None:
+                dep.serve_mixed(mixed)
+                log.error("deployment %s: the ranks serve a mixed placement: %s", row.name, mixed.describe())
             self.deployments[row.name] = dep
             log.info("loaded deployment %s at placement v%d", row.name, row.committed_version)
 
@@ -145,6 +149,8 @@ class Registry:
             self.store.set_shape(name, shape_key(merged))
             dep.reshape(merged)
             log.info("deployment %s: %s set the shape's unknown fields: %s", name, label, shape_key(merged))
+        if dep.mixed is not None and self._group_restarted(dep, worker_id):
+            self._clear_mixed(dep, label)
         if version != dep.version:
             reconcile.reconcile(self.store, dep, label, version, now)
         for old in olds.values():  # expired registrations that never streamed: replaced whole
@@ -154,6 +160,23 @@ class Registry:
         self.sessions[session.session_id] = (name, session)
         log.info("%s of %s registered (worker %s, v%d)", label, name, worker_id or "?", version)
         return session, dep
+
+    @staticmethod
+    def _group_restarted(dep: Deployment, worker_id: str) -> bool:
+        """Whether a registration from `worker_id` shows that the ranks holding the mixed
+        placement are gone: it is not one of them, and none of them has a session left.
+        (A rank's worker id names its process, so a restarted rank registers under a new
+        one; the survivors reconnecting after a controller restart keep theirs.)"""
+        assert dep.mixed is not None
+        holders = dep.mixed.workers
+        return worker_id not in holders and not any(s.worker_id in holders for s in dep.live_sessions())
+
+    def _clear_mixed(self, dep: Deployment, label: str) -> None:
+        assert dep.mixed is not None
+        self.store.clear_mixed(dep.name)
+        log.warning("%s: the ranks that served a mixed placement (%s) are gone; %s registered: "
+                    "back to v%d, plans resume", dep.name, dep.mixed.describe(), label, dep.version)
+        dep.end_mixed(self.store.placement(dep.name, dep.version))
 
     def _forget(self, dep: Deployment, session: Session) -> None:
         """Drop a session under every rank it holds."""

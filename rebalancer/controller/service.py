@@ -307,7 +307,12 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             if phase is None:
                 raise InputError(f"plan phase {request.phase} is not reportable")
             version = check_version(request.version, "version")
-            self.controller.report(request.session_id, version, phase, request.error)
+            serving = None
+            if request.HasField("serving"):
+                shape = self.controller.session(request.session_id)[0].shape
+                serving = codec.decode_phy2log(
+                    request.serving.phy2log, shape.num_layers, shape.num_slots, shape.num_logical)
+            self.controller.report(request.session_id, version, phase, request.error, serving)
         except (InputError, StateError) as exc:
             await refuse(context, exc, f"ReportPlan(v{request.version})", log)
         return pb.PlanReportResponse()

@@ -93,10 +93,12 @@ class Controller:
         became complete; False for a duplicate."""
         return self.folder.ingest(dep, rank, seq, version, logical, physical)
 
-    def report(self, session_id: str, version: int, phase: str, error: str = "") -> None:
-        """A session's plan progress (for all its ranks): prepared / failed / committed / aborted."""
+    def report(self, session_id: str, version: int, phase: str, error: str = "",
+               serving: np.ndarray | None = None) -> None:
+        """A session's plan progress (for all its ranks): prepared / failed / committed / aborted;
+        `serving`: the placement its ranks serve after a plan applied in part."""
         dep, session = self.registry.session(session_id)
-        self.plans.report(dep, session, version, phase, error)
+        self.plans.report(dep, session, version, phase, error, serving)
 
     # ------------------------------------------------------------ time and shutdown
 

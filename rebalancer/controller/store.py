@@ -2,7 +2,8 @@
 
 What must survive a controller restart (invariant 7): each deployment's shape,
 policy and committed placement, every placement version a plan proposed, the
-plan and decision history, and the ingest cursor (per-rank next window
+plan and decision history, the mixed placement a plan applied in part left the ranks
+on (until the group restarts), and the ingest cursor (per-rank next window
 sequence number plus the load estimate) so a reconnecting rank's resent
 windows are counted once.
 
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from rebalancer.controller.coordinate import Mixed
 from rebalancer.controller.cursor_writer import CursorWriter
 from rebalancer.errors import InputError, StateError
 
@@ -198,6 +200,17 @@ CREATE TABLE IF NOT EXISTS decisions (
     deployment TEXT NOT NULL,
     time REAL NOT NULL,
     record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS mixed_placements (
+    deployment TEXT PRIMARY KEY,
+    version INTEGER NOT NULL,
+    base_version INTEGER NOT NULL,
+    num_layers INTEGER NOT NULL,
+    num_slots INTEGER NOT NULL,
+    phy2log BLOB,
+    reason TEXT NOT NULL,
+    since REAL NOT NULL,
+    workers TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS ingest_state (
     deployment TEXT PRIMARY KEY,
@@ -383,6 +396,38 @@ class Store:
             self._db.execute(
                 "UPDATE deployments SET committed_version = ? WHERE name = ?", (version, name)
             )
+
+    def set_mixed(self, name: str, mixed: Mixed, plan_state_reason: str, *, now: float) -> None:
+        """Plan `mixed.version` applied in part: mark it partial and record what the ranks
+        serve, atomically (a controller restarted on this store holds the same)."""
+        arr = None if mixed.phy2log is None else np.ascontiguousarray(mixed.phy2log, dtype="<i4")
+        shape = (0, 0) if arr is None else arr.shape
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "UPDATE plans SET state = 'partial', finished = ?, reason = ? WHERE deployment = ? AND version = ?",
+                (now, plan_state_reason, name, mixed.version),
+            )
+            self._db.execute(
+                "INSERT OR REPLACE INTO mixed_placements VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (name, mixed.version, mixed.base_version, shape[0], shape[1],
+                 None if arr is None else arr.tobytes(), mixed.reason, mixed.since,
+                 json.dumps(sorted(mixed.workers))),
+            )
+
+    def mixed(self, name: str) -> Mixed | None:
+        row = self._db.execute(
+            "SELECT version, base_version, num_layers, num_slots, phy2log, reason, since, workers"
+            " FROM mixed_placements WHERE deployment = ?", (name,),
+        ).fetchone()
+        if row is None:
+            return None
+        version, base, layers, slots, blob, reason, since, workers = row
+        phy2log = None if blob is None else np.frombuffer(blob, dtype="<i4").reshape(layers, slots).astype(np.int64)
+        return Mixed(int(version), int(base), phy2log, reason, float(since), frozenset(json.loads(workers)))
+
+    def clear_mixed(self, name: str) -> None:
+        self._db.execute("DELETE FROM mixed_placements WHERE deployment = ?", (name,))
 
     def max_version(self, name: str) -> int:
         row = self._db.execute(

@@ -254,12 +254,19 @@ class Pod:
         request = pb.RegisterRequest(
             deployment=self.deployment, rank=self.ranks[0], ranks=self.ranks, shape=self.shape,
             placement_version=version, pod=self.config.pod,
-            worker_id=f"sidecar {self.config.pod} pid {os.getpid()}",
+            worker_id=self.group_worker_id(),
             dispatch_mode=self.dispatch_mode or DEFAULT_DISPATCH_MODE, top_k=self.top_k,
         )
         if self.initial is not None:
             request.initial_placement.CopyFrom(self.initial)
         return request
+
+    def group_worker_id(self) -> str:
+        """The group session's identity: this sidecar and its ranks' processes, so the
+        controller tells a group whose ranks restarted from one that only reconnected (a
+        mixed placement clears only when the ranks holding it are gone)."""
+        ranks = ",".join(self.by_rank[r].worker_id or "?" if r in self.by_rank else "-" for r in self.ranks)
+        return f"sidecar {self.config.pod} pid {os.getpid()} ranks {ranks}"
 
     def registered_upstream(self, response: pb.RegisterResponse) -> None:
         self.committed = pb.Placement()

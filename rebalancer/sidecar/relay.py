@@ -151,6 +151,15 @@ class Relay:
         elif phase == pb.PLAN_PHASE_FAILED:
             if plan.phase in ("preparing", "prepared"):
                 self._fail(plan, f"rank {rank}: {report.error or 'no reason given'}", a)
+            elif plan.phase in ("committing", "committed") and not plan.failed:
+                # After the Commit: the rank applied it in part (an engine's updater lost a
+                # peer midway); the controller records the placement it serves.
+                plan.failed = f"rank {rank}: {report.error or 'no reason given'}"
+                a.upstream.append(pb.PlanReport(
+                    version=plan.version, phase=pb.PLAN_PHASE_FAILED, error=plan.failed[:500],
+                    serving=report.serving if report.HasField("serving") else None,
+                ))
+                a.events.append(("failed", plan))
         elif phase == pb.PLAN_PHASE_COMMITTED:
             if plan.phase not in ("committing", "committed"):
                 raise StateError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.phase}; no commit was sent")

@@ -184,7 +184,7 @@ class ControllerMessage(_message.Message):
     def __init__(self, window_ack: _Optional[_Union[WindowAck, _Mapping]] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
 
 class PlanReport(_message.Message):
-    __slots__ = ("session_id", "version", "phase", "step", "error", "bytes_received", "seconds")
+    __slots__ = ("session_id", "version", "phase", "step", "error", "bytes_received", "seconds", "serving")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class PlanReport(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     version: int
     phase: PlanPhase
@@ -199,7 +200,8 @@ class PlanReport(_message.Message):
     error: str
     bytes_received: int
     seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., phase: _Optional[_Union[PlanPhase, str]] = ..., step: _Optional[int] = ..., error: _Optional[str] = ..., bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    serving: Placement
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., phase: _Optional[_Union[PlanPhase, str]] = ..., step: _Optional[int] = ..., error: _Optional[str] = ..., bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ..., serving: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class PlanReportResponse(_message.Message):
     __slots__ = ()
@@ -308,7 +310,7 @@ class ForceRebalanceResponse(_message.Message):
     def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., transfers: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class DeploymentStatus(_message.Message):
-    __slots__ = ("deployment", "shape", "placement_version", "balancedness_actual", "balancedness_estimated", "connected_ranks", "windows_ingested", "paused", "plan_in_flight", "plan_phase", "last_decision", "plans_committed", "plans_aborted", "slots_moved", "bytes_moved", "windows_folded")
+    __slots__ = ("deployment", "shape", "placement_version", "balancedness_actual", "balancedness_estimated", "connected_ranks", "windows_ingested", "paused", "plan_in_flight", "plan_phase", "last_decision", "plans_committed", "plans_aborted", "slots_moved", "bytes_moved", "windows_folded", "mixed")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +327,7 @@ class DeploymentStatus(_message.Message):
     SLOTS_MOVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FOLDED_FIELD_NUMBER: _ClassVar[int]
+    MIXED_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     shape: ModelShape
     placement_version: int
@@ -341,7 +344,8 @@ class DeploymentStatus(_message.Message):
     slots_moved: int
     bytes_moved: int
     windows_folded: int
-    def __init__(self, deployment: _Optional[str] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., balancedness_actual: _Optional[float] = ..., balancedness_estimated: _Optional[float] = ..., connected_ranks: _Optional[int] = ..., windows_ingested: _Optional[int] = ..., paused: _Optional[bool] = ..., plan_in_flight: _Optional[int] = ..., plan_phase: _Optional[str] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., plans_committed: _Optional[int] = ..., plans_aborted: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., windows_folded: _Optional[int] = ...) -> None: ...
+    mixed: str
+    def __init__(self, deployment: _Optional[str] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., balancedness_actual: _Optional[float] = ..., balancedness_estimated: _Optional[float] = ..., connected_ranks: _Optional[int] = ..., windows_ingested: _Optional[int] = ..., paused: _Optional[bool] = ..., plan_in_flight: _Optional[int] = ..., plan_phase: _Optional[str] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., plans_committed: _Optional[int] = ..., plans_aborted: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., windows_folded: _Optional[int] = ..., mixed: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("deployment",)

@@ -39,3 +39,38 @@ def test_logical_counts_sum_replicas_per_layer() -> None:
     phy2log = np.array([[0, 1, 2, 0], [2, 2, 1, 0]])
     physical = np.array([[5, 1, 2, 3], [4, 6, 7, 0]])
     assert logical_counts(physical, phy2log, 3).tolist() == [[8, 1, 2], [0, 7, 10]]
+
+
+@pytest.mark.parametrize(("tls", "message"), [
+    ({"CERT_FILE": "cert", "KEY_FILE": "key"}, "REBALANCER_CERT_FILE and REBALANCER_KEY_FILE .* need REBALANCER_CA_FILE"),
+    ({"CA_FILE": "ca", "CERT_FILE": "cert"}, "mutual TLS needs both REBALANCER_CERT_FILE and REBALANCER_KEY_FILE"),
+    ({"CA_FILE": "gone"}, "REBALANCER_CA_FILE .*gone: no such file"),
+])
+def test_tls_settings_that_cannot_connect_are_refused_at_start(tmp_path, tls: dict[str, str], message: str) -> None:
+    """Issue 20: cert and key without a CA were accepted, then killed the agent thread at
+    its first connect, for good."""
+    for name in ("ca", "cert", "key"):
+        (tmp_path / name).write_text("-----BEGIN CERTIFICATE-----\n")
+    env = {"REBALANCER_ADDRESS": "127.0.0.1:1",
+           **{f"REBALANCER_{k}": str(tmp_path / v) for k, v in tls.items()}}
+    with pytest.raises(InputError, match=message):
+        SGLangAdapterConfig.from_env(env)
+
+
+def test_the_plugin_stays_off_with_one_line_on_bad_tls(tmp_path, monkeypatch, caplog) -> None:
+    """SGLang starts and serves with its own EPLB; the reason is one log line."""
+    from worker_hooks.engines.sglang import plugin
+
+    (tmp_path / "cert").write_text("x")
+    (tmp_path / "key").write_text("x")
+    monkeypatch.setenv("REBALANCER_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("REBALANCER_CERT_FILE", str(tmp_path / "cert"))
+    monkeypatch.setenv("REBALANCER_KEY_FILE", str(tmp_path / "key"))
+    monkeypatch.delenv("REBALANCER_CA_FILE", raising=False)
+    monkeypatch.setattr(plugin, "_config", None)
+    with caplog.at_level("INFO", logger="worker_hooks.engines.sglang"):
+        plugin.register()  # SGLang is not imported: the plugin is off before that
+    assert plugin._config is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["rebalancer plugin off: REBALANCER_CERT_FILE and REBALANCER_KEY_FILE (mutual TLS) "
+                     "need REBALANCER_CA_FILE, the controller's CA"]

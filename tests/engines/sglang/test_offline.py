@@ -18,7 +18,7 @@ from tests.engines.sglang import sglang_env
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not sglang_env.available(), reason=sglang_env.MISSING),
+    sglang_env.needed(),
 ]
 
 

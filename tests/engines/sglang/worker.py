@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -63,6 +62,10 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.01)
     parser.add_argument("--die-at-layer", type=int, default=None,
                         help="exit inside SGLang's updater at this layer of the first plan")
+    parser.add_argument("--adapter-error-at-pass", type=int, default=None,
+                        help="the adapter raises on this pass's counts (1-based): an adapter bug")
+    parser.add_argument("--no-finish", action="store_true",
+                        help="never call the adapter's finish(), as SGLang does not: the plugin's exit hook must")
     args = parser.parse_args()
     rank = args.rank
 
@@ -93,7 +96,10 @@ def main() -> None:
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    model_dir = Path(tempfile.mkdtemp(prefix=f"sgl-model-{rank}-"))
+    # In the test's own folder (beside --out), which the test removes: a folder of our own
+    # in /tmp outlived every run.
+    model_dir = Path(args.out).parent / f"model-rank{rank}"
+    model_dir.mkdir(exist_ok=True)
     write_model(model_dir)
     server_args = ServerArgs(
         model_path=str(model_dir), device="cpu", tp_size=args.world, ep_size=args.world,
@@ -146,12 +152,28 @@ def main() -> None:
 
         expert_location_updater.update_expert_weights_single_layer = dying
 
+    from worker_hooks.engines.sglang import plugin
     from worker_hooks.engines.sglang.plugin import current_adapter
+
+    if args.adapter_error_at_pass is not None:  # a bug in the adapter, on every rank at once
+        from worker_hooks.engines.sglang.adapter import SGLangRebalanceAdapter
+
+        counted = SGLangRebalanceAdapter.add_pass_counts
+        passes = {"n": 0}
+
+        def failing(self, counts):
+            passes["n"] += 1
+            if passes["n"] == args.adapter_error_at_pass:
+                raise RuntimeError("injected adapter error")
+            return counted(self, counts)
+
+        SGLangRebalanceAdapter.add_pass_counts = failing
 
     # Skewed routing: experts 0 and 1 (both on rank 0 at first) take most tokens.
     popularity = np.array([8, 6, 1, 1, 1, 1, 1, 1], dtype=np.float64)
     rng = np.random.default_rng(rank)
     mismatches = 0
+    served = 0
     for step in range(args.steps):
         with recorder.with_forward_pass(step, None):
             for layer in range(1, NUM_LAYERS):
@@ -166,10 +188,13 @@ def main() -> None:
                     current = get_global_expert_location_metadata().physical_to_logical_map_cpu
                     mismatches += int((current[layer][physical.long()] != topk.long()).sum())
         manager.on_forward_pass_end()
+        served += 1
         time.sleep(args.step_sleep)
 
     adapter = current_adapter()
-    adapter.finish()
+    agent_running = adapter.agent._thread.is_alive()
+    if not args.no_finish:
+        adapter.finish()
     final = get_global_expert_location_metadata().physical_to_logical_map_cpu
     weights_ok = all(
         torch.equal(model.routed_experts_weights_of_layer[layer][i][s],
@@ -182,6 +207,7 @@ def main() -> None:
         "phy2log": final.tolist(), "initial_phy2log": phy2log.tolist(), "adapter_phy2log": adapter.phy2log.tolist(),
         "weights_match_map": weights_ok, "dispatch_mismatches": mismatches,
         "broken": adapter.broken, "update_seconds": adapter.stats.update_seconds,
+        "served": served, "disabled": plugin.disabled_reason(), "agent_running": agent_running,
     }
     Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -70,3 +70,18 @@ def test_unconfirmed_commit_frees_the_slot_after_grace() -> None:
     assert not c.on_tick(p, 5.0 + c.COMMIT_GRACE_SECONDS - 1).finished
     t = c.on_tick(p, 5.0 + c.COMMIT_GRACE_SECONDS + 1)
     assert t.finished and t.unconfirmed and not t.send_abort
+
+
+def test_a_failure_after_the_commit_ends_the_plan_applied_in_part() -> None:
+    """Issue 20: refused before (FAILED_PRECONDITION), so the controller never learnt that
+    the ranks serve a mix; a rank that confirmed the switch still cannot fail it."""
+    p = plan(num_ranks=3)
+    for rank in range(3):
+        c.on_prepared(p, rank, 1.0)
+    c.on_committed(p, 0, 2.0)
+    with pytest.raises(StateError, match="confirmed it committed"):
+        c.on_failed(p, 0, "late")
+    t = c.on_failed(p, 1, "update lost a peer at layer 2")
+    assert t.partial and t.finished and not t.send_abort and p.state is c.PlanState.PARTIAL
+    assert p.reason == "rank 1 failed after the commit: update lost a peer at layer 2"
+    assert c.on_failed(p, 2, "the same").duplicate

@@ -82,3 +82,22 @@ def test_a_switch_the_relay_no_longer_follows_is_told_upstream_once() -> None:
     assert late == [(2, pb.PLAN_PHASE_COMMITTED)]
     pod.report(pb.PlanReport(session_id=sessions[0], version=2, phase=pb.PLAN_PHASE_COMMITTED, step=40))
     assert [r.version for r in pod.reports if r.phase == pb.PLAN_PHASE_COMMITTED] == [2]  # once
+
+
+def test_the_group_identity_names_the_ranks_processes() -> None:
+    """The controller clears a mixed placement (a plan applied in part) only when the
+    ranks holding it are gone: behind a sidecar it tells that from the group's worker id."""
+    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    sessions = []
+    for rank in (0, 1):
+        reply = pod.register(pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, worker_id=f"pid-{rank}"))
+        pod.attach(reply.session_id, lambda msg: None)
+        sessions.append(reply.session_id)
+    before = pod.group_request().worker_id
+    assert before.endswith(" ranks pid-0,pid-1")
+    pod.detach(pod.session(sessions[0]))
+    pod.register(pb.RegisterRequest(deployment="d", rank=0, shape=SHAPE, worker_id="pid-0"))  # reconnected
+    assert pod.group_request().worker_id == before
+    pod.detach(pod.session(sessions[1]))
+    pod.register(pb.RegisterRequest(deployment="d", rank=1, shape=SHAPE, worker_id="pid-new"))  # restarted
+    assert pod.group_request().worker_id.endswith(" ranks pid-0,pid-new")

@@ -208,3 +208,20 @@ def test_a_rank_that_missed_the_prepare_gets_it_then_the_abort() -> None:
     r.prepare(prepare(8))
     r.detached(6)
     assert [m.prepare.version for _, m in r.attached(6).to_ranks] == [8]  # only the current plan
+
+
+def test_a_failure_after_the_commit_goes_up_once_with_the_placement_served() -> None:
+    """Issue 20: a rank whose engine applied the plan in part (SGLang's updater lost a peer
+    midway) reports FAILED after the Commit with what it serves; the sidecar dropped it,
+    so the controller never learnt of the mixed placement."""
+    r = relay()
+    r.prepare(prepare())
+    for rank in RANKS:
+        r.report(rank, report(2, pb.PLAN_PHASE_PREPARED))
+    r.commit(2)
+    serving = pb.Placement(phy2log=pb.Array(dtype=pb.DTYPE_INT32, shape=[1, 2], data=b"\0" * 8))
+    a = r.report(4, report(2, pb.PLAN_PHASE_FAILED, error="update lost a peer at layer 2", serving=serving))
+    assert up(a) == ["PLAN_PHASE_FAILED"]
+    assert a.upstream[0].error == "rank 4: update lost a peer at layer 2"
+    assert a.upstream[0].serving == serving
+    assert not r.report(5, report(2, pb.PLAN_PHASE_FAILED, error="the same", serving=serving)).upstream

@@ -3,9 +3,12 @@ away; each controller message reaches its handler; bad settings are refused by n
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
+from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
@@ -71,3 +74,35 @@ def test_bad_agent_settings_are_refused() -> None:
         AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(), rpc_timeout_seconds=0.0)
     with pytest.raises(ValueError, match="backoff_max_seconds"):
         AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(), backoff_max_seconds=0.1)
+
+
+def test_tls_settings_that_cannot_connect_are_refused_at_start(tmp_path) -> None:
+    """Issue 20: a certificate and key without a CA were accepted, then the agent thread
+    died at its first connect (InputError outside the reconnect loop's try), for good."""
+    (tmp_path / "cert").write_text("x")
+    (tmp_path / "key").write_text("x")
+    config = AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(),
+                         cert_file=str(tmp_path / "cert"), key_file=str(tmp_path / "key"))
+    with pytest.raises(InputError, match="a client certificate needs --ca as well"):
+        WorkerAgent(config, NoPlans(), lambda: 0)
+
+
+def test_the_agent_outlives_a_certificate_file_gone_after_start(tmp_path, caplog) -> None:
+    """The CA file is removed after the agent was built (a rotation gone wrong): each
+    connect attempt logs why and retries; the agent thread lives on and stops when told."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not read until the connect\n")
+    config = AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(), ca_file=str(ca),
+                         backoff_initial_seconds=0.01, backoff_max_seconds=0.02)
+    agent = WorkerAgent(config, NoPlans(), lambda: 0)
+    ca.unlink()
+    with caplog.at_level("ERROR", logger="worker_hooks.agent"):
+        agent.start()
+        deadline = time.monotonic() + 30.0
+        while agent.reconnects < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        alive = agent._thread.is_alive()
+        agent.stop()
+    assert alive and agent.reconnects >= 3
+    assert not agent._thread.is_alive()
+    assert any(f"{ca}: no such file" in r.getMessage() for r in caplog.records)

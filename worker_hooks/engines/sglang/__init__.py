@@ -38,11 +38,21 @@ What holds, and what SGLang's updater cannot give
   copy taken before (one layer of the rank's experts, the size of SGLang's own
   temporary buffers). The survivors then all hold the same placement: the new one on
   the layers before the failed one, the old one from there on, every map matching its
-  weights; each reports FAILED naming the layer, and the adapter stops taking plans
-  (the EP group has lost a rank and SGLang's own collectives fail as well; the
-  orchestrator restarts the group, which then registers its placement). One edge is
-  left: a rank that dies inside the one-integer "layer done" all-reduce itself, after
-  some peers completed it, leaves those peers one layer ahead.
+  weights; each reports FAILED naming the layer, with the placement it now serves, and
+  the adapter stops taking plans (the EP group has lost a rank and SGLang's own
+  collectives fail as well; the orchestrator restarts the group, which then registers
+  its placement). The controller ends the plan "partial" and records that mixed
+  placement as what the deployment serves (store, `admin status`, metric
+  `rebalancer_mixed_placement`); it starts no plan on top of it until the group's ranks
+  have registered again as new processes. One edge is left: a rank that dies inside the
+  one-integer "layer done" all-reduce itself, after some peers completed it, leaves
+  those peers one layer ahead.
+* SGLang comes first: settings that cannot work (TLS cert and key without a CA, a
+  missing file) leave the plugin off with one log line at start; an error of the
+  adapter while serving turns it off on that rank (an ERROR line with the traceback, its
+  agent stops so the controller sees the rank leave) and SGLang goes on serving its
+  placement (plugin.py). At the process's exit the last window and the pending reports
+  go out (a SIGKILL loses them).
 * Hot path: windows are copied off the device without waiting (pinned memory and an
   event on GPU) and handed to the agent thread; the agreement overlaps serving. The
   update itself stalls serving as SGLang's own rebalance does (it is that code).

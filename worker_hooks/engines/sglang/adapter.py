@@ -76,6 +76,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.step = 0
         self.stats = AdapterStats()
         self.broken: str | None = None  # set when an update lost a peer: no more plans
+        self._finished = False
         self._window_start = 0
         self._counts: torch.Tensor | None = None  # [L, P] int64 on the pass's device
         self._snapshot: tuple[int, int, int, np.ndarray, torch.Tensor, torch.cuda.Event | None] | None = None
@@ -96,7 +97,9 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.agent = WorkerAgent(
             AgentConfig(
                 config.address, config.deployment, self.rank, shape,
-                config.worker_id or f"{socket.gethostname()}:{os.getpid()}",
+                # The pid always: the controller tells a restarted rank by it (a mixed
+                # placement clears only when the processes holding it are gone).
+                f"{config.worker_id or socket.gethostname()} pid {os.getpid()}",
                 token=config.token, ca_file=config.ca_file, cert_file=config.cert_file,
                 key_file=config.key_file,
             ),
@@ -140,11 +143,29 @@ class SGLangRebalanceAdapter(PlanHandlers):
             self._flush_window()
 
     def finish(self, timeout: float = 5.0) -> None:
-        """At shutdown: send the last window, deliver what the agent holds, stop it."""
-        self._flush_window(wait=True)
-        self.agent.drain(timeout)
-        self.agent.stop()
-        self.agreement.close()
+        """At shutdown (the plugin calls it at the process's exit): send the last window,
+        deliver what the agent holds within `timeout`, stop it. Once; later calls do nothing."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            self._flush_window(wait=True)
+        finally:
+            self.agent.drain(timeout)
+            self.agent.stop(timeout)
+            self.agreement.close()
+
+    def idle_step(self) -> None:
+        """A pass while disabled: only the commit agreement, with the version served."""
+        self.step += 1
+        self.agreement.on_step(self.step, self.version)
+
+    def disable(self, reason: str) -> None:
+        """The plugin turned the adapter off after an error of its own: no more plans, and
+        the agent stops without waiting (the controller sees the rank leave)."""
+        self.broken = self.broken or f"adapter disabled ({reason})"
+        self._finished = True
+        self.agent.stop(timeout=0.0)
 
     def _flush_window(self, wait: bool = False) -> None:
         if self._snapshot is not None:
@@ -271,7 +292,8 @@ class SGLangRebalanceAdapter(PlanHandlers):
         message = (f"update lost a peer at layer {layer} ({error}); layers before it are on "
                    f"v{version}, from it on v{self.version}; no more plans on this group")
         log.error("rank %d: %s", self.rank, message)
-        self.agent.report(version, pb.PLAN_PHASE_FAILED, error=message[:500])
+        # What this rank serves now: the controller records it (a mixed placement).
+        self.agent.report(version, pb.PLAN_PHASE_FAILED, error=message[:500], serving=self.phy2log.copy())
 
     def before_layer(self, version: int, layer: int) -> None:
         """Called before each layer of an update; raising fails that layer. A seam for

@@ -30,7 +30,7 @@ class SGLangAdapterConfig:
     # REBALANCER_AGREE_TIMEOUT_SECONDS: the adapter's gloo group gives up on a lost peer
     # after this long (agreements and the per-layer "done" of an update).
     agree_timeout_seconds: float = 60.0
-    worker_id: str = ""               # REBALANCER_WORKER_ID (default: host and pid)
+    worker_id: str = ""               # REBALANCER_WORKER_ID (default: the host), the pid appended
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -42,6 +42,20 @@ class SGLangAdapterConfig:
             raise InputError(
                 f"{ENV_PREFIX}AGREE_TIMEOUT_SECONDS must be > 0, got {self.agree_timeout_seconds}"
             )
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        """TLS settings that could never connect are refused here, at start, in one line
+        naming the variable (the agent would otherwise find out at its first connect)."""
+        if (self.cert_file or self.key_file) and not self.ca_file:
+            raise InputError(f"{ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE (mutual TLS) need "
+                             f"{ENV_PREFIX}CA_FILE, the controller's CA")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise InputError(f"mutual TLS needs both {ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE")
+        for name in ("ca_file", "cert_file", "key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise InputError(f"{ENV_PREFIX}{name.upper()} {path}: no such file")
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> SGLangAdapterConfig | None:

@@ -7,11 +7,26 @@ REBALANCER_ADDRESS it registers nothing and SGLang's own EPLB runs unchanged. Wi
   * AROUND `EPLBManager.on_forward_pass_end`: the adapter's step replaces SGLang's
     periodic refit (the controller decides when and what; SGLang's updater moves).
 SGLang is imported here only inside the functions SGLang itself calls.
+
+The inference pod comes first: an error of the adapter (building it, a pass's counts, its
+step) never reaches SGLang's forward loop. It turns the adapter off on that rank for good,
+loudly: one ERROR line with the traceback, and its agent stops, so the controller sees the
+rank leave (`rebalancer_connected_ranks`, alert `RebalancerRanksDisconnected`; the
+adapter has no metrics endpoint of its own in SGLang's process). SGLang goes on serving
+the placement it holds, without rebalancing (never SGLang's own EPLB instead: its refit is
+a collective the other ranks, still on the adapter, would not join). The disabled rank
+still answers the ranks' commit agreement with its version, so its peers never switch
+without it and never wait for it.
+
+At the process's exit (SGLang's scheduler returns after a ShutdownReq; any normal exit)
+the adapter sends its last window and the reports it holds (`finish`, bounded by
+FINISH_SECONDS); a SIGKILL loses them.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 from typing import Any
 
 from rebalancer.errors import InputError
@@ -23,8 +38,13 @@ log = logging.getLogger("worker_hooks.engines.sglang")
 ON_FORWARD_PASS_END = "sglang.srt.eplb.eplb_manager.EPLBManager.on_forward_pass_end"
 STAT_ACCUMULATOR_APPEND = "sglang.srt.eplb.expert_distribution._StatAccumulator.append"
 
+# Seconds the adapter may take at exit to send its last window and reports.
+FINISH_SECONDS = 3.0
+
 _config: SGLangAdapterConfig | None = None
 _adapter: Any = None  # SGLangRebalanceAdapter, built at the first forward pass
+_disabled: str | None = None  # why the adapter was turned off on this rank, for good
+_early_counts: Any = None  # [L, P] counts of the passes before the adapter exists
 
 
 def register() -> None:
@@ -51,20 +71,85 @@ def current_adapter() -> Any:
     return _adapter
 
 
+def disabled_reason() -> str | None:
+    """Why the adapter was turned off on this rank (None while it runs)."""
+    return _disabled
+
+
+def _disable(what: str, exc: BaseException) -> None:
+    """An adapter error: turn the adapter off on this rank, loudly; SGLang keeps serving."""
+    global _disabled
+    _disabled = f"{what}: {type(exc).__name__}: {exc}"
+    log.error("rebalancer adapter DISABLED on this rank (%s); SGLang keeps serving its current "
+              "placement without rebalancing", _disabled, exc_info=exc)
+    if _adapter is not None:
+        try:
+            _adapter.disable(_disabled)
+        except Exception:  # already off: nothing more may reach SGLang
+            log.exception("rebalancer adapter: stopping it failed")
+
+
 def _on_forward_pass_end(original: Any, manager: Any, *args: Any, **kwargs: Any) -> None:
-    global _adapter
+    global _adapter, _early_counts
     if _config is None:
         return original(manager, *args, **kwargs)
-    if _adapter is None:
-        from worker_hooks.engines.sglang.adapter import SGLangRebalanceAdapter
+    if _disabled is not None:
+        _idle_step()
+        return None
+    try:
+        if _adapter is None:
+            from worker_hooks.engines.sglang.adapter import SGLangRebalanceAdapter
 
-        _adapter = SGLangRebalanceAdapter(_config, manager)
-    _adapter.on_forward_pass_end()
+            _adapter = SGLangRebalanceAdapter(_config, manager)
+            multiprocessing.util.Finalize(None, _finish_at_exit, exitpriority=100)
+            if _early_counts is not None:  # the first pass recorded before the adapter existed
+                _adapter.add_pass_counts(_early_counts)
+                _early_counts = None
+        _adapter.on_forward_pass_end()
+    except Exception as exc:
+        _disable("forward pass end", exc)
     return None
+
+
+def _idle_step() -> None:
+    """A disabled adapter still answers the ranks' commit agreement with the version it
+    serves: no peer then agrees on a switch this rank would not make, and none waits on it."""
+    global _adapter
+    if _adapter is None:
+        return
+    try:
+        _adapter.idle_step()
+    except Exception:
+        log.exception("rebalancer adapter: its commit agreement failed too; it is left alone")
+        _adapter = None
 
 
 def _on_pass_counts(result: Any, accumulator: Any, forward_pass_id: Any, gatherer_key: Any,
                     single_pass_data: dict, *args: Any, **kwargs: Any) -> None:
-    if _adapter is not None:
-        _adapter.add_pass_counts(single_pass_data["global_physical_count"])
+    global _early_counts
+    if _config is None or _disabled is not None:
+        return None
+    try:
+        counts = single_pass_data["global_physical_count"]
+        if _adapter is not None:
+            _adapter.add_pass_counts(counts)
+        elif _early_counts is None:
+            _early_counts = counts.clone()
+        else:
+            _early_counts += counts
+    except Exception as exc:
+        _disable("pass counts", exc)
     return None
+
+
+def _finish_at_exit() -> None:
+    """The process ends: the last window and pending reports go out (bounded)."""
+    if _adapter is None:
+        return
+    try:
+        if _disabled is not None:  # no collective left pending when the process group goes
+            _adapter.agreement.close()
+            return
+        _adapter.finish(FINISH_SECONDS)
+    except Exception:
+        log.exception("rebalancer adapter: the last window could not be sent at exit")
