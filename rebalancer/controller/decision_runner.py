@@ -31,7 +31,7 @@ TRIGGERS = ("policy", "forced")
 # gate it skipped, skip_paused included. A dry run is not a decision.
 RECORDED_OUTCOMES = (
     "rebalance", "forced", "skip_min_interval", "skip_min_windows", "skip_gain", "skip_no_load",
-    "skip_ranks", "skip_store",
+    "skip_ranks", "skip_store", "skip_mixed",
 )
 
 # Runs fn, then done(result), or done(None) if fn raised, back on the event loop thread.
