@@ -30,6 +30,7 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.channel import ChannelConfig, aio_channel
+from rebalancer.wire.link import SentWindows, send_report
 from rebalancer.wire.windows import BoundedWindows, CountWindow
 
 log = logging.getLogger("worker_hooks.agent")
@@ -105,8 +106,7 @@ class WorkerAgent:
         self._lock = threading.Lock()
         self._pending = BoundedWindows(config.max_pending)  # rebalancer.wire.windows' rule
         self._reports: deque[pb.PlanReport] = deque()
-        self._unacked: dict[int, pb.Window] = {}
-        self._next_seq = 0
+        self._sent = SentWindows()  # numbered, not yet acknowledged (under the lock)
         self._session = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -136,7 +136,7 @@ class WorkerAgent:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not (self._pending or self._unacked or self._reports):
+                if not (self._pending or self._sent or self._reports):
                     return True
             time.sleep(0.02)
         return False
@@ -264,17 +264,16 @@ class WorkerAgent:
         # Resend what the controller has not counted; renumber if it expects less.
         expected = response.next_window_seq
         with self._lock:
-            self._unacked = codec.resend_from(self._unacked, expected)
-            self._next_seq = expected + len(self._unacked)
+            self._sent.resume(expected)
         log.info("rank %d registered with %s (session %s, resend %d windows)",
-                 self.config.rank, self.config.address, self._session[:8], len(self._unacked))
+                 self.config.rank, self.config.address, self._session[:8], len(self._sent))
 
     async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
         assert self._wake is not None
         call = stub.Stream(metadata=self._metadata)
         await call.write(pb.WorkerMessage(hello=pb.Hello(session_id=self._session)))
         with self._lock:
-            resend = [self._unacked[s] for s in sorted(self._unacked)]
+            resend = self._sent.waiting()
         for w in resend:
             await call.write(pb.WorkerMessage(window=w))
         self.connected.set()
@@ -300,12 +299,7 @@ class WorkerAgent:
         out = []
         with self._lock:
             for w in self._pending.take():
-                msg = codec.window_message(
-                    self._next_seq, w.first_step, w.num_steps, w.version, w.logical, w.physical
-                )
-                self._unacked[self._next_seq] = msg
-                self._next_seq += 1
-                out.append(msg)
+                out.append(self._sent.number(w.first_step, w.num_steps, w.version, w.logical, w.physical))
         return out
 
     async def _flush_reports(self, stub: pb_grpc.WorkerServiceStub) -> None:
@@ -314,14 +308,8 @@ class WorkerAgent:
                 if not self._reports:
                     return
                 report = self._reports[0]
-            report.session_id = self._session
-            try:
-                await stub.ReportPlan(report, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise  # reconnect, then send it again
-                log.warning("rank %d: report of v%d refused: %s: %s", self.config.rank,
-                            report.version, exc.code().name, exc.details())
+            await send_report(stub, report, self._session, self.config.rpc_timeout_seconds,
+                              self._metadata, log, f"rank {self.config.rank}")
             with self._lock:
                 self._reports.popleft()
 
@@ -335,8 +323,7 @@ class WorkerAgent:
         match kind:
             case "window_ack":
                 with self._lock:
-                    for seq in [s for s in self._unacked if s <= msg.window_ack.seq]:
-                        del self._unacked[seq]
+                    self._sent.ack(msg.window_ack.seq)
             case "prepare":
                 self.handlers.on_prepare(msg.prepare)
             case "commit":

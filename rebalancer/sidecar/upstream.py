@@ -38,8 +38,8 @@ from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-from rebalancer.wire import codec
 from rebalancer.wire.channel import ChannelConfig, aio_channel
+from rebalancer.wire.link import SentWindows, send_report
 from rebalancer.wire.windows import CountWindow
 
 log = logging.getLogger("rebalancer.sidecar")
@@ -66,8 +66,7 @@ class Upstream:
         self.reconnects = 0
         self.last_error = ""
         self._session = ""
-        self._next_seq = 0
-        self._unacked: dict[int, pb.Window] = {}
+        self._sent = SentWindows()
         # The ranks last told connected in this session (None: not yet). A controller older
         # than ReportRanks counts the group by its stream: not told again in that session.
         self._told_connected: frozenset[int] | None = None
@@ -77,7 +76,7 @@ class Upstream:
 
     @property
     def unacked(self) -> int:
-        return len(self._unacked)
+        return len(self._sent)
 
     def summary(self) -> str:
         """The link's state and, unless connected, the last error: one printable ASCII line
@@ -181,17 +180,16 @@ class Upstream:
         self.pod.registered_upstream(response)
         # Resend what the controller has not counted, renumbered from its cursor.
         expected = response.next_window_seq
-        self._unacked = codec.resend_from(self._unacked, expected)
-        self._next_seq = expected + len(self._unacked)
+        self._sent.resume(expected)
         log.info("registered ranks %s as one group with %s (v%d committed, resend %d windows)",
                  self.config.ranks_label, self.config.controller, response.committed.version,
-                 len(self._unacked))
+                 len(self._sent))
 
     async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
         call = stub.Stream(metadata=self._metadata)
         await call.write(pb.WorkerMessage(hello=pb.Hello(session_id=self._session)))
-        for seq in sorted(self._unacked):
-            await call.write(pb.WorkerMessage(window=self._unacked[seq]))
+        for resent in self._sent.waiting():
+            await call.write(pb.WorkerMessage(window=resent))
         self.state = "connected"
         self.last_error = ""
         reader = asyncio.create_task(self._read(call))
@@ -220,25 +218,14 @@ class Upstream:
             call.cancel()
 
     def _window(self, window: CountWindow) -> pb.Window:
-        msg = codec.window_message(
-            self._next_seq, window.first_step, window.num_steps, window.version,
-            window.logical, window.physical,
-        )
-        self._unacked[self._next_seq] = msg
-        self._next_seq += 1
-        return msg
+        return self._sent.number(window.first_step, window.num_steps, window.version,
+                                 window.logical, window.physical)
 
     async def _flush_reports(self, stub: pb_grpc.WorkerServiceStub) -> None:
         while self.pod.reports:
             report = self.pod.reports[0]
-            report.session_id = self._session
-            try:
-                await stub.ReportPlan(report, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise  # reconnect, then send it again
-                log.warning("report of v%d (%s) refused: %s: %s", report.version,
-                            pb.PlanPhase.Name(report.phase), exc.code().name, exc.details())
+            await send_report(stub, report, self._session, self.config.rpc_timeout_seconds,
+                              self._metadata, log, f"ranks {self.config.ranks_label}")
             if self.pod.reports and self.pod.reports[0] is report:
                 self.pod.reports.popleft()
 
@@ -265,8 +252,7 @@ class Upstream:
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         async for msg in call:
             if msg.WhichOneof("body") == "window_ack":
-                for seq in [s for s in self._unacked if s <= msg.window_ack.seq]:
-                    del self._unacked[seq]
+                self._sent.ack(msg.window_ack.seq)
             else:
                 self.pod.from_controller(msg)
 

@@ -51,3 +51,20 @@ def test_counts_above_2_to_the_53_are_refused() -> None:
     for big in (np.full((2, 2), 2**60, np.int64), np.full((2, 2), 3e38, np.float32)):
         with pytest.raises(InputError, match=r"^c: counts contain .* above the largest count 2\^53$"):
             codec.decode_counts(codec.encode(big), "c", (2, 2))
+
+
+def test_sent_windows_resume_from_the_controllers_cursor_and_drop_what_it_acked() -> None:
+    """The link bookkeeping of agents and sidecars (rebalancer.wire.link)."""
+    from rebalancer.wire.link import SentWindows
+
+    sent = SentWindows()
+    counts = np.ones((2, 3), np.int64)
+    assert [sent.number(i, 1, 0, counts, None).seq for i in range(4)] == [0, 1, 2, 3]
+    sent.ack(1)
+    assert sorted(sent.unacked) == [2, 3]
+    # The controller restarted having counted up to seq 2: seq 3 goes again as seq 3;
+    # one that counted nothing beyond 0 gets both again, renumbered from 1.
+    assert [w.seq for w in sent.resume(3)] == [3] and sent.next_seq == 4
+    assert sent.number(9, 1, 0, counts, None).seq == 4
+    assert [w.seq for w in sent.resume(1)] == [1, 2] and sent.next_seq == 3
+    assert [w.first_step for w in sent.waiting()] == [3, 9]

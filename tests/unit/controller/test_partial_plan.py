@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
-from rebalancer.controller.errors import StateError
 
 from rebalancer.controller.admin import status_msg
 from rebalancer.controller.metrics import ControllerMetrics
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
 from tests.unit.controller.test_commit_record import POLICY, prepared_everywhere, streaming
 from tests.unit.controller.test_controller import SHAPE, SKEWED, FakeClock
 

@@ -79,7 +79,7 @@ def test_decision_outcomes_are_those_the_controller_records() -> None:
     """The decisions counter's row lists the outcomes the controller records, no more (it
     listed skip_paused, which a paused deployment never records: its policy does not
     decide) and no fewer (skip_store was missing)."""
-    from rebalancer.controller.decisions import RECORDED_OUTCOMES
+    from rebalancer.controller.decision_runner import RECORDED_OUTCOMES
 
     (row,) = [ln for ln in DOC.read_text().splitlines() if ln.startswith("| `rebalancer_decisions_total{")]
     listed = row.split("| counter | decisions: ", 1)[1]

@@ -54,7 +54,7 @@ class Recorder(NoPlans):
 def test_each_controller_message_reaches_its_handler() -> None:
     handlers = Recorder()
     agent = WorkerAgent(AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape()), handlers, lambda: 0)
-    agent._unacked = {0: pb.Window(seq=0), 1: pb.Window(seq=1), 2: pb.Window(seq=2)}
+    agent._sent.unacked = {0: pb.Window(seq=0), 1: pb.Window(seq=1), 2: pb.Window(seq=2)}
     for msg in (
         pb.ControllerMessage(window_ack=pb.WindowAck(seq=1)),
         pb.ControllerMessage(prepare=pb.Prepare(version=3)),
@@ -64,7 +64,7 @@ def test_each_controller_message_reaches_its_handler() -> None:
     ):
         agent._deliver(msg)
     assert handlers.calls == [("prepare", 3), ("commit", 3), ("abort", (4, "timeout"))]
-    assert list(agent._unacked) == [2]
+    assert list(agent._sent.unacked) == [2]
 
 
 def test_bad_agent_settings_are_refused() -> None:
