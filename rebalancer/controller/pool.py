@@ -216,7 +216,9 @@ def main(argv: list[str]) -> None:
     # Results travel on the original stdout; anything printed goes to stderr instead.
     results = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    import rebalancer.controller.decide  # noqa: F401  (warm up: what every decision needs)
+    import scipy.optimize  # noqa: F401  (warm up: what every decision needs)
+
+    import rebalancer.controller.decide  # noqa: F401
 
     serve_calls(sys.stdin.buffer, results)
 

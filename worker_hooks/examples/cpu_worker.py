@@ -303,9 +303,29 @@ def main(argv: list[str] | None = None) -> int:
         # and tearing the groups down under it aborts the process. Leave as is.
         os._exit(0)
     if not args.local:  # with peers possibly dead, leave without a collective goodbye
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_group(args.rank, args.world)
     return 0
+
+
+def leave_group(rank: int, world: int, timeout: float = 60.0) -> None:
+    """Tear the process group down once every rank is done with it.
+
+    The goodbye goes through the group's store, not a gloo barrier: a rank that leaves
+    the moment its barrier completes can close its pairs while a starved peer has not yet
+    seen its own barrier complete, and that peer's barrier then fails ("Connection closed
+    by peer": a rank that served every step exits 1). With no collective in flight, a
+    peer closing its pairs is harmless. Rank 0 holds the store, so it leaves last."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("cpu_worker/done", 1)
+    deadline = time.monotonic() + timeout
+    while store.add("cpu_worker/done", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if rank != 0:
+        store.add("cpu_worker/gone", 1)
+    else:
+        while store.add("cpu_worker/gone", 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
