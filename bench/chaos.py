@@ -122,8 +122,9 @@ class ChaosConfig:
     kinds: tuple[str, ...] = ALL_KINDS
     # Busy processes beside the whole campaign (a node other work keeps busy).
     hog: int = 0
-    # cpu_starve: this many busy processes per CPU, for 2-20 s.
+    # cpu_starve: this many busy processes per CPU, for 2 s to `starve_seconds_max`.
     starve_per_cpu: int = 4
+    starve_seconds_max: float = 20.0
     # Invariant 3: a step spends at most this in the rebalancer's code (route + step_end),
     # not counting the time its thread waited for a CPU (a starved node's doing). A step
     # that waited on a link would wait at least the fault's length (0.3-2 s).
@@ -668,10 +669,10 @@ class Harness:
         self.restart_controller(start)
 
     def cpu_starve(self) -> None:
-        """The node's CPUs taken by other work for 2-20 s: `starve_per_cpu` busy processes
+        """The node's CPUs taken by other work for 2-20 s (`starve_seconds_max`): `starve_per_cpu` busy processes
         per CPU beside every process of the run (the harness's own too: the proxy's links
         slow down as well). Nothing is excused: the invariants must hold on a starved node."""
-        seconds = self.rng.uniform(2.0, 20.0)
+        seconds = self.rng.uniform(2.0, max(2.0, self.cfg.starve_seconds_max))
         n = self.cfg.starve_per_cpu * (os.cpu_count() or 1)
         self.say(f"CPU starved by {n} busy processes for {seconds:.1f}s")
         procs = self.busy(n, "starve.log")
