@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--stop-file", default="",
                    help="stop at the step written in this file, once it appears (every rank "
-                        "stops at the same step; for harnesses that run an open-ended group)")
+                        "stops at the same step; for harnesses that run an open-ended group). "
+                        "Each rank writes the step it is at to <stop-file>.rank<r> every 8 "
+                        "steps, so that a harness can pick a step ahead of every rank")
     p.add_argument("--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -234,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     step = 0
     stop_at: int | None = None
     while step < args.steps or (hook.version < args.wait_version and time.monotonic() < deadline):
-        if args.stop_file and stop_at is None and step % 8 == 0 and os.path.exists(args.stop_file):
-            with open(args.stop_file) as f:
-                stop_at = int(f.read().strip() or 0)
+        if args.stop_file and step % 8 == 0:
+            if stop_at is None and os.path.exists(args.stop_file):
+                with open(args.stop_file) as f:
+                    stop_at = int(f.read().strip() or 0)
+            write_progress(f"{args.stop_file}.rank{args.rank}", step)
         if stop_at is not None and step >= stop_at:
             break
         t0 = time.perf_counter()
@@ -305,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.local:  # with peers possibly dead, leave without a collective goodbye
         leave_group(args.rank, args.world)
     return 0
+
+
+def write_progress(path: str, step: int) -> None:
+    """The step this rank is at, in `path` (replaced whole: a reader never sees half)."""
+    with open(f"{path}.tmp", "w") as f:
+        f.write(str(step))
+    os.replace(f"{path}.tmp", path)
 
 
 def leave_group(rank: int, world: int, timeout: float = 60.0) -> None:
