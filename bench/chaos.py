@@ -21,7 +21,10 @@ rebalances; faults are injected at random moments and, in turn, at each plan pha
   tmpfs filled for a few seconds under a live controller), torn WAL (kill -9, then a
   partial frame appended to the write-ahead log, restart). Read-only and disk full use a
   tmpfs when run as root; otherwise a size limit on the controller's files
-  (RLIMIT_FSIZE) and file modes.
+  (RLIMIT_FSIZE) and file modes;
+- a starved node (cpu_starve): 4 busy processes per CPU beside every process of the run
+  for 2-20 s. `--hog N` runs N busy processes beside the whole campaign (a node other work
+  keeps busy).
 
 After each episode the harness waits (up to `settle_seconds`) for the store, the
 controller and every rank to agree on the placement version (invariant 7). Checked from
@@ -29,11 +32,11 @@ the step logs: every step ran one version on every rank, all switched at the sam
 (2); every output equals the unbalanced reference, bit for bit (1); no rank ever ran a
 version the store does not hold as committed, and every rank ran every committed version
 its group lived through (5); no step spent more than `step_wait_bound_ms` in the
-rebalancer's code, route + step_end, where it would wait on a sidecar or the controller
-(3). Controller recovery: from the kill to every rank resynced (Status: all ranks
+rebalancer's code, route + step_end, where it would wait on a sidecar or the controller,
+besides the time it waited for a CPU (bench/chaos_worker.py, `hook_runq_ms`) (3). Controller recovery: from the kill to every rank resynced (Status: all ranks
 connected on the restarted controller).
 
-    python -m bench.chaos --seconds 300 --seed 1 --json
+    python -m bench.chaos --seconds 300 --seed 1 --hog 2 --json
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ executor sees only its `connect` / `receive` / `close`, and an engine asks the c
   outboxes of bounded size and receivers read from there, one all-gather per step; for
   weights that cannot be mapped whole.
   Both need every rank of the group on one host and a gloo group.
+Before any transport moves a weight, every rank of the group takes the plan (or none
+does) through the group's store (worker_hooks/fence.py): a transfer never waits for a
+rank that will not run it.
 Serving keeps using the live weights meanwhile; `max_gbps` paces any transport so an
 operator can bound its interference. With spare rows (worker_hooks/rows.py) each
 incoming expert goes into a free row of the live weights during prepare (the ipc
