@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -304,11 +305,20 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f)
     if not settled:
         # A transfer is blocked on a peer that left: a gloo call cannot be interrupted,
-        # and tearing the groups down under it aborts the process. Leave as is.
+        # and tearing the groups down under it aborts the process. Leave as is (saying so,
+        # so that no peer waits for this rank's goodbye).
+        if not args.local:
+            with contextlib.suppress(RuntimeError):
+                dist.distributed_c10d._get_default_store().add(LEFT, 1)
         os._exit(0)
     if not args.local:  # with peers possibly dead, leave without a collective goodbye
         leave_group(args.rank, args.world)
     return 0
+
+
+# The goodbye's counters in the group's store (leave_group): ranks done, ranks gone after
+# it, ranks that left without it.
+DONE, GONE, LEFT = "cpu_worker/done", "cpu_worker/gone", "cpu_worker/left"
 
 
 def write_progress(path: str, step: int) -> None:
@@ -327,15 +337,19 @@ def leave_group(rank: int, world: int, timeout: float = 60.0) -> None:
     by peer": a rank that served every step exits 1). With no collective in flight, a
     peer closing its pairs is harmless. Rank 0 holds the store, so it leaves last."""
     store = dist.distributed_c10d._get_default_store()
-    store.add("cpu_worker/done", 1)
     deadline = time.monotonic() + timeout
-    while store.add("cpu_worker/done", 0) < world and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if rank != 0:
-        store.add("cpu_worker/gone", 1)
-    else:
-        while store.add("cpu_worker/gone", 0) < world - 1 and time.monotonic() < deadline:
+    try:
+        store.add(DONE, 1)
+        while store.add(DONE, 0) + store.add(LEFT, 0) < world and time.monotonic() < deadline:
             time.sleep(0.01)
+        if rank != 0:
+            store.add(GONE, 1)
+        else:
+            while store.add(GONE, 0) + store.add(LEFT, 0) < world - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+    except RuntimeError:  # rank 0 left without its goodbye (a transfer of its was blocked)
+        log.warning("rank %d: the group's store is gone; leaving without a goodbye", rank)
+        return
     dist.destroy_process_group()
 
 
