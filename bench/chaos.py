@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import random
@@ -65,7 +64,7 @@ import numpy as np
 from bench.chaos_worker import PREPARE_SECONDS, STEP_LOG
 from bench.faultproxy import FaultProxy
 from rebalancer.controller.store import Store
-from rebalancer.demo import DemoConfig, free_port, write_profile
+from rebalancer.demo import DemoConfig, bound_to_this_process, free_port, write_profile
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 
@@ -174,22 +173,6 @@ STEP_LOG_COLUMNS = 10
 # A busy process: what a CPU hog (`--hog`) and the `cpu_starve` fault run.
 BUSY = "while True: pass"
 
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG = 1
-
-
-def _dies_with(parent: int) -> Any:
-    """For Popen's preexec_fn: the child is SIGKILLed when the harness ends, however it
-    ends (as rebalancer.demo.bound_to_this_process, without an interpreter started in
-    between: on a starved node that one costs a second of each controller restart)."""
-
-    def preexec() -> None:
-        if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the harness ended before the request took effect
-            os._exit(1)
-
-    return preexec
 
 
 @dataclass
@@ -264,7 +247,7 @@ class Harness:
 
     def _popen(self, cmd: list[str], log: str, text: bool = False, **kw: Any) -> subprocess.Popen[Any]:
         with (self.tmp / log).open("ab") as err:
-            proc = subprocess.Popen(cmd, stderr=err, text=text, preexec_fn=_dies_with(os.getpid()), **kw)
+            proc = subprocess.Popen(bound_to_this_process(cmd), stderr=err, text=text, **kw)
         self.all_procs.append(proc)
         return proc
 

@@ -36,8 +36,18 @@ STOP = "stop"
 POLL_SECONDS = 0.005
 
 
+# A rank's reason to stop when it heard the plan's Abort before its transfers: its peers
+# take it as an abort too (MigrationAborted in migrate.py), not as a failure.
+ABORTED = "aborted before its transfers"
+
+
 class TransfersDeclined(RuntimeError):
-    """The plan's decision is "stop": no rank runs its transfers (the message says why)."""
+    """The plan's decision is "stop": no rank runs its transfers (the message says why;
+    `aborted`: because a rank heard the plan's Abort first)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.aborted = reason.endswith(ABORTED)
 
 
 class TransferFence:

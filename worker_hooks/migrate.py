@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from rebalancer.wire.layout import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
-from worker_hooks.fence import TransferFence, TransfersDeclined, group_store
+from worker_hooks.fence import ABORTED, TransferFence, TransfersDeclined, group_store
 from worker_hooks.outbox import SharedOutboxes, map_peer_weights, outbox_schedule
 from worker_hooks.rows import RowMap
 
@@ -658,9 +658,11 @@ class MigrationExecutor:
             return
         aborted = self.ctx.aborted
         try:
-            self.fence.join(version, lambda: "aborted before its transfers" if version in aborted else "")
-        except TransfersDeclined:
+            self.fence.join(version, lambda: ABORTED if version in aborted else "")
+        except TransfersDeclined as exc:
             self.ctx.check_aborted(version)
+            if exc.aborted:  # a peer heard the Abort first: this rank will hear it too
+                raise MigrationAborted(f"plan v{version} aborted before its transfers ({exc})") from exc
             raise
 
     def prepare(self, version: int, transfers: np.ndarray) -> PrepareStats:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from rebalancer.placement import transfers, trivial_placement
 from tests.unit.worker_hooks.test_migrate import E, G, L, P, S, held, spawn, weights_for
-from worker_hooks.fence import TransferFence, TransfersDeclined
+from worker_hooks.fence import ABORTED, TransferFence, TransfersDeclined
 from worker_hooks.migrate import MigrationConfig, MigrationExecutor
 from worker_hooks.rows import RowMap
 
@@ -84,10 +84,11 @@ def test_a_rank_that_declines_stops_its_peers_at_once(store: dist.TCPStore) -> N
 
 def test_a_rank_told_to_stop_while_waiting_withdraws(store: dist.TCPStore) -> None:
     fs = fences(store, 2, join_seconds=20.0)
-    out = run_all([lambda: fs[0].join(5, stop=lambda: "aborted before its transfers")])
-    assert out == ["rank 0: aborted before its transfers"]
-    with pytest.raises(TransfersDeclined):
+    out = run_all([lambda: fs[0].join(5, stop=lambda: ABORTED)])
+    assert out == [f"rank 0: {ABORTED}"]
+    with pytest.raises(TransfersDeclined) as declined:
         fs[1].join(5)
+    assert declined.value.aborted  # its peer heard the Abort: an abort here too, not a failure
 
 
 def test_the_first_decision_stands(store: dist.TCPStore) -> None:
