@@ -4,14 +4,19 @@ Measures, on one DeepSeek-V3-sized MoE layer (or a few) replayed as a CUDA graph
 - the replay time of the block without hooks (the baseline) and with the recorder
   (logical + physical counts) and replica dispatch inside the graph;
 - the hooks alone, captured in a graph of their own;
+(the three interleaved in one process: `--rounds` rounds, each replaying every graph
+`--replays` times in turn, order reversed every other round, a warm-up round dropped;
+each overhead is the median of its per-round ratios, given with their interquartile
+range and range: bench/interleave.py)
 - the swap pause between replays: committing a staged DeepSeek-V3-shaped map
   (61 layers x 256 experts) and one layer's staged expert weights;
 - a recorder window snapshot (begin_window) between replays;
 - with `--dispatch all` (or a comma list of modes), each dispatch mode
   (rebalancer.wire.dispatch) as `RebalanceHook.route` runs it, at EP32 with a shared
   expert, captured in a CUDA graph of its own over every layer of the block, against the
-  block's replay: `dispatch_<mode>_ms` and `dispatch_<mode>_pct_of_block` (the target:
-  at most 1 %). One GPU stands in for rank 0 of 32: the other ranks' counts of the step
+  block's replay, interleaved with it round by round as above (`--route-replays`
+  replays a round): `dispatch_<mode>_ms` and `dispatch_<mode>_pct_of_block`, the median
+  of the per-round shares (the target: at most 1 %), with their spread. One GPU stands in for rank 0 of 32: the other ranks' counts of the step
   are a static function of its own (so the water-fill works on a real spread); the
   all-gather of `[G, E + 1]` counts that replaces it on a real EP group is not in the
   figure (latency-bound, ~10-20 us per layer at EP32 on NVLink; measure it on 2 GPUs).
@@ -31,6 +36,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from bench.interleave import Spread, overhead_pct, run_interleaved, share_pct
 from rebalancer.wire.dispatch import DISPATCH_MODES, WATERFILL_PASSES, check_dispatch_mode
 from rebalancer.wire.layout import trivial_placement
 from worker_hooks.dispatch import ReplicaDispatch
@@ -47,8 +53,9 @@ class HookBenchConfig:
     intermediate: int = 2048
     num_experts: int = 256
     top_k: int = 8
-    replays: int = 50
-    rounds: int = 5
+    replays: int = 20  # block graph replays per round (the block takes ~28 ms)
+    route_replays: int = 200  # dispatch graph replays per round (a route takes ~0.3 ms)
+    rounds: int = 15
     map_layers: int = 61
     moved_experts: int = 8
     # Dispatch modes to measure ("all", a comma list, or "" for none); EP size emulated.
@@ -86,14 +93,15 @@ def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
 
 
 def interleaved(
-    graphs: dict[str, torch.cuda.CUDAGraph], cfg: HookBenchConfig
+    graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], cfg: HookBenchConfig
 ) -> dict[str, list[float]]:
-    """Alternate the variants round by round so drift hits them alike."""
-    out: dict[str, list[float]] = {k: [] for k in graphs}
-    for _ in range(cfg.rounds):
-        for name, g in graphs.items():
-            out[name].append(time_replays(g, cfg.replays))
-    return out
+    """Each graph (with its replays per round) timed once a round, alternating round by
+    round so drift hits them alike; a warm-up round is dropped. Milliseconds per replay,
+    round i at index i of every list."""
+    def measure(graph: torch.cuda.CUDAGraph, replays: int) -> Callable[[int], float]:
+        return lambda _round: time_replays(graph, replays)
+
+    return run_interleaved({k: measure(g, n) for k, (g, n) in graphs.items()}, cfg.rounds, warmup_rounds=1)
 
 
 def identity_map(num_layers: int, num_experts: int) -> np.ndarray:
@@ -118,16 +126,31 @@ def deepseek_like_map(
     return out
 
 
-def bench_block(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
-    mcfg = MoEBlockConfig(
+Figures = dict[str, float | Spread]
+
+
+def block_config(cfg: HookBenchConfig) -> MoEBlockConfig:
+    return MoEBlockConfig(
         hidden=cfg.hidden,
         intermediate=cfg.intermediate,
         num_experts=cfg.num_experts,
         top_k=cfg.top_k,
         num_layers=cfg.num_layers,
     )
+
+
+def plain_block(cfg: HookBenchConfig, dev: torch.device) -> tuple[ReferenceMoEBlock, torch.Tensor]:
+    """The reference block without hooks (the baseline) and an input of the served shape."""
+    mcfg = block_config(cfg)
     phy2log = torch.arange(cfg.num_experts).repeat(cfg.num_layers, 1)
-    plain = ReferenceMoEBlock(mcfg, phy2log, dev, seed=0)
+    x = torch.randn(cfg.tokens, cfg.hidden, device=dev, dtype=mcfg.dtype)
+    return ReferenceMoEBlock(mcfg, phy2log, dev, seed=0), x
+
+
+def bench_block(cfg: HookBenchConfig, dev: torch.device) -> Figures:
+    mcfg = block_config(cfg)
+    phy2log = torch.arange(cfg.num_experts).repeat(cfg.num_layers, 1)
+    plain, x = plain_block(cfg, dev)
     disp = ReplicaDispatch(
         identity_map(cfg.num_layers, cfg.num_experts), 1, 0, max_replicas=4, device=dev
     )
@@ -135,7 +158,6 @@ def bench_block(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
     hooked = ReferenceMoEBlock(
         mcfg, phy2log, dev, dispatch=disp, recorder=rec, seed=0, weights=plain.weights
     )
-    x = torch.randn(cfg.tokens, cfg.hidden, device=dev, dtype=mcfg.dtype)
     out_plain, out_hooked = torch.empty_like(x), torch.empty_like(x)
     g_plain = capture(lambda: out_plain.copy_(plain.forward(x)))
     g_hooked = capture(lambda: out_hooked.copy_(hooked.forward(x)))
@@ -152,18 +174,20 @@ def bench_block(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
             rec.record_physical(layer, disp.dispatch(layer, ids))
 
     g_hooks = capture(hooks_only)
-    times = interleaved({"plain": g_plain, "hooked": g_hooked, "hooks_only": g_hooks}, cfg)
+    times = interleaved({
+        "plain": (g_plain, cfg.replays), "hooked": (g_hooked, cfg.replays), "hooks_only": (g_hooks, cfg.replays),
+    }, cfg)
     med = {k: statistics.median(v) for k, v in times.items()}
-    spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in times.items()}
     rec.take_window()
     flops = 2 * 3 * cfg.hidden * cfg.intermediate * cfg.tokens * cfg.top_k * cfg.num_layers
     return {
         "block_ms": med["plain"],
         "block_hooked_ms": med["hooked"],
         "hooks_only_ms": med["hooks_only"],
-        "overhead_pct_diff": 100 * (med["hooked"] - med["plain"]) / med["plain"],
-        "overhead_pct_hooks_only": 100 * med["hooks_only"] / med["plain"],
-        "block_spread_pct": 100 * spread["plain"],
+        # per round: hooked / plain - 1, and hooks alone / plain
+        "overhead_pct_diff": overhead_pct(times["plain"], times["hooked"]),
+        "overhead_pct_hooks_only": share_pct(times["plain"], times["hooks_only"]),
+        "block_spread_pct": 100 * (max(times["plain"]) - min(times["plain"])) / med["plain"],
         "block_tflops": flops / med["plain"] / 1e9,
         "outputs_identical": float(same),
     }
@@ -231,9 +255,10 @@ def ops_per_layer(fn: Callable[[], object]) -> int:
     return count
 
 
-def bench_dispatch(cfg: HookBenchConfig, dev: torch.device, block_ms: float | None) -> dict[str, float]:
-    """Each mode's route over every layer, replayed as a graph (eager on CPU)."""
-    out: dict[str, float] = {}
+def bench_dispatch(cfg: HookBenchConfig, dev: torch.device) -> Figures:
+    """Each mode's route over every layer, replayed as a graph interleaved with the
+    block's graph, the baseline (eager on CPU, no baseline)."""
+    out: Figures = {}
     gen = torch.Generator(device=dev).manual_seed(0)
     ids = torch.randint(0, cfg.num_experts, (cfg.tokens, cfg.top_k), device=dev, generator=gen)
     routes: dict[str, Callable[[], object]] = {}
@@ -258,12 +283,16 @@ def bench_dispatch(cfg: HookBenchConfig, dev: torch.device, block_ms: float | No
             fn()
             torch.cuda.synchronize()
             eager[mode] = all(torch.equal(a, b) for a, b in zip(replayed, results[mode], strict=True))
-        times = interleaved(graphs, cfg)
+        plain, x = plain_block(cfg, dev)
+        block_out = torch.empty_like(x)
+        g_block = capture(lambda: block_out.copy_(plain.forward(x)))
+        times = interleaved(
+            {"block": (g_block, cfg.replays), **{m: (g, cfg.route_replays) for m, g in graphs.items()}}, cfg
+        )
+        out["dispatch_block_ms"] = statistics.median(times["block"])
         for mode in routes:
-            ms = statistics.median(times[mode])
-            out[f"dispatch_{mode}_ms"] = ms
-            if block_ms:
-                out[f"dispatch_{mode}_pct_of_block"] = 100 * ms / block_ms
+            out[f"dispatch_{mode}_ms"] = statistics.median(times[mode])
+            out[f"dispatch_{mode}_pct_of_block"] = share_pct(times["block"], times[mode])
             out[f"dispatch_{mode}_replay_equals_eager"] = float(eager[mode])
     else:
         for mode, fn in routes.items():
@@ -275,7 +304,7 @@ def bench_dispatch(cfg: HookBenchConfig, dev: torch.device, block_ms: float | No
     return out
 
 
-def bench_swap(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
+def bench_swap(cfg: HookBenchConfig, dev: torch.device) -> Figures:
     rng = np.random.default_rng(0)
     num_slots = cfg.num_experts + 32
     maps = [deepseek_like_map(cfg.map_layers, cfg.num_experts, num_slots, rng) for _ in range(2)]
@@ -330,7 +359,7 @@ def bench_swap(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
     }
 
 
-def bench_snapshot(cfg: HookBenchConfig, dev: torch.device) -> dict[str, float]:
+def bench_snapshot(cfg: HookBenchConfig, dev: torch.device) -> Figures:
     rec = ExpertRecorder(61, 257, num_physical=288, device=dev)
     ids = torch.randint(-1, 257, (cfg.tokens, 9), device=dev)
     graph = capture(lambda: rec.record(10, ids))
@@ -365,6 +394,16 @@ def copy_bandwidth(dev: torch.device) -> float:
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
+def figure_line(section: str, name: str, value: float | Spread) -> str:
+    if isinstance(value, Spread):  # a percentage over rounds
+        return f"{section:9s} {name:28s} {value.text('%', digits=3)}"
+    return f"{section:9s} {name:28s} {value:12.4f}"
+
+
+def jsonable(figures: Figures) -> dict[str, object]:
+    return {k: v.as_dict() if isinstance(v, Spread) else v for k, v in figures.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f, v in asdict(HookBenchConfig()).items():
@@ -372,17 +411,21 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = vars(parser.parse_args())
     quiet = args.pop("json")
+    for name in ("replays", "route_replays", "rounds"):
+        if args[name] < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {args[name]}")
     cfg = HookBenchConfig(**{k.replace("-", "_"): v for k, v in args.items()})
     dispatch_modes(cfg.dispatch)  # a bad mode fails before any work
     if not torch.cuda.is_available():  # a smoke check of the dispatch modes, small shapes
         small = HookBenchConfig(tokens=64, num_layers=2, num_experts=32, top_k=4, replays=3,
                                 dispatch=cfg.dispatch or "all", dispatch_gpus=4, dispatch_slots=40,
                                 waterfill_passes=cfg.waterfill_passes)
-        figures = bench_dispatch(small, torch.device("cpu"), None)
+        figures = bench_dispatch(small, torch.device("cpu"))
         if not quiet:
             for k, v in figures.items():
-                print(f"dispatch  {k:28s} {v:12.4f}", flush=True)
-        print(json.dumps({"gpu": None, "date": time.strftime("%Y-%m-%d"), "config": asdict(small), "dispatch": figures}))
+                print(figure_line("dispatch", k, v), flush=True)
+        print(json.dumps({"gpu": None, "date": time.strftime("%Y-%m-%d"), "config": asdict(small),
+                          "dispatch": jsonable(figures)}))
         return
     dev = torch.device("cuda")
     result: dict[str, object] = {
@@ -392,17 +435,17 @@ def main() -> None:
         "config": asdict(cfg),
         "copy_GBps": copy_bandwidth(dev),
     }
-    benches: list[tuple[str, Callable[[HookBenchConfig, torch.device], dict[str, float]]]] = [
+    benches: list[tuple[str, Callable[[HookBenchConfig, torch.device], Figures]]] = [
         ("block", bench_block), ("swap", bench_swap), ("snapshot", bench_snapshot),
     ]
     if cfg.dispatch:
-        benches.append(("dispatch", lambda c, d: bench_dispatch(c, d, result["block"]["block_ms"])))  # type: ignore[index]
+        benches.append(("dispatch", bench_dispatch))
     for name, fn in benches:
         figures = fn(cfg, dev)
         if not quiet:
             for k, v in figures.items():
-                print(f"{name:9s} {k:28s} {v:12.4f}", flush=True)
-        result[name] = figures
+                print(figure_line(name, k, v), flush=True)
+        result[name] = jsonable(figures)
         torch.cuda.empty_cache()
     print(json.dumps(result))
 

@@ -10,13 +10,21 @@ returns (weights stay the router's own scores). On CUDA every MoE block is repla
 a CUDA graph of its own (`graph_moe_blocks`), before and after the map swap, without
 recapture.
 
-Figures (medians of per-step wall time, the forward plus `step_end`):
-- unwrapped: the stock model (transformers' grouped_mm experts), blocks graphed too;
-- before / after: the adapter before and after a live rebalance: a real controller
-  (embedded, on loopback) gets the windows, an operator-forced plan is prepared (weights
-  moved into spare rows) and committed through the hook between two replays;
-- hook overhead = before / unwrapped - 1; the swap pause (`HookStats.swap_seconds`);
+Figures: per-step wall time (the forward plus `step_end`, synchronized), the stock model
+and the adapter measured in ONE process, interleaved: rounds of `--block-steps` steps of
+each (A B, B A, ...; a warm-up round and one untimed step after each switch dropped), both
+replaying the same pre-drawn routings in a round. A figure is the median over rounds of the
+round's ratio, with its interquartile range and range (bench/interleave.py):
+- stock: the stock model (transformers' grouped_mm experts), its blocks graphed too;
+- adapter before / after a live rebalance: a real controller (embedded, on loopback) gets
+  the windows, an operator-forced plan is prepared (weights moved into spare rows) and
+  committed through the hook between two replays;
+- hook overhead = adapter / stock - 1 per round (before the rebalance), and after / stock
+  - 1 in a second interleaved phase after it; the swap pause (`HookStats.swap_seconds`);
 - logits: wrapped vs unwrapped, and after vs before the rebalance, on one fixed input.
+The stock model's MoE blocks (their graphs on CUDA, their experts on CPU) stay alive
+beside the adapter's so the two can alternate: the stock expert weights are kept (the
+adapter alone would drop them), about 21 GiB a layer at DeepSeek-V3's shapes.
 With `torchrun --nproc-per-node 2 -m bench.gpu_transformers` the ranks form one EP group
 (NCCL token exchange, rank 0 runs the controller). Last line: one JSON object (--json).
 """
@@ -38,12 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bench.interleave import overhead_pct, run_interleaved, spread
 from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
-from rebalancer.demo import free_port
 from worker_hooks.engines.transformers.adapter import (
+    WEIGHT_NAMES,
     AdapterConfig,
     ExpertParallelModel,
     MoEBlock,
@@ -63,11 +72,20 @@ class BenchConfig:
     tokens: int = 2048  # per rank per step (one sequence)
     redundant: int = 32  # P = 256 + 32 slots
     spare_rows: int = 16
-    steps: int = 30  # timed steps per phase
+    steps: int = 30  # timed steps per variant per phase (rounded up to whole blocks)
+    block_steps: int = 10  # steps of one variant in a row (a round: one block of each)
+    routings: int = 16  # distinct routings drawn ahead and replayed in turn
     window_steps: int = 4
     agree_every: int = 2
     workload: str = "prefill_in4096"
-    max_swap_steps: int = 400  # steps to wait for the forced plan to commit
+    # How long to serve waiting for the forced plan to commit: bounded by time, not by a
+    # number of steps that a fast machine happens to reach before a loaded one decides.
+    swap_timeout_s: float = 120.0
+
+    @property
+    def rounds(self) -> int:
+        """Timed rounds of an interleaved phase: `steps` per variant in whole blocks."""
+        return -(-self.steps // self.block_steps)
 
 
 def model_config(cfg: BenchConfig) -> Any:
@@ -140,9 +158,67 @@ def timed_steps(step: Callable[[], None], n: int, device: torch.device) -> list[
     return out
 
 
-def run(cfg: BenchConfig, emit: Callable[[str], None]) -> dict[str, Any]:
+# Submodules to put in place for one variant: (parent, attribute, module).
+SwapSet = list[tuple[nn.Module, str, nn.Module]]
+
+
+def swap_set(model: nn.Module, modules: dict[str, nn.Module]) -> SwapSet:
+    """Where each of `modules` (dotted path -> module) goes in `model`; the parents are
+    looked up once, so installing a variant is a few attribute writes."""
+    out: SwapSet = []
+    for path, module in modules.items():
+        parent_name, _, attr = path.rpartition(".")
+        out.append((model.get_submodule(parent_name) if parent_name else model, attr, module))
+    return out
+
+
+def install(modules: SwapSet) -> None:
+    for parent, attr, module in modules:
+        setattr(parent, attr, module)
+
+
+def interleaved_phase(
+    variants: dict[str, tuple[SwapSet, Callable[[int], None]]], cfg: BenchConfig, device: torch.device
+) -> dict[str, list[list[float]]]:
+    """Each variant (its modules, its step on routing i) in blocks of `block_steps` steps,
+    alternating round by round (a warm-up round dropped); round r of every variant
+    replays routings r * block_steps ... of the pool. Per variant: the step times (s) of
+    each round."""
+    def measure(name: str) -> Callable[[int], list[float]]:
+        modules, step = variants[name]
+
+        def block(r: int) -> list[float]:
+            install(modules)
+            first = r * cfg.block_steps
+            step(first - 1)  # untimed: the first step after a switch pays for it
+            indices = iter(range(first, first + cfg.block_steps))
+            return timed_steps(lambda: step(next(indices)), cfg.block_steps, device)
+        return block
+
+    return run_interleaved({name: measure(name) for name in variants}, cfg.rounds, warmup_rounds=1)
+
+
+def step_figures(times: dict[str, list[list[float]]], base: str, variant: str) -> dict[str, Any]:
+    """Median step times (ms) of the two variants, and the variant's overhead over the
+    baseline: per round, the ratio of the two blocks' median steps."""
+    per_round = {k: [statistics.median(r) for r in v] for k, v in times.items()}
+    steps = {k: [t for r in v for t in r] for k, v in times.items()}
+    over = overhead_pct(per_round[base], per_round[variant])
+    return {
+        "base_ms": round(1e3 * statistics.median(steps[base]), 3),
+        "variant_ms": round(1e3 * statistics.median(steps[variant]), 3),
+        "base_round_ms": spread([1e3 * t for t in per_round[base]]).as_dict(3),
+        "variant_round_ms": spread([1e3 * t for t in per_round[variant]]).as_dict(3),
+        "overhead_pct": over,
+    }
+
+
+def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str, Any]:
+    """The bench on this rank; `scratch` is a folder for the controller's store (rank 0)."""
     import transformers
 
+    if cfg.steps < 1 or cfg.block_steps < 1 or cfg.routings < 1:
+        raise ValueError("steps, block_steps and routings must be at least 1")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(cfg.device, rank % max(torch.cuda.device_count(), 1)) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -165,6 +241,9 @@ def run(cfg: BenchConfig, emit: Callable[[str], None]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1000 + rank)
     input_ids = torch.randint(0, int(config.vocab_size), (1, cfg.tokens), generator=gen).to(device)
     probe_ids = sample_ids(profile, cfg.tokens, top_k, torch.Generator().manual_seed(7 + rank), device)
+    # Drawn ahead (on the host, out of the timed steps) and replayed in turn, so the
+    # variants of a round serve the very same routings.
+    pool = [sample_ids(profile, cfg.tokens, top_k, gen, device) for _ in range(cfg.routings)]
 
     def set_routing(ids: torch.Tensor) -> None:
         for layer, router in enumerate(routers):
@@ -177,39 +256,39 @@ def run(cfg: BenchConfig, emit: Callable[[str], None]) -> dict[str, Any]:
     def example(b: MoEBlock) -> tuple[torch.Tensor, dict[str, Any]]:
         return torch.randn(1, cfg.tokens, config.hidden_size, device=device, dtype=dtype), {}
 
-    # 1. The stock model (its blocks graphed too): the baseline.
-    set_routing(probe_ids)
-    stock_logits = forward()
-    parents = {b.name: b.block for b in blocks}
-    if graphs:
-        graph_moe_blocks(model, example)
-    set_routing(probe_ids)
-    stock_graphed_logits = forward()
-
-    def serve_step(hook_step: Callable[[], None] | None) -> Callable[[], None]:
-        def step() -> None:
-            set_routing(sample_ids(profile, cfg.tokens, top_k, gen, device))
+    def serve(hook_step: Callable[[], None] | None) -> Callable[[int], None]:
+        """One step on routing i of the pool."""
+        def step(i: int) -> None:
+            set_routing(pool[i % len(pool)])
             forward()
             if hook_step is not None:
                 hook_step()
         return step
 
-    unwrapped = timed_steps(serve_step(None), cfg.steps, device)
-    if graphs:  # back to the stock blocks (drops their graphs) before attaching
-        names = dict(model.named_modules())
-        for name, block in parents.items():
-            parent_name, _, attr = name.rpartition(".")
-            setattr(names[parent_name], attr, block)
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    def graphed_or_experts() -> dict[str, nn.Module]:
+        """The modules that make a variant: the graphed blocks (CUDA), else the experts."""
+        if graphs:
+            return {b.name: model.get_submodule(b.name) for b in blocks}
+        return {f"{b.name}.experts": b.block.experts for b in blocks}
+
+    # 1. The stock model (its blocks graphed too): the baseline. attach() below drops
+    # the stock experts' weights; they are put back so the stock variant keeps serving.
+    set_routing(probe_ids)
+    stock_logits = forward()
+    stock_experts = [(b.block.experts, {n: getattr(b.block.experts, n) for n in WEIGHT_NAMES}) for b in blocks]
+    if graphs:
+        graph_moe_blocks(model, example)
+    set_routing(probe_ids)
+    stock_graphed_logits = forward()
+    stock = swap_set(model, graphed_or_experts())
+    install(swap_set(model, {b.name: b.block for b in blocks}))  # attach wraps the bare blocks
 
     # 2. The adapter, talking to a real controller (rank 0 runs it).
     ctl: EmbeddedController | None = None
     address = [""]
     if rank == 0:
-        folder = tempfile.mkdtemp(prefix="bench-tf-")
         ctl = EmbeddedController(ControllerConfig(
-            port=0, db_path=os.path.join(folder, "c.sqlite"), drain_seconds=0.0,
+            port=0, db_path=os.path.join(scratch, "c.sqlite"), drain_seconds=0.0,
             policy=PolicyConfig(min_windows=1, decision_period_seconds=0.2, prepare_timeout_seconds=60.0,
                                 max_moved_fraction=1.0, paused=True),
         ))
@@ -222,52 +301,79 @@ def run(cfg: BenchConfig, emit: Callable[[str], None]) -> dict[str, Any]:
             controller=address[0], deployment="bench-tf", redundant_slots=cfg.redundant,
             spare_rows=cfg.spare_rows, window_steps=cfg.window_steps, agree_every=cfg.agree_every,
         ), ep_group=ep_group)
+        for experts, held in stock_experts:
+            for name, weight in held.items():
+                setattr(experts, name, weight)
+        # `stock_experts` stays referenced to the end of run: on CUDA the stock graphs read
+        # these weights, and a graph holds no reference to what it reads.
         ep.start()
         ep.hook.agent.connected.wait(10)
         set_routing(probe_ids)
         wrapped_logits = forward()
         if graphs:
             graph_moe_blocks(model, example)
+        adapter = swap_set(model, graphed_or_experts())
         set_routing(probe_ids)
         before_logits = forward()
-        before = timed_steps(serve_step(ep.step_end), cfg.steps, device)
-        result = _rebalance_live(cfg, ep, ctl, serve_step(ep.step_end), device)
+        before = interleaved_phase({"stock": (stock, serve(None)), "adapter": (adapter, serve(ep.step_end))}, cfg, device)
+        install(adapter)
+        served = iter(range(1 << 62))
+        adapter_step = serve(ep.step_end)
+
+        def next_step() -> None:
+            adapter_step(next(served))
+
+        result = _rebalance_live(cfg, ep, ctl, next_step, device)
         if world == 1:
             # One GPU has nothing to balance: the controller's plan moves no slot. Move
             # experts anyway through the hook's own prepare/commit path (spare rows, map
             # swap between replays) so the graphs are replayed across a real weight move.
             ep.hook.stop()  # the controller does not know this plan: nothing reported
-            result.update(_hook_plan(ep, serve_step(ep.step_end), device))
-        after = timed_steps(serve_step(ep.step_end), cfg.steps, device)
+            result.update(_hook_plan(ep, next_step, device))
+        after = interleaved_phase({"stock": (stock, serve(None)), "after": (adapter, serve(ep.step_end))}, cfg, device)
+        install(stock)  # the stock variant still serves the stock model (its weights kept)
+        set_routing(probe_ids)
+        stock_again_logits = forward()
+        install(adapter)
         set_routing(probe_ids)
         after_logits = forward()
         ep.finish()
+        del stock_experts  # the stock graphs are not replayed again
     finally:
         if ctl is not None:
             ctl.stop()
 
-    def ms(xs: list[float]) -> float:
-        return round(1e3 * statistics.median(xs), 3)
-
     def diff(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.float() - b.float()).abs().max())
 
+    first, second = step_figures(before, "stock", "adapter"), step_figures(after, "stock", "after")
     out = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world": world, "cuda_graphs": graphs, "torch": torch.__version__,
         "transformers": transformers.__version__, **asdict(cfg),
+        "rounds": cfg.rounds,
         "moe_layers": len(blocks), "experts": num_experts, "slots": num_experts + cfg.redundant,
-        "step_ms_unwrapped": ms(unwrapped), "step_ms_before": ms(before), "step_ms_after": ms(after),
-        "hook_overhead_pct": round(100 * (statistics.median(before) / statistics.median(unwrapped) - 1), 2),
+        "step_ms_unwrapped": first["base_ms"], "step_ms_before": first["variant_ms"],
+        "step_ms_unwrapped_after_phase": second["base_ms"], "step_ms_after": second["variant_ms"],
+        "round_ms_unwrapped": first["base_round_ms"], "round_ms_before": first["variant_round_ms"],
+        "round_ms_unwrapped_after_phase": second["base_round_ms"], "round_ms_after": second["variant_round_ms"],
+        "hook_overhead_pct": round(first["overhead_pct"].median, 2),
+        "hook_overhead_pct_spread": first["overhead_pct"].as_dict(3),
+        "after_overhead_pct": round(second["overhead_pct"].median, 2),
+        "after_overhead_pct_spread": second["overhead_pct"].as_dict(3),
         **result,
         "logit_diff_wrapped_vs_stock": diff(wrapped_logits, stock_logits),
         "logit_diff_graphed_vs_eager_stock": diff(stock_graphed_logits, stock_logits),
         "logit_diff_graphed_vs_eager_wrapped": diff(before_logits, wrapped_logits),
         "logit_diff_after_vs_before": diff(after_logits, before_logits),
+        "logit_diff_stock_at_end_vs_start": diff(stock_again_logits, stock_graphed_logits),
         "logit_scale": float(stock_logits.float().abs().max()),
     }
-    emit(f"unwrapped {out['step_ms_unwrapped']} ms/step; adapter before {out['step_ms_before']} ms, "
-         f"after {out['step_ms_after']} ms (hook overhead {out['hook_overhead_pct']} %)")
+    emit(f"interleaved, {out['rounds']} rounds of {cfg.block_steps} steps per variant: "
+         f"stock {out['step_ms_unwrapped']} ms/step, adapter {out['step_ms_before']} ms/step; "
+         f"hook overhead {first['overhead_pct'].text('%', signed=True)}")
+    emit(f"after the rebalance: stock {out['step_ms_unwrapped_after_phase']} ms/step, adapter "
+         f"{out['step_ms_after']} ms/step; overhead {second['overhead_pct'].text('%', signed=True)}")
     emit(f"rebalance v{out['version']}: {out['slots_moved']} slots moved, swap {out['swap_ms']} ms, "
          f"swap step {out['swap_step_ms']} ms; logits after vs before {out['logit_diff_after_vs_before']}")
     return out
@@ -292,9 +398,11 @@ def _rebalance_live(
     """Serve until the controller has windows, force one plan (rank 0), serve until it
     commits; returns the swap figures."""
     old = ep.hook.phy2log.copy()
+    first_step = ep.hook.step  # times[i] is the hook's step first_step + i + 1
     forced = [0]
     times: list[float] = []
-    for _ in range(cfg.max_swap_steps):
+    deadline = time.monotonic() + cfg.swap_timeout_s
+    while time.monotonic() < deadline:
         times += timed_steps(step, 1, device)
         if ctl is not None and not forced[0]:
             forced[0] = int(ctl.call(lambda: _force(ctl, "bench-tf")))  # type: ignore[call-overload]
@@ -303,7 +411,7 @@ def _rebalance_live(
         if ep.version >= 1:
             break
     if ep.version < 1:
-        raise RuntimeError(f"no plan committed within {cfg.max_swap_steps} steps")
+        raise RuntimeError(f"no plan committed within {cfg.swap_timeout_s:g} s ({len(times)} steps served)")
     stats = ep.hook.stats
     commit_step = stats.commits[0][0]
     return {
@@ -312,7 +420,7 @@ def _rebalance_live(
         "bytes_received": stats.bytes_received,
         "copied_at_commit": stats.copied_at_commit,
         "swap_ms": round(1e3 * max(stats.swap_seconds), 3),
-        "swap_step_ms": round(1e3 * times[commit_step - 1 - cfg.steps], 3) if commit_step > cfg.steps else None,
+        "swap_step_ms": round(1e3 * times[commit_step - 1 - first_step], 3) if commit_step > first_step else None,
         "steps_to_commit": len(times),
     }
 
@@ -364,27 +472,37 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--layers", type=int, default=BenchConfig.layers)
     p.add_argument("--tokens", type=int, default=None)
-    p.add_argument("--steps", type=int, default=BenchConfig.steps)
+    p.add_argument("--steps", type=int, default=BenchConfig.steps, help="timed steps per variant and phase")
+    p.add_argument("--block-steps", type=int, default=BenchConfig.block_steps,
+                   help="steps of one variant in a row before the other's turn")
+    p.add_argument("--routings", type=int, default=BenchConfig.routings, help="distinct routings replayed in turn")
     p.add_argument("--redundant", type=int, default=BenchConfig.redundant)
     p.add_argument("--spare-rows", type=int, default=BenchConfig.spare_rows)
     p.add_argument("--workload", default=BenchConfig.workload)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    for name in ("steps", "block_steps", "routings"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     tokens = args.tokens or (64 if args.small else BenchConfig.tokens)
     cfg = BenchConfig(device=args.device, small=args.small, layers=args.layers, tokens=tokens,
-                      steps=args.steps, redundant=args.redundant, spare_rows=args.spare_rows,
+                      steps=args.steps, block_steps=args.block_steps, routings=args.routings,
+                      redundant=args.redundant, spare_rows=args.spare_rows,
                       workload=args.workload)
-    if "RANK" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    if cfg.device == "cpu":
-        torch.set_num_threads(1)
-    try:
-        out = run(cfg, print if dist.get_rank() == 0 else (lambda _: None))
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    # The store, and a world of one's rendezvous (a file: no port to race other processes
+    # for), live in a folder removed on the way out.
+    with tempfile.TemporaryDirectory(prefix="bench-tf-") as scratch:
+        if "RANK" in os.environ:  # torchrun
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", init_method=f"file://{scratch}/rdzv", rank=0, world_size=1)
+        if cfg.device == "cpu":
+            torch.set_num_threads(1)
+        try:
+            out = run(cfg, print if dist.get_rank() == 0 else (lambda _: None), scratch)
+        finally:
+            dist.barrier()
+            dist.destroy_process_group()
     if args.json and int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(out))
 

@@ -67,6 +67,11 @@ LEGEND = (
 # Windows averaged for balancedness_first / balancedness_last.
 EDGE_WINDOWS = 3
 
+# The workers' time limit when none is given: this much per forward step (a loaded
+# 2-core machine ran ~0.1 s per step of the default 4 workers), at least MIN_TIME_LIMIT.
+TIME_LIMIT_PER_STEP = 0.25
+MIN_TIME_LIMIT = 110.0
+
 # The deployment's worker token, for workers (worker_hooks.examples.cpu_worker reads it) and sidecars
 # attached to a controller that asks for one ([worker_tokens]).
 WORKER_TOKEN_ENV = "REBALANCER_WORKER_TOKEN"
@@ -103,7 +108,8 @@ class DemoConfig:
     db_path: str | None = None    # default: a temporary file
     port: int = 0
     worker_log: str = "WARNING"
-    timeout_seconds: float = 110.0
+    # The workers' time limit; None: derived from the steps (`time_limit`).
+    timeout_seconds: float | None = None
     # Weight transfers between the worker processes: "p2p" (gloo send/recv) or "ipc"
     # (each rank reads what it gains from its peers' weights in shared memory).
     transport: str = "p2p"
@@ -128,6 +134,24 @@ class DemoConfig:
         max_moved_fraction=0.3, decay=0.5, min_windows=2, decision_period_seconds=0.25,
         prepare_timeout_seconds=20.0, step_seconds=0.01,
     ))
+
+
+def time_limit(config: DemoConfig) -> float:
+    """Seconds the workers may run: `timeout_seconds`, or by default enough for every
+    step asked (TIME_LIMIT_PER_STEP each, at least MIN_TIME_LIMIT)."""
+    if config.timeout_seconds is not None:
+        return config.timeout_seconds
+    return max(MIN_TIME_LIMIT, TIME_LIMIT_PER_STEP * config.steps)
+
+
+def stopped_early(config: DemoConfig, results: Sequence[dict[str, Any]]) -> str:
+    """Why the workers ran fewer steps than asked ("" when they ran them all): the one
+    reason a worker ends early without failing is its time limit."""
+    steps = min(int(r["steps"]) for r in results)
+    if steps >= config.steps:
+        return ""
+    return (f"the workers stopped at step {steps} of {config.steps}: their time limit ran out "
+            f"(--max-seconds {time_limit(config):g})")
 
 
 def default_sidecars(workers: int) -> int:
@@ -201,7 +225,7 @@ def launch_workers(
                 "--profile", str(profile), "--steps", str(config.steps), "--tokens", str(config.tokens),
                 "--experts", str(config.experts), "--slots", str(config.slots), "--layers", str(config.layers),
                 "--top-k", str(config.top_k), "--window-steps", str(config.window_steps),
-                "--max-seconds", str(config.timeout_seconds), "--out", str(folder / f"rank{rank}.json"),
+                "--max-seconds", str(time_limit(config)), "--out", str(folder / f"rank{rank}.json"),
                 "--transport", config.transport, "--device", config.device,
                 "--spare-rows", str(config.spare_rows), "--deployment", config.deployment,
                 *(extra_args or {}).get(rank, []),
@@ -431,7 +455,7 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
     try:
         with demo_fleet(config, server.address, profile_path, tmp) as procs:
             for p in procs:
-                p.wait(timeout=config.timeout_seconds + 60)
+                p.wait(timeout=time_limit(config) + 60)
         time.sleep(0.3)  # last windows
     finally:
         dep = server.controller.deployments.get(config.deployment)
@@ -459,8 +483,10 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
         "max_swap_ms": 1e3 * max(r["swap_seconds_max"] for r in results),
         "experts_copied_at_commit": int(sum(r["copied_at_commit"] for r in results)),
         "seconds": round(time.monotonic() - start, 1),
-        "store": str(server.store.path),
+        "stopped_early": stopped_early(config, results),
     }
+    if config.db_path or config.keep:  # a temporary store is gone with its folder
+        summary["store"] = str(server.store.path)
     return summary
 
 
@@ -506,8 +532,10 @@ class StatusPoller:
         flight = f" | plan v{d.plan_in_flight} {d.plan_phase}" if d.plan_in_flight else ""
         last = d.last_decision
         decision = f" | last decision {last.outcome}" if last.outcome else ""
-        return (f"status v{d.placement_version:<2d} | routed balancedness {d.balancedness_actual:.3f}"
-                f" | on estimate {d.balancedness_estimated:.3f} | {d.windows_ingested} windows"
+        from rebalancer.cli.admin_cmd import balancedness_text
+
+        return (f"status v{d.placement_version:<2d} | routed balancedness {balancedness_text(d.balancedness_actual, 'none yet')}"
+                f" | on estimate {balancedness_text(d.balancedness_estimated, 'none yet')} | {d.windows_folded} windows"
                 f" | {d.connected_ranks}/{d.shape.num_gpus} ranks | plans committed {d.plans_committed}"
                 f", aborted {d.plans_aborted}{flight}{decision}")
 
@@ -527,7 +555,7 @@ def _attach(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[
     emit("each second: the deployment's status as `rebalancer admin status` shows it "
          "(try `rebalancer admin status|history|force` meanwhile)")
     start = time.monotonic()
-    deadline = start + config.timeout_seconds + 60
+    deadline = start + time_limit(config) + 60
     try:
         with demo_fleet(config, config.controller, profile_path, tmp) as procs:
             _follow(procs, poller, deadline, start, emit)
@@ -548,4 +576,5 @@ def _attach(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[
         "ranks_agree_on_versions": len({json.dumps(r["versions"]) for r in results}) == 1,
         "max_swap_ms": 1e3 * max(r["swap_seconds_max"] for r in results),
         "seconds": round(time.monotonic() - start, 1),
+        "stopped_early": stopped_early(config, results),
     }

@@ -1,10 +1,36 @@
-"""Errors with a message fit for an operator.
+"""Errors with a message fit for an operator, shared by every process of the project.
 
 InputError marks bad input (a file, a flag, a message): the CLI turns it into
 exit code 2 and one line, the gRPC layer into INVALID_ARGUMENT. Nothing that
 raises it may have changed state first.
+
+StateError marks a well-formed request that does not fit the state it meets (the
+controller's deployments and plans, a sidecar's pod): `code` names the gRPC status the
+servers answer with (`rebalancer.wire.service.refuse`). Nothing that raises it may have
+changed state first either.
 """
+
+from __future__ import annotations
+
+from typing import Literal
+
+StatusName = Literal[
+    "NOT_FOUND",
+    "FAILED_PRECONDITION",
+    "ALREADY_EXISTS",
+    "INVALID_ARGUMENT",
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+]
 
 
 class InputError(ValueError):
     """Input that is malformed or inconsistent; the message says what and where."""
+
+
+class StateError(Exception):
+    """`code` names the gRPC status (NOT_FOUND, FAILED_PRECONDITION, ALREADY_EXISTS, ...)."""
+
+    def __init__(self, code: StatusName, message: str) -> None:
+        super().__init__(message)
+        self.code: StatusName = code

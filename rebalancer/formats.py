@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from rebalancer.errors import InputError
+from rebalancer.wire.codec import MAX_COUNT
 from rebalancer.wire.countfile import (
     COUNT_KEYS,
     COUNT_SUFFIXES_WRITTEN,
@@ -57,6 +58,10 @@ def _counts_array(raw: object, path: Path, key: str = LOGICAL_COUNT) -> np.ndarr
         rows = " of equal-length rows" if len(axes) > 1 else ""
         raise InputError(f"{path}: '{key}' is not a numeric array{rows}")
     arr = arr.astype(np.float64)
+    if arr.size and np.isfinite(arr).all() and arr.max() > MAX_COUNT:
+        where = ", ".join(str(i) for i in np.unravel_index(int(arr.argmax()), arr.shape))
+        raise InputError(f"{path}: '{key}' has {arr.max():.4g} at [{where}], above the largest "
+                         "count 2^53")
     if arr.ndim == len(axes) + 1:
         arr = arr.sum(axis=0)
     if arr.ndim != len(axes):

@@ -29,6 +29,7 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.channel import ChannelConfig, aio_channel
+from rebalancer.wire.windows import BoundedWindows, CountWindow
 
 log = logging.getLogger("worker_hooks.agent")
 
@@ -64,18 +65,18 @@ class AgentConfig:
             )
 
 
-@dataclass
-class _Window:
-    first_step: int
-    num_steps: int
-    version: int
-    logical: np.ndarray
-    physical: np.ndarray | None
-
-
 # What the controller sends down the stream: the `body` of a ControllerMessage.
 ControllerMessageKind = Literal["window_ack", "prepare", "commit", "abort"]
 CONTROLLER_MESSAGE_KINDS: tuple[ControllerMessageKind, ...] = get_args(ControllerMessageKind)
+
+
+# Statuses that turn this rank down (another deployment on the sidecar, a shape or token
+# that does not fit): asking again gets the same answer until someone changes the pod, so
+# they are an error said once and asked again at the slowest pace, not a link lost.
+REFUSALS = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+})
 
 
 class PlanHandlers(Protocol):
@@ -101,7 +102,7 @@ class WorkerAgent:
         self._version = version
         self._initial = initial_phy2log
         self._lock = threading.Lock()
-        self._pending: deque[_Window] = deque()
+        self._pending = BoundedWindows(config.max_pending)  # rebalancer.wire.windows' rule
         self._reports: deque[pb.PlanReport] = deque()
         self._unacked: dict[int, pb.Window] = {}
         self._next_seq = 0
@@ -113,8 +114,9 @@ class WorkerAgent:
         self._metadata = self._channel.metadata()
         self._thread = threading.Thread(target=self._run, name=f"rebalancer-agent-{config.rank}", daemon=True)
         self.connected = threading.Event()
-        self.merged_windows = 0
         self.reconnects = 0
+        self.refused = ""        # "STATUS: message" while the controller (or sidecar) turns this rank down
+        self._logged_loss = ""   # the loss last logged: said once per outage, not per try
         self.committed_placement: np.ndarray | None = None
 
     # ------------------------------------------------------------ serving-thread API
@@ -143,9 +145,7 @@ class WorkerAgent:
     ) -> None:
         """Queue one window; O(1), never blocks on the network."""
         with self._lock:
-            self._pending.append(_Window(first_step, num_steps, version, logical, physical))
-            if len(self._pending) > self.config.max_pending:
-                self._merge_oldest()
+            self._pending.push(CountWindow(-1, first_step, num_steps, version, logical, physical))
         self._poke()
 
     def report(self, version: int, phase: pb.PlanPhase, step: int = 0, error: str = "",
@@ -157,14 +157,10 @@ class WorkerAgent:
             ))
         self._poke()
 
-    def _merge_oldest(self) -> None:
-        a = self._pending.popleft()
-        b = self._pending[0]
-        physical = None
-        if a.physical is not None and b.physical is not None and a.version == b.version:
-            physical = a.physical + b.physical
-        self._pending[0] = _Window(a.first_step, a.num_steps + b.num_steps, b.version, a.logical + b.logical, physical)
-        self.merged_windows += 1
+    @property
+    def merged_windows(self) -> int:
+        """Times two unsent windows were merged to keep within `max_pending`."""
+        return self._pending.merged
 
     def _poke(self) -> None:
         loop, wake = self._loop, self._wake
@@ -202,9 +198,8 @@ class WorkerAgent:
                     backoff = self.config.backoff_initial_seconds
                     await self._session_loop(stub)
                 except (grpc.aio.AioRpcError, ConnectionError) as exc:
-                    code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
-                    detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                    log.warning("rank %d: controller link lost (%s: %s)", self.config.rank, code, detail)
+                    if self._link_failed(exc):  # turned down: the slowest pace at once
+                        backoff = self.config.backoff_max_seconds
             self.connected.clear()
             if self._stop.is_set():
                 break
@@ -215,6 +210,27 @@ class WorkerAgent:
                 await asyncio.wait_for(self._wait_stop(), timeout=delay)
             except TimeoutError:
                 pass
+
+    def _link_failed(self, exc: grpc.aio.AioRpcError | ConnectionError) -> bool:
+        """Log why the link failed, once per cause (not once per try); True if this rank was
+        refused (the `refused` attribute then holds the status and the message)."""
+        if isinstance(exc, grpc.aio.AioRpcError):
+            code: grpc.StatusCode | None = exc.code()
+            message = f"{exc.code().name}: {exc.details()}"
+        else:
+            code, message = None, f"{type(exc).__name__}: {exc}"
+        was_connected = self.connected.is_set()
+        if code in REFUSALS:
+            if message != self.refused:
+                log.error("rank %d: refused by %s (%s); serving on without rebalancing, asking again every ~"
+                          "%g s", self.config.rank, self.config.address, message, self.config.backoff_max_seconds)
+            self.refused = message
+            return True
+        loss = was_connected or bool(self.refused) or message != self._logged_loss
+        log.log(logging.WARNING if loss else logging.DEBUG, "rank %d: controller link lost (%s)",
+                self.config.rank, message)
+        self._logged_loss, self.refused = message, ""
+        return False
 
     async def _wait_stop(self) -> None:
         while not self._stop.is_set():
@@ -234,6 +250,7 @@ class WorkerAgent:
             request, timeout=self.config.rpc_timeout_seconds, wait_for_ready=True, metadata=self._metadata
         )
         self._session = response.session_id
+        self.refused = ""
         self.committed_placement = codec.decode(response.committed.phy2log, "committed").astype(np.int64)
         # Resend what the controller has not counted; renumber if it expects less.
         expected = response.next_window_seq
@@ -273,8 +290,7 @@ class WorkerAgent:
     def _take_pending(self) -> list[pb.Window]:
         out = []
         with self._lock:
-            while self._pending:
-                w = self._pending.popleft()
+            for w in self._pending.take():
                 msg = codec.window_message(
                     self._next_seq, w.first_step, w.num_steps, w.version, w.logical, w.physical
                 )

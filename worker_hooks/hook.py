@@ -32,6 +32,7 @@ under `load+shared`).
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -60,15 +61,28 @@ from rebalancer.wire.dispatch import (
     check_waterfill_passes,
     has_shared_replicas,
 )
+from rebalancer.wire.layout import check_phy2log
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.devices import resolve_device
 from worker_hooks.dispatch import ReplicaDispatch
-from worker_hooks.migrate import MigrationAborted, MigrationConfig, MigrationExecutor, Transport
+from worker_hooks.migrate import (
+    MigrationAborted,
+    MigrationConfig,
+    MigrationExecutor,
+    Transport,
+    check_weights,
+)
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap, replica_rows
 
 log = logging.getLogger("worker_hooks.hook")
+
+# HookConfig's integer fields: a str or float there fails at construction, by name.
+_INT_FIELDS = ("rank", "num_layers", "num_logical", "num_slots", "num_gpus", "num_nodes", "expert_bytes",
+               "window_steps", "agree_every", "layers_per_chunk", "rounds_in_flight", "outbox_bytes",
+               "spare_rows", "top_k", "waterfill_passes")
+
 
 @dataclass(frozen=True)
 class HookConfig:
@@ -113,6 +127,13 @@ class HookConfig:
     key_file: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("controller", "deployment"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise TypeError(f"HookConfig.{name} must be a non-empty str, got {getattr(self, name)!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise TypeError(f"HookConfig.{name} must be an int, got {type(value).__name__} {value!r}")
         if self.num_gpus < 1 or not 0 <= self.rank < self.num_gpus:
             raise ValueError(f"need 0 <= rank < num_gpus, got rank={self.rank}, num_gpus={self.num_gpus}")
         if self.num_slots % self.num_gpus:
@@ -159,6 +180,18 @@ class HookStats:
     gpu_total: np.ndarray | None = None
 
 
+def _checked_placement(phy2log: object, config: HookConfig) -> np.ndarray:
+    """phy2log as int64 `[L, P]` of the config's sizes, every expert held in every layer
+    (InputError, a ValueError, naming what is wrong)."""
+    if isinstance(phy2log, torch.Tensor):
+        phy2log = phy2log.detach().cpu().numpy()
+    placement = check_phy2log(phy2log, config.num_logical)
+    if placement.shape != (config.num_layers, config.num_slots):
+        raise InputError(f"phy2log has shape {list(placement.shape)}, the config says "
+                         f"[num_layers={config.num_layers}, num_slots={config.num_slots}]")
+    return placement
+
+
 class RebalanceHook(PlanHandlers):
     def __init__(
         self,
@@ -174,10 +207,18 @@ class RebalanceHook(PlanHandlers):
         """dispatch_group: the EP group the per-step counts are all-gathered on (dispatch
         by load; None: the default group). counts_gather: replaces that all-gather
         ([X] -> [G, X]; benchmarks on one GPU)."""
+        if not isinstance(config, HookConfig):
+            raise TypeError(f"config must be a HookConfig, got {type(config).__name__}")
+        check_weights(weights)  # before anything starts: a clear TypeError, not one from deep inside
+        for name, group in (("agree_group", agree_group), ("migrate_group", migrate_group),
+                            ("dispatch_group", dispatch_group)):
+            if group is not None and not isinstance(group, dist.ProcessGroup):
+                raise TypeError(f"{name} must be a torch.distributed group (dist.new_group(...)) or None, "
+                                f"got {type(group).__name__}")
         self.config = config
         self.device = resolve_device(device)
         self.version = 0
-        self.phy2log = np.asarray(phy2log, dtype=np.int64)
+        self.phy2log = _checked_placement(phy2log, config)
         self.rows = RowMap(config.num_gpus, config.num_layers, config.slots_per_rank, config.spare_rows)
         self._row_ids = self.rows.row_ids()  # [L, P] row id of each slot, current version
         num_rows = config.num_gpus * config.rows_per_rank

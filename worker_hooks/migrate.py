@@ -113,6 +113,23 @@ class MigrationAborted(RuntimeError):
     pass
 
 
+def check_weights(weights: object) -> None:
+    """TypeError / ValueError (naming what was given) unless `weights` is a non-empty dict
+    of name -> torch.Tensor: one rank's expert weights, `[L, rows, ...]` each."""
+    what = "weights must be a dict of name -> torch.Tensor [L, slots on this rank (+ spare rows), ...]"
+    if isinstance(weights, torch.Tensor):
+        raise TypeError(f"{what}, got one Tensor of shape {list(weights.shape)}: name it, e.g. {{'w': weights}}")
+    if not isinstance(weights, dict):
+        raise TypeError(f"{what}, got {type(weights).__name__}")
+    if not weights:
+        raise ValueError(f"{what}: it names no tensor")
+    for name, w in weights.items():
+        if not isinstance(name, str) or not isinstance(w, torch.Tensor):
+            raise TypeError(f"{what}, got {name!r}: {type(w).__name__}")
+        if w.dim() < 2:
+            raise ValueError(f"weight {name!r} has shape {list(w.shape)}: it needs at least [L, rows]")
+
+
 class RankWeights:
     """One rank's live weights and what every transport needs around them.
 
@@ -129,8 +146,7 @@ class RankWeights:
         group: dist.ProcessGroup | None,
         row_map: RowMap | None = None,
     ) -> None:
-        if not weights:
-            raise ValueError("weights must name at least one tensor")
+        check_weights(weights)
         first = next(iter(weights.values()))
         for name, w in weights.items():
             if w.shape[:2] != first.shape[:2] or w.dtype != first.dtype or w.device != first.device:

@@ -46,7 +46,9 @@ class ExpertRecorder:
         num_layers: every decoder layer of the model (dense layers simply stay zero).
         num_logical: logical experts per layer, including a fused shared expert if the
             model routes one as an extra expert.
-        num_physical: physical slots per layer, to also count dispatched slot ids.
+        num_physical: dispatch targets per layer, to also count the ids `route` handed
+            out: physical slots, or weight rows where the hook keeps spare rows (then
+            rows; the hook maps them back to slots before a window leaves the rank).
         device: where the counters live (the device the forward pass runs on).
     """
 
@@ -96,7 +98,8 @@ class ExpertRecorder:
         self._add(layer, topk_ids, base=0, width=self.num_logical)
 
     def record_physical(self, layer: int | None, phys_ids: torch.Tensor) -> None:
-        """Add the physical slot ids that `layer` dispatched to (-1 = padding)."""
+        """Add the target ids (slots, or rows with spare rows) `layer` dispatched to
+        (-1 = padding)."""
         if self.num_physical is None:
             raise ValueError("record_physical needs num_physical at construction")
         self._add(layer, phys_ids, base=self._n_log, width=self.num_physical)

@@ -18,6 +18,8 @@ EXIT_CODES = {
 }
 # Any other gRPC status the controller answers with.
 EXIT_OTHER = 1
+# A force that started no plan (its decision says why) exits as a refusal does.
+EXIT_REFUSED = EXIT_CODES["FAILED_PRECONDITION"]
 EXIT_MEANINGS = {
     0: "done",
     EXIT_OTHER: "failed: any other gRPC error (INTERNAL, RESOURCE_EXHAUSTED, ...), or a file "
@@ -25,7 +27,8 @@ EXIT_MEANINGS = {
     2: "bad input: usage, a flag or setting, an unwritable --out/--sglang file (nothing "
        "sent), or input the controller refused",
     3: "not found: no such deployment, or nothing stored for it yet",
-    4: "refused in this state: a plan in flight, no counts yet",
+    4: "refused in this state: a plan in flight, no counts yet, or a force that started no "
+       "plan (ranks not connected, nothing to move)",
     5: "controller unreachable or too slow (--timeout)",
     6: "not authenticated or not allowed: --token / REBALANCER_ADMIN_TOKEN, client certificate",
     130: "interrupted (Ctrl-C)",
@@ -181,11 +184,17 @@ def _write(what: str, path: str, write: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # gRPC's C core logs a failed TLS handshake in lines of its own (ssl_transport_security.cc)
+    # before the call fails; the error line below names the cause. GRPC_VERBOSITY set by the
+    # caller wins; it is read when grpc is first imported (in this process: not yet, unless
+    # a caller in the same process imported it, whose settings then stand).
+    if "grpc" not in sys.modules:
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     import grpc
 
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-    from rebalancer.wire.channel import ChannelConfig, sync_channel
+    from rebalancer.wire.channel import ChannelConfig, sync_channel, unavailable_cause
 
     args.parsed_settings = _check_args(args, pb)
     config = ChannelConfig(args.address, args.ca, args.cert, args.key, args.token)
@@ -195,8 +204,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             return _dispatch(args, stub, pb, kw)
         except grpc.RpcError as exc:
-            code = exc.code()
-            return _fail(EXIT_CODES.get(code.name, EXIT_OTHER), f"{code.name}: {exc.details()}")
+            code, details = exc.code(), exc.details() or ""
+            cause = unavailable_cause(config, details) if code == grpc.StatusCode.UNAVAILABLE else ""
+            return _fail(EXIT_CODES.get(code.name, EXIT_OTHER), f"{code.name}: {cause or details}")
 
 
 def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) -> int:
@@ -234,9 +244,10 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
             print(f"wrote placement v{reply.version} to {', '.join(p for p in (args.out, args.sglang) if p)}")
     elif cmd == "history":
         reply = stub.History(pb.HistoryRequest(deployment=args.deployment, limit=args.limit), **kw)
-        lines = ["plans:"] + [f"  v{p.version} from v{p.base_version} {p.state:10s} {p.trigger:7s} "
-                              f"{p.slots_moved} slots {p.bytes_moved / 1e6:.1f} MB {p.reason}" for p in reply.plans]
-        lines += ["decisions:"] + [f"  {d.outcome:18s} {d.reason}" for d in reply.decisions]
+        lines = ["plans:"] + [f"  {_when(p.created)} v{p.version} from v{p.base_version} {p.state:10s} "
+                              f"{p.trigger:7s} {p.slots_moved} slots {p.bytes_moved / 1e6:.1f} MB {p.reason}"
+                              for p in reply.plans]
+        lines += ["decisions:"] + [f"  {_when(d.time)} {d.outcome:18s} {d.reason}" for d in reply.decisions]
         show(reply, "\n".join(lines))
     elif cmd == "force":
         reply = stub.ForceRebalance(pb.ForceRebalanceRequest(
@@ -250,8 +261,12 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
             out = plain(d)
             out["transfers"] = len(reply.transfers.data) // 20 if reply.transfers.data else 0
             print(json.dumps(out))
-        else:
+        elif args.dry_run or d.plan_version:
             print(text)
+        if not args.dry_run and not d.plan_version:
+            # Refused by the state it met (ranks missing, nothing to move, the store): the
+            # decision is in the history, and the operator hears why, as for any refusal.
+            return _fail(EXIT_REFUSED, f"no plan started for {args.deployment!r}: {d.outcome}: {d.reason}")
     elif cmd in ("pause", "resume"):
         (stub.Pause if cmd == "pause" else stub.Resume)(ref, **kw)
         print(json.dumps({"deployment": args.deployment, "paused": cmd == "pause"}) if args.json
@@ -272,8 +287,10 @@ def _status_text(d: Any) -> str:
     return (
         f"{d.deployment}: v{d.placement_version}, {d.connected_ranks}/{s.num_gpus} ranks, "
         f"L={s.num_layers} E={s.num_logical_experts} P={s.num_physical_slots} N={s.num_nodes}\n"
-        f"  balancedness actual {d.balancedness_actual:.3f}, on estimate {d.balancedness_estimated:.3f}; "
-        f"{d.windows_ingested} windows folded{', PAUSED' if d.paused else ''}\n"
+        f"  balancedness actual {balancedness_text(d.balancedness_actual, 'no window measured yet')}, "
+        f"on estimate {balancedness_text(d.balancedness_estimated, 'no counts folded yet')}; "
+        f"{d.windows_folded} windows folded ({d.windows_ingested} received since start)"
+        f"{', PAUSED' if d.paused else ''}\n"
         f"  plans committed {d.plans_committed}, aborted {d.plans_aborted}; moved {d.slots_moved} slots, "
         f"{d.bytes_moved / 1e6:.1f} MB"
         + (f"\n  plan in flight: v{d.plan_in_flight} ({d.plan_phase})" if d.plan_in_flight else "")
@@ -281,3 +298,18 @@ def _status_text(d: Any) -> str:
            + (f" (plan v{last.plan_version})" if last.plan_version else "") + f": {last.reason}"
            if last.outcome else "")
     )
+
+
+def balancedness_text(value: float, missing: str) -> str:
+    """A balancedness as status shows it: 0 on the wire means none yet (a measured one
+    is mean / max load of a window with load, above 0)."""
+    return f"{value:.3f}" if value > 0 else f"- ({missing})"
+
+
+def _when(seconds: float) -> str:
+    """A controller time (Unix seconds) as UTC, to the second; '-' when not set."""
+    import time
+
+    if not seconds > 0:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(seconds))

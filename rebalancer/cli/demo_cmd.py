@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import sys
 import textwrap
 
 SUMMARY_HELP = textwrap.dedent("""\
@@ -24,9 +25,14 @@ SUMMARY_HELP = textwrap.dedent("""\
                                 rebalancing never changes the math)
       weights_match_map         every slot holds the expert its map says
       ranks_agree_on_versions   every rank ran every step on the same placement
-      max_swap_ms, experts_copied_at_commit, seconds, store
+      max_swap_ms, experts_copied_at_commit, seconds
+      stopped_early             why the workers ran fewer steps than --windows asks ("" if
+                                they ran them all: only their time limit ends them early)
+      store                     the controller's store, when it outlives the demo (--db,
+                                --keep)
     exit code 1 unless a plan committed (not asked with --controller), max_output_diff is
-    0.0 and the ranks agree on versions.
+    0.0, the ranks agree on versions and the workers ran every window (else the reason
+    on one line).
     with --controller ADDR: no controller is started; the workers (and sidecars) attach to
     the one at ADDR (`rebalancer serve`), and the demo prints the deployment's status each
     second instead of its windows; try `rebalancer admin status|history|force` meanwhile
@@ -58,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "workers split evenly, else 1); 0: workers talk to the controller directly")
     p.add_argument("--windows", type=int, default=30, help="windows of counts per rank, default 30")
     p.add_argument("--window-steps", type=int, default=16, help="forward steps per window, default 16")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="the workers' time limit (default: ample for every window asked, "
+                        "rebalancer.demo.time_limit); a run it cuts short exits 1 saying so")
     p.add_argument("--experts", type=int, default=32, help="logical experts per layer, default 32")
     p.add_argument("--slots", type=int, default=0, help="physical slots (default experts + workers*2)")
     p.add_argument("--layers", type=int, default=6, help="MoE layers, default 6")
@@ -98,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--spare-rows must be >= 0, got {args.spare_rows}")
     if args.workers < 2 or args.windows < 4 or args.window_steps < 1:
         raise InputError("need --workers >= 2, --windows >= 4, --window-steps >= 1")
+    if args.max_seconds is not None and not (math.isfinite(args.max_seconds) and args.max_seconds > 0):
+        raise InputError(f"--max-seconds must be a positive number of seconds, got {args.max_seconds}")
     sidecars = default_sidecars(args.workers) if args.sidecars is None else args.sidecars
     if sidecars < 0 or (sidecars and args.workers % sidecars):
         raise InputError(f"--sidecars {sidecars} must be 0 (direct) or divide --workers {args.workers} "
@@ -126,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         worker_log="INFO" if args.verbose else "WARNING", transport=args.transport,
         device=args.device, spare_rows=args.spare_rows, sidecars=sidecars, keep=args.keep,
         metrics_port=args.metrics_port, controller=args.controller, deployment=args.deployment,
+        timeout_seconds=args.max_seconds,
     )
 
     def terminated(signum: int, frame: object) -> None:
@@ -151,4 +163,7 @@ def run(args: argparse.Namespace) -> int:
     # commits; the demo checks the math and the ranks' agreement only.
     committed = bool(args.controller) or summary["plans_committed"] >= 1
     ok = committed and summary["max_output_diff"] == 0.0 and summary["ranks_agree_on_versions"]
+    if summary["stopped_early"]:
+        print(f"rebalancer demo: error: {summary['stopped_early']}", file=sys.stderr)
+        return 1
     return 0 if ok else 1

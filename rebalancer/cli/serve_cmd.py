@@ -63,15 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from rebalancer.controller.config import (
-        ControllerConfig,
-        check_exposure,
-        load_config,
-        read_admin_token,
-        validate_config,
-    )
+    from rebalancer.controller.config import ControllerConfig, load_config, read_admin_token
     from rebalancer.controller.server import ControllerServer, serve
-    from rebalancer.controller.store import check_store_path
     from rebalancer.errors import InputError
 
     config = load_config(args.config) if args.config else ControllerConfig()
@@ -83,10 +76,6 @@ def run(args: argparse.Namespace) -> int:
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.admin_token_file:
         config = replace(config, admin_token=read_admin_token(Path(args.admin_token_file), "--admin-token-file"))
-    validate_config(config)
-    # The cheap refusals before any logging or import of the server's machinery.
-    check_exposure(config)
-    check_store_path(config.db_path)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def ready(server: ControllerServer) -> None:

@@ -29,7 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
               rebalancer sidecar --controller rebalancer:50051 --ranks 0-7 --metrics-port 9401 \\
                   --ca /etc/rebalancer/ca.pem --token-file /etc/rebalancer/token
 
-            As a startup probe (exit 0 once the sidecar serves):
+            Credential files are read at every connection attempt: with one missing the
+            sidecar still serves its ranks (a missing token file: it connects without a
+            token; a missing certificate file: it does not connect until the file is
+            there), and says so in its log, its metrics and --check.
+
+            As a startup probe (exit 0 once the sidecar serves; it prints the state of the
+            link to the controller, which does not change the exit code):
 
               rebalancer sidecar --check unix:///run/rebalancer/agent.sock
             """),
@@ -73,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
         if not ok:
             print(f"rebalancer sidecar: {args.check} is not serving ({seen})", file=sys.stderr)
             return 1
+        # Serving, whatever the controller link's state: the ranks are served either way
+        # (a probe that failed for that would keep the engine from starting).
+        print(f"rebalancer sidecar: {args.check}: {seen}")
         return 0
 
     import asyncio
@@ -82,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     from rebalancer.sidecar.config import SidecarConfig, lws_ranks, parse_ranks, pod_identity
     from rebalancer.sidecar.daemon import Sidecar, serve
 
+    if args.ranks and args.ranks_per_pod is not None:
+        raise InputError("give --ranks or --ranks-per-pod, not both")
     if args.ranks:
         ranks = parse_ranks(args.ranks)
     elif args.ranks_per_pod is not None:

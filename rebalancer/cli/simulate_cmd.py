@@ -27,6 +27,12 @@ transfers), follow (refit on the previous window, free), oracle (refit on the wi
 itself, free: an upper bound), hindsight (one placement fitted on the whole trace, held
 fixed, free: what the best-informed fixed placement reaches).
 
+Replicas (--replicas R): R replicas of one model behind one endpoint, each window an
+independent draw of --replica-tokens tokens per replica from the trace's routing; the
+adaptive policy pooled (one estimate from all members' windows) against per deployment
+(each member alone), and a member joining at --join-window warm (the pool's placement)
+or trivial. Adds a "replicas" key to the JSON (docs/simulator.md).
+
 Trace formats: .npz (logical_count [T, L, E], window_seconds), SGLang .pt dumps (or a
 directory of dumps),
 .json (logical_count [L, E] or [T, L, E]), per-token .jsonl (grouped into windows of
@@ -174,6 +180,15 @@ def register(subparsers: Any) -> None:
         default=None,
         help="with --dispatch: water-filling passes of the load modes (HookConfig.waterfill_passes)",
     )
+    p.add_argument("--replicas", type=int, default=None,
+                   help="also simulate R replicas pooled vs per deployment, and a joining member")
+    p.add_argument("--replica-tokens", type=int, default=None,
+                   help="with --replicas: tokens each replica routes per window (default 512)")
+    p.add_argument("--replica-top-k", type=int, default=None,
+                   help="with --replicas: experts per token of the sampled windows (default 8)")
+    p.add_argument("--join-window", type=int, default=None,
+                   help="with --replicas: the window a member joins at (default mid-trace)")
+    p.add_argument("--seed", type=int, default=0, help="with --replicas: sampling seed")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw balancedness over time")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.set_defaults(func=run)
@@ -241,6 +256,34 @@ def _step_config(args: argparse.Namespace) -> Any:
     return config
 
 
+def _replica_config(args: argparse.Namespace) -> Any:
+    """The replica simulation's settings from --replicas and its options, or None."""
+    from rebalancer.sim.replicas import ReplicaConfig
+
+    if args.replicas is None:
+        if args.replica_tokens is not None or args.join_window is not None or args.replica_top_k is not None:
+            raise InputError("--replica-tokens, --replica-top-k and --join-window need --replicas")
+        return None
+    config = ReplicaConfig(replicas=args.replicas, join_window=args.join_window, seed=args.seed)
+    if args.replica_tokens is not None:
+        config = dataclasses.replace(config, tokens_per_window=args.replica_tokens)
+    if args.replica_top_k is not None:
+        config = dataclasses.replace(config, top_k=args.replica_top_k)
+    return config
+
+
+def _replicas_table(out: dict[str, Any]) -> str:
+    lines = [f"replicas R={out['replicas']}, {out['tokens_per_window']} tokens per replica window:",
+             f"{'adaptive':15s} {'rel_tput':>8s} {'balanced':>8s} {'rebal':>6s} {'slots':>9s}"]
+    for name in ("pooled", "per_deployment"):
+        f = out[name]
+        lines.append(f"{name:15s} {f['relative_throughput']:8.4f} {f['mean_balancedness']:8.4f} "
+                     f"{f['rebalances']:6d} {f['slots_moved']:9d}")
+    lines.append(f"joiner at window {out['join_window']} (pool {out['pool_balancedness_at_join']:.4f}): "
+                 f"warm {out['warm_first_windows']}, trivial {out['trivial_first_windows']}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from rebalancer.controller.decide import PolicyConfig
     from rebalancer.sim import (
@@ -263,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
                 f"unknown policy {args.policy!r}; expected one of {', '.join(POLICIES)} or all"
             )
     steps = _step_config(args)
+    replica_config = _replica_config(args)
     trace = load_trace(
         args.trace,
         tokens_per_window=args.tokens_per_window,
@@ -314,7 +358,12 @@ def run(args: argparse.Namespace) -> int:
 
         title = f"{trace.name}: G={args.gpus}, P={args.slots}, {trace.num_windows} windows"
         plot_balancedness(results, args.plot, title, trace.window_seconds)
-    summaries = {name: r.summary() for name, r in results.items()}
+    summaries: dict[str, Any] = {name: r.summary() for name, r in results.items()}
+    replicas = None
+    if replica_config is not None:
+        from rebalancer.sim.replicas import simulate_replicas
+
+        replicas = simulate_replicas(trace, config, replica_config)
     if not args.json:
         print(
             f"trace {trace.name}: {trace.num_windows} windows x {trace.num_layers} layers x "
@@ -325,8 +374,10 @@ def run(args: argparse.Namespace) -> int:
         print(_table(results))
         if steps is not None:
             print(_dispatch_table(results))
-    if len(policies) == 1 and args.policy != "all":
-        print(json.dumps(summaries[policies[0]]))
-    else:
-        print(json.dumps(summaries))
+        if replicas is not None:
+            print(_replicas_table(replicas))
+    out = summaries[policies[0]] if len(policies) == 1 and args.policy != "all" else summaries
+    if replicas is not None:
+        out = {**out, "replicas": replicas}
+    print(json.dumps(out))
     return 0

@@ -8,6 +8,7 @@ before they reach this service, so they change nothing.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import fields, replace
 from typing import Any
@@ -16,17 +17,19 @@ import grpc
 
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.deployment import Deployment
-from rebalancer.controller.errors import StateError
-from rebalancer.controller.service import placement_msg, refuse, shape_msg
+from rebalancer.controller.service import placement_msg, shape_msg
 from rebalancer.controller.state import Controller
-from rebalancer.errors import InputError
+from rebalancer.errors import InputError, StateError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
+from rebalancer.wire.service import refuse
 
 # Policy fields that the v1 message carries; the others keep their current value.
 _WIRE_POLICY_FIELDS = tuple(f.name for f in pb.Policy.DESCRIPTOR.fields)
 
+
+log = logging.getLogger("rebalancer.admin")
 
 def policy_msg(policy: PolicyConfig) -> pb.Policy:
     return pb.Policy(**{name: getattr(policy, name) for name in _WIRE_POLICY_FIELDS})
@@ -59,7 +62,7 @@ def decision_msg(decision: Decision | None, plan_version: int = 0) -> pb.Decisio
         return float(x) if math.isfinite(x) else 0.0
 
     return pb.Decision(
-        outcome=decision.outcome, reason=decision.reason,
+        time=num(decision.time), outcome=decision.outcome, reason=decision.reason,
         balancedness_current=num(decision.balancedness_current),
         balancedness_candidate=num(decision.balancedness_candidate),
         bound_balancedness=num(decision.bound_balancedness),
@@ -81,9 +84,11 @@ def decision_record_msg(record: dict[str, Any]) -> pb.Decision:
 
 def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None) -> pb.DeploymentStatus:
     """One deployment's status. `last_decision`: its newest stored decision (the store
-    keeps them across restarts; a dry run is not one). Windows are counted as the
-    decisions count them: windows folded into the estimate, one per sequence number
-    merged over every rank (kept across restarts with the estimate)."""
+    keeps them across restarts; a dry run is not one). Windows two ways: received since
+    this controller started (one per stream and sequence number, as the metric
+    rebalancer_windows_ingested_total counts them) and folded into the estimate (one per
+    sequence number merged over every rank, what the decisions count; kept across
+    restarts with the estimate)."""
     from rebalancer import placement
 
     estimate = dep.estimator.estimate()
@@ -93,7 +98,8 @@ def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None) -> 
         deployment=dep.name, shape=shape_msg(dep.shape), placement_version=dep.version,
         balancedness_actual=actual if math.isfinite(actual) else 0.0,
         balancedness_estimated=float(est), connected_ranks=dep.connected_ranks,
-        windows_ingested=dep.estimator.windows, paused=dep.policy.paused,
+        windows_ingested=dep.stats.windows_ingested, windows_folded=dep.estimator.windows,
+        paused=dep.policy.paused,
         plan_in_flight=dep.plan.version if dep.plan else 0,
         plan_phase=dep.plan.state.value if dep.plan else "",
         last_decision=decision_record_msg(last_decision) if last_decision else pb.Decision(),
@@ -111,14 +117,14 @@ class AdminService(pb_grpc.AdminServiceServicer):
         try:
             return self.controller.deployment(name)
         except StateError as exc:
-            await refuse(context, exc, what)
+            await refuse(context, exc, what, log)
             raise
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         try:
             deps = [self.controller.deployment(request.deployment)] if request.deployment else list(self.controller.deployments.values())
         except StateError as exc:
-            await refuse(context, exc, "Status")
+            await refuse(context, exc, "Status", log)
             raise
         store = self.controller.store
         return pb.StatusResponse(deployments=[
@@ -135,7 +141,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
                 request.deployment, dry_run=request.dry_run, max_moved_fraction=request.max_moved_fraction
             )
         except (StateError, InputError) as exc:
-            await refuse(context, exc, "ForceRebalance")
+            await refuse(context, exc, "ForceRebalance", log)
             raise
         response = pb.ForceRebalanceResponse(decision=decision_msg(decision, plan.version if plan else 0))
         if plan is not None:
@@ -160,7 +166,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
             policy = policy_from_msg(request.policy, dep.policy)
             self.controller.set_policy(request.deployment, policy)
         except (StateError, InputError) as exc:
-            await refuse(context, exc, "SetPolicy")
+            await refuse(context, exc, "SetPolicy", log)
             raise
         return policy_msg(dep.policy)
 
@@ -174,7 +180,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         try:
             self.controller.set_paused(request.deployment, paused)
         except StateError as exc:
-            await refuse(context, exc, "Pause" if paused else "Resume")
+            await refuse(context, exc, "Pause" if paused else "Resume", log)
             raise
         return pb.Empty()
 

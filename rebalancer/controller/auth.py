@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from rebalancer.controller.errors import StateError
+from rebalancer.errors import StateError
 from rebalancer.v1 import rebalancer_pb2 as pb
 
 log = logging.getLogger("rebalancer.auth")

@@ -17,32 +17,16 @@ for all its ranks at once: `rank` is an int or a collection of ints everywhere h
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from rebalancer.controller.errors import StateError
+from rebalancer.errors import StateError
+from rebalancer.wire.windows import Ranks, rank_set, who
 
 # How long past its prepare deadline a committing plan may wait for confirmations.
 COMMIT_GRACE_SECONDS = 60.0
 
-# One rank, or the ranks of a group session.
-Ranks = int | Collection[int]
-
-
-def rank_set(ranks: Ranks) -> frozenset[int]:
-    return frozenset((ranks,) if isinstance(ranks, int) else ranks)
-
-
-def who(ranks: Ranks, pod: str = "") -> str:
-    """`rank 3`, or `ranks 4-7 (pod ns/name)` for a group: for logs and abort reasons."""
-    rs = sorted(rank_set(ranks))
-    if len(rs) == 1:
-        return f"rank {rs[0]}"
-    span = f"{rs[0]}-{rs[-1]}" if rs[-1] - rs[0] == len(rs) - 1 else ", ".join(map(str, rs))
-    return f"ranks {span}" + (f" (pod {pod})" if pod else "")
 
 
 class PlanState(enum.Enum):
@@ -73,9 +57,6 @@ class Plan:
     committed_at: float = 0.0
     # Sessions with a stream open when Commit went out: only their ranks can switch.
     commit_sessions: frozenset[str] = frozenset()
-    # The plan's arrays as the wire carries them, encoded once for all its sessions
-    # (service.controller_message): a Prepare goes to every rank or pod of the deployment.
-    encoded: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -236,8 +236,9 @@ def gain_seconds(seconds: float, ratio_before: float, ratio_after: float) -> flo
 
 
 @dataclass(frozen=True)
-class Deployment:
-    """The deployment the timing defaults are derived for."""
+class ReferenceDeployment:
+    """The shape of deployment the timing defaults are derived for (not a live one:
+    controller/deployment.py's `Deployment` is that)."""
 
     num_layers: int = 58  # DeepSeek-V3: 61 layers, the first 3 dense
     num_slots: int = 288  # 256 experts + 32 redundant, 9 per GPU
@@ -248,10 +249,10 @@ class Deployment:
     window_seconds: float = 1.0
 
 
-REFERENCE = Deployment()
+REFERENCE = ReferenceDeployment()
 
 
-def reference_transfers(deployment: Deployment, moved_fraction: float) -> np.ndarray:
+def reference_transfers(deployment: ReferenceDeployment, moved_fraction: float) -> np.ndarray:
     """The largest plan a budget allows: every rank receives `moved_fraction` of its slots.
 
     Each rank receives round(moved_fraction x slots per GPU x layers) experts, layer by
@@ -320,7 +321,7 @@ def derived_timing(
     gain_threshold: float,
     max_moved_fraction: float,
     params: CostParams = DEFAULT_COST,
-    deployment: Deployment = REFERENCE,
+    deployment: ReferenceDeployment = REFERENCE,
     estimate_window: int = 0,
 ) -> Timing:
     """`min_interval_seconds` and `decision_period_seconds` (see the module docstring)."""

@@ -33,7 +33,7 @@ from rebalancer.controller.cost import (
     DEEPSEEK_V3_EXPERT_BYTES,
     DEFAULT_COST,
     CostParams,
-    Deployment,
+    ReferenceDeployment,
     derived_timing,
     gain_seconds,
     imbalance_ratio,
@@ -151,7 +151,7 @@ class PolicyConfig:
         shape.validate()
         if not (math.isfinite(window_seconds) and window_seconds > 0):
             raise InputError(f"window_seconds must be > 0, got {window_seconds}")
-        deployment = Deployment(
+        deployment = ReferenceDeployment(
             num_layers=shape.num_layers,
             num_slots=shape.num_slots,
             num_gpus=shape.num_gpus,
@@ -310,6 +310,8 @@ class Decision:
     gate: str = ""
     # Balancedness gain needed on top of gain_threshold because the estimate is noisy.
     noise_margin: float = 0.0
+    # When it was taken: the `now` it was decided at, on the caller's clock.
+    time: float = 0.0
 
     @property
     def take(self) -> bool:
@@ -396,6 +398,7 @@ def decide(
             bytes_to_move=0,
             predicted_gain_seconds=0.0,
             migration_cost_seconds=0.0,
+            time=now,
         )
 
     b_current, r_current = predicted_balance(current, estimate, shape)
@@ -457,6 +460,9 @@ def decide(
 
     if dry_run:
         outcome, reason = "dry_run", f"dry run (gate: {gate}): {numbers}"
+    elif forced and slots_moved == 0:
+        # A plan that moves nothing would only bump the version: not even forced.
+        outcome, reason = "skip_gain", f"forced, but the candidate equals the current placement: {numbers}"
     elif forced:
         outcome, reason = "forced", f"forced (gate: {gate}): {numbers}"
     else:
@@ -477,4 +483,5 @@ def decide(
         transfer_seconds=cost.transfer_seconds,
         gate=gate,
         noise_margin=noise_margin if math.isfinite(noise_margin) else 1.0,
+        time=now,
     )

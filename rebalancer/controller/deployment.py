@@ -4,8 +4,12 @@ A deployment is one model served by one EP group of G ranks: its shape, committe
 placement, the ranks' sessions (one per rank, or one per group of ranks: a pod's
 sidecar), the window merger, the policy loop (estimate + decision timing), the plan in
 flight, the newest aborted plan (retold to a session that reconnects) and running
-totals. The modules beside this one (registry, reconcile, fold, decisions, plans,
-operate) change these objects; nothing here does I/O.
+totals. The deployment owns this state: it changes only through its own transitions
+(restore, reshape, begin, commit, abort, leave unconfirmed, finish, adopt, count a window,
+fold, start and end a decision, mark a save), each keeping its invariants; the modules
+beside this one (registry, reconcile, fold, decisions, plans, operate) decide when and
+ask it (tests/unit/controller/test_deployment_owns_its_state.py holds that). Nothing here
+does I/O.
 """
 
 from __future__ import annotations
@@ -16,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from rebalancer.controller.coordinate import Aborted, Plan, Unconfirmed, who
+from rebalancer.controller.coordinate import Aborted, Plan, Unconfirmed
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
-from rebalancer.controller.ingest import WindowMerger
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE
+from rebalancer.wire.windows import SeqMerger, who
 
 # (kind, payload) -> queued for the rank's stream; kind is "prepare", "commit" or "abort".
 Send = Callable[[str, Any], None]
@@ -86,10 +90,12 @@ class DeploymentStats:
 @dataclass
 class Observers:
     """Callbacks on the controller's event loop: (deployment, plan, what) with what in
-    proposed / prepared / committed / aborted / unconfirmed, and (deployment, decision,
-    trigger) with trigger "policy" or "forced"."""
+    proposed / prepared / committed / aborted / unconfirmed, (deployment, decision,
+    trigger) with trigger "policy" or "forced", and (deployment) for one created by a
+    Register (those read back from the store at start are in `Controller.deployments`)."""
 
     window: list[Callable[[WindowEvent], None]] = field(default_factory=list)
+    deployment: list[Callable[[str], None]] = field(default_factory=list)
     plan: list[Callable[[str, Plan, str], None]] = field(default_factory=list)
     decision: list[Callable[[str, Decision, str], None]] = field(default_factory=list)
 
@@ -103,7 +109,7 @@ class Deployment:
         self.version = version
         self.phy2log = phy2log
         self.sessions: dict[int, Session] = {}  # rank -> its session (a group's under each rank)
-        self.windows = WindowMerger(shape.num_gpus)
+        self.windows = SeqMerger(range(shape.num_gpus), dtype=np.float64)
         self.persisted_at = -float("inf")
         self.deciding = False  # a decision is being computed off the event loop
         # Estimate and decision timing: the same object the simulator drives.
@@ -140,6 +146,111 @@ class Deployment:
     def live_sessions(self) -> list[Session]:
         """Each session once (a group's is held under each of its ranks)."""
         return list({id(s): s for s in self.sessions.values()}.values())
+
+    # -- transitions: the only code that writes this deployment's state -------------
+
+    def add_session(self, session: Session) -> None:
+        """A registration: the session stands for each of its ranks from now on."""
+        for r in session.ranks:
+            self.sessions[r] = session
+
+    def drop_session(self, session: Session) -> None:
+        """The session is gone: its ranks have none (unless a newer one holds them)."""
+        for r in session.ranks:
+            if self.sessions.get(r) is session:
+                del self.sessions[r]
+
+    def restore(self, next_seq: dict[int, int], estimator_state: dict[str, Any], tokens_folded: int) -> None:
+        """Resume ingest from a saved cursor and the estimate built up to it (a restart)."""
+        self.windows.restore(next_seq)
+        self.estimator.load_state_dict(estimator_state)
+        self.stats.tokens_folded = tokens_folded
+
+    def mark_unknown(self, fields: frozenset[str]) -> None:
+        """Shape fields the store held no value for (a row written before they existed)."""
+        self.unknown_fields = fields
+
+    def remember_unfinished(self, newest: Aborted | Unconfirmed) -> None:
+        """The newest plan above the committed version ended unfinished: retold to every
+        session that reconnects (aborted: drop staging; unconfirmed: its Commit again)."""
+        if newest.version <= self.version:
+            raise ValueError(f"plan v{newest.version} is not above the committed v{self.version}")
+        if isinstance(newest, Aborted):
+            self.last_aborted = newest
+        else:
+            self.last_unconfirmed = newest
+
+    def reshape(self, shape: ClusterShape) -> None:
+        """The shape once a rank filled in its unknown fields (`merge_shape`)."""
+        self.shape = self.loop.shape = shape
+        self.unknown_fields = frozenset()
+
+    def begin(self, plan: Plan) -> None:
+        """Plan v+1 is in flight (one at a time, built on the committed placement)."""
+        if self.plan is not None:
+            raise ValueError(f"{self.name}: plan v{self.plan.version} is still in flight")
+        if plan.base_version != self.version:
+            raise ValueError(f"{self.name}: plan v{plan.version} is built on v{plan.base_version}, "
+                             f"the deployment is at v{self.version}")
+        self.plan = plan
+
+    def commit(self, plan: Plan) -> None:
+        """The plan in flight is every rank's placement now."""
+        self._check_in_flight(plan)
+        self.version, self.phy2log = plan.version, plan.phy2log
+        self.stats.plans_committed += 1
+        self.stats.slots_moved += plan.slots_moved
+        self.stats.bytes_moved += plan.bytes_moved
+
+    def abort(self, plan: Plan) -> None:
+        """The plan in flight was dropped on every rank; the committed placement stays."""
+        self._check_in_flight(plan)
+        self.stats.plans_aborted += 1
+        self.last_aborted = Aborted(plan.version, plan.reason)
+
+    def leave_unconfirmed(self, plan: Plan) -> None:
+        """The plan's Commit went out, and no rank confirmed it in time."""
+        self._check_in_flight(plan)
+        self.last_unconfirmed = Unconfirmed(plan.version)
+
+    def finish(self) -> None:
+        """No plan in flight any more: the next one may start."""
+        self.plan = None
+
+    def adopt(self, version: int, phy2log: np.ndarray) -> None:
+        """A stored placement is the committed one, because the ranks serve it."""
+        self.version, self.phy2log = version, phy2log
+
+    def count_window(self, fresh: bool) -> None:
+        """One window merged (`fresh`), or recognised as resent and dropped."""
+        if fresh:
+            self.stats.windows_ingested += 1
+        else:
+            self.stats.duplicate_windows += 1
+
+    def fold(self, logical: np.ndarray, gpu_load: np.ndarray | None, balancedness_actual: float) -> None:
+        """A merged window into the estimate: its routed counts [L, E], and when the ranks
+        sent dispatched counts, the GPUs' load [L, G] and its measured balancedness."""
+        self.stats.tokens_folded += int(logical.sum())
+        if gpu_load is not None:
+            self.stats.gpu_load = gpu_load
+            self.stats.balancedness_actual = balancedness_actual
+        self.loop.observe(logical)
+
+    def decision_started(self) -> None:
+        self.deciding = True
+
+    def decision_done(self) -> None:
+        self.deciding = False
+
+    def saved(self, at: float) -> None:
+        """The ingest cursor was saved at `at` (controller clock; earlier for the first
+        save, which sets the phase of this deployment's saves)."""
+        self.persisted_at = at
+
+    def _check_in_flight(self, plan: Plan) -> None:
+        if plan is not self.plan:
+            raise ValueError(f"{self.name}: plan v{plan.version} is not the plan in flight")
 
     def send_all(self, kind: str, plan: Plan) -> None:
         """Queue one plan phase on every session with a stream open (once per group)."""

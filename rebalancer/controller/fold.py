@@ -16,17 +16,16 @@ import numpy as np
 
 from rebalancer import placement
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Ranks
-from rebalancer.controller.decisions import Decisions
+from rebalancer.controller.decision_runner import DecisionRunner
 from rebalancer.controller.deployment import Deployment, Observers, WindowEvent
-from rebalancer.controller.ingest import MergedWindow
 from rebalancer.controller.store import Store
 from rebalancer.placement.metrics import balancedness_of_gpu_loads, mean_balancedness, pack_sums
+from rebalancer.wire.windows import CountWindow, Ranks
 
 
 class Folder:
     def __init__(
-        self, store: Store, clock: Clock, decisions: Decisions, observers: Observers,
+        self, store: Store, clock: Clock, decisions: DecisionRunner, observers: Observers,
         persist_seconds: float,
     ) -> None:
         self.store = store
@@ -41,25 +40,23 @@ class Folder:
     ) -> bool:
         """Merge one rank's window (or a group's, summed over its ranks) and fold what
         became complete; False for a duplicate."""
-        if not dep.windows.add(rank, seq, logical, physical):
-            dep.stats.duplicate_windows += 1
+        fresh = dep.windows.add(rank, seq, logical, physical)
+        dep.count_window(fresh)
+        if not fresh:
             return False
-        dep.stats.windows_ingested += 1
         for window in dep.windows.ready():
             self._fold(dep, window)
         return True
 
-    def _fold(self, dep: Deployment, window: MergedWindow) -> None:
+    def _fold(self, dep: Deployment, window: CountWindow) -> None:
         logical = window.logical
         G = dep.shape.num_gpus
-        dep.stats.tokens_folded += int(logical.sum())
-        actual = float("nan")
+        actual, gpu_load = float("nan"), None
         if window.physical is not None:
-            dep.stats.gpu_load = pack_sums(window.physical, G)
+            gpu_load = pack_sums(window.physical, G)
             actual = routed_balancedness(window.physical, G)
-            dep.stats.balancedness_actual = actual
+        dep.fold(logical, gpu_load, actual)
         now = self.clock()
-        dep.loop.observe(logical)
         if now - dep.persisted_at >= self.persist_seconds:
             self.persist(dep, now, background=True)
         if self.observers.window:
@@ -86,9 +83,8 @@ class Folder:
         all at once every period (an interval is never longer than `persist_seconds`)."""
         now = self.clock() if now is None else now
         first = dep.persisted_at == -float("inf")
-        dep.persisted_at = now
-        if first:
-            dep.persisted_at -= min(self.persist_seconds, MAX_STAGGER_SECONDS) * _phase(dep.name)
+        stagger = min(self.persist_seconds, MAX_STAGGER_SECONDS) * _phase(dep.name) if first else 0.0
+        dep.saved(now - stagger)
         self.store.save_ingest_state(
             dep.name,
             {

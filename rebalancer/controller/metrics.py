@@ -7,7 +7,11 @@ happen (decisions with their predicted gain and cost, plan phases, durations and
 ingest latency and bytes).
 
 Labels are bounded: deployment, and small fixed sets (source, stat, state, outcome,
-trigger, phase, reason). Per-layer and per-rank series (`layer`, `rank` labels: 61
+trigger, phase, reason). Every counter has its zero series for each known label value
+from the start (a deployment's once it is known), so `rate()` and `increase()` see the
+first event instead of a series that appears with it. The process's own series
+(`process_*`: CPU seconds, resident memory, open descriptors, start time) come from
+prometheus_client's process collector. Per-layer and per-rank series (`layer`, `rank` labels: 61
 layers x 72 ranks is 4,392 series for one DeepSeek-V3 deployment) come only with
 `per_layer` (the server's `per_layer_metrics` setting, default off).
 
@@ -24,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -32,6 +36,7 @@ from rebalancer import __version__
 from rebalancer.controller.coordinate import Plan, PlanState
 from rebalancer.controller.cost import plan_cost
 from rebalancer.controller.decide import Decision
+from rebalancer.controller.decision_runner import RECORDED_OUTCOMES, TRIGGERS
 from rebalancer.controller.deployment import Deployment
 from rebalancer.controller.state import Controller
 
@@ -70,12 +75,17 @@ RANK_LOAD_SHARE = "rebalancer_rank_load_share"      # {deployment, layer, rank}:
 STATES = ("idle", "preparing", "committing")
 # Summaries over layers of the per-layer balancedness (as vLLM's eplb_balancedness_*).
 STATS = ("min", "p50", "p90", "avg")
+# Plan phases timed by PHASE_SECONDS.
+PHASES = ("prepare", "commit")
+# An abort's free-text reason -> its label (the first key found in it), else "other".
+_ABORT_KEYS = (("timeout", "timeout"), ("disconnected", "disconnect"),
+               ("failed to prepare", "prepare_failed"), ("restarted", "restart"))
+ABORT_REASONS = (*(label for _, label in _ABORT_KEYS), "other")
 
 
 def abort_reason(reason: str) -> str:
     """The bounded label for a plan abort's free-text reason."""
-    for key, label in (("timeout", "timeout"), ("disconnected", "disconnect"),
-                       ("failed to prepare", "prepare_failed"), ("restarted", "restart")):
+    for key, label in _ABORT_KEYS:
         if key in reason:
             return label
     return "other"
@@ -205,6 +215,7 @@ class ControllerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StateCollector(controller, per_layer))
         r = self.registry
+        ProcessCollector(registry=r)
         self.decisions = Counter(DECISIONS, "Decisions taken, by outcome.", ["deployment", "outcome"], registry=r)
         self.decision_gain = Gauge(
             DECISION_GAIN, "Predicted serving seconds saved over the policy's horizon by the newest "
@@ -235,6 +246,22 @@ class ControllerMetrics:
         self.ingest_refused = Counter(INGEST_REFUSED, "Windows refused (bad input, or not acceptable in this state); the stream ends.", ["deployment"], registry=r)
         controller.observers.plan.append(self.on_plan)
         controller.observers.decision.append(self.on_decision)
+        controller.observers.deployment.append(self.on_deployment)
+        for phase in PHASES:
+            self.phase_seconds.labels(phase)
+        for name in list(controller.deployments):
+            self.on_deployment(name)
+
+    def on_deployment(self, deployment: str) -> None:
+        """Zero series for every known label value of the deployment's counters."""
+        for outcome in RECORDED_OUTCOMES:
+            self.decisions.labels(deployment, outcome)
+        for trigger in TRIGGERS:
+            self.rebalances.labels(deployment, trigger)
+        for reason in ABORT_REASONS:
+            self.aborts.labels(deployment, reason)
+        self.ingest_bytes.labels(deployment)
+        self.ingest_refused.labels(deployment)
 
     def on_decision(self, deployment: str, decision: Decision, trigger: str) -> None:
         self.decisions.labels(deployment, decision.outcome).inc()

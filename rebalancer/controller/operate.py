@@ -12,15 +12,14 @@ from dataclasses import replace
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import Decision, PolicyConfig
-from rebalancer.controller.decisions import Decisions
-from rebalancer.controller.errors import StateError
+from rebalancer.controller.decision_runner import DecisionRunner
 from rebalancer.controller.registry import Registry
 from rebalancer.controller.store import Store
-from rebalancer.errors import InputError
+from rebalancer.errors import InputError, StateError
 
 
 class Operations:
-    def __init__(self, store: Store, clock: Clock, registry: Registry, decisions: Decisions) -> None:
+    def __init__(self, store: Store, clock: Clock, registry: Registry, decisions: DecisionRunner) -> None:
         self.store = store
         self.clock = clock
         self.registry = registry

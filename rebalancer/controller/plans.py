@@ -30,10 +30,10 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import coordinate, reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Aborted, Plan, PlanState, Transition, Unconfirmed
+from rebalancer.controller.coordinate import Plan, PlanState, Transition
 from rebalancer.controller.deployment import Deployment, Observers, Session
-from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
 
 log = logging.getLogger("rebalancer.controller")
 
@@ -62,7 +62,7 @@ class Plans:
             slots_moved=moved, bytes_moved=bytes_moved, started_at=now,
         )
         self.store.begin_plan(dep.name, version, dep.version, trigger, new, moved, bytes_moved, now=now)
-        dep.plan = plan
+        dep.begin(plan)
         log.info("%s: plan v%d (%s) moves %d slots, %d bytes", dep.name, version, trigger, moved, bytes_moved)
         dep.send_all("prepare", plan)
         self._notify(dep, plan, "proposed")
@@ -219,28 +219,24 @@ class Plans:
             log.warning("%s: plan v%d aborted: %s", dep.name, plan.version, plan.reason)
             version, reason = plan.version, plan.reason
             self._write(dep.name, lambda: self.store.set_plan_state(dep.name, version, "aborted", reason, now=now))
-            dep.stats.plans_aborted += 1
-            dep.last_aborted = Aborted(plan.version, plan.reason)
+            dep.abort(plan)
             dep.send_all("abort", plan)
             self._notify(dep, plan, "aborted")
         if t.became_committed:
             version = plan.version
             self._write(dep.name, lambda: self.store.commit_plan(dep.name, version, now=now))
-            dep.version, dep.phy2log = plan.version, plan.phy2log
-            dep.stats.plans_committed += 1
-            dep.stats.slots_moved += plan.slots_moved
-            dep.stats.bytes_moved += plan.bytes_moved
+            dep.commit(plan)
             log.info("%s: plan v%d committed", dep.name, plan.version)
             self._notify(dep, plan, "committed")
         if t.unconfirmed:
             log.error("%s: plan v%d: %s", dep.name, plan.version, plan.reason)
-            dep.last_unconfirmed = Unconfirmed(plan.version)
+            dep.leave_unconfirmed(plan)
             version, reason = plan.version, plan.reason
             self._write(dep.name, lambda: self.store.set_plan_state(dep.name, version, "unconfirmed", reason,
                                                                     now=now))
             self._notify(dep, plan, "unconfirmed")
         if t.finished:
-            dep.plan = None
+            dep.finish()
 
     def _notify(self, dep: Deployment, plan: Plan, what: str) -> None:
         for observer in self.observers.plan:

@@ -16,8 +16,8 @@ import numpy as np
 
 from rebalancer.controller.coordinate import PlanState
 from rebalancer.controller.deployment import Deployment
-from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
 
 log = logging.getLogger("rebalancer.controller")
 
@@ -36,7 +36,7 @@ def reconcile(store: Store, dep: Deployment, who: str, version: int, now: float)
     if dep.connected_ranks == 0 and known is not None:
         log.warning("%s: ranks restarted on v%d (controller had v%d)", dep.name, version, dep.version)
         store.commit_plan(dep.name, version, now=now)
-        dep.version, dep.phy2log = version, known
+        dep.adopt(version, known)
         return
     raise StateError(
         "FAILED_PRECONDITION",
@@ -61,4 +61,4 @@ def adopt(store: Store, dep: Deployment, version: int, phy2log: np.ndarray, why:
         write()
     else:
         record(write)
-    dep.version, dep.phy2log = version, phy2log
+    dep.adopt(version, phy2log)

@@ -22,18 +22,20 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller import reconcile
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Aborted, Ranks, Unconfirmed, rank_set, who
+from rebalancer.controller.coordinate import Aborted, Unconfirmed
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
 from rebalancer.controller.deployment import (
     LATER_SHAPE_FIELDS,
     Deployment,
+    Observers,
     Send,
     Session,
     merge_shape,
     shape_key,
 )
-from rebalancer.controller.errors import StateError
 from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
+from rebalancer.wire.windows import Ranks, rank_set, who
 
 log = logging.getLogger("rebalancer.controller")
 
@@ -43,10 +45,13 @@ REREGISTER_SECONDS = 10.0
 
 
 class Registry:
-    def __init__(self, store: Store, clock: Clock, default_policy: PolicyConfig) -> None:
+    def __init__(
+        self, store: Store, clock: Clock, default_policy: PolicyConfig, observers: Observers | None = None,
+    ) -> None:
         self.store = store
         self.clock = clock
         self.default_policy = default_policy
+        self.observers = observers or Observers()
         self.deployments: dict[str, Deployment] = {}
         self.sessions: dict[str, tuple[str, Session]] = {}  # session id -> (deployment, session)
 
@@ -58,12 +63,11 @@ class Registry:
             shape = ClusterShape(**cast(dict[str, Any], row.shape))
             policy = PolicyConfig.from_dict(row.policy)
             dep = Deployment(row.name, shape, policy, row.committed_version, row.phy2log)
-            dep.unknown_fields = frozenset(f for f in LATER_SHAPE_FIELDS if f not in row.shape)
+            dep.mark_unknown(frozenset(f for f in LATER_SHAPE_FIELDS if f not in row.shape))
             saved = self.store.ingest_state(row.name)
             if saved:
-                dep.windows.restore({int(k): int(v) for k, v in saved["next_seq"].items()})
-                dep.estimator.load_state_dict(saved["estimator"])
-                dep.stats.tokens_folded = int(saved.get("tokens_folded", 0))
+                dep.restore({int(k): int(v) for k, v in saved["next_seq"].items()}, saved["estimator"],
+                            int(saved.get("tokens_folded", 0)))
             for plan in self.store.unfinished_plans(row.name):
                 if plan.state == "committing":
                     # Its Commit went out before the restart: ranks may have switched, or
@@ -81,9 +85,9 @@ class Registry:
             newest = self.store.plans(row.name, 1)
             if newest and newest[0].version > dep.version:
                 if newest[0].state == "aborted":
-                    dep.last_aborted = Aborted(newest[0].version, newest[0].reason)
+                    dep.remember_unfinished(Aborted(newest[0].version, newest[0].reason))
                 elif newest[0].state == "unconfirmed":
-                    dep.last_unconfirmed = Unconfirmed(newest[0].version)
+                    dep.remember_unfinished(Unconfirmed(newest[0].version))
             self.deployments[row.name] = dep
             log.info("loaded deployment %s at placement v%d", row.name, row.committed_version)
 
@@ -113,6 +117,8 @@ class Registry:
             )
             self.deployments[name] = dep
             log.info("new deployment %s: %s", name, shape_key(shape))
+            for observer in self.observers.deployment:
+                observer(name)
         merged: ClusterShape | None = dep.shape
         if not created:
             merged = merge_shape(dep.shape, shape, dep.unknown_fields)
@@ -135,16 +141,14 @@ class Registry:
             olds[old.session_id] = old
         if merged is not None and (merged != dep.shape or dep.unknown_fields):  # an older store's unknown fields, now known: kept
             self.store.set_shape(name, shape_key(merged))
-            dep.shape = dep.loop.shape = merged
-            dep.unknown_fields = frozenset()
+            dep.reshape(merged)
             log.info("deployment %s: %s set the shape's unknown fields: %s", name, label, shape_key(merged))
         if version != dep.version:
             reconcile.reconcile(self.store, dep, label, version, now)
         for old in olds.values():  # expired registrations that never streamed: replaced whole
             self._forget(dep, old)
         session = Session(uuid.uuid4().hex, ranks[0], worker_id, registered_at=now, ranks=ranks, pod=pod)
-        for r in ranks:
-            dep.sessions[r] = session
+        dep.add_session(session)
         self.sessions[session.session_id] = (name, session)
         log.info("%s of %s registered (worker %s, v%d)", label, name, worker_id or "?", version)
         return session, dep
@@ -152,9 +156,7 @@ class Registry:
     def _forget(self, dep: Deployment, session: Session) -> None:
         """Drop a session under every rank it holds."""
         self.sessions.pop(session.session_id, None)
-        for r in session.ranks:
-            if dep.sessions.get(r) is session:
-                del dep.sessions[r]
+        dep.drop_session(session)
 
     def session(self, session_id: str) -> tuple[Deployment, Session]:
         entry = self.sessions.get(session_id)

@@ -17,6 +17,7 @@ reason, raised after undoing whatever had started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import signal
@@ -34,7 +35,12 @@ from prometheus_client import start_http_server
 
 from rebalancer.controller.admin import AdminService
 from rebalancer.controller.auth import ADMIN_SERVICE, WORKER_SERVICE, TokenAuth
-from rebalancer.controller.config import ControllerConfig, check_exposure, exposure_warnings
+from rebalancer.controller.config import (
+    ControllerConfig,
+    check_exposure,
+    exposure_warnings,
+    validate_config,
+)
 from rebalancer.controller.metrics import ControllerMetrics
 from rebalancer.controller.pool import DecisionPool
 from rebalancer.controller.service import WorkerService
@@ -50,43 +56,60 @@ log = logging.getLogger("rebalancer.server")
 SERVICE_NAMES = (WORKER_SERVICE, ADMIN_SERVICE)
 
 
+def preflight(config: ControllerConfig) -> grpc.ServerCredentials | None:
+    """Every check of the settings that can refuse a start, in one pass and before
+    anything is opened, so a refused start changes nothing: settings in range, exposure,
+    the store's path, the ports apart, the TLS files usable. Returns the server's TLS
+    credentials (None without TLS). InputError of one line naming the reason."""
+    validate_config(config)
+    check_exposure(config)
+    check_store_path(config.db_path)
+    if config.metrics_port and config.metrics_port == config.port:
+        raise InputError(f"metrics port and gRPC port are both {config.port}: the metrics need a port of their own")
+    return _tls_credentials(config)
+
+
 class ControllerServer:
-    """Owns the store, the controller state, the gRPC server and the tick task."""
+    """Owns the store, the controller state, the gRPC server and the tick task.
+
+    Built in one line of steps, each pushing its undo onto one exit stack: a start that
+    fails half-way unwinds what it had opened, and `stop` drains, then unwinds the same
+    stack (tick, gRPC server with its grace, metrics, decision process, the ingest
+    cursors saved, store, lock), so start-up and teardown cannot drift apart."""
 
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
-        # Every check that can refuse runs before the store is opened: a refused start
-        # changes nothing. The lock comes first, so a controller started twice with the
-        # same settings hears which process holds the store.
-        check_exposure(config)
-        check_store_path(config.db_path)
-        tls = _tls_credentials(config)
-        self._lock = StoreLock(config.db_path) if config.db_path != ":memory:" else None
+        tls = preflight(config)
+        self._grace: float | None = None  # the gRPC server's grace when the stack unwinds
+        self._opened = contextlib.ExitStack()  # what __init__ opened, synchronously
         try:
             self._open(config, tls)
         except BaseException:
-            if self._lock is not None:
-                self._lock.release()
+            self._opened.close()
             raise
+        self._stack = contextlib.AsyncExitStack()
+        self._tick_task: asyncio.Task[None] | None = None
+        self._metrics_http: Any = None
+        self.metrics_port: int | None = None
+        self._started = False
+        self._stopping = False
+        self._stopped = asyncio.Event()
 
     def _open(self, config: ControllerConfig, tls: grpc.ServerCredentials | None) -> None:
-        # gRPC reports a failed bind without its reason (and logs a line of its own): try
-        # the ports first, so a busy one (or a host that is not here) gets its own message.
-        if config.metrics_port and config.metrics_port == config.port:
-            raise InputError(f"metrics port and gRPC port are both {config.port}: the metrics need a port of their own")
+        opened = self._opened
+        # The lock first, so a controller started twice with the same settings hears which
+        # process holds the store; then the ports, each with its own message (gRPC reports
+        # a failed bind without its reason).
+        if config.db_path != ":memory:":
+            opened.callback(StoreLock(config.db_path).release)
         probe_port(config.host, config.port, "gRPC")
         if config.metrics_port is not None:
             probe_port(config.host, config.metrics_port, "metrics")
         self.store = Store(config.db_path)
-        try:
-            self._build(config, tls)
-        except BaseException:
-            self.store.close()
-            raise
-
-    def _build(self, config: ControllerConfig, tls: grpc.ServerCredentials | None) -> None:
+        opened.callback(self.store.close)
         # Decisions run in a process of their own (pool.py), started in `start`.
         self.pool = DecisionPool()
+        opened.callback(self.pool.close)
         try:
             self.controller = Controller(
                 self.store, config.policy, config.persist_seconds, background=self.pool.submit
@@ -99,7 +122,6 @@ class ControllerServer:
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.metrics = ControllerMetrics(self.controller, config.per_layer_metrics)
-        self.metrics_port: int | None = None
         # Requests that do not parse are refused with INVALID_ARGUMENT (wire/service.py).
         add_service(
             pb_grpc.add_WorkerServiceServicer_to_server,
@@ -125,10 +147,6 @@ class ControllerServer:
         if self.port == 0:
             probe_port(config.host, config.port, "gRPC")  # taken meanwhile?
             raise InputError(f"cannot listen on {address} (gRPC)")
-        self._tick_task: asyncio.Task[None] | None = None
-        self._metrics_http: Any = None
-        self._stopping = False
-        self._stopped = asyncio.Event()
 
     @property
     def address(self) -> str:
@@ -143,15 +161,24 @@ class ControllerServer:
     async def start(self) -> None:
         """Start serving; on failure (a busy metrics port, ...) everything started is
         stopped again, the store closed and its lock released, then the error raised."""
+        stack = self._stack
+        # Unwound last: what __init__ opened, after the cursors are saved.
+        stack.enter_context(self._opened)
+        stack.callback(self._save_cursors)
         try:
-            self._start_metrics()  # first: the likeliest to fail, and nothing to undo yet
+            self._start_metrics()  # first: the likeliest to fail
             self.pool.start()
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            stack.push_async_callback(self._stop_grpc)
             await self.server.start()
         except BaseException:
-            await self._abandon()
+            self._stopping = True
+            await stack.aclose()
+            self._stopped.set()
             raise
+        self._started = True
         self._tick_task = asyncio.create_task(self._ticker())
+        stack.callback(self._tick_task.cancel)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         for line in exposure_warnings(self.config):
             log.warning("%s", line)
@@ -168,25 +195,18 @@ class ControllerServer:
                 raise InUseError(f"metrics port {port} is in use (another controller?)") from None
             raise InputError(f"cannot serve metrics on {_bracketed(self.config.host)}:{port}: "
                              f"{exc.strerror or exc}") from None
+        self._stack.callback(self._metrics_http.server_close)
+        self._stack.callback(self._metrics_http.shutdown)
         self.metrics_port = int(self._metrics_http.server_port)
         log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
 
-    async def _abandon(self) -> None:
-        """Undo a start that failed half-way."""
-        self._stopping = True
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
-            self._metrics_http = None
-        await self.server.stop(None)
-        self.pool.close()
-        self._close_store()
-        self._stopped.set()
+    def _save_cursors(self) -> None:
+        if self._started:  # a refused start writes nothing
+            self.controller.persist_all()
 
-    def _close_store(self) -> None:
-        self.store.close()
-        if self._lock is not None:
-            self._lock.release()
+    async def _stop_grpc(self) -> None:
+        await self.server.stop(self._grace)
+        self.pool.close()  # after the last call that could start a decision
 
     async def _ticker(self) -> None:
         while True:
@@ -208,15 +228,8 @@ class ControllerServer:
         # Still serving, but reported NOT_SERVING: probes and balancers stop sending
         # new work before the port closes.
         await asyncio.sleep(self.config.drain_seconds)
-        if self._tick_task:
-            self._tick_task.cancel()
-        await self.server.stop(self.config.grace_seconds)
-        self.pool.close()
-        self.controller.persist_all()
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
-        self._close_store()
+        self._grace = self.config.grace_seconds
+        await self._stack.aclose()
         self._stopped.set()
         log.info("controller stopped")
 

@@ -23,15 +23,14 @@ from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape
 from rebalancer.controller.deployment import dispatch_shape
-from rebalancer.controller.errors import StateError
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import MAX_VERSION
-from rebalancer.errors import InputError
+from rebalancer.errors import InputError, StateError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.layout import MAX_EXPERT_BYTES, MAX_LAYER_SLOTS, MAX_LAYERS
-from rebalancer.wire.service import StreamWriter
+from rebalancer.wire.service import StreamWriter, refuse
 
 log = logging.getLogger("rebalancer.service")
 
@@ -44,18 +43,6 @@ _PHASES = {
     pb.PLAN_PHASE_COMMITTED: "committed",
     pb.PLAN_PHASE_ABORTED: "aborted",
 }
-
-
-def status_of(exc: Exception) -> grpc.StatusCode:
-    if isinstance(exc, StateError):
-        return getattr(grpc.StatusCode, exc.code)
-    return grpc.StatusCode.INVALID_ARGUMENT
-
-
-async def refuse(context: grpc.aio.ServicerContext, exc: Exception, what: str) -> None:
-    code = status_of(exc)
-    log.warning("%s refused: %s: %s", what, code.name, exc)
-    await context.abort(code, str(exc))
 
 
 def check_name(name: str) -> str:
@@ -132,21 +119,37 @@ def placement_msg(version: int, phy2log: Any) -> pb.Placement:
     return pb.Placement(version=version, phy2log=codec.encode(phy2log.astype("int32")))
 
 
-def controller_message(kind: str, payload: Any, now: float) -> pb.ControllerMessage:
-    """A plan phase for a session's stream; `now` on the controller's clock. `payload`
-    is the Plan, or for "abort" anything with `version` and `reason` (an Aborted)."""
+class _PrepareArrays:
+    """The arrays of the plan being prepared, encoded once for all its sessions: a Prepare
+    goes to every rank or pod of the deployment in one burst. One plan is held (the
+    newest asked for); another plan's Prepare encodes again."""
+
+    def __init__(self) -> None:
+        self._plan: Plan | None = None
+        self._arrays: tuple[pb.Placement, pb.Array] | None = None
+
+    def of(self, plan: Plan) -> tuple[pb.Placement, pb.Array]:
+        if plan is not self._plan or self._arrays is None:
+            self._plan, self._arrays = plan, (
+                placement_msg(plan.version, plan.phy2log), codec.encode(plan.transfers.astype("int32")))
+        return self._arrays
+
+
+_prepare_arrays = _PrepareArrays()
+
+
+def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
+    """A plan phase for a session's stream. `payload` is the Plan, or for "abort"
+    anything with `version` and `reason` (an Aborted)."""
     plan: Plan = payload
     if kind == "prepare":
-        if "prepare" not in plan.encoded:  # the same arrays for every session of the plan
-            plan.encoded["prepare"] = (
-                placement_msg(plan.version, plan.phy2log), codec.encode(plan.transfers.astype("int32"))
-            )
-        placement, transfers = plan.encoded["prepare"]
+        placement, transfers = _prepare_arrays.of(plan)
+        # Prepare's layers_per_chunk and timeout_seconds stay unset: ranks pace and time
+        # their transfers by their own settings (HookConfig), the controller by the plan's
+        # deadline.
         return pb.ControllerMessage(prepare=pb.Prepare(
             version=plan.version, base_version=plan.base_version,
             placement=placement, transfers=transfers,
-            layers_per_chunk=4,
-            timeout_seconds=max(0.0, plan.deadline - now),
         ))
     if kind == "commit":
         return pb.ControllerMessage(commit=pb.Commit(version=plan.version))
@@ -234,7 +237,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 name, ranks, shape, version, initial, request.worker_id, request.pod
             )
         except (InputError, StateError) as exc:
-            await refuse(context, exc, f"Register({request.deployment!r}, {register_label(request)})")
+            await refuse(context, exc, f"Register({request.deployment!r}, {register_label(request)})", log)
             raise AssertionError("unreachable") from exc
         return pb.RegisterResponse(
             session_id=session.session_id,
@@ -250,7 +253,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         writer = StreamWriter(context, "stream to a session")
 
         def send(kind: str, payload: Any) -> None:
-            writer.put(controller_message(kind, payload, self.clock()))
+            writer.put(controller_message(kind, payload))
 
         session_id = first.hello.session_id
         try:
@@ -258,7 +261,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             dep, session = self.controller.attach(session_id, send)
         except StateError as exc:
             writer.cancel()
-            await refuse(context, exc, "Stream hello")
+            await refuse(context, exc, "Stream hello", log)
             return
         shape = dep.shape
         logical_shape = (shape.num_layers, shape.num_logical)
@@ -290,7 +293,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             if self.on_refused is not None:
                 self.on_refused(dep.name)
             await writer.stop(flush=False)
-            await refuse(context, exc, f"Stream window from {session.label} of {dep.name!r}")
+            await refuse(context, exc, f"Stream window from {session.label} of {dep.name!r}", log)
         finally:
             acks.close()
             writer.cancel()
@@ -305,5 +308,5 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             version = check_version(request.version, "version")
             self.controller.report(request.session_id, version, phase, request.error)
         except (InputError, StateError) as exc:
-            await refuse(context, exc, f"ReportPlan(v{request.version})")
+            await refuse(context, exc, f"ReportPlan(v{request.version})", log)
         return pb.PlanReportResponse()

@@ -2,7 +2,7 @@
 
 The work is split by concern, each module on the same store, clock and observers:
 registry.py (deployments, sessions; reconcile.py when a rank's version differs),
-fold.py (windows in, folded into the estimate), decisions.py (the policy's decisions off
+fold.py (windows in, folded into the estimate), decision_runner.py (the policy's decisions off
 the event loop, acting on any decision), plans.py (a plan's life and fan-out to the
 ranks) and operate.py (an operator's force, policy, pause). `Controller` wires them
 and is what service.py, admin.py, metrics.py and the server call; it adds no logic.
@@ -16,15 +16,16 @@ from __future__ import annotations
 import numpy as np
 
 from rebalancer.controller.clock import Clock, system_clock
-from rebalancer.controller.coordinate import Plan, Ranks
+from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
-from rebalancer.controller.decisions import Background, Decisions, run_inline
+from rebalancer.controller.decision_runner import Background, DecisionRunner, run_inline
 from rebalancer.controller.deployment import Deployment, Observers, Send, Session
 from rebalancer.controller.fold import Folder
 from rebalancer.controller.operate import Operations
 from rebalancer.controller.plans import Plans
 from rebalancer.controller.registry import Registry
 from rebalancer.controller.store import Store
+from rebalancer.wire.windows import Ranks
 
 
 class Controller:
@@ -45,9 +46,9 @@ class Controller:
         self.store = store
         self.clock: Clock = clock or system_clock()
         self.observers = Observers()
-        self.registry = Registry(store, self.clock, default_policy or PolicyConfig())
+        self.registry = Registry(store, self.clock, default_policy or PolicyConfig(), self.observers)
         self.plans = Plans(store, self.clock, self.observers)
-        self.decisions = Decisions(store, self.clock, self.plans, self.observers, background)
+        self.decisions = DecisionRunner(store, self.clock, self.plans, self.observers, background)
         self.folder = Folder(store, self.clock, self.decisions, self.observers, persist_seconds)
         self.operations = Operations(store, self.clock, self.registry, self.decisions)
         self.registry.load()
@@ -100,9 +101,6 @@ class Controller:
         now = self.clock() if now is None else now
         for dep in self.deployments.values():
             self.plans.tick(dep, now)
-
-    def persist(self, dep: Deployment, now: float | None = None) -> None:
-        self.folder.persist(dep, now)
 
     def persist_all(self) -> None:
         """Save every deployment's ingest cursor (the drain path before the store closes)."""

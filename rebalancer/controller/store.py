@@ -10,10 +10,11 @@ The store keeps no clock: every time it writes (created, finished, a decision's 
 is given by the caller, read off the controller's one clock.
 
 One controller per store: the controller holds `StoreLock` (an exclusive `flock` on
-`<db>.lock`, with its pid written in it) for as long as it runs, so a second controller
-on the same file is refused, naming the holder. The kernel drops the lock when the
-process ends however it ends, so a controller killed with SIGKILL leaves nothing to
-clean up and a restart on the same store opens it at once. Readers that only inspect
+`<file>.lock` beside the store file, links resolved, with its pid written in it) for as
+long as it runs, so a second controller on the same file, by whatever path, is refused,
+naming the holder. The kernel drops the lock when the process ends however it ends, so
+a controller killed with SIGKILL leaves nothing to clean up and a restart on the same
+store opens it at once. Readers that only inspect
 the file (tests, `sqlite3 .backup`) need no lock: SQLite's WAL lets them read beside it.
 """
 
@@ -32,8 +33,7 @@ from typing import Any
 import numpy as np
 
 from rebalancer.controller.cursor_writer import CursorWriter
-from rebalancer.controller.errors import StateError
-from rebalancer.errors import InputError
+from rebalancer.errors import InputError, StateError
 
 # The largest placement or plan version: SQLite's INTEGER is a signed 64-bit integer (a
 # larger Python int raises OverflowError), while the wire's versions are uint64. Versions
@@ -67,37 +67,53 @@ def check_store_path(path: str | Path) -> None:
 
 
 class StoreLock:
-    """An exclusive lock on `<db>.lock`, held until `release` or the process ends.
+    """An exclusive lock on `<file>.lock`, held until `release` or the process ends.
 
-    `flock` locks belong to the open file, not to the path: the file is never deleted
-    (deleting it would let two processes lock two different files of one name), it is
+    Keyed on the store file itself, not on the path given: `<file>` is the path with
+    every symbolic link resolved, so a link to a store in use meets that store's lock; a
+    store with a second hard link is refused (its names could not share one lock).
+
+    `flock` locks belong to the open file, not to the path. The holder deletes the lock
+    file when it lets go (a start refused after the lock was taken leaves nothing), so a
+    lock is only held once the path still names the file locked: a process that opened
+    the file just before it was deleted finds that out and opens the path again. It is
     opened close-on-exec (a child such as the decision worker must not keep it locked
-    after the controller died) and it holds the holder's pid, for the refusal message.
+    after the controller died) and holds the holder's pid, for the refusal message. A
+    holder killed outright leaves the file behind; the next controller takes it over.
     """
 
     def __init__(self, db_path: str | Path) -> None:
-        self.path = f"{db_path}.lock"
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise InputError(f"store {db_path}: cannot open its lock file {self.path}: "
-                             f"{exc.strerror or exc}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = _read_pid(fd)
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                who = f"pid {holder}" if holder else "another process"
-                raise InUseError(f"store {db_path} is in use by another controller ({who}; "
-                                 f"lock {self.path}): one controller per store") from None
-            raise InputError(f"store {db_path}: cannot lock {self.path}: {exc.strerror or exc}") from None
+        real = os.path.realpath(db_path)
+        _check_single_link(db_path, real)
+        self.path = f"{real}.lock"
+        while True:
+            fd = self._open(db_path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                holder = _read_pid(fd)
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    who = f"pid {holder}" if holder else "another process"
+                    raise InUseError(f"store {db_path} is in use by another controller ({who}; "
+                                     f"lock {self.path}): one controller per store") from None
+                raise InputError(f"store {db_path}: cannot lock {self.path}: {exc.strerror or exc}") from None
+            if _names(self.path, fd):
+                break
+            os.close(fd)  # deleted by the holder that just let go: lock the path's file
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError:
             pass  # the pid is only for the message; the lock is what counts
         self._fd: int | None = fd
+
+    def _open(self, db_path: str | Path) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise InputError(f"store {db_path}: cannot open its lock file {self.path}: "
+                             f"{exc.strerror or exc}") from None
 
     @property
     def held(self) -> bool:
@@ -107,9 +123,9 @@ class StoreLock:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             try:
-                os.ftruncate(fd, 0)
+                os.unlink(self.path)  # while still locked: see the class docstring
             except OSError:
-                pass
+                pass  # a read-only folder: the next holder takes the file over
             os.close(fd)  # closing the only descriptor drops the lock
 
     def __enter__(self) -> StoreLock:
@@ -117,6 +133,27 @@ class StoreLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether `path` still names the open file `fd`."""
+    try:
+        here, there = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _check_single_link(db_path: str | Path, real: str) -> None:
+    """InputError for a store file with more than one name (hard links): the lock is
+    keyed on one name of the file."""
+    try:
+        links = os.stat(real).st_nlink
+    except OSError:
+        return  # not there yet: the store creates it
+    if links > 1:
+        raise InputError(f"store {db_path}: the file has {links} hard links; a controller locks "
+                         "its store by name, so give it a file with one name (copy it)")
 
 
 def _read_pid(fd: int) -> int | None:

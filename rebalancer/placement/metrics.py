@@ -333,22 +333,6 @@ def dispatch_allocation(
     return round_allocation(share, demand, tables[:, 4])
 
 
-def dispatch_gpu_loads(
-    phy2log: np.ndarray,
-    counts: np.ndarray,
-    num_gpus: int,
-    mode: str,
-    shared: np.ndarray | None = None,
-) -> np.ndarray:
-    """Per-GPU tokens computed in one step (routed + shared) under a dispatch mode.
-
-    phy2log: [L, P]; counts: [L, G, E] per-rank tokens of each expert this step;
-    shared: [L, G] per-rank shared-expert tokens, or None. Returns: [L, G] float64.
-    """
-    replicas = gpu_replicas(np.asarray(phy2log, dtype=np.int64), counts.shape[2], num_gpus)
-    return dispatch_allocation(counts, replicas, mode, shared).sum(axis=1).astype(np.float64)
-
-
 def expected_gpu_loads(
     phy2log: np.ndarray,
     load: np.ndarray,

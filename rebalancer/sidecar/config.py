@@ -5,6 +5,13 @@ and namespace from the downward API (`POD_NAME`, `POD_NAMESPACE`), and in a
 LeaderWorkerSet the pod's ranks from `LWS_GROUP_SIZE` / `LWS_WORKER_INDEX` with
 `--ranks-per-pod` (pod i of the group holds ranks i*n .. i*n + n - 1). Credentials are
 read from files (mounted secrets), never from flags or the environment.
+
+Flags are checked at start (a wrong one is a manifest bug, found at the first rollout);
+the credential files are not: they come from Secrets that may be missing or not yet
+projected, and a sidecar that exits for that would keep the inference pod from starting
+(its startup probe gates the engine). They are read at every connection attempt instead
+(`channel()`), by the upstream link, which reports what is missing and serves the ranks
+locally meanwhile.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from rebalancer.errors import InputError
-from rebalancer.wire.channel import ChannelConfig
+from rebalancer.wire.channel import ChannelConfig, check_address
 
 DEFAULT_LISTEN = "unix:///run/rebalancer/agent.sock"
 
@@ -63,6 +70,7 @@ class SidecarConfig:
     def __post_init__(self) -> None:
         if not self.controller:
             raise InputError("the controller's address is needed (--controller or REBALANCER_CONTROLLER)")
+        check_address(self.controller)
         if not self.ranks:
             raise InputError("the pod's ranks are needed (--ranks, or LWS_GROUP_SIZE/LWS_WORKER_INDEX with --ranks-per-pod)")
         if len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
@@ -81,7 +89,8 @@ class SidecarConfig:
             raise InputError("backoff max must be >= backoff initial")
         if self.grace_seconds < 0:
             raise InputError(f"grace must be >= 0, got {self.grace_seconds}")
-        self.channel()  # a missing credential file fails now, not at the first connect
+        # The credential flags must fit together; their files are read at each connection.
+        ChannelConfig(self.controller, self.ca_file, self.cert_file, self.key_file).check()
 
     @property
     def socket(self) -> Path:
@@ -97,18 +106,31 @@ class SidecarConfig:
         return format_ranks(self.ranks)
 
     def channel(self) -> ChannelConfig:
-        """The upstream channel: TLS / mutual TLS / bearer token, all from files."""
-        token = None
-        if self.token_file:
-            path = Path(self.token_file)
-            if not path.is_file():
-                raise InputError(f"{self.token_file}: no such file (worker token)")
-            token = path.read_text().strip() or None
-            if token is None:
-                raise InputError(f"{self.token_file}: the worker token file is empty")
+        """The upstream channel, files read now: TLS / mutual TLS (InputError, one line, if a
+        certificate file is missing or unreadable: never fall back to plain text) and the
+        bearer token (None when its file is missing or empty: `token_missing` says why;
+        mutual TLS, or a controller without [worker_tokens], needs none)."""
+        token, _ = read_token(self.token_file)
         config = ChannelConfig(self.controller, self.ca_file, self.cert_file, self.key_file, token)
-        config.credentials()  # reads the certificate files, raises InputError on a missing one
+        config.credentials()  # reads the certificate files
         return config
+
+    def token_missing(self) -> str:
+        """Why a configured token file gives no token ("" when it does, or none is configured)."""
+        return read_token(self.token_file)[1]
+
+
+def read_token(path: str | None) -> tuple[str | None, str]:
+    """(the token in `path`, stripped, or None; why there is none, "" if none was asked for)."""
+    if not path:
+        return None, ""
+    try:
+        token = Path(path).read_text().strip()
+    except FileNotFoundError:
+        return None, f"{path}: no such file (worker token)"
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"{path}: {getattr(exc, 'strerror', None) or exc} (worker token)"
+    return (token, "") if token else (None, f"{path}: the worker token file is empty")
 
 
 def socket_path(target: str) -> Path:

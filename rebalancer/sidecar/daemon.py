@@ -42,6 +42,20 @@ log = logging.getLogger("rebalancer.sidecar")
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
+class _Health(health.aio.HealthServicer):
+    """gRPC health, with the controller link's state in the answer's trailing metadata
+    (the probe's status is about the socket only: the ranks are served either way)."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        super().__init__()
+        self._upstream = upstream
+
+    async def Check(self, request: health_pb2.HealthCheckRequest,
+                    context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        context.set_trailing_metadata(((listen.UPSTREAM_KEY, self._upstream.summary()),))
+        return await super().Check(request, context)
+
+
 class Sidecar:
     """Owns the pod state, the socket server, the upstream link and the metrics server."""
 
@@ -50,7 +64,7 @@ class Sidecar:
         self.pod = Pod(config)
         self.upstream = Upstream(config, self.pod)
         self.metrics = SidecarMetrics(self.pod, self.upstream)
-        self.health = health.aio.HealthServicer()
+        self.health = _Health(self.upstream)
         self.server = grpc.aio.server(options=server_options())
         # Requests that do not parse are refused with INVALID_ARGUMENT, as the controller
         # refuses them (wire/service.py), not grpc-python's UNKNOWN.

@@ -8,7 +8,9 @@ drops it when the process dies, SIGKILL included), so a second sidecar is refuse
 one line while a restarted one takes over a stale socket file at once. (gRPC itself
 would silently unlink a live socket and bind over it.)
 
-`probe` is the readiness check: gRPC health of the socket, SERVING or not.
+`probe` is the readiness check: gRPC health of the socket, SERVING or not (SERVING
+whether or not the controller is reachable: ranks are served here either way), with the
+controller link's state beside it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,12 +57,23 @@ class SocketClaim:
 
 
 def claim(path: Path, dir_mode: int) -> SocketClaim:
-    """Make the socket's directory (mode `dir_mode`), lock the path for this process and
-    remove a stale socket file left by a sidecar that died. InputError if a live sidecar
-    holds the path, or the path is something other than a socket."""
+    """Make the socket's folder (mode `dir_mode`) if its parent exists, lock the path for
+    this process and remove a stale socket file left by a sidecar that died. InputError if
+    the parent folder is missing, a live process listens on the path (a sidecar or
+    anything else), or the path is something other than a socket."""
     folder = path.parent
-    folder.mkdir(parents=True, exist_ok=True)  # empty until the mode below is set
-    if folder.stat().st_uid == os.getuid():
+    # The socket's own folder is made (its mode is what keeps the socket private), never
+    # a chain of them: a missing parent is a typo or a volume that is not mounted.
+    if not folder.is_dir():
+        if not folder.parent.is_dir():
+            raise InputError(f"cannot make the socket's folder {folder}: {folder.parent} does not exist "
+                             "(mount the pod's shared volume there, or fix --listen)")
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)  # private until the mode below is set
+    if folder.stat().st_mode & stat.S_ISVTX:  # /tmp and the like: everyone's, never narrowed
+        log.warning("socket directory %s is shared by everyone (sticky, mode %o): leaving its mode; "
+                    "give the socket a folder of its own", folder, stat.S_IMODE(folder.stat().st_mode))
+    elif folder.stat().st_uid == os.getuid():
         os.chmod(folder, dir_mode)
     else:  # a shared volume made by someone else: its mode is theirs
         log.warning("socket directory %s belongs to uid %d; leaving its mode %o",
@@ -76,9 +90,8 @@ def claim(path: Path, dir_mode: int) -> SocketClaim:
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise InputError(f"{path} exists and is not a socket")
-            ok, _ = probe(f"unix://{path}", timeout=0.5)
-            if ok:  # a server that does not take the lock: never take its path
-                raise InUse(f"{path} is in use by a live server")
+            if accepts_connections(path):  # a server that does not take the lock: never take its path
+                raise InUse(f"{path} is in use by a live process that is not a sidecar (it accepts connections)")
             os.unlink(path)  # stale: its sidecar is gone (we hold the lock)
             log.info("removed the stale socket %s", path)
         os.ftruncate(fd, 0)
@@ -87,6 +100,20 @@ def claim(path: Path, dir_mode: int) -> SocketClaim:
         os.close(fd)
         raise
     return SocketClaim(path, fd)
+
+
+def accepts_connections(path: Path) -> bool:
+    """Whether a process listens on the Unix socket `path`, whatever it speaks (a socket
+    left by a dead process refuses the connection)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe_socket:
+        probe_socket.settimeout(1.0)
+        try:
+            probe_socket.connect(str(path))
+        except ConnectionRefusedError:
+            return False
+        except OSError:  # a full backlog (EAGAIN), a timeout: someone is there
+            return True
+    return True
 
 
 @contextlib.contextmanager
@@ -99,15 +126,23 @@ def umask_for(mode: int) -> Iterator[None]:
         os.umask(old)
 
 
+# Trailing metadata of the sidecar's health answer: the state of its link to the
+# controller and why, for `rebalancer sidecar --check` to print.
+UPSTREAM_KEY = "rebalancer-upstream"
+
+
 def probe(target: str, timeout: float = 2.0) -> tuple[bool, str]:
-    """(serving, what was seen): gRPC health of `target` (the overall service)."""
+    """(serving, what was seen): gRPC health of `target` (the overall service), and when a
+    sidecar serves, the state of its controller link ("SERVING; controller link: ...")."""
     with grpc.insecure_channel(target) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+            reply, call = health_pb2_grpc.HealthStub(channel).Check.with_call(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
             )
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             return False, f"{code.name if code else 'error'}: {exc.details() if isinstance(exc, grpc.Call) else exc}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    return reply.status == health_pb2.HealthCheckResponse.SERVING, status
+    upstream = dict(call.trailing_metadata() or ()).get(UPSTREAM_KEY)
+    seen = f"{status}; controller link: {upstream}" if upstream else status
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, seen

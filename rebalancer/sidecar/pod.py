@@ -30,14 +30,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rebalancer.errors import StateError
 from rebalancer.sidecar.config import SidecarConfig
-from rebalancer.sidecar.errors import SidecarError
-from rebalancer.sidecar.merge import MergedWindow, WindowBuffer, WindowMerge
 from rebalancer.sidecar.relay import Actions, Event, Relay, RelayPlan
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, DISPATCH_MODES
 from rebalancer.wire.layout import trivial_placement
+from rebalancer.wire.windows import BoundedWindows, CountWindow, SeqMerger
 
 log = logging.getLogger("rebalancer.sidecar")
 
@@ -74,8 +74,8 @@ class Pod:
         self.initial: pb.Placement | None = None
         self.sessions: dict[str, RankSession] = {}  # local session id -> session
         self.by_rank: dict[int, RankSession] = {}
-        self.merge = WindowMerge(self.ranks, config.fold_lag)
-        self.buffer = WindowBuffer(config.max_buffered_windows)
+        self.merge = SeqMerger(self.ranks, config.fold_lag)
+        self.buffer = BoundedWindows(config.max_buffered_windows)
         self.relay = Relay(self.ranks)
         self.reports: deque[pb.PlanReport] = deque()  # for the controller, in order
         self.committed: pb.Placement | None = None    # the controller's, once known
@@ -101,39 +101,39 @@ class Pod:
         """A rank registers on the socket: checked against the pod, answered at once."""
         rank = int(request.rank)
         if request.ranks:
-            raise SidecarError("INVALID_ARGUMENT", "a sidecar serves single ranks, not group sessions")
+            raise StateError("INVALID_ARGUMENT", "a sidecar serves single ranks, not group sessions")
         if rank not in self.ranks:
-            raise SidecarError("INVALID_ARGUMENT", f"rank {rank} is not one of this pod's ranks {self.config.ranks_label}")
+            raise StateError("INVALID_ARGUMENT", f"rank {rank} is not one of this pod's ranks {self.config.ranks_label}")
         if self.deployment and request.deployment != self.deployment:
-            raise SidecarError(
+            raise StateError(
                 "FAILED_PRECONDITION",
                 f"rank {rank} registers for deployment {request.deployment!r}, this pod serves {self.deployment!r}",
             )
         if self.shape is not None and request.shape != self.shape:
-            raise SidecarError(
+            raise StateError(
                 "FAILED_PRECONDITION",
                 f"rank {rank} reports shape {_shape_text(request.shape)}, the pod's ranks {_shape_text(self.shape)}",
             )
         mode = request.dispatch_mode or DEFAULT_DISPATCH_MODE
         if mode not in DISPATCH_MODES:
-            raise SidecarError("INVALID_ARGUMENT", f"rank {rank} names an unknown dispatch mode {request.dispatch_mode!r}")
+            raise StateError("INVALID_ARGUMENT", f"rank {rank} names an unknown dispatch mode {request.dispatch_mode!r}")
         if self.dispatch_mode is not None and mode != self.dispatch_mode:
-            raise SidecarError(
+            raise StateError(
                 "FAILED_PRECONDITION",
                 f"rank {rank} dispatches by {mode!r}, the pod's ranks by {self.dispatch_mode!r}",
             )
         if request.top_k and self.top_k and request.top_k != self.top_k:
-            raise SidecarError(
+            raise StateError(
                 "FAILED_PRECONDITION", f"rank {rank} reports top_k {request.top_k}, the pod's ranks {self.top_k}"
             )
         if max(self.ranks) >= request.shape.num_gpus:
-            raise SidecarError(
+            raise StateError(
                 "INVALID_ARGUMENT",
                 f"this pod's ranks {self.config.ranks_label} do not fit {request.shape.num_gpus} GPUs",
             )
         old = self.by_rank.get(rank)
         if old is not None and old.send is not None:
-            raise SidecarError("ALREADY_EXISTS", f"rank {rank} is already registered here with a stream open")
+            raise StateError("ALREADY_EXISTS", f"rank {rank} is already registered here with a stream open")
         # Accepted: nothing above changed any state.
         self.deployment = request.deployment
         if self.shape is None:
@@ -176,13 +176,13 @@ class Pod:
     def session(self, session_id: str) -> RankSession:
         session = self.sessions.get(session_id)
         if session is None:
-            raise SidecarError("NOT_FOUND", f"unknown session {session_id[:16]!r}: register first")
+            raise StateError("NOT_FOUND", f"unknown session {session_id[:16]!r}: register first")
         return session
 
     def attach(self, session_id: str, send: Send) -> RankSession:
         session = self.session(session_id)
         if session.send is not None:
-            raise SidecarError("ALREADY_EXISTS", f"session of rank {session.rank} already has a stream")
+            raise StateError("ALREADY_EXISTS", f"session of rank {session.rank} already has a stream")
         session.send = send
         log.info("rank %d connected", session.rank)
         self.apply(self.relay.attached(session.rank))
@@ -205,7 +205,7 @@ class Pod:
         physical = None
         if w.HasField("physical_count"):
             physical = codec.decode_counts(w.physical_count, "physical_count", (L, P))
-        fresh = self.merge.add(session.rank, w.seq, w.first_step, w.num_steps, w.placement_version, logical, physical)
+        fresh = self.merge.add(session.rank, w.seq, logical, physical, w.first_step, w.num_steps, w.placement_version)
         log.debug("rank %d window seq %d (steps %d+%d, v%d)%s", session.rank, w.seq, w.first_step,
                   w.num_steps, w.placement_version, "" if fresh else " again")
         if not fresh:
@@ -276,7 +276,7 @@ class Pod:
         else:
             log.warning("controller message %r ignored", kind)
 
-    def take_windows(self) -> list[MergedWindow]:
+    def take_windows(self) -> list[CountWindow]:
         return self.buffer.take()
 
     def flush_windows(self) -> None:

@@ -3,7 +3,7 @@
 The same API a rank speaks to the controller (worker_hooks' agent works unchanged against
 either): Register, one Stream (windows up, plan phases down) and ReportPlan. This layer
 only translates, as the controller's does: protobuf in, calls on the Pod out, and
-SidecarError / InputError into a gRPC status with a message and a log line, before any
+StateError / InputError into a gRPC status with a message and a log line, before any
 state changes (invariant 6). Windows are acknowledged as soon as they are merged: from
 then on the sidecar answers for them (its buffer is bounded; the rank's resend buffer
 must not grow while the controller is away). So a sidecar killed loses what it held and
@@ -18,22 +18,15 @@ from typing import Any
 
 import grpc
 
-from rebalancer.errors import InputError
-from rebalancer.sidecar.errors import SidecarError
+from rebalancer.errors import InputError, StateError
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-from rebalancer.wire.service import StreamWriter
+from rebalancer.wire.service import StreamWriter, refuse
 
 log = logging.getLogger("rebalancer.sidecar")
 
 _EOF = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime, missing in the stubs
-
-
-async def refuse(context: grpc.aio.ServicerContext, exc: Exception, what: str) -> None:
-    code = getattr(grpc.StatusCode, exc.code) if isinstance(exc, SidecarError) else grpc.StatusCode.INVALID_ARGUMENT
-    log.warning("%s refused: %s: %s", what, code.name, exc)
-    await context.abort(code, str(exc))
 
 
 class RankService(pb_grpc.WorkerServiceServicer):
@@ -43,8 +36,8 @@ class RankService(pb_grpc.WorkerServiceServicer):
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         try:
             return self.pod.register(request)
-        except (SidecarError, InputError) as exc:
-            await refuse(context, exc, f"Register(rank {request.rank})")
+        except (StateError, InputError) as exc:
+            await refuse(context, exc, f"Register(rank {request.rank})", log)
             raise AssertionError("unreachable") from exc
 
     async def Stream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
@@ -55,9 +48,9 @@ class RankService(pb_grpc.WorkerServiceServicer):
         writer = StreamWriter(context, "stream of a rank")
         try:
             session = self.pod.attach(first.hello.session_id, writer.put)
-        except SidecarError as exc:
+        except StateError as exc:
             writer.cancel()
-            await refuse(context, exc, "Stream hello")
+            await refuse(context, exc, "Stream hello", log)
             return
         try:
             while True:
@@ -71,9 +64,9 @@ class RankService(pb_grpc.WorkerServiceServicer):
                 ack = pb.ControllerMessage()
                 ack.window_ack.seq = msg.window.seq
                 writer.put(ack)
-        except (InputError, SidecarError) as exc:
+        except (InputError, StateError) as exc:
             await writer.stop(flush=False)
-            await refuse(context, exc, f"Stream window from rank {session.rank}")
+            await refuse(context, exc, f"Stream window from rank {session.rank}", log)
         finally:
             writer.cancel()
             self.pod.detach(session)
@@ -81,6 +74,6 @@ class RankService(pb_grpc.WorkerServiceServicer):
     async def ReportPlan(self, request: pb.PlanReport, context: grpc.aio.ServicerContext) -> pb.PlanReportResponse:
         try:
             self.pod.report(request)
-        except (SidecarError, InputError) as exc:
-            await refuse(context, exc, f"ReportPlan(v{request.version})")
+        except (StateError, InputError) as exc:
+            await refuse(context, exc, f"ReportPlan(v{request.version})", log)
         return pb.PlanReportResponse()

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rebalancer.sidecar.errors import SidecarError
+from rebalancer.errors import StateError
 from rebalancer.v1 import rebalancer_pb2 as pb
 
 Phase = Literal["preparing", "prepared", "committing", "committed", "aborted"]
@@ -126,7 +126,7 @@ class Relay:
         return a
 
     def report(self, rank: int, report: pb.PlanReport) -> Actions:
-        """A rank's plan progress. Raises SidecarError for a report that fits no plan."""
+        """A rank's plan progress. Raises StateError for a report that fits no plan."""
         a = Actions()
         plan, phase = self.plan, report.phase
         if phase == pb.PLAN_PHASE_COMMITTED:
@@ -135,7 +135,7 @@ class Relay:
             if phase in (pb.PLAN_PHASE_COMMITTED, pb.PLAN_PHASE_ABORTED):
                 return a  # a late confirmation: the version it serves is noted
             now = f" (v{plan.version} is {plan.phase})" if plan is not None else ""
-            raise SidecarError("FAILED_PRECONDITION", f"plan v{report.version} is not in flight here{now}")
+            raise StateError("FAILED_PRECONDITION", f"plan v{report.version} is not in flight here{now}")
         if phase == pb.PLAN_PHASE_PREPARED:
             if plan.phase == "preparing" and rank not in plan.prepared:
                 plan.prepared.add(rank)
@@ -153,14 +153,14 @@ class Relay:
                 self._fail(plan, f"rank {rank}: {report.error or 'no reason given'}", a)
         elif phase == pb.PLAN_PHASE_COMMITTED:
             if plan.phase not in ("committing", "committed"):
-                raise SidecarError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.phase}; no commit was sent")
+                raise StateError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.phase}; no commit was sent")
             plan.committed.add(rank)
             plan.step = plan.step or report.step
             self._settle_commit(plan, a)
         elif phase == pb.PLAN_PHASE_ABORTED:
             plan.aborted.add(rank)
         else:
-            raise SidecarError("INVALID_ARGUMENT", f"plan phase {phase} is not reportable")
+            raise StateError("INVALID_ARGUMENT", f"plan phase {phase} is not reportable")
         return a
 
     # ------------------------------------------------------------ controller

@@ -12,6 +12,14 @@ and jitter, registers again (which resyncs the placement version: the controller
 reconciles, answers with its committed placement and its cursor, and tells the group the
 newest aborted plan and any commit it missed), resends the windows it had sent but that
 were not acknowledged from that cursor on, and carries on.
+
+The credential files are read at every connection attempt (a Secret projected late, or
+rotated, is picked up without a restart). A certificate file missing or unreadable:
+the link does not connect (never plain text instead) and is `no_credentials` until the
+file is there. A token file missing or empty: the link connects without a token (mutual
+TLS, or a controller without [worker_tokens], needs none) and says so once. Either way
+the ranks go on being served here and their windows merged; the state is a metric, a log
+line when it changes, and what `rebalancer sidecar --check` prints.
 """
 
 from __future__ import annotations
@@ -23,17 +31,19 @@ from typing import Literal, get_args
 
 import grpc
 
+from rebalancer.errors import InputError
 from rebalancer.sidecar.config import SidecarConfig
-from rebalancer.sidecar.merge import MergedWindow
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
-from rebalancer.wire.channel import aio_channel
+from rebalancer.wire.channel import ChannelConfig, aio_channel
+from rebalancer.wire.windows import CountWindow
 
 log = logging.getLogger("rebalancer.sidecar")
 
-UpstreamState = Literal["waiting_for_ranks", "connecting", "connected", "backoff", "refused", "stopped"]
+UpstreamState = Literal["waiting_for_ranks", "connecting", "connected", "backoff", "refused", "no_credentials",
+                        "stopped"]
 UPSTREAM_STATES: tuple[UpstreamState, ...] = get_args(UpstreamState)
 
 # A refusal that another try can fix (the controller restarting, or still holding the
@@ -49,19 +59,28 @@ class Upstream:
     def __init__(self, config: SidecarConfig, pod: Pod) -> None:
         self.config = config
         self.pod = pod
-        self.channel = config.channel()
-        self._metadata = self.channel.metadata()
+        self._metadata: tuple[tuple[str, str], ...] = ()
         self.state: UpstreamState = "waiting_for_ranks"
         self.reconnects = 0
         self.last_error = ""
         self._session = ""
         self._next_seq = 0
         self._unacked: dict[int, pb.Window] = {}
+        self._token_missing = ""  # why the token file gave no token, as last logged
         self._stop = asyncio.Event()
 
     @property
     def unacked(self) -> int:
         return len(self._unacked)
+
+    def summary(self) -> str:
+        """The link's state and, unless connected, the last error: one printable ASCII line
+        (it travels as gRPC metadata)."""
+        failed = self.state in ("backoff", "refused", "no_credentials") and self.last_error
+        text = f"{self.state} ({self.last_error})" if failed else self.state
+        if self.state == "connected" and self._token_missing:
+            text += " (without a worker token)"
+        return "".join(c if " " <= c <= "~" else "?" for c in " ".join(text.split()))
 
     def stop(self) -> None:
         """Leave: the session loop sends what is buffered, ends the stream and returns."""
@@ -71,15 +90,20 @@ class Upstream:
     async def run(self) -> None:
         backoff = self.config.backoff_initial_seconds
         while not self._stop.is_set():
+            channel = self._credentials()
+            if channel is None:  # reported; the ranks are served here meanwhile
+                await self._wait(self.config.backoff_max_seconds, only_stop=True)
+                continue
             self.state = "waiting_for_ranks"
             while not self.pod.upstream_ready() and not self._stop.is_set():
                 await self._wait(1.0)
             if self._stop.is_set():
                 break
             self.state = "connecting"
+            self._metadata = channel.metadata()
             try:
-                async with aio_channel(self.channel) as channel:
-                    stub = pb_grpc.WorkerServiceStub(channel)
+                async with aio_channel(channel) as grpc_channel:
+                    stub = pb_grpc.WorkerServiceStub(grpc_channel)
                     await self._register(stub)
                     backoff = self.config.backoff_initial_seconds
                     await self._session_loop(stub)
@@ -97,6 +121,26 @@ class Upstream:
             await self._wait(delay, only_stop=True)
         self.state = "stopped"
 
+    def _credentials(self) -> ChannelConfig | None:
+        """The channel settings with the credential files read now; None (state
+        `no_credentials`, logged once per cause) while a certificate file is missing."""
+        try:
+            channel = self.config.channel()
+        except InputError as exc:
+            message = str(exc)
+            if message != self.last_error:
+                log.error("cannot connect to the controller (%s); serving ranks %s here, merging their "
+                          "windows, reading the files again every %.0f s", exc, self.config.ranks_label,
+                          self.config.backoff_max_seconds)
+            self.state, self.last_error = "no_credentials", message
+            return None
+        missing = self.config.token_missing()
+        if missing and missing != self._token_missing:
+            log.warning("no worker token (%s): connecting without one, as mutual TLS or a controller "
+                        "without [worker_tokens] allows", missing)
+        self._token_missing = missing
+        return channel
+
     def _lost(self, code: grpc.StatusCode | None, detail: str) -> None:
         name = code.name if code is not None else "ConnectionError"
         message = f"{name}: {detail}"
@@ -107,8 +151,10 @@ class Upstream:
             log.log(logging.WARNING if lost else logging.DEBUG, "controller link lost (%s)", message)
         else:
             self.state = "refused"
+            if self._token_missing and code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                message += f" (sent without a token: {self._token_missing})"
             if message != self.last_error:
-                log.error("controller refused the pod (%s); retrying", message)
+                log.error("controller refused the pod (%s); serving the ranks here, retrying", message)
         self.last_error = message
 
     async def _wait(self, timeout: float, only_stop: bool = False) -> None:
@@ -165,7 +211,7 @@ class Upstream:
             reader.cancel()
             call.cancel()
 
-    def _window(self, window: MergedWindow) -> pb.Window:
+    def _window(self, window: CountWindow) -> pb.Window:
         msg = codec.window_message(
             self._next_seq, window.first_step, window.num_steps, window.version,
             window.logical, window.physical,

@@ -245,9 +245,20 @@ class _Ledger:
 
 
 class Simulator:
-    """Runs policies over one trace; placements shared between policies are cached."""
+    """Runs policies over one trace; placements shared between policies are cached.
 
-    def __init__(self, trace: Trace, config: SimConfig) -> None:
+    `start` overrides where the changing policies start (a pool's placement handed to a
+    joining member); `observed` [T, L, E] is what the adaptive policy's estimate sees
+    instead of the trace's own counts (a pool's windows, summed over its members), while
+    the trace's counts are what this deployment serves."""
+
+    def __init__(self, trace: Trace, config: SimConfig, start: np.ndarray | None = None,
+                 observed: np.ndarray | None = None) -> None:
+        if observed is not None and observed.shape != trace.counts.shape:
+            raise InputError(f"observed counts of shape {list(observed.shape)}, expected "
+                             f"{list(trace.counts.shape)} like the trace")
+        self._start = None if start is None else np.asarray(start)
+        self._observed = trace.counts if observed is None else observed
         config.cost.validate()
         config.policy.validate()
         self.params = config.params
@@ -306,7 +317,9 @@ class Simulator:
         return self._fit(0, fit, self.config.periodic.algorithm)
 
     def start_placement(self) -> np.ndarray:
-        """Where every changing policy starts (`SimConfig.start`)."""
+        """Where every changing policy starts (`start`, else `SimConfig.start`)."""
+        if self._start is not None:
+            return self._start
         return self.trivial() if self.config.start == "trivial" else self.static_placement()
 
     def _move(self, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, float, int]:
@@ -479,7 +492,7 @@ class Simulator:
                     now += seconds + swap
                     flight = None
             in_flight = flight is not None
-            decision = loop.on_window(self.trace.counts[w], current, now=now, in_flight=in_flight)
+            decision = loop.on_window(self._observed[w], current, now=now, in_flight=in_flight)
             if decision is None:
                 continue
             outcomes[decision.outcome] += 1

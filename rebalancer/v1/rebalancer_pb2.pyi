@@ -296,7 +296,7 @@ class ForceRebalanceResponse(_message.Message):
     def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., transfers: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class DeploymentStatus(_message.Message):
-    __slots__ = ("deployment", "shape", "placement_version", "balancedness_actual", "balancedness_estimated", "connected_ranks", "windows_ingested", "paused", "plan_in_flight", "plan_phase", "last_decision", "plans_committed", "plans_aborted", "slots_moved", "bytes_moved")
+    __slots__ = ("deployment", "shape", "placement_version", "balancedness_actual", "balancedness_estimated", "connected_ranks", "windows_ingested", "paused", "plan_in_flight", "plan_phase", "last_decision", "plans_committed", "plans_aborted", "slots_moved", "bytes_moved", "windows_folded")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +312,7 @@ class DeploymentStatus(_message.Message):
     PLANS_ABORTED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_MOVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FOLDED_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     shape: ModelShape
     placement_version: int
@@ -327,7 +328,8 @@ class DeploymentStatus(_message.Message):
     plans_aborted: int
     slots_moved: int
     bytes_moved: int
-    def __init__(self, deployment: _Optional[str] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., balancedness_actual: _Optional[float] = ..., balancedness_estimated: _Optional[float] = ..., connected_ranks: _Optional[int] = ..., windows_ingested: _Optional[int] = ..., paused: _Optional[bool] = ..., plan_in_flight: _Optional[int] = ..., plan_phase: _Optional[str] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., plans_committed: _Optional[int] = ..., plans_aborted: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ...) -> None: ...
+    windows_folded: int
+    def __init__(self, deployment: _Optional[str] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., balancedness_actual: _Optional[float] = ..., balancedness_estimated: _Optional[float] = ..., connected_ranks: _Optional[int] = ..., windows_ingested: _Optional[int] = ..., paused: _Optional[bool] = ..., plan_in_flight: _Optional[int] = ..., plan_phase: _Optional[str] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., plans_committed: _Optional[int] = ..., plans_aborted: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., windows_folded: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("deployment",)

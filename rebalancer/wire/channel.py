@@ -8,6 +8,8 @@ TLS and a bearer token, built in one place.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,13 +66,17 @@ class ChannelConfig:
     key_file: str | None = None
     token: str | None = None        # bearer token sent as `authorization` metadata
 
-    def credentials(self) -> grpc.ChannelCredentials | None:
-        if not self.ca_file:
-            if self.cert_file or self.key_file:
-                raise InputError("a client certificate needs --ca as well (TLS)")
-            return None
+    def check(self) -> None:
+        """The settings fit together (no file is read): InputError, one line, if not."""
+        if not self.ca_file and (self.cert_file or self.key_file):
+            raise InputError("a client certificate needs --ca as well (TLS)")
         if bool(self.cert_file) != bool(self.key_file):
             raise InputError("mutual TLS needs both a client certificate and its key")
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        self.check()
+        if not self.ca_file:
+            return None
         return grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca_file),
             private_key=_read(self.key_file) if self.key_file else None,
@@ -81,11 +87,82 @@ class ChannelConfig:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
 
+@dataclass(frozen=True)
+class TlsFlags:
+    """How a command names the channel's TLS files, for the hints below."""
+
+    ca: str = "--ca"
+    cert: str = "--cert"
+    key: str = "--key"
+
+
+def unavailable_cause(config: ChannelConfig, details: str, flags: TlsFlags = TlsFlags()) -> str:
+    """The likely cause of an UNAVAILABLE call, in words, from gRPC's details (which say
+    "Socket closed" when the server ends a TLS handshake, or quote the TLS library);
+    "" when the details name none of the causes known here."""
+    tls = bool(config.ca_file)
+    where = config.address
+    if "Connection refused" in details:
+        return f"nothing listens on {where} (is the controller running there?)"
+    if "WRONG_VERSION_NUMBER" in details:
+        return f"the server at {where} does not speak TLS: leave out {flags.ca}, {flags.cert} and {flags.key}"
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return f"the server's certificate is not signed by the CA of {flags.ca} {config.ca_file}"
+    if "Hostname Verification" in details or "Peer name" in details:
+        return (f"the server's certificate does not name the host of {where}: connect by a name "
+                "or address its subjectAltName lists")
+    if "Socket closed" in details:
+        if not tls:
+            return (f"the server at {where} closed the connection at once: it likely serves TLS "
+                    f"(give {flags.ca}, and {flags.cert} / {flags.key} for mutual TLS)")
+        if not config.cert_file:
+            return (f"the server at {where} ended the TLS handshake: it likely asks for a client "
+                    f"certificate (mutual TLS): give {flags.cert} and {flags.key}")
+        return (f"the server at {where} ended the TLS handshake: it likely does not accept the client "
+                f"certificate {config.cert_file} (not signed by the CA it trusts for clients?)")
+    return ""
+
+
 def _read(path: str) -> bytes:
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{path}: no such file")
-    return p.read_bytes()
+    try:
+        return p.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: {exc.strerror or exc}") from None
+
+
+# A host name (RFC 1123 labels) or an IPv4 address, then a port: what `host:port` allows.
+_HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                   r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
+
+
+def check_address(address: str) -> None:
+    """A controller's gRPC target: `host:port`, `[ipv6]:port`, `dns:[//authority/]host:port`
+    or `unix:/absolute/path`. InputError (one line) for anything gRPC would only fail on
+    later, at every connection attempt (`notahost:xx`, a missing port)."""
+    target = address
+    if target.startswith("unix:"):
+        if not target[len("unix:"):].lstrip("/"):
+            raise InputError(f"controller address {address!r}: a unix: target needs a path")
+        return
+    if target.startswith("dns:"):
+        target = target[len("dns:"):]
+        if target.startswith("//"):  # dns://authority/host:port, the authority may be empty
+            target = target[2:].partition("/")[2]
+    host, sep, port = target.rpartition(":")
+    if not sep or not host:
+        raise InputError(f"controller address {address!r} must be host:port (e.g. rebalancer:50051)")
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise InputError(f"controller address {address!r}: port {port!r} is not a number from 1 to 65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise InputError(f"controller address {address!r}: {host} is not an IPv6 address") from None
+    elif not _HOST.match(host):
+        raise InputError(f"controller address {address!r}: {host!r} is not a host name or IP address")
 
 
 def sync_channel(config: ChannelConfig) -> grpc.Channel:

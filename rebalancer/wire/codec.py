@@ -24,6 +24,12 @@ _TO_NUMPY: dict[Any, np.dtype] = {
 }
 _FROM_NUMPY: dict[np.dtype, Any] = {v: k for k, v in _TO_NUMPY.items()}
 
+# The largest count accepted, from the wire or a count file: counts are routed tokens,
+# and above 2^53 float64 (what the estimate and the placement math add them in) no longer
+# counts them exactly. It also keeps every sum finite: 1e308 counts once summed to
+# infinity and the placement math answered with overflow warnings and balancedness 1.0.
+MAX_COUNT = 2**53
+
 
 def encode(array: np.ndarray) -> pb.Array:
     """Any int32/int64/uint32/float32 numpy array as an Array message."""
@@ -58,17 +64,22 @@ def decode(msg: pb.Array, what: str, shape: tuple[int, ...] | None = None) -> np
 
 
 def decode_counts(msg: pb.Array, what: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Counts must be integers or finite non-negative floats. Returned without a copy
-    (read-only, the wire dtype): callers add them into arrays of their own."""
+    """Counts must be integers or finite non-negative floats, none above MAX_COUNT.
+    Returned without a copy (read-only, the wire dtype): callers add them into arrays of
+    their own."""
     arr = decode(msg, what, shape)
+    if not arr.size:
+        return arr
     if arr.dtype.kind == "f":
-        low = float(arr.min()) if arr.size else 0.0  # NaN propagates through min
-        if not math.isfinite(low) or (arr.size and not math.isfinite(float(arr.max()))):
+        low, high = float(arr.min()), float(arr.max())  # NaN propagates through both
+        if not (math.isfinite(low) and math.isfinite(high)):
             raise InputError(f"{what}: counts contain NaN or infinity")
-        if low < 0:
-            raise InputError(f"{what}: counts contain negative values")
-    elif arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+    else:
+        low, high = int(arr.min()), int(arr.max())
+    if low < 0:
         raise InputError(f"{what}: counts contain negative values")
+    if high > MAX_COUNT:
+        raise InputError(f"{what}: counts contain {high:.4g}, above the largest count 2^53")
     return arr
 
 

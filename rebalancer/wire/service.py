@@ -17,7 +17,9 @@ request stream where it is read (`context.read()` or the request iterator raise
 UndecodableRequest, an InputError the servicer refuses like any bad message; one it
 lets escape is refused by the wrapper). Nothing has changed: invariant 6.
 
-Both servers' Stream handlers also write through one `StreamWriter` each.
+Both servers' Stream handlers also write through one `StreamWriter` each, and refuse a
+well-formed call that does not fit their state with `refuse` (StateError's code, else
+INVALID_ARGUMENT), the same status and log line from either.
 """
 
 from __future__ import annotations
@@ -30,9 +32,24 @@ from typing import Any
 
 import grpc
 
-from rebalancer.errors import InputError
+from rebalancer.errors import InputError, StateError
 
 log = logging.getLogger("rebalancer.wire")
+
+
+def status_of(exc: Exception) -> grpc.StatusCode:
+    """The status a refused call answers with: a StateError's own, else INVALID_ARGUMENT."""
+    if isinstance(exc, StateError):
+        return getattr(grpc.StatusCode, exc.code)
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def refuse(context: grpc.aio.ServicerContext, exc: Exception, what: str,
+                 logger: logging.Logger) -> None:
+    """End the call with `exc`'s status and message, and say so in `logger`'s log."""
+    code = status_of(exc)
+    logger.warning("%s refused: %s: %s", what, code.name, exc)
+    await context.abort(code, str(exc))
 
 
 class UndecodableRequest(InputError):

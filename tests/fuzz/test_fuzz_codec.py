@@ -111,13 +111,16 @@ def count_arrays(draw: st.DrawFn) -> np.ndarray:
 @example(np.array([[-0.0, -1e-30]], np.float32))
 @example(np.array([[0, -1]], np.int64))
 @example(np.zeros((0, 3), np.float32))
+@example(np.array([[2**53, 2**53 + 1]], np.int64))
+@example(np.array([[1e38]], np.float32))
 def test_decode_counts(counts: np.ndarray) -> None:
     msg = codec.encode(counts)
     bad = counts.size > 0 and (
         (counts.dtype.kind == "f" and not np.isfinite(counts).all()) or (counts < 0).any()
+        or (counts > codec.MAX_COUNT).any()
     )
     if bad:
-        with pytest.raises(InputError, match="^c: counts contain (NaN or infinity|negative values)$"):
+        with pytest.raises(InputError, match=r"^c: counts contain (NaN or infinity|negative values|.* above the largest count 2\^53)$"):
             codec.decode_counts(msg, "c", counts.shape)
         return
     out = codec.decode_counts(msg, "c", counts.shape)

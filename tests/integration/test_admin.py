@@ -100,9 +100,11 @@ def test_status(live: tuple[EmbeddedController, list[InstantRank]]) -> None:
     assert code == 0
     (dep,) = json.loads(out)["deployments"]
     assert dep["deployment"] == "dsv3" and dep["connected_ranks"] == G
-    # Windows folded into the estimate (as the decisions count them), not one per rank's window.
+    # Windows folded into the estimate (as the decisions count them), one per seq over all
+    # ranks; and received, one per rank's window.
     folded = ctl.call(lambda: ctl.server.controller.deployments["dsv3"].estimator.windows)  # type: ignore[union-attr]
-    assert int(dep["windows_ingested"]) == folded and 3 <= folded < 3 * G
+    assert int(dep["windows_folded"]) == folded and 3 <= folded < 3 * G
+    assert int(dep["windows_ingested"]) == 3 * G
     assert 0.3 < dep["balancedness_estimated"] < 0.9
     code, out, _ = admin(ctl, "status", "dsv3")
     assert code == 0 and "32/32 ranks" in out

@@ -1,7 +1,9 @@
 """`rebalancer admin` as an operator meets it: --json after the action, an exit-code list
 in its help that matches what it returns, and a status that agrees with the history
-(the last decision and its plan version, across a restart; windows counted as the
-decisions count them). A real controller, real worker agents, a real SQLite store."""
+(the last decision and its plan version, across a restart; windows folded counted as the
+decisions count them, windows received as the metric does), what an operator reads in
+its text (times, no balancedness before there is one), and a force that starts no plan
+exits 4 naming why. A real controller, real worker agents, a real SQLite store."""
 
 from __future__ import annotations
 
@@ -92,12 +94,13 @@ def test_status_agrees_with_history_across_a_restart(tmp_path: Path) -> None:
         ranks = _feed(ctl)
         code, out, _ = admin(ctl, "status", DEPLOYMENT, "--json")
         assert code == 0
-        # Counted as the decisions count them (folded into the estimate: once per sequence
-        # number over both ranks), not once per rank's window.
-        windows = int(json.loads(out)["deployments"][0]["windows_ingested"])
+        # Folded as the decisions count them (once per sequence number over both ranks);
+        # received once per rank's window, as rebalancer_windows_ingested_total counts them.
+        windows = int(json.loads(out)["deployments"][0]["windows_folded"])
         controller = ctl.server.controller  # type: ignore[union-attr]
         assert windows == ctl.call(lambda: controller.deployments[DEPLOYMENT].estimator.windows)
         assert WINDOWS <= windows < WINDOWS * G
+        assert int(json.loads(out)["deployments"][0]["windows_ingested"]) == WINDOWS * G
         code, out, err = admin(ctl, "force", DEPLOYMENT, "--json")
         assert code == 0, err
         forced = json.loads(out)
@@ -121,6 +124,119 @@ def test_status_agrees_with_history_across_a_restart(tmp_path: Path) -> None:
         status = json.loads(admin(ctl, "--json", "status", DEPLOYMENT)[1])["deployments"][0]
         history = json.loads(admin(ctl, "--json", "history", DEPLOYMENT)[1])
         assert status["last_decision"] == history["decisions"][0] == last
-        assert int(status["windows_ingested"]) == windows and status["placement_version"] == 1
+        assert int(status["windows_folded"]) == windows and status["placement_version"] == 1
+        assert int(status.get("windows_ingested", 0)) == 0  # received by this controller
     finally:
+        ctl.stop()
+
+
+def _connect(ctl: EmbeddedController) -> list[InstantRank]:
+    ranks = [InstantRank(r, ctl.server.address) for r in range(G)]  # type: ignore[union-attr]
+    for r in ranks:
+        r.agent.start()
+    for r in ranks:
+        assert r.agent.connected.wait(30)
+    return ranks
+
+
+def _send(ctl: EmbeddedController, ranks: list[InstantRank], logical: np.ndarray, windows: int) -> None:
+    """`windows` windows of the same counts from every rank, waited until folded."""
+    controller = ctl.server.controller  # type: ignore[union-attr]
+    start = ctl.call(lambda: controller.deployments[DEPLOYMENT].estimator.windows)
+    for seq in range(windows):
+        for r in ranks:
+            r.agent.submit_window(seq * 4, 4, 0, logical, np.full((L, P), 10))
+    wait_for(lambda: ctl.call(lambda: controller.deployments[DEPLOYMENT].estimator.windows) >= start + windows,
+             30, "windows folded")
+
+
+def test_a_force_with_no_rank_connected_exits_4_with_its_reason(tmp_path: Path) -> None:
+    """No rank connected: `admin force` says why on one line and exits 4 (it printed
+    `skip_ranks ...` and exited 0); --json prints the decision, with its reason, and exits
+    4 too. The decision is in the history."""
+    ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(paused=True, min_windows=1))
+    controller = ctl.server.controller  # type: ignore[union-attr]
+    ranks = _feed(ctl)
+    for r in ranks:
+        r.agent.stop()
+    try:
+        wait_for(lambda: ctl.call(lambda: controller.deployments[DEPLOYMENT].connected_ranks) == 0, 30, "ranks gone")
+        code, out, err = admin(ctl, "force", DEPLOYMENT)
+        assert (code, out) == (4, ""), (code, out, err)
+        assert err == (f"rebalancer admin: error: no plan started for {DEPLOYMENT!r}: skip_ranks: "
+                       f"only 0 of {G} ranks connected\n")
+        code, out, err = admin(ctl, "force", DEPLOYMENT, "--json")
+        decision = json.loads(out)
+        assert code == 4 and err.count("\n") == 1 and "skip_ranks" in err
+        assert decision["outcome"] == "skip_ranks" and decision["plan_version"] == 0
+        assert decision["reason"] == f"only 0 of {G} ranks connected"
+        history = json.loads(admin(ctl, "history", DEPLOYMENT, "--json")[1])
+        assert [d["outcome"] for d in history["decisions"][:2]] == ["skip_ranks", "skip_ranks"]
+        assert ctl.call(lambda: controller.deployments[DEPLOYMENT].version) == 0
+    finally:
+        ctl.stop()
+
+
+def test_a_force_that_would_move_nothing_starts_no_plan(tmp_path: Path) -> None:
+    """Counts the trivial placement already balances: the candidate moves 0 slots, so no
+    plan starts (the version stays 0; a plan moving nothing was started and committed),
+    exit 4 and the reason on one line; a dry run still shows it, exit 0."""
+    ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(paused=True, min_windows=1))
+    controller = ctl.server.controller  # type: ignore[union-attr]
+    ranks = _connect(ctl)
+    try:
+        _send(ctl, ranks, np.full((L, E), 100), 3)
+        code, out, _ = admin(ctl, "force", DEPLOYMENT, "--dry-run", "--json")
+        assert code == 0 and json.loads(out)["moved_fraction"] == 0.0
+        code, out, err = admin(ctl, "force", DEPLOYMENT)
+        assert (code, out) == (4, ""), (code, out, err)
+        assert err.startswith(f"rebalancer admin: error: no plan started for {DEPLOYMENT!r}: skip_gain: forced, "
+                              "but the candidate equals the current placement") and err.count("\n") == 1
+        assert ctl.call(lambda: (controller.deployments[DEPLOYMENT].version, controller.deployments[DEPLOYMENT].plan)) == (0, None)
+        assert ctl.call(lambda: controller.store.plans(DEPLOYMENT, 5)) == []
+    finally:
+        for r in ranks:
+            r.agent.stop()
+        ctl.stop()
+
+
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ"
+
+
+def test_what_status_and_history_say_before_and_after_windows(tmp_path: Path) -> None:
+    """Before any window, status shows no balancedness (it showed "actual 0.000"); forced
+    and dry-run decisions carry their time (they said 0.0); history's text lines start
+    with their UTC time (they had none)."""
+    import time
+
+    ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(paused=True, min_windows=1))
+    ranks = _connect(ctl)
+    try:
+        code, text, _ = admin(ctl, "status", DEPLOYMENT)
+        assert code == 0, text
+        assert ("balancedness actual - (no window measured yet), on estimate - (no counts folded yet); "
+                "0 windows folded (0 received since start)") in text
+        assert "0.000" not in text
+        rng = np.random.default_rng(5)
+        _send(ctl, ranks, rng.integers(0, 50, (L, E)) * (1 + np.arange(E)), 3)
+        code, text, _ = admin(ctl, "status", DEPLOYMENT)
+        assert re.search(r"balancedness actual [01]\.\d{3}, on estimate [01]\.\d{3}; 3 windows folded \(6 received", text), text
+        before = time.time()
+        dry = json.loads(admin(ctl, "force", DEPLOYMENT, "--dry-run", "--json")[1])
+        code, out, err = admin(ctl, "force", DEPLOYMENT, "--json")
+        forced = json.loads(out)
+        assert code == 0 and forced["outcome"] == "forced", err
+        assert before - 1 <= dry["time"] <= forced["time"] <= time.time() + 1
+        history = json.loads(admin(ctl, "history", DEPLOYMENT, "--json")[1])
+        assert history["decisions"][0]["time"] == forced["time"]  # what was recorded
+        code, text, _ = admin(ctl, "history", DEPLOYMENT)
+        lines = text.splitlines()
+        plans, decisions = lines[1:lines.index("decisions:")], lines[lines.index("decisions:") + 1:]
+        assert plans and decisions
+        for line in plans + decisions:
+            assert re.match(rf"  {STAMP} ", line), line
+        assert time.strftime("%Y-%m-%d %H:%M", time.gmtime(forced["time"])) in decisions[0]
+    finally:
+        for r in ranks:
+            r.agent.stop()
         ctl.stop()

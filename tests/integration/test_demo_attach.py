@@ -56,9 +56,12 @@ def test_demo_attaches_to_a_running_controller(tmp_path: Path) -> None:
         assert int(dep["placement_version"]) == summary["placement_version"]
         history = json.loads(_admin(address, "history", "tryout", "--json").stdout)
         assert len([p for p in history["plans"] if p["state"] == "committed"]) == summary["plans_committed"]
-        # No rank connected: a forced decision is taken and recorded, but starts no plan.
+        # No rank connected: a forced decision is taken and recorded, but starts no plan:
+        # exit 4, the reason on one line.
         force = _admin(address, "force", "tryout")
-        assert force.returncode == 0 and force.stdout.startswith("skip_ranks: "), force.stdout + force.stderr
+        assert (force.returncode, force.stdout) == (4, ""), force.stdout + force.stderr
+        assert force.stderr == ("rebalancer admin: error: no plan started for 'tryout': skip_ranks: "
+                                "only 0 of 2 ranks connected\n")
         status = json.loads(_admin(address, "status", "tryout", "--json").stdout)["deployments"][0]
         assert status["last_decision"]["outcome"] == "skip_ranks" and not status["plan_in_flight"]
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()

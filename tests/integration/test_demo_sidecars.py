@@ -28,8 +28,8 @@ KEYS = {
     "windows", "steps", "workers", "sidecars", "plans_proposed", "plans_committed", "plans_aborted",
     "placement_version", "balancedness_first", "balancedness_last", "balancedness_mean",
     "slots_moved", "bytes_moved", "max_output_diff", "weights_match_map",
-    "ranks_agree_on_versions", "max_swap_ms", "experts_copied_at_commit", "seconds", "store",
-}
+    "ranks_agree_on_versions", "max_swap_ms", "experts_copied_at_commit", "seconds", "stopped_early",
+}  # and "store" when the store outlives the demo (--db, --keep)
 TAG = "DEMO_TEST_RUN"  # set for one demo run; every process it starts inherits it
 
 
@@ -104,7 +104,7 @@ def temp_folder(lines: list[str]) -> Path:
 def test_demo_through_two_sidecars() -> None:
     code, lines, summary = run([*SMALL, "--sidecars", "2", "--json"])
     assert code == 0, "\n".join(lines[-30:])
-    assert set(summary) == KEYS
+    assert set(summary) == KEYS and summary["stopped_early"] == ""  # no store: it was temporary
     assert summary["sidecars"] == 2 and summary["workers"] == 4
     assert summary["plans_committed"] >= 1
     assert summary["max_output_diff"] == 0.0
@@ -112,7 +112,7 @@ def test_demo_through_two_sidecars() -> None:
     assert summary["bytes_moved"] > 0
     assert lines[0].startswith("each window: seq | vN placement it ran on | routed balancedness = mean/max")
     assert any(ln.startswith("4 workers in 2 pods via sidecars (ranks 0-1, ranks 2-3") for ln in lines)
-    assert not Path(summary["store"]).parent.exists()  # the temporary folder is gone
+    assert not temp_folder(lines).exists()  # the temporary folder is gone, and not named as kept
 
 
 def test_demo_direct_keeps_its_folder_with_keep() -> None:
@@ -120,7 +120,7 @@ def test_demo_direct_keeps_its_folder_with_keep() -> None:
     folder = Path(summary["store"]).parent
     try:
         assert code == 0, "\n".join(lines[-30:])
-        assert set(summary) == KEYS
+        assert set(summary) == KEYS | {"store"} and Path(summary["store"]).exists()
         assert summary["sidecars"] == 0
         assert summary["plans_committed"] >= 1 and summary["max_output_diff"] == 0.0
         assert summary["ranks_agree_on_versions"]

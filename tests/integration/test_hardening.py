@@ -183,6 +183,38 @@ def test_second_controller_on_the_same_store_is_refused(tmp_path: Path, procs: l
     assert first.proc.poll() is None
 
 
+def test_a_link_to_a_store_in_use_is_refused(tmp_path: Path, procs: list[Serve]) -> None:
+    """The lock is keyed on the store file, not on the path given: `--db link.sqlite`, a
+    symbolic link to the store of a running controller, is refused like the store itself."""
+    db, link = tmp_path / "c.sqlite", tmp_path / "link.sqlite"
+    link.symlink_to(db)
+    first = Serve("--port", str(free_port()), "--db", str(db))
+    procs.append(first)
+    first.wait_serving()
+    run = cli("serve", "--port", str(free_port()), "--db", str(link))
+    assert_one_line_error(run, IN_USE, f"store {link} is in use by another controller", f"pid {first.proc.pid}")
+    assert first.proc.poll() is None
+
+
+def test_refused_starts_leave_no_files(tmp_path: Path, procs: list[Serve]) -> None:
+    """A start refused after it took the store's lock (a busy port) leaves neither the lock
+    file nor a store behind; a controller that stops cleanly leaves only its store."""
+    busy = listening_socket()
+    try:
+        run = cli("serve", "--port", str(busy.getsockname()[1]), "--db", str(tmp_path / "c.sqlite"))
+        assert_one_line_error(run, IN_USE, "is in use")
+    finally:
+        busy.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    serve = Serve("--port", str(free_port()), "--db", str(tmp_path / "c.sqlite"))
+    procs.append(serve)
+    serve.wait_serving()
+    assert (tmp_path / "c.sqlite.lock").exists()  # held while it runs
+    serve.proc.send_signal(signal.SIGTERM)
+    assert serve.wait(30) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.sqlite"]
+
+
 def test_sigkilled_controllers_store_reopens_at_once(tmp_path: Path, procs: list[Serve]) -> None:
     db, port = tmp_path / "c.sqlite", free_port()
     first = Serve("--port", str(port), "--db", str(db))
@@ -492,6 +524,39 @@ def test_mutual_tls_refuses_a_missing_or_foreign_client_certificate(two_cas: Pat
         assert deployments(ctl) == 1
     finally:
         ctl.stop()
+
+
+def test_admin_names_the_likely_cause_of_a_tls_failure(two_cas: Path, tmp_path: Path) -> None:
+    """`rebalancer admin` against mutual TLS with a missing, foreign or untrusting
+    certificate, or plain text to TLS and TLS to plain text: exit 5 and one line naming
+    the likely cause, not "Socket closed" nor gRPC's handshake log lines."""
+    d = two_cas
+    ctl = start_controller(tmp_path / "c.sqlite", tls_cert=str(d / "server.crt"), tls_key=str(d / "server.key"),
+                           tls_client_ca=str(d / "ca.crt"))
+    plain = start_controller(tmp_path / "p.sqlite")
+    address, plain_address = ctl.server.address, plain.server.address  # type: ignore[union-attr]
+    ca, other_ca = str(d / "ca.crt"), str(d / "other-ca.crt")
+    client, stranger = (str(d / "client.crt"), str(d / "client.key")), (str(d / "stranger.crt"), str(d / "stranger.key"))
+    cases = [
+        ((address, "--ca", ca), "it likely asks for a client certificate (mutual TLS): give --cert and --key"),
+        ((address, "--ca", ca, "--cert", stranger[0], "--key", stranger[1]),
+         f"it likely does not accept the client certificate {stranger[0]}"),
+        ((address, "--ca", other_ca, "--cert", client[0], "--key", client[1]),
+         f"the server's certificate is not signed by the CA of --ca {other_ca}"),
+        ((address,), "it likely serves TLS (give --ca"),
+        ((plain_address, "--ca", ca), f"the server at {plain_address} does not speak TLS"),
+    ]
+    try:
+        for (where, *flags), cause in cases:
+            run = cli("admin", "--address", where, "--timeout", "10", *flags, "status")
+            assert_one_line_error(run, 5, "UNAVAILABLE: ", cause)
+            assert "Socket closed" not in run.stderr and "ssl_transport_security" not in run.stderr
+        run = cli("admin", "--address", address, "--timeout", "10", "--ca", ca, "--cert", client[0],
+                  "--key", client[1], "status")
+        assert run.returncode == 0 and run.stdout.strip() == "no deployments", run.stderr
+    finally:
+        ctl.stop()
+        plain.stop()
 
 
 def test_tls_key_that_is_not_the_certificates(two_cas: Path, tmp_path: Path) -> None:

@@ -15,11 +15,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rebalancer.controller.ingest import FOLD_LAG
 from rebalancer.controller.store import Store
 from rebalancer.demo import free_port, launch_workers, write_profile
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.windows import FOLD_LAG
 from tests.integration.test_end_to_end import small_config
 from tests.integration.until import stop_together
 

@@ -269,3 +269,25 @@ def test_subprocess_load_shared_without_shared_load_exit_2(tmp_path: Path) -> No
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().count("\n") == 0
     assert "has no shared_count, give --top-k" in proc.stderr
+
+
+def test_counts_of_1e308_are_refused_without_overflow(tmp_path: Path) -> None:
+    """1e308 counts summed to infinity: `plan` printed numpy overflow warnings and
+    "balancedness 1.0000". A count above 2^53 (what float64 counts exactly) is refused,
+    naming where, with exit code 2 and one line; 2^53 itself plans."""
+    counts = np.ones((L, E))
+    counts[1, 5] = 1e308
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"logical_count": counts.tolist()}))
+    with pytest.raises(InputError, match=r"'logical_count' has 1e\+308 at \[1, 5\], above the largest count 2\^53"):
+        read_counts(path)
+    run = subprocess.run([sys.executable, "-W", "error", "-m", "rebalancer", "plan", "--counts", str(path),
+                          "--gpus", "2", "--slots", "10"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert run.returncode == 2 and run.stdout == "", run.stderr
+    assert run.stderr.splitlines() == [f"rebalancer plan: error: {path}: 'logical_count' has 1e+308 at [1, 5], "
+                                       "above the largest count 2^53"]
+    counts[1, 5] = 2.0**53
+    path.write_text(json.dumps({"logical_count": counts.tolist()}))
+    run = subprocess.run([sys.executable, "-W", "error", "-m", "rebalancer", "plan", "--counts", str(path),
+                          "--gpus", "2", "--slots", "10"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert run.returncode == 0 and "RuntimeWarning" not in run.stderr, run.stderr

@@ -85,3 +85,45 @@ def test_the_window_a_commit_cuts_ran_on_the_old_placement() -> None:
     cuts.on_plan("committed", plan(4, 2))
     cuts.on_plan("proposed", plan(5, 4))
     assert cuts.unclaimed is None and cuts.in_flight == 5
+
+
+def test_the_workers_time_limit_grows_with_the_windows_asked() -> None:
+    """`demo --windows 200` (3,200 steps) stopped after ~1,300 steps at a fixed 110 s and
+    exited 0 without a word: the default limit now grows with the steps asked."""
+    from rebalancer.demo import MIN_TIME_LIMIT, TIME_LIMIT_PER_STEP, DemoConfig, time_limit
+
+    assert time_limit(DemoConfig(steps=200 * 16)) == 200 * 16 * TIME_LIMIT_PER_STEP >= 800
+    assert time_limit(DemoConfig(steps=30 * 16)) == max(MIN_TIME_LIMIT, 480 * TIME_LIMIT_PER_STEP)
+    assert time_limit(DemoConfig(steps=3200, timeout_seconds=5.0)) == 5.0  # --max-seconds
+
+
+def test_a_run_cut_short_says_why_and_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers that ran fewer steps than asked (their time limit ran out): the summary
+    says why (`stopped_early`) and the demo exits 1 with that reason on one line."""
+    import rebalancer.demo as demo
+    from rebalancer.demo import DemoConfig, stopped_early
+
+    config = DemoConfig(steps=3200, timeout_seconds=140.0)
+    assert stopped_early(config, [{"steps": 3200}, {"steps": 3200}]) == ""
+    why = stopped_early(config, [{"steps": 1301}, {"steps": 1300}])
+    assert why == "the workers stopped at step 1300 of 3200: their time limit ran out (--max-seconds 140)"
+    seen: list[DemoConfig] = []
+
+    def cut_short(config: DemoConfig, emit: Any = print) -> dict[str, Any]:
+        seen.append(config)
+        return {"plans_committed": 0, "max_output_diff": 0.0, "ranks_agree_on_versions": True,
+                "stopped_early": stopped_early(config, [{"steps": 1300}] * 4)}
+
+    monkeypatch.setattr(demo, "run_demo", cut_short)
+    assert exit_code(["demo", "--controller", "127.0.0.1:1", "--windows", "200", "--max-seconds", "140"]) == 1
+    assert seen[0].steps == 3200 and seen[0].timeout_seconds == 140.0
+    err = capsys.readouterr().err
+    assert err == f"rebalancer demo: error: {why}\n"
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan", "inf"])
+def test_demo_max_seconds_must_be_positive(capsys: pytest.CaptureFixture[str], seconds: str) -> None:
+    assert exit_code(["demo", "--max-seconds", seconds]) == 2
+    assert "--max-seconds must be a positive number of seconds" in capsys.readouterr().err

@@ -41,3 +41,13 @@ def test_phy2log_must_cover_every_expert() -> None:
         codec.decode_phy2log(codec.encode(np.array([[0, 1, 1, 0]], np.int32)), 1, 4, 3)
     with pytest.raises(InputError, match="refers to expert 3 but there are 3 experts"):
         codec.decode_phy2log(codec.encode(np.array([[0, 1, 2, 3]], np.int32)), 1, 4, 3)
+
+
+def test_counts_above_2_to_the_53_are_refused() -> None:
+    """A count is a number of routed tokens: above 2^53 float64 no longer counts it
+    exactly, so the wire refuses it (one rule with the count files); 2^53 itself passes."""
+    top = np.full((2, 2), codec.MAX_COUNT, np.int64)
+    assert codec.decode_counts(codec.encode(top), "c", (2, 2)).max() == 2**53
+    for big in (np.full((2, 2), 2**60, np.int64), np.full((2, 2), 3e38, np.float32)):
+        with pytest.raises(InputError, match=r"^c: counts contain .* above the largest count 2\^53$"):
+            codec.decode_counts(codec.encode(big), "c", (2, 2))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rebalancer.controller.auth import TokenAuth, bearer_token
-from rebalancer.controller.errors import StateError
+from rebalancer.errors import StateError
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
-from rebalancer.controller.errors import StateError
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
 
 SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, expert_bytes=10)
 SKEWED = np.array([[40, 2, 1, 1], [1, 1, 30, 8]])
@@ -93,3 +93,25 @@ def test_a_resent_window_is_counted_once() -> None:
     assert ctl.ingest(dep, 0, 0, 0, SKEWED, None)
     assert not ctl.ingest(dep, 0, 0, 0, SKEWED, None)
     assert (dep.stats.windows_ingested, dep.stats.duplicate_windows) == (1, 1)
+
+
+def test_repeated_decisions_log_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """The policy decides every period: the same outcome again is a DEBUG line, so INFO
+    gets one line per change (it got one per decision per deployment per second); an
+    operator's force is always INFO."""
+    import logging
+
+    clock = FakeClock(1000.0)
+    ctl, _ = connected(clock, PolicyConfig(min_windows=1, decision_period_seconds=1.0))
+    dep = ctl.deployment("d")
+    even = np.full((2, 4), 50)  # the trivial placement balances it: skip_gain every time
+    with caplog.at_level(logging.DEBUG, logger="rebalancer.controller"):
+        for seq in range(6):
+            clock.now += 1.5
+            for rank in range(SHAPE.num_gpus):
+                ctl.ingest(dep, rank, seq, 0, even, None)
+        ctl.force("d")
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if " decision: " in r.getMessage()]
+    assert [m.split(" (")[0] for level, m in lines if level == logging.DEBUG] == ["d decision: skip_gain"] * 5
+    assert [m.split(" (")[0] for level, m in lines if level == logging.INFO] == ["d decision: skip_gain"] * 2
+    assert "forced, but the candidate equals" in lines[-1][1] and len(lines) == 7

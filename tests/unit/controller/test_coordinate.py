@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rebalancer.controller import coordinate as c
-from rebalancer.controller.errors import StateError
+from rebalancer.errors import StateError
 
 
 def plan(num_ranks: int = 3, deadline: float = 10.0) -> c.Plan:

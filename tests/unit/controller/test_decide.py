@@ -305,3 +305,17 @@ def test_with_one_slot_per_gpu_every_placement_balances_alike() -> None:
         d = decide(load, p, shape, _policy(), now=100.0, last_rebalance=None, windows=10)
         assert d.outcome == "skip_gain"
         assert d.balancedness_candidate == pytest.approx(d.balancedness_current)
+
+
+def test_a_forced_decision_that_moves_nothing_starts_no_plan() -> None:
+    """Forced on a placement the candidate equals: outcome skip_gain, no candidate, so no
+    plan starts (a plan that moved 0 slots was started, only bumping the version); a dry
+    run still reports it. Every decision carries the time it was taken at."""
+    fitted = compute_placement(_skewed_load(), P, G).phy2log
+    d = _decide(current=fitted, forced=True)
+    assert d.slots_moved == 0 and d.outcome == "skip_gain" and not d.take and d.candidate is None
+    assert d.reason.startswith("forced, but the candidate equals the current placement")
+    assert d.time == 1000.0
+    dry = _decide(current=fitted, dry_run=True, now=1234.5)
+    assert dry.outcome == "dry_run" and dry.slots_moved == 0 and dry.time == 1234.5
+    assert _decide(forced=True).outcome == "forced"  # moves slots: a plan starts

@@ -26,12 +26,13 @@ def _refuse(*_args: object, **_kwargs: object) -> None:
 def test_a_refused_plan_is_a_skip_and_a_refused_record_is_logged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ctl = Controller(Store(tmp_path / "s.sqlite"), PolicyConfig(min_windows=1))
+    ctl = Controller(Store(tmp_path / "s.sqlite"), PolicyConfig(min_windows=1, paused=True))
     for rank in range(2):
         session, dep = ctl.register("d", rank, SHAPE, 0, None, "", "")
         ctl.attach(session.session_id, lambda *_: None)
     rng = np.random.default_rng(0)
-    skewed = np.array([[400, 10, 10, 10], [300, 20, 5, 5]], dtype=np.int64)
+    # Expert 3 hot: the trivial placement holds it once, so the candidate moves slots.
+    skewed = np.array([[10, 10, 10, 400], [5, 5, 20, 300]], dtype=np.int64)
     for seq in range(3):
         for rank in range(2):
             ctl.ingest(dep, rank, seq, 0, skewed + rng.integers(0, 3, skewed.shape), None)
@@ -47,7 +48,7 @@ def test_a_refused_plan_is_a_skip_and_a_refused_record_is_logged(
 def test_decisions_queue_at_most_max_in_flight_over_all_deployments(tmp_path: Path) -> None:
     """With the worker busy, deployments found due wait for a slot instead of queueing
     inputs on the event loop; each still decides once slots free up."""
-    from rebalancer.controller.decisions import MAX_DECISIONS_IN_FLIGHT
+    from rebalancer.controller.decision_runner import MAX_DECISIONS_IN_FLIGHT
 
     held: list[tuple[object, object]] = []
     ctl = Controller(Store(tmp_path / "s.sqlite"), PolicyConfig(min_windows=1),

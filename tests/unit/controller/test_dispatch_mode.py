@@ -70,9 +70,9 @@ def test_register_shape_carries_the_mode() -> None:
 def test_a_deployment_stored_before_dispatch_modes_adopts_them(tmp_path) -> None:
     """A store written before the shape had dispatch_mode/top_k: ranks that now send them
     are not refused; the first one's values are kept (in the store too) and then held."""
-    from rebalancer.controller.errors import StateError
     from rebalancer.controller.registry import Registry
     from rebalancer.controller.store import Store
+    from rebalancer.errors import StateError
 
     db = tmp_path / "c.db"
     old_row = {k: v for k, v in shape_key(ClusterShape(L, E, P, G)).items() if k not in ("dispatch_mode", "top_k")}
@@ -103,9 +103,9 @@ def test_a_deployment_stored_before_dispatch_modes_adopts_them(tmp_path) -> None
 
 
 def test_a_stored_split_deployment_refuses_another_mode_once_known(tmp_path) -> None:
-    from rebalancer.controller.errors import StateError
     from rebalancer.controller.registry import Registry
     from rebalancer.controller.store import Store
+    from rebalancer.errors import StateError
 
     store = Store(tmp_path / "c.db")
     old_row = {k: v for k, v in shape_key(ClusterShape(L, E, P, G)).items() if k != "dispatch_mode"}

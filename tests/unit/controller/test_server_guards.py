@@ -4,6 +4,7 @@ failed start undone, and which configs may listen where (safe by default)."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import socket
 import subprocess
 import sys
@@ -40,7 +41,62 @@ def test_store_lock_is_exclusive_and_names_the_holder(tmp_path: Path) -> None:
     finally:
         first.release()
     StoreLock(db).release()  # free again
-    assert (tmp_path / "c.sqlite.lock").exists()  # never deleted: the lock is on the open file
+    assert not (tmp_path / "c.sqlite.lock").exists()  # the holder deletes it as it lets go
+
+
+def test_store_lock_is_keyed_on_the_file_not_the_path(tmp_path: Path) -> None:
+    """A symbolic link to a store in use (or a folder link above it) meets its lock; a
+    store file with a second hard link is refused, naming why."""
+    (tmp_path / "real").mkdir()
+    db = tmp_path / "real" / "c.sqlite"
+    (tmp_path / "link.sqlite").symlink_to(db)
+    (tmp_path / "folder-link").symlink_to(tmp_path / "real")
+    first = StoreLock(db)
+    try:
+        for other in (tmp_path / "link.sqlite", tmp_path / "folder-link" / "c.sqlite"):
+            with pytest.raises(InUseError, match="in use by another controller"):
+                StoreLock(other)
+    finally:
+        first.release()
+    Store(db).close()
+    os.link(db, tmp_path / "hard.sqlite")
+    for name in (db, tmp_path / "hard.sqlite"):
+        with pytest.raises(InputError, match="has 2 hard links") as info:
+            StoreLock(name)
+        assert not isinstance(info.value, InUseError)
+    assert not list(tmp_path.rglob("*.lock"))
+
+
+def test_store_lock_opened_just_before_its_deletion_is_not_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that opened the lock file just before its holder deleted it locks a file
+    no path names any more: it opens the path again, so two controllers never hold two
+    files of one name; a lock file left by a holder killed outright is taken over."""
+    import rebalancer.controller.store as store_module
+
+    db = tmp_path / "c.sqlite"
+    holder = StoreLock(db)
+    stale = os.open(holder.path, os.O_RDWR)
+    holder.release()
+    real_open, opened = os.open, []
+
+    def open_stale_first(path: str, *args: object) -> int:
+        opened.append(path)
+        return stale if len(opened) == 1 else real_open(path, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store_module.os, "open", open_stale_first)
+    lock = StoreLock(db)
+    monkeypatch.undo()
+    try:
+        assert len(opened) == 2 and Path(lock.path).exists()
+        with pytest.raises(InUseError):
+            StoreLock(db)
+    finally:
+        lock.release()
+    Path(lock.path).write_text("12345\n")  # left by a holder killed outright
+    StoreLock(db).release()
+    assert not Path(lock.path).exists()
 
 
 def test_store_lock_is_not_inherited_by_children(tmp_path: Path) -> None:

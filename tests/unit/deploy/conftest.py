@@ -46,6 +46,11 @@ KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
 SUFFIXES = ("_bucket", "_sum", "_count", "_total")
 
 
+# prometheus_client's process collector: standard families of every exporter, not ours to
+# chart or list in the metrics table (docs/operations.md names them below it).
+PROCESS_PREFIX = "process_"
+
+
 def base_name(name: str) -> str:
     for suffix in SUFFIXES:
         if name.endswith(suffix):

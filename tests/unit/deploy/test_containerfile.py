@@ -1,8 +1,9 @@
-"""Containerfile and .dockerignore: hadolint passes, and the properties the manifests rely
-on hold (no container engine runs here, so the image itself is not built in the tests):
-a pinned base, multi-stage, no torch, the non-root UID the manifests run as, nothing
+"""Containerfile and .dockerignore, read: hadolint passes, and the properties the manifests
+rely on hold: a pinned base, no frontend pulled, multi-stage, every package installed from
+the hashed lock (deploy/image), no torch, the non-root UID the manifests run as, nothing
 written at run time, `rebalancer` as the entrypoint, and a build context that holds what
-the wheel needs and none of the clutter."""
+the wheel and the lock need and none of the clutter (no bench, no tests). The image itself
+is built and run in tests/integration/test_image.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.unit.deploy.conftest import BASE, COMPONENTS, ROOT, documents
+from tests.unit.deploy.image_lock import BUILD_LOCK, RUNTIME_LOCK
 
 CONTAINERFILE = ROOT / "Containerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
@@ -67,15 +69,34 @@ def test_multi_stage_on_a_pinned_base() -> None:
     assert froms[0].endswith("AS build") and froms[-1].endswith("AS runtime")
 
 
-def test_no_torch_and_no_worker_extra() -> None:
-    for word, rest in instructions():
+def test_no_parser_directive_pulls_a_frontend() -> None:
+    """A `# syntax=` line makes BuildKit pull a frontend image: a build that cannot pull
+    (air-gapped, or the test here) fails on it."""
+    for line in CONTAINERFILE.read_text().splitlines():
+        assert not re.match(r"#\s*syntax\s*=", line.strip(), re.IGNORECASE), line
+
+
+def test_installs_only_the_lock_and_no_torch() -> None:
+    build, runtime = stages()[0], stages()[-1]
+    runs = " ".join(rest for word, rest in build if word == "RUN")
+    runtime_lock = RUNTIME_LOCK.name
+    assert f"--require-hashes -r {runtime_lock}" in " ".join(runs.split()), "the venv installs the hashed lock"
+    assert f"--require-hashes -r {BUILD_LOCK.name}" in " ".join(runs.split()), "the build tools too"
+    commands = [c for word, rest in build if word == "RUN" for c in rest.split("&&")]
+    for command in commands:
+        if " install " in command and " -r " in command:
+            assert "--no-deps" not in command, f"--no-deps lets an unlocked dependency pass: {command}"
+    for word, rest in build + runtime:
         if word == "RUN" and "pip" in rest:
             assert "torch" not in rest.replace("find_spec('torch')", ""), rest
-            assert "[" not in rest.split("&&")[0], f"no extras: {rest}"
-    runtime = stages()[-1]
-    install = " ".join(rest for word, rest in runtime if word == "RUN")
-    assert "--no-index" in install, "the runtime installs the build stage's wheels only"
-    assert "find_spec('torch') is not None" in install, "the build fails if torch got in"
+            assert not re.search(r"\.\[|\w\[\w", rest), f"no extras: {rest}"
+    assert "find_spec('torch') is not None" in runs, "the build fails if torch got in"
+    # The runtime stage installs nothing itself: it takes the venv from the build stage.
+    assert not any(word == "RUN" and "pip" in rest for word, rest in runtime)
+    copies = [rest for word, rest in runtime if word == "COPY"]
+    assert copies == ["--from=build /opt/rebalancer /opt/rebalancer"], copies
+    env = " ".join(rest for word, rest in runtime if word == "ENV")
+    assert "PATH=/opt/rebalancer/bin:" in env, "`rebalancer` (the manifests' command) is on PATH"
 
 
 def test_runs_as_the_manifests_user_on_a_read_only_root() -> None:
@@ -112,8 +133,9 @@ def _ignored(path: str, patterns: list[str]) -> bool:
 def test_build_context() -> None:
     patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    for path in (".venv", ".git", "tests", ".pytest_cache", ".mypy_cache", ".ruff_cache", "docs/sim.png",
-                 "out", ".ci/tools", "rebalancer/__pycache__/x.pyc", "x.sqlite"):
+    for path in (".venv", ".git", "tests", "bench", "bench/chaos.py", ".pytest_cache", ".mypy_cache",
+                 ".ruff_cache", "docs/sim.png", "out", ".ci/tools", "rebalancer/__pycache__/x.pyc", "x.sqlite",
+                 "deploy/kubernetes", "deploy/controller.toml"):
         assert _ignored(path, patterns), f".dockerignore lets {path} into the build context"
     # What the build stage copies is in the context, and covers the wheel's packages.
     copied: list[str] = []
@@ -122,7 +144,9 @@ def test_build_context() -> None:
             copied.extend(rest.split()[:-1])
     pyproject: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
-    assert packages | {"pyproject.toml", pyproject["project"]["readme"]} == set(copied)
+    locks = {str(lock.relative_to(ROOT)) for lock in (RUNTIME_LOCK, BUILD_LOCK)}
+    assert packages | locks | {"pyproject.toml", pyproject["project"]["readme"]} == set(copied)
+    assert not {"bench", "tests"} & {path.split("/")[0] for path in copied}, "neither bench nor tests ships"
     for path in copied:
         assert (ROOT / path).exists(), path
         assert not _ignored(path, patterns), f".dockerignore hides {path}, which the build copies"

@@ -418,3 +418,43 @@ def test_empty_credentials_turn_tls_and_token_off() -> None:
                            token_file=args.token_file, metrics_port=args.metrics_port)
     channel = config.channel()
     assert channel.credentials() is None and channel.metadata() == ()
+
+
+@pytest.mark.parametrize("present", [set(), {"rebalancer-client-tls"}, {"rebalancer-client-tls", "rebalancer-worker-token"}],
+                         ids=["no Secret", "client TLS only (prod mutual TLS)", "both"])
+def test_the_sidecar_starts_whichever_credential_secrets_exist(present: set[str], tmp_path: Path) -> None:
+    """The sidecar's Secrets are optional volumes, and the sidecar as the component runs it
+    accepts every combination of them present: its start (which gates the engine) never
+    depends on a Secret. With the client TLS Secret alone (the prod overlay's mutual TLS,
+    no [worker_tokens]) it has all it needs: TLS credentials and no token; with none it
+    still starts, and its connection attempts report the missing file."""
+    from rebalancer.errors import InputError
+    from rebalancer.sidecar.config import SidecarConfig, parse_ranks
+
+    (patch,) = documents(COMPONENTS / "sidecar" / "pod-patch.yaml")
+    spec = patch["spec"]
+    (sidecar,) = spec["initContainers"]
+    for source in next(v for v in spec["volumes"] if v["name"] == "rebalancer-credentials")["projected"]["sources"]:
+        assert source["secret"]["optional"] is True, source
+    files = projected_files(spec, sidecar)
+    root = "/etc/rebalancer/credentials"
+    for path, (secret, _) in files.items():  # what the kubelet projects of the Secrets that exist
+        if secret in present:
+            local = tmp_path / posixpath.relpath(path, root)
+            local.write_text(f"PEM of {path}")
+    env = {e["name"]: e.get("value", "") for e in sidecar["env"]}
+    env = {k: v.replace(root, str(tmp_path)) for k, v in env.items()}
+    args = build_parser().parse_args([expand(a, env) for a in sidecar["args"]])
+    config = SidecarConfig(controller=env["REBALANCER_CONTROLLER"], ranks=parse_ranks(args.ranks),
+                           listen=args.listen, ca_file=args.ca, cert_file=args.cert, key_file=args.key,
+                           token_file=args.token_file, metrics_port=args.metrics_port)  # started: no raise
+    if "rebalancer-client-tls" not in present:
+        with pytest.raises(InputError, match="ca.crt: no such file"):
+            config.channel()
+        return
+    channel = config.channel()
+    assert channel.credentials() is not None
+    if "rebalancer-worker-token" in present:
+        assert channel.metadata() and config.token_missing() == ""
+    else:
+        assert channel.metadata() == () and "token: no such file" in config.token_missing()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from rebalancer.cli.admin_cmd import EXIT_CODES
-from tests.unit.deploy.conftest import PROMETHEUS, ROOT, base_name, documents
+from tests.unit.deploy.conftest import PROCESS_PREFIX, PROMETHEUS, ROOT, base_name, documents
 
 DOC = ROOT / "docs" / "operations.md"
 
@@ -15,8 +15,11 @@ def test_every_exported_metric_is_explained(exported_metrics: set[str]) -> None:
     text = DOC.read_text()
     documented = {m.split("{")[0] for m in re.findall(r"^\| `(rebalancer_[a-z_]+(?:\{[^`]*\})?)` \|", text, re.M)}
     documented = {n[: -len("_total")] if n.endswith("_total") else n for n in documented}
+    # The process collector's families are named below the table, each of them.
+    process = {n for n in exported_metrics if n.startswith(PROCESS_PREFIX)}
+    assert {n for n in process if f"`{n}`" not in text} == set()
     # The controller's families (the sidecar's have their own list below the table).
-    exported_metrics = {base_name(n) for n in exported_metrics if not n.startswith("rebalancer_sidecar")}
+    exported_metrics = {base_name(n) for n in exported_metrics - process if not n.startswith("rebalancer_sidecar")}
     assert exported_metrics <= documented, f"exported, not in the metrics table: {sorted(exported_metrics - documented)}"
     assert documented <= exported_metrics, f"in the metrics table, not exported: {sorted(documented - exported_metrics)}"
 
@@ -70,3 +73,15 @@ def test_every_policy_field_is_listed_with_its_default_and_wire_number() -> None
         assert number == str(wire.get(name, "none")), f"{name}: wire {number}, proto {wire.get(name)}"
         value = tomllib.loads(f"v = {default}")["v"]
         assert value == getattr(defaults, name), f"{name}: documented {default}, code {getattr(defaults, name)!r}"
+
+
+def test_decision_outcomes_are_those_the_controller_records() -> None:
+    """The decisions counter's row lists the outcomes the controller records, no more (it
+    listed skip_paused, which a paused deployment never records: its policy does not
+    decide) and no fewer (skip_store was missing)."""
+    from rebalancer.controller.decisions import RECORDED_OUTCOMES
+
+    (row,) = [ln for ln in DOC.read_text().splitlines() if ln.startswith("| `rebalancer_decisions_total{")]
+    listed = row.split("| counter | decisions: ", 1)[1]
+    outcomes = re.findall(r"`([a-z_]+)`", listed.split(" (dry runs")[0])  # not the notes after it
+    assert sorted(outcomes) == sorted(RECORDED_OUTCOMES)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -66,12 +69,54 @@ def test_config_is_checked_with_one_line_errors(tmp_path: Path) -> None:
         (dict(ranks=()), "ranks"),
         (dict(ranks=(1, 1)), "distinct"),
         (dict(max_buffered_windows=0), "buffered"),
-        (dict(token_file=str(tmp_path / "missing")), "no such file"),
         (dict(cert_file=str(token), key_file=str(token)), "needs --ca"),
+        (dict(ca_file=str(token), cert_file=str(token)), "both a client certificate and its key"),
         (dict(socket_access="world"), "socket access"),
+        (dict(controller="notahost:xx"), "port 'xx' is not a number"),
+        (dict(controller="rebalancer"), "must be host:port"),
+        (dict(controller="a b:50051"), "not a host name"),
     ):
         with pytest.raises(InputError, match=words):
             SidecarConfig(**{"controller": "c:1", "ranks": (0,), **kw})  # type: ignore[arg-type]
+
+
+def test_credential_files_are_read_at_each_connection_not_at_start(tmp_path: Path) -> None:
+    """A Secret not (yet) projected never stops the sidecar: the config is accepted, a
+    missing token file gives no token (and says why), a missing certificate file is an
+    error of the connection attempt, not of the start."""
+    token = tmp_path / "token"
+    config = SidecarConfig(controller="c:1", ranks=(0,), token_file=str(token), ca_file=str(tmp_path / "ca.crt"))
+    assert config.token_missing() == f"{token}: no such file (worker token)"
+    with pytest.raises(InputError, match="ca.crt: no such file"):
+        config.channel()
+    token.write_text("\n")
+    assert "empty" in config.token_missing()
+    token.write_text("s3cret\n")
+    (tmp_path / "ca.crt").write_text("a CA")  # appears later: read at the next attempt
+    channel = config.channel()
+    assert config.token_missing() == "" and channel.metadata() == (("authorization", "Bearer s3cret"),)
+    bare = SidecarConfig(controller="c:1", ranks=(0,), token_file=str(tmp_path / "none"))
+    assert bare.channel().metadata() == () and "no such file" in bare.token_missing()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--controller", "notahost:xx", "--ranks", "0"], "port 'xx' is not a number"),
+    (["--controller", "c:1", "--ranks", "0-1", "--ranks-per-pod", "2"], "give --ranks or --ranks-per-pod, not both"),
+])
+def test_sidecar_cli_refuses_bad_flags_with_one_line(argv: list[str], words: str, tmp_path: Path) -> None:
+    """Before anything is served or created: exit 2 and one line naming the flag."""
+    folder = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))
+    try:
+        out = subprocess.run([sys.executable, "-m", "rebalancer", "sidecar", "--listen",
+                              f"unix://{folder}/run/agent.sock", *argv],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0"})
+        assert out.returncode == 2, out
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith("rebalancer sidecar: error: ") and words in line, line
+        assert not (folder / "run").exists()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_the_sidecar_loads_no_torch_controller_or_placement() -> None:

@@ -55,6 +55,46 @@ def test_claim_takes_over_the_socket_of_a_sidecar_that_died(short_dir: Path) -> 
     assert not path.exists()
 
 
+def test_claim_makes_the_sockets_own_folder_only(short_dir: Path) -> None:
+    """The socket's folder is made (its mode keeps the socket private); a missing parent
+    is a typo or an unmounted volume: refused, nothing created."""
+    path = short_dir / "missing" / "dir" / "agent.sock"
+    with pytest.raises(InputError, match=f"{short_dir / 'missing'} does not exist"):
+        listen.claim(path, 0o700)
+    assert list(short_dir.iterdir()) == []
+    out = subprocess.run(
+        [sys.executable, "-m", "rebalancer", "sidecar", "--listen", f"unix://{path}",
+         "--controller", "127.0.0.1:1", "--ranks", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"rebalancer sidecar: error: cannot make the socket's folder {path.parent}: "), line
+    assert list(short_dir.iterdir()) == []
+
+
+def test_claim_never_narrows_a_folder_shared_by_everyone(short_dir: Path) -> None:
+    """`--listen unix:///tmp/agent.sock` run as root must not make /tmp 0700: a sticky
+    folder (everyone's) keeps its mode."""
+    os.chmod(short_dir, 0o1777)
+    listen.claim(short_dir / "agent.sock", 0o700).release()
+    assert stat.S_IMODE(short_dir.stat().st_mode) == 0o1777
+
+
+def test_claim_never_takes_a_live_socket_that_is_not_a_sidecars(short_dir: Path) -> None:
+    """A process listening on the path without the sidecar's lock (it speaks no gRPC
+    health): the path is refused as in use, the socket and its server left alone."""
+    path = short_dir / "agent.sock"
+    with socket.socket(socket.AF_UNIX) as other:
+        other.bind(str(path))
+        other.listen()
+        with pytest.raises(InputError, match="in use by a live process that is not a sidecar") as info:
+            listen.claim(path, 0o700)
+        assert getattr(info.value, "exit_code", 2) == 7
+        assert stat.S_ISSOCK(path.stat().st_mode)
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(str(path))  # its server still answers there
+    listen.claim(path, 0o700).release()  # closed: now stale, taken over
+
+
 def test_sidecar_serves_health_on_a_socket_born_restricted(short_dir: Path) -> None:
     path = short_dir / "s" / "agent.sock"
     config = SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1), listen=f"unix://{path}",
@@ -68,7 +108,7 @@ def test_sidecar_serves_health_on_a_socket_born_restricted(short_dir: Path) -> N
             assert stat.S_IMODE(path.stat().st_mode) == 0o600
             assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
             ok, seen = await asyncio.to_thread(listen.probe, f"unix://{path}", 2.0)
-            assert ok and seen == "SERVING"
+            assert ok and seen == "SERVING; controller link: waiting_for_ranks"
             with pytest.raises(InputError, match="in use"):  # a live one is never displaced
                 listen.claim(path, 0o700)
         finally:

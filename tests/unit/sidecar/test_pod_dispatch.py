@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from rebalancer.errors import StateError
 from rebalancer.sidecar.config import SidecarConfig
-from rebalancer.sidecar.errors import SidecarError
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 
@@ -44,7 +44,7 @@ def test_no_mode_is_split_upstream() -> None:
 def test_a_rank_that_disagrees_is_refused_and_changes_nothing(second: tuple[str, int], code: str, match: str) -> None:
     pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
     pod.register(request(0, "load+shared", 4))
-    with pytest.raises(SidecarError, match=match) as err:
+    with pytest.raises(StateError, match=match) as err:
         pod.register(request(1, *second))
     assert err.value.code == code
     assert set(pod.by_rank) == {0} and (pod.dispatch_mode, pod.top_k) == ("load+shared", 4)

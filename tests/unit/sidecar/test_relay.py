@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rebalancer.sidecar.errors import SidecarError
+from rebalancer.errors import StateError
 from rebalancer.sidecar.relay import Actions, Relay
 from rebalancer.v1 import rebalancer_pb2 as pb
 
@@ -169,15 +169,15 @@ def test_a_restarted_sidecar_counts_ranks_that_already_switched() -> None:
 
 def test_reports_that_fit_no_plan() -> None:
     r = relay()
-    with pytest.raises(SidecarError) as info:
+    with pytest.raises(StateError) as info:
         r.report(4, report(9, pb.PLAN_PHASE_PREPARED))
     assert "plan v9 is not in flight" in str(info.value)
     assert not r.report(4, report(9, pb.PLAN_PHASE_COMMITTED)).upstream  # noted, not refused
     assert r.versions[4] == 9
     r.prepare(prepare())
-    with pytest.raises(SidecarError):
+    with pytest.raises(StateError):
         r.report(4, report(2, pb.PLAN_PHASE_COMMITTED))  # no commit was sent
-    with pytest.raises(SidecarError) as info:
+    with pytest.raises(StateError) as info:
         r.report(4, report(2, pb.PLAN_PHASE_UNSPECIFIED))
     assert info.value.code == "INVALID_ARGUMENT"
 

@@ -25,6 +25,7 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
+from worker_hooks.engines import require_engine
 from worker_hooks.engines.sglang.config import SGLangAdapterConfig
 
 log = logging.getLogger("worker_hooks.engines.sglang")
@@ -54,6 +55,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
     the plan handlers run on the agent thread and only stage a map or set a version."""
 
     def __init__(self, config: SGLangAdapterConfig, manager: Any) -> None:
+        require_engine("sglang.srt.eplb.expert_location", "SGLang", "sglang")
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
         from sglang.srt.runtime_context import get_parallel
 

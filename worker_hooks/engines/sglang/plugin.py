@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from rebalancer.errors import InputError
+from worker_hooks.engines import require_engine
 from worker_hooks.engines.sglang.config import SGLangAdapterConfig
 
 log = logging.getLogger("worker_hooks.engines.sglang")
@@ -37,7 +38,8 @@ def register() -> None:
     if config is None:
         log.info("rebalancer plugin off: REBALANCER_ADDRESS is not set")
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    hooks = require_engine("sglang.srt.plugins.hook_registry", "SGLang", "sglang")
+    HookRegistry, HookType = hooks.HookRegistry, hooks.HookType
 
     _config = config
     HookRegistry.register(ON_FORWARD_PASS_END, _on_forward_pass_end, HookType.AROUND)

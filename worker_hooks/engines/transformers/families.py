@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from worker_hooks.engines import require_engine
+
 if TYPE_CHECKING:
     import torch
 
@@ -59,7 +61,7 @@ def tiny_config(
     family: Family, experts: int = 16, top_k: int = 4, layers: int = 3, hidden: int = 64
 ) -> Any:
     """A transformers config of `family` with small shapes (fp32, eager attention)."""
-    import transformers
+    transformers = require_engine("transformers", "transformers", "transformers")
 
     name, kwargs = _config_kwargs(family, experts, top_k, layers, hidden)
     config = getattr(transformers, name)(**kwargs)
@@ -75,8 +77,8 @@ def build_tiny_model(
     `batched_mm` computes every (token, expert) pick as its own small product, so the
     unwrapped model is the bit-exact reference of the adapter's CPU expert compute."""
     import torch
-    import transformers
 
+    transformers = require_engine("transformers", "transformers", "transformers")
     config = tiny_config(family, **shape)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(

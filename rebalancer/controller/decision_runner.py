@@ -1,4 +1,4 @@
-"""Decisions: run the policy's off the event loop, then record and act on any decision.
+"""DecisionRunner: run the policy's decisions off the event loop, then record and act on them.
 
 A due decision is computed by `background` (in the server: a worker process, see
 pool.py) on inputs copied at the time it is due, so ingest goes on meanwhile; when it
@@ -24,6 +24,16 @@ from rebalancer.controller.store import Store
 
 log = logging.getLogger("rebalancer.controller")
 
+# What starts a plan: the policy's decision, or an operator's force.
+TRIGGERS = ("policy", "forced")
+# The outcomes of the decisions the controller records (decide.py and `act`). While a
+# deployment is paused its policy does not decide; a forced decision's reason names the
+# gate it skipped, skip_paused included. A dry run is not a decision.
+RECORDED_OUTCOMES = (
+    "rebalance", "forced", "skip_min_interval", "skip_min_windows", "skip_gain", "skip_no_load",
+    "skip_ranks", "skip_store",
+)
+
 # Runs fn, then done(result), or done(None) if fn raised, back on the event loop thread.
 Background = Callable[[Callable[[], Any], Callable[[Any], None]], None]
 
@@ -46,7 +56,7 @@ def run_inline(fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
 MAX_DECISIONS_IN_FLIGHT = 2
 
 
-class Decisions:
+class DecisionRunner:
     def __init__(
         self, store: Store, clock: Clock, plans: Plans, observers: Observers,
         background: Background = run_inline,
@@ -57,6 +67,7 @@ class Decisions:
         self.observers = observers
         self.background = background
         self.in_flight = 0  # decisions handed to `background`, not yet back
+        self.last_outcome: dict[str, str] = {}  # deployment -> outcome of its newest decision
 
     def due(self, dep: Deployment, now: float) -> bool:
         """Whether the policy should decide now: no plan or decision under way, not paused,
@@ -72,7 +83,7 @@ class Decisions:
 
         def done(decision: Decision | None) -> None:
             self.in_flight -= 1
-            dep.deciding = False
+            dep.decision_done()
             if decision is None:
                 return
             loop.record(decision, now)
@@ -80,7 +91,7 @@ class Decisions:
                 self.act(dep, decision, "policy", self.clock())
 
         work = loop.prepare_decision(dep.phy2log, now)
-        dep.deciding = True
+        dep.decision_started()
         self.in_flight += 1
         self.background(work, done)
 
@@ -107,7 +118,12 @@ class Decisions:
             self.store.record_decision(dep.name, record)
         except sqlite3.Error as exc:  # a full or read-only disk: the history misses this one
             log.error("%s: the store refused a decision record (%s)", dep.name, exc)
-        log.info("%s decision: %s (%s)", dep.name, decision.outcome, decision.reason)
+        # A decision every period would be a line per deployment per second: INFO when
+        # the outcome changes, a plan starts or an operator asked; the repeats at DEBUG.
+        repeated = trigger == "policy" and plan is None and self.last_outcome.get(dep.name) == decision.outcome
+        self.last_outcome[dep.name] = decision.outcome
+        log.log(logging.DEBUG if repeated else logging.INFO, "%s decision: %s (%s)",
+                dep.name, decision.outcome, decision.reason)
         for observer in self.observers.decision:
             observer(dep.name, decision, trigger)
         return plan

@@ -1,0 +1,91 @@
+"""A deployment's state has one owner: `Deployment` itself (controller/deployment.py).
+
+Every other module of the project asks it to change (its transition methods) and never
+assigns one of its fields, or a field of what it holds (`dep.stats.x = ...`,
+`dep.loop.shape = ...`). The walk below reads every assignment in `rebalancer/` and fails
+on one whose target starts at a deployment (a name `dep` or `deployment`, or an attribute
+of that name, as the controller's modules spell it). The transitions keep their own rules
+(one plan in flight, built on the committed placement; only the plan in flight ends).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rebalancer.controller.coordinate import Plan
+from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.deployment import Deployment
+
+ROOT = Path(__file__).resolve().parents[3]
+OWNER = ROOT / "rebalancer" / "controller" / "deployment.py"
+NAMES = {"dep", "deployment"}
+
+
+def deployment_writes(path: Path) -> list[str]:
+    """`file:line: dep.field` for every assignment to a deployment's field in `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        else:
+            continue
+        for target in targets:
+            for item in target.elts if isinstance(target, ast.Tuple) else [target]:
+                chain = []
+                base = item.value if isinstance(item, ast.Subscript) else item
+                while isinstance(base, ast.Attribute):
+                    chain.append(base.attr)
+                    base = base.value
+                name = base.id if isinstance(base, ast.Name) else (
+                    base.attr if isinstance(base, ast.Attribute) else "")
+                if name in NAMES and chain:
+                    found.append(f"{path.name}:{node.lineno}: {name}.{'.'.join(reversed(chain))}")
+    return found
+
+
+def test_no_module_but_the_deployments_own_assigns_its_fields() -> None:
+    files = [p for p in (ROOT / "rebalancer").rglob("*.py") if p != OWNER and "v1" not in p.parts]
+    assert [w for p in sorted(files) for w in deployment_writes(p)] == []
+
+
+def test_the_walk_sees_a_write(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(dep, plan):\n    dep.version, dep.phy2log = 3, plan\n"
+                     "    dep.stats.plans_committed += 1\n    dep.sessions[0] = None\n")
+    assert deployment_writes(probe) == [
+        "probe.py:2: dep.version", "probe.py:2: dep.phy2log",
+        "probe.py:3: dep.stats.plans_committed", "probe.py:4: dep.sessions",
+    ]
+
+
+SHAPE = ClusterShape(num_layers=1, num_logical=4, num_slots=4, num_gpus=2)
+
+
+def _plan(version: int, base: int) -> Plan:
+    return Plan(version=version, base_version=base, phy2log=np.array([[1, 0, 3, 2]]),
+                transfers=np.zeros((0, 5), np.int64), num_ranks=2, trigger="policy", created=0.0,
+                deadline=10.0, slots_moved=4, bytes_moved=40, started_at=0.0)
+
+
+def test_transitions_keep_one_plan_in_flight_built_on_the_committed_placement() -> None:
+    dep = Deployment("d", SHAPE, PolicyConfig(), 1, np.array([[0, 1, 2, 3]]))
+    with pytest.raises(ValueError, match="built on v0"):
+        dep.begin(_plan(2, 0))
+    plan = _plan(2, 1)
+    dep.begin(plan)
+    with pytest.raises(ValueError, match="still in flight"):
+        dep.begin(_plan(3, 1))
+    with pytest.raises(ValueError, match="not the plan in flight"):
+        dep.commit(_plan(2, 1))
+    dep.commit(plan)
+    dep.finish()
+    assert dep.version == 2 and dep.phy2log.tolist() == [[1, 0, 3, 2]] and dep.plan is None
+    assert (dep.stats.plans_committed, dep.stats.slots_moved, dep.stats.bytes_moved) == (1, 4, 40)

@@ -1,0 +1,57 @@
+"""The controller's exposition from its first scrape: the process's own series, and a zero
+series for every known label value of each counter, for the deployments read back from
+the store and for one that registers later, so `rate()` and `increase()` count the first
+abort or refused window instead of starting a series with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decision_runner import RECORDED_OUTCOMES, TRIGGERS
+from rebalancer.controller.metrics import ABORT_REASONS, ControllerMetrics
+from rebalancer.controller.state import Controller
+from rebalancer.controller.store import Store
+
+SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, expert_bytes=10)
+
+
+def exposition(metrics: ControllerMetrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+def assert_zero_series(text: str, deployment: str) -> None:
+    for reason in ABORT_REASONS:
+        assert f'rebalancer_plan_aborts_total{{deployment="{deployment}",reason="{reason}"}} 0.0' in text, reason
+    assert f'rebalancer_ingest_refused_total{{deployment="{deployment}"}} 0.0' in text
+    assert f'rebalancer_ingest_bytes_total{{deployment="{deployment}"}} 0.0' in text
+    for outcome in RECORDED_OUTCOMES:
+        assert f'rebalancer_decisions_total{{deployment="{deployment}",outcome="{outcome}"}} 0.0' in text, outcome
+    for trigger in TRIGGERS:
+        assert f'rebalancer_rebalances_total{{deployment="{deployment}",trigger="{trigger}"}} 0.0' in text
+
+
+def test_zero_series_for_known_labels_and_the_process_collector(tmp_path: Path) -> None:
+    db = tmp_path / "c.sqlite"
+    store = Store(db)
+    Controller(store).register("stored", 0, SHAPE, 0, None, "", "")
+    store.close()
+
+    ctl = Controller(Store(db), PolicyConfig(paused=True))
+    metrics = ControllerMetrics(ctl)
+    text = exposition(metrics)
+    assert_zero_series(text, "stored")  # read back from the store at start
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
+                 "process_start_time_seconds"):
+        assert f"\n{name} " in text, name
+    for phase in ("prepare", "commit"):
+        assert f'rebalancer_plan_phase_seconds_count{{phase="{phase}"}} 0.0' in text
+    assert 'deployment="new"' not in text
+
+    ctl.register("new", 0, SHAPE, 0, None, "", "")  # first seen at a Register
+    assert_zero_series(exposition(metrics), "new")
+    metrics.on_refused("new")
+    assert 'rebalancer_ingest_refused_total{deployment="new"} 1.0' in exposition(metrics)
+    ctl.store.close()
