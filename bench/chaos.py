@@ -21,7 +21,10 @@ rebalances; faults are injected at random moments and, in turn, at each plan pha
   tmpfs filled for a few seconds under a live controller), torn WAL (kill -9, then a
   partial frame appended to the write-ahead log, restart). Read-only and disk full use a
   tmpfs when run as root; otherwise a size limit on the controller's files
-  (RLIMIT_FSIZE) and file modes.
+  (RLIMIT_FSIZE) and file modes;
+- a starved node (cpu_starve): 4 busy processes per CPU beside every process of the run
+  for 2-20 s. `--hog N` runs N busy processes beside the whole campaign (a node other work
+  keeps busy).
 
 After each episode the harness waits (up to `settle_seconds`) for the store, the
 controller and every rank to agree on the placement version (invariant 7). Checked from
@@ -29,11 +32,11 @@ the step logs: every step ran one version on every rank, all switched at the sam
 (2); every output equals the unbalanced reference, bit for bit (1); no rank ever ran a
 version the store does not hold as committed, and every rank ran every committed version
 its group lived through (5); no step spent more than `step_wait_bound_ms` in the
-rebalancer's code, route + step_end, where it would wait on a sidecar or the controller
-(3). Controller recovery: from the kill to every rank resynced (Status: all ranks
+rebalancer's code, route + step_end, where it would wait on a sidecar or the controller,
+besides the time it waited for a CPU (bench/chaos_worker.py, `hook_runq_ms`) (3). Controller recovery: from the kill to every rank resynced (Status: all ranks
 connected on the restarted controller).
 
-    python -m bench.chaos --seconds 300 --seed 1 --json
+    python -m bench.chaos --seconds 300 --seed 1 --hog 2 --json
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ PROCESS_FAULTS = (
 )
 LINK_FAULTS = ("latency", "bandwidth", "drop", "half_open", "blackhole")
 STORE_FAULTS = ("store_readonly", "store_disk_full", "store_torn_wal")
-ALL_KINDS = PROCESS_FAULTS + LINK_FAULTS + STORE_FAULTS
+NODE_FAULTS = ("cpu_starve",)
+ALL_KINDS = PROCESS_FAULTS + LINK_FAULTS + STORE_FAULTS + NODE_FAULTS
 # Relative frequency after every kind has had its turn: a killed worker restarts its whole
 # group (G torch processes), the slowest episode; link faults cost least.
 WEIGHTS = {k: 1.0 for k in ALL_KINDS} | {"sigkill_worker": 0.35, "sigterm_worker": 0.35} | {
@@ -119,8 +123,14 @@ class ChaosConfig:
     prepare_seconds: float = 0.4       # a prepare's extra time on the last rank (chaos_worker)
     prepare_timeout_seconds: float = 5.0
     kinds: tuple[str, ...] = ALL_KINDS
-    # Invariant 3: a step spends at most this in the rebalancer's code (route + step_end).
-    # A step that waited on a link would wait at least the fault's length (0.5-3 s).
+    # Busy processes beside the whole campaign (a node other work keeps busy).
+    hog: int = 0
+    # cpu_starve: this many busy processes per CPU, for 2 s to `starve_seconds_max`.
+    starve_per_cpu: int = 4
+    starve_seconds_max: float = 20.0
+    # Invariant 3: a step spends at most this in the rebalancer's code (route + step_end),
+    # not counting the time its thread waited for a CPU (a starved node's doing). A step
+    # that waited on a link would wait at least the fault's length (0.3-2 s).
     step_wait_bound_ms: float = 250.0
     settle_seconds: float = 30.0       # after an episode, to agreement (invariant 7)
     recovery_bound_seconds: float = 10.0
@@ -157,7 +167,12 @@ class StepLog:
 
 
 # Columns of a step-log row (bench/chaos_worker.py).
-STEP, VERSION, READY, PREPARED, ABORTED, STAGED, HOOK_MS, DIFF, WALL = range(9)
+STEP, VERSION, READY, PREPARED, ABORTED, STAGED, HOOK_MS, DIFF, WALL, HOOK_RUNQ_MS = range(10)
+STEP_LOG_COLUMNS = 10
+
+# A busy process: what a CPU hog (`--hog`) and the `cpu_starve` fault run.
+BUSY = "while True: pass"
+
 
 
 @dataclass
@@ -206,6 +221,7 @@ class Harness:
         self.group: Group | None = None
         self.groups: list[Group] = []
         self.all_procs: list[subprocess.Popen[Any]] = []
+        self.hogs: list[subprocess.Popen[bytes]] = []
         self.descendants: set[int] = set()
         self.port = free_port()
         self.admin_channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
@@ -251,8 +267,7 @@ class Harness:
         """`rebalancer serve` on the same store and port; False if it refused to start."""
         cmd = [sys.executable, "-m", "rebalancer", "serve", "--config", str(self.tmp / "c.toml"),
                "--port", str(self.port), "--db", str(self.db), "--log-level", "WARNING"]
-        preexec = None
-        proc = self._popen(cmd, "controller.log", text=True, stdout=subprocess.PIPE, preexec_fn=preexec)
+        proc = self._popen(cmd, "controller.log", text=True, stdout=subprocess.PIPE)
         if self._wait_line(proc, "serving on", 30.0) is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
@@ -487,7 +502,9 @@ class Harness:
             sig = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}[what]
             self.signal_process(target, sig)
             return
-        if kind == "store_readonly":
+        if kind == "cpu_starve":
+            self.cpu_starve()
+        elif kind == "store_readonly":
             self.store_readonly()
         elif kind == "store_disk_full":
             self.store_disk_full()
@@ -654,6 +671,22 @@ class Harness:
                     p.chmod(0o644)
         self.restart_controller(start)
 
+    def cpu_starve(self) -> None:
+        """The node's CPUs taken by other work for 2-20 s (`starve_seconds_max`): `starve_per_cpu` busy processes
+        per CPU beside every process of the run (the harness's own too: the proxy's links
+        slow down as well). Nothing is excused: the invariants must hold on a starved node."""
+        seconds = self.rng.uniform(2.0, max(2.0, self.cfg.starve_seconds_max))
+        n = self.cfg.starve_per_cpu * (os.cpu_count() or 1)
+        self.say(f"CPU starved by {n} busy processes for {seconds:.1f}s")
+        procs = self.busy(n, "starve.log")
+        try:
+            time.sleep(seconds)
+        finally:
+            for proc in procs:
+                proc.kill()
+            for proc in procs:
+                proc.wait()
+
     def store_disk_full(self) -> None:
         """No space left for the store for a few seconds, under a live controller."""
         seconds = self.rng.uniform(1.0, 3.0)
@@ -680,7 +713,13 @@ class Harness:
 
     # ------------------------------------------------------------ the run
 
+    def busy(self, n: int, log: str) -> list[subprocess.Popen[bytes]]:
+        """`n` processes that only burn CPU (reaped with every other process of the run)."""
+        return [self._popen([sys.executable, "-c", BUSY], log) for _ in range(n)]
+
     def setup(self) -> None:
+        if self.cfg.hog:
+            self.hogs = self.busy(self.cfg.hog, "hog.log")
         if os.geteuid() == 0 and shutil.which("mount"):
             r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(self.store_dir)],
                                capture_output=True)
@@ -778,6 +817,8 @@ class Harness:
             self.violation(f"group {g.index}: commit agreement broken")
 
     def teardown(self) -> None:
+        for hog in self.hogs:  # first: the rest then ends on a CPU of its own
+            hog.kill()
         with contextlib.suppress(Exception):
             self.proxy.heal()
         procs = [p for p in self.all_procs if p.poll() is None]
@@ -813,9 +854,10 @@ class Harness:
         aborted = {v for v, state in plans.items() if state == "aborted"}
         steps = 0
         max_wait = 0.0
+        max_hook = 0.0
         max_gap = 0.0
         for g in self.groups:
-            rows = [np.array(log.read(), dtype=np.float64).reshape(-1, 9) for log in g.logs]
+            rows = [np.array(log.read(), dtype=np.float64).reshape(-1, STEP_LOG_COLUMNS) for log in g.logs]
             steps += sum(len(r) for r in rows)
             if not all(len(r) for r in rows):
                 continue
@@ -838,11 +880,16 @@ class Harness:
                 if ran - committed:
                     self.violation(f"5: group {g.index} rank {rank} ran versions {sorted(ran - committed)} that "
                                    f"are not committed in the store (aborted: {sorted(ran & aborted)})")
-                max_wait = max(max_wait, float(r[:, HOOK_MS].max()))
-                slow = np.flatnonzero(r[:, HOOK_MS] > self.cfg.step_wait_bound_ms)
+                waited = r[:, HOOK_MS] - r[:, HOOK_RUNQ_MS]  # in the hook, not waiting for a CPU
+                max_wait = max(max_wait, float(waited.max()))
+                max_hook = max(max_hook, float(r[:, HOOK_MS].max()))
+                slow = np.flatnonzero(waited > self.cfg.step_wait_bound_ms)
                 if len(slow):
+                    worst = int(slow[np.argmax(waited[slow])])
                     self.violation(f"3: group {g.index} rank {rank}: {len(slow)} steps spent more than "
-                                   f"{self.cfg.step_wait_bound_ms:g} ms in the hook (max {r[:, HOOK_MS].max():.0f} ms)")
+                                   f"{self.cfg.step_wait_bound_ms:g} ms in the hook besides waiting for a CPU "
+                                   f"(max {waited[worst]:.0f} ms at step {worst}, {r[worst, HOOK_MS]:.0f} ms "
+                                   f"with the CPU wait)")
                 gaps = np.diff(r[:, WALL])
                 ends = r[1:, WALL]
                 ok = np.ones(len(gaps), dtype=bool)
@@ -855,7 +902,8 @@ class Harness:
             ran_all = [set(np.unique(r[:n, VERSION]).astype(int)) for r in rows]
             if any(s != ran_all[0] for s in ran_all):
                 self.violation(f"5: group {g.index}: ranks ran different version sets {ran_all}")
-        return {"steps": steps, "max_step_wait_ms": round(max_wait, 2), "max_step_gap_ms": round(1e3 * max_gap, 1),
+        return {"steps": steps, "max_step_wait_ms": round(max_wait, 2), "max_hook_ms": round(max_hook, 2),
+                "max_step_gap_ms": round(1e3 * max_gap, 1),
                 "plans_committed": len(committed - {0}), "plans_aborted": len(aborted)}
 
     def final_plans(self) -> dict[int, str]:
@@ -900,6 +948,7 @@ class Harness:
             "invariant_violations": len(self.out.violations),
             "violations": self.out.violations[:20],
             "max_step_wait_ms": figures["max_step_wait_ms"],
+            "max_hook_ms_with_cpu_wait": figures["max_hook_ms"],
             "step_wait_bound_ms": self.cfg.step_wait_bound_ms,
             "max_step_gap_ms_outside_worker_faults": figures["max_step_gap_ms"],
             "controller_recovery_seconds_p99": round(p99, 2),
@@ -915,6 +964,7 @@ class Harness:
             "store": "tmpfs" if self.tmpfs else "disk",
             "workers": self.cfg.workers,
             "sidecars": self.cfg.pods,
+            "hog": self.cfg.hog,
             "load_avg": round(os.getloadavg()[0], 2),
         }
         self.release_files()
@@ -935,6 +985,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--pods", type=int, default=2)
     p.add_argument("--kinds", default="", help=f"comma-separated subset of: {','.join(ALL_KINDS)}")
+    p.add_argument("--hog", type=int, default=0, metavar="N",
+                   help="N busy processes beside the whole campaign (a busy node)")
     p.add_argument("--keep", action="store_true", help="keep the run's folder (logs, store)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -944,8 +996,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown fault kinds {sorted(unknown)}", file=sys.stderr)
         return 2
+    if args.hog < 0:
+        print(f"error: --hog must be >= 0, got {args.hog}", file=sys.stderr)
+        return 2
     config = ChaosConfig(seconds=args.seconds, seed=args.seed, workers=args.workers, pods=args.pods,
-                         kinds=kinds, keep=args.keep, progress=not args.quiet)
+                         kinds=kinds, hog=args.hog, keep=args.keep, progress=not args.quiet)
     # SIGTERM (a timeout, an operator) ends the run like Ctrl-C: every process, the store's
     # tmpfs and the run's folder are released on the way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

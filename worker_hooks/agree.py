@@ -7,16 +7,27 @@ is started at step n*every and read at step (n+1)*every, so it overlaps
 serving instead of blocking it, and since every rank reads the same result at
 the same step index, all switch at the same step: no step runs with v on one
 rank and v' on another.
+
+An agreement to which a rank contributed no version newer than the one it serves
+cannot switch any rank (the MIN is at most that), so that rank does not wait for
+its result: with no plan ready, a peer whose side of the collective runs late (a
+starved node, a frozen process) never holds the serving thread. Only a rank that
+is ready to switch waits, as it must, to switch at the same step as its peers.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger("worker_hooks.agree")
+
+# Agreements left running unread before the oldest is waited for (a peer that stopped
+# for good; its group then times out).
+MAX_UNREAD = 64
 
 
 class CommitAgreement:
@@ -25,35 +36,51 @@ class CommitAgreement:
             raise ValueError(f"every must be >= 1, got {every}")
         self.group = group
         self.every = every
-        self._buf = torch.zeros(1, dtype=torch.int64)
-        self._work: dist.Work | None = None
+        # Agreements started and not yet read, oldest first: (work, its buffer, what this
+        # rank contributed).
+        self._running: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
         self.broken: str | None = None  # set when a peer failed: no commit is ever agreed again
 
     def close(self) -> None:
-        """Wait for the last agreement in flight (every rank started it at the same step),
+        """Wait for the agreements in flight (every rank started them at the same steps),
         so no collective is pending when the process group goes away."""
-        if self._work is not None and self.broken is None:
+        if self.broken is None:
             try:
-                self._work.wait()
+                for work, _, _ in self._running:
+                    work.wait()
             except RuntimeError as exc:
                 self.broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        self._work = None
+        self._running.clear()
 
-    def on_step(self, step: int, ready_version: int) -> int | None:
+    def on_step(self, step: int, ready_version: int, serving: int | None = None) -> int | None:
         """Call once per step boundary, on every rank, with the same `step`.
 
-        Returns the agreed version at agreement steps (None otherwise)."""
+        Returns the agreed version at agreement steps (None otherwise, and None when
+        this rank had nothing newer than `serving`, the version it serves, to agree on:
+        that agreement cannot switch it, and is not waited for)."""
         if self.broken is not None or step % self.every:
             return None
         agreed = None
         try:
-            if self._work is not None:
-                self._work.wait()
-                agreed = int(self._buf.item())
-            self._buf = torch.tensor([ready_version], dtype=torch.int64)
-            self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            if self._running:
+                work, buf, contributed = self._running[-1]
+                if serving is None or contributed > serving:
+                    work.wait()  # this rank may switch: every rank reads it at this step
+                    agreed = int(buf.item())
+                    self._running.pop()
+            self._reap()
+            buf = torch.tensor([ready_version], dtype=torch.int64)
+            work = dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            self._running.append((work, buf, ready_version))
         except RuntimeError as exc:  # a peer died: keep serving the committed placement
             self.broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.error("commit agreement lost its peers (%s); staying on the committed placement", self.broken)
             return None
         return agreed
+
+    def _reap(self) -> None:
+        """Forget the unread agreements that completed (raising a peer's failure), and
+        wait for the oldest beyond `MAX_UNREAD`."""
+        while self._running and (self._running[0][0].is_completed() or len(self._running) >= MAX_UNREAD):
+            work, _, _ = self._running.popleft()
+            work.wait()

@@ -31,7 +31,6 @@ under `load+shared`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import numbers
 import threading
@@ -420,7 +419,7 @@ class RebalanceHook(PlanHandlers):
         self.stats.steps += 1
         self._poll_window()
         ready = self._commit_ready if self._commit_ready in self._staged_phy2log else self.version
-        agreed = self.agreement.on_step(self.step, ready)
+        agreed = self.agreement.on_step(self.step, ready, serving=self.version)
         if agreed is not None and agreed > self.version:
             self._flush_window()  # a window never mixes two placements
             self._commit(agreed)
@@ -507,13 +506,9 @@ class RebalanceHook(PlanHandlers):
             )
             transfers = codec.decode(prepare.transfers, "transfers")
             if refusal:
-                # The peers exchange this plan's weights with this rank whatever it decides
-                # (p2p: they would wait for it until their group times out): take part with
-                # nothing kept (the abort mark drops it at the end), then fail the plan.
-                self.executor.abort(version)
-                with contextlib.suppress(MigrationAborted):
-                    self.executor.prepare(version, transfers)
-                raise RuntimeError(refusal)
+                # No rank moves this plan's weights: its peers stop waiting for this rank
+                # at once (worker_hooks/fence.py) and the plan fails everywhere.
+                self.executor.decline(version, refusal)
             stats = self.executor.prepare(version, transfers)
             if self._closing:
                 raise RuntimeError("rank is shutting down")

@@ -20,6 +20,9 @@ executor sees only its `connect` / `receive` / `close`, and an engine asks the c
   outboxes of bounded size and receivers read from there, one all-gather per step; for
   weights that cannot be mapped whole.
   Both need every rank of the group on one host and a gloo group.
+Before any transport moves a weight, every rank of the group takes the plan (or none
+does) through the group's store (worker_hooks/fence.py): a transfer never waits for a
+rank that will not run it.
 Serving keeps using the live weights meanwhile; `max_gbps` paces any transport so an
 operator can bound its interference. With spare rows (worker_hooks/rows.py) each
 incoming expert goes into a free row of the live weights during prepare (the ipc
@@ -45,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from rebalancer.wire.layout import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
+from worker_hooks.fence import ABORTED, TransferFence, TransfersDeclined, group_store
 from worker_hooks.outbox import SharedOutboxes, map_peer_weights, outbox_schedule
 from worker_hooks.rows import RowMap
 
@@ -69,6 +73,8 @@ class MigrationConfig:
         streams (copy engines work in parallel).
     max_gbps: any transport: at most this many GB/s received per rank (0: as fast as
         the links go).
+    join_seconds: any transport: how long a rank that took a plan waits for every rank
+        of the group to take it before the plan fails everywhere (worker_hooks/fence.py).
     """
 
     transport: Transport = "p2p"
@@ -77,6 +83,7 @@ class MigrationConfig:
     outbox_bytes: int = 1 << 30
     copy_streams: int = 2
     max_gbps: float = 0.0
+    join_seconds: float = 1.5
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -89,6 +96,8 @@ class MigrationConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not self.max_gbps >= 0:
             raise ValueError(f"max_gbps must be >= 0, got {self.max_gbps}")
+        if not self.join_seconds > 0:
+            raise ValueError(f"join_seconds must be > 0, got {self.join_seconds}")
 
 
 @dataclass(frozen=True)
@@ -628,6 +637,11 @@ class MigrationExecutor:
         self._staging: dict[str, torch.Tensor] | None = None  # name -> [n_in, ...]
         self._staged_index: torch.Tensor | None = None         # [n_in] flat row of each
         self._staged_rows: np.ndarray | None = None            # [G, L, S] after commit
+        # No rank moves a plan's weights before every rank of the group said it will
+        # (a rank left waiting for a peer that never comes breaks the group for good).
+        shared = group_store(group) if world_size > 1 else None
+        self.fence = (TransferFence(shared[0], rank, world_size, self.config.join_seconds, prefix=shared[1])
+                      if shared is not None else None)
 
     @property
     def staged_rows(self) -> np.ndarray | None:
@@ -645,13 +659,36 @@ class MigrationExecutor:
 
     # ------------------------------------------------------------ prepare
 
+    def decline(self, version: int, reason: str) -> None:
+        """This rank will not take plan `version`: no rank runs its transfers, and its
+        peers fail the plan at once (raises TransfersDeclined, with `reason`)."""
+        if self.fence is not None:
+            self.fence.decline(version, reason)
+        raise TransfersDeclined(reason)
+
+    def _join(self, version: int) -> None:
+        """Wait until every rank of the group takes plan `version` (fence.py). Raises
+        MigrationAborted if this rank's Abort came first, TransfersDeclined if a peer
+        declined or did not join in time."""
+        if self.fence is None:
+            return
+        aborted = self.ctx.aborted
+        try:
+            self.fence.join(version, lambda: ABORTED if version in aborted else "")
+        except TransfersDeclined as exc:
+            self.ctx.check_aborted(version)
+            if exc.aborted:  # a peer heard the Abort first: this rank will hear it too
+                raise MigrationAborted(f"plan v{version} aborted before its transfers ({exc})") from exc
+            raise
+
     def prepare(self, version: int, transfers: np.ndarray) -> PrepareStats:
         """Receive this rank's incoming experts of plan `version` into staging.
 
         transfers: [K, 5] int (layer, dst_rank, dst_slot, src_rank, src_slot), the
-        same list on every rank. Blocks the calling (background) thread until
-        every exchange of this rank finished; raises on a failed peer, and raises
-        MigrationAborted when the plan is aborted meanwhile.
+        same list on every rank. First every rank of the group takes the plan (or none
+        does: TransfersDeclined, within `join_seconds`); then blocks the calling
+        (background) thread until every exchange of this rank finished, raises on a
+        failed peer, and raises MigrationAborted when the plan is aborted meanwhile.
         """
         start = time.perf_counter()
         ctx = self.ctx
@@ -666,6 +703,7 @@ class MigrationExecutor:
         if ctx.stream is not None:
             stream_ctx.enter_context(torch.cuda.device(ctx.device))
             stream_ctx.enter_context(torch.cuda.stream(ctx.stream))
+        self._join(version)
         new_rows = self.row_map.plan(t)
         experts_in = int((t[:, DST_RANK] == ctx.rank).sum())
         with stream_ctx:

@@ -190,7 +190,10 @@ class Plans:
                                                    f"on v{plan.base_version}"))
             plan = dep.plan
         if phase == "committed" and known is not None and plan is None:
-            reconcile.adopt(self.store, dep, version, known, f"{session.label} confirmed it late", now)
+            # Recorded like a plan's outcome: a confirmation is told once, so a store that
+            # refuses the record (disk full) must not make the controller forget it.
+            reconcile.adopt(self.store, dep, version, known, f"{session.label} confirmed it late", now,
+                            record=lambda write: self._write(dep.name, write))
             return
         latest = max(dep.version, plan.version if plan else 0,
                      dep.last_aborted.version if dep.last_aborted else 0,

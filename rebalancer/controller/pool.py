@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import os
@@ -153,8 +154,16 @@ class DecisionPool:
         self._closing = True
 
     def close(self) -> None:
-        """Cancel queued decisions, wait for the running one, end the worker process."""
+        """Cancel queued decisions, end the worker process, running decision and all.
+
+        A decision running now is killed, not waited for: its result would be dropped
+        (closing), and the worker runs at a lower priority, so on a starved node it could
+        hold a draining controller for many seconds (a SIGTERM'd controller took 12-16 s
+        to come back beside a CPU hog, RELIABILITY.md defect 21)."""
         self._closing = True
+        if self._worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._worker.proc.kill()  # the call in flight ends at once (end of file)
         self._calls.shutdown(wait=True, cancel_futures=True)
         if self._worker is not None:
             self._worker.close()
@@ -216,7 +225,9 @@ def main(argv: list[str]) -> None:
     # Results travel on the original stdout; anything printed goes to stderr instead.
     results = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    import rebalancer.controller.decide  # noqa: F401  (warm up: what every decision needs)
+    import scipy.optimize  # noqa: F401  (warm up: what every decision needs)
+
+    import rebalancer.controller.decide  # noqa: F401
 
     serve_calls(sys.stdin.buffer, results)
 

@@ -10,6 +10,7 @@ knows it and they are ahead (or all ranks are gone), refuse otherwise.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -43,8 +44,21 @@ def reconcile(store: Store, dep: Deployment, who: str, version: int, now: float)
     )
 
 
-def adopt(store: Store, dep: Deployment, version: int, phy2log: np.ndarray, why: str, now: float) -> None:
-    """Make a stored placement the committed one because the ranks serve it."""
+def adopt(store: Store, dep: Deployment, version: int, phy2log: np.ndarray, why: str, now: float,
+          record: Callable[[Callable[[], None]], None] | None = None) -> None:
+    """Make a stored placement the committed one because the ranks serve it.
+
+    `record`: how the store's record is written (plans.py's writer keeps one SQLite
+    refuses and writes it later); None: at once, and a refusal raises (the caller's
+    request fails and its sender tries again)."""
     log.warning("%s: adopting placement v%d (controller had v%d): %s", dep.name, version, dep.version, why)
-    store.commit_plan(dep.name, version, now=now)
+    name = dep.name
+
+    def write() -> None:
+        store.commit_plan(name, version, now=now)
+
+    if record is None:
+        write()
+    else:
+        record(write)
     dep.adopt(version, phy2log)

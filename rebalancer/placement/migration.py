@@ -11,7 +11,6 @@ onto the old GPUs by overlap, is the fallback for a layer the repair cannot fix.
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from rebalancer.placement.metrics import gather, logcnt_of, pack_sums
 
@@ -37,6 +36,11 @@ def relabel_gpus(old: np.ndarray, new: np.ndarray, num_gpus: int, num_logical: i
 
     old, new: [L, P]. Returns: new placement with whole GPUs permuted [L, P].
     """
+    # Imported here: scipy.optimize is most of a controller's start (1.1 of 1.8 s wall on a
+    # loaded 2-core node), and the controller's decisions, which call this, run in the
+    # child process of controller/pool.py (which imports it as it starts).
+    from scipy.optimize import linear_sum_assignment
+
     num_layers, num_slots = old.shape
     per_gpu = num_slots // num_gpus
     overlap = gpu_overlap(old, new, num_gpus, num_logical)

@@ -60,10 +60,11 @@ class SidecarConfig:
     fold_lag: int = 2                    # a rank this many windows behind is not waited for
     rpc_timeout_seconds: float = 5.0     # deadline of upstream unary calls
     backoff_initial_seconds: float = 0.2
-    # A restarted controller is back in about a second: a pod tries again within 2 s (3 s
-    # with jitter), so every rank is resynced within a few seconds (RELIABILITY.md), at the
-    # cost of one connection attempt per pod every 2 s while the controller is down.
-    backoff_max_seconds: float = 2.0
+    # A restarted controller is back in about a second (several on a starved node): a pod
+    # tries again within 1 s (1.5 s with jitter), so every rank is resynced within a few
+    # seconds (RELIABILITY.md), at the cost of one connection attempt per pod a second
+    # while the controller is down.
+    backoff_max_seconds: float = 1.0
     grace_seconds: float = 2.0           # on SIGTERM: calls in flight and last windows
 
     def __post_init__(self) -> None:

@@ -15,11 +15,11 @@ ranks say into what one group session may say (invariant 5 across the relay):
 - Abort goes to every rank, and the pod's reports of that plan still queued are moot.
 - A rank that (re)attaches is told what it missed: Commit of a plan committing, Abort of
   an aborted plan it did not confirm, and first the Prepare of the plan preparing or
-  aborted: its peers run the plan's transfers with it (p2p: they would wait for it until
-  their group timed out, and gloo then closes the group's pairs for good), and a stream
-  that went down as the Prepare was sent may have lost it. A rank runs a plan's
-  transfers once, however often its Prepare comes (worker_hooks.hook); the Abort makes
-  it keep nothing.
+  aborted: a stream that went down as the Prepare was sent may have lost it, and its
+  peers wait (at most the transfer fence's 1.5 s, worker_hooks/fence.py) for every rank
+  to take the plan before any weight moves; late, it learns the plan was given up. A
+  rank takes a plan once, however often its Prepare comes (worker_hooks.hook); the
+  Abort makes it keep nothing.
 
 A sidecar restarted mid-plan knows nothing; the controller tells a group session that
 (re)opens its stream the newest aborted plan (and resends Commit of a plan committing),

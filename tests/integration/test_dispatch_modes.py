@@ -28,7 +28,9 @@ def test_each_mode_keeps_outputs_identical_and_counts_what_was_computed(
     config = small_config(steps=96, db_path=str(tmp_path / "c.sqlite"))
     ctl = start_controller(tmp_path / "c.sqlite", config.policy)
     assert ctl.server is not None
-    extra = {r: ["--dispatch", mode, "--shared-expert"] for r in range(config.workers)}
+    # Past its steps, each rank serves on until plan v1 committed (all switch at one step,
+    # so all stop together): a run of a fixed number of steps may end before any plan.
+    extra = {r: ["--dispatch", mode, "--shared-expert", "--wait-version", "1"] for r in range(config.workers)}
     try:
         procs = launch_workers(
             config, ctl.server.address, write_profile(config, tmp_path), tmp_path, extra

@@ -4,16 +4,22 @@ moving real weights, real SQLite. Proves invariants 1, 2 and 5 end to end."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.deployment import Deployment
 from rebalancer.controller.store import Store
-from rebalancer.demo import DemoConfig, launch_workers, run_demo, write_profile
+from rebalancer.demo import DemoConfig, launch_workers, reap, run_demo, write_profile
 from tests.integration.conftest import start_controller
+from tests.integration.until import stop_together, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -63,30 +69,50 @@ def test_rebalances_keep_outputs_identical_and_ranks_in_step(
     assert all("shutting down" in p.reason for p in plans if p.state == "aborted")
 
 
-def _run_cluster(tmp_path: Path, extra: dict[int, list[str]], config: DemoConfig) -> tuple[list[dict], object]:
+def _run_until(
+    tmp_path: Path, extra: dict[int, list[str]], config: DemoConfig, event: Callable[[Deployment], bool],
+    what: str, live: Sequence[int], seconds: float = 120.0,
+) -> tuple[list[dict[str, Any]], Deployment, int]:
+    """Run the ranks open-ended until the controller sees `event` (bounded by `seconds`),
+    then stop the ranks `live` at one step; their results, the deployment, that step."""
     ctl = start_controller(tmp_path / "c.sqlite", config.policy)
     assert ctl.server is not None
+    stop = tmp_path / "stop"
+    extra = {r: [*extra.get(r, []), "--stop-file", str(stop)] for r in range(config.workers)}
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs = launch_workers(config, ctl.server.address, write_profile(config, tmp_path), tmp_path, extra)
-        codes = [p.wait(timeout=150) for p in procs]
+        procs = launch_workers(replace(config, steps=10**9), ctl.server.address, write_profile(config, tmp_path),
+                               tmp_path, extra)
+
+        def seen() -> bool:
+            dep = ctl.call(lambda: ctl.server.controller.deployments.get("demo"))  # type: ignore[union-attr]
+            return dep is not None and event(dep)  # type: ignore[arg-type]
+
+        wait_for(seen, seconds, what)
+        step = stop_together(stop, live)
+        codes = {r: procs[r].wait(timeout=150) for r in live}
         dep = ctl.call(lambda: ctl.server.controller.deployments["demo"])  # type: ignore[union-attr]
     finally:
+        reap(procs)
         ctl.stop()
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(config.workers) if codes[r] == 0]
-    return results, dep
+    assert codes == dict.fromkeys(live, 0), codes
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in live]
+    return results, dep, step  # type: ignore[return-value]
 
 
 def test_failed_prepare_aborts_plan_on_every_rank(tmp_path: Path) -> None:
-    config = small_config(steps=120)
-    results, dep = _run_cluster(tmp_path, {2: ["--fault", "fail"]}, config)
+    config = small_config()
+    results, dep, step = _run_until(tmp_path, {2: ["--fault", "fail"]}, config,
+                                    lambda d: d.stats.plans_aborted >= 1 and d.plan is None, "a plan aborted",
+                                    live=range(4))
     assert len(results) == 4
-    assert dep.stats.plans_aborted >= 1  # type: ignore[attr-defined]
-    assert dep.stats.plans_committed == 0  # type: ignore[attr-defined]
+    assert dep.stats.plans_aborted >= 1
+    assert dep.stats.plans_committed == 0
     for r in results:
         assert r["version"] == 0 and r["commits"] == []
         assert r["weights_match_map"]      # staging dropped, live weights untouched
         assert r["max_output_diff"] == 0.0
-        assert r["steps"] == config.steps  # serving went on
+        assert r["steps"] == step          # serving went on, past the abort
     assert sum(r["aborted"] for r in results) >= 3  # the healthy ranks dropped staging
     store = Store(tmp_path / "c.sqlite")
     plans = store.plans("demo")
@@ -95,22 +121,25 @@ def test_failed_prepare_aborts_plan_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_rank_killed_while_preparing_aborts_and_others_keep_serving(tmp_path: Path) -> None:
-    config = small_config(steps=200)
-    # Serving alone is fast: a small sleep per step keeps the run long enough for plans.
+    config = small_config()
+    # Rank 3 kills itself (SIGKILL) as its first Prepare arrives, while its peers prepare;
+    # no token exchange, so its peers serve on without it.
     extra = {r: ["--local", "--step-sleep", "0.02"] for r in range(4)}
     extra[3] = ["--local", "--step-sleep", "0.02", "--fault", "die"]
-    results, dep = _run_cluster(tmp_path, extra, config)
+    results, dep, step = _run_until(tmp_path, extra, config,
+                                    lambda d: d.stats.plans_aborted >= 1 and d.plan is None and 3 not in d.sessions,
+                                    "a plan in PREPARE, rank 3 killed, the plan aborted", live=range(3))
     assert len(results) == 3  # rank 3 was killed with SIGKILL
-    assert dep.stats.plans_committed == 0  # type: ignore[attr-defined]
-    assert dep.stats.plans_aborted >= 1  # type: ignore[attr-defined]
+    assert dep.stats.plans_committed == 0
+    assert dep.stats.plans_aborted >= 1
     for r in results:
         assert r["version"] == 0 and r["commits"] == []
         assert r["weights_match_map"]
-        assert r["steps"] == config.steps
+        assert r["steps"] == step  # served on, past the kill and the abort
     # The abort names rank 3's disconnect, or a survivor whose transfer lost rank 3 first.
     for plan in Store(tmp_path / "c.sqlite").plans("demo"):
         assert plan.state == "aborted"
-        assert "rank 3 disconnected" in plan.reason or "failed to prepare" in plan.reason, plan.reason
+        assert ("rank 3 disconnected" in plan.reason or "failed to prepare" in plan.reason), plan.reason
 
 
 def test_workers_serve_without_controller_and_resync(tmp_path: Path) -> None:

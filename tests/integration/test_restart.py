@@ -21,6 +21,7 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.windows import FOLD_LAG
 from tests.integration.test_end_to_end import small_config
+from tests.integration.until import stop_together
 
 pytestmark = pytest.mark.slow
 
@@ -76,10 +77,13 @@ def test_kill_9_mid_run_keeps_history_and_resumes(tmp_path: Path) -> None:
     (tmp_path / "drain.toml").write_text(CONFIG.replace("persist_seconds = 0.0", "persist_seconds = 3600.0"))
     port = free_port()
     address = f"127.0.0.1:{port}"
-    config = small_config(steps=900, timeout_seconds=150.0)
+    # The ranks serve open-ended until the restarted controller ingests their windows
+    # (then all stop at one step): a fixed number of steps could end before the restart.
+    config = small_config(steps=10**9, timeout_seconds=150.0)
+    stop = tmp_path / "stop"
     first = start(tmp_path, port)
     workers = launch_workers(config, address, write_profile(config, tmp_path), tmp_path,
-                             {r: ["--step-sleep", "0.02"] for r in range(config.workers)})
+                             {r: ["--step-sleep", "0.02", "--stop-file", str(stop)] for r in range(config.workers)})
     second = None
     try:
         wait_for(lambda: (s := status(address)) is not None and s.plans_committed >= 1 and not s.plan_in_flight, 90, "a commit")
@@ -97,6 +101,7 @@ def test_kill_9_mid_run_keeps_history_and_resumes(tmp_path: Path) -> None:
         assert after is not None and after.placement_version >= version_before
         windows_then = after.windows_ingested
         wait_for(lambda: (s := status(address)) is not None and s.windows_ingested > windows_then + config.workers, 30, "new windows")
+        stop_together(stop, range(config.workers))
         codes = [w.wait(timeout=200) for w in workers]
         assert codes == [0] * config.workers
         second.send_signal(signal.SIGTERM)  # graceful this time: drain, save, exit 0

@@ -37,6 +37,7 @@ from tests.integration.sidecar_worker import PREPARE_SECONDS, STEP_LOG
 from tests.integration.test_end_to_end import FAST_POLICY, small_config
 from tests.integration.test_restart import CONFIG, status
 from tests.integration.test_restart import start as start_serve
+from tests.integration.until import stop_together
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +176,7 @@ def test_plans_commit_through_sidecars(cluster: Cluster, tmp_path: Path) -> None
     try:
         assert ctl.server is not None
         pods = [cluster.sidecar(pod, ctl.server.address) for pod in PODS]
-        workers = cluster.workers(config, [])
+        workers = cluster.workers(config, ["--wait-version", "1"])  # past its steps, until a commit
         wait_for(lambda: sessions(ctl) == GROUPS, 60, "both pods as group sessions")
         for m in (pod.metrics() for pod in pods):
             assert m["rebalancer_sidecar_ranks_connected"] == 2
@@ -255,10 +256,13 @@ def test_controller_gone_for_10s_no_step_waits_and_windows_resume(cluster: Clust
     (tmp_path / "c.toml").write_text(CONFIG)
     port = free_port()
     address = f"127.0.0.1:{port}"
-    config = small_config(steps=700, timeout_seconds=150.0)
+    # The ranks serve open-ended, through the outage, until the windows resumed (then all
+    # stop at one step): a fixed number of steps could end before the outage does.
+    config = small_config(steps=10**9, timeout_seconds=150.0)
+    stop = tmp_path / "stop"
     first = cluster.controller(port)
     pods = [cluster.sidecar(pod, address, "--max-buffered-windows", "4") for pod in PODS]
-    workers = cluster.workers(config, ["--step-sleep", "0.02"])
+    workers = cluster.workers(config, ["--step-sleep", "0.02", "--stop-file", str(stop)])
     wait_for(lambda: (s := status(address)) is not None and s.connected_ranks == 4 and s.windows_ingested >= 4,
              90, "windows through both pods")
     first.send_signal(signal.SIGKILL)
@@ -275,6 +279,7 @@ def test_controller_gone_for_10s_no_step_waits_and_windows_resume(cluster: Clust
     windows_then = s.windows_ingested
     wait_for(lambda: (s := status(address)) is not None and s.windows_ingested > windows_then + 2, 30,
              "windows resume")
+    last_step = stop_together(stop, range(4))
     assert [w.wait(timeout=200) for w in workers] == [0] * 4
     after = [pod.metrics() for pod in pods]
     assert [pod.stop() for pod in pods] == [0, 0]
@@ -289,7 +294,7 @@ def test_controller_gone_for_10s_no_step_waits_and_windows_resume(cluster: Clust
         assert m["rebalancer_sidecar_upstream_reconnects_total"] >= 1
         assert m["rebalancer_sidecar_upstream_up"] == 1
     results = cluster.results(config)
-    assert all(r["steps"] == config.steps for r in results)
+    assert all(r["steps"] == last_step for r in results)
     assert_same_math_and_one_version_per_step(results)
     for rank in range(4):  # invariant 3: no step waited, serving went on at its pace
         times = cluster.step_times(rank)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -135,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--stop-file", default="",
                    help="stop at the step written in this file, once it appears (every rank "
-                        "stops at the same step; for harnesses that run an open-ended group)")
+                        "stops at the same step; for harnesses that run an open-ended group). "
+                        "Each rank writes the step it is at to <stop-file>.rank<r> every 8 "
+                        "steps, so that a harness can pick a step ahead of every rank")
     p.add_argument("--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -234,9 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     step = 0
     stop_at: int | None = None
     while step < args.steps or (hook.version < args.wait_version and time.monotonic() < deadline):
-        if args.stop_file and stop_at is None and step % 8 == 0 and os.path.exists(args.stop_file):
-            with open(args.stop_file) as f:
-                stop_at = int(f.read().strip() or 0)
+        if args.stop_file and step % 8 == 0:
+            if stop_at is None and os.path.exists(args.stop_file):
+                with open(args.stop_file) as f:
+                    stop_at = int(f.read().strip() or 0)
+            write_progress(f"{args.stop_file}.rank{args.rank}", step)
         if stop_at is not None and step >= stop_at:
             break
         t0 = time.perf_counter()
@@ -300,12 +305,52 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f)
     if not settled:
         # A transfer is blocked on a peer that left: a gloo call cannot be interrupted,
-        # and tearing the groups down under it aborts the process. Leave as is.
+        # and tearing the groups down under it aborts the process. Leave as is (saying so,
+        # so that no peer waits for this rank's goodbye).
+        if not args.local:
+            with contextlib.suppress(RuntimeError):
+                dist.distributed_c10d._get_default_store().add(LEFT, 1)
         os._exit(0)
     if not args.local:  # with peers possibly dead, leave without a collective goodbye
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_group(args.rank, args.world)
     return 0
+
+
+# The goodbye's counters in the group's store (leave_group): ranks done, ranks gone after
+# it, ranks that left without it.
+DONE, GONE, LEFT = "cpu_worker/done", "cpu_worker/gone", "cpu_worker/left"
+
+
+def write_progress(path: str, step: int) -> None:
+    """The step this rank is at, in `path` (replaced whole: a reader never sees half)."""
+    with open(f"{path}.tmp", "w") as f:
+        f.write(str(step))
+    os.replace(f"{path}.tmp", path)
+
+
+def leave_group(rank: int, world: int, timeout: float = 60.0) -> None:
+    """Tear the process group down once every rank is done with it.
+
+    The goodbye goes through the group's store, not a gloo barrier: a rank that leaves
+    the moment its barrier completes can close its pairs while a starved peer has not yet
+    seen its own barrier complete, and that peer's barrier then fails ("Connection closed
+    by peer": a rank that served every step exits 1). With no collective in flight, a
+    peer closing its pairs is harmless. Rank 0 holds the store, so it leaves last."""
+    store = dist.distributed_c10d._get_default_store()
+    deadline = time.monotonic() + timeout
+    try:
+        store.add(DONE, 1)
+        while store.add(DONE, 0) + store.add(LEFT, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if rank != 0:
+            store.add(GONE, 1)
+        else:
+            while store.add(GONE, 0) + store.add(LEFT, 0) < world - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+    except RuntimeError:  # rank 0 left without its goodbye (a transfer of its was blocked)
+        log.warning("rank %d: the group's store is gone; leaving without a goodbye", rank)
+        return
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -67,3 +67,27 @@ def test_commit_while_the_store_refuses_writes_is_recorded_later(tmp_path: Path)
     ctl.tick()
     assert ctl.store.load_deployments()[0].committed_version == version
     assert ctl.store.plans("d")[0].state == "committed"
+
+
+def test_a_late_confirmation_while_the_store_refuses_writes_is_adopted_and_recorded_later(tmp_path: Path) -> None:
+    """Found by the short chaos campaign on a loaded machine: the ranks switched to a plan
+    the controller had finished unconfirmed, their one COMMITTED report came while the
+    store's disk was full, the adoption's write raised, the report was refused (and never
+    told again), and the controller stayed on the older version with no plan in flight
+    for good (store v6, controller v6, ranks on v7)."""
+    ctl, clock, sessions, version = started(tmp_path)
+    dep = ctl.deployment("d")
+    for sid in sessions:
+        ctl.report(sid, version, "prepared")
+    for rank, sid in enumerate(sessions):  # every link dropped after Commit went out
+        ctl.detach(sid)
+        session, _ = ctl.register("d", rank, SHAPE, 0, None, f"w{rank}")
+        ctl.attach(session.session_id, lambda kind, plan: None)
+        sessions[rank] = session.session_id
+    assert dep.plan is None and dep.version == 0  # finished unconfirmed: the ranks came back on v0
+    refuse_writes(ctl.store, True)
+    ctl.report(sessions[0], version, "committed")  # they switched after all: told once
+    assert dep.version == version
+    refuse_writes(ctl.store, False)
+    ctl.tick()
+    assert ctl.store.load_deployments()[0].committed_version == version

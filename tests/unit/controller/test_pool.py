@@ -70,3 +70,25 @@ def test_the_worker_runs_below_the_controllers_priority() -> None:
             pool.close()
 
     assert asyncio.run(main()) == min(os.nice(0) + DECISION_NICENESS, 19)
+
+
+def test_close_does_not_wait_for_a_running_decision() -> None:
+    """Found by the chaos campaign beside a CPU hog: a SIGTERM'd controller took 12-16 s to
+    come back, its drain waiting for the decision its low-priority worker was running on a
+    starved node (a result the draining controller drops anyway). Now close ends it."""
+    import time
+
+    async def main() -> tuple[float, int]:
+        pool = DecisionPool()
+        pool.start()
+        pid = pool.worker_pid
+        assert pid is not None
+        pool.submit(functools.partial(time.sleep, 30), lambda result: None)  # a decision that takes long
+        await asyncio.sleep(1.0)  # it is running in the worker
+        start = time.monotonic()
+        pool.close()
+        return time.monotonic() - start, pid
+
+    seconds, pid = asyncio.run(main())
+    assert seconds < 5.0, f"close waited {seconds:.1f} s for the running decision"
+    assert not _alive(pid)
