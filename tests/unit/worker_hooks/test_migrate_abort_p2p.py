@@ -30,11 +30,14 @@ from worker_hooks.rows import RowMap
 def _worker(rank: int, out: str, when: str, old: np.ndarray, first: np.ndarray, second: np.ndarray,
             new: np.ndarray) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rdzv", rank=rank, world_size=G)
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    # Timeouts far above what a loaded machine needs: the outcome must not depend on
+    # speed (a peer slower than the fence's wait would decline the plan, one slower than
+    # the group's timeout would time it out; neither is what this test is about).
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
     weights = weights_for(old, rank)
     rows = RowMap(G, L, S, 0)
-    ex = MigrationExecutor(rank, G, weights, group, MigrationConfig("p2p", layers_per_chunk=1, rounds_in_flight=1),
-                           row_map=rows)
+    config = MigrationConfig("p2p", layers_per_chunk=1, rounds_in_flight=1, join_seconds=30.0)
+    ex = MigrationExecutor(rank, G, weights, group, config, row_map=rows)
     if rank == 1 and when == "before":  # only rank 1 heard plan 7 was aborted, before its transfers
         ex.abort(7)
     if rank == 1 and when == "during":  # ... once every rank had started them
