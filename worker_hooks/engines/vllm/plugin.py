@@ -132,3 +132,16 @@ class RebalancerWorkerExtension:
     def destroy_worker_extension(self) -> None:
         if _adapter is not None:
             _adapter.finish()
+
+
+def save_load_dump(eplb_state: Any, path: str) -> None:
+    """Save vLLM's load window and map (its first model) with torch, in the form
+    `rebalancer plan --counts` reads (rebalancer/formats.py). vLLM has no dump of its own."""
+    import torch
+
+    model_state = next(iter(eplb_state.model_states.values()))
+    torch.save({
+        "expert_load_window": model_state.expert_load_window.detach().cpu(),
+        "physical_to_logical_map": model_state.physical_to_logical_map.detach().cpu(),
+        "num_logical_experts": int(model_state.model.num_logical_experts),
+    }, path)
