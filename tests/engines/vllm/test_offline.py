@@ -68,10 +68,11 @@ def test_vllm_window_dump_is_planned(tmp_path: Path) -> None:
                          env=vllm_env.environment(), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     # vLLM's initial map: slots 0..3 hold experts 0..3, slots 4, 5 hold experts 0, 1.
-    expected = np.array([[(l + 1) * 3 * (s + 1 + (s + 5 if s < 2 else 0)) for s in range(4)]
-                         for l in range(2)], dtype=np.float64)
+    expected = np.array([[(layer + 1) * 3 * (s + 1 + (s + 5 if s < 2 else 0)) for s in range(4)]
+                         for layer in range(2)], dtype=np.float64)
     assert np.array_equal(read_counts(dump).logical, expected)
-    plan = subprocess.run([sys.executable, "-c", "import sys; from rebalancer.cli import main; sys.exit(main())", "plan", "--counts", str(dump),
+    cli = "import sys; from rebalancer.cli import main; sys.exit(main())"
+    plan = subprocess.run([sys.executable, "-c", cli, "plan", "--counts", str(dump),
                            "--gpus", "2", "--slots", "6", "--json"], cwd=vllm_env.ROOT,
                           capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr

@@ -208,6 +208,7 @@ def main() -> None:
         if not model_state.rebalanced or model_state.pending_result is not None:
             return
         if not hasattr(drive_async, "plan"):
+            state.rearrange_event.wait()  # what the thread waits on: rearrange() recorded it
             old = model_state.physical_to_logical_map.cpu()
             new = async_worker.run_rebalance_experts(model_state, state, old, None)
             drive_async.plan = (old, new, 0)  # type: ignore[attr-defined]
@@ -231,7 +232,7 @@ def main() -> None:
     mismatches = 0
     step_seconds: list[float] = []
     stale_hooked = False
-    for step in range(args.steps):
+    for _step in range(args.steps):
         started = time.perf_counter()
         for layer_index, layer in enumerate(model.moe_layers):
             p = np.roll(popularity, layer_index) / popularity.sum()
