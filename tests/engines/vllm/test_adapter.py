@@ -22,6 +22,7 @@ import pytest
 from rebalancer.controller.decide import PolicyConfig
 from tests.engines.vllm import vllm_env
 from tests.integration.conftest import start_controller
+from worker_hooks.agent import AgentConfig
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,6 +30,9 @@ pytestmark = [
 ]
 
 WORLD = 4
+# A step that waited on the unreachable controller would take at least the agent's RPC
+# deadline (AgentConfig.rpc_timeout_seconds); no step may come near it.
+RPC_TIMEOUT = AgentConfig.rpc_timeout_seconds
 DEPLOYMENT = "vllm-test"
 FAST_POLICY = PolicyConfig(
     min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
@@ -135,12 +139,15 @@ def test_stale_plan_on_one_rank_keeps_every_rank_on_the_old_map(tmp_path: Path) 
 
 
 def _unblocked(results: dict[int, dict], steps: int) -> float:
-    """Every rank ran every step on one map matching its weights; the largest step gap."""
+    """Every rank ran every step on one map matching its weights; the largest step gap
+    after the first (the first builds the adapter: imports and the agent thread)."""
     for r in results.values():
         assert r["steps"] == steps
         assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
     maps = [np.asarray(r["phy2log"]) for r in results.values()]
     assert all(np.array_equal(m, maps[0]) for m in maps)
+    first = max(r["first_step_seconds"] for r in results.values())
+    print(f"first step (adapter start): {first:.3f} s")
     return max(r["max_step_seconds"] for r in results.values())
 
 
@@ -170,12 +177,12 @@ def test_controller_lost_mid_run_never_blocks_a_step(tmp_path: Path) -> None:
     assert codes == [0] * WORLD, _logs(tmp_path)
     gap = _unblocked(results, 160)
     print(f"largest step gap with the controller lost mid-run: {gap:.3f} s")
-    assert gap < 5.0
+    assert gap < RPC_TIMEOUT
 
 
 def test_controller_unreachable_never_blocks_a_step(tmp_path: Path) -> None:
     # Nothing listens at this address, from the start to the end of the run.
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=80, timeout=180)
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=80)
     assert codes == [0] * WORLD, _logs(tmp_path)
     gap = _unblocked(results, 80)
     print(f"largest step gap with the controller unreachable: {gap:.3f} s")
@@ -185,4 +192,4 @@ def test_controller_unreachable_never_blocks_a_step(tmp_path: Path) -> None:
         assert len(r["rearrangements"]) == 80 // 20
         assert all("installed" not in a for a in r["rearrangements"])
     assert np.array_equal(np.asarray(results[0]["phy2log"]), np.asarray(results[0]["initial_phy2log"]))
-    assert gap < 5.0
+    assert gap < RPC_TIMEOUT
