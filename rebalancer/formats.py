@@ -1,7 +1,7 @@
 """Files the rebalancer reads and writes: expert counts and placements.
 
 Counts arrive in the forms the engines already dump (SGLang's summed JSON and `.pt`
-expert-distribution dumps, `.npz`); placements are saved as PLACEMENT.json and can be
+expert-distribution dumps, `.npz`, vLLM's EPLB load window saved with torch); placements are saved as PLACEMENT.json and can be
 exported in the form SGLang's `--init-expert-location` takes. Every malformed file is
 refused with an InputError whose one line says what is wrong and where.
 
@@ -195,6 +195,36 @@ def _whole_if_whole(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+# vLLM has no load dump of its own: its EPLB window saved with torch
+# (worker_hooks.engines.vllm.save_load_dump) holds vLLM's two tensors under their names.
+VLLM_WINDOW = "expert_load_window"      # [W, L, P] or [L, P] tokens per physical slot
+VLLM_MAP = "physical_to_logical_map"    # [L, P] the logical expert of each slot
+VLLM_NUM_LOGICAL = "num_logical_experts"
+
+
+def _vllm_logical_counts(data: Mapping[str, Any], path: Path) -> np.ndarray:
+    """`[L, E]` from a vLLM window: each slot's tokens go to the expert it held."""
+    import torch
+
+    window, phy2log = data.get(VLLM_WINDOW), data.get(VLLM_MAP)
+    if not isinstance(window, torch.Tensor) or not isinstance(phy2log, torch.Tensor):
+        raise InputError(f"{path}: a vLLM dump needs tensors '{VLLM_WINDOW}' and '{VLLM_MAP}'")
+    counts = window.detach().to(torch.float64).numpy()
+    mapping = phy2log.detach().to(torch.int64).numpy()
+    if counts.ndim == 3:
+        counts = counts.sum(axis=0)
+    if mapping.ndim != 2 or counts.shape != mapping.shape:
+        raise InputError(f"{path}: '{VLLM_WINDOW}' {list(window.shape)} does not fit "
+                         f"'{VLLM_MAP}' {list(phy2log.shape)} ([W, L, P] or [L, P] against [L, P])")
+    num_logical = int(data.get(VLLM_NUM_LOGICAL, int(mapping.max(initial=-1)) + 1))
+    if mapping.size and (mapping.min() < 0 or mapping.max() >= num_logical):
+        raise InputError(f"{path}: '{VLLM_MAP}' holds experts outside 0..{num_logical - 1}")
+    logical = np.zeros((mapping.shape[0], num_logical), dtype=np.float64)
+    for layer in range(mapping.shape[0]):
+        np.add.at(logical[layer], mapping[layer], counts[layer])
+    return logical
+
+
 def _load_torch_counts(path: Path) -> dict[str, np.ndarray]:
     """The count arrays of an SGLang expert-distribution `.pt` dump, or of one with the
     extra keys of `read_counts` (torch imported here only, so the controller stays
@@ -208,6 +238,8 @@ def _load_torch_counts(path: Path) -> dict[str, np.ndarray]:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a bad file
         raise InputError(f"{path}: not a readable torch file ({type(exc).__name__})") from None
+    if isinstance(data, dict) and LOGICAL_COUNT not in data and VLLM_WINDOW in data:
+        return {LOGICAL_COUNT: _vllm_logical_counts(data, path)}
     if isinstance(data, dict):
         if LOGICAL_COUNT not in data:
             raise InputError(f"{path}: missing key '{LOGICAL_COUNT}'")

@@ -1,0 +1,195 @@
+"""The vLLM adapter on vLLM's real EPLB code: 4 gloo ranks, a real controller.
+
+Each rank (tests/engines/vllm/worker.py, which names every stand-in) loads the plugin
+through vLLM's own entry-point loader, counts into vLLM's load window, and lets vLLM's
+`EplbState.step` -> `rearrange` -> policy call -> `rearrange_expert_weights_inplace`
+(sync) or the async per-layer path move the weights between the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rebalancer.controller.decide import PolicyConfig
+from tests.engines.vllm import vllm_env
+from tests.integration.conftest import start_controller
+from worker_hooks.agent import AgentConfig
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not vllm_env.available(), reason=vllm_env.MISSING),
+]
+
+WORLD = 4
+# A step that waited on the unreachable controller would take at least the agent's RPC
+# deadline (AgentConfig.rpc_timeout_seconds); no step may come near it.
+RPC_TIMEOUT = AgentConfig.rpc_timeout_seconds
+DEPLOYMENT = "vllm-test"
+FAST_POLICY = PolicyConfig(
+    min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
+    decay=0.5, min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
+    step_seconds=0.01,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
+               common: list[str] | None = None, timeout: float = 240,
+               during: Callable[[], None] | None = None) -> tuple[list[int], dict[int, dict]]:
+    env = vllm_env.environment(
+        REBALANCER_ADDRESS=address, REBALANCER_DEPLOYMENT=DEPLOYMENT, REBALANCER_WINDOW_STEPS="4",
+    )
+    port = _free_port()
+    procs = []
+    try:
+        for rank in range(WORLD):
+            cmd = [sys.executable, "-m", "tests.engines.vllm.worker", "--rank", str(rank),
+                   "--world", str(WORLD), "--port", str(port), "--steps", str(steps),
+                   "--out", str(tmp_path / f"rank{rank}.json"), *(common or []),
+                   *(extra or {}).get(rank, [])]
+            log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
+            procs.append((subprocess.Popen(cmd, cwd=vllm_env.ROOT, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT), log))
+        if during is not None:
+            during()
+        codes = [p.wait(timeout=timeout) for p, _ in procs]
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text())
+               for r in range(WORLD) if codes[r] == 0}
+    return codes, results
+
+
+def _logs(tmp_path: Path) -> str:
+    return "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
+
+
+def _check_commits(tmp_path: Path, mode: list[str]) -> None:
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    assert ctl.server is not None
+    try:
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=120, common=mode)
+        dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
+        tokens_folded = ctl.call(lambda: dep.stats.tokens_folded)
+    finally:
+        ctl.stop()
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    assert dep.stats.plans_committed >= 1, _logs(tmp_path)
+    committed = np.asarray(dep.phy2log)
+    for r in results.values():
+        assert r["policy"] == "ControllerEplbPolicy"  # the plugin replaced vLLM's default
+        # vLLM's own map on every rank is the controller's placement, weights match it.
+        assert r["version"] == dep.version
+        assert np.array_equal(np.asarray(r["phy2log"]), committed)
+        assert r["weights_match_map"]
+        assert r["dispatch_mismatches"] == 0
+        # Counts streamed from vLLM's window equal the tokens this rank routed.
+        assert r["tokens_sent"] == r["routed"] == 120 * 3 * 16 * 2
+    # The controller folded every routed (token, k) pair of every rank.
+    assert tokens_folded == sum(r["routed"] for r in results.values())
+    # All ranks switched at the same step to the same versions.
+    assert len({json.dumps(r["commits"]) for r in results.values()}) == 1
+
+
+def test_sync_plans_commit_through_vllm_rearrange(tmp_path: Path) -> None:
+    _check_commits(tmp_path, [])
+
+
+def test_async_plans_commit_layer_by_layer(tmp_path: Path) -> None:
+    _check_commits(tmp_path, ["--async-mode"])
+
+
+def test_stale_plan_on_one_rank_keeps_every_rank_on_the_old_map(tmp_path: Path) -> None:
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    assert ctl.server is not None
+    try:
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=120,
+                                    extra={3: ["--stale-plan"]}, timeout=240)
+    finally:
+        ctl.stop()
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    refused = [[a for a in r["rearrangements"] if a.get("agreed_version") == 1] for r in results.values()]
+    assert all(len(a) >= 1 for a in refused), _logs(tmp_path)
+    for per_rank in refused:
+        assert "refused" in per_rank[0] and "installed" not in per_rank[0]
+    # No rank switched to v1; every rank serves one map that matches its weights.
+    maps = [np.asarray(r["phy2log"]) for r in results.values()]
+    assert all(np.array_equal(m, maps[0]) for m in maps)
+    for r in results.values():
+        assert all(v != 1 for _, v in r["commits"])
+        assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
+
+
+def _unblocked(results: dict[int, dict], steps: int) -> float:
+    """Every rank ran every step on one map matching its weights; the largest step gap
+    after the first (the first builds the adapter: imports and the agent thread)."""
+    for r in results.values():
+        assert r["steps"] == steps
+        assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
+    maps = [np.asarray(r["phy2log"]) for r in results.values()]
+    assert all(np.array_equal(m, maps[0]) for m in maps)
+    first = max(r["first_step_seconds"] for r in results.values())
+    print(f"first step (adapter start): {first:.3f} s")
+    return max(r["max_step_seconds"] for r in results.values())
+
+
+def test_controller_lost_mid_run_never_blocks_a_step(tmp_path: Path) -> None:
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    assert ctl.server is not None
+
+    def stop_once_counting() -> None:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            def ingested() -> int:
+                dep = ctl.server.controller.deployments.get(DEPLOYMENT)  # type: ignore[union-attr]
+                return dep.stats.windows_ingested if dep is not None else 0
+
+            if ctl.call(ingested) >= 8:
+                break
+            time.sleep(0.2)
+        ctl.stop()
+        stopped.append(True)
+
+    stopped: list[bool] = []
+    try:
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=160, during=stop_once_counting)
+    finally:
+        if not stopped:
+            ctl.stop()
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    gap = _unblocked(results, 160)
+    print(f"largest step gap with the controller lost mid-run: {gap:.3f} s")
+    assert gap < RPC_TIMEOUT
+
+
+def test_controller_unreachable_never_blocks_a_step(tmp_path: Path) -> None:
+    # Nothing listens at this address, from the start to the end of the run.
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=80)
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    gap = _unblocked(results, 80)
+    print(f"largest step gap with the controller unreachable: {gap:.3f} s")
+    for r in results.values():
+        assert r["version"] == 0 and r["commits"] == []
+        # vLLM reached its rearrangement point 4 times; each kept the served map.
+        assert len(r["rearrangements"]) == 80 // 20
+        assert all("installed" not in a for a in r["rearrangements"])
+    assert np.array_equal(np.asarray(results[0]["phy2log"]), np.asarray(results[0]["initial_phy2log"]))
+    assert gap < RPC_TIMEOUT

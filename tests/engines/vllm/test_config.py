@@ -1,0 +1,66 @@
+"""The vLLM adapter without vLLM: importing it costs nothing, using it names the extra,
+its settings are checked, and the agreement's pure parts refuse what cannot be installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rebalancer.errors import InputError
+from tests.engines.vllm import vllm_env
+from worker_hooks.engines.vllm.adapter import NO_PLAN, plan_hash, plan_misfit
+from worker_hooks.engines.vllm.config import VLLMAdapterConfig
+
+
+def test_import_without_vllm_and_register_names_the_extra() -> None:
+    code = (
+        "import sys, worker_hooks.engines.vllm as v\n"
+        "assert 'vllm' not in sys.modules\n"
+        "v.register()  # REBALANCER_ADDRESS unset: nothing to do, vLLM never imported\n"
+        "assert 'vllm' not in sys.modules\n"
+        "import os; os.environ['REBALANCER_ADDRESS'] = '127.0.0.1:1'\n"
+        "try:\n"
+        "    v.register()\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {k: v for k, v in vllm_env.environment().items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(vllm_env.ROOT)
+    env.pop("REBALANCER_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=vllm_env.ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("the vLLM adapter needs vLLM (vllm is not installed): "
+                                  "pip install 'moe-rebalancer[vllm]'")
+
+
+def test_config_from_env() -> None:
+    assert VLLMAdapterConfig.from_env({}) is None
+    config = VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "unix:/s", "REBALANCER_WINDOW_STEPS": "8",
+                                         "REBALANCER_COUNT_DUPLICATES": "4"})
+    assert config == VLLMAdapterConfig("unix:/s", window_steps=8, count_duplicates=4)
+    with pytest.raises(InputError, match="REBALANCER_WINDOW_STEPS='x' is not an int"):
+        VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_WINDOW_STEPS": "x"})
+    with pytest.raises(InputError, match="COUNT_DUPLICATES must be >= 1"):
+        VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_COUNT_DUPLICATES": "0"})
+
+
+def test_plan_hash_tells_plans_and_versions_apart() -> None:
+    plan = np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64)
+    other = plan.copy()
+    other[0, [0, 1]] = other[0, [1, 0]]
+    assert plan_hash(1, plan) == plan_hash(1, plan.astype(np.int32))
+    assert plan_hash(1, plan) != plan_hash(1, other)
+    assert plan_hash(1, plan) != plan_hash(2, plan)
+    assert 0 < plan_hash(1, plan) < 2**63 and plan_hash(1, plan) != NO_PLAN
+
+
+def test_plan_misfit() -> None:
+    serving = np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64)
+    assert plan_misfit(np.array([[3, 2, 1, 0, 3, 2]]), serving, 4) is None
+    assert "vLLM serves [1, 6]" in (plan_misfit(np.zeros((1, 4), dtype=np.int64), serving, 4) or "")
+    assert plan_misfit(np.array([[0, 1, 2, 0, 1, 2]]), serving, 4) is not None  # expert 3 missing
+    assert plan_misfit(np.array([[0, 1, 2, 3, 4, 1]]), serving, 4) is not None  # no expert 4

@@ -1,0 +1,35 @@
+"""Where the vLLM tests find vLLM: its own folder, never the project's venv.
+
+vLLM pins CUDA torch (the venv has 2.13.0 CPU), so scripts/vllm_env.sh installs the
+vllm 0.33.0 wheel (compiled extensions removed) and the light packages its EPLB code
+imports with `--no-deps` into .ci/tools/vllm-site (CI: `.ci/run --tools`, which fails
+when it cannot). The tests run vLLM in worker processes with that folder on PYTHONPATH
+and VLLM_TARGET_DEVICE=cpu, and skip with the reason when the folder is missing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+SITE = Path(os.environ.get("REBALANCER_VLLM_SITE", ROOT / ".ci" / "tools" / "vllm-site"))
+VERSION = "0.33.0"
+MISSING = f"vLLM is not provisioned at {SITE}: run scripts/vllm_env.sh (CI: .ci/run --tools)"
+
+
+def available() -> bool:
+    return (SITE / f".provisioned-{VERSION}").is_file()
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """The environment of a process that imports vLLM: the repo, then vLLM's folder."""
+    env = dict(os.environ)
+    paths = [str(ROOT), str(SITE)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.update(extra)
+    return env

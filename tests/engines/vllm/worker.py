@@ -1,0 +1,294 @@
+"""One vLLM EP rank on CPU for the adapter's tests: vLLM's real EPLB code, a tiny MoE.
+
+Run by tests/engines/vllm/test_adapter.py as `python -m tests.engines.vllm.worker` with
+vLLM's folder on PYTHONPATH and VLLM_TARGET_DEVICE=cpu. Real parts: vLLM's plugin loader
+(`load_general_plugins` finds worker_hooks.engines.vllm:register by entry point), its
+`EPLB_POLICIES`, `ParallelConfig`/`EPLBConfig`, `EplbState` (`add_model`, `step`,
+the load window and its cursor, `rearrange`, `_commit_eplb_maps`), the policy call,
+`rearrange_expert_weights_inplace` and `TorchDistGlooStagedEplbCommunicator` moving the
+weights between the gloo ranks, and in async mode the async worker's own per-layer
+`run_rebalance_experts`/`transfer_layer` plus `EplbState.step`'s `_move_to_workspace`.
+The extension class is resolved by name as vLLM does (`resolve_obj_by_qualname`).
+
+Stand-ins, and why they do not hollow the claim (none touches the adapter's path):
+  * `torch.accelerator.current_stream` (the gloo communicator waits on it for the
+    device-to-host copies; there is no device) and `torch.Event` (vLLM times the
+    rearrangement with it on rank 0): CPU no-ops; the tensors are CPU tensors already.
+  * the EP/EPLB group coordinators (`parallel_state._EP`, `_EPLB`): an object with
+    `device_group`/`cpu_group`, both a gloo group over the 4 ranks, the two attributes
+    vLLM's EPLB code reads; `_NODE_COUNT` = 1. vLLM's real getters return them.
+  * the model: `TinyMoE` implements vLLM's `MixtureOfExperts` attributes EPLB reads
+    (expert_weights per layer, counts, `set_eplb_state`); routing is done here: token
+    ids go to a physical slot through vLLM's `logical_to_physical_map` and are counted
+    into vLLM's `expert_load_view`, as vLLM's router does on the device.
+  * `ParallelConfig` is built without `enable_eplb` (its validation refuses EPLB off
+    CUDA/ROCm/XPU); the `EPLBConfig` EplbState reads is validated as in vLLM.
+  * the model runner: an object whose `eplb_step` calls `EplbState.step` as vLLM's
+    `GPUModelRunner.eplb_step` does; `ModelConfig`: an object with `compute_hash()`.
+  * async mode: vLLM's async thread (`transfer_run_periodically`) needs an accelerator
+    stream; its per-layer path (the policy call, `transfer_layer`, the pending result
+    consumed by `step`) is driven here by hand, layer by layer, between steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import types
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+NUM_LAYERS = 3
+NUM_EXPERTS = 8
+REDUNDANT = 4          # 12 slots over 4 ranks
+TOP_K = 2
+TOKENS = 16
+SHAPES = ((4, 3), (3,))  # two weight tensors per expert, like w13 and w2
+
+
+def reference_weights(layer: int, expert: int) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * layer + expert)
+    return [torch.randn(shape, generator=g) for shape in SHAPES]
+
+
+def install_stand_ins(torch, group) -> None:  # noqa: ANN001
+    from vllm.distributed import parallel_state
+
+    class CpuStream:
+        def synchronize(self) -> None:
+            pass
+
+    class CpuEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.at = 0.0
+
+        def record(self, stream=None) -> None:  # noqa: ANN001
+            self.at = time.perf_counter()
+
+        def synchronize(self) -> None:
+            pass
+
+        def wait(self, stream=None) -> None:  # noqa: ANN001
+            pass
+
+        def elapsed_time(self, other: CpuEvent) -> float:
+            return (other.at - self.at) * 1000.0
+
+    torch.accelerator.current_stream = lambda *a, **k: CpuStream()
+    torch.Event = CpuEvent
+    coordinator = types.SimpleNamespace(device_group=group, cpu_group=group,
+                                        rank_in_group=group.rank(), world_size=group.size())
+    parallel_state._EP = coordinator
+    parallel_state._EPLB = coordinator
+    parallel_state._NODE_COUNT = 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--interval", type=int, default=20, help="vLLM's step_interval")
+    parser.add_argument("--step-sleep", type=float, default=0.01)
+    parser.add_argument("--async-mode", action="store_true")
+    parser.add_argument("--stale-plan", action="store_true",
+                        help="this rank stages a different map for the first plan")
+    args = parser.parse_args()
+    rank = args.rank
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                            world_size=args.world, timeout=timedelta(seconds=60))
+    group = dist.new_group(backend="gloo")
+    install_stand_ins(torch, group)
+
+    from vllm.config import ParallelConfig
+    from vllm.config.parallel import EPLBConfig
+    from vllm.distributed.eplb import async_worker, eplb_state, rebalance_execute
+    from vllm.distributed.eplb.eplb_state import EplbState
+    from vllm.plugins import load_general_plugins
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    load_general_plugins()  # vLLM's own loader: finds the rebalancer's entry point
+    from vllm.distributed.eplb.policy import EPLB_POLICIES
+
+    policy_name = EPLB_POLICIES["default"].__name__
+    slots = (NUM_EXPERTS + REDUNDANT) // args.world
+
+    class TinyLayer:
+        def __init__(self, layer: int, phy2log: list[int]) -> None:
+            local = phy2log[rank * slots:(rank + 1) * slots]
+            self.weights = [torch.stack([reference_weights(layer, e)[i] for e in local])
+                            for i in range(len(SHAPES))]
+            self.load_view = self.l2p = self.count = None
+
+        def get_expert_weights(self) -> list:
+            return self.weights
+
+        def set_eplb_state(self, moe_layer_idx, expert_load_view, logical_to_physical_map,  # noqa: ANN001
+                           logical_replica_count) -> None:
+            self.load_view = expert_load_view[moe_layer_idx]
+            self.l2p = logical_to_physical_map[moe_layer_idx]
+            self.count = logical_replica_count[moe_layer_idx]
+
+    initial = EplbState.build_initial_global_physical_to_logical_map(NUM_EXPERTS, REDUNDANT)
+
+    class TinyMoE:
+        num_moe_layers = NUM_LAYERS
+        num_expert_groups = 1
+        num_logical_experts = NUM_EXPERTS
+        num_physical_experts = NUM_EXPERTS + REDUNDANT
+        num_local_physical_experts = slots
+        num_routed_experts = NUM_EXPERTS
+        num_shared_experts = 0
+        num_redundant_experts = REDUNDANT
+
+        def __init__(self) -> None:
+            self.moe_layers = [TinyLayer(layer, list(initial)) for layer in range(NUM_LAYERS)]
+            self.expert_weights: list = []
+
+        def set_eplb_state(self, expert_load_view, logical_to_physical_map, logical_replica_count) -> None:  # noqa: ANN001
+            self.expert_weights = [layer.get_expert_weights() for layer in self.moe_layers]
+            for i, layer in enumerate(self.moe_layers):
+                layer.set_eplb_state(i, expert_load_view, logical_to_physical_map, logical_replica_count)
+
+    # vLLM's validation refuses enable_eplb off CUDA/ROCm/XPU; EplbState reads only
+    # eplb_config (and num_ubatches), validated as usual; the redundant count is the
+    # model's (TinyMoE), as EplbState reads it.
+    parallel_config = ParallelConfig(
+        enable_expert_parallel=True,
+        eplb_config=EPLBConfig(window_size=args.interval, step_interval=args.interval,
+                               use_async=args.async_mode,
+                               communicator="torch_gloo"),
+    )
+    model = TinyMoE()
+    model_config = types.SimpleNamespace(model="tiny-moe", compute_hash=lambda: "tiny-moe")
+    state = EplbState(parallel_config, torch.device("cpu"))
+    state.add_model(model, model_config)  # type: ignore[arg-type]
+    model_state = next(iter(state.model_states.values()))
+
+    class Runner:
+        eplb_state = state
+
+        def eplb_step(self, is_dummy: bool = False, is_profile: bool = False) -> None:
+            self.eplb_state.step(is_dummy, is_profile, log_stats=False)
+
+    extension = resolve_obj_by_qualname("worker_hooks.engines.vllm.RebalancerWorkerExtension")
+    worker_cls = type("TinyWorker", (extension,), {})
+    worker = worker_cls()
+    worker.model_runner = Runner()
+    worker.init_worker_extension()
+    runner = worker.model_runner
+
+    from worker_hooks.engines.vllm import plugin
+
+    if args.stale_plan:  # the first plan staged here differs from the controller's
+        original_prepare = None
+
+        def stale_prepare(prepare) -> None:  # noqa: ANN001
+            adapter = plugin.current_adapter()
+            original_prepare(prepare)
+            with adapter._lock:
+                plan = adapter._staged.get(prepare.version)
+                if plan is not None and prepare.version == 1:
+                    plan[:, [0, 1]] = plan[:, [1, 0]]
+
+    # Async mode, by hand: what vLLM's async thread does per rearrangement (see above).
+    def drive_async() -> None:
+        if not model_state.rebalanced or model_state.pending_result is not None:
+            return
+        if not hasattr(drive_async, "plan"):
+            state.rearrange_event.wait()  # what the thread waits on: rearrange() recorded it
+            old = model_state.physical_to_logical_map.cpu()
+            new = async_worker.run_rebalance_experts(model_state, state, old, None)
+            drive_async.plan = (old, new, 0)  # type: ignore[attr-defined]
+        old, new, layer = drive_async.plan  # type: ignore[attr-defined]
+        metadata = rebalance_execute.transfer_layer(
+            old_layer_indices=old[layer], new_layer_indices=new[layer],
+            expert_weights=model.expert_weights[layer], expert_weights_buffer=model_state.expert_buffer,
+            communicator=model_state.communicator, ep_group=group, is_profile=False, stream=None,
+            layer_idx=layer)
+        model_state.pending_result = rebalance_execute.AsyncEplbLayerResult(
+            layer_idx=layer, new_physical_to_logical_map=new[layer], transfer_metadata=metadata,
+            consumed_event=eplb_state.CpuGpuEvent())
+        if layer + 1 == NUM_LAYERS:
+            del drive_async.plan  # type: ignore[attr-defined]
+        else:
+            drive_async.plan = (old, new, layer + 1)  # type: ignore[attr-defined]
+
+    popularity = np.array([8, 6, 1, 1, 1, 1, 1, 1], dtype=np.float64)
+    rng = np.random.default_rng(rank)
+    routed = np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64)
+    mismatches = 0
+    step_seconds: list[float] = []
+    stale_hooked = False
+    # vLLM's workers leave start-up together (its profile run and KV-cache set-up are
+    # collectives); without this the first rearrangement would time our import skew.
+    dist.barrier(group)
+    for _step in range(args.steps):
+        started = time.perf_counter()
+        for layer_index, layer in enumerate(model.moe_layers):
+            p = np.roll(popularity, layer_index) / popularity.sum()
+            ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)])
+            np.add.at(routed[layer_index], ids.ravel(), 1)
+            logical = torch.from_numpy(ids).long()
+            replicas = layer.count[logical]
+            pick = torch.arange(logical.numel()).reshape(logical.shape) % replicas
+            physical = layer.l2p[logical, pick]
+            layer.load_view.scatter_add_(0, physical.ravel(), torch.ones(physical.numel(), dtype=torch.int32))
+            current = model_state.physical_to_logical_map[layer_index]
+            mismatches += int((current[physical] != logical).sum())
+        if args.async_mode:
+            drive_async()
+        runner.eplb_step()
+        step_seconds.append(time.perf_counter() - started)
+        adapter = plugin.current_adapter()
+        if args.stale_plan and adapter is not None and not stale_hooked:
+            original_prepare = adapter.on_prepare
+            adapter.on_prepare = stale_prepare
+            stale_hooked = True
+        time.sleep(args.step_sleep)
+        if _step % 20 == 0:
+            print(f"rank {rank}: step {_step}", flush=True)
+
+    adapter = plugin.current_adapter()
+    final = model_state.physical_to_logical_map.cpu()
+    weights_ok = all(
+        torch.equal(model.expert_weights[layer][i][s],
+                    reference_weights(layer, int(final[layer, rank * slots + s]))[i])
+        for layer in range(NUM_LAYERS) for s in range(slots) for i in range(len(SHAPES))
+    )
+    worker.destroy_worker_extension()
+    result = {
+        "rank": rank, "policy": policy_name, "version": adapter.version if adapter else None,
+        "commits": adapter.stats.commits if adapter else [],
+        "rearrangements": adapter.stats.rearrangements if adapter else [],
+        "windows": adapter.stats.windows if adapter else 0,
+        "tokens_sent": adapter.stats.tokens_sent if adapter else 0,
+        "routed": int(routed.sum()),
+        "phy2log": final.tolist(), "initial_phy2log": [list(initial)] * NUM_LAYERS,
+        "weights_match_map": weights_ok, "dispatch_mismatches": mismatches,
+        # The first step builds the adapter (imports gRPC and the protocol, starts the
+        # agent thread): a one-time start cost, reported apart from the steps after it.
+        "first_step_seconds": step_seconds[0], "max_step_seconds": max(step_seconds[1:]),
+        "steps": len(step_seconds),
+        "slowest_steps": sorted(range(len(step_seconds)), key=lambda i: -step_seconds[i])[:3],
+        "step_seconds": [round(x, 4) for x in step_seconds],
+        "pid": os.getpid(),
+    }
+    Path(args.out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

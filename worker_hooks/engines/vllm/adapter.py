@@ -1,0 +1,280 @@
+"""One vLLM rank's side of the rebalancer: windows up from vLLM's own load window, plans
+in through vLLM's own policy call.
+
+Built by the worker extension (worker_hooks/engines/vllm/extension.py) at the first
+EPLB step, once vLLM has built its `EplbState`. The policy installed by the plugin
+(worker_hooks/engines/vllm/plugin.py) asks `choose_map` at vLLM's rearrangement point.
+What holds, and what vLLM cannot give, is in the package docstring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rebalancer.errors import InputError
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire import codec
+from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
+from worker_hooks.engines.sglang.adapter import logical_counts
+from worker_hooks.engines.vllm.config import VLLMAdapterConfig
+
+log = logging.getLogger("worker_hooks.engines.vllm")
+
+NO_PLAN = 0  # the hash every rank contributes when it has no plan to switch to
+
+
+def plan_hash(version: int, phy2log: np.ndarray) -> int:
+    """A positive 63-bit digest of (version, map): equal on two ranks iff the plans are."""
+    digest = hashlib.blake2b(np.ascontiguousarray(phy2log, dtype=np.int64).tobytes(),
+                             digest_size=8, person=b"rebalancer-vllm",
+                             salt=version.to_bytes(8, "little", signed=False)).digest()
+    return (int.from_bytes(digest, "little") >> 1) or 1
+
+
+def plan_misfit(plan: np.ndarray, serving: np.ndarray, num_logical: int) -> str | None:
+    """Why `plan` cannot replace `serving` (None when it can): `[L, P]` like the map vLLM
+    serves, every entry an expert, every expert held on every layer."""
+    if plan.shape != serving.shape:
+        return f"plan is {list(plan.shape)}, vLLM serves {list(serving.shape)}"
+    try:
+        codec.check_phy2log(plan, num_logical, name="plan")
+    except InputError as exc:
+        return str(exc)
+    return None
+
+
+@dataclass
+class AdapterStats:
+    steps: int = 0
+    windows: int = 0
+    tokens_sent: int = 0                 # routed (token, k) pairs in the windows sent
+    prepared: int = 0
+    aborted: int = 0
+    rearrangements: list[dict[str, Any]] = field(default_factory=list)  # one per policy call
+    commits: list[tuple[int, int]] = field(default_factory=list)  # (step, version) applied
+
+
+class VLLMRebalanceAdapter(PlanHandlers):
+    """Lives on vLLM's model-executing thread (`before_step`, `after_step`) and, for
+    `choose_map`, on whichever thread vLLM calls its policy from (the main one in sync
+    mode, the async EPLB thread otherwise). The plan handlers run on the agent thread
+    and only stage a map or mark a version committed."""
+
+    def __init__(self, config: VLLMAdapterConfig, eplb_state: Any, cpu_group: Any,
+                 rank: int, num_ranks: int, num_nodes: int = 1) -> None:
+        model_state = next(iter(eplb_state.model_states.values()))
+        model = model_state.model
+        self.config = config
+        self.eplb_state = eplb_state
+        self.model_state = model_state
+        self.cpu_group = cpu_group  # vLLM's EPLB CPU group: the agreement's collectives
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.num_logical = int(model.num_logical_experts)
+        self.phy2log = model_state.physical_to_logical_map.cpu().numpy().astype(np.int64)
+        self.num_layers, self.num_slots = self.phy2log.shape
+        self.version = 0
+        self.step = 0
+        self.stats = AdapterStats()
+        self._lock = threading.Lock()
+        self._staged: dict[int, np.ndarray] = {}   # prepared plans by version
+        self._committed = 0                        # newest version the controller committed
+        self._returned: tuple[int, np.ndarray] | None = None  # given to vLLM, not applied yet
+        self._window_start = 0
+        self._window_version = 0
+        self._window_map = self.phy2log.copy()
+        self._counts: torch.Tensor | None = None   # [L, P] int64, this window's slot counts
+        self._cursor = int(eplb_state.expert_load_window_step)
+        window, interval = eplb_state.expert_load_window_size, eplb_state.expert_rearrangement_step_interval
+        if window < interval:
+            log.warning("vLLM records load only in the last %d of every %d steps "
+                        "(--eplb-config window_size < step_interval): the windows sent miss the rest",
+                        window, interval)
+        weights = model.expert_weights[0] if model.expert_weights else []
+        shape = pb.ModelShape(
+            num_layers=self.num_layers, num_logical_experts=self.num_logical,
+            num_physical_slots=self.num_slots, num_gpus=num_ranks, num_nodes=num_nodes,
+            expert_bytes=int(sum(t[0].numel() * t.element_size() for t in weights)),
+        )
+        self.agent = WorkerAgent(
+            AgentConfig(
+                config.address, config.deployment, rank, shape,
+                config.worker_id or f"{socket.gethostname()}:{os.getpid()}",
+                token=config.token, ca_file=config.ca_file, cert_file=config.cert_file,
+                key_file=config.key_file,
+            ),
+            self,
+            lambda: self.version,
+            initial_phy2log=self.phy2log.copy(),
+        )
+        self.agent.start()
+        log.info("rank %d: rebalancer drives vLLM's EPLB (%s, deployment %s, %d MoE layers, %d slots)",
+                 rank, config.address, config.deployment, self.num_layers, self.num_slots)
+
+    # ------------------------------------------------------------ vLLM's step
+
+    def after_step(self, serving_before: np.ndarray) -> None:
+        """After vLLM's `EplbState.step`: take the rows vLLM recorded at its own cursor
+        (counted on `serving_before`, the map the pass ran on), then see whether a plan
+        given to vLLM is now in place."""
+        self.step += 1
+        self.stats.steps += 1
+        state = self.eplb_state
+        cursor = int(state.expert_load_window_step)
+        size = int(state.expert_load_window_size)
+        rows = (cursor - self._cursor) % size if size else 0
+        if rows:
+            if not np.array_equal(serving_before, self._window_map):
+                self._flush_window()  # a window never spans two maps (async: layer by layer)
+                self._window_map = serving_before.copy()
+            window = self.model_state.expert_load_window
+            index = [(self._cursor + i) % size for i in range(rows)]
+            recorded = window[index].sum(dim=0, dtype=torch.int64)
+            self._counts = recorded if self._counts is None else self._counts + recorded
+        self._cursor = cursor
+        self._check_applied()
+        if self.step - self._window_start >= self.config.window_steps:
+            self._flush_window()
+
+    def serving_map(self) -> np.ndarray:
+        """The map vLLM serves now: the adapter's copy unless a rearrangement is under
+        way (then read from vLLM: async mode changes it one layer per step)."""
+        if self._returned is None:
+            return self.phy2log
+        return self.model_state.physical_to_logical_map.cpu().numpy().astype(np.int64)
+
+    def _check_applied(self) -> None:
+        """A version counts as applied when vLLM is done (`rebalanced` false) and its
+        `physical_to_logical_map` equals the plan."""
+        if self._returned is None or self.model_state.rebalanced:
+            return
+        version, plan = self._returned
+        self._returned = None
+        current = self.model_state.physical_to_logical_map.cpu().numpy().astype(np.int64)
+        if not np.array_equal(current, plan):
+            log.error("rank %d: vLLM did not install v%d (it kept another map)", self.rank, version)
+            self.agent.report(version, pb.PLAN_PHASE_FAILED,
+                              error=f"vLLM did not install v{version} (map differs after rearrange)")
+            self.phy2log = current
+            return
+        self._flush_window()  # the last window on the old version
+        self.phy2log = plan.copy()
+        self.version = version
+        self._window_version = version
+        self._window_map = plan.copy()
+        self.stats.commits.append((self.step, version))
+        self.agent.report(version, pb.PLAN_PHASE_COMMITTED, step=self.step)
+        log.info("rank %d: v%d in place at step %d", self.rank, version, self.step)
+
+    def _flush_window(self) -> None:
+        if self._counts is None or self.step == self._window_start:
+            return
+        physical = self._counts.cpu().numpy().astype(np.int64)
+        self._counts = None
+        if self.config.count_duplicates > 1:
+            physical = np.rint(physical / self.config.count_duplicates).astype(np.int64)
+        logical = logical_counts(physical, self._window_map, self.num_logical)
+        self.agent.submit_window(self._window_start, self.step - self._window_start,
+                                 self._window_version, logical, physical)
+        self.stats.windows += 1
+        self.stats.tokens_sent += int(logical.sum())
+        self._window_start = self.step
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """At shutdown: send the last window, deliver what the agent holds, stop it."""
+        self._flush_window()
+        self.agent.drain(timeout)
+        self.agent.stop()
+
+    # ------------------------------------------------------------ vLLM's policy call
+
+    def choose_map(self, old_map: torch.Tensor) -> torch.Tensor:
+        """vLLM's rearrangement point, on every rank: the agreed committed plan, or
+        `old_map` (nothing moves). Never raises: an exception here stops vLLM's async
+        EPLB thread for good, or the engine in sync mode."""
+        record: dict[str, Any] = {"step": self.step, "version": self.version}
+        self.stats.rearrangements.append(record)
+        try:
+            serving = old_map.cpu().numpy().astype(np.int64)
+            with self._lock:
+                ready = self._committed if self._committed in self._staged else self.version
+            agreed = self._all_reduce_min([ready])[0]
+            record["agreed_version"] = agreed
+            digest, plan, why = NO_PLAN, None, ""
+            if agreed > self.version:
+                with self._lock:
+                    plan = self._staged.get(agreed)
+                if plan is None:
+                    why = f"v{agreed} is not staged here"
+                elif not np.array_equal(serving, self.phy2log):
+                    why = "the plan is built on another map than vLLM serves"
+                else:
+                    why = plan_misfit(plan, serving, self.num_logical) or ""
+                digest = NO_PLAN if why else plan_hash(agreed, plan)  # type: ignore[arg-type]
+            low, neg_high = self._all_reduce_min([digest, -digest])
+            if agreed <= self.version or low == NO_PLAN or low != -neg_high:
+                if agreed > self.version:
+                    why = why or "ranks hold different plans for this version"
+                    record["refused"] = why
+                    log.error("rank %d: v%d not installed, every rank keeps its map: %s",
+                              self.rank, agreed, why)
+                    self.agent.report(agreed, pb.PLAN_PHASE_FAILED, error=f"not installed: {why}"[:500])
+                    with self._lock:
+                        self._staged.pop(agreed, None)
+                return old_map.clone()
+            assert plan is not None
+            self._returned = (agreed, plan.copy())
+            record["installed"] = agreed
+            return torch.from_numpy(plan.copy()).to(old_map.dtype)
+        except Exception as exc:  # a lost peer in the agreement, or a defect here
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            log.exception("rank %d: rearrangement kept the old map", self.rank)
+            return old_map.clone()
+
+    def _all_reduce_min(self, values: list[int]) -> list[int]:
+        buf = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return [int(v) for v in buf.tolist()]
+
+    # ------------------------------------------------------------ agent thread
+
+    def on_prepare(self, prepare: pb.Prepare) -> None:
+        """Check and stage the placement. vLLM moves weights only inside its own
+        rearrangement, after the commit: PREPARED means checked, nothing staged on the
+        device."""
+        version = prepare.version
+        try:
+            if prepare.base_version != self.version:
+                raise InputError(f"plan is based on v{prepare.base_version}, rank serves v{self.version}")
+            new = codec.decode_phy2log(
+                prepare.placement.phy2log, self.num_layers, self.num_slots, self.num_logical)
+        except InputError as exc:
+            log.error("rank %d: plan v%d refused: %s", self.rank, version, exc)
+            self.agent.report(version, pb.PLAN_PHASE_FAILED, error=str(exc)[:500])
+            return
+        with self._lock:
+            self._staged = {v: p for v, p in self._staged.items() if v > self.version}
+            self._staged[version] = np.array(new, dtype=np.int64)
+        self.stats.prepared += 1
+        self.agent.report(version, pb.PLAN_PHASE_PREPARED)
+
+    def on_commit(self, version: int) -> None:
+        with self._lock:
+            self._committed = max(self._committed, version)
+
+    def on_abort(self, version: int, reason: str) -> None:
+        with self._lock:
+            self._staged.pop(version, None)
+        self.stats.aborted += 1
+        log.warning("rank %d: plan v%d aborted: %s", self.rank, version, reason)
+        self.agent.report(version, pb.PLAN_PHASE_ABORTED)
