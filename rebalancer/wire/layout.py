@@ -165,3 +165,12 @@ def log2phy_of(
     layers = np.broadcast_to(np.arange(num_layers)[:, None], experts.shape)
     out[layers, experts, rank] = order
     return out
+
+
+def logical_counts(physical: np.ndarray, phy2log: np.ndarray, num_logical: int) -> np.ndarray:
+    """Slot counts `[L, P]` summed per logical expert through `phy2log [L, P]`: `[L, E]` int64."""
+    num_layers = physical.shape[0]
+    index = phy2log + np.arange(num_layers)[:, None] * num_logical
+    summed = np.bincount(index.ravel(), weights=physical.ravel().astype(np.float64),
+                         minlength=num_layers * num_logical)
+    return summed.reshape(num_layers, num_logical).round().astype(np.int64)

@@ -75,12 +75,14 @@ def test_the_wheel_holds_only_rebalancer_and_worker_hooks(wheel: Path) -> None:
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "rebalancer = worker_hooks.engines.sglang:register" in text
+    assert "rebalancer = worker_hooks.engines.vllm:register" in text
 
 
 def test_installed_adapters_import_without_their_engine(fresh_venv: Path, tmp_path: Path) -> None:
     probe = (
         "import importlib, json, importlib.metadata as md\n"
         "import rebalancer, worker_hooks.engines.sglang, worker_hooks.engines.transformers\n"
+        "import worker_hooks.engines.vllm\n"
         "import worker_hooks.engines.sglang.adapter as adapter\n"
         "out = {'rebalancer': rebalancer.__file__, 'missing': [], 'strays': []}\n"
         "for m in ('bench', 'engines', 'reference'):\n"

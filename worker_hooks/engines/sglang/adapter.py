@@ -23,21 +23,13 @@ import torch.distributed as dist
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.layout import logical_counts
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.engines import require_engine
 from worker_hooks.engines.sglang.config import SGLangAdapterConfig
 
 log = logging.getLogger("worker_hooks.engines.sglang")
-
-
-def logical_counts(physical: np.ndarray, phy2log: np.ndarray, num_logical: int) -> np.ndarray:
-    """Slot counts `[L, P]` summed per logical expert through `phy2log [L, P]`: `[L, E]` int64."""
-    num_layers = physical.shape[0]
-    index = phy2log + np.arange(num_layers)[:, None] * num_logical
-    summed = np.bincount(index.ravel(), weights=physical.ravel().astype(np.float64),
-                         minlength=num_layers * num_logical)
-    return summed.reshape(num_layers, num_logical).round().astype(np.int64)
 
 
 @dataclass

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.layout import logical_counts
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
-from worker_hooks.engines.sglang.adapter import logical_counts
 from worker_hooks.engines.vllm.config import VLLMAdapterConfig
 
 log = logging.getLogger("worker_hooks.engines.vllm")
