@@ -25,7 +25,7 @@ def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("env", "message"), [
-    ({"REBALANCER_WINDOW_STEPS": "x"}, "REBALANCER_WINDOW_STEPS='x' is not a int"),
+    ({"REBALANCER_WINDOW_STEPS": "x"}, "REBALANCER_WINDOW_STEPS='x' is not an integer"),
     ({"REBALANCER_AGREE_EVERY": "0"}, "REBALANCER_AGREE_EVERY must be >= 1"),
     ({"REBALANCER_AGREE_TIMEOUT_SECONDS": "-1"}, "must be > 0"),
     ({"REBALANCER_TOKEN_FILE": "/nonexistent/token"}, "REBALANCER_TOKEN_FILE /nonexistent/token"),

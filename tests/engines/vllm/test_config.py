@@ -42,7 +42,7 @@ def test_config_from_env() -> None:
     config = VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "unix:/s", "REBALANCER_WINDOW_STEPS": "8",
                                          "REBALANCER_COUNT_DUPLICATES": "4"})
     assert config == VLLMAdapterConfig("unix:/s", window_steps=8, count_duplicates=4)
-    with pytest.raises(InputError, match="REBALANCER_WINDOW_STEPS='x' is not an int"):
+    with pytest.raises(InputError, match="REBALANCER_WINDOW_STEPS='x' is not an integer"):
         VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_WINDOW_STEPS": "x"})
     with pytest.raises(InputError, match="COUNT_DUPLICATES must be >= 1"):
         VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_COUNT_DUPLICATES": "0"})

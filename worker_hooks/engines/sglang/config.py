@@ -7,14 +7,12 @@ variables, read once per process when the plugin registers.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from rebalancer.errors import InputError
-
-ENV_PREFIX = "REBALANCER_"
+from worker_hooks.engines.env import ENV_PREFIX, EngineEnv
 
 
 @dataclass(frozen=True)
@@ -61,40 +59,20 @@ class SGLangAdapterConfig:
     def from_env(env: Mapping[str, str] | None = None) -> SGLangAdapterConfig | None:
         """The settings in `env` (default os.environ); None when REBALANCER_ADDRESS is
         unset (the plugin then leaves SGLang's own EPLB alone). InputError on a bad value."""
-        env = os.environ if env is None else env
-
-        def get(name: str) -> str | None:
-            value = env.get(ENV_PREFIX + name, "").strip()
-            return value or None
-
-        def number(name: str, kind: type) -> float:
-            raw = get(name)
-            if raw is None:  # the dataclass default (its class attribute)
-                return getattr(SGLangAdapterConfig, name.lower())
-            try:
-                return kind(raw)
-            except ValueError:
-                raise InputError(f"{ENV_PREFIX}{name}={raw!r} is not a {kind.__name__}") from None
-
-        address = get("ADDRESS")
+        e = EngineEnv(env)
+        address = e.get("ADDRESS")
         if address is None:
             return None
-        token = None
-        token_file = get("TOKEN_FILE")
-        if token_file is not None:
-            try:
-                token = Path(token_file).read_text().strip()
-            except OSError as exc:
-                raise InputError(f"{ENV_PREFIX}TOKEN_FILE {token_file}: {exc.strerror}") from None
+        d = SGLangAdapterConfig  # its defaults
         return SGLangAdapterConfig(
             address=address,
-            deployment=get("DEPLOYMENT") or SGLangAdapterConfig.deployment,
-            token=token,
-            ca_file=get("CA_FILE"),
-            cert_file=get("CERT_FILE"),
-            key_file=get("KEY_FILE"),
-            window_steps=int(number("WINDOW_STEPS", int)),
-            agree_every=int(number("AGREE_EVERY", int)),
-            agree_timeout_seconds=float(number("AGREE_TIMEOUT_SECONDS", float)),
-            worker_id=get("WORKER_ID") or "",
+            deployment=e.get("DEPLOYMENT") or d.deployment,
+            token=e.token(),
+            ca_file=e.get("CA_FILE"),
+            cert_file=e.get("CERT_FILE"),
+            key_file=e.get("KEY_FILE"),
+            window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
+            agree_every=int(e.number("AGREE_EVERY", int, d.agree_every)),
+            agree_timeout_seconds=float(e.number("AGREE_TIMEOUT_SECONDS", float, d.agree_timeout_seconds)),
+            worker_id=e.get("WORKER_ID") or "",
         )

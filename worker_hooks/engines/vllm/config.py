@@ -6,14 +6,11 @@ vLLM starts its workers itself; the plugin and the worker extension read the sam
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from rebalancer.errors import InputError
-
-ENV_PREFIX = "REBALANCER_"
+from worker_hooks.engines.env import ENV_PREFIX, EngineEnv
 
 
 @dataclass(frozen=True)
@@ -42,39 +39,19 @@ class VLLMAdapterConfig:
     def from_env(env: Mapping[str, str] | None = None) -> VLLMAdapterConfig | None:
         """The settings in `env` (default os.environ); None when REBALANCER_ADDRESS is
         unset (vLLM's own EPLB then runs unchanged). InputError on a bad value."""
-        env = os.environ if env is None else env
-
-        def get(name: str) -> str | None:
-            value = env.get(ENV_PREFIX + name, "").strip()
-            return value or None
-
-        def integer(name: str) -> int:
-            raw = get(name)
-            if raw is None:
-                return int(getattr(VLLMAdapterConfig, name.lower()))
-            try:
-                return int(raw)
-            except ValueError:
-                raise InputError(f"{ENV_PREFIX}{name}={raw!r} is not an int") from None
-
-        address = get("ADDRESS")
+        e = EngineEnv(env)
+        address = e.get("ADDRESS")
         if address is None:
             return None
-        token = None
-        token_file = get("TOKEN_FILE")
-        if token_file is not None:
-            try:
-                token = Path(token_file).read_text().strip()
-            except OSError as exc:
-                raise InputError(f"{ENV_PREFIX}TOKEN_FILE {token_file}: {exc.strerror}") from None
+        d = VLLMAdapterConfig  # its defaults
         return VLLMAdapterConfig(
             address=address,
-            deployment=get("DEPLOYMENT") or VLLMAdapterConfig.deployment,
-            token=token,
-            ca_file=get("CA_FILE"),
-            cert_file=get("CERT_FILE"),
-            key_file=get("KEY_FILE"),
-            window_steps=integer("WINDOW_STEPS"),
-            count_duplicates=integer("COUNT_DUPLICATES"),
-            worker_id=get("WORKER_ID") or "",
+            deployment=e.get("DEPLOYMENT") or d.deployment,
+            token=e.token(),
+            ca_file=e.get("CA_FILE"),
+            cert_file=e.get("CERT_FILE"),
+            key_file=e.get("KEY_FILE"),
+            window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
+            count_duplicates=int(e.number("COUNT_DUPLICATES", int, d.count_duplicates)),
+            worker_id=e.get("WORKER_ID") or "",
         )

@@ -1,0 +1,50 @@
+"""The `REBALANCER_*` settings engine adapters read from their processes' environment.
+
+Engines start their scheduler and worker processes themselves and have no flag for a
+plugin, so the adapters are configured like the engines' own switches: environment
+variables, read once per process. One reader for every adapter: the same names, the
+same errors (InputError naming the variable), the same token file rule.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from rebalancer.errors import InputError
+
+ENV_PREFIX = "REBALANCER_"
+
+
+class EngineEnv:
+    """`REBALANCER_*` variables of `env` (default os.environ), blank meaning unset."""
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.env = os.environ if env is None else env
+
+    def get(self, name: str) -> str | None:
+        """REBALANCER_<name>, or None when unset or blank."""
+        value = self.env.get(ENV_PREFIX + name, "").strip()
+        return value or None
+
+    def number(self, name: str, kind: type[int] | type[float], default: float) -> float:
+        """REBALANCER_<name> as `kind`, or `default` when unset."""
+        raw = self.get(name)
+        if raw is None:
+            return default
+        try:
+            return kind(raw)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise InputError(f"{ENV_PREFIX}{name}={raw!r} is not {what}") from None
+
+    def token(self) -> str | None:
+        """The bearer token read from REBALANCER_TOKEN_FILE (None: no token)."""
+        path = self.get("TOKEN_FILE")
+        if path is None:
+            return None
+        try:
+            return Path(path).read_text().strip()
+        except OSError as exc:
+            raise InputError(f"{ENV_PREFIX}TOKEN_FILE {path}: {exc.strerror}") from None
