@@ -164,12 +164,12 @@ def test_a_force_with_no_rank_connected_exits_4_with_its_reason(tmp_path: Path) 
         code, out, err = admin(ctl, "force", DEPLOYMENT)
         assert (code, out) == (4, ""), (code, out, err)
         assert err == (f"rebalancer admin: error: no plan started for {DEPLOYMENT!r}: skip_ranks: "
-                       f"only 0 of {G} ranks connected\n")
+                       f"only 0 of {G} ranks connected (missing: ranks 0-{G - 1})\n")
         code, out, err = admin(ctl, "force", DEPLOYMENT, "--json")
         decision = json.loads(out)
         assert code == 4 and err.count("\n") == 1 and "skip_ranks" in err
         assert decision["outcome"] == "skip_ranks" and decision["plan_version"] == 0
-        assert decision["reason"] == f"only 0 of {G} ranks connected"
+        assert decision["reason"] == f"only 0 of {G} ranks connected (missing: ranks 0-{G - 1})"
         history = json.loads(admin(ctl, "history", DEPLOYMENT, "--json")[1])
         assert [d["outcome"] for d in history["decisions"][:2]] == ["skip_ranks", "skip_ranks"]
         assert ctl.call(lambda: controller.deployments[DEPLOYMENT].version) == 0

@@ -61,7 +61,7 @@ def test_demo_attaches_to_a_running_controller(tmp_path: Path) -> None:
         force = _admin(address, "force", "tryout")
         assert (force.returncode, force.stdout) == (4, ""), force.stdout + force.stderr
         assert force.stderr == ("rebalancer admin: error: no plan started for 'tryout': skip_ranks: "
-                                "only 0 of 2 ranks connected\n")
+                                "only 0 of 2 ranks connected (missing: ranks 0-1)\n")
         status = json.loads(_admin(address, "status", "tryout", "--json").stdout)["deployments"][0]
         assert status["last_decision"]["outcome"] == "skip_ranks" and not status["plan_in_flight"]
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
