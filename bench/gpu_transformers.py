@@ -323,7 +323,7 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
         def next_step() -> None:
             adapter_step(next(served))
 
-        result = _rebalance_live(cfg, ep, ctl, next_step, device)
+        result = _rebalance_live(cfg, ep, ctl, next_step, device, world)
         if world == 1:
             # One GPU has nothing to balance: the controller's plan moves no slot. Move
             # experts anyway through the hook's own prepare/commit path (spare rows, map
@@ -393,7 +393,7 @@ def _force(ctl: EmbeddedController, deployment: str) -> int:
 
 def _rebalance_live(
     cfg: BenchConfig, ep: ExpertParallelModel, ctl: EmbeddedController | None,
-    step: Callable[[], None], device: torch.device,
+    step: Callable[[], None], device: torch.device, world: int = 1,
 ) -> dict[str, Any]:
     """Serve until the controller has windows, force one plan (rank 0), serve until it
     commits; returns the swap figures."""
@@ -406,6 +406,11 @@ def _rebalance_live(
         times += timed_steps(step, 1, device)
         if ctl is not None and not forced[0]:
             forced[0] = int(ctl.call(lambda: _force(ctl, "bench-tf")))  # type: ignore[call-overload]
+            if forced[0] < 0 and world == 1:
+                # One GPU has nothing to balance: the controller starts no plan that moves
+                # nothing (the caller moves experts through the hook's own path instead).
+                return {"version": ep.version, "slots_moved": 0, "swap_ms": None, "swap_step_ms": None,
+                        "controller_plan": "nothing to move on one GPU"}
             if forced[0] < 0:
                 raise RuntimeError("the controller found no placement change to force")
         if ep.version >= 1:

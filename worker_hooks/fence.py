@@ -73,6 +73,10 @@ class TransferFence:
         rank is closing) withdraws this rank unless the decision was already "go".
         Raises TransfersDeclined when the decision is "stop"."""
         store = self.store
+        why = stop()
+        if why:  # withdrawn before joining: never the rank whose join completes the count
+            self._settle(self._decide(version, f"{STOP}:rank {self.rank}: {why}"))
+            return
         store.set(self._key(version, f"rank{self.rank}"), "1")
         if store.add(self._key(version, "joined"), 1) >= self.world_size:
             self._settle(self._decide(version, GO))
