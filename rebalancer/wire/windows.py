@@ -145,12 +145,14 @@ class SeqMerger:
         for r in group:
             self.next_seq[r] = seq + 1
         self.newest_seq = max(self.newest_seq, seq)
-        if self._open and seq < min(self._open):
-            target = self._open[min(self._open)]  # its seq was released: count it now
+        late = bool(self._open) and seq < min(self._open)
+        if late:  # its seq was released: count it now, in the oldest window still open
+            target = self._open[min(self._open)]
         else:
             target = self._open.get(seq) or self._new(seq, logical.shape)
         target.add(first_step, num_steps, version, logical, physical)
-        target.ranks |= group
+        if not late:  # a late part is not these ranks' window of that seq: still awaited
+            target.ranks |= group
         return True
 
     def _new(self, seq: int, shape: tuple[int, ...]) -> CountWindow:

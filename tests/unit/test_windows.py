@@ -139,3 +139,20 @@ def test_a_merged_window_spanning_a_switch_keeps_the_gpus_load() -> None:
         buf.push(CountWindow(version, version * 4, 4, version, counts(1), counts(1, (L, P)), {0}, 1))
     (w,) = buf.take()
     assert w.version == 1 and w.num_steps == 8 and w.physical is not None and (w.physical == 2).all()
+
+
+def test_a_rank_far_behind_still_has_every_window_released() -> None:
+    """Rank 1 sends its three windows only after rank 0 sent all of its: the late parts
+    are counted in the oldest open window without standing in for rank 1's own window
+    of that seq, so every window is released and nothing waits for ever (the controller
+    has no flush)."""
+    m = SeqMerger((0, 1), fold_lag=2)
+    released: list[CountWindow] = []
+    for seq in range(3):
+        add(m, 0, seq)
+        released += m.ready()
+    for seq in range(3):
+        add(m, 1, seq)
+        released += m.ready()
+    assert m.open_windows == 0
+    assert sum(int(w.logical.sum()) for w in released) == 6 * L * E
