@@ -39,6 +39,18 @@ class EngineEnv:
             what = "an integer" if kind is int else "a number"
             raise InputError(f"{ENV_PREFIX}{name}={raw!r} is not {what}") from None
 
+    def link(self, default_deployment: str) -> dict[str, str | None] | None:
+        """The settings every adapter's config takes alike (address, deployment, token,
+        TLS files, worker id); None when REBALANCER_ADDRESS is unset (adapter off)."""
+        address = self.get("ADDRESS")
+        if address is None:
+            return None
+        return {
+            "address": address, "deployment": self.get("DEPLOYMENT") or default_deployment,
+            "token": self.token(), "ca_file": self.get("CA_FILE"), "cert_file": self.get("CERT_FILE"),
+            "key_file": self.get("KEY_FILE"), "worker_id": self.get("WORKER_ID") or "",
+        }
+
     def token(self) -> str | None:
         """The bearer token read from REBALANCER_TOKEN_FILE (None: no token)."""
         path = self.get("TOKEN_FILE")

@@ -60,19 +60,13 @@ class SGLangAdapterConfig:
         """The settings in `env` (default os.environ); None when REBALANCER_ADDRESS is
         unset (the plugin then leaves SGLang's own EPLB alone). InputError on a bad value."""
         e = EngineEnv(env)
-        address = e.get("ADDRESS")
-        if address is None:
-            return None
         d = SGLangAdapterConfig  # its defaults
+        common = e.link(d.deployment)
+        if common is None:
+            return None
         return SGLangAdapterConfig(
-            address=address,
-            deployment=e.get("DEPLOYMENT") or d.deployment,
-            token=e.token(),
-            ca_file=e.get("CA_FILE"),
-            cert_file=e.get("CERT_FILE"),
-            key_file=e.get("KEY_FILE"),
+            **common,  # type: ignore[arg-type]
             window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
             agree_every=int(e.number("AGREE_EVERY", int, d.agree_every)),
             agree_timeout_seconds=float(e.number("AGREE_TIMEOUT_SECONDS", float, d.agree_timeout_seconds)),
-            worker_id=e.get("WORKER_ID") or "",
         )

@@ -40,18 +40,12 @@ class VLLMAdapterConfig:
         """The settings in `env` (default os.environ); None when REBALANCER_ADDRESS is
         unset (vLLM's own EPLB then runs unchanged). InputError on a bad value."""
         e = EngineEnv(env)
-        address = e.get("ADDRESS")
-        if address is None:
-            return None
         d = VLLMAdapterConfig  # its defaults
+        common = e.link(d.deployment)
+        if common is None:
+            return None
         return VLLMAdapterConfig(
-            address=address,
-            deployment=e.get("DEPLOYMENT") or d.deployment,
-            token=e.token(),
-            ca_file=e.get("CA_FILE"),
-            cert_file=e.get("CERT_FILE"),
-            key_file=e.get("KEY_FILE"),
+            **common,  # type: ignore[arg-type]
             window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
             count_duplicates=int(e.number("COUNT_DUPLICATES", int, d.count_duplicates)),
-            worker_id=e.get("WORKER_ID") or "",
         )
