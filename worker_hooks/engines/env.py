@@ -60,3 +60,16 @@ class EngineEnv:
             return Path(path).read_text().strip()
         except OSError as exc:
             raise InputError(f"{ENV_PREFIX}TOKEN_FILE {path}: {exc.strerror}") from None
+
+
+def check_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) -> None:
+    """TLS settings that could never connect are refused at the adapter's start, in one
+    line naming the variable (the agent would otherwise find out at its first connect)."""
+    if (cert_file or key_file) and not ca_file:
+        raise InputError(f"{ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE (mutual TLS) need "
+                         f"{ENV_PREFIX}CA_FILE, the controller's CA")
+    if bool(cert_file) != bool(key_file):
+        raise InputError(f"mutual TLS needs both {ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE")
+    for name, path in (("CA_FILE", ca_file), ("CERT_FILE", cert_file), ("KEY_FILE", key_file)):
+        if path is not None and not Path(path).is_file():
+            raise InputError(f"{ENV_PREFIX}{name} {path}: no such file")

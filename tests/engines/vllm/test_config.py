@@ -48,6 +48,25 @@ def test_config_from_env() -> None:
         VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_COUNT_DUPLICATES": "0"})
 
 
+@pytest.mark.parametrize(("tls", "message"), [
+    ({"CERT_FILE": "cert", "KEY_FILE": "key"}, "REBALANCER_CERT_FILE and REBALANCER_KEY_FILE .* need REBALANCER_CA_FILE"),
+    ({"CA_FILE": "ca", "KEY_FILE": "key"}, "mutual TLS needs both REBALANCER_CERT_FILE and REBALANCER_KEY_FILE"),
+    ({"CA_FILE": "gone"}, "REBALANCER_CA_FILE .*gone: no such file"),
+])
+def test_tls_settings_that_cannot_connect_are_refused_at_start(tmp_path, tls: dict[str, str], message: str) -> None:
+    """The vLLM adapter took cert and key without a CA, which fails only at the agent's
+    first connect; the check is the SGLang adapter's (worker_hooks/engines/env.py)."""
+    for name in ("ca", "cert", "key"):
+        (tmp_path / name).write_text("-----BEGIN CERTIFICATE-----\n")
+    env = {"REBALANCER_ADDRESS": "127.0.0.1:1",
+           **{f"REBALANCER_{k}": str(tmp_path / v) for k, v in tls.items()}}
+    with pytest.raises(InputError, match=message):
+        VLLMAdapterConfig.from_env(env)
+    ok = {"REBALANCER_ADDRESS": "127.0.0.1:1",
+          **{f"REBALANCER_{n.upper()}_FILE": str(tmp_path / n) for n in ("ca", "cert", "key")}}
+    assert VLLMAdapterConfig.from_env(ok) is not None
+
+
 def test_plan_hash_tells_plans_and_versions_apart() -> None:
     plan = np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64)
     other = plan.copy()

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from rebalancer.errors import InputError
-from worker_hooks.engines.env import ENV_PREFIX, EngineEnv
+from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_tls
 
 
 @dataclass(frozen=True)
@@ -40,20 +39,7 @@ class SGLangAdapterConfig:
             raise InputError(
                 f"{ENV_PREFIX}AGREE_TIMEOUT_SECONDS must be > 0, got {self.agree_timeout_seconds}"
             )
-        self._check_tls()
-
-    def _check_tls(self) -> None:
-        """TLS settings that could never connect are refused here, at start, in one line
-        naming the variable (the agent would otherwise find out at its first connect)."""
-        if (self.cert_file or self.key_file) and not self.ca_file:
-            raise InputError(f"{ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE (mutual TLS) need "
-                             f"{ENV_PREFIX}CA_FILE, the controller's CA")
-        if bool(self.cert_file) != bool(self.key_file):
-            raise InputError(f"mutual TLS needs both {ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE")
-        for name in ("ca_file", "cert_file", "key_file"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise InputError(f"{ENV_PREFIX}{name.upper()} {path}: no such file")
+        check_tls(self.ca_file, self.cert_file, self.key_file)
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> SGLangAdapterConfig | None:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rebalancer.errors import InputError
-from worker_hooks.engines.env import ENV_PREFIX, EngineEnv
+from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_tls
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class VLLMAdapterConfig:
         for name in ("window_steps", "count_duplicates"):
             if getattr(self, name) < 1:
                 raise InputError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
+        check_tls(self.ca_file, self.cert_file, self.key_file)
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> VLLMAdapterConfig | None:
