@@ -11,7 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.chaos import ALL_KINDS, FAULTS, LINK_FAULTS, NODE_FAULTS, PROCESS_FAULTS, STORE_FAULTS, faults, schedule
+from bench.chaos import (
+    ALL_KINDS,
+    FAULTS,
+    LINK_FAULTS,
+    NODE_FAULTS,
+    PROCESS_FAULTS,
+    STORE_FAULTS,
+    faults,
+    schedule,
+)
 from bench.chaos.__main__ import main
 from bench.chaos.checks import Outcome
 from bench.faultproxy import FaultProxy
