@@ -33,8 +33,9 @@ the step logs: every step ran one version on every rank, all switched at the sam
 version the store does not hold as committed, and every rank ran every committed version
 its group lived through (5); no step spent more than `step_wait_bound_ms` in the
 rebalancer's code, route + step_end, where it would wait on a sidecar or the controller,
-besides the time it waited for a CPU (bench/chaos_worker.py, `hook_runq_ms`) (3). Controller recovery: from the kill to every rank resynced (Status: all ranks
-connected on the restarted controller).
+besides the time it waited for a CPU (bench/chaos_worker.py, `hook_runq_ms`) (3).
+Controller recovery: from the kill to every rank resynced (Status: all ranks connected on
+the restarted controller).
 
 The package: processes.py starts and reaps every process of the run, faults.py holds
 the fault kinds registered by name (`FAULTS`), schedule.py the campaign's timeline from
