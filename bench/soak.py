@@ -1,6 +1,6 @@
 """Soak: the whole loop for a long bounded run, resources sampled, growth reported.
 
-The chaos harness's deployment (bench/chaos.py: a `rebalancer serve` process on an SQLite
+The chaos harness's deployment (bench/chaos/: a `rebalancer serve` process on an SQLite
 store, one `rebalancer sidecar` per pod, G gloo ranks on DeepSeek-V3 routing drifting
 over six workloads, every link through the loopback proxy) runs without faults, the
 policy rebalancing as the load drifts. Every `--every` seconds it samples the
@@ -8,7 +8,7 @@ controller's RSS, open file descriptors and threads (its decision process separa
 the same of each sidecar, the ranks' RSS (max over ranks), fds and threads, and the
 store's size (database + WAL). At the end: each series' mean over the first and the last
 third of the run and the growth between them, the last third's slope per hour, and the
-invariants of the run (bench/chaos.py's checks, from the ranks' step logs).
+invariants of the run (bench/chaos/checks.py, from the ranks' step logs).
 
     nice -n 10 python -m bench.soak --seconds 900 --json
 """
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from bench.chaos import ChaosConfig, Harness
+from bench.chaos.checks import check_liveness, settle
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -57,19 +58,19 @@ class Soak:
     def sample(self, t: float) -> dict[str, float]:
         h = self.harness
         row: dict[str, float] = {"t": round(t, 1)}
-        ctl = h.controller
+        ctl = h.procs.controller
         if ctl is not None and (s := proc_sample(ctl.pid)):
             row.update({f"controller_{k}": v for k, v in s.items()})
             pool = [p for c in children(ctl.pid) if (p := proc_sample(c))]
             if pool:
                 row["decision_process_rss_mb"] = sum(p["rss_mb"] for p in pool)
-        sidecars = [s for p in h.sidecars if p is not None and (s := proc_sample(p.pid))]
+        sidecars = [s for p in h.procs.sidecars if p is not None and (s := proc_sample(p.pid))]
         if sidecars:
             row["sidecar_rss_mb"] = max(s["rss_mb"] for s in sidecars)
             row["sidecar_fds"] = max(s["fds"] for s in sidecars)
             row["sidecar_threads"] = max(s["threads"] for s in sidecars)
-        if h.group is not None:
-            ranks = [s for p in h.group.procs if (s := proc_sample(p.pid))]
+        if h.procs.group is not None:
+            ranks = [s for p in h.procs.group.procs if (s := proc_sample(p.pid))]
             if ranks:
                 row["worker_rss_mb"] = max(s["rss_mb"] for s in ranks)
                 row["worker_fds"] = max(s["fds"] for s in ranks)
@@ -85,25 +86,28 @@ class Soak:
         h = self.harness
         start = time.monotonic()
         try:
-            h.setup()
-            h.say(f"soak: {self.seconds:.0f} s, a sample every {self.every:g} s")
-            t0 = time.monotonic()
-            last_say = 0.0
-            while (t := time.monotonic() - t0) < self.seconds:
-                h.check_liveness()
-                h.track_descendants()
-                row = self.sample(t)
-                self.samples.append(row)
-                if t - last_say >= 60 or len(self.samples) == 1:
-                    last_say = t
-                    h.say("soak " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
-                time.sleep(max(0.0, self.every - (time.monotonic() - t0 - t)))
-            h.settle()
-            h.finish_group()
+            try:
+                h.setup()
+                h.say(f"soak: {self.seconds:.0f} s, a sample every {self.every:g} s")
+                t0 = time.monotonic()
+                last_say = 0.0
+                while (t := time.monotonic() - t0) < self.seconds:
+                    check_liveness(h)
+                    h.procs.track_descendants()
+                    row = self.sample(t)
+                    self.samples.append(row)
+                    if t - last_say >= 60 or len(self.samples) == 1:
+                        last_say = t
+                        h.say("soak " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
+                    time.sleep(max(0.0, self.every - (time.monotonic() - t0 - t)))
+                settle(h)
+                h.finish_group()
+            finally:
+                h.procs.track_descendants()
+                h.teardown()
+            chaos = h.report(time.monotonic() - start)
         finally:
-            h.track_descendants()
-            h.teardown()
-        chaos = h.report(time.monotonic() - start)
+            h.release_files()
         return {**self.summary(), "invariant_violations": chaos["invariant_violations"],
                 "violations": chaos["violations"], "plans_committed": chaos["plans_committed"],
                 "plans_aborted": chaos["plans_aborted"], "max_step_wait_ms": chaos["max_step_wait_ms"],

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.chaos import LINK_FAULTS, ChaosConfig, run_chaos
+from bench.chaos import LINK_FAULTS, ChaosConfig, Harness, run_chaos
 
 pytestmark = pytest.mark.slow
 
@@ -97,3 +97,21 @@ def test_sigterm_ends_the_harness_with_nothing_left_behind() -> None:
         if folder in cmdline:
             left.append(cmdline)
     assert left == []
+
+
+def test_a_campaign_that_cannot_start_leaves_nothing_behind() -> None:
+    """Set-up failing half way (a hog and the store's tmpfs up, the controller refusing
+    its configuration): the error names the cause, and every process started so far is
+    reaped, the tmpfs unmounted and the run's folder removed."""
+    from pathlib import Path
+
+    config = ChaosConfig(seconds=1.0, workers=2, pods=2, kinds=("latency",), hog=1,
+                         prepare_timeout_seconds=-1.0, progress=False)
+    harness = Harness(config)
+    with pytest.raises(RuntimeError, match="controller did not start: .*prepare_timeout_seconds must be"):
+        harness.run()
+    started = harness.procs.all_procs
+    assert len(started) == 2 and all(p.poll() is not None for p in started)  # the hog and the controller
+    assert harness.procs.leaked() == []
+    assert not harness.tmp.exists()
+    assert str(harness.tmp) not in Path("/proc/mounts").read_text()

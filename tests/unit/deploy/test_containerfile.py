@@ -133,7 +133,7 @@ def _ignored(path: str, patterns: list[str]) -> bool:
 def test_build_context() -> None:
     patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    for path in (".venv", ".git", "tests", "bench", "bench/chaos.py", ".pytest_cache", ".mypy_cache",
+    for path in (".venv", ".git", "tests", "bench", "bench/chaos/harness.py", ".pytest_cache", ".mypy_cache",
                  ".ruff_cache", "docs/sim.png", "out", ".ci/tools", "rebalancer/__pycache__/x.pyc", "x.sqlite",
                  "deploy/kubernetes", "deploy/controller.toml"):
         assert _ignored(path, patterns), f".dockerignore lets {path} into the build context"
