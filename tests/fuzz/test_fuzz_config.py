@@ -26,7 +26,7 @@ from rebalancer.errors import InputError
 SERVER_KEYS = ["host", "port", "db_path", "admin_token", "admin_token_file", "metrics_port", "max_message_bytes",
                "tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds", "ack_interval_seconds",
                "insecure"]
-POLICY_KEYS = [f for f in PolicyConfig.__dataclass_fields__]
+POLICY_KEYS = list(PolicyConfig.setting_names())
 SECONDS = ["tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds", "ack_interval_seconds"]
 
 
