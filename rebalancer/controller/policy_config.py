@@ -10,14 +10,15 @@ Outside Python a setting has one flat name, the field name of the v1 `Policy` me
 admin policy DEP key=value`), the controller's TOML `[policy]` table, `rebalancer
 simulate --set` and docs/operations.md all name settings so. `POLICY_SETTINGS` is the one
 map between those names and where a setting lives here; `to_flat` / `with_settings` are
-the one conversion. The store keeps `to_dict()` (the sections as nested tables) and reads
-the flat rows stored before the sections existed (`from_dict` takes both).
+the one conversion. The store keeps `to_flat()` too: rows written before the sections
+existed load unchanged, and a controller rolled back reads the rows this one wrote.
+`from_dict` (TOML, the store) also takes the sections as tables (`[policy.estimator]`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from rebalancer.controller.cost import (
@@ -215,15 +216,11 @@ class PolicyConfig:
             **{s: replace(getattr(self, s), **changes) for s, changes in sections.items() if changes},
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        """The settings with the sections as nested tables (what the store keeps)."""
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> PolicyConfig:
-        """Build from a mapping: flat names (TOML's `[policy]`, the store's rows written
-        before the sections) and/or the sections as tables (`to_dict()`); unknown keys are
-        an InputError, missing ones keep defaults."""
+        """Build from a mapping (TOML's `[policy]`, a store row): flat names and/or the
+        sections as tables of their own field names (`estimator = {window = 4}`); unknown
+        keys are an InputError, missing ones keep defaults."""
         flat: dict[str, Any] = {}
         by_field = {where: name for name, where in POLICY_SETTINGS.items()}
         for key, value in values.items():

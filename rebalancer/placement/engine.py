@@ -243,16 +243,21 @@ def _reference(req: PlacementRequest) -> tuple[np.ndarray, np.ndarray | None]:
     return reference_placement(req.load, req.num_slots, req.num_gpus, req.num_nodes, req.num_groups), None
 
 
-# The names `compute_placement` accepts: "auto" (balanced, or migration with a previous
-# placement), then the registered algorithms. A test keeps the Literal and the registry equal.
+def algorithm_names() -> tuple[str, ...]:
+    """The names `compute_placement` accepts: "auto" (balanced, or migration with a
+    previous placement), then every registered algorithm."""
+    return ("auto", *_REGISTRY)
+
+
+# The product's algorithms (a test keeps the Literal and the registry equal).
 AlgorithmName = Literal["auto", "greedy", "balanced", "migration", "reference"]
-ALGORITHMS: tuple[str, ...] = ("auto", *_REGISTRY)
+ALGORITHMS: tuple[str, ...] = algorithm_names()
 
 
 def check_algorithm_name(name: object) -> None:
-    """InputError listing the accepted names unless `name` is one of `ALGORITHMS`."""
-    if not isinstance(name, str) or (name != "auto" and name not in _REGISTRY):
-        raise InputError(f"unknown algorithm {name!r}; expected one of {', '.join(ALGORITHMS)}")
+    """InputError listing the accepted names unless `name` is one of `algorithm_names()`."""
+    if not isinstance(name, str) or name not in algorithm_names():
+        raise InputError(f"unknown algorithm {name!r}; expected one of {', '.join(algorithm_names())}")
 
 
 def _pick_algorithm(name: str, previous: np.ndarray | None, limited: bool) -> PlacementAlgorithm:
@@ -290,7 +295,7 @@ def compute_placement(
     `moved_fraction`. max_moved_bytes / expert_bytes: a budget in bytes (each changed
     slot ships one expert's weights), combined with max_moved_fraction (the smaller
     wins). max_moved_fraction: at most this share of all slots may change
-    (needs `previous`). algorithm: one of `ALGORITHMS`: "auto" (balanced, or migration
+    (needs `previous`). algorithm: one of `algorithm_names()`: "auto" (balanced, or migration
     with `previous`), "greedy", "balanced", "migration" or "reference" (the slow
     per-item port).
     """

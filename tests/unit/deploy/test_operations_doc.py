@@ -72,6 +72,12 @@ def test_every_policy_field_is_listed_with_its_default_and_wire_number() -> None
         assert number == str(wire.get(name, "none")), f"{name}: wire {number}, proto {wire.get(name)}"
         value = tomllib.loads(f"v = {default}")["v"]
         assert value == defaults[name], f"{name}: documented {default}, code {defaults[name]!r}"
+    # "in code": where the setting lives in PolicyConfig (its section and field).
+    from rebalancer.controller.policy_config import POLICY_SETTINGS
+
+    section = DOC.read_text().split("### Policy fields", 1)[1].split("\n#", 1)[0]
+    where = dict(re.findall(r"^\| `([a-z_]+)` \| [^|]+ \| [^|]+ \| `([a-z_.]+)` \|", section, re.M))
+    assert where == {name: ".".join(POLICY_SETTINGS.get(name, (name,))) for name in names}
 
 
 def test_decision_outcomes_are_those_the_controller_records() -> None:
