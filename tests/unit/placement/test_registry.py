@@ -12,8 +12,7 @@ import pytest
 from rebalancer.cli import main
 from rebalancer.cli.plan_cmd import register as register_plan
 from rebalancer.errors import InputError
-from rebalancer.placement import ALGORITHMS, compute_placement, trivial_placement
-from rebalancer.placement import engine
+from rebalancer.placement import ALGORITHMS, compute_placement, engine, trivial_placement
 from rebalancer.sim.engine import FIT_ALGORITHMS
 
 L, E, P, G = 3, 8, 12, 4
