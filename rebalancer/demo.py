@@ -43,9 +43,11 @@ import numpy as np
 
 from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.coordinate import Plan
+from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.deployment import WindowEvent
 from rebalancer.controller.embedded import EmbeddedController
+from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.server import ControllerServer
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 
@@ -131,8 +133,9 @@ class DemoConfig:
     deployment: str = "demo"
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(
         min_interval_seconds=1.0, gain_threshold=0.03, horizon_seconds=60.0,
-        max_moved_fraction=0.3, decay=0.5, min_windows=2, decision_period_seconds=0.25,
-        prepare_timeout_seconds=20.0, step_seconds=0.01,
+        max_moved_fraction=0.3, min_windows=2, decision_period_seconds=0.25,
+        prepare_timeout_seconds=20.0, estimator=EstimatorConfig(decay=0.5),
+        cost=CostParams(step_seconds=0.01),
     ))
 
 

@@ -222,7 +222,7 @@ class Fleet:
     def _config(self) -> Path:
         path = self.folder / "controller.toml"
         if not path.exists():
-            policy = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.demo.policy.to_dict().items())
+            policy = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.demo.policy.to_flat().items())
             path.write_text(f'[server]\nhost = "127.0.0.1"\nper_layer_metrics = true\n\n[policy]\n{policy}\n')
         return path
 

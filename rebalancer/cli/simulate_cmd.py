@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rebalancer.errors import InputError
+
+if TYPE_CHECKING:
+    from rebalancer.controller.policy_config import PolicyConfig
 
 DESCRIPTION = """\
 Replay a trace of windowed expert counts through placement policies and report, per
@@ -41,8 +44,8 @@ directory of dumps),
 
 
 # --cost keys that name a migration-cost parameter (rebalancer.controller.cost.CostParams):
-# they are the adaptive policy's fields, so the gate decides with what the simulator
-# charges. KEY -> PolicyConfig field.
+# they are the adaptive policy's `cost` section, so the gate decides with what the
+# simulator charges. KEY -> the setting's flat name (as --set and the Policy message name it).
 POLICY_COST_KEYS = {
     "step_seconds": "step_seconds",
     "intra_node_gbps": "intra_node_gbps",
@@ -67,7 +70,27 @@ def _key_values(
 
     `aliases` maps further accepted keys to field names; `also` names keys the caller
     accepts elsewhere (for the error message)."""
-    known = {f.name: f for f in dataclasses.fields(target)}
+    known = [f.name for f in dataclasses.fields(target)]
+    return dataclasses.replace(target, **_parse_key_values(items, known, what, aliases, also))
+
+
+def _policy_settings(
+    items: list[str], policy: PolicyConfig, what: str, aliases: dict[str, str] | None = None
+) -> PolicyConfig:
+    """Apply KEY=VALUE overrides to a PolicyConfig, KEY a setting's flat name (the names
+    of the v1 Policy message and the controller's TOML, `PolicyConfig.setting_names`)."""
+    return policy.with_settings(_parse_key_values(items, list(policy.setting_names()), what, aliases))
+
+
+def _parse_key_values(
+    items: list[str],
+    known: list[str],
+    what: str,
+    aliases: dict[str, str] | None = None,
+    also: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """KEY=VALUE items as {KEY: VALUE}, VALUE parsed as JSON when possible; InputError
+    naming the accepted keys otherwise."""
     aliases = aliases or {}
     changes: dict[str, Any] = {}
     for item in items:
@@ -83,7 +106,7 @@ def _key_values(
         except ValueError:
             value = raw
         changes[key] = value
-    return dataclasses.replace(target, **changes)
+    return changes
 
 
 def register(subparsers: Any) -> None:
@@ -319,8 +342,8 @@ def run(args: argparse.Namespace) -> int:
     serving = [i for i in args.cost if i.partition("=")[0] not in POLICY_COST_KEYS]
     migration = [i for i in args.cost if i.partition("=")[0] in POLICY_COST_KEYS]
     cost = _key_values(serving, cost, "--cost", also=tuple(POLICY_COST_KEYS))
-    policy = _key_values(args.set, PolicyConfig(), "--set")
-    policy = _key_values(migration, policy, "--cost", POLICY_COST_KEYS)
+    policy = _policy_settings(args.set, PolicyConfig(), "--set")
+    policy = _policy_settings(migration, policy, "--cost", POLICY_COST_KEYS)
     periodic = PeriodicConfig()
     if args.period_steps is not None:
         periodic = dataclasses.replace(periodic, period_steps=args.period_steps)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import fields, replace
 from typing import Any
 
 import grpc
@@ -32,7 +31,8 @@ _WIRE_POLICY_FIELDS = tuple(f.name for f in pb.Policy.DESCRIPTOR.fields)
 log = logging.getLogger("rebalancer.admin")
 
 def policy_msg(policy: PolicyConfig) -> pb.Policy:
-    return pb.Policy(**{name: getattr(policy, name) for name in _WIRE_POLICY_FIELDS})
+    settings = policy.to_flat()
+    return pb.Policy(**{name: settings[name] for name in _WIRE_POLICY_FIELDS})
 
 
 # Fields with presence on the wire: absent means "keep the current value".
@@ -42,14 +42,16 @@ _OPTIONAL_POLICY_FIELDS = tuple(
 
 
 def policy_from_msg(msg: pb.Policy, base: PolicyConfig) -> PolicyConfig:
-    known = {f.name for f in fields(PolicyConfig)}
+    """`base` with the message's settings (flat names, `PolicyConfig.with_settings`)."""
+    known = set(PolicyConfig.setting_names())
     values = {
         name: getattr(msg, name) for name in _WIRE_POLICY_FIELDS
         if name in known and (name not in _OPTIONAL_POLICY_FIELDS or msg.HasField(name))
     }
+    current = base.to_flat()
     for name in ("min_windows", "estimate_window"):
-        values[name] = int(values.get(name, getattr(base, name)))
-    policy = replace(base, **values)
+        values[name] = int(values.get(name, current[name]))
+    policy = base.with_settings(values)
     policy.validate()
     return policy
 

@@ -4,7 +4,7 @@ This module owns the arithmetic and the defaults of what moving expert weights c
 The controller's gate (`decide`, rebalancer/controller/decide.py) and the simulator
 (rebalancer/sim) both call the functions below with the same `CostParams`; neither keeps
 a formula or a default of its own. `PolicyConfig` (the admin API's Policy) carries the
-parameters per deployment and takes its defaults from `DEFAULT_COST`.
+parameters per deployment as its `cost` section, `DEFAULT_COST` unless set.
 
 A plan is a transfer list `[K, 5]` (columns `rebalancer.wire.layout`: LAYER, DST_RANK,
 DST_SLOT, SRC_RANK, SRC_SLOT), one row per physical slot that changes. Its cost:
@@ -84,33 +84,41 @@ MAX_WINDOW_SECONDS = 1e6
 
 @dataclass(frozen=True)
 class CostParams:
-    """What moving expert weights costs; defaults measured on H200 where measured.
+    """What moving expert weights costs; defaults measured on H200 where measured. The
+    `cost` section of a deployment's PolicyConfig (flat names on the wire and in TOML:
+    the same, but `inter_node_gbps` is `link_bandwidth_gbps`).
 
     Measurements: BENCHMARKS.md, "Worker hooks on GPU (H200)" (`python -m
     bench.gpu_hooks`, `python -m bench.gpu_migration`, 2 x H200 on one node).
     """
 
-    # Serving step at perfect balance (seconds): turns engine step counts into time.
-    # DeepSeek-V3 decode at EP32; not measured here (a multi-GPU step-time run is missing).
     step_seconds: float = 0.05
-    # GB/s one rank receives expert weights at from a rank of its own node, beside a
-    # serving loop: the ipc transport (copy engines) measured 306-310 GB/s beside serving,
-    # 313 GB/s alone; NCCL p2p 289-299 GB/s ("Fourth run").
+    """Serving step at perfect balance (seconds): turns engine step counts into time.
+    DeepSeek-V3 decode at EP32; not measured here (a multi-GPU step-time run is missing)."""
+
     intra_node_gbps: float = 300.0
-    # The same across nodes: not measured; a 400 Gb/s NIC (50 GB/s) shared with the
-    # all-to-all's RDMA traffic.
+    """GB/s one rank receives expert weights at from a rank of its own node, beside a
+    serving loop: the ipc transport (copy engines) measured 306-310 GB/s beside serving,
+    313 GB/s alone; NCCL p2p 289-299 GB/s ("Fourth run")."""
+
     inter_node_gbps: float = 20.0
-    # Share of serving time lost while transfers run beside it: measured +6.8 % for the
-    # ipc transport inside a node and +31 % for NCCL (host sync every 2 replays); plans
-    # across nodes use NCCL, so 0.15 sits between.
+    """The same across nodes: not measured; a 400 Gb/s NIC (50 GB/s) shared with the
+    all-to-all's RDMA traffic."""
+
     overlap_penalty: float = 0.15
-    # GB/s of the commit copy of staged experts into their live slots, between two replays:
-    # 54 experts of 84 MiB in 6.7 ms (~700 GB/s; 30 in 3.9 ms). Workers with enough spare
-    # rows (worker_hooks/rows.py) copy nothing at commit: a very large value models them.
+    """Share of serving time lost while transfers run beside it: measured +6.8 % for the
+    ipc transport inside a node and +31 % for NCCL (host sync every 2 replays); plans
+    across nodes use NCCL, so 0.15 sits between."""
+
     commit_gbps: float = 700.0
-    # The in-place map swap between two replays: 13.6 us device time (61 layers x 256
-    # experts), 12.8 us in the migration run, 26.7 us host time of the call: ~20 us.
+    """GB/s of the commit copy of staged experts into their live slots, between two
+    replays: 54 experts of 84 MiB in 6.7 ms (~700 GB/s; 30 in 3.9 ms). Workers with enough
+    spare rows (worker_hooks/rows.py) copy nothing at commit: a very large value models
+    them."""
+
     swap_seconds: float = 20e-6
+    """The in-place map swap between two replays: 13.6 us device time (61 layers x 256
+    experts), 12.8 us in the migration run, 26.7 us host time of the call: ~20 us."""
 
     def validate(self) -> None:
         """Raise InputError naming the first parameter out of range."""

@@ -17,29 +17,26 @@ simulator charges plans with the same functions): the candidate saves
 imbalance ratio (sum over layers of max GPU load / sum of mean GPU load: step time over
 step time at perfect balance), and its transfer list costs `plan_cost(...).seconds` =
 busiest receiver's transfer time (intra- and inter-node bandwidths) x overlap_penalty +
-commit pause + map swap. PolicyConfig's cost fields and timing defaults come from that
-module too (`DEFAULT_COST`, `derived_timing`).
+commit pause + map swap, under the policy's `cost` section (`PolicyConfig`,
+rebalancer/controller/policy_config.py, whose timing defaults come from that module too).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
 from rebalancer.controller.cost import (
     DEEPSEEK_V3_EXPERT_BYTES,
-    DEFAULT_COST,
-    CostParams,
-    ReferenceDeployment,
-    derived_timing,
+    PlanCost,
     gain_seconds,
     imbalance_ratio,
     plan_cost,
 )
-from rebalancer.controller.estimate import EstimatorConfig
+from rebalancer.controller.policy_config import PolicyConfig
 from rebalancer.errors import InputError
 from rebalancer.placement import (
     balancedness,
@@ -65,164 +62,6 @@ __all__ = [
 ]
 
 TAKEN = ("rebalance", "forced")
-
-# Defaults the timing defaults are derived from (rebalancer/controller/cost.py).
-_DECAY = EstimatorConfig.decay
-_GAIN_THRESHOLD = 0.02
-_MAX_MOVED_FRACTION = 0.25
-_TIMING = derived_timing(_DECAY, _GAIN_THRESHOLD, _MAX_MOVED_FRACTION)
-
-
-@dataclass
-class PolicyConfig:
-    """When to rebalance; mirrors the proto message rebalancer.v1.Policy (plus a few knobs).
-
-    Every field but `paused` (set by pause/resume) and `intra_node_gbps` (not on the v1
-    wire yet) is a field of the Policy message. The cost fields (`step_seconds`,
-    `link_bandwidth_gbps`, `intra_node_gbps`, `overlap_penalty`, `commit_gbps`,
-    `swap_seconds`) are the deployment's `CostParams` (`cost_params()`), with the cost
-    model's defaults; `min_interval_seconds` and `decision_period_seconds` default to what
-    the cost model derives from them (rebalancer/controller/cost.py, `derived_timing`).
-    """
-
-    # No two rebalances closer than this (seconds of the controller's clock). Default:
-    # the time the smallest accepted gain needs to repay the largest plan, at least one
-    # window plus the estimate's half-life (2.2 s for ~1 s windows; `for_windows`).
-    min_interval_seconds: float = _TIMING.min_interval_seconds
-    # Hysteresis: minimum predicted balancedness gain (candidate - current, layer mean).
-    gain_threshold: float = _GAIN_THRESHOLD
-    # The predicted step-time saving is credited over this horizon.
-    horizon_seconds: float = 300.0
-    # Migration budget per plan: at most this fraction of the slots change.
-    max_moved_fraction: float = _MAX_MOVED_FRACTION
-    # Load estimate: weight of the old estimate per window (see EstimatorConfig.decay).
-    decay: float = _DECAY
-    # Windows folded into the estimate before the first decision.
-    min_windows: int = 2
-    # How often the controller runs a decision (it decides only on a folded window).
-    # Default: the estimate's half-life, at least one window (1.0 s for ~1 s windows).
-    decision_period_seconds: float = _TIMING.decision_period_seconds
-    # A rank that has not prepared within this time aborts the plan.
-    prepare_timeout_seconds: float = 30.0
-    # GB/s one rank receives expert weights at from another node (CostParams.inter_node_gbps).
-    link_bandwidth_gbps: float = DEFAULT_COST.inter_node_gbps
-    # Serving step time at perfect balance (CostParams.step_seconds).
-    step_seconds: float = DEFAULT_COST.step_seconds
-    # No policy rebalances while paused (forced ones still run).
-    paused: bool = False
-    # Fraction of serving throughput lost while weight transfers run beside serving.
-    overlap_penalty: float = DEFAULT_COST.overlap_penalty
-    # The stall a plan causes at commit: staged experts copied into their live slots at
-    # `commit_gbps` (GB/s), then the map swap between two graph replays.
-    commit_gbps: float = DEFAULT_COST.commit_gbps
-    swap_seconds: float = DEFAULT_COST.swap_seconds
-    # > 0: the estimate is the mean of the last `estimate_window` windows instead of decay.
-    estimate_window: int = EstimatorConfig.window
-    # Sampling-noise margin added to the hysteresis, in standard errors of a GPU's load:
-    # a candidate fitted on a noisy estimate looks better on it than it will serve.
-    noise_z: float = 2.0
-    # Decide on the empirical-Bayes estimate (LoadEstimator.shrunk): short-run shares that
-    # differ from the long-run prior by no more than sampling noise are replaced by it, so
-    # sparse counts neither trigger a refit on noise nor keep a placement fitted on noise.
-    shrink: bool = EstimatorConfig.shrink
-    # Weight of the old long-run prior per window (EstimatorConfig.prior_decay).
-    prior_decay: float = EstimatorConfig.prior_decay
-    # GB/s one rank receives expert weights at from a rank of its own node
-    # (CostParams.intra_node_gbps). Not in the v1 Policy message: TOML and `simulate --set`.
-    intra_node_gbps: float = DEFAULT_COST.intra_node_gbps
-
-    def cost_params(self) -> CostParams:
-        """The migration-cost parameters this policy charges plans with."""
-        return CostParams(
-            step_seconds=self.step_seconds,
-            intra_node_gbps=self.intra_node_gbps,
-            inter_node_gbps=self.link_bandwidth_gbps,
-            overlap_penalty=self.overlap_penalty,
-            commit_gbps=self.commit_gbps,
-            swap_seconds=self.swap_seconds,
-        )
-
-    def for_windows(self, shape: ClusterShape, window_seconds: float) -> PolicyConfig:
-        """A copy with `min_interval_seconds` and `decision_period_seconds` derived for
-        this deployment and window length (`cost.derived_timing`) from this policy's
-        decay (or estimate_window), gain_threshold, max_moved_fraction and cost parameters. The defaults are
-        this for `cost.REFERENCE`: DeepSeek-V3 at EP32 on 4 nodes, ~1 s windows."""
-        self.validate()
-        shape.validate()
-        if not (math.isfinite(window_seconds) and window_seconds > 0):
-            raise InputError(f"window_seconds must be > 0, got {window_seconds}")
-        deployment = ReferenceDeployment(
-            num_layers=shape.num_layers,
-            num_slots=shape.num_slots,
-            num_gpus=shape.num_gpus,
-            num_nodes=shape.num_nodes,
-            expert_bytes=shape.expert_bytes,
-            window_seconds=window_seconds,
-        )
-        timing = derived_timing(
-            self.decay,
-            self.gain_threshold,
-            self.max_moved_fraction,
-            self.cost_params(),
-            deployment,
-            self.estimate_window,
-        )
-        return replace(
-            self,
-            min_interval_seconds=timing.min_interval_seconds,
-            decision_period_seconds=timing.decision_period_seconds,
-        )
-
-    def validate(self) -> None:
-        """Raise InputError naming the first field that is out of range."""
-
-        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InputError(f"policy {name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise InputError(f"policy {name} must be finite, got {value}")
-            if value < lo or (lo_open and value == lo) or value > hi:
-                left = "(" if lo_open else "["
-                raise InputError(f"policy {name} must be in {left}{lo}, {hi}], got {value}")
-
-        inf = math.inf
-        number("min_interval_seconds", 0.0, inf)
-        number("gain_threshold", 0.0, 1.0)
-        number("horizon_seconds", 0.0, inf, lo_open=True)
-        number("max_moved_fraction", 0.0, 1.0, lo_open=True)
-        number("decay", 0.0, 1.0)
-        number("decision_period_seconds", 0.0, inf, lo_open=True)
-        number("prepare_timeout_seconds", 0.0, inf, lo_open=True)
-        number("link_bandwidth_gbps", 0.0, inf, lo_open=True)
-        number("intra_node_gbps", 0.0, inf, lo_open=True)
-        number("step_seconds", 0.0, inf, lo_open=True)
-        number("overlap_penalty", 0.0, 1.0)
-        number("swap_seconds", 0.0, inf)
-        number("commit_gbps", 0.0, inf, lo_open=True)
-        number("noise_z", 0.0, inf)
-        number("prior_decay", 0.0, 1.0)
-        for name in ("min_windows", "estimate_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InputError(f"policy {name} must be an integer >= 0, got {value!r}")
-        for name in ("paused", "shrink"):
-            if not isinstance(getattr(self, name), bool):
-                raise InputError(f"policy {name} must be a boolean, got {getattr(self, name)!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> PolicyConfig:
-        """Build from a mapping; unknown keys are an InputError, missing ones keep defaults."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise InputError(f"unknown policy field(s): {', '.join(unknown)}")
-        config = cls(**values)
-        config.validate()
-        return config
 
 
 @dataclass(frozen=True)
@@ -359,6 +198,33 @@ def _check_inputs(estimate: np.ndarray, current: np.ndarray, shape: ClusterShape
         raise InputError("estimate must be finite and non-negative")
 
 
+@dataclass(frozen=True)
+class _Evaluation:
+    """The current placement and the candidate measured on one estimate: what the gate
+    and the record read."""
+
+    b_current: float
+    r_current: float
+    bound: float
+    candidate: np.ndarray
+    b_candidate: float
+    r_candidate: float
+    slots_moved: int
+    moved_fraction: float
+    cost: PlanCost
+    gain: float
+    noise_margin: float
+
+    def summary(self, horizon_seconds: float) -> str:
+        """The numbers every reason ends with."""
+        return (
+            f"balancedness {self.b_current:.3f} -> {self.b_candidate:.3f} (bound {self.bound:.3f}), "
+            f"{self.slots_moved} slots ({self.moved_fraction:.1%}) to move, predicted gain "
+            f"{self.gain:.2f} s over {horizon_seconds:g} s vs migration cost "
+            f"{self.cost.seconds:.3f} s"
+        )
+
+
 def decide(
     estimate: np.ndarray,
     current: np.ndarray,
@@ -384,104 +250,137 @@ def decide(
     current = np.asarray(current)
     _check_inputs(estimate, current, shape)
     policy.validate()
-    G = shape.num_gpus
-
     if float(estimate.sum()) <= 0.0:
-        return Decision(
-            outcome="skip_no_load",
-            reason=f"the estimate holds no load yet ({windows} window(s) folded)",
-            balancedness_current=0.0,
-            balancedness_candidate=0.0,
-            bound_balancedness=0.0,
-            moved_fraction=0.0,
-            slots_moved=0,
-            bytes_to_move=0,
-            predicted_gain_seconds=0.0,
-            migration_cost_seconds=0.0,
-            time=now,
-        )
+        return _no_load(windows, now)
+    ev = _evaluate(estimate, current, shape, policy, windows if effective_windows is None else effective_windows)
+    gate, why = _gate(ev, policy, now, last_rebalance, windows)
+    outcome, reason = _outcome(gate, why, ev, policy, forced, dry_run)
+    return _record(outcome, reason, gate, ev, now)
 
-    b_current, r_current = predicted_balance(current, estimate, shape)
-    bound = float(lower_bound_balancedness(estimate, shape.num_slots, G, shape.num_nodes))
+
+def _no_load(windows: int, now: float) -> Decision:
+    """Nothing to fit yet: every figure 0."""
+    return Decision(
+        outcome="skip_no_load",
+        reason=f"the estimate holds no load yet ({windows} window(s) folded)",
+        balancedness_current=0.0,
+        balancedness_candidate=0.0,
+        bound_balancedness=0.0,
+        moved_fraction=0.0,
+        slots_moved=0,
+        bytes_to_move=0,
+        predicted_gain_seconds=0.0,
+        migration_cost_seconds=0.0,
+        time=now,
+    )
+
+
+def _fit_candidate(estimate: np.ndarray, current: np.ndarray, shape: ClusterShape, policy: PolicyConfig) -> np.ndarray:
+    """The migration-aware candidate within the policy's move budget: phy2log [L, P]."""
     result = compute_placement(
         estimate,
         shape.num_slots,
-        G,
+        shape.num_gpus,
         num_nodes=shape.num_nodes,
         num_groups=shape.num_groups or None,
         previous=current,
         max_moved_fraction=policy.max_moved_fraction,
     )
-    candidate = np.asarray(result.phy2log)
-    b_candidate, r_candidate = predicted_balance(candidate, estimate, shape)
+    return np.asarray(result.phy2log)
 
+
+def _evaluate(
+    estimate: np.ndarray,
+    current: np.ndarray,
+    shape: ClusterShape,
+    policy: PolicyConfig,
+    effective_windows: float | np.ndarray,
+) -> _Evaluation:
+    """Balance of current and candidate, the candidate's moves, their cost, the gain over
+    the horizon and the noise margin, on the estimate."""
+    G = shape.num_gpus
+    b_current, r_current = predicted_balance(current, estimate, shape)
+    bound = float(lower_bound_balancedness(estimate, shape.num_slots, G, shape.num_nodes))
+    candidate = _fit_candidate(estimate, current, shape, policy)
+    b_candidate, r_candidate = predicted_balance(candidate, estimate, shape)
     moves = np.asarray(transfers(current, candidate, G, shape.num_nodes))
     slots_moved = int(moves.shape[0])
-    moved_fraction = slots_moved / float(current.size)
-    cost = plan_cost(moves, G, shape.num_nodes, shape.expert_bytes, policy.cost_params())
-    migration_cost = cost.seconds
-
-    gain = gain_seconds(policy.horizon_seconds, r_current, r_candidate)
-    delta_b = b_candidate - b_current
-    n_eff = windows if effective_windows is None else effective_windows
-    noise_margin = policy.noise_z * sampling_noise(estimate, G, n_eff) if policy.noise_z else 0.0
-    needed = policy.gain_threshold + noise_margin
-
-    numbers = (
-        f"balancedness {b_current:.3f} -> {b_candidate:.3f} (bound {bound:.3f}), "
-        f"{slots_moved} slots ({moved_fraction:.1%}) to move, predicted gain "
-        f"{gain:.2f} s over {policy.horizon_seconds:g} s vs migration cost "
-        f"{migration_cost:.3f} s"
+    noise = policy.noise_z * sampling_noise(estimate, G, effective_windows) if policy.noise_z else 0.0
+    return _Evaluation(
+        b_current=b_current,
+        r_current=r_current,
+        bound=bound,
+        candidate=candidate,
+        b_candidate=b_candidate,
+        r_candidate=r_candidate,
+        slots_moved=slots_moved,
+        moved_fraction=slots_moved / float(current.size),
+        cost=plan_cost(moves, G, shape.num_nodes, shape.expert_bytes, policy.cost),
+        gain=gain_seconds(policy.horizon_seconds, r_current, r_candidate),
+        noise_margin=noise,
     )
 
-    # What the gate would say; forced and dry-run decisions record it too.
+
+def _gate(
+    ev: _Evaluation, policy: PolicyConfig, now: float, last_rebalance: float | None, windows: int
+) -> tuple[str, str]:
+    """What the gate says, and why: the first of paused, too few windows, too soon, no
+    gain, and the gain against the migration cost. Forced and dry-run decisions record it
+    too."""
     if policy.paused:
-        gate, why = "skip_paused", "the deployment is paused"
-    elif windows < policy.min_windows:
-        gate, why = "skip_min_windows", f"only {windows} of {policy.min_windows} windows seen"
-    elif last_rebalance is not None and now - last_rebalance < policy.min_interval_seconds:
-        gate, why = (
+        return "skip_paused", "the deployment is paused"
+    if windows < policy.min_windows:
+        return "skip_min_windows", f"only {windows} of {policy.min_windows} windows seen"
+    if last_rebalance is not None and now - last_rebalance < policy.min_interval_seconds:
+        return (
             "skip_min_interval",
             f"last rebalance {now - last_rebalance:.1f} s ago "
             f"(< {policy.min_interval_seconds:g} s)",
         )
-    elif slots_moved == 0:
-        gate, why = "skip_gain", "the candidate equals the current placement"
-    elif delta_b < needed:
-        gate, why = (
+    if ev.slots_moved == 0:
+        return "skip_gain", "the candidate equals the current placement"
+    if ev.b_candidate - ev.b_current < policy.gain_threshold + ev.noise_margin:
+        return (
             "skip_gain",
-            f"balancedness gain {delta_b:+.3f} below threshold {policy.gain_threshold:g}"
-            + (f" + noise margin {noise_margin:.3f}" if noise_margin else ""),
+            f"balancedness gain {ev.b_candidate - ev.b_current:+.3f} below threshold {policy.gain_threshold:g}"
+            + (f" + noise margin {ev.noise_margin:.3f}" if ev.noise_margin else ""),
         )
-    elif gain <= migration_cost:
-        gate, why = "skip_gain", "predicted gain does not beat the migration cost"
-    else:
-        gate, why = "rebalance", "predicted gain beats the migration cost"
+    if ev.gain <= ev.cost.seconds:
+        return "skip_gain", "predicted gain does not beat the migration cost"
+    return "rebalance", "predicted gain beats the migration cost"
 
+
+def _outcome(
+    gate: str, why: str, ev: _Evaluation, policy: PolicyConfig, forced: bool, dry_run: bool
+) -> tuple[str, str]:
+    """The outcome and its reason: the gate's, unless the caller forced or dry-ran it."""
+    numbers = ev.summary(policy.horizon_seconds)
     if dry_run:
-        outcome, reason = "dry_run", f"dry run (gate: {gate}): {numbers}"
-    elif forced and slots_moved == 0:
+        return "dry_run", f"dry run (gate: {gate}): {numbers}"
+    if forced and ev.slots_moved == 0:
         # A plan that moves nothing would only bump the version: not even forced.
-        outcome, reason = "skip_gain", f"forced, but the candidate equals the current placement: {numbers}"
-    elif forced:
-        outcome, reason = "forced", f"forced (gate: {gate}): {numbers}"
-    else:
-        outcome, reason = gate, f"{why}: {numbers}"
+        return "skip_gain", f"forced, but the candidate equals the current placement: {numbers}"
+    if forced:
+        return "forced", f"forced (gate: {gate}): {numbers}"
+    return gate, f"{why}: {numbers}"
 
+
+def _record(outcome: str, reason: str, gate: str, ev: _Evaluation, now: float) -> Decision:
+    """The Decision with every number behind it; the candidate only where a plan may follow."""
     return Decision(
         outcome=outcome,
         reason=reason,
-        balancedness_current=b_current,
-        balancedness_candidate=b_candidate,
-        bound_balancedness=bound,
-        moved_fraction=moved_fraction,
-        slots_moved=slots_moved,
-        bytes_to_move=cost.bytes_between_gpus,
-        predicted_gain_seconds=gain,
-        migration_cost_seconds=migration_cost,
-        candidate=candidate if outcome in ("rebalance", "forced", "dry_run") else None,
-        transfer_seconds=cost.transfer_seconds,
+        balancedness_current=ev.b_current,
+        balancedness_candidate=ev.b_candidate,
+        bound_balancedness=ev.bound,
+        moved_fraction=ev.moved_fraction,
+        slots_moved=ev.slots_moved,
+        bytes_to_move=ev.cost.bytes_between_gpus,
+        predicted_gain_seconds=ev.gain,
+        migration_cost_seconds=ev.cost.seconds,
+        candidate=ev.candidate if outcome in ("rebalance", "forced", "dry_run") else None,
+        transfer_seconds=ev.cost.transfer_seconds,
         gate=gate,
-        noise_margin=noise_margin if math.isfinite(noise_margin) else 1.0,
+        noise_margin=ev.noise_margin if math.isfinite(ev.noise_margin) else 1.0,
         time=now,
     )

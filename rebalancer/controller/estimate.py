@@ -22,19 +22,26 @@ from rebalancer.errors import InputError
 
 @dataclass(frozen=True)
 class EstimatorConfig:
-    """The estimator's settings. Its defaults are the product's (PolicyConfig takes its
-    estimate fields from here), so a deployment and a bare estimator smooth alike."""
+    """The estimator's settings: the `estimator` section of a deployment's PolicyConfig
+    (flat names on the wire and in TOML: decay, estimate_window, prior_decay, shrink), so
+    a deployment and a bare estimator smooth alike."""
 
-    # Weight of the old estimate each time a window is folded in, in [0, 1]: 0 keeps only
-    # the last window, 1 is the plain mean of every window since the start.
     decay: float = 0.3
-    # > 0: mean of the last `window` windows instead of the exponential decay.
+    """Weight of the old estimate each time a window is folded in, in [0, 1]: 0 keeps only
+    the last window, 1 is the plain mean of every window since the start."""
+
     window: int = 0
-    # Weight of the old long-run estimate (the prior of `shrunk`) per window: 0.99 keeps
-    # about 200 windows, so the prior accumulates evidence but still follows slow drift.
+    """> 0: mean of the last `window` windows instead of the exponential decay."""
+
     prior_decay: float = 0.99
-    # `estimate` returns the empirical-Bayes estimate (`shrunk`) instead of the smoothed one.
+    """Weight of the old long-run estimate (the prior of `shrunk`) per window: 0.99 keeps
+    about 200 windows, so the prior accumulates evidence but still follows slow drift."""
+
     shrink: bool = True
+    """`estimate` returns the empirical-Bayes estimate (`shrunk`) instead of the smoothed
+    one: short-run shares that differ from the long-run prior by no more than sampling
+    noise are replaced by it, so sparse counts neither trigger a refit on noise nor keep
+    a placement fitted on noise."""
 
     def validate(self) -> None:
         if not (isinstance(self.decay, (int, float)) and math.isfinite(self.decay)):

@@ -294,7 +294,7 @@ class ControllerMetrics:
         dep = self.controller.deployments[deployment]
         shape = dep.shape
         cost = plan_cost(plan.transfers, shape.num_gpus, shape.num_nodes, shape.expert_bytes,
-                         dep.policy.cost_params())
+                         dep.policy.cost)
         return cost.commit_pause_seconds + cost.swap_seconds
 
     def on_ingest(self, deployment: str, nbytes: int, seconds: float) -> None:

@@ -59,7 +59,7 @@ class Operations:
         except InputError as exc:
             raise StateError("INVALID_ARGUMENT", str(exc)) from exc
         dep.loop.set_policy(policy)
-        self.store.set_policy(name, policy.to_dict())
+        self.store.set_policy(name, policy.to_flat())
         return policy
 
     def set_paused(self, name: str, paused: bool) -> None:

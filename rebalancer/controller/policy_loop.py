@@ -17,17 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig, decide
-from rebalancer.controller.estimate import EstimatorConfig, LoadEstimator
-
-
-def estimator_config(policy: PolicyConfig) -> EstimatorConfig:
-    """The estimator settings a policy asks for."""
-    return EstimatorConfig(
-        decay=policy.decay,
-        window=policy.estimate_window,
-        prior_decay=policy.prior_decay,
-        shrink=policy.shrink,
-    )
+from rebalancer.controller.estimate import LoadEstimator
 
 
 class PolicyLoop:
@@ -39,7 +29,7 @@ class PolicyLoop:
         self.shape = shape
         self.policy = policy
         self.estimator = LoadEstimator(
-            shape.num_layers, shape.num_logical, estimator_config(policy)
+            shape.num_layers, shape.num_logical, policy.estimator
         )
         self.last_decision_time: float | None = None
         self.last_rebalance: float | None = None
@@ -48,7 +38,7 @@ class PolicyLoop:
     def set_policy(self, policy: PolicyConfig) -> None:
         """Switch policy; the estimate is kept unless its mode (decay vs window) changes."""
         policy.validate()
-        new = estimator_config(policy)
+        new = policy.estimator
         old = self.estimator.config
         if (new.window > 0) != (old.window > 0) or (new.window > 0 and new.window != old.window):
             # The stored state of one mode cannot feed the other: start the estimate afresh.

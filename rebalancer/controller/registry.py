@@ -119,7 +119,7 @@ class Registry:
             )
             dep = Deployment(name, shape, self.default_policy, version, phy2log)
             self.store.create_deployment(
-                name, shape_key(shape), dep.policy.to_dict(), version, phy2log, now=now
+                name, shape_key(shape), dep.policy.to_flat(), version, phy2log, now=now
             )
             self.deployments[name] = dep
             log.info("new deployment %s: %s", name, shape_key(shape))

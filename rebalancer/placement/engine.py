@@ -1,13 +1,16 @@
 """The one entry point the controller calls: load in, placement and its quality out.
 
-It validates, picks the algorithm, and wraps the result with what the caller needs to
-decide and to ship (replica lists, balancedness, moved fraction).
+It validates, picks the algorithm by name from the registry (`register_algorithm`, as
+vLLM keeps its EPLB policies by name), and wraps the result with what the caller needs
+to decide and to ship (replica lists, balancedness, moved fraction).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -31,9 +34,6 @@ from rebalancer.placement.types import (
     check_load,
     check_phy2log,
 )
-
-ALGORITHMS = ("auto", "greedy", "balanced", "migration", "reference")
-
 
 PlaceRows = Callable[..., np.ndarray]
 
@@ -177,6 +177,105 @@ def _balanced_rows(
     return phy2log, peak
 
 
+@dataclass(frozen=True)
+class PlacementRequest:
+    """A validated placement problem, as every registered algorithm receives it."""
+
+    load: np.ndarray                 # [L, E]
+    num_slots: int
+    num_gpus: int
+    num_nodes: int
+    num_groups: int | None
+    previous: np.ndarray | None      # [L, P], the current placement
+    budget_slots: int | None         # at most this many slots may change (None: any)
+
+
+# An algorithm: the placement [L, P] and, when it has it anyway, its max GPU load per
+# layer [L] (None: `finish` computes it).
+PlaceFn = Callable[[PlacementRequest], tuple[np.ndarray, np.ndarray | None]]
+
+
+@dataclass(frozen=True)
+class PlacementAlgorithm:
+    name: str
+    place: PlaceFn
+    # Plans from the previous placement (needs one) and honours a move budget; the others
+    # place from scratch and refuse a budget.
+    migration_aware: bool = False
+
+
+_REGISTRY: dict[str, PlacementAlgorithm] = {}
+
+
+def register_algorithm(name: str, *, migration_aware: bool = False) -> Callable[[PlaceFn], PlaceFn]:
+    """Register `fn` under `name` for `compute_placement(algorithm=name)`."""
+
+    def register(fn: PlaceFn) -> PlaceFn:
+        if name == "auto" or name in _REGISTRY:
+            raise ValueError(f"placement algorithm {name!r} is already taken")
+        _REGISTRY[name] = PlacementAlgorithm(name, fn, migration_aware)
+        return fn
+
+    return register
+
+
+@register_algorithm("greedy")
+def _greedy(req: PlacementRequest) -> tuple[np.ndarray, np.ndarray | None]:
+    return greedy_placement(req.load, req.num_slots, req.num_gpus, req.num_nodes, req.num_groups), None
+
+
+@register_algorithm("balanced")
+def _balanced(req: PlacementRequest) -> tuple[np.ndarray, np.ndarray | None]:
+    return _balanced_and_peak(req.load, req.num_slots, req.num_gpus, req.num_nodes, req.num_groups)
+
+
+@register_algorithm("migration", migration_aware=True)
+def _migration(req: PlacementRequest) -> tuple[np.ndarray, np.ndarray | None]:
+    """Walk from the previous placement toward the balanced one, within the budget."""
+    assert req.previous is not None
+    fresh = balanced_placement(req.load, req.num_slots, req.num_gpus, req.num_nodes, req.num_groups)
+    return migrate(req.load, req.previous, fresh, req.num_gpus, req.budget_slots), None
+
+
+@register_algorithm("reference")
+def _reference(req: PlacementRequest) -> tuple[np.ndarray, np.ndarray | None]:
+    """The slow per-item port of DeepSeek's eplb.py (tests and benches compare with it)."""
+    return reference_placement(req.load, req.num_slots, req.num_gpus, req.num_nodes, req.num_groups), None
+
+
+def algorithm_names() -> tuple[str, ...]:
+    """The names `compute_placement` accepts: "auto" (balanced, or migration with a
+    previous placement), then every registered algorithm."""
+    return ("auto", *_REGISTRY)
+
+
+# The product's algorithms (a test keeps the Literal and the registry equal).
+AlgorithmName = Literal["auto", "greedy", "balanced", "migration", "reference"]
+ALGORITHMS: tuple[str, ...] = algorithm_names()
+
+
+def check_algorithm_name(name: object) -> None:
+    """InputError listing the accepted names unless `name` is one of `algorithm_names()`."""
+    if not isinstance(name, str) or name not in algorithm_names():
+        raise InputError(f"unknown algorithm {name!r}; expected one of {', '.join(algorithm_names())}")
+
+
+def _pick_algorithm(name: str, previous: np.ndarray | None, limited: bool) -> PlacementAlgorithm:
+    """The registered algorithm a checked `name` names ("auto" resolved); InputError,
+    naming what is accepted, when it cannot serve this request."""
+    if name == "auto":
+        name = "migration" if previous is not None else "balanced"
+    algorithm = _REGISTRY[name]
+    if algorithm.migration_aware and previous is None:
+        raise InputError(f"algorithm {name!r} needs a previous placement")
+    if limited and previous is not None and not algorithm.migration_aware:
+        aware = ["auto", *(a.name for a in _REGISTRY.values() if a.migration_aware)]
+        raise InputError(
+            f"a move budget needs algorithm {' or '.join(map(repr, aware))}, not {name!r}"
+        )
+    return algorithm
+
+
 def compute_placement(
     load: np.ndarray,
     num_slots: int,
@@ -185,7 +284,7 @@ def compute_placement(
     num_groups: int | None = None,
     previous: np.ndarray | None = None,
     max_moved_fraction: float | None = None,
-    algorithm: str = "auto",
+    algorithm: AlgorithmName | str = "auto",
     max_moved_bytes: int | None = None,
     expert_bytes: int | None = None,
 ) -> PlacementResult:
@@ -196,8 +295,9 @@ def compute_placement(
     `moved_fraction`. max_moved_bytes / expert_bytes: a budget in bytes (each changed
     slot ships one expert's weights), combined with max_moved_fraction (the smaller
     wins). max_moved_fraction: at most this share of all slots may change
-    (needs `previous`). algorithm: "auto" (balanced, or migration with `previous`),
-    "greedy", "balanced", "migration" or "reference" (the slow per-item port).
+    (needs `previous`). algorithm: one of `algorithm_names()`: "auto" (balanced, or migration
+    with `previous`), "greedy", "balanced", "migration" or "reference" (the slow
+    per-item port).
     """
     # 1. validate everything before doing anything
     load_arr = check_load(load)
@@ -222,8 +322,7 @@ def compute_placement(
     byte_slots = None
     if max_moved_bytes is not None and expert_bytes is not None:
         byte_slots = int(max_moved_bytes) // int(expert_bytes)
-    if algorithm not in ALGORITHMS:
-        raise InputError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+    check_algorithm_name(algorithm)
     old = None
     if previous is not None:
         old = check_phy2log(previous, num_logical, name="previous placement")
@@ -231,29 +330,16 @@ def compute_placement(
             raise InputError(
                 f"previous placement has shape {old.shape}, expected {(num_layers, num_slots)}"
             )
-    if algorithm == "migration" and old is None:
-        raise InputError("algorithm 'migration' needs a previous placement")
-    limited = budget is not None or byte_slots is not None
-    if limited and old is not None and algorithm not in ("auto", "migration"):
-        raise InputError(f"a move budget needs algorithm 'auto' or 'migration', not {algorithm!r}")
-    if algorithm == "auto":
-        algorithm = "migration" if old is not None else "balanced"
-    # 2. compute
-    peak = None
-    if algorithm == "greedy":
-        phy2log = greedy_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
-    elif algorithm == "reference":
-        phy2log = reference_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
-    elif algorithm == "balanced":
-        phy2log, peak = _balanced_and_peak(load_arr, num_slots, num_gpus, num_nodes, num_groups)
-    else:
-        assert old is not None
-        fresh = balanced_placement(load_arr, num_slots, num_gpus, num_nodes, num_groups)
+    chosen = _pick_algorithm(algorithm, old, budget is not None or byte_slots is not None)
+    budget_slots = None
+    if chosen.migration_aware and old is not None:
         budget_slots = None if budget is None else int(np.floor(budget * old.size + 1e-9))
         if byte_slots is not None:
             budget_slots = byte_slots if budget_slots is None else min(budget_slots, byte_slots)
-        phy2log = migrate(load_arr, old, fresh, num_gpus, budget_slots)
-    return finish(phy2log, load_arr, num_gpus, num_nodes, old, algorithm, peak)
+    # 2. compute
+    request = PlacementRequest(load_arr, num_slots, num_gpus, num_nodes, num_groups, old, budget_slots)
+    phy2log, peak = chosen.place(request)
+    return finish(phy2log, load_arr, num_gpus, num_nodes, old, chosen.name, peak)
 
 
 def finish(

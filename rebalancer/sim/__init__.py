@@ -4,7 +4,7 @@
 `simulate` replays a trace through the policies (the `adaptive` one through the live
 controller's `PolicyLoop`: its estimator, `decide` and placement engine) under a
 `CostModel` (the serving clock) and the controller's migration-cost model
-(rebalancer.controller.cost, on the policy's `cost_params()`).
+(rebalancer.controller.cost, on the policy's `cost` section).
 """
 
 from __future__ import annotations

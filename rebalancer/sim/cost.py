@@ -11,7 +11,7 @@ time, stalls stop serving, and weight transfers beside serving slow it down.
   window, so imbalance inside a window (per step) is not modelled.
 - Migration (rebalancer/controller/cost.py, the one model the controller's gate uses
   too): the simulator charges every plan with `plan_cost` and `rank_receive_seconds` on
-  the adaptive policy's `PolicyConfig.cost_params()`: per-rank receive time at the
+  the adaptive policy's `PolicyConfig.cost`: per-rank receive time at the
   intra- and inter-node bandwidths (a plan takes as long as its busiest receiver, plus
   `plan_overhead_seconds` for the prepare/commit round trips), serving `1 +
   overlap_penalty` times slower meanwhile, then the commit pause and the map swap.
@@ -47,7 +47,7 @@ def _brief(value: object) -> str:
 class CostModel:
     """What the simulator adds to the migration-cost model: serving time and the engines'
     in-process stall. Step time, bandwidths, overlap, commit and swap are the adaptive
-    policy's (`PolicyConfig.cost_params()`, defaults in rebalancer/controller/cost.py)."""
+    policy's (`PolicyConfig.cost`, defaults in rebalancer/controller/cost.py)."""
 
     # Share of a balanced step that scales with the tokens routed to a GPU (the rest is
     # fixed per layer and step).

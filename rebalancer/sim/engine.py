@@ -2,7 +2,7 @@
 
 Every policy serves the same windows under the same cost model: the serving clock of
 rebalancer.sim.cost and, for every weight move, the controller's migration-cost model
-(rebalancer.controller.cost, on the adaptive policy's `PolicyConfig.cost_params()`, the
+(rebalancer.controller.cost, on the adaptive policy's `PolicyConfig.cost`, the
 parameters its gate decides with); each keeps its own virtual clock, which advances by the serving time of each window
 plus its stalls, so decisions see the time they would see in production:
 - `none`: the trivial contiguous placement, never changed;
@@ -103,7 +103,7 @@ class SimConfig:
     @property
     def params(self) -> CostParams:
         """What moving weights costs: the adaptive policy's cost parameters, for every policy."""
-        return self.policy.cost_params()
+        return self.policy.cost
 
     def shape(self, trace: Trace) -> ClusterShape:
         self.cost.validate()  # expert_bytes goes into the shape: refuse a bad one first
@@ -121,7 +121,7 @@ class SimConfig:
 
     def windows_for_steps(self, steps: int, trace: Trace) -> int:
         """How many trace windows hold `steps` serving steps (at least one)."""
-        steps_per_window = trace.window_seconds / self.policy.step_seconds
+        steps_per_window = trace.window_seconds / self.policy.cost.step_seconds
         return max(1, int(round(steps / steps_per_window)))
 
 

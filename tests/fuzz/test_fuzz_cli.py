@@ -245,7 +245,7 @@ def simulate_argv(draw: st.DrawFn) -> list[str]:
         "--period-steps": (st.sampled_from(["1", "100"]), bad_ints),
         "--periodic-algorithm": (st.sampled_from(["greedy", "balanced", "auto"]), st.sampled_from(["migration", "x"])),
         "--start": (st.sampled_from(["trivial", "static"]), text),
-        "--set": key_values([f for f in PolicyConfig.__dataclass_fields__ if f != "paused"], numeric_bad | other_bad),
+        "--set": key_values([f for f in PolicyConfig.setting_names() if f != "paused"], numeric_bad | other_bad),
         "--cost": key_values(list(CostModel.__dataclass_fields__), numeric_bad | other_bad),
         "--json": (None, None),
     }

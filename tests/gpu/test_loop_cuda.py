@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.demo import DemoConfig, run_demo
 
 pytestmark = [
@@ -20,8 +22,8 @@ pytestmark = [
 
 POLICY = PolicyConfig(
     min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
-    decay=0.5, min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=30.0,
-    step_seconds=0.01,
+    min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=30.0,
+    estimator=EstimatorConfig(decay=0.5), cost=CostParams(step_seconds=0.01),
 )
 
 

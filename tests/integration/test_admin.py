@@ -25,6 +25,7 @@ from rebalancer.cli import main as cli
 from rebalancer.controller.admin import policy_from_msg
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
+from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 from rebalancer.formats import read_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
@@ -170,11 +171,11 @@ def test_pause_resume_and_policy(live: tuple[EmbeddedController, list[InstantRan
     code, _, err = admin(ctl, "policy", "dsv3", "shrink=maybe")
     assert code == 2 and "true or false" in err
     # A message without the optional fields keeps their current values.
-    base = PolicyConfig(shrink=False, prior_decay=0.95)
-    kept = policy_from_msg(pb.Policy(**{k: v for k, v in base.to_dict().items()
+    base = PolicyConfig(estimator=EstimatorConfig(shrink=False, prior_decay=0.95))
+    kept = policy_from_msg(pb.Policy(**{k: v for k, v in base.to_flat().items()
                                         if k in pb.Policy.DESCRIPTOR.fields_by_name
                                         and k not in ("shrink", "prior_decay")}), base)
-    assert kept.shrink is False and kept.prior_decay == 0.95
+    assert kept.estimator.shrink is False and kept.estimator.prior_decay == 0.95
 
 
 def test_refusals_change_nothing(live: tuple[EmbeddedController, list[InstantRank]]) -> None:

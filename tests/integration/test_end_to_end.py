@@ -14,8 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.deployment import Deployment
+from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.store import Store
 from rebalancer.demo import DemoConfig, launch_workers, reap, run_demo, write_profile
 from tests.integration.conftest import start_controller
@@ -25,8 +27,8 @@ pytestmark = pytest.mark.slow
 
 FAST_POLICY = PolicyConfig(
     min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
-    decay=0.5, min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
-    step_seconds=0.01,
+    min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
+    estimator=EstimatorConfig(decay=0.5), cost=CostParams(step_seconds=0.01),
 )
 
 

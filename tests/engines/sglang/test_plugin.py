@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.store import Store
 from tests.engines.sglang import sglang_env
 from tests.integration.conftest import start_controller
@@ -32,8 +34,8 @@ RUN_SECONDS = 480.0  # the bound on one run of the ranks
 DEPLOYMENT = "sglang-test"
 FAST_POLICY = PolicyConfig(
     min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
-    decay=0.5, min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
-    step_seconds=0.01,
+    min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
+    estimator=EstimatorConfig(decay=0.5), cost=CostParams(step_seconds=0.01),
 )
 
 

@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.estimate import EstimatorConfig
 from tests.engines.vllm import vllm_env
 from tests.integration.conftest import start_controller
 from worker_hooks.agent import AgentConfig
@@ -36,8 +38,8 @@ RPC_TIMEOUT = AgentConfig.rpc_timeout_seconds
 DEPLOYMENT = "vllm-test"
 FAST_POLICY = PolicyConfig(
     min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
-    decay=0.5, min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
-    step_seconds=0.01,
+    min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
+    estimator=EstimatorConfig(decay=0.5), cost=CostParams(step_seconds=0.01),
 )
 
 

@@ -68,17 +68,17 @@ def test_params_are_validated() -> None:
 
 
 def test_policy_defaults_are_the_cost_model() -> None:
-    """No second literal: PolicyConfig's cost fields default to DEFAULT_COST, its timing
-    fields to what the model derives, and `cost_params` gives them back."""
+    """No second literal: PolicyConfig's cost section defaults to DEFAULT_COST, its timing
+    fields to what the model derives, and the flat setting names reach the section."""
     policy = PolicyConfig()
-    assert policy.cost_params() == DEFAULT_COST
+    assert policy.cost == DEFAULT_COST
     # link_bandwidth_gbps (proto field 9) is the inter-node figure.
-    assert policy.link_bandwidth_gbps == DEFAULT_COST.inter_node_gbps
-    timing = derived_timing(policy.decay, policy.gain_threshold, policy.max_moved_fraction)
+    assert policy.to_flat()["link_bandwidth_gbps"] == DEFAULT_COST.inter_node_gbps
+    timing = derived_timing(policy.estimator.decay, policy.gain_threshold, policy.max_moved_fraction)
     assert policy.min_interval_seconds == timing.min_interval_seconds
     assert policy.decision_period_seconds == timing.decision_period_seconds
-    changed = PolicyConfig(link_bandwidth_gbps=5.0, intra_node_gbps=50.0, swap_seconds=0.0)
-    assert changed.cost_params() == dataclasses.replace(
+    changed = PolicyConfig().with_settings(dict(link_bandwidth_gbps=5.0, intra_node_gbps=50.0, swap_seconds=0.0))
+    assert changed.cost == dataclasses.replace(
         DEFAULT_COST, inter_node_gbps=5.0, intra_node_gbps=50.0, swap_seconds=0.0
     )
 
@@ -141,12 +141,12 @@ def test_decide_charges_the_plan_cost_of_its_transfers() -> None:
                          expert_bytes=10**8)
     load = np.random.default_rng(0).pareto(1.2, size=(L, E)) * 1000 + 10
     current = trivial_placement(L, E, P, G)
-    policy = PolicyConfig(max_moved_fraction=1.0, link_bandwidth_gbps=7.0, intra_node_gbps=70.0)
+    policy = PolicyConfig(max_moved_fraction=1.0, cost=CostParams(inter_node_gbps=7.0, intra_node_gbps=70.0))
     d = decide(load, current, shape, policy, now=0.0, last_rebalance=None, windows=10,
                forced=True)
     assert d.candidate is not None
     rows = np.asarray(transfers(current, d.candidate, G, N))
-    c = plan_cost(rows, G, N, shape.expert_bytes, policy.cost_params())
+    c = plan_cost(rows, G, N, shape.expert_bytes, policy.cost)
     assert d.migration_cost_seconds == c.seconds
     assert d.transfer_seconds == c.transfer_seconds
     assert d.bytes_to_move == c.bytes_between_gpus

@@ -29,7 +29,7 @@ def _trivial() -> np.ndarray:
 
 def _policy(**changes) -> PolicyConfig:
     # No migration budget unless a test sets one: the gate, not the budget, is under test.
-    return dataclasses.replace(PolicyConfig(max_moved_fraction=1.0), **changes)
+    return PolicyConfig(max_moved_fraction=1.0).with_settings(changes)
 
 
 def _decide(policy: PolicyConfig | None = None, **kwargs):
@@ -78,9 +78,9 @@ def test_skewed_load_on_trivial_placement_rebalances() -> None:
     received = np.bincount(
         np.argwhere(d.candidate != _trivial())[:, 1] // (P // G), minlength=G
     ).max()
-    commit = received * SHAPE.expert_bytes / (policy.commit_gbps * 1e9) + policy.swap_seconds
+    commit = received * SHAPE.expert_bytes / (policy.cost.commit_gbps * 1e9) + policy.cost.swap_seconds
     assert d.migration_cost_seconds == pytest.approx(
-        d.transfer_seconds * policy.overlap_penalty + commit
+        d.transfer_seconds * policy.cost.overlap_penalty + commit
     )
 
 
@@ -189,7 +189,7 @@ def test_dry_run_computes_but_takes_nothing() -> None:
     ],
 )
 def test_policy_validation(change: dict) -> None:
-    policy = dataclasses.replace(PolicyConfig(), **change)
+    policy = PolicyConfig().with_settings(change)
     with pytest.raises(InputError):
         policy.validate()
     with pytest.raises(InputError):
@@ -197,7 +197,7 @@ def test_policy_validation(change: dict) -> None:
 
 
 def test_policy_from_dict() -> None:
-    assert PolicyConfig.from_dict({"decay": 0.5}).decay == 0.5
+    assert PolicyConfig.from_dict({"decay": 0.5}).estimator.decay == 0.5
     with pytest.raises(InputError, match="unknown"):
         PolicyConfig.from_dict({"decy": 0.5})
 

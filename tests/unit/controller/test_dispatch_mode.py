@@ -77,7 +77,7 @@ def test_a_deployment_stored_before_dispatch_modes_adopts_them(tmp_path) -> None
     db = tmp_path / "c.db"
     old_row = {k: v for k, v in shape_key(ClusterShape(L, E, P, G)).items() if k not in ("dispatch_mode", "top_k")}
     store = Store(db)
-    store.create_deployment("d", old_row, PolicyConfig().to_dict(), 0, trivial_placement(L, E, P, G), now=0.0)
+    store.create_deployment("d", old_row, PolicyConfig().to_flat(), 0, trivial_placement(L, E, P, G), now=0.0)
     store.close()
 
     def registry() -> tuple[Registry, Store]:
@@ -109,7 +109,7 @@ def test_a_stored_split_deployment_refuses_another_mode_once_known(tmp_path) -> 
 
     store = Store(tmp_path / "c.db")
     old_row = {k: v for k, v in shape_key(ClusterShape(L, E, P, G)).items() if k != "dispatch_mode"}
-    store.create_deployment("d", old_row, PolicyConfig().to_dict(), 0, trivial_placement(L, E, P, G), now=0.0)
+    store.create_deployment("d", old_row, PolicyConfig().to_flat(), 0, trivial_placement(L, E, P, G), now=0.0)
     reg = Registry(store, lambda: 100.0, PolicyConfig())
     reg.load()
     reg.register("d", 0, dispatch_shape(ClusterShape(L, E, P, G), "", 0), 0, None, "w0")  # no mode: split

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
 
@@ -41,7 +42,7 @@ def test_round_trip_across_reopen(tmp_path: Path) -> None:
 def test_controller_restart_keeps_placement_and_voids_unfinished_plans(tmp_path: Path) -> None:
     db = tmp_path / "c.sqlite"
     shape = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, expert_bytes=10)
-    ctl = Controller(Store(db), PolicyConfig(decay=0.5))
+    ctl = Controller(Store(db), PolicyConfig(estimator=EstimatorConfig(decay=0.5)))
     _, dep = ctl.register("d", 0, shape, 0, None, "w0")
     ctl.ingest(dep, 0, 0, 0, np.arange(8).reshape(2, 4), None)
     ctl.ingest(dep, 1, 0, 0, np.arange(8).reshape(2, 4), None)
@@ -51,7 +52,7 @@ def test_controller_restart_keeps_placement_and_voids_unfinished_plans(tmp_path:
 
     back = Controller(Store(db))
     d = back.deployments["d"]
-    assert d.version == 0 and d.shape == shape and d.policy.decay == 0.5
+    assert d.version == 0 and d.shape == shape and d.policy.estimator.decay == 0.5
     assert d.next_seq == {0: 1, 1: 1}
     assert d.estimator.windows == 1
     np.testing.assert_allclose(d.estimator.estimate().sum(), 2 * np.arange(8).sum())

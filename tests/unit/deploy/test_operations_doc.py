@@ -54,25 +54,30 @@ def _policy_table() -> dict[str, tuple[str, str]]:
 
 
 def test_every_policy_field_is_listed_with_its_default_and_wire_number() -> None:
-    import dataclasses
     import tomllib
 
     from rebalancer.controller.decide import PolicyConfig
     from rebalancer.v1 import rebalancer_pb2 as pb
 
     table = _policy_table()
-    names = {f.name for f in dataclasses.fields(PolicyConfig)}
+    names = set(PolicyConfig.setting_names())
     assert set(table) == names, (
         f"not in the table: {sorted(names - set(table))}; "
         f"not PolicyConfig fields: {sorted(set(table) - names)}"
     )
     wire = {f.name: f.number for f in pb.Policy.DESCRIPTOR.fields}
     assert wire.keys() <= names, f"Policy fields PolicyConfig lacks: {sorted(wire.keys() - names)}"
-    defaults = PolicyConfig()
+    defaults = PolicyConfig().to_flat()
     for name, (default, number) in table.items():
         assert number == str(wire.get(name, "none")), f"{name}: wire {number}, proto {wire.get(name)}"
         value = tomllib.loads(f"v = {default}")["v"]
-        assert value == getattr(defaults, name), f"{name}: documented {default}, code {getattr(defaults, name)!r}"
+        assert value == defaults[name], f"{name}: documented {default}, code {defaults[name]!r}"
+    # "in code": where the setting lives in PolicyConfig (its section and field).
+    from rebalancer.controller.policy_config import POLICY_SETTINGS
+
+    section = DOC.read_text().split("### Policy fields", 1)[1].split("\n#", 1)[0]
+    where = dict(re.findall(r"^\| `([a-z_]+)` \| [^|]+ \| [^|]+ \| `([a-z_.]+)` \|", section, re.M))
+    assert where == {name: ".".join(POLICY_SETTINGS.get(name, (name,))) for name in names}
 
 
 def test_decision_outcomes_are_those_the_controller_records() -> None:

@@ -4,12 +4,12 @@ against PolicyConfig's defaults (the convention is written in the section's head
 - `# key = value` (commented out) shows the code's default and must equal it;
 - `key = value` is in force and must equal the default, unless the line says why it
   overrides it: `key = value  # why: ...`;
-- every PolicyConfig field appears exactly once, so a new field is documented here too.
+- every PolicyConfig setting (by its flat name, `PolicyConfig.setting_names`) appears
+  exactly once, so a new setting is documented here too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import tomllib
 from typing import Any
@@ -47,8 +47,8 @@ def policy_lines(text: str) -> list[tuple[str, Any, bool, str]]:
 
 
 def check_policy_section(text: str, where: str) -> None:
-    defaults = PolicyConfig()
-    names = [f.name for f in dataclasses.fields(PolicyConfig)]
+    defaults = PolicyConfig().to_flat()
+    names = list(PolicyConfig.setting_names())
     lines = policy_lines(text)
     keys = [key for key, *_ in lines]
     assert sorted(keys) == sorted(names), (
@@ -57,7 +57,7 @@ def check_policy_section(text: str, where: str) -> None:
         f"{sorted(k for k in set(keys) if keys.count(k) > 1 or k not in names)}"
     )
     for key, value, active, comment in lines:
-        default = getattr(defaults, key)
+        default = defaults[key]
         # TOML `300` for a float field is fine; `1` for a boolean or `2.0` for a count is not.
         int_for_float = isinstance(default, float) and type(value) is int
         same = value == default and (type(value) is type(default) or int_for_float)
@@ -92,11 +92,11 @@ def policy_text(text: str) -> str:
 
 
 def _policy(lines: str) -> str:
-    defaults = PolicyConfig()
+    defaults = PolicyConfig().to_flat()
     rest = "\n".join(
-        f"# {f.name} = {_toml(getattr(defaults, f.name))}"
-        for f in dataclasses.fields(PolicyConfig)
-        if not re.search(rf"^#? ?{f.name} =", lines, re.M)
+        f"# {name} = {_toml(value)}"
+        for name, value in defaults.items()
+        if not re.search(rf"^#? ?{name} =", lines, re.M)
     )
     return f"[server]\nport = 1\n\n[policy]\n{lines}\n{rest}\n"
 

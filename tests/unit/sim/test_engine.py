@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -31,7 +30,7 @@ def _config(start: str = "trivial", **policy: object) -> SimConfig:
         num_gpus=G,
         num_slots=P,
         num_nodes=N,
-        policy=dataclasses.replace(PolicyConfig(max_moved_fraction=1.0), **policy),
+        policy=PolicyConfig(max_moved_fraction=1.0).with_settings(policy),
         periodic=PeriodicConfig(period_steps=400, fit_steps=400),
         start=start,
     )
