@@ -46,6 +46,10 @@ from rebalancer.errors import StateError
 
 log = logging.getLogger("rebalancer.controller")
 
+# How long a member offered a warm start is left to install it before the rolling plans
+# from what the controller holds (its v0): ten times the hooks' default wait.
+OFFER_GRACE_SECONDS = 30.0
+
 
 class Fleet:
     def __init__(
@@ -63,6 +67,9 @@ class Fleet:
         self.divergence = divergence or DivergenceConfig()
         self.pools: dict[str, ReplicaPool] = {}
         self.member_of: dict[str, str] = {}  # deployment -> its pool
+        # Members offered a warm start, and when: not rolled to until their ranks confirm
+        # it or OFFER_GRACE_SECONDS pass (a plan on v0 would be refused by ranks on W).
+        self.offered_at: dict[str, float] = {}
         self.observers = PoolObservers()
 
     def load(self) -> None:
@@ -152,6 +159,7 @@ class Fleet:
             log.error("%s: warm start not offered, the store refused it: %s", dep.name, exc)
             return None
         pool.offered()
+        self.offered_at[dep.name] = self.clock()
         log.info("%s: pool %s placement offered as v%d (warm start)", dep.name, pool.name, w)
         return w, pool.phy2log
 
@@ -248,7 +256,8 @@ class Fleet:
                 break
             dep = deployments.get(name)
             if (dep is None or dep.plan is not None or dep.deciding or dep.mixed is not None
-                    or dep.policy.paused or dep.connected_ranks < dep.shape.num_gpus or at_target(pool, dep)):
+                    or dep.policy.paused or dep.connected_ranks < dep.shape.num_gpus or at_target(pool, dep)
+                    or self._warm_pending(dep, now)):
                 continue
             try:
                 plan = self.plans.start(dep, pool.phy2log, POOL_TRIGGER, now)
@@ -259,6 +268,16 @@ class Fleet:
             moving += 1
             self._record_roll(dep, pool, plan, now)
         return started
+
+    def _warm_pending(self, dep: Deployment, now: float) -> bool:
+        """Whether the member's ranks may still be installing the warm start offered."""
+        at = self.offered_at.get(dep.name)
+        if at is None:
+            return False
+        if dep.version != 0 or now - at >= OFFER_GRACE_SECONDS:
+            del self.offered_at[dep.name]
+            return False
+        return True
 
     def _record_roll(self, dep: Deployment, pool: ReplicaPool, plan: Plan, now: float) -> None:
         """The pool decision a member's plan carries out, in the member's history."""

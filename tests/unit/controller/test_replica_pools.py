@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.fleet import OFFER_GRACE_SECONDS
 from rebalancer.controller.replica_pools import DivergenceConfig, excess_tv, sampling_tv
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
@@ -143,14 +144,18 @@ def test_a_fresh_member_is_offered_the_pool_placement_and_adopts_it_when_its_ran
 
 
 def test_ranks_that_never_install_the_offer_keep_v0_and_the_next_plan_goes_past_it() -> None:
-    fleet = Fleet(Store(":memory:"), Clock())
+    clock = Clock()
+    fleet = Fleet(Store(":memory:"), clock)
     fleet.join("a")
     fleet.feed("a", 0)
     fleet.finish("a")
     fleet.join("late")
     dep = fleet.ctl.deployment("late")
     assert dep.version == 0
-    fleet.ctl.tick()  # the rolling finds it off the pool placement
+    fleet.ctl.tick()  # its ranks may be installing the offer: no plan from v0 yet
+    assert dep.plan is None
+    clock.now += OFFER_GRACE_SECONDS
+    fleet.ctl.tick()  # they did not: the rolling finds it off the pool placement
     plan = dep.plan
     assert plan is not None and plan.version == 2 and plan.base_version == 0
     assert fleet.sent["late"] == [("prepare", 2)]
