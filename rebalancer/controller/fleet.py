@@ -196,7 +196,7 @@ class Fleet:
         """A member leaving or rejoining the pool estimate, in its decision history."""
         record = {
             "time": now, "outcome": f"pool_{change}", "pool": pool.name, "plan_version": 0,
-            "reason": f"window excess total variation {statistic:.3f} against the pool estimate "
+            "reason": f"window excess total variation {statistic:.3f} against the pool's windows "
                       f"(threshold {pool.divergence.threshold:.3f}, {pool.divergence.windows} windows in a row)",
         }
         try:
