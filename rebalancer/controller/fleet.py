@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
@@ -319,5 +318,4 @@ class Fleet:
         decision = pool.loop.force(base, now, dry_run=dry_run, max_moved_fraction=max_moved_fraction or None)
         if dry_run:
             return decision, []
-        decision = replace(decision)
         return decision, self._act(pool, decision, "forced", now)
