@@ -37,7 +37,8 @@ from rebalancer.errors import StateError
 log = logging.getLogger("rebalancer.controller")
 
 # Members of one pool with a plan toward the pool placement in flight at once (the
-# rolling cap): one keeps the pool's capacity loss to one replica's migration.
+# rolling cap; ControllerConfig.pool_max_moving, [server] pool_max_moving): one keeps the
+# pool's capacity loss to one replica's migration.
 DEFAULT_MAX_MOVING = 1
 
 # The trigger of a plan (and the record of a decision) that rolls a pool placement out.
