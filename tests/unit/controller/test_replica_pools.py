@@ -217,3 +217,30 @@ def test_force_names_an_unknown_pool() -> None:
     fleet.join("a")
     with pytest.raises(StateError, match="no counts ingested yet for pool 'p'"):
         fleet.ctl.force_pool("p")
+
+
+def test_no_module_but_the_pools_own_assigns_a_pools_fields() -> None:
+    """A pool's state has one owner, `ReplicaPool` (replica_pools.py): every other module
+    asks it through its transitions (the rule test_deployment_owns_its_state.py holds for
+    deployments)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[3] / "rebalancer"
+    owner = root / "controller" / "replica_pools.py"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == owner or "v1" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign | ast.Delete)
+                       else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+            for target in targets:
+                for item in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    base = item.value if isinstance(item, ast.Subscript) else item
+                    chain = []
+                    while isinstance(base, ast.Attribute):
+                        chain.append(base.attr)
+                        base = base.value
+                    if chain and isinstance(base, ast.Name) and base.id in ("pool", "member_pool"):
+                        found.append(f"{path.name}:{node.lineno}")
+    assert found == []
