@@ -135,7 +135,7 @@ def pod_windows(counts: np.ndarray, ranks_per_pod: int, variants: int = POD_VARI
 
 def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, seconds: float,
                warmup: float, windows: list[np.ndarray], drain: float, ready: Any, go: Any, out: Any,
-               niceness: int = 0) -> None:
+               niceness: int = 0, pool_size: int = 0) -> None:
     """Speaks for `units`: ranks (direct) or pods of `ranks_per_pod` ranks (sidecars).
     `niceness`: the generators stand for remote pods, which in a cluster do not share the
     controller's cores; on a 2-core machine they do, and `--generator-nice` lowers their
@@ -161,11 +161,13 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
 
     def request(unit: int) -> Any:
         first = unit * ranks_per_pod
-        deployment, local = f"dsv3-{first // RANKS_PER_DEPLOYMENT}", first % RANKS_PER_DEPLOYMENT
+        index, local = first // RANKS_PER_DEPLOYMENT, first % RANKS_PER_DEPLOYMENT
+        deployment = f"dsv3-{index}"
+        pool = f"pool-{index // pool_size}" if pool_size else ""
         if ranks_per_pod == 1:  # a v1 client: one rank
-            return pb.RegisterRequest(deployment=deployment, rank=local, shape=shape)
+            return pb.RegisterRequest(deployment=deployment, rank=local, shape=shape, pool=pool)
         return pb.RegisterRequest(deployment=deployment, ranks=list(range(local, local + ranks_per_pod)),
-                                  pod=f"ns/pod-{unit}", shape=shape)
+                                  pod=f"ns/pod-{unit}", shape=shape, pool=pool)
 
     async def register(stub: Any, unit: int, gate: asyncio.Semaphore) -> Any:
         # A burst of thousands of simultaneous Registers is partly CANCELLED by gRPC itself
@@ -267,14 +269,14 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
 
 def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate: float, seconds: float,
              processes: int, windows: list[np.ndarray], warmup: float = 3.0, drain: float = 2.0,
-             generator_nice: int = 0) -> dict[str, Any]:
+             generator_nice: int = 0, pool_size: int = 0) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ready, out = ctx.Queue(), ctx.Queue()
     units = ranks // ranks_per_pod
     shards = [list(range(i, units, processes)) for i in range(processes)]
     gos = [ctx.Queue() for _ in shards]
     gens = [ctx.Process(target=_generator, args=(address, s, ranks_per_pod, rate, seconds, warmup, windows, drain,
-                                                 ready, go, out, generator_nice), daemon=True)
+                                                 ready, go, out, generator_nice, pool_size), daemon=True)
             for s, go in zip(shards, gos, strict=True)]
     try:
         for g in gens:
@@ -327,6 +329,7 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
         # Plan commits reported by the sessions (group sessions report for their ranks);
         # counted over the whole run, warm-up included.
         "session_commits": sum(c for _, _, _, c in results),
+        "pool_size": pool_size,
         "load_avg_start": load0,
         "load_avg_end": load1,
     }
@@ -350,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="pause the controller's policy (ingest alone: no estimate-and-decide, no plans)")
     p.add_argument("--ack-interval", type=float, default=1.0,
                    help="controller's ack_interval_seconds (0: one ack per window)")
+    p.add_argument("--pool-size", type=int, default=0, metavar="N",
+                   help="deployments per replica pool (0: no pools): one estimate and decision per pool")
     p.add_argument("--json", action="store_true")
     p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md")
     args = p.parse_args(argv)
@@ -369,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     drain = args.ack_interval + 1.0
     load = {"ranks": args.ranks, "ranks_per_pod": args.ranks_per_pod, "rate": args.rate, "seconds": args.seconds,
             "processes": args.processes, "windows": windows, "warmup": args.warmup, "drain": drain,
-            "generator_nice": args.generator_nice}
+            "generator_nice": args.generator_nice, "pool_size": args.pool_size}
 
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -422,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         record(args, rows)
     summary = dict(rows["controller"])
     summary["decisions"] = not args.no_decisions
+    summary["pool_size"] = args.pool_size
     if "bare_grpc_echo" in rows:
         summary["baseline"] = rows["bare_grpc_echo"]
     summary["machine"] = f"{os.cpu_count()} cores, {_cpu_model()}"

@@ -45,6 +45,7 @@ class AgentConfig:
     worker_id: str = ""
     dispatch_mode: str = "split"      # told at Register: the controller predicts under it
     top_k: int = 0                    # routed experts per token (0: unknown)
+    pool: str = ""                    # the deployment's replica pool ("" = none; RegisterRequest.pool)
     token: str | None = None          # bearer token of the deployment
     ca_file: str | None = None        # TLS: the controller's CA
     cert_file: str | None = None      # mutual TLS: this rank's certificate and key
@@ -68,7 +69,7 @@ class AgentConfig:
 
 
 # What the controller sends down the stream: the `body` of a ControllerMessage.
-ControllerMessageKind = Literal["window_ack", "prepare", "commit", "abort"]
+ControllerMessageKind = Literal["window_ack", "prepare", "commit", "abort", "warm_start"]
 CONTROLLER_MESSAGE_KINDS: tuple[ControllerMessageKind, ...] = get_args(ControllerMessageKind)
 
 
@@ -120,6 +121,10 @@ class WorkerAgent:
         self.refused = ""        # "STATUS: message" while the controller (or sidecar) turns this rank down
         self._logged_loss = ""   # the loss last logged: said once per outage, not per try
         self.committed_placement: np.ndarray | None = None
+        # The pool placement offered to this fresh rank (RegisterResponse.warm_start or,
+        # through a sidecar, ControllerMessage.warm_start): read by the hook at start.
+        self.warm_start: pb.Placement | None = None
+        self.warm_offered = threading.Event()
 
     # ------------------------------------------------------------ serving-thread API
 
@@ -249,7 +254,7 @@ class WorkerAgent:
         request = pb.RegisterRequest(
             deployment=self.config.deployment, rank=self.config.rank, shape=self.config.shape,
             placement_version=self._version(), worker_id=self.config.worker_id,
-            dispatch_mode=self.config.dispatch_mode, top_k=self.config.top_k,
+            dispatch_mode=self.config.dispatch_mode, top_k=self.config.top_k, pool=self.config.pool,
         )
         if self._initial is not None:
             request.initial_placement.CopyFrom(
@@ -261,6 +266,8 @@ class WorkerAgent:
         self._session = response.session_id
         self.refused = ""
         self.committed_placement = codec.decode(response.committed.phy2log, "committed").astype(np.int64)
+        if response.HasField("warm_start"):
+            self._offer(response.warm_start)
         # Resend what the controller has not counted; renumber if it expects less.
         expected = response.next_window_seq
         with self._lock:
@@ -317,6 +324,13 @@ class WorkerAgent:
         async for msg in call:
             self._deliver(msg)
 
+    def _offer(self, placement: pb.Placement) -> None:
+        """Keep the first warm start offered (every later one of the same deployment is
+        the same while the offer stands)."""
+        if self.warm_start is None and placement.version > 0:
+            self.warm_start = placement
+            self.warm_offered.set()
+
     def _deliver(self, msg: pb.ControllerMessage) -> None:
         """One message from the controller: an ack here, a plan phase to the handlers."""
         kind = cast(ControllerMessageKind | None, msg.WhichOneof("body"))
@@ -330,6 +344,8 @@ class WorkerAgent:
                 self.handlers.on_commit(msg.commit.version)
             case "abort":
                 self.handlers.on_abort(msg.abort.version, msg.abort.reason)
+            case "warm_start":
+                self._offer(msg.warm_start)
             case _:  # empty, or a kind this version does not know
                 log.warning("rank %d: controller message %r ignored", self.config.rank, kind)
 

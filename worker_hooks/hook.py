@@ -121,6 +121,12 @@ class HookConfig:
     # so run a step eagerly before capturing graphs). Off: ~140 small kernels per layer.
     compile_dispatch: bool = False
     worker_id: str = ""
+    # The deployment's replica pool ("" = none; RegisterRequest.pool): a fresh group is
+    # offered the pool's placement and installs it at `start`, before its first step,
+    # waiting at most `warm_start_seconds` for the offer (0: never wait, start as without
+    # a pool). Every rank of the group names the same pool.
+    pool: str = ""
+    warm_start_seconds: float = 3.0
     token: str | None = None        # bearer token of the deployment (controller's worker_tokens)
     ca_file: str | None = None      # TLS to the controller
     cert_file: str | None = None    # mutual TLS
@@ -143,6 +149,10 @@ class HookConfig:
         check_waterfill_passes(self.waterfill_passes)
         if has_shared_replicas(self.dispatch_mode) and not self.shared_expert:
             raise ValueError('dispatch_mode "load+shared" needs shared_expert=True')
+        if not isinstance(self.pool, str):
+            raise TypeError(f"HookConfig.pool must be a str, got {type(self.pool).__name__}")
+        if not 0.0 <= self.warm_start_seconds < float("inf"):
+            raise ValueError(f"HookConfig.warm_start_seconds must be >= 0 and finite, got {self.warm_start_seconds}")
 
     @property
     def migration(self) -> MigrationConfig:
@@ -203,10 +213,13 @@ class RebalanceHook(PlanHandlers):
         device: torch.device | str = "cpu",
         dispatch_group: dist.ProcessGroup | None = None,
         counts_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        expert_source: Callable[[int, int], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         """dispatch_group: the EP group the per-step counts are all-gathered on (dispatch
         by load; None: the default group). counts_gather: replaces that all-gather
-        ([X] -> [G, X]; benchmarks on one GPU)."""
+        ([X] -> [G, X]; benchmarks on one GPU). expert_source: (layer, logical expert) ->
+        that expert's weights by name (one row of each tensor of `weights`), what a warm
+        start loads (a rank without it never installs one, and neither do its peers)."""
         if not isinstance(config, HookConfig):
             raise TypeError(f"config must be a HookConfig, got {type(config).__name__}")
         check_weights(weights)  # before anything starts: a clear TypeError, not one from deep inside
@@ -251,6 +264,8 @@ class RebalanceHook(PlanHandlers):
             config.rank, config.num_gpus, weights, migrate_group, config.migration, row_map=self.rows
         )
         self.agreement = CommitAgreement(agree_group, config.agree_every)
+        self._agree_group = agree_group
+        self._expert_source = expert_source
         self.stats = HookStats()
         self.step = 0
         self._window_start = 0
@@ -274,7 +289,7 @@ class RebalanceHook(PlanHandlers):
         self.agent = WorkerAgent(
             AgentConfig(
                 config.controller, config.deployment, config.rank, shape, config.worker_id,
-                dispatch_mode=config.dispatch_mode, top_k=config.top_k,
+                dispatch_mode=config.dispatch_mode, top_k=config.top_k, pool=config.pool,
                 token=config.token, ca_file=config.ca_file, cert_file=config.cert_file, key_file=config.key_file,
             ),
             self,
@@ -291,7 +306,76 @@ class RebalanceHook(PlanHandlers):
         return replica_rows(phy2log, row_ids, self.config.num_logical, self._max_replicas)
 
     def start(self) -> None:
+        """Start the link; with a pool, install the pool's placement first if the
+        controller offers one in time (`warm_start`). Call before the first step."""
         self.agent.start()
+        if self.config.pool and self.step == 0 and self.version == 0:
+            self.warm_start()
+
+    def warm_start(self) -> bool:
+        """Install the pool placement offered at Register (the proto's
+        RegisterResponse.warm_start) before the first step, on every rank of the group or
+        on none: the ranks agree on the offered version (all-reduce MIN and MAX on the
+        agreement group: equal and above 0), load the experts they gain from
+        `expert_source`, agree that every rank loaded them, then switch maps and weights
+        and report the version committed (step 0), which the controller adopts. Waits
+        for the offer at most `warm_start_seconds`; no offer, no controller, a rank
+        without it: every rank starts on its start placement, as without a pool.
+        Collective: every rank of the group calls it (`start` does). True if installed."""
+        cfg = self.config
+        offered, new = 0, None
+        source = self._expert_source
+        if source is not None and cfg.warm_start_seconds > 0:
+            if self.agent.warm_offered.wait(cfg.warm_start_seconds) and self.agent.warm_start is not None:
+                try:
+                    new = codec.decode_phy2log(self.agent.warm_start.phy2log, cfg.num_layers,
+                                               cfg.num_slots, cfg.num_logical)
+                    offered = int(self.agent.warm_start.version)
+                except InputError as exc:
+                    log.error("rank %d: warm start refused: %s", cfg.rank, exc)
+        if not self._all_agree(offered) or new is None or source is None:
+            log.info("rank %d: no warm start (offered v%d); starting on the start placement", cfg.rank, offered)
+            return False
+        gained: list[tuple[int, int, dict[str, torch.Tensor]]] = []
+        try:
+            S = cfg.slots_per_rank
+            for layer in range(cfg.num_layers):
+                for s in range(S):
+                    slot = cfg.rank * S + s
+                    if new[layer, slot] != self.phy2log[layer, slot]:
+                        expert = source(layer, int(new[layer, slot]))
+                        gained.append((layer, int(self.rows.rows[cfg.rank, layer, s]), expert))
+            self.dispatch.stage(self._row_map_of(new, self._row_ids))
+            loaded = offered
+        except Exception as exc:  # its peers must not switch alone
+            log.error("rank %d: warm start v%d not loaded: %s", cfg.rank, offered, exc)
+            loaded = 0
+        if not self._all_agree(loaded):
+            log.warning("rank %d: warm start v%d not installed: a rank could not load it", cfg.rank, offered)
+            return False
+        for layer, row, expert in gained:
+            for name, tensor in expert.items():
+                self.weights[name][layer, row].copy_(tensor)
+        self.dispatch.commit()
+        self.version, self.phy2log = offered, new
+        self.stats.commits.append((self.step, offered))
+        self.agent.report(offered, pb.PLAN_PHASE_COMMITTED, step=self.step)
+        log.info("rank %d: warm start: serving the pool placement v%d (%d experts loaded)",
+                 cfg.rank, offered, len(gained))
+        return True
+
+    def _all_agree(self, version: int) -> bool:
+        """Whether every rank of the group holds `version` (> 0)."""
+        if self.config.num_gpus == 1 or not dist.is_initialized():
+            return version > 0 and self.config.num_gpus == 1
+        buf = torch.tensor([version, -version], dtype=torch.int64)
+        try:
+            dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self._agree_group)
+        except RuntimeError as exc:  # a peer is gone: start as without a pool
+            log.error("rank %d: warm start agreement failed: %s", self.config.rank, exc)
+            return False
+        low, high = int(buf[0]), -int(buf[1])
+        return low == high > 0
 
     def stop(self) -> None:
         self.agent.stop()

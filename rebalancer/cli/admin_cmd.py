@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     cmds = p.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
 
-    s = cmds.add_parser("status", help="per deployment: version, balancedness, plan in flight, last decision")
+    s = cmds.add_parser("status", help="per pool and deployment: version, balancedness, plan in flight, last decision")
     s.add_argument("deployment", nargs="?", default="", help="one deployment (default: all)")
     s = cmds.add_parser("placement", help="print or export the committed placement")
     s.add_argument("deployment")
@@ -70,8 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = cmds.add_parser("history", help="plans and decisions, newest first")
     s.add_argument("deployment")
     s.add_argument("--limit", type=int, default=20)
-    s = cmds.add_parser("force", help="rebalance now, skipping the gate (or --dry-run)")
-    s.add_argument("deployment")
+    s = cmds.add_parser("force", help="rebalance now, skipping the gate (or --dry-run): force DEP, or force --pool POOL")
+    s.add_argument("deployment", nargs="?", default="")
+    s.add_argument("--pool", default="", help="rebalance this replica pool (its placement rolled out to its members)")
     s.add_argument("--dry-run", action="store_true", help="show the plan, its gain and cost; start nothing")
     s.add_argument("--max-moved-fraction", type=float, default=0.0, help="budget for this plan (0: policy's)")
     for name, text in (("pause", "stop automatic rebalancing"), ("resume", "resume automatic rebalancing")):
@@ -139,6 +140,8 @@ def _check_args(args: argparse.Namespace, pb: Any) -> list[tuple[str, Any]]:
         raise InputError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.admin_command == "history" and not 0 <= args.limit <= UINT32_MAX:
         raise InputError(f"--limit must be in [0, {UINT32_MAX}], got {args.limit}")
+    if args.admin_command == "force" and bool(args.deployment) == bool(args.pool):
+        raise InputError("force needs a deployment or --pool POOL (one of them)")
     if args.admin_command == "force" and not math.isfinite(args.max_moved_fraction):
         raise InputError(f"--max-moved-fraction must be a number, got {args.max_moved_fraction}")
     if args.admin_command == "policy":
@@ -220,7 +223,7 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
     ref = pb.DeploymentRef(deployment=getattr(args, "deployment", ""))
     if cmd == "status":
         reply = stub.Status(pb.StatusRequest(deployment=args.deployment), **kw)
-        show(reply, "\n".join(_status_text(d) for d in reply.deployments) or "no deployments")
+        show(reply, _status_by_pool(reply) or "no deployments")
     elif cmd == "placement":
         from rebalancer.formats import write_placement, write_sglang_expert_location
         from rebalancer.wire import codec
@@ -251,19 +254,27 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
         show(reply, "\n".join(lines))
     elif cmd == "force":
         reply = stub.ForceRebalance(pb.ForceRebalanceRequest(
-            deployment=args.deployment, dry_run=args.dry_run, max_moved_fraction=args.max_moved_fraction), **kw)
+            deployment=args.deployment, pool=args.pool, dry_run=args.dry_run,
+            max_moved_fraction=args.max_moved_fraction), **kw)
         d = reply.decision
         text = (f"{d.outcome}: balancedness {d.balancedness_current:.3f} -> {d.balancedness_candidate:.3f} "
                 f"(bound {d.bound_balancedness:.3f}), moves {d.moved_fraction:.1%} of slots "
                 f"({d.bytes_to_move / 1e6:.1f} MB), predicted gain {d.predicted_gain_seconds:.2f} s vs cost "
-                f"{d.migration_cost_seconds:.3f} s" + (f"; plan v{d.plan_version} started" if d.plan_version else ""))
+                f"{d.migration_cost_seconds:.3f} s" + (f"; plan v{d.plan_version} started" if d.plan_version else "")
+                + (f"; pool placement {reply.placement.version}, rolled out to its members"
+                   if args.pool and d.outcome == "forced" and not args.dry_run else ""))
         if args.json:
             out = plain(d)
             out["transfers"] = len(reply.transfers.data) // 20 if reply.transfers.data else 0
             print(json.dumps(out))
         elif args.dry_run or d.plan_version:
             print(text)
-        if not args.dry_run and not d.plan_version:
+        if args.pool and not args.dry_run:
+            if d.outcome != "forced":
+                return _fail(EXIT_REFUSED, f"pool {args.pool!r} placement unchanged: {d.outcome}: {d.reason}")
+            if not args.json:
+                print(text)
+        elif not args.dry_run and not d.plan_version:
             # Refused by the state it met (ranks missing, nothing to move, the store): the
             # decision is in the history, and the operator hears why, as for any refusal.
             return _fail(EXIT_REFUSED, f"no plan started for {args.deployment!r}: {d.outcome}: {d.reason}")
@@ -279,6 +290,26 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
             policy = stub.SetPolicy(pb.SetPolicyRequest(deployment=args.deployment, policy=policy), **kw)
         show(policy, "\n".join(f"{f.name} = {getattr(policy, f.name)}" for f in policy.DESCRIPTOR.fields))
     return 0
+
+
+def _status_by_pool(reply: Any) -> str:
+    """Each pool's line, then its members; deployments without a pool last."""
+    out = []
+    for p in reply.pools:
+        last = p.last_decision
+        out.append(
+            f"pool {p.pool}: placement {p.pool_version}, {len(p.members)} members "
+            f"({len(p.diverged)} diverged{': ' + ', '.join(p.diverged) if p.diverged else ''}), "
+            f"balancedness on the pool estimate {balancedness_text(p.balancedness_estimated, 'none yet')}; "
+            f"rolling: {p.members_at_target}/{len(p.members) - len(p.diverged)} on the pool placement, "
+            f"{p.members_moving} moving (cap {p.max_moving})"
+            + (f"\n  last pool decision: {last.outcome}: {last.reason}" if last.outcome else ""))
+        for d in reply.deployments:
+            if d.pool == p.pool:
+                text = _status_text(d)
+                out.append("  " + text.replace("\n", "\n  ") + ("\n    DIVERGED: balanced alone" if d.diverged else ""))
+    out += [_status_text(d) for d in reply.deployments if not d.pool]
+    return "\n".join(out)
 
 
 def _status_text(d: Any) -> str:

@@ -7,6 +7,7 @@ import os
 import textwrap
 
 ENV_CONTROLLER = "REBALANCER_CONTROLLER"
+ENV_POOL = "REBALANCER_POOL"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks-per-pod", type=int,
                    help="with LWS_GROUP_SIZE / LWS_WORKER_INDEX: pod i holds ranks i*n .. i*n+n-1")
     p.add_argument("--deployment", default="", help="only accept ranks of this deployment")
+    p.add_argument("--pool", default=os.environ.get(ENV_POOL, ""),
+                   help=f"the deployment's replica pool (default ${ENV_POOL}; empty: none)")
     p.add_argument("--pod", help="pod identity (default $POD_NAMESPACE/$POD_NAME, else the host name)")
     p.add_argument("--ca", help="the controller's CA (PEM): TLS upstream")
     p.add_argument("--cert", help="client certificate (PEM): mutual TLS upstream")
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("give --ranks, or --ranks-per-pod with LWS_GROUP_SIZE and LWS_WORKER_INDEX set")
     config = SidecarConfig(
         controller=args.controller, ranks=ranks, listen=args.listen, socket_access=args.socket_access,
-        deployment=args.deployment, pod=args.pod or pod_identity(os.environ),
+        deployment=args.deployment, pod=args.pod or pod_identity(os.environ), pool=args.pool,
         ca_file=args.ca, cert_file=args.cert, key_file=args.key, token_file=args.token_file,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         max_buffered_windows=args.max_buffered_windows, grace_seconds=args.grace,

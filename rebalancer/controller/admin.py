@@ -16,6 +16,7 @@ import grpc
 
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.deployment import Deployment
+from rebalancer.controller.replica_pools import ReplicaPool, at_target, members_moving
 from rebalancer.controller.service import placement_msg, shape_msg
 from rebalancer.controller.state import Controller
 from rebalancer.errors import InputError, StateError
@@ -84,7 +85,27 @@ def decision_record_msg(record: dict[str, Any]) -> pb.Decision:
     })
 
 
-def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None) -> pb.DeploymentStatus:
+def pool_status_msg(pool: ReplicaPool, deployments: dict[str, Deployment]) -> pb.PoolStatus:
+    """One pool's status: members, diverged members, rolling progress, and the pool
+    placement's balancedness on the pool estimate (0: no placement or counts yet)."""
+    from rebalancer import placement
+
+    estimate = pool.loop.estimator.estimate()
+    est = 0.0
+    if pool.phy2log is not None and estimate.sum() > 0:
+        est = float(placement.balancedness(pool.phy2log, estimate, pool.shape.num_gpus))
+    following = [deployments[m] for m in pool.following() if m in deployments]
+    return pb.PoolStatus(
+        pool=pool.name, members=sorted(pool.members), diverged=pool.diverged(),
+        pool_version=pool.version, balancedness_estimated=est,
+        members_at_target=sum(1 for d in following if pool.phy2log is not None and at_target(pool, d)),
+        members_moving=len(members_moving(pool, deployments)), max_moving=pool.max_moving,
+        last_decision=decision_msg(pool.loop.last_decision),
+    )
+
+
+def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None,
+               pool: ReplicaPool | None = None) -> pb.DeploymentStatus:
     """One deployment's status. `last_decision`: its newest stored decision (the store
     keeps them across restarts; a dry run is not one). Windows two ways: received since
     this controller started (one per stream and sequence number, as the metric
@@ -108,6 +129,8 @@ def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None) -> 
         plans_committed=dep.stats.plans_committed, plans_aborted=dep.stats.plans_aborted,
         slots_moved=dep.stats.slots_moved, bytes_moved=dep.stats.bytes_moved,
         mixed=dep.mixed.describe() if dep.mixed is not None else "",
+        pool=pool.name if pool is not None else "",
+        diverged=pool is not None and not pool.is_following(dep.name),
     )
 
 
@@ -130,15 +153,21 @@ class AdminService(pb_grpc.AdminServiceServicer):
             await refuse(context, exc, "Status", log)
             raise
         store = self.controller.store
-        return pb.StatusResponse(deployments=[
-            status_msg(d, next(iter(store.decisions(d.name, 1)), None)) for d in deps
-        ])
+        fleet = self.controller.fleet
+        pools = sorted({p.name: p for d in deps if (p := fleet.pool_of(d)) is not None}.items())
+        return pb.StatusResponse(
+            deployments=[status_msg(d, next(iter(store.decisions(d.name, 1)), None), fleet.pool_of(d))
+                         for d in deps],
+            pools=[pool_status_msg(p, self.controller.deployments) for _, p in pools],
+        )
 
     async def GetPlacement(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Placement:
         dep = await self._deployment(context, request.deployment, "GetPlacement")
         return placement_msg(dep.version, dep.phy2log)
 
     async def ForceRebalance(self, request: pb.ForceRebalanceRequest, context: grpc.aio.ServicerContext) -> pb.ForceRebalanceResponse:
+        if request.pool:
+            return await self._force_pool(request, context)
         try:
             decision, plan = self.controller.force(
                 request.deployment, dry_run=request.dry_run, max_moved_fraction=request.max_moved_fraction
@@ -157,6 +186,27 @@ class AdminService(pb_grpc.AdminServiceServicer):
             response.placement.CopyFrom(placement_msg(0, decision.candidate))
             transfers = placement.transfers(dep.phy2log, decision.candidate, dep.shape.num_gpus, dep.shape.num_nodes)
             response.transfers.CopyFrom(codec.encode(transfers.astype("int32")))
+        return response
+
+    async def _force_pool(self, request: pb.ForceRebalanceRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ForceRebalanceResponse:
+        """A pool's rebalance: the response carries the pool placement (version: the pool
+        placement's number) and no transfers (each member's plan has its own)."""
+        try:
+            if request.deployment:
+                raise InputError("name a deployment or a pool, not both")
+            decision, plans = self.controller.force_pool(
+                request.pool, dry_run=request.dry_run, max_moved_fraction=request.max_moved_fraction)
+        except (StateError, InputError) as exc:
+            await refuse(context, exc, "ForceRebalance", log)
+            raise
+        pool = self.controller.fleet.pool(request.pool)
+        msg = decision_msg(decision, plans[0].version if plans else 0)
+        msg.pool = pool.name
+        response = pb.ForceRebalanceResponse(decision=msg)
+        if decision.candidate is not None:
+            response.placement.CopyFrom(placement_msg(pool.version if decision.take and not request.dry_run else 0,
+                                                      decision.candidate))
         return response
 
     async def GetPolicy(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Policy:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.replica_pools import DEFAULT_MAX_MOVING
 from rebalancer.errors import InputError
 from rebalancer.wire.channel import MAX_MESSAGE_BYTES
 
@@ -46,13 +47,16 @@ class ControllerConfig:
     # Listen on a non-loopback host although a service is unauthenticated (no token and
     # no mutual TLS); without it such a config is refused (check_exposure).
     insecure: bool = False
+    # Replica pools (docs/operations.md "Pools"): members of one pool with a plan toward
+    # the pool placement in flight at once (the rolling cap).
+    pool_max_moving: int = DEFAULT_MAX_MOVING
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 _SECTIONS = {"server", "tls", "worker_tokens", "policy"}
 _SERVER_KEYS = {"host", "port", "db_path", "admin_token", "admin_token_file", "metrics_port",
                 "per_layer_metrics", "max_message_bytes", "tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds",
-                "ack_interval_seconds", "insecure"}
+                "ack_interval_seconds", "insecure", "pool_max_moving"}
 _TLS_KEYS = {"cert": "tls_cert", "key": "tls_key", "client_ca": "tls_client_ca"}
 _SECONDS = ("tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds", "ack_interval_seconds")
 
@@ -158,6 +162,8 @@ def validate_config(config: ControllerConfig) -> None:
         raise InputError("admin_token must be a non-empty string (or unset)")
     if not _is_int(config.max_message_bytes) or config.max_message_bytes <= 0:
         raise InputError(f"max_message_bytes must be a positive integer, got {config.max_message_bytes!r}")
+    if not _is_int(config.pool_max_moving) or config.pool_max_moving < 1:
+        raise InputError(f"pool_max_moving must be an integer >= 1, got {config.pool_max_moving!r}")
     for name in _SECONDS:
         value = getattr(config, name)
         if not _is_number(value) or not math.isfinite(value) or value < 0:

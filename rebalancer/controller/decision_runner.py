@@ -77,6 +77,20 @@ class DecisionRunner:
             and self.in_flight < MAX_DECISIONS_IN_FLIGHT and dep.loop.due(now)
         )
 
+    def has_room(self) -> bool:
+        """Whether another decision may be handed to `background` (MAX_DECISIONS_IN_FLIGHT)."""
+        return self.in_flight < MAX_DECISIONS_IN_FLIGHT
+
+    def submit(self, work: Callable[[], Any], done: Callable[[Any], None]) -> None:
+        """Run `work` by `background`, counted in the decisions in flight (a pool's
+        decision: fleet.py)."""
+        def finish(result: Any) -> None:
+            self.in_flight -= 1
+            done(result)
+
+        self.in_flight += 1
+        self.background(work, finish)
+
     def run(self, dep: Deployment, now: float) -> None:
         """The policy's decision on the inputs as they are at `now`, computed by `background`."""
         loop = dep.loop

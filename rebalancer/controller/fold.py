@@ -11,6 +11,7 @@ counting and never counts a window twice.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,6 +34,8 @@ class Folder:
         self.decisions = decisions
         self.observers = observers
         self.persist_seconds = persist_seconds
+        # (deployment, window, now) -> True when the deployment's pool decides for it.
+        self.pooled: Callable[[Deployment, np.ndarray, float], bool] | None = None
 
     def ingest(
         self, dep: Deployment, rank: Ranks, seq: int, version: int,
@@ -69,6 +72,8 @@ class Folder:
             )
             for observer in self.observers.window:
                 observer(event)
+        if self.pooled is not None and self.pooled(dep, logical, now):
+            return  # a pool member following its pool: the pool decides (fleet.py)
         if self.decisions.due(dep, now):
             self.decisions.run(dep, now)
 

@@ -68,6 +68,15 @@ LAST_PLAN_STALL = "rebalancer_last_plan_stall_seconds"  # its serving stall (cos
 INGEST_SECONDS = "rebalancer_ingest_seconds"        # histogram
 INGEST_BYTES = "rebalancer_ingest_bytes"            # counter
 INGEST_REFUSED = "rebalancer_ingest_refused"        # counter
+POOL_MEMBERS = "rebalancer_pool_members"            # {pool}: deployments in the pool
+POOL_DIVERGED = "rebalancer_pool_diverged_members"  # {pool}: members balanced alone
+POOL_AT_TARGET = "rebalancer_pool_members_at_target"  # {pool}: following members on the pool placement
+POOL_MOVING = "rebalancer_pool_members_moving"      # {pool}: members with a plan toward it in flight
+POOL_VERSION = "rebalancer_pool_placement_version"  # {pool}: pool placements taken so far
+POOL_BALANCEDNESS = "rebalancer_pool_balancedness"  # {pool}: the pool placement on the pool estimate
+POOL_MEMBER_DIVERGED = "rebalancer_pool_member_diverged"  # {pool, deployment}: 1 while diverged
+POOL_DIVERGENCES = "rebalancer_pool_divergences"    # counter {pool}: members that left the estimate
+POOL_DECISIONS = "rebalancer_pool_decisions"        # counter {pool}: pool decisions computed
 # Only with per_layer:
 LAYER_IMBALANCE = "rebalancer_layer_imbalance"      # {deployment, layer}: max/mean GPU load
 RANK_LOAD_SHARE = "rebalancer_rank_load_share"      # {deployment, layer, rank}: share of the layer
@@ -190,12 +199,51 @@ class _StateCollector(Collector):
                     if totals[i] > 0:
                         for r, value in enumerate(row / totals[i]):
                             share.add_metric([name, str(i), str(r)], float(value))
+        yield from self._pools()
         errors = c(STORE_ERRORS, "Statements the SQLite store refused (disk full, I/O error, locked).")
         errors.add_metric([], self.controller.store.errors)
         yield from (bal, version, ranks, expected, streams, state, paused, mixed, windows, folded, dups,
                     plans, slots, moved, errors)
         if self.per_layer:
             yield from (layer, share)
+
+    def _pools(self) -> Iterator[Any]:
+        """Replica pools (fleet.py): members, divergence, rolling progress."""
+        from rebalancer import placement
+        from rebalancer.controller.replica_pools import at_target, members_moving
+
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        members = g(POOL_MEMBERS, "Deployments in the replica pool.", labels=["pool"])
+        diverged = g(POOL_DIVERGED, "Pool members whose windows stopped matching the pool estimate "
+                     "(balanced alone).", labels=["pool"])
+        at = g(POOL_AT_TARGET, "Following members that serve the pool placement.", labels=["pool"])
+        moving = g(POOL_MOVING, "Members with a plan toward the pool placement in flight (at most the "
+                   "rolling cap).", labels=["pool"])
+        version = g(POOL_VERSION, "Pool placements taken so far (0: none yet).", labels=["pool"])
+        bal = g(POOL_BALANCEDNESS, "Mean/max GPU load of the pool placement on the pool estimate, "
+                "averaged over layers.", labels=["pool"])
+        member = g(POOL_MEMBER_DIVERGED, "1 while the member is diverged from its pool.",
+                   labels=["pool", "deployment"])
+        divergences = c(POOL_DIVERGENCES, "Members that left the pool estimate (diverged).", labels=["pool"])
+        decisions = c(POOL_DECISIONS, "Pool decisions computed (one serves every following member).",
+                      labels=["pool"])
+        deployments = self.controller.deployments
+        for pool in list(self.controller.fleet.pools.values()):
+            name = pool.name
+            following = [deployments[m] for m in pool.following() if m in deployments]
+            members.add_metric([name], len(pool.members))
+            diverged.add_metric([name], len(pool.diverged()))
+            at.add_metric([name], sum(1 for d in following if pool.phy2log is not None and at_target(pool, d)))
+            moving.add_metric([name], len(members_moving(pool, deployments)))
+            version.add_metric([name], pool.version)
+            estimate = pool.loop.estimator.estimate()
+            if pool.phy2log is not None and estimate.sum() > 0:
+                bal.add_metric([name], float(placement.balancedness(pool.phy2log, estimate, pool.shape.num_gpus)))
+            for m in sorted(pool.members):
+                member.add_metric([name, m], 0.0 if pool.is_following(m) else 1.0)
+            divergences.add_metric([name], pool.stats.diverged_events)
+            decisions.add_metric([name], pool.stats.decisions)
+        yield from (members, diverged, at, moving, version, bal, member, divergences, decisions)
 
     @staticmethod
     def _balancedness(dep: Deployment) -> dict[str, np.ndarray]:

@@ -1,5 +1,7 @@
 """The decision worker process, which never outlives the controller.
 
+(A process pool of one; replica pools of deployments are fleet.py / replica_pools.py.)
+
 Decisions (placement math, ~0.1 s for DeepSeek-V3 at EP32) run in a process of their
 own, so ingest keeps the event loop and the GIL to itself. That process must die with
 the controller, however the controller ends, SIGKILL included. So it is a plain child

@@ -112,7 +112,8 @@ class ControllerServer:
         opened.callback(self.pool.close)
         try:
             self.controller = Controller(
-                self.store, config.policy, config.persist_seconds, background=self.pool.submit
+                self.store, config.policy, config.persist_seconds, background=self.pool.submit,
+                pool_max_moving=config.pool_max_moving,
             )
         except sqlite3.DatabaseError as exc:  # an SQLite file, but not one we can load
             raise InputError(f"store {config.db_path}: cannot load it ({exc})") from None

@@ -46,9 +46,9 @@ _PHASES = {
 }
 
 
-def check_name(name: str) -> str:
+def check_name(name: str, what: str = "deployment") -> str:
     if not NAME_RE.match(name):
-        raise InputError(f"deployment name {name!r} must match {NAME_RE.pattern}")
+        raise InputError(f"{what} name {name!r} must match {NAME_RE.pattern}")
     return name
 
 
@@ -234,17 +234,22 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 initial = codec.decode_phy2log(
                     request.initial_placement.phy2log, shape.num_layers, shape.num_slots, shape.num_logical
                 )
+            pool = check_name(request.pool, "pool") if request.pool else ""
             session, dep = self.controller.register(
-                name, ranks, shape, version, initial, request.worker_id, request.pod
+                name, ranks, shape, version, initial, request.worker_id, request.pod, pool
             )
+            warm = self.controller.warm_offer(dep, version) if pool else None
         except (InputError, StateError) as exc:
             await refuse(context, exc, f"Register({request.deployment!r}, {register_label(request)})", log)
             raise AssertionError("unreachable") from exc
-        return pb.RegisterResponse(
+        response = pb.RegisterResponse(
             session_id=session.session_id,
             committed=placement_msg(dep.version, dep.phy2log),
             next_window_seq=dep.windows.expected(session.ranks),
         )
+        if warm is not None:
+            response.warm_start.CopyFrom(placement_msg(*warm))
+        return response
 
     async def Stream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()

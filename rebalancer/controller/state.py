@@ -20,10 +20,12 @@ from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.decision_runner import Background, DecisionRunner, run_inline
 from rebalancer.controller.deployment import Deployment, Observers, Send, Session
+from rebalancer.controller.fleet import Fleet
 from rebalancer.controller.fold import Folder
 from rebalancer.controller.operate import Operations
 from rebalancer.controller.plans import Plans
 from rebalancer.controller.registry import Registry
+from rebalancer.controller.replica_pools import DEFAULT_MAX_MOVING, DivergenceConfig
 from rebalancer.controller.store import Store
 from rebalancer.wire.windows import Ranks
 
@@ -42,6 +44,8 @@ class Controller:
         persist_seconds: float = 5.0,
         clock: Clock | None = None,
         background: Background = run_inline,
+        pool_max_moving: int = DEFAULT_MAX_MOVING,
+        divergence: DivergenceConfig | None = None,
     ) -> None:
         self.store = store
         self.clock: Clock = clock or system_clock()
@@ -51,7 +55,11 @@ class Controller:
         self.decisions = DecisionRunner(store, self.clock, self.plans, self.observers, background)
         self.folder = Folder(store, self.clock, self.decisions, self.observers, persist_seconds)
         self.operations = Operations(store, self.clock, self.registry, self.decisions)
+        self.fleet = Fleet(store, self.clock, self.registry, self.decisions, self.plans,
+                           self.registry.default_policy, pool_max_moving, divergence)
+        self.folder.pooled = self.fleet.folded
         self.registry.load()
+        self.fleet.load()
 
     @property
     def deployments(self) -> dict[str, Deployment]:
@@ -61,12 +69,20 @@ class Controller:
 
     def register(
         self, name: str, rank: Ranks, shape: ClusterShape, version: int,
-        initial: np.ndarray | None, worker_id: str, pod: str = "",
+        initial: np.ndarray | None, worker_id: str, pod: str = "", pool: str = "",
     ) -> tuple[Session, Deployment]:
-        """One rank, or a group of ranks (a sequence: a pod's sidecar speaking for them)."""
+        """One rank, or a group of ranks (a sequence: a pod's sidecar speaking for them),
+        of a deployment in `pool` ("": none). The warm start to offer: `warm_offer`."""
+        self.fleet.check_join(name, pool, shape)
         session, dep = self.registry.register(name, rank, shape, version, initial, worker_id, pod)
+        self.fleet.joined(dep, pool)
         self.plans.registered(dep, session, version)
         return session, dep
+
+    def warm_offer(self, dep: Deployment, version: int) -> tuple[int, np.ndarray] | None:
+        """The pool placement a fresh member registering with `version` may install
+        (version W, placement), or None (proto: RegisterResponse.warm_start)."""
+        return self.fleet.warm_offer(dep, version)
 
     def session(self, session_id: str) -> tuple[Deployment, Session]:
         return self.registry.session(session_id)
@@ -107,6 +123,7 @@ class Controller:
         now = self.clock() if now is None else now
         for dep in self.deployments.values():
             self.plans.tick(dep, now)
+        self.fleet.tick(now)
 
     def persist_all(self) -> None:
         """Save every deployment's ingest cursor (the drain path before the store closes)."""
@@ -123,6 +140,11 @@ class Controller:
         self, name: str, dry_run: bool = False, max_moved_fraction: float = 0.0
     ) -> tuple[Decision, Plan | None]:
         return self.operations.force(name, dry_run, max_moved_fraction)
+
+    def force_pool(
+        self, pool: str, dry_run: bool = False, max_moved_fraction: float = 0.0
+    ) -> tuple[Decision, list[Plan]]:
+        return self.fleet.force(pool, dry_run, max_moved_fraction)
 
     def set_policy(self, name: str, policy: PolicyConfig) -> PolicyConfig:
         return self.operations.set_policy(name, policy)

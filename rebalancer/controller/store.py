@@ -212,6 +212,18 @@ CREATE TABLE IF NOT EXISTS mixed_placements (
     since REAL NOT NULL,
     workers TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS pool_members (
+    deployment TEXT PRIMARY KEY,
+    pool TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pools (
+    name TEXT PRIMARY KEY,
+    shape TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    num_layers INTEGER NOT NULL DEFAULT 0,
+    num_slots INTEGER NOT NULL DEFAULT 0,
+    phy2log BLOB
+);
 CREATE TABLE IF NOT EXISTS ingest_state (
     deployment TEXT PRIMARY KEY,
     state TEXT NOT NULL,
@@ -446,6 +458,50 @@ class Store:
     def unfinished_plans(self, name: str) -> list[PlanRow]:
         """Plans a controller left in flight: preparing, or committing (Commit went out)."""
         return [p for p in self.plans(name, limit=1_000_000) if p.state in ("preparing", "committing")]
+
+    def offer_plan(self, name: str, version: int, phy2log: np.ndarray, *, now: float) -> None:
+        """Record a warm start offered to a fresh deployment: its placement as plan
+        `version` (state "offered", based on v0), adopted when the ranks confirm it."""
+        if version > MAX_VERSION:
+            raise StateError("FAILED_PRECONDITION", f"no plan version is left for {name!r}")
+        with self._db:
+            self._db.execute("BEGIN")
+            self._put_placement(name, version, phy2log, now)
+            self._db.execute(
+                "INSERT OR REPLACE INTO plans (deployment, version, base_version, state, trigger, created,"
+                " reason) VALUES (?, ?, 0, 'offered', 'warm_start', ?, 'the pool placement, offered at Register')",
+                (name, version, now),
+            )
+
+    # ------------------------------------------------------------ pools
+
+    def set_pool_member(self, deployment: str, pool: str) -> None:
+        """`deployment` is in `pool` ("" : in none)."""
+        if pool:
+            self._db.execute("INSERT OR REPLACE INTO pool_members VALUES (?, ?)", (deployment, pool))
+        else:
+            self._db.execute("DELETE FROM pool_members WHERE deployment = ?", (deployment,))
+
+    def pool_members(self) -> dict[str, str]:
+        """deployment -> its pool."""
+        return dict(self._db.execute("SELECT deployment, pool FROM pool_members").fetchall())
+
+    def save_pool(self, name: str, shape: dict[str, Any], version: int, phy2log: np.ndarray | None) -> None:
+        arr = None if phy2log is None else np.ascontiguousarray(phy2log, dtype="<i4")
+        layers, slots = (0, 0) if arr is None else arr.shape
+        self._db.execute(
+            "INSERT OR REPLACE INTO pools VALUES (?, ?, ?, ?, ?, ?)",
+            (name, json.dumps(shape), version, layers, slots, None if arr is None else arr.tobytes()),
+        )
+
+    def load_pools(self) -> list[tuple[str, dict[str, Any], int, np.ndarray | None]]:
+        """(name, shape, pool placement version, pool placement or None) of every pool."""
+        out = []
+        for name, shape, version, layers, slots, blob in self._db.execute(
+                "SELECT name, shape, version, num_layers, num_slots, phy2log FROM pools ORDER BY name"):
+            phy2log = None if blob is None else np.frombuffer(blob, dtype="<i4").reshape(layers, slots).astype(np.int64)
+            out.append((name, json.loads(shape), int(version), phy2log))
+        return out
 
     # ------------------------------------------------------------ decisions
 

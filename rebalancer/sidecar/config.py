@@ -48,6 +48,9 @@ class SidecarConfig:
     socket_access: SocketAccess = "group"
     deployment: str = ""                 # empty: the deployment the ranks register with
     pod: str = ""                        # namespace/name, for logs and the controller
+    # The deployment's replica pool ("" = none, or what the ranks name): told upstream
+    # at Register; a fresh group is offered the pool's placement (ControllerMessage.warm_start).
+    pool: str = ""
     # Upstream credentials (files): TLS with the controller's CA, mutual TLS with a client
     # certificate and key, and the deployment's bearer token.
     ca_file: str | None = None

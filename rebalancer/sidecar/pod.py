@@ -79,6 +79,10 @@ class Pod:
         self.relay = Relay(self.ranks)
         self.reports: deque[pb.PlanReport] = deque()  # for the controller, in order
         self.committed: pb.Placement | None = None    # the controller's, once known
+        self.pool = config.pool  # the replica pool told upstream ("" = none, or the ranks')
+        # The pool placement the controller offered the group (RegisterResponse.warm_start),
+        # told to every rank until a plan is relayed or a version above 0 committed.
+        self.warm_start: pb.Placement | None = None
         self.upstream_registered = False
         # A rank came back serving an older version than the group session registered (its
         # process restarted): the upstream link ends that session and registers the group
@@ -130,6 +134,10 @@ class Pod:
             raise StateError(
                 "FAILED_PRECONDITION", f"rank {rank} reports top_k {request.top_k}, the pod's ranks {self.top_k}"
             )
+        if self.pool and request.pool and request.pool != self.pool:
+            raise StateError(
+                "FAILED_PRECONDITION", f"rank {rank} names pool {request.pool!r}, this pod's is {self.pool!r}"
+            )
         if max(self.ranks) >= request.shape.num_gpus:
             raise StateError(
                 "INVALID_ARGUMENT",
@@ -145,6 +153,7 @@ class Pod:
             self.shape.CopyFrom(request.shape)
         self.dispatch_mode = mode
         self.top_k = self.top_k or int(request.top_k)
+        self.pool = self.pool or request.pool
         if self.initial is None and request.HasField("initial_placement"):
             self.initial = pb.Placement()
             self.initial.CopyFrom(request.initial_placement)
@@ -162,11 +171,14 @@ class Pod:
             self.upstream_registered, self.resync = False, True
         log.info("rank %d registered (worker %s, v%d)", rank, request.worker_id or "?", request.placement_version)
         self.changed.set()
-        return pb.RegisterResponse(
+        response = pb.RegisterResponse(
             session_id=session.session_id,
             committed=self._committed_for(request),
             next_window_seq=self.merge.cursor(rank),
         )
+        if self.warm_start is not None and request.placement_version == 0:
+            response.warm_start.CopyFrom(self.warm_start)
+        return response
 
     def _committed_for(self, request: pb.RegisterRequest) -> pb.Placement:
         if self.committed is not None:
@@ -189,6 +201,8 @@ class Pod:
             raise StateError("ALREADY_EXISTS", f"session of rank {session.rank} already has a stream")
         session.send = send
         log.info("rank %d connected", session.rank)
+        if self.warm_start is not None:
+            send(pb.ControllerMessage(warm_start=self.warm_start))
         self.apply(self.relay.attached(session.rank))
         self.changed.set()
         return session
@@ -226,6 +240,9 @@ class Pod:
     def report(self, report: pb.PlanReport) -> None:
         session = self.session(report.session_id)
         actions = self.relay.report(session.rank, report)
+        if (report.phase == pb.PLAN_PHASE_COMMITTED and self.warm_start is not None
+                and report.version >= self.warm_start.version):
+            self.warm_start = None  # installed: the group serves it
         # A switch the relay no longer follows (the controller gave up on the plan and
         # moved on before the ranks' agreement switched): tell the controller once, so it
         # adopts what the ranks serve instead of planning from an older version forever.
@@ -255,7 +272,7 @@ class Pod:
             deployment=self.deployment, rank=self.ranks[0], ranks=self.ranks, shape=self.shape,
             placement_version=version, pod=self.config.pod,
             worker_id=self.group_worker_id(),
-            dispatch_mode=self.dispatch_mode or DEFAULT_DISPATCH_MODE, top_k=self.top_k,
+            dispatch_mode=self.dispatch_mode or DEFAULT_DISPATCH_MODE, top_k=self.top_k, pool=self.pool,
         )
         if self.initial is not None:
             request.initial_placement.CopyFrom(self.initial)
@@ -272,10 +289,25 @@ class Pod:
         self.committed = pb.Placement()
         self.committed.CopyFrom(response.committed)
         self.upstream_registered, self.resync = True, False
+        if response.HasField("warm_start") and self.committed.version == 0:
+            # A fresh group's ranks registered here before the sidecar could ask: tell them
+            # now (a rank already serving ignores it; the contract is the proto's).
+            self.warm_start = pb.Placement()
+            self.warm_start.CopyFrom(response.warm_start)
+            log.info("pool %s: placement offered as v%d (warm start), told to ranks %s", self.pool,
+                     self.warm_start.version, self.config.ranks_label)
+            message = pb.ControllerMessage(warm_start=self.warm_start)
+            for session in list(self.by_rank.values()):
+                if session.send is not None:
+                    session.send(message)
+        else:
+            self.warm_start = None
 
     def from_controller(self, msg: pb.ControllerMessage) -> None:
         """A plan phase from the controller, relayed to the ranks."""
         kind = msg.WhichOneof("body")
+        if kind in ("prepare", "commit"):
+            self.warm_start = None  # the group is past its start: no rank installs it now
         if kind == "prepare":
             log.info("plan v%d: prepare relayed to ranks %s", msg.prepare.version, self.config.ranks_label)
             self.apply(self.relay.prepare(msg.prepare))

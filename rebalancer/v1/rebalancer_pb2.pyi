@@ -70,7 +70,7 @@ class Placement(_message.Message):
     def __init__(self, version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("deployment", "rank", "shape", "placement_version", "initial_placement", "worker_id", "ranks", "pod", "dispatch_mode", "top_k")
+    __slots__ = ("deployment", "rank", "shape", "placement_version", "initial_placement", "worker_id", "ranks", "pod", "dispatch_mode", "top_k", "pool")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class RegisterRequest(_message.Message):
     POD_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_MODE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     rank: int
     shape: ModelShape
@@ -91,17 +92,20 @@ class RegisterRequest(_message.Message):
     pod: str
     dispatch_mode: str
     top_k: int
-    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., initial_placement: _Optional[_Union[Placement, _Mapping]] = ..., worker_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., pod: _Optional[str] = ..., dispatch_mode: _Optional[str] = ..., top_k: _Optional[int] = ...) -> None: ...
+    pool: str
+    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., initial_placement: _Optional[_Union[Placement, _Mapping]] = ..., worker_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., pod: _Optional[str] = ..., dispatch_mode: _Optional[str] = ..., top_k: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "committed", "next_window_seq")
+    __slots__ = ("session_id", "committed", "next_window_seq", "warm_start")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_WINDOW_SEQ_FIELD_NUMBER: _ClassVar[int]
+    WARM_START_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed: Placement
     next_window_seq: int
-    def __init__(self, session_id: _Optional[str] = ..., committed: _Optional[_Union[Placement, _Mapping]] = ..., next_window_seq: _Optional[int] = ...) -> None: ...
+    warm_start: Placement
+    def __init__(self, session_id: _Optional[str] = ..., committed: _Optional[_Union[Placement, _Mapping]] = ..., next_window_seq: _Optional[int] = ..., warm_start: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class Window(_message.Message):
     __slots__ = ("seq", "first_step", "num_steps", "placement_version", "logical_count", "physical_count")
@@ -172,16 +176,18 @@ class Abort(_message.Message):
     def __init__(self, version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("window_ack", "prepare", "commit", "abort")
+    __slots__ = ("window_ack", "prepare", "commit", "abort", "warm_start")
     WINDOW_ACK_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    WARM_START_FIELD_NUMBER: _ClassVar[int]
     window_ack: WindowAck
     prepare: Prepare
     commit: Commit
     abort: Abort
-    def __init__(self, window_ack: _Optional[_Union[WindowAck, _Mapping]] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    warm_start: Placement
+    def __init__(self, window_ack: _Optional[_Union[WindowAck, _Mapping]] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., warm_start: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class PlanReport(_message.Message):
     __slots__ = ("session_id", "version", "phase", "step", "error", "bytes_received", "seconds", "serving")
@@ -264,17 +270,19 @@ class DeploymentRef(_message.Message):
     def __init__(self, deployment: _Optional[str] = ...) -> None: ...
 
 class ForceRebalanceRequest(_message.Message):
-    __slots__ = ("deployment", "dry_run", "max_moved_fraction")
+    __slots__ = ("deployment", "dry_run", "max_moved_fraction", "pool")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     MAX_MOVED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     dry_run: bool
     max_moved_fraction: float
-    def __init__(self, deployment: _Optional[str] = ..., dry_run: _Optional[bool] = ..., max_moved_fraction: _Optional[float] = ...) -> None: ...
+    pool: str
+    def __init__(self, deployment: _Optional[str] = ..., dry_run: _Optional[bool] = ..., max_moved_fraction: _Optional[float] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("time", "outcome", "reason", "balancedness_current", "balancedness_candidate", "bound_balancedness", "moved_fraction", "bytes_to_move", "predicted_gain_seconds", "migration_cost_seconds", "plan_version")
+    __slots__ = ("time", "outcome", "reason", "balancedness_current", "balancedness_candidate", "bound_balancedness", "moved_fraction", "bytes_to_move", "predicted_gain_seconds", "migration_cost_seconds", "plan_version", "pool")
     TIME_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +294,7 @@ class Decision(_message.Message):
     PREDICTED_GAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_COST_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     time: float
     outcome: str
     reason: str
@@ -297,7 +306,8 @@ class Decision(_message.Message):
     predicted_gain_seconds: float
     migration_cost_seconds: float
     plan_version: int
-    def __init__(self, time: _Optional[float] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., balancedness_current: _Optional[float] = ..., balancedness_candidate: _Optional[float] = ..., bound_balancedness: _Optional[float] = ..., moved_fraction: _Optional[float] = ..., bytes_to_move: _Optional[int] = ..., predicted_gain_seconds: _Optional[float] = ..., migration_cost_seconds: _Optional[float] = ..., plan_version: _Optional[int] = ...) -> None: ...
+    pool: str
+    def __init__(self, time: _Optional[float] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., balancedness_current: _Optional[float] = ..., balancedness_candidate: _Optional[float] = ..., bound_balancedness: _Optional[float] = ..., moved_fraction: _Optional[float] = ..., bytes_to_move: _Optional[int] = ..., predicted_gain_seconds: _Optional[float] = ..., migration_cost_seconds: _Optional[float] = ..., plan_version: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class ForceRebalanceResponse(_message.Message):
     __slots__ = ("decision", "placement", "transfers")
@@ -310,7 +320,7 @@ class ForceRebalanceResponse(_message.Message):
     def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., transfers: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class DeploymentStatus(_message.Message):
-    __slots__ = ("deployment", "shape", "placement_version", "balancedness_actual", "balancedness_estimated", "connected_ranks", "windows_ingested", "paused", "plan_in_flight", "plan_phase", "last_decision", "plans_committed", "plans_aborted", "slots_moved", "bytes_moved", "windows_folded", "mixed")
+    __slots__ = ("deployment", "shape", "placement_version", "balancedness_actual", "balancedness_estimated", "connected_ranks", "windows_ingested", "paused", "plan_in_flight", "plan_phase", "last_decision", "plans_committed", "plans_aborted", "slots_moved", "bytes_moved", "windows_folded", "mixed", "pool", "diverged")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +338,8 @@ class DeploymentStatus(_message.Message):
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FOLDED_FIELD_NUMBER: _ClassVar[int]
     MIXED_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     shape: ModelShape
     placement_version: int
@@ -345,7 +357,31 @@ class DeploymentStatus(_message.Message):
     bytes_moved: int
     windows_folded: int
     mixed: str
-    def __init__(self, deployment: _Optional[str] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., balancedness_actual: _Optional[float] = ..., balancedness_estimated: _Optional[float] = ..., connected_ranks: _Optional[int] = ..., windows_ingested: _Optional[int] = ..., paused: _Optional[bool] = ..., plan_in_flight: _Optional[int] = ..., plan_phase: _Optional[str] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., plans_committed: _Optional[int] = ..., plans_aborted: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., windows_folded: _Optional[int] = ..., mixed: _Optional[str] = ...) -> None: ...
+    pool: str
+    diverged: bool
+    def __init__(self, deployment: _Optional[str] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., balancedness_actual: _Optional[float] = ..., balancedness_estimated: _Optional[float] = ..., connected_ranks: _Optional[int] = ..., windows_ingested: _Optional[int] = ..., paused: _Optional[bool] = ..., plan_in_flight: _Optional[int] = ..., plan_phase: _Optional[str] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., plans_committed: _Optional[int] = ..., plans_aborted: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., windows_folded: _Optional[int] = ..., mixed: _Optional[str] = ..., pool: _Optional[str] = ..., diverged: _Optional[bool] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("pool", "members", "diverged", "pool_version", "balancedness_estimated", "members_at_target", "members_moving", "max_moving", "last_decision")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_FIELD_NUMBER: _ClassVar[int]
+    POOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_AT_TARGET_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_MOVING_FIELD_NUMBER: _ClassVar[int]
+    MAX_MOVING_FIELD_NUMBER: _ClassVar[int]
+    LAST_DECISION_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    diverged: _containers.RepeatedScalarFieldContainer[str]
+    pool_version: int
+    balancedness_estimated: float
+    members_at_target: int
+    members_moving: int
+    max_moving: int
+    last_decision: Decision
+    def __init__(self, pool: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., diverged: _Optional[_Iterable[str]] = ..., pool_version: _Optional[int] = ..., balancedness_estimated: _Optional[float] = ..., members_at_target: _Optional[int] = ..., members_moving: _Optional[int] = ..., max_moving: _Optional[int] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("deployment",)
@@ -354,10 +390,12 @@ class StatusRequest(_message.Message):
     def __init__(self, deployment: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("deployments",)
+    __slots__ = ("deployments", "pools")
     DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     deployments: _containers.RepeatedCompositeFieldContainer[DeploymentStatus]
-    def __init__(self, deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
 
 class PlanRecord(_message.Message):
     __slots__ = ("version", "base_version", "state", "trigger", "created", "finished", "slots_moved", "bytes_moved", "reason")

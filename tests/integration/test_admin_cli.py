@@ -59,7 +59,7 @@ def test_json_after_the_action(tmp_path: Path) -> None:
     try:
         for args in (("--json", "status"), ("status", "--json")):
             code, out, _ = admin(ctl, *args)
-            assert code == 0 and json.loads(out) == {"deployments": []}, args
+            assert code == 0 and json.loads(out) == {"deployments": [], "pools": []}, args
         code, out, err = admin(ctl, "history", "nope", "--json")
         assert code == 3 and "NOT_FOUND" in err and out == ""
         assert "NOT_FOUND" in help_codes()[code]

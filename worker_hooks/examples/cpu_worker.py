@@ -46,6 +46,7 @@ from worker_hooks.examples.moe_cpu import (
     ExpertParallelMoE,
     MoEConfig,
     ReferenceMoE,
+    expert_weights,
     shared_weights,
     slot_weights,
 )
@@ -140,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
                         "Each rank writes the step it is at to <stop-file>.rank<r> every 8 "
                         "steps, so that a harness can pick a step ahead of every rank")
     p.add_argument("--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token")
+    p.add_argument("--pool", default=os.environ.get("REBALANCER_POOL", ""),
+                   help="the deployment's replica pool (a fresh group starts on the pool's placement)")
+    p.add_argument("--warm-start-seconds", type=float, default=3.0,
+                   help="longest wait at start for the pool's placement")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.dispatch != "split" and args.local:
@@ -209,12 +214,15 @@ def main(argv: list[str] | None = None) -> int:
             dispatch_mode=args.dispatch,
             shared_expert=args.shared_expert,
             top_k=cfg.top_k,
+            pool=args.pool,
+            warm_start_seconds=args.warm_start_seconds,
         ),
         phy2log,
         weights,
         agree_group,
         migrate_group,
         device=device,
+        expert_source=lambda layer, expert: dict(zip(("w1", "w2"), expert_weights(cfg, layer, expert), strict=True)),
     )
     hook.fault = args.fault
     hook.executor.connect()  # map the peers now (ipc, outbox): then the file names can go

@@ -233,6 +233,8 @@ def test_config_types_are_checked(tmp_path: Path) -> None:
         ({"tick_seconds": 0.0}, "tick_seconds must be > 0"),
         ({"insecure": 1}, "insecure must be true or false"),
         ({"admin_token": ""}, "admin_token must be a non-empty string"),
+        ({"pool_max_moving": 0}, "pool_max_moving must be an integer >= 1"),
+        ({"pool_max_moving": 1.5}, "pool_max_moving must be an integer >= 1"),
     ):
         with pytest.raises(InputError, match=words):
             validate_config(replace(base, **change))  # type: ignore[arg-type]
@@ -241,5 +243,6 @@ def test_config_types_are_checked(tmp_path: Path) -> None:
     (tmp_path / "c.toml").write_text(f'[server]\nadmin_token_file = "{empty}"\n')
     with pytest.raises(InputError, match="is empty"):
         load_config(tmp_path / "c.toml")
-    (tmp_path / "c.toml").write_text("[server]\ninsecure = true\n")
+    (tmp_path / "c.toml").write_text("[server]\ninsecure = true\npool_max_moving = 2\n")
     assert load_config(tmp_path / "c.toml").insecure is True
+    assert load_config(tmp_path / "c.toml").pool_max_moving == 2

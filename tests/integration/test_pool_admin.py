@@ -1,0 +1,147 @@
+"""Pools through the AdminService, `rebalancer admin` and the Prometheus exposition, on a
+real server whose ranks are real WorkerAgents naming a pool (plans answered at once, as
+in test_admin.py): status grouped by pool, `force --pool` rolling the pool placement
+out, precise errors for an unknown pool and a mismatched member, promtool on the
+exposition with the pool series."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.embedded import EmbeddedController
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.channel import client_options
+from tests.integration.conftest import start_controller
+from tests.integration.test_admin import InstantRank, admin, real_counts
+from tests.unit.deploy.conftest import find_tool, missing
+from worker_hooks.agent import AgentConfig, WorkerAgent
+
+L, E, P, G = 4, 256, 288, 4
+SHAPE = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G, expert_bytes=1 << 20)
+
+
+class PoolRank(InstantRank):
+    def __init__(self, deployment: str, rank: int, address: str, pool: str) -> None:
+        self.version = 0
+        self.agent = WorkerAgent(AgentConfig(address, deployment, rank, SHAPE, pool=pool), self,
+                                 lambda: self.version)
+
+
+def settled(ctl: EmbeddedController) -> bool:
+    """No pool decision or plan in flight, every member on the pool placement (if any)."""
+    def check(c: Any) -> bool:
+        pool = c.fleet.pools["fleet"]
+        deps = [c.deployments[d] for d in ("m1", "m2")]
+        return not pool.deciding and all(d.plan is None for d in deps) and (
+            pool.phy2log is None or all(np.array_equal(d.phy2log, pool.phy2log) for d in deps))
+    return bool(ctl.call(lambda: check(ctl.server.controller)))  # type: ignore[union-attr]
+
+
+def wait_for(fn: object, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not fn():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[tuple[EmbeddedController, list[PoolRank]]]:
+    # The policy never finds a gain worth it (threshold 1.0): plans here are forced.
+    ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(min_windows=1, gain_threshold=1.0), metrics_port=0)
+    assert ctl.server is not None
+    ranks = [PoolRank(dep, r, ctl.server.address, "fleet") for dep in ("m1", "m2") for r in range(G)]
+    try:
+        for r in ranks:
+            r.agent.start()
+        for r in ranks:
+            assert r.agent.connected.wait(10)
+        counts = real_counts()
+        for seq in range(3):
+            for r in ranks:
+                r.agent.submit_window(seq * 8, 8, 0, counts // G, None)
+        wait_for(lambda: ctl.call(lambda: ctl.server.controller.fleet.pools["fleet"].loop.estimator.windows) >= 6)  # type: ignore[union-attr]
+        wait_for(lambda: settled(ctl))
+        yield ctl, ranks
+    finally:
+        for r in ranks:
+            r.agent.stop()
+        ctl.stop()
+
+
+def test_status_force_pool_and_metrics(live: tuple[EmbeddedController, list[PoolRank]]) -> None:
+    ctl, ranks = live
+    code, out, err = admin(ctl, "force", "--pool", "nope", token=None)
+    assert code != 0 and "unknown pool 'nope'" in err
+    code, _, err = admin(ctl, "force", token=None)
+    assert code == 2 and "a deployment or --pool" in err
+    code, out, err = admin(ctl, "--json", "force", "--pool", "fleet", token=None)
+    assert code == 0, err
+    assert json.loads(out)["outcome"] == "forced" and json.loads(out)["pool"] == "fleet"
+    # Rolled out one member at a time, both end on the pool placement.
+    wait_for(lambda: settled(ctl))
+    assert all(r.version >= 1 for r in ranks)
+    pool_phy2log, placements = ctl.call(lambda: (  # type: ignore[union-attr]
+        ctl.server.controller.fleet.pools["fleet"].phy2log,
+        [ctl.server.controller.deployments[d].phy2log for d in ("m1", "m2")]))
+    assert all(np.array_equal(p, pool_phy2log) for p in placements)
+    code, out, _ = admin(ctl, "--json", "status", token=None)
+    reply = json.loads(out)
+    (pool,) = reply["pools"]
+    assert pool["pool"] == "fleet" and pool["members"] == ["m1", "m2"] and int(pool["members_at_target"]) == 2
+    assert {d["deployment"]: d["pool"] for d in reply["deployments"]} == {"m1": "fleet", "m2": "fleet"}
+    code, text, _ = admin(ctl, "status", token=None)
+    assert text.startswith("pool fleet: placement ") and "2 members (0 diverged)" in text
+    assert "2/2 on the pool placement" in text
+    # A member of another shape: refused with the field named, nothing created.
+    with grpc.insecure_channel(ctl.server.address, options=client_options()) as channel:  # type: ignore[union-attr]
+        stub = pb_grpc.WorkerServiceStub(channel)
+        other = pb.ModelShape()
+        other.CopyFrom(SHAPE)
+        other.num_physical_slots = 260
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Register(pb.RegisterRequest(deployment="m3", rank=0, shape=other, pool="fleet"), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "num_slots is 260, the pool's 288" in refused.value.details()
+    assert ctl.call(lambda: "m3" not in ctl.server.controller.deployments)  # type: ignore[union-attr]
+    port = ctl.server.metrics_port  # type: ignore[union-attr]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'rebalancer_pool_members{pool="fleet"} 2.0' in text
+    assert 'rebalancer_pool_members_at_target{pool="fleet"} 2.0' in text
+    assert 'rebalancer_pool_member_diverged{deployment="m1",pool="fleet"} 0.0' in text
+    promtool = find_tool("promtool")
+    if promtool is None:
+        missing("promtool", ".ci/run provides it; `.ci/run --tools` alone")
+    assert promtool is not None
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_fresh_member_is_offered_the_pool_placement_at_register(
+        live: tuple[EmbeddedController, list[PoolRank]]) -> None:
+    ctl, ranks = live
+    assert admin(ctl, "force", "--pool", "fleet", token=None)[0] == 0
+    wait_for(lambda: settled(ctl))
+    joiner = WorkerAgent(AgentConfig(ctl.server.address, "m9", 0, SHAPE, pool="fleet"), ranks[0],  # type: ignore[union-attr]
+                         lambda: 0)
+    joiner.start()
+    try:
+        assert joiner.warm_offered.wait(10) and joiner.warm_start is not None
+        assert joiner.warm_start.version == 1  # the first version of the new deployment
+        pool_phy2log = ctl.call(lambda: ctl.server.controller.fleet.pools["fleet"].phy2log)  # type: ignore[union-attr]
+        from rebalancer.wire import codec
+
+        assert np.array_equal(codec.decode(joiner.warm_start.phy2log, "warm"), pool_phy2log)
+    finally:
+        joiner.stop()

@@ -1,0 +1,246 @@
+"""Replica pools on the real Controller (SQLite store, decisions inline): membership
+checks that change nothing when refused, one decision per pool rolled out with a cap on
+members moving, the warm start offered to a fresh member and adopted on its ranks'
+confirmation, membership kept across a restart, divergence."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.fleet import OFFER_GRACE_SECONDS
+from rebalancer.controller.replica_pools import DivergenceConfig, excess_tv, sampling_tv
+from rebalancer.controller.state import Controller
+from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
+
+SHAPE = ClusterShape(num_layers=2, num_logical=8, num_slots=8, num_gpus=2, expert_bytes=10)
+POLICY = PolicyConfig(min_windows=1, min_interval_seconds=0.0, decision_period_seconds=1e-9)
+RNG = np.random.default_rng(7)
+HOT = np.array([[0.40, 0.20, 0.10, 0.10, 0.05, 0.05, 0.05, 0.05]] * 2)   # the pool's traffic
+OTHER = HOT[:, ::-1].copy()                                              # another workload
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def window(p: np.ndarray, tokens: int = 4000) -> np.ndarray:
+    return np.stack([RNG.multinomial(tokens, row) for row in p]).astype(np.int64)
+
+
+class Fleet:
+    """A controller and the plan phases each deployment's ranks were sent."""
+
+    def __init__(self, store: Store, clock: Clock, **kwargs: Any) -> None:
+        self.ctl = Controller(store, POLICY, clock=clock, **kwargs)
+        self.sent: dict[str, list[tuple[str, int]]] = {}
+        self.sessions: dict[str, list[str]] = {}
+
+    def join(self, name: str, pool: str = "p", shape: ClusterShape = SHAPE, version: int = 0) -> list[Any]:
+        offers = []
+        for rank in range(shape.num_gpus):
+            session, dep = self.ctl.register(name, rank, shape, version, None, f"{name}-w{rank}", pool=pool)
+            offers.append(self.ctl.warm_offer(dep, version))
+            self.sessions.setdefault(name, []).append(session.session_id)
+            sent = self.sent.setdefault(name, [])
+
+            def send(kind: str, plan: Any, sent: list[tuple[str, int]] = sent, rank: int = rank) -> None:
+                if rank == 0:
+                    sent.append((kind, plan.version))
+
+            self.ctl.attach(session.session_id, send)
+        return offers
+
+    def feed(self, name: str, seq: int, p: np.ndarray = HOT) -> None:
+        dep = self.ctl.deployment(name)
+        half = window(p, 2000)
+        for rank in range(SHAPE.num_gpus):
+            self.ctl.ingest(dep, rank, seq, dep.version, half, None)
+
+    def finish(self, name: str) -> None:
+        """Every rank of `name` prepared and committed its plan in flight."""
+        dep = self.ctl.deployment(name)
+        assert dep.plan is not None
+        v = dep.plan.version
+        for sid in self.sessions[name]:
+            self.ctl.report(sid, v, "prepared")
+        for sid in self.sessions[name]:
+            self.ctl.report(sid, v, "committed")
+
+
+def test_a_member_of_another_shape_or_dispatch_mode_is_refused_and_nothing_changes() -> None:
+    fleet = Fleet(Store(":memory:"), Clock())
+    fleet.join("a")
+    other = replace(SHAPE, num_slots=10)
+    with pytest.raises(StateError, match="shape field num_slots is 10, the pool's 8") as err:
+        fleet.ctl.register("b", 0, other, 0, None, "w", pool="p")
+    assert err.value.code == "FAILED_PRECONDITION"
+    with pytest.raises(StateError, match="dispatch mode is 'load', the pool's 'split'"):
+        fleet.ctl.register("b", 0, replace(SHAPE, dispatch_mode="load"), 0, None, "w", pool="p")
+    assert "b" not in fleet.ctl.deployments and fleet.ctl.store.load_deployments()[-1].name == "a"
+    assert fleet.ctl.fleet.pools["p"].members == {"a"} and "b" not in fleet.ctl.store.pool_members()
+    # A deployment with live sessions cannot move to another pool.
+    with pytest.raises(StateError, match="is in pool 'p', this registration names 'q'"):
+        fleet.ctl.register("a", 1, SHAPE, 0, None, "w9", pool="q")
+
+
+def test_one_decision_per_pool_rolled_out_one_member_at_a_time() -> None:
+    fleet = Fleet(Store(":memory:"), Clock())
+    for name in ("a", "b", "c"):
+        fleet.join(name)
+    pool = fleet.ctl.fleet.pools["p"]
+    for name in ("a", "b", "c"):
+        fleet.feed(name, 0)
+    assert pool.version == 1 and pool.stats.decisions == 1
+    # Only one member moves; the others wait for it.
+    moving = [n for n in ("a", "b", "c") if fleet.ctl.deployment(n).plan is not None]
+    assert len(moving) == 1 and fleet.sent[moving[0]] == [("prepare", 1)]
+    assert all(not d.loop.last_decision for d in fleet.ctl.deployments.values())  # no per-member decision
+    done = set()
+    for _ in range(3):
+        (name,) = [n for n in ("a", "b", "c") if fleet.ctl.deployment(n).plan is not None]
+        fleet.finish(name)
+        done.add(name)
+        fleet.ctl.tick()
+    assert done == {"a", "b", "c"}
+    for name in ("a", "b", "c"):
+        dep = fleet.ctl.deployment(name)
+        assert dep.version == 1 and np.array_equal(dep.phy2log, pool.phy2log)
+        history = fleet.ctl.store.decisions(name, 5)
+        assert history[0]["pool"] == "p" and history[0]["plan_version"] == 1
+
+
+def test_a_fresh_member_is_offered_the_pool_placement_and_adopts_it_when_its_ranks_confirm() -> None:
+    fleet = Fleet(Store(":memory:"), Clock())
+    fleet.join("a")
+    fleet.feed("a", 0)
+    fleet.finish("a")
+    pool = fleet.ctl.fleet.pools["p"]
+    assert pool.phy2log is not None
+    offers = fleet.join("new")
+    # Every rank of the deployment is told the same version and placement.
+    (w, placement), (w2, placement2) = offers
+    assert w == w2 == 1 and np.array_equal(placement, pool.phy2log) and np.array_equal(placement2, placement)
+    dep = fleet.ctl.deployment("new")
+    assert dep.version == 0 and fleet.ctl.store.plans("new")[0].state == "offered"
+    for sid in fleet.sessions["new"]:
+        fleet.ctl.report(sid, w, "committed")
+    assert dep.version == 1 and np.array_equal(dep.phy2log, pool.phy2log)
+    assert fleet.ctl.store.load_deployments()[-1].committed_version == 1
+    # Not offered to a member already serving a version, nor to a deployment without a pool.
+    assert fleet.ctl.warm_offer(dep, 1) is None
+    session, solo = fleet.ctl.register("solo", 0, SHAPE, 0, None, "w")
+    assert fleet.ctl.warm_offer(solo, 0) is None
+
+
+def test_ranks_that_never_install_the_offer_keep_v0_and_the_next_plan_goes_past_it() -> None:
+    clock = Clock()
+    fleet = Fleet(Store(":memory:"), clock)
+    fleet.join("a")
+    fleet.feed("a", 0)
+    fleet.finish("a")
+    fleet.join("late")
+    dep = fleet.ctl.deployment("late")
+    assert dep.version == 0
+    fleet.ctl.tick()  # its ranks may be installing the offer: no plan from v0 yet
+    assert dep.plan is None
+    clock.now += OFFER_GRACE_SECONDS
+    fleet.ctl.tick()  # they did not: the rolling finds it off the pool placement
+    plan = dep.plan
+    assert plan is not None and plan.version == 2 and plan.base_version == 0
+    assert fleet.sent["late"] == [("prepare", 2)]
+
+
+def test_membership_and_the_pool_placement_survive_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    clock = Clock()
+    fleet = Fleet(Store(path), clock)
+    fleet.join("a")
+    fleet.join("b")
+    fleet.feed("a", 0)
+    placement = fleet.ctl.fleet.pools["p"].phy2log
+    fleet.ctl.store.close()
+    again = Controller(Store(path), POLICY, clock=clock)
+    pool = again.fleet.pools["p"]
+    assert pool.members == {"a", "b"} and pool.version == 1 and np.array_equal(pool.phy2log, placement)
+    assert again.fleet.member_of == {"a": "p", "b": "p"}
+
+
+def test_a_member_fed_another_workload_is_diverged_balanced_alone_and_rejoins() -> None:
+    fleet = Fleet(Store(":memory:"), Clock(), divergence=DivergenceConfig(threshold=0.08, windows=3))
+    for name in ("a", "b", "c"):
+        fleet.join(name)
+    pool = fleet.ctl.fleet.pools["p"]
+    fleet.ctl.set_paused("a", True)  # no member plans: the test is about the estimate
+    for name in ("b", "c"):
+        fleet.ctl.set_paused(name, True)
+    for seq in range(3):
+        fleet.feed("a", seq)
+        fleet.feed("b", seq)
+    for seq in range(3):
+        fleet.feed("c", seq, OTHER)
+        assert ("c" in pool.diverged()) == (seq == 2)
+    windows = pool.loop.estimator.windows
+    fleet.feed("c", 3, OTHER)
+    assert pool.loop.estimator.windows == windows  # out of the pool estimate
+    assert fleet.ctl.deployment("c").loop.estimator.windows == 4  # its own estimate goes on
+    assert fleet.ctl.store.decisions("c", 1)[0]["outcome"] == "pool_diverged"
+    for seq in range(4, 7):
+        fleet.feed("c", seq)
+    assert pool.diverged() == [] and fleet.ctl.store.decisions("c", 1)[0]["outcome"] == "pool_rejoined"
+
+
+def test_the_divergence_statistic_is_near_zero_on_sampling_noise_alone() -> None:
+    """Same distribution: the excess total variation stays well under the threshold at
+    small windows; another workload is far above it."""
+    same = [excess_tv(window(HOT, 500), HOT * 1e6) for _ in range(200)]
+    assert abs(float(np.mean(same))) < 0.01 and max(same) < 0.08
+    assert excess_tv(window(OTHER, 500), HOT) > 0.3
+    assert sampling_tv(HOT, np.array([500.0, 500.0])).shape == (2,)
+
+
+def test_force_names_an_unknown_pool() -> None:
+    fleet = Fleet(Store(":memory:"), Clock())
+    with pytest.raises(StateError, match="unknown pool 'nope'") as err:
+        fleet.ctl.force_pool("nope")
+    assert err.value.code == "NOT_FOUND"
+    fleet.join("a")
+    with pytest.raises(StateError, match="no counts ingested yet for pool 'p'"):
+        fleet.ctl.force_pool("p")
+
+
+def test_no_module_but_the_pools_own_assigns_a_pools_fields() -> None:
+    """A pool's state has one owner, `ReplicaPool` (replica_pools.py): every other module
+    asks it through its transitions (the rule test_deployment_owns_its_state.py holds for
+    deployments)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[3] / "rebalancer"
+    owner = root / "controller" / "replica_pools.py"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == owner or "v1" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign | ast.Delete)
+                       else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+            for target in targets:
+                for item in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    base = item.value if isinstance(item, ast.Subscript) else item
+                    chain = []
+                    while isinstance(base, ast.Attribute):
+                        chain.append(base.attr)
+                        base = base.value
+                    if chain and isinstance(base, ast.Name) and base.id in ("pool", "member_pool"):
+                        found.append(f"{path.name}:{node.lineno}")
+    assert found == []
