@@ -24,6 +24,10 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 DEPLOYMENT = "tf"
 # Paused: the policy plans nothing by itself, so the one plan is the test's forced one.
+# How long the ranks may take to start (import transformers, build the model) and send a
+# first window: a bound, not a speed. On a 2-core machine at load 30 the start alone
+# passed 40 s; the ranks stop as soon as they serve version 1, so a quiet run is as short.
+WAIT_SECONDS = 180
 POLICY = PolicyConfig(min_windows=1, decision_period_seconds=0.2, prepare_timeout_seconds=20.0, paused=True)
 
 
@@ -38,12 +42,12 @@ def test_two_ranks_rebalanced_live_keep_logits_identical(tmp_path: Path) -> None
                 sys.executable, "-m", "worker_hooks.engines.transformers.worker", "--rank", str(rank),
                 "--world", str(WORLD), "--port", str(port), "--controller", ctl.server.address,
                 "--deployment", DEPLOYMENT, "--family", "qwen3_moe", "--spare-rows", "2",
-                "--steps", "30", "--wait-version", "1", "--max-seconds", "40",
+                "--steps", "30", "--wait-version", "1", "--max-seconds", str(WAIT_SECONDS),
                 "--out", str(tmp_path / f"rank{rank}.json"),
             ]
             procs.append(subprocess.Popen(bound_to_this_process(cmd), env={"OMP_NUM_THREADS": "1", **_env()}))
         server = ctl.server
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + WAIT_SECONDS
         plan_version = 0
         while not plan_version and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -57,6 +61,7 @@ def test_two_ranks_rebalanced_live_keep_logits_identical(tmp_path: Path) -> None
                 return plan.version if plan is not None else -1
 
             plan_version = int(ctl.call(force))  # type: ignore[arg-type]
+        assert plan_version != 0, f"no window of counts reached the controller in {WAIT_SECONDS} s"
         assert plan_version == 1, "the controller found no placement change to force"
         codes = [p.wait(timeout=60) for p in procs]
         dep = ctl.call(lambda: server.controller.deployments[DEPLOYMENT])
