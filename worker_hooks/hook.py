@@ -330,7 +330,7 @@ class RebalanceHook(PlanHandlers):
         cfg = self.config
         offered, new = 0, None
         source = self._expert_source
-        if source is not None:
+        if source is not None and cfg.warm_start_seconds > 0:  # 0: start as without a pool
             offered, new = await_offer(self.agent, cfg.warm_start_seconds, cfg.num_layers,
                                        cfg.num_slots, cfg.num_logical, cfg.rank)
         if not self._all_agree(offered) or new is None or source is None:

@@ -14,9 +14,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import grpc
