@@ -75,6 +75,12 @@ from worker_hooks.migrate import (
 )
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap, replica_rows
+from worker_hooks.warm import (
+    DEFAULT_WARM_START_SECONDS,
+    await_offer,
+    check_warm_start_seconds,
+    group_holds,
+)
 
 log = logging.getLogger("worker_hooks.hook")
 
@@ -126,7 +132,7 @@ class HookConfig:
     # waiting at most `warm_start_seconds` for the offer (0: never wait, start as without
     # a pool). Every rank of the group names the same pool.
     pool: str = ""
-    warm_start_seconds: float = 3.0
+    warm_start_seconds: float = DEFAULT_WARM_START_SECONDS
     token: str | None = None        # bearer token of the deployment (controller's worker_tokens)
     ca_file: str | None = None      # TLS to the controller
     cert_file: str | None = None    # mutual TLS
@@ -151,8 +157,7 @@ class HookConfig:
             raise ValueError('dispatch_mode "load+shared" needs shared_expert=True')
         if not isinstance(self.pool, str):
             raise TypeError(f"HookConfig.pool must be a str, got {type(self.pool).__name__}")
-        if not 0.0 <= self.warm_start_seconds < float("inf"):
-            raise ValueError(f"HookConfig.warm_start_seconds must be >= 0 and finite, got {self.warm_start_seconds}")
+        check_warm_start_seconds(self.warm_start_seconds, "HookConfig.warm_start_seconds")
 
     @property
     def migration(self) -> MigrationConfig:
@@ -325,14 +330,9 @@ class RebalanceHook(PlanHandlers):
         cfg = self.config
         offered, new = 0, None
         source = self._expert_source
-        if source is not None and cfg.warm_start_seconds > 0:
-            if self.agent.warm_offered.wait(cfg.warm_start_seconds) and self.agent.warm_start is not None:
-                try:
-                    new = codec.decode_phy2log(self.agent.warm_start.phy2log, cfg.num_layers,
-                                               cfg.num_slots, cfg.num_logical)
-                    offered = int(self.agent.warm_start.version)
-                except InputError as exc:
-                    log.error("rank %d: warm start refused: %s", cfg.rank, exc)
+        if source is not None and cfg.warm_start_seconds > 0:  # 0: start as without a pool
+            offered, new = await_offer(self.agent, cfg.warm_start_seconds, cfg.num_layers,
+                                       cfg.num_slots, cfg.num_logical, cfg.rank)
         if not self._all_agree(offered) or new is None or source is None:
             log.info("rank %d: no warm start (offered v%d); starting on the start placement", cfg.rank, offered)
             return False
@@ -366,16 +366,7 @@ class RebalanceHook(PlanHandlers):
 
     def _all_agree(self, version: int) -> bool:
         """Whether every rank of the group holds `version` (> 0)."""
-        if self.config.num_gpus == 1 or not dist.is_initialized():
-            return version > 0 and self.config.num_gpus == 1
-        buf = torch.tensor([version, -version], dtype=torch.int64)
-        try:
-            dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self._agree_group)
-        except RuntimeError as exc:  # a peer is gone: start as without a pool
-            log.error("rank %d: warm start agreement failed: %s", self.config.rank, exc)
-            return False
-        low, high = int(buf[0]), -int(buf[1])
-        return low == high > 0
+        return group_holds(version, self._agree_group, self.config.num_gpus, self.config.rank)
 
     def stop(self) -> None:
         self.agent.stop()

@@ -22,6 +22,9 @@ def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:
     assert (config.token, config.window_steps) == ("s3cret", 8)
     assert config.agree_every == SGLangAdapterConfig.agree_every
     assert config.deployment == SGLangAdapterConfig.deployment
+    assert config.pool == ""
+    pooled = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "127.0.0.1:1", "REBALANCER_POOL": "ds-v3"})
+    assert pooled is not None and pooled.pool == "ds-v3"
 
 
 @pytest.mark.parametrize(("env", "message"), [

@@ -14,14 +14,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.estimate import EstimatorConfig
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.channel import client_options
 from tests.engines.vllm import vllm_env
 from tests.integration.conftest import start_controller
 from worker_hooks.agent import AgentConfig
@@ -51,9 +58,11 @@ def _free_port() -> int:
 
 def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
                common: list[str] | None = None, timeout: float = 240,
-               during: Callable[[], None] | None = None) -> tuple[list[int], dict[int, dict]]:
+               during: Callable[[], None] | None = None, env_extra: dict[str, str] | None = None,
+               rank_env: dict[int, dict[str, str]] | None = None) -> tuple[list[int], dict[int, dict]]:
     env = vllm_env.environment(
         REBALANCER_ADDRESS=address, REBALANCER_DEPLOYMENT=DEPLOYMENT, REBALANCER_WINDOW_STEPS="4",
+        **(env_extra or {}),
     )
     port = _free_port()
     procs = []
@@ -64,7 +73,8 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
                    "--out", str(tmp_path / f"rank{rank}.json"), *(common or []),
                    *(extra or {}).get(rank, [])]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((subprocess.Popen(cmd, cwd=vllm_env.ROOT, env=env, stdout=log,
+            procs.append((subprocess.Popen(cmd, cwd=vllm_env.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
+                                           stdout=log,
                                            stderr=subprocess.STDOUT), log))
         if during is not None:
             during()
@@ -195,3 +205,108 @@ def test_controller_unreachable_never_blocks_a_step(tmp_path: Path) -> None:
         assert all("installed" not in a for a in r["rearrangements"])
     assert np.array_equal(np.asarray(results[0]["phy2log"]), np.asarray(results[0]["initial_phy2log"]))
     assert gap < RPC_TIMEOUT
+
+
+# ---------------------------------------------------------------- warm start (pools)
+
+POOL = "p"
+# Deployments start paused in these runs: the pool then rolls no plan of its own to the
+# new member (fleet.roll skips paused ones), so what it installs is the warm start, which
+# a pause does not hold back. Unpaused, the pool rolls its placement as a plan as soon as
+# the group has connected, and under load that plan can reach vLLM's first policy call
+# before it: the same placement, installed at the same call, as version W+1.
+QUIET_POLICY = replace(FAST_POLICY, paused=True)
+
+
+def _pool_placement() -> np.ndarray:
+    """A placement of the worker's shape unlike vLLM's start map (hot experts 0 and 1
+    held twice, every layer permuted differently)."""
+    from tests.engines.vllm.worker import NUM_EXPERTS, NUM_LAYERS, REDUNDANT
+
+    rows = []
+    for layer in range(NUM_LAYERS):
+        order = np.roll(np.arange(NUM_EXPERTS)[::-1], layer)
+        rows.append(np.concatenate([order, [0, 1, 0, 1]]))
+    placement = np.asarray(rows, dtype=np.int64)
+    assert placement.shape[1] == NUM_EXPERTS + REDUNDANT
+    return placement
+
+
+def _seed_pool(ctl: EmbeddedController, placement: np.ndarray) -> None:
+    """Pool `p` holding `placement`: a seed member of the worker's shape registers over
+    gRPC, then the pool takes the placement as a pool decision would."""
+    from tests.engines.vllm.worker import NUM_EXPERTS, NUM_LAYERS, REDUNDANT, SHAPES
+
+    assert ctl.server is not None
+    expert_bytes = sum(int(np.prod(shape)) for shape in SHAPES) * 4  # float32
+    shape = pb.ModelShape(num_layers=NUM_LAYERS, num_logical_experts=NUM_EXPERTS,
+                          num_physical_slots=NUM_EXPERTS + REDUNDANT, num_gpus=WORLD, num_nodes=1,
+                          expert_bytes=expert_bytes)
+    with grpc.insecure_channel(ctl.server.address, options=client_options()) as channel:
+        pb_grpc.WorkerServiceStub(channel).Register(
+            pb.RegisterRequest(deployment="seed", rank=0, shape=shape, pool=POOL), timeout=30)
+    ctl.call(lambda: ctl.server.controller.fleet.pools[POOL].take(placement))  # type: ignore[union-attr]
+
+
+def _warm_run(tmp_path: Path, rank_env: dict[int, dict[str, str]] | None = None
+              ) -> tuple[list[int], dict[int, dict], Any, np.ndarray]:
+    ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY)
+    assert ctl.server is not None
+    placement = _pool_placement()
+    try:
+        _seed_pool(ctl, placement)
+        # vLLM's first policy call at step 4: the offer must be there by then (bounded wait).
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=24, common=["--interval", "4"],
+                                    env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"},
+                                    rank_env=rank_env)
+        dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
+        state = ctl.call(lambda: (dep.version, np.asarray(dep.phy2log).copy()))
+        plans = ctl.call(lambda: {p.version: (p.state, p.trigger)
+                                  for p in ctl.server.controller.store.plans(DEPLOYMENT)})  # type: ignore[union-attr]
+    finally:
+        ctl.stop()
+    return codes, results, (state, plans), placement
+
+
+def test_a_fresh_group_in_a_pool_installs_its_placement_at_the_first_policy_call(tmp_path: Path) -> None:
+    codes, results, ((version, committed), plans), placement = _warm_run(tmp_path)
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    warm = results[0]["rearrangements"][0].get("warm_start")
+    assert warm is not None and warm >= 1, _logs(tmp_path)
+    for r in results.values():
+        first = r["rearrangements"][0]
+        # The first policy call answered with the pool placement, on every rank.
+        assert first["warm_start"] == warm and first["installed"] == warm
+        assert r["commits"][0][1] == warm
+        assert np.array_equal(np.asarray(r["phy2log"]), placement)
+        assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
+    # The controller adopted the offered version on the ranks' COMMITTED.
+    assert version == warm and np.array_equal(committed, placement)
+    assert plans[warm] == ("committed", "warm_start")
+
+
+def test_a_rank_without_the_offer_keeps_every_rank_on_its_start_map(tmp_path: Path) -> None:
+    # Rank 3 never waits for the offer (0 s): it contributes no version, so none installs.
+    codes, results, ((version, _), plans), _ = _warm_run(
+        tmp_path, rank_env={3: {"REBALANCER_WARM_START_SECONDS": "0"}})
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    for r in results.values():
+        assert r["rearrangements"][0]["warm_start"] == 0
+        assert r["version"] == 0 and r["commits"] == []
+        assert np.array_equal(np.asarray(r["phy2log"]), np.asarray(r["initial_phy2log"]))
+        assert r["weights_match_map"]
+    assert version == 0
+    assert [state for state, trigger in plans.values() if trigger == "warm_start"] == ["offered"]
+
+
+def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(tmp_path: Path) -> None:
+    bound = 2.0
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=24, common=["--interval", "4"],
+                                env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": str(bound)})
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    for r in results.values():
+        assert r["rearrangements"][0]["warm_start"] == 0
+        assert r["version"] == 0 and r["commits"] == []
+        assert np.array_equal(np.asarray(r["phy2log"]), np.asarray(r["initial_phy2log"]))
+        # The one wait, at the first policy call, never longer than the bound (slack: load).
+        assert max(r["step_seconds"]) < bound + 1.5

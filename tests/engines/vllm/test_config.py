@@ -83,3 +83,14 @@ def test_plan_misfit() -> None:
     assert "vLLM serves [1, 6]" in (plan_misfit(np.zeros((1, 4), dtype=np.int64), serving, 4) or "")
     assert plan_misfit(np.array([[0, 1, 2, 0, 1, 2]]), serving, 4) is not None  # expert 3 missing
     assert plan_misfit(np.array([[0, 1, 2, 3, 4, 1]]), serving, 4) is not None  # no expert 4
+
+
+def test_pool_and_warm_start_wait_from_env() -> None:
+    config = VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_POOL": "ds-v3",
+                                         "REBALANCER_WARM_START_SECONDS": "0.5"})
+    assert config is not None and (config.pool, config.warm_start_seconds) == ("ds-v3", 0.5)
+    defaults = VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1"})
+    assert defaults is not None and (defaults.pool, defaults.warm_start_seconds) == ("", 3.0)
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(InputError, match="REBALANCER_WARM_START_SECONDS must be >= 0 and finite"):
+            VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_WARM_START_SECONDS": bad})

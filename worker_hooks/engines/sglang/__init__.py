@@ -53,6 +53,11 @@ What holds, and what SGLang's updater cannot give
   agent stops so the controller sees the rank leave) and SGLang goes on serving its
   placement (plugin.py). At the process's exit the last window and the pending reports
   go out (a SIGKILL loses them).
+* NOT yet: warm start in a replica pool (issue #24). With `REBALANCER_POOL` the group is a
+  pool member (its windows count in the pool's estimate, the pool rolls its placement to
+  it as a plan), but the adapter registers at the first forward pass, after SGLang loaded
+  the weights: a fresh group is offered the pool placement and ignores the offer, serving
+  SGLang's initial expert location until the pool's plan commits.
 * Hot path: windows are copied off the device without waiting (pinned memory and an
   event on GPU) and handed to the agent thread; the agreement overlaps serving. The
   update itself stalls serving as SGLang's own rebalance does (it is that code).

@@ -91,7 +91,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
                 config.address, config.deployment, self.rank, shape,
                 # The pid always: the controller tells a restarted rank by it (a mixed
                 # placement clears only when the processes holding it are gone).
-                f"{config.worker_id or socket.gethostname()} pid {os.getpid()}",
+                f"{config.worker_id or socket.gethostname()} pid {os.getpid()}", pool=config.pool,
                 token=config.token, ca_file=config.ca_file, cert_file=config.cert_file,
                 key_file=config.key_file,
             ),

@@ -28,6 +28,10 @@ class SGLangAdapterConfig:
     # after this long (agreements and the per-layer "done" of an update).
     agree_timeout_seconds: float = 60.0
     worker_id: str = ""               # REBALANCER_WORKER_ID (default: the host), the pid appended
+    # REBALANCER_POOL: the deployment's replica pool ("" = none): its windows count in the
+    # pool's estimate and the pool rolls its placement to it. No warm start yet (package
+    # docstring): a fresh group serves SGLang's initial expert location until then.
+    pool: str = ""
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -55,4 +59,5 @@ class SGLangAdapterConfig:
             window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
             agree_every=int(e.number("AGREE_EVERY", int, d.agree_every)),
             agree_timeout_seconds=float(e.number("AGREE_TIMEOUT_SECONDS", float, d.agree_timeout_seconds)),
+            pool=e.get("POOL") or "",
         )

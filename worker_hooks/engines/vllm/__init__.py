@@ -50,6 +50,13 @@ What holds, and what vLLM cannot give
   `REBALANCER_COUNT_DUPLICATES` to that factor (windows are divided by it, rounded).
 * Plans only arrive at vLLM's own rearrangement points (`step_interval`); between them
   the controller's plan waits.
+* Warm start (`REBALANCER_POOL`): a fresh group offered the pool's placement at Register
+  installs it at vLLM's first policy call, when every rank holds the same offer
+  (all-reduce of the offered version on the EPLB CPU group, worker_hooks/warm.py, then
+  the plan agreement above), and reports it committed; otherwise every rank keeps its
+  map. The wait for the offer is bounded (`REBALANCER_WARM_START_SECONDS` from the
+  adapter's start) and happens once. NOT given: the steps before that first policy call
+  serve vLLM's start map (vLLM takes a map only at its rearrangement points).
 """
 
 from __future__ import annotations

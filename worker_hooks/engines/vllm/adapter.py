@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from rebalancer.wire import codec
 from rebalancer.wire.layout import logical_counts
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.engines.vllm.config import VLLMAdapterConfig
+from worker_hooks.warm import await_offer, group_holds
 
 log = logging.getLogger("worker_hooks.engines.vllm")
 
@@ -109,7 +111,7 @@ class VLLMRebalanceAdapter(PlanHandlers):
         self.agent = WorkerAgent(
             AgentConfig(
                 config.address, config.deployment, rank, shape,
-                config.worker_id or f"{socket.gethostname()}:{os.getpid()}",
+                config.worker_id or f"{socket.gethostname()}:{os.getpid()}", pool=config.pool,
                 token=config.token, ca_file=config.ca_file, cert_file=config.cert_file,
                 key_file=config.key_file,
             ),
@@ -117,6 +119,10 @@ class VLLMRebalanceAdapter(PlanHandlers):
             lambda: self.version,
             initial_phy2log=self.phy2log.copy(),
         )
+        # A pool member's warm start is due at vLLM's first policy call (`_take_warm_start`);
+        # the offer's bounded wait counts from here.
+        self._warm_due = bool(config.pool)  # every rank: the agreement is a collective
+        self._started = time.monotonic()
         self.agent.start()
         log.info("rank %d: rebalancer drives vLLM's EPLB (%s, deployment %s, %d MoE layers, %d slots)",
                  rank, config.address, config.deployment, self.num_layers, self.num_slots)
@@ -205,6 +211,9 @@ class VLLMRebalanceAdapter(PlanHandlers):
         record: dict[str, Any] = {"step": self.step, "version": self.version}
         self.stats.rearrangements.append(record)
         try:
+            if self._warm_due:
+                self._warm_due = False
+                self._take_warm_start(record)
             serving = old_map.cpu().numpy().astype(np.int64)
             with self._lock:
                 ready = self._committed if self._committed in self._staged else self.version
@@ -240,6 +249,27 @@ class VLLMRebalanceAdapter(PlanHandlers):
             record["error"] = f"{type(exc).__name__}: {exc}"
             log.exception("rank %d: rearrangement kept the old map", self.rank)
             return old_map.clone()
+
+    def _take_warm_start(self, record: dict[str, Any]) -> None:
+        """The first policy call of a pool member still on its start map: the pool
+        placement offered at Register (worker_hooks/warm.py), when every rank holds the
+        same offer, becomes the committed plan this call installs (through the plan
+        agreement below, as any plan). Ranks without the offer in time (the wait is
+        bounded by `warm_start_seconds` from the adapter's start): none takes it, and
+        every rank serves its map as without a pool."""
+        offered, plan = 0, None
+        if self.version == 0 and self.config.warm_start_seconds > 0:
+            left = self.config.warm_start_seconds - (time.monotonic() - self._started)
+            offered, plan = await_offer(self.agent, max(left, 0.0), self.num_layers, self.num_slots,
+                                        self.num_logical, self.rank)
+        if not group_holds(offered, self.cpu_group, self.num_ranks, self.rank) or plan is None:
+            record["warm_start"] = 0
+            log.info("rank %d: no warm start (offered v%d); vLLM keeps its start map", self.rank, offered)
+            return
+        record["warm_start"] = offered
+        with self._lock:
+            self._staged[offered] = plan
+            self._committed = max(self._committed, offered)
 
     def _all_reduce_min(self, values: list[int]) -> list[int]:
         buf = torch.tensor(values, dtype=torch.int64)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from rebalancer.errors import InputError
 from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_tls
+from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class VLLMAdapterConfig:
     # inside an EP rank); the windows sent are divided by it. 1 for DeepEP-style dispatch.
     count_duplicates: int = 1
     worker_id: str = ""               # REBALANCER_WORKER_ID (default: host and pid)
+    # REBALANCER_POOL: the deployment's replica pool ("" = none). A fresh group is offered
+    # the pool's placement and answers vLLM's first policy call with it, when the offer
+    # came within REBALANCER_WARM_START_SECONDS of the adapter's start (0: never wait).
+    pool: str = ""
+    warm_start_seconds: float = DEFAULT_WARM_START_SECONDS
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -35,6 +41,10 @@ class VLLMAdapterConfig:
             if getattr(self, name) < 1:
                 raise InputError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
         check_tls(self.ca_file, self.cert_file, self.key_file)
+        try:
+            check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> VLLMAdapterConfig | None:
@@ -49,4 +59,6 @@ class VLLMAdapterConfig:
             **common,  # type: ignore[arg-type]
             window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
             count_duplicates=int(e.number("COUNT_DUPLICATES", int, d.count_duplicates)),
+            pool=e.get("POOL") or "",
+            warm_start_seconds=float(e.number("WARM_START_SECONDS", float, d.warm_start_seconds)),
         )
