@@ -6,8 +6,8 @@ transfer fence, receives the rank's incoming experts (MigrationExecutor) and sta
 new dispatch maps, then reports PREPARED or FAILED; a Commit marks the plan ready for the
 commit agreement; an Abort drops its staging. The serving thread asks it which version
 it may switch to (`ready_version`) and, at the agreed step, takes the staged plan
-(`take_commit`). The driver never holds the hook, and the agent never the driver's
-owner: reports go out through the callable given to `report_to`.
+(`take_commit`). Neither the driver nor the agent holds the hook: the driver reports
+plan phases through the callable given to `report_to` (the agent's `report`).
 """
 
 from __future__ import annotations
