@@ -143,9 +143,13 @@ class HookConfig:
     worker_id: str = ""
     """A name for this process in the controller's status and logs."""
     credentials: Credentials = field(default_factory=Credentials)
+    """Token and TLS files, when the rank talks to the controller directly."""
     windows: WindowConfig = field(default_factory=WindowConfig)
+    """Counting routing into windows."""
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    """Dividing an expert's tokens among its replicas."""
     commit: CommitConfig = field(default_factory=CommitConfig)
+    """Switching to a prepared plan: agreement period, spare rows."""
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     """Moving weights for a plan (worker_hooks/migrate.py: transport, pacing, chunks)."""
 
