@@ -614,8 +614,9 @@ class MigrationExecutor:
             rows); all tensors share one dtype and device.
         group: the process group for transfers (keep it apart from serving's).
         config: the transport and its settings (MigrationConfig; default p2p).
-        row_map: the rows of every rank (worker_hooks/rows.py), shared with the caller,
-            which reads it for dispatch; default: no spare rows.
+        row_map: the rows of every rank (worker_hooks/rows.py); from here on this
+            executor moves it (at commit), the caller only reads it (for dispatch);
+            default: no spare rows.
     """
 
     def __init__(
@@ -765,7 +766,7 @@ class MigrationExecutor:
         if len(index):
             for name, w in self.weights.items():
                 ctx.flat(w).index_copy_(0, index, staging[name])
-        self.row_map.rows = rows
+        self.row_map.switch(rows)  # this executor owns the rows (worker_hooks/rows.py)
         if ctx.device.type == "cuda":  # peers read these rows once the copy is done
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(ctx.device))
