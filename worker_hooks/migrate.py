@@ -293,8 +293,10 @@ class RankWeights:
         missing = set(np.unique(layers).tolist()) - self.layers_with_weights
         if missing:
             raise ValueError(f"layer(s) {sorted(missing)} hold no expert weights on this rank")
+        if not len(layers):
+            return []
         rows = self.row_map.rows[self.rank, layers, slots]
-        starts = np.flatnonzero(np.r_[True, layers[1:] != layers[:-1]]) if len(layers) else np.array([], int)
+        starts = np.flatnonzero(np.r_[True, layers[1:] != layers[:-1]])
         ends = np.r_[starts[1:], len(layers)]
         return [(int(layers[lo]), slice(int(lo), int(hi)),
                  torch.as_tensor(rows[lo:hi], dtype=torch.int64, device=self.device))
@@ -315,10 +317,11 @@ class RankWeights:
         missing = set(np.unique(layers).tolist()) - self.layers_with_weights
         if missing:
             raise ValueError(f"layer(s) {sorted(missing)} hold no expert weights on this rank")
+        if not len(layers):
+            return []
         rows = self.row_map.rows[self.rank, layers, slots]
         breaks = np.flatnonzero((np.diff(layers) != 0) | (np.diff(rows) != 1)) + 1
-        starts = np.r_[0, breaks] if len(layers) else np.array([], dtype=np.int64)
-        ends = np.r_[breaks, len(layers)]
+        starts, ends = np.r_[0, breaks], np.r_[breaks, len(layers)]
         return [(int(layers[lo]), int(lo), int(rows[lo]), int(hi - lo)) for lo, hi in zip(starts, ends, strict=True)]
 
     def copy_local(self, rows: np.ndarray, staging: dict[str, torch.Tensor], lo: int) -> None:

@@ -66,3 +66,13 @@ def test_a_layer_without_weights_and_peer_memory_transports_are_refused() -> Non
     bad["w2"][3] = torch.zeros(SLOTS + 1, 5)
     with pytest.raises(ValueError, match="weight 'w2' of layer 3"):
         MigrationExecutor(0, 1, bad, None)
+
+
+def test_a_plan_with_nothing_for_this_rank_stages_and_commits_nothing() -> None:
+    """A layer group in which a rank gains no expert (its peers do): an empty staging,
+    an empty commit (regression: the run split failed on an empty list)."""
+    w = weights()
+    executor = MigrationExecutor(0, 1, w, None)
+    assert executor.prepare(1, np.zeros((0, 5), dtype=np.int64)).experts_received == 0
+    assert executor.commit(1) == 0
+    assert values(w, "w2", 1) == [10, 11, 12, 13]

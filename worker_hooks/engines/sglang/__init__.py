@@ -69,16 +69,17 @@ What SGLang still cannot give
   restored from a copy); one edge is left there: a rank that dies inside the one-integer
   "layer done" all-reduce itself leaves the peers that completed it one layer ahead.
 * Staging lives beside SGLang's KV cache: SGLang sizes its memory pool at start and
-  knows nothing of the budget, so leave it room (`--mem-fraction-static`).
+  knows nothing of the budget, so leave it room (`--mem-fraction-static`); the buffers
+  are allocated per group by torch's caching allocator, not reserved.
 * The swap still copies the staged rows in place (SGLang's dispatch indexes slots, not
   spare rows as the project's own hooks can): the pause is one local copy of the
-  group's experts (5.6 ms for a 3.96 GB group on one H200 with `index_copy_`, less with
-  the run-wise `copy_` now used: BENCHMARKS.md), never a transfer between ranks.
+  group's experts, never a transfer between ranks (1.9 ms for a 3.96 GB group, 5 layers
+  x 9 DeepSeek-V3 experts, on one H200; SGLang's updater spends 9.1 ms on the same group's
+  in-step copies alone, its NCCL transfers on top: BENCHMARKS.md). The staging budget
+  bounds that pause.
 * On GPU the p2p transport's NCCL kernels take SMs from serving while they run (the
   peer-memory transports of the project's hooks map one stacked tensor per weight;
   SGLang's are per layer, so only p2p moves them).
-* Passes are in lockstep across SGLang's EP group, so a swap waits for the slowest
-  rank's agreement: the agreed pass is the same on all, the wait is the agreement's.
 """
 
 
