@@ -142,8 +142,10 @@ def worker(args: argparse.Namespace) -> None:
     driver_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
     pass_ends: list[float] = []
     plans: list[dict] = []
-    stop = threading.Event()
     started = threading.Event()
+    # The pass at which every rank stops: agreed by the drivers, so that no rank leaves
+    # while its peers still wait in the per-pass all-reduce.
+    stop_at = [2**62]
 
     def drive() -> None:
         started.wait()
@@ -188,7 +190,9 @@ def worker(args: argparse.Namespace) -> None:
             n0 = len(pass_ends)
             while len(pass_ends) < n0 + GAP_PASSES:
                 time.sleep(0.002)
-        stop.set()
+        last = torch.tensor([len(pass_ends) + GAP_PASSES])
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=driver_group)
+        stop_at[0] = int(last.item())
 
     expert_bytes = sum(int(np.prod(s)) for s in SHAPES) * 4
     driver = threading.Thread(target=drive, daemon=True)
@@ -198,7 +202,7 @@ def worker(args: argparse.Namespace) -> None:
     tokens = torch.randn(TOKENS, 512)
     step = 0
     weights_ok = True
-    while not stop.is_set():
+    while step < stop_at[0]:
         with recorder.with_forward_pass(step, None):
             for layer in range(1, NUM_LAYERS):
                 with recorder.with_current_layer(layer):
