@@ -79,9 +79,12 @@ What SGLang still cannot give
   bounds that pause.
 * On GPU the p2p transport's NCCL kernels take SMs from serving while they run (the
   peer-memory transports of the project's hooks map one stacked tensor per weight;
-  SGLang's are per layer, so only p2p moves them).
+  SGLang's are per layer, so only p2p moves them). A rank killed mid-staging is shown
+  on gloo (tests/engines/sglang); on NCCL a dead peer's transfer may hang instead of
+  raising, until the group's timeout (`REBALANCER_AGREE_TIMEOUT_SECONDS`): the staging
+  thread waits, serving does not (the controller aborts the plan on the rank's
+  disconnect meanwhile), but its NCCL kernel holds SMs until then. Not yet shown on GPUs.
 """
-
 
 from __future__ import annotations
 
