@@ -54,7 +54,6 @@ class AdapterStats:
     swap_seconds: list[float] = field(default_factory=list)    # staged: per group swap
     groups: list[int] = field(default_factory=list)            # staged: groups per committed plan
     bytes_received: int = 0
-    peak_staging_bytes: int = 0
 
 
 @dataclass
@@ -419,7 +418,6 @@ class SGLangRebalanceAdapter(PlanHandlers):
                 moves = plan.transfers[np.isin(plan.transfers[:, 0], layers)]
                 stats = self.executor.prepare(key, moves)
                 self.stats.bytes_received += stats.bytes_received
-                self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, stats.bytes_received)
                 received, seconds = stats.bytes_received, stats.seconds
             else:
                 received, seconds = 0, 0.0
