@@ -286,16 +286,21 @@ class RankWeights:
             torch.index_select(per_layer[layer], 0, rows, out=out[at])
         return out
 
-    def _by_layer_runs(self, layers: np.ndarray, slots: np.ndarray) -> list[tuple[int, slice, torch.Tensor]]:
-        """(layer, positions, rows) for each run of equal layers in `layers` (callers pass
-        rows sorted by layer, so a layer is usually one run)."""
+    def _live_rows(self, layers: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(layers as int64, this rank's live row of each (layer, slot)); ValueError for a
+        layer this rank holds no weights of."""
         layers = np.asarray(layers, dtype=np.int64)
         missing = set(np.unique(layers).tolist()) - self.layers_with_weights
         if missing:
             raise ValueError(f"layer(s) {sorted(missing)} hold no expert weights on this rank")
+        return layers, self.row_map.rows[self.rank, layers, slots]
+
+    def _by_layer_runs(self, layers: np.ndarray, slots: np.ndarray) -> list[tuple[int, slice, torch.Tensor]]:
+        """(layer, positions, rows) for each run of equal layers in `layers` (callers pass
+        rows sorted by layer, so a layer is usually one run)."""
+        layers, rows = self._live_rows(layers, slots)
         if not len(layers):
             return []
-        rows = self.row_map.rows[self.rank, layers, slots]
         starts = np.flatnonzero(np.r_[True, layers[1:] != layers[:-1]])
         ends = np.r_[starts[1:], len(layers)]
         return [(int(layers[lo]), slice(int(lo), int(hi)),
@@ -313,13 +318,9 @@ class RankWeights:
         """(layer, first staging row, first live row, rows) for each run of staging rows
         that lands on consecutive live rows of one layer: one `copy_` each, at the copy
         bandwidth (an `index_copy_` of 88 MB rows ran at a third of it on an H200)."""
-        layers = np.asarray(layers, dtype=np.int64)
-        missing = set(np.unique(layers).tolist()) - self.layers_with_weights
-        if missing:
-            raise ValueError(f"layer(s) {sorted(missing)} hold no expert weights on this rank")
+        layers, rows = self._live_rows(layers, slots)
         if not len(layers):
             return []
-        rows = self.row_map.rows[self.rank, layers, slots]
         breaks = np.flatnonzero((np.diff(layers) != 0) | (np.diff(rows) != 1)) + 1
         starts, ends = np.r_[0, breaks], np.r_[breaks, len(layers)]
         return [(int(layers[lo]), int(lo), int(rows[lo]), int(hi - lo)) for lo, hi in zip(starts, ends, strict=True)]
