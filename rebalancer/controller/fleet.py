@@ -28,7 +28,12 @@ from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.decision_runner import DecisionRunner
-from rebalancer.controller.deployment import UNKNOWN_EXPERT_BYTES, Deployment, shape_key, stored_shape
+from rebalancer.controller.deployment import (
+    UNKNOWN_EXPERT_BYTES,
+    Deployment,
+    shape_key,
+    stored_shape,
+)
 from rebalancer.controller.plans import Plans
 from rebalancer.controller.registry import Registry
 from rebalancer.controller.replica_pools import (

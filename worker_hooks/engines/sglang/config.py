@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from rebalancer.errors import InputError
 from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_tls
+from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,11 @@ class SGLangAdapterConfig:
     agree_timeout_seconds: float = 60.0
     worker_id: str = ""               # REBALANCER_WORKER_ID (default: the host), the pid appended
     # REBALANCER_POOL: the deployment's replica pool ("" = none): its windows count in the
-    # pool's estimate and the pool rolls its placement to it. No warm start yet (package
-    # docstring): a fresh group serves SGLang's initial expert location until then.
+    # pool's estimate and the pool rolls its placement to it. A fresh group is offered the
+    # pool's placement and starts on it (warm_start.py), when the offer came within
+    # REBALANCER_WARM_START_SECONDS of SGLang's expert-location step (0: never wait).
     pool: str = ""
+    warm_start_seconds: float = DEFAULT_WARM_START_SECONDS
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -44,6 +47,10 @@ class SGLangAdapterConfig:
                 f"{ENV_PREFIX}AGREE_TIMEOUT_SECONDS must be > 0, got {self.agree_timeout_seconds}"
             )
         check_tls(self.ca_file, self.cert_file, self.key_file)
+        try:
+            check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> SGLangAdapterConfig | None:
@@ -60,4 +67,5 @@ class SGLangAdapterConfig:
             agree_every=int(e.number("AGREE_EVERY", int, d.agree_every)),
             agree_timeout_seconds=float(e.number("AGREE_TIMEOUT_SECONDS", float, d.agree_timeout_seconds)),
             pool=e.get("POOL") or "",
+            warm_start_seconds=float(e.number("WARM_START_SECONDS", float, d.warm_start_seconds)),
         )
