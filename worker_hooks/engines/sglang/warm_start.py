@@ -111,15 +111,20 @@ def install(config: SGLangAdapterConfig, model_config: Any) -> int:
     phy2log = metadata.physical_to_logical_map_cpu.numpy().astype(np.int64)
     num_layers, num_slots = phy2log.shape
     num_logical = int(metadata.num_logical_experts)
-    offered, plan = _offer(config, rank, phy2log, num_logical, int(metadata.ep_size),
-                           int(get_parallel().nnodes))
     num_ranks = dist.get_world_size() if dist.is_initialized() else 1
+    agent = _early_agent(config, rank, phy2log, num_logical, int(metadata.ep_size), int(get_parallel().nnodes))
     group = None
-    if num_ranks > 1:
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.agree_timeout_seconds))
     try:
+        agent.start()
+        if num_ranks > 1:  # built while the agent registers (every rank, the same step)
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.agree_timeout_seconds))
+        # The bound counts from the registration's start, as in the vLLM adapter.
+        left = max(config.warm_start_seconds - (time.monotonic() - start), 0.0)
+        offered, plan = await_offer(agent, left, num_layers, num_slots, num_logical, rank)
+        agent.stop(STOP_SECONDS)  # the early session ends with its stream
         holds = group_holds(offered, group, num_ranks, rank)
     finally:
+        agent.stop(0.0)
         if group is not None:
             dist.destroy_process_group(group)
     if not holds or plan is None:
@@ -136,9 +141,9 @@ def install(config: SGLangAdapterConfig, model_config: Any) -> int:
     return offered
 
 
-def _offer(config: SGLangAdapterConfig, rank: int, phy2log: np.ndarray, num_logical: int,
-           num_gpus: int, num_nodes: int) -> tuple[int, np.ndarray | None]:
-    """Register early, wait for the offer (bounded), end the early session."""
+def _early_agent(config: SGLangAdapterConfig, rank: int, phy2log: np.ndarray, num_logical: int,
+                 num_gpus: int, num_nodes: int) -> WorkerAgent:
+    """The agent that registers before the weights are loaded, for the offer only."""
     num_layers, num_slots = phy2log.shape
     shape = pb.ModelShape(num_layers=num_layers, num_logical_experts=num_logical,
                           num_physical_slots=num_slots, num_gpus=num_gpus, num_nodes=num_nodes,
@@ -152,11 +157,7 @@ def _offer(config: SGLangAdapterConfig, rank: int, phy2log: np.ndarray, num_logi
         handlers, lambda: 0, initial_phy2log=phy2log.copy(),
     )
     handlers.agent = agent
-    agent.start()
-    try:
-        return await_offer(agent, config.warm_start_seconds, num_layers, num_slots, num_logical, rank)
-    finally:
-        agent.stop(STOP_SECONDS)
+    return agent
 
 
 def hand_over(adapter: Any) -> None:
