@@ -53,7 +53,8 @@ def _free_port() -> int:
 
 
 def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
-               env_extra: dict[str, str] | None = None) -> tuple[list[int], dict[int, dict]]:
+               env_extra: dict[str, str] | None = None, rank_env: dict[int, dict[str, str]] | None = None,
+               ) -> tuple[list[int], dict[int, dict]]:
     """WORLD SGLang ranks; their temporary files go to a folder of the test's own (TMPDIR),
     which _no_temporary_files_left checks."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
@@ -70,7 +71,8 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
                    "--world", str(WORLD), "--port", str(port), "--steps", str(steps),
                    "--out", str(tmp_path / f"rank{rank}.json"), *(extra or {}).get(rank, [])]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((subprocess.Popen(cmd, cwd=sglang_env.ROOT, env=env, stdout=log,
+            procs.append((subprocess.Popen(cmd, cwd=sglang_env.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
+                                           stdout=log,
                                            stderr=subprocess.STDOUT), log))
         # Generous: four processes import SGLang at once, on a machine that may be loaded.
         deadline = time.monotonic() + RUN_SECONDS
@@ -250,21 +252,27 @@ def _seed_pool(ctl: EmbeddedController, placement: np.ndarray) -> None:
     ctl.call(lambda: ctl.server.controller.fleet.pools[POOL].take(placement))  # type: ignore[union-attr]
 
 
-def test_a_fresh_group_in_a_pool_starts_on_the_pool_placement(tmp_path: Path) -> None:
+def _warm_run(tmp_path: Path, rank_env: dict[int, dict[str, str]] | None = None,
+              ) -> tuple[list[int], dict[int, dict], tuple[int, np.ndarray, int], dict[int, tuple[str, str]], np.ndarray]:
     ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY)
     assert ctl.server is not None
     placement = _pool_placement()
     try:
         _seed_pool(ctl, placement)
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=24,
-                                    env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"})
+                                    env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"},
+                                    rank_env=rank_env)
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
-        version, committed, expert_bytes = ctl.call(
-            lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes))
+        state = ctl.call(lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes))
         plans = ctl.call(lambda: {p.version: (p.state, p.trigger)
                                   for p in ctl.server.controller.store.plans(DEPLOYMENT)})  # type: ignore[union-attr]
     finally:
         ctl.stop()
+    return codes, results, state, plans, placement
+
+
+def test_a_fresh_group_in_a_pool_starts_on_the_pool_placement(tmp_path: Path) -> None:
+    codes, results, (version, committed, expert_bytes), plans, placement = _warm_run(tmp_path)
     assert codes == [0] * WORLD, _logs(tmp_path)
     warm = results[0]["warm_start"]
     assert warm >= 1, _logs(tmp_path)
@@ -283,6 +291,20 @@ def test_a_fresh_group_in_a_pool_starts_on_the_pool_placement(tmp_path: Path) ->
     assert version == warm and np.array_equal(committed, placement)
     assert plans[warm] == ("committed", "warm_start")
     assert expert_bytes == _expert_bytes()
+
+
+def test_a_rank_without_the_offer_keeps_every_rank_on_sglangs_start(tmp_path: Path) -> None:
+    # Rank 3 never waits for the offer (0 s): it contributes no version, so none installs.
+    codes, results, (version, _, _), plans, placement = _warm_run(
+        tmp_path, rank_env={3: {"REBALANCER_WARM_START_SECONDS": "0"}})
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    for r in results.values():
+        assert r["warm_start"] == 0 and r["version"] == 0 and r["commits"] == []
+        assert not np.array_equal(np.asarray(r["initial_phy2log"]), placement)
+        assert np.array_equal(np.asarray(r["phy2log"]), np.asarray(r["initial_phy2log"]))
+        assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
+    assert version == 0
+    assert [state for state, trigger in plans.values() if trigger == "warm_start"] == ["offered"]
 
 
 def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def register() -> None:
     _config = config
     HookRegistry.register(ON_FORWARD_PASS_END, _on_forward_pass_end, HookType.AROUND)
     HookRegistry.register(STAT_ACCUMULATOR_APPEND, _on_pass_counts, HookType.AFTER)
-    if config.pool and config.warm_start_seconds > 0:  # a pool member starts on the pool's placement
+    if config.pool:  # a pool member starts on the pool's placement (every rank: a collective)
         from worker_hooks.engines.sglang import warm_start
 
         HookRegistry.register(warm_start.INIT_EXPERT_LOCATION, _on_init_expert_location, HookType.AROUND)

@@ -89,7 +89,7 @@ def install(config: SGLangAdapterConfig, model_config: Any) -> int:
     """Offer, agreement and install (module docstring); the version installed, or 0.
     Collective: every rank calls it once when the pool is set."""
     global _taken
-    if not config.pool or config.warm_start_seconds <= 0:
+    if not config.pool:
         return 0
     from sglang.srt.eplb.expert_distribution import (
         ExpertDistributionRecorder,
@@ -112,19 +112,28 @@ def install(config: SGLangAdapterConfig, model_config: Any) -> int:
     num_layers, num_slots = phy2log.shape
     num_logical = int(metadata.num_logical_experts)
     num_ranks = dist.get_world_size() if dist.is_initialized() else 1
-    agent = _early_agent(config, rank, phy2log, num_logical, int(metadata.ep_size), int(get_parallel().nnodes))
+    # A rank that never waits (REBALANCER_WARM_START_SECONDS=0) still takes part in the
+    # agreement, with no offer: its peers never wait on it, and none installs.
+    agent = None
+    if config.warm_start_seconds > 0:
+        agent = _early_agent(config, rank, phy2log, num_logical, int(metadata.ep_size),
+                             int(get_parallel().nnodes))
     group = None
+    offered, plan = 0, None
     try:
-        agent.start()
+        if agent is not None:
+            agent.start()
         if num_ranks > 1:  # built while the agent registers (every rank, the same step)
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.agree_timeout_seconds))
-        # The bound counts from the registration's start, as in the vLLM adapter.
-        left = max(config.warm_start_seconds - (time.monotonic() - start), 0.0)
-        offered, plan = await_offer(agent, left, num_layers, num_slots, num_logical, rank)
-        agent.stop(STOP_SECONDS)  # the early session ends with its stream
+        if agent is not None:
+            # The bound counts from the registration's start, as in the vLLM adapter.
+            left = max(config.warm_start_seconds - (time.monotonic() - start), 0.0)
+            offered, plan = await_offer(agent, left, num_layers, num_slots, num_logical, rank)
+            agent.stop(STOP_SECONDS)  # the early session ends with its stream
         holds = group_holds(offered, group, num_ranks, rank)
     finally:
-        agent.stop(0.0)
+        if agent is not None:
+            agent.stop(0.0)
         if group is not None:
             dist.destroy_process_group(group)
     if not holds or plan is None:
