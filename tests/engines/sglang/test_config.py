@@ -77,3 +77,14 @@ def test_the_plugin_stays_off_with_one_line_on_bad_tls(tmp_path, monkeypatch, ca
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["rebalancer plugin off: REBALANCER_CERT_FILE and REBALANCER_KEY_FILE (mutual TLS) "
                      "need REBALANCER_CA_FILE, the controller's CA"]
+
+
+def test_pool_and_warm_start_wait_from_env() -> None:
+    config = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_POOL": "ds-v3",
+                                           "REBALANCER_WARM_START_SECONDS": "0.5"})
+    assert config is not None and (config.pool, config.warm_start_seconds) == ("ds-v3", 0.5)
+    defaults = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1"})
+    assert defaults is not None and (defaults.pool, defaults.warm_start_seconds) == ("", 3.0)
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(InputError, match="REBALANCER_WARM_START_SECONDS must be >= 0 and finite"):
+            SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_WARM_START_SECONDS": bad})
