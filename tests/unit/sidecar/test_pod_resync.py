@@ -8,8 +8,8 @@ again once all its ranks are back, with the version they serve."""
 
 from __future__ import annotations
 
-from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.errors import StateError
+from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 
