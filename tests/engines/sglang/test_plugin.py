@@ -8,9 +8,11 @@ and installs the controller's plans with SGLang's EPLBManager and ExpertLocation
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -320,3 +322,55 @@ def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(tmp
         # The one wait, in SGLang's expert-location step, never longer than the bound
         # (slack: warm_start.STOP_SECONDS for the early agent, the agreement, a loaded machine).
         assert r["started_seconds"] < bound + STOP_SECONDS + 1.5
+
+
+def test_a_fresh_group_behind_its_pods_sidecar_starts_on_the_pool_placement(tmp_path: Path) -> None:
+    """The offer relayed by the pod's sidecar (ControllerMessage.warm_start); the ranks'
+    expert bytes, unknown at the early registration, reach the controller through the
+    group's next registration."""
+    ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY)
+    assert ctl.server is not None
+    placement = _pool_placement()
+    sockets = Path(tempfile.mkdtemp(prefix="sgw", dir="/tmp"))  # short: 107-byte socket paths
+    target = f"unix://{sockets}/agent.sock"
+    log = (tmp_path / "sidecar.log").open("a")
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "rebalancer", "sidecar", "--listen", target, "--controller", ctl.server.address,
+         "--ranks", f"0-{WORLD - 1}", "--pod", "ns/a", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+         "--grace", "1", "--pool", POOL, "--log-level", "INFO"],
+        stdout=subprocess.PIPE, stderr=log, text=True, cwd=sglang_env.ROOT,
+    )
+    log.close()
+    try:
+        assert sidecar.stdout is not None
+        assert "sidecar serving on" in sidecar.stdout.readline(), (tmp_path / "sidecar.log").read_text()[-3000:]
+        _seed_pool(ctl, placement)
+        codes, results = _run_ranks(tmp_path, target, steps=40,
+                                    env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"})
+        dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
+        deadline = time.monotonic() + 30  # the sidecar's last registration may still be on its way
+        while ctl.call(lambda: dep.shape.expert_bytes) != _expert_bytes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        version, committed, expert_bytes = ctl.call(
+            lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes))
+    finally:
+        if sidecar.poll() is None:
+            sidecar.terminate()
+        try:
+            sidecar.wait(30)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+            sidecar.wait()
+        ctl.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
+    logs = _logs(tmp_path) + (tmp_path / "sidecar.log").read_text()[-3000:]
+    assert codes == [0] * WORLD, logs
+    warm = results[0]["warm_start"]
+    assert warm >= 1, logs
+    for r in results.values():
+        assert r["warm_start"] == warm and r["version"] == warm
+        assert np.array_equal(np.asarray(r["initial_phy2log"]), placement)
+        assert np.array_equal(np.asarray(r["phy2log"]), placement)
+        assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
+    assert version == warm and np.array_equal(committed, placement), logs
+    assert expert_bytes == _expert_bytes(), logs
