@@ -65,9 +65,16 @@ class CheckingReference(cpu_worker.ReferenceMoE):
         return ref
 
 
-class LoggingHook(cpu_worker.FaultyHook):
+class SlowPlans(cpu_worker.FaultyPlans):
     prepare_seconds = float(os.environ.get(PREPARE_SECONDS, "0") or 0)
 
+    def after_transfers(self, version: int) -> None:
+        if self.prepare_seconds:
+            time.sleep(self.prepare_seconds * (self.config.rank + 1) / self.config.num_gpus)
+        super().after_transfers(version)
+
+
+class LoggingHook(cpu_worker.FaultyHook):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         folder = os.environ.get(STEP_LOG, "")
@@ -78,11 +85,6 @@ class LoggingHook(cpu_worker.FaultyHook):
         # The serving thread's schedstat (this constructor runs on it): cpu ns, run-queue ns.
         self._schedstat = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
         self._all_runq_ns = all_threads_runq_ns()
-
-    def after_transfers(self, version: int) -> None:
-        if self.prepare_seconds:
-            time.sleep(self.prepare_seconds * (self.config.rank + 1) / self.config.num_gpus)
-        super().after_transfers(version)
 
     def _runq_ns(self) -> int:
         """Nanoseconds the serving thread has waited on a run queue so far."""
@@ -107,8 +109,8 @@ class LoggingHook(cpu_worker.FaultyHook):
         if hook_ms - runq_ms > CLOSER_MS:
             runq_ms = max(runq_ms, 1e-6 * (all_runq_ns - self._all_runq_ns))
         self._all_runq_ns = all_runq_ns
-        line = [step, version, self._commit_ready, self.stats.prepared, self.stats.aborted,
-                int(bool(self._staged_phy2log)), round(hook_ms, 3), float(_step["diff"]),
+        line = [step, version, self.plans.commit_ready, self.stats.prepared, self.stats.aborted,
+                int(bool(self.plans.staged_phy2log)), round(hook_ms, 3), float(_step["diff"]),
                 round(time.time(), 4), round(min(runq_ms, hook_ms), 3)]
         _step["diff"] = 0.0
         self._log.write(json.dumps(line) + "\n")
@@ -128,6 +130,7 @@ def all_threads_runq_ns() -> int:
 
 def main() -> int:
     cpu_worker.FaultyHook = LoggingHook  # type: ignore[misc]
+    cpu_worker.FaultyPlans = SlowPlans  # type: ignore[misc]
     cpu_worker.ExpertParallelMoE = RecordingMoE  # type: ignore[misc]
     cpu_worker.ReferenceMoE = CheckingReference  # type: ignore[misc]
     return cpu_worker.main()

@@ -41,7 +41,7 @@ from rebalancer.wire.dispatch import DISPATCH_MODES, WATERFILL_PASSES, check_dis
 from rebalancer.wire.layout import trivial_placement
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.examples.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
-from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.hook import DispatchConfig, HookConfig, RebalanceHook
 from worker_hooks.record import ExpertRecorder
 
 
@@ -63,7 +63,7 @@ class HookBenchConfig:
     dispatch_gpus: int = 32
     dispatch_slots: int = 288
     waterfill_passes: int = WATERFILL_PASSES
-    compile_dispatch: int = 0  # 1: HookConfig.compile_dispatch (torch.compile, CUDA only)
+    compile_dispatch: int = 0  # 1: DispatchConfig.compile (torch.compile, CUDA only)
 
 
 def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -210,9 +210,11 @@ def dispatch_hook(cfg: HookBenchConfig, mode: str, dev: torch.device) -> Rebalan
     phy2log[:, E:] = rng.integers(0, E, size=(cfg.num_layers, P - E))
     config = HookConfig(
         controller="127.0.0.1:1", deployment="bench", rank=0, num_layers=cfg.num_layers,
-        num_logical=E, num_slots=P, num_gpus=G, dispatch_mode=mode,  # type: ignore[arg-type]
-        shared_expert=True, top_k=cfg.top_k, waterfill_passes=cfg.waterfill_passes,
-        compile_dispatch=bool(cfg.compile_dispatch) and dev.type == "cuda",
+        num_logical=E, num_slots=P, num_gpus=G, shared_expert=True, top_k=cfg.top_k,
+        dispatch=DispatchConfig(
+            mode=mode, waterfill_passes=cfg.waterfill_passes,  # type: ignore[arg-type]
+            compile=bool(cfg.compile_dispatch) and dev.type == "cuda",
+        ),
     )
     weights = {"w": torch.zeros(cfg.num_layers, P // G, 1, device=dev)}
 

@@ -442,24 +442,24 @@ def _hook_plan(ep: ExpertParallelModel, step: Callable[[], None], device: torch.
     # The first spare_rows redundant slots of every layer take other experts: each lands
     # in a spare row while serving, and every expert keeps its first copy.
     rng = np.random.default_rng(3)
-    num_logical, moved = hook.config.num_logical, max(hook.config.spare_rows, 1)
+    num_logical, moved = hook.config.num_logical, max(hook.config.commit.spare_rows, 1)
     new = old.copy()
     for layer in range(old.shape[0]):
         held = set(old[layer, num_logical : num_logical + moved].tolist())
         others = np.array([e for e in range(num_logical) if e not in held])
         new[layer, num_logical : num_logical + moved] = rng.choice(others, moved, replace=False)
     swaps = len(hook.stats.swap_seconds)
-    hook.on_prepare(pb.Prepare(
+    hook.plans.on_prepare(pb.Prepare(
         version=version, base_version=hook.version,
         placement=pb.Placement(version=version, phy2log=codec.encode(new.astype(np.int32))),
         transfers=codec.encode(transfers(old, new, num_gpus=1).astype(np.int32)),
     ))
     times: list[float] = []
-    while hook._migration is not None and hook._migration.is_alive():  # prepare beside serving
+    while hook.plans.migration is not None and hook.plans.migration.is_alive():  # prepare beside serving
         times += timed_steps(step, 1, device)
     if hook.stats.failed:
         raise RuntimeError("the hook's plan failed to prepare")
-    hook.on_commit(version)
+    hook.plans.on_commit(version)
     while hook.version < version:
         times += timed_steps(step, 1, device)
     return {

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
     from rebalancer.placement import trivial_placement
     from rebalancer.v1 import rebalancer_pb2 as pb
     from worker_hooks.agent import AgentConfig, WorkerAgent
-    from worker_hooks.hook import HookConfig, RebalanceHook
+    from worker_hooks.hook import HookConfig, RebalanceHook, WindowConfig
 
     torch.set_num_threads(1)  # a rank's host work is one thread; the machine has 2 cores
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
             hooks[mode] = RebalanceHook(
                 HookConfig(controller=address, deployment=deployment, rank=G - 1, num_layers=L, num_logical=E,
                            num_slots=P, num_gpus=G, num_nodes=1, expert_bytes=44 << 20,
-                           window_steps=args.window_steps, worker_id=f"bench-{mode}-hook"),
+                           windows=WindowConfig(steps=args.window_steps), worker_id=f"bench-{mode}-hook"),
                 phy2log, {"w": torch.zeros(L, P // G, 1)}, dist.group.WORLD, None)
             for agent in agents[mode]:
                 agent.start()

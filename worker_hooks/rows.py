@@ -12,6 +12,12 @@ which every rank receives whole, by one deterministic rule (`RowMap.plan`), so r
 agree on where a peer's expert lives without exchanging row tables. A (layer, rank)
 that gains more experts than it has free rows writes the rest in place at commit, as
 without spare rows; with R = 0 every move is such a copy and the rows never change.
+
+One owner moves the rows: the rank's `MigrationExecutor` (worker_hooks/migrate.py), which
+plans them at prepare and switches them at commit, as it writes the weights they point
+to (`RowMap.switch`). Everyone else (the hook's dispatch maps, count files, examples)
+reads them; the array is read-only, so a stray write fails instead of desynchronising
+the ranks.
 """
 
 from __future__ import annotations
@@ -21,6 +27,13 @@ import hashlib
 import numpy as np
 
 from rebalancer.wire.layout import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT, log2phy_of
+
+
+def _frozen(rows: np.ndarray) -> np.ndarray:
+    """A read-only int64 copy of `rows`."""
+    out = np.array(rows, dtype=np.int64)
+    out.setflags(write=False)
+    return out
 
 
 def replica_rows(
@@ -34,7 +47,9 @@ def replica_rows(
 
 
 class RowMap:
-    """Storage row of every (rank, layer, slot); `rows: [G, L, S]` in `[0, S + R)`."""
+    """Storage row of every (rank, layer, slot); `rows: [G, L, S]` in `[0, S + R)`, read-only.
+
+    Changed only by `switch`, called by the rank's MigrationExecutor at commit."""
 
     def __init__(self, num_gpus: int, num_layers: int, slots_per_rank: int, spare_rows: int = 0) -> None:
         if min(num_gpus, num_layers, slots_per_rank) <= 0 or spare_rows < 0:
@@ -45,7 +60,20 @@ class RowMap:
         self.num_gpus, self.num_layers = num_gpus, num_layers
         self.slots_per_rank, self.spare_rows = slots_per_rank, spare_rows
         identity = np.arange(slots_per_rank, dtype=np.int64)
-        self.rows = np.broadcast_to(identity, (num_gpus, num_layers, slots_per_rank)).copy()
+        self._rows = _frozen(np.broadcast_to(identity, (num_gpus, num_layers, slots_per_rank)))
+
+    @property
+    def rows(self) -> np.ndarray:
+        """`[G, L, S]` the row of every (rank, layer, slot) now (read-only)."""
+        return self._rows
+
+    def switch(self, rows: np.ndarray) -> None:
+        """Make `rows` (a plan's, from `plan`) the rows served: the commit of a plan whose
+        weights are in place. Only the MigrationExecutor that wrote them calls it."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.shape != self._rows.shape:
+            raise ValueError(f"rows of shape {list(rows.shape)} for a row map of {list(self._rows.shape)}")
+        self._rows = _frozen(rows)
 
     @property
     def rows_per_rank(self) -> int:

@@ -30,7 +30,7 @@ only on the placement (`tables`, rebalancer.wire.dispatch.waterfill_tables) is c
 once per placement, not per step; a pass is 14 kernels (the loads, the sort, the
 cumulative sum, the level, the damped move). `RebalanceHook.route` under load+shared is
 136 kernel-launching ops per layer with 4 passes (split: 38); `torch.compile` fuses them
-into a few kernels (HookConfig.compile_dispatch). The largest single cost left is the
+into a few kernels (HookConfig.dispatch.compile). The largest single cost left is the
 stable sort of a step's picks by expert in `assign`, a radix sort: its key is int16, 2
 passes over the picks instead of 8 (BENCHMARKS.md, "Dispatch modes in the CUDA graph").
 """

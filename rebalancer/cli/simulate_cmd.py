@@ -201,7 +201,7 @@ def register(subparsers: Any) -> None:
         "--waterfill-passes",
         type=int,
         default=None,
-        help="with --dispatch: water-filling passes of the load modes (HookConfig.waterfill_passes)",
+        help="with --dispatch: water-filling passes of the load modes (HookConfig.dispatch.waterfill_passes)",
     )
     p.add_argument("--replicas", type=int, default=None,
                    help="also simulate R replicas pooled vs per deployment, and a joining member")

@@ -31,13 +31,12 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.layout import MAX_EXPERT_BYTES, MAX_LAYER_SLOTS, MAX_LAYERS
-from rebalancer.wire.service import StreamWriter, refuse
+from rebalancer.wire.service import EOF_OF_STREAM, StreamWriter, read_hello, refuse
 
 log = logging.getLogger("rebalancer.service")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_POD_CHARS = 253  # a Kubernetes namespace/name fits
-_EOF = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime, missing in the stubs
 _PHASES = {
     pb.PLAN_PHASE_PREPARED: "prepared",
     pb.PLAN_PHASE_FAILED: "failed",
@@ -255,16 +254,15 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         return response
 
     async def Stream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        first = await context.read()
-        if first is _EOF or not first.HasField("hello"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first stream message must be hello")
+        hello = await read_hello(context)
+        if hello is None:
             return
         writer = StreamWriter(context, "stream to a session")
 
         def send(kind: str, payload: Any) -> None:
             writer.put(controller_message(kind, payload))
 
-        session_id = first.hello.session_id
+        session_id = hello.session_id
         try:
             self.check_deployment(self.controller.session(session_id)[0].name)
             dep, session = self.controller.attach(session_id, send)
@@ -280,7 +278,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         try:
             while True:
                 msg = await context.read()
-                if msg is _EOF:
+                if msg is EOF_OF_STREAM:
                     acks.flush()
                     await writer.stop(flush=True)
                     break

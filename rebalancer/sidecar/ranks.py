@@ -22,11 +22,10 @@ from rebalancer.errors import InputError, StateError
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-from rebalancer.wire.service import StreamWriter, refuse
+from rebalancer.wire.service import EOF_OF_STREAM, StreamWriter, read_hello, refuse
 
 log = logging.getLogger("rebalancer.sidecar")
 
-_EOF = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime, missing in the stubs
 
 
 class RankService(pb_grpc.WorkerServiceServicer):
@@ -41,13 +40,12 @@ class RankService(pb_grpc.WorkerServiceServicer):
             raise AssertionError("unreachable") from exc
 
     async def Stream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        first = await context.read()
-        if first is _EOF or not first.HasField("hello"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first stream message must be hello")
+        hello = await read_hello(context)
+        if hello is None:
             return
         writer = StreamWriter(context, "stream of a rank")
         try:
-            session = self.pod.attach(first.hello.session_id, writer.put)
+            session = self.pod.attach(hello.session_id, writer.put)
         except StateError as exc:
             writer.cancel()
             await refuse(context, exc, "Stream hello", log)
@@ -55,7 +53,7 @@ class RankService(pb_grpc.WorkerServiceServicer):
         try:
             while True:
                 msg = await context.read()
-                if msg is _EOF:
+                if msg is EOF_OF_STREAM:
                     await writer.stop(flush=True)
                     break
                 if not msg.HasField("window"):

@@ -57,7 +57,7 @@ class StepConfig:
     sampled_windows: int = 32
     steps_per_window: int = 1
     seed: int = 0
-    # Water-filling passes of the load modes (what HookConfig.waterfill_passes sets).
+    # Water-filling passes of the load modes (what HookConfig.dispatch.waterfill_passes sets).
     waterfill_passes: int = WATERFILL_PASSES
 
     def validate(self) -> None:

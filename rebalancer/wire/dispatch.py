@@ -39,7 +39,7 @@ WATERFILL_FAR = 1 << 50
 WATERFILL_TABLES = 5
 
 # Water-filling passes per layer and step: a fixed number (graph-safe, no host sync);
-# the knob is `HookConfig.waterfill_passes` / `StepConfig.waterfill_passes`. Each pass
+# the knob is `HookConfig.dispatch.waterfill_passes` / `StepConfig.waterfill_passes`. Each pass
 # moves every expert's split `WATERFILL_DAMPING` of the way to its own water level
 # against the other experts' loads, in 14 kernels. On DeepSeek-V3 routing (simulator,
 # adaptive placement, EP32) load+shared gains over split at 64 / 4,096 tokens per GPU:

@@ -52,6 +52,21 @@ async def refuse(context: grpc.aio.ServicerContext, exc: Exception, what: str,
     await context.abort(code, str(exc))
 
 
+# The end of a client stream as `context.read()` returns it (exported at runtime,
+# missing in the stubs).
+EOF_OF_STREAM: Any = grpc.aio.EOF  # type: ignore[attr-defined]
+
+
+async def read_hello(context: grpc.aio.ServicerContext) -> Any | None:
+    """The Hello that opens a worker stream, or None after aborting the call
+    INVALID_ARGUMENT when the stream opens with anything else or ends at once."""
+    first = await context.read()
+    if first is EOF_OF_STREAM or not first.HasField("hello"):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first stream message must be hello")
+        return None
+    return first.hello
+
+
 class UndecodableRequest(InputError):
     """A request message that does not parse, raised where a handler reads it."""
 

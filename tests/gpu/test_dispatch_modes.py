@@ -38,7 +38,7 @@ CFG = HookBenchConfig(tokens=256, num_layers=3, num_experts=64, top_k=4, dispatc
     [("split", False), ("load", False), ("load+shared", False), ("load", True), ("load+shared", True)],
 )
 def test_capture_and_replay_equals_eager_and_cpu(mode: str, compiled: bool) -> None:
-    """`compiled`: the water-fill fused by torch.compile (HookConfig.compile_dispatch) gives
+    """`compiled`: the water-fill fused by torch.compile (DispatchConfig.compile) gives
     the same slots as the eager water-fill on CPU, captured and replayed."""
     dev = torch.device("cuda")
     hook = dispatch_hook(replace(CFG, compile_dispatch=int(compiled)), mode, dev)

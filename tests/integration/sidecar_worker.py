@@ -25,18 +25,21 @@ PREPARE_SECONDS = "SIDECAR_TEST_PREPARE_SECONDS"
 STEP_LOG = "SIDECAR_TEST_STEP_LOG"
 
 
-class SeamHook(cpu_worker.FaultyHook):
+class SeamPlans(cpu_worker.FaultyPlans):
     prepare_seconds = float(os.environ.get(PREPARE_SECONDS, "0") or 0)
-    step_log = os.environ.get(STEP_LOG, "")
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.step_times: list[float] = []
 
     def after_transfers(self, version: int) -> None:
         if self.prepare_seconds:
             time.sleep(self.prepare_seconds)
         super().after_transfers(version)
+
+
+class SeamHook(cpu_worker.FaultyHook):
+    step_log = os.environ.get(STEP_LOG, "")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_times: list[float] = []
 
     def step_end(self) -> None:
         super().step_end()
@@ -51,6 +54,7 @@ class SeamHook(cpu_worker.FaultyHook):
 
 def main() -> int:
     cpu_worker.FaultyHook = SeamHook  # type: ignore[misc]
+    cpu_worker.FaultyPlans = SeamPlans  # type: ignore[misc]
     return cpu_worker.main()
 
 

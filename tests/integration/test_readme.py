@@ -47,7 +47,7 @@ weights = {"w13": torch.randn(L, P // G, 16, 8), "w2": torch.randn(L, P // G, 8,
 generator = torch.Generator().manual_seed(rank)
 forward_steps = [[torch.randint(0, E, (32, 2), generator=generator) for _ in range(L)] for _ in range(40)]
 """
-HOOK_RESULT = "result = {'windows': hook.stats.windows, 'steps': hook.stats.steps, 'mode': config.dispatch_mode}"
+HOOK_RESULT = "result = {'windows': hook.stats.windows, 'steps': hook.stats.steps, 'mode': config.dispatch.mode}"
 
 # A world of one and a tiny DeepSeek-V3 (random weights) with its token batches.
 TRANSFORMERS_PRELUDE = """
@@ -90,7 +90,7 @@ def wait_for(predicate: Callable[[], object], seconds: float, what: str) -> None
 
 def test_the_readme_python_runs_as_written(tmp_path: Path) -> None:
     blocks = python_blocks()
-    hook_blocks = [b for b in blocks if "RebalanceHook(" in b[1] or "dispatch_mode=" in b[1]]
+    hook_blocks = [b for b in blocks if "RebalanceHook(" in b[1] or "DispatchConfig(" in b[1]]
     adapter_blocks = [b for b in blocks if "attach(" in b[1]]
     assert len(hook_blocks) == 2 and len(adapter_blocks) == 1, "a README block this test does not run"
     assert len(blocks) == len(hook_blocks) + len(adapter_blocks), "a README block this test does not run"

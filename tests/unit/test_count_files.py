@@ -16,7 +16,7 @@ from rebalancer.cli import main
 from rebalancer.errors import InputError
 from rebalancer.formats import load_counts, read_counts, write_counts
 from rebalancer.wire.layout import trivial_placement
-from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.hook import CommitConfig, DispatchConfig, HookConfig, RebalanceHook, WindowConfig
 
 REPO = Path(__file__).resolve().parents[2]
 L, E, G = 3, 8, 2
@@ -157,9 +157,9 @@ def recorded_hook(mode: str, shared: bool = True, steps: int = STEPS) -> Rebalan
     Under dispatch by load every rank is taken to have routed what rank 0 did."""
     config = HookConfig(
         controller="127.0.0.1:1", deployment="d", rank=0, num_layers=HL, num_logical=HE,
-        num_slots=HP, num_gpus=HG, window_steps=1, agree_every=10**6,
-        dispatch_mode=mode,  # type: ignore[arg-type]
-        shared_expert=shared, top_k=HK,
+        num_slots=HP, num_gpus=HG, shared_expert=shared, top_k=HK,
+        windows=WindowConfig(steps=1), commit=CommitConfig(agree_every=10**6),
+        dispatch=DispatchConfig(mode=mode),  # type: ignore[arg-type]
     )
     gather = None if mode == "split" else (lambda local: local.unsqueeze(0).repeat(HG, 1))
     hook = RebalanceHook(

@@ -160,3 +160,26 @@ def test_importing_worker_hooks_loads_neither_controller_nor_placement_nor_scipy
     leaked = [m for m in loaded if m.startswith(("rebalancer.controller", "rebalancer.placement",
                                                    "rebalancer.sim", "scipy", "deep_ep"))]
     assert leaked == []
+
+
+# Inside the worker core, the hook's parts reference one way (ARCHITECTURE.md, "Who owns
+# which state"): the hot path (hook) above the plan driver (plans) above the agent; the
+# settings, counters and count files below them all. Module -> the siblings it may not import.
+HOOK_PARTS_BELOW = {
+    "worker_hooks.agent": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.counts",
+                           "worker_hooks.serving", "worker_hooks.config"},
+    "worker_hooks.plans": {"worker_hooks.hook", "worker_hooks.counts"},
+    "worker_hooks.counts": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.agent"},
+    "worker_hooks.serving": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.agent"},
+    "worker_hooks.config": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.agent",
+                            "worker_hooks.counts", "worker_hooks.serving"},
+}
+
+
+def test_the_hooks_parts_reference_one_way() -> None:
+    bad = []
+    for importer, forbidden in HOOK_PARTS_BELOW.items():
+        path = ROOT / (importer.replace(".", "/") + ".py")
+        bad += [f"{path.name}:{line}: imports {imported}" for imported, line in imports_of(path)
+                if imported in forbidden]
+    assert bad == []

@@ -3,6 +3,8 @@
 An example of an engine integration built on `worker_hooks`, not part of the product:
 it shows where `RebalanceHook` goes in a forward loop. The model is
 worker_hooks/examples/moe_cpu.py's (`ExpertParallelMoE`, checked against `ReferenceMoE`).
+`main` is the integration, step by step: join the process groups, build the model's
+weights, build the hook around them, serve, shut down.
 
 Each process is one EP rank of a gloo group. Every step it samples routing for
 its own tokens from a routing profile (real per-layer expert loads, drifting
@@ -31,8 +33,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -50,13 +53,23 @@ from worker_hooks.examples.moe_cpu import (
     shared_weights,
     slot_weights,
 )
-from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.hook import (
+    CommitConfig,
+    Credentials,
+    DispatchConfig,
+    HookConfig,
+    MigrationConfig,
+    PlanDriver,
+    PoolConfig,
+    RebalanceHook,
+    WindowConfig,
+)
 from worker_hooks.migrate import TRANSPORTS, transport_class
 from worker_hooks.outbox import in_shared_memory, unlink_quietly
 
 log = logging.getLogger("worker_hooks.examples.cpu_worker")
 
-# Fault injection for the tests of invariant 5 (FaultyHook).
+# Fault injection for the tests of invariant 5 (FaultyPlans).
 Fault = Literal["", "fail", "die"]
 FAULTS: tuple[Fault, ...] = get_args(Fault)
 
@@ -73,7 +86,7 @@ def sample_routing(
     return topk, gates
 
 
-class FaultyHook(RebalanceHook):
+class FaultyPlans(PlanDriver):
     """Fault injection for the tests of invariant 5.
 
     fault "fail": every prepare fails after its transfers (peers finish theirs).
@@ -92,7 +105,18 @@ class FaultyHook(RebalanceHook):
             raise RuntimeError("injected failure after transfers")
 
 
-def main(argv: list[str] | None = None) -> int:
+class FaultyHook(RebalanceHook):
+    """The worker's hook: plans driven by `FaultyPlans` (looked up when built, so a test
+    harness can put its own subclass there), with `fault` set on them."""
+
+    def __init__(self, *args: Any, fault: Fault = "", **kwargs: Any) -> None:
+        kwargs["plan_driver"] = FaultyPlans
+        super().__init__(*args, **kwargs)
+        assert isinstance(self.plans, FaultyPlans)
+        self.plans.fault = fault
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
@@ -143,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token")
     p.add_argument("--pool", default=os.environ.get("REBALANCER_POOL", ""),
                    help="the deployment's replica pool (a fresh group starts on the pool's placement)")
-    p.add_argument("--warm-start-seconds", type=float, default=3.0,
+    p.add_argument("--warm-start-seconds", type=float, default=PoolConfig.warm_start_seconds,
                    help="longest wait at start for the pool's placement")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -151,12 +175,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--dispatch by load exchanges counts every step: not with --local")
     if args.dispatch == "load+shared" and not args.shared_expert:
         p.error("--dispatch load+shared needs --shared-expert")
-    logging.basicConfig(
-        level=os.environ.get("REBALANCER_LOG", "WARNING"),
-        format=f"%(asctime)s rank{args.rank} %(name)s %(levelname)s %(message)s",
-    )
-    torch.set_num_threads(1)
+    return args
 
+
+@dataclass
+class Groups:
+    """The rank's process groups: serving's default group, and one each for the commit
+    agreement and the weight transfers (kept apart from serving's collectives)."""
+
+    device: torch.device
+    agree: dist.ProcessGroup
+    migrate: dist.ProcessGroup
+
+
+def join_groups(args: argparse.Namespace) -> Groups:
+    """Step 1: join the EP group (gloo) and make the hook's groups; pick the device."""
     timeout = timedelta(seconds=30)
     dist.init_process_group(
         "gloo",
@@ -169,17 +202,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         device = torch.device("cuda", args.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    agree_group = dist.new_group(backend="gloo", timeout=timeout)
+    agree = dist.new_group(backend="gloo", timeout=timeout)
     # NCCL carries GPU weights for p2p; the shared-memory transports talk over gloo.
-    mover = transport_class(args.transport)
-    migrate_group = dist.new_group(backend=mover.group_backend(device), timeout=timeout)
+    migrate = dist.new_group(backend=transport_class(args.transport).group_backend(device), timeout=timeout)
+    return Groups(device, agree, migrate)
 
+
+@dataclass
+class RankModel:
+    """This rank's share of the model: the initial placement and its slots' weights,
+    and the unbalanced reference model its outputs are checked against."""
+
+    config: MoEConfig
+    reference: ReferenceMoE
+    phy2log: np.ndarray  # [L, P], the same on every rank
+    weights: dict[str, torch.Tensor]  # name -> [L, S (+ spare rows), ...] this rank's slots
+    shared_files: list[str] = field(default_factory=list)  # shared memory backing the weights
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> RankModel:
+    """Step 2: the model's weights for this rank's slots of the trivial placement, with
+    room for the spare rows, where the transport needs them (GPU, or shared memory for
+    peers that map them)."""
     cfg = MoEConfig(
         num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,
         shared_expert=args.shared_expert,
     )
-    data = np.load(args.profile)
-    profiles, steps_per_phase = data["profiles"], int(data["steps_per_phase"])
     phy2log = trivial_placement(cfg.num_layers, cfg.num_experts, args.slots, args.world)
     S = args.slots // args.world
     weights = slot_weights(cfg, phy2log, range(args.rank * S, (args.rank + 1) * S))
@@ -191,71 +239,104 @@ def main(argv: list[str] | None = None) -> int:
     shared_files: list[str] = []
     if device.type == "cuda":
         weights = {name: w.to(device) for name, w in weights.items()}
-    elif mover.maps_live_weights:  # peers map CPU weights by file name
+    elif transport_class(args.transport).maps_live_weights:  # peers map CPU weights by file name
         weights, shared_files = in_shared_memory(weights, f"rank{args.rank}")
         for path in shared_files:
             atexit.register(unlink_quietly, path)
-    hook = FaultyHook(
-        HookConfig(
-            controller=args.controller,
-            deployment=args.deployment,
-            rank=args.rank,
-            num_layers=cfg.num_layers,
-            num_logical=cfg.num_experts,
-            num_slots=args.slots,
-            num_gpus=args.world,
-            expert_bytes=cfg.expert_bytes,
-            window_steps=args.window_steps,
-            agree_every=args.agree_every,
-            worker_id=f"cpu-worker-{os.getpid()}",
-            token=args.token,
-            migrate_transport=args.transport,
-            spare_rows=args.spare_rows,
-            dispatch_mode=args.dispatch,
-            shared_expert=args.shared_expert,
-            top_k=cfg.top_k,
-            pool=args.pool,
-            warm_start_seconds=args.warm_start_seconds,
-        ),
-        phy2log,
-        weights,
-        agree_group,
-        migrate_group,
-        device=device,
-        expert_source=lambda layer, expert: dict(zip(("w1", "w2"), expert_weights(cfg, layer, expert), strict=True)),
+    return RankModel(cfg, ReferenceMoE(cfg), phy2log, weights, shared_files)
+
+
+def hook_config(args: argparse.Namespace, cfg: MoEConfig) -> HookConfig:
+    """The hook's settings: who this rank is, the model's shape, and a section per job."""
+    return HookConfig(
+        controller=args.controller,
+        deployment=args.deployment,
+        rank=args.rank,
+        num_layers=cfg.num_layers,
+        num_logical=cfg.num_experts,
+        num_slots=args.slots,
+        num_gpus=args.world,
+        expert_bytes=cfg.expert_bytes,
+        shared_expert=args.shared_expert,
+        top_k=cfg.top_k,
+        worker_id=f"cpu-worker-{os.getpid()}",
+        credentials=Credentials(token=args.token),
+        windows=WindowConfig(steps=args.window_steps),
+        dispatch=DispatchConfig(mode=args.dispatch),
+        commit=CommitConfig(agree_every=args.agree_every, spare_rows=args.spare_rows),
+        migration=MigrationConfig(transport=args.transport),
+        pool=PoolConfig(name=args.pool, warm_start_seconds=args.warm_start_seconds),
     )
-    hook.fault = args.fault
+
+
+def build_hook(args: argparse.Namespace, model: RankModel, groups: Groups) -> RebalanceHook:
+    """Step 3: the hook around the live weights, started (it serves on whether or not the
+    controller answers)."""
+    hook = FaultyHook(
+        hook_config(args, model.config), model.phy2log, model.weights, groups.agree, groups.migrate,
+        device=groups.device, fault=args.fault,
+        # What a warm start loads: this model's weights of any expert, made on the spot.
+        expert_source=lambda layer, expert: dict(
+            zip(("w1", "w2"), expert_weights(model.config, layer, expert), strict=True)),
+    )
     hook.executor.connect()  # map the peers now (ipc, outbox): then the file names can go
-    for path in shared_files:
+    for path in model.shared_files:
         unlink_quietly(path)
-    reference = ReferenceMoE(cfg)
+    hook.start()
+    hook.agent.connected.wait(timeout=10)  # serve anyway if the controller is not there
+    return hook
+
+
+@dataclass
+class Served:
+    """What the serving loop saw."""
+
+    steps: int = 0
+    versions: list[list[int]] = field(default_factory=list)  # [first_step, version] runs
+    step_seconds: list[float] = field(default_factory=list)
+    max_diff: float = 0.0  # largest output difference against the reference model
+    computed: np.ndarray | None = None  # [L, 2] routed picks and shared tokens computed here
+
+
+class StopFile:
+    """`--stop-file`: the step every rank stops at, once a harness writes it; this rank's
+    progress goes to `<stop-file>.rank<r>` every 8 steps."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path, self.rank = path, rank
+        self.stop_at: int | None = None
+
+    def reached(self, step: int) -> bool:
+        if self.path and step % 8 == 0:
+            if self.stop_at is None and os.path.exists(self.path):
+                with open(self.path) as f:
+                    self.stop_at = int(f.read().strip() or 0)
+            write_progress(f"{self.path}.rank{self.rank}", step)
+        return self.stop_at is not None and step >= self.stop_at
+
+
+def serve(args: argparse.Namespace, hook: RebalanceHook, model: RankModel) -> Served:
+    """Step 4: the serving loop. Each step, each layer routes its tokens through
+    `hook.route` and computes on the live weights; `hook.step_end` after the step."""
+    cfg, reference = model.config, model.reference
+    data = np.load(args.profile)
+    profiles, steps_per_phase = data["profiles"], int(data["steps_per_phase"])
     moe = ExpertParallelMoE(
         hook.route, hook.weights, hook.config.rows_per_rank, args.rank, args.world, hook.device,
         exchange=not args.local, shared=shared_weights(cfg),
     )
-    # What this rank computed, per layer: routed picks and shared-expert tokens.
-    computed = np.zeros((cfg.num_layers, 2), dtype=np.int64)
-    hook.start()
-    hook.agent.connected.wait(timeout=10)  # serve anyway if the controller is not there
-
-    max_diff = 0.0
-    versions: list[list[int]] = []  # [first_step, version] runs
-    step_seconds = []
+    served = Served(computed=np.zeros((cfg.num_layers, 2), dtype=np.int64))
+    assert served.computed is not None
+    stop = StopFile(args.stop_file, args.rank)
     deadline = time.monotonic() + args.max_seconds
     step = 0
-    stop_at: int | None = None
     while step < args.steps or (hook.version < args.wait_version and time.monotonic() < deadline):
-        if args.stop_file and step % 8 == 0:
-            if stop_at is None and os.path.exists(args.stop_file):
-                with open(args.stop_file) as f:
-                    stop_at = int(f.read().strip() or 0)
-            write_progress(f"{args.stop_file}.rank{args.rank}", step)
-        if stop_at is not None and step >= stop_at:
+        if stop.reached(step):
             break
         t0 = time.perf_counter()
         phase = (step // steps_per_phase) % len(profiles)
-        if not versions or versions[-1][1] != hook.version:
-            versions.append([step, hook.version])
+        if not served.versions or served.versions[-1][1] != hook.version:
+            served.versions.append([step, hook.version])
         for layer in range(cfg.num_layers):
             gen = torch.Generator().manual_seed(
                 hash((cfg.seed, step, args.rank, layer)) & 0x7FFFFFFF
@@ -263,54 +344,66 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(args.tokens, cfg.hidden, generator=gen)
             topk, gates = sample_routing(profiles[phase, layer], cfg.top_k, args.tokens, gen)
             out = moe.forward(layer, x, topk, gates)
-            computed[layer] += moe.computed[layer]
+            served.computed[layer] += moe.computed[layer]
             if not args.local and step % args.check_every == 0:
                 ref = reference.forward(layer, x, topk, gates)
-                max_diff = max(max_diff, float((out - ref).abs().max()))
+                served.max_diff = max(served.max_diff, float((out - ref).abs().max()))
         hook.step_end()
         step += 1
-        step_seconds.append(time.perf_counter() - t0)
+        served.step_seconds.append(time.perf_counter() - t0)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if time.monotonic() > deadline + 30:
             break
+    served.steps = step
+    return served
 
-    settled = hook.finish(timeout=5.0, transfer_timeout=15.0)  # last window, reports, transfers
-    result = {
+
+def weights_match_map(hook: RebalanceHook, model: RankModel) -> bool:
+    """Whether the rank holds, slot by slot, the expert its map says (read through its rows)."""
+    reference, cfg = model.reference, model.config
+    rank, S = hook.config.rank, hook.config.slots_per_rank
+    return all(
+        torch.equal(
+            hook.weights["w1"][layer, int(hook.rows.rows[rank, layer, s])].cpu(),
+            reference.w1[layer, int(hook.phy2log[layer, rank * S + s])],
+        )
+        for layer in range(cfg.num_layers)
+        for s in range(S)
+    )
+
+
+def result_of(args: argparse.Namespace, hook: RebalanceHook, model: RankModel, served: Served) -> dict[str, Any]:
+    """What the tests and the demo read from a rank (the JSON of `--out`)."""
+    stats = hook.stats
+    return {
         "rank": args.rank,
-        "steps": step,
+        "steps": served.steps,
         "version": hook.version,
-        "versions": versions,
-        "commits": hook.stats.commits,
-        "prepared": hook.stats.prepared,
-        "failed": hook.stats.failed,
-        "aborted": hook.stats.aborted,
-        "bytes_received": hook.stats.bytes_received,
-        "swap_seconds_max": max(hook.stats.swap_seconds, default=0.0),
-        "copied_at_commit": hook.stats.copied_at_commit,
-        "max_output_diff": max_diff,
-        "step_seconds_median": float(np.median(step_seconds)) if step_seconds else 0.0,
+        "versions": served.versions,
+        "commits": stats.commits,
+        "prepared": stats.prepared,
+        "failed": stats.failed,
+        "aborted": stats.aborted,
+        "bytes_received": stats.bytes_received,
+        "swap_seconds_max": max(stats.swap_seconds, default=0.0),
+        "copied_at_commit": stats.copied_at_commit,
+        "max_output_diff": served.max_diff,
+        "step_seconds_median": float(np.median(served.step_seconds)) if served.step_seconds else 0.0,
         "agreement_broken": hook.agreement.broken,
         "dispatch": args.dispatch,
-        "computed": computed.tolist(),
+        "computed": None if served.computed is None else served.computed.tolist(),
         # What the recorder counted: picks sent to each GPU [L, G (+ G shared)].
-        "recorded_per_gpu": None if hook.stats.gpu_total is None else hook.stats.gpu_total.tolist(),
-        "recorded_logical": None if hook.stats.logical_total is None else hook.stats.logical_total.tolist(),
+        "recorded_per_gpu": None if stats.gpu_total is None else stats.gpu_total.tolist(),
+        "recorded_logical": None if stats.logical_total is None else stats.logical_total.tolist(),
         "phy2log": hook.phy2log.tolist(),
         # What the rank holds, expert by expert: the test checks it against the map.
-        "weights_match_map": bool(
-            all(
-                torch.equal(
-                    hook.weights["w1"][layer, int(hook.rows.rows[args.rank, layer, s])].cpu(),
-                    reference.w1[layer, int(hook.phy2log[layer, args.rank * S + s])],
-                )
-                for layer in range(cfg.num_layers)
-                for s in range(S)
-            )
-        ),
+        "weights_match_map": weights_match_map(hook, model),
     }
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+
+
+def shut_down(args: argparse.Namespace, settled: bool) -> None:
+    """Step 5: leave the group. `settled`: `hook.finish` saw every transfer end."""
     if not settled:
         # A transfer is blocked on a peer that left: a gloo call cannot be interrupted,
         # and tearing the groups down under it aborts the process. Leave as is (saying so,
@@ -321,6 +414,23 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(0)
     if not args.local:  # with peers possibly dead, leave without a collective goodbye
         leave_group(args.rank, args.world)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("REBALANCER_LOG", "WARNING"),
+        format=f"%(asctime)s rank{args.rank} %(name)s %(levelname)s %(message)s",
+    )
+    torch.set_num_threads(1)
+    groups = join_groups(args)                   # 1. the process groups
+    model = build_model(args, groups.device)     # 2. this rank's weights
+    hook = build_hook(args, model, groups)       # 3. the hook around them, started
+    served = serve(args, hook, model)            # 4. route / step_end in the forward loop
+    settled = hook.finish(timeout=5.0, transfer_timeout=15.0)  # last window, reports, transfers
+    with open(args.out, "w") as f:
+        json.dump(result_of(args, hook, model, served), f)
+    shut_down(args, settled)                     # 5. leave the group
     return 0
 
 

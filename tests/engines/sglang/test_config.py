@@ -7,7 +7,8 @@ import pytest
 
 from rebalancer.errors import InputError
 from worker_hooks.engines.sglang.adapter import logical_counts
-from worker_hooks.engines.sglang.config import SGLangAdapterConfig
+from worker_hooks.engines.sglang.config import DEFAULT_STAGING_BUDGET_BYTES, SGLangAdapterConfig
+from worker_hooks.engines.sglang.staged import layer_groups, ticket, ticket_parts
 
 
 def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:
@@ -25,6 +26,11 @@ def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:
     assert config.pool == ""
     pooled = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "127.0.0.1:1", "REBALANCER_POOL": "ds-v3"})
     assert pooled is not None and pooled.pool == "ds-v3"
+    # The staged update by default; SGLang's own updater as a setting.
+    assert (config.updater, config.staging_budget_bytes) == ("staged", DEFAULT_STAGING_BUDGET_BYTES)
+    fallback = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "127.0.0.1:1", "REBALANCER_UPDATER": "sglang",
+                                            "REBALANCER_STAGING_BUDGET_BYTES": "1048576"})
+    assert fallback is not None and (fallback.updater, fallback.staging_budget_bytes) == ("sglang", 1 << 20)
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -32,6 +38,9 @@ def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:
     ({"REBALANCER_AGREE_EVERY": "0"}, "REBALANCER_AGREE_EVERY must be >= 1"),
     ({"REBALANCER_AGREE_TIMEOUT_SECONDS": "-1"}, "must be > 0"),
     ({"REBALANCER_TOKEN_FILE": "/nonexistent/token"}, "REBALANCER_TOKEN_FILE /nonexistent/token"),
+    ({"REBALANCER_UPDATER": "fast"}, "REBALANCER_UPDATER must be one of staged, sglang, got 'fast'"),
+    ({"REBALANCER_STAGING_BUDGET_BYTES": "0"}, "REBALANCER_STAGING_BUDGET_BYTES must be >= 1"),
+    ({"REBALANCER_STAGING_BUDGET_BYTES": "4GiB"}, "REBALANCER_STAGING_BUDGET_BYTES='4GiB' is not an integer"),
 ])
 def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(InputError, match=message):
@@ -77,6 +86,30 @@ def test_the_plugin_stays_off_with_one_line_on_bad_tls(tmp_path, monkeypatch, ca
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["rebalancer plugin off: REBALANCER_CERT_FILE and REBALANCER_KEY_FILE (mutual TLS) "
                      "need REBALANCER_CA_FILE, the controller's CA"]
+
+
+def test_layer_groups_fit_the_budget_on_every_rank_and_keep_layer_order() -> None:
+    """2 ranks, experts of 10 bytes, budget 30: rank 1 gains 2 experts in layer 1, 2 in
+    layer 2 (40 > 30: a new group), 1 in layer 4; a layer over the budget alone is a
+    group of its own."""
+    t = np.array([
+        [1, 1, 0, 0, 0], [1, 1, 1, 0, 1], [1, 0, 0, 1, 0],
+        [2, 1, 0, 0, 0], [2, 1, 1, 0, 1],
+        [4, 1, 2, 0, 2],
+        [5, 0, 0, 1, 0], [5, 0, 1, 1, 1], [5, 0, 2, 1, 2], [5, 0, 3, 1, 3],
+    ])
+    assert layer_groups(t, [1, 2, 4, 5], 2, 10, 30) == [[1], [2, 4], [5]]
+    assert layer_groups(t, [1, 2, 4, 5], 2, 10, 10**6) == [[1, 2, 4, 5]]
+    assert layer_groups(t[:0], [], 2, 10, 30) == []
+
+
+def test_tickets_order_every_swap_of_every_plan() -> None:
+    """All ranks agree on MIN(ticket): a later group, a later plan, or SGLang's updater's
+    plan (groups_done 0) after a staged one, is always a larger ticket."""
+    assert ticket(3, 2) > ticket(3, 1) > ticket(2, 40) > ticket(2, 0)
+    assert ticket_parts(ticket(7, 5)) == (7, 5)
+    with pytest.raises(ValueError, match="groups_done"):
+        ticket(1, 1 << 16)
 
 
 def test_pool_and_warm_start_wait_from_env() -> None:

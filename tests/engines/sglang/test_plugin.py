@@ -55,7 +55,7 @@ def _free_port() -> int:
 
 
 def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
-               env_extra: dict[str, str] | None = None, rank_env: dict[int, dict[str, str]] | None = None,
+               settings: dict[str, str] | None = None, rank_env: dict[int, dict[str, str]] | None = None,
                ) -> tuple[list[int], dict[int, dict]]:
     """WORLD SGLang ranks; their temporary files go to a folder of the test's own (TMPDIR),
     which _no_temporary_files_left checks."""
@@ -63,7 +63,7 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
     env = sglang_env.environment(
         REBALANCER_ADDRESS=address, REBALANCER_DEPLOYMENT=DEPLOYMENT,
         REBALANCER_WINDOW_STEPS="4", REBALANCER_AGREE_EVERY="2",
-        REBALANCER_AGREE_TIMEOUT_SECONDS="15", TMPDIR=str(tmp_path / "tmp"), **(env_extra or {}),
+        REBALANCER_AGREE_TIMEOUT_SECONDS="15", TMPDIR=str(tmp_path / "tmp"), **(settings or {}),
     )
     port = _free_port()
     procs = []
@@ -107,11 +107,16 @@ def _no_temporary_files_left(tmp_path: Path) -> None:
 ROUTED_PER_PASS = 3 * 16 * 2
 
 
+SGLANG_UPDATER = {"REBALANCER_UPDATER": "sglang"}
+# One expert of worker.py's model: (4 x 3 + 3 x 2) float32.
+EXPERT_BYTES = (4 * 3 + 3 * 2) * 4
+
+
 def test_controller_plans_commit_through_sglang_updater(tmp_path: Path) -> None:
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
     assert ctl.server is not None
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=160)
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=160, settings=SGLANG_UPDATER)
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
     finally:
         ctl.stop()
@@ -132,13 +137,83 @@ def test_controller_plans_commit_through_sglang_updater(tmp_path: Path) -> None:
     assert [p.state for p in plans].count("committed") == dep.version
 
 
+def _staged_run(tmp_path: Path, steps: int, settings: dict[str, str] | None = None,
+                extra: dict[int, list[str]] | None = None) -> tuple[list[int], dict[int, dict], object]:
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    assert ctl.server is not None
+    try:
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=steps, extra=extra,
+                                    settings=settings)
+        dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
+    finally:
+        ctl.stop()
+    return codes, results, dep
+
+
+def _check_staged_commits(results: dict[int, dict], dep: object) -> None:
+    committed = np.asarray(dep.phy2log)  # type: ignore[attr-defined]
+    for r in results.values():
+        assert r["version"] == dep.version  # type: ignore[attr-defined]
+        assert np.array_equal(np.asarray(r["phy2log"]), committed)
+        # After every pass (between groups too), every layer's weights are its map's.
+        assert r["weight_mismatch_passes"] == 0 and r["weights_match_map"]
+        assert r["dispatch_mismatches"] == 0
+    assert len({json.dumps([r["commits"], r["groups"]]) for r in results.values()}) == 1
+
+
+def test_staged_plans_keep_every_ranks_weights_equal_to_its_map(tmp_path: Path) -> None:
+    """The default (staged) update: each plan's experts are received beside serving over
+    the adapter's own group and swapped at one agreed pass; after every pass of a run
+    with several plans each rank's weights are what SGLang's map says."""
+    codes, results, dep = _staged_run(tmp_path, steps=160)
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    assert dep.stats.plans_committed >= 1  # type: ignore[attr-defined]
+    _check_staged_commits(results, dep)
+    for r in results.values():
+        assert len(r["commits"]) == dep.stats.plans_committed  # type: ignore[attr-defined]
+        assert r["update_seconds"] == []  # SGLang's updater never ran
+        assert all(g == 1 for g in r["groups"])  # within the default budget: one swap per plan
+    _no_temporary_files_left(tmp_path)
+
+
+def test_layer_groups_commit_a_plan_larger_than_the_staging_budget(tmp_path: Path) -> None:
+    """A budget of two experts per rank: the plans commit in several layer groups, each
+    staged and swapped at an agreed pass of its own, every map matching its weights."""
+    codes, results, dep = _staged_run(
+        tmp_path, steps=160, settings={"REBALANCER_STAGING_BUDGET_BYTES": str(2 * EXPERT_BYTES)})
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    assert dep.stats.plans_committed >= 1  # type: ignore[attr-defined]
+    _check_staged_commits(results, dep)
+    r = results[0]
+    assert max(r["groups"]) > 1, r["groups"]
+    assert len(r["swap_seconds"]) == sum(r["groups"])
+
+
+def test_rank_killed_mid_staging_aborts_the_plan_with_no_live_change(tmp_path: Path) -> None:
+    """Rank 3 exits inside the first plan's weight transfer (every rank had taken the
+    plan): the survivors' transfers fail, the plan aborts on every rank, and nothing
+    live changed anywhere: SGLang's maps and the weights are still the initial ones."""
+    codes, results, dep = _staged_run(tmp_path, steps=120, extra={3: ["--die-in-staging"]})
+    store = Store(tmp_path / "c.sqlite")
+    (plan_v1,) = [p for p in store.plans(DEPLOYMENT) if p.version == 1]
+    assert codes[3] == 3 and codes[:3] == [0, 0, 0], _logs(tmp_path)
+    assert plan_v1.state == "aborted", plan_v1
+    assert dep.version == 0 and dep.mixed is None  # type: ignore[attr-defined]
+    for r in (results[x] for x in range(3)):
+        assert r["version"] == 0 and r["commits"] == [] and r["swap_seconds"] == []
+        assert np.array_equal(np.asarray(r["phy2log"]), np.asarray(r["initial_phy2log"]))
+        assert r["weight_mismatch_passes"] == 0 and r["weights_match_map"]
+        assert r["dispatch_mismatches"] == 0 and r["served"] == 120
+    _no_temporary_files_left(tmp_path)
+
+
 def test_rank_killed_mid_update_leaves_survivors_on_one_placement(tmp_path: Path) -> None:
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
     assert ctl.server is not None
     try:
         # Rank 3 exits inside SGLang's updater at the second MoE layer of the first plan.
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=120,
-                                    extra={3: ["--die-at-layer", "2"]})
+                                    extra={3: ["--die-at-layer", "2"]}, settings=SGLANG_UPDATER)
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
     finally:
         ctl.stop()
@@ -262,7 +337,7 @@ def _warm_run(tmp_path: Path, rank_env: dict[int, dict[str, str]] | None = None,
     try:
         _seed_pool(ctl, placement)
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=24,
-                                    env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"},
+                                    settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"},
                                     rank_env=rank_env)
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
         state = ctl.call(lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes))
@@ -312,7 +387,7 @@ def test_a_rank_without_the_offer_keeps_every_rank_on_sglangs_start(tmp_path: Pa
 def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(tmp_path: Path) -> None:
     bound = 2.0
     codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=8,
-                                env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": str(bound)})
+                                settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": str(bound)})
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():
         assert r["warm_start"] == 0 and r["version"] == 0
@@ -346,7 +421,7 @@ def test_a_fresh_group_behind_its_pods_sidecar_starts_on_the_pool_placement(tmp_
         assert "sidecar serving on" in sidecar.stdout.readline(), (tmp_path / "sidecar.log").read_text()[-3000:]
         _seed_pool(ctl, placement)
         codes, results = _run_ranks(tmp_path, target, steps=40,
-                                    env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"})
+                                    settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"})
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
         deadline = time.monotonic() + 30  # the sidecar's last registration may still be on its way
         while ctl.call(lambda: dep.shape.expert_bytes) != _expert_bytes() and time.monotonic() < deadline:

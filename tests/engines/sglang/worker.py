@@ -5,7 +5,7 @@ with SGLang's folder (and cpu_shims) on PYTHONPATH. Real parts: SGLang's ServerA
 runtime context, ExpertLocationMetadata, the expert distribution recorder (stat mode),
 dispatch (`topk_ids_logical_to_physical`), EPLBManager, ExpertLocationUpdater, the
 plugin loader (entry point discovery + HookRegistry), and torch.distributed gloo
-moving the weights. Stood in: the model (a dict of expert weight tensors, the
+moving the weights (the staged update: the adapter's own executor over gloo). Stood in: the model (a dict of expert weight tensors, the
 `routed_experts_weights_of_layer` SGLang's updater moves) and the model-class lookup
 `ModelConfigForExpertLocation.from_model_config` (it would import SGLang's DeepSeek
 model code, which needs GPU kernels), the recorder's `get_device` (answers "cpu") and
@@ -102,6 +102,8 @@ def main() -> None:
                         help="exit inside SGLang's updater at this layer of the first plan")
     parser.add_argument("--adapter-error-at-pass", type=int, default=None,
                         help="the adapter raises on this pass's counts (1-based): an adapter bug")
+    parser.add_argument("--die-in-staging", action="store_true",
+                        help="exit inside the staged update's weight transfer of the first plan")
     parser.add_argument("--no-finish", action="store_true",
                         help="never call the adapter's finish(), as SGLang does not: the plugin's exit hook must")
     args = parser.parse_args()
@@ -172,6 +174,14 @@ def main() -> None:
         }
 
     model = TinyModel()
+
+    def weights_match(layers: range) -> bool:
+        final = get_global_expert_location_metadata().physical_to_logical_map_cpu
+        return all(
+            torch.equal(model.routed_experts_weights_of_layer[layer][i][s],
+                        reference_weights(layer, int(final[layer, rank * slots + s]))[i])
+            for layer in layers for s in range(slots) for i in range(len(SHAPES))
+        )
     updater = ExpertLocationUpdater()
     manager = EPLBManager(model_config=model_config, get_model=lambda: model,
                           get_expert_location_updater=lambda: updater,
@@ -188,6 +198,14 @@ def main() -> None:
             return original(*a, **kw)
 
         expert_location_updater.update_expert_weights_single_layer = dying
+
+    if args.die_in_staging:  # die inside the transfer, after every rank took the plan
+        from worker_hooks import migrate
+
+        def dying_receive(self, plan):
+            os._exit(3)
+
+        migrate.P2PTransport.receive = dying_receive
 
     from worker_hooks.engines.sglang import plugin, warm_start
     from worker_hooks.engines.sglang.plugin import current_adapter
@@ -211,6 +229,7 @@ def main() -> None:
     rng = np.random.default_rng(rank)
     mismatches = 0
     served = 0
+    weight_mismatch_passes = 0  # passes after which a layer's weights differ from its map
     for step in range(args.steps):
         with recorder.with_forward_pass(step, None):
             for layer in range(1, NUM_LAYERS):
@@ -226,6 +245,7 @@ def main() -> None:
                     mismatches += int((current[layer][physical.long()] != topk.long()).sum())
         manager.on_forward_pass_end()
         served += 1
+        weight_mismatch_passes += 0 if weights_match(range(1, NUM_LAYERS)) else 1
         time.sleep(args.step_sleep)
 
     adapter = current_adapter()
@@ -233,11 +253,7 @@ def main() -> None:
     if not args.no_finish:
         adapter.finish()
     final = get_global_expert_location_metadata().physical_to_logical_map_cpu
-    weights_ok = all(
-        torch.equal(model.routed_experts_weights_of_layer[layer][i][s],
-                    reference_weights(layer, int(final[layer, rank * slots + s]))[i])
-        for layer in range(1, NUM_LAYERS) for s in range(slots) for i in range(len(SHAPES))
-    )
+    weights_ok = weights_match(range(1, NUM_LAYERS))
     result = {
         "rank": rank, "version": adapter.version, "commits": adapter.stats.commits,
         "windows": adapter.stats.windows, "steps": adapter.stats.steps,
@@ -245,6 +261,8 @@ def main() -> None:
         "weights_match_map": weights_ok, "dispatch_mismatches": mismatches,
         "broken": adapter.broken, "update_seconds": adapter.stats.update_seconds,
         "served": served, "disabled": plugin.disabled_reason(), "agent_running": agent_running,
+        "weight_mismatch_passes": weight_mismatch_passes, "groups": adapter.stats.groups,
+        "swap_seconds": adapter.stats.swap_seconds, "aborted": adapter.stats.aborted,
         "warm_start": (warm_start.taken() or (0, None))[0], "started_seconds": started_seconds,
     }
     Path(args.out).write_text(json.dumps(result))

@@ -61,16 +61,16 @@ def _commit_through_hook(ep: ExpertParallelModel, new: np.ndarray) -> None:
     hook = ep.hook
     version = hook.version + 1
     moves = transfers(hook.phy2log, new, num_gpus=hook.config.num_gpus)
-    hook.on_prepare(pb.Prepare(
+    hook.plans.on_prepare(pb.Prepare(
         version=version, base_version=hook.version,
         placement=pb.Placement(version=version, phy2log=codec.encode(new.astype(np.int32))),
         transfers=codec.encode(moves.astype(np.int32)),
     ))
-    assert hook._migration is not None
-    hook._migration.join(30)
+    assert hook.plans.migration is not None
+    hook.plans.migration.join(30)
     assert hook.stats.prepared == version and hook.stats.failed == 0
-    hook.on_commit(version)
-    for _ in range(4 * hook.config.agree_every):
+    hook.plans.on_commit(version)
+    for _ in range(4 * hook.config.commit.agree_every):
         if hook.version == version:
             break
         hook.step_end()

@@ -13,7 +13,7 @@ import torch
 from rebalancer.placement.metrics import dispatch_allocation, gpu_replicas
 from rebalancer.wire.layout import log2phy_of, trivial_placement
 from worker_hooks.dispatch import ReplicaDispatch
-from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.hook import DispatchConfig, HookConfig, RebalanceHook
 
 G, E, P, L, T, K = 4, 16, 24, 3, 40, 3
 
@@ -110,8 +110,8 @@ def test_map_swap_updates_the_load_tables_in_place() -> None:
 
 def hook(mode: str, shared: bool) -> RebalanceHook:
     config = HookConfig(controller="127.0.0.1:1", deployment="t", rank=0, num_layers=L,
-                        num_logical=E, num_slots=P, num_gpus=1, dispatch_mode=mode,  # type: ignore[arg-type]
-                        shared_expert=shared)
+                        num_logical=E, num_slots=P, num_gpus=1, shared_expert=shared,
+                        dispatch=DispatchConfig(mode=mode))  # type: ignore[arg-type]
     weights = {"w1": torch.zeros(L, P, 2)}
     return RebalanceHook(config, trivial_placement(L, E, P, 1), weights, None, None)
 

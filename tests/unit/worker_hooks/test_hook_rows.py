@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from rebalancer.placement import trivial_placement
-from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.hook import CommitConfig, HookConfig, MigrationConfig, RebalanceHook, WindowConfig
 from worker_hooks.migrate import IpcTransport
+from worker_hooks.plans import dispatch_map
 
 L, E, P, G, SPARE = 2, 4, 8, 2, 2
 S = P // G
@@ -20,7 +21,8 @@ S = P // G
 def test_rows_are_dispatched_and_counts_reported_by_slot() -> None:
     config = HookConfig(
         controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-        num_slots=P, num_gpus=G, window_steps=1, agree_every=10**6, spare_rows=SPARE,
+        num_slots=P, num_gpus=G, windows=WindowConfig(steps=1),
+        commit=CommitConfig(agree_every=10**6, spare_rows=SPARE),
     )
     phy2log = trivial_placement(L, E, P, G)  # slot s holds expert s % 4
     weights = {"w": torch.zeros(L, S + SPARE, 1)}
@@ -29,9 +31,9 @@ def test_rows_are_dispatched_and_counts_reported_by_slot() -> None:
     # into their first spare rows; the hook's commit makes these same three calls.
     rows = hook.rows.rows.copy()
     rows[0, 1, 1], rows[1, 1, 2] = S, S
-    hook.rows.rows = rows
-    hook._row_ids = hook.rows.row_ids()
-    hook.dispatch.update_(hook._row_map_of(hook.phy2log, hook._row_ids))
+    hook.rows.switch(rows)
+    hook.served.switch(hook.version, hook.phy2log, hook.rows.row_ids())
+    hook.dispatch.update_(dispatch_map(config, hook.phy2log, hook.served.row_ids))
 
     # Layer 1, expert 1 lives in slots 1 (rank 0) and 5 (rank 1); rank 0 prefers its own.
     out = hook.route(1, torch.tensor([[1], [1], [2]]))
@@ -50,14 +52,14 @@ def test_rows_are_dispatched_and_counts_reported_by_slot() -> None:
 def test_weights_without_the_spare_rows_are_refused() -> None:
     config = HookConfig(
         controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-        num_slots=P, num_gpus=G, spare_rows=SPARE,
+        num_slots=P, num_gpus=G, commit=CommitConfig(spare_rows=SPARE),
     )
     phy2log = trivial_placement(L, E, P, G)
     with pytest.raises(ValueError, match=r"does not fit weights \[2, 4\]"):
         RebalanceHook(config, phy2log, {"w": torch.zeros(L, S, 1)}, None, None)
-    with pytest.raises(ValueError, match="spare_rows >= 0"):
+    with pytest.raises(ValueError, match="spare_rows must be >= 0"):
         RebalanceHook(
-            dataclasses.replace(config, spare_rows=-1), phy2log, {"w": torch.zeros(L, S, 1)},
+            dataclasses.replace(config, commit=CommitConfig(spare_rows=-1)), phy2log, {"w": torch.zeros(L, S, 1)},
             None, None,
         )
 
@@ -68,9 +70,9 @@ def test_bad_hook_settings_are_refused_by_name() -> None:
         num_slots=P, num_gpus=G,
     )
     with pytest.raises(ValueError, match="transport must be one of p2p, ipc, outbox, got 'rdma'"):
-        dataclasses.replace(config, migrate_transport="rdma")  # type: ignore[arg-type]
+        dataclasses.replace(config, migration=MigrationConfig(transport="rdma"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_gbps"):
-        dataclasses.replace(config, max_migration_gbps=-1.0)
+        dataclasses.replace(config, migration=MigrationConfig(max_gbps=-1.0))
     with pytest.raises(ValueError, match="rank < num_gpus"):
         dataclasses.replace(config, rank=G)
     with pytest.raises(ValueError, match="not a multiple of num_gpus"):
@@ -80,7 +82,7 @@ def test_bad_hook_settings_are_refused_by_name() -> None:
         RebalanceHook(config, phy2log, {"w": torch.zeros(L, S, 1)}, None, None, device="meta")
     # The factory picks the transport's class from the config.
     hook = RebalanceHook(
-        dataclasses.replace(config, migrate_transport="ipc"), phy2log,
+        dataclasses.replace(config, migration=MigrationConfig(transport="ipc")), phy2log,
         {"w": torch.zeros(L, S, 1)}, None, None,
     )
     assert isinstance(hook.executor.transport, IpcTransport)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from rebalancer.placement import transfers, trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
-from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.hook import CommitConfig, HookConfig, PlanDriver, RebalanceHook, WindowConfig
 
 L, E, P, G = 2, 4, 6, 1
 
@@ -29,14 +29,17 @@ def prepare(version: int, base: int, old: np.ndarray, new: np.ndarray) -> pb.Pre
     return msg
 
 
-def one_rank_hook(cls: type[RebalanceHook]) -> tuple[RebalanceHook, np.ndarray, np.ndarray]:
-    """A `cls` hook of rank 0 of 1 (gloo WORLD initialised by the test), its placement and
-    a plan's placement (every layer's slots rolled by one)."""
+def one_rank_hook(plans: type[PlanDriver] = PlanDriver) -> tuple[RebalanceHook, np.ndarray, np.ndarray]:
+    """A hook of rank 0 of 1 whose plans a `plans` drives (gloo WORLD initialised by the
+    test), its placement and a plan's placement (every layer's slots rolled by one)."""
     config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                        num_slots=P, num_gpus=G, window_steps=10**6, agree_every=1)
+                        num_slots=P, num_gpus=G, windows=WindowConfig(steps=10**6),
+                        commit=CommitConfig(agree_every=1))
     old = trivial_placement(L, E, P, G)
     new = np.stack([np.roll(old[layer], 1) for layer in range(L)])
-    return cls(config, old, {"w": torch.zeros(L, P, 1)}, dist.group.WORLD, dist.group.WORLD), old, new
+    hook = RebalanceHook(config, old, {"w": torch.zeros(L, P, 1)}, dist.group.WORLD, dist.group.WORLD,
+                         plan_driver=plans)
+    return hook, old, new
 
 
 def test_a_prepare_while_switching_is_refused_and_the_switch_completes(tmp_path: Path) -> None:
@@ -49,16 +52,17 @@ def test_a_prepare_while_switching_is_refused_and_the_switch_completes(tmp_path:
 
 def switch_completes() -> None:
     config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                        num_slots=P, num_gpus=G, window_steps=10**6, agree_every=1)
+                        num_slots=P, num_gpus=G, windows=WindowConfig(steps=10**6),
+                        commit=CommitConfig(agree_every=1))
     old = trivial_placement(L, E, P, G)
     v1 = np.stack([np.roll(old[layer], 1) for layer in range(L)])
     v2 = np.stack([np.roll(old[layer], 2) for layer in range(L)])
     weights = {"w": torch.arange(L * P, dtype=torch.float32).reshape(L, P, 1)}
     hook = RebalanceHook(config, old, weights, agree_group=dist.group.WORLD, migrate_group=dist.group.WORLD)
-    hook._prepare(prepare(1, 0, old, v1))
+    hook.plans._prepare(prepare(1, 0, old, v1))
     assert hook.stats.prepared == 1
-    hook.on_commit(1)  # the controller said commit; the switch waits for the agreement
-    hook._prepare(prepare(2, 0, old, v2))  # the controller gave up on v1's confirmations
+    hook.plans.on_commit(1)  # the controller said commit; the switch waits for the agreement
+    hook.plans._prepare(prepare(2, 0, old, v2))  # the controller gave up on v1's confirmations
     assert hook.stats.failed == 1 and hook.stats.prepared == 1
     for _ in range(4):
         hook.step_end()
@@ -72,11 +76,11 @@ def test_a_prepare_that_comes_twice_runs_once(tmp_path: Path) -> None:
     take its peers' messages twice."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
-        hook, old, new = one_rank_hook(RebalanceHook)
+        hook, old, new = one_rank_hook()
         for _ in range(2):
-            hook.on_prepare(prepare(1, 0, old, new))
-            assert hook._migration is not None
-            hook._migration.join(30)
+            hook.plans.on_prepare(prepare(1, 0, old, new))
+            assert hook.plans.migration is not None
+            hook.plans.migration.join(30)
         assert (hook.stats.prepared, hook.stats.failed) == (1, 0)
     finally:
         dist.destroy_process_group()
@@ -93,7 +97,7 @@ def test_finish_waits_for_every_plans_transfers(tmp_path: Path) -> None:
     release = threading.Event()
     inside = threading.Event()
 
-    class Stuck(RebalanceHook):
+    class Stuck(PlanDriver):
         def after_transfers(self, version: int) -> None:
             if version == 1:
                 inside.set()
@@ -103,12 +107,12 @@ def test_finish_waits_for_every_plans_transfers(tmp_path: Path) -> None:
     try:
         hook, old, new = one_rank_hook(Stuck)
         hook.start()  # its agent retries a controller that is not there: no matter
-        hook.on_prepare(prepare(1, 0, old, new))  # stuck
+        hook.plans.on_prepare(prepare(1, 0, old, new))  # stuck
         # v1 past its transfers first: a Prepare that came while they ran would abort them
         assert inside.wait(30)
-        hook.on_prepare(prepare(2, 0, old, new))  # the controller moved on (v1 timed out)
-        assert hook._migration is not None
-        hook._migration.join(30)
+        hook.plans.on_prepare(prepare(2, 0, old, new))  # the controller moved on (v1 timed out)
+        assert hook.plans.migration is not None
+        hook.plans.migration.join(30)
         assert not hook.finish(timeout=0.1, transfer_timeout=0.2)
         release.set()
     finally:
@@ -121,7 +125,7 @@ def test_an_abort_right_after_the_transfers_is_no_failure(tmp_path: Path) -> Non
     plan's transfers and the staging of its maps failed an assertion, and the rank reported
     FAILED with an empty reason. Now the plan simply ends aborted (its Abort was reported)."""
 
-    class AbortedThen(RebalanceHook):
+    class AbortedThen(PlanDriver):
         def after_transfers(self, version: int) -> None:
             self.on_abort(version, "the controller gave up")  # arrives on the agent thread right then
 
@@ -129,10 +133,10 @@ def test_an_abort_right_after_the_transfers_is_no_failure(tmp_path: Path) -> Non
     try:
         hook, old, new = one_rank_hook(AbortedThen)
         reports: list[tuple[int, int, str]] = []
-        hook.agent.report = lambda version, phase, **kw: reports.append((version, phase, kw.get("error", "")))  # type: ignore[method-assign]
-        hook._prepare(prepare(1, 0, old, new))
+        hook.plans.report_to(lambda version, phase, **kw: reports.append((version, phase, kw.get("error", ""))))
+        hook.plans._prepare(prepare(1, 0, old, new))
         assert (hook.stats.prepared, hook.stats.failed, hook.stats.aborted) == (0, 0, 1)
         assert reports == [(1, pb.PLAN_PHASE_ABORTED, "")]
-        assert 1 not in hook._staged_phy2log
+        assert 1 not in hook.plans.staged_phy2log
     finally:
         dist.destroy_process_group()

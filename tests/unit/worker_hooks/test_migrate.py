@@ -248,7 +248,9 @@ def _diverged_worker(rank: int, out: str, old: np.ndarray, moves: np.ndarray) ->
     """Rank 2's row map differs from its peers' (as if it restarted alone after plans)."""
     rows = RowMap(G, L, S, 1)
     if rank == 2:
-        rows.rows[0, 0, [0, 1]] = [S, 0]  # it believes rank 0 moved slot 0 to a spare row
+        diverged = rows.rows.copy()
+        diverged[0, 0, [0, 1]] = [S, 0]  # it believes rank 0 moved slot 0 to a spare row
+        rows.switch(diverged)
     weights = in_shared_memory(weights_of("p2p", old, rank, out, 1), f"rank{rank}", out)[0]
     ex = MigrationExecutor(rank, G, weights, join(rank, out), MigrationConfig("ipc"), row_map=rows)
     _write_refusal(ex, moves, rank, out)

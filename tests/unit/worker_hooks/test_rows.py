@@ -70,7 +70,7 @@ def test_rows_chain_over_plans_and_ids_follow() -> None:
         after = rows.plan(moves)
         assert _fresh(rows, after, moves).all()
         before = rows.rows
-        rows.rows = after
+        rows.switch(after)
         changed = np.zeros((G, L, S), dtype=bool)
         changed[moves[:, DST_RANK], moves[:, LAYER], moves[:, DST_SLOT]] = True
         assert (rows.rows[changed] != before[changed]).all()
@@ -85,3 +85,22 @@ def test_bad_shapes_are_refused() -> None:
         RowMap(G, L, S, -1)
     with pytest.raises(ValueError, match="positive"):
         RowMap(0, L, S)
+
+
+def test_rows_change_only_through_switch() -> None:
+    """The rows are read by dispatch and moved by the executor alone: a write anywhere
+    else (the hook once reassigned them, the executor moved the shared map unseen) fails
+    loudly instead of leaving this rank's rows apart from its peers'."""
+    rows = RowMap(G, L, S, 1)
+    with pytest.raises(ValueError, match="read-only"):
+        rows.rows[0, 0, 0] = S
+    with pytest.raises(AttributeError):
+        rows.rows = rows.rows.copy()  # type: ignore[misc]
+    moved = rows.rows.copy()
+    moved[0, 0, 0] = S
+    rows.switch(moved)
+    assert rows.rows[0, 0, 0] == S and not rows.rows.flags.writeable
+    moved[0, 0, 0] = 0  # the caller's array is copied, not kept
+    assert rows.rows[0, 0, 0] == S
+    with pytest.raises(ValueError, match=r"rows of shape \[1, 2\]"):
+        rows.switch(np.zeros((1, 2), dtype=np.int64))

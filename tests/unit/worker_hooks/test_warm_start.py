@@ -1,4 +1,4 @@
-"""Warm start in the hook (HookConfig.pool): the pool placement offered at Register is
+"""Warm start in the hook (HookConfig.pool, a PoolConfig): the pool placement offered at Register is
 installed in `start`, before the first step; without a controller, or with a rank that
 cannot load it, the rank starts on its start placement, waiting no longer than the bound.
 (Groups of ranks agreeing on it, through a sidecar: tests/integration/test_pools.py.)"""
@@ -13,7 +13,7 @@ import torch
 from rebalancer.placement import trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
-from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.hook import HookConfig, PoolConfig, RebalanceHook
 
 L, E, P, G = 2, 4, 6, 1
 
@@ -24,7 +24,7 @@ def expert(layer: int, e: int) -> dict[str, torch.Tensor]:
 
 def hook(seconds: float, source: object = expert) -> tuple[RebalanceHook, np.ndarray]:
     config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                        num_slots=P, num_gpus=G, pool="p", warm_start_seconds=seconds)
+                        num_slots=P, num_gpus=G, pool=PoolConfig("p", seconds))
     start = trivial_placement(L, E, P, G)
     weights = {"w": torch.tensor([[[float(100 * layer + e)] for e in start[layer]] for layer in range(L)])}
     return RebalanceHook(config, start, weights, None, None, expert_source=source), start  # type: ignore[arg-type]

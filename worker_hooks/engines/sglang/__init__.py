@@ -10,49 +10,50 @@ controller; `worker_hooks/engines/sglang/config.py` lists the other variables), 
   `REBALANCER_WINDOW_STEPS` passes, as the project's own hooks do (`WorkerAgent`);
 * takes the controller's plans instead of SGLang's periodic refit
   (`EPLBManager.on_forward_pass_end` is wrapped; SGLang's own `init_by_eplb` no longer
-  runs), and installs each committed placement with SGLang's own updater
-  (`update_expert_location_with_recovery` -> `ExpertLocationUpdater`, which moves the
-  weights with `batch_isend_irecv` between the old and the new physical-to-logical maps).
+  runs), and installs each one with the **staged update** (default,
+  `REBALANCER_UPDATER=staged`) or, as a fallback and for comparison, SGLang's own
+  updater (`REBALANCER_UPDATER=sglang`: `update_expert_location_with_recovery` ->
+  `ExpertLocationUpdater`, which moves the weights with `batch_isend_irecv` inside the
+  forward loop, serving stopped for the whole move).
 
-What holds, and what SGLang's updater cannot give
--------------------------------------------------
+The staged update (adapter.py, staged.py)
+-----------------------------------------
+* Prepare: each rank takes its incoming experts from the plan's transfer list and
+  receives them into staging buffers on a background thread, with the project's p2p
+  transport (worker_hooks/migrate.py on SGLang's own per-layer expert tensors) over a
+  process group of the adapter's own (NCCL on GPU, gloo on CPU; never the group of
+  SGLang's forward collectives). Sources are the old placement's live rows, which nothing
+  writes before the commit. First every rank takes the plan through the transfer fence
+  (worker_hooks/fence.py). PREPARED only once every incoming expert is staged.
+* Commit: at the pass all ranks agreed on (`worker_hooks.agree.CommitAgreement`, an
+  all-reduce(MIN) every `REBALANCER_AGREE_EVERY` passes on a gloo group of the adapter's
+  own, overlapping serving), the staged rows are copied into the live rows (local copies
+  only, storage unchanged) and SGLang's maps of those layers are updated in place with
+  SGLang's own `ExpertLocationMetadata.update(other, update_layer_ids)`, so the tensors
+  CUDA graphs captured stay the same. Nothing crosses ranks inside the forward loop.
+* Staging budget (`REBALANCER_STAGING_BUDGET_BYTES`, default 4 GiB per rank, config.py
+  says why): a plan whose incoming experts exceed it on some rank commits in groups of
+  consecutive layers, each staged and swapped at an agreed pass of its own; between
+  swaps each layer is on the old or the new placement, its map always matching its
+  weights (windows then carry logical counts only).
+* All or nothing (invariant 5): an Abort before the commit drops the staging on every
+  rank, nothing live changed; a rank that refuses, fails or is killed while staging
+  fails the transfers of its peers (the fence, or the broken transfer), they report
+  FAILED and the controller aborts the plan everywhere. The first layer group is staged
+  before PREPARED, so a plan within the budget is all or nothing in full.
+* Ranks switch together (invariant 2): every swap happens at the same pass on every
+  rank (agreed tickets, staged.py); windows never straddle a swap.
+
+What holds either way
+---------------------
 * Plan versions: a Prepare based on another version than the rank serves fails; windows
   carry the version they ran on and never straddle a switch.
-* Ranks agree on the switch (invariant 2): every `REBALANCER_AGREE_EVERY` passes the
-  ranks all-reduce(MIN) the newest version the controller told them to commit
-  (`worker_hooks.agree.CommitAgreement`, on a gloo group of the adapter's own), so all
-  ranks run the updater at the same forward pass. SGLang's passes are in lockstep across
-  the EP group, so the updater's collective sends meet.
-* Abort before commit (invariant 5): a bad placement, a wrong base version or a rank
-  that disconnects before it prepared aborts the plan everywhere; nothing has moved.
-* NOT given: weights moving before the commit. SGLang's updater writes the live weights
-  (its staging is one layer of temporary buffers) and is a blocking collective of the
-  forward loop, so it runs after the controller's commit, at the agreed pass; Prepare
-  only checks and stages the map (PREPARED carries 0 bytes). A rank that dies *during*
-  the update cannot be aborted: the controller has committed. What the adapter does
-  about it: it runs the updater one layer at a time and, after each layer, all-reduces
-  "layer done" on its own group (timeout `REBALANCER_AGREE_TIMEOUT_SECONDS`). The
-  updater changes a layer's live weights only after all of that layer's transfers
-  arrived and its map right after, so a layer is either fully moved or untouched; a
-  rank whose layer moved but whose "layer done" failed restores that one layer from a
-  copy taken before (one layer of the rank's experts, the size of SGLang's own
-  temporary buffers). The survivors then all hold the same placement: the new one on
-  the layers before the failed one, the old one from there on, every map matching its
-  weights; each reports FAILED naming the layer, with the placement it now serves, and
-  the adapter stops taking plans (the EP group has lost a rank and SGLang's own
-  collectives fail as well; the orchestrator restarts the group, which then registers
-  its placement). The controller ends the plan "partial" and records that mixed
-  placement as what the deployment serves (store, `admin status`, metric
-  `rebalancer_mixed_placement`); it starts no plan on top of it until the group's ranks
-  have registered again as new processes. One edge is left: a rank that dies inside the
-  one-integer "layer done" all-reduce itself, after some peers completed it, leaves
-  those peers one layer ahead.
 * SGLang comes first: settings that cannot work (TLS cert and key without a CA, a
-  missing file) leave the plugin off with one log line at start; an error of the
-  adapter while serving turns it off on that rank (an ERROR line with the traceback, its
-  agent stops so the controller sees the rank leave) and SGLang goes on serving its
-  placement (plugin.py). At the process's exit the last window and the pending reports
-  go out (a SIGKILL loses them).
+  missing file, an unknown updater) leave the plugin off with one log line at start; an
+  error of the adapter while serving turns it off on that rank (an ERROR line with the
+  traceback, its agent stops so the controller sees the rank leave) and SGLang goes on
+  serving its placement (plugin.py). At the process's exit the last window and the
+  pending reports go out (a SIGKILL loses them).
 * Warm start in a replica pool (issue #24, `warm_start.py`): with `REBALANCER_POOL` the
   group is a pool member (its windows count in the pool's estimate, the pool rolls its
   placement to it as a plan), and a fresh group starts on the pool's placement: the
@@ -62,8 +63,35 @@ What holds, and what SGLang's updater cannot give
   `init_by_mapping`); the adapter then serves it as version W. Otherwise SGLang starts
   on its own initial expert location, as before.
 * Hot path: windows are copied off the device without waiting (pinned memory and an
-  event on GPU) and handed to the agent thread; the agreement overlaps serving. The
-  update itself stalls serving as SGLang's own rebalance does (it is that code).
+  event on GPU) and handed to the agent thread; the agreement overlaps serving.
+
+What SGLang still cannot give
+-----------------------------
+* After the commit of a plan larger than the budget, the later layer groups move after
+  the controller committed: a rank lost while one of them is staged cannot be aborted.
+  The survivors keep the groups already swapped (every map matching its weights), report
+  FAILED with the mixed placement they serve, and stop taking plans; the controller ends
+  the plan "partial" and records that placement (`rebalancer_mixed_placement`) until the
+  group restarts. With SGLang's updater the same holds per layer (it runs one layer at
+  a time, each confirmed on the adapter's group, a layer that moved on one rank only is
+  restored from a copy); one edge is left there: a rank that dies inside the one-integer
+  "layer done" all-reduce itself leaves the peers that completed it one layer ahead.
+* Staging lives beside SGLang's KV cache: SGLang sizes its memory pool at start and
+  knows nothing of the budget, so leave it room (`--mem-fraction-static`); the buffers
+  are allocated per group by torch's caching allocator, not reserved.
+* The swap still copies the staged rows in place (SGLang's dispatch indexes slots, not
+  spare rows as the project's own hooks can): the pause is one local copy of the
+  group's experts, never a transfer between ranks (1.9 ms for a 3.96 GB group, 5 layers
+  x 9 DeepSeek-V3 experts, on one H200; SGLang's updater spends 9.1 ms on the same group's
+  in-step copies alone, its NCCL transfers on top: BENCHMARKS.md). The staging budget
+  bounds that pause.
+* On GPU the p2p transport's NCCL kernels take SMs from serving while they run (the
+  peer-memory transports of the project's hooks map one stacked tensor per weight;
+  SGLang's are per layer, so only p2p moves them). A rank killed mid-staging is shown
+  on gloo (tests/engines/sglang); on NCCL a dead peer's transfer may hang instead of
+  raising, until the group's timeout (`REBALANCER_AGREE_TIMEOUT_SECONDS`): the staging
+  thread waits, serving does not (the controller aborts the plan on the rank's
+  disconnect meanwhile), but its NCCL kernel holds SMs until then. Not yet shown on GPUs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""One SGLang rank's side of the rebalancer: windows up, plans in through SGLang's updater.
+"""One SGLang rank's side of the rebalancer: windows up, plans staged beside serving and
+swapped at an agreed pass (or, as a fallback, moved by SGLang's own updater).
 
 Created by the plugin (worker_hooks/engines/sglang/plugin.py) at the first forward pass that
 SGLang's `EPLBManager` sees, once SGLang has loaded the model, set the global
 `ExpertLocationMetadata` and initialised torch.distributed. The guarantees, and the one
-SGLang's updater cannot give, are in the package docstring (worker_hooks/engines/sglang/__init__.py).
+SGLang still cannot give, are in the package docstring (worker_hooks/engines/sglang/__init__.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -27,7 +29,16 @@ from rebalancer.wire.layout import logical_counts
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.engines import require_engine
-from worker_hooks.engines.sglang.config import SGLangAdapterConfig
+from worker_hooks.engines.sglang.config import SGLangAdapterConfig, Updater
+from worker_hooks.engines.sglang.staged import layer_groups, ticket, ticket_parts
+from worker_hooks.fence import TransfersDeclined
+from worker_hooks.migrate import (
+    LayerWeights,
+    MigrationAborted,
+    MigrationConfig,
+    MigrationExecutor,
+    P2PTransport,
+)
 
 log = logging.getLogger("worker_hooks.engines.sglang")
 
@@ -39,7 +50,25 @@ class AdapterStats:
     commits: list[tuple[int, int]] = field(default_factory=list)  # (pass, version)
     prepared: int = 0
     aborted: int = 0
-    update_seconds: list[float] = field(default_factory=list)
+    update_seconds: list[float] = field(default_factory=list)  # SGLang's updater, per plan
+    swap_seconds: list[float] = field(default_factory=list)    # staged: per group swap
+    groups: list[int] = field(default_factory=list)            # staged: groups per committed plan
+    bytes_received: int = 0
+
+
+@dataclass
+class StagedPlan:
+    """A plan in staged mode: its groups of layers, how many are staged and swapped."""
+
+    version: int
+    new: np.ndarray                # [L, P] the plan's placement
+    transfers: np.ndarray          # [K, 5] of the layers holding weights
+    groups: list[list[int]]        # layers per group, in swap order
+    weightless: list[int]          # changed layers without routed weights: maps only
+    target: Any = None             # SGLang's ExpertLocationMetadata of `new`
+    staged: int = 0                # groups staged so far
+    swapped: int = 0               # groups live so far
+    thread: threading.Thread | None = None
 
 
 class SGLangRebalanceAdapter(PlanHandlers):
@@ -65,14 +94,17 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.num_logical = int(metadata.num_logical_experts)
         self.slots_per_rank = self.num_slots // self.num_gpus
         self.version = 0
+        self.updater: Updater = config.updater  # read at each Prepare
         self.step = 0
         self.stats = AdapterStats()
         self.broken: str | None = None  # set when an update lost a peer: no more plans
         self._finished = False
         self._window_start = 0
         self._counts: torch.Tensor | None = None  # [L, P] int64 on the pass's device
-        self._snapshot: tuple[int, int, int, np.ndarray, torch.Tensor, torch.cuda.Event | None] | None = None
-        self._staged: dict[int, np.ndarray] = {}
+        self._snapshot: tuple[int, int, int, np.ndarray, torch.Tensor, torch.cuda.Event | None, bool] | None = None
+        self._staged: dict[int, np.ndarray] = {}  # updater mode: the map of the plan to commit
+        self._plan: StagedPlan | None = None      # staged mode: the plan in flight
+        self._ticket = 0                          # what is live (staged.ticket)
         self._commit_ready = 0
         self._lock = threading.Lock()
         # Groups of the adapter's own, so its collectives never interleave with SGLang's.
@@ -81,6 +113,17 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self._agree_group = dist.new_group(backend="gloo", timeout=timeout)
         self._layer_group = dist.new_group(backend="gloo", timeout=timeout)
         self.agreement = CommitAgreement(self._agree_group, config.agree_every)
+        weights = manager._get_model().routed_experts_weights_of_layer
+        self.weight_layers = sorted(weights)
+        self.executor: MigrationExecutor | None = None
+        if weights:
+            # The adapter's own group for weights (NCCL on GPU, gloo on CPU), never SGLang's.
+            device = weights[self.weight_layers[0]][0].device
+            self._migrate_group = dist.new_group(backend=P2PTransport.group_backend(device), timeout=timeout)
+            self.executor = MigrationExecutor(
+                self.rank, self.num_gpus, self._layer_weights(weights), self._migrate_group,
+                MigrationConfig(transport="p2p"),
+            )
         shape = pb.ModelShape(
             num_layers=self.num_layers, num_logical_experts=self.num_logical,
             num_physical_slots=self.num_slots, num_gpus=self.num_gpus,
@@ -102,6 +145,13 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.agent.start()
         log.info("rank %d: rebalancer adapter on (%s, deployment %s, %d layers, %d slots)",
                  self.rank, config.address, config.deployment, self.num_layers, self.num_slots)
+
+    @staticmethod
+    def _layer_weights(weights: dict[int, list[torch.Tensor]]) -> LayerWeights:
+        """SGLang's live expert tensors (`[local slots, ...]` per layer, a list of them)
+        as the executor's per-layer weights."""
+        count = len(next(iter(weights.values())))
+        return {f"w{i}": {layer: tensors[i] for layer, tensors in weights.items()} for i in range(count)}
 
     def _expert_bytes(self) -> int:
         """Bytes of one physical slot's weights (all its tensors), from SGLang's model."""
@@ -125,14 +175,29 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.step += 1
         self.stats.steps += 1
         self._poll_window()
-        with self._lock:
-            ready = self._commit_ready if self._commit_ready in self._staged else self.version
-        agreed = self.agreement.on_step(self.step, ready)
-        if self.broken is None and agreed is not None and agreed > self.version:
+        agreed = self.agreement.on_step(self.step, self._ready_ticket(), serving=self._ticket)
+        if self.broken is None and agreed is not None and agreed > self._ticket:
             self._flush_window(wait=True)  # a window never straddles two placements
-            self._apply(agreed)
+            version, groups_done = ticket_parts(agreed)
+            if groups_done:
+                self._swap(agreed)
+            else:
+                self._apply(version)
         elif self.step - self._window_start >= self.config.window_steps:
             self._flush_window()
+
+    def _ready_ticket(self) -> int:
+        """The newest ticket this rank can switch to: the next staged group of a plan the
+        controller said to commit, SGLang's updater's committed plan, or what is live."""
+        with self._lock:
+            plan, ready = self._plan, self._commit_ready
+            if plan is not None:
+                if plan.version <= ready and plan.staged > plan.swapped:
+                    return ticket(plan.version, plan.staged)
+                return self._ticket
+            if ready in self._staged and ready > self.version:
+                return ticket(ready, 0)
+        return self._ticket
 
     def finish(self, timeout: float = 5.0) -> None:
         """At shutdown (the plugin calls it at the process's exit): send the last window,
@@ -150,7 +215,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
     def idle_step(self) -> None:
         """A pass while disabled: only the commit agreement, with the version served."""
         self.step += 1
-        self.agreement.on_step(self.step, self.version)
+        self.agreement.on_step(self.step, self._ticket)
 
     def disable(self, reason: str) -> None:
         """The plugin turned the adapter off after an error of its own: no more plans, and
@@ -174,8 +239,11 @@ class SGLangRebalanceAdapter(PlanHandlers):
         else:
             host, event = counts.clone(), None
         counts.zero_()
+        # Between the swaps of a plan's groups the map is mixed (no version names it):
+        # only the logical counts go up then.
+        mixed = self._plan is not None and self._plan.swapped > 0
         self._snapshot = (self._window_start, self.step - self._window_start, self.version,
-                          self.phy2log.copy(), host, event)
+                          self.phy2log.copy(), host, event, mixed)
         self._window_start = self.step
         self._poll_window(wait=wait)
 
@@ -183,7 +251,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
         """Hand a finished copy to the agent; waits for the device only when `wait`."""
         if self._snapshot is None:
             return
-        first, steps, version, phy2log, host, event = self._snapshot
+        first, steps, version, phy2log, host, event, mixed = self._snapshot
         if event is not None:
             if wait:
                 event.synchronize()
@@ -192,14 +260,12 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self._snapshot = None
         physical = host.numpy().astype(np.int64)
         logical = logical_counts(physical, phy2log, self.num_logical)
-        self.agent.submit_window(first, steps, version, logical, physical)
+        self.agent.submit_window(first, steps, version, logical, None if mixed else physical)
         self.stats.windows += 1
 
     def _apply(self, version: int) -> None:
         """Install committed plan `version` with SGLang's updater, one layer at a time,
         every layer confirmed by every rank (see the package docstring)."""
-        import time
-
         from sglang.srt.eplb.eplb_manager import update_expert_location_with_recovery
         from sglang.srt.eplb.expert_location import (
             ExpertLocationMetadata,
@@ -264,6 +330,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
             get_global_expert_location_metadata().update(target, update_layer_ids=weightless)
             self.phy2log[weightless] = new[weightless]
         self.version = version
+        self._ticket = ticket(version, 0)
         self.stats.update_seconds.append(time.perf_counter() - start)
         self.stats.commits.append((self.step, version))
         self.agent.report(version, pb.PLAN_PHASE_COMMITTED, step=self.step)
@@ -291,27 +358,152 @@ class SGLangRebalanceAdapter(PlanHandlers):
         """Called before each layer of an update; raising fails that layer. A seam for
         fault injection in tests."""
 
+    def _swap(self, agreed: int) -> None:
+        """Staged mode, at the agreed pass: the next group's staged experts are copied into
+        the live rows (local copies, nothing crosses ranks) and SGLang's maps of its layers
+        are updated in place (`ExpertLocationMetadata.update`: the captured tensors stay)."""
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+        start = time.perf_counter()
+        plan = self._plan
+        assert plan is not None and self.executor is not None
+        group = plan.swapped
+        layers = list(plan.groups[group]) if plan.groups else []
+        if plan.groups:
+            self.executor.commit(ticket(plan.version, group + 1))
+        if group == 0:  # layers without routed weights: their map rows move with the first
+            layers += plan.weightless
+        if layers:
+            get_global_expert_location_metadata().update(plan.target, update_layer_ids=sorted(layers))
+            self.phy2log[layers] = plan.new[layers]
+        self.stats.swap_seconds.append(time.perf_counter() - start)
+        with self._lock:
+            plan.swapped = group + 1
+            self._ticket = agreed
+            done = plan.swapped >= max(1, len(plan.groups))
+            if done:
+                self._plan = None
+        if not done:  # the next group is staged beside serving, then swapped at its own pass
+            self._start_staging(plan, plan.swapped)
+            return
+        self.version = plan.version
+        self.stats.groups.append(len(plan.groups))
+        self.stats.commits.append((self.step, plan.version))
+        self.agent.report(plan.version, pb.PLAN_PHASE_COMMITTED, step=self.step)
+        log.info("rank %d: v%d live at pass %d (%d layer group(s))", self.rank, plan.version,
+                 self.step, len(plan.groups))
+
+    def _start_staging(self, plan: StagedPlan, group: int) -> None:
+        plan.thread = threading.Thread(target=self._stage, args=(plan, group), daemon=True,
+                                       name=f"sglang-stage-v{plan.version}-g{group}")
+        plan.thread.start()
+
+    def _stage(self, plan: StagedPlan, group: int) -> None:
+        """Background thread: receive group `group`'s incoming experts into staging over
+        the adapter's own group (worker_hooks.migrate, after the transfer fence). Group 0
+        ends in PREPARED; a later group (the plan is committed) in a swap at an agreed pass,
+        or, when a peer is lost, in FAILED with the mixed placement this rank serves."""
+        version = plan.version
+        key = ticket(version, group + 1)
+        try:
+            if group == 0:
+                from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+
+                plan.target = ExpertLocationMetadata.init_by_mapping(
+                    self.manager._model_config, torch.from_numpy(plan.new.copy()), moe_ep_rank=self.rank)
+            self.before_staging(version, group)
+            if plan.groups:
+                assert self.executor is not None
+                layers = np.asarray(plan.groups[group])
+                moves = plan.transfers[np.isin(plan.transfers[:, 0], layers)]
+                stats = self.executor.prepare(key, moves)
+                self.stats.bytes_received += stats.bytes_received
+                received, seconds = stats.bytes_received, stats.seconds
+            else:
+                received, seconds = 0, 0.0
+        except MigrationAborted:
+            return  # on_abort dropped it and reported
+        except Exception as exc:
+            if self.executor is not None:
+                self.executor.abort(key)
+            self._staging_failed(plan, group, exc)
+            return
+        with self._lock:
+            if self._plan is not plan:  # aborted meanwhile
+                return
+            plan.staged = group + 1
+        if group == 0:
+            self.stats.prepared += 1
+            self.agent.report(version, pb.PLAN_PHASE_PREPARED, bytes_received=received, seconds=seconds)
+
+    def _staging_failed(self, plan: StagedPlan, group: int, exc: Exception) -> None:
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        with self._lock:
+            if self._plan is plan:
+                self._plan = None
+        if group == 0:  # before the commit: the plan aborts everywhere, nothing live changed
+            log.error("rank %d: staging v%d failed: %s", self.rank, plan.version, error)
+            self.agent.report(plan.version, pb.PLAN_PHASE_FAILED, error=error[:500])
+            return
+        # After the commit (a later group): the swapped groups stay, every map matching
+        # its weights; the controller records the mixed placement (as for SGLang's updater).
+        self.broken = f"v{plan.version} stopped at layer group {group}: {error}"
+        message = (f"staging layer group {group} of v{plan.version} failed ({error}); layers "
+                   f"{[x for g in plan.groups[:group] for x in g]} are on v{plan.version}, the "
+                   f"others on v{self.version}; no more plans on this group")
+        log.error("rank %d: %s", self.rank, message)
+        self.agent.report(plan.version, pb.PLAN_PHASE_FAILED, error=message[:500], serving=self.phy2log.copy())
+
+    def before_staging(self, version: int, group: int) -> None:
+        """Called on the staging thread before each group's transfers; raising fails the
+        group. A seam for fault injection in tests."""
+
     # ------------------------------------------------------------ agent thread
 
     def on_prepare(self, prepare: pb.Prepare) -> None:
-        """Check and stage the placement: weights move only at the agreed pass, after the
-        commit, in SGLang's updater (what SGLang's updater cannot do is in the docstring)."""
+        """Check the plan; in staged mode start receiving its first layer group beside
+        serving (PREPARED once staged), with SGLang's updater only stage the map (weights
+        move after the commit, in SGLang's forward loop)."""
         version = prepare.version
         try:
             if self.broken is not None:
                 raise InputError(f"rank stopped taking plans ({self.broken})")
             if prepare.base_version != self.version:
                 raise InputError(f"plan is based on v{prepare.base_version}, rank serves v{self.version}")
-            new = codec.decode_phy2log(
-                prepare.placement.phy2log, self.num_layers, self.num_slots, self.num_logical)
+            with self._lock:
+                if self._plan is not None:
+                    raise InputError(f"rank is still installing v{self._plan.version}")
+            new = np.array(codec.decode_phy2log(
+                prepare.placement.phy2log, self.num_layers, self.num_slots, self.num_logical), dtype=np.int64)
+            transfers = codec.decode(prepare.transfers, "transfers") if self.updater == "staged" else None
         except InputError as exc:
             log.error("rank %d: plan v%d refused: %s", self.rank, version, exc)
+            if self.executor is not None and self.updater == "staged":
+                try:  # its peers stop waiting for this rank's transfers at once
+                    self.executor.decline(ticket(version, 1), str(exc))
+                except TransfersDeclined:
+                    pass
             self.agent.report(version, pb.PLAN_PHASE_FAILED, error=str(exc)[:500])
             return
+        if transfers is None:
+            with self._lock:
+                self._staged = {version: new}
+            self.stats.prepared += 1
+            self.agent.report(version, pb.PLAN_PHASE_PREPARED)
+            return
+        plan = self._staged_plan(version, new, np.asarray(transfers, dtype=np.int64).reshape(-1, 5))
         with self._lock:
-            self._staged = {version: np.array(new, dtype=np.int64)}
-        self.stats.prepared += 1
-        self.agent.report(version, pb.PLAN_PHASE_PREPARED)
+            self._plan = plan
+        self._start_staging(plan, 0)
+
+    def _staged_plan(self, version: int, new: np.ndarray, transfers: np.ndarray) -> StagedPlan:
+        """The plan's layer groups within the staging budget (the same on every rank)."""
+        with_weights = set(self.weight_layers)
+        changed = [int(layer) for layer in np.flatnonzero((new != self.phy2log).any(axis=1))]
+        moves = transfers[np.isin(transfers[:, 0], sorted(with_weights))]
+        groups = layer_groups(moves, [x for x in changed if x in with_weights], self.num_gpus,
+                              self._expert_bytes(), self.config.staging_budget_bytes)
+        return StagedPlan(version, new, moves, groups, [x for x in changed if x not in with_weights])
 
     def on_commit(self, version: int) -> None:
         with self._lock:
@@ -320,6 +512,13 @@ class SGLangRebalanceAdapter(PlanHandlers):
     def on_abort(self, version: int, reason: str) -> None:
         with self._lock:
             self._staged.pop(version, None)
+            plan = self._plan
+            if plan is not None and plan.version == version and plan.swapped == 0:
+                self._plan = None
+            else:
+                plan = None
+        if plan is not None and self.executor is not None:
+            self.executor.abort(ticket(version, 1))  # drops the staging, also mid-transfer
         self.stats.aborted += 1
         log.warning("rank %d: plan v%d aborted: %s", self.rank, version, reason)
         self.agent.report(version, pb.PLAN_PHASE_ABORTED)

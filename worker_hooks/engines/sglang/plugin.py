@@ -5,7 +5,8 @@ REBALANCER_ADDRESS it registers nothing and SGLang's own EPLB runs unchanged. Wi
   * AFTER `_StatAccumulator.append`: every recorded pass's `[L, P]` count goes to the
     adapter's window (SGLang's recorder keeps its own buffer as before);
   * AROUND `EPLBManager.on_forward_pass_end`: the adapter's step replaces SGLang's
-    periodic refit (the controller decides when and what; SGLang's updater moves).
+    periodic refit (the controller decides when and what; the adapter stages the weights
+    beside serving and swaps them at an agreed pass, or SGLang's updater moves them).
 SGLang is imported here only inside the functions SGLang itself calls.
 
 The inference pod comes first: an error of the adapter (building it, a pass's counts, its

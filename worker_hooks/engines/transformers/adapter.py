@@ -57,7 +57,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rebalancer.wire.layout import trivial_placement
-from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.config import CommitConfig, Credentials, HookConfig, MigrationConfig, WindowConfig
+from worker_hooks.hook import RebalanceHook
 from worker_hooks.migrate import Transport, transport_class
 
 __all__ = [
@@ -317,9 +318,10 @@ def attach(
         HookConfig(
             controller=config.controller, deployment=config.deployment, rank=rank,
             num_layers=len(blocks), num_logical=num_logical, num_slots=num_slots, num_gpus=world,
-            expert_bytes=expert_bytes, window_steps=config.window_steps, agree_every=config.agree_every,
-            migrate_transport=config.migrate_transport, spare_rows=config.spare_rows,
-            worker_id=f"transformers-{type(model).__name__}-rank{rank}", token=config.token,
+            expert_bytes=expert_bytes, worker_id=f"transformers-{type(model).__name__}-rank{rank}",
+            credentials=Credentials(token=config.token), windows=WindowConfig(steps=config.window_steps),
+            commit=CommitConfig(agree_every=config.agree_every, spare_rows=config.spare_rows),
+            migration=MigrationConfig(transport=config.migrate_transport),
         ),
         phy2log, weights, agree_group, migrate_group, device=device,
     )

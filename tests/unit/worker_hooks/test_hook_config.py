@@ -1,0 +1,55 @@
+"""HookConfig in sections: each field documented where it is declared, each choice a
+Literal, a section of the wrong kind or a bad choice refused by name."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+from typing import Literal, get_args, get_origin, get_type_hints
+
+import pytest
+
+from worker_hooks import config as config_module
+from worker_hooks.config import DispatchConfig, HookConfig, MigrationConfig, WindowConfig
+
+SECTIONS = ("credentials", "windows", "dispatch", "commit", "migration", "pool")
+
+
+def _hook_config() -> HookConfig:
+    return HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=2, num_logical=4,
+                      num_slots=8, num_gpus=2)
+
+
+def test_every_field_of_config_py_has_its_docstring() -> None:
+    tree = ast.parse(Path(config_module.__file__).read_text())
+    undocumented = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                following = body[i + 1] if i + 1 < len(body) else None
+                if not (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                        and isinstance(following.value.value, str)):
+                    undocumented.append(f"{cls.name}.{node.target.id}")
+    assert undocumented == []
+
+
+def test_the_choices_are_literals() -> None:
+    for section, name in ((DispatchConfig, "mode"), (MigrationConfig, "transport")):
+        hint = get_type_hints(section)[name]
+        assert get_origin(hint) is Literal and len(get_args(hint)) >= 3, (section.__name__, name)
+
+
+def test_sections_and_choices_are_checked_by_name() -> None:
+    config = _hook_config()
+    assert [f.name for f in dataclasses.fields(config)][-len(SECTIONS):] == list(SECTIONS)
+    with pytest.raises(TypeError, match="HookConfig.windows must be a WindowConfig, got dict"):
+        dataclasses.replace(config, windows={"steps": 8})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown dispatch mode"):
+        DispatchConfig(mode="even")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="WindowConfig.steps must be >= 1, got 0"):
+        WindowConfig(steps=0)
+    with pytest.raises(ValueError, match='"load\\+shared" needs shared_expert=True'):
+        dataclasses.replace(config, dispatch=DispatchConfig(mode="load+shared"))
+    assert config.rows_per_rank == 4 and config.migration.transport == "p2p"

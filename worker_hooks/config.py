@@ -1,0 +1,203 @@
+"""What a rank's hook is told: `HookConfig`, its model and identity, and one section per job.
+
+    HookConfig(controller=..., deployment=..., rank=r, num_layers=L, num_logical=E,
+               num_slots=P, num_gpus=G,                  # who this rank is, the model's shape
+               credentials=Credentials(token=...),        # how it proves itself to the controller
+               windows=WindowConfig(steps=16),            # counting
+               dispatch=DispatchConfig(mode="load"),      # tokens among an expert's replicas
+               commit=CommitConfig(agree_every=4),        # switching placements
+               migration=MigrationConfig(transport="ipc"))  # moving weights (worker_hooks/migrate.py)
+
+Every section has defaults that serve; each checks its own fields when built (a
+TypeError or ValueError naming the field), and `HookConfig` checks how they fit together.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+from rebalancer.wire.dispatch import (
+    DEFAULT_DISPATCH_MODE,
+    WATERFILL_PASSES,
+    DispatchMode,
+    check_dispatch_mode,
+    check_waterfill_passes,
+    has_shared_replicas,
+)
+from worker_hooks.migrate import MigrationConfig
+from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
+
+__all__ = ["CommitConfig", "Credentials", "DispatchConfig", "HookConfig", "MigrationConfig", "WindowConfig"]
+
+
+def _check_ints(section: object, names: tuple[str, ...], minimum: int) -> None:
+    """Each field in `names` is an int (not a bool) >= minimum: TypeError / ValueError by name."""
+    what = type(section).__name__
+    for name in names:
+        value = getattr(section, name)
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"{what}.{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < minimum:
+            raise ValueError(f"{what}.{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """How the rank proves itself to the controller (straight to it; through the pod's
+    sidecar, which holds the credentials itself, none are needed)."""
+
+    token: str | None = None
+    """The deployment's bearer token (the controller's `[worker_tokens]`); None: none sent."""
+    ca_file: str | None = None
+    """The controller's CA certificate (PEM): TLS on when set."""
+    cert_file: str | None = None
+    """This rank's client certificate (PEM), for mutual TLS; needs `key_file` and `ca_file`."""
+    key_file: str | None = None
+    """The private key of `cert_file`."""
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    """How routing is counted and sent up."""
+
+    steps: int = 16
+    """Forward steps per counts window (a window also closes at each placement switch)."""
+    record_physical: bool = True
+    """Also count the picks each physical slot received (the controller's measured
+    balance, and the count files' per-GPU counts)."""
+
+    def __post_init__(self) -> None:
+        _check_ints(self, ("steps",), 1)
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """How an expert's tokens are divided among its replicas (rebalancer.wire.dispatch)."""
+
+    mode: DispatchMode = DEFAULT_DISPATCH_MODE
+    """"split": the hash split (no collective); "load": water-filled against this step's
+    per-GPU load (one all-gather of `[G, E + 1]` counts per layer); "load+shared": as
+    "load", with the shared expert dispatched too (needs `HookConfig.shared_expert`)."""
+    waterfill_passes: int = WATERFILL_PASSES
+    """Water-filling passes per layer and step under "load" / "load+shared": more come
+    closer to even at 14 kernels each (rebalancer.wire.dispatch.WATERFILL_PASSES)."""
+    compile: bool = False
+    """Fuse each layer's water-fill with torch.compile (CUDA; compiled at the first step,
+    so run a step eagerly before capturing graphs). Off: ~140 small kernels per layer."""
+
+    def __post_init__(self) -> None:
+        check_dispatch_mode(self.mode)  # InputError: a ValueError naming the choices
+        check_waterfill_passes(self.waterfill_passes)
+
+    @property
+    def by_load(self) -> bool:
+        """Whether a step's load decides the split (an all-gather per layer)."""
+        return self.mode != "split"
+
+
+@dataclass(frozen=True)
+class CommitConfig:
+    """How a prepared plan becomes the placement served."""
+
+    agree_every: int = 4
+    """Steps between the ranks' commit agreements (an asynchronous all-reduce of their
+    ready versions): every rank switches at the same step."""
+    spare_rows: int = 0
+    """Weight rows per layer on each rank beyond its slots: incoming experts land there
+    during prepare and a commit only swaps maps (worker_hooks/rows.py). 0: experts are
+    copied into their slots at commit."""
+
+    def __post_init__(self) -> None:
+        _check_ints(self, ("agree_every",), 1)
+        _check_ints(self, ("spare_rows",), 0)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Membership of a replica pool (docs/operations.md, "Pools")."""
+
+    name: str = ""
+    """The deployment's replica pool (RegisterRequest.pool; "" = none). Every rank of the
+    group names the same pool."""
+    warm_start_seconds: float = DEFAULT_WARM_START_SECONDS
+    """Longest wait at `start` for the pool's placement (RegisterResponse.warm_start):
+    a fresh group installs it before its first step, every rank or none. 0: never wait,
+    start as without a pool."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"PoolConfig.name must be a str, got {type(self.name).__name__}")
+        check_warm_start_seconds(self.warm_start_seconds, "PoolConfig.warm_start_seconds")
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """One rank's hook: who it is, the model's shape, and one section per job."""
+
+    controller: str
+    """The controller's `host:port`, or the pod's sidecar (`unix:///run/rebalancer/agent.sock`)."""
+    deployment: str
+    """The deployment this rank serves (one model on one EP group)."""
+    rank: int
+    """This rank in the EP group, in [0, num_gpus)."""
+    num_layers: int
+    """MoE layers of the model."""
+    num_logical: int
+    """Routed (logical) experts per layer."""
+    num_slots: int
+    """Physical expert slots per layer over the whole group (a multiple of num_gpus)."""
+    num_gpus: int
+    """Ranks of the EP group."""
+    num_nodes: int = 1
+    """Hosts the group spans (told to the controller, which prices moves between them)."""
+    expert_bytes: int = 0
+    """Bytes of one expert's weights (the controller's migration cost; 0: unknown)."""
+    top_k: int = 0
+    """Routed experts per token, told to the controller (0: unknown)."""
+    shared_expert: bool = False
+    """The model has a shared expert (DeepSeek-V3/V4): counted as expert E of every layer,
+    and under dispatch "load+shared" dispatched like a routed expert with a replica on
+    every GPU."""
+    worker_id: str = ""
+    """A name for this process in the controller's status and logs."""
+    credentials: Credentials = field(default_factory=Credentials)
+    """Token and TLS files, when the rank talks to the controller directly."""
+    windows: WindowConfig = field(default_factory=WindowConfig)
+    """Counting routing into windows."""
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    """Dividing an expert's tokens among its replicas."""
+    commit: CommitConfig = field(default_factory=CommitConfig)
+    """Switching to a prepared plan: agreement period, spare rows."""
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    """Moving weights for a plan (worker_hooks/migrate.py: transport, pacing, chunks)."""
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    """The replica pool and its warm start."""
+
+    def __post_init__(self) -> None:
+        for name in ("controller", "deployment"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise TypeError(f"HookConfig.{name} must be a non-empty str, got {getattr(self, name)!r}")
+        _check_ints(self, ("rank", "num_layers", "num_logical", "num_slots", "num_gpus", "num_nodes",
+                           "expert_bytes", "top_k"), 0)
+        for name, section in (("credentials", Credentials), ("windows", WindowConfig),
+                              ("dispatch", DispatchConfig), ("commit", CommitConfig),
+                              ("migration", MigrationConfig), ("pool", PoolConfig)):
+            if not isinstance(getattr(self, name), section):
+                raise TypeError(f"HookConfig.{name} must be a {section.__name__}, "
+                                f"got {type(getattr(self, name)).__name__}")
+        if self.num_gpus < 1 or not 0 <= self.rank < self.num_gpus:
+            raise ValueError(f"need 0 <= rank < num_gpus, got rank={self.rank}, num_gpus={self.num_gpus}")
+        if self.num_slots % self.num_gpus:
+            raise ValueError(f"num_slots={self.num_slots} is not a multiple of num_gpus={self.num_gpus}")
+        if has_shared_replicas(self.dispatch.mode) and not self.shared_expert:
+            raise ValueError('dispatch mode "load+shared" needs shared_expert=True')
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.num_gpus
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Weight rows per layer on a rank: its slots plus the spare rows."""
+        return self.slots_per_rank + self.commit.spare_rows

@@ -1,0 +1,194 @@
+"""A rank's side of a plan's life, off the serving thread: the plan driver.
+
+`PlanDriver` is what the agent calls when the controller speaks (worker_hooks/agent.py's
+`PlanHandlers`): a Prepare starts a migration thread that takes the plan through the
+transfer fence, receives the rank's incoming experts (MigrationExecutor) and stages the
+new dispatch maps, then reports PREPARED or FAILED; a Commit marks the plan ready for the
+commit agreement; an Abort drops its staging. The serving thread asks it which version
+it may switch to (`ready_version`) and, at the agreed step, takes the staged plan
+(`take_commit`). Neither the driver nor the agent holds the hook: the driver reports
+plan phases through the callable given to `report_to` (the agent's `report`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire import codec
+from worker_hooks.agent import PlanHandlers
+from worker_hooks.config import HookConfig
+from worker_hooks.dispatch import ReplicaDispatch
+from worker_hooks.migrate import MigrationAborted, MigrationExecutor
+from worker_hooks.rows import replica_rows
+from worker_hooks.serving import HookStats, ServedPlacement
+
+log = logging.getLogger("worker_hooks.plans")
+
+# agent.WorkerAgent.report: (version, phase, step=, error=, bytes_received=, seconds=, serving=)
+Report = Callable[..., None]
+
+
+def dispatch_map(config: HookConfig, phy2log: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
+    """Dispatch's map `[L, E, R]`: each expert's replicas as row ids, -1 padded."""
+    max_replicas = config.num_slots - config.num_logical + 1
+    return replica_rows(phy2log, row_ids, config.num_logical, max_replicas)
+
+
+def _unconnected(version: int, phase: pb.PlanPhase, **_: object) -> None:
+    raise RuntimeError(f"plan v{version}: no link to report phase {phase} to (PlanDriver.report_to)")
+
+
+class PlanDriver(PlanHandlers):
+    """Prepare / commit / abort of the controller's plans on one rank (module docstring).
+
+    Subclass it to check a plan after its transfers (`after_transfers`) or to inject
+    faults; `RebalanceHook(plan_driver=...)` takes the class."""
+
+    def __init__(
+        self,
+        config: HookConfig,
+        executor: MigrationExecutor,
+        dispatch: ReplicaDispatch,
+        served: ServedPlacement,
+        stats: HookStats,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.dispatch = dispatch
+        self.served = served
+        self.stats = stats
+        self._report: Report = _unconnected
+        self.migration: threading.Thread | None = None  # the newest plan's thread
+        self._migrations: list[threading.Thread] = []  # those still running, newest last
+        self._last_prepare = 0  # newest plan version whose Prepare came (agent thread)
+        self._closing = False
+        # Newest version the controller said to commit; read by the serving thread.
+        self._commit_ready = 0
+        self.staged_phy2log: dict[int, np.ndarray] = {}
+
+    @property
+    def commit_ready(self) -> int:
+        """The newest version the controller said to commit (0: none yet)."""
+        return self._commit_ready
+
+    def report_to(self, report: Report) -> None:
+        """Where the plans' phases go: the agent's `report` (set once, before it starts)."""
+        self._report = report
+
+    # ------------------------------------------------------------ serving thread
+
+    def ready_version(self) -> int:
+        """The newest version this rank may switch to: one the controller said to commit
+        and whose staging is here, else the version served."""
+        ready = self._commit_ready
+        return ready if ready in self.staged_phy2log else self.served.version
+
+    def take_commit(self, version: int) -> tuple[np.ndarray, int]:
+        """At the agreed step: make plan `version`'s weights live (the executor copies what
+        found no spare row and moves the rows); returns the plan's phy2log and the experts
+        copied. The caller then switches the dispatch maps and the served placement."""
+        copied = self.executor.commit(version)
+        return self.staged_phy2log.pop(version), copied
+
+    # ------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """From now on a plan still runs its transfers (peers wait for them) but fails."""
+        self._closing = True
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for every plan's thread, not only the newest: an older
+        one may still wait for a peer (a daemon thread inside a gloo wait at exit aborts
+        the process). True when none is left running."""
+        until = time.monotonic() + timeout
+        for migration in self._migrations:
+            migration.join(max(0.0, until - time.monotonic()))
+        return not any(m.is_alive() for m in self._migrations)
+
+    # ------------------------------------------------------------ agent thread
+
+    def on_prepare(self, prepare: pb.Prepare) -> None:
+        # A Prepare can come twice (resent to a rank whose stream went down as it was
+        # sent): its transfers run once, or the peers' messages would be taken twice.
+        if prepare.version <= self._last_prepare:
+            return
+        self._last_prepare = prepare.version
+        self.migration = threading.Thread(
+            target=self._prepare, args=(prepare,), daemon=True, name=f"migrate-v{prepare.version}"
+        )
+        self.migration.start()
+        self._migrations = [t for t in self._migrations if t.is_alive()] + [self.migration]
+
+    def on_commit(self, version: int) -> None:
+        self._commit_ready = max(self._commit_ready, version)
+
+    def on_abort(self, version: int, reason: str) -> None:
+        self.executor.abort(version)
+        self.staged_phy2log.pop(version, None)
+        self.stats.aborted += 1
+        log.warning("rank %d: plan v%d aborted: %s", self.config.rank, version, reason)
+        self._report(version, pb.PLAN_PHASE_ABORTED)
+
+    # ------------------------------------------------------------ migration thread
+
+    def _prepare(self, prepare: pb.Prepare) -> None:
+        version = prepare.version
+        try:
+            refusal = self._refusal(prepare)
+            cfg = self.config
+            new = codec.decode_phy2log(
+                prepare.placement.phy2log, cfg.num_layers, cfg.num_slots, cfg.num_logical
+            )
+            transfers = codec.decode(prepare.transfers, "transfers")
+            if refusal:
+                # No rank moves this plan's weights: its peers stop waiting for this rank
+                # at once (worker_hooks/fence.py) and the plan fails everywhere.
+                self.executor.decline(version, refusal)
+            stats = self.executor.prepare(version, transfers)
+            if self._closing:
+                raise RuntimeError("rank is shutting down")
+            self.after_transfers(version)
+            rows = self.executor.staged_rows
+            if rows is None:  # an Abort dropped the staging after the transfers (on_abort reported it)
+                raise MigrationAborted(f"plan v{version} aborted while its weights were staged")
+            self.dispatch.stage(dispatch_map(cfg, new, self.executor.row_map.row_ids(rows)))
+            self.staged_phy2log = {version: new}
+        except MigrationAborted:
+            return
+        except Exception as exc:  # any failure aborts the plan everywhere (invariant 5)
+            self.stats.failed += 1
+            self.executor.abort(version)
+            log.error("rank %d: preparing v%d failed: %s", self.config.rank, version, exc)
+            self._report(version, pb.PLAN_PHASE_FAILED, error=str(exc)[:500])
+            return
+        self.stats.prepared += 1
+        self.stats.bytes_received += stats.bytes_received
+        self._report(
+            version,
+            pb.PLAN_PHASE_PREPARED,
+            bytes_received=stats.bytes_received,
+            seconds=stats.seconds,
+        )
+
+    def _refusal(self, prepare: pb.Prepare) -> str:
+        """Why this rank cannot prepare `prepare` ("" if it can). A rank told to commit a
+        staged plan keeps that staging until it switched: a later plan (the controller
+        gave up waiting for confirmations) must not replace it, or the agreed switch would
+        install the other plan's map (invariant 2) or find no staging."""
+        serving = self.served.version
+        if prepare.base_version != serving:
+            return f"plan is based on v{prepare.base_version}, rank serves v{serving}"
+        ready = self._commit_ready
+        if ready > serving and ready in self.staged_phy2log:
+            return f"rank is switching to v{ready}, plan v{prepare.version} must wait"
+        return ""
+
+    def after_transfers(self, version: int) -> None:
+        """Called on the migration thread once a plan's weights are staged; raising
+        here fails the plan. A seam for checks (and for fault injection in tests)."""
