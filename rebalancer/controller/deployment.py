@@ -199,10 +199,11 @@ class Deployment:
         else:
             self.last_unconfirmed = newest
 
-    def reshape(self, shape: ClusterShape) -> None:
-        """The shape once a rank filled in its unknown fields (`merge_shape`)."""
+    def reshape(self, shape: ClusterShape, unknown: frozenset[str] = frozenset()) -> None:
+        """The shape once a rank filled in its unknown fields (`merge_shape`); `unknown`:
+        those still not known."""
         self.shape = self.loop.shape = shape
-        self.unknown_fields = frozenset()
+        self.unknown_fields = unknown
 
     def begin(self, plan: Plan) -> None:
         """Plan v+1 is in flight (one at a time, built on the committed placement)."""
@@ -308,18 +309,31 @@ def dispatch_shape(shape: ClusterShape, dispatch_mode: str, top_k: int) -> Clust
     return out
 
 
-# Shape fields added after deployments were first stored: a row without them loads with
+# Shape fields a stored row may lack: added after deployments were first stored, or
+# (expert_bytes) not known to the Register that created it. A row without one loads with
 # the field unknown (registry.load), and top_k 0 means unknown wherever it comes from.
-LATER_SHAPE_FIELDS = ("dispatch_mode", "top_k")
+LATER_SHAPE_FIELDS = ("dispatch_mode", "top_k", "expert_bytes")
+
+# A Register with expert_bytes 0 does not know it yet: SGLang's warm start registers before
+# the engine loaded its weights (worker_hooks/engines/sglang/warm_start.py). The shape
+# holds the default bytes (service.shape_of) with the field unknown, until a rank reports it.
+UNKNOWN_EXPERT_BYTES = frozenset({"expert_bytes"})
 
 
-def merge_shape(stored: ClusterShape, reported: ClusterShape, unknown: frozenset[str]) -> ClusterShape | None:
+def stored_shape(shape: ClusterShape, unknown: frozenset[str]) -> dict[str, Any]:
+    """The shape as stored: without the fields not known yet (they load as unknown)."""
+    return {k: v for k, v in shape_key(shape).items() if k not in unknown}
+
+
+def merge_shape(stored: ClusterShape, reported: ClusterShape, unknown: frozenset[str],
+                reported_unknown: frozenset[str] = frozenset()) -> ClusterShape | None:
     """The deployment's shape once a rank reports `reported`, or None if the two disagree.
 
-    1. A stored field that is unknown (in `unknown`: absent from an older store; top_k 0)
-       takes the reported value, so ranks that now send their dispatch mode and top_k
-       join a deployment saved before they did.
-    2. A rank reporting top_k 0 (it does not know) accepts the stored top_k.
+    1. A stored field that is unknown (in `unknown`: absent from an older store, or from
+       the Register that created it; top_k 0) takes the reported value, so ranks that now
+       send their dispatch mode, top_k and expert bytes join a deployment saved before.
+    2. A rank reporting top_k 0 or expert bytes it does not know (in `reported_unknown`)
+       accepts the stored value.
     3. Everything else must be equal (a rank sending no dispatch mode means split).
     """
     merged = stored
@@ -327,5 +341,9 @@ def merge_shape(stored: ClusterShape, reported: ClusterShape, unknown: frozenset
         merged = replace(merged, dispatch_mode=reported.dispatch_mode)
     if merged.top_k == 0 or "top_k" in unknown:
         merged = replace(merged, top_k=reported.top_k or merged.top_k)
+    if "expert_bytes" in unknown and "expert_bytes" not in reported_unknown:
+        merged = replace(merged, expert_bytes=reported.expert_bytes)
     seen = reported if reported.top_k else replace(reported, top_k=merged.top_k)
+    if "expert_bytes" in reported_unknown:
+        seen = replace(seen, expert_bytes=merged.expert_bytes)
     return merged if shape_key(merged) == shape_key(seen) else None

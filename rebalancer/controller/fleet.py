@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
@@ -27,7 +28,12 @@ from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.decision_runner import DecisionRunner
-from rebalancer.controller.deployment import Deployment, shape_key
+from rebalancer.controller.deployment import (
+    UNKNOWN_EXPERT_BYTES,
+    Deployment,
+    shape_key,
+    stored_shape,
+)
 from rebalancer.controller.plans import Plans
 from rebalancer.controller.registry import Registry
 from rebalancer.controller.replica_pools import (
@@ -75,6 +81,7 @@ class Fleet:
         """Pools and membership back from the store (a restart)."""
         for name, shape, version, phy2log in self.store.load_pools():
             pool = self._new_pool(name, ClusterShape(**cast(dict[str, Any], shape)))
+            pool.set_shape(pool.shape, UNKNOWN_EXPERT_BYTES - shape.keys())
             pool.restore(version, phy2log)
         for dep_name, pool_name in self.store.pool_members().items():
             member_pool = self.pools.get(pool_name)
@@ -100,8 +107,10 @@ class Fleet:
 
     # -- registration ------------------------------------------------------------
 
-    def check_join(self, deployment: str, pool_name: str, shape: ClusterShape) -> None:
-        """Refuse (StateError, nothing changed) a registration whose pool cannot take it."""
+    def check_join(self, deployment: str, pool_name: str, shape: ClusterShape,
+                   unknown: frozenset[str] = frozenset()) -> None:
+        """Refuse (StateError, nothing changed) a registration whose pool cannot take it
+        (`unknown`: shape fields the registration does not know yet)."""
         current = self.member_of.get(deployment, "")
         if current != pool_name:
             dep = self.registry.deployments.get(deployment)
@@ -112,12 +121,14 @@ class Fleet:
                     f"names {pool_name or '(none)'!r}; a deployment moves only when all its ranks restart",
                 )
         if pool_name and pool_name in self.pools:
-            check_member_shape(self.pools[pool_name], deployment, shape)
+            check_member_shape(self.pools[pool_name], deployment, shape, unknown)
 
     def joined(self, dep: Deployment, pool_name: str) -> None:
         """After a registration `check_join` passed: the deployment is in `pool_name`."""
         current = self.member_of.get(dep.name, "")
         if current == pool_name:
+            if pool_name:
+                self._fill_unknown(self.pools[pool_name], dep)
             return
         if current:
             self.pools[current].leave(dep.name)
@@ -127,12 +138,25 @@ class Fleet:
             pool = self.pools.get(pool_name)
             if pool is None:
                 pool = self._new_pool(pool_name, dep.shape)
-                self.store.save_pool(pool_name, shape_key(dep.shape), 0, None)
+                pool.set_shape(dep.shape, dep.unknown_fields & UNKNOWN_EXPERT_BYTES)
+                self.store.save_pool(pool_name, stored_shape(dep.shape, pool.unknown_fields), 0, None)
                 log.info("new pool %s: %s", pool_name, shape_key(dep.shape))
+            else:
+                self._fill_unknown(pool, dep)
             pool.join(dep.name)
             self.member_of[dep.name] = pool_name
             log.info("deployment %s joined pool %s", dep.name, pool_name)
         self.store.set_pool_member(dep.name, pool_name)
+
+    def _fill_unknown(self, pool: ReplicaPool, dep: Deployment) -> None:
+        """The pool's expert bytes, unknown to the member that created it, from the first
+        member that knows them (a member's shape was checked against the pool's)."""
+        if "expert_bytes" not in pool.unknown_fields or "expert_bytes" in dep.unknown_fields:
+            return
+        pool.set_shape(replace(pool.shape, expert_bytes=dep.shape.expert_bytes),
+                       pool.unknown_fields - UNKNOWN_EXPERT_BYTES)
+        self.store.save_pool(pool.name, stored_shape(pool.shape, pool.unknown_fields), pool.version, pool.phy2log)
+        log.info("pool %s: expert_bytes %d from %s", pool.name, pool.shape.expert_bytes, dep.name)
 
     def warm_offer(self, dep: Deployment, version: int) -> tuple[int, np.ndarray] | None:
         """The warm start for a registration serving `version` (contract in the module
@@ -231,7 +255,7 @@ class Fleet:
         if decision.take and decision.candidate is not None:
             pool.take(decision.candidate)
             try:
-                self.store.save_pool(pool.name, shape_key(pool.shape), pool.version, pool.phy2log)
+                self.store.save_pool(pool.name, stored_shape(pool.shape, pool.unknown_fields), pool.version, pool.phy2log)
             except sqlite3.Error as exc:
                 log.error("pool %s: the store refused the pool placement (%s)", pool.name, exc)
             log.info("pool %s: placement %d (%s): %s", pool.name, pool.version, trigger, decision.reason)

@@ -34,6 +34,7 @@ from rebalancer.controller.deployment import (
     Session,
     merge_shape,
     shape_key,
+    stored_shape,
 )
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
@@ -106,8 +107,10 @@ class Registry:
     def register(
         self, name: str, rank: Ranks, shape: ClusterShape, version: int,
         initial: np.ndarray | None, worker_id: str, pod: str = "",
+        unknown: frozenset[str] = frozenset(),
     ) -> tuple[Session, Deployment]:
-        """Register one rank, or a group of ranks (a sequence: a pod's sidecar)."""
+        """Register one rank, or a group of ranks (a sequence: a pod's sidecar). `unknown`:
+        shape fields the registration does not know yet (deployment.UNKNOWN_EXPERT_BYTES)."""
         now = self.clock()
         ranks = tuple(sorted(rank_set(rank)))
         label = who(rank, pod)
@@ -118,16 +121,18 @@ class Registry:
                 shape.num_layers, shape.num_logical, shape.num_slots, shape.num_gpus
             )
             dep = Deployment(name, shape, self.default_policy, version, phy2log)
+            dep.mark_unknown(unknown)
             self.store.create_deployment(
-                name, shape_key(shape), dep.policy.to_flat(), version, phy2log, now=now
+                name, stored_shape(shape, unknown), dep.policy.to_flat(), version, phy2log, now=now
             )
             self.deployments[name] = dep
             log.info("new deployment %s: %s", name, shape_key(shape))
             for observer in self.observers.deployment:
                 observer(name)
         merged: ClusterShape | None = dep.shape
+        still_unknown = dep.unknown_fields & unknown  # neither the store nor this rank knows
         if not created:
-            merged = merge_shape(dep.shape, shape, dep.unknown_fields)
+            merged = merge_shape(dep.shape, shape, dep.unknown_fields, unknown)
             if merged is None:
                 raise StateError(
                     "FAILED_PRECONDITION",
@@ -145,9 +150,9 @@ class Registry:
                     f"rank {r} of {name!r} is already registered (session {old.session_id[:8]}{held_by})",
                 )
             olds[old.session_id] = old
-        if merged is not None and (merged != dep.shape or dep.unknown_fields):  # an older store's unknown fields, now known: kept
-            self.store.set_shape(name, shape_key(merged))
-            dep.reshape(merged)
+        if merged is not None and (merged != dep.shape or dep.unknown_fields != still_unknown):  # unknown fields, now known: kept
+            self.store.set_shape(name, stored_shape(merged, still_unknown))
+            dep.reshape(merged, still_unknown)
             log.info("deployment %s: %s set the shape's unknown fields: %s", name, label, shape_key(merged))
         if dep.mixed is not None and self._group_restarted(dep, worker_id):
             self._clear_mixed(dep, label)

@@ -129,6 +129,8 @@ class ReplicaPool:
         self.divergence = divergence or DivergenceConfig()
         self.divergence.validate()
         self.loop = PolicyLoop(shape, policy)   # the pool estimate and decision timing
+        # Shape fields no member has reported yet (expert_bytes: deployment.UNKNOWN_EXPERT_BYTES).
+        self.unknown_fields: frozenset[str] = frozenset()
         self.members: set[str] = set()
         self.tracks: dict[str, MemberTrack] = {}
         self.version = 0                        # pool placements taken so far
@@ -136,6 +138,12 @@ class ReplicaPool:
         self.reference: np.ndarray | None = None  # decayed sum of following windows (divergence)
         self.deciding = False
         self.stats = PoolStats()
+
+    def set_shape(self, shape: ClusterShape, unknown: frozenset[str]) -> None:
+        """The pool's shape and the fields of it no member reported yet (at creation or
+        load; and once a member reports its expert bytes: fleet.py `_fill_unknown`)."""
+        self.shape = self.loop.shape = shape
+        self.unknown_fields = unknown
 
     # -- views -------------------------------------------------------------------
 
@@ -216,12 +224,16 @@ class ReplicaPool:
         self.stats.warm_offers += 1
 
 
-def check_member_shape(pool: ReplicaPool, deployment: str, shape: ClusterShape) -> None:
-    """FAILED_PRECONDITION naming the first field on which `shape` differs from the pool's."""
+def check_member_shape(pool: ReplicaPool, deployment: str, shape: ClusterShape,
+                       unknown: frozenset[str] = frozenset()) -> None:
+    """FAILED_PRECONDITION naming the first field on which `shape` differs from the pool's;
+    a field unknown to the pool or to the registration (`unknown`) is not compared."""
     ours, theirs = shape_key(pool.shape), shape_key(shape)
     for key in ours:
         if key == "top_k" and (not ours[key] or not theirs[key]):
             continue  # 0: unknown, as for a deployment's own ranks
+        if key in unknown or key in pool.unknown_fields:
+            continue
         if ours[key] != theirs[key]:
             what = "dispatch mode" if key == "dispatch_mode" else f"shape field {key}"
             raise StateError(

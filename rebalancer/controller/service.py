@@ -23,7 +23,7 @@ import grpc
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape
-from rebalancer.controller.deployment import dispatch_shape
+from rebalancer.controller.deployment import UNKNOWN_EXPERT_BYTES, dispatch_shape
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import MAX_VERSION
 from rebalancer.errors import InputError, StateError
@@ -234,8 +234,11 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                     request.initial_placement.phy2log, shape.num_layers, shape.num_slots, shape.num_logical
                 )
             pool = check_name(request.pool, "pool") if request.pool else ""
+            # expert_bytes 0: not known yet (deployment.UNKNOWN_EXPERT_BYTES), a later
+            # Register fills it in.
+            unknown = UNKNOWN_EXPERT_BYTES if request.shape.expert_bytes == 0 else frozenset()
             session, dep = self.controller.register(
-                name, ranks, shape, version, initial, request.worker_id, request.pod, pool
+                name, ranks, shape, version, initial, request.worker_id, request.pod, pool, unknown
             )
             warm = self.controller.warm_offer(dep, version) if pool else None
         except (InputError, StateError) as exc:

@@ -70,11 +70,13 @@ class Controller:
     def register(
         self, name: str, rank: Ranks, shape: ClusterShape, version: int,
         initial: np.ndarray | None, worker_id: str, pod: str = "", pool: str = "",
+        unknown: frozenset[str] = frozenset(),
     ) -> tuple[Session, Deployment]:
         """One rank, or a group of ranks (a sequence: a pod's sidecar speaking for them),
-        of a deployment in `pool` ("": none). The warm start to offer: `warm_offer`."""
-        self.fleet.check_join(name, pool, shape)
-        session, dep = self.registry.register(name, rank, shape, version, initial, worker_id, pod)
+        of a deployment in `pool` ("": none); `unknown`: shape fields it does not know yet.
+        The warm start to offer: `warm_offer`."""
+        self.fleet.check_join(name, pool, shape, unknown)
+        session, dep = self.registry.register(name, rank, shape, version, initial, worker_id, pod, unknown)
         self.fleet.joined(dep, pool)
         self.plans.registered(dep, session, version)
         return session, dep

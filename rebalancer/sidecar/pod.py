@@ -117,7 +117,7 @@ class Pod:
                 "FAILED_PRECONDITION",
                 f"rank {rank} registers for deployment {request.deployment!r}, this pod serves {self.deployment!r}",
             )
-        if self.shape is not None and request.shape != self.shape:
+        if self.shape is not None and not _same_shape(request.shape, self.shape):
             raise StateError(
                 "FAILED_PRECONDITION",
                 f"rank {rank} reports shape {_shape_text(request.shape)}, the pod's ranks {_shape_text(self.shape)}",
@@ -148,9 +148,15 @@ class Pod:
             raise StateError("ALREADY_EXISTS", f"rank {rank} is already registered here with a stream open")
         # Accepted: nothing above changed any state.
         self.deployment = request.deployment
+        learned_bytes = False
         if self.shape is None:
             self.shape = pb.ModelShape()
             self.shape.CopyFrom(request.shape)
+        elif not self.shape.expert_bytes and request.shape.expert_bytes:
+            # The ranks registered before they knew (SGLang's warm start): the controller
+            # hears the bytes through the group's next registration.
+            self.shape.expert_bytes = request.shape.expert_bytes
+            learned_bytes = True
         self.dispatch_mode = mode
         self.top_k = self.top_k or int(request.top_k)
         self.pool = self.pool or request.pool
@@ -168,6 +174,10 @@ class Pod:
         if self.upstream_registered and (behind or restarted):
             log.warning("rank %d %s on v%d: registering the group again once every rank is back", rank,
                         "restarted" if restarted else "came back", request.placement_version)
+            self.upstream_registered, self.resync = False, True
+        elif self.upstream_registered and learned_bytes:
+            log.info("rank %d told the expert bytes (%d): registering the group again once every rank is back",
+                     rank, request.shape.expert_bytes)
             self.upstream_registered, self.resync = False, True
         log.info("rank %d registered (worker %s, v%d)", rank, request.worker_id or "?", request.placement_version)
         self.changed.set()
@@ -351,6 +361,18 @@ class Pod:
                 observer(event, plan)
         if actions.upstream:
             self.changed.set()
+
+
+def _same_shape(reported: pb.ModelShape, pod: pb.ModelShape) -> bool:
+    """Equal shapes; expert bytes 0 on either side is "not known yet" (the controller's
+    rule: deployment.UNKNOWN_EXPERT_BYTES) and matches any."""
+    if reported.expert_bytes and pod.expert_bytes:
+        return reported == pod
+    a, b = pb.ModelShape(), pb.ModelShape()
+    a.CopyFrom(reported)
+    b.CopyFrom(pod)
+    a.expert_bytes = b.expert_bytes = 0
+    return a == b
 
 
 def _shape_text(shape: pb.ModelShape) -> str:

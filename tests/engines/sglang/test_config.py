@@ -110,3 +110,14 @@ def test_tickets_order_every_swap_of_every_plan() -> None:
     assert ticket_parts(ticket(7, 5)) == (7, 5)
     with pytest.raises(ValueError, match="groups_done"):
         ticket(1, 1 << 16)
+
+
+def test_pool_and_warm_start_wait_from_env() -> None:
+    config = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_POOL": "ds-v3",
+                                           "REBALANCER_WARM_START_SECONDS": "0.5"})
+    assert config is not None and (config.pool, config.warm_start_seconds) == ("ds-v3", 0.5)
+    defaults = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1"})
+    assert defaults is not None and (defaults.pool, defaults.warm_start_seconds) == ("", 3.0)
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(InputError, match="REBALANCER_WARM_START_SECONDS must be >= 0 and finite"):
+            SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_WARM_START_SECONDS": bad})

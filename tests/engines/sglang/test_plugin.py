@@ -8,21 +8,30 @@ and installs the controller's plans with SGLang's EPLBManager and ExpertLocation
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.store import Store
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.channel import client_options
 from tests.engines.sglang import sglang_env
 from tests.integration.conftest import start_controller
+from worker_hooks.engines.sglang.warm_start import STOP_SECONDS
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,7 +55,8 @@ def _free_port() -> int:
 
 
 def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
-               settings: dict[str, str] | None = None) -> tuple[list[int], dict[int, dict]]:
+               settings: dict[str, str] | None = None, rank_env: dict[int, dict[str, str]] | None = None,
+               ) -> tuple[list[int], dict[int, dict]]:
     """WORLD SGLang ranks; their temporary files go to a folder of the test's own (TMPDIR),
     which _no_temporary_files_left checks."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
@@ -63,7 +73,8 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
                    "--world", str(WORLD), "--port", str(port), "--steps", str(steps),
                    "--out", str(tmp_path / f"rank{rank}.json"), *(extra or {}).get(rank, [])]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((subprocess.Popen(cmd, cwd=sglang_env.ROOT, env=env, stdout=log,
+            procs.append((subprocess.Popen(cmd, cwd=sglang_env.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
+                                           stdout=log,
                                            stderr=subprocess.STDOUT), log))
         # Generous: four processes import SGLang at once, on a machine that may be loaded.
         deadline = time.monotonic() + RUN_SECONDS
@@ -278,3 +289,163 @@ def test_an_adapter_error_disables_it_and_sglang_keeps_serving(tmp_path: Path) -
         assert not r["agent_running"]  # gone from the controller while SGLang serves
         assert "rebalancer adapter DISABLED on this rank" in (tmp_path / f"rank{rank}.log").read_text()
     assert folded <= WORLD * 5 * ROUTED_PER_PASS  # nothing after the error
+
+
+# Warm start in a replica pool (issue 24): SGLang's initial expert location.
+POOL = "p"
+QUIET_POLICY = replace(FAST_POLICY, paused=True)  # no plan of the controller's own in between
+
+
+def _pool_placement() -> np.ndarray:
+    """A placement of the worker's shape unlike SGLang's trivial one (hot experts 0 and 1
+    held twice, every layer permuted differently)."""
+    from tests.engines.sglang.worker import NUM_EXPERTS, NUM_LAYERS, REDUNDANT
+
+    rows = [np.concatenate([np.roll(np.arange(NUM_EXPERTS)[::-1], layer), [0, 1, 0, 1]])
+            for layer in range(NUM_LAYERS)]
+    placement = np.asarray(rows, dtype=np.int64)
+    assert placement.shape[1] == NUM_EXPERTS + REDUNDANT
+    return placement
+
+
+def _expert_bytes() -> int:
+    from tests.engines.sglang.worker import SHAPES
+
+    return sum(int(np.prod(shape)) for shape in SHAPES) * 4  # float32, as the adapter reports
+
+
+def _seed_pool(ctl: EmbeddedController, placement: np.ndarray) -> None:
+    """Pool `p` holding `placement`: a seed member of the worker's shape registers over
+    gRPC, then the pool takes the placement as a pool decision would."""
+    from tests.engines.sglang.worker import NUM_EXPERTS, NUM_LAYERS, REDUNDANT
+
+    assert ctl.server is not None
+    shape = pb.ModelShape(num_layers=NUM_LAYERS, num_logical_experts=NUM_EXPERTS,
+                          num_physical_slots=NUM_EXPERTS + REDUNDANT, num_gpus=WORLD, num_nodes=1,
+                          expert_bytes=_expert_bytes())
+    with grpc.insecure_channel(ctl.server.address, options=client_options()) as channel:
+        pb_grpc.WorkerServiceStub(channel).Register(
+            pb.RegisterRequest(deployment="seed", rank=0, shape=shape, pool=POOL), timeout=30)
+    ctl.call(lambda: ctl.server.controller.fleet.pools[POOL].take(placement))  # type: ignore[union-attr]
+
+
+def _warm_run(tmp_path: Path, rank_env: dict[int, dict[str, str]] | None = None,
+              ) -> tuple[list[int], dict[int, dict], tuple[int, np.ndarray, int], dict[int, tuple[str, str]], np.ndarray]:
+    ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY)
+    assert ctl.server is not None
+    placement = _pool_placement()
+    try:
+        _seed_pool(ctl, placement)
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=24,
+                                    settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"},
+                                    rank_env=rank_env)
+        dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
+        state = ctl.call(lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes))
+        plans = ctl.call(lambda: {p.version: (p.state, p.trigger)
+                                  for p in ctl.server.controller.store.plans(DEPLOYMENT)})  # type: ignore[union-attr]
+    finally:
+        ctl.stop()
+    return codes, results, state, plans, placement
+
+
+def test_a_fresh_group_in_a_pool_starts_on_the_pool_placement(tmp_path: Path) -> None:
+    codes, results, (version, committed, expert_bytes), plans, placement = _warm_run(tmp_path)
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    warm = results[0]["warm_start"]
+    assert warm >= 1, _logs(tmp_path)
+    for r in results.values():
+        assert r["warm_start"] == warm
+        # SGLang's expert location metadata was the pool's before its weights were loaded
+        # (the worker loads each slot's expert from it, as load_model does) ...
+        assert np.array_equal(np.asarray(r["initial_phy2log"]), placement)
+        # ... and stays it; the adapter serves it as version W.
+        assert np.array_equal(np.asarray(r["phy2log"]), placement)
+        assert np.array_equal(np.asarray(r["adapter_phy2log"]), placement)
+        assert r["version"] == warm and r["commits"] == []
+        assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
+    # The controller adopted W on the ranks' COMMITTED, and learned the expert bytes the
+    # early registration could not tell.
+    assert version == warm and np.array_equal(committed, placement)
+    assert plans[warm] == ("committed", "warm_start")
+    assert expert_bytes == _expert_bytes()
+
+
+def test_a_rank_without_the_offer_keeps_every_rank_on_sglangs_start(tmp_path: Path) -> None:
+    # Rank 3 never waits for the offer (0 s): it contributes no version, so none installs.
+    codes, results, (version, _, _), plans, placement = _warm_run(
+        tmp_path, rank_env={3: {"REBALANCER_WARM_START_SECONDS": "0"}})
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    for r in results.values():
+        assert r["warm_start"] == 0 and r["version"] == 0 and r["commits"] == []
+        assert not np.array_equal(np.asarray(r["initial_phy2log"]), placement)
+        assert np.array_equal(np.asarray(r["phy2log"]), np.asarray(r["initial_phy2log"]))
+        assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
+    assert version == 0
+    assert [state for state, trigger in plans.values() if trigger == "warm_start"] == ["offered"]
+
+
+def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(tmp_path: Path) -> None:
+    bound = 2.0
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=8,
+                                settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": str(bound)})
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    for r in results.values():
+        assert r["warm_start"] == 0 and r["version"] == 0
+        assert np.array_equal(np.asarray(r["phy2log"]), np.asarray(r["initial_phy2log"]))
+        # SGLang's trivial start (the worker's --init-expert-location is "trivial").
+        assert np.array_equal(np.asarray(r["initial_phy2log"]), np.asarray(results[0]["initial_phy2log"]))
+        # The one wait, in SGLang's expert-location step, never longer than the bound
+        # (slack: warm_start.STOP_SECONDS for the early agent, the agreement, a loaded machine).
+        assert r["started_seconds"] < bound + STOP_SECONDS + 1.5
+
+
+def test_a_fresh_group_behind_its_pods_sidecar_starts_on_the_pool_placement(tmp_path: Path) -> None:
+    """The offer relayed by the pod's sidecar (ControllerMessage.warm_start); the ranks'
+    expert bytes, unknown at the early registration, reach the controller through the
+    group's next registration."""
+    ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY)
+    assert ctl.server is not None
+    placement = _pool_placement()
+    sockets = Path(tempfile.mkdtemp(prefix="sgw", dir="/tmp"))  # short: 107-byte socket paths
+    target = f"unix://{sockets}/agent.sock"
+    log = (tmp_path / "sidecar.log").open("a")
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "rebalancer", "sidecar", "--listen", target, "--controller", ctl.server.address,
+         "--ranks", f"0-{WORLD - 1}", "--pod", "ns/a", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+         "--grace", "1", "--pool", POOL, "--log-level", "INFO"],
+        stdout=subprocess.PIPE, stderr=log, text=True, cwd=sglang_env.ROOT,
+    )
+    log.close()
+    try:
+        assert sidecar.stdout is not None
+        assert "sidecar serving on" in sidecar.stdout.readline(), (tmp_path / "sidecar.log").read_text()[-3000:]
+        _seed_pool(ctl, placement)
+        codes, results = _run_ranks(tmp_path, target, steps=40,
+                                    settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"})
+        dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
+        deadline = time.monotonic() + 30  # the sidecar's last registration may still be on its way
+        while ctl.call(lambda: dep.shape.expert_bytes) != _expert_bytes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        version, committed, expert_bytes = ctl.call(
+            lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes))
+    finally:
+        if sidecar.poll() is None:
+            sidecar.terminate()
+        try:
+            sidecar.wait(30)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+            sidecar.wait()
+        ctl.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
+    logs = _logs(tmp_path) + (tmp_path / "sidecar.log").read_text()[-3000:]
+    assert codes == [0] * WORLD, logs
+    warm = results[0]["warm_start"]
+    assert warm >= 1, logs
+    for r in results.values():
+        assert r["warm_start"] == warm and r["version"] == warm
+        assert np.array_equal(np.asarray(r["initial_phy2log"]), placement)
+        assert np.array_equal(np.asarray(r["phy2log"]), placement)
+        assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
+    assert version == warm and np.array_equal(committed, placement), logs
+    assert expert_bytes == _expert_bytes(), logs

@@ -52,6 +52,44 @@ def write_model(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _stand_in_model_runner() -> type:
+    """SGLang's `ModelRunner` module does not import without a GPU stack: a stand-in class
+    at its path whose `maybe_init_expert_location_metadata` is SGLang's own body (the
+    real `compute_initial_expert_location_metadata` and recorder), so SGLang's
+    HookRegistry wraps it (the plugin's warm start) as it wraps the real one."""
+    import sys
+    import types
+
+    from sglang.srt.eplb.expert_distribution import (
+        ExpertDistributionRecorder,
+        set_global_expert_distribution_recorder,
+    )
+    from sglang.srt.eplb.expert_location import (
+        compute_initial_expert_location_metadata,
+        get_global_expert_location_metadata,
+        set_global_expert_location_metadata,
+    )
+    from sglang.srt.runtime_context import get_parallel
+
+    class ModelRunner:
+        is_draft_worker = False
+
+        def __init__(self, model_config: object) -> None:
+            self.model_config = model_config
+
+        def maybe_init_expert_location_metadata(self) -> None:
+            expert_rank = get_parallel().moe_ep_rank
+            set_global_expert_location_metadata(
+                compute_initial_expert_location_metadata(model_config=self.model_config, moe_ep_rank=expert_rank))
+            set_global_expert_distribution_recorder(
+                ExpertDistributionRecorder.init_new(get_global_expert_location_metadata(), rank=expert_rank))
+
+    module = types.ModuleType("sglang.srt.model_executor.model_runner")
+    module.ModelRunner = ModelRunner  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    return ModelRunner
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -79,15 +117,10 @@ def main() -> None:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.eplb import expert_distribution, expert_location_updater
     from sglang.srt.eplb.eplb_manager import EPLBManager
-    from sglang.srt.eplb.expert_distribution import (
-        ExpertDistributionRecorder,
-        set_global_expert_distribution_recorder,
-    )
+    from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
     from sglang.srt.eplb.expert_location import (
-        ExpertLocationMetadata,
         ModelConfigForExpertLocation,
         get_global_expert_location_metadata,
-        set_global_expert_location_metadata,
     )
     from sglang.srt.eplb.expert_location_dispatch import (
         ExpertLocationDispatchInfo,
@@ -113,6 +146,7 @@ def main() -> None:
     # Stand-in for the model-class lookup (see the module docstring).
     ModelConfigForExpertLocation.from_model_config = staticmethod(  # type: ignore[method-assign]
         lambda _config: ModelConfigForExpertLocation(NUM_LAYERS, NUM_EXPERTS, None))
+    runner_class = _stand_in_model_runner()
     load_plugins()  # SGLang's own loader: finds worker_hooks.engines.sglang:register by entry point
 
     # The recorder asks sglang.srt.utils.get_device(), which raises without an accelerator
@@ -122,10 +156,13 @@ def main() -> None:
     # torch.cpu has none.
     if not hasattr(torch.cpu, "empty_cache"):
         torch.cpu.empty_cache = lambda: None
-    metadata = ExpertLocationMetadata.init_trivial(model_config, moe_ep_rank=rank)
-    set_global_expert_location_metadata(metadata)
-    recorder = ExpertDistributionRecorder.init_new(metadata, rank)
-    set_global_expert_distribution_recorder(recorder)
+    # SGLang's start step, through the plugin's hook when it wraps it (a pool's warm start).
+    dist.barrier()  # the ranks enter the step together (SGLang's own init holds them in step)
+    began = time.monotonic()
+    runner_class(model_config).maybe_init_expert_location_metadata()
+    started_seconds = time.monotonic() - began
+    metadata = get_global_expert_location_metadata()
+    recorder = get_global_expert_distribution_recorder()
     slots = metadata.num_local_physical_experts
     phy2log = metadata.physical_to_logical_map_cpu.clone()
 
@@ -170,7 +207,7 @@ def main() -> None:
 
         migrate.P2PTransport.receive = dying_receive
 
-    from worker_hooks.engines.sglang import plugin
+    from worker_hooks.engines.sglang import plugin, warm_start
     from worker_hooks.engines.sglang.plugin import current_adapter
 
     if args.adapter_error_at_pass is not None:  # a bug in the adapter, on every rank at once
@@ -226,6 +263,7 @@ def main() -> None:
         "served": served, "disabled": plugin.disabled_reason(), "agent_running": agent_running,
         "weight_mismatch_passes": weight_mismatch_passes, "groups": adapter.stats.groups,
         "swap_seconds": adapter.stats.swap_seconds, "aborted": adapter.stats.aborted,
+        "warm_start": (warm_start.taken() or (0, None))[0], "started_seconds": started_seconds,
     }
     Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -8,6 +8,7 @@ again once all its ranks are back, with the version they serve."""
 
 from __future__ import annotations
 
+from rebalancer.errors import StateError
 from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
@@ -101,3 +102,40 @@ def test_the_group_identity_names_the_ranks_processes() -> None:
     pod.detach(pod.session(sessions[1]))
     pod.register(pb.RegisterRequest(deployment="d", rank=1, shape=SHAPE, worker_id="pid-new"))  # restarted
     assert pod.group_request().worker_id.endswith(" ranks pid-0,pid-new")
+
+
+def test_ranks_that_learn_their_expert_bytes_register_the_group_again() -> None:
+    """Issue 24: SGLang's warm start registers each rank before its weights are loaded,
+    with expert bytes 0 ("not known yet"); the adapter registers the same processes later
+    with the real bytes. The pod refused that as another shape; now it takes the bytes
+    and registers the group again, so the controller learns them."""
+    early = pb.ModelShape()
+    early.CopyFrom(SHAPE)
+    early.expert_bytes = 0
+    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    sessions = []
+    for rank in (0, 1):
+        reply = pod.register(pb.RegisterRequest(deployment="d", rank=rank, shape=early, worker_id=f"pid-{rank}"))
+        pod.attach(reply.session_id, lambda msg: None)
+        sessions.append(reply.session_id)
+    assert pod.group_request().shape.expert_bytes == 0
+    pod.registered_upstream(pb.RegisterResponse(session_id="up", committed=pb.Placement(version=0)))
+    for sid in sessions:  # the early sessions end
+        pod.detach(pod.session(sid))
+    for rank in (0, 1):
+        reply = pod.register(pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, worker_id=f"pid-{rank}"))
+        pod.attach(reply.session_id, lambda msg: None)
+        assert pod.resync
+    assert pod.upstream_ready() and pod.group_request().shape == SHAPE
+    # Known now: another rank's bytes are another shape; bytes 0 still fit.
+    other = pb.ModelShape()
+    other.CopyFrom(SHAPE)
+    other.expert_bytes = 16
+    pod.detach(pod.session(reply.session_id))
+    try:
+        pod.register(pb.RegisterRequest(deployment="d", rank=1, shape=other, worker_id="pid-1"))
+        raise AssertionError("another expert_bytes was accepted")
+    except StateError as exc:
+        assert exc.code == "FAILED_PRECONDITION" and "bytes=16" in str(exc)
+    assert pod.shape == SHAPE
+    pod.register(pb.RegisterRequest(deployment="d", rank=1, shape=early, worker_id="pid-1"))

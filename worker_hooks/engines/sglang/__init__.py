@@ -54,11 +54,14 @@ What holds either way
   traceback, its agent stops so the controller sees the rank leave) and SGLang goes on
   serving its placement (plugin.py). At the process's exit the last window and the
   pending reports go out (a SIGKILL loses them).
-* NOT yet: warm start in a replica pool (issue #24). With `REBALANCER_POOL` the group is a
-  pool member (its windows count in the pool's estimate, the pool rolls its placement to
-  it as a plan), but the adapter registers at the first forward pass, after SGLang loaded
-  the weights: a fresh group is offered the pool placement and ignores the offer, serving
-  SGLang's initial expert location until the pool's plan commits.
+* Warm start in a replica pool (issue #24, `warm_start.py`): with `REBALANCER_POOL` the
+  group is a pool member (its windows count in the pool's estimate, the pool rolls its
+  placement to it as a plan), and a fresh group starts on the pool's placement: the
+  plugin wraps `ModelRunner.maybe_init_expert_location_metadata` (before `load_model`),
+  registers early for the offer (bounded by `REBALANCER_WARM_START_SECONDS`), and when
+  every rank holds it, SGLang's initial expert location becomes the pool's map (SGLang's
+  `init_by_mapping`); the adapter then serves it as version W. Otherwise SGLang starts
+  on its own initial expert location, as before.
 * Hot path: windows are copied off the device without waiting (pinned memory and an
   event on GPU) and handed to the agent thread; the agreement overlaps serving.
 

@@ -13,6 +13,7 @@ from typing import Literal, get_args
 
 from rebalancer.errors import InputError
 from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_tls
+from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
 # How a committed plan reaches the weights (worker_hooks/engines/sglang/__init__.py):
 # "staged" receives them beside serving and the commit only copies locally and swaps the
@@ -45,9 +46,11 @@ class SGLangAdapterConfig:
     agree_timeout_seconds: float = 60.0
     worker_id: str = ""               # REBALANCER_WORKER_ID (default: the host), the pid appended
     # REBALANCER_POOL: the deployment's replica pool ("" = none): its windows count in the
-    # pool's estimate and the pool rolls its placement to it. No warm start yet (package
-    # docstring): a fresh group serves SGLang's initial expert location until then.
+    # pool's estimate and the pool rolls its placement to it. A fresh group is offered the
+    # pool's placement and starts on it (warm_start.py), when the offer came within
+    # REBALANCER_WARM_START_SECONDS of SGLang's expert-location step (0: never wait).
     pool: str = ""
+    warm_start_seconds: float = DEFAULT_WARM_START_SECONDS
     updater: Updater = "staged"       # REBALANCER_UPDATER: "staged" or "sglang" (SGLang's own, fallback)
     # REBALANCER_STAGING_BUDGET_BYTES: staged mode receives at most this many bytes of
     # experts per rank before a swap; a larger plan commits in layer groups.
@@ -68,6 +71,10 @@ class SGLangAdapterConfig:
                 f"{ENV_PREFIX}AGREE_TIMEOUT_SECONDS must be > 0, got {self.agree_timeout_seconds}"
             )
         check_tls(self.ca_file, self.cert_file, self.key_file)
+        try:
+            check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> SGLangAdapterConfig | None:
@@ -84,6 +91,7 @@ class SGLangAdapterConfig:
             agree_every=int(e.number("AGREE_EVERY", int, d.agree_every)),
             agree_timeout_seconds=float(e.number("AGREE_TIMEOUT_SECONDS", float, d.agree_timeout_seconds)),
             pool=e.get("POOL") or "",
+            warm_start_seconds=float(e.number("WARM_START_SECONDS", float, d.warm_start_seconds)),
             updater=(e.get("UPDATER") or d.updater),  # type: ignore[arg-type]  # checked above
             staging_budget_bytes=int(e.number("STAGING_BUDGET_BYTES", int, d.staging_budget_bytes)),
         )

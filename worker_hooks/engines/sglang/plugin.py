@@ -65,6 +65,17 @@ def register() -> None:
     _config = config
     HookRegistry.register(ON_FORWARD_PASS_END, _on_forward_pass_end, HookType.AROUND)
     HookRegistry.register(STAT_ACCUMULATOR_APPEND, _on_pass_counts, HookType.AFTER)
+    if config.pool:  # a pool member starts on the pool's placement (every rank: a collective)
+        from worker_hooks.engines.sglang import warm_start
+
+        HookRegistry.register(warm_start.INIT_EXPERT_LOCATION, _on_init_expert_location, HookType.AROUND)
+
+
+def _on_init_expert_location(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    from worker_hooks.engines.sglang import warm_start
+
+    assert _config is not None
+    return warm_start.around_init_expert_location(_config, original, runner, *args, **kwargs)
 
 
 def current_adapter() -> Any:
@@ -102,6 +113,9 @@ def _on_forward_pass_end(original: Any, manager: Any, *args: Any, **kwargs: Any)
             from worker_hooks.engines.sglang.adapter import SGLangRebalanceAdapter
 
             _adapter = SGLangRebalanceAdapter(_config, manager)
+            from worker_hooks.engines.sglang import warm_start
+
+            warm_start.hand_over(_adapter)  # serves the pool placement SGLang started on
             multiprocessing.util.Finalize(None, _finish_at_exit, exitpriority=100)
             if _early_counts is not None:  # the first pass recorded before the adapter existed
                 _adapter.add_pass_counts(_early_counts)
