@@ -74,9 +74,14 @@ def test_panels_use_the_templated_datasource(dashboard: dict[str, Any]) -> None:
 def test_per_deployment_metrics_follow_the_variable(dashboard: dict[str, Any]) -> None:
     # Every series labelled by deployment is filtered by $deployment (a sidecar's through
     # its info series' deployment label); the two histograms without that label (ingest
-    # latency, plan phases), the store's errors and build info are controller-wide.
+    # latency, plan phases), the store's errors and build info are controller-wide, and a
+    # replica pool's series are the pool's, over all its members (its members' divergence
+    # too: which members of a pool follow it is a view of the pool, not of a deployment).
     global_metrics = {"rebalancer_ingest_seconds", "rebalancer_plan_phase_seconds", "rebalancer_build_info",
-                      "rebalancer_store_errors"}
+                      "rebalancer_store_errors", "rebalancer_pool_members", "rebalancer_pool_diverged_members",
+                      "rebalancer_pool_members_at_target", "rebalancer_pool_members_moving",
+                      "rebalancer_pool_placement_version", "rebalancer_pool_balancedness",
+                      "rebalancer_pool_decisions", "rebalancer_pool_divergences", "rebalancer_pool_member_diverged"}
     for where, expr in _queries(dashboard):
         names = {base_name(n) for n in metric_names(expr)}
         if names - global_metrics:

@@ -37,6 +37,7 @@ from rebalancer.demo import DemoConfig
 from scripts.prometheus_live import Fleet, Prometheus
 from scripts.render_dashboard import Query, ask, dashboard_queries, draw, has_data
 from tests.unit.deploy.conftest import DASHBOARD, PROMETHEUS
+from tests.unit.deploy.live import PoolMember
 from tests.unit.deploy.yamlish import load_all
 
 pytestmark = pytest.mark.slow
@@ -81,7 +82,7 @@ def live(tmp_path: Path, prometheus: str) -> Iterator[tuple[Prometheus, Fleet]]:
     fleet = Fleet(tmp_path / "fleet", DemoConfig(steps=10**6, timeout_seconds=900.0), ["--step-sleep", "0.02"])
     server = Prometheus(tmp_path / "prometheus", fleet.targets(), [shortened_rules(tmp_path)],
                         scrape_interval=1.0, evaluation_interval=1.0, binary=prometheus)
-    with server, fleet:
+    with server, fleet, PoolMember(fleet.address, "live-pooled", "live-pool"):
         yield server, fleet
 
 
