@@ -71,8 +71,6 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=120))
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.eplb import expert_distribution
     from sglang.srt.eplb.eplb_manager import EPLBManager
     from sglang.srt.eplb.expert_distribution import (
         ExpertDistributionRecorder,
@@ -80,7 +78,6 @@ def worker(args: argparse.Namespace) -> None:
     )
     from sglang.srt.eplb.expert_location import (
         ExpertLocationMetadata,
-        ModelConfigForExpertLocation,
         get_global_expert_location_metadata,
         set_global_expert_location_metadata,
     )
@@ -90,32 +87,14 @@ def worker(args: argparse.Namespace) -> None:
     )
     from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
     from sglang.srt.plugins import load_plugins
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
 
     from rebalancer.placement.transfers import transfers as transfer_list
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.wire import codec
-    from tests.engines.sglang.worker import write_model
+    from tests.engines.sglang.worker import sglang_cpu_rank
 
-    model_dir = Path(args.out).parent / f"model-rank{rank}"
-    model_dir.mkdir(exist_ok=True)
-    write_model(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["num_hidden_layers"] = NUM_LAYERS
-    (model_dir / "config.json").write_text(json.dumps(config))
-    server_args = ServerArgs(
-        model_path=str(model_dir), device="cpu", tp_size=WORLD, ep_size=WORLD, enable_eplb=True,
-        ep_num_redundant_experts=REDUNDANT, skip_tokenizer_init=True, eplb_rebalance_num_iterations=10**6,
-    )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
-    model_config = ModelConfig.from_server_args(server_args)
-    ModelConfigForExpertLocation.from_model_config = staticmethod(  # type: ignore[method-assign]
-        lambda _config: ModelConfigForExpertLocation(NUM_LAYERS, NUM_EXPERTS, None))
+    model_config = sglang_cpu_rank(rank, WORLD, Path(args.out).parent, NUM_LAYERS, rebalance_iterations=10**6)
     load_plugins()
-    expert_distribution.get_device = lambda *_a, **_k: "cpu"
-    if not hasattr(torch.cpu, "empty_cache"):
-        torch.cpu.empty_cache = lambda: None
     metadata = ExpertLocationMetadata.init_trivial(model_config, moe_ep_rank=rank)
     set_global_expert_location_metadata(metadata)
     recorder = ExpertDistributionRecorder.init_new(metadata, rank)

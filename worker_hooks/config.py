@@ -201,3 +201,8 @@ class HookConfig:
     def rows_per_rank(self) -> int:
         """Weight rows per layer on a rank: its slots plus the spare rows."""
         return self.slots_per_rank + self.commit.spare_rows
+
+    @property
+    def num_rows(self) -> int:
+        """Weight rows per layer over the group (the ids `route` returns are below it)."""
+        return self.num_gpus * self.rows_per_rank

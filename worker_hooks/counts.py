@@ -30,7 +30,7 @@ def add_window(stats: HookStats, config: HookConfig, logical: np.ndarray, physic
     stats.logical_total = logical.copy() if stats.logical_total is None else stats.logical_total + logical
     if physical is None:
         return
-    num_rows = config.num_gpus * config.rows_per_rank
+    num_rows = config.num_rows
     rows = physical[:, :num_rows].reshape(config.num_layers, config.num_gpus, config.rows_per_rank)
     per_gpu = np.concatenate([rows.sum(axis=2), physical[:, num_rows:]], axis=1)
     stats.gpu_total = per_gpu if stats.gpu_total is None else stats.gpu_total + per_gpu

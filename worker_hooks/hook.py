@@ -13,7 +13,8 @@ recorded into static tensors, a finished window is handed to the agent
 without waiting, and a commit (when every rank agreed) is in-place copies of
 map tables, plus the staged weights of any expert that found no spare row
 (`CommitConfig.spare_rows`, worker_hooks/rows.py: with enough of them a commit copies no
-weight). This file is that hot path and nothing else: the plan driver
+weight). This file is that hot path and the start and stop around it (a pool's warm
+start included); nothing else: the plan driver
 (worker_hooks/plans.py) prepares plans on migration threads for the agent
 (worker_hooks/agent.py), which talks to the controller on its own thread; count files
 are worker_hooks/counts.py's; the settings worker_hooks/config.py's.
@@ -116,11 +117,10 @@ def _recorder(config: HookConfig, device: torch.device) -> ExpertRecorder:
     """Counts by logical expert and, with `record_physical`, by row; with a shared expert
     its column E, and its G replicas at ids num_rows + g."""
     shared = 1 if config.shared_expert else 0
-    num_rows = config.num_gpus * config.rows_per_rank
     return ExpertRecorder(
         config.num_layers,
         config.num_logical + shared,
-        num_rows + shared * config.num_gpus if config.windows.record_physical else None,
+        config.num_rows + shared * config.num_gpus if config.windows.record_physical else None,
         device=device,
     )
 
@@ -133,7 +133,7 @@ def _dispatch(config: HookConfig, served: ServedPlacement, device: torch.device)
         config.rank,
         max_replicas=config.num_slots - config.num_logical + 1,
         device=device,
-        num_physical=config.num_gpus * config.rows_per_rank,
+        num_physical=config.num_rows,
         by_load=d.by_load,
         shared_expert=config.shared_expert,
         waterfill_passes=d.waterfill_passes,
@@ -187,7 +187,7 @@ class RebalanceHook:
             agent_config(config), self.plans, self.served.current_version, initial_phy2log=self.served.phy2log
         )
         self.plans.report_to(self.agent.report)
-        self._num_rows = config.num_gpus * config.rows_per_rank
+        self._num_rows = config.num_rows
         self._by_load = config.dispatch.by_load
         self._shared_replicas = has_shared_replicas(config.dispatch.mode)
         self._record_physical = config.windows.record_physical

@@ -27,7 +27,7 @@ import pytest
 
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.store import Store
-from rebalancer.demo import free_port, routing_profiles
+from rebalancer.demo import free_port, reap, routing_profiles
 from tests.integration.conftest import start_controller
 from tests.integration.test_end_to_end import FAST_POLICY, small_config
 
@@ -95,10 +95,7 @@ class Fleet:
         return [json.loads((self.tmp / f"{name}-rank{r}.json").read_text()) for r in range(2)]
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(30)
+        reap(self.procs, terminate=False)
         shutil.rmtree(self.sockets, ignore_errors=True)
 
 

@@ -26,6 +26,7 @@ from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.store import Store
+from rebalancer.demo import reap
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import client_options
@@ -429,13 +430,7 @@ def test_a_fresh_group_behind_its_pods_sidecar_starts_on_the_pool_placement(tmp_
         version, committed, expert_bytes = ctl.call(
             lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes))
     finally:
-        if sidecar.poll() is None:
-            sidecar.terminate()
-        try:
-            sidecar.wait(30)
-        except subprocess.TimeoutExpired:
-            sidecar.kill()
-            sidecar.wait()
+        reap([sidecar], seconds=30)
         ctl.stop()
         shutil.rmtree(sockets, ignore_errors=True)
     logs = _logs(tmp_path) + (tmp_path / "sidecar.log").read_text()[-3000:]

@@ -21,6 +21,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,10 +40,10 @@ def reference_weights(layer: int, expert: int) -> list:
     return [torch.randn(shape, generator=g) for shape in SHAPES]
 
 
-def write_model(folder: Path) -> None:
+def write_model(folder: Path, num_layers: int = NUM_LAYERS) -> None:
     config = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "num_hidden_layers": NUM_LAYERS, "first_k_dense_replace": 1,
+        "num_hidden_layers": num_layers, "first_k_dense_replace": 1,
         "n_routed_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K, "n_group": 1,
         "topk_group": 1, "hidden_size": 16, "intermediate_size": 32,
         "moe_intermediate_size": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
@@ -90,6 +91,42 @@ def _stand_in_model_runner() -> type:
     return ModelRunner
 
 
+def sglang_cpu_rank(rank: int, world: int, folder: Path, num_layers: int = NUM_LAYERS,
+                    rebalance_iterations: int = 1000) -> Any:
+    """SGLang set up on one CPU rank of an initialised gloo group: the tiny model written to
+    `folder`/model-rank<rank>, the server args published, and the stand-ins a CPU rank needs
+    (module docstring). Returns SGLang's ModelConfig. The tests' worker and
+    bench/sglang_staged.py both start their ranks here."""
+    import torch
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb import expert_distribution
+    from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    model_dir = folder / f"model-rank{rank}"
+    model_dir.mkdir(exist_ok=True)
+    write_model(model_dir, num_layers)
+    server_args = ServerArgs(
+        model_path=str(model_dir), device="cpu", tp_size=world, ep_size=world,
+        enable_eplb=True, ep_num_redundant_experts=REDUNDANT, skip_tokenizer_init=True,
+        eplb_rebalance_num_iterations=rebalance_iterations,
+    )
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+    model_config = ModelConfig.from_server_args(server_args)
+    # Stand-in for the model-class lookup (see the module docstring).
+    ModelConfigForExpertLocation.from_model_config = staticmethod(  # type: ignore[method-assign]
+        lambda _config: ModelConfigForExpertLocation(num_layers, NUM_EXPERTS, None))
+    # The recorder asks sglang.srt.utils.get_device(), which raises without an accelerator
+    # (its CPU answer needs SGLANG_USE_CPU_ENGINE, whose platform needs sgl_kernel).
+    expert_distribution.get_device = lambda *_a, **_k: "cpu"
+    # The updater empties the device cache once (torch.get_device_module().empty_cache());
+    # torch.cpu has none.
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None
+    return model_config
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -114,12 +151,10 @@ def main() -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                             world_size=args.world, timeout=timedelta(seconds=15))
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.eplb import expert_distribution, expert_location_updater
+    from sglang.srt.eplb import expert_location_updater
     from sglang.srt.eplb.eplb_manager import EPLBManager
     from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
     from sglang.srt.eplb.expert_location import (
-        ModelConfigForExpertLocation,
         get_global_expert_location_metadata,
     )
     from sglang.srt.eplb.expert_location_dispatch import (
@@ -128,34 +163,13 @@ def main() -> None:
     )
     from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
     from sglang.srt.plugins import load_plugins
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
 
     # In the test's own folder (beside --out), which the test removes: a folder of our own
     # in /tmp outlived every run.
-    model_dir = Path(args.out).parent / f"model-rank{rank}"
-    model_dir.mkdir(exist_ok=True)
-    write_model(model_dir)
-    server_args = ServerArgs(
-        model_path=str(model_dir), device="cpu", tp_size=args.world, ep_size=args.world,
-        enable_eplb=True, ep_num_redundant_experts=REDUNDANT, skip_tokenizer_init=True,
-        eplb_rebalance_num_iterations=1000,
-    )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
-    model_config = ModelConfig.from_server_args(server_args)
-    # Stand-in for the model-class lookup (see the module docstring).
-    ModelConfigForExpertLocation.from_model_config = staticmethod(  # type: ignore[method-assign]
-        lambda _config: ModelConfigForExpertLocation(NUM_LAYERS, NUM_EXPERTS, None))
+    model_config = sglang_cpu_rank(rank, args.world, Path(args.out).parent)
     runner_class = _stand_in_model_runner()
     load_plugins()  # SGLang's own loader: finds worker_hooks.engines.sglang:register by entry point
 
-    # The recorder asks sglang.srt.utils.get_device(), which raises without an accelerator
-    # (its CPU answer needs SGLANG_USE_CPU_ENGINE, whose platform needs sgl_kernel).
-    expert_distribution.get_device = lambda *_a, **_k: "cpu"
-    # The updater empties the device cache once (torch.get_device_module().empty_cache());
-    # torch.cpu has none.
-    if not hasattr(torch.cpu, "empty_cache"):
-        torch.cpu.empty_cache = lambda: None
     # SGLang's start step, through the plugin's hook when it wraps it (a pool's warm start).
     dist.barrier()  # the ranks enter the step together (SGLang's own init holds them in step)
     began = time.monotonic()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rebalancer.demo import reap
 from rebalancer.v1 import rebalancer_pb2 as pb
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 
@@ -166,12 +167,7 @@ def live_exposition(folder: Path) -> tuple[str, str]:
         for r in ranks:
             r.agent.stop()
         if sidecar is not None:
-            sidecar.terminate()
-            try:
-                sidecar.wait(30)
-            except subprocess.TimeoutExpired:
-                sidecar.kill()
-                sidecar.wait()
+            reap([sidecar], seconds=30)
         ctl.stop()
         for leftover in sockets.glob("*"):
             leftover.unlink()
