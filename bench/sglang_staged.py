@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+
+from rebalancer.demo import free_port, reap
 
 WORLD = 4
 NUM_LAYERS = 9            # layer 0 dense, 1..8 MoE
@@ -56,12 +57,6 @@ def reference_weights(layer: int, expert: int) -> list:
     import torch
 
     return [torch.full(shape, float(1000 * layer + expert)) for shape in SHAPES]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -287,7 +282,7 @@ def main() -> None:
         if args.staging_budget_bytes is not None:
             settings["REBALANCER_STAGING_BUDGET_BYTES"] = str(args.staging_budget_bytes)
         env = sglang_env.environment(**settings)
-        port = _free_port()
+        port = free_port()
         procs = []
         try:
             for rank in range(WORLD):
@@ -298,10 +293,8 @@ def main() -> None:
                                                stderr=subprocess.STDOUT), log))
             codes = [p.wait(timeout=900) for p, _ in procs]
         finally:
-            for p, log in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            reap([p for p, _ in procs], terminate=False)
+            for _, log in procs:
                 log.close()
         if codes != [0] * WORLD:
             tails = "\n".join(Path(f"{tmp}/rank{r}.log").read_text()[-2000:] for r in range(WORLD))
