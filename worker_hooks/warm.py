@@ -38,9 +38,9 @@ DEFAULT_WARM_START_SECONDS = 3.0
 
 
 def check_warm_start_seconds(seconds: float, name: str) -> None:
-    """ValueError naming the setting unless 0 <= seconds < inf (0: never wait)."""
+    """InputError (a ValueError) naming the setting unless 0 <= seconds < inf (0: never wait)."""
     if not 0.0 <= seconds < float("inf"):
-        raise ValueError(f"{name} must be >= 0 and finite, got {seconds}")
+        raise InputError(f"{name} must be >= 0 and finite, got {seconds}")
 
 
 def await_offer(agent: WorkerAgent, seconds: float, num_layers: int, num_slots: int,

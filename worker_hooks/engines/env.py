@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rebalancer.errors import InputError
+from worker_hooks.warm import DEFAULT_WARM_START_SECONDS
 
 ENV_PREFIX = "REBALANCER_"
 
@@ -39,9 +40,10 @@ class EngineEnv:
             what = "an integer" if kind is int else "a number"
             raise InputError(f"{ENV_PREFIX}{name}={raw!r} is not {what}") from None
 
-    def link(self, default_deployment: str) -> dict[str, str | None] | None:
+    def link(self, default_deployment: str) -> dict[str, str | float | None] | None:
         """The settings every adapter's config takes alike (address, deployment, token,
-        TLS files, worker id); None when REBALANCER_ADDRESS is unset (adapter off)."""
+        TLS files, worker id, replica pool and its warm-start wait); None when
+        REBALANCER_ADDRESS is unset (adapter off)."""
         address = self.get("ADDRESS")
         if address is None:
             return None
@@ -49,6 +51,8 @@ class EngineEnv:
             "address": address, "deployment": self.get("DEPLOYMENT") or default_deployment,
             "token": self.token(), "ca_file": self.get("CA_FILE"), "cert_file": self.get("CERT_FILE"),
             "key_file": self.get("KEY_FILE"), "worker_id": self.get("WORKER_ID") or "",
+            "pool": self.get("POOL") or "",
+            "warm_start_seconds": float(self.number("WARM_START_SECONDS", float, DEFAULT_WARM_START_SECONDS)),
         }
 
     def token(self) -> str | None:

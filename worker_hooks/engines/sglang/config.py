@@ -71,10 +71,7 @@ class SGLangAdapterConfig:
                 f"{ENV_PREFIX}AGREE_TIMEOUT_SECONDS must be > 0, got {self.agree_timeout_seconds}"
             )
         check_tls(self.ca_file, self.cert_file, self.key_file)
-        try:
-            check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
+        check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> SGLangAdapterConfig | None:
@@ -90,8 +87,6 @@ class SGLangAdapterConfig:
             window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
             agree_every=int(e.number("AGREE_EVERY", int, d.agree_every)),
             agree_timeout_seconds=float(e.number("AGREE_TIMEOUT_SECONDS", float, d.agree_timeout_seconds)),
-            pool=e.get("POOL") or "",
-            warm_start_seconds=float(e.number("WARM_START_SECONDS", float, d.warm_start_seconds)),
             updater=(e.get("UPDATER") or d.updater),  # type: ignore[arg-type]  # checked above
             staging_budget_bytes=int(e.number("STAGING_BUDGET_BYTES", int, d.staging_budget_bytes)),
         )

@@ -41,10 +41,7 @@ class VLLMAdapterConfig:
             if getattr(self, name) < 1:
                 raise InputError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
         check_tls(self.ca_file, self.cert_file, self.key_file)
-        try:
-            check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
+        check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> VLLMAdapterConfig | None:
@@ -59,6 +56,4 @@ class VLLMAdapterConfig:
             **common,  # type: ignore[arg-type]
             window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
             count_duplicates=int(e.number("COUNT_DUPLICATES", int, d.count_duplicates)),
-            pool=e.get("POOL") or "",
-            warm_start_seconds=float(e.number("WARM_START_SECONDS", float, d.warm_start_seconds)),
         )
