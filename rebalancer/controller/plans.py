@@ -103,15 +103,25 @@ class Plans:
             session.send("commit", plan)
 
     def registered(self, dep: Deployment, session: Session, version: int) -> None:
-        """A session registered serving `version`. A plan whose commit went out, that no
-        rank confirmed, is moot once ranks come back on an older version (its base, or the
-        one they restarted on) and no session that had the Commit is left: the group
-        restarted (a gloo group that lost a rank starts again), so no rank can switch to
-        the plan any more.
-        It is finished as unconfirmed now instead of after its commit grace, which would
+        """A session registered serving `version`.
+
+        Serving the version of the plan whose Commit went out is its ranks' confirmation:
+        their COMMITTED report may have been lost with the link they lost (a report the
+        controller refused for a session it had already ended is not sent again), and
+        waiting for it held the plan until its commit grace, then left it unconfirmed
+        with every rank serving it (the short chaos campaign in CI, invariant 7).
+
+        A plan whose commit went out, that no rank confirmed, is moot once ranks come back
+        on an older version (its base, or the one they restarted on) and no session that
+        had the Commit is left: the group restarted (a gloo group that lost a rank starts
+        again), so no rank can switch to the plan any more. It is finished as unconfirmed now instead of after its commit grace, which would
         hold every later plan back. Ranks that did switch (their sessions only lost their
         link) report it, and the controller adopts it then (`_report_off_plan`)."""
         plan = dep.plan
+        if (plan is not None and plan.version == version
+                and plan.state in (PlanState.COMMITTING, PlanState.COMMITTED)):
+            self.apply(dep, coordinate.on_committed(plan, session.ranks, self.clock()))
+            return
         if (plan is None or plan.state is not PlanState.COMMITTING or plan.committed
                 or version >= plan.version
                 or any(s.session_id in plan.commit_sessions for s in dep.live_sessions())):

@@ -27,7 +27,7 @@ def reconcile(store: Store, dep: Deployment, who: str, version: int, now: float)
     version than the controller holds as committed."""
     plan = dep.plan
     if plan is not None and plan.version == version and plan.state in (PlanState.COMMITTING, PlanState.COMMITTED):
-        return  # it already switched; its COMMITTED report will follow
+        return  # it switched: the registration counts as its confirmation (plans.registered)
     known = store.placement(dep.name, version)
     if version > dep.version and known is not None:
         # The ranks committed a plan whose confirmation the controller lost: theirs wins.

@@ -11,7 +11,8 @@ ranks say into what one group session may say (invariant 5 across the relay):
   left cannot be committed, exactly as a direct rank that left.
 - Commit goes to every rank; COMMITTED goes up when every rank committed (ranks whose
   stream ended after Commit are not waited for: nothing can abort a plan then, and the
-  ranks switch together by their own agreement, invariant 2).
+  ranks switch together by their own agreement, invariant 2), and again each time the
+  controller tells Commit of a plan committed here (it did not hear the first).
 - Abort goes to every rank, and the pod's reports of that plan still queued are moot.
 - A rank that (re)attaches is told what it missed: Commit of a plan committing, Abort of
   an aborted plan it did not confirm, and first the Prepare of the plan preparing or
@@ -210,6 +211,10 @@ class Relay:
         message = _commit(version)
         for rank in sorted(self.connected & self.ranks - plan.committed):
             a.to_ranks.append((rank, message))
+        if plan.phase == "committed":
+            # Told again: the controller did not hear this pod's COMMITTED (it went with a
+            # link, or was refused for a session the controller had already ended).
+            a.upstream.append(_committed(plan))
         self._settle_commit(plan, a)
         return a
 
@@ -258,8 +263,12 @@ class Relay:
             return
         if self.ranks <= plan.committed or (self.connected & self.ranks) <= plan.committed:
             plan.phase, plan.finished_at = "committed", self.clock()
-            a.upstream.append(pb.PlanReport(version=plan.version, phase=pb.PLAN_PHASE_COMMITTED, step=plan.step))
+            a.upstream.append(_committed(plan))
             a.events.append(("committed", plan))
+
+
+def _committed(plan: RelayPlan) -> pb.PlanReport:
+    return pb.PlanReport(version=plan.version, phase=pb.PLAN_PHASE_COMMITTED, step=plan.step)
 
 
 def _commit(version: int) -> pb.ControllerMessage:

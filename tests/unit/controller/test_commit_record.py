@@ -152,3 +152,24 @@ def test_stale_windows_of_a_restarted_group_do_not_move_the_controller(tmp_path:
     assert ctl.ingest(dep, 0, 1, version, SKEWED, None)  # a window from before the restart
     assert dep.version == 0 and ctl.store.load_deployments()[0].committed_version == 0
     ctl.store.close()
+
+
+def test_ranks_registering_on_the_plan_they_switched_to_confirm_it(tmp_path: Path) -> None:
+    """Both ranks switched, their links dropped and their COMMITTED reports went with them
+    (the short chaos campaign in CI: ranks on v12, controller and store on v11 for good).
+    They register again serving the plan's version: that is their confirmation, the plan
+    is committed at once instead of left unconfirmed after its commit grace."""
+    clock = FakeClock(100.0)
+    ctl, _, version = prepared_everywhere(tmp_path / "c.sqlite", clock)
+    dep = ctl.deployment("d")
+    for sid in {s.session_id for s in dep.sessions.values()}:
+        ctl.detach(sid)
+    clock.now = 101.0
+    ctl.register("d", 0, SHAPE, version, None, "w0")
+    assert dep.plan is not None and dep.plan.committed == {0}
+    assert dep.version == version  # the first confirmation commits, as a report would
+    ctl.register("d", 1, SHAPE, version, None, "w1")
+    assert dep.plan is None and dep.last_unconfirmed is None
+    assert ctl.store.load_deployments()[0].committed_version == version
+    assert ctl.store.plans("d")[0].state == "committed"
+    ctl.store.close()

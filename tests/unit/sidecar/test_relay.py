@@ -110,6 +110,22 @@ def test_commit_goes_up_when_every_rank_committed() -> None:
     assert r.versions == {4: 2, 5: 2, 6: 2}
 
 
+def test_commit_told_again_after_the_pod_committed_sends_committed_again() -> None:
+    """The controller tells Commit again when it did not hear the pod's COMMITTED (lost
+    with the link, found by the short chaos campaign): the pod says it again, with the
+    step, and the ranks, already switched, hear nothing."""
+    r = relay()
+    r.prepare(prepare())
+    for rank in RANKS:
+        r.report(rank, report(2, pb.PLAN_PHASE_PREPARED))
+    r.commit(2)
+    for rank in RANKS:
+        r.report(rank, report(2, pb.PLAN_PHASE_COMMITTED, step=40))
+    a = r.commit(2)
+    assert up(a) == ["PLAN_PHASE_COMMITTED"] and a.upstream[0].step == 40
+    assert kinds(a) == [] and r.plan is not None and r.plan.phase == "committed"
+
+
 def test_a_rank_leaving_after_commit_is_not_waited_for() -> None:
     r = relay()
     r.prepare(prepare())
