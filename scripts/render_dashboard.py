@@ -4,7 +4,8 @@ drawn as a PNG (docs/dashboard.png).
 
 A Prometheus server (Debian's, from `.ci/run --tools`) scrapes a live fleet every second
 (scripts/prometheus_live.py: the controller, the demo's 2 sidecars and its 4 CPU workers
-on DeepSeek-V3's real routing) until the workers finish; then each panel's every query
+on DeepSeek-V3's real routing, and beside them a deployment of 2 instant ranks in a replica
+pool, for the pool panels) until the workers finish; then each panel's every query
 goes to Prometheus's query_range over the run (up to the last moment every rank was
 connected) and the panel is drawn from the answer, at its place on the dashboard's grid.
 Grafana's variables get what Grafana would give them: `$deployment` the fleet's
@@ -218,18 +219,22 @@ def last_all_connected(prom: Prometheus, deployment: str, start: float, end: flo
     return max(times, default=end)
 
 
+# The pool panels' deployment beside the demo's: (deployment, pool).
+POOLED = ("dashboard-pooled", "dashboard-pool")
+
+
 def run(dashboard: dict[str, Any], steps: int, every: float) -> dict[str, Any]:
     """A live run scraped by a real Prometheus, and its answers to every dashboard query."""
     sys.path.insert(0, str(ROOT))  # run as a script: scripts.prometheus_live from the checkout
     from rebalancer.demo import DemoConfig
-    from scripts.prometheus_live import Fleet, Prometheus
+    from scripts.prometheus_live import Fleet, PoolMember, Prometheus
 
     run_seconds = 600.0
     demo = DemoConfig(steps=steps, timeout_seconds=run_seconds)
     with tempfile.TemporaryDirectory(prefix="dashboard") as tmp:
         fleet = Fleet(Path(tmp) / "fleet", demo)
         with Prometheus(Path(tmp) / "prometheus", fleet.targets(), scrape_interval=every,
-                        evaluation_interval=every) as prom, fleet:
+                        evaluation_interval=every) as prom, fleet, PoolMember(fleet.address, *POOLED):
             start = time.time()
             deadline = time.monotonic() + run_seconds
             while all(w.poll() is None for w in fleet.workers) and time.monotonic() < deadline:
@@ -265,7 +270,7 @@ def main() -> int:
     start, end, step = saved["start"], saved["end"], saved["step"]
     title = (f"{dashboard['title']}: drawn by scripts/render_dashboard.py (not Grafana) from a real Prometheus "
              f"{saved['prometheus']}\nscraping a live run for {end - start:.0f} s: the controller, 2 demo "
-             f"sidecars and 4 CPU workers on DeepSeek-V3 routing")
+             f"sidecars and 4 CPU workers on DeepSeek-V3 routing, and a pooled deployment of 2 instant ranks")
     for line in draw(dashboard, answers, start, end, step, Path(args.out), title):
         print(line)
     print(f"wrote {args.out}")

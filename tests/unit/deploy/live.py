@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -23,72 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from rebalancer.demo import reap
-from rebalancer.v1 import rebalancer_pb2 as pb
-from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 
-DEPLOYMENT = "live"
-L, E, P, G = 3, 8, 12, 2
-SHAPE = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G,
-                      num_nodes=1, expert_bytes=1 << 20)
+# The instant ranks and the pool member live with the fleet, which the dashboard's picture runs too.
+from scripts.prometheus_live import DEPLOYMENT, SHAPE, E, G, InstantRank, L, P, PoolMember  # noqa: F401
 
 # What each metric type of the text exposition puts after a family's name.
 _SERIES_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
                     "summary": ("_sum", "_count", ""), "info": ("_info",), "gauge": ("",),
                     "untyped": ("",), "unknown": ("",)}
-
-
-class InstantRank(PlanHandlers):
-    """Prepares and commits at once; a real agent carries the messages."""
-
-    def __init__(self, rank: int, address: str, deployment: str = DEPLOYMENT, pool: str = "") -> None:
-        self.version = 0
-        self.agent = WorkerAgent(AgentConfig(address, deployment, rank, SHAPE, pool=pool), self, lambda: self.version)
-
-    def on_prepare(self, prepare: pb.Prepare) -> None:
-        self.agent.report(prepare.version, pb.PLAN_PHASE_PREPARED)
-
-    def on_commit(self, version: int) -> None:
-        self.version = version
-        self.agent.report(version, pb.PLAN_PHASE_COMMITTED)
-
-    def on_abort(self, version: int, reason: str) -> None:
-        self.agent.report(version, pb.PLAN_PHASE_ABORTED)
-
-
-class PoolMember:
-    """A deployment of G instant ranks in a replica pool, straight to the controller at
-    `address`, sending skewed windows every `every` seconds until closed: the pool
-    decides, takes a placement and rolls it to the member, so every pool series exists."""
-
-    def __init__(self, address: str, deployment: str, pool: str, every: float = 0.5) -> None:
-        self.ranks = [InstantRank(r, address, deployment, pool) for r in range(G)]
-        self.every = every
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._send, name="pool-member", daemon=True)
-
-    def __enter__(self) -> PoolMember:
-        for r in self.ranks:
-            r.agent.start()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        for r in self.ranks:
-            r.agent.stop()
-
-    def _send(self) -> None:
-        rng = np.random.default_rng(2)
-        profile = (1 + np.arange(E)) / np.sum(1 + np.arange(E))  # skewed: a placement pays
-        seq = 0
-        while not self._stop.wait(self.every):
-            # Tokens drawn from one profile, as routing is: the pool's divergence test sees
-            # sampling noise only, and the member follows its pool.
-            logical = rng.multinomial(4000, profile, size=L)
-            for r in self.ranks:
-                r.agent.submit_window(seq * 4, 4, r.version, logical, None)
-            seq += 1
 
 
 def series_names(text: str) -> set[str]:
