@@ -304,9 +304,10 @@ SHAPE = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P,
 class InstantRank(PlanHandlers):
     """Prepares and commits at once; a real agent carries the messages."""
 
-    def __init__(self, rank: int, address: str, deployment: str = DEPLOYMENT, pool: str = "") -> None:
+    def __init__(self, rank: int, address: str, deployment: str = DEPLOYMENT, pool: str = "",
+                 shape: pb.ModelShape = SHAPE) -> None:
         self.version = 0
-        self.agent = WorkerAgent(AgentConfig(address, deployment, rank, SHAPE, pool=pool), self, lambda: self.version)
+        self.agent = WorkerAgent(AgentConfig(address, deployment, rank, shape, pool=pool), self, lambda: self.version)
 
     def on_prepare(self, prepare: pb.Prepare) -> None:
         self.agent.report(prepare.version, pb.PLAN_PHASE_PREPARED)

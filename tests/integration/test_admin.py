@@ -29,30 +29,12 @@ from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 from rebalancer.formats import read_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
+from scripts.prometheus_live import InstantRank
 from tests.integration.conftest import start_controller
-from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 
 L, E, P, G = 4, 256, 288, 32
 TOKEN = "admin-secret"
 SHAPE = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G, num_nodes=4, expert_bytes=44 << 20)
-
-
-class InstantRank(PlanHandlers):
-    """Prepares and commits at once; a real agent carries the messages."""
-
-    def __init__(self, rank: int, address: str) -> None:
-        self.version = 0
-        self.agent = WorkerAgent(AgentConfig(address, "dsv3", rank, SHAPE), self, lambda: self.version)
-
-    def on_prepare(self, prepare: pb.Prepare) -> None:
-        self.agent.report(prepare.version, pb.PLAN_PHASE_PREPARED)
-
-    def on_commit(self, version: int) -> None:
-        self.version = version
-        self.agent.report(version, pb.PLAN_PHASE_COMMITTED)
-
-    def on_abort(self, version: int, reason: str) -> None:
-        self.agent.report(version, pb.PLAN_PHASE_ABORTED)
 
 
 def real_counts() -> np.ndarray:
@@ -67,7 +49,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedCon
     policy = PolicyConfig(paused=True, min_windows=1)
     ctl = start_controller(db, policy, admin_token=TOKEN, metrics_port=0)
     assert ctl.server is not None
-    ranks = [InstantRank(r, ctl.server.address) for r in range(G)]
+    ranks = [InstantRank(r, ctl.server.address, "dsv3", shape=SHAPE) for r in range(G)]
     for r in ranks:
         r.agent.start()
     for r in ranks:
