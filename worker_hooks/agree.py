@@ -23,11 +23,20 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from worker_hooks import works
+
 log = logging.getLogger("worker_hooks.agree")
 
 # Agreements left running unread before the oldest is waited for (a peer that stopped
 # for good; its group then times out).
 MAX_UNREAD = 64
+# How long `close` waits for the agreements in flight: a dead peer fails them at once; a
+# live one answers within a step or two.
+CLOSE_SECONDS = 10.0
+# Agreements read (or reaped) that stay referenced here until this many newer ones were
+# read: by then the gloo thread that ran one has long dropped its own reference, so ours is
+# the last and the work is freed on a Python thread (works.py says why that matters).
+RECENT = 16
 
 
 class CommitAgreement:
@@ -39,18 +48,23 @@ class CommitAgreement:
         # Agreements started and not yet read, oldest first: (work, its buffer, what this
         # rank contributed).
         self._running: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
+        self._recent: deque[tuple[dist.Work, tuple[torch.Tensor]]] = deque(maxlen=RECENT)
         self.broken: str | None = None  # set when a peer failed: no commit is ever agreed again
 
-    def close(self) -> None:
-        """Wait for the agreements in flight (every rank started them at the same steps),
-        so no collective is pending when the process group goes away."""
-        if self.broken is None:
-            try:
-                for work, _, _ in self._running:
-                    work.wait()
-            except RuntimeError as exc:
-                self.broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    def close(self, timeout: float = CLOSE_SECONDS) -> bool:
+        """Wait up to `timeout` s for the agreements in flight (every rank started them at
+        the same steps), so no collective is pending when the process group goes away,
+        also after a peer failed. Every agreement, the recent ones read too, is then kept
+        for the life of the process (works.py: one a gloo thread frees at exit aborts the
+        process). False: one is still running (a peer frozen), and the process must not
+        tear its groups down."""
+        running = [*self._recent, *((work, (buf,)) for work, buf, _ in self._running)]
         self._running.clear()
+        self._recent.clear()
+        settled, error = works.settle(running, timeout)
+        if error and self.broken is None:
+            self.broken = error
+        return settled
 
     def on_step(self, step: int, ready_version: int, serving: int | None = None) -> int | None:
         """Call once per step boundary, on every rank, with the same `step`.
@@ -68,6 +82,7 @@ class CommitAgreement:
                     work.wait()  # this rank may switch: every rank reads it at this step
                     agreed = int(buf.item())
                     self._running.pop()
+                    self._recent.append((work, (buf,)))
             self._reap()
             buf = torch.tensor([ready_version], dtype=torch.int64)
             work = dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
@@ -82,5 +97,6 @@ class CommitAgreement:
         """Forget the unread agreements that completed (raising a peer's failure), and
         wait for the oldest beyond `MAX_UNREAD`."""
         while self._running and (self._running[0][0].is_completed() or len(self._running) >= MAX_UNREAD):
-            work, _, _ = self._running.popleft()
+            work, buf, _ = self._running.popleft()
+            self._recent.append((work, (buf,)))
             work.wait()

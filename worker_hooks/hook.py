@@ -47,6 +47,7 @@ from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.dispatch import has_shared_replicas
 from rebalancer.wire.layout import check_phy2log
+from worker_hooks import works
 from worker_hooks.agent import AgentConfig, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.config import (
@@ -282,8 +283,9 @@ class RebalanceHook:
         prepared. A plan arriving from now on still runs its transfers (peers wait for
         them) but is reported failed, so it aborts everywhere.
 
-        Returns False when a transfer is still blocked (a peer left mid-plan): the
-        process must then exit without tearing down its process groups."""
+        Returns False when a transfer or a collective is still running (a peer left or
+        froze mid-plan; worker_hooks/works.py): the process must then exit without
+        tearing down its process groups."""
         deadline = time.monotonic() + timeout
         self.plans.close()
         self._flush_window()
@@ -293,7 +295,7 @@ class RebalanceHook:
         self.agent.drain(max(0.0, deadline - time.monotonic()))
         done = self.plans.join(transfer_timeout)
         self.stop()
-        self.agreement.close()
+        done = self.agreement.close() and done and works.none_running()
         if done:
             # Drop the mappings of the peers' weights ("ipc"/"outbox"). A peer still
             # reading ours after we exit reads freed memory into staging, but that plan

@@ -98,6 +98,9 @@ class Processes:
         self.all_procs: list[subprocess.Popen[Any]] = []
         self.hogs: list[subprocess.Popen[bytes]] = []
         self.descendants: set[int] = set()
+        # Children this process had before the run (a test runner's multiprocessing
+        # resource tracker, which lives as long as the runner): not the run's to reap.
+        self._before = process_tree(os.getpid())
 
     def popen(self, cmd: list[str], log: str, text: bool = False, **kw: Any) -> subprocess.Popen[Any]:
         with (self.folder / log).open("ab") as err:
@@ -199,7 +202,7 @@ class Processes:
 
     def track_descendants(self) -> None:
         """Every process below this one, remembered: none may outlive the run."""
-        self.descendants |= process_tree(os.getpid()) - {os.getpid()}
+        self.descendants |= process_tree(os.getpid()) - self._before
 
     def leaked(self) -> list[int]:
         return alive(self.descendants)

@@ -414,14 +414,8 @@ def shut_down(args: argparse.Namespace, settled: bool) -> None:
         os._exit(0)
     if not args.local:  # with peers possibly dead, leave without a collective goodbye
         leave_group(args.rank, args.world)
-    # Leave without tearing the groups down or running C++ destructors: after a peer died
-    # mid-plan a gloo thread of ours can still wait on it, and destroying it aborts the
-    # process (std::terminate, SIGABRT). The goodbye above already told every peer that no
-    # collective needs our pairs; the results are written; the kernel closes the sockets.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Then the interpreter's own shutdown, as an engine's: `hook.finish` kept every
+    # collective of ours where no gloo thread can free it at exit (worker_hooks/works.py).
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,7 +449,7 @@ def write_progress(path: str, step: int) -> None:
 
 
 def leave_group(rank: int, world: int, timeout: float = 60.0) -> None:
-    """Say goodbye through the group's store and wait until every rank is done with the group.
+    """Tear the process group down once every rank is done with it.
 
     The goodbye goes through the group's store, not a gloo barrier: a rank that leaves
     the moment its barrier completes can close its pairs while a starved peer has not yet
@@ -475,6 +469,8 @@ def leave_group(rank: int, world: int, timeout: float = 60.0) -> None:
                 time.sleep(0.01)
     except RuntimeError:  # rank 0 left without its goodbye (a transfer of its was blocked)
         log.warning("rank %d: the group's store is gone; leaving without a goodbye", rank)
+        return
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
