@@ -23,13 +23,18 @@ from worker_hooks.agree import CommitAgreement
 def _dead_peer(rank: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rdzv", rank=rank, world_size=3)
     agreement = CommitAgreement(dist.new_group(backend="gloo"), every=4)
+    # Every rank has finished connecting the group's mesh before the peer goes: a peer
+    # that leaves while another rank still connects fails that rank's new_group instead.
+    dist.barrier()
     if rank == 2:
         import os
         os._exit(0)  # the peer dies before any agreement
     time.sleep(0.5)
     for step in (4, 8, 12):  # nothing to switch to: started, never read
         agreement.on_step(step, 0, serving=0)
-    started = [work for work, _, _ in agreement._running]
+    # Unread, or already reaped as failed (on a fast machine the peer's death fails the
+    # first agreement by the next step): close must wait for every one of them.
+    started = [work for work, _ in agreement._recent] + [work for work, _, _ in agreement._running]
     settled = agreement.close(timeout=30.0)
     np.save(f"{out}/{rank}.npy", np.array([settled, len(started), all(w.is_completed() for w in started),
                                            agreement.broken is not None, works.none_running()]))
@@ -46,6 +51,7 @@ def test_after_a_dead_peer_every_agreement_is_waited_for_and_the_rank_exits_clea
 def _frozen_peer(rank: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rdzv", rank=rank, world_size=2)
     agreement = CommitAgreement(dist.new_group(backend="gloo"), every=4)
+    dist.barrier()  # both ranks have connected the group before rank 0 goes quiet
     go = Path(out) / "go"
     if rank == 0:  # contributes at step 4, then stops answering until told
         agreement.on_step(4, 0, serving=0)
