@@ -88,7 +88,7 @@ class CommitAgreement:
             work = dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
             self._running.append((work, buf, ready_version))
         except RuntimeError as exc:  # a peer died: keep serving the committed placement
-            self.broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.broken = works.reason(exc)
             log.error("commit agreement lost its peers (%s); staying on the committed placement", self.broken)
             return None
         return agreed

@@ -47,10 +47,17 @@ def settle(works: Iterable[tuple[dist.Work, tuple[Any, ...]]], timeout: float) -
         try:
             work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as exc:
-            error = error or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            error = error or reason(exc)
         _KEPT.append((work, tensors))
         settled = settled and work.is_completed()
     return settled, error
+
+
+def reason(exc: BaseException) -> str:
+    """One line for a log or a report: the exception's type and its message's first line
+    (gloo's errors run to many lines, with a hint to read the peer's logs)."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def none_running() -> bool:

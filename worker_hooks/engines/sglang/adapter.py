@@ -26,6 +26,7 @@ from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from rebalancer.wire.layout import logical_counts
+from worker_hooks import works
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.engines import require_engine
@@ -312,7 +313,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
                 )
                 moved = True
             except Exception as exc:  # a peer lost mid-transfer: this layer is untouched
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                error = works.reason(exc)
             all_moved = self._layer_done(moved)
             if all_moved:
                 self.phy2log[layer] = new[layer]
@@ -437,7 +438,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
             self.agent.report(version, pb.PLAN_PHASE_PREPARED, bytes_received=received, seconds=seconds)
 
     def _staging_failed(self, plan: StagedPlan, group: int, exc: Exception) -> None:
-        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        error = works.reason(exc)
         with self._lock:
             if self._plan is plan:
                 self._plan = None
