@@ -23,8 +23,8 @@ import numpy as np
 
 from rebalancer.demo import reap
 
-# The instant ranks and the pool member live with the fleet, which the dashboard's picture runs too.
-from scripts.prometheus_live import DEPLOYMENT, SHAPE, E, G, InstantRank, L, P, PoolMember  # noqa: F401
+# The instant ranks live with the fleet, which the dashboard's picture runs too.
+from scripts.prometheus_live import DEPLOYMENT, E, G, InstantRank, L, P
 
 # What each metric type of the text exposition puts after a family's name.
 _SERIES_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),

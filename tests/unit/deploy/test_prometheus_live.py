@@ -34,10 +34,9 @@ from typing import Any
 import pytest
 
 from rebalancer.demo import DemoConfig
-from scripts.prometheus_live import Fleet, Prometheus
+from scripts.prometheus_live import Fleet, PoolMember, Prometheus
 from scripts.render_dashboard import Query, ask, dashboard_queries, draw, has_data
 from tests.unit.deploy.conftest import DASHBOARD, PROMETHEUS
-from tests.unit.deploy.live import PoolMember
 from tests.unit.deploy.yamlish import load_all
 
 pytestmark = pytest.mark.slow
