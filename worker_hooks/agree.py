@@ -58,10 +58,10 @@ class CommitAgreement:
         for the life of the process (works.py: one a gloo thread frees at exit aborts the
         process). False: one is still running (a peer frozen), and the process must not
         tear its groups down."""
-        running = [*self._recent, *((work, (buf,)) for work, buf, _ in self._running)]
+        agreements = [*self._recent, *((work, (buf,)) for work, buf, _ in self._running)]
         self._running.clear()
         self._recent.clear()
-        settled, error = works.settle(running, timeout)
+        settled, error = works.settle(agreements, timeout)
         if error and self.broken is None:
             self.broken = error
         return settled

@@ -403,9 +403,10 @@ def result_of(args: argparse.Namespace, hook: RebalanceHook, model: RankModel, s
 
 
 def shut_down(args: argparse.Namespace, settled: bool) -> None:
-    """Step 5: leave the group. `settled`: `hook.finish` saw every transfer end."""
+    """Step 5: leave the group. `settled`: `hook.finish` saw every transfer and
+    collective of ours end."""
     if not settled:
-        # A transfer is blocked on a peer that left: a gloo call cannot be interrupted,
+        # A transfer or an agreement is blocked on a peer that left or froze: a gloo call cannot be interrupted,
         # and tearing the groups down under it aborts the process. Leave as is (saying so,
         # so that no peer waits for this rank's goodbye).
         if not args.local:
