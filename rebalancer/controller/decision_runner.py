@@ -131,6 +131,8 @@ class DecisionRunner:
                 except sqlite3.Error as exc:  # nothing changed: the plan is stored before it starts
                     decision = replace(decision, outcome="skip_store", reason=f"the store refused the plan: {exc}")
                     dep.loop.amend(decision)
+                else:
+                    dep.loop.started(now)  # only a plan that started is a rebalance
         record = decision.to_dict()
         record.update(time=now, plan_version=plan.version if plan else 0)
         try:

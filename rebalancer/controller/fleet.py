@@ -254,6 +254,7 @@ class Fleet:
     def _act(self, pool: ReplicaPool, decision: Decision, trigger: str, now: float) -> list[Plan]:
         if decision.take and decision.candidate is not None:
             pool.take(decision.candidate)
+            pool.loop.started(now)  # the pool's rebalance: its placement changes now
             try:
                 self.store.save_pool(pool.name, stored_shape(pool.shape, pool.unknown_fields), pool.version, pool.phy2log)
             except sqlite3.Error as exc:

@@ -5,7 +5,8 @@ wall clock as merged windows arrive, the simulator on a virtual clock as it repl
 trace), so they keep the same estimate and take the same decisions on the same input.
 The loop starts nothing itself: a decision with `take` set hands its candidate to the
 caller, which builds and runs the plan (coordinator in the controller, the transfer model
-in the simulator).
+in the simulator) and calls `started` once it has: only a plan that started counts as
+the last rebalance (a take the controller could not start, ranks missing, does not).
 """
 
 from __future__ import annotations
@@ -124,11 +125,15 @@ class PolicyLoop:
         return decision
 
     def record(self, decision: Decision, now: float) -> None:
-        """Note a decision taken on this loop's inputs (the controller decides off its event loop)."""
+        """Note a decision taken on this loop's inputs (the controller decides off its event loop).
+
+        A take is not a rebalance yet: the caller calls `started` when its plan starts."""
         self.last_decision_time = now
         self.last_decision = decision
-        if decision.take:
-            self.last_rebalance = now
+
+    def started(self, now: float) -> None:
+        """A plan of this loop's decision started at `now`: the min interval counts from here."""
+        self.last_rebalance = now
 
     def amend(self, decision: Decision) -> None:
         """Replace the recorded last decision by what the caller made of it (a take it

@@ -508,6 +508,7 @@ class Simulator:
             )
             if decision.take and decision.candidate is not None:
                 flight = self._start_plan(current, decision.candidate, now, version + 1)
+                loop.started(now)
                 ledger.moved(w + 1, flight.plan.slots_moved, flight.plan.bytes_moved)
         result = ledger.result("adaptive", dict(outcomes), log)
         result.plans_aborted = aborted

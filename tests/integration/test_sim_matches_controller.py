@@ -33,7 +33,8 @@ def test_same_windows_same_decisions() -> None:
     policy = PolicyConfig(decision_period_seconds=2.0, min_interval_seconds=4.0, min_windows=2)
     current = trivial_placement(L, E, P, G)
 
-    # The simulator's side: the bare loop, one window per virtual second.
+    # The simulator's side: the bare loop, one window per virtual second (no plan starts,
+    # as none can on the controller's side: neither counts a rebalance).
     loop = PolicyLoop(shape, policy)
     expected: list[tuple[int, Decision]] = []
     for w in range(trace.num_windows):

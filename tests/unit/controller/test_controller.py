@@ -115,3 +115,27 @@ def test_repeated_decisions_log_at_debug(caplog: pytest.LogCaptureFixture) -> No
     assert [m.split(" (")[0] for level, m in lines if level == logging.DEBUG] == ["d decision: skip_gain"] * 5
     assert [m.split(" (")[0] for level, m in lines if level == logging.INFO] == ["d decision: skip_gain"] * 2
     assert "forced, but the candidate equals" in lines[-1][1] and len(lines) == 7
+
+
+def test_a_take_that_could_not_start_is_not_the_last_rebalance() -> None:
+    """A take stored as skip_ranks (a rank not connected) is no rebalance: the history
+    must not hold the next decision back by min_interval counted from it (issue 34)."""
+    clock = FakeClock(100.0)
+    policy = PolicyConfig(min_windows=1, decision_period_seconds=1.0, min_interval_seconds=60.0,
+                          max_moved_fraction=1.0)
+    ctl = Controller(Store(":memory:"), policy, clock=clock)
+    sessions = [ctl.register("d", rank, SHAPE, 0, None, f"w{rank}")[0] for rank in range(SHAPE.num_gpus)]
+    dep = ctl.deployment("d")
+    ctl.attach(sessions[0].session_id, lambda kind, plan: None)  # rank 1 has no stream
+    for rank in range(2):
+        ctl.ingest(dep, rank, 0, 0, SKEWED * 100, None)
+    first = ctl.store.decisions("d", 10)[0]
+    assert first["outcome"] == "skip_ranks" and first["plan_version"] == 0
+    assert dep.loop.last_rebalance is None
+    ctl.attach(sessions[1].session_id, lambda kind, plan: None)  # rank 1 is back
+    clock.now = 102.0
+    for rank in range(2):
+        ctl.ingest(dep, rank, 1, 0, SKEWED * 100, None)
+    latest = ctl.store.decisions("d", 10)[0]
+    assert latest["outcome"] == "rebalance" and latest["plan_version"] == 1, latest
+    assert dep.plan is not None and dep.loop.last_rebalance == 102.0

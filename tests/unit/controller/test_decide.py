@@ -223,6 +223,8 @@ def test_policy_loop_timing() -> None:
     assert loop.on_window(load, current, now=2.0) is None  # not due yet
     taken = loop.on_window(load, current, now=5.0)
     assert taken is not None and taken.outcome == "rebalance"
+    assert loop.last_rebalance is None  # a take is no rebalance until its plan starts
+    loop.started(5.0)
     assert loop.last_rebalance == 5.0
     assert loop.on_window(load, current, now=10.0, in_flight=True) is None
     later = loop.on_window(load, current, now=15.0)
@@ -238,7 +240,7 @@ def test_policy_loop_force_and_set_policy() -> None:
     dry = loop.force(current, now=1.0, dry_run=True)
     assert dry.outcome == "dry_run" and loop.last_decision is None  # a dry run records nothing
     forced = loop.force(current, now=2.0)
-    assert forced.outcome == "forced" and loop.last_rebalance == 2.0
+    assert forced.outcome == "forced" and loop.last_decision is forced and loop.last_rebalance is None
     before = loop.estimator.estimate()
     loop.set_policy(_policy(decay=0.9))  # same mode: the estimate is kept
     np.testing.assert_allclose(loop.estimator.estimate(), before)
