@@ -30,6 +30,8 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.channel import ChannelConfig, aio_channel
+from rebalancer.wire.codec import Statement
+from rebalancer.wire.layout import placement_digest
 from rebalancer.wire.link import SentWindows, send_report
 from rebalancer.wire.windows import BoundedWindows, CountWindow
 
@@ -99,10 +101,16 @@ class WorkerAgent:
         handlers: PlanHandlers,
         version: Callable[[], int],
         initial_phy2log: np.ndarray | None = None,
+        served_map: Callable[[], np.ndarray] | None = None,
     ) -> None:
         self.config = config
         self.handlers = handlers
         self._version = version
+        # The map the rank serves (read with the version): every window states both, so
+        # the controller converges to what the ranks serve whatever reports were lost.
+        # None: the version alone is told, and the controller relies on the reports.
+        self._served_map = served_map
+        self._digest: tuple[int, int, int] = (-1, 0, 0)  # (version, id of the map, digest)
         self._initial = initial_phy2log
         self._lock = threading.Lock()
         self._pending = BoundedWindows(config.max_pending)  # rebalancer.wire.windows' rule
@@ -306,8 +314,24 @@ class WorkerAgent:
         out = []
         with self._lock:
             for w in self._pending.take():
-                out.append(self._sent.number(w.first_step, w.num_steps, w.version, w.logical, w.physical))
+                out.append(self._sent.number(w.first_step, w.num_steps, w.version, w.logical, w.physical,
+                                             self.statement()))
         return out
+
+    def statement(self) -> Statement:
+        """(version, digest) of the placement served now, for the windows (agent thread).
+        The map is read after the version: should a switch fall between the two reads,
+        the digest names the newer map, the controller finds no match for that one window
+        and logs it, and the next window states the pair right."""
+        version = self._version()
+        if self._served_map is None:
+            return version, 0
+        phy2log = self._served_map()
+        cached_version, cached_id, digest = self._digest
+        if cached_version != version or cached_id != id(phy2log):
+            digest = placement_digest(phy2log)
+            self._digest = (version, id(phy2log), digest)
+        return version, digest
 
     async def _flush_reports(self, stub: pb_grpc.WorkerServiceStub) -> None:
         while True:

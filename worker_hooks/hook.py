@@ -185,7 +185,8 @@ class RebalanceHook:
         self.plans = plan_driver(config, self.executor, self.dispatch, self.served, self.stats)
         # The agent knows the plan driver and the served version, not the hook.
         self.agent = WorkerAgent(
-            agent_config(config), self.plans, self.served.current_version, initial_phy2log=self.served.phy2log
+            agent_config(config), self.plans, self.served.current_version, initial_phy2log=self.served.phy2log,
+            served_map=self.served.current_map,
         )
         self.plans.report_to(self.agent.report)
         self._num_rows = config.num_rows

@@ -26,6 +26,11 @@ class ServedPlacement:
         """The version served (read from other threads: an int, read whole)."""
         return self.version
 
+    def current_map(self) -> np.ndarray:
+        """The map served (read from other threads after `current_version`: switch
+        replaces the array whole, never writes into it)."""
+        return self.phy2log
+
     def switch(self, version: int, phy2log: np.ndarray, row_ids: np.ndarray) -> None:
         """Serve `version` from now on (the serving thread, at the agreed step)."""
         self.version, self.phy2log, self.row_ids = version, phy2log, row_ids

@@ -6,7 +6,7 @@ sidecar), the window merger, the policy loop (estimate + decision timing), the p
 flight, the newest aborted plan (retold to a session that reconnects) and running
 totals. The deployment owns this state: it changes only through its own transitions
 (restore, reshape, begin, commit, abort, leave unconfirmed, finish, adopt, count a window,
-fold, start and end a decision, mark a save), each keeping its invariants; the modules
+note what ranks state they serve, fold, start and end a decision, mark a save), each keeping its invariants; the modules
 beside this one (registry, reconcile, fold, decisions, plans, operate) decide when and
 ask it (tests/unit/controller/test_deployment_owns_its_state.py holds that). Nothing here
 does I/O.
@@ -24,6 +24,7 @@ from rebalancer.controller.coordinate import Aborted, Mixed, Plan, Unconfirmed
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.policy_loop import PolicyLoop
+from rebalancer.wire.codec import Statement
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE
 from rebalancer.wire.windows import SeqMerger, who
 
@@ -82,6 +83,7 @@ class DeploymentStats:
     duplicate_windows: int = 0  # resent windows recognised (the merger refuses them)
     plans_committed: int = 0
     plans_aborted: int = 0
+    plans_stopped: int = 0   # aborted because a rank stopped as planned (Plan.stopped): no fault
     plans_partial: int = 0   # Commit out, then a rank failed: applied in part (Mixed)
     slots_moved: int = 0
     bytes_moved: int = 0
@@ -132,6 +134,10 @@ class Deployment:
         # Shape fields the store held no value for (written before they existed): the
         # first rank that reports them sets them (`merge_shape`).
         self.unknown_fields: frozenset[str] = frozenset()
+        # What each rank last stated it serves, (version, placement digest; 0: not
+        # stated), from its session's windows; set again at its Register (it may have
+        # restarted). Read by plans.serving: level-triggered reconciliation.
+        self.stated: dict[int, Statement] = {}
 
     @property
     def policy(self) -> PolicyConfig:
@@ -189,6 +195,24 @@ class Deployment:
         """Shape fields the store held no value for (a row written before they existed)."""
         self.unknown_fields = fields
 
+    def state_serving(self, ranks: tuple[int, ...], version: int, digest: int, registering: bool = False) -> None:
+        """`ranks` state the placement they serve: by a window (never backwards: a window
+        resent late states an older version), or by a Register (outright, digest unknown)."""
+        for r in ranks:
+            if registering or version >= self.stated.get(r, (0, 0))[0]:
+                self.stated[r] = (version, digest)
+
+    def served_by_all(self) -> Statement | None:
+        """The (version, digest) every rank of the group states it serves, when they all
+        state one placement (digest known); else None."""
+        said = self.stated.get(0)
+        if said is None or not said[1]:
+            return None
+        for r in range(1, self.shape.num_gpus):
+            if self.stated.get(r) != said:
+                return None
+        return said
+
     def remember_unfinished(self, newest: Aborted | Unconfirmed) -> None:
         """The newest plan above the committed version ended unfinished: retold to every
         session that reconnects (aborted: drop staging; unconfirmed: its Commit again)."""
@@ -225,7 +249,10 @@ class Deployment:
     def abort(self, plan: Plan) -> None:
         """The plan in flight was dropped on every rank; the committed placement stays."""
         self._check_in_flight(plan)
-        self.stats.plans_aborted += 1
+        if plan.stopped:
+            self.stats.plans_stopped += 1
+        else:
+            self.stats.plans_aborted += 1
         self.last_aborted = Aborted(plan.version, plan.reason)
 
     def leave_unconfirmed(self, plan: Plan) -> None:

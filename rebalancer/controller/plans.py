@@ -17,6 +17,13 @@ stored): it is what the ranks serve, no plan starts on top of it (every plan's t
 assume the placement the controller holds), and a restarted group clears it
 (registry.register).
 
+Level-triggered: every window a session sends states the placement its ranks serve
+(version and digest). Reports are edges, and any of them can be lost with a link, refused
+for a session that ended, or outlived by a restart; the statements are the level. Once
+every rank states one version above the committed one that the controller started
+(stored, digest equal), the controller takes it as the truth (`serving`), whichever
+messages were lost, duplicated or reordered and whichever process restarted.
+
 Staging left behind: when a session's link goes down mid-prepare (its sidecar was killed,
 or the controller restarted), the plan aborts without that session hearing Abort, and
 its ranks may still hold the plan's staging. So a session opening its stream is told the
@@ -48,6 +55,7 @@ from rebalancer.controller.coordinate import (
 from rebalancer.controller.deployment import Deployment, Observers, Session
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
+from rebalancer.wire.layout import placement_digest
 
 log = logging.getLogger("rebalancer.controller")
 
@@ -61,6 +69,8 @@ class Plans:
         # in order: retried at every tick until written. The plan's outcome is decided and
         # told to the ranks regardless; only the record waits.
         self._unwritten: dict[str, list[Callable[[], None]]] = {}
+        self._refused: dict[str, tuple[int, int]] = {}  # statement last refused, per deployment (logged once)
+        self._placements: dict[str, tuple[int, np.ndarray]] = {}  # the stored placement last looked up
 
     def start(self, dep: Deployment, new: np.ndarray, trigger: str, now: float) -> Plan:
         """Store plan v+1 toward `new` and send Prepare to every connected rank."""
@@ -128,6 +138,52 @@ class Plans:
             return
         plan.reason = f"{session.label} came back on v{version} before any rank confirmed the commit"
         self.apply(dep, Transition(finished=True, unconfirmed=True))
+
+    def serving(self, dep: Deployment, ranks: tuple[int, ...], version: int, digest: int) -> None:
+        """A session's window states the placement its ranks serve (level-triggered
+        reconciliation, module docstring): once every rank of the group states one
+        version above the committed one, and the store holds that plan with the same
+        placement (digest checked), it is what the ranks serve: confirmed as the plan in
+        flight's commit, or adopted. A statement that matches no plan is refused (logged
+        once): nothing is adopted that the controller did not start."""
+        dep.state_serving(ranks, version, digest)
+        if version <= dep.version:
+            return  # the usual case: nothing to reconcile
+        said = dep.served_by_all()
+        if said is None or said[0] <= dep.version:
+            return
+        version, digest = said
+        known = self._placement(dep, version)
+        if known is None or placement_digest(known) != digest:
+            if self._refused.get(dep.name) != said:
+                self._refused[dep.name] = said
+                log.warning("%s: every rank states it serves v%d (digest %016x), which matches no plan of the "
+                            "controller (%s): not adopted", dep.name, version, digest,
+                            "unknown version" if known is None else "another placement")
+            return
+        plan, now = dep.plan, self.clock()
+        why = f"every rank's windows state it (digest {digest:016x})"
+        if plan is not None and plan.version == version:
+            if plan.state in (PlanState.COMMITTING, PlanState.COMMITTED):
+                log.info("%s: plan v%d confirmed by what the ranks serve", dep.name, version)
+                self.apply(dep, coordinate.on_committed(plan, tuple(range(plan.num_ranks)), now))
+            return  # preparing: no rank can serve it before its Commit (a stale statement)
+        if plan is not None and plan.base_version < version:
+            self.apply(dep, coordinate.abort(plan, f"every rank serves v{version}, the plan is based "
+                                                   f"on v{plan.base_version}"))
+        if dep.plan is None:
+            reconcile.adopt(self.store, dep, version, known, why, now,
+                            record=lambda write: self._write(dep.name, write))
+
+    def _placement(self, dep: Deployment, version: int) -> np.ndarray | None:
+        """The stored placement of plan `version` (kept while the ranks state it)."""
+        cached = self._placements.get(dep.name)
+        if cached is None or cached[0] != version:
+            known = self.store.placement(dep.name, version)
+            if known is None:
+                return None
+            cached = self._placements[dep.name] = (version, known)
+        return cached[1]
 
     def report(self, dep: Deployment, session: Session, version: int, phase: str, error: str = "",
                serving: np.ndarray | None = None) -> None:

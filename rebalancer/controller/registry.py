@@ -162,6 +162,7 @@ class Registry:
             self._forget(dep, old)
         session = Session(uuid.uuid4().hex, ranks[0], worker_id, registered_at=now, ranks=ranks, pod=pod)
         dep.add_session(session)
+        dep.state_serving(ranks, version, 0, registering=True)
         self.sessions[session.session_id] = (name, session)
         log.info("%s of %s registered (worker %s, v%d)", label, name, worker_id or "?", version)
         return session, dep

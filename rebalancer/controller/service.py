@@ -291,7 +291,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 physical = None
                 if w.HasField("physical_count"):
                     physical = codec.decode_counts(w.physical_count, "physical_count", physical_shape)
-                self.controller.ingest(dep, session.ranks, w.seq, w.placement_version, logical, physical)
+                check_version(w.serving_version, "window serving_version")
+                self.controller.ingest(dep, session.ranks, w.seq, w.placement_version, logical, physical,
+                                       (w.serving_version, w.serving_hash))
                 if self.on_ingest is not None:
                     nbytes = len(w.logical_count.data) + len(w.physical_count.data)
                     self.on_ingest(dep.name, nbytes, self.clock() - t0)

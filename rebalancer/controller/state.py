@@ -27,7 +27,8 @@ from rebalancer.controller.plans import Plans
 from rebalancer.controller.registry import Registry
 from rebalancer.controller.replica_pools import DEFAULT_MAX_MOVING, DivergenceConfig
 from rebalancer.controller.store import Store
-from rebalancer.wire.windows import Ranks
+from rebalancer.wire.codec import Statement
+from rebalancer.wire.windows import Ranks, rank_set
 
 
 class Controller:
@@ -105,11 +106,15 @@ class Controller:
 
     def ingest(
         self, dep: Deployment, rank: Ranks, seq: int, version: int,
-        logical: np.ndarray, physical: np.ndarray | None,
+        logical: np.ndarray, physical: np.ndarray | None, serving: Statement = (0, 0),
     ) -> bool:
         """Merge one session's window (a group's: summed over its ranks) and fold what
-        became complete; False for a duplicate."""
-        return self.folder.ingest(dep, rank, seq, version, logical, physical)
+        became complete; False for a duplicate. `serving`: the (version, digest) its ranks
+        state they serve (reconciled even on a duplicate; digest 0: not stated)."""
+        fresh = self.folder.ingest(dep, rank, seq, version, logical, physical)
+        if serving[1]:
+            self.plans.serving(dep, tuple(sorted(rank_set(rank))), *serving)
+        return fresh
 
     def report(self, session_id: str, version: int, phase: str, error: str = "",
                serving: np.ndarray | None = None) -> None:

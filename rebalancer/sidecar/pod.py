@@ -35,6 +35,7 @@ from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.relay import Actions, Event, Relay, RelayPlan
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.codec import Statement
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, DISPATCH_MODES
 from rebalancer.wire.layout import trivial_placement
 from rebalancer.wire.windows import BoundedWindows, CountWindow, SeqMerger
@@ -90,6 +91,9 @@ class Pod:
         # serve (invariant 7) instead of planning from a placement no rank holds.
         self.resync = False
         self._confirmed_late = 0  # newest switch told upstream outside the relay's plan
+        # What each rank last said it serves (version, placement digest; 0: not said),
+        # from its windows: never backwards but at its Register (it may have restarted).
+        self.statements: dict[int, Statement] = {}
         self.stats = PodStats()
         self.changed = asyncio.Event()  # wakes the upstream link: windows, reports, ranks
         self.observers: list[Callable[[Event, RelayPlan], None]] = []
@@ -168,6 +172,7 @@ class Pod:
         session = RankSession(rank, uuid.uuid4().hex, request.worker_id)
         self.sessions[session.session_id] = self.by_rank[rank] = session
         self.relay.serves(rank, request.placement_version, registering=True)
+        self.statements[rank] = (request.placement_version, 0)  # its map told by its windows
         behind = self.committed is not None and request.placement_version < self.committed.version
         restarted = bool(old is not None and old.worker_id and request.worker_id
                          and old.worker_id != request.worker_id)
@@ -242,6 +247,8 @@ class Pod:
             return False
         self.stats.windows_in += 1
         self.relay.serves(session.rank, w.placement_version)
+        if w.serving_version >= self.statements.get(session.rank, (0, 0))[0]:
+            self.statements[session.rank] = (w.serving_version, w.serving_hash)
         for merged in self.merge.ready():
             self.buffer.push(merged)
         self.changed.set()
@@ -264,6 +271,15 @@ class Pod:
             actions.upstream.append(pb.PlanReport(version=report.version, phase=pb.PLAN_PHASE_COMMITTED,
                                                   step=report.step))
         self.apply(actions)
+
+    def statement(self) -> Statement:
+        """What the pod's ranks serve, as the group's windows state it upstream: their
+        (version, digest) when every rank states the same placement, else the lowest
+        version and digest 0 (not stated): the controller adopts only what all serve."""
+        said = {self.statements.get(r, (0, 0)) for r in self.ranks}
+        if len(said) == 1:
+            return said.pop()
+        return min(v for v, _ in said), 0
 
     # ------------------------------------------------------------ the controller
 

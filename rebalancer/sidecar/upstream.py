@@ -181,6 +181,9 @@ class Upstream:
         # Resend what the controller has not counted, renumbered from its cursor.
         expected = response.next_window_seq
         self._sent.resume(expected)
+        # What those windows said the ranks serve may be stale now (ranks that restarted
+        # make the group register again): resent without it; fresh windows state it.
+        self._sent.withdraw_statements()
         log.info("registered ranks %s as one group with %s (v%d committed, resend %d windows)",
                  self.config.ranks_label, self.config.controller, response.committed.version,
                  len(self._sent))
@@ -219,7 +222,7 @@ class Upstream:
 
     def _window(self, window: CountWindow) -> pb.Window:
         return self._sent.number(window.first_step, window.num_steps, window.version,
-                                 window.logical, window.physical)
+                                 window.logical, window.physical, self.pod.statement())
 
     async def _flush_reports(self, stub: pb_grpc.WorkerServiceStub) -> None:
         while self.pod.reports:

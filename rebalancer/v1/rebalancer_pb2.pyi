@@ -108,20 +108,24 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., committed: _Optional[_Union[Placement, _Mapping]] = ..., next_window_seq: _Optional[int] = ..., warm_start: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class Window(_message.Message):
-    __slots__ = ("seq", "first_step", "num_steps", "placement_version", "logical_count", "physical_count")
+    __slots__ = ("seq", "first_step", "num_steps", "placement_version", "logical_count", "physical_count", "serving_version", "serving_hash")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOGICAL_COUNT_FIELD_NUMBER: _ClassVar[int]
     PHYSICAL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SERVING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVING_HASH_FIELD_NUMBER: _ClassVar[int]
     seq: int
     first_step: int
     num_steps: int
     placement_version: int
     logical_count: Array
     physical_count: Array
-    def __init__(self, seq: _Optional[int] = ..., first_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., placement_version: _Optional[int] = ..., logical_count: _Optional[_Union[Array, _Mapping]] = ..., physical_count: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    serving_version: int
+    serving_hash: int
+    def __init__(self, seq: _Optional[int] = ..., first_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., placement_version: _Optional[int] = ..., logical_count: _Optional[_Union[Array, _Mapping]] = ..., physical_count: _Optional[_Union[Array, _Mapping]] = ..., serving_version: _Optional[int] = ..., serving_hash: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("session_id",)

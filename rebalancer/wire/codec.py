@@ -99,15 +99,21 @@ def encode_counts(counts: np.ndarray) -> pb.Array:
     return encode(counts.astype(np.uint32))
 
 
+# What a sender serves: (placement version, placement_digest); digest 0 = not stated.
+Statement = tuple[int, int]
+
+
 def window_message(
     seq: int, first_step: int, num_steps: int, version: int,
-    logical: np.ndarray, physical: np.ndarray | None,
+    logical: np.ndarray, physical: np.ndarray | None, serving: Statement = (0, 0),
 ) -> pb.Window:
     """One window of counts as ranks and sidecars send it: logical `[L, E]`, and the
-    dispatched slot counts `[L, P]` when there are any."""
+    dispatched slot counts `[L, P]` when there are any; `serving`: (version, digest) of the
+    placement the sender serves now (digest 0: not stated)."""
     msg = pb.Window(
         seq=seq, first_step=first_step, num_steps=num_steps,
         placement_version=version, logical_count=encode_counts(logical),
+        serving_version=serving[0], serving_hash=serving[1],
     )
     if physical is not None:
         msg.physical_count.CopyFrom(encode_counts(physical))

@@ -8,6 +8,8 @@ columns live here, below the placement engine and the worker hooks alike (numpy 
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from rebalancer.errors import InputError
@@ -174,3 +176,13 @@ def logical_counts(physical: np.ndarray, phy2log: np.ndarray, num_logical: int) 
     summed = np.bincount(index.ravel(), weights=physical.ravel().astype(np.float64),
                          minlength=num_layers * num_logical)
     return summed.reshape(num_layers, num_logical).round().astype(np.int64)
+
+
+def placement_digest(phy2log: np.ndarray) -> int:
+    """A placement's 64-bit digest (never 0, which on the wire means "not stated"): what a
+    rank states it serves beside the version (Window.serving_hash), so the controller
+    adopts a version only when the ranks' map is the one it stored for that version.
+    Computed off the serving thread (a rank's agent, the controller) on `[L, P]`."""
+    data = np.ascontiguousarray(phy2log, dtype="<i4").tobytes()
+    digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return digest or 1

@@ -35,9 +35,11 @@ class SentWindows:
         return len(self.unacked)
 
     def number(self, first_step: int, num_steps: int, version: int,
-               logical: np.ndarray, physical: np.ndarray | None) -> pb.Window:
-        """The next window to send, numbered and kept until acknowledged."""
-        msg = codec.window_message(self.next_seq, first_step, num_steps, version, logical, physical)
+               logical: np.ndarray, physical: np.ndarray | None,
+               serving: codec.Statement = (0, 0)) -> pb.Window:
+        """The next window to send, numbered and kept until acknowledged; `serving`: what
+        the sender serves now (Window.serving_version / serving_hash)."""
+        msg = codec.window_message(self.next_seq, first_step, num_steps, version, logical, physical, serving)
         self.unacked[self.next_seq] = msg
         self.next_seq += 1
         return msg
@@ -52,6 +54,13 @@ class SentWindows:
     def waiting(self) -> list[pb.Window]:
         """Every unacknowledged window, oldest first (sent again on a new stream)."""
         return [self.unacked[s] for s in sorted(self.unacked)]
+
+    def withdraw_statements(self) -> None:
+        """The sender's ranks restarted: what the unacknowledged windows say they serve is
+        no longer true, so they are resent without it (a stale statement would make the
+        controller adopt a version no rank serves any more)."""
+        for msg in self.unacked.values():
+            msg.serving_hash = 0
 
     def ack(self, seq: int) -> None:
         """The controller counted every window up to `seq`."""

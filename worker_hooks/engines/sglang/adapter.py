@@ -142,6 +142,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
             self,
             lambda: self.version,
             initial_phy2log=self.phy2log.copy(),
+            served_map=lambda: self.phy2log.copy(),  # written in place: read anew each time
         )
         self.agent.start()
         log.info("rank %d: rebalancer adapter on (%s, deployment %s, %d layers, %d slots)",

@@ -1,0 +1,118 @@
+"""Level-triggered reconciliation: the controller converges to what every rank states it
+serves in its windows, whatever plan reports were lost (issue: every served version is
+recorded; RELIABILITY.md defect 24).
+
+The shape the short chaos campaign failed on in CI: plan v1's Commit went out, the ranks
+agreed and switched, and every COMMITTED report was lost with the links that carried it
+(a report refused for a session that had ended is not sent again). The plan then ran out
+of commit grace and ended unconfirmed: store and controller at v0 with the ranks on v1,
+for good. Here the ranks' windows state (v1, digest of v1's placement), and that is
+enough. On a real SQLite file."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rebalancer.controller.coordinate import COMMIT_GRACE_SECONDS
+from rebalancer.controller.state import Controller
+from rebalancer.controller.store import Store
+from rebalancer.wire.layout import placement_digest
+from tests.unit.controller.test_commit_record import POLICY, forced
+from tests.unit.controller.test_controller import SHAPE, SKEWED, FakeClock
+
+
+def committing(tmp_path: Path) -> tuple[Controller, list[str], int, np.ndarray, FakeClock]:
+    """Plan v1 prepared on both ranks; its Commit went out; no rank's report arrives."""
+    clock = FakeClock(100.0)
+    ctl, sessions, sent, plan = forced(tmp_path / "c.sqlite", clock)
+    for sid in sessions:
+        ctl.report(sid, plan.version, "prepared")
+    assert (0, "commit", plan.version) in sent and (1, "commit", plan.version) in sent
+    return ctl, sessions, plan.version, plan.phy2log, clock
+
+
+def window(ctl: Controller, rank: int, seq: int, version: int, phy2log: np.ndarray) -> None:
+    dep = ctl.deployment("d")
+    ctl.ingest(dep, rank, seq, version, SKEWED, None, (version, placement_digest(phy2log)))
+
+
+def test_a_switch_whose_every_report_was_lost_is_recorded_from_the_windows(tmp_path: Path) -> None:
+    ctl, _, version, new, clock = committing(tmp_path)
+    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
+    ctl.tick()
+    dep = ctl.deployment("d")
+    assert dep.plan is None and dep.version == 0  # unconfirmed: the edge path lost it
+    window(ctl, 0, 1, version, new)
+    assert dep.version == 0  # one rank's statement is not every rank's
+    window(ctl, 1, 1, version, new)
+    assert dep.version == version
+    assert np.array_equal(dep.phy2log, new)
+    ctl.store.close()
+    again = Store(tmp_path / "c.sqlite")  # what a restarted controller reads
+    (row,) = [d for d in again.load_deployments() if d.name == "d"]
+    assert row.committed_version == version
+    assert again.plans("d")[0].state == "committed"
+    again.close()
+
+
+def test_the_statements_confirm_the_plan_in_flight(tmp_path: Path) -> None:
+    ctl, _, version, new, _ = committing(tmp_path)
+    dep = ctl.deployment("d")
+    window(ctl, 0, 1, version, new)
+    window(ctl, 1, 1, version, new)
+    assert dep.plan is None and dep.version == version
+    assert ctl.store.plans("d")[0].state == "committed"
+    ctl.store.close()
+
+
+def test_a_statement_that_matches_no_plan_is_refused_and_logged_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ctl, _, version, new, clock = committing(tmp_path)
+    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
+    ctl.tick()
+    dep = ctl.deployment("d")
+    other = new[:, ::-1].copy()  # v1's number, another map
+    with caplog.at_level(logging.WARNING, "rebalancer.controller"):
+        for seq in (1, 2):
+            window(ctl, 0, seq, version, other)
+            window(ctl, 1, seq, version, other)
+        window(ctl, 0, 3, version + 5, new)  # a version the controller never started
+        window(ctl, 1, 3, version + 5, new)
+    assert dep.version == 0
+    refusals = [r.message for r in caplog.records if "matches no plan" in r.message]
+    assert len(refusals) == 2, refusals
+    assert "another placement" in refusals[0] and "unknown version" in refusals[1]
+    ctl.store.close()
+
+
+def test_a_late_resent_window_never_takes_a_statement_back(tmp_path: Path) -> None:
+    ctl, _, version, new, clock = committing(tmp_path)
+    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
+    ctl.tick()
+    dep = ctl.deployment("d")
+    base = dep.phy2log.copy()
+    window(ctl, 0, 1, version, new)
+    window(ctl, 0, 1, 0, base)     # a duplicate of an older window, resent late
+    window(ctl, 1, 1, version, new)
+    assert dep.version == version
+    ctl.store.close()
+
+
+def test_a_register_states_its_version_outright(tmp_path: Path) -> None:
+    """A rank that restarts registers on what it serves: its old statement is void."""
+    ctl, sessions, version, new, clock = committing(tmp_path)
+    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
+    ctl.tick()
+    dep = ctl.deployment("d")
+    window(ctl, 0, 1, version, new)
+    ctl.detach(sessions[0])
+    clock.now += 60
+    ctl.register("d", 0, SHAPE, 0, None, "w0-restarted")
+    window(ctl, 1, 1, version, new)
+    assert dep.version == 0 and dep.plan is None
+    assert dep.stated[0] == (0, 0)
+    ctl.store.close()
