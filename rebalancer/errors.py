@@ -24,6 +24,13 @@ StatusName = Literal[
 ]
 
 
+# The error a rank reports (FAILED) for a plan it fails because it is stopping: a planned
+# shutdown, not a fault. The plan aborts on every rank as any failed plan does, but the
+# controller counts it apart from the aborts that mean something went wrong
+# (rebalancer_plans_total{outcome="stopped"}, not the aborts' alert) and logs it at INFO.
+SHUTTING_DOWN = "rank is shutting down"
+
+
 class InputError(ValueError):
     """Input that is malformed or inconsistent; the message says what and where."""
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from rebalancer.errors import SHUTTING_DOWN
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from worker_hooks.agent import PlanHandlers
@@ -38,6 +39,10 @@ def dispatch_map(config: HookConfig, phy2log: np.ndarray, row_ids: np.ndarray) -
     """Dispatch's map `[L, E, R]`: each expert's replicas as row ids, -1 padded."""
     max_replicas = config.num_slots - config.num_logical + 1
     return replica_rows(phy2log, row_ids, config.num_logical, max_replicas)
+
+
+class _Stopping(RuntimeError):
+    """A plan prepared while the rank stops (`PlanDriver.close`)."""
 
 
 def _unconnected(version: int, phase: pb.PlanPhase, **_: object) -> None:
@@ -132,7 +137,9 @@ class PlanDriver(PlanHandlers):
         self.executor.abort(version)
         self.staged_phy2log.pop(version, None)
         self.stats.aborted += 1
-        log.warning("rank %d: plan v%d aborted: %s", self.config.rank, version, reason)
+        # A peer's planned stop is no fault: INFO (rebalancer.errors.SHUTTING_DOWN).
+        log.log(logging.INFO if SHUTTING_DOWN in reason else logging.WARNING,
+                "rank %d: plan v%d aborted: %s", self.config.rank, version, reason)
         self._report(version, pb.PLAN_PHASE_ABORTED)
 
     # ------------------------------------------------------------ migration thread
@@ -152,7 +159,7 @@ class PlanDriver(PlanHandlers):
                 self.executor.decline(version, refusal)
             stats = self.executor.prepare(version, transfers)
             if self._closing:
-                raise RuntimeError("rank is shutting down")
+                raise _Stopping(SHUTTING_DOWN)
             self.after_transfers(version)
             rows = self.executor.staged_rows
             if rows is None:  # an Abort dropped the staging after the transfers (on_abort reported it)
@@ -160,6 +167,11 @@ class PlanDriver(PlanHandlers):
             self.dispatch.stage(dispatch_map(cfg, new, self.executor.row_map.row_ids(rows)))
             self.staged_phy2log = {version: new}
         except MigrationAborted:
+            return
+        except _Stopping:  # a planned stop, not a failure: the plan still aborts everywhere
+            self.executor.abort(version)
+            log.info("rank %d: plan v%d not taken: %s", self.config.rank, version, SHUTTING_DOWN)
+            self._report(version, pb.PLAN_PHASE_FAILED, error=SHUTTING_DOWN)
             return
         except Exception as exc:  # any failure aborts the plan everywhere (invariant 5)
             self.stats.failed += 1

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rebalancer.errors import StateError
+from rebalancer.errors import SHUTTING_DOWN, StateError
 from rebalancer.wire.windows import Ranks, rank_set, who
 
 # How long past its prepare deadline a committing plan may wait for confirmations.
@@ -54,6 +54,9 @@ class Plan:
     prepared: set[int] = field(default_factory=set)
     committed: set[int] = field(default_factory=set)
     reason: str = ""
+    # Aborted because a rank stopped as planned (it reported SHUTTING_DOWN): no fault,
+    # counted apart from the failed plans (metrics, logs); aborted all the same.
+    stopped: bool = False
     started_at: float = 0.0    # controller clock seconds when Prepare went out
     prepared_at: float = 0.0
     committed_at: float = 0.0
@@ -137,6 +140,10 @@ def on_failed(plan: Plan, rank: Ranks, error: str, pod: str = "") -> Transition:
     it: a rank failing then applied it in part, and the plan ends PARTIAL (the deployment
     records what the ranks serve, plans.py)."""
     if plan.state is PlanState.PREPARING:
+        if SHUTTING_DOWN in error:  # a planned stop (rebalancer.errors.SHUTTING_DOWN)
+            t = abort(plan, f"{who(rank, pod)} stopped: {error}")
+            plan.stopped = True
+            return t
         return abort(plan, f"{who(rank, pod)} failed to prepare: {error or 'no reason given'}")
     if plan.state in (PlanState.ABORTED, PlanState.PARTIAL):
         return Transition(duplicate=True)

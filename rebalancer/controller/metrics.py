@@ -53,7 +53,7 @@ MIXED = "rebalancer_mixed_placement"                # 1: the ranks serve a plan 
 WINDOWS_INGESTED = "rebalancer_windows_ingested"    # counter: windows received (per stream)
 WINDOWS_FOLDED = "rebalancer_windows_folded"        # counter: merged windows in the estimate
 DUPLICATE_WINDOWS = "rebalancer_duplicate_windows"  # counter: resent windows recognised
-PLANS = "rebalancer_plans"                          # counter {outcome}: committed | aborted | partial
+PLANS = "rebalancer_plans"                          # counter {outcome}: committed | aborted | stopped | partial
 MIGRATED_SLOTS = "rebalancer_migrated_slots"        # counter
 MIGRATED_BYTES = "rebalancer_migrated_bytes"        # counter
 STORE_ERRORS = "rebalancer_store_errors"            # counter: statements SQLite refused
@@ -158,7 +158,8 @@ class _StateCollector(Collector):
                    "merged over all ranks (what status and decisions count; kept across restarts).",
                    labels=["deployment"])
         dups = c(DUPLICATE_WINDOWS, "Resent windows recognised and not counted again.", labels=["deployment"])
-        plans = c(PLANS, "Plans finished, by outcome (committed: a rearrangement; partial: "
+        plans = c(PLANS, "Plans finished, by outcome (committed: a rearrangement; aborted: "
+                  "failed; stopped: aborted as a rank stopped as planned; partial: "
                   "applied in part, see rebalancer_mixed_placement).",
                   labels=["deployment", "outcome"])
         slots = c(MIGRATED_SLOTS, "Physical slots whose expert changed.", labels=["deployment"])
@@ -186,6 +187,7 @@ class _StateCollector(Collector):
             dups.add_metric([name], stats.duplicate_windows)
             plans.add_metric([name, "committed"], stats.plans_committed)
             plans.add_metric([name, "aborted"], stats.plans_aborted)
+            plans.add_metric([name, "stopped"], stats.plans_stopped)
             plans.add_metric([name, "partial"], stats.plans_partial)
             slots.add_metric([name], stats.slots_moved)
             moved.add_metric([name], stats.bytes_moved)
@@ -335,7 +337,7 @@ class ControllerMetrics:
             self.phase_seconds.labels("commit").observe(max(0.0, plan.committed_at - plan.prepared_at))
             self.last_plan_seconds.labels(deployment).set(max(0.0, plan.committed_at - plan.started_at))
             self.last_plan_stall.labels(deployment).set(self._stall(deployment, plan))
-        elif what == "aborted":
+        elif what == "aborted" and not plan.stopped:  # a planned stop is no failure
             self.aborts.labels(deployment, abort_reason(plan.reason)).inc()
 
     def _stall(self, deployment: str, plan: Plan) -> float:

@@ -266,6 +266,8 @@ class Plans:
                      dep.last_unconfirmed.version if dep.last_unconfirmed else 0)
         if phase == "aborted" and version <= latest:
             return  # staging of a finished plan dropped (an Abort told again): harmless
+        if phase == "failed" and dep.last_aborted is not None and dep.last_aborted.version == version:
+            return  # another rank failing (or stopping) a plan already aborted: harmless
         if version > latest:
             raise StateError("NOT_FOUND", f"plan v{version} unknown for {dep.name!r} (latest v{latest})")
         raise StateError(
@@ -333,7 +335,8 @@ class Plans:
             dep.send_all("commit", plan)
             self._notify(dep, plan, "prepared")
         if t.send_abort:
-            log.warning("%s: plan v%d aborted: %s", dep.name, plan.version, plan.reason)
+            log.log(logging.INFO if plan.stopped else logging.WARNING,  # a planned stop is no fault
+                    "%s: plan v%d aborted: %s", dep.name, plan.version, plan.reason)
             version, reason = plan.version, plan.reason
             self._write(dep.name, lambda: self.store.set_plan_state(dep.name, version, "aborted", reason, now=now))
             dep.abort(plan)

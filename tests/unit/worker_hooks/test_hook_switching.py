@@ -140,3 +140,25 @@ def test_an_abort_right_after_the_transfers_is_no_failure(tmp_path: Path) -> Non
         assert 1 not in hook.plans.staged_phy2log
     finally:
         dist.destroy_process_group()
+
+
+def test_a_plan_prepared_while_the_rank_stops_is_a_planned_stop(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Issue 34: a rank stopping mid-plan failed it as a fault (an ERROR, counted failed);
+    it still fails the plan everywhere (all or nothing), with SHUTTING_DOWN, at INFO."""
+    import logging
+
+    from rebalancer.errors import SHUTTING_DOWN
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        hook, old, new = one_rank_hook()
+        reports: list[tuple[int, int, str]] = []
+        hook.plans.report_to(lambda version, phase, **kw: reports.append((version, phase, kw.get("error", ""))))
+        hook.plans.close()
+        with caplog.at_level(logging.INFO, logger="worker_hooks.plans"):
+            hook.plans._prepare(prepare(1, 0, old, new))
+        assert reports == [(1, pb.PLAN_PHASE_FAILED, SHUTTING_DOWN)]
+        assert (hook.stats.prepared, hook.stats.failed) == (0, 0) and 1 not in hook.plans.staged_phy2log
+        assert [r.levelno for r in caplog.records] == [logging.INFO], caplog.records
+    finally:
+        dist.destroy_process_group()
