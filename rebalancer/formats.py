@@ -125,14 +125,21 @@ def _count_file(raw: Mapping[str, object], path: Path) -> CountFile:
     )
 
 
+def _check_file(path: Path) -> None:
+    """InputError unless `path` is a file that exists (a folder is named as one)."""
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder, not a file")
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+
+
 def read_counts(path: str | Path) -> CountFile:
     """A count file: SGLang's summed JSON `{"logical_count": [L][E]}`, SGLang's `.pt` dump
     (`logical_count` [T, L, E] or [L, E], summed over T) or `.npz`, each optionally with
     `shared_count` [L], `gpu_count` [L, G] and `gpu_shared_count` [L, G] (any of them
     with a leading [T] axis, summed, like `logical_count`)."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
+    _check_file(path)
     suffix = path.suffix.lower()
     if suffix == ".json":
         data = _json_object_with(path, LOGICAL_COUNT)
@@ -304,8 +311,7 @@ def _json_object_with(path: Path, key: str) -> dict[str, Any]:
 def read_placement(path: str | Path) -> PlacementFile:
     """Read PLACEMENT.json (see `write_placement`), checking it is a valid placement."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
+    _check_file(path)
     data = _json_object_with(path, "phy2log")
     num_gpus = _positive_int(data, "num_gpus", path)
     num_nodes = _positive_int(data, "num_nodes", path, 1)

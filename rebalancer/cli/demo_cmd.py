@@ -47,6 +47,22 @@ SUMMARY_NOTES = {
 }
 
 
+def check_demo_shape(layers: int, experts: int, slots: int, workers: int) -> None:
+    """The model shape the controller takes (wire/layout.py's limits), checked before
+    any work: a range error, not an out-of-memory after the workers started."""
+    from rebalancer.errors import InputError
+    from rebalancer.wire.layout import MAX_LAYER_SLOTS, MAX_LAYERS, check_layout
+
+    if not 1 <= layers <= MAX_LAYERS:
+        raise InputError(f"--layers must be in [1, {MAX_LAYERS}], got {layers}")
+    try:
+        check_layout(experts, slots, workers)
+    except InputError as exc:
+        raise InputError(f"--experts {experts}, --slots {slots}, --workers {workers}: {exc}") from None
+    if layers * slots > MAX_LAYER_SLOTS:
+        raise InputError(f"--layers x --slots must be at most {MAX_LAYER_SLOTS}, got {layers} x {slots}")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
@@ -126,9 +142,14 @@ def run(args: argparse.Namespace) -> int:
                          "--controller, give them to `rebalancer serve`")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise InputError(f"--metrics-port must be a port number (0-65535), got {args.metrics_port}")
+    if args.controller:
+        from rebalancer.wire.channel import check_address
+
+        check_address(args.controller)  # the sidecars and workers would each refuse it later
     slots = args.slots or args.experts + 2 * args.workers
     if slots % args.workers or slots < args.experts:
         raise InputError(f"--slots {slots} must be a multiple of --workers and >= --experts")
+    check_demo_shape(args.layers, args.experts, slots, args.workers)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = DemoConfig(

@@ -319,6 +319,10 @@ def run(args: argparse.Namespace) -> int:
         simulate,
     )
 
+    if args.plot:  # where the plot goes, checked before the replay: a typo must not cost the run
+        from rebalancer.cli.plan_cmd import check_output_path
+
+        check_output_path(args.plot, "--plot")
     if args.policy == "all":
         policies = list(POLICIES)
     else:

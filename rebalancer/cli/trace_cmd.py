@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rebalancer.cli.plan_cmd import check_output_path
 from rebalancer.errors import InputError
 
 
@@ -90,6 +91,7 @@ def run_make(args: argparse.Namespace) -> int:
 
     if not args.out.endswith(".npz"):
         raise InputError(f"--out must end in .npz, got {args.out!r}")
+    check_output_path(args.out, "--out")  # before the work: a typo must not cost the trace
     if args.seed < 0:
         raise InputError(f"--seed must be >= 0, got {args.seed}")  # numpy's seeds are unsigned
     sources = _sources(args.source) if args.source else deepseek_v3_sources()
@@ -123,6 +125,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
     if not args.out.endswith(".npz"):
         raise InputError(f"--out must end in .npz, got {args.out!r}")
+    check_output_path(args.out, "--out")
     trace = load_trace(
         args.path, tokens_per_window=args.tokens_per_window, window_seconds=args.window_seconds
     )

@@ -25,6 +25,7 @@ from typing import Literal, get_args
 
 from rebalancer.errors import InputError
 from rebalancer.wire.channel import ChannelConfig, check_address
+from rebalancer.wire.layout import MAX_SLOTS
 
 DEFAULT_LISTEN = "unix:///run/rebalancer/agent.sock"
 
@@ -92,6 +93,8 @@ class SidecarConfig:
             raise InputError("backoff max must be >= backoff initial")
         if self.grace_seconds < 0:
             raise InputError(f"grace must be >= 0, got {self.grace_seconds}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise InputError(f"metrics port must be a port number (0-65535; 0: any free), got {self.metrics_port}")
         # The credential flags must fit together; their files are read at each connection.
         ChannelConfig(self.controller, self.ca_file, self.cert_file, self.key_file).check()
 
@@ -159,6 +162,9 @@ def parse_ranks(text: str) -> tuple[int, ...]:
         lo, hi = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
         if hi < lo:
             raise InputError(f"ranks {text!r}: range {lo}-{hi} is empty")
+        if hi >= MAX_SLOTS:  # checked before the range is spelled out
+            raise InputError(f"ranks {text!r}: rank {hi} is out of range (a deployment has at most "
+                             f"{MAX_SLOTS} ranks: 0-{MAX_SLOTS - 1})")
         ranks.extend(range(lo, hi + 1))
     if len(set(ranks)) != len(ranks):
         raise InputError(f"ranks {text!r} name a rank twice")
@@ -184,6 +190,9 @@ def lws_ranks(env: Mapping[str, str], ranks_per_pod: int) -> tuple[int, ...]:
         raise InputError("LWS_GROUP_SIZE and LWS_WORKER_INDEX must be integers") from None
     if size < 1 or not 0 <= index < size:
         raise InputError(f"LWS_WORKER_INDEX={index} is not in a group of LWS_GROUP_SIZE={size}")
+    if (index + 1) * ranks_per_pod > MAX_SLOTS:
+        raise InputError(f"pod {index} of {ranks_per_pod} ranks ends past rank {MAX_SLOTS - 1} "
+                         f"(a deployment has at most {MAX_SLOTS} ranks)")
     return tuple(range(index * ranks_per_pod, (index + 1) * ranks_per_pod))
 
 

@@ -37,6 +37,32 @@ def test_demo_bad_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[st
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--experts", "100000000"], "slots (100000008) must be at most 2048"),
+        (["--layers", "100000"], "--layers must be in [1, 1024]"),
+        (["--layers", "1000", "--experts", "2000", "--slots", "2000"], "--layers x --slots must be at most"),
+        (["--controller", "notahost:xx"], "controller address 'notahost:xx': port 'xx' is not a number"),
+        (["--spare-rows", "-1"], "--spare-rows must be >= 0"),
+    ],
+)
+def test_demo_range_errors_exit_2_before_any_work(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str], message: str
+) -> None:
+    """Issue 34: these were "out of memory" or a traceback after the workers (or the
+    sidecars) had started; a range error is one line and exit 2 before anything runs."""
+    import rebalancer.demo
+
+    def started(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the demo started")
+
+    monkeypatch.setattr(rebalancer.demo, "run_demo", started)
+    assert exit_code(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rebalancer demo: error: ") and err.count("\n") == 1 and message in err, err
+
+
 @pytest.mark.skipif(torch.cuda.device_count() >= 4, reason="enough GPUs for the default 4 workers")
 def test_demo_on_cuda_without_a_gpu_per_worker_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_code(["demo", "--device", "cuda"]) == 2

@@ -13,9 +13,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rebalancer.errors import InputError
+from rebalancer.wire.channel import check_address
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS
 
 ENV_PREFIX = "REBALANCER_"
+# The largest value of an integer setting, where the wire bounds it: a window's steps
+# travel as a uint32 (Window.num_steps), which the sidecar and the controller refuse beyond.
+MAXIMUM = {"WINDOW_STEPS": 2**32 - 1}
 
 
 class EngineEnv:
@@ -35,10 +39,14 @@ class EngineEnv:
         if raw is None:
             return default
         try:
-            return kind(raw)
+            value = kind(raw)
         except ValueError:
             what = "an integer" if kind is int else "a number"
             raise InputError(f"{ENV_PREFIX}{name}={raw!r} is not {what}") from None
+        maximum = MAXIMUM.get(name)
+        if maximum is not None and value > maximum:
+            raise InputError(f"{ENV_PREFIX}{name}={raw!r} is out of range (at most {maximum})")
+        return value
 
     def link(self, default_deployment: str) -> dict[str, str | float | None] | None:
         """The settings every adapter's config takes alike (address, deployment, token,
@@ -47,6 +55,10 @@ class EngineEnv:
         address = self.get("ADDRESS")
         if address is None:
             return None
+        try:
+            check_address(address)  # as the sidecar checks its --controller
+        except InputError as exc:
+            raise InputError(f"{ENV_PREFIX}ADDRESS: {exc}") from None
         return {
             "address": address, "deployment": self.get("DEPLOYMENT") or default_deployment,
             "token": self.token(), "ca_file": self.get("CA_FILE"), "cert_file": self.get("CERT_FILE"),

@@ -85,6 +85,18 @@ def test_unreadable_files(tmp_path):
         load_counts(tmp_path / "y.npz")
 
 
+def test_a_folder_is_named_as_one(tmp_path, capsys):
+    """Issue 34: `plan --counts /tmp` said "no such file" for a folder."""
+    from rebalancer.cli import main
+    from rebalancer.formats import read_placement
+
+    for read in (load_counts, read_placement):
+        with pytest.raises(InputError, match="is a folder, not a file"):
+            read(tmp_path)
+    assert main(["plan", "--counts", str(tmp_path), "--gpus", "2", "--slots", "4"]) == 2
+    assert capsys.readouterr().err == f"rebalancer plan: error: {tmp_path}: is a folder, not a file\n"
+
+
 def test_placement_round_trip(tmp_path):
     result = compute_placement(COUNTS, 12, 4, 2)
     path = tmp_path / "PLACEMENT.json"

@@ -30,9 +30,11 @@ def test_ranks_from_flags() -> None:
     assert parse_ranks("8,9, 10") == (8, 9, 10)
     assert parse_ranks("0-1,4-5") == (0, 1, 4, 5)
     assert format_ranks((4, 5, 6, 7)) == "4-7" and format_ranks((0, 2)) == "0,2"
-    for bad, words in (("7-0", "empty"), ("a", "not a rank"), ("0-3,3", "twice"), ("", "not a rank")):
+    for bad, words in (("7-0", "empty"), ("a", "not a rank"), ("0-3,3", "twice"), ("", "not a rank"),
+                       ("0-2048", "rank 2048 is out of range"), ("0-99999999999", "out of range")):
         with pytest.raises(InputError, match=words):
             parse_ranks(bad)
+    assert parse_ranks("2040-2047")[-1] == 2047
 
 
 def test_ranks_from_a_leaderworkerset() -> None:
@@ -43,6 +45,8 @@ def test_ranks_from_a_leaderworkerset() -> None:
         lws_ranks({"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "2"}, 8)
     with pytest.raises(InputError, match="ranks-per-pod"):
         lws_ranks({"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0"}, 0)
+    with pytest.raises(InputError, match="at most 2048 ranks"):
+        lws_ranks({"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}, 10**12)
 
 
 def test_pod_identity_from_the_downward_api() -> None:
@@ -75,6 +79,8 @@ def test_config_is_checked_with_one_line_errors(tmp_path: Path) -> None:
         (dict(controller="notahost:xx"), "port 'xx' is not a number"),
         (dict(controller="rebalancer"), "must be host:port"),
         (dict(controller="a b:50051"), "not a host name"),
+        (dict(metrics_port=70000), "metrics port must be a port number"),
+        (dict(metrics_port=-3), "metrics port must be a port number"),
     ):
         with pytest.raises(InputError, match=words):
             SidecarConfig(**{"controller": "c:1", "ranks": (0,), **kw})  # type: ignore[arg-type]
@@ -102,6 +108,10 @@ def test_credential_files_are_read_at_each_connection_not_at_start(tmp_path: Pat
 @pytest.mark.parametrize("argv,words", [
     (["--controller", "notahost:xx", "--ranks", "0"], "port 'xx' is not a number"),
     (["--controller", "c:1", "--ranks", "0-1", "--ranks-per-pod", "2"], "give --ranks or --ranks-per-pod, not both"),
+    # Issue 34: an OverflowError traceback, the socket blamed, "out of memory" after work.
+    (["--controller", "c:1", "--ranks", "0", "--metrics-port", "70000"], "metrics port must be a port number"),
+    (["--controller", "c:1", "--ranks", "0", "--metrics-port", "-3"], "metrics port must be a port number"),
+    (["--controller", "c:1", "--ranks", "0-99999999999"], "rank 99999999999 is out of range"),
 ])
 def test_sidecar_cli_refuses_bad_flags_with_one_line(argv: list[str], words: str, tmp_path: Path) -> None:
     """Before anything is served or created: exit 2 and one line naming the flag."""

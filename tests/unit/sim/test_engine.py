@@ -172,6 +172,23 @@ def test_cli_all_policies_json(tmp_path: Path, sources: dict[str, np.ndarray], c
     assert "unknown start 'warm'" in capsys.readouterr().err
 
 
+def test_simulate_plot_into_a_missing_folder_fails_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: `simulate --plot` into a missing folder failed only after the replay."""
+    import rebalancer.sim
+
+    def replayed(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the replay started")
+
+    monkeypatch.setattr(rebalancer.sim, "simulate", replayed)
+    Trace(np.ones((4, 2, 8), dtype=np.int64)).save(tmp_path / "t.npz")
+    plot = tmp_path / "missing" / "b.png"
+    argv = ["simulate", "--gpus", "2", "--slots", "8", "--trace", str(tmp_path / "t.npz"), "--plot", str(plot)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"rebalancer simulate: error: --plot {plot}: folder {plot.parent} does not exist\n"
+
+
 def test_adaptive_decisions_replay_through_a_fresh_policy_loop(
     sources: dict[str, np.ndarray],
 ) -> None:

@@ -178,3 +178,22 @@ def test_cli_trace_make_info_convert(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(args + ["--out", str(out), "--source", str(tmp_path / "missing.json")]) == 2
     (tmp_path / "bad.json").write_text("{not json")
     assert main(args + ["--out", str(out), "--source", str(tmp_path / "bad.json")]) == 2
+
+
+def test_trace_out_into_a_missing_folder_fails_before_the_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: `trace make --out` into a missing folder failed only after the trace was made."""
+    import rebalancer.sim.generate
+    import rebalancer.sim.trace
+
+    def worked(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the work started")
+
+    monkeypatch.setattr(rebalancer.sim.generate, "make_trace", worked)
+    monkeypatch.setattr(rebalancer.sim.trace, "load_trace", worked)
+    out = tmp_path / "missing" / "t.npz"
+    assert main(["trace", "make", "--windows", "7", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"rebalancer trace: error: --out {out}: folder {out.parent} does not exist\n"
+    assert main(["trace", "convert", str(tmp_path / "in.npz"), "--out", str(out)]) == 2
+    assert f"--out {out}: folder {out.parent} does not exist" in capsys.readouterr().err
