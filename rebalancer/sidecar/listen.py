@@ -6,7 +6,11 @@ so only the pod's own users reach it and the engine needs no secret. One sidecar
 path: an exclusive lock on `<socket>.lock`, held for the life of the process (the kernel
 drops it when the process dies, SIGKILL included), so a second sidecar is refused with
 one line while a restarted one takes over a stale socket file at once. (gRPC itself
-would silently unlink a live socket and bind over it.)
+would silently unlink a live socket and bind over it.) The holder deletes the lock file
+as it lets go, while it still holds the lock (a clean stop, or a start that failed after
+the lock was taken, leaves no `.lock` behind), so a lock counts only once the path still
+names the file locked: a process that opened the file just before it was deleted opens
+the path again. One left by a sidecar killed outright is taken over by the next.
 
 `probe` is the readiness check: gRPC health of the socket, SERVING or not (SERVING
 whether or not the controller is reachable: ranks are served here either way), with the
@@ -47,13 +51,35 @@ class SocketClaim:
         self._fd: int | None = fd
 
     def release(self) -> None:
-        """Remove the socket and drop the lock (a clean exit)."""
+        """Remove the socket and the lock file, then drop the lock (a clean exit, or a
+        start that failed after the claim)."""
         if self._fd is None:
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        os.close(self._fd)  # closing drops the flock
+        _let_go(lock_path(self.path), self._fd)
         self._fd = None
+
+
+def lock_path(path: Path) -> Path:
+    """The lock file of the socket `path`: `<socket>.lock`."""
+    return path.with_name(path.name + ".lock")
+
+
+def _let_go(lock: Path, fd: int) -> None:
+    """Delete the lock file while it is still locked (module docstring), then drop the lock."""
+    with contextlib.suppress(OSError):  # gone already, or a read-only folder: the next holder takes it over
+        os.unlink(lock)
+    os.close(fd)  # closing the only descriptor drops the flock
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` still names the open file `fd`."""
+    try:
+        here, there = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def claim(path: Path, dir_mode: int) -> SocketClaim:
@@ -78,14 +104,18 @@ def claim(path: Path, dir_mode: int) -> SocketClaim:
     else:  # a shared volume made by someone else: its mode is theirs
         log.warning("socket directory %s belongs to uid %d; leaving its mode %o",
                     folder, folder.stat().st_uid, stat.S_IMODE(folder.stat().st_mode))
-    lock = path.with_name(path.name + ".lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise InUse(f"{path} is in use by a live sidecar (pid {holder})") from None
+    lock = lock_path(path)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise InUse(f"{path} is in use by a live sidecar (pid {holder})") from None
+        if _names(lock, fd):
+            break
+        os.close(fd)  # deleted by the holder that just let go: lock the path's file
     try:
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -97,7 +127,7 @@ def claim(path: Path, dir_mode: int) -> SocketClaim:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     except BaseException:
-        os.close(fd)
+        _let_go(lock, fd)  # refused after the lock was taken: leave no lock file
         raise
     return SocketClaim(path, fd)
 

@@ -154,4 +154,37 @@ def test_cli_refuses_a_metrics_port_in_use_and_leaves_no_socket(short_dir: Path)
     assert out.returncode == 7
     assert out.stderr.splitlines() == [f"rebalancer sidecar: error: metrics port {port} is in use"]
     assert not path.exists()
+    assert not path.with_name("agent.sock.lock").exists()  # issue 34: the lock was left behind
     listen.claim(path, 0o700).release()  # and the path is free again
+
+
+def test_no_lock_file_outlives_its_holder(short_dir: Path) -> None:
+    """Issue 34: a failed sidecar start left `<socket>.lock` behind. The holder deletes it
+    as it lets go: a start that fails after the claim, a claim refused after the lock was
+    taken, a clean stop; a holder killed outright leaves it, and the next one takes it."""
+    path = short_dir / "agent.sock"
+    lock = short_dir / "agent.sock.lock"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = SidecarConfig(controller="127.0.0.1:1", ranks=(0,), listen=f"unix://{path}",
+                               metrics_host="127.0.0.1", metrics_port=taken.getsockname()[1])
+
+        async def start() -> None:
+            await Sidecar(config).start()
+
+        with pytest.raises(InputError, match="metrics port"):
+            asyncio.run(start())
+    assert not path.exists() and not lock.exists()
+    path.write_text("not a socket")
+    with pytest.raises(InputError, match="not a socket"):
+        listen.claim(path, 0o700)
+    assert not lock.exists()
+    path.unlink()
+    held = listen.claim(path, 0o700)
+    assert lock.read_text() == f"{os.getpid()}\n"
+    held.release()
+    assert not lock.exists()
+    lock.write_text("12345\n")  # what a sidecar killed outright leaves
+    listen.claim(path, 0o700).release()
+    assert not lock.exists()
