@@ -146,3 +146,19 @@ def test_the_sidecar_loads_no_torch_controller_or_placement() -> None:
     leaked = [m for m in loaded if m.startswith(("torch", "worker_hooks", "rebalancer.controller",
                                                    "rebalancer.placement", "scipy"))]
     assert leaked == []
+
+
+def test_operations_md_states_the_links_retry_timing() -> None:
+    """Issue 34: docs/operations.md said the sidecar retries an unreachable controller
+    at most every 2-3 s (and reads missing certificate files every 2 s); it does both
+    every `backoff_max_seconds` (1 s, jittered 0.5-1.5x for the retries)."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    every = f"{SidecarConfig.backoff_max_seconds:g} s"
+    unreachable = rows["the controller unreachable"]
+    assert (f"from {SidecarConfig.backoff_initial_seconds:g} s to at most every {every}" in unreachable
+            and "(0.5-1.5 s with jitter)" in unreachable), unreachable
+    assert (f"{0.5 * SidecarConfig.backoff_max_seconds:g}-{1.5 * SidecarConfig.backoff_max_seconds:g} s"
+            in unreachable)
+    credentials = rows["a certificate file (`--ca`, `--cert`, `--key`) missing or unreadable"]
+    assert f"reads the files again every {every}" in credentials, credentials
