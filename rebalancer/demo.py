@@ -500,7 +500,12 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
 class StatusPoller:
     """The deployment's status as `rebalancer admin status` gets it (AdminService.Status),
     one line per poll; the admin token from REBALANCER_ADMIN_TOKEN if the controller
-    asks for one. A failed call is a line saying why, never an exception."""
+    asks for one. A failed call is a line saying why, never an exception.
+
+    What the polls saw is kept for the summary: the most ranks connected at once and the
+    windows folded since the first poll (none of either: no worker ever registered), the
+    newest window's routed balancedness at each poll that found a new one, and the last
+    failed call's line."""
 
     def __init__(self, address: str, deployment: str, timeout: float = 2.0) -> None:
         from rebalancer.v1 import rebalancer_pb2 as pb
@@ -513,6 +518,11 @@ class StatusPoller:
         self.config = ChannelConfig(address, token=os.environ.get("REBALANCER_ADMIN_TOKEN"))
         self.channel = sync_channel(self.config)
         self.stub = pb_grpc.AdminServiceStub(self.channel)
+        self.ranks_seen = 0             # the most ranks the controller counted connected at once
+        self.first_windows: int | None = None  # windows folded at the first poll that answered
+        self.windows = 0                # windows folded at the newest poll that answered
+        self.balancedness: list[float] = []  # newest window's routed balancedness, per new window seen
+        self.error = ""                 # the newest failed call's status and why ("" once one answers)
 
     def status(self) -> Any:
         """The deployment's DeploymentStatus, or None while the controller does not know it."""
@@ -527,13 +537,36 @@ class StatusPoller:
             raise
         return reply.deployments[0]
 
+    @property
+    def windows_folded(self) -> int:
+        """Windows the controller folded for the deployment since the first poll."""
+        return self.windows - (self.first_windows or 0)
+
+    def _observe(self, d: Any) -> None:
+        windows = 0 if d is None else int(d.windows_folded)
+        if self.first_windows is None:
+            self.first_windows = windows
+        if d is None:
+            return
+        self.ranks_seen = max(self.ranks_seen, int(d.connected_ranks))
+        if windows > self.windows and d.balancedness_actual > 0:  # 0: none measured yet
+            self.balancedness.append(float(d.balancedness_actual))
+        self.windows = max(self.windows, windows)
+
     def line(self) -> str:
         import grpc
+
+        from rebalancer.wire.channel import unavailable_cause
 
         try:
             d = self.status()
         except grpc.RpcError as exc:
-            return f"status: {exc.code().name}: {exc.details()}"
+            details = exc.details() or ""
+            cause = unavailable_cause(self.config, details) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+            self.error = f"{exc.code().name}: {cause or details}"
+            return f"status: {self.error}"
+        self.error = ""
+        self._observe(d)
         if d is None:
             return f"status: {self.deployment!r} not registered yet"
         flight = f" | plan v{d.plan_in_flight} {d.plan_phase}" if d.plan_in_flight else ""
@@ -566,12 +599,21 @@ def _attach(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[
     try:
         with demo_fleet(config, config.controller, profile_path, tmp) as procs:
             _follow(procs, poller, deadline, start, emit)
+        emit(poller.line())  # the windows folded since the last poll
     finally:
         poller.close()
     results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(config.workers)]
+    seen, k = poller.balancedness, EDGE_WINDOWS
     return {
         "controller": config.controller,
         "deployment": config.deployment,
+        # What the controller's status showed (polled each second): no rank ever connected
+        # and no window folded means no worker registered (a wrong address or port).
+        "windows": poller.windows_folded,
+        "ranks_seen": poller.ranks_seen,
+        "status_error": poller.error,
+        "balancedness_first": float(np.mean(seen[:k])) if seen else float("nan"),
+        "balancedness_last": float(np.mean(seen[-k:])) if seen else float("nan"),
         "steps": min(r["steps"] for r in results),
         "workers": config.workers,
         "sidecars": config.sidecars,

@@ -36,7 +36,11 @@ SUMMARY_HELP = textwrap.dedent("""\
     with --controller ADDR: no controller is started; the workers (and sidecars) attach to
     the one at ADDR (`rebalancer serve`), and the demo prints the deployment's status each
     second instead of its windows; try `rebalancer admin status|history|force` meanwhile
-    (docs/operations.md, "An operator's first hour").
+    (docs/operations.md, "An operator's first hour"). The summary's windows and
+    balancedness_first/_last are then what that status showed (the newest window's
+    routed balancedness at each poll that found a new one), ranks_seen the most ranks it
+    counted connected; exit code 1 if no worker ever registered there (no rank seen, no
+    window folded: a wrong address or port).
     """)
 
 # Shown beside these keys in the printed summary.
@@ -186,5 +190,11 @@ def run(args: argparse.Namespace) -> int:
     ok = committed and summary["max_output_diff"] == 0.0 and summary["ranks_agree_on_versions"]
     if summary["stopped_early"]:
         print(f"rebalancer demo: error: {summary['stopped_early']}", file=sys.stderr)
+        return 1
+    if args.controller and not (summary["ranks_seen"] or summary["windows"]):
+        seen = f" (last status: {summary['status_error']})" if summary["status_error"] else ""
+        print(f"rebalancer demo: error: no worker registered with the controller at {args.controller} "
+              f"as deployment {args.deployment!r}: no rank connected, no window folded{seen}",
+              file=sys.stderr)
         return 1
     return 0 if ok else 1

@@ -48,6 +48,10 @@ def test_demo_attaches_to_a_running_controller(tmp_path: Path) -> None:
         assert demo.returncode == 0, out[-3000:]
         summary = json.loads(out.strip().splitlines()[-1])
         assert summary["controller"] == address and summary["deployment"] == "tryout"
+        # What the controller's status showed (issue 34: no balancedness in this summary).
+        assert summary["ranks_seen"] == 2 and summary["windows"] >= 1 and summary["status_error"] == ""
+        for key in ("balancedness_first", "balancedness_last"):
+            assert 0.0 < summary[key] <= 1.0, (key, summary)
         assert summary["max_output_diff"] == 0.0 and summary["ranks_agree_on_versions"]
         assert "status v" in out  # the demo showed the AdminService's status as it ran
         # After the workers left, the controller keeps what they did.
@@ -76,3 +80,25 @@ def test_demo_attaches_to_a_running_controller(tmp_path: Path) -> None:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def test_demo_attached_to_no_controller_exits_1_saying_so() -> None:
+    """Issue 34: with a mistyped port no worker ever registers, yet the demo exited 0 (the
+    workers serve on without a controller). Now exit 1, the reason on one line."""
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "rebalancer", "demo", "--controller", address, "--workers", "2", "--sidecars", "1",
+         "--windows", "4", "--window-steps", "2", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = demo.communicate(timeout=180)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert demo.returncode == 1, out[-3000:] + err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["ranks_seen"], summary["windows"]) == (0, 0) and "UNAVAILABLE" in summary["status_error"]
+    assert err.splitlines()[-1].startswith(
+        f"rebalancer demo: error: no worker registered with the controller at {address} as deployment 'demo': "
+        "no rank connected, no window folded (last status: UNAVAILABLE"), err
