@@ -124,17 +124,27 @@ class Plans:
         A plan whose commit went out, that no rank confirmed, is moot once ranks come back
         on an older version (its base, or the one they restarted on) and no session that
         had the Commit is left: the group restarted (a gloo group that lost a rank starts
-        again), so no rank can switch to the plan any more. It is finished as unconfirmed now instead of after its commit grace, which would
-        hold every later plan back. Ranks that did switch (their sessions only lost their
+        again), so no rank can switch to the plan any more. It is finished as unconfirmed now
+        instead of after its commit grace, which would hold every later plan back; one that
+        some ranks confirmed before the group restarted is finished too. Ranks that did switch (their sessions only lost their
         link) report it, and the controller adopts it then (`_report_off_plan`)."""
         plan = dep.plan
         if (plan is not None and plan.version == version
                 and plan.state in (PlanState.COMMITTING, PlanState.COMMITTED)):
             self.apply(dep, coordinate.on_committed(plan, session.ranks, self.clock()))
             return
-        if (plan is None or plan.state is not PlanState.COMMITTING or plan.committed
+        if (plan is None or plan.state not in (PlanState.COMMITTING, PlanState.COMMITTED)
                 or version >= plan.version
                 or any(s.session_id in plan.commit_sessions for s in dep.live_sessions())):
+            return
+        if plan.committed:
+            # Some ranks confirmed it, then the whole group restarted on an older version
+            # (reconcile took that one): nothing is left to confirm. Waiting for the
+            # others held the slot until the commit grace ran out (seed 106 of the short
+            # campaign beside a hog: "plan 6 committed" 30 s after the episode).
+            log.warning("%s: plan v%d ends: %s came back on v%d after the group restarted", dep.name,
+                        plan.version, session.label, version)
+            self.apply(dep, Transition(finished=True))
             return
         plan.reason = f"{session.label} came back on v{version} before any rank confirmed the commit"
         self.apply(dep, Transition(finished=True, unconfirmed=True))

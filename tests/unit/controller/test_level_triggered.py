@@ -116,3 +116,21 @@ def test_a_register_states_its_version_outright(tmp_path: Path) -> None:
     assert dep.version == 0 and dep.plan is None
     assert dep.stated[0] == (0, 0)
     ctl.store.close()
+
+
+def test_a_plan_some_ranks_confirmed_ends_when_the_group_restarts_on_an_older_version(tmp_path: Path) -> None:
+    """Seed 106 of the short campaign beside a 4-process hog (RELIABILITY.md defect 24):
+    rank 0 confirmed plan v1, then the whole group restarted on v0. The controller took v0
+    (reconcile) but held v1 in flight until its commit grace ran out, 30 s and more."""
+    ctl, sessions, version, _, clock = committing(tmp_path)
+    dep = ctl.deployment("d")
+    ctl.report(sessions[0], version, "committed")
+    assert dep.version == version and dep.plan is not None  # waiting for rank 1's word
+    for sid in sessions:
+        ctl.detach(sid)
+    clock.now += 1.0
+    for rank in range(SHAPE.num_gpus):
+        ctl.register("d", rank, SHAPE, 0, None, f"w{rank}-restarted")
+    assert dep.version == 0
+    assert dep.plan is None  # nothing is left to confirm: the next plan may start
+    ctl.store.close()
