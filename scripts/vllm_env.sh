@@ -22,9 +22,14 @@ PACKAGES=(
   sniffio==1.3.1 pybase64==1.5.1 cachetools==8.0.2 msgspec==0.23.0 cloudpickle==3.1.3
   uvloop==0.23.0 py-cpuinfo==9.0.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11 fastapi==0.136.0
   starlette==1.10.0 partial-json-parser==0.2.1.1.post7 llguidance==1.7.6
+  einops==0.8.2  # the V2 model runner's eplb_utils imports vLLM's model layers, which need it
 )
 stamp="$site/.provisioned-$VLLM_VERSION"
-if [ -f "$stamp" ]; then exit 0; fi
+# A folder provisioned with another package list gets the missing packages (and the
+# check below) again: the list's digest names a stamp of its own.
+packages_stamp="$site/.packages-$(printf '%s\n' "${PACKAGES[@]}" | sha1sum | cut -c1-12)"
+if [ -f "$stamp" ] && [ -f "$packages_stamp" ]; then exit 0; fi
+rm -f "$stamp"
 python="${PYTHON:-$PWD/.venv/bin/python}"
 [ -x "$python" ] || python=python3  # pip only: any Python 3.11 installs the same files
 installed="$site/.installed-$VLLM_VERSION"
@@ -40,6 +45,11 @@ if [ ! -f "$installed" ]; then
   find "$site/vllm" -name '*.so' -delete
   "$python" -m pip install -q --no-deps --no-compile --target "$site" "${PACKAGES[@]}"
   touch "$installed"
+  rm -f "$site"/.packages-* && touch "$packages_stamp"
+fi
+if [ ! -f "$packages_stamp" ]; then
+  "$python" -m pip install -q --no-deps --no-compile --upgrade --target "$site" "${PACKAGES[@]}"
+  rm -f "$site"/.packages-* && touch "$packages_stamp"
 fi
 # The check the tests rely on: vLLM's EPLB, its config and its plugin loader import. It
 # needs torch: on a fresh machine `.ci/run` provides the tools before `./dev test` builds
@@ -50,6 +60,6 @@ if ! "$python" -c "import torch" >/dev/null 2>&1; then
   exit 0
 fi
 VLLM_TARGET_DEVICE=cpu PYTHONPATH="$site" "$python" -c \
-  "import vllm.distributed.eplb.eplb_state, vllm.distributed.eplb.async_worker, vllm.plugins" \
+  "import vllm.distributed.eplb.eplb_state, vllm.distributed.eplb.async_worker, vllm.plugins, vllm.v1.worker.gpu.eplb_utils" \
   || { echo "vllm_env: vLLM's EPLB code does not import from $site" >&2; exit 1; }
 touch "$stamp"
