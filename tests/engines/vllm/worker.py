@@ -8,7 +8,14 @@ the load window and its cursor, `rearrange`, `_commit_eplb_maps`), the policy ca
 `rearrange_expert_weights_inplace` and `TorchDistGlooStagedEplbCommunicator` moving the
 weights between the gloo ranks, and in async mode the async worker's own per-layer
 `run_rebalance_experts`/`transfer_layer` plus `EplbState.step`'s `_move_to_workspace`.
-The extension class is resolved by name as vLLM does (`resolve_obj_by_qualname`).
+The extension class is resolved by name as vLLM does (`resolve_obj_by_qualname`) and
+attached before the model loads, as vLLM does (after `init_device`). With `--runner v2`
+(Model Runner V2, vLLM 0.33.0's default) the EPLB step is V2's real code in
+`vllm/v1/worker/gpu/eplb_utils.py`: an `EPLBController` built with the runner, its
+`prepare_load`, `maybe_register_speculator` (with `--drafter`, first, as V2 loads it),
+`maybe_register_model` and `step`, reached through the real `step_eplb_after()`
+decorator on the runner's forward method. With `--drafter` an MTP-like MoE drafter (one
+layer) is registered with the same `EplbState`; vLLM rearranges its weights too.
 
 Stand-ins, and why they do not hollow the claim (none touches the adapter's path):
   * `torch.accelerator.current_stream` (the gloo communicator waits on it for the
@@ -22,9 +29,18 @@ Stand-ins, and why they do not hollow the claim (none touches the adapter's path
     ids go to a physical slot through vLLM's `logical_to_physical_map` and are counted
     into vLLM's `expert_load_view`, as vLLM's router does on the device.
   * `ParallelConfig` is built without `enable_eplb` (its validation refuses EPLB off
-    CUDA/ROCm/XPU); the `EPLBConfig` EplbState reads is validated as in vLLM.
-  * the model runner: an object whose `eplb_step` calls `EplbState.step` as vLLM's
-    `GPUModelRunner.eplb_step` does; `ModelConfig`: an object with `compute_hash()`.
+    CUDA/ROCm/XPU) and, for V2's `EPLBController` (which reads it), gets it set after
+    validation; the `EPLBConfig` EplbState reads is validated as in vLLM.
+  * the model runner (vLLM's builds CUDA buffers, CUDA graphs, attention backends):
+    V1, an object whose `eplb_step` calls `EplbState.step` as vLLM's
+    `GPUModelRunner.eplb_step` does; V2, an object holding the real `EPLBController`
+    as `self.eplb` (V2's `GPUModelRunner.__init__` does the same) whose forward method
+    carries the real `step_eplb_after()` and whose `load_model` makes V2's EPLB calls
+    in V2's order; V2's async loop start (`maybe_start_async_loop`) is not called
+    (see async mode). `ModelConfig` / the drafter's config: objects with
+    `compute_hash()` (and `model`); the speculator: an object with the drafter as
+    `model` and a no-op `set_eplb_state`; the speculative config: `method="mtp"` and
+    the drafter's config.
   * async mode: vLLM's async thread (`transfer_run_periodically`) needs an accelerator
     stream; its per-layer path (the policy call, `transfer_layer`, the pending result
     consumed by `step`) is driven here by hand, layer by layer, between steps.
@@ -48,6 +64,8 @@ REDUNDANT = 4          # 12 slots over 4 ranks
 TOP_K = 2
 TOKENS = 16
 SHAPES = ((4, 3), (3,))  # two weight tensors per expert, like w13 and w2
+DRAFT_LAYERS = 1       # an MTP-like drafter: one MoE layer, the main model's expert shape
+DRAFT_LAYER_BASE = 100  # the drafter's weights: reference_weights(100 + layer, expert)
 
 
 def reference_weights(layer: int, expert: int) -> list:
@@ -99,6 +117,12 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=20, help="vLLM's step_interval")
     parser.add_argument("--step-sleep", type=float, default=0.01)
     parser.add_argument("--async-mode", action="store_true")
+    parser.add_argument("--runner", choices=("v1", "v2"), default="v1",
+                        help="the model runner's EPLB entry: v1 eplb_step, v2 eplb.step (eplb_utils)")
+    parser.add_argument("--drafter", action="store_true", help="an MTP-like MoE drafter beside the model")
+    parser.add_argument("--drift", type=int, default=0, help="popularity rolls by one expert every N steps")
+    parser.add_argument("--policy-probe", action="store_true",
+                        help="after the run, ask the policy for world - 1 ranks as elastic EP does")
     parser.add_argument("--stale-plan", action="store_true",
                         help="this rank stages a different map for the first plan")
     args = parser.parse_args()
@@ -144,6 +168,9 @@ def main() -> None:
     initial = EplbState.build_initial_global_physical_to_logical_map(NUM_EXPERTS, REDUNDANT)
 
     class TinyMoE:
+        """vLLM's `MixtureOfExperts` as EPLB reads it; a drafter's layers count from
+        DRAFT_LAYER_BASE (weights unlike the main model's)."""
+
         num_moe_layers = NUM_LAYERS
         num_expert_groups = 1
         num_logical_experts = NUM_EXPERTS
@@ -153,9 +180,15 @@ def main() -> None:
         num_shared_experts = 0
         num_redundant_experts = REDUNDANT
 
-        def __init__(self) -> None:
-            self.moe_layers = [TinyLayer(layer, list(initial)) for layer in range(NUM_LAYERS)]
+        def __init__(self, num_layers: int = NUM_LAYERS, base: int = 0) -> None:
+            self.num_moe_layers = num_layers
+            self.base = base
+            self.moe_layers = [TinyLayer(base + layer, list(initial)) for layer in range(num_layers)]
             self.expert_weights: list = []
+
+        def update_physical_experts_metadata(self, num_physical_experts: int,  # vLLM's protocol: elastic EP
+                                             num_local_physical_experts: int) -> None:
+            raise NotImplementedError
 
         def set_eplb_state(self, expert_load_view, logical_to_physical_map, logical_replica_count) -> None:  # noqa: ANN001
             self.expert_weights = [layer.get_expert_weights() for layer in self.moe_layers]
@@ -173,22 +206,70 @@ def main() -> None:
     )
     model = TinyMoE()
     model_config = types.SimpleNamespace(model="tiny-moe", compute_hash=lambda: "tiny-moe")
-    state = EplbState(parallel_config, torch.device("cpu"))
-    state.add_model(model, model_config)  # type: ignore[arg-type]
-    model_state = next(iter(state.model_states.values()))
+    drafter = TinyMoE(DRAFT_LAYERS, DRAFT_LAYER_BASE) if args.drafter else None
+    draft_config = types.SimpleNamespace(model="tiny-moe-mtp", compute_hash=lambda: "tiny-moe-mtp")
 
-    class Runner:
-        eplb_state = state
+    if args.runner == "v2":
+        # vLLM's Model Runner V2 as far as EPLB goes: a real EPLBController
+        # (v1/worker/gpu/eplb_utils.py) built in the runner's constructor, its
+        # prepare_load / maybe_register_speculator (drafter first, as V2's load_model) /
+        # maybe_register_model at model load, and the forward method under the real
+        # `step_eplb_after()` decorator, which calls `self.eplb.step` after it.
+        from vllm.v1.worker.gpu.eplb_utils import EPLBController, step_eplb_after
 
-        def eplb_step(self, is_dummy: bool = False, is_profile: bool = False) -> None:
-            self.eplb_state.step(is_dummy, is_profile, log_stats=False)
+        parallel_config.enable_eplb = True  # after validation: see above
+
+        class RunnerV2:
+            def __init__(self) -> None:
+                self.eplb = EPLBController(parallel_config, torch.device("cpu"))
+
+            def load_model(self) -> None:
+                self.eplb.prepare_load()
+                added = False
+                if drafter is not None:
+                    speculator = types.SimpleNamespace(model=drafter, set_eplb_state=lambda state: None)
+                    spec = types.SimpleNamespace(method="mtp", draft_model_config=draft_config)
+                    added = self.eplb.maybe_register_speculator(speculator, spec, False)
+                    assert added
+                added |= self.eplb.maybe_register_model(model, model_config)  # type: ignore[arg-type]
+                assert added
+
+            @step_eplb_after()
+            def execute_model(self, forward) -> None:  # noqa: ANN001
+                forward()
+
+        runner_obj: object = RunnerV2()
+    else:
+        state_v1 = EplbState(parallel_config, torch.device("cpu"))
+        if drafter is not None:  # V1's load_model registers the drafter first, too
+            state_v1.add_model(drafter, draft_config, model_name="tiny-moe-mtp (draft)")  # type: ignore[arg-type]
+        state_v1.add_model(model, model_config)  # type: ignore[arg-type]
+
+        class Runner:
+            eplb_state = state_v1
+
+            def load_model(self) -> None:
+                pass
+
+            def eplb_step(self, is_dummy: bool = False, is_profile: bool = False) -> None:
+                self.eplb_state.step(is_dummy, is_profile, log_stats=False)
+
+            def execute_model(self, forward) -> None:  # noqa: ANN001
+                forward()
+                self.eplb_step()
+
+        runner_obj = Runner()
 
     extension = resolve_obj_by_qualname("worker_hooks.engines.vllm.RebalancerWorkerExtension")
     worker_cls = type("TinyWorker", (extension,), {})
     worker = worker_cls()
-    worker.model_runner = Runner()
-    worker.init_worker_extension()
+    worker.model_runner = runner_obj
+    worker.init_worker_extension()  # vLLM: after init_device, before load_model
     runner = worker.model_runner
+    runner.load_model()
+    state = runner.eplb.state if args.runner == "v2" else runner.eplb_state
+    model_state = state.model_states["tiny-moe"]
+    draft_state = state.model_states.get("tiny-moe-mtp")
 
     from worker_hooks.engines.vllm import plugin
 
@@ -232,25 +313,48 @@ def main() -> None:
     mismatches = 0
     step_seconds: list[float] = []
     stale_hooked = False
-    # vLLM's workers leave start-up together (its profile run and KV-cache set-up are
-    # collectives); without this the first rearrangement would time our import skew.
-    dist.barrier(group)
-    for _step in range(args.steps):
-        started = time.perf_counter()
-        for layer_index, layer in enumerate(model.moe_layers):
-            p = np.roll(popularity, layer_index) / popularity.sum()
+
+    def route(moe, moe_state, shift: int) -> int:  # noqa: ANN001
+        """One forward of `moe`'s layers: vLLM's router's part (logical -> physical through
+        vLLM's maps, counted into vLLM's load view); the dispatch mismatches."""
+        wrong = 0
+        for layer_index, layer in enumerate(moe.moe_layers):
+            p = np.roll(popularity, layer_index + shift) / popularity.sum()
             ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)])
-            np.add.at(routed[layer_index], ids.ravel(), 1)
+            if moe is model:
+                np.add.at(routed[layer_index], ids.ravel(), 1)
             logical = torch.from_numpy(ids).long()
             replicas = layer.count[logical]
             pick = torch.arange(logical.numel()).reshape(logical.shape) % replicas
             physical = layer.l2p[logical, pick]
             layer.load_view.scatter_add_(0, physical.ravel(), torch.ones(physical.numel(), dtype=torch.int32))
-            current = model_state.physical_to_logical_map[layer_index]
-            mismatches += int((current[physical] != logical).sum())
+            current = moe_state.physical_to_logical_map[layer_index]
+            wrong += int((current[physical] != logical).sum())
+        return wrong
+
+    def weights_match(moe, moe_state) -> bool:  # noqa: ANN001
+        final = moe_state.physical_to_logical_map.cpu()
+        return all(
+            torch.equal(moe.expert_weights[layer][i][s],
+                        reference_weights(moe.base + layer, int(final[layer, rank * slots + s]))[i])
+            for layer in range(moe.num_moe_layers) for s in range(slots) for i in range(len(SHAPES)))
+
+    # vLLM's workers leave start-up together (its profile run and KV-cache set-up are
+    # collectives); without this the first rearrangement would time our import skew.
+    dist.barrier(group)
+    for _step in range(args.steps):
+        started = time.perf_counter()
+        shift = _step // args.drift if args.drift else 0
+
+        def forward(shift: int = shift) -> None:
+            nonlocal mismatches
+            if drafter is not None:
+                mismatches += route(drafter, draft_state, shift)
+            mismatches += route(model, model_state, shift)
+
         if args.async_mode:
             drive_async()
-        runner.eplb_step()
+        runner.execute_model(forward)
         step_seconds.append(time.perf_counter() - started)
         adapter = plugin.current_adapter()
         if args.stale_plan and adapter is not None and not stale_hooked:
@@ -263,11 +367,24 @@ def main() -> None:
 
     adapter = plugin.current_adapter()
     final = model_state.physical_to_logical_map.cpu()
-    weights_ok = all(
-        torch.equal(model.expert_weights[layer][i][s],
-                    reference_weights(layer, int(final[layer, rank * slots + s]))[i])
-        for layer in range(NUM_LAYERS) for s in range(slots) for i in range(len(SHAPES))
-    )
+    weights_ok = weights_match(model, model_state)
+    probe = None
+    if args.policy_probe:
+        # What EplbState.rearrange(rank_mapping=...) asks when elastic EP scales down to
+        # world - 1 ranks (num_replicas shrinks with the ranks): through vLLM's policy
+        # interface, with vLLM's own load window and map; vLLM's default policy alongside.
+        from vllm.distributed.eplb.policy import DefaultEplbPolicy
+
+        load = model_state.expert_load_window.sum(dim=0).to(torch.int64)
+        weight = torch.zeros(NUM_LAYERS, NUM_EXPERTS, dtype=torch.int64)
+        weight.scatter_add_(1, final.long(), load)
+        dist.all_reduce(weight, group=group)
+        ranks = args.world - 1
+        replicas = (NUM_EXPERTS + REDUNDANT) // args.world * ranks
+        asked = state.policy.rebalance_experts(weight, replicas, 1, 1, ranks, final.clone())
+        vllm_default = DefaultEplbPolicy.rebalance_experts(weight, replicas, 1, 1, ranks, final.clone())
+        probe = {"num_replicas": replicas, "num_ranks": ranks, "answer": asked.tolist(),
+                 "default": vllm_default.tolist()}
     worker.destroy_worker_extension()
     result = {
         "rank": rank, "policy": policy_name, "version": adapter.version if adapter else None,
@@ -285,6 +402,16 @@ def main() -> None:
         "slowest_steps": sorted(range(len(step_seconds)), key=lambda i: -step_seconds[i])[:3],
         "step_seconds": [round(x, 4) for x in step_seconds],
         "pid": os.getpid(),
+        # getattr: the same worker runs against older adapters (a test must fail there,
+        # on its assertions, not on a missing name).
+        "attach": plugin.attach_status() if hasattr(plugin, "attach_status") else None,
+        "drafter_calls": getattr(adapter.stats, "drafter_calls", 0) if adapter else 0,
+        "other_world": getattr(adapter.stats, "other_world", []) if adapter else [],
+        "policy_probe": probe,
+        "drafter": None if drafter is None else {
+            "phy2log": draft_state.physical_to_logical_map.cpu().tolist(),
+            "weights_match_map": weights_match(drafter, draft_state),
+        },
     }
     Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -4,8 +4,11 @@ Installed with `pip install moe-rebalancer[vllm]`, vLLM finds `register` through
 `vllm.general_plugins` entry point in every process; with `REBALANCER_ADDRESS` set
 (the pod's sidecar socket or the controller; worker_hooks/engines/vllm/config.py lists
 the other variables) and vLLM started with
-`--enable-eplb --worker-extension-cls worker_hooks.engines.vllm.RebalancerWorkerExtension`,
-each rank
+`--enable-eplb --worker-extension-cls worker_hooks.engines.vllm.RebalancerWorkerExtension`
+(and, if `VLLM_PLUGINS` is set, `rebalancer` in it), each rank attaches to the EPLB step
+of its model runner (V2, vLLM 0.33.0's default: `runner.eplb.step` from
+`step_eplb_after`; V1: `runner.eplb_step`; either way vLLM's `EplbState.step` is wrapped,
+plugin.py), or logs a WARNING with the reason and reports it in `attach_status()`, and
 
 * streams the counts vLLM's own EPLB records (`EplbModelState.expert_load_window`, read
   at vLLM's own cursor after each `EplbState.step`), mapped to logical experts through
@@ -50,6 +53,22 @@ What holds, and what vLLM cannot give
   `REBALANCER_COUNT_DUPLICATES` to that factor (windows are divided by it, rounded).
 * Plans only arrive at vLLM's own rearrangement points (`step_interval`); between them
   the controller's plan waits.
+* NOT given yet: a window's counts reach the host without a wait. Once per
+  `REBALANCER_WINDOW_STEPS` steps the serving thread copies the window's `[L, P]` int64
+  sum with `.cpu()` (and, while vLLM's async rearrangement runs, its map once a step). A
+  pinned, non-blocking copy finished by an event is the intended fix; it needs a CUDA
+  test that this suite, run on CPU against vLLM's code, cannot give, so it waits for one.
+* Maps with empty slots (`-1`, elastic EP's padding) are still refused as plans, and
+  counts are mapped with the registered shape: elastic EP is not supported beyond the
+  other-world answer below.
+* One model per deployment: the main model. A drafter vLLM registers with EPLB (MTP) is
+  rearranged by vLLM's own default policy at the same points (same answer on every rank,
+  no part in the agreement): it never fails or delays the main model's plans, and its
+  counts are not sent (adapter.py's docstring says how the calls are told apart).
+* Another world: when vLLM asks the policy for another `num_replicas`/`num_ranks` than
+  the controller plans for (elastic EP scaling, `rearrange(rank_mapping=...)`), vLLM's
+  default policy answers that call (WARNING), in the shape asked; the controller's plans
+  built on the old map are refused afterwards (the map differs).
 * Warm start (`REBALANCER_POOL`): a fresh group offered the pool's placement at Register
   installs it at vLLM's first policy call, when every rank holds the same offer
   (all-reduce of the offered version on the EPLB CPU group, worker_hooks/warm.py, then

@@ -5,6 +5,16 @@ Built by the worker extension (worker_hooks/engines/vllm/extension.py) at the fi
 EPLB step, once vLLM has built its `EplbState`. The policy installed by the plugin
 (worker_hooks/engines/vllm/plugin.py) asks `choose_map` at vLLM's rearrangement point.
 What holds, and what vLLM cannot give, is in the package docstring.
+
+Models: vLLM registers every MoE model of the engine with one `EplbState` (a drafter such
+as DeepSeek MTP first, named "<model> (draft)", then the main model) and calls the policy
+once per model at each rearrangement, in that order. The adapter balances the main model
+only: its windows, shape, plans and agreement are the main model's. A drafter's call is
+answered with vLLM's own default policy: that is what vLLM itself would do, it is the
+same on every rank (vLLM all-reduces the load before the call), it takes no part in the
+agreement, and it never touches the main model's plan state, so a drafter can neither
+fail nor delay a plan. The call is told apart by the map's shape when that is unique,
+else by its position in the rearrangement (`_main_call`).
 """
 
 from __future__ import annotations
@@ -43,6 +53,17 @@ def plan_hash(version: int, phy2log: np.ndarray) -> int:
     return (int.from_bytes(digest, "little") >> 1) or 1
 
 
+DRAFT_SUFFIX = " (draft)"  # vLLM's eplb_draft_model_name: "<model> (draft)"
+
+
+def main_model_state(eplb_state: Any) -> Any:
+    """The main model's `EplbModelState`: the last one registered whose name is not a
+    drafter's (both of vLLM's runners register a drafter first, the main model last)."""
+    states = list(eplb_state.model_states.values())
+    main = [s for s in states if not str(getattr(s, "model_name", "")).endswith(DRAFT_SUFFIX)]
+    return (main or states)[-1]
+
+
 def plan_misfit(plan: np.ndarray, serving: np.ndarray, num_logical: int) -> str | None:
     """Why `plan` cannot replace `serving` (None when it can): `[L, P]` like the map vLLM
     serves, every entry an expert, every expert held on every layer."""
@@ -64,6 +85,8 @@ class AdapterStats:
     aborted: int = 0
     rearrangements: list[dict[str, Any]] = field(default_factory=list)  # one per policy call
     commits: list[tuple[int, int]] = field(default_factory=list)  # (step, version) applied
+    drafter_calls: int = 0               # policy calls for a drafter: vLLM's default answered
+    other_world: list[dict[str, Any]] = field(default_factory=list)  # calls for another world
 
 
 class VLLMRebalanceAdapter(PlanHandlers):
@@ -74,7 +97,7 @@ class VLLMRebalanceAdapter(PlanHandlers):
 
     def __init__(self, config: VLLMAdapterConfig, eplb_state: Any, cpu_group: Any,
                  rank: int, num_ranks: int, num_nodes: int = 1) -> None:
-        model_state = next(iter(eplb_state.model_states.values()))
+        model_state = main_model_state(eplb_state)
         model = model_state.model
         self.config = config
         self.eplb_state = eplb_state
@@ -96,6 +119,7 @@ class VLLMRebalanceAdapter(PlanHandlers):
         self._window_version = 0
         self._window_map = self.phy2log.copy()
         self._counts: torch.Tensor | None = None   # [L, P] int64, this window's slot counts
+        self._policy_calls = 0                     # policy calls seen: which model is asked
         self._cursor = int(eplb_state.expert_load_window_step)
         window, interval = eplb_state.expert_load_window_size, eplb_state.expert_rearrangement_step_interval
         if window < interval:
@@ -203,6 +227,41 @@ class VLLMRebalanceAdapter(PlanHandlers):
         self.agent.stop()
 
     # ------------------------------------------------------------ vLLM's policy call
+
+    def answer(self, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
+               num_ranks: int, old_map: torch.Tensor, default: Any) -> torch.Tensor:
+        """vLLM's policy call, for whichever model and world it asks: the main model in
+        the world the controller plans for gets `choose_map`; a drafter, or a request
+        for another world (elastic EP's `rearrange(rank_mapping=...)`: other
+        `num_replicas`/`num_ranks`), gets vLLM's own `default` policy, whose answer has
+        the shape asked for. Every condition here is the same on every rank (vLLM passes
+        every rank the same arguments), so the agreement's collectives stay matched."""
+        if not self._main_call(old_map):
+            self.stats.drafter_calls += 1
+            return default(weight, num_replicas, num_groups, num_nodes, num_ranks, old_map)
+        if num_replicas != self.num_slots or num_ranks != self.num_ranks:
+            self.stats.other_world.append({"step": self.step, "num_replicas": int(num_replicas),
+                                           "num_ranks": int(num_ranks)})
+            log.warning("rank %d: vLLM asks for %d slots on %d ranks, the controller plans %d on %d: "
+                        "vLLM's default policy answers this call", self.rank, num_replicas, num_ranks,
+                        self.num_slots, self.num_ranks)
+            return default(weight, num_replicas, num_groups, num_nodes, num_ranks, old_map)
+        return self.choose_map(old_map)
+
+    def _main_call(self, old_map: torch.Tensor) -> bool:
+        """Whether this policy call is for the main model. vLLM asks for every model of
+        its `EplbState` once per rearrangement, in registration order (sync: inside
+        `rearrange`; async: the worker thread, each model in turn), so the k-th call is
+        for model k modulo their number; a map shape that only one model has settles it
+        (and re-aligns the count)."""
+        states = list(self.eplb_state.model_states.values())
+        index = self._policy_calls % len(states)
+        shape = tuple(old_map.shape)
+        fits = [i for i, s in enumerate(states) if tuple(s.physical_to_logical_map.shape) == shape]
+        if len(fits) == 1:
+            index = fits[0]
+        self._policy_calls = index + 1
+        return states[index] is self.model_state
 
     def choose_map(self, old_map: torch.Tensor) -> torch.Tensor:
         """vLLM's rearrangement point, on every rank: the agreed committed plan, or
