@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from rebalancer.controller.clock import Clock, system_clock
+from rebalancer.controller.contingency import ContingencyPlanner
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.decision_runner import Background, DecisionRunner, run_inline
@@ -59,8 +60,10 @@ class Controller:
         self.fleet = Fleet(store, self.clock, self.registry, self.decisions, self.plans,
                            self.registry.default_policy, pool_max_moving, divergence)
         self.folder.pooled = self.fleet.folded
+        self.contingency = ContingencyPlanner(store, self.clock, self.decisions.submit, self.decisions.has_room)
         self.registry.load()
         self.fleet.load()
+        self.contingency.load(list(self.registry.deployments))
 
     @property
     def deployments(self) -> dict[str, Deployment]:
@@ -114,6 +117,8 @@ class Controller:
         fresh = self.folder.ingest(dep, rank, seq, version, logical, physical)
         if serving[1]:
             self.plans.serving(dep, tuple(sorted(rank_set(rank))), *serving)
+        if fresh:
+            self.contingency.refresh(dep, self.clock())
         return fresh
 
     def report(self, session_id: str, version: int, phase: str, error: str = "",

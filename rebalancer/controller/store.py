@@ -224,6 +224,11 @@ CREATE TABLE IF NOT EXISTS pools (
     num_slots INTEGER NOT NULL DEFAULT 0,
     phy2log BLOB
 );
+CREATE TABLE IF NOT EXISTS contingency (
+    deployment TEXT PRIMARY KEY,
+    record TEXT NOT NULL,
+    arrays BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS ingest_state (
     deployment TEXT PRIMARY KEY,
     state TEXT NOT NULL,
@@ -520,6 +525,16 @@ class Store:
         return [json.loads(r[0]) for r in rows]
 
     # ------------------------------------------------------------ ingest cursor
+
+    def save_contingency(self, name: str, record: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """A deployment's newest contingency set (controller/contingency.py): its record
+        and the survivors' placements, replacing the one before."""
+        self._db.execute("INSERT OR REPLACE INTO contingency VALUES (?, ?, ?)",
+                         (name, json.dumps(record), _pack_arrays(arrays)))
+
+    def contingency(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+        row = self._db.execute("SELECT record, arrays FROM contingency WHERE deployment = ?", (name,)).fetchone()
+        return None if row is None else (json.loads(row[0]), _unpack_arrays(row[1]))
 
     def save_ingest_state(self, name: str, state: dict[str, Any], background: bool = False) -> None:
         """Numeric lists and arrays travel as one blob of raw little-endian bytes (JSON of

@@ -1,0 +1,214 @@
+"""Contingency plans: a survivor placement ready for every single-rank and single-node
+loss of each deployment, before anything fails (DESIGN.md, "When a GPU dies").
+
+`ContingencyPlanner` owns every deployment's newest `ContingencySet`: it asks for one
+after each committed placement and whenever the estimate has moved by `REFRESH_SHIFT`
+(the share of load that changed experts) since the last, at most every
+`MIN_INTERVAL_SECONDS`; the placement math (`placement.survivors`) runs on the decision
+worker like a policy decision, never on the event loop. A set is versioned by the
+placement it derives from, stored (it survives a restart) and recorded in the decision
+history. Operators read it with `rebalancer admin contingency` and in the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import numpy as np
+
+from rebalancer.controller.clock import Clock
+from rebalancer.controller.decide import ClusterShape
+from rebalancer.controller.deployment import Deployment
+from rebalancer.controller.store import Store
+from rebalancer.placement.survivors import survivor_placements
+
+log = logging.getLogger("rebalancer.controller")
+
+# A set is planned again when this share of the load moved between experts since the
+# estimate it was planned on (half the L1 distance of the normalised loads, per layer,
+# averaged), or when the committed placement changed.
+REFRESH_SHIFT = 0.05
+# No more often than this per deployment (a set costs about one decision per 8 losses).
+MIN_INTERVAL_SECONDS = 30.0
+
+LossKind = Literal["rank", "node"]
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One failure planned for: the ranks lost and what their survivors would serve."""
+
+    kind: LossKind
+    lost: tuple[int, ...]
+    balancedness: float     # on the estimate it was planned on; NaN when infeasible
+    slots_moved: int        # slots the survivors must refill
+    from_storage: int       # (layer, expert) pairs no survivor holds: weights from storage
+    unserved: int           # experts per layer left without a slot (infeasible when > 0)
+    phy2log: np.ndarray | None  # [L, P'] the survivors' placement, None when infeasible
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "lost": list(self.lost), "balancedness": self.balancedness,
+                "slots_moved": self.slots_moved, "from_storage": self.from_storage, "unserved": self.unserved}
+
+
+@dataclass(frozen=True)
+class ContingencySet:
+    """Every single-rank and single-node loss of one deployment, planned on the placement
+    of `base_version` and the estimate of `computed_at`."""
+
+    base_version: int
+    computed_at: float
+    healthy: float          # the placement in use, balancedness on the same estimate
+    losses: tuple[Loss, ...]
+
+    def of(self, kind: LossKind) -> list[Loss]:
+        return [loss for loss in self.losses if loss.kind == kind]
+
+    def summary(self) -> dict[str, Any]:
+        """Worst and mean balancedness after a loss of each kind, and the experts a node
+        loss leaves without a slot (what metrics and the decision history show)."""
+        out: dict[str, Any] = {"base_version": self.base_version, "healthy": self.healthy}
+        for kind in ("rank", "node"):
+            values = [loss.balancedness for loss in self.of(kind)]  # type: ignore[arg-type]
+            finite = [v for v in values if np.isfinite(v)]
+            out[f"{kind}_worst"] = min(values) if values and len(finite) == len(values) else float("nan")
+            out[f"{kind}_mean"] = float(np.mean(finite)) if finite else float("nan")
+        out["node_unserved"] = max((loss.unserved for loss in self.of("node")), default=0)
+        return out
+
+
+def to_record(made: ContingencySet) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A set as the store keeps it: a JSON record and the survivors' placements."""
+    record = {"base_version": made.base_version, "computed_at": made.computed_at, "healthy": made.healthy,
+              "losses": [loss.to_dict() for loss in made.losses]}
+    arrays = {f"loss{i}": loss.phy2log.astype(np.int32) for i, loss in enumerate(made.losses)
+              if loss.phy2log is not None}
+    return record, arrays
+
+
+def from_record(record: dict[str, Any], arrays: dict[str, np.ndarray]) -> ContingencySet:
+    losses = tuple(
+        Loss(d["kind"], tuple(d["lost"]), float(d["balancedness"]), int(d["slots_moved"]), int(d["from_storage"]),
+             int(d["unserved"]), arrays[f"loss{i}"].astype(np.int64) if f"loss{i}" in arrays else None)
+        for i, d in enumerate(record["losses"]))
+    return ContingencySet(int(record["base_version"]), float(record["computed_at"]), float(record["healthy"]), losses)
+
+
+def failure_domains(shape: ClusterShape) -> list[tuple[LossKind, tuple[int, ...]]]:
+    """Every single rank, and every single node when there are several (ranks numbered
+    node by node, G / N to a node)."""
+    G, N = shape.num_gpus, shape.num_nodes
+    out: list[tuple[LossKind, tuple[int, ...]]] = [("rank", (g,)) for g in range(G)] if G > 1 else []
+    if N > 1:
+        per_node = G // N
+        out += [("node", tuple(range(n * per_node, (n + 1) * per_node))) for n in range(N)]
+    return out
+
+
+def plan_losses(load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape) -> list[Loss]:
+    """The survivor placement of every failure domain (decision worker; pure).
+
+    load: [L, E] the estimate, phy2log: [L, P] the committed placement."""
+    domains = failure_domains(shape)
+    plans = survivor_placements(load, phy2log, shape.num_gpus, [lost for _, lost in domains])
+    return [Loss(kind, plan.lost, plan.balancedness, plan.slots_moved, plan.from_storage, plan.unserved,
+                 plan.phy2log) for (kind, _), plan in zip(domains, plans, strict=True)]
+
+
+def _plan(load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape) -> tuple[float, list[Loss]]:
+    from rebalancer.placement import balancedness
+
+    return balancedness(phy2log, load, shape.num_gpus), plan_losses(load, phy2log, shape)
+
+
+def load_shift(a: np.ndarray, b: np.ndarray) -> float:
+    """The share of load that moved between experts from `a` to `b` (both [L, E]),
+    averaged over the layers with load in both; 1.0 when either has none."""
+    sa, sb = a.sum(axis=1, keepdims=True), b.sum(axis=1, keepdims=True)
+    both = (sa[:, 0] > 0) & (sb[:, 0] > 0)
+    if not both.any():
+        return 1.0
+    na, nb = a[both] / sa[both], b[both] / sb[both]
+    return float(0.5 * np.abs(na - nb).sum(axis=1).mean())
+
+
+Submit = Callable[[Callable[[], Any], Callable[[Any], None]], None]
+
+
+class ContingencyPlanner:
+    """The contingency sets of every deployment (module docstring)."""
+
+    def __init__(self, store: Store, clock: Clock, submit: Submit, has_room: Callable[[], bool]) -> None:
+        self.store = store
+        self.clock = clock
+        self.submit = submit
+        self.has_room = has_room  # room in the decision worker's queue (policy decisions first)
+        self.sets: dict[str, ContingencySet] = {}
+        self._planned_on: dict[str, np.ndarray] = {}  # the estimate each set was planned on
+        self._asked: dict[str, float] = {}             # when a set was last asked for or looked at
+        self._running: set[str] = set()
+
+    def load(self, names: list[str]) -> None:
+        """The stored sets, at start."""
+        for name in names:
+            stored = self.store.contingency(name)
+            if stored is not None:
+                self.sets[name] = from_record(*stored)
+
+    def get(self, name: str) -> ContingencySet | None:
+        return self.sets.get(name)
+
+    def due(self, dep: Deployment, now: float) -> bool:
+        """Whether `dep` needs a new set: none yet or one of another placement, or the
+        estimate moved by REFRESH_SHIFT; never while one is computed, never more often
+        than MIN_INTERVAL_SECONDS, and only with counts to plan on and a loss to plan for."""
+        if dep.name in self._running or not failure_domains(dep.shape) or dep.mixed is not None:
+            return False
+        current = self.sets.get(dep.name)
+        stale = current is None or current.base_version != dep.version
+        if not stale and now - self._asked.get(dep.name, -np.inf) < MIN_INTERVAL_SECONDS:
+            return False
+        estimate = dep.estimator.estimate()
+        if estimate.sum() <= 0:
+            return False
+        planned_on = self._planned_on.get(dep.name)
+        if stale or planned_on is None or load_shift(planned_on, estimate) >= REFRESH_SHIFT:
+            return True
+        self._asked[dep.name] = now  # looked: the next look after the interval, not at every window
+        return False
+
+    def refresh(self, dep: Deployment, now: float) -> None:
+        """Plan `dep`'s set on the decision worker when due."""
+        if not self.has_room() or not self.due(dep, now):
+            return
+        estimate = dep.estimator.estimate()
+        version, phy2log, shape, name = dep.version, dep.phy2log.copy(), dep.shape, dep.name
+        self._running.add(name)
+        self._asked[name] = now
+
+        def done(result: tuple[float, list[Loss]] | None) -> None:
+            self._running.discard(name)
+            if result is None:
+                return
+            healthy, losses = result
+            made = ContingencySet(version, self.clock(), healthy, tuple(losses))
+            self.sets[name] = made
+            self._planned_on[name] = estimate
+            summary = made.summary()
+            try:
+                self.store.save_contingency(name, *to_record(made))
+                self.store.record_decision(name, {"time": made.computed_at, "outcome": "contingency",
+                                                  "reason": "survivor placements planned", **summary})
+            except Exception as exc:  # noqa: BLE001 - a full disk must not lose the set in memory
+                log.error("%s: the store refused the contingency set (%s)", name, exc)
+            if summary["node_unserved"]:
+                log.warning("%s: a node loss would leave %d experts per layer without a slot (v%d)",
+                            name, summary["node_unserved"], version)
+            log.info("%s: contingency set on v%d: rank loss worst %.3f, node loss worst %.3f", name, version,
+                     summary["rank_worst"], summary["node_worst"])
+
+        self.submit(partial(_plan, estimate, phy2log, shape), done)
