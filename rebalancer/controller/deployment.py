@@ -300,7 +300,7 @@ class Deployment:
         if gpu_load is not None:
             self.stats.gpu_load = gpu_load
             self.stats.balancedness_actual = balancedness_actual
-        self.loop.observe(logical)
+        self.loop.observe(logical, checked=True)  # merged from windows the codec checked
 
     def decision_started(self) -> None:
         self.deciding = True

@@ -132,9 +132,18 @@ class LoadEstimator:
             raise InputError("counts contain negative values")
         return arr
 
-    def add(self, counts: np.ndarray) -> None:
-        """Fold one window of counts `[L, E]` (summed over ranks) into the estimate."""
-        arr = self._check(counts)
+    def add(self, counts: np.ndarray, checked: bool = False) -> None:
+        """Fold one window of counts `[L, E]` (summed over ranks) into the estimate.
+        `checked`: a sum of windows already validated (the controller's merged windows,
+        each part checked by the wire codec: finite, non-negative, at most 2^53), so only
+        its shape is checked again, not every count."""
+        if checked:
+            arr = np.asarray(counts)
+            if arr.shape != self.shape:
+                raise InputError(f"counts have shape {list(arr.shape)}, expected {list(self.shape)}")
+            arr = arr.astype(np.float64, copy=False)
+        else:
+            arr = self._check(counts)
         self.windows += 1
         prior = self.config.prior_decay
         self._prior_sum *= prior

@@ -42,7 +42,9 @@ class Folder:
         logical: np.ndarray, physical: np.ndarray | None,
     ) -> bool:
         """Merge one rank's window (or a group's, summed over its ranks) and fold what
-        became complete; False for a duplicate."""
+        became complete; False for a duplicate. `logical` / `physical`: as
+        `codec.decode_counts` returns them, validated (the estimate does not check the
+        merged counts again)."""
         fresh = dep.windows.add(rank, seq, logical, physical)
         dep.count_window(fresh)
         if not fresh:

@@ -77,6 +77,9 @@ POOL_BALANCEDNESS = "rebalancer_pool_balancedness"  # {pool}: the pool placement
 POOL_MEMBER_DIVERGED = "rebalancer_pool_member_diverged"  # {pool, deployment}: 1 while diverged
 POOL_DIVERGENCES = "rebalancer_pool_divergences"    # counter {pool}: members that left the estimate
 POOL_DECISIONS = "rebalancer_pool_decisions"        # counter {pool}: pool decisions computed
+CONTINGENCY_BALANCEDNESS = "rebalancer_contingency_balancedness"  # {deployment, loss, stat}: after a loss
+CONTINGENCY_UNSERVED = "rebalancer_contingency_unserved_experts"   # {deployment}: left without a slot by a node loss
+CONTINGENCY_VERSION = "rebalancer_contingency_base_version"        # {deployment}: placement the set derives from
 # Only with per_layer:
 LAYER_IMBALANCE = "rebalancer_layer_imbalance"      # {deployment, layer}: max/mean GPU load
 RANK_LOAD_SHARE = "rebalancer_rank_load_share"      # {deployment, layer, rank}: share of the layer
@@ -202,12 +205,39 @@ class _StateCollector(Collector):
                         for r, value in enumerate(row / totals[i]):
                             share.add_metric([name, str(i), str(r)], float(value))
         yield from self._pools()
+        yield from self._contingency()
         errors = c(STORE_ERRORS, "Statements the SQLite store refused (disk full, I/O error, locked).")
         errors.add_metric([], self.controller.store.errors)
         yield from (bal, version, ranks, expected, streams, state, paused, mixed, windows, folded, dups,
                     plans, slots, moved, errors)
         if self.per_layer:
             yield from (layer, share)
+
+    def _contingency(self) -> Iterator[Any]:
+        """The survivor placements planned ahead (contingency.py): how balanced a single
+        rank or node loss would leave each deployment, and whether a node loss can be served."""
+        g = GaugeMetricFamily
+        bal = g(CONTINGENCY_BALANCEDNESS, "Balancedness the planned survivor placement would have after a "
+                "single loss (loss: rank or node; stat: worst or mean over the losses of that kind), on "
+                "the estimate it was planned on; absent for a kind no survivor placement can serve.",
+                labels=["deployment", "loss", "stat"])
+        unserved = g(CONTINGENCY_UNSERVED, "Experts per layer that the worst single node loss would leave "
+                     "without a slot on the survivors (0: every node loss can be served).", labels=["deployment"])
+        version = g(CONTINGENCY_VERSION, "Placement version the contingency set was planned on (behind "
+                    "rebalancer_placement_version while a new set is computed).", labels=["deployment"])
+        for name in list(self.controller.deployments):
+            made = self.controller.contingency.get(name)
+            if made is None:
+                continue
+            summary = made.summary()
+            for loss in ("rank", "node"):
+                for stat in ("worst", "mean"):
+                    value = summary[f"{loss}_{stat}"]
+                    if made.of(loss) and math.isfinite(value):  # type: ignore[arg-type]
+                        bal.add_metric([name, loss, stat], value)
+            unserved.add_metric([name], summary["node_unserved"])
+            version.add_metric([name], made.base_version)
+        yield from (bal, unserved, version)
 
     def _pools(self) -> Iterator[Any]:
         """Replica pools (fleet.py): members, divergence, rolling progress."""
@@ -301,6 +331,7 @@ class ControllerMetrics:
             buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1),
         )
         self.ingest_bytes = Counter(INGEST_BYTES, "Bytes of count arrays ingested.", ["deployment"], registry=r)
+        self._ingest_bytes_of: dict[str, Any] = {}  # deployment -> its ingest_bytes series
         self.ingest_refused = Counter(INGEST_REFUSED, "Windows refused (bad input, or not acceptable in this state); the stream ends.", ["deployment"], registry=r)
         controller.observers.plan.append(self.on_plan)
         controller.observers.decision.append(self.on_decision)
@@ -348,7 +379,12 @@ class ControllerMetrics:
         return cost.commit_pause_seconds + cost.swap_seconds
 
     def on_ingest(self, deployment: str, nbytes: int, seconds: float) -> None:
-        self.ingest_bytes.labels(deployment).inc(nbytes)
+        # Once per window: the deployment's series is looked up once, not per call (labels()
+        # takes a lock and builds a key); series are never removed, so the child stays valid.
+        child = self._ingest_bytes_of.get(deployment)
+        if child is None:
+            child = self._ingest_bytes_of[deployment] = self.ingest_bytes.labels(deployment)
+        child.inc(nbytes)
         self.ingest_seconds.observe(seconds)
 
     def on_refused(self, deployment: str) -> None:

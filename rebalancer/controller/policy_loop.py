@@ -48,9 +48,10 @@ class PolicyLoop:
             self.estimator.config = new
         self.policy = dataclasses.replace(policy)
 
-    def observe(self, counts: np.ndarray) -> None:
-        """Fold one window of counts [L, E], summed over the deployment's ranks."""
-        self.estimator.add(counts)
+    def observe(self, counts: np.ndarray, checked: bool = False) -> None:
+        """Fold one window of counts [L, E], summed over the deployment's ranks
+        (`checked`: validated already, LoadEstimator.add)."""
+        self.estimator.add(counts, checked)
 
     def due(self, now: float) -> bool:
         """Whether a decision period has passed since the last decision."""

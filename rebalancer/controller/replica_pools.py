@@ -170,7 +170,7 @@ class ReplicaPool:
 
     def observe(self, logical: np.ndarray) -> None:
         """A following member's merged window into the pool estimate and the reference."""
-        self.loop.observe(logical)
+        self.loop.observe(logical, checked=True)  # a member's merged window, checked at decode
         if self.reference is None:
             self.reference = np.array(logical, dtype=np.float64)
         else:

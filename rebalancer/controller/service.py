@@ -294,8 +294,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 check_version(w.serving_version, "window serving_version")
                 self.controller.ingest(dep, session.ranks, w.seq, w.placement_version, logical, physical,
                                        (w.serving_version, w.serving_hash))
-                if self.on_ingest is not None:
-                    nbytes = len(w.logical_count.data) + len(w.physical_count.data)
+                if self.on_ingest is not None:  # the arrays' sizes: re-reading .data would copy it
+                    nbytes = logical.nbytes + (physical.nbytes if physical is not None else 0)
                     self.on_ingest(dep.name, nbytes, self.clock() - t0)
                 acks.ingested(w.seq)
         except (InputError, StateError) as exc:

@@ -55,27 +55,43 @@ def decode(msg: pb.Array, what: str, shape: tuple[int, ...] | None = None) -> np
     if shape is not None and got != tuple(shape):
         raise InputError(f"{what}: shape {list(got)} does not match expected {list(shape)}")
     expected = math.prod(got) * dtype.itemsize
-    if len(msg.data) != expected:
-        raise InputError(f"{what}: {len(msg.data)} bytes for shape {list(got)} of {dtype.name} (expected {expected})")
+    data = msg.data  # each read of a bytes field copies the payload: read it once
+    if len(data) != expected:
+        raise InputError(f"{what}: {len(data)} bytes for shape {list(got)} of {dtype.name} (expected {expected})")
     try:
-        return np.frombuffer(msg.data, dtype=dtype).reshape(got)
+        return np.frombuffer(data, dtype=dtype).reshape(got)
     except ValueError as exc:  # an empty shape numpy cannot hold: too many or too large dims
         raise InputError(f"{what}: shape {list(got)} is not a valid array shape ({exc})") from None
+
+
+def count_scans(dtype: np.dtype) -> tuple[bool, bool]:
+    """Which scans counts of a wire dtype need: (min, max). A scan that cannot fail is
+    skipped: an unsigned count is never negative, and no int32 or uint32 count is above
+    MAX_COUNT. So uint32 (what ranks and sidecars send) needs none, int32 the sign only,
+    int64 and float32 both (float32: NaN and infinity as well)."""
+    return _SCANS[np.dtype(dtype).newbyteorder("<")]
+
+
+_SCANS: dict[np.dtype, tuple[bool, bool]] = {
+    dt: (dt.kind != "u", dt.kind == "f" or int(np.iinfo(dt).max) > MAX_COUNT) for dt in _TO_NUMPY.values()
+}
 
 
 def decode_counts(msg: pb.Array, what: str, shape: tuple[int, ...]) -> np.ndarray:
     """Counts must be integers or finite non-negative floats, none above MAX_COUNT.
     Returned without a copy (read-only, the wire dtype): callers add them into arrays of
-    their own."""
+    their own. Only the scans that can fail run (`count_scans`)."""
     arr = decode(msg, what, shape)
-    if not arr.size:
+    scan_low, scan_high = _SCANS[arr.dtype]
+    if not arr.size or not (scan_low or scan_high):
         return arr
     if arr.dtype.kind == "f":
         low, high = float(arr.min()), float(arr.max())  # NaN propagates through both
         if not (math.isfinite(low) and math.isfinite(high)):
             raise InputError(f"{what}: counts contain NaN or infinity")
     else:
-        low, high = int(arr.min()), int(arr.max())
+        low = int(arr.min()) if scan_low else 0
+        high = int(arr.max()) if scan_high else 0
     if low < 0:
         raise InputError(f"{what}: counts contain negative values")
     if high > MAX_COUNT:

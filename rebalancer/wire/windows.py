@@ -124,7 +124,8 @@ class SeqMerger:
 
     def expected(self, ranks: Iterable[int]) -> int:
         """The next seq a rank (or a group: the highest cursor of its ranks) may send."""
-        return max(self.next_seq.get(r, 0) for r in ranks)
+        get = self.next_seq.get  # once per window: a list is cheaper than a generator
+        return max([get(r, 0) for r in ranks])
 
     def add(self, ranks: Ranks, seq: int, logical: np.ndarray,
             physical: np.ndarray | None, first_step: int = 0, num_steps: int = 0,

@@ -53,6 +53,49 @@ def test_counts_above_2_to_the_53_are_refused() -> None:
             codec.decode_counts(codec.encode(big), "c", (2, 2))
 
 
+class _Watched(np.ndarray):
+    """An array that notes each min / max scan run over it."""
+
+    scans: list[str] = []
+
+    def min(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+        _Watched.scans.append("min")
+        return super().min(*args, **kwargs)  # type: ignore[arg-type]
+
+    def max(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+        _Watched.scans.append("max")
+        return super().max(*args, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("dtype", "scans"), [
+    (np.uint32, []),              # never negative, never above 2^53: nothing can fail
+    (np.int32, ["min"]),          # the sign only: no int32 is above 2^53
+    (np.int64, ["min", "max"]),
+    (np.float32, ["min", "max"]),  # NaN and infinity too
+])
+def test_decode_counts_runs_only_the_scans_that_can_fail(
+    dtype: type, scans: list[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The controller decodes every window: a uint32 window (what ranks and sidecars send)
+    is taken without scanning it; the dtypes that can carry bad counts are still scanned."""
+    real = codec.decode
+    monkeypatch.setattr(codec, "decode", lambda msg, what, shape=None: real(msg, what, shape).view(_Watched))
+    _Watched.scans = []
+    counts = (np.arange(12).reshape(3, 4) * 7).astype(dtype)
+    out = codec.decode_counts(codec.encode(counts), "c", (3, 4))
+    assert _Watched.scans == scans and np.array_equal(out, counts)
+    assert codec.count_scans(np.dtype(dtype)) == ("min" in scans, "max" in scans)
+
+
+def test_counts_at_the_edges_of_each_unscanned_check() -> None:
+    """What a skipped scan would have checked holds by the dtype: the largest uint32 and
+    int32 pass, a negative int32 is still refused."""
+    for top in (np.full((2, 2), np.iinfo(np.uint32).max, np.uint32), np.full((2, 2), np.iinfo(np.int32).max, np.int32)):
+        assert np.array_equal(codec.decode_counts(codec.encode(top), "c", (2, 2)), top)
+    with pytest.raises(InputError, match="negative"):
+        codec.decode_counts(codec.encode(np.array([[0, -1]], np.int32)), "c", (1, 2))
+
+
 def test_sent_windows_resume_from_the_controllers_cursor_and_drop_what_it_acked() -> None:
     """The link bookkeeping of agents and sidecars (rebalancer.wire.link)."""
     from rebalancer.wire.link import SentWindows

@@ -190,3 +190,18 @@ def test_shrunk_state_round_trip_and_old_state() -> None:
     np.testing.assert_allclose(c.estimate(), a.smoothed())
     c.add(_windows(1)[0])
     assert np.all(np.isfinite(c.shrunk()[0]))
+
+
+def test_checked_windows_fold_the_same_without_the_count_scans() -> None:
+    """The controller's merged windows were checked at decode (each part finite,
+    non-negative, at most 2^53): `checked` folds them the same, checking their shape only."""
+    a, b = (w.astype(np.float64) for w in _windows(2))
+    plain, checked = LoadEstimator(3, 5), LoadEstimator(3, 5)
+    for w in (a, b):
+        plain.add(w)
+        checked.add(w, checked=True)
+    np.testing.assert_array_equal(plain.estimate(), checked.estimate())
+    with pytest.raises(InputError, match="shape"):
+        checked.add(np.zeros((3, 4)), checked=True)
+    with pytest.raises(InputError, match="negative"):
+        plain.add(-a)  # unchecked input is still scanned
