@@ -51,7 +51,7 @@ def decode(msg: pb.Array, what: str, shape: tuple[int, ...] | None = None) -> np
     dtype = _TO_NUMPY.get(msg.dtype)
     if dtype is None:
         raise InputError(f"{what}: unsupported dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype}")
-    got = tuple(int(d) for d in msg.shape)
+    got = tuple(msg.shape)  # uint64 on the wire: Python ints already
     if shape is not None and got != tuple(shape):
         raise InputError(f"{what}: shape {list(got)} does not match expected {list(shape)}")
     expected = math.prod(got) * dtype.itemsize
