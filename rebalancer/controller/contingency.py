@@ -50,6 +50,10 @@ class Loss:
     unserved: int           # experts per layer left without a slot (infeasible when > 0)
     phy2log: np.ndarray | None  # [L, P'] the survivors' placement, None when infeasible
 
+    @property
+    def feasible(self) -> bool:
+        return self.phy2log is not None and self.unserved == 0
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "lost": list(self.lost), "balancedness": self.balancedness,
                 "slots_moved": self.slots_moved, "from_storage": self.from_storage, "unserved": self.unserved}
@@ -73,10 +77,10 @@ class ContingencySet:
         loss leaves without a slot (what metrics and the decision history show)."""
         out: dict[str, Any] = {"base_version": self.base_version, "healthy": self.healthy}
         for kind in ("rank", "node"):
-            values = [loss.balancedness for loss in self.of(kind)]  # type: ignore[arg-type]
-            finite = [v for v in values if np.isfinite(v)]
-            out[f"{kind}_worst"] = min(values) if values and len(finite) == len(values) else float("nan")
-            out[f"{kind}_mean"] = float(np.mean(finite)) if finite else float("nan")
+            # a loss no placement can serve counts as 0: part of the model is not served
+            values = [loss.balancedness if loss.feasible else 0.0 for loss in self.of(kind)]  # type: ignore[arg-type]
+            out[f"{kind}_worst"] = min(values) if values else float("nan")
+            out[f"{kind}_mean"] = float(np.mean(values)) if values else float("nan")
         out["node_unserved"] = max((loss.unserved for loss in self.of("node")), default=0)
         return out
 

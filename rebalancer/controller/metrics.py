@@ -219,7 +219,7 @@ class _StateCollector(Collector):
         g = GaugeMetricFamily
         bal = g(CONTINGENCY_BALANCEDNESS, "Balancedness the planned survivor placement would have after a "
                 "single loss (loss: rank or node; stat: worst or mean over the losses of that kind), on "
-                "the estimate it was planned on; absent for a kind no survivor placement can serve.",
+                "the estimate it was planned on; a loss no survivor placement can serve counts as 0.",
                 labels=["deployment", "loss", "stat"])
         unserved = g(CONTINGENCY_UNSERVED, "Experts per layer that the worst single node loss would leave "
                      "without a slot on the survivors (0: every node loss can be served).", labels=["deployment"])
@@ -233,7 +233,7 @@ class _StateCollector(Collector):
             for loss in ("rank", "node"):
                 for stat in ("worst", "mean"):
                     value = summary[f"{loss}_{stat}"]
-                    if made.of(loss) and math.isfinite(value):  # type: ignore[arg-type]
+                    if math.isfinite(value):  # NaN: no loss of that kind (one rank, or one node)
                         bal.add_metric([name, loss, stat], value)
             unserved.add_metric([name], summary["node_unserved"])
             version.add_metric([name], made.base_version)
