@@ -26,8 +26,8 @@ def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:
     assert config.pool == ""
     pooled = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "127.0.0.1:1", "REBALANCER_POOL": "ds-v3"})
     assert pooled is not None and pooled.pool == "ds-v3"
-    # The staged update by default; SGLang's own updater as a setting.
-    assert (config.updater, config.staging_budget_bytes) == ("staged", DEFAULT_STAGING_BUDGET_BYTES)
+    # auto by default (staged on gloo, SGLang's updater on NCCL); SGLang's own updater as a setting.
+    assert (config.updater, config.staging_budget_bytes) == ("auto", DEFAULT_STAGING_BUDGET_BYTES)
     fallback = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "127.0.0.1:1", "REBALANCER_UPDATER": "sglang",
                                             "REBALANCER_STAGING_BUDGET_BYTES": "1048576"})
     assert fallback is not None and (fallback.updater, fallback.staging_budget_bytes) == ("sglang", 1 << 20)
@@ -38,7 +38,7 @@ def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:
     ({"REBALANCER_AGREE_EVERY": "0"}, "REBALANCER_AGREE_EVERY must be >= 1"),
     ({"REBALANCER_AGREE_TIMEOUT_SECONDS": "-1"}, "must be > 0"),
     ({"REBALANCER_TOKEN_FILE": "/nonexistent/token"}, "REBALANCER_TOKEN_FILE /nonexistent/token"),
-    ({"REBALANCER_UPDATER": "fast"}, "REBALANCER_UPDATER must be one of staged, sglang, got 'fast'"),
+    ({"REBALANCER_UPDATER": "fast"}, "REBALANCER_UPDATER must be one of auto, staged, sglang, got 'fast'"),
     ({"REBALANCER_STAGING_BUDGET_BYTES": "0"}, "REBALANCER_STAGING_BUDGET_BYTES must be >= 1"),
     ({"REBALANCER_STAGING_BUDGET_BYTES": "4GiB"}, "REBALANCER_STAGING_BUDGET_BYTES='4GiB' is not an integer"),
 ])
@@ -121,3 +121,75 @@ def test_pool_and_warm_start_wait_from_env() -> None:
     for bad in ("-1", "inf", "nan"):
         with pytest.raises(InputError, match="REBALANCER_WARM_START_SECONDS must be >= 0 and finite"):
             SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_WARM_START_SECONDS": bad})
+
+
+def test_updater_auto_stages_on_gloo_and_moves_between_passes_on_nccl() -> None:
+    """Issue 29: staging runs NCCL p2p from a background thread beside SGLang's forward
+    collectives. By default (auto) the weights move between passes with SGLang's updater
+    where the adapter's weight group is NCCL (weights on GPU), staged where it is gloo;
+    REBALANCER_UPDATER overrides, staged on NCCL with a warning. The backend is the one the
+    adapter builds its weight group with (P2PTransport.group_backend of the weights' device)."""
+    import torch
+
+    from worker_hooks.engines.sglang.config import choose_updater
+    from worker_hooks.migrate import P2PTransport
+
+    nccl = P2PTransport.group_backend(torch.device("cuda", 0))
+    gloo = P2PTransport.group_backend(torch.device("cpu"))
+    assert (nccl, gloo) == ("nccl", "gloo")
+    config = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "127.0.0.1:1"})
+    assert config is not None and config.updater == "auto"
+    assert choose_updater(config.updater, nccl) == ("sglang", None)
+    assert choose_updater(config.updater, gloo) == ("staged", None)
+    updater, warning = choose_updater("staged", nccl)
+    assert updater == "staged" and warning is not None and "REBALANCER_UPDATER=staged on NCCL" in warning
+    assert choose_updater("staged", gloo) == ("staged", None)
+    assert choose_updater("sglang", gloo) == ("sglang", None)
+    assert choose_updater("sglang", nccl) == ("sglang", None)
+
+
+def test_recorder_modes_without_counts_are_refused_with_the_setting_to_use() -> None:
+    from worker_hooks.engines.sglang.config import recorder_refusal
+
+    assert recorder_refusal("stat") is None and recorder_refusal("stat_approx") is None
+    assert recorder_refusal(None) is None
+    for mode in ("per_pass", "per_token"):
+        reason = recorder_refusal(mode)
+        assert reason is not None and f"--expert-distribution-recorder-mode is {mode}" in reason
+        assert "use --expert-distribution-recorder-mode stat" in reason
+
+
+class _Recorder(dict):  # type: ignore[type-arg]
+    """An environment that remembers every name read from it."""
+
+    def __init__(self, **values: str) -> None:
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):  # type: ignore[no-untyped-def] # noqa: ANN001, ANN201
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):  # type: ignore[no-untyped-def] # noqa: ANN001, ANN204
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:  # type: ignore[no-untyped-def] # noqa: ANN001
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def test_the_docs_sglang_section_lists_every_setting_of_the_default_path() -> None:
+    """Every REBALANCER_* variable the adapter reads, SGLang's plugin allow-list and the
+    flags the default path needs are in docs/operations.md's SGLang section."""
+    from pathlib import Path
+
+    env = _Recorder(REBALANCER_ADDRESS="127.0.0.1:1")
+    assert SGLangAdapterConfig.from_env(env) is not None
+    root = Path(__file__).resolve().parents[3]
+    section = (root / "docs" / "operations.md").read_text().split("### SGLang", 1)[1].split("\n### ", 1)[0]
+    names = {n for n in env.read if n.startswith("REBALANCER_")}
+    assert {"REBALANCER_ADDRESS", "REBALANCER_UPDATER", "REBALANCER_STAGING_BUDGET_BYTES"} <= names
+    needed = names | {"SGLANG_PLUGINS", "--enable-eplb", "--ep-num-redundant-experts",
+                      "--expert-distribution-recorder-mode", "--ep-dispatch-algorithm"}
+    assert {n for n in needed if f"`{n}`" not in section} == set()

@@ -57,8 +57,8 @@ def _free_port() -> int:
 
 def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
                settings: dict[str, str] | None = None, rank_env: dict[int, dict[str, str]] | None = None,
-               ) -> tuple[list[int], dict[int, dict]]:
-    """WORLD SGLang ranks; their temporary files go to a folder of the test's own (TMPDIR),
+               world: int = WORLD) -> tuple[list[int], dict[int, dict]]:
+    """`world` SGLang ranks; their temporary files go to a folder of the test's own (TMPDIR),
     which _no_temporary_files_left checks."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
     env = sglang_env.environment(
@@ -69,9 +69,9 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
     port = _free_port()
     procs = []
     try:
-        for rank in range(WORLD):
+        for rank in range(world):
             cmd = [sys.executable, "-m", "tests.engines.sglang.worker", "--rank", str(rank),
-                   "--world", str(WORLD), "--port", str(port), "--steps", str(steps),
+                   "--world", str(world), "--port", str(port), "--steps", str(steps),
                    "--out", str(tmp_path / f"rank{rank}.json"), *(extra or {}).get(rank, [])]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
             procs.append((subprocess.Popen(cmd, cwd=sglang_env.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
@@ -87,12 +87,12 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
                 p.wait()
             log.close()
     results = {r: json.loads((tmp_path / f"rank{r}.json").read_text())
-               for r in range(WORLD) if codes[r] == 0}
+               for r in range(world) if codes[r] == 0}
     return codes, results
 
 
 def _logs(tmp_path: Path) -> str:
-    return "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
+    return "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("rank*.log")))
 
 
 def _every_rank(flags: list[str]) -> dict[int, list[str]]:
@@ -188,6 +188,51 @@ def test_layer_groups_commit_a_plan_larger_than_the_staging_budget(tmp_path: Pat
     r = results[0]
     assert max(r["groups"]) > 1, r["groups"]
     assert len(r["swap_seconds"]) == sum(r["groups"])
+
+
+def test_lp_dispatch_follows_every_staged_swap(tmp_path: Path) -> None:
+    """Issue 29: with `--ep-dispatch-algorithm lp` the staged swap changed SGLang's expert
+    location metadata but left SGLang's per-layer LP solvers on the replicas of the start,
+    so the dispatch weighed replicas that had moved (a column the new map leaves -1, or a
+    slot now holding another expert). Now every swap (layer groups too: a budget of two
+    experts) rebuilds them as SGLang's own update does: after the run each rank's solvers
+    are the map's, and every token of every pass reached a slot holding its expert.
+    Stood in (GPU-only, worker._lp_stand_ins): the solver's JIT warm-up, its fused LP
+    solve and the CUDA dispatch kernel; SGLang's LPLBSolver, init_lplb_solvers and
+    dispatch info are real."""
+    codes, results, dep = _staged_run(
+        tmp_path, steps=160, settings={"REBALANCER_STAGING_BUDGET_BYTES": str(2 * EXPERT_BYTES)},
+        extra=_every_rank(["--dispatch", "lp"]))
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    assert dep.stats.plans_committed >= 1  # type: ignore[attr-defined]
+    _check_staged_commits(results, dep)
+    for r in results.values():
+        assert r["updater"] == "staged" and r["update_seconds"] == []
+        assert not np.array_equal(np.asarray(r["phy2log"]), np.asarray(r["initial_phy2log"]))
+        assert r["lp_solvers_match"] is True
+    assert max(results[0]["groups"]) > 1, results[0]["groups"]
+
+
+@pytest.mark.parametrize("mode", ["per_pass", "per_token"])
+def test_a_recorder_mode_without_counts_is_refused_loudly_and_sglang_serves(tmp_path: Path, mode: str) -> None:
+    """Issue 29: with SGLang's recorder in per_pass or per_token mode the adapter ran and
+    never sent a window, without a word. Now it is off from the first pass on every rank,
+    with one ERROR line naming the setting and the one to use, and SGLang serves every pass
+    on its placement. (per_token reads the batch's tokens: the worker hands the recorder a
+    stand-in ForwardBatch with the fields it reads.)"""
+    steps = 6
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=steps, world=2,
+                                extra={r: ["--recorder-mode", mode] for r in range(2)})
+    assert codes == [0, 0], _logs(tmp_path)
+    for rank, r in results.items():
+        assert r.get("adapter") is False and r["served"] == steps, r
+        assert r["disabled"] is not None and f"--expert-distribution-recorder-mode is {mode}" in r["disabled"]
+        assert r["dispatch_mismatches"] == 0 and r["weights_match_map"]
+        assert np.array_equal(np.asarray(r["phy2log"]), np.asarray(r["initial_phy2log"]))
+        errors = [line for line in (tmp_path / f"rank{rank}.log").read_text().splitlines()
+                  if "rebalancer adapter DISABLED on this rank" in line]
+        assert len(errors) == 1, errors
+        assert "use --expert-distribution-recorder-mode stat" in errors[0]
 
 
 def test_rank_killed_mid_staging_aborts_the_plan_with_no_live_change(tmp_path: Path) -> None:

@@ -92,11 +92,14 @@ def _stand_in_model_runner() -> type:
 
 
 def sglang_cpu_rank(rank: int, world: int, folder: Path, num_layers: int = NUM_LAYERS,
-                    rebalance_iterations: int = 1000) -> Any:
+                    rebalance_iterations: int = 1000, dispatch: str | None = None,
+                    recorder_mode: str | None = None) -> Any:
     """SGLang set up on one CPU rank of an initialised gloo group: the tiny model written to
     `folder`/model-rank<rank>, the server args published, and the stand-ins a CPU rank needs
     (module docstring). Returns SGLang's ModelConfig. The tests' worker and
-    bench/sglang_staged.py both start their ranks here."""
+    bench/sglang_staged.py both start their ranks here. `dispatch` and `recorder_mode`:
+    SGLang's --ep-dispatch-algorithm and --expert-distribution-recorder-mode (None: what
+    SGLang picks with --enable-eplb)."""
     import torch
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.eplb import expert_distribution
@@ -107,12 +110,21 @@ def sglang_cpu_rank(rank: int, world: int, folder: Path, num_layers: int = NUM_L
     model_dir = folder / f"model-rank{rank}"
     model_dir.mkdir(exist_ok=True)
     write_model(model_dir, num_layers)
+    extra: dict[str, Any] = {}
+    if dispatch == "lp":  # SGLang takes lp only with an a2a backend (DeepEP's, as in production)
+        extra.update(ep_dispatch_algorithm="lp", moe_a2a_backend="deepep", deepep_mode="normal")
+    elif dispatch is not None:
+        extra.update(ep_dispatch_algorithm=dispatch)
+    if recorder_mode is not None:
+        extra.update(expert_distribution_recorder_mode=recorder_mode)
     server_args = ServerArgs(
         model_path=str(model_dir), device="cpu", tp_size=world, ep_size=world,
         enable_eplb=True, ep_num_redundant_experts=REDUNDANT, skip_tokenizer_init=True,
-        eplb_rebalance_num_iterations=rebalance_iterations,
+        eplb_rebalance_num_iterations=rebalance_iterations, **extra,
     )
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+    if dispatch == "lp":
+        _lp_stand_ins()
     model_config = ModelConfig.from_server_args(server_args)
     # Stand-in for the model-class lookup (see the module docstring).
     ModelConfigForExpertLocation.from_model_config = staticmethod(  # type: ignore[method-assign]
@@ -125,6 +137,58 @@ def sglang_cpu_rank(rank: int, world: int, folder: Path, num_layers: int = NUM_L
     if not hasattr(torch.cpu, "empty_cache"):
         torch.cpu.empty_cache = lambda: None
     return model_config
+
+
+def _lp_stand_ins() -> None:
+    """The GPU-only parts of SGLang's lp dispatch, stood in on CPU: the solver's JIT kernel
+    warm-up (`torch_solver.warmup`, a no-op), its fused interior-point solve
+    (`LPLBSolver._solve`: each replica the solver knows gets an equal share, where the real
+    LP weighs them by load) and the CUDA dispatch kernel
+    (`_topk_ids_logical_to_physical_probability`: each token's replica column drawn from
+    the solver's probabilities, then SGLang's own `partial_logical_to_all_physical_map`
+    read at it, as `cuda_solver.dispatch_probability` does). The EP group of the solver's
+    all-reduce is None (one rank's counts): the stand-in solve does not read them. The
+    solvers themselves are SGLang's `LPLBSolver`, built by SGLang's `init_lplb_solvers`."""
+    import torch
+    from sglang.kernels.ops.lplb import torch_solver
+    from sglang.srt.eplb import expert_location_dispatch
+    from sglang.srt.eplb.lplb_solver import LPLBSolver
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(moe_ep_group=None)
+    torch_solver.warmup = lambda *_a, **_k: None
+
+    def solve(self: Any, global_counts: Any) -> Any:
+        valid = (self.log2phy != -1).float()
+        return valid / valid.sum(dim=1, keepdim=True)
+
+    def dispatch(topk_ids: Any, info: Any, log2phy_prob: Any) -> Any:
+        flat = topk_ids.flatten().long()
+        column = torch.multinomial(log2phy_prob[flat], 1).flatten()
+        physical = info.partial_logical_to_all_physical_map[flat, column]
+        return physical.view(topk_ids.shape).to(topk_ids.dtype)
+
+    LPLBSolver._solve = solve  # type: ignore[method-assign]
+    expert_location_dispatch._topk_ids_logical_to_physical_probability = dispatch
+
+
+def lp_solvers_match() -> bool:
+    """SGLang's lp solvers (one per layer) were built from the expert location metadata
+    served now: each solver's replica table and replicated slots are the map's."""
+    import torch
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+    from sglang.srt.eplb.lplb_solver import get_global_lplb_solver
+
+    metadata = get_global_expert_location_metadata()
+    for layer in range(metadata.num_layers):
+        solver = get_global_lplb_solver(layer)
+        phy2log = metadata.physical_to_logical_map_cpu[layer]
+        logcnt = torch.bincount(phy2log, minlength=metadata.num_logical_experts)
+        replicated = torch.nonzero(logcnt[phy2log] > 1).flatten()
+        if solver is None or not torch.equal(solver.log2phy, metadata.logical_to_all_physical_map_cpu[layer]) \
+                or not torch.equal(solver.phy_replicated, replicated):
+            return False
+    return True
 
 
 def main() -> None:
@@ -141,6 +205,8 @@ def main() -> None:
                         help="the adapter raises on this pass's counts (1-based): an adapter bug")
     parser.add_argument("--die-in-staging", action="store_true",
                         help="exit inside the staged update's weight transfer of the first plan")
+    parser.add_argument("--dispatch", default=None, help="SGLang's --ep-dispatch-algorithm (lp: see _lp_stand_ins)")
+    parser.add_argument("--recorder-mode", default=None, help="SGLang's --expert-distribution-recorder-mode")
     parser.add_argument("--no-finish", action="store_true",
                         help="never call the adapter's finish(), as SGLang does not: the plugin's exit hook must")
     args = parser.parse_args()
@@ -166,7 +232,8 @@ def main() -> None:
 
     # In the test's own folder (beside --out), which the test removes: a folder of our own
     # in /tmp outlived every run.
-    model_config = sglang_cpu_rank(rank, args.world, Path(args.out).parent)
+    model_config = sglang_cpu_rank(rank, args.world, Path(args.out).parent, dispatch=args.dispatch,
+                                   recorder_mode=args.recorder_mode)
     runner_class = _stand_in_model_runner()
     load_plugins()  # SGLang's own loader: finds worker_hooks.engines.sglang:register by entry point
 
@@ -175,6 +242,10 @@ def main() -> None:
     began = time.monotonic()
     runner_class(model_config).maybe_init_expert_location_metadata()
     started_seconds = time.monotonic() - began
+    if args.dispatch == "lp":  # after load_model, as ModelRunner.maybe_init_lplb_solvers
+        from sglang.srt.model_executor.model_runner_components.moe_ep_setup import init_lplb_solvers
+
+        init_lplb_solvers(model_config=model_config)
     metadata = get_global_expert_location_metadata()
     recorder = get_global_expert_distribution_recorder()
     slots = metadata.num_local_physical_experts
@@ -238,6 +309,17 @@ def main() -> None:
 
         SGLangRebalanceAdapter.add_pass_counts = failing
 
+    from sglang.srt.eplb.lplb_solver import get_global_lplb_solver
+
+    # The per_token recorder reads the batch's tokens (SGLang's ForwardBatch): a stand-in
+    # with the fields it reads; the other modes read none (None, as before).
+    forward_batch = None
+    if args.recorder_mode == "per_token":
+        import types
+
+        forward_batch = types.SimpleNamespace(
+            input_ids=torch.zeros(TOKENS, dtype=torch.int64), positions=torch.arange(TOKENS),
+            extend_seq_lens_cpu=[TOKENS], forward_mode=types.SimpleNamespace(value=1))
     # Skewed routing: experts 0 and 1 (both on rank 0 at first) take most tokens.
     popularity = np.array([8, 6, 1, 1, 1, 1, 1, 1], dtype=np.float64)
     rng = np.random.default_rng(rank)
@@ -245,29 +327,41 @@ def main() -> None:
     served = 0
     weight_mismatch_passes = 0  # passes after which a layer's weights differ from its map
     for step in range(args.steps):
-        with recorder.with_forward_pass(step, None):
+        with recorder.with_forward_pass(step, forward_batch):
             for layer in range(1, NUM_LAYERS):
                 with recorder.with_current_layer(layer):
                     p = np.roll(popularity, layer) / popularity.sum()
                     ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)])
                     topk = torch.from_numpy(ids).to(torch.int32)
                     info = ExpertLocationDispatchInfo.init_new(layer_id=layer)
-                    physical = topk_ids_logical_to_physical(topk, info)
+                    if args.dispatch == "lp":  # SGLang's select_experts: the layer's solver, then dispatch
+                        physical = topk_ids_logical_to_physical(topk, info, get_global_lplb_solver(layer).solve(topk))
+                    else:
+                        physical = topk_ids_logical_to_physical(topk, info)
                     recorder.on_select_experts(topk_ids=physical)
                     # Same math: every slot a token goes to holds the expert it chose.
                     current = get_global_expert_location_metadata().physical_to_logical_map_cpu
-                    mismatches += int((current[layer][physical.long()] != topk.long()).sum())
+                    mismatches += int((physical < 0).sum())
+                    mismatches += int((current[layer][physical.long()] != topk.long())[physical >= 0].sum())
         manager.on_forward_pass_end()
         served += 1
         weight_mismatch_passes += 0 if weights_match(range(1, NUM_LAYERS)) else 1
         time.sleep(args.step_sleep)
 
     adapter = current_adapter()
+    final = get_global_expert_location_metadata().physical_to_logical_map_cpu
+    weights_ok = weights_match(range(1, NUM_LAYERS))
+    if adapter is None:  # refused at the first pass: SGLang served on its own
+        Path(args.out).write_text(json.dumps({
+            "rank": rank, "adapter": False, "served": served, "disabled": plugin.disabled_reason(),
+            "dispatch_mismatches": mismatches, "weights_match_map": weights_ok,
+            "phy2log": final.tolist(), "initial_phy2log": phy2log.tolist(),
+        }))
+        dist.destroy_process_group()
+        return
     agent_running = adapter.agent._thread.is_alive()
     if not args.no_finish:
         adapter.finish()
-    final = get_global_expert_location_metadata().physical_to_logical_map_cpu
-    weights_ok = weights_match(range(1, NUM_LAYERS))
     result = {
         "rank": rank, "version": adapter.version, "commits": adapter.stats.commits,
         "windows": adapter.stats.windows, "steps": adapter.stats.steps,
@@ -278,6 +372,8 @@ def main() -> None:
         "weight_mismatch_passes": weight_mismatch_passes, "groups": adapter.stats.groups,
         "swap_seconds": adapter.stats.swap_seconds, "aborted": adapter.stats.aborted,
         "warm_start": (warm_start.taken() or (0, None))[0], "started_seconds": started_seconds,
+        "updater": adapter.updater,
+        "lp_solvers_match": lp_solvers_match() if args.dispatch == "lp" else None,
     }
     Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()

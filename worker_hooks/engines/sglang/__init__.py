@@ -10,11 +10,24 @@ controller; `worker_hooks/engines/sglang/config.py` lists the other variables), 
   `REBALANCER_WINDOW_STEPS` passes, as the project's own hooks do (`WorkerAgent`);
 * takes the controller's plans instead of SGLang's periodic refit
   (`EPLBManager.on_forward_pass_end` is wrapped; SGLang's own `init_by_eplb` no longer
-  runs), and installs each one with the **staged update** (default,
-  `REBALANCER_UPDATER=staged`) or, as a fallback and for comparison, SGLang's own
-  updater (`REBALANCER_UPDATER=sglang`: `update_expert_location_with_recovery` ->
-  `ExpertLocationUpdater`, which moves the weights with `batch_isend_irecv` inside the
-  forward loop, serving stopped for the whole move).
+  runs), and installs each one with the **staged update** or SGLang's own updater
+  (`update_expert_location_with_recovery` -> `ExpertLocationUpdater`, which moves the
+  weights with `batch_isend_irecv` inside the forward loop, between passes, serving
+  stopped for the whole move). `REBALANCER_UPDATER=auto` (default) picks by the backend
+  the weights move over (config.choose_updater): **on NCCL (weights on GPU) SGLang's
+  updater, between passes at the agreed pass**; on gloo (CPU) the staged update.
+  `staged` or `sglang` force one (staged on NCCL with a WARNING at start: below).
+
+Staging on NCCL (issue 29): the staged update receives the weights with NCCL p2p on a
+background thread, on a communicator of its own, while SGLang's forward pass runs its own
+NCCL collectives on the serving thread. The two communicators' kernels are then issued in
+an order that differs from rank to rank, which NCCL does not promise to run without
+deadlock (vLLM refuses the same pattern for its own async EPLB, "NCCL multi-stream
+conflicts"). The transports that use no NCCL (ipc, outbox: CUDA IPC within one host) map
+one stacked tensor per weight, and SGLang's expert weights are one tensor per layer, so
+they cannot move them. Hence the default on NCCL: the weights move between passes, at the
+pass every rank agreed on, on SGLang's thread and with SGLang's own code, nothing beside
+SGLang's collectives; serving waits for the move as it does with SGLang's own EPLB.
 
 The staged update (adapter.py, staged.py)
 -----------------------------------------
@@ -43,13 +56,20 @@ The staged update (adapter.py, staged.py)
   before PREPARED, so a plan within the budget is all or nothing in full.
 * Ranks switch together (invariant 2): every swap happens at the same pass on every
   rank (agreed tickets, staged.py); windows never straddle a swap.
+* Dispatch follows each swap: SGLang's map tensors are updated in place, and with
+  `--ep-dispatch-algorithm lp` SGLang's per-layer LP solvers are rebuilt from the new
+  metadata after each swap (`init_lplb_solvers`, what SGLang's own update does), inside
+  the swap's pause.
 
 What holds either way
 ---------------------
 * Plan versions: a Prepare based on another version than the rank serves fails; windows
   carry the version they ran on and never straddle a switch.
 * SGLang comes first: settings that cannot work (TLS cert and key without a CA, a
-  missing file, an unknown updater) leave the plugin off with one log line at start; an
+  missing file, an unknown updater) leave the plugin off with one log line at start;
+  SGLang's recorder in `per_pass` or `per_token` mode (records for a dump file, no
+  counts: no window could be sent) turns the adapter off at the first pass on every rank
+  with one ERROR line naming the setting and `stat` to use instead; an
   error of the adapter while serving turns it off on that rank (an ERROR line with the
   traceback, its agent stops so the controller sees the rank leave) and SGLang goes on
   serving its placement (plugin.py). At the process's exit the last window and the
@@ -85,7 +105,8 @@ What SGLang still cannot give
   x 9 DeepSeek-V3 experts, on one H200; SGLang's updater spends 9.1 ms on the same group's
   in-step copies alone, its NCCL transfers on top: BENCHMARKS.md). The staging budget
   bounds that pause.
-* On GPU the p2p transport's NCCL kernels take SMs from serving while they run (the
+* Staged on GPU (`REBALANCER_UPDATER=staged` on NCCL, at the risk said above): the p2p
+  transport's NCCL kernels take SMs from serving while they run (the
   peer-memory transports of the project's hooks map one stacked tensor per weight;
   SGLang's are per layer, so only p2p moves them). A rank killed mid-staging is shown
   on gloo (tests/engines/sglang); on NCCL a dead peer's transfer may hang instead of

@@ -1,5 +1,14 @@
 """One SGLang rank's side of the rebalancer: windows up, plans staged beside serving and
-swapped at an agreed pass (or, as a fallback, moved by SGLang's own updater).
+swapped at an agreed pass, or moved between passes at an agreed pass by SGLang's own updater.
+
+Which one (config.choose_updater): where the weights move over NCCL (on GPU), SGLang's
+updater between passes, by default. The staged update's transfers run NCCL p2p on a
+background thread beside SGLang's forward collectives, which NCCL may deadlock on, and
+the transports without NCCL (ipc, outbox: CUDA IPC in one host) cannot move SGLang's
+per-layer expert tensors; `REBALANCER_UPDATER=staged` forces staging there, with a
+WARNING. Over gloo (CPU) the staged update is the default. Either way, after SGLang's
+expert location metadata changes, the `lp` dispatch solvers are rebuilt as SGLang's own
+update rebuilds them (`_rebuild_lp_solvers`).
 
 Created by the plugin (worker_hooks/engines/sglang/plugin.py) at the first forward pass that
 SGLang's `EPLBManager` sees, once SGLang has loaded the model, set the global
@@ -16,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -30,7 +39,7 @@ from worker_hooks import works
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.engines import require_engine
-from worker_hooks.engines.sglang.config import SGLangAdapterConfig, Updater
+from worker_hooks.engines.sglang.config import SGLangAdapterConfig, Updater, choose_updater
 from worker_hooks.engines.sglang.staged import layer_groups, ticket, ticket_parts
 from worker_hooks.fence import TransfersDeclined
 from worker_hooks.migrate import (
@@ -95,7 +104,6 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.num_logical = int(metadata.num_logical_experts)
         self.slots_per_rank = self.num_slots // self.num_gpus
         self.version = 0
-        self.updater: Updater = config.updater  # read at each Prepare
         self.step = 0
         self.stats = AdapterStats()
         self.broken: str | None = None  # set when an update lost a peer: no more plans
@@ -117,14 +125,22 @@ class SGLangRebalanceAdapter(PlanHandlers):
         weights = manager._get_model().routed_experts_weights_of_layer
         self.weight_layers = sorted(weights)
         self.executor: MigrationExecutor | None = None
+        backend: Literal["nccl", "gloo"] = "gloo"
         if weights:
             # The adapter's own group for weights (NCCL on GPU, gloo on CPU), never SGLang's.
             device = weights[self.weight_layers[0]][0].device
-            self._migrate_group = dist.new_group(backend=P2PTransport.group_backend(device), timeout=timeout)
+            backend = P2PTransport.group_backend(device)
+            self._migrate_group = dist.new_group(backend=backend, timeout=timeout)
             self.executor = MigrationExecutor(
                 self.rank, self.num_gpus, self._layer_weights(weights), self._migrate_group,
                 MigrationConfig(transport="p2p"),
             )
+        # Staged beside serving on gloo; between passes with SGLang's updater on NCCL
+        # (config.choose_updater says why). Read at each Prepare.
+        self.updater: Updater
+        self.updater, warning = choose_updater(config.updater, backend)
+        if warning:
+            log.warning("rank %d: %s", self.rank, warning)
         shape = pb.ModelShape(
             num_layers=self.num_layers, num_logical_experts=self.num_logical,
             num_physical_slots=self.num_slots, num_gpus=self.num_gpus,
@@ -145,8 +161,9 @@ class SGLangRebalanceAdapter(PlanHandlers):
             served_map=lambda: self.phy2log.copy(),  # written in place: read anew each time
         )
         self.agent.start()
-        log.info("rank %d: rebalancer adapter on (%s, deployment %s, %d layers, %d slots)",
-                 self.rank, config.address, config.deployment, self.num_layers, self.num_slots)
+        log.info("rank %d: rebalancer adapter on (%s, deployment %s, %d layers, %d slots, %s update, "
+                 "weights over %s)", self.rank, config.address, config.deployment, self.num_layers,
+                 self.num_slots, self.updater, backend)
 
     @staticmethod
     def _layer_weights(weights: dict[int, list[torch.Tensor]]) -> LayerWeights:
@@ -289,12 +306,6 @@ class SGLangRebalanceAdapter(PlanHandlers):
         weight_updater = manager._get_weight_updater()
         dispatch_algorithm = get_exec().moe.ep_dispatch_algorithm
 
-        def init_lplb_solvers() -> None:
-            from sglang.srt.model_executor.model_runner_components.moe_ep_setup import (
-                init_lplb_solvers as init,
-            )
-            init(model_config=manager._model_config)
-
         for layer in sorted(weights):
             moves_here = not np.array_equal(self.phy2log[layer, local], new[layer, local])
             saved = [t.clone() for t in weights[layer]] if moves_here else None
@@ -310,7 +321,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
                     expert_backup_client=manager._get_expert_backup_client(),
                     update_weights_from_disk_callable=getattr(weight_updater, "update_weights_from_disk", None),
                     ep_dispatch_algorithm=dispatch_algorithm,
-                    init_lplb_solvers_callable=init_lplb_solvers,
+                    init_lplb_solvers_callable=self._rebuild_lp_solvers,
                 )
                 moved = True
             except Exception as exc:  # a peer lost mid-transfer: this layer is untouched
@@ -324,6 +335,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
                     for tensor, copy in zip(weights[layer], saved, strict=True):
                         tensor.copy_(copy)
                 get_global_expert_location_metadata().update(before, update_layer_ids=[layer])
+                self._rebuild_lp_solvers()
             self._fail(version, layer, error or "a peer did not finish the layer")
             return
         # Layers without routed weights (dense ones) have a map row but nothing to move.
@@ -331,6 +343,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
         if weightless:
             get_global_expert_location_metadata().update(target, update_layer_ids=weightless)
             self.phy2log[weightless] = new[weightless]
+            self._rebuild_lp_solvers()
         self.version = version
         self._ticket = ticket(version, 0)
         self.stats.update_seconds.append(time.perf_counter() - start)
@@ -378,6 +391,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
         if layers:
             get_global_expert_location_metadata().update(plan.target, update_layer_ids=sorted(layers))
             self.phy2log[layers] = plan.new[layers]
+            self._rebuild_lp_solvers()
         self.stats.swap_seconds.append(time.perf_counter() - start)
         with self._lock:
             plan.swapped = group + 1
@@ -394,6 +408,19 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.agent.report(plan.version, pb.PLAN_PHASE_COMMITTED, step=self.step)
         log.info("rank %d: v%d live at pass %d (%d layer group(s))", self.rank, plan.version,
                  self.step, len(plan.groups))
+
+    def _rebuild_lp_solvers(self) -> None:
+        """After the expert location metadata changed, what SGLang's own update does
+        (`update_expert_location_with_recovery`): with `--ep-dispatch-algorithm lp`, the
+        per-layer LP solvers are rebuilt from the metadata now served
+        (`init_lplb_solvers`), so the dispatch weighs the new replicas, never the old."""
+        from sglang.srt.runtime_context import get_exec
+
+        if get_exec().moe.ep_dispatch_algorithm != "lp":
+            return
+        from sglang.srt.model_executor.model_runner_components.moe_ep_setup import init_lplb_solvers
+
+        init_lplb_solvers(model_config=self.manager._model_config)
 
     def _start_staging(self, plan: StagedPlan, group: int) -> None:
         plan.thread = threading.Thread(target=self._stage, args=(plan, group), daemon=True,

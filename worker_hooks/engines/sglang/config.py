@@ -17,9 +17,13 @@ from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_secon
 
 # How a committed plan reaches the weights (worker_hooks/engines/sglang/__init__.py):
 # "staged" receives them beside serving and the commit only copies locally and swaps the
-# maps; "sglang" runs SGLang's own ExpertLocationUpdater inside the forward loop.
+# maps; "sglang" runs SGLang's own ExpertLocationUpdater inside the forward loop, between
+# passes, at the agreed pass.
 Updater = Literal["staged", "sglang"]
-UPDATERS: tuple[Updater, ...] = get_args(Updater)
+# The setting: "auto" (default) is "staged" where the weights move over gloo (CPU) and
+# "sglang" where they would move over NCCL (choose_updater says why).
+UpdaterSetting = Literal["auto", "staged", "sglang"]
+UPDATERS: tuple[UpdaterSetting, ...] = get_args(UpdaterSetting)
 
 # The default staging budget per rank. On an H200 (141 GB) SGLang gives the KV cache what
 # the weights and activations leave (mem_fraction_static ~0.8-0.9 of the card), so staging
@@ -51,7 +55,9 @@ class SGLangAdapterConfig:
     # REBALANCER_WARM_START_SECONDS of SGLang's expert-location step (0: never wait).
     pool: str = ""
     warm_start_seconds: float = DEFAULT_WARM_START_SECONDS
-    updater: Updater = "staged"       # REBALANCER_UPDATER: "staged" or "sglang" (SGLang's own, fallback)
+    # REBALANCER_UPDATER: "auto" (staged on gloo, SGLang's own on NCCL: choose_updater),
+    # "staged" or "sglang" (SGLang's own updater, between passes).
+    updater: UpdaterSetting = "auto"
     # REBALANCER_STAGING_BUDGET_BYTES: staged mode receives at most this many bytes of
     # experts per rank before a swap; a larger plan commits in layer groups.
     staging_budget_bytes: int = DEFAULT_STAGING_BUDGET_BYTES
@@ -90,3 +96,46 @@ class SGLangAdapterConfig:
             updater=(e.get("UPDATER") or d.updater),  # type: ignore[arg-type]  # checked above
             staging_budget_bytes=int(e.number("STAGING_BUDGET_BYTES", int, d.staging_budget_bytes)),
         )
+
+
+def choose_updater(setting: UpdaterSetting, backend: Literal["nccl", "gloo"]) -> tuple[Updater, str | None]:
+    """The updater the adapter runs with `setting` when the weights move over `backend`
+    (the adapter's weight group: NCCL for weights on GPU, gloo on CPU), and a warning to
+    log, if any.
+
+    The staged update receives the weights with NCCL p2p on a background thread while
+    SGLang's forward pass runs its own NCCL collectives on the serving thread: two
+    communicators' kernels issued in an order that differs from rank to rank, which NCCL
+    does not promise to run without deadlock (vLLM refuses the same pattern for its own
+    async EPLB: "NCCL multi-stream conflicts"). The transports that avoid NCCL (ipc,
+    outbox: CUDA IPC within one host) map one stacked tensor per weight, and SGLang's
+    expert weights are one tensor per layer, so they cannot move them. On NCCL "auto"
+    therefore moves the weights between passes, at the agreed pass, with SGLang's own
+    updater (serving waits for the move, as with SGLang's own EPLB); "staged" forces the
+    staged update there, with a warning. On gloo (CPU) the staged update is safe."""
+    if setting == "auto":
+        return ("sglang" if backend == "nccl" else "staged"), None
+    if setting == "staged" and backend == "nccl":
+        return "staged", (
+            f"{ENV_PREFIX}UPDATER=staged on NCCL: the staging thread's NCCL p2p runs beside "
+            "SGLang's forward collectives (two communicators, an order that may differ per "
+            "rank: NCCL may deadlock); unset it to move the weights between passes with "
+            "SGLang's updater")
+    return setting, None
+
+
+# SGLang's --expert-distribution-recorder-mode values whose recorder hands the adapter each
+# pass's [L, P] count (_StatAccumulator.append); per_pass and per_token keep a record
+# per pass for a dump file (_DetailAccumulator) and never do.
+RECORDER_MODES_WITH_COUNTS = ("stat", "stat_approx")
+
+
+def recorder_refusal(mode: str | None) -> str | None:
+    """Why the adapter cannot run with SGLang's expert distribution recorder in `mode`
+    (None: it can). With EPLB on and the flag unset, SGLang picks "stat"."""
+    if mode is None or mode in RECORDER_MODES_WITH_COUNTS:
+        return None
+    return (f"SGLang's --expert-distribution-recorder-mode is {mode}: that recorder keeps each "
+            "pass's record for a dump file and hands the rebalancer no counts, so no window "
+            "would ever reach the controller; use --expert-distribution-recorder-mode stat "
+            "(what --enable-eplb picks when the flag is unset)")

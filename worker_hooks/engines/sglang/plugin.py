@@ -9,6 +9,10 @@ REBALANCER_ADDRESS it registers nothing and SGLang's own EPLB runs unchanged. Wi
     beside serving and swaps them at an agreed pass, or SGLang's updater moves them).
 SGLang is imported here only inside the functions SGLang itself calls.
 
+SGLang's recorder in `per_pass` or `per_token` mode hands over no counts (config.recorder_refusal):
+the adapter is then off from the first pass on every rank, with one ERROR line naming
+the setting and `stat` to use instead, and SGLang serves as below.
+
 The inference pod comes first: an error of the adapter (building it, a pass's counts, its
 step) never reaches SGLang's forward loop. It turns the adapter off on that rank for good,
 loudly: one ERROR line with the traceback, and its agent stops, so the controller sees the
@@ -32,7 +36,7 @@ from typing import Any
 
 from rebalancer.errors import InputError
 from worker_hooks.engines import require_engine
-from worker_hooks.engines.sglang.config import SGLangAdapterConfig
+from worker_hooks.engines.sglang.config import SGLangAdapterConfig, recorder_refusal
 
 log = logging.getLogger("worker_hooks.engines.sglang")
 
@@ -71,10 +75,20 @@ def register() -> None:
         HookRegistry.register(warm_start.INIT_EXPERT_LOCATION, _on_init_expert_location, HookType.AROUND)
 
 
+def _refusal() -> str | None:
+    """Why SGLang's settings leave the adapter nothing to work with (read once SGLang
+    published them: after `register`), or None."""
+    from sglang.srt.runtime_context import get_exec
+
+    return recorder_refusal(get_exec().moe.expert_distribution_recorder_mode)
+
+
 def _on_init_expert_location(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
     from worker_hooks.engines.sglang import warm_start
 
     assert _config is not None
+    if _refusal() is not None:  # the adapter will not run: no warm start either
+        return original(runner, *args, **kwargs)
     return warm_start.around_init_expert_location(_config, original, runner, *args, **kwargs)
 
 
@@ -101,6 +115,16 @@ def _disable(what: str, exc: BaseException) -> None:
             log.exception("rebalancer adapter: stopping it failed")
 
 
+def _refuse(reason: str) -> None:
+    """SGLang's settings leave the adapter nothing to work with: off on this rank from the
+    first pass (every rank has the same settings), one ERROR line with the reason and the
+    setting to use. SGLang keeps serving its placement (never its own refit instead)."""
+    global _disabled
+    _disabled = reason
+    log.error("rebalancer adapter DISABLED on this rank: %s. SGLang keeps serving its current "
+              "placement without rebalancing", reason)
+
+
 def _on_forward_pass_end(original: Any, manager: Any, *args: Any, **kwargs: Any) -> None:
     global _adapter, _early_counts
     if _config is None:
@@ -110,6 +134,10 @@ def _on_forward_pass_end(original: Any, manager: Any, *args: Any, **kwargs: Any)
         return None
     try:
         if _adapter is None:
+            refusal = _refusal()
+            if refusal is not None:
+                _refuse(refusal)
+                return None
             from worker_hooks.engines.sglang.adapter import SGLangRebalanceAdapter
 
             _adapter = SGLangRebalanceAdapter(_config, manager)
