@@ -70,6 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = cmds.add_parser("history", help="plans and decisions, newest first")
     s.add_argument("deployment")
     s.add_argument("--limit", type=int, default=20)
+    s = cmds.add_parser("contingency", help="survivor placements planned for every single rank and node loss")
+    s.add_argument("deployment")
     s = cmds.add_parser("force", help="rebalance now, skipping the gate (or --dry-run): force DEP, or force --pool POOL")
     s.add_argument("deployment", nargs="?", default="")
     s.add_argument("--pool", default="", help="rebalance this replica pool (its placement rolled out to its members)")
@@ -252,6 +254,9 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
                               for p in reply.plans]
         lines += ["decisions:"] + [f"  {_when(d.time)} {d.outcome:18s} {d.reason}" for d in reply.decisions]
         show(reply, "\n".join(lines))
+    elif cmd == "contingency":
+        reply = stub.Contingency(ref, **kw)
+        show(reply, _contingency_text(args.deployment, reply))
     elif cmd == "force":
         reply = stub.ForceRebalance(pb.ForceRebalanceRequest(
             deployment=args.deployment, pool=args.pool, dry_run=args.dry_run,
@@ -290,6 +295,23 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
             policy = stub.SetPolicy(pb.SetPolicyRequest(deployment=args.deployment, policy=policy), **kw)
         show(policy, "\n".join(f"{f.name} = {getattr(policy, f.name)}" for f in policy.DESCRIPTOR.fields))
     return 0
+
+
+def _contingency_text(name: str, reply: Any) -> str:
+    """One line per planned loss: balancedness after it, slots to refill, experts from storage."""
+    if not reply.planned:
+        return f"{name}: no contingency set yet (it is planned once counts arrive, for groups of 2+ ranks)"
+    lines = [f"{name}: survivor placements planned on v{reply.base_version} at {_when(reply.computed_at)} "
+             f"(balancedness now {reply.balancedness_now:.3f})",
+             f"  {'loss':<18s} {'balancedness':>12s} {'slots moved':>12s} {'from storage':>13s}  note"]
+    for loss in reply.losses:
+        ranks = ",".join(map(str, loss.lost_ranks))
+        what = f"{loss.kind} {ranks}" if loss.kind == "rank" else f"node (ranks {ranks})"
+        note = (f"cannot serve: {loss.unserved} experts a layer without a slot" if loss.unserved
+                else "")
+        bal = f"{loss.balancedness:.3f}" if not loss.unserved else "-"
+        lines.append(f"  {what:<18s} {bal:>12s} {loss.slots_moved:>12d} {loss.from_storage:>13d}  {note}".rstrip())
+    return "\n".join(lines)
 
 
 def _status_by_pool(reply: Any) -> str:

@@ -237,6 +237,22 @@ class AdminService(pb_grpc.AdminServiceServicer):
             raise
         return pb.Empty()
 
+    async def Contingency(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.ContingencyResponse:
+        dep = await self._deployment(context, request.deployment, "Contingency")
+        made = self.controller.contingency.get(dep.name)
+        if made is None:
+            return pb.ContingencyResponse(planned=False)
+        losses = []
+        for loss in made.losses:
+            msg = pb.PlannedLoss(kind=loss.kind, lost_ranks=loss.lost,
+                                 balancedness=loss.balancedness if loss.feasible else 0.0,
+                                 slots_moved=loss.slots_moved, from_storage=loss.from_storage, unserved=loss.unserved)
+            if loss.phy2log is not None:
+                msg.phy2log.CopyFrom(codec.encode(loss.phy2log.astype("int32")))
+            losses.append(msg)
+        return pb.ContingencyResponse(planned=True, base_version=made.base_version, computed_at=made.computed_at,
+                                      balancedness_now=made.healthy, losses=losses)
+
     async def History(self, request: pb.HistoryRequest, context: grpc.aio.ServicerContext) -> pb.HistoryResponse:
         dep = await self._deployment(context, request.deployment, "History")
         limit = request.limit or 50

@@ -450,3 +450,35 @@ class SetPolicyRequest(_message.Message):
 class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PlannedLoss(_message.Message):
+    __slots__ = ("kind", "lost_ranks", "balancedness", "slots_moved", "from_storage", "unserved", "phy2log")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LOST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    FROM_STORAGE_FIELD_NUMBER: _ClassVar[int]
+    UNSERVED_FIELD_NUMBER: _ClassVar[int]
+    PHY2LOG_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    lost_ranks: _containers.RepeatedScalarFieldContainer[int]
+    balancedness: float
+    slots_moved: int
+    from_storage: int
+    unserved: int
+    phy2log: Array
+    def __init__(self, kind: _Optional[str] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., balancedness: _Optional[float] = ..., slots_moved: _Optional[int] = ..., from_storage: _Optional[int] = ..., unserved: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+
+class ContingencyResponse(_message.Message):
+    __slots__ = ("planned", "base_version", "computed_at", "balancedness_now", "losses")
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_AT_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_NOW_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    planned: bool
+    base_version: int
+    computed_at: float
+    balancedness_now: float
+    losses: _containers.RepeatedCompositeFieldContainer[PlannedLoss]
+    def __init__(self, planned: _Optional[bool] = ..., base_version: _Optional[int] = ..., computed_at: _Optional[float] = ..., balancedness_now: _Optional[float] = ..., losses: _Optional[_Iterable[_Union[PlannedLoss, _Mapping]]] = ...) -> None: ...

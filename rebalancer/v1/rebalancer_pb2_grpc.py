@@ -277,6 +277,11 @@ class AdminServiceStub:
                 request_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.HistoryRequest.SerializeToString,
                 response_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.HistoryResponse.FromString,
                 _registered_method=True)
+        self.Contingency = channel.unary_unary(
+                '/rebalancer.v1.AdminService/Contingency',
+                request_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.DeploymentRef.SerializeToString,
+                response_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.ContingencyResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -330,6 +335,13 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Contingency(self, request, context):
+        """The survivor placements planned for every single rank and node loss.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -372,6 +384,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.History,
                     request_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.HistoryRequest.FromString,
                     response_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.HistoryResponse.SerializeToString,
+            ),
+            'Contingency': grpc.unary_unary_rpc_method_handler(
+                    servicer.Contingency,
+                    request_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.DeploymentRef.FromString,
+                    response_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.ContingencyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -590,6 +607,33 @@ class AdminService:
             '/rebalancer.v1.AdminService/History',
             rebalancer_dot_v1_dot_rebalancer__pb2.HistoryRequest.SerializeToString,
             rebalancer_dot_v1_dot_rebalancer__pb2.HistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Contingency(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rebalancer.v1.AdminService/Contingency',
+            rebalancer_dot_v1_dot_rebalancer__pb2.DeploymentRef.SerializeToString,
+            rebalancer_dot_v1_dot_rebalancer__pb2.ContingencyResponse.FromString,
             options,
             channel_credentials,
             insecure,

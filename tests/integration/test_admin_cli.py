@@ -241,3 +241,30 @@ def test_what_status_and_history_say_before_and_after_windows(tmp_path: Path) ->
         for r in ranks:
             r.agent.stop()
         ctl.stop()
+
+
+def test_contingency_lists_every_planned_loss(tmp_path: Path) -> None:
+    """`admin contingency DEP`: each single loss with its balancedness after, the slots to
+    refill and the experts from storage, planned by the controller once counts arrived;
+    an unknown deployment exits 3 with NOT_FOUND."""
+    ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(paused=True, min_windows=1))
+    ranks: list[InstantRank] = []
+    try:
+        ranks = _feed(ctl)
+        controller = ctl.server.controller  # type: ignore[union-attr]
+        wait_for(lambda: ctl.call(lambda: controller.contingency.get(DEPLOYMENT)) is not None, 30, "contingency set")
+        code, out, err = admin(ctl, "contingency", DEPLOYMENT, "--json")
+        assert code == 0, err
+        reply = json.loads(out)
+        assert reply["planned"] and int(reply["base_version"]) == 0
+        assert [loss["lost_ranks"] for loss in reply["losses"]] == [[r] for r in range(G)]
+        for loss in reply["losses"]:
+            assert loss["kind"] == "rank" and (loss["unserved"] > 0 or 0 < loss["balancedness"] <= 1)
+        code, out, _ = admin(ctl, "contingency", DEPLOYMENT)
+        assert code == 0 and "planned on v0" in out and out.count("\n  rank ") == G
+        code, _, err = admin(ctl, "contingency", "nope")
+        assert code == 3 and "NOT_FOUND" in err
+    finally:
+        for r in ranks:
+            r.agent.stop()
+        ctl.stop()
