@@ -63,7 +63,7 @@ def _pod_windows(counts: np.ndarray, variants: int = 8, seed: int = 0) -> list[n
             for _ in range(variants)]
 
 
-async def _run(deployments: int, windows: int) -> dict[str, Any]:
+async def _run(deployments: int, windows: int, ack_interval: float) -> dict[str, Any]:
     from rebalancer.controller.decide import PolicyConfig
     from rebalancer.controller.metrics import ControllerMetrics
     from rebalancer.controller.service import WorkerService
@@ -84,7 +84,7 @@ async def _run(deployments: int, windows: int) -> dict[str, Any]:
         if contingency is not None:
             contingency.refresh = lambda dep, now: None
         metrics = ControllerMetrics(ctl)
-        service = WorkerService(ctl, on_ingest=metrics.on_ingest, ack_interval=1.0, on_refused=metrics.on_refused)
+        service = WorkerService(ctl, on_ingest=metrics.on_ingest, ack_interval=ack_interval, on_refused=metrics.on_refused)
         streams = []
         for d in range(deployments):
             for p in range(PODS):
@@ -117,9 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--deployments", type=int, default=32)
     p.add_argument("--windows", type=int, default=40, help="windows per pod")
+    p.add_argument("--ack-interval", type=float, default=1.0,
+                   help="the service's ack interval (0: one ack per window; the windows of a run "
+                        "arrive within about a second, so 1 paces them)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    result = _run_sync(args.deployments, args.windows)
+    result = _run_sync(args.deployments, args.windows, args.ack_interval)
     if args.json:
         print(json.dumps(result))
     else:
@@ -128,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_sync(deployments: int, windows: int) -> dict[str, Any]:
-    return asyncio.run(_run(deployments, windows))
+def _run_sync(deployments: int, windows: int, ack_interval: float) -> dict[str, Any]:
+    return asyncio.run(_run(deployments, windows, ack_interval))
 
 
 if __name__ == "__main__":
