@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal, Protocol, cast, get_args
 
@@ -71,7 +71,7 @@ class AgentConfig:
 
 
 # What the controller sends down the stream: the `body` of a ControllerMessage.
-ControllerMessageKind = Literal["window_ack", "prepare", "commit", "abort", "warm_start"]
+ControllerMessageKind = Literal["window_ack", "prepare", "commit", "abort", "warm_start", "planned_loss"]
 CONTROLLER_MESSAGE_KINDS: tuple[ControllerMessageKind, ...] = get_args(ControllerMessageKind)
 
 
@@ -133,6 +133,11 @@ class WorkerAgent:
         # through a sidecar, ControllerMessage.warm_start): read by the hook at start.
         self.warm_start: pb.Placement | None = None
         self.warm_offered = threading.Event()
+        # The newest contingency set told (ControllerMessage.planned_loss): lost ranks ->
+        # the survivors' placement (None: no placement can serve them), planned on the
+        # placement of version `_planned_base`.
+        self._planned_base = -1
+        self._planned: dict[tuple[int, ...], np.ndarray | None] = {}
 
     # ------------------------------------------------------------ serving-thread API
 
@@ -355,6 +360,24 @@ class WorkerAgent:
             self.warm_start = placement
             self.warm_offered.set()
 
+    def _keep_planned(self, loss: pb.PlannedLoss) -> None:
+        """Keep one loss of the newest contingency set (a newer set replaces the older
+        whole; the dictionary is swapped, never changed, so readers need no lock)."""
+        held = self._planned
+        planned = {} if loss.base_version != self._planned_base else dict(held)
+        phy2log = codec.decode(loss.phy2log, "phy2log").astype(np.int64) if loss.HasField("phy2log") else None
+        planned[tuple(sorted(loss.lost_ranks))] = phy2log
+        self._planned_base, self._planned = loss.base_version, planned
+
+    def survivor_map(self, lost: Collection[int], serving: int) -> np.ndarray | None:
+        """The survivors' placement `[L, P']` the controller planned for losing the ranks
+        `lost`, when it was planned on the placement `serving` (what the rank serves) and no
+        placement can be none; works with the controller gone (told ahead). New rank i is the
+        i-th surviving old rank."""
+        if self._planned_base != serving:
+            return None
+        return self._planned.get(tuple(sorted(lost)))
+
     def _deliver(self, msg: pb.ControllerMessage) -> None:
         """One message from the controller: an ack here, a plan phase to the handlers."""
         kind = cast(ControllerMessageKind | None, msg.WhichOneof("body"))
@@ -370,6 +393,8 @@ class WorkerAgent:
                 self.handlers.on_abort(msg.abort.version, msg.abort.reason)
             case "warm_start":
                 self._offer(msg.warm_start)
+            case "planned_loss":
+                self._keep_planned(msg.planned_loss)
             case _:  # empty, or a kind this version does not know
                 log.warning("rank %d: controller message %r ignored", self.config.rank, kind)
 

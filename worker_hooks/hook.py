@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +206,15 @@ class RebalanceHook:
     def version(self) -> int:
         """The placement version this rank serves."""
         return self.served.version
+
+    def survivor_map(self, lost_ranks: Collection[int]) -> np.ndarray | None:
+        """The placement `[L, P']` the controller planned ahead for the survivors of losing
+        `lost_ranks` (a rank, or a node's ranks), on the placement this rank serves; None
+        when none was told for that loss, it was planned on another version, or no
+        placement can serve every expert on the survivors. Works with the controller gone:
+        an engine with its own elastic path (new rank i = the i-th surviving old rank)
+        takes this map instead of improvising one."""
+        return self.agent.survivor_map(lost_ranks, self.served.version)
 
     @property
     def phy2log(self) -> np.ndarray:

@@ -253,6 +253,11 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
                               f"{p.trigger:7s} {p.slots_moved} slots {p.bytes_moved / 1e6:.1f} MB {p.reason}"
                               for p in reply.plans]
         lines += ["decisions:"] + [f"  {_when(d.time)} {d.outcome:18s} {d.reason}" for d in reply.decisions]
+        lines += ["contingency sets:"] + [
+            f"  {_when(c.time)} on v{c.base_version}: rank loss worst {c.rank_loss_worst:.3f} mean "
+            f"{c.rank_loss_mean:.3f}, node loss worst {c.node_loss_worst:.3f}"
+            + (f" ({c.node_loss_unserved} experts a layer without a slot)" if c.node_loss_unserved else "")
+            for c in reply.contingency_sets]
         show(reply, "\n".join(lines))
     elif cmd == "contingency":
         reply = stub.Contingency(ref, **kw)

@@ -17,7 +17,7 @@ import grpc
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.deployment import Deployment
 from rebalancer.controller.replica_pools import ReplicaPool, at_target, members_moving
-from rebalancer.controller.service import placement_msg, shape_msg
+from rebalancer.controller.service import placement_msg, planned_loss_msg, shape_msg
 from rebalancer.controller.state import Controller
 from rebalancer.errors import InputError, StateError
 from rebalancer.v1 import rebalancer_pb2 as pb
@@ -134,6 +134,11 @@ def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None,
     )
 
 
+def _finite(value: float) -> float:
+    """NaN (no loss of that kind) as 0 on the wire, where JSON readers choke on NaN."""
+    return value if math.isfinite(value) else 0.0
+
+
 class AdminService(pb_grpc.AdminServiceServicer):
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
@@ -242,14 +247,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         made = self.controller.contingency.get(dep.name)
         if made is None:
             return pb.ContingencyResponse(planned=False)
-        losses = []
-        for loss in made.losses:
-            msg = pb.PlannedLoss(kind=loss.kind, lost_ranks=loss.lost,
-                                 balancedness=loss.balancedness if loss.feasible else 0.0,
-                                 slots_moved=loss.slots_moved, from_storage=loss.from_storage, unserved=loss.unserved)
-            if loss.phy2log is not None:
-                msg.phy2log.CopyFrom(codec.encode(loss.phy2log.astype("int32")))
-            losses.append(msg)
+        losses = [planned_loss_msg(loss, made.base_version, len(made.losses)) for loss in made.losses]
         return pb.ContingencyResponse(planned=True, base_version=made.base_version, computed_at=made.computed_at,
                                       balancedness_now=made.healthy, losses=losses)
 
@@ -259,4 +257,9 @@ class AdminService(pb_grpc.AdminServiceServicer):
         store = self.controller.store
         plans = [pb.PlanRecord(**vars(p)) for p in store.plans(dep.name, limit)]
         decisions = [decision_record_msg(rec) for rec in store.decisions(dep.name, limit)]
-        return pb.HistoryResponse(plans=plans, decisions=decisions)
+        sets = [pb.ContingencySummary(
+            time=r["time"], base_version=r["base_version"], balancedness_now=_finite(r["healthy"]),
+            rank_loss_worst=_finite(r["rank_worst"]), rank_loss_mean=_finite(r["rank_mean"]),
+            node_loss_worst=_finite(r["node_worst"]), node_loss_mean=_finite(r["node_mean"]),
+            node_loss_unserved=r["node_unserved"]) for r in store.contingency_history(dep.name, limit)]
+        return pb.HistoryResponse(plans=plans, decisions=decisions, contingency_sets=sets)

@@ -6,8 +6,8 @@ after each committed placement and whenever the estimate has moved by `REFRESH_S
 (the share of load that changed experts) since the last, at most every
 `MIN_INTERVAL_SECONDS`; the placement math (`placement.survivors`) runs on the decision
 worker like a policy decision, never on the event loop. A set is versioned by the
-placement it derives from, stored (it survives a restart) and recorded in the decision
-history. Operators read it with `rebalancer admin contingency` and in the metrics.
+placement it derives from, stored (it survives a restart) and recorded in the deployment's
+history (`admin history`). Operators read it with `rebalancer admin contingency` and in the metrics.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.decide import ClusterShape
-from rebalancer.controller.deployment import Deployment
+from rebalancer.controller.deployment import Deployment, Session
 from rebalancer.controller.store import Store
 from rebalancer.placement.survivors import survivor_placements
 
@@ -57,6 +57,16 @@ class Loss:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "lost": list(self.lost), "balancedness": self.balancedness,
                 "slots_moved": self.slots_moved, "from_storage": self.from_storage, "unserved": self.unserved}
+
+
+@dataclass(frozen=True)
+class Told:
+    """One loss of a set as a session's stream carries it (`version`: the placement it
+    was planned on, as a plan phase's payload names its version)."""
+
+    version: int
+    loss: Loss
+    set_size: int
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,17 @@ class ContingencyPlanner:
     def get(self, name: str) -> ContingencySet | None:
         return self.sets.get(name)
 
+    def tell(self, dep: Deployment, sessions: list[Session] | None = None) -> None:
+        """Send the deployment's set to `sessions` (default: every one with a stream), one
+        message per loss: ranks keep it to act on with the controller gone."""
+        made = self.sets.get(dep.name)
+        if made is None:
+            return
+        for session in dep.live_sessions() if sessions is None else sessions:
+            if session.send is not None:
+                for loss in made.losses:
+                    session.send("planned_loss", Told(made.base_version, loss, len(made.losses)))
+
     def due(self, dep: Deployment, now: float) -> bool:
         """Whether `dep` needs a new set: none yet or one of another placement, or the
         estimate moved by REFRESH_SHIFT; never while one is computed, never more often
@@ -202,11 +223,11 @@ class ContingencyPlanner:
             made = ContingencySet(version, self.clock(), healthy, tuple(losses))
             self.sets[name] = made
             self._planned_on[name] = estimate
+            self.tell(dep)
             summary = made.summary()
             try:
                 self.store.save_contingency(name, *to_record(made))
-                self.store.record_decision(name, {"time": made.computed_at, "outcome": "contingency",
-                                                  "reason": "survivor placements planned", **summary})
+                self.store.record_contingency(name, made.computed_at, summary)
             except Exception as exc:  # noqa: BLE001 - a full disk must not lose the set in memory
                 log.error("%s: the store refused the contingency set (%s)", name, exc)
             if summary["node_unserved"]:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from rebalancer.controller.clock import Clock
+from rebalancer.controller.contingency import Loss
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape
 from rebalancer.controller.deployment import UNKNOWN_EXPERT_BYTES, dispatch_shape
@@ -155,7 +156,20 @@ def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
         return pb.ControllerMessage(commit=pb.Commit(version=plan.version))
     if kind == "abort":
         return pb.ControllerMessage(abort=pb.Abort(version=plan.version, reason=plan.reason))
+    if kind == "planned_loss":
+        return pb.ControllerMessage(planned_loss=planned_loss_msg(payload.loss, payload.version, payload.set_size))
     raise ValueError(kind)
+
+
+def planned_loss_msg(loss: Loss, base_version: int = 0, set_size: int = 0) -> pb.PlannedLoss:
+    """One loss of a contingency set as the admin API and the ranks see it."""
+    msg = pb.PlannedLoss(kind=loss.kind, lost_ranks=loss.lost,
+                         balancedness=loss.balancedness if loss.feasible else 0.0,
+                         slots_moved=loss.slots_moved, from_storage=loss.from_storage, unserved=loss.unserved,
+                         base_version=base_version, set_size=set_size)
+    if loss.phy2log is not None:
+        msg.phy2log.CopyFrom(codec.encode(loss.phy2log.astype("int32")))
+    return msg
 
 
 class AckPacer:

@@ -96,6 +96,7 @@ class Controller:
     def attach(self, session_id: str, send: Send) -> tuple[Deployment, Session]:
         dep, session = self.registry.attach(session_id, send)
         self.plans.catch_up(dep, session)
+        self.contingency.tell(dep, [session])
         return dep, session
 
     def presence(self, session_id: str, connected: frozenset[int]) -> None:

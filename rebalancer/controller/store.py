@@ -229,6 +229,12 @@ CREATE TABLE IF NOT EXISTS contingency (
     record TEXT NOT NULL,
     arrays BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS contingency_history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    deployment TEXT NOT NULL,
+    time REAL NOT NULL,
+    record TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS ingest_state (
     deployment TEXT PRIMARY KEY,
     state TEXT NOT NULL,
@@ -531,6 +537,16 @@ class Store:
         and the survivors' placements, replacing the one before."""
         self._db.execute("INSERT OR REPLACE INTO contingency VALUES (?, ?, ?)",
                          (name, json.dumps(record), _pack_arrays(arrays)))
+
+    def record_contingency(self, name: str, time: float, summary: dict[str, Any]) -> None:
+        """One contingency set in the deployment's history (its summary)."""
+        self._db.execute("INSERT INTO contingency_history (deployment, time, record) VALUES (?, ?, ?)",
+                         (name, time, json.dumps(summary)))
+
+    def contingency_history(self, name: str, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._db.execute("SELECT time, record FROM contingency_history WHERE deployment = ? "
+                                "ORDER BY id DESC LIMIT ?", (name, limit)).fetchall()
+        return [{"time": t, **json.loads(r)} for t, r in rows]
 
     def contingency(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
         row = self._db.execute("SELECT record, arrays FROM contingency WHERE deployment = ?", (name,)).fetchone()

@@ -94,6 +94,8 @@ class Pod:
         # What each rank last said it serves (version, placement digest; 0: not said),
         # from its windows: never backwards but at its Register (it may have restarted).
         self.statements: dict[int, Statement] = {}
+        # The newest contingency set the controller told (lost ranks -> its message).
+        self.planned: dict[tuple[int, ...], pb.ControllerMessage] = {}
         self.stats = PodStats()
         self.changed = asyncio.Event()  # wakes the upstream link: windows, reports, ranks
         self.observers: list[Callable[[Event, RelayPlan], None]] = []
@@ -218,6 +220,8 @@ class Pod:
         log.info("rank %d connected", session.rank)
         if self.warm_start is not None:
             send(pb.ControllerMessage(warm_start=self.warm_start))
+        for planned in list(self.planned.values()):
+            send(planned)
         self.apply(self.relay.attached(session.rank))
         self.changed.set()
         return session
@@ -329,6 +333,18 @@ class Pod:
         else:
             self.warm_start = None
 
+    def _keep_planned(self, msg: pb.ControllerMessage) -> None:
+        """One loss of the controller's contingency set: told to every rank now and to a
+        rank that opens its stream later (the newest set only), so the ranks hold it with
+        the controller gone."""
+        loss = msg.planned_loss
+        if self.planned and next(iter(self.planned.values())).planned_loss.base_version != loss.base_version:
+            self.planned = {}
+        self.planned[tuple(sorted(loss.lost_ranks))] = msg
+        for session in list(self.by_rank.values()):
+            if session.send is not None:
+                session.send(msg)
+
     def from_controller(self, msg: pb.ControllerMessage) -> None:
         """A plan phase from the controller, relayed to the ranks."""
         kind = msg.WhichOneof("body")
@@ -343,6 +359,8 @@ class Pod:
         elif kind == "abort":
             log.warning("plan v%d aborted: %s", msg.abort.version, msg.abort.reason)
             self.apply(self.relay.abort(msg.abort.version, msg.abort.reason))
+        elif kind == "planned_loss":
+            self._keep_planned(msg)
         else:
             log.warning("controller message %r ignored", kind)
 

@@ -180,18 +180,20 @@ class Abort(_message.Message):
     def __init__(self, version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("window_ack", "prepare", "commit", "abort", "warm_start")
+    __slots__ = ("window_ack", "prepare", "commit", "abort", "warm_start", "planned_loss")
     WINDOW_ACK_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     WARM_START_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_LOSS_FIELD_NUMBER: _ClassVar[int]
     window_ack: WindowAck
     prepare: Prepare
     commit: Commit
     abort: Abort
     warm_start: Placement
-    def __init__(self, window_ack: _Optional[_Union[WindowAck, _Mapping]] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., warm_start: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+    planned_loss: PlannedLoss
+    def __init__(self, window_ack: _Optional[_Union[WindowAck, _Mapping]] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., warm_start: _Optional[_Union[Placement, _Mapping]] = ..., planned_loss: _Optional[_Union[PlannedLoss, _Mapping]] = ...) -> None: ...
 
 class PlanReport(_message.Message):
     __slots__ = ("session_id", "version", "phase", "step", "error", "bytes_received", "seconds", "serving")
@@ -432,12 +434,34 @@ class HistoryRequest(_message.Message):
     def __init__(self, deployment: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class HistoryResponse(_message.Message):
-    __slots__ = ("plans", "decisions")
+    __slots__ = ("plans", "decisions", "contingency_sets")
     PLANS_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    CONTINGENCY_SETS_FIELD_NUMBER: _ClassVar[int]
     plans: _containers.RepeatedCompositeFieldContainer[PlanRecord]
     decisions: _containers.RepeatedCompositeFieldContainer[Decision]
-    def __init__(self, plans: _Optional[_Iterable[_Union[PlanRecord, _Mapping]]] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ...) -> None: ...
+    contingency_sets: _containers.RepeatedCompositeFieldContainer[ContingencySummary]
+    def __init__(self, plans: _Optional[_Iterable[_Union[PlanRecord, _Mapping]]] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., contingency_sets: _Optional[_Iterable[_Union[ContingencySummary, _Mapping]]] = ...) -> None: ...
+
+class ContingencySummary(_message.Message):
+    __slots__ = ("time", "base_version", "balancedness_now", "rank_loss_worst", "rank_loss_mean", "node_loss_worst", "node_loss_mean", "node_loss_unserved")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_NOW_FIELD_NUMBER: _ClassVar[int]
+    RANK_LOSS_WORST_FIELD_NUMBER: _ClassVar[int]
+    RANK_LOSS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOSS_WORST_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOSS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOSS_UNSERVED_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    base_version: int
+    balancedness_now: float
+    rank_loss_worst: float
+    rank_loss_mean: float
+    node_loss_worst: float
+    node_loss_mean: float
+    node_loss_unserved: int
+    def __init__(self, time: _Optional[float] = ..., base_version: _Optional[int] = ..., balancedness_now: _Optional[float] = ..., rank_loss_worst: _Optional[float] = ..., rank_loss_mean: _Optional[float] = ..., node_loss_worst: _Optional[float] = ..., node_loss_mean: _Optional[float] = ..., node_loss_unserved: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("deployment", "policy")
@@ -452,7 +476,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class PlannedLoss(_message.Message):
-    __slots__ = ("kind", "lost_ranks", "balancedness", "slots_moved", "from_storage", "unserved", "phy2log")
+    __slots__ = ("kind", "lost_ranks", "balancedness", "slots_moved", "from_storage", "unserved", "phy2log", "base_version", "set_size")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LOST_RANKS_FIELD_NUMBER: _ClassVar[int]
     BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
@@ -460,6 +484,8 @@ class PlannedLoss(_message.Message):
     FROM_STORAGE_FIELD_NUMBER: _ClassVar[int]
     UNSERVED_FIELD_NUMBER: _ClassVar[int]
     PHY2LOG_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SET_SIZE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     lost_ranks: _containers.RepeatedScalarFieldContainer[int]
     balancedness: float
@@ -467,7 +493,9 @@ class PlannedLoss(_message.Message):
     from_storage: int
     unserved: int
     phy2log: Array
-    def __init__(self, kind: _Optional[str] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., balancedness: _Optional[float] = ..., slots_moved: _Optional[int] = ..., from_storage: _Optional[int] = ..., unserved: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    base_version: int
+    set_size: int
+    def __init__(self, kind: _Optional[str] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., balancedness: _Optional[float] = ..., slots_moved: _Optional[int] = ..., from_storage: _Optional[int] = ..., unserved: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ..., base_version: _Optional[int] = ..., set_size: _Optional[int] = ...) -> None: ...
 
 class ContingencyResponse(_message.Message):
     __slots__ = ("planned", "base_version", "computed_at", "balancedness_now", "losses")

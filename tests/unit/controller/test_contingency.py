@@ -51,7 +51,8 @@ def test_every_single_loss_is_planned_stored_and_recorded(tmp_path: Path) -> Non
     for loss in made.of("node"):
         assert loss.phy2log is None and loss.unserved == 2
     assert made.summary()["node_unserved"] == 2
-    assert any(d.get("outcome") == "contingency" for d in ctl.store.decisions("d"))
+    (recorded,) = ctl.store.contingency_history("d")
+    assert recorded["base_version"] == 0 and recorded["node_unserved"] == 2 and recorded["node_worst"] == 0.0
     ctl.store.close()
     back = Controller(Store(tmp_path / "c.sqlite"), clock=clock)  # a restart reads it back
     again = back.contingency.get("d")

@@ -118,6 +118,8 @@ class PlanProtocol(RuleBasedStateMachine):
         link.down.clear()
 
         def send(kind: str, plan: Any, link: Link = link) -> None:
+            if kind == "planned_loss":
+                return  # survivor placements told ahead: not part of the plan protocol
             if kind == "commit":
                 self.committed_sent.add(plan.version)
             link.down.append((kind, plan.version, getattr(plan, "base_version", 0), getattr(plan, "phy2log", None)))

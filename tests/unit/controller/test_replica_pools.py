@@ -55,7 +55,7 @@ class Fleet:
             sent = self.sent.setdefault(name, [])
 
             def send(kind: str, plan: Any, sent: list[tuple[str, int]] = sent, rank: int = rank) -> None:
-                if rank == 0:
+                if rank == 0 and kind != "planned_loss":
                     sent.append((kind, plan.version))
 
             self.ctl.attach(session.session_id, send)

@@ -142,6 +142,7 @@ class VLLMRebalanceAdapter(PlanHandlers):
             self,
             lambda: self.version,
             initial_phy2log=self.phy2log.copy(),
+            served_map=lambda: self.phy2log,  # replaced whole, never written in place
         )
         # A pool member's warm start is due at vLLM's first policy call (`_take_warm_start`);
         # the offer's bounded wait counts from here.
