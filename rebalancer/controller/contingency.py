@@ -31,9 +31,10 @@ log = logging.getLogger("rebalancer.controller")
 # A set is planned again when this share of the load moved between experts since the
 # estimate it was planned on (half the L1 distance of the normalised loads, per layer,
 # averaged), or when the committed placement changed.
-REFRESH_SHIFT = 0.05
-# No more often than this per deployment (a set costs about one decision per 8 losses).
-MIN_INTERVAL_SECONDS = 30.0
+REFRESH_SHIFT = 0.1
+# For a moved estimate, no more often than this per deployment (a new placement is
+# planned for at once): a set costs a few policy decisions of the worker's time.
+MIN_INTERVAL_SECONDS = 300.0
 
 LossKind = Literal["rank", "node"]
 
@@ -160,7 +161,7 @@ class ContingencyPlanner:
         self.store = store
         self.clock = clock
         self.submit = submit
-        self.has_room = has_room  # room in the decision worker's queue (policy decisions first)
+        self.has_room = has_room  # the decision worker idle: policy decisions keep their room
         self.sets: dict[str, ContingencySet] = {}
         self._planned_on: dict[str, np.ndarray] = {}  # the estimate each set was planned on
         self._asked: dict[str, float] = {}             # when a set was last asked for or looked at

@@ -48,6 +48,9 @@ class Session:
     # Ranks of a group its sidecar reports without a stream to it (their engine exited
     # or is restarting: ReportRanks). Not connected, though the group's stream is open.
     absent: frozenset[int] = frozenset()
+    # The newest plan version whose Commit this session was sent: its ranks can have
+    # switched to no newer one (a late confirmation of a newer one is a stale report).
+    commit_told: int = 0
 
     def __post_init__(self) -> None:
         self.ranks = tuple(sorted(self.ranks)) if self.ranks else (self.rank,)
@@ -265,8 +268,13 @@ class Deployment:
         self.plan = None
 
     def adopt(self, version: int, phy2log: np.ndarray) -> None:
-        """A stored placement is the committed one, because the ranks serve it."""
+        """A stored placement is the committed one, because the ranks serve it. An
+        unfinished plan at or below it is settled: nothing is left to tell of it."""
         self.version, self.phy2log = version, phy2log
+        if self.last_unconfirmed is not None and self.last_unconfirmed.version <= version:
+            self.last_unconfirmed = None
+        if self.last_aborted is not None and self.last_aborted.version <= version:
+            self.last_aborted = None
 
     def serve_mixed(self, mixed: Mixed, counted: bool = False) -> None:
         """The ranks serve what a plan left applied in part: that is the current placement
@@ -320,8 +328,15 @@ class Deployment:
     def send_all(self, kind: str, plan: Plan) -> None:
         """Queue one plan phase on every session with a stream open (once per group)."""
         for session in self.live_sessions():
-            if session.send is not None:
-                session.send(kind, plan)
+            self.send(session, kind, plan)
+
+    def send(self, session: Session, kind: str, plan: Plan | Unconfirmed) -> None:
+        """Queue one plan phase on one session's stream (if open), noting a Commit told."""
+        if session.send is None:
+            return
+        if kind == "commit":
+            session.commit_told = max(session.commit_told, plan.version)
+        session.send(kind, plan)
 
 
 def shape_key(shape: ClusterShape) -> dict[str, Any]:

@@ -99,7 +99,7 @@ class Plans:
             return
         unconfirmed = dep.last_unconfirmed
         if unconfirmed is not None and unconfirmed.version > dep.version:
-            session.send("commit", unconfirmed)
+            dep.send(session, "commit", unconfirmed)
         aborted = dep.last_aborted
         if aborted is not None and aborted.version > dep.version:
             session.send("abort", aborted)
@@ -110,7 +110,7 @@ class Plans:
         if plan.state is PlanState.PREPARING and not ranks <= plan.prepared:
             session.send("prepare", plan)
         elif plan.state in (PlanState.COMMITTING, PlanState.COMMITTED) and not ranks <= plan.committed:
-            session.send("commit", plan)
+            dep.send(session, "commit", plan)
 
     def registered(self, dep: Deployment, session: Session, version: int) -> None:
         """A session registered serving `version`.
@@ -185,6 +185,11 @@ class Plans:
             reconcile.adopt(self.store, dep, version, known, why, now,
                             record=lambda write: self._write(dep.name, write))
 
+    def _offered(self, dep: Deployment, version: int) -> bool:
+        """Whether plan `version` is a pool's warm start offered at Register (installed
+        by fresh ranks without a Commit: replica_pools.py)."""
+        return any(p.version == version and p.state == "offered" for p in self.store.plans(dep.name, 5))
+
     def _placement(self, dep: Deployment, version: int) -> np.ndarray | None:
         """The stored placement of plan `version` (kept while the ranks state it)."""
         cached = self._placements.get(dep.name)
@@ -258,6 +263,14 @@ class Plans:
         if version == dep.version and phase in ("committed", "prepared"):
             return  # late confirmation of a plan already finished: harmless
         known = self.store.placement(dep.name, version) if version > dep.version else None
+        if (phase == "committed" and known is not None and session.commit_told < version
+                and not self._offered(dep, version)):
+            # No Commit of it went to this session: the report is from ranks that are gone
+            # (a sidecar's queue outliving the group it restarted; seed 213 of the short
+            # campaign beside a hog adopted v10 after the group came back on v0).
+            log.warning("%s: %s says it committed v%d, but was never told to: a stale report, refused",
+                        dep.name, session.label, version)
+            raise StateError("FAILED_PRECONDITION", f"{session.label} was never sent the commit of plan v{version}")
         if (phase == "committed" and known is not None and plan is not None
                 and plan.state is PlanState.PREPARING and plan.base_version < version):
             # The ranks switched to a plan the controller had given up on: the plan in

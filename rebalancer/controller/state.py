@@ -60,7 +60,8 @@ class Controller:
         self.fleet = Fleet(store, self.clock, self.registry, self.decisions, self.plans,
                            self.registry.default_policy, pool_max_moving, divergence)
         self.folder.pooled = self.fleet.folded
-        self.contingency = ContingencyPlanner(store, self.clock, self.decisions.submit, self.decisions.has_room)
+        self.contingency = ContingencyPlanner(store, self.clock, self.decisions.submit,
+                                              lambda: self.decisions.in_flight == 0)
         self.registry.load()
         self.fleet.load()
         self.contingency.load(list(self.registry.deployments))

@@ -182,6 +182,9 @@ class Pod:
             log.warning("rank %d %s on v%d: registering the group again once every rank is back", rank,
                         "restarted" if restarted else "came back", request.placement_version)
             self.upstream_registered, self.resync = False, True
+            if self.reports:  # of processes that are gone: a late COMMITTED of theirs is false now
+                log.info("dropping %d plan report(s) of the ranks before they restarted", len(self.reports))
+                self.reports.clear()
         elif self.upstream_registered and learned_bytes:
             log.info("rank %d told the expert bytes (%d): registering the group again once every rank is back",
                      rank, request.shape.expert_bytes)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rebalancer.controller.contingency import load_shift
+from rebalancer.controller.contingency import MIN_INTERVAL_SECONDS, load_shift
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
@@ -69,7 +69,7 @@ def test_a_new_placement_or_a_moved_load_is_planned_again_but_not_every_window(t
     fold(ctl, 1)
     assert ctl.contingency.get("d") is first  # same placement, same load: kept
     for seq in (2, 3):  # the load moved to other experts; looked at once per interval
-        clock.now += 60
+        clock.now += MIN_INTERVAL_SECONDS
         fold(ctl, seq, LOAD[:, ::-1].copy())
     assert ctl.contingency.get("d") is not first
     second = ctl.contingency.get("d")

@@ -20,6 +20,7 @@ import pytest
 from rebalancer.controller.coordinate import COMMIT_GRACE_SECONDS
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
+from rebalancer.errors import StateError
 from rebalancer.wire.layout import placement_digest
 from tests.unit.controller.test_commit_record import POLICY, forced
 from tests.unit.controller.test_controller import SHAPE, SKEWED, FakeClock
@@ -134,3 +135,27 @@ def test_a_plan_some_ranks_confirmed_ends_when_the_group_restarts_on_an_older_ve
     assert dep.version == 0
     assert dep.plan is None  # nothing is left to confirm: the next plan may start
     ctl.store.close()
+
+
+def test_a_late_commit_report_from_ranks_that_restarted_is_refused(tmp_path: Path) -> None:
+    """Seed 213 of the short campaign beside a 4-process hog: the group restarted on v0
+    (the controller took v0), then a COMMITTED of v1 queued before the restart arrived on
+    the new session, which was never sent v1's Commit; the controller adopted v1 while
+    every rank served v0, for good. A report of a commit the session was never told is
+    stale: refused, and the controller stays on what the ranks serve."""
+    ctl, sessions, version, _, clock = committing(tmp_path)
+    dep = ctl.deployment("d")
+    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
+    ctl.tick()  # unconfirmed: no rank's word reached the controller
+    for sid in sessions:
+        ctl.detach(sid)
+    clock.now += 1.0
+    ctl.store.close()
+    back = Controller(Store(tmp_path / "c.sqlite"), POLICY, clock=clock)  # and the controller restarted
+    fresh = [back.register("d", rank, SHAPE, 0, None, f"w{rank}-restarted")[0] for rank in range(SHAPE.num_gpus)]
+    dep = back.deployment("d")
+    assert dep.version == 0
+    with pytest.raises(StateError, match="never sent the commit"):
+        back.report(fresh[0].session_id, version, "committed")
+    assert dep.version == 0
+    back.store.close()

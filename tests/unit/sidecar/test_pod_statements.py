@@ -55,3 +55,15 @@ def test_planned_losses_reach_every_rank_and_one_that_comes_later() -> None:
     pod.from_controller(pb.ControllerMessage(planned_loss=pb.PlannedLoss(
         kind="rank", lost_ranks=(1,), base_version=5, set_size=2)))
     assert list(pod.planned) == [(1,)]  # a newer set replaces the older whole
+
+
+def test_reports_of_ranks_that_restarted_are_dropped() -> None:
+    """Seed 213 of the short campaign: a COMMITTED queued here before the group restarted
+    reached the controller after the group came back on v0."""
+    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0,)))
+    sid, _ = attach(pod, 0, 9)
+    pod.registered_upstream(pb.RegisterResponse(session_id="up", committed=pb.Placement(version=9)))
+    pod.reports.append(pb.PlanReport(version=10, phase=pb.PLAN_PHASE_COMMITTED))  # not sent yet
+    pod.detach(pod.session(sid))
+    attach(pod, 0, 0)  # the process restarted on v0
+    assert pod.resync and not pod.reports
