@@ -28,6 +28,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -42,7 +43,7 @@ def losses_of(num_gpus: int, num_nodes: int) -> list[tuple[int, ...]]:
                                                for n in range(num_nodes)]
 
 
-def quality(load: np.ndarray, G: int, N: int, P: int) -> dict[str, float]:
+def quality(load: np.ndarray, G: int, N: int, P: int) -> dict[str, Any]:
     healthy = compute_placement(load, P, G, N).phy2log
     before = balancedness(healthy, load, G)
     ranks = [(g,) for g in range(G)]
