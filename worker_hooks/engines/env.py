@@ -17,6 +17,8 @@ from rebalancer.wire.channel import check_address
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS
 
 ENV_PREFIX = "REBALANCER_"
+# The engines' TLS settings and the sidecar's names for the same files (either is read).
+TLS_ALIASES = {"CA_FILE": "TLS_CA", "CERT_FILE": "TLS_CERT", "KEY_FILE": "TLS_KEY"}
 # The largest value of an integer setting, where the wire bounds it: a window's steps
 # travel as a uint32 (Window.num_steps), which the sidecar and the controller refuse beyond.
 MAXIMUM = {"WINDOW_STEPS": 2**32 - 1}
@@ -61,11 +63,22 @@ class EngineEnv:
             raise InputError(f"{ENV_PREFIX}ADDRESS: {exc}") from None
         return {
             "address": address, "deployment": self.get("DEPLOYMENT") or default_deployment,
-            "token": self.token(), "ca_file": self.get("CA_FILE"), "cert_file": self.get("CERT_FILE"),
-            "key_file": self.get("KEY_FILE"), "worker_id": self.get("WORKER_ID") or "",
+            "token": self.token(), "ca_file": self.tls_file("CA_FILE"), "cert_file": self.tls_file("CERT_FILE"),
+            "key_file": self.tls_file("KEY_FILE"), "worker_id": self.get("WORKER_ID") or "",
             "pool": self.get("POOL") or "",
             "warm_start_seconds": float(self.number("WARM_START_SECONDS", float, DEFAULT_WARM_START_SECONDS)),
         }
+
+    def tls_file(self, name: str) -> str | None:
+        """REBALANCER_<name> (CA_FILE, CERT_FILE, KEY_FILE), or the sidecar's spelling of the
+        same file (REBALANCER_TLS_CA, _TLS_CERT, _TLS_KEY): a name copied from the sidecar's
+        settings must not silently mean plain text. Both set to different files: refused."""
+        alias = TLS_ALIASES[name]
+        ours, theirs = self.get(name), self.get(alias)
+        if ours and theirs and ours != theirs:
+            raise InputError(f"{ENV_PREFIX}{name}={ours!r} and {ENV_PREFIX}{alias}={theirs!r} name different "
+                             "files for one setting: set one of them")
+        return ours or theirs
 
     def token(self) -> str | None:
         """The bearer token read from REBALANCER_TOKEN_FILE (None: no token)."""

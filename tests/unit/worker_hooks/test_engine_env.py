@@ -33,3 +33,21 @@ def test_settings_the_sidecar_refuses_are_refused(adapter, env: dict[str, str], 
 def test_addresses_the_sidecar_takes_are_taken(adapter, address: str) -> None:  # type: ignore[no-untyped-def]
     config = adapter.from_env({"REBALANCER_ADDRESS": address, "REBALANCER_WINDOW_STEPS": str(2**32 - 1)})
     assert config is not None and config.address == address and config.window_steps == 2**32 - 1
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_the_sidecars_tls_names_mean_the_same_files(adapter, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """REBALANCER_TLS_CA/_CERT/_KEY (the sidecar's names) copied into an engine's settings
+    mean TLS there too, never plain text; two names for one setting that disagree are
+    refused in one line (issue 31)."""
+    files = {}
+    for name in ("ca", "cert", "key"):
+        files[name] = tmp_path / f"{name}.pem"
+        files[name].write_text("x")
+    base = {"REBALANCER_ADDRESS": "controller:50051"}
+    config = adapter.from_env({**base, "REBALANCER_TLS_CA": str(files["ca"]), "REBALANCER_TLS_CERT": str(files["cert"]),
+                               "REBALANCER_TLS_KEY": str(files["key"])})
+    assert (config.ca_file, config.cert_file, config.key_file) == (str(files["ca"]), str(files["cert"]), str(files["key"]))
+    with pytest.raises(InputError, match="REBALANCER_CA_FILE=.* and REBALANCER_TLS_CA=.* name different files") as info:
+        adapter.from_env({**base, "REBALANCER_CA_FILE": str(files["ca"]), "REBALANCER_TLS_CA": str(files["cert"])})
+    assert "\n" not in str(info.value)
