@@ -8,45 +8,12 @@ that is not committed, no step waited on the rebalancer; nothing is left running
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from bench.chaos import LINK_FAULTS, ChaosConfig, Harness, run_chaos
+from bench.chaos import ChaosConfig, Harness, run_chaos
+from bench.chaos.short import short_campaign_failures, short_config
 
 pytestmark = pytest.mark.slow
-
-# One of each family: a process killed (each kind of process), frozen, every link fault,
-# the store faults and a starved node; a worker kill restarts the group (the costliest
-# episode).
-SHORT_KINDS = (
-    "sigkill_controller", "sigterm_sidecar", "sigkill_worker", "sigstop_controller",
-    *LINK_FAULTS, "store_torn_wal", "store_disk_full", "cpu_starve",
-)
-
-
-def short_config(seed: int = 11, **kw: Any) -> ChaosConfig:
-    """The short campaign (also what RELIABILITY.md runs beside a CPU hog, seed by seed):
-    2 ranks in 2 pods, every kind once, a starvation of at most 6 s."""
-    return ChaosConfig(seconds=15.0, seed=seed, workers=2, pods=2, kinds=SHORT_KINDS, starve_seconds_max=6.0,
-                       progress=False, **kw)
-
-
-def short_campaign_failures(config: ChaosConfig, result: dict[str, Any]) -> list[str]:
-    """What the short campaign's result misses (empty: it passed)."""
-    checks = {
-        f"violations: {result['violations']}": result["invariant_violations"] == 0,
-        f"{result['leaked_processes']} processes left": result["leaked_processes"] == 0,
-        f"kinds injected: {result['faults_by_kind']}": set(result["faults_by_kind"]) == set(config.kinds),
-        "restarts": result["controller_restarts"] >= 2 and result["group_restarts"] >= 1,
-        f"recovery p99 {result['controller_recovery_seconds_p99']} s":
-            result["controller_recovery_seconds_p99"] < config.recovery_bound_seconds,
-        f"step wait {result['max_step_wait_ms']} ms": result["max_step_wait_ms"] <= config.step_wait_bound_ms,
-        f"{result['plans_committed']} plans committed": result["steps_logged"] > 0 and result["plans_committed"] >= 1,
-        f"{result['transfer_timeouts']} transfer timeouts": result["transfer_timeouts"] == 0,
-    }
-    return [what for what, ok in checks.items() if not ok]
-
 
 def test_short_chaos_campaign_keeps_every_invariant() -> None:
     config = short_config()

@@ -23,8 +23,8 @@ from bench.chaos import (
 )
 from bench.chaos.__main__ import main
 from bench.chaos.checks import Outcome
+from bench.chaos.short import SHORT_KINDS
 from bench.faultproxy import FaultProxy
-from tests.integration.test_chaos import SHORT_KINDS
 
 # The order the kinds are shuffled from: a seed's sequence depends on it.
 RECORDED_KINDS = (
