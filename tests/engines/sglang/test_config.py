@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rebalancer.errors import InputError
+from tests.engines.env_recorder import EnvRecorder
 from worker_hooks.engines.sglang.adapter import logical_counts
 from worker_hooks.engines.sglang.config import DEFAULT_STAGING_BUDGET_BYTES, SGLangAdapterConfig
 from worker_hooks.engines.sglang.staged import layer_groups, ticket, ticket_parts
@@ -159,32 +160,12 @@ def test_recorder_modes_without_counts_are_refused_with_the_setting_to_use() -> 
         assert "use --expert-distribution-recorder-mode stat" in reason
 
 
-class _Recorder(dict):  # type: ignore[type-arg]
-    """An environment that remembers every name read from it."""
-
-    def __init__(self, **values: str) -> None:
-        super().__init__(values)
-        self.read: set[str] = set()
-
-    def get(self, key, default=None):  # type: ignore[no-untyped-def] # noqa: ANN001, ANN201
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key):  # type: ignore[no-untyped-def] # noqa: ANN001, ANN204
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key) -> bool:  # type: ignore[no-untyped-def] # noqa: ANN001
-        self.read.add(key)
-        return super().__contains__(key)
-
-
 def test_the_docs_sglang_section_lists_every_setting_of_the_default_path() -> None:
     """Every REBALANCER_* variable the adapter reads, SGLang's plugin allow-list and the
     flags the default path needs are in docs/operations.md's SGLang section."""
     from pathlib import Path
 
-    env = _Recorder(REBALANCER_ADDRESS="127.0.0.1:1")
+    env = EnvRecorder(REBALANCER_ADDRESS="127.0.0.1:1")
     assert SGLangAdapterConfig.from_env(env) is not None
     root = Path(__file__).resolve().parents[3]
     section = (root / "docs" / "operations.md").read_text().split("### SGLang", 1)[1].split("\n### ", 1)[0]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from rebalancer.errors import InputError
+from tests.engines.env_recorder import EnvRecorder
 from tests.engines.vllm import vllm_env
 from worker_hooks.engines.vllm.adapter import NO_PLAN, plan_hash, plan_misfit
 from worker_hooks.engines.vllm.config import VLLMAdapterConfig
@@ -96,30 +97,10 @@ def test_pool_and_warm_start_wait_from_env() -> None:
             VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_WARM_START_SECONDS": bad})
 
 
-class _Recorder(dict):  # type: ignore[type-arg]
-    """An environment that remembers every name read from it."""
-
-    def __init__(self, **values: str) -> None:
-        super().__init__(values)
-        self.read: set[str] = set()
-
-    def get(self, key, default=None):  # type: ignore[no-untyped-def] # noqa: ANN001, ANN201
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key):  # type: ignore[no-untyped-def] # noqa: ANN001, ANN204
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key) -> bool:  # type: ignore[no-untyped-def] # noqa: ANN001
-        self.read.add(key)
-        return super().__contains__(key)
-
-
 def test_the_docs_vllm_section_lists_every_setting_of_the_default_path() -> None:
     """Every REBALANCER_* variable the adapter reads, vLLM's plugin allow-list and the
     flags the default path needs are in docs/operations.md's vLLM section."""
-    env = _Recorder(REBALANCER_ADDRESS="127.0.0.1:1")
+    env = EnvRecorder(REBALANCER_ADDRESS="127.0.0.1:1")
     assert VLLMAdapterConfig.from_env(env) is not None
     section = (vllm_env.ROOT / "docs" / "operations.md").read_text().split("### vLLM", 1)[1].split("\n## ", 1)[0]
     names = {n for n in env.read if n.startswith("REBALANCER_")}
