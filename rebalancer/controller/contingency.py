@@ -24,6 +24,7 @@ from rebalancer.controller.clock import Clock
 from rebalancer.controller.decide import ClusterShape
 from rebalancer.controller.deployment import Deployment, Session
 from rebalancer.controller.store import Store
+from rebalancer.placement import balancedness
 from rebalancer.placement.survivors import survivor_placements
 
 log = logging.getLogger("rebalancer.controller")
@@ -135,8 +136,7 @@ def plan_losses(load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape) -> l
 
 
 def _plan(load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape) -> tuple[float, list[Loss]]:
-    from rebalancer.placement import balancedness
-
+    """The decision worker's job: the placement in use on `load`, and every loss planned."""
     return balancedness(phy2log, load, shape.num_gpus), plan_losses(load, phy2log, shape)
 
 

@@ -36,6 +36,12 @@ def committing(tmp_path: Path) -> tuple[Controller, list[str], int, np.ndarray, 
     return ctl, sessions, plan.version, plan.phy2log, clock
 
 
+def past_the_commit_grace(ctl: Controller, clock: FakeClock) -> None:
+    """Time runs out for the plan whose Commit went out: it ends unconfirmed."""
+    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
+    ctl.tick()
+
+
 def window(ctl: Controller, rank: int, seq: int, version: int, phy2log: np.ndarray) -> None:
     dep = ctl.deployment("d")
     ctl.ingest(dep, rank, seq, version, SKEWED, None, (version, placement_digest(phy2log)))
@@ -43,8 +49,7 @@ def window(ctl: Controller, rank: int, seq: int, version: int, phy2log: np.ndarr
 
 def test_a_switch_whose_every_report_was_lost_is_recorded_from_the_windows(tmp_path: Path) -> None:
     ctl, _, version, new, clock = committing(tmp_path)
-    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
-    ctl.tick()
+    past_the_commit_grace(ctl, clock)  # unconfirmed: no rank's word reached the controller
     dep = ctl.deployment("d")
     assert dep.plan is None and dep.version == 0  # unconfirmed: the edge path lost it
     window(ctl, 0, 1, version, new)
@@ -73,8 +78,7 @@ def test_the_statements_confirm_the_plan_in_flight(tmp_path: Path) -> None:
 def test_a_statement_that_matches_no_plan_is_refused_and_logged_once(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     ctl, _, version, new, clock = committing(tmp_path)
-    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
-    ctl.tick()
+    past_the_commit_grace(ctl, clock)  # unconfirmed: no rank's word reached the controller
     dep = ctl.deployment("d")
     other = new[:, ::-1].copy()  # v1's number, another map
     with caplog.at_level(logging.WARNING, "rebalancer.controller"):
@@ -92,8 +96,7 @@ def test_a_statement_that_matches_no_plan_is_refused_and_logged_once(
 
 def test_a_late_resent_window_never_takes_a_statement_back(tmp_path: Path) -> None:
     ctl, _, version, new, clock = committing(tmp_path)
-    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
-    ctl.tick()
+    past_the_commit_grace(ctl, clock)  # unconfirmed: no rank's word reached the controller
     dep = ctl.deployment("d")
     base = dep.phy2log.copy()
     window(ctl, 0, 1, version, new)
@@ -106,8 +109,7 @@ def test_a_late_resent_window_never_takes_a_statement_back(tmp_path: Path) -> No
 def test_a_register_states_its_version_outright(tmp_path: Path) -> None:
     """A rank that restarts registers on what it serves: its old statement is void."""
     ctl, sessions, version, new, clock = committing(tmp_path)
-    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
-    ctl.tick()
+    past_the_commit_grace(ctl, clock)  # unconfirmed: no rank's word reached the controller
     dep = ctl.deployment("d")
     window(ctl, 0, 1, version, new)
     ctl.detach(sessions[0])
@@ -145,8 +147,7 @@ def test_a_late_commit_report_from_ranks_that_restarted_is_refused(tmp_path: Pat
     stale: refused, and the controller stays on what the ranks serve."""
     ctl, sessions, version, _, clock = committing(tmp_path)
     dep = ctl.deployment("d")
-    clock.now += POLICY.prepare_timeout_seconds + COMMIT_GRACE_SECONDS + 1
-    ctl.tick()  # unconfirmed: no rank's word reached the controller
+    past_the_commit_grace(ctl, clock)  # unconfirmed: no rank's word reached the controller
     for sid in sessions:
         ctl.detach(sid)
     clock.now += 1.0
