@@ -187,8 +187,10 @@ class Plans:
 
     def _offered(self, dep: Deployment, version: int) -> bool:
         """Whether plan `version` is a pool's warm start offered at Register (installed
-        by fresh ranks without a Commit: replica_pools.py)."""
-        return any(p.version == version and p.state == "offered" for p in self.store.plans(dep.name, 5))
+        by fresh ranks without a Commit: replica_pools.py). Its trigger, not its state:
+        ranks that register one by one may have it adopted (a rank registered serving it),
+        then v0 again (another registered before its switch), before their COMMITTED comes."""
+        return any(p.version == version and p.trigger == "warm_start" for p in self.store.plans(dep.name, 5))
 
     def _placement(self, dep: Deployment, version: int) -> np.ndarray | None:
         """The stored placement of plan `version` (kept while the ranks state it)."""

@@ -204,6 +204,10 @@ def add_service(add: Callable[[Any, Any], None], servicer: Any, server: Any) -> 
 SEND_QUEUE = 256
 
 
+# How long an aborting stream waits for the write under way to finish (StreamWriter.stop).
+STOP_GRACE = 2.0
+
+
 class StreamWriter:
     """The one writer of a server stream. Callbacks on the event loop `put` messages (plan
     phases, acks); one task writes them in order, so writes on the call never overlap."""
@@ -224,12 +228,21 @@ class StreamWriter:
             log.error("%s: send queue full; dropping a %s", self.what, msg.WhichOneof("body"))
 
     async def stop(self, flush: bool) -> None:
-        """End the writer: after what is queued (`flush`, a clean end), or at once (before
-        an abort). A write cancelled half-way breaks the call, so it is one or the other."""
-        if flush:
-            await self._queue.put(None)
-        else:
+        """End the writer: after what is queued (`flush`, a clean end), or after the write
+        under way only (before an abort). A write cancelled half-way leaves its operation
+        open on the call, and the abort that follows then fails (TOO_MANY_OPERATIONS)
+        instead of telling the peer why: so the write under way may finish, for at most
+        STOP_GRACE seconds (a peer that reads nothing keeps it from finishing)."""
+        if not flush:
+            while not self._queue.empty():
+                self._queue.get_nowait()
+        await self._queue.put(None)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), None if flush else STOP_GRACE)
+        except asyncio.TimeoutError:
             self._task.cancel()
+        except Exception:  # noqa: BLE001 - the write failed: the call is broken, the writer ended
+            pass
         await asyncio.gather(self._task, return_exceptions=True)
 
     def cancel(self) -> None:

@@ -168,12 +168,18 @@ def test_a_drafter_beside_the_model_never_fails_its_plans(tmp_path: Path) -> Non
     from tests.engines.vllm.worker import NUM_LAYERS
 
     assert committed.shape[0] == NUM_LAYERS  # the deployment is the main model, not the drafter
-    assert len(plans) >= 2 and set(plans.values()) == {"committed"}, (plans, _logs(tmp_path))
-    assert version == max(plans)
+    # The newest plan may still be in flight when the ranks stop (its Commit on the way
+    # at the last step, on a loaded machine): every other plan committed, none failed.
+    newest = max(plans)
+    done = sorted(v for v, state in plans.items() if state == "committed")
+    assert len(done) >= 2 and set(done) >= set(plans) - {newest}, (plans, _logs(tmp_path))
+    assert "failed" not in plans.values() and version == done[-1]
     for r in results.values():
-        assert [v for _, v in r["commits"]] == sorted(plans)
+        switched = [v for _, v in r["commits"]]
+        assert switched in (done, done + [newest]) if newest not in done else switched == done
         assert not any("refused" in a or "error" in a for a in r["rearrangements"])
-        assert np.array_equal(np.asarray(r["phy2log"]), committed)
+        if switched[-1] == version:
+            assert np.array_equal(np.asarray(r["phy2log"]), committed)
         assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
         assert r["drafter_calls"] >= len(r["rearrangements"])
         assert r["drafter"]["weights_match_map"]

@@ -143,6 +143,28 @@ def test_a_fresh_member_is_offered_the_pool_placement_and_adopts_it_when_its_ran
     assert fleet.ctl.warm_offer(solo, 0) is None
 
 
+def test_the_offer_is_adopted_when_ranks_register_on_either_side_of_their_switch() -> None:
+    """SGLang's ranks register early (for the offer), then again from the adapter: one may
+    register serving W (adopted), the next still on v0 with no rank streaming (v0 adopted
+    back), before their COMMITTED of W comes. No Commit of W was ever sent to them, and
+    W is still adopted: it was offered (CI beside a hog, the SGLang warm start test)."""
+    fleet = Fleet(Store(":memory:"), Clock())
+    fleet.join("a")
+    fleet.feed("a", 0)
+    fleet.finish("a")
+    ((w, placement), _) = fleet.join("new")
+    for sid in fleet.sessions["new"]:
+        fleet.ctl.detach(sid)
+    dep = fleet.ctl.deployment("new")
+    first, _ = fleet.ctl.register("new", 0, SHAPE, w, None, "new-w0b", pool="p")
+    assert dep.version == w
+    second, _ = fleet.ctl.register("new", 1, SHAPE, 0, None, "new-w1b", pool="p")
+    assert dep.version == 0
+    for session in (first, second):
+        fleet.ctl.report(session.session_id, w, "committed")
+    assert dep.version == w and np.array_equal(dep.phy2log, placement)
+
+
 def test_ranks_that_never_install_the_offer_keep_v0_and_the_next_plan_goes_past_it() -> None:
     clock = Clock()
     fleet = Fleet(Store(":memory:"), clock)
