@@ -239,7 +239,7 @@ class StreamWriter:
         await self._queue.put(None)
         try:
             await asyncio.wait_for(asyncio.shield(self._task), None if flush else STOP_GRACE)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._task.cancel()
         except Exception:  # noqa: BLE001 - the write failed: the call is broken, the writer ended
             pass
