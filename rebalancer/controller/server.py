@@ -48,7 +48,7 @@ from rebalancer.controller.state import Controller
 from rebalancer.controller.store import InUseError, Store, StoreLock, check_store_path
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-from rebalancer.wire.channel import server_options
+from rebalancer.wire.channel import check_key_pair, server_options
 from rebalancer.wire.service import add_service
 
 log = logging.getLogger("rebalancer.server")
@@ -304,17 +304,9 @@ def _tls_credentials(config: ControllerConfig) -> grpc.ServerCredentials | None:
         raise InputError(f"tls key {config.tls_key}: is encrypted (gRPC needs an unencrypted key)")
     if ca is not None and b"-----BEGIN CERTIFICATE-----" not in ca:
         raise InputError(f"tls client_ca {config.tls_client_ca}: no PEM certificate in it")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        # A password-protected key would prompt on the terminal without `password`.
-        context.load_cert_chain(config.tls_cert, config.tls_key, password=lambda: b"")
-    except (ssl.SSLError, OSError) as exc:
-        reason = getattr(exc, "reason", None) or str(exc)
-        if "MISMATCH" in str(reason).upper():
-            raise InputError(f"tls key {config.tls_key} is not the key of tls cert {config.tls_cert}") from None
-        raise InputError(f"tls cert {config.tls_cert} and key {config.tls_key}: not a usable PEM "
-                         f"certificate and private key ({reason})") from None
+    check_key_pair(config.tls_cert, config.tls_key, "tls cert", "tls key")
     if ca is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
             context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
         except (ssl.SSLError, ValueError) as exc:

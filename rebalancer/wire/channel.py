@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,11 +78,12 @@ class ChannelConfig:
         self.check()
         if not self.ca_file:
             return None
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca_file),
-            private_key=_read(self.key_file) if self.key_file else None,
-            certificate_chain=_read(self.cert_file) if self.cert_file else None,
-        )
+        root, key, chain = (_read(self.ca_file), _read(self.key_file) if self.key_file else None,
+                            _read(self.cert_file) if self.cert_file else None)
+        if self.cert_file and self.key_file:
+            # gRPC would only fail the handshake, which reads as an unreachable controller.
+            check_key_pair(self.cert_file, self.key_file, "client certificate", "client key")
+        return grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=chain)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
@@ -96,6 +98,22 @@ class TlsFlags:
     key: str = "--key"
 
 
+def check_key_pair(cert_file: str, key_file: str, cert_what: str, key_what: str) -> None:
+    """The private key in `key_file` is the key of the certificate in `cert_file`, checked with
+    Python's own TLS (InputError, one line, naming both files as `cert_what` / `key_what` say):
+    gRPC only fails the handshake, or the bind, without saying which file is wrong or why."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        # A password-protected key would prompt on the terminal without `password`.
+        context.load_cert_chain(cert_file, key_file, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        reason = getattr(exc, "reason", None) or str(exc)
+        if "MISMATCH" in str(reason).upper():
+            raise InputError(f"{key_what} {key_file} is not the key of {cert_what} {cert_file}") from None
+        raise InputError(f"{cert_what} {cert_file} and {key_what} {key_file}: not a usable PEM "
+                         f"certificate and private key ({reason})") from None
+
+
 def unavailable_cause(config: ChannelConfig, details: str, flags: TlsFlags = TlsFlags()) -> str:
     """The likely cause of an UNAVAILABLE call, in words, from gRPC's details (which say
     "Socket closed" when the server ends a TLS handshake, or quote the TLS library);
@@ -104,6 +122,10 @@ def unavailable_cause(config: ChannelConfig, details: str, flags: TlsFlags = Tls
     where = config.address
     if "Connection refused" in details:
         return f"nothing listens on {where} (is the controller running there?)"
+    if "Failed parsing HTTP/2" in details:
+        # An HTTP/1 server (the controller's or a sidecar's metrics port) answers gRPC's preface.
+        return (f"the server at {where} answers HTTP, not gRPC: it is not the controller's gRPC port "
+                "(is it the metrics port?)")
     if "WRONG_VERSION_NUMBER" in details:
         return f"the server at {where} does not speak TLS: leave out {flags.ca}, {flags.cert} and {flags.key}"
     if "CERTIFICATE_VERIFY_FAILED" in details:

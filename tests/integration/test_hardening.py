@@ -559,6 +559,37 @@ def test_admin_names_the_likely_cause_of_a_tls_failure(two_cas: Path, tmp_path: 
         plain.stop()
 
 
+def test_admin_with_a_key_that_is_not_its_certificates(two_cas: Path, tmp_path: Path) -> None:
+    """A client key that does not match the client certificate is bad input named as such
+    (exit 2, one line, nothing sent), not a controller that reads as unreachable."""
+    d = two_cas
+    ctl = start_controller(tmp_path / "c.sqlite", tls_cert=str(d / "server.crt"), tls_key=str(d / "server.key"),
+                           tls_client_ca=str(d / "ca.crt"))
+    try:
+        run = cli("admin", "--address", ctl.server.address, "--timeout", "10",  # type: ignore[union-attr]
+                  "--ca", str(d / "ca.crt"), "--cert", str(d / "client.crt"), "--key", str(d / "stranger.key"),
+                  "pause", "prod")
+        assert_one_line_error(run, BAD_INPUT, f"client key {d / 'stranger.key'} is not the key of client "
+                              f"certificate {d / 'client.crt'}")
+        assert "UNAVAILABLE" not in run.stderr
+    finally:
+        ctl.stop()
+
+
+def test_admin_at_the_metrics_port_says_it_is_not_grpc(tmp_path: Path) -> None:
+    """`admin --address` naming the controller's metrics port (HTTP) says so in one line,
+    not gRPC's HTTP/2 parse error."""
+    ctl = start_controller(tmp_path / "c.sqlite", metrics_port=0)
+    try:
+        where = f"127.0.0.1:{ctl.server.metrics_port}"  # type: ignore[union-attr]
+        run = cli("admin", "--address", where, "--timeout", "10", "status")
+        assert_one_line_error(run, 5, "UNAVAILABLE: ", f"the server at {where} answers HTTP, not gRPC",
+                              "not the controller's gRPC port")
+        assert "HTTP/2" not in run.stderr and "SETTINGS frame" not in run.stderr
+    finally:
+        ctl.stop()
+
+
 def test_tls_key_that_is_not_the_certificates(two_cas: Path, tmp_path: Path) -> None:
     d = two_cas
     run = cli("serve", "--port", "0", "--db", str(tmp_path / "c.sqlite"), "--tls-cert", str(d / "server.crt"),
