@@ -64,7 +64,9 @@ class EmbeddedController:
         return self.server
 
     def stop(self) -> None:
-        if self.server is not None:
+        """Stop the server and its thread; again: nothing (a test may stop it mid-run and
+        again in its `finally`)."""
+        if self.server is not None and not self.loop.is_closed():
             asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
         self.thread.join(30)
 

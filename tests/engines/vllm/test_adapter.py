@@ -203,6 +203,65 @@ def test_a_call_for_another_world_gets_that_worlds_shape(tmp_path: Path) -> None
         assert r["other_world"] and r["other_world"][-1]["num_ranks"] == WORLD - 1
 
 
+def _check_scaled_down(r: dict, lost: int) -> np.ndarray:
+    """The map after vLLM's scale-down: the new world's shape, every expert served on
+    every layer, and (on a survivor) the weights vLLM moved equal to it."""
+    from tests.engines.vllm.worker import NUM_EXPERTS, NUM_LAYERS, REDUNDANT
+
+    sd = r["scale_down"]
+    new = np.asarray(sd["map"])
+    assert new.shape == (NUM_LAYERS, (NUM_EXPERTS + REDUNDANT) // WORLD * (WORLD - 1)), new.shape
+    assert all(set(row) == set(range(NUM_EXPERTS)) for row in new.tolist())
+    if r["rank"] != lost:
+        assert sd["survivor_weights_match_map"] is True
+    return new
+
+
+def test_a_scale_down_takes_the_planned_survivor_placement_with_the_controller_gone(tmp_path: Path) -> None:
+    """Elastic EP drops rank 3 through vLLM's real `EplbState.rearrange(rank_mapping=...)`
+    (stand-in: the StatelessGroupCoordinator, see worker.shrink). The controller planned
+    the survivors' placement for that loss ahead and is stopped before the loss: the map
+    vLLM installs is that placement, every expert served, the survivors' weights match."""
+    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True))
+    assert ctl.server is not None
+    planned: list[Any] = []
+
+    def stop_controller_once_planned() -> None:
+        markers = [tmp_path / f"rank{r}.json.planned" for r in range(WORLD)]
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and not all(m.exists() for m in markers):
+            time.sleep(0.2)
+        made = ctl.call(lambda: ctl.server.controller.contingency.get(DEPLOYMENT))  # type: ignore[union-attr]
+        planned.extend(loss.phy2log for loss in (made.losses if made else ()) if loss.lost == (WORLD - 1,))
+        ctl.stop()
+        for r in range(WORLD):
+            (tmp_path / f"rank{r}.json.go").write_text("")
+
+    try:
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=40, during=stop_controller_once_planned,
+                                    common=["--runner", "v2", "--scale-down", "--wait-plan", "150"])
+    finally:
+        ctl.stop()
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    assert len(planned) == 1 and planned[0] is not None
+    for r in results.values():
+        assert r["scale_down"]["planned"] is not None, _logs(tmp_path)
+        new = _check_scaled_down(r, WORLD - 1)
+        assert np.array_equal(new, planned[0])
+        assert r["scale_down"]["other_world"][-1]["planned"] is True
+
+
+def test_a_scale_down_with_no_plan_gets_vllms_default_on_the_new_shape(tmp_path: Path) -> None:
+    """No controller ever answered: vLLM's default policy places the survivors, in the
+    new world's shape (never the old map)."""
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=8,
+                                common=["--runner", "v2", "--interval", "4", "--scale-down"])
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    for r in results.values():
+        _check_scaled_down(r, WORLD - 1)
+        assert r["scale_down"]["other_world"][-1]["planned"] is False
+
+
 def test_stale_plan_on_one_rank_keeps_every_rank_on_the_old_map(tmp_path: Path) -> None:
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
     assert ctl.server is not None

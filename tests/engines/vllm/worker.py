@@ -107,6 +107,43 @@ def install_stand_ins(torch, group) -> None:  # noqa: ANN001
     parallel_state._NODE_COUNT = 1
 
 
+def shrink(args, adapter, state, model, model_state, weights_match, group, torch) -> dict:  # noqa: ANN001
+    """Elastic EP's scale-down of the last rank through vLLM's real
+    `EplbState.rearrange(rank_mapping=...)`: its policy call, `rearrange_expert_weights_inplace`
+    moving the survivors' weights over gloo with the rank mapping, `_commit_eplb_maps` of
+    the smaller map. Stand-in: vLLM's resize runs on a `StatelessGroupCoordinator` (TCP
+    store group); here an instance of that class, not initialised by its constructor,
+    holding the gloo group as `device_group`, `cpu_group` and `tcp_store_group`."""
+    from vllm.distributed import parallel_state
+    from vllm.distributed.stateless_coordinator import StatelessGroupCoordinator
+
+    lost = args.world - 1
+    planned = None
+    if args.wait_plan > 0:
+        deadline = time.monotonic() + args.wait_plan
+        while time.monotonic() < deadline and planned is None:
+            planned = adapter.agent.survivor_map([lost], adapter.version) if adapter else None
+            time.sleep(0.1)
+        Path(args.out + ".planned").write_text("1" if planned is not None else "0")
+        go = Path(args.out + ".go")
+        while time.monotonic() < deadline + 60 and not go.exists():
+            time.sleep(0.1)
+
+    class Resizing(StatelessGroupCoordinator):
+        def __init__(self) -> None:  # the fields vLLM's resize reads, without a TCP store
+            self.device_group = self.cpu_group = self.tcp_store_group = group
+            self.rank_in_group, self.world_size = group.rank(), group.size()
+
+    parallel_state._EP = Resizing()
+    mapping = {r: (r if r != lost else -1) for r in range(args.world)}
+    state.rearrange(rank_mapping=mapping)
+    new_map = model_state.physical_to_logical_map.cpu()
+    survivor_ok = bool(weights_match(model, model_state)) if args.rank != lost else None
+    return {"lost": lost, "planned": planned.tolist() if planned is not None else None,
+            "map": new_map.tolist(), "survivor_weights_match_map": survivor_ok,
+            "other_world": adapter.stats.other_world if adapter else []}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -115,6 +152,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--interval", type=int, default=20, help="vLLM's step_interval")
+    parser.add_argument("--window", type=int, default=0, help="vLLM's window_size (0: the interval)")
     parser.add_argument("--step-sleep", type=float, default=0.01)
     parser.add_argument("--async-mode", action="store_true")
     parser.add_argument("--runner", choices=("v1", "v2"), default="v1",
@@ -123,6 +161,12 @@ def main() -> None:
     parser.add_argument("--drift", type=int, default=0, help="popularity rolls by one expert every N steps")
     parser.add_argument("--policy-probe", action="store_true",
                         help="after the run, ask the policy for world - 1 ranks as elastic EP does")
+    parser.add_argument("--scale-down", action="store_true",
+                        help="after the run, elastic EP's scale-down: EplbState.rearrange(rank_mapping=...) "
+                             "drops the last rank")
+    parser.add_argument("--wait-plan", type=float, default=0.0,
+                        help="before the scale-down, wait up to this long for the controller's survivor "
+                             "placement of that loss, then write <out>.planned and wait for <out>.go")
     parser.add_argument("--stale-plan", action="store_true",
                         help="this rank stages a different map for the first plan")
     args = parser.parse_args()
@@ -139,7 +183,7 @@ def main() -> None:
     from vllm.config import ParallelConfig
     from vllm.config.parallel import EPLBConfig
     from vllm.distributed.eplb import async_worker, eplb_state, rebalance_execute
-    from vllm.distributed.eplb.eplb_state import EplbState
+    from vllm.distributed.eplb.eplb_state import EplbLayerState, EplbState
     from vllm.plugins import load_general_plugins
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
@@ -155,6 +199,8 @@ def main() -> None:
             self.weights = [torch.stack([reference_weights(layer, e)[i] for e in local])
                             for i in range(len(SHAPES))]
             self.load_view = self.l2p = self.count = None
+            # vLLM's per-layer state: EplbState hands it its `should_record_tensor`.
+            self.eplb_state = EplbLayerState()
 
         def get_expert_weights(self) -> list:
             return self.weights
@@ -164,6 +210,8 @@ def main() -> None:
             self.load_view = expert_load_view[moe_layer_idx]
             self.l2p = logical_to_physical_map[moe_layer_idx]
             self.count = logical_replica_count[moe_layer_idx]
+            self.eplb_state.set_layer_state(moe_layer_idx, expert_load_view, logical_to_physical_map,
+                                            logical_replica_count)
 
     initial = EplbState.build_initial_global_physical_to_logical_map(NUM_EXPERTS, REDUNDANT)
 
@@ -200,7 +248,7 @@ def main() -> None:
     # model's (TinyMoE), as EplbState reads it.
     parallel_config = ParallelConfig(
         enable_expert_parallel=True,
-        eplb_config=EPLBConfig(window_size=args.interval, step_interval=args.interval,
+        eplb_config=EPLBConfig(window_size=args.window or args.interval, step_interval=args.interval,
                                use_async=args.async_mode,
                                communicator="torch_gloo"),
     )
@@ -310,6 +358,20 @@ def main() -> None:
     popularity = np.array([8, 6, 1, 1, 1, 1, 1, 1], dtype=np.float64)
     rng = np.random.default_rng(rank)
     routed = np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64)
+    recorded = np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64)  # routed while vLLM records
+    # What the adapter hands its agent, summed per (layer, expert) and per slot: the
+    # windows as they go to the controller (the agent itself is the real one).
+    from worker_hooks.agent import WorkerAgent
+
+    sent = {"logical": np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64), "windows": []}
+    submit = WorkerAgent.submit_window
+
+    def tee(self, first_step, num_steps, version, logical, physical):  # noqa: ANN001, ANN202
+        sent["logical"] += np.asarray(logical, dtype=np.int64)
+        sent["windows"].append([int(first_step), int(num_steps), int(version)])
+        return submit(self, first_step, num_steps, version, logical, physical)
+
+    WorkerAgent.submit_window = tee
     mismatches = 0
     step_seconds: list[float] = []
     stale_hooked = False
@@ -327,7 +389,12 @@ def main() -> None:
             replicas = layer.count[logical]
             pick = torch.arange(logical.numel()).reshape(logical.shape) % replicas
             physical = layer.l2p[logical, pick]
-            layer.load_view.scatter_add_(0, physical.ravel(), torch.ones(physical.numel(), dtype=torch.int32))
+            # vLLM's router records only while EplbState's should_record_tensor is set.
+            flag = layer.eplb_state.should_record_tensor
+            if flag is None or bool(flag):
+                layer.load_view.scatter_add_(0, physical.ravel(), torch.ones(physical.numel(), dtype=torch.int32))
+                if moe is model:
+                    np.add.at(recorded[layer_index], ids.ravel(), 1)
             current = moe_state.physical_to_logical_map[layer_index]
             wrong += int((current[physical] != logical).sum())
         return wrong
@@ -385,6 +452,9 @@ def main() -> None:
         vllm_default = DefaultEplbPolicy.rebalance_experts(weight, replicas, 1, 1, ranks, final.clone())
         probe = {"num_replicas": replicas, "num_ranks": ranks, "answer": asked.tolist(),
                  "default": vllm_default.tolist()}
+    scale_down = None
+    if args.scale_down:
+        scale_down = shrink(args, adapter, state, model, model_state, weights_match, group, torch)
     worker.destroy_worker_extension()
     result = {
         "rank": rank, "policy": policy_name, "version": adapter.version if adapter else None,
@@ -393,6 +463,8 @@ def main() -> None:
         "windows": adapter.stats.windows if adapter else 0,
         "tokens_sent": adapter.stats.tokens_sent if adapter else 0,
         "routed": int(routed.sum()),
+        "recorded_logical": recorded.tolist(), "sent_logical": sent["logical"].tolist(),
+        "sent_windows": sent["windows"],
         "phy2log": final.tolist(), "initial_phy2log": [list(initial)] * NUM_LAYERS,
         "weights_match_map": weights_ok, "dispatch_mismatches": mismatches,
         # The first step builds the adapter (imports gRPC and the protocol, starts the
@@ -407,7 +479,7 @@ def main() -> None:
         "attach": plugin.attach_status() if hasattr(plugin, "attach_status") else None,
         "drafter_calls": getattr(adapter.stats, "drafter_calls", 0) if adapter else 0,
         "other_world": getattr(adapter.stats, "other_world", []) if adapter else [],
-        "policy_probe": probe,
+        "policy_probe": probe, "scale_down": scale_down,
         "drafter": None if drafter is None else {
             "phy2log": draft_state.physical_to_logical_map.cpu().tolist(),
             "weights_match_map": weights_match(drafter, draft_state),

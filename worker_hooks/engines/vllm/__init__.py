@@ -66,9 +66,13 @@ What holds, and what vLLM cannot give
   no part in the agreement): it never fails or delays the main model's plans, and its
   counts are not sent (adapter.py's docstring says how the calls are told apart).
 * Another world: when vLLM asks the policy for another `num_replicas`/`num_ranks` than
-  the controller plans for (elastic EP scaling, `rearrange(rank_mapping=...)`), vLLM's
-  default policy answers that call (WARNING), in the shape asked; the controller's plans
-  built on the old map are refused afterwards (the map differs).
+  the controller plans for (elastic EP scaling, `rearrange(rank_mapping=...)`), the answer
+  has the shape asked: for a scale-down the controller planned ahead (the survivor
+  placement it sent for exactly the ranks leaving, on the map served, held by every
+  rank: one all-reduce of its digest), that placement; otherwise vLLM's default policy
+  (WARNING). The adapter then stops; the next EPLB step builds one on the new world, whose
+  registration the controller refuses while the deployment's shape is the old one (the
+  controller does not yet take a deployment's resize: serving goes on, unbalanced).
 * Warm start (`REBALANCER_POOL`): a fresh group offered the pool's placement at Register
   installs it at vLLM's first policy call, when every rank holds the same offer
   (all-reduce of the offered version on the EPLB CPU group, worker_hooks/warm.py, then

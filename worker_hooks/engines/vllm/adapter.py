@@ -118,6 +118,7 @@ class VLLMRebalanceAdapter(PlanHandlers):
         self._window_start = 0
         self._window_version = 0
         self._window_map = self.phy2log.copy()
+        self.resizing: dict[int, int] | None = None  # elastic EP's rank mapping, during a resize
         self._counts: torch.Tensor | None = None   # [L, P] int64, this window's slot counts
         self._policy_calls = 0                     # policy calls seen: which model is asked
         self._cursor = int(eplb_state.expert_load_window_step)
@@ -241,13 +242,53 @@ class VLLMRebalanceAdapter(PlanHandlers):
             self.stats.drafter_calls += 1
             return default(weight, num_replicas, num_groups, num_nodes, num_ranks, old_map)
         if num_replicas != self.num_slots or num_ranks != self.num_ranks:
+            planned = self._planned_survivors(int(num_replicas), int(num_ranks))
             self.stats.other_world.append({"step": self.step, "num_replicas": int(num_replicas),
-                                           "num_ranks": int(num_ranks)})
+                                           "num_ranks": int(num_ranks), "planned": planned is not None})
+            if planned is not None:
+                log.warning("rank %d: vLLM scales the group down to %d ranks: the survivor placement "
+                            "the controller planned for v%d answers", self.rank, num_ranks, self.version)
+                return torch.from_numpy(planned).to(old_map.dtype)
             log.warning("rank %d: vLLM asks for %d slots on %d ranks, the controller plans %d on %d: "
                         "vLLM's default policy answers this call", self.rank, num_replicas, num_ranks,
                         self.num_slots, self.num_ranks)
             return default(weight, num_replicas, num_groups, num_nodes, num_ranks, old_map)
         return self.choose_map(old_map)
+
+    def _planned_survivors(self, num_replicas: int, num_ranks: int) -> np.ndarray | None:
+        """The controller's survivor placement `[L, num_replicas]` for the resize vLLM runs
+        now (`resizing`, set around `EplbState.rearrange(rank_mapping=...)`), its slots in
+        the new ranks' order; None for a resize it did not plan (scale-up, another loss,
+        another base version, no set received), and unless every rank holds the same
+        answer (one all-reduce on the old group, which every rank of it runs: vLLM asks
+        each the same)."""
+        mapping = self.resizing
+        if mapping is None or len(mapping) != self.num_ranks:
+            return None
+        answer, digest = None, NO_PLAN
+        try:  # the same on every rank but for a defect: caught, so the collective below runs
+            survivors = sorted(old for old, new in mapping.items() if new >= 0)
+            lost = sorted(set(mapping) - set(survivors))
+            per = self.num_slots // self.num_ranks
+            planned = self.agent.survivor_map(lost, self.version) if lost else None
+            if (planned is not None and len(survivors) == num_ranks and num_replicas == per * num_ranks
+                    and planned.shape == (self.num_layers, num_replicas)
+                    and sorted(mapping[old] for old in survivors) == list(range(num_ranks))):
+                # The plan's i-th block of slots is the i-th surviving old rank's.
+                answer = np.empty_like(planned)
+                for i, old in enumerate(survivors):
+                    new = mapping[old]
+                    answer[:, new * per:(new + 1) * per] = planned[:, i * per:(i + 1) * per]
+                digest = plan_hash(self.version, answer)
+        except Exception:
+            log.exception("rank %d: the planned survivor placement was not used", self.rank)
+            answer, digest = None, NO_PLAN
+        try:
+            low, neg_high = self._all_reduce_min([digest, -digest])
+        except Exception:
+            log.exception("rank %d: the ranks could not agree on a survivor placement", self.rank)
+            return None
+        return answer if low != NO_PLAN and low == -neg_high else None
 
     def _main_call(self, old_map: torch.Tensor) -> bool:
         """Whether this policy call is for the main model. vLLM asks for every model of

@@ -219,7 +219,32 @@ def _instrument(state: Any, config: VLLMAdapterConfig) -> None:
             log.exception("rank %d: counts of step %d dropped", adapter.rank, adapter.step)
         return None
 
+    original_rearrange = state.rearrange
+
+    def rearrange(is_profile: bool = False, rank_mapping: dict[int, int] | None = None, **kwargs: Any) -> Any:
+        """vLLM's rearrangement; with `rank_mapping` (elastic EP resizes the group: old rank
+        to new, -1 leaving) the adapter's policy answer may be the survivor placement the
+        controller planned for exactly that loss (VLLMRebalanceAdapter.answer). The adapter
+        holds the old world's group and shape: after a resize it stops, and the next step
+        builds one on the new world."""
+        global _adapter
+        adapter = _adapter
+        if rank_mapping is None or adapter is None or adapter.eplb_state is not state:
+            return original_rearrange(is_profile=is_profile, rank_mapping=rank_mapping, **kwargs)
+        adapter.resizing = dict(rank_mapping)
+        try:
+            return original_rearrange(is_profile=is_profile, rank_mapping=rank_mapping, **kwargs)
+        finally:
+            adapter.resizing = None
+            if not is_profile:
+                _adapter = None
+                try:
+                    adapter.finish(timeout=1.0)
+                except Exception:
+                    log.exception("rank %d: the adapter of the old world did not stop cleanly", adapter.rank)
+
     state.step = step
+    state.rearrange = rearrange
     state._rebalancer_config = config
 
 
