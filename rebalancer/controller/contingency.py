@@ -1,5 +1,5 @@
 """Contingency plans: a survivor placement ready for every single-rank and single-node
-loss of each deployment, before anything fails (DESIGN.md, "When a GPU dies").
+loss of each deployment, before anything fails (docs/operations.md, "When a GPU dies").
 
 `ContingencyPlanner` owns every deployment's newest `ContingencySet`: it asks for one
 after each committed placement and whenever the estimate has moved by `REFRESH_SHIFT`

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 
-# What a refusal may be (DESIGN.md invariant 6): never UNKNOWN / INTERNAL / UNAVAILABLE.
+# What a refusal may be (invariant 6, ARCHITECTURE.md): never UNKNOWN / INTERNAL / UNAVAILABLE.
 REFUSALS = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,

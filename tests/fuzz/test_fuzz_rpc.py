@@ -1,5 +1,5 @@
 """Fuzz every RPC of the WorkerService and the AdminService against a real controller on
-loopback (DESIGN.md invariant 6): random and mutated messages (wrong shapes and dtypes,
+loopback (invariant 6, ARCHITECTURE.md): random and mutated messages (wrong shapes and dtypes,
 huge sizes, negative and NaN values, unknown enum values, out-of-order sequence numbers,
 unknown deployments and sessions, stale versions). Each call is OK on valid input, or
 refused with a status among REFUSALS and a message, never UNKNOWN / INTERNAL; after a

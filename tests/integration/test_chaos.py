@@ -1,4 +1,4 @@
-"""The reliability campaign, short (bench/chaos.py; the long one is in RELIABILITY.md): a real
+"""The reliability campaign, short (bench/chaos/; the long one is in RELIABILITY.md): a real
 controller process on an SQLite store, a sidecar per pod, real gloo ranks on real routing
 data, every gRPC link through the loopback fault proxy. Each fault kind of the short list
 is injected (at least once, at plan phases in turn), and after every episode the store,

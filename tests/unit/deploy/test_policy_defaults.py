@@ -80,7 +80,7 @@ def test_controller_toml_policy_matches_the_code() -> None:
 
 def test_configmap_policy_matches_the_code(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
     text = manifests[("ConfigMap", "rebalancer-config")]["data"]["controller.toml"]
-    check_policy_section(text, "deploy/kubernetes/configmap.yaml")
+    check_policy_section(text, "deploy/kubernetes/base/configmap.yaml")
     # The ConfigMap's [policy] is deploy/controller.toml's, comments included.
     assert policy_text(text) == policy_text(CONTROLLER_TOML.read_text())
 

@@ -1,5 +1,5 @@
 """The simulator's inputs out of range or of the wrong type: one-line InputErrors naming
-what is wrong, before anything large is allocated (DESIGN.md invariant 6)."""
+what is wrong, before anything large is allocated (invariant 6, ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
