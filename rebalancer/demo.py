@@ -240,6 +240,21 @@ def launch_workers(
     return procs
 
 
+class DemoFailed(RuntimeError):
+    """The demo's own processes failed (a worker or sidecar that ended early, workers past
+    their deadline): `rebalancer demo` says so in one line and exits 1."""
+
+
+def exit_text(code: int) -> str:
+    """How a process ended, from its return code (negative: the signal that killed it)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def reap(procs: Sequence[subprocess.Popen[Any]], terminate: bool = True, seconds: float = 10.0) -> None:
     """End every process still running and wait for all: SIGTERM first (a sidecar drains)
     and SIGKILL after `seconds`, or SIGKILL at once; killed anyway if interrupted."""
@@ -298,13 +313,13 @@ def launch_sidecars(
         deadline = time.monotonic() + 60.0
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"sidecar of pod {i} exited with code {proc.returncode} before it "
-                                   "was ready (see its output above)")
+                raise DemoFailed(f"sidecar of pod {i} {exit_text(proc.returncode)} before it "
+                                 "was ready (see its output above)")
             ok, seen = probe(target, timeout=1.0)
             if ok:
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sidecar of pod {i} not ready on {target} after 60 s ({seen})")
+                raise DemoFailed(f"sidecar of pod {i} not ready on {target} after 60 s ({seen})")
             time.sleep(0.1)
     return [sockets[rank // (config.workers // config.sidecars)] for rank in range(config.workers)]
 
@@ -348,9 +363,10 @@ def demo_fleet(
     """The demo's sidecars (one per pod, if any) and workers, pointed at `controller`;
     yields the workers. Everything is reaped on the way out, however it is left; on a
     normal exit a worker that failed, or a sidecar that ended before it was asked to,
-    raises RuntimeError (the others drain their last windows on SIGTERM)."""
+    raises DemoFailed (the others drain their last windows on SIGTERM)."""
     sidecars: list[subprocess.Popen[bytes]] = []
     procs: list[subprocess.Popen[bytes]] = []
+    ended: dict[int, int] = {}
     try:
         targets: str | list[str] = controller
         if config.sidecars:
@@ -358,34 +374,53 @@ def demo_fleet(
         procs.extend(launch_workers(config, targets, profile_path, tmp))
         yield procs
     finally:
+        # The workers that ended by themselves, before the ones still running are killed
+        # here (which then read as killed too).
+        ended = {i: p.returncode for i, p in enumerate(procs) if p.poll() is not None}
         try:
             reap(procs, terminate=False)
         finally:
             sidecars_failed = [(i, p.returncode) for i, p in enumerate(sidecars) if p.poll() is not None]
             reap(sidecars, terminate=True)
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    failed = {i: code for i, code in ended.items() if code != 0}
     if failed:
-        raise RuntimeError(f"workers {failed} failed (see their output above)")
+        stopped = [i for i in range(len(procs)) if i not in ended]
+        # A worker killed by a signal first: its peers fail because it is gone.
+        order = sorted(failed, key=lambda i: (failed[i] >= 0, i))
+        raise DemoFailed(", ".join(f"worker {i} {exit_text(failed[i])}" for i in order)
+                         + (f"; the demo stopped workers {stopped} with it" if stopped else "")
+                         + " (see the workers' output above)")
+    if any(p.returncode != 0 for p in procs):
+        raise DemoFailed(f"workers {[i for i, p in enumerate(procs) if p.returncode != 0]} did not end "
+                         "by themselves (see their output above)")
     if sidecars_failed:
-        raise RuntimeError("sidecars ended during the run (see their output above): " + ", ".join(
-            f"pod {i} with code {code}" for i, code in sidecars_failed))
+        raise DemoFailed("sidecars ended during the run (see their output above): " + ", ".join(
+            f"pod {i} {exit_text(code)}" for i, code in sidecars_failed))
+
+
+def wait_workers(procs: Sequence[subprocess.Popen[Any]], until: float) -> bool:
+    """Wait for the workers until `until` (time.monotonic()): True once every one has ended,
+    or as soon as one has failed (its peers cannot serve without it: demo_fleet stops them
+    and says which failed); False at `until`."""
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(code is not None for code in codes) or any(code not in (None, 0) for code in codes):
+            return True
+        if time.monotonic() >= until:
+            return False
+        time.sleep(min(0.1, max(0.0, until - time.monotonic())))
 
 
 def _follow(
     procs: list[subprocess.Popen[bytes]], poller: StatusPoller, deadline: float, start: float,
     emit: Callable[[str], None],
 ) -> None:
-    """Until the workers end: the deployment's status line each second."""
-    while any(p.poll() is None for p in procs):
+    """Until the workers end (or one fails): the deployment's status line each second."""
+    while not wait_workers(procs, time.monotonic()):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"workers still running after {deadline - start:.0f} s")
+            raise DemoFailed(f"workers still running after {deadline - start:.0f} s")
         emit(poller.line())
-        tick = time.monotonic() + 1.0
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, tick - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                break
+        wait_workers(procs, time.monotonic() + 1.0)
 
 
 def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[str, Any]:
@@ -461,8 +496,8 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
     start = time.monotonic()
     try:
         with demo_fleet(config, server.address, profile_path, tmp) as procs:
-            for p in procs:
-                p.wait(timeout=time_limit(config) + 60)
+            if not wait_workers(procs, start + time_limit(config) + 60):
+                raise DemoFailed(f"workers still running after {time_limit(config) + 60:.0f} s")
         time.sleep(0.3)  # last windows
     finally:
         dep = server.controller.deployments.get(config.deployment)

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from rebalancer.demo import DemoConfig, default_sidecars, run_demo
+    from rebalancer.demo import DemoConfig, DemoFailed, default_sidecars, run_demo
     from rebalancer.errors import InputError
 
     if args.spare_rows < 0:
@@ -173,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
     try:
         summary = run_demo(config)
+    except DemoFailed as exc:
+        # Every worker and sidecar is reaped by now; what failed is said once, not as a traceback.
+        print(f"rebalancer demo: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

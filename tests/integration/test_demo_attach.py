@@ -6,6 +6,8 @@ is a real one and is reaped whatever happens."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +15,8 @@ import urllib.request
 from pathlib import Path
 
 from rebalancer.demo import free_port
+from tests.integration.conftest import start_controller
+from tests.integration.test_process_lifetime import alive, children_of
 
 
 def _admin(address: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -102,3 +106,48 @@ def test_demo_attached_to_no_controller_exits_1_saying_so() -> None:
     assert err.splitlines()[-1].startswith(
         f"rebalancer demo: error: no worker registered with the controller at {address} as deployment 'demo': "
         "no rank connected, no window folded (last status: UNAVAILABLE"), err
+
+
+def test_a_worker_killed_under_demo_controller_ends_it_in_one_line(tmp_path: Path) -> None:
+    """Issue 34: a worker SIGKILLed under `demo --controller` ended the demo with a traceback
+    (RuntimeError from the fleet), after the survivors' own gloo tracebacks. Now: exit 1,
+    one error line naming the killed worker, no traceback, and no worker or sidecar left."""
+    ctl = start_controller(tmp_path / "c.sqlite")
+    address = ctl.server.address  # type: ignore[union-attr]
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "rebalancer", "demo", "--controller", address, "--workers", "2", "--sidecars", "1",
+         "--windows", "400", "--window-steps", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    children: dict[int, int] = {}
+    try:
+        def folded() -> int:
+            dep = ctl.server.controller.deployments.get("demo")  # type: ignore[union-attr]
+            return int(dep.estimator.windows) if dep is not None else 0
+
+        deadline = time.monotonic() + 120
+        while ctl.call(folded) < 1:  # both ranks serve: the group is up
+            assert demo.poll() is None, demo.stderr.read() if demo.stderr else ""
+            assert time.monotonic() < deadline, "no window folded"
+            time.sleep(0.2)
+        children = children_of(demo.pid)
+        commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children}
+        (victim,) = [pid for pid, cmd in commands.items() if b"worker_hooks.examples.cpu_worker" in cmd
+                     and cmd[cmd.index(b"--rank") + 1] == b"1"]
+        assert any(b"sidecar" in cmd for cmd in commands.values()), commands
+        os.kill(victim, signal.SIGKILL)
+        _, err = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        for pid, start in children.items():  # never leave one behind, even when failing
+            if alive(pid, start):
+                os.kill(pid, signal.SIGKILL)
+        ctl.stop()
+    assert demo.returncode == 1, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("rebalancer demo: error:")]
+    assert errors == [err.splitlines()[-1]], err
+    # The killed worker named first (its peer, if it saw the loss first, exits 1 after it).
+    assert errors[0].startswith("rebalancer demo: error: worker 1 was killed by SIGKILL"), err
+    assert not [pid for pid, start in children.items() if alive(pid, start)], "a worker or sidecar outlived the demo"

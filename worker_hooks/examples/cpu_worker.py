@@ -429,12 +429,33 @@ def main(argv: list[str] | None = None) -> int:
     groups = join_groups(args)                   # 1. the process groups
     model = build_model(args, groups.device)     # 2. this rank's weights
     hook = build_hook(args, model, groups)       # 3. the hook around them, started
-    served = serve(args, hook, model)            # 4. route / step_end in the forward loop
+    try:
+        served = serve(args, hook, model)        # 4. route / step_end in the forward loop
+    except RuntimeError as exc:
+        if "gloo" not in str(exc):  # gloo's errors name its source file: anything else is a bug here
+            raise
+        # A peer rank ended (killed, failed) and this rank's collective with it failed: the
+        # group cannot serve any more. One line, not gloo's traceback, and exit 1 at once:
+        # the interpreter's exit would tear the groups down under gloo threads still on the
+        # dead peer, which aborts the process (as in shut_down).
+        print(f"rank {args.rank}: error: the expert-parallel group lost a peer: {gloo_reason(exc)}",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     settled = hook.finish(timeout=5.0, transfer_timeout=15.0)  # last window, reports, transfers
     with open(args.out, "w") as f:
         json.dump(result_of(args, hook, model, served), f)
     shut_down(args, settled)                     # 5. leave the group
     return 0
+
+
+def gloo_reason(exc: RuntimeError) -> str:
+    """The first sentence of a gloo error, without its "[source file:line]" prefix and the
+    advice after it."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ", 1)[0]
 
 
 # The goodbye's counters in the group's store (leave_group): ranks done, ranks gone after
