@@ -273,9 +273,20 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
                 f"{d.migration_cost_seconds:.3f} s" + (f"; plan v{d.plan_version} started" if d.plan_version else "")
                 + (f"; pool placement {reply.placement.version}, rolled out to its members"
                    if args.pool and d.outcome == "forced" and not args.dry_run else ""))
+        if args.pool and reply.members:
+            # The decision compares the pool placement with the pool's last one; what each
+            # member's plan moves is from the placement it serves (one balanced alone while
+            # diverged may move far more).
+            text += "\neach member's own move, from the placement it serves:" + "".join(
+                f"\n  {m.deployment} (v{m.placement_version}): " + (
+                    "diverged (balanced alone): not rolled to, moves nothing" if m.diverged else
+                    f"{m.slots_moved} slots ({m.moved_fraction:.1%}), {m.bytes_to_move / 1e6:.1f} MB")
+                for m in reply.members)
         if args.json:
             out = plain(d)
             out["transfers"] = len(reply.transfers.data) // 20 if reply.transfers.data else 0
+            if args.pool:
+                out["members"] = [plain(m) for m in reply.members]
             print(json.dumps(out))
         elif args.dry_run or d.plan_version:
             print(text)

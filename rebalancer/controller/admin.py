@@ -196,7 +196,8 @@ class AdminService(pb_grpc.AdminServiceServicer):
     async def _force_pool(self, request: pb.ForceRebalanceRequest,
                           context: grpc.aio.ServicerContext) -> pb.ForceRebalanceResponse:
         """A pool's rebalance: the response carries the pool placement (version: the pool
-        placement's number) and no transfers (each member's plan has its own)."""
+        placement's number), no transfers (each member's plan has its own) and each member's
+        own move to it."""
         try:
             if request.deployment:
                 raise InputError("name a deployment or a pool, not both")
@@ -212,6 +213,13 @@ class AdminService(pb_grpc.AdminServiceServicer):
         if decision.candidate is not None:
             response.placement.CopyFrom(placement_msg(pool.version if decision.take and not request.dry_run else 0,
                                                       decision.candidate))
+            # Each member's own move (no await since the force: no plan has ended meanwhile,
+            # so each member still serves the placement its plan starts from).
+            response.members.extend(
+                pb.PoolMemberMove(deployment=m.deployment, placement_version=m.version, slots_moved=m.slots_moved,
+                                  bytes_to_move=m.bytes_to_move, moved_fraction=m.moved_fraction,
+                                  diverged=m.diverged)
+                for m in self.controller.fleet.member_moves(pool.name, decision.candidate))
         return response
 
     async def GetPolicy(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Policy:

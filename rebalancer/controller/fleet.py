@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import numpy as np
 
+from rebalancer import placement
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
@@ -54,6 +55,18 @@ log = logging.getLogger("rebalancer.controller")
 # How long a member offered a warm start is left to install it before the rolling plans
 # from what the controller holds (its v0): ten times the hooks' default wait.
 OFFER_GRACE_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class MemberMove:
+    """One member's share of a pool rebalance: what its own plan would move."""
+
+    deployment: str
+    version: int           # the placement it serves
+    slots_moved: int
+    bytes_to_move: int
+    moved_fraction: float
+    diverged: bool         # balanced alone: not rolled to, moves nothing
 
 
 class Fleet:
@@ -322,6 +335,26 @@ class Fleet:
             self.roll(pool, now)
 
     # -- operators ---------------------------------------------------------------
+
+    def member_moves(self, pool_name: str, candidate: np.ndarray) -> list[MemberMove]:
+        """Each member's own move to `candidate`, as `roll` would plan it: from the placement
+        the member serves, which is not the pool's last one for a member balanced alone
+        while diverged (or one that has not taken the pool placement yet). A diverged member
+        is not rolled to: listed, moving nothing."""
+        pool = self.pool(pool_name)
+        G, N = pool.shape.num_gpus, pool.shape.num_nodes
+        moves = []
+        for name in sorted(pool.members):
+            dep = self.registry.deployments.get(name)
+            if dep is None:
+                continue
+            if not pool.is_following(name):
+                moves.append(MemberMove(name, dep.version, 0, 0, 0.0, True))
+                continue
+            moved = int(placement.transfers(dep.phy2log, candidate, G, N).shape[0])
+            moves.append(MemberMove(name, dep.version, moved, moved * int(dep.shape.expert_bytes),
+                                    moved / float(dep.phy2log.size), False))
+        return moves
 
     def force(self, pool_name: str, dry_run: bool = False,
               max_moved_fraction: float = 0.0) -> tuple[Decision, list[Plan]]:

@@ -316,14 +316,32 @@ class Decision(_message.Message):
     def __init__(self, time: _Optional[float] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., balancedness_current: _Optional[float] = ..., balancedness_candidate: _Optional[float] = ..., bound_balancedness: _Optional[float] = ..., moved_fraction: _Optional[float] = ..., bytes_to_move: _Optional[int] = ..., predicted_gain_seconds: _Optional[float] = ..., migration_cost_seconds: _Optional[float] = ..., plan_version: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class ForceRebalanceResponse(_message.Message):
-    __slots__ = ("decision", "placement", "transfers")
+    __slots__ = ("decision", "placement", "transfers", "members")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     placement: Placement
     transfers: Array
-    def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., transfers: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[PoolMemberMove]
+    def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., transfers: _Optional[_Union[Array, _Mapping]] = ..., members: _Optional[_Iterable[_Union[PoolMemberMove, _Mapping]]] = ...) -> None: ...
+
+class PoolMemberMove(_message.Message):
+    __slots__ = ("deployment", "placement_version", "slots_moved", "bytes_to_move", "moved_fraction", "diverged")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TO_MOVE_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    placement_version: int
+    slots_moved: int
+    bytes_to_move: int
+    moved_fraction: float
+    diverged: bool
+    def __init__(self, deployment: _Optional[str] = ..., placement_version: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_to_move: _Optional[int] = ..., moved_fraction: _Optional[float] = ..., diverged: _Optional[bool] = ...) -> None: ...
 
 class DeploymentStatus(_message.Message):
     __slots__ = ("deployment", "shape", "placement_version", "balancedness_actual", "balancedness_estimated", "connected_ranks", "windows_ingested", "paused", "plan_in_flight", "plan_phase", "last_decision", "plans_committed", "plans_aborted", "slots_moved", "bytes_moved", "windows_folded", "mixed", "pool", "diverged")

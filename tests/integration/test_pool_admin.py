@@ -18,10 +18,12 @@ import grpc
 import numpy as np
 import pytest
 
+from rebalancer import placement
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire import codec
 from rebalancer.wire.channel import client_options
 from tests.integration.conftest import start_controller
 from tests.integration.test_admin import InstantRank, admin, real_counts
@@ -145,3 +147,46 @@ def test_a_fresh_member_is_offered_the_pool_placement_at_register(
         assert np.array_equal(codec.decode(joiner.warm_start.phy2log, "warm"), pool_phy2log)
     finally:
         joiner.stop()
+
+
+def test_pool_dry_run_shows_each_members_own_move(live: tuple[EmbeddedController, list[PoolRank]]) -> None:
+    """Issue 34: `force --pool P --dry-run` showed the pool placement against the pool's last
+    one only, while a member that had been balanced on its own serves another placement and
+    moves more. Each member's own move is shown: what its plan would move from the
+    placement it serves, and the dry run starts nothing."""
+    ctl, _ = live
+    # m2 balanced on its own (as a member does while diverged): it serves v1, m1 still v0.
+    code, _, err = admin(ctl, "force", "m2", token=None)
+    assert code == 0, err
+    wait_for(lambda: ctl.call(lambda: ctl.server.controller.deployments["m2"].plan is None  # type: ignore[union-attr]
+                              and ctl.server.controller.deployments["m2"].version == 1))  # type: ignore[union-attr]
+    with grpc.insecure_channel(ctl.server.address, options=client_options()) as channel:  # type: ignore[union-attr]
+        reply = pb_grpc.AdminServiceStub(channel).ForceRebalance(
+            pb.ForceRebalanceRequest(pool="fleet", dry_run=True), timeout=10)
+    candidate = codec.decode(reply.placement.phy2log, "phy2log")
+    served = ctl.call(lambda: {d: (ctl.server.controller.deployments[d].version,  # type: ignore[union-attr]
+                                   ctl.server.controller.deployments[d].phy2log.copy())  # type: ignore[union-attr]
+                               for d in ("m1", "m2")})
+    moves = {m.deployment: m for m in reply.members}
+    assert sorted(moves) == ["m1", "m2"]
+    for name, (version, phy2log) in served.items():
+        slots = int(placement.transfers(phy2log, candidate, G, 1).shape[0])
+        m = moves[name]
+        assert (m.placement_version, m.slots_moved, m.bytes_to_move, m.diverged) == (
+            version, slots, slots * (1 << 20), False), (name, m)
+        assert m.moved_fraction == pytest.approx(slots / (L * P))
+    # The pool's own number is m1's (the pool's base); m2's move is its own, not that one.
+    assert moves["m1"].slots_moved == round(reply.decision.moved_fraction * L * P)
+    assert moves["m2"].slots_moved != moves["m1"].slots_moved
+    code, out, err = admin(ctl, "force", "--pool", "fleet", "--dry-run", token=None)
+    assert code == 0, err
+    m2 = moves["m2"]
+    assert "each member's own move, from the placement it serves:" in out, out
+    assert f"  m2 (v1): {m2.slots_moved} slots ({m2.moved_fraction:.1%}), {m2.bytes_to_move / 1e6:.1f} MB" in out, out
+    code, out, err = admin(ctl, "--json", "force", "--pool", "fleet", "--dry-run", token=None)
+    assert code == 0, err
+    assert {m["deployment"]: int(m["slots_moved"]) for m in json.loads(out)["members"]} == {
+        name: m.slots_moved for name, m in moves.items()}
+    # Nothing started: no plan in flight, both members where they were.
+    assert ctl.call(lambda: [(d.version, d.plan) for d in (ctl.server.controller.deployments["m1"],  # type: ignore[union-attr]
+                                                         ctl.server.controller.deployments["m2"])]) == [(0, None), (1, None)]  # type: ignore[union-attr]
