@@ -11,7 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site="${1:-$PWD/.ci/tools/sglang-site}"
-SGLANG_VERSION=0.5.23
+# The tested version: the one pyproject.toml's `sglang` extra pins, the only place it is set.
+SGLANG_VERSION=$(sed -n 's/^sglang = \["sglang==\([^"]*\)"\]$/\1/p' pyproject.toml)
+[ -n "$SGLANG_VERSION" ] || { echo "sglang_env: pyproject.toml has no sglang extra pinned as sglang==VERSION" >&2; exit 1; }
 PACKAGES=(
   "sglang==$SGLANG_VERSION" orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2
   urllib3==2.8.0 certifi==2026.10.19.post1 starlette==1.10.0 msgspec==0.23.0 pyzmq==27.3.0

@@ -14,7 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 site="${1:-$PWD/.ci/tools/vllm-site}"
 wheels="$PWD/.ci/tools/vllm-wheel"
-VLLM_VERSION=0.33.0
+# The tested version: the one pyproject.toml's `vllm` extra pins, the only place it is set.
+VLLM_VERSION=$(sed -n 's/^vllm = \["vllm==\([^"]*\)"\]$/\1/p' pyproject.toml)
+[ -n "$VLLM_VERSION" ] || { echo "vllm_env: pyproject.toml has no vllm extra pinned as vllm==VERSION" >&2; exit 1; }
 PACKAGES=(
   psutil==7.2.2 pyzmq==27.3.0 urllib3==2.8.0 cbor2==6.3.0 aiohttp==3.14.5 multidict==7.2.1
   yarl==1.25.1 propcache==0.5.4 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0

@@ -25,7 +25,7 @@ OPERATOR = Path("tests/unit/deploy/operator")
 def _ci_copy(tmp_path: Path) -> Path:
     """The files .ci/run reads, with promtool and the npm schemas already provided."""
     repo = tmp_path / "repo"
-    for name in (".ci/run", "scripts/sglang_env.sh", OPERATOR / "package.json", OPERATOR / "package-lock.json"):
+    for name in (".ci/run", "scripts/sglang_env.sh", "pyproject.toml", OPERATOR / "package.json", OPERATOR / "package-lock.json"):
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, repo / name)
     promtool = repo / ".ci/tools/usr/bin/promtool"

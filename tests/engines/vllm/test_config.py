@@ -34,8 +34,10 @@ def test_import_without_vllm_and_register_names_the_extra() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=vllm_env.ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("the vLLM adapter needs vLLM (vllm is not installed): "
-                                  "pip install 'moe-rebalancer[vllm]'")
+    # The tested version appears where the package's metadata pins it (tests/integration/test_wheel.py).
+    assert out.stdout.startswith("the vLLM adapter needs vLLM (vllm is not installed): install the "
+                                 "moe-rebalancer wheel into vLLM"), out.stdout
+    assert out.stdout.strip().endswith('(docs/operations.md, "Engine images")'), out.stdout
 
 
 def test_config_from_env() -> None:

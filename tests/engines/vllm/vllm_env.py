@@ -10,11 +10,13 @@ and VLLM_TARGET_DEVICE=cpu, and skip with the reason when the folder is missing.
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 SITE = Path(os.environ.get("REBALANCER_VLLM_SITE", ROOT / ".ci" / "tools" / "vllm-site"))
-VERSION = "0.33.0"
+# The tested vLLM: pyproject.toml's `vllm` extra pins it (vllm==VERSION), the one place it is set.
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"][0].split("==")[1]
 MISSING = f"vLLM is not provisioned at {SITE}: run scripts/vllm_env.sh (CI: .ci/run --tools)"
 
 

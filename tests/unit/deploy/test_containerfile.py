@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,11 +25,12 @@ CONTAINERFILE = ROOT / "Containerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
 
-def instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+def instructions(path: Path | None = None) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of `path` (the controller's Containerfile by default), with
+    continuation lines joined and comments dropped."""
     out: list[tuple[str, str]] = []
     pending = ""
-    for raw in CONTAINERFILE.read_text().splitlines():
+    for raw in (path or CONTAINERFILE).read_text().splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -43,9 +45,9 @@ def instructions() -> list[tuple[str, str]]:
     return out
 
 
-def stages() -> list[list[tuple[str, str]]]:
+def stages(path: Path | None = None) -> list[list[tuple[str, str]]]:
     out: list[list[tuple[str, str]]] = []
-    for word, rest in instructions():
+    for word, rest in instructions(path):
         if word == "FROM":
             out.append([])
         if out:

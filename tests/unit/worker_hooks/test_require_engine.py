@@ -1,4 +1,4 @@
-"""An adapter used without its engine names the extra to install; a broken engine install
+"""An adapter used without its engine says how to install the project beside it; a broken engine install
 (the engine there, one of its own dependencies missing) is not mistaken for a missing engine."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import pytest
 from worker_hooks.engines import EngineMissingError, require_engine
 
 
-def test_a_missing_engine_names_the_extra() -> None:
+def test_a_missing_engine_says_how_to_install() -> None:
+    """No index serves moe-rebalancer: the message points at the wheel, beside the engine."""
     with pytest.raises(EngineMissingError) as caught:
         require_engine("no_such_engine.srt.eplb", "NoSuch", "nosuch")
     assert str(caught.value) == (
-        "the NoSuch adapter needs NoSuch (no_such_engine is not installed): "
-        "pip install 'moe-rebalancer[nosuch]'")
+        "the NoSuch adapter needs NoSuch (no_such_engine is not installed): install the "
+        "moe-rebalancer wheel into NoSuch's own environment (docs/operations.md, \"Engine images\")")
     assert isinstance(caught.value, ImportError)
 
 
