@@ -72,6 +72,7 @@ class Upstream:
         self._told_connected: frozenset[int] | None = None
         self._ranks_report_known = True
         self._token_missing = ""  # why the token file gave no token, as last logged
+        self._outage = False  # a link loss was logged and the link has not been up since
         self._stop = asyncio.Event()
 
     @property
@@ -150,10 +151,14 @@ class Upstream:
         name = code.name if code is not None else "ConnectionError"
         message = f"{name}: {detail}"
         if code is None or code in _TRANSIENT:
-            # Once per outage (and when the cause changes), not once per try.
-            lost = self.state == "connected" or message != self.last_error
+            # Once per outage (from the first failure until the link is up again), not once
+            # per try nor per cause: the words change within one outage (the stream cut,
+            # then the refused connection of the next try). The latest try's cause is in
+            # --check and at DEBUG.
+            first = not self._outage
+            self._outage = True
             self.state = "backoff"
-            log.log(logging.WARNING if lost else logging.DEBUG, "controller link lost (%s)", message)
+            log.log(logging.WARNING if first else logging.DEBUG, "controller link lost (%s)", message)
         else:
             self.state = "refused"
             if self._token_missing and code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -195,6 +200,7 @@ class Upstream:
             await call.write(pb.WorkerMessage(window=resent))
         self.state = "connected"
         self.last_error = ""
+        self._outage = False
         reader = asyncio.create_task(self._read(call))
         try:
             while True:
