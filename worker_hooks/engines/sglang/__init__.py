@@ -1,6 +1,7 @@
 """SGLang plugin: SGLang's EPLB driven by the rebalancer's controller, no SGLang patch.
 
-Installed with `pip install moe-rebalancer[sglang]`, SGLang finds `register` through
+Installed as the project's wheel into SGLang's own environment (deploy/engines/sglang.Containerfile;
+docs/operations.md, "Engine images"), SGLang finds `register` through
 its plugin entry point (`sglang.srt.plugins`) in every process it starts. With
 `--enable-eplb` and `REBALANCER_ADDRESS` set (the pod's sidecar socket or the
 controller; `worker_hooks/engines/sglang/config.py` lists the other variables), each rank

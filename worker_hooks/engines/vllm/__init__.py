@@ -1,6 +1,7 @@
 """vLLM adapter: vLLM's own EPLB driven by the rebalancer's controller, no vLLM patch.
 
-Installed with `pip install moe-rebalancer[vllm]`, vLLM finds `register` through its
+Installed as the project's wheel into vLLM's own environment (deploy/engines/vllm.Containerfile;
+docs/operations.md, "Engine images"), vLLM finds `register` through its
 `vllm.general_plugins` entry point in every process; with `REBALANCER_ADDRESS` set
 (the pod's sidecar socket or the controller; worker_hooks/engines/vllm/config.py lists
 the other variables) and vLLM started with
