@@ -28,7 +28,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -299,6 +306,10 @@ class ControllerMetrics:
     docstring)."""
 
     def __init__(self, controller: Controller, per_layer: bool = False) -> None:
+        # No `*_created` series (process-wide): prometheus_client adds them to the counters and
+        # histograms it keeps, not to those the collector reads at scrape time, so only some
+        # counters had one; creation times are no part of the metrics' contract.
+        disable_created_metrics()
         self.controller = controller
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StateCollector(controller, per_layer))

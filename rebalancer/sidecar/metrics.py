@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -82,6 +82,9 @@ class SidecarMetrics:
     """The registry of one sidecar, wired to its pod's plan events."""
 
     def __init__(self, pod: Pod, upstream: Upstream) -> None:
+        # No `*_created` series (process-wide), as the controller's exposition: only the
+        # counters prometheus_client keeps itself would have one.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StateCollector(pod, upstream))
         self.phase_seconds = Histogram(
