@@ -167,7 +167,9 @@ class VLLMRebalanceAdapter(PlanHandlers):
         rows = (cursor - self._cursor) % size if size else 0
         if rows:
             if not np.array_equal(serving_before, self._window_map):
-                self._flush_window()  # a window never spans two maps (async: layer by layer)
+                # A window never spans two maps (async: layer by layer); it ends at the
+                # step before this one, whose rows are the next window's.
+                self._flush_window(end=self.step - 1)
                 self._window_map = serving_before.copy()
             window = self.model_state.expert_load_window
             index = [(self._cursor + i) % size for i in range(rows)]
@@ -208,19 +210,22 @@ class VLLMRebalanceAdapter(PlanHandlers):
         self.agent.report(version, pb.PLAN_PHASE_COMMITTED, step=self.step)
         log.info("rank %d: v%d in place at step %d", self.rank, version, self.step)
 
-    def _flush_window(self) -> None:
-        if self._counts is None or self.step == self._window_start:
+    def _flush_window(self, end: int | None = None) -> None:
+        """Send the counts taken since the last window as steps [window start, `end`)
+        (default: up to this step), on the map they were counted on."""
+        end = self.step if end is None else end
+        if self._counts is None or end == self._window_start:
             return
         physical = self._counts.cpu().numpy().astype(np.int64)
         self._counts = None
         if self.config.count_duplicates > 1:
             physical = np.rint(physical / self.config.count_duplicates).astype(np.int64)
         logical = logical_counts(physical, self._window_map, self.num_logical)
-        self.agent.submit_window(self._window_start, self.step - self._window_start,
+        self.agent.submit_window(self._window_start, end - self._window_start,
                                  self._window_version, logical, physical)
         self.stats.windows += 1
         self.stats.tokens_sent += int(logical.sum())
-        self._window_start = self.step
+        self._window_start = end
 
     def finish(self, timeout: float = 5.0) -> None:
         """At shutdown: send the last window, deliver what the agent holds, stop it."""
