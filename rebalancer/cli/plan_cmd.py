@@ -70,8 +70,14 @@ def run(args: argparse.Namespace) -> int:
         write_placement,
         write_sglang_expert_location,
     )
-    from rebalancer.placement import compute_placement, lower_bound_balancedness, transfers
+    from rebalancer.placement import (
+        balancedness,
+        compute_placement,
+        lower_bound_balancedness,
+        transfers,
+    )
     from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, check_dispatch_mode
+    from rebalancer.wire.layout import trivial_placement
 
     # Where the results go, checked before any work: a typo must not cost a placement.
     for flag, out in (("--out", args.out), ("--sglang-out", args.sglang_out)):
@@ -113,9 +119,17 @@ def run(args: argparse.Namespace) -> int:
     )
     seconds = time.perf_counter() - start
     bound = lower_bound_balancedness(counts, args.slots, args.gpus, args.nodes, args.groups)
+    # Before: what serves these counts now, the --previous placement, else the trivial one a
+    # deployment starts on (slot p holds expert p % E).
+    before_from = "previous" if previous is not None else "trivial"
+    before = previous if previous is not None else trivial_placement(
+        counts.shape[0], counts.shape[1], args.slots, args.gpus)
+    balancedness_before = balancedness(before, counts, args.gpus)
     dispatch_balancedness, _ = balance_under_dispatch(result.phy2log, counts, args.gpus, mode, shared)
     report = {
         "balancedness": result.balancedness,
+        "balancedness_before": balancedness_before,
+        "before": before_from,
         "bound_balancedness": bound,
         "moved_fraction": result.moved_fraction,
         "seconds": seconds,
@@ -141,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(
-            f"{result.algorithm}: balancedness {result.balancedness:.4f} "
-            f"(bound {bound:.4f}), {mode} dispatch {dispatch_balancedness:.4f}, "
+            f"{result.algorithm}: balancedness {balancedness_before:.4f} on the {before_from} placement "
+            f"-> {result.balancedness:.4f} (bound {bound:.4f}), {mode} dispatch {dispatch_balancedness:.4f}, "
             f"moved {result.moved_fraction:.1%}, "
             f"{seconds * 1e3:.1f} ms"
         )

@@ -94,3 +94,35 @@ def test_subprocess_bad_counts_exit_2(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "negative value" in proc.stderr
+
+
+def test_plan_prints_balancedness_before_and_after(tmp_path, capsys, files):
+    """Issue 34: `plan` printed the new placement's balancedness only. Before (the
+    --previous placement, else the trivial one a deployment starts on) and after, in the
+    text and in --json, each what `evaluate` says of that placement on the counts."""
+    from rebalancer.formats import write_placement
+    from rebalancer.wire.layout import trivial_placement
+
+    first, second = files
+    out = tmp_path / "PLACEMENT.json"
+    flags = ["--gpus", "32", "--slots", "288", "--nodes", "4"]
+    assert main(["plan", "--counts", str(first), *flags, "--out", str(out), "--json"]) == 0
+    fresh = last_json(capsys)
+    trivial = tmp_path / "trivial.json"
+    counts = json.loads(first.read_text())["logical_count"]
+    write_placement(str(trivial), trivial_placement(len(counts), len(counts[0]), 288, 32), 32, 4, len(counts[0]))
+    assert main(["evaluate", "--placement", str(trivial), "--counts", str(first), "--json"]) == 0
+    assert fresh["before"] == "trivial"
+    assert fresh["balancedness_before"] == pytest.approx(last_json(capsys)["balancedness"])
+    assert fresh["balancedness_before"] < 0.9 < fresh["balancedness"]
+
+    assert main(["plan", "--counts", str(second), *flags, "--previous", str(out), "--json"]) == 0
+    replanned = last_json(capsys)
+    assert main(["evaluate", "--placement", str(out), "--counts", str(second), "--json"]) == 0
+    assert replanned["before"] == "previous"
+    assert replanned["balancedness_before"] == pytest.approx(last_json(capsys)["balancedness"])
+
+    assert main(["plan", "--counts", str(second), *flags, "--previous", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert (f"balancedness {replanned['balancedness_before']:.4f} on the previous placement -> "
+            f"{replanned['balancedness']:.4f}") in text, text
