@@ -89,7 +89,9 @@ class Unconfirmed:
 class Mixed:
     """The ranks serve a placement no plan describes: plan `version`'s Commit went out and
     a rank reported FAILED after it (an engine whose updater moves the live weights layer
-    by layer, SGLang's, lost a peer midway; invariant 5 is what it cannot keep). Recorded
+    by layer, SGLang's, lost a peer midway; invariant 5 is what it cannot keep), or, with
+    `version == base_version`, the engine left the committed placement outside any plan
+    (SGLang's elastic EP placing a rank fault's survivors). Recorded
     (store, status, metrics) until the group restarts; no plan starts on top of it, since
     every plan's transfers assume the ranks serve the placement the controller holds."""
 
@@ -102,6 +104,8 @@ class Mixed:
 
     def describe(self) -> str:
         served = "" if self.phy2log is not None else "; the placement served is unknown"
+        if self.version == self.base_version:  # the engine left it outside any plan
+            return f"the ranks left v{self.version} outside any plan ({self.reason}){served}"
         return (f"plan v{self.version} applied in part over v{self.base_version} "
                 f"({self.reason}){served}")
 

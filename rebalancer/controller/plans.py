@@ -256,11 +256,30 @@ class Plans:
         self._record_mixed(dep, version, base, reason, serving, now)
         return True
 
+    def _left_outside_plans(self, dep: Deployment, session: Session, error: str, serving: np.ndarray,
+                            now: float) -> None:
+        """FAILED of the committed version, with the placement served: the engine moved the
+        ranks off it outside any plan (SGLang's elastic EP placed the survivors of a rank
+        fault). Recorded as the deployment's mixed placement (what the ranks serve; no plan
+        starts on top of it, and the one in flight aborts: its transfers assume the
+        committed placement); a restarted group clears it. Told again by the other ranks:
+        the first placement is kept."""
+        if dep.mixed is not None:
+            return
+        plan = dep.plan
+        reason = f"{session.label}: {error or 'the ranks left the committed placement'}"
+        if plan is not None:
+            self.apply(dep, coordinate.abort(plan, reason))
+        self._record_mixed(dep, dep.version, dep.version, reason, serving, now)
+
     def _report_off_plan(self, dep: Deployment, session: Session, version: int, phase: str, now: float,
                          error: str = "", serving: np.ndarray | None = None) -> None:
         """A report of a version that is not the plan in flight."""
         plan = dep.plan
         if phase == "failed" and self._failed_after_commit(dep, session, version, error, serving, now):
+            return
+        if phase == "failed" and version == dep.version and serving is not None:
+            self._left_outside_plans(dep, session, error, serving, now)
             return
         if version == dep.version and phase in ("committed", "prepared"):
             return  # late confirmation of a plan already finished: harmless

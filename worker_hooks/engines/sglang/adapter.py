@@ -64,6 +64,7 @@ class AdapterStats:
     swap_seconds: list[float] = field(default_factory=list)    # staged: per group swap
     groups: list[int] = field(default_factory=list)            # staged: groups per committed plan
     bytes_received: int = 0
+    rank_faults: list[dict[str, Any]] = field(default_factory=list)  # SGLang's fault path runs
 
 
 @dataclass
@@ -107,6 +108,7 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.step = 0
         self.stats = AdapterStats()
         self.broken: str | None = None  # set when an update lost a peer: no more plans
+        self.faulted: tuple[int, ...] | None = None  # ranks lost in SGLang's fault path
         self._finished = False
         self._window_start = 0
         self._counts: torch.Tensor | None = None  # [L, P] int64 on the pass's device
@@ -194,6 +196,10 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.step += 1
         self.stats.steps += 1
         self._poll_window()
+        if self.faulted is not None:  # the adapter's groups hold dead ranks: windows only
+            if self.step - self._window_start >= self.config.window_steps:
+                self._flush_window()
+            return
         agreed = self.agreement.on_step(self.step, self._ready_ticket(), serving=self._ticket)
         if self.broken is None and agreed is not None and agreed > self._ticket:
             self._flush_window(wait=True)  # a window never straddles two placements
@@ -258,9 +264,9 @@ class SGLangRebalanceAdapter(PlanHandlers):
         else:
             host, event = counts.clone(), None
         counts.zero_()
-        # Between the swaps of a plan's groups the map is mixed (no version names it):
-        # only the logical counts go up then.
-        mixed = self._plan is not None and self._plan.swapped > 0
+        # Between the swaps of a plan's groups, and after a rank fault, the map is one no
+        # version names: only the logical counts go up then.
+        mixed = (self._plan is not None and self._plan.swapped > 0) or self.faulted is not None
         self._snapshot = (self._window_start, self.step - self._window_start, self.version,
                           self.phy2log.copy(), host, event, mixed)
         self._window_start = self.step
@@ -408,6 +414,52 @@ class SGLangRebalanceAdapter(PlanHandlers):
         self.agent.report(plan.version, pb.PLAN_PHASE_COMMITTED, step=self.step)
         log.info("rank %d: v%d live at pass %d (%d layer group(s))", self.rank, plan.version,
                  self.step, len(plan.groups))
+
+    def planned_survivors(self, lost: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """SGLang's fault path lost `lost`: the survivor placement the controller planned for
+        exactly that loss on the placement this rank serves, laid out as SGLang's
+        elasticity-aware algorithm answers (fault.full_width), or None (no plan, another
+        base version, a plan in the middle of a swap, a plan that does not fit)."""
+        if self.faulted is not None or (self._plan is not None and self._plan.swapped > 0):
+            return None  # not a placement the controller holds: nothing was planned on it
+        planned = self.agent.survivor_map(lost, self.version)
+        if planned is None:
+            return None
+        from worker_hooks.engines.sglang.fault import full_width
+
+        phy2log, log2phy, logcnt = full_width(np.asarray(planned, dtype=np.int64), lost, self.num_gpus,
+                                              self.num_logical)
+        if phy2log.shape != (self.num_layers, self.num_slots):
+            return None
+        return phy2log, log2phy, logcnt
+
+    def after_rank_fault(self, lost: tuple[int, ...], planned: bool) -> None:
+        """SGLang's fault path installed a placement on the survivors (the planned one, or
+        its own): this rank serves it from now on. The controller cannot adopt a placement
+        no plan of its own describes, and the group has dead ranks its plans would place
+        experts on, so the adapter tells it the truth as a FAILED report of the version it
+        served, carrying the placement now served: the controller records it as the
+        deployment's mixed placement (it is what the ranks serve, no plan starts on top of
+        it, a restarted group clears it). From here the adapter takes no plans and runs no
+        collective of its own (its groups hold the dead ranks); its windows go on with the
+        logical counts and state the placement served (version, digest)."""
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+        self._flush_window(wait=True)  # the counts so far were taken on the old placement
+        served = get_global_expert_location_metadata().physical_to_logical_map_cpu.numpy().astype(np.int64)
+        with self._lock:
+            self.faulted = tuple(lost)
+            self.broken = self.broken or f"ranks {list(lost)} lost (SGLang's elastic EP fault path)"
+            self._staged.clear()
+        self.agreement.broken = self.agreement.broken or "rank fault"
+        self.phy2log[:] = served
+        self.stats.rank_faults.append({"step": self.step, "lost": list(lost), "planned": planned})
+        how = (f"the survivor placement the controller planned on v{self.version}" if planned
+               else "SGLang's own placement (no planned survivor placement held by every rank)")
+        message = (f"ranks {list(lost)} lost: SGLang's elastic EP serves {how} on the survivors "
+                   f"outside any plan; no more plans on this group until it restarts")
+        log.error("rank %d: %s", self.rank, message)
+        self.agent.report(self.version, pb.PLAN_PHASE_FAILED, error=message[:500], serving=served.copy())
 
     def _rebuild_lp_solvers(self) -> None:
         """After the expert location metadata changed, what SGLang's own update does

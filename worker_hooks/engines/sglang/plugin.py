@@ -6,7 +6,11 @@ REBALANCER_ADDRESS it registers nothing and SGLang's own EPLB runs unchanged. Wi
     adapter's window (SGLang's recorder keeps its own buffer as before);
   * AROUND `EPLBManager.on_forward_pass_end`: the adapter's step replaces SGLang's
     periodic refit (the controller decides when and what; the adapter stages the weights
-    beside serving and swaps them at an agreed pass, or SGLang's updater moves them).
+    beside serving and swaps them at an agreed pass, or SGLang's updater moves them);
+  * AROUND elastic EP's `maybe_rebalance_after_rank_fault` and, inside it only, AROUND
+    `eplb_algorithms.rebalance_experts`: a rank fault places the survivors on the
+    controller's planned survivor placement when every rank holds it, else SGLang's own
+    algorithm does, and the adapter reports what the survivors serve (fault.py).
 SGLang is imported here only inside the functions SGLang itself calls.
 
 SGLang's recorder in `per_pass` or `per_token` mode hands over no counts (config.recorder_refusal):
@@ -69,6 +73,11 @@ def register() -> None:
     _config = config
     HookRegistry.register(ON_FORWARD_PASS_END, _on_forward_pass_end, HookType.AROUND)
     HookRegistry.register(STAT_ACCUMULATOR_APPEND, _on_pass_counts, HookType.AFTER)
+    # Elastic EP's fault path on the controller's planned survivor placement (fault.py).
+    from worker_hooks.engines.sglang import fault
+
+    HookRegistry.register(fault.FAULT_PATH, _on_rank_fault, HookType.AROUND)
+    HookRegistry.register(fault.REBALANCE_EXPERTS, _on_rebalance_experts, HookType.AROUND)
     if config.pool:  # a pool member starts on the pool's placement (every rank: a collective)
         from worker_hooks.engines.sglang import warm_start
 
@@ -90,6 +99,23 @@ def _on_init_expert_location(original: Any, runner: Any, *args: Any, **kwargs: A
     if _refusal() is not None:  # the adapter will not run: no warm start either
         return original(runner, *args, **kwargs)
     return warm_start.around_init_expert_location(_config, original, runner, *args, **kwargs)
+
+
+def _serving_adapter() -> Any:
+    """The adapter while it runs (None before the first pass or once turned off)."""
+    return _adapter if _disabled is None else None
+
+
+def _on_rank_fault(original: Any, *args: Any, **kwargs: Any) -> Any:
+    from worker_hooks.engines.sglang import fault
+
+    return fault.around_fault_path(_serving_adapter, original, *args, **kwargs)
+
+
+def _on_rebalance_experts(original: Any, *args: Any, **kwargs: Any) -> Any:
+    from worker_hooks.engines.sglang import fault
+
+    return fault.around_rebalance_experts(_serving_adapter, original, *args, **kwargs)
 
 
 def current_adapter() -> Any:
