@@ -233,7 +233,7 @@ def main() -> None:
         "dispatch_mismatches": counters["mismatches"], "tokens_to_lost": counters["to_lost"],
         "adapter_phy2log": None if adapter is None else adapter.phy2log.tolist(),
         "adapter_version": None if adapter is None else adapter.version,
-        "rank_faults": None if adapter is None else adapter.stats.rank_faults,
+        "rank_faults": None if adapter is None else getattr(adapter.stats, "rank_faults", None),
     }
     if adapter is not None:
         adapter.finish(3.0)

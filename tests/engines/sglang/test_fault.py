@@ -139,9 +139,10 @@ def test_a_rank_fault_takes_the_planned_survivor_placement_with_the_controller_g
     per = SLOTS
     for r in _survivors(results):
         assert r["planned"] is not None and np.array_equal(np.asarray(r["planned"]), planned[0])
-        phy2log = _check_survivors_serve(r)
         # Survivor i's block of the plan is rank i's block of slots (ranks 0..2 survive).
-        assert np.array_equal(phy2log[:, :LOST * per], planned[0][MOE])
+        installed = np.asarray(r["installed"]["phy2log"])[MOE]
+        assert np.array_equal(installed[:, :LOST * per], planned[0][MOE]), _logs(tmp_path)
+        phy2log = _check_survivors_serve(r)
         assert r["rank_faults"] == [{"step": r["rank_faults"][0]["step"], "lost": [LOST], "planned": True}]
         # ...which is not what SGLang's own algorithm places (the test tells them apart).
         assert not np.array_equal(phy2log, np.asarray(r["own_phy2log"])[MOE])
@@ -162,6 +163,9 @@ def test_a_rank_fault_with_no_plan_takes_sglangs_own_placement_and_tells_the_con
         ctl.stop()
     assert codes == [0] * WORLD, _logs(tmp_path)
     survivors = _survivors(results)
+    assert len(survivors) == WORLD - 1
+    # The controller was told: the survivors' placement is recorded as what they serve.
+    assert dep.mixed is not None, _logs(tmp_path)
     for r in survivors:
         phy2log = _check_survivors_serve(r)
         own_log2phy = np.asarray(r["own_log2phy"])[MOE]
@@ -170,7 +174,6 @@ def test_a_rank_fault_with_no_plan_takes_sglangs_own_placement_and_tells_the_con
         assert np.array_equal(installed[..., :own_log2phy.shape[-1]], own_log2phy)
         assert (installed[..., own_log2phy.shape[-1]:] == -1).all()
         assert r["rank_faults"][0]["planned"] is False
-    assert dep.mixed is not None, _logs(tmp_path)
     assert dep.mixed.version == dep.mixed.base_version == dep.version == 0
     assert np.array_equal(np.asarray(dep.mixed.phy2log), np.asarray(survivors[0]["installed"]["phy2log"]))
     assert np.array_equal(np.asarray(dep.phy2log), np.asarray(survivors[0]["installed"]["phy2log"]))
