@@ -17,6 +17,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+from rebalancer.errors import InputError
+from rebalancer.wire.channel import check_address
 from rebalancer.wire.dispatch import (
     DEFAULT_DISPATCH_MODE,
     WATERFILL_PASSES,
@@ -25,6 +27,7 @@ from rebalancer.wire.dispatch import (
     check_waterfill_passes,
     has_shared_replicas,
 )
+from rebalancer.wire.windows import MAX_WINDOW_STEPS
 from worker_hooks.migrate import MigrationConfig
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
@@ -69,6 +72,9 @@ class WindowConfig:
 
     def __post_init__(self) -> None:
         _check_ints(self, ("steps",), 1)
+        if self.steps > MAX_WINDOW_STEPS:  # the sidecar and the controller would refuse its windows
+            raise ValueError(f"WindowConfig.steps must be at most {MAX_WINDOW_STEPS} (a window's steps "
+                             f"travel as a uint32), got {self.steps}")
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,10 @@ class HookConfig:
         for name in ("controller", "deployment"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise TypeError(f"HookConfig.{name} must be a non-empty str, got {getattr(self, name)!r}")
+        try:
+            check_address(self.controller)  # gRPC would only fail at every connection attempt
+        except InputError as exc:
+            raise InputError(f"HookConfig.controller: {exc}") from None
         _check_ints(self, ("rank", "num_layers", "num_logical", "num_slots", "num_gpus", "num_nodes",
                            "expert_bytes", "top_k"), 0)
         for name, section in (("credentials", Credentials), ("windows", WindowConfig),

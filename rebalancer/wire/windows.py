@@ -33,6 +33,13 @@ import numpy as np
 
 from rebalancer.errors import StateError
 
+# The most forward steps one window may hold: its steps travel as a uint32
+# (Window.num_steps), so the sidecar and the controller refuse more. Settings that choose
+# a window's length (HookConfig.windows.steps, the adapters' REBALANCER_WINDOW_STEPS) are
+# held to it.
+MAX_WINDOW_STEPS = 2**32 - 1
+
+
 # Windows a rank may run ahead of a silent one before the silent one's are released.
 FOLD_LAG = 2
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rebalancer.errors import InputError
 from rebalancer.wire.channel import check_address
+from rebalancer.wire.windows import MAX_WINDOW_STEPS
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS
 
 ENV_PREFIX = "REBALANCER_"
@@ -21,7 +22,7 @@ ENV_PREFIX = "REBALANCER_"
 TLS_ALIASES = {"CA_FILE": "TLS_CA", "CERT_FILE": "TLS_CERT", "KEY_FILE": "TLS_KEY"}
 # The largest value of an integer setting, where the wire bounds it: a window's steps
 # travel as a uint32 (Window.num_steps), which the sidecar and the controller refuse beyond.
-MAXIMUM = {"WINDOW_STEPS": 2**32 - 1}
+MAXIMUM = {"WINDOW_STEPS": MAX_WINDOW_STEPS}
 
 
 class EngineEnv:

@@ -53,3 +53,28 @@ def test_sections_and_choices_are_checked_by_name() -> None:
     with pytest.raises(ValueError, match='"load\\+shared" needs shared_expert=True'):
         dataclasses.replace(config, dispatch=DispatchConfig(mode="load+shared"))
     assert config.rows_per_rank == 4 and config.migration.transport == "p2p"
+
+
+
+@pytest.mark.parametrize(("controller", "message"), [
+    ("notahost:xx", "controller address 'notahost:xx': port 'xx' is not a number from 1 to 65535"),
+    ("rebalancer", "controller address 'rebalancer' must be host:port"),
+    ("a b:50051", "'a b' is not a host name or IP address"),
+])
+def test_a_controller_address_grpc_cannot_use_is_refused(controller: str, message: str) -> None:
+    """Issue 34: an address gRPC would only fail on at every connection attempt is refused
+    when the hook is configured, by name, as the sidecar refuses its --controller and the
+    engines their REBALANCER_ADDRESS (one rule: wire.channel.check_address)."""
+    with pytest.raises(ValueError) as info:
+        dataclasses.replace(_hook_config(), controller=controller)
+    assert str(info.value).startswith("HookConfig.controller: ") and message in str(info.value), str(info.value)
+    for good in ("unix:///run/rebalancer/agent.sock", "rebalancer.ns.svc:50051", "[::1]:50051"):
+        assert dataclasses.replace(_hook_config(), controller=good).controller == good
+
+
+def test_a_window_longer_than_the_wire_carries_is_refused() -> None:
+    """Issue 34: a window's steps travel as a uint32, which the sidecar and the controller
+    refuse beyond; the setting is held to it (as REBALANCER_WINDOW_STEPS is)."""
+    with pytest.raises(ValueError, match=r"WindowConfig.steps must be at most 4294967295 .*got 100000000000000000000"):
+        WindowConfig(steps=10**20)
+    assert WindowConfig(steps=2**32 - 1).steps == 2**32 - 1
