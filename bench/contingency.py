@@ -1,6 +1,7 @@
 """Survivor placements planned ahead (issue 30): quality and speed on the DeepSeek-V3 counts.
 
-`python -m bench.contingency [--gpus 32 --nodes 4 --slots 288] [--node-slots 352] [--repeats 5] [--json]`
+`python -m bench.contingency [--gpus 32 --nodes 4 --slots 288] [--node-slots 352] [--repeats 5]
+[--wide 256,32,2048] [--timing-only] [--json]`
 
 For every shipped DeepSeek-V3 workload, with the healthy placement the engine computes on
 it (G GPUs in N nodes, P slots), over every single-rank loss:
@@ -14,7 +15,9 @@ Every node loss is planned at P (and at `--node-slots`, where a node's loss can 
 served). Speed, on one core (BLAS threads 1): every rank and node loss of one deployment
 planned at once (what the controller's worker does after a commit), best and median of
 `--repeats`, beside the same run's from-scratch placement of the same losses (one
-`compute_placement` per loss: the baseline), interleaved.
+`compute_placement` per loss: the baseline), interleaved; wall and CPU time. Timed at P,
+at `--node-slots` (every node loss servable) and for a wide group (`--wide`: G=256 in 32
+nodes at 2048 slots, 8 a GPU, the most `wire.layout.MAX_SLOTS` allows; 256 + 32 losses).
 """
 
 from __future__ import annotations
@@ -69,22 +72,36 @@ def quality(load: np.ndarray, G: int, N: int, P: int) -> dict[str, Any]:
 
 
 def timing(load: np.ndarray, G: int, N: int, P: int, repeats: int) -> dict[str, float]:
+    """Wall and CPU seconds (this process's, so a loaded machine's waits for a core are
+    left out) of planning every loss at once, beside the from-scratch baseline."""
     healthy = compute_placement(load, P, G, N).phy2log
     losses = losses_of(G, N)
-    ours, scratch = [], []
+    ours, ours_cpu, scratch, scratch_cpu = [], [], [], []
     for _ in range(repeats):  # interleaved: planned set, then the baseline
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         survivor_placements(load, healthy, G, losses)
         ours.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        ours_cpu.append(time.process_time() - c)
+        t, c = time.perf_counter(), time.process_time()
         for lost in losses:
             survivors = G - len(lost)
             if P // G * survivors >= load.shape[1]:
                 compute_placement(load, P // G * survivors, survivors, 1)
         scratch.append(time.perf_counter() - t)
-    return {"losses": len(losses), "planned_best_s": min(ours), "planned_median_s": statistics.median(ours),
+        scratch_cpu.append(time.process_time() - c)
+    return {"gpus": G, "nodes": N, "slots": P, "losses": len(losses),
+            "planned_best_s": min(ours), "planned_median_s": statistics.median(ours),
+            "planned_cpu_median_s": statistics.median(ours_cpu),
             "scratch_best_s": min(scratch), "scratch_median_s": statistics.median(scratch),
+            "scratch_cpu_median_s": statistics.median(scratch_cpu),
             "speedup_median": statistics.median(scratch) / statistics.median(ours)}
+
+
+def print_timing(t: dict[str, float]) -> None:
+    print(f"G={t['gpus']:.0f} P={t['slots']:.0f}: all {t['losses']:.0f} losses planned: best "
+          f"{t['planned_best_s'] * 1e3:.0f} ms, median {t['planned_median_s'] * 1e3:.0f} ms "
+          f"(cpu {t['planned_cpu_median_s'] * 1e3:.0f} ms); from scratch per loss (baseline): median "
+          f"{t['scratch_median_s'] * 1e3:.0f} ms (cpu {t['scratch_cpu_median_s'] * 1e3:.0f} ms)")
 
 
 def main() -> None:
@@ -94,6 +111,10 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=288)
     p.add_argument("--node-slots", type=int, default=352, help="also plan node losses at this P (0: not)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--wide", type=str, default="256,32,2048",
+                   help="also time a wide group GPUS,NODES,SLOTS (no quality rows; '' : not)")
+    p.add_argument("--wide-repeats", type=int, default=3)
+    p.add_argument("--timing-only", action="store_true", help="skip the quality rows")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     G, N, P = args.gpus, args.nodes, args.slots
@@ -102,7 +123,7 @@ def main() -> None:
     out: dict[str, object] = {"gpus": G, "nodes": N, "slots": P, "load_avg_start": os.getloadavg()[0],
                               "workloads": {}}
     files = deepseek_v3_files()
-    for f in files:
+    for f in [] if args.timing_only else files:
         load = load_deepseek_v3(f).astype(np.float64)
         row = quality(load, G, N, P)
         if args.node_slots:
@@ -119,15 +140,20 @@ def main() -> None:
                 print(f"{'':24s} at P={args.node_slots}: node losses {n['node_feasible']}/{n['node_losses']} "
                       f"servable, worst balancedness {n['node_balancedness_min']:.3f} (healthy {n['healthy']:.3f})")
     load = load_deepseek_v3(files[0]).astype(np.float64)
-    out["timing"] = timing(load, G, N, P, args.repeats)
+    timings = [timing(load, G, N, P, args.repeats)]
+    if args.node_slots:  # where every node loss has a placement to plan
+        timings.append(timing(load, G, N, args.node_slots, args.repeats))
+    if args.wide:
+        wide_g, wide_n, wide_p = (int(v) for v in args.wide.split(","))
+        timings.append(timing(load, wide_g, wide_n, wide_p, args.wide_repeats))
+    out["timing"] = timings
     out["load_avg_end"] = os.getloadavg()[0]
     if args.json:
         print(json.dumps(out))
     else:
-        t = out["timing"]
-        print(f"all {t['losses']} losses planned: best {t['planned_best_s'] * 1e3:.0f} ms, median "  # type: ignore[index]
-              f"{t['planned_median_s'] * 1e3:.0f} ms; from scratch per loss (baseline): median "  # type: ignore[index]
-              f"{t['scratch_median_s'] * 1e3:.0f} ms; load {out['load_avg_start']:.1f}-{out['load_avg_end']:.1f}")  # type: ignore[index]
+        for t in timings:
+            print_timing(t)
+        print(f"load {out['load_avg_start']:.1f}-{out['load_avg_end']:.1f} on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

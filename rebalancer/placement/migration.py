@@ -125,6 +125,15 @@ def move_replicas(
     num_layers, num_slots = phy2log.shape
     num_gpus = num_slots // per_gpu
     logcnt = logcnt_of(phy2log, load.shape[1])
+    # a layer changes only when it acts, so one that cannot act now never will: the
+    # steps run on the few that can
+    may = np.flatnonzero(((load / logcnt).max(axis=1) > threshold) & (quota > 0))
+    if may.size < num_layers:
+        if may.size:
+            sub, sub_quota = phy2log[may], quota[may]
+            move_replicas(sub, old[may], load[may], threshold[may], sub_quota, per_gpu, max_steps)
+            phy2log[may], quota[may] = sub, sub_quota
+        return phy2log
     rows = np.arange(num_layers)
     for _ in range(max_steps):
         # 1. the expert most in need and the one that can best spare a replica
@@ -173,6 +182,7 @@ def swap_to_target(
     per_gpu: int,
     num_pairs: int = 4,
     max_rounds: int = 64,
+    slot_load: np.ndarray | None = None,
 ) -> np.ndarray:
     """Swap replicas between the busiest GPUs and the lightest ones until each layer's
     max GPU load is at most its target, no swap helps, or its quota is spent.
@@ -180,13 +190,16 @@ def swap_to_target(
     Pairs the i-th busiest GPU with the i-th lightest (only busiest GPUs above target);
     each pair takes the swap that evens it most, never duplicating an expert on a GPU.
     phy2log: [L, P] (updated in place), old: [L, P], load: [L, E], target: [L] max GPU
-    load, quota: [L] (updated in place). Returns: phy2log.
+    load, quota: [L] (updated in place). slot_load: [L, P] float64 the load each slot
+    carries (`replica_load` of phy2log) if known: swapped along (updated in place).
+    Returns: phy2log.
     """
     num_layers, num_slots = phy2log.shape
     num_gpus = num_slots // per_gpu
     num_pairs = max(1, min(num_pairs, num_gpus // 2))
-    logcnt = logcnt_of(phy2log, load.shape[1])
-    weight = _slot_load(phy2log, load, logcnt).reshape(num_layers, num_gpus, per_gpu)
+    if slot_load is None:
+        slot_load = _slot_load(phy2log, load, logcnt_of(phy2log, load.shape[1]))
+    weight = slot_load.reshape(num_layers, num_gpus, per_gpu)  # a view, as expert
     expert = phy2log.reshape(num_layers, num_gpus, per_gpu)  # a view: swaps land in phy2log
     before = old.reshape(num_layers, num_gpus, per_gpu)
     gpu_load = weight.sum(axis=2)
@@ -201,25 +214,28 @@ def swap_to_target(
         light = order[:, :num_pairs]
         heavy_load = np.take_along_axis(sub_load, heavy, axis=1)
         half_gap = (heavy_load - np.take_along_axis(sub_load, light, axis=1)) / 2
-        row3 = active[:, None, None]
-        hw = weight[row3, heavy[:, :, None], np.arange(per_gpu)]
-        lw = weight[row3, light[:, :, None], np.arange(per_gpu)]
-        he = expert[row3, heavy[:, :, None], np.arange(per_gpu)]
-        le = expert[row3, light[:, :, None], np.arange(per_gpu)]
-        # 2. best swap per pair: the pair's peak ends at mean + miss
-        miss = np.abs(hw[:, :, :, None] - (lw + half_gap[:, :, None])[:, :, None, :])
-        same = he[:, :, :, None] == le[:, :, None, :]
-        dup = same.any(axis=2)[:, :, None, :] | same.any(axis=3)[:, :, :, None]
-        miss[dup] = np.inf
-        miss = miss.reshape(active.size, num_pairs, -1)
-        best = miss.argmin(axis=2)
-        best_miss = np.take_along_axis(miss, best[:, :, None], axis=2)[:, :, 0]
+        # the pair's slots, layers last: [k, c, A] (numpy loops over the last axis, so
+        # the c x c candidate swaps below run as long loops over layers, not short ones)
+        slot3 = np.arange(per_gpu)[None, :, None]
+        at_heavy = ((active * num_gpus + heavy.T) * per_gpu)[:, None, :] + slot3
+        at_light = ((active * num_gpus + light.T) * per_gpu)[:, None, :] + slot3
+        hw, lw = weight.take(at_heavy), weight.take(at_light)
+        he, le = expert.take(at_heavy), expert.take(at_light)
+        # 2. best swap per pair [k, c_heavy, c_light, A]: the pair's peak ends at mean + miss
+        miss = np.abs(hw[:, :, None, :] - (lw + half_gap.T[:, None, :])[:, None, :, :])
+        same = he[:, :, None, :] == le[:, None, :, :]
+        dup = same.any(axis=1)[:, None, :, :] | same.any(axis=2)[:, :, None, :]
+        np.copyto(miss, np.inf, where=dup)
+        miss = miss.reshape(num_pairs, per_gpu * per_gpu, active.size)
+        best_t = miss.argmin(axis=1)  # [k, A]: heavy slot * c + light slot
+        best_miss = np.take_along_axis(miss, best_t[:, None, :], axis=1)[:, 0, :].T
+        best = best_t.T
         useful = (best_miss < half_gap * (1 - 1e-9)) & (heavy_load > target[active, None])
         # 3. what each swap costs in changed slots, paid pair by pair, busiest first
         ia, ib = best // per_gpu, best % per_gpu
         ga, gb = heavy, light
-        cur_a = np.take_along_axis(he.reshape(active.size, num_pairs, -1), ia[:, :, None], 2)[..., 0]
-        cur_b = np.take_along_axis(le.reshape(active.size, num_pairs, -1), ib[:, :, None], 2)[..., 0]
+        cur_a = np.take_along_axis(he, ia.T[:, None, :], 1)[:, 0, :].T
+        cur_b = np.take_along_axis(le, ib.T[:, None, :], 1)[:, 0, :].T
         old_a = before[active[:, None], ga, ia]
         old_b = before[active[:, None], gb, ib]
         cost = (
@@ -253,6 +269,7 @@ def swap_peak(
     quota: np.ndarray,
     per_gpu: int,
     max_rounds: int = 256,
+    slot_load: np.ndarray | None = None,
 ) -> np.ndarray:
     """Swap an item of each layer's busiest GPU with the item of any other GPU that
     lowers the pair's peak most, one swap per layer per round, until the layer meets its
@@ -260,14 +277,23 @@ def swap_peak(
     limited to the lightest GPUs, which matters with few slots per GPU.
 
     phy2log: [L, P] (updated in place), old: [L, P], load: [L, E], target: [L],
-    quota: [L] (updated in place). Returns: phy2log.
+    quota: [L] (updated in place). slot_load: as `swap_to_target`'s. Returns: phy2log.
     """
     num_layers, num_slots = phy2log.shape
     num_gpus = num_slots // per_gpu
-    logcnt = logcnt_of(phy2log, load.shape[1])
-    weight = _slot_load(phy2log, load, logcnt)
+    if slot_load is None:
+        slot_load = _slot_load(phy2log, load, logcnt_of(phy2log, load.shape[1]))
+    weight = slot_load
     gpu_of = np.arange(num_slots) // per_gpu
     gpu_load = weight.reshape(num_layers, num_gpus, per_gpu).sum(axis=2)
+    # a layer at its target (or out of quota) now never changes: the rounds run on the rest
+    may = np.flatnonzero((gpu_load.max(axis=1) > target) & (quota > 0))
+    if may.size < num_layers:
+        if may.size:
+            sub, sub_quota, sub_load = phy2log[may], quota[may], weight[may]
+            swap_peak(sub, old[may], load[may], target[may], sub_quota, per_gpu, max_rounds, sub_load)
+            phy2log[may], quota[may], weight[may] = sub, sub_quota, sub_load
+        return phy2log
     for _ in range(max_rounds):
         peak_gpu = gpu_load.argmax(axis=1)
         peak = gpu_load[np.arange(num_layers), peak_gpu]
@@ -280,17 +306,19 @@ def swap_peak(
         own_e = phy2log[active[:, None], own]
         other_w = weight[active]  # [A, P]
         other_e = phy2log[active]
-        other_load = gpu_load[active[:, None], gpu_of[None, :]]
+        other_load = gpu_load[active][:, gpu_of]
         delta = own_w[:, :, None] - other_w[:, None, :]  # [A, c, P]
         new_peak = np.maximum(peak[active, None, None] - delta, other_load[:, None, :] + delta)
-        # no duplicate on either GPU, nothing from the peak GPU itself
-        on_peak = (other_e[:, None, :] == own_e[:, :, None]).any(axis=1)  # [A, P]
-        own_there = np.zeros((active.size, per_gpu, num_slots), dtype=bool)
-        for i in range(per_gpu):
-            has = (other_e == own_e[:, i : i + 1]).reshape(active.size, num_gpus, per_gpu)
-            own_there[:, i, :] = has.any(axis=2)[:, gpu_of]
-        allowed = (delta > 0) & ~on_peak[:, None, :] & ~own_there
-        allowed &= gpu_of[None, None, :] != g[:, None, None]
+        # no duplicate on either GPU, nothing from the peak GPU itself: which GPUs hold
+        # each own item [A, c, G] from where it matches (no reductions over a GPU's
+        # few slots, which numpy runs slowly)
+        same = other_e[:, None, :] == own_e[:, :, None]  # [A, c, P]
+        on_peak = same.any(axis=1)  # [A, P]
+        row, item, slot = np.unravel_index(np.flatnonzero(same), same.shape)
+        own_there = np.zeros((active.size, per_gpu, num_gpus), dtype=bool)
+        own_there[row, item, slot // per_gpu] = True
+        own_there[np.arange(active.size), :, g] = True
+        allowed = (delta > 0) & ~on_peak[:, None, :] & ~own_there[:, :, gpu_of]
         new_peak = np.where(allowed, new_peak, np.inf).reshape(active.size, -1)
         best = new_peak.argmin(axis=1)
         a = own[np.arange(active.size), best // num_slots]

@@ -25,8 +25,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rebalancer.placement.metrics import balancedness, logcnt_of, pack_sums
-from rebalancer.placement.migration import move_replicas, peak_load, swap_peak, swap_to_target
+from rebalancer.placement.metrics import (
+    balancedness,
+    balancedness_of_gpu_loads,
+    logcnt_of,
+    mean_balancedness,
+    pack_sums,
+    replica_load,
+    rows_cols,
+)
+from rebalancer.placement.migration import move_replicas, swap_peak, swap_to_target
 from rebalancer.wire.layout import gather
 
 # Slots a plan may change per layer beyond the re-homed ones, as a share of the slots a
@@ -72,34 +80,84 @@ def rehome_lost(phy2log: np.ndarray, load: np.ndarray, per_gpu: int) -> np.ndarr
     spare one (lowest load per replica once it has one fewer), on the lightest GPU among
     that expert's replicas; heaviest lost expert first, one per layer per step.
 
+    Only a few experts are lost and a few can give (those with >= 2 replicas), so a step
+    works on small tables of them ([L, T] takers in order, [L, R] givers, [L, R, W] the
+    givers' slots), and each GPU's load is summed from per-slot loads kept up to date.
+
     phy2log: [L, P'] (updated in place; every expert must fit: P' >= E), load: [L, E].
     Returns: phy2log."""
+    return _rehome(phy2log, load, per_gpu)[0]
+
+
+def _rehome(phy2log: np.ndarray, load: np.ndarray, per_gpu: int) -> tuple[np.ndarray, np.ndarray]:
+    """`rehome_lost`, and the load each slot carries afterwards ([L, P'] float64)."""
     num_layers, num_slots = phy2log.shape
     num_logical = load.shape[1]
-    num_gpus = num_slots // per_gpu
-    rows = np.arange(num_layers)
     logcnt = logcnt_of(phy2log, num_logical)
-    # a lost expert without load still needs a slot: rank it just above nothing
+    num_lost = (logcnt == 0).sum(axis=1)
+    slot_load = gather(load / np.maximum(logcnt, 1), phy2log)  # [L, P']
+    if not num_lost.any():
+        return phy2log, slot_load
+    # 1. takers [L, T] in the order served: heaviest first, ties by expert; a lost expert
+    #    without load still needs a slot: rank it just above nothing
     urgency = load + 1e-9 * (load.max(axis=1, keepdims=True) + 1)
-    for _ in range(num_logical):
-        lost = logcnt == 0
-        if not lost.any():
-            break
-        act = lost.any(axis=1)
-        taker = np.where(lost, urgency, -1.0).argmax(axis=1)
-        spare = np.where(logcnt >= 2, load / np.maximum(logcnt - 1, 1), np.inf)
-        giver = spare.argmin(axis=1)
-        layer, taker, giver = rows[act], taker[act], giver[act]
-        p2l = phy2log[layer]
-        share = load[layer] / np.maximum(logcnt[layer], 1)
-        gpu = pack_sums(gather(share, p2l), num_gpus)  # [l, G]
-        slot_gpu = np.arange(num_slots) // per_gpu
-        score = np.where(p2l == giver[:, None], gpu[:, slot_gpu], np.inf)
-        slot = score.argmin(axis=1)
-        phy2log[layer, slot] = taker
-        logcnt[layer, giver] -= 1
-        logcnt[layer, taker] += 1
-    return phy2log
+    row, expert = rows_cols(logcnt == 0)
+    by = np.lexsort((expert, -urgency[row, expert], row))
+    takers = np.zeros((num_layers, int(num_lost.max())), dtype=np.int64)
+    takers[row, _rank_in_row(row, num_lost)] = expert[by]
+    # 2. givers [L, R]: experts with >= 2 replicas in expert order (argmin ties as over
+    #    all experts), the load per replica each would have with one fewer, their slots
+    giving = logcnt >= 2
+    row, expert = rows_cols(giving)
+    num_giving = giving.sum(axis=1)
+    col = _rank_in_row(row, num_giving)
+    givers = np.zeros((num_layers, int(num_giving.max())), dtype=np.int64)
+    givers[row, col] = expert
+    spare = np.full(givers.shape, np.inf)
+    spare[row, col] = load[row, expert] / (logcnt[row, expert] - 1)
+    column = np.full((num_layers, num_logical), -1, dtype=np.int64)
+    column[row, expert] = col
+    # slots grouped by expert in slot order (a stable sort; radix on 16-bit keys), each
+    # with its rank among its expert's replicas
+    keys = phy2log.astype(np.int16) if num_logical <= np.iinfo(np.int16).max else phy2log
+    order = np.argsort(keys, axis=1, kind="stable")
+    by_expert = gather(phy2log, order)
+    rank = np.arange(num_slots) - gather(np.cumsum(logcnt, axis=1) - logcnt, by_expert)
+    at = gather(column, by_expert)
+    row, pos = rows_cols(at >= 0)
+    slots = np.full((num_layers, givers.shape[1], int(logcnt.max())), -1, dtype=np.int64)
+    slots[row, at[row, pos], rank[row, pos]] = order[row, pos]  # [L, R, W]
+    for step in range(takers.shape[1]):
+        rows = np.flatnonzero(num_lost > step)
+        taker = takers[rows, step]
+        pick = spare[rows].argmin(axis=1)
+        giver = givers[rows, pick]
+        # 3. the giver's replica on the lightest GPU (first slot on ties)
+        options = slots[rows, pick]  # [l, W], -1 padded
+        first = np.maximum(options, 0) // per_gpu * per_gpu  # the GPUs' first slots
+        on_gpu = gather(slot_load[rows], first[:, :, None] + np.arange(per_gpu))  # [l, W, c]
+        gpu = pack_sums(on_gpu.reshape(-1, per_gpu), 1).reshape(options.shape)
+        score = np.where(options >= 0, gpu, np.inf)
+        which = score.argmin(axis=1)
+        taken = options[np.arange(rows.size), which]
+        phy2log[rows, taken] = taker
+        # 4. counts, what the giver can still spare, and the per-slot loads
+        left = logcnt[rows, giver] - 1
+        logcnt[rows, giver] = left
+        logcnt[rows, taker] = 1
+        slots[rows, pick, which] = -1
+        spare[rows, pick] = np.where(left >= 2, load[rows, giver] / np.maximum(left - 1, 1), np.inf)
+        slot_load[rows, taken] = load[rows, taker]
+        rest, at = rows_cols(slots[rows, pick] >= 0)
+        slot_load[rows[rest], slots[rows[rest], pick[rest], at]] = load[rows, giver][rest] / left[rest]
+    return phy2log, slot_load
+
+
+def _rank_in_row(row: np.ndarray, per_row: np.ndarray) -> np.ndarray:
+    """Position of each entry within its row, for entries sorted by row.
+
+    row: [K] sorted row of each entry, per_row: [L] entries per row. Returns: [K]."""
+    return np.arange(row.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
 
 
 def survivor_placement(
@@ -149,7 +207,8 @@ def _plan_batch(
         short = num_logical - kept.shape[1]
         return [SurvivorPlan(lost, None, float("nan"), 0, int(n), short)
                 for lost, n in zip(batch, from_storage, strict=True)]
-    rehomed = rehome_lost(kept.copy(), stacked, per_gpu)
+    rehomed, slot_load = _rehome(kept.copy(), stacked, per_gpu)
+    gpu_rehomed = pack_sums(slot_load, survivors)
     new = rehomed.copy()
     # even out what the lost GPUs carried, toward the balance the group had
     mean = stacked.sum(axis=1) / survivors
@@ -157,16 +216,17 @@ def _plan_batch(
     target = np.where(loaded, mean / max(aim - gap, 1e-3), np.inf)
     quota = np.full(new.shape[0], int(REFINE_SHARE * per_gpu) + 1, dtype=np.int64)
     move_replicas(new, kept, stacked, np.where(loaded, REPLICA_SHARE * target, np.inf), quota, per_gpu)
-    swap_to_target(new, kept, stacked, target, quota, per_gpu)
-    swap_peak(new, kept, stacked, target, quota, per_gpu)
-    worse = peak_load(new, stacked, survivors) > peak_load(rehomed, stacked, survivors)
-    new[worse] = rehomed[worse]  # never worse than the re-homing alone
-    plans = []
-    for k, lost in enumerate(batch):
-        rows = slice(k * num_layers, (k + 1) * num_layers)
-        plans.append(SurvivorPlan(lost, new[rows], balancedness(new[rows], load, survivors),
-                                  int((new[rows] != kept[rows]).sum()), int(from_storage[k]), 0))
-    return plans
+    given = np.flatnonzero((new != rehomed).any(axis=1))  # replica counts changed: slot loads too
+    slot_load[given] = replica_load(new[given], stacked[given])
+    swap_to_target(new, kept, stacked, target, quota, per_gpu, slot_load=slot_load)
+    swap_peak(new, kept, stacked, target, quota, per_gpu, slot_load=slot_load)
+    gpu = pack_sums(slot_load, survivors)
+    worse = gpu.max(axis=1) > gpu_rehomed.max(axis=1)
+    new[worse], gpu[worse] = rehomed[worse], gpu_rehomed[worse]  # never worse than the re-homing alone
+    per_layer = balancedness_of_gpu_loads(gpu).reshape(len(batch), num_layers)
+    moved = (new != kept).sum(axis=1).reshape(len(batch), num_layers).sum(axis=1)
+    return [SurvivorPlan(lost, new[k * num_layers:(k + 1) * num_layers], mean_balancedness(per_layer[k]),
+                         int(moved[k]), int(from_storage[k]), 0) for k, lost in enumerate(batch)]
 
 
 def repair_placement(phy2log: np.ndarray, num_gpus: int, lost: tuple[int, ...], num_logical: int) -> np.ndarray | None:
