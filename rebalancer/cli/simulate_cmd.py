@@ -36,6 +36,13 @@ adaptive policy pooled (one estimate from all members' windows) against per depl
 (each member alone), and a member joining at --join-window warm (the pool's placement)
 or trivial. Adds a "replicas" key to the JSON (docs/simulator.md).
 
+Failures (--fail RANK@WINDOW, --fail-node NODE@WINDOW, repeatable, one window): from that
+window on, on the survivors: the >= 1-replica repair (vLLM's fault-tolerance path), a
+from-scratch re-placement (SGLang's elastic path) and the controller's planned survivor
+placement, each fitted on the windows before the failure. Adds "failure":
+{repair|scratch|planned: {balancedness_after, slots_moved, relative_throughput}} to the
+JSON (relative throughput without the transfers' cost).
+
 Trace formats: .npz (logical_count [T, L, E], window_seconds), SGLang .pt dumps (or a
 directory of dumps),
 .json (logical_count [L, E] or [T, L, E]), per-token .jsonl (grouped into windows of
@@ -212,6 +219,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--join-window", type=int, default=None,
                    help="with --replicas: the window a member joins at (default mid-trace)")
     p.add_argument("--seed", type=int, default=0, help="with --replicas: sampling seed")
+    p.add_argument("--fail", action="append", default=[], metavar="RANK@WINDOW",
+                   help="lose this rank at this window (repeatable; one window for all): compare "
+                        "the >= 1-replica repair, a from-scratch re-placement and the planned "
+                        "survivor placement from then on (a \"failure\" key in the JSON)")
+    p.add_argument("--fail-node", action="append", default=[], metavar="NODE@WINDOW",
+                   help="lose every rank of this node at this window (repeatable), as --fail")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw balancedness over time")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.set_defaults(func=run)
@@ -334,12 +347,23 @@ def run(args: argparse.Namespace) -> int:
             )
     steps = _step_config(args)
     replica_config = _replica_config(args)
+    failure = None
+    if args.fail or args.fail_node:
+        from rebalancer.sim.failure import parse_failures
+        from rebalancer.wire.layout import check_layout
+
+        check_layout(args.slots, args.slots, args.gpus, args.nodes)  # G, N sane before they index
+        failure = parse_failures(args.fail, args.fail_node, args.gpus, args.nodes)
     trace = load_trace(
         args.trace,
         tokens_per_window=args.tokens_per_window,
         window_seconds=args.window_seconds,
         num_experts=args.num_experts,
     )
+    if failure is not None:
+        from rebalancer.sim.failure import check_window
+
+        check_window(failure, trace.num_windows)  # before the replay
     cost = CostModel()
     if args.expert_bytes is not None:
         cost = dataclasses.replace(cost, expert_bytes=args.expert_bytes)
@@ -391,6 +415,11 @@ def run(args: argparse.Namespace) -> int:
         from rebalancer.sim.replicas import simulate_replicas
 
         replicas = simulate_replicas(trace, config, replica_config)
+    failed = None
+    if failure is not None:
+        from rebalancer.sim.failure import simulate_failure
+
+        failed = simulate_failure(trace, config, failure)
     if not args.json:
         print(
             f"trace {trace.name}: {trace.num_windows} windows x {trace.num_layers} layers x "
@@ -403,8 +432,14 @@ def run(args: argparse.Namespace) -> int:
             print(_dispatch_table(results))
         if replicas is not None:
             print(_replicas_table(replicas))
+        if failed is not None:
+            from rebalancer.sim.failure import failure_table
+
+            print(failure_table(failed))
     out = summaries[policies[0]] if len(policies) == 1 and args.policy != "all" else summaries
     if replicas is not None:
         out = {**out, "replicas": replicas}
+    if failed is not None:
+        out = {**out, "failure": failed}
     print(json.dumps(out))
     return 0
