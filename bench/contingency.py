@@ -1,7 +1,7 @@
 """Survivor placements planned ahead (issue 30): quality and speed on the DeepSeek-V3 counts.
 
 `python -m bench.contingency [--gpus 32 --nodes 4 --slots 288] [--node-slots 352] [--repeats 5]
-[--wide 256,32,2048] [--timing-only] [--json]`
+[--wide 256,32,512] [--timing-only] [--json]`
 
 For every shipped DeepSeek-V3 workload, with the healthy placement the engine computes on
 it (G GPUs in N nodes, P slots), over every single-rank loss:
@@ -17,7 +17,7 @@ planned at once (what the controller's worker does after a commit), best and med
 `--repeats`, beside the same run's from-scratch placement of the same losses (one
 `compute_placement` per loss: the baseline), interleaved; wall and CPU time. Timed at P,
 at `--node-slots` (every node loss servable) and for a wide group (`--wide`: G=256 in 32
-nodes at 2048 slots, 8 a GPU, the most `wire.layout.MAX_SLOTS` allows; 256 + 32 losses).
+nodes at 512 slots, 2 a GPU; up to 2048, `wire.layout.MAX_SLOTS`; 256 + 32 losses).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=288)
     p.add_argument("--node-slots", type=int, default=352, help="also plan node losses at this P (0: not)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--wide", type=str, default="256,32,2048",
+    p.add_argument("--wide", type=str, default="256,32,512",
                    help="also time a wide group GPUS,NODES,SLOTS (no quality rows; '' : not)")
     p.add_argument("--wide-repeats", type=int, default=3)
     p.add_argument("--timing-only", action="store_true", help="skip the quality rows")
