@@ -207,6 +207,9 @@ def main() -> None:
                         help="exit inside the staged update's weight transfer of the first plan")
     parser.add_argument("--dispatch", default=None, help="SGLang's --ep-dispatch-algorithm (lp: see _lp_stand_ins)")
     parser.add_argument("--recorder-mode", default=None, help="SGLang's --expert-distribution-recorder-mode")
+    parser.add_argument("--lag-staging", type=float, default=0.0,
+                        help="this rank's staging of every layer group after a plan's first ends this long "
+                             "after its transfers (the others wait for it at the agreement)")
     parser.add_argument("--no-finish", action="store_true",
                         help="never call the adapter's finish(), as SGLang does not: the plugin's exit hook must")
     args = parser.parse_args()
@@ -309,6 +312,34 @@ def main() -> None:
 
         SGLangRebalanceAdapter.add_pass_counts = failing
 
+    if args.lag_staging > 0:  # the groups staged after the commit, beside serving, end late here
+        from worker_hooks import migrate
+        from worker_hooks.engines.sglang.staged import ticket_parts
+
+        exchange = migrate.P2PTransport.receive
+
+        def lagging(self, plan):  # noqa: ANN001, ANN202
+            got = exchange(self, plan)  # the transfers with the peers, on time
+            if ticket_parts(plan.version)[1] > 1:  # a group after the first: its staging ends late
+                time.sleep(args.lag_staging)
+            return got
+
+        migrate.P2PTransport.receive = lagging
+
+    # What the adapter hands its agent, summed per (layer, expert): the windows as they go
+    # to the controller (the agent itself is the real one).
+    from worker_hooks.agent import WorkerAgent
+
+    sent: dict[str, Any] = {"logical": np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64), "windows": []}
+    submit = WorkerAgent.submit_window
+
+    def tee(self, first_step, num_steps, version, logical, physical):  # noqa: ANN001, ANN202
+        sent["logical"] += np.asarray(logical, dtype=np.int64)
+        sent["windows"].append([int(first_step), int(num_steps), int(version), physical is None])
+        return submit(self, first_step, num_steps, version, logical, physical)
+
+    WorkerAgent.submit_window = tee
+
     from sglang.srt.eplb.lplb_solver import get_global_lplb_solver
 
     # The per_token recorder reads the batch's tokens (SGLang's ForwardBatch): a stand-in
@@ -326,12 +357,15 @@ def main() -> None:
     mismatches = 0
     served = 0
     weight_mismatch_passes = 0  # passes after which a layer's weights differ from its map
+    routed = np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64)  # picks per (layer, expert)
+    tickets: list[list[int]] = []  # (pass, ticket) at each swap: what the ranks agreed on
     for step in range(args.steps):
         with recorder.with_forward_pass(step, forward_batch):
             for layer in range(1, NUM_LAYERS):
                 with recorder.with_current_layer(layer):
                     p = np.roll(popularity, layer) / popularity.sum()
                     ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)])
+                    np.add.at(routed[layer], ids.ravel(), 1)
                     topk = torch.from_numpy(ids).to(torch.int32)
                     info = ExpertLocationDispatchInfo.init_new(layer_id=layer)
                     if args.dispatch == "lp":  # SGLang's select_experts: the layer's solver, then dispatch
@@ -345,6 +379,9 @@ def main() -> None:
                     mismatches += int((current[layer][physical.long()] != topk.long())[physical >= 0].sum())
         manager.on_forward_pass_end()
         served += 1
+        live = current_adapter()
+        if live is not None and (not tickets or tickets[-1][1] != live._ticket):
+            tickets.append([live.step, live._ticket])
         weight_mismatch_passes += 0 if weights_match(range(1, NUM_LAYERS)) else 1
         time.sleep(args.step_sleep)
 
@@ -373,6 +410,8 @@ def main() -> None:
         "swap_seconds": adapter.stats.swap_seconds, "aborted": adapter.stats.aborted,
         "warm_start": (warm_start.taken() or (0, None))[0], "started_seconds": started_seconds,
         "updater": adapter.updater,
+        "routed_logical": routed.tolist(), "sent_logical": sent["logical"].tolist(),
+        "sent_windows": sent["windows"], "tickets": tickets,
         "lp_solvers_match": lp_solvers_match() if args.dispatch == "lp" else None,
     }
     Path(args.out).write_text(json.dumps(result))
