@@ -113,6 +113,8 @@ def test_transformers_bench_on_cpu_gives_interleaved_figures_and_keeps_the_stock
 @pytest.mark.parametrize(("args", "message"), [
     (["--steps", "0"], "--steps must be at least 1"),
     (["--block-steps", "0"], "--block-steps must be at least 1"),
+    (["--layers", "0"], "--layers must be at least 1"),
+    (["--tokens", "-5"], "--tokens must be at least 1"),
 ])
 def test_transformers_bench_refuses_empty_phases_in_one_line(args: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_transformers", "--device", "cpu", *args],
