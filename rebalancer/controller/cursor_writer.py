@@ -15,6 +15,10 @@ Rules that keep a cursor from going backwards (a window counted twice after a re
 - `pending(name)` serves reads of a row not yet written; `flush()` waits until every
   row handed over is written (the drain path before the store closes).
 
+The thread runs while there is something to write: it ends after IDLE_SECONDS without a
+row (closing its connection), and the next save starts another. A store dropped without
+`close()` (a test's, a tool's) so leaves no thread behind.
+
 A failed write (disk full, read-only file) is logged and counted in `errors`; the next
 save of that deployment tries again. Counting is lost for at most the time the store
 refuses writes, as with any crash between saves.
@@ -33,6 +37,8 @@ log = logging.getLogger("rebalancer.store")
 # sqlite3's busy timeout of the writer's connection: how long a write waits for the
 # loop's connection to release the WAL write lock before it counts as an error.
 BUSY_TIMEOUT_SECONDS = 30.0
+# The writer thread ends after this long without a row; the next put starts a new one.
+IDLE_SECONDS = 1.0
 # At most one "cannot save" line per this many seconds (a full disk fails every save).
 ERROR_LOG_SECONDS = 10.0
 
@@ -52,14 +58,16 @@ class CursorWriter:
         self.errors = 0
         self.written = 0
         self._last_error_log = -float("inf")
-        self._thread = threading.Thread(target=self._run, name="cursor-writer", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # the running writer, if any
 
     def put(self, name: str, row: Row) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("cursor writer is closed")
             self._pending[name] = row
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cursor-writer", daemon=True)
+                self._thread.start()
             self._cond.notify_all()
 
     def pending(self, name: str) -> Row | None:
@@ -77,7 +85,9 @@ class CursorWriter:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
 
     def _run(self) -> None:
         db = None
@@ -85,9 +95,10 @@ class CursorWriter:
             db = self._connect(self.path, BUSY_TIMEOUT_SECONDS)
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._pending or self._closed)
-                    if not self._pending:
-                        return  # closed, nothing left
+                    self._cond.wait_for(lambda: self._pending or self._closed, IDLE_SECONDS)
+                    if not self._pending:  # closed or idle, nothing left: a later put starts another
+                        self._thread = None
+                        return
                     self._writing, self._pending = self._pending, {}
                 self._write(db, self._writing)
                 with self._cond:
@@ -96,9 +107,11 @@ class CursorWriter:
         finally:
             if db is not None:
                 db.close()
-            with self._cond:  # nothing more will be written: release any flush()
-                self._pending, self._writing = {}, {}
-                self._cond.notify_all()
+            with self._cond:
+                if self._thread is threading.current_thread():  # ended by an error, not idle or closed:
+                    self._thread = None  # nothing more will be written now: release any flush()
+                    self._pending, self._writing = {}, {}
+                    self._cond.notify_all()
 
     def _write(self, db: sqlite3.Connection, rows: dict[str, Row]) -> None:
         try:

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from rebalancer.controller.store import Store
 
@@ -97,3 +98,29 @@ def test_refused_writes_are_counted_and_the_next_save_retries(tmp_path: Path) ->
     store.flush_ingest_states()
     assert store.ingest_state("d")["next_seq"] == {"0": 3}  # type: ignore[index]
     store.close()
+
+
+def test_the_writer_thread_ends_when_idle_and_a_later_save_starts_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store dropped without close() leaves no thread: the writer ends after its idle
+    time, and the next save is still written (by a new thread)."""
+    from rebalancer.controller import cursor_writer
+
+    monkeypatch.setattr(cursor_writer, "IDLE_SECONDS", 0.05)
+    store = Store(tmp_path / "s.sqlite")
+    store.save_ingest_state("d", _state(1), background=True)
+    writer = store._writer
+    assert writer is not None
+    first = writer._thread
+    assert first is not None
+    first.join(10)
+    assert not first.is_alive() and writer._thread is None
+    store.save_ingest_state("d", _state(2), background=True)
+    assert writer._thread is not None and writer._thread is not first
+    assert writer.flush(10)
+    again = Store(tmp_path / "s.sqlite")
+    saved = again.ingest_state("d")
+    assert saved is not None and saved["next_seq"] == {"0": 2}
+    again.close()
+    store.close()
+    assert writer._thread is None
