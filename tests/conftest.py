@@ -1,4 +1,5 @@
-"""Test-session guard: no process started by the tests outlives them.
+"""Test guards: no process started by the tests outlives the session, and no thread
+started by a test outlives that test (no_thread_left_behind, below).
 
 Every process the suite starts (controllers, worker processes, the controller's decision
 pool, multiprocessing helpers) inherits a marker variable set here. When the session ends,
@@ -8,8 +9,10 @@ and re-parented to init: it is killed and the session fails with its command lin
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -66,3 +69,36 @@ def no_process_left_behind() -> Iterator[None]:
     assert not leaked, "processes outlived the test session (killed now):\n" + "\n".join(
         f"  {pid}: {cmd}" for pid, cmd in sorted(leaked.items())
     )
+
+
+# Threads this suite may leave behind, by name prefix, each with why it is not ours to stop:
+THREADS_NOT_OURS = (
+    # (none yet)
+)
+THREAD_GRACE_SECONDS = 2.0
+
+
+def describe_thread(thread: threading.Thread) -> str:
+    target = getattr(thread, "_target", None)
+    where = getattr(target, "__qualname__", None) or type(thread).__qualname__
+    module = getattr(target, "__module__", None) or type(thread).__module__
+    return f"{thread.name!r} (target {module}.{where}, {'daemon' if thread.daemon else 'non-daemon'})"
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind() -> Iterator[None]:
+    """Every test ends the threads it started: one still alive after a short grace fails the
+    test, named with its target. A thread left running outlives its test's objects and can
+    take pytest down at exit (issue 34)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + THREAD_GRACE_SECONDS
+    left = [t for t in threading.enumerate() if t not in before and not t.name.startswith(THREADS_NOT_OURS)]
+    if left:  # an object dropped in a cycle (an exception's frames) may own one: collect it first
+        gc.collect()
+    for thread in left:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = [t for t in left if t.is_alive()]
+    if left:
+        pytest.fail("threads the test started are still running:\n" + "\n".join(
+            f"  {describe_thread(t)}" for t in left), pytrace=False)
