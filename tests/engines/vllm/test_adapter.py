@@ -262,6 +262,28 @@ def test_a_scale_down_with_no_plan_gets_vllms_default_on_the_new_shape(tmp_path:
         assert r["scale_down"]["other_world"][-1]["planned"] is False
 
 
+def test_a_rank_whose_commit_comes_late_holds_every_rank_to_one_step(tmp_path: Path) -> None:
+    """Rank 3 takes each Commit a second after it arrives (5 of vLLM's rearrangements at
+    this interval): the others hold the committed plan but the agreement (MIN of the
+    ready versions) keeps every rank on the old map until rank 3 has it; every plan is
+    installed by every rank at the same step."""
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    assert ctl.server is not None
+    try:
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=200,
+                                    extra={3: ["--late-commit", "1.0"]}, common=["--drift", "50"])
+    finally:
+        ctl.stop()
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    commits = {rank: r["commits"] for rank, r in results.items()}
+    assert commits[0], _logs(tmp_path)
+    assert all(c == commits[0] for c in commits.values()), commits
+    maps = [np.asarray(r["phy2log"]) for r in results.values()]
+    assert all(np.array_equal(m, maps[0]) for m in maps)
+    for r in results.values():
+        assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
+
+
 def test_stale_plan_on_one_rank_keeps_every_rank_on_the_old_map(tmp_path: Path) -> None:
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
     assert ctl.server is not None

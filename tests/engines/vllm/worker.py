@@ -167,6 +167,8 @@ def main() -> None:
     parser.add_argument("--wait-plan", type=float, default=0.0,
                         help="before the scale-down, wait up to this long for the controller's survivor "
                              "placement of that loss, then write <out>.planned and wait for <out>.go")
+    parser.add_argument("--late-commit", type=float, default=0.0, metavar="SECONDS",
+                        help="this rank takes every Commit this much later than it arrives")
     parser.add_argument("--stale-plan", action="store_true",
                         help="this rank stages a different map for the first plan")
     args = parser.parse_args()
@@ -374,7 +376,7 @@ def main() -> None:
     WorkerAgent.submit_window = tee
     mismatches = 0
     step_seconds: list[float] = []
-    stale_hooked = False
+    stale_hooked = late_hooked = False
 
     def route(moe, moe_state, shift: int) -> int:  # noqa: ANN001
         """One forward of `moe`'s layers: vLLM's router's part (logical -> physical through
@@ -424,6 +426,15 @@ def main() -> None:
         runner.execute_model(forward)
         step_seconds.append(time.perf_counter() - started)
         adapter = plugin.current_adapter()
+        if args.late_commit and adapter is not None and not late_hooked:
+            original_commit = adapter.on_commit
+
+            def late_commit(version: int, original=original_commit) -> None:  # noqa: ANN001
+                time.sleep(args.late_commit)  # the agent thread: every later message waits too
+                original(version)
+
+            adapter.on_commit = late_commit
+            late_hooked = True
         if args.stale_plan and adapter is not None and not stale_hooked:
             original_prepare = adapter.on_prepare
             adapter.on_prepare = stale_prepare
