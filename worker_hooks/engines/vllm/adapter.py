@@ -1,7 +1,7 @@
 """One vLLM rank's side of the rebalancer: windows up from vLLM's own load window, plans
 in through vLLM's own policy call.
 
-Built by the worker extension (worker_hooks/engines/vllm/extension.py) at the first
+Built by the worker extension (`RebalancerWorkerExtension`, worker_hooks/engines/vllm/plugin.py) at the first
 EPLB step, once vLLM has built its `EplbState`. The policy installed by the plugin
 (worker_hooks/engines/vllm/plugin.py) asks `choose_map` at vLLM's rearrangement point.
 What holds, and what vLLM cannot give, is in the package docstring.
