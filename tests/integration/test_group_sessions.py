@@ -86,6 +86,7 @@ class Link:
 
     def cancel(self) -> None:
         self.call.cancel()
+        self._out.put(None)  # gRPC's thread reading `requests` waits on the queue: end it
         self._thread.join(5)
 
 

@@ -102,7 +102,8 @@ def test_transformers_bench_on_cpu_gives_interleaved_figures_and_keeps_the_stock
     assert out["rounds"] == 2
     for key in ("hook_overhead_pct_spread", "after_overhead_pct_spread", "round_ms_unwrapped", "round_ms_before"):
         assert out[key]["n"] == 2 and out[key]["min"] <= out[key]["median"] <= out[key]["max"], key
-    assert out["hook_overhead_pct"] == round(out["hook_overhead_pct_spread"]["median"], 2)
+    # The spread is printed to 3 places, the figure to 2: rounding twice may differ by one.
+    assert abs(out["hook_overhead_pct"] - out["hook_overhead_pct_spread"]["median"]) <= 0.0051
     # the stock variant served the stock model to the end, beside the adapter
     assert out["logit_diff_stock_at_end_vs_start"] == 0.0
     assert out["logit_diff_wrapped_vs_stock"] < 1e-4 * out["logit_scale"]

@@ -10,6 +10,8 @@ import copy
 import os
 import posixpath
 import re
+import shutil
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -420,6 +422,17 @@ def test_empty_credentials_turn_tls_and_token_off() -> None:
     assert channel.credentials() is None and channel.metadata() == ()
 
 
+def self_signed(folder: Path) -> dict[str, str]:
+    """A self-signed certificate and its key, as PEM text by file suffix (.crt, .key)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    folder.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "k.pem", "-out",
+                    "c.pem", "-days", "2", "-subj", "/CN=rebalancer-test"], cwd=folder, check=True,
+                   capture_output=True)
+    return {".crt": (folder / "c.pem").read_text(), ".key": (folder / "k.pem").read_text()}
+
+
 @pytest.mark.parametrize("present", [set(), {"rebalancer-client-tls"}, {"rebalancer-client-tls", "rebalancer-worker-token"}],
                          ids=["no Secret", "client TLS only (prod mutual TLS)", "both"])
 def test_the_sidecar_starts_whichever_credential_secrets_exist(present: set[str], tmp_path: Path) -> None:
@@ -438,10 +451,12 @@ def test_the_sidecar_starts_whichever_credential_secrets_exist(present: set[str]
         assert source["secret"]["optional"] is True, source
     files = projected_files(spec, sidecar)
     root = "/etc/rebalancer/credentials"
+    pem = self_signed(tmp_path / "pki") if "rebalancer-client-tls" in present else {}
     for path, (secret, _) in files.items():  # what the kubelet projects of the Secrets that exist
         if secret in present:
             local = tmp_path / posixpath.relpath(path, root)
-            local.write_text(f"PEM of {path}")
+            # A client channel checks that the key is its certificate's: real PEM files.
+            local.write_text(pem.get(posixpath.splitext(path)[1], f"token of {path}"))
     env = {e["name"]: e.get("value", "") for e in sidecar["env"]}
     env = {k: v.replace(root, str(tmp_path)) for k, v in env.items()}
     args = build_parser().parse_args([expand(a, env) for a in sidecar["args"]])
