@@ -60,7 +60,9 @@ def test_a_rank_whose_staging_lags_the_agreed_pass_holds_every_ranks_swap(tmp_pa
     rank swaps a group until rank 3's staging of it is done. Every rank swaps
     each group at the same pass, after every pass each layer's weights are its map's,
     and the counts per expert are what each rank routed."""
-    steps = 160
+    # Each group staged after the commit takes rank 3's 1.5 s, about 100 passes: a plan of
+    # 8 groups needs about 800 (160 were too few for a plan of 15 slots).
+    steps = 1000
     codes, results, dep = _staged_run(tmp_path, steps=steps, settings=TWO_EXPERTS,
                                       extra={3: ["--lag-staging", "1.5"]})
     assert codes == [0] * WORLD, _logs(tmp_path)
