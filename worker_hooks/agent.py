@@ -224,8 +224,14 @@ class WorkerAgent:
                         await self._register(stub)
                         backoff = self.config.backoff_initial_seconds
                         await self._session_loop(stub)
-                    except (grpc.aio.AioRpcError, ConnectionError) as exc:
-                        if self._link_failed(exc):  # turned down: the slowest pace at once
+                    except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError) as exc:
+                        # InvalidStateError: gRPC's answer to a write on a stream that ended
+                        # between two writes (a proxy's GOAWAY): a lost link like any other.
+                        # Uncaught, it ended the agent's thread, and the rank never came back
+                        # (the short campaign, seed 532).
+                        lost = (ConnectionError(f"the stream ended under a write: {exc}")
+                                if isinstance(exc, asyncio.InvalidStateError) else exc)
+                        if self._link_failed(lost):  # turned down: the slowest pace at once
                             backoff = self.config.backoff_max_seconds
             self.connected.clear()
             if self._stop.is_set():

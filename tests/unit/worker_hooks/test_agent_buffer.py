@@ -106,3 +106,45 @@ def test_the_agent_outlives_a_certificate_file_gone_after_start(tmp_path, caplog
     assert alive and agent.reconnects >= 3
     assert not agent._thread.is_alive()
     assert any(f"{ca}: no such file" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stream_that_ends_under_a_write_is_a_lost_link(tmp_path, monkeypatch) -> None:
+    """gRPC raises InvalidStateError ("RPC already finished") for a write on a stream that
+    ended between two writes (a proxy's GOAWAY, in the short chaos campaign): the agent
+    takes it as a lost link and connects again, against a real controller; its thread
+    lives on (it died, and the rank never came back)."""
+    import asyncio
+
+    from grpc.aio import _call
+
+    from tests.integration.conftest import start_controller
+
+    write = _call.StreamStreamCall.write  # gRPC's own call class (the public one is abstract)
+    failed: list[bool] = []
+
+    async def write_once_finished(self, request):  # noqa: ANN001, ANN202
+        if request.HasField("window") and not failed:
+            failed.append(True)
+            raise asyncio.InvalidStateError("RPC already finished.")
+        return await write(self, request)
+
+    monkeypatch.setattr(_call.StreamStreamCall, "write", write_once_finished)
+    ctl = start_controller(tmp_path / "c.sqlite")
+    assert ctl.server is not None
+    shape = pb.ModelShape(num_layers=1, num_logical_experts=4, num_physical_slots=4, num_gpus=1)
+    agent = WorkerAgent(AgentConfig(ctl.server.address, "d", 0, shape, backoff_initial_seconds=0.01,
+                                    backoff_max_seconds=0.05), NoPlans(), lambda: 0)
+    try:
+        agent.start()
+        agent.submit_window(0, 1, 0, np.ones((1, 4), np.int64), None)
+        deadline = time.monotonic() + 30.0
+        while not (failed and agent.reconnects >= 1 and agent.connected.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert failed and agent._thread.is_alive()
+        assert agent.reconnects >= 1 and agent.connected.is_set()
+        # The window written again on the new stream reaches the controller.
+        assert agent.drain(30.0)
+    finally:
+        agent.stop()
+        ctl.stop()
+    assert not agent._thread.is_alive()
