@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.engines import planned_loss
 from tests.engines.sglang import sglang_env
 from tests.engines.sglang.test_plugin import DEPLOYMENT, FAST_POLICY
 from tests.integration.conftest import start_controller
@@ -118,16 +119,8 @@ def test_a_rank_fault_takes_the_planned_survivor_placement_with_the_controller_g
     assert ctl.server is not None
     planned: list[Any] = []
 
-    def stop_controller_once_planned() -> None:
-        markers = [tmp_path / f"rank{r}.json.planned" for r in range(WORLD)]
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline and not all(m.exists() for m in markers):
-            time.sleep(0.2)
-        made = ctl.call(lambda: ctl.server.controller.contingency.get(DEPLOYMENT))  # type: ignore[union-attr]
-        planned.extend(loss.phy2log for loss in (made.losses if made else ()) if loss.lost == (LOST,))
-        ctl.stop()
-        for r in range(WORLD):
-            (tmp_path / f"rank{r}.json.go").write_text("")
+    stop_controller_once_planned = planned_loss.stop_controller_once_planned(
+        ctl, tmp_path, WORLD, DEPLOYMENT, (LOST,), planned)
 
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, ["--wait-plan", "150"],

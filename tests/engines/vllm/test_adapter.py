@@ -29,6 +29,7 @@ from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import client_options
+from tests.engines import planned_loss
 from tests.engines.vllm import vllm_env
 from tests.integration.conftest import start_controller
 from worker_hooks.agent import AgentConfig
@@ -226,16 +227,8 @@ def test_a_scale_down_takes_the_planned_survivor_placement_with_the_controller_g
     assert ctl.server is not None
     planned: list[Any] = []
 
-    def stop_controller_once_planned() -> None:
-        markers = [tmp_path / f"rank{r}.json.planned" for r in range(WORLD)]
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline and not all(m.exists() for m in markers):
-            time.sleep(0.2)
-        made = ctl.call(lambda: ctl.server.controller.contingency.get(DEPLOYMENT))  # type: ignore[union-attr]
-        planned.extend(loss.phy2log for loss in (made.losses if made else ()) if loss.lost == (WORLD - 1,))
-        ctl.stop()
-        for r in range(WORLD):
-            (tmp_path / f"rank{r}.json.go").write_text("")
+    stop_controller_once_planned = planned_loss.stop_controller_once_planned(
+        ctl, tmp_path, WORLD, DEPLOYMENT, (WORLD - 1,), planned)
 
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=40, during=stop_controller_once_planned,
