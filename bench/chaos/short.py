@@ -66,13 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(args.first, args.first + args.count):
         config = short_config(seed, hog=args.hog, keep=args.keep)
         started, load = time.monotonic(), os.getloadavg()[0]
-        result: dict[str, Any] = run_chaos(config)
-        failures = short_campaign_failures(config, result)
+        line: dict[str, Any] = {"seed": seed}
+        try:
+            result: dict[str, Any] = run_chaos(config)
+        except Exception as exc:  # noqa: BLE001 - a run that could not start is a failed run, not the campaign's end
+            failures = [f"run did not complete: {type(exc).__name__}: {exc}"]
+            line.update(committed=None, aborted=None, recovery_p99=None, kept=None)
+        else:
+            failures = short_campaign_failures(config, result)
+            line.update(committed=result["plans_committed"], aborted=result["plans_aborted"],
+                        recovery_p99=result["controller_recovery_seconds_p99"], kept=result.get("kept"))
         passed += not failures
-        line = {"seed": seed, "pass": not failures, "failures": failures,
-                "seconds": round(time.monotonic() - started, 1), "load": [round(load, 1), round(os.getloadavg()[0], 1)],
-                "committed": result["plans_committed"], "aborted": result["plans_aborted"],
-                "recovery_p99": result["controller_recovery_seconds_p99"], "kept": result.get("kept")}
+        line.update({"pass": not failures, "failures": failures, "seconds": round(time.monotonic() - started, 1),
+                     "load": [round(load, 1), round(os.getloadavg()[0], 1)]})
         print(json.dumps(line), flush=True)
         if args.out:
             with open(args.out, "a") as f:

@@ -5,6 +5,7 @@ the draws below were recorded from the harness before it was split into a packag
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from bench.chaos import (
 )
 from bench.chaos.__main__ import main
 from bench.chaos.checks import Outcome
+from bench.chaos.config import ChaosConfig
 from bench.chaos.short import SHORT_KINDS
 from bench.faultproxy import FaultProxy
 
@@ -111,3 +113,26 @@ def test_seed_11_first_episode_draws_its_link_faults_as_recorded(tmp_path: Path)
     finally:
         proxy.heal()
         proxy.close()
+
+
+def test_a_short_run_that_cannot_start_is_a_failed_run_and_the_campaign_goes_on(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One seed whose harness raised (a port taken, a worker that never came up) used to end
+    the whole campaign; it is recorded as failed and the next seed runs."""
+    import bench.chaos.short as short
+
+    def run(config: ChaosConfig) -> dict[str, object]:
+        if config.seed == 5:
+            raise OSError("address already in use")
+        return {"invariant_violations": 0, "violations": [], "leaked_processes": 0, "faults_by_kind": dict.fromkeys(SHORT_KINDS, 1),
+                "controller_restarts": 2, "group_restarts": 1, "controller_recovery_seconds_p99": 1.0,
+                "max_step_wait_ms": 1.0, "steps_logged": 3, "plans_committed": 1, "plans_aborted": 0,
+                "transfer_timeouts": 0}
+
+    monkeypatch.setattr(short, "run_chaos", run)
+    out = tmp_path / "runs.jsonl"
+    assert short.main(["--first", "4", "--count", "3", "--out", str(out)]) == 1
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(line["seed"], line["pass"]) for line in lines] == [(4, True), (5, False), (6, True)]
+    assert lines[1]["failures"] == ["run did not complete: OSError: address already in use"]
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"runs": 3, "passed": 2, "hog": 0}
