@@ -170,10 +170,13 @@ def log2phy_of(
 
 
 def logical_counts(physical: np.ndarray, phy2log: np.ndarray, num_logical: int) -> np.ndarray:
-    """Slot counts `[L, P]` summed per logical expert through `phy2log [L, P]`: `[L, E]` int64."""
+    """Slot counts `[L, P]` summed per logical expert through `phy2log [L, P]`: `[L, E]` int64.
+    An empty slot (-1: an engine's padding, elastic EP's new slots) holds no expert: its
+    count is left out."""
     num_layers = physical.shape[0]
     index = phy2log + np.arange(num_layers)[:, None] * num_logical
-    summed = np.bincount(index.ravel(), weights=physical.ravel().astype(np.float64),
+    held = np.asarray(phy2log) >= 0
+    summed = np.bincount(index[held], weights=np.asarray(physical)[held].astype(np.float64),
                          minlength=num_layers * num_logical)
     return summed.reshape(num_layers, num_logical).round().astype(np.int64)
 

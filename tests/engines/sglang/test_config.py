@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from rebalancer.errors import InputError
+from rebalancer.wire.layout import logical_counts
 from tests.engines.env_recorder import EnvRecorder
-from worker_hooks.engines.sglang.adapter import logical_counts
 from worker_hooks.engines.sglang.config import DEFAULT_STAGING_BUDGET_BYTES, SGLangAdapterConfig
-from worker_hooks.engines.sglang.staged import layer_groups, ticket, ticket_parts
+from worker_hooks.session.staging import layer_groups, ticket, ticket_parts
 
 
 def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:

@@ -24,7 +24,7 @@ from tests.engines.sglang.test_plugin import (
     sglang_env,
 )
 from tests.engines.sglang.worker import NUM_LAYERS
-from worker_hooks.engines.sglang.staged import ticket_parts
+from worker_hooks.session.staging import ticket_parts
 
 pytestmark = [pytest.mark.slow, sglang_env.needed()]
 

@@ -314,7 +314,7 @@ def main() -> None:
 
     if args.lag_staging > 0:  # the groups staged after the commit, beside serving, end late here
         from worker_hooks import migrate
-        from worker_hooks.engines.sglang.staged import ticket_parts
+        from worker_hooks.session.staging import ticket_parts
 
         exchange = migrate.P2PTransport.receive
 
@@ -401,7 +401,7 @@ def main() -> None:
         adapter.finish()
     result = {
         "rank": rank, "version": adapter.version, "commits": adapter.stats.commits,
-        "windows": adapter.stats.windows, "steps": adapter.stats.steps,
+        "windows": adapter.windows.sent, "steps": adapter.stats.steps,
         "phy2log": final.tolist(), "initial_phy2log": phy2log.tolist(), "adapter_phy2log": adapter.phy2log.tolist(),
         "weights_match_map": weights_ok, "dispatch_mismatches": mismatches,
         "broken": adapter.broken, "update_seconds": adapter.stats.update_seconds,

@@ -145,7 +145,7 @@ def test_v2_runner_plans_commit_through_eplb_utils(tmp_path: Path) -> None:
     object with `compute_hash()`); V2's async loop start (not called; sync mode here)."""
     _check_commits(tmp_path, ["--runner", "v2"])
     for r in (json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(WORLD)):
-        assert r["attach"] == {"attached": True, "runner": "v2", "reason": "", "failures": 0}
+        assert r["attach"] == {"attached": True, "runner": "v2", "reason": "", "failures": 0, "waiting": False}
 
 
 def test_a_drafter_beside_the_model_never_fails_its_plans(tmp_path: Path) -> None:

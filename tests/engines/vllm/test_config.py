@@ -1,18 +1,16 @@
 """The vLLM adapter without vLLM: importing it costs nothing, using it names the extra,
-its settings are checked, and the agreement's pure parts refuse what cannot be installed."""
+its settings are checked."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from rebalancer.errors import InputError
 from tests.engines.env_recorder import EnvRecorder
 from tests.engines.vllm import vllm_env
-from worker_hooks.engines.vllm.adapter import NO_PLAN, plan_hash, plan_misfit
 from worker_hooks.engines.vllm.config import VLLMAdapterConfig
 
 
@@ -68,24 +66,6 @@ def test_tls_settings_that_cannot_connect_are_refused_at_start(tmp_path, tls: di
     ok = {"REBALANCER_ADDRESS": "127.0.0.1:1",
           **{f"REBALANCER_{n.upper()}_FILE": str(tmp_path / n) for n in ("ca", "cert", "key")}}
     assert VLLMAdapterConfig.from_env(ok) is not None
-
-
-def test_plan_hash_tells_plans_and_versions_apart() -> None:
-    plan = np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64)
-    other = plan.copy()
-    other[0, [0, 1]] = other[0, [1, 0]]
-    assert plan_hash(1, plan) == plan_hash(1, plan.astype(np.int32))
-    assert plan_hash(1, plan) != plan_hash(1, other)
-    assert plan_hash(1, plan) != plan_hash(2, plan)
-    assert 0 < plan_hash(1, plan) < 2**63 and plan_hash(1, plan) != NO_PLAN
-
-
-def test_plan_misfit() -> None:
-    serving = np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64)
-    assert plan_misfit(np.array([[3, 2, 1, 0, 3, 2]]), serving, 4) is None
-    assert "vLLM serves [1, 6]" in (plan_misfit(np.zeros((1, 4), dtype=np.int64), serving, 4) or "")
-    assert plan_misfit(np.array([[0, 1, 2, 0, 1, 2]]), serving, 4) is not None  # expert 3 missing
-    assert plan_misfit(np.array([[0, 1, 2, 3, 4, 1]]), serving, 4) is not None  # no expert 4
 
 
 def test_pool_and_warm_start_wait_from_env() -> None:

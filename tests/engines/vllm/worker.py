@@ -329,10 +329,9 @@ def main() -> None:
         def stale_prepare(prepare) -> None:  # noqa: ANN001
             adapter = plugin.current_adapter()
             original_prepare(prepare)
-            with adapter._lock:
-                plan = adapter._staged.get(prepare.version)
-                if plan is not None and prepare.version == 1:
-                    plan[:, [0, 1]] = plan[:, [1, 0]]
+            plan = adapter.plans.get(prepare.version)  # the staged array itself
+            if plan is not None and prepare.version == 1:
+                plan[:, [0, 1]] = plan[:, [1, 0]]
 
     # Async mode, by hand: what vLLM's async thread does per rearrangement (see above).
     def drive_async() -> None:
@@ -471,8 +470,8 @@ def main() -> None:
         "rank": rank, "policy": policy_name, "version": adapter.version if adapter else None,
         "commits": adapter.stats.commits if adapter else [],
         "rearrangements": adapter.stats.rearrangements if adapter else [],
-        "windows": adapter.stats.windows if adapter else 0,
-        "tokens_sent": adapter.stats.tokens_sent if adapter else 0,
+        "windows": adapter.windows.sent if adapter else 0,
+        "tokens_sent": adapter.windows.tokens_sent if adapter else 0,
         "routed": int(routed.sum()),
         "recorded_logical": recorded.tolist(), "sent_logical": sent["logical"].tolist(),
         "sent_windows": sent["windows"],

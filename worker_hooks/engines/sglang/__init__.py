@@ -30,8 +30,8 @@ they cannot move them. Hence the default on NCCL: the weights move between passe
 pass every rank agreed on, on SGLang's thread and with SGLang's own code, nothing beside
 SGLang's collectives; serving waits for the move as it does with SGLang's own EPLB.
 
-The staged update (adapter.py, staged.py)
------------------------------------------
+The staged update (adapter.py on worker_hooks/session/staging.py)
+-----------------------------------------------------------------
 * Prepare: each rank takes its incoming experts from the plan's transfer list and
   receives them into staging buffers on a background thread, with the project's p2p
   transport (worker_hooks/migrate.py on SGLang's own per-layer expert tensors) over a
@@ -56,7 +56,7 @@ The staged update (adapter.py, staged.py)
   FAILED and the controller aborts the plan everywhere. The first layer group is staged
   before PREPARED, so a plan within the budget is all or nothing in full.
 * Ranks switch together (invariant 2): every swap happens at the same pass on every
-  rank (agreed tickets, staged.py); windows never straddle a swap.
+  rank (agreed tickets, worker_hooks/session/staging.py); windows never straddle a swap.
 * Dispatch follows each swap: SGLang's map tensors are updated in place, and with
   `--ep-dispatch-algorithm lp` SGLang's per-layer LP solvers are rebuilt from the new
   metadata after each swap (`init_lplb_solvers`, what SGLang's own update does), inside

@@ -43,7 +43,6 @@ SGLang's forward pass.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -55,19 +54,10 @@ log = logging.getLogger("worker_hooks.engines.sglang")
 FAULT_PATH = "sglang.srt.elastic_ep.elastic_ep.maybe_rebalance_after_rank_fault"
 REBALANCE_EXPERTS = "sglang.srt.eplb.eplb_algorithms.rebalance_experts"
 
-NO_PLAN = 0  # the digest a rank contributes when it has no planned placement to take
-
 # The inactive ranks while SGLang's fault path runs (None outside it), and whether the
 # planned placement answered in it.
 _fault: tuple[int, ...] | None = None
 _planned_answer = False
-
-
-def plan_digest(version: int, phy2log: np.ndarray) -> int:
-    """A positive 63-bit digest of (version, map): equal on two ranks iff the answers are."""
-    digest = hashlib.blake2b(np.ascontiguousarray(phy2log, dtype=np.int64).tobytes(), digest_size=8,
-                             person=b"rebalancer-sgl", salt=version.to_bytes(8, "little")).digest()
-    return (int.from_bytes(digest, "little") >> 1) or 1
 
 
 def inactive_ranks() -> tuple[int, ...]:
@@ -149,6 +139,8 @@ def around_rebalance_experts(adapter: Callable[[], Any], original: Callable[...,
     import torch.distributed as dist
     from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
 
+    from worker_hooks.session.agreement import NO_PLAN, all_reduce_min, plan_digest
+
     state = ElasticEPStateManager.instance()
     if state is None or state.has_scaled or not dist.is_initialized():
         # After a scale-up SGLang computes on rank 0 alone and broadcasts: no collective here.
@@ -166,9 +158,7 @@ def around_rebalance_experts(adapter: Callable[[], Any], original: Callable[...,
         answer, digest = None, NO_PLAN
     try:
         device = counts.device if isinstance(counts, torch.Tensor) else torch.device("cpu")
-        flag = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        low, neg_high = (int(x) for x in flag.cpu().tolist())
+        low, neg_high = all_reduce_min([digest, -digest], None, device)  # the default group: SGLang's
     except Exception:
         log.exception("rebalancer: the ranks could not agree on a planned survivor placement; "
                       "SGLang's own algorithm places the survivors")

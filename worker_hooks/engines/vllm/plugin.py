@@ -34,8 +34,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
 from rebalancer.errors import InputError
 from worker_hooks.engines import require_engine
 from worker_hooks.engines.vllm.config import VLLMAdapterConfig
@@ -55,6 +53,7 @@ class AttachStatus:
     runner: str = ""        # "v2" (runner.eplb.step) or "v1" (runner.eplb_step)
     reason: str = ""        # why it did not attach, or why the adapter is off
     failures: int = 0       # attach or start failures, each logged at WARNING or above
+    waiting: bool = False   # the adapter waits for vLLM to fill its map's empty slots
 
 
 _status = AttachStatus()
@@ -136,9 +135,18 @@ def _warn_unattached() -> None:
 
 
 def _build_adapter(config: VLLMAdapterConfig, eplb_state: Any) -> Any:
-    from vllm.distributed.parallel_state import get_ep_group, get_eplb_group, get_node_count
+    """This rank's adapter on `eplb_state`, or None while vLLM's map has empty slots."""
+    from worker_hooks.engines.vllm.adapter import VLLMRebalanceAdapter, empty_slots
 
-    from worker_hooks.engines.vllm.adapter import VLLMRebalanceAdapter
+    empty = empty_slots(eplb_state)
+    if empty:  # vLLM's default policy answers until its rearrangement fills them
+        if not _status.waiting:
+            log.info("rebalancer waits: %d slots of vLLM's map hold no expert yet (elastic EP grew "
+                     "the group); the adapter starts once vLLM's rearrangement has filled them", empty)
+        _status.waiting = True
+        return None
+    _status.waiting = False
+    from vllm.distributed.parallel_state import get_ep_group, get_eplb_group, get_node_count
 
     ep = get_ep_group()
     return VLLMRebalanceAdapter(config, eplb_state, get_eplb_group().cpu_group,
@@ -208,13 +216,10 @@ def _instrument(state: Any, config: VLLMAdapterConfig) -> None:
         adapter = _adapter
         if adapter is None or adapter.eplb_state is not state:
             return original(is_dummy, is_profile, log_stats=log_stats)
-        try:
-            before = np.array(adapter.serving_map(), copy=True)
-        except Exception:
-            before = adapter.phy2log
+        adapter.before_step()
         original(is_dummy, is_profile, log_stats=log_stats)
         try:
-            adapter.after_step(before)
+            adapter.after_step()
         except Exception:
             log.exception("rank %d: counts of step %d dropped", adapter.rank, adapter.step)
         return None

@@ -1,0 +1,18 @@
+"""One rank's session with the controller, engine-neutral: what the SGLang and vLLM
+adapters (worker_hooks/engines/) share instead of writing it each, one job per file.
+
+* `rank.py` `RankSession`: the agent, the version served, the plan handlers (a Prepare
+  checked, a Commit marked, an Abort dropped and reported), a plan made live, a plan
+  stopped half-way; `engine_agent` and `worker_identity`.
+* `windows.py` `CountWindows`: counts windows closed per placement and copied to the host
+  without the serving thread waiting for the device.
+* `book.py` `PlanBook`: the plans held (staged maps, the committed version).
+* `agreement.py`: blocking agreement on a version or a plan digest, for an engine's one
+  decision point (vLLM's policy call, a fault path).
+* `staging.py` `GroupStaging`: weights staged beside serving in layer groups within a
+  budget, swapped at agreed steps (tickets).
+
+The SGLang adapter and the project's own hook agree without waiting, on
+worker_hooks/agree.py's `CommitAgreement`. The hook's plan driver (worker_hooks/plans.py)
+is not on the session yet: it holds its own staged map and committed version.
+"""
