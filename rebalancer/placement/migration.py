@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rebalancer.placement.metrics import gather, logcnt_of, pack_sums
+from rebalancer.placement.metrics import gather, logcnt_of, pack_sums, rows_cols
 
 
 def gpu_overlap(old: np.ndarray, new: np.ndarray, num_gpus: int, num_logical: int) -> np.ndarray:
@@ -113,6 +113,7 @@ def move_replicas(
     quota: np.ndarray,
     per_gpu: int,
     max_steps: int = 256,
+    logcnt: np.ndarray | None = None,
 ) -> np.ndarray:
     """Give replicas to experts whose load per replica is above threshold, taking them
     from experts that stay at or below it, one slot per layer per step.
@@ -120,18 +121,19 @@ def move_replicas(
     The replica given up is the one on the busiest GPU that does not already hold the
     receiving expert. phy2log: [L, P] (updated in place), old: [L, P], load: [L, E],
     threshold: [L], quota: [L] slots each layer may still change (updated in place).
+    logcnt: [L, E] the replica counts of phy2log if known (not changed).
     Returns: phy2log.
     """
     num_layers, num_slots = phy2log.shape
     num_gpus = num_slots // per_gpu
-    logcnt = logcnt_of(phy2log, load.shape[1])
+    logcnt = logcnt_of(phy2log, load.shape[1]) if logcnt is None else logcnt.copy()
     # a layer changes only when it acts, so one that cannot act now never will: the
     # steps run on the few that can
     may = np.flatnonzero(((load / logcnt).max(axis=1) > threshold) & (quota > 0))
     if may.size < num_layers:
         if may.size:
             sub, sub_quota = phy2log[may], quota[may]
-            move_replicas(sub, old[may], load[may], threshold[may], sub_quota, per_gpu, max_steps)
+            move_replicas(sub, old[may], load[may], threshold[may], sub_quota, per_gpu, max_steps, logcnt[may])
             phy2log[may], quota[may] = sub, sub_quota
         return phy2log
     rows = np.arange(num_layers)
@@ -199,12 +201,18 @@ def swap_to_target(
     num_pairs = max(1, min(num_pairs, num_gpus // 2))
     if slot_load is None:
         slot_load = _slot_load(phy2log, load, logcnt_of(phy2log, load.shape[1]))
-    weight = slot_load.reshape(num_layers, num_gpus, per_gpu)  # a view, as expert
-    expert = phy2log.reshape(num_layers, num_gpus, per_gpu)  # a view: swaps land in phy2log
-    before = old.reshape(num_layers, num_gpus, per_gpu)
-    gpu_load = weight.sum(axis=2)
+    # read and written flat, by slot index (layer * P + slot): views, so swaps land in
+    # phy2log and slot_load (reshape raises rather than copy)
+    flat_weight = np.reshape(slot_load, -1, copy=False)
+    flat_expert = np.reshape(phy2log, -1, copy=False)
+    flat_old = np.ascontiguousarray(old).reshape(-1)
+    gpu_load = slot_load.reshape(num_layers, num_gpus, per_gpu).sum(axis=2)
+    flat_gpu = gpu_load.reshape(-1)
+    # a layer that takes no swap in a round is left as it was, so it would take none in
+    # any later round either: it drops out of the rounds
+    live = np.ones(num_layers, dtype=bool)
     for _ in range(max_rounds):
-        active = np.flatnonzero((gpu_load.max(axis=1) > target) & (quota > 0))
+        active = np.flatnonzero(live & (gpu_load.max(axis=1) > target) & (quota > 0))
         if active.size == 0:
             break
         sub_load = gpu_load[active]
@@ -217,27 +225,19 @@ def swap_to_target(
         # the pair's slots, layers last: [k, c, A] (numpy loops over the last axis, so
         # the c x c candidate swaps below run as long loops over layers, not short ones)
         slot3 = np.arange(per_gpu)[None, :, None]
-        at_heavy = ((active * num_gpus + heavy.T) * per_gpu)[:, None, :] + slot3
-        at_light = ((active * num_gpus + light.T) * per_gpu)[:, None, :] + slot3
-        hw, lw = weight.take(at_heavy), weight.take(at_light)
-        he, le = expert.take(at_heavy), expert.take(at_light)
-        # 2. best swap per pair [k, c_heavy, c_light, A]: the pair's peak ends at mean + miss
-        miss = np.abs(hw[:, :, None, :] - (lw + half_gap.T[:, None, :])[:, None, :, :])
-        same = he[:, :, None, :] == le[:, None, :, :]
-        dup = same.any(axis=1)[:, None, :, :] | same.any(axis=2)[:, :, None, :]
-        np.copyto(miss, np.inf, where=dup)
-        miss = miss.reshape(num_pairs, per_gpu * per_gpu, active.size)
-        best_t = miss.argmin(axis=1)  # [k, A]: heavy slot * c + light slot
-        best_miss = np.take_along_axis(miss, best_t[:, None, :], axis=1)[:, 0, :].T
-        best = best_t.T
+        first_heavy = (active[:, None] * num_gpus + heavy) * per_gpu  # [A, k]
+        first_light = (active[:, None] * num_gpus + light) * per_gpu
+        at_heavy = first_heavy.T[:, None, :] + slot3
+        at_light = first_light.T[:, None, :] + slot3
+        hw, lw = flat_weight.take(at_heavy), flat_weight.take(at_light)
+        he, le = flat_expert.take(at_heavy), flat_expert.take(at_light)
+        # 2. best swap per pair: the pair's peak ends at mean + miss
+        best, best_miss = _best_pair_swaps(hw, lw, he, le, half_gap)
         useful = (best_miss < half_gap * (1 - 1e-9)) & (heavy_load > target[active, None])
         # 3. what each swap costs in changed slots, paid pair by pair, busiest first
-        ia, ib = best // per_gpu, best % per_gpu
-        ga, gb = heavy, light
-        cur_a = np.take_along_axis(he, ia.T[:, None, :], 1)[:, 0, :].T
-        cur_b = np.take_along_axis(le, ib.T[:, None, :], 1)[:, 0, :].T
-        old_a = before[active[:, None], ga, ia]
-        old_b = before[active[:, None], gb, ib]
+        sa, sb = first_heavy + best // per_gpu, first_light + best % per_gpu  # [A, k] slots
+        cur_a, cur_b = flat_expert[sa], flat_expert[sb]
+        old_a, old_b = flat_old[sa], flat_old[sb]
         cost = (
             (cur_b != old_a).astype(np.int64) + (cur_a != old_b)
             - (cur_a != old_a) - (cur_b != old_b)
@@ -246,19 +246,63 @@ def swap_to_target(
         useful &= spend <= quota[active, None]
         if not useful.any():
             break
-        r, k = np.nonzero(useful)
+        live[active[~useful.any(axis=1)]] = False
+        r, k = rows_cols(useful)
         layer = active[r]
         np.subtract.at(quota, layer, cost[r, k])  # a layer may pay for several pairs
-        ga, gb, ia, ib = ga[r, k], gb[r, k], ia[r, k], ib[r, k]
+        sa, sb = sa[r, k], sb[r, k]
         # 4. apply: the pairs of a layer share no GPU
-        for state in (weight, expert):
-            a_val = state[layer, ga, ia]
-            state[layer, ga, ia] = state[layer, gb, ib]
-            state[layer, gb, ib] = a_val
-        moved = weight[layer, gb, ib] - weight[layer, ga, ia]
-        gpu_load[layer, ga] -= moved
-        gpu_load[layer, gb] += moved
+        for state in (flat_weight, flat_expert):
+            a_val = state[sa]
+            state[sa] = state[sb]
+            state[sb] = a_val
+        moved = flat_weight[sb] - flat_weight[sa]
+        flat_gpu[sa // per_gpu] -= moved
+        flat_gpu[sb // per_gpu] += moved
     return phy2log
+
+
+# Layers per chunk of `_best_pair_swaps`' [k, c, c, A] candidate tables, and elements
+# per chunk of `_best_peak_swaps`' [A, c, P] ones: a few hundred KB each, so the dozen
+# passes over them run in cache instead of memory.
+PAIR_CHUNK = 1 << 16
+
+
+def _best_pair_swaps(
+    hw: np.ndarray, lw: np.ndarray, he: np.ndarray, le: np.ndarray, half_gap: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each (busy GPU, light GPU) pair, the swap of one item of each that brings the
+    pair closest to even (first in (busy slot, light slot) order on ties), never putting
+    an expert on a GPU that already holds it.
+
+    hw, lw: [k, c, A] the items' loads on the k busy and k light GPUs of A layers, he, le:
+    [k, c, A] their experts, half_gap: [A, k] half each pair's load difference.
+    Returns: best [A, k] busy slot * c + light slot, miss [A, k] how far from even it
+    leaves the pair (inf when no swap is allowed). Worked out a chunk of layers at a time."""
+    num_pairs, per_gpu, num_active = hw.shape
+    step = max(1, PAIR_CHUNK // (num_pairs * per_gpu * per_gpu))
+    best = np.empty((num_pairs, num_active), dtype=np.int64)
+    best_miss = np.empty((num_pairs, num_active))
+    gap = half_gap.T
+    for lo in range(0, num_active, step):
+        cut = slice(lo, lo + step)
+        n = min(step, num_active - lo)
+        # [k, c_heavy, c_light, n] layers last: numpy loops over the last axis, so the
+        # c x c candidate swaps run as long loops over layers, not short ones
+        miss = np.abs(hw[:, :, None, cut] - (lw[:, :, cut] + gap[:, None, cut])[:, None, :, :])
+        same = he[:, :, None, cut] == le[:, None, :, cut]
+        dup = same.any(axis=1)[:, None, :, :] | same.any(axis=2)[:, :, None, :]
+        np.copyto(miss, np.inf, where=dup)
+        miss = miss.reshape(num_pairs, per_gpu * per_gpu, n)
+        pick = miss.argmin(axis=1)
+        best[:, cut] = pick
+        best_miss[:, cut] = np.take_along_axis(miss, pick[:, None, :], axis=1)[:, 0, :]
+    return best.T, best_miss.T
+
+
+# Elements of a chunk of `_best_peak_swaps`' [A, c, P] candidate tables: a few hundred
+# KB each, so the dozen passes over them run in cache instead of memory.
+PEAK_CHUNK = 1 << 15
 
 
 def swap_peak(
@@ -284,7 +328,6 @@ def swap_peak(
     if slot_load is None:
         slot_load = _slot_load(phy2log, load, logcnt_of(phy2log, load.shape[1]))
     weight = slot_load
-    gpu_of = np.arange(num_slots) // per_gpu
     gpu_load = weight.reshape(num_layers, num_gpus, per_gpu).sum(axis=2)
     # a layer at its target (or out of quota) now never changes: the rounds run on the rest
     may = np.flatnonzero((gpu_load.max(axis=1) > target) & (quota > 0))
@@ -294,35 +337,16 @@ def swap_peak(
             swap_peak(sub, old[may], load[may], target[may], sub_quota, per_gpu, max_rounds, sub_load)
             phy2log[may], quota[may], weight[may] = sub, sub_quota, sub_load
         return phy2log
+    # a layer that takes no swap in a round is left as it was, so it would take none in
+    # any later round either: it drops out of the rounds
+    live = np.ones(num_layers, dtype=bool)
     for _ in range(max_rounds):
         peak_gpu = gpu_load.argmax(axis=1)
         peak = gpu_load[np.arange(num_layers), peak_gpu]
-        active = np.flatnonzero((peak > target) & (quota > 0))
+        active = np.flatnonzero(live & (peak > target) & (quota > 0))
         if active.size == 0:
             break
-        g = peak_gpu[active]
-        own = g[:, None] * per_gpu + np.arange(per_gpu)  # [A, c]
-        own_w = weight[active[:, None], own]
-        own_e = phy2log[active[:, None], own]
-        other_w = weight[active]  # [A, P]
-        other_e = phy2log[active]
-        other_load = gpu_load[active][:, gpu_of]
-        delta = own_w[:, :, None] - other_w[:, None, :]  # [A, c, P]
-        new_peak = np.maximum(peak[active, None, None] - delta, other_load[:, None, :] + delta)
-        # no duplicate on either GPU, nothing from the peak GPU itself: which GPUs hold
-        # each own item [A, c, G] from where it matches (no reductions over a GPU's
-        # few slots, which numpy runs slowly)
-        same = other_e[:, None, :] == own_e[:, :, None]  # [A, c, P]
-        on_peak = same.any(axis=1)  # [A, P]
-        row, item, slot = np.unravel_index(np.flatnonzero(same), same.shape)
-        own_there = np.zeros((active.size, per_gpu, num_gpus), dtype=bool)
-        own_there[row, item, slot // per_gpu] = True
-        own_there[np.arange(active.size), :, g] = True
-        allowed = (delta > 0) & ~on_peak[:, None, :] & ~own_there[:, :, gpu_of]
-        new_peak = np.where(allowed, new_peak, np.inf).reshape(active.size, -1)
-        best = new_peak.argmin(axis=1)
-        a = own[np.arange(active.size), best // num_slots]
-        b = best % num_slots
+        a, b, new_peak = _best_peak_swaps(phy2log, weight, gpu_load, active, peak_gpu[active], per_gpu)
         layer = active
         cost = (
             (phy2log[layer, b] != old[layer, a]).astype(np.int64)
@@ -330,11 +354,10 @@ def swap_peak(
             - (phy2log[layer, a] != old[layer, a])
             - (phy2log[layer, b] != old[layer, b])
         )
-        ok = (new_peak[np.arange(active.size), best] < peak[active] * (1 - 1e-9)) & (
-            cost <= quota[layer]
-        )
+        ok = (new_peak < peak[active] * (1 - 1e-9)) & (cost <= quota[layer])
         if not ok.any():
             break
+        live[active[~ok]] = False
         layer, a, b, cost = layer[ok], a[ok], b[ok], cost[ok]
         quota[layer] -= cost
         moved = weight[layer, a] - weight[layer, b]
@@ -345,6 +368,54 @@ def swap_peak(
             state[layer, a] = state[layer, b]
             state[layer, b] = a_val
     return phy2log
+
+
+def _best_peak_swaps(
+    phy2log: np.ndarray, weight: np.ndarray, gpu_load: np.ndarray, active: np.ndarray,
+    peak_gpu: np.ndarray, per_gpu: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each active layer, the swap of an item of its busiest GPU with an item of
+    another GPU that leaves the pair's peak lowest (first in (item, slot) order on ties),
+    never duplicating an expert on either GPU and only moving load off the peak GPU.
+
+    phy2log, weight: [L, P], gpu_load: [L, G], active: [A] layers, peak_gpu: [A].
+    Returns: slot on the peak GPU [A], slot swapped with [A], the pair's new peak [A]
+    (inf where no swap is allowed). Worked out a chunk of layers at a time (PEAK_CHUNK)."""
+    num_slots = phy2log.shape[1]
+    num_gpus = num_slots // per_gpu
+    gpu_of = np.arange(num_slots) // per_gpu
+    step = max(1, PEAK_CHUNK // (per_gpu * num_slots))
+    a = np.empty(active.size, dtype=np.int64)
+    b = np.empty(active.size, dtype=np.int64)
+    best_peak = np.empty(active.size)
+    for lo in range(0, active.size, step):
+        rows, g = active[lo:lo + step], peak_gpu[lo:lo + step]
+        n = rows.size
+        own = g[:, None] * per_gpu + np.arange(per_gpu)  # [n, c]
+        own_w = weight[rows[:, None], own]
+        own_e = phy2log[rows[:, None], own]
+        other_w = weight[rows]  # [n, P]
+        other_e = phy2log[rows]
+        other_load = gpu_load[rows][:, gpu_of]
+        peak = gpu_load[rows, g]
+        delta = own_w[:, :, None] - other_w[:, None, :]  # [n, c, P]
+        new_peak = np.maximum(peak[:, None, None] - delta, other_load[:, None, :] + delta)
+        # no duplicate on either GPU, nothing from the peak GPU itself: which GPUs hold
+        # each own item [n, c, G] from where it matches (no reductions over a GPU's
+        # few slots, which numpy runs slowly)
+        same = other_e[:, None, :] == own_e[:, :, None]  # [n, c, P]
+        on_peak = same.any(axis=1)  # [n, P]
+        row, item, slot = np.unravel_index(np.flatnonzero(same), same.shape)
+        own_there = np.zeros((n, per_gpu, num_gpus), dtype=bool)
+        own_there[row, item, slot // per_gpu] = True
+        own_there[np.arange(n), :, g] = True
+        allowed = (delta > 0) & ~on_peak[:, None, :] & ~own_there[:, :, gpu_of]
+        new_peak = np.where(allowed, new_peak, np.inf).reshape(n, -1)
+        best = new_peak.argmin(axis=1)
+        a[lo:lo + n] = own[np.arange(n), best // num_slots]
+        b[lo:lo + n] = best % num_slots
+        best_peak[lo:lo + n] = new_peak[np.arange(n), best]
+    return a, b, best_peak
 
 
 def peak_load(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:

@@ -81,19 +81,25 @@ def rehome_lost(phy2log: np.ndarray, load: np.ndarray, per_gpu: int) -> np.ndarr
     that expert's replicas; heaviest lost expert first, one per layer per step.
 
     Only a few experts are lost and a few can give (those with >= 2 replicas), so a step
-    works on small tables of them ([L, T] takers in order, [L, R] givers, [L, R, W] the
-    givers' slots), and each GPU's load is summed from per-slot loads kept up to date.
+    works on small tables of them ([L, T] takers in order, [L, R] givers) and on the rows
+    of the layers still re-homing; a GPU's load is summed from per-slot loads kept up to
+    date.
 
     phy2log: [L, P'] (updated in place; every expert must fit: P' >= E), load: [L, E].
     Returns: phy2log."""
     return _rehome(phy2log, load, per_gpu)[0]
 
 
-def _rehome(phy2log: np.ndarray, load: np.ndarray, per_gpu: int) -> tuple[np.ndarray, np.ndarray]:
-    """`rehome_lost`, and the load each slot carries afterwards ([L, P'] float64)."""
+def _rehome(
+    phy2log: np.ndarray, load: np.ndarray, per_gpu: int, logcnt: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`rehome_lost`, and the load each slot carries afterwards ([L, P'] float64).
+
+    logcnt: [L, E] the replica counts of phy2log if known: updated in place, to the
+    counts of the result."""
     num_layers, num_slots = phy2log.shape
     num_logical = load.shape[1]
-    logcnt = logcnt_of(phy2log, num_logical)
+    logcnt = logcnt_of(phy2log, num_logical) if logcnt is None else logcnt
     num_lost = (logcnt == 0).sum(axis=1)
     slot_load = gather(load / np.maximum(logcnt, 1), phy2log)  # [L, P']
     if not num_lost.any():
@@ -106,7 +112,7 @@ def _rehome(phy2log: np.ndarray, load: np.ndarray, per_gpu: int) -> tuple[np.nda
     takers = np.zeros((num_layers, int(num_lost.max())), dtype=np.int64)
     takers[row, _rank_in_row(row, num_lost)] = expert[by]
     # 2. givers [L, R]: experts with >= 2 replicas in expert order (argmin ties as over
-    #    all experts), the load per replica each would have with one fewer, their slots
+    #    all experts), the load per replica each would have with one fewer
     giving = logcnt >= 2
     row, expert = rows_cols(giving)
     num_giving = giving.sum(axis=1)
@@ -115,42 +121,49 @@ def _rehome(phy2log: np.ndarray, load: np.ndarray, per_gpu: int) -> tuple[np.nda
     givers[row, col] = expert
     spare = np.full(givers.shape, np.inf)
     spare[row, col] = load[row, expert] / (logcnt[row, expert] - 1)
-    column = np.full((num_layers, num_logical), -1, dtype=np.int64)
-    column[row, expert] = col
-    # slots grouped by expert in slot order (a stable sort; radix on 16-bit keys), each
-    # with its rank among its expert's replicas
+    # slots grouped by expert in slot order (a stable sort; radix on 16-bit keys) and
+    # where each expert's run starts: a giver's slots are its run ([L, P'], [L, E])
     keys = phy2log.astype(np.int16) if num_logical <= np.iinfo(np.int16).max else phy2log
     order = np.argsort(keys, axis=1, kind="stable")
-    by_expert = gather(phy2log, order)
-    rank = np.arange(num_slots) - gather(np.cumsum(logcnt, axis=1) - logcnt, by_expert)
-    at = gather(column, by_expert)
-    row, pos = rows_cols(at >= 0)
-    slots = np.full((num_layers, givers.shape[1], int(logcnt.max())), -1, dtype=np.int64)
-    slots[row, at[row, pos], rank[row, pos]] = order[row, pos]  # [L, R, W]
+    start = np.cumsum(logcnt, axis=1) - logcnt
+    held = logcnt.copy()  # run lengths; a giver only loses slots, never gains one
+    width = np.arange(int(logcnt.max()))
     for step in range(takers.shape[1]):
         rows = np.flatnonzero(num_lost > step)
         taker = takers[rows, step]
         pick = spare[rows].argmin(axis=1)
         giver = givers[rows, pick]
-        # 3. the giver's replica on the lightest GPU (first slot on ties)
-        options = slots[rows, pick]  # [l, W], -1 padded
-        first = np.maximum(options, 0) // per_gpu * per_gpu  # the GPUs' first slots
-        on_gpu = gather(slot_load[rows], first[:, :, None] + np.arange(per_gpu))  # [l, W, c]
+        # 3. the giver's replica on the lightest GPU (first slot on ties): [l, W] its
+        #    slots, those it still holds, the load of each one's GPU
+        run = width < held[rows, giver][:, None]
+        at = start[rows, giver][:, None] + np.where(run, width, 0)
+        options = _take_rows(order, rows, at)
+        holds = run & (_take_rows(phy2log, rows, options) == giver[:, None])
+        first = options // per_gpu * per_gpu
+        on_gpu = _take_rows(slot_load, rows, first[:, :, None] + np.arange(per_gpu))  # [l, W, c]
         gpu = pack_sums(on_gpu.reshape(-1, per_gpu), 1).reshape(options.shape)
-        score = np.where(options >= 0, gpu, np.inf)
-        which = score.argmin(axis=1)
+        which = np.where(holds, gpu, np.inf).argmin(axis=1)
         taken = options[np.arange(rows.size), which]
         phy2log[rows, taken] = taker
         # 4. counts, what the giver can still spare, and the per-slot loads
         left = logcnt[rows, giver] - 1
         logcnt[rows, giver] = left
         logcnt[rows, taker] = 1
-        slots[rows, pick, which] = -1
         spare[rows, pick] = np.where(left >= 2, load[rows, giver] / np.maximum(left - 1, 1), np.inf)
         slot_load[rows, taken] = load[rows, taker]
-        rest, at = rows_cols(slots[rows, pick] >= 0)
-        slot_load[rows[rest], slots[rows[rest], pick[rest], at]] = load[rows, giver][rest] / left[rest]
+        holds[np.arange(rows.size), which] = False
+        rest, col = rows_cols(holds)
+        slot_load[rows[rest], options[rest, col]] = (load[rows, giver] / left)[rest]
     return phy2log, slot_load
+
+
+def _take_rows(values: np.ndarray, rows: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """values[rows[i], index[i, ...]] for each i, without copying the rows out.
+
+    values: [X, n], rows: [l], index: [l, ...] integers in [0, n). Returns: [l, ...]."""
+    width = values.shape[1]
+    offsets = (rows * width).reshape((rows.size,) + (1,) * (index.ndim - 1))
+    return np.take(values.reshape(-1), index + offsets)
 
 
 def _rank_in_row(row: np.ndarray, per_row: np.ndarray) -> np.ndarray:
@@ -201,13 +214,13 @@ def _plan_batch(
     kept = np.concatenate([phy2log[:, surviving_slots(num_slots, num_gpus, lost)] for lost in batch])
     kept = np.ascontiguousarray(kept, dtype=np.int64)
     stacked = np.tile(load, (len(batch), 1))                        # [K * L, E]
-    held = (logcnt_of(kept, num_logical) > 0).reshape(len(batch), num_layers, num_logical)
-    from_storage = (~held).sum(axis=(1, 2))
+    logcnt = _kept_counts(phy2log, num_gpus, batch, num_logical)    # [K * L, E]
+    from_storage = (logcnt == 0).reshape(len(batch), -1).sum(axis=1)
     if kept.shape[1] < num_logical:
         short = num_logical - kept.shape[1]
         return [SurvivorPlan(lost, None, float("nan"), 0, int(n), short)
                 for lost, n in zip(batch, from_storage, strict=True)]
-    rehomed, slot_load = _rehome(kept.copy(), stacked, per_gpu)
+    rehomed, slot_load = _rehome(kept.copy(), stacked, per_gpu, logcnt)
     gpu_rehomed = pack_sums(slot_load, survivors)
     new = rehomed.copy()
     # even out what the lost GPUs carried, toward the balance the group had
@@ -215,7 +228,8 @@ def _plan_batch(
     loaded = mean > 0
     target = np.where(loaded, mean / max(aim - gap, 1e-3), np.inf)
     quota = np.full(new.shape[0], int(REFINE_SHARE * per_gpu) + 1, dtype=np.int64)
-    move_replicas(new, kept, stacked, np.where(loaded, REPLICA_SHARE * target, np.inf), quota, per_gpu)
+    move_replicas(new, kept, stacked, np.where(loaded, REPLICA_SHARE * target, np.inf), quota, per_gpu,
+                  logcnt=logcnt)
     given = np.flatnonzero((new != rehomed).any(axis=1))  # replica counts changed: slot loads too
     slot_load[given] = replica_load(new[given], stacked[given])
     swap_to_target(new, kept, stacked, target, quota, per_gpu, slot_load=slot_load)
@@ -227,6 +241,21 @@ def _plan_batch(
     moved = (new != kept).sum(axis=1).reshape(len(batch), num_layers).sum(axis=1)
     return [SurvivorPlan(lost, new[k * num_layers:(k + 1) * num_layers], mean_balancedness(per_layer[k]),
                          int(moved[k]), int(from_storage[k]), 0) for k, lost in enumerate(batch)]
+
+
+def _kept_counts(phy2log: np.ndarray, num_gpus: int, batch: list[tuple[int, ...]], num_logical: int) -> np.ndarray:
+    """Replicas per expert on the survivors of each loss: the whole group's counts, less
+    those on the lost GPUs (a few slots each), instead of counting every survivor's slots.
+
+    phy2log: [L, P]. Returns: [K * L, E] int64, loss k's layers at rows k * L onward."""
+    num_layers, num_slots = phy2log.shape
+    per_gpu = num_slots // num_gpus
+    lost = np.array([[g * per_gpu + i for g in gone for i in range(per_gpu)] for gone in batch])  # [K, s]
+    counts = np.tile(logcnt_of(phy2log, num_logical), (len(batch), 1))
+    row = np.arange(len(batch) * num_layers).reshape(len(batch), num_layers, 1)
+    where = row * num_logical + phy2log[:, lost].transpose(1, 0, 2)  # [K, L, s]
+    np.subtract.at(counts.reshape(-1), where.reshape(-1), 1)
+    return counts
 
 
 def repair_placement(phy2log: np.ndarray, num_gpus: int, lost: tuple[int, ...], num_logical: int) -> np.ndarray | None:
