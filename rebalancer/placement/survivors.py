@@ -87,7 +87,9 @@ def rehome_lost(phy2log: np.ndarray, load: np.ndarray, per_gpu: int) -> np.ndarr
 
     phy2log: [L, P'] (updated in place; every expert must fit: P' >= E), load: [L, E].
     Returns: phy2log."""
-    return _rehome(phy2log, load, per_gpu)[0]
+    work = np.ascontiguousarray(phy2log, dtype=np.int64)
+    phy2log[...] = _rehome(work, np.asarray(load, dtype=np.float64), per_gpu)[0]
+    return phy2log
 
 
 def _rehome(
@@ -124,36 +126,42 @@ def _rehome(
     # slots grouped by expert in slot order (a stable sort; radix on 16-bit keys) and
     # where each expert's run starts: a giver's slots are its run ([L, P'], [L, E])
     keys = phy2log.astype(np.int16) if num_logical <= np.iinfo(np.int16).max else phy2log
-    order = np.argsort(keys, axis=1, kind="stable")
-    start = np.cumsum(logcnt, axis=1) - logcnt
-    held = logcnt.copy()  # run lengths; a giver only loses slots, never gains one
+    order = np.argsort(keys, axis=1, kind="stable").reshape(-1)
+    start = (np.cumsum(logcnt, axis=1) - logcnt).reshape(-1)
+    held = logcnt.reshape(-1).copy()  # run lengths; a giver only loses slots, never gains one
     width = np.arange(int(logcnt.max()))
+    # the [L, P'] and [L, E] arrays read and written flat, at layer * P' + slot and
+    # layer * E + expert (views: the writes land in phy2log, logcnt and slot_load)
+    flat_map, flat_slot_load = np.reshape(phy2log, -1, copy=False), np.reshape(slot_load, -1, copy=False)
+    flat_count, flat_load = np.reshape(logcnt, -1, copy=False), load.reshape(-1)
     for step in range(takers.shape[1]):
         rows = np.flatnonzero(num_lost > step)
-        taker = takers[rows, step]
+        here = np.arange(rows.size)
         pick = spare[rows].argmin(axis=1)
-        giver = givers[rows, pick]
+        taker = rows * num_logical + takers[rows, step]  # flat
+        giver = rows * num_logical + givers[rows, pick]
+        first_slot = (rows * num_slots)[:, None]
         # 3. the giver's replica on the lightest GPU (first slot on ties): [l, W] its
         #    slots, those it still holds, the load of each one's GPU
-        run = width < held[rows, giver][:, None]
-        at = start[rows, giver][:, None] + np.where(run, width, 0)
-        options = _take_rows(order, rows, at)
-        holds = run & (_take_rows(phy2log, rows, options) == giver[:, None])
-        first = options // per_gpu * per_gpu
-        on_gpu = _take_rows(slot_load, rows, first[:, :, None] + np.arange(per_gpu))  # [l, W, c]
+        count = held[giver]
+        run = width[: count.max()] < count[:, None]  # as wide as the largest run picked
+        options = order[first_slot + start[giver][:, None] + np.where(run, width[: run.shape[1]], 0)]
+        holds = run & (flat_map[options + first_slot] == (giver - rows * num_logical)[:, None])
+        on_gpu = flat_slot_load[(options // per_gpu * per_gpu + first_slot)[:, :, None] + np.arange(per_gpu)]
         gpu = pack_sums(on_gpu.reshape(-1, per_gpu), 1).reshape(options.shape)
         which = np.where(holds, gpu, np.inf).argmin(axis=1)
-        taken = options[np.arange(rows.size), which]
-        phy2log[rows, taken] = taker
+        taken = options[here, which] + first_slot[:, 0]  # flat
+        flat_map[taken] = taker - rows * num_logical
         # 4. counts, what the giver can still spare, and the per-slot loads
-        left = logcnt[rows, giver] - 1
-        logcnt[rows, giver] = left
-        logcnt[rows, taker] = 1
-        spare[rows, pick] = np.where(left >= 2, load[rows, giver] / np.maximum(left - 1, 1), np.inf)
-        slot_load[rows, taken] = load[rows, taker]
-        holds[np.arange(rows.size), which] = False
+        left = flat_count[giver] - 1
+        flat_count[giver] = left
+        flat_count[taker] = 1
+        giver_load = flat_load[giver]
+        spare[rows, pick] = np.where(left >= 2, giver_load / np.maximum(left - 1, 1), np.inf)
+        flat_slot_load[taken] = flat_load[taker]
+        holds[here, which] = False
         rest, col = rows_cols(holds)
-        slot_load[rows[rest], options[rest, col]] = (load[rows, giver] / left)[rest]
+        flat_slot_load[options[rest, col] + first_slot[rest, 0]] = (giver_load / left)[rest]
     return phy2log, slot_load
 
 
