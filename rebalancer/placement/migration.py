@@ -206,6 +206,8 @@ def swap_to_target(
     flat_weight = np.reshape(slot_load, -1, copy=False)
     flat_expert = np.reshape(phy2log, -1, copy=False)
     flat_old = np.ascontiguousarray(old).reshape(-1)
+    by_gpu_weight = flat_weight.reshape(num_layers * num_gpus, per_gpu)
+    by_gpu_expert = flat_expert.reshape(num_layers * num_gpus, per_gpu)
     gpu_load = slot_load.reshape(num_layers, num_gpus, per_gpu).sum(axis=2)
     flat_gpu = gpu_load.reshape(-1)
     # a layer that takes no swap in a round is left as it was, so it would take none in
@@ -224,13 +226,12 @@ def swap_to_target(
         half_gap = (heavy_load - np.take_along_axis(sub_load, light, axis=1)) / 2
         # the pair's slots, layers last: [k, c, A] (numpy loops over the last axis, so
         # the c x c candidate swaps below run as long loops over layers, not short ones)
-        slot3 = np.arange(per_gpu)[None, :, None]
-        first_heavy = (active[:, None] * num_gpus + heavy) * per_gpu  # [A, k]
-        first_light = (active[:, None] * num_gpus + light) * per_gpu
-        at_heavy = first_heavy.T[:, None, :] + slot3
-        at_light = first_light.T[:, None, :] + slot3
-        hw, lw = flat_weight.take(at_heavy), flat_weight.take(at_light)
-        he, le = flat_expert.take(at_heavy), flat_expert.take(at_light)
+        # (whole GPUs taken as rows of the [L * G, c] views, then turned layers last)
+        gpu_heavy = (active[:, None] * num_gpus + heavy).T  # [k, A]
+        gpu_light = (active[:, None] * num_gpus + light).T
+        hw, lw = (_layers_last(by_gpu_weight.take(at, axis=0)) for at in (gpu_heavy, gpu_light))
+        he, le = (_layers_last(by_gpu_expert.take(at, axis=0)) for at in (gpu_heavy, gpu_light))
+        first_heavy, first_light = gpu_heavy.T * per_gpu, gpu_light.T * per_gpu  # [A, k]
         # 2. best swap per pair: the pair's peak ends at mean + miss
         best, best_miss = _best_pair_swaps(hw, lw, he, le, half_gap)
         useful = (best_miss < half_gap * (1 - 1e-9)) & (heavy_load > target[active, None])
@@ -260,6 +261,11 @@ def swap_to_target(
         flat_gpu[sa // per_gpu] -= moved
         flat_gpu[sb // per_gpu] += moved
     return phy2log
+
+
+def _layers_last(by_gpu: np.ndarray) -> np.ndarray:
+    """[k, A, c] per-GPU rows as [k, c, A], contiguous."""
+    return np.ascontiguousarray(by_gpu.transpose(0, 2, 1))
 
 
 # Layers per chunk of `_best_pair_swaps`' [k, c, c, A] candidate tables, and elements
