@@ -70,7 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = cmds.add_parser("history", help="plans and decisions, newest first")
     s.add_argument("deployment")
     s.add_argument("--limit", type=int, default=20)
-    s = cmds.add_parser("contingency", help="survivor placements planned for every single rank and node loss")
+    s = cmds.add_parser("contingency", help="survivor placements planned for every single rank and node loss "
+                        "and each declared scale-down")
     s.add_argument("deployment")
     s = cmds.add_parser("force", help="rebalance now, skipping the gate (or --dry-run): force DEP, or force --pool POOL")
     s.add_argument("deployment", nargs="?", default="")
@@ -162,6 +163,15 @@ def _parse_settings(settings: list[str], pb: Any) -> list[tuple[str, Any]]:
         field = fields.get(key)
         if not sep or field is None:
             raise InputError(f"setting {item!r}: expected key=value with key one of {', '.join(fields)}")
+        if field.type == field.TYPE_MESSAGE:  # a list of node counts: "7,6", or "" for none
+            counts = []
+            for part in filter(None, (p.strip() for p in value.split(","))):
+                if not part.isdigit():
+                    raise InputError(f"setting {item!r}: {part!r} is not a whole number of nodes "
+                                     "(a comma-separated list, e.g. 7,6; empty for none)")
+                counts.append(int(part))
+            parsed.append((key, counts))
+            continue
         if field.type == field.TYPE_BOOL:
             if value.lower() not in ("true", "false", "1", "0"):
                 raise InputError(f"setting {item!r}: {value!r} is not true or false")
@@ -307,10 +317,21 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
         policy = stub.GetPolicy(ref, **kw)
         if args.settings:
             for key, value in args.parsed_settings:  # checked before any call (_check_args)
-                setattr(policy, key, value)
+                if isinstance(value, list):
+                    getattr(policy, key).CopyFrom(pb.NodeCounts(counts=value))
+                else:
+                    setattr(policy, key, value)
             policy = stub.SetPolicy(pb.SetPolicyRequest(deployment=args.deployment, policy=policy), **kw)
-        show(policy, "\n".join(f"{f.name} = {getattr(policy, f.name)}" for f in policy.DESCRIPTOR.fields))
+        show(policy, "\n".join(f"{f.name} = {_policy_value(getattr(policy, f.name))}"
+                               for f in policy.DESCRIPTOR.fields))
     return 0
+
+
+def _policy_value(value: Any) -> Any:
+    """A Policy field as `admin policy` prints it: node counts as a list ("7, 6", "none")."""
+    if hasattr(value, "counts"):
+        return ", ".join(map(str, value.counts)) or "none"
+    return value
 
 
 def _contingency_text(name: str, reply: Any) -> str:
@@ -320,11 +341,17 @@ def _contingency_text(name: str, reply: Any) -> str:
     lines = [f"{name}: survivor placements planned on v{reply.base_version} at {_when(reply.computed_at)} "
              f"(balancedness now {reply.balancedness_now:.3f})",
              f"  {'loss':<18s} {'balancedness':>12s} {'slots moved':>12s} {'from storage':>13s}  note"]
+    nodes = [loss for loss in reply.losses if loss.kind == "node"]
+    per_node = len(nodes[0].lost_ranks) if nodes else 0
     for loss in reply.losses:
         ranks = ",".join(map(str, loss.lost_ranks))
         what = f"{loss.kind} {ranks}" if loss.kind == "rank" else f"node (ranks {ranks})"
         note = (f"cannot serve: {loss.unserved} experts a layer without a slot" if loss.unserved
                 else "")
+        if loss.kind == "scale_down" and per_node:  # a declared one: the tail nodes go
+            first, last = loss.lost_ranks[0], loss.lost_ranks[-1]
+            what = f"down to {first // per_node} nodes"
+            note = f"ranks {first}-{last} go" + (f"; {note}" if note else "")
         bal = f"{loss.balancedness:.3f}" if not loss.unserved else "-"
         lines.append(f"  {what:<18s} {bal:>12s} {loss.slots_moved:>12d} {loss.from_storage:>13d}  {note}".rstrip())
     return "\n".join(lines)

@@ -31,14 +31,26 @@ _WIRE_POLICY_FIELDS = tuple(f.name for f in pb.Policy.DESCRIPTOR.fields)
 
 log = logging.getLogger("rebalancer.admin")
 
+# Policy fields that are lists of node counts (a NodeCounts message: present or absent).
+_COUNTS_POLICY_FIELDS = tuple(
+    f.name for f in pb.Policy.DESCRIPTOR.fields
+    if f.message_type is not None and f.message_type.full_name == pb.NodeCounts.DESCRIPTOR.full_name
+)
+
+
 def policy_msg(policy: PolicyConfig) -> pb.Policy:
     settings = policy.to_flat()
-    return pb.Policy(**{name: settings[name] for name in _WIRE_POLICY_FIELDS})
+    values: dict[str, Any] = {
+        name: pb.NodeCounts(counts=settings[name]) if name in _COUNTS_POLICY_FIELDS else settings[name]
+        for name in _WIRE_POLICY_FIELDS
+    }
+    return pb.Policy(**values)
 
 
 # Fields with presence on the wire: absent means "keep the current value".
 _OPTIONAL_POLICY_FIELDS = tuple(
-    f.name for f in pb.Policy.DESCRIPTOR.fields if f.has_presence and f.containing_oneof is not None
+    f.name for f in pb.Policy.DESCRIPTOR.fields
+    if f.has_presence and (f.containing_oneof is not None or f.name in _COUNTS_POLICY_FIELDS)
 )
 
 
@@ -46,7 +58,8 @@ def policy_from_msg(msg: pb.Policy, base: PolicyConfig) -> PolicyConfig:
     """`base` with the message's settings (flat names, `PolicyConfig.with_settings`)."""
     known = set(PolicyConfig.setting_names())
     values = {
-        name: getattr(msg, name) for name in _WIRE_POLICY_FIELDS
+        name: list(getattr(msg, name).counts) if name in _COUNTS_POLICY_FIELDS else getattr(msg, name)
+        for name in _WIRE_POLICY_FIELDS
         if name in known and (name not in _OPTIONAL_POLICY_FIELDS or msg.HasField(name))
     }
     current = base.to_flat()

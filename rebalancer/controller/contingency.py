@@ -1,5 +1,7 @@
 """Contingency plans: a survivor placement ready for every single-rank and single-node
-loss of each deployment, before anything fails (docs/operations.md, "When a GPU dies").
+loss of each deployment, and for each scale-down it declares it may take
+(`ContingencyConfig.scale_down_nodes`), before anything fails (docs/operations.md, "When
+a GPU dies").
 
 `ContingencyPlanner` owns every deployment's newest `ContingencySet`: it asks for one
 after each committed placement and whenever the estimate has moved by `REFRESH_SHIFT`
@@ -13,19 +15,22 @@ history (`admin history`). Operators read it with `rebalancer admin contingency`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from rebalancer.controller.clock import Clock
-from rebalancer.controller.decide import ClusterShape
-from rebalancer.controller.deployment import Deployment, Session
-from rebalancer.controller.store import Store
+from rebalancer.errors import InputError
 from rebalancer.placement import balancedness
 from rebalancer.placement.survivors import survivor_placements
+
+if TYPE_CHECKING:  # annotations only: policy_config imports this module for its section
+    from rebalancer.controller.clock import Clock
+    from rebalancer.controller.decide import ClusterShape
+    from rebalancer.controller.deployment import Deployment, Session
+    from rebalancer.controller.store import Store
 
 log = logging.getLogger("rebalancer.controller")
 
@@ -37,7 +42,56 @@ REFRESH_SHIFT = 0.1
 # planned for at once): a set costs a few policy decisions of the worker's time.
 MIN_INTERVAL_SECONDS = 300.0
 
-LossKind = Literal["rank", "node"]
+# A failure domain: one rank, one node, or the tail nodes a declared scale-down removes.
+LossKind = Literal["rank", "node", "scale_down"]
+
+
+@dataclass(frozen=True)
+class ContingencyConfig:
+    """The contingency planner's settings: the `contingency` section of a deployment's
+    PolicyConfig (flat name on the wire and in TOML: scale_down_nodes)."""
+
+    scale_down_nodes: list[int] = field(default_factory=list)
+    """Node counts the deployment declares it may be scaled down to (elastic EP), e.g.
+    [7] for "down to 7 of 8 nodes": a survivor placement is planned for each, beside the
+    single rank and node losses. The nodes that go are the highest-numbered ones (ranks
+    numbered node by node, so the tail ranks: what vLLM's elastic scale-down removes by
+    default). Each an integer from 1 to the deployment's nodes less one; set on a
+    deployment (`rebalancer admin policy DEP scale_down_nodes=6,7`), a count its shape
+    cannot take is refused; in TOML's [policy] (the default of new deployments), such a
+    count is left out for that deployment (`scale_downs`)."""
+
+    def validate(self) -> None:
+        check_scale_down_nodes(self.scale_down_nodes)
+
+
+def check_scale_down_nodes(counts: object, num_nodes: int | None = None) -> list[int]:
+    """The declared node counts, checked: a list of distinct integers >= 1, and below
+    `num_nodes` when given (a deployment's shape). InputError naming the bad one."""
+    if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence):
+        raise InputError(f"policy scale_down_nodes must be a list of node counts, got {counts!r}")
+    out: list[int] = []
+    for count in counts:
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
+            raise InputError(f"policy scale_down_nodes: {count!r} is not a whole number of nodes")
+        if count < 1:
+            raise InputError(f"policy scale_down_nodes: {count} nodes: a deployment scales down to 1 node at least")
+        if num_nodes is not None and count >= num_nodes:
+            raise InputError(f"policy scale_down_nodes: {count} nodes is no scale-down of a deployment of "
+                             f"{num_nodes} node{'s' if num_nodes != 1 else ''} (at most {num_nodes - 1})")
+        if count in out:
+            raise InputError(f"policy scale_down_nodes: {count} nodes given twice")
+        out.append(int(count))
+    return out
+
+
+def scale_downs(shape: ClusterShape, counts: Sequence[int]) -> list[tuple[int, ...]]:
+    """The ranks each declared scale-down removes, largest count first: going down to n
+    of N nodes, the ranks of nodes n..N-1 (ranks numbered node by node, G / N to a node).
+    A count the shape cannot take (n >= N, or below 1) is left out."""
+    G, N = shape.num_gpus, shape.num_nodes
+    per_node = G // N
+    return [tuple(range(n * per_node, G)) for n in sorted(set(counts), reverse=True) if 1 <= n < N]
 
 
 @dataclass(frozen=True)
@@ -73,8 +127,8 @@ class Told:
 
 @dataclass(frozen=True)
 class ContingencySet:
-    """Every single-rank and single-node loss of one deployment, planned on the placement
-    of `base_version` and the estimate of `computed_at`."""
+    """Every single-rank and single-node loss of one deployment, and each scale-down it
+    declares, planned on the placement of `base_version` and the estimate of `computed_at`."""
 
     base_version: int
     computed_at: float
@@ -94,6 +148,9 @@ class ContingencySet:
             out[f"{kind}_worst"] = min(values) if values else float("nan")
             out[f"{kind}_mean"] = float(np.mean(values)) if values else float("nan")
         out["node_unserved"] = max((loss.unserved for loss in self.of("node")), default=0)
+        downs = self.of("scale_down")
+        if downs:  # only where the deployment declares scale-downs: older records lack it
+            out["scale_down_worst"] = min(loss.balancedness if loss.feasible else 0.0 for loss in downs)
         return out
 
 
@@ -114,30 +171,35 @@ def from_record(record: dict[str, Any], arrays: dict[str, np.ndarray]) -> Contin
     return ContingencySet(int(record["base_version"]), float(record["computed_at"]), float(record["healthy"]), losses)
 
 
-def failure_domains(shape: ClusterShape) -> list[tuple[LossKind, tuple[int, ...]]]:
-    """Every single rank, and every single node when there are several (ranks numbered
-    node by node, G / N to a node)."""
+def failure_domains(shape: ClusterShape, scale_down_nodes: Sequence[int] = ()) -> list[tuple[LossKind, tuple[int, ...]]]:
+    """Every single rank, every single node when there are several (ranks numbered node
+    by node, G / N to a node), then each declared scale-down's tail ranks (`scale_downs`)."""
     G, N = shape.num_gpus, shape.num_nodes
     out: list[tuple[LossKind, tuple[int, ...]]] = [("rank", (g,)) for g in range(G)] if G > 1 else []
     if N > 1:
         per_node = G // N
         out += [("node", tuple(range(n * per_node, (n + 1) * per_node))) for n in range(N)]
+    out += [("scale_down", lost) for lost in scale_downs(shape, scale_down_nodes)]
     return out
 
 
-def plan_losses(load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape) -> list[Loss]:
-    """The survivor placement of every failure domain (decision worker; pure).
+def plan_losses(load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape,
+                scale_down_nodes: Sequence[int] = ()) -> list[Loss]:
+    """The survivor placement of every failure domain (decision worker; pure). Going down
+    to N - 1 nodes loses the same ranks as the last node's loss: planned once, listed as both.
 
     load: [L, E] the estimate, phy2log: [L, P] the committed placement."""
-    domains = failure_domains(shape)
-    plans = survivor_placements(load, phy2log, shape.num_gpus, [lost for _, lost in domains])
-    return [Loss(kind, plan.lost, plan.balancedness, plan.slots_moved, plan.from_storage, plan.unserved,
-                 plan.phy2log) for (kind, _), plan in zip(domains, plans, strict=True)]
+    domains = failure_domains(shape, scale_down_nodes)
+    unique = list(dict.fromkeys(lost for _, lost in domains))
+    plans = dict(zip(unique, survivor_placements(load, phy2log, shape.num_gpus, unique), strict=True))
+    return [Loss(kind, lost, plans[lost].balancedness, plans[lost].slots_moved, plans[lost].from_storage,
+                 plans[lost].unserved, plans[lost].phy2log) for kind, lost in domains]
 
 
-def _plan(load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape) -> tuple[float, list[Loss]]:
+def _plan(load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape,
+          scale_down_nodes: Sequence[int] = ()) -> tuple[float, list[Loss]]:
     """The decision worker's job: the placement in use on `load`, and every loss planned."""
-    return balancedness(phy2log, load, shape.num_gpus), plan_losses(load, phy2log, shape)
+    return balancedness(phy2log, load, shape.num_gpus), plan_losses(load, phy2log, shape, scale_down_nodes)
 
 
 def load_shift(a: np.ndarray, b: np.ndarray) -> float:
@@ -189,13 +251,15 @@ class ContingencyPlanner:
                     session.send("planned_loss", Told(made.base_version, loss, len(made.losses)))
 
     def due(self, dep: Deployment, now: float) -> bool:
-        """Whether `dep` needs a new set: none yet or one of another placement, or the
-        estimate moved by REFRESH_SHIFT; never while one is computed, never more often
+        """Whether `dep` needs a new set: none yet, one of another placement or of other
+        declared scale-downs, or the estimate moved by REFRESH_SHIFT; never while one is computed, never more often
         than MIN_INTERVAL_SECONDS, and only with counts to plan on and a loss to plan for."""
-        if dep.name in self._running or not failure_domains(dep.shape) or dep.mixed is not None:
+        declared = dep.policy.contingency.scale_down_nodes
+        if dep.name in self._running or not failure_domains(dep.shape, declared) or dep.mixed is not None:
             return False
         current = self.sets.get(dep.name)
-        stale = current is None or current.base_version != dep.version
+        stale = (current is None or current.base_version != dep.version
+                 or [loss.lost for loss in current.of("scale_down")] != scale_downs(dep.shape, declared))
         if not stale and now - self._asked.get(dep.name, -np.inf) < MIN_INTERVAL_SECONDS:
             return False
         estimate = dep.estimator.estimate()
@@ -213,6 +277,7 @@ class ContingencyPlanner:
             return
         estimate = dep.estimator.estimate()
         version, phy2log, shape, name = dep.version, dep.phy2log.copy(), dep.shape, dep.name
+        declared = list(dep.policy.contingency.scale_down_nodes)
         self._running.add(name)
         self._asked[name] = now
 
@@ -237,4 +302,4 @@ class ContingencyPlanner:
             log.info("%s: contingency set on v%d: rank loss worst %.3f, node loss worst %.3f", name, version,
                      summary["rank_worst"], summary["node_worst"])
 
-        self.submit(partial(_plan, estimate, phy2log, shape), done)
+        self.submit(partial(_plan, estimate, phy2log, shape, declared), done)

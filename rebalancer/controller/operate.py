@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from rebalancer.controller.clock import Clock
+from rebalancer.controller.contingency import check_scale_down_nodes
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.decision_runner import DecisionRunner
@@ -56,10 +57,12 @@ class Operations:
         dep = self.registry.deployment(name)
         try:
             policy.validate()
+            if policy.contingency != dep.policy.contingency:  # declared now: for this shape
+                check_scale_down_nodes(policy.contingency.scale_down_nodes, dep.shape.num_nodes)
         except InputError as exc:
             raise StateError("INVALID_ARGUMENT", str(exc)) from exc
         dep.loop.set_policy(policy)
-        self.store.set_policy(name, policy.to_flat())
+        self.store.set_policy(name, policy.to_stored())
         return policy
 
     def set_paused(self, name: str, paused: bool) -> None:

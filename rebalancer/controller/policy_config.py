@@ -1,9 +1,11 @@
 """A deployment's policy: when to rebalance, how the load is estimated, what moves cost.
 
-`PolicyConfig` holds the decision gate's settings and two sections, each the settings
+`PolicyConfig` holds the decision gate's settings and three sections, each the settings
 object of the module that uses them: `estimator` (rebalancer/controller/estimate.py,
-`EstimatorConfig`) and `cost` (rebalancer/controller/cost.py, `CostParams`). Nothing is
-copied between them: the estimator and the cost model read their own section.
+`EstimatorConfig`), `cost` (rebalancer/controller/cost.py, `CostParams`) and
+`contingency` (rebalancer/controller/contingency.py, `ContingencyConfig`). Nothing is
+copied between them: the estimator, the cost model and the contingency planner read their
+own section.
 
 Outside Python a setting has one flat name, the field name of the v1 `Policy` message
 (proto/rebalancer/v1/rebalancer.proto): the admin API (GetPolicy, SetPolicy, `rebalancer
@@ -21,6 +23,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from rebalancer.controller.contingency import ContingencyConfig
 from rebalancer.controller.cost import (
     CostParams,
     ReferenceDeployment,
@@ -39,8 +42,8 @@ _GAIN_THRESHOLD = 0.02
 _MAX_MOVED_FRACTION = 0.25
 _TIMING = derived_timing(EstimatorConfig.decay, _GAIN_THRESHOLD, _MAX_MOVED_FRACTION)
 
-Section = Literal["estimator", "cost"]
-SECTIONS: tuple[Section, ...] = ("estimator", "cost")
+Section = Literal["estimator", "cost", "contingency"]
+SECTIONS: tuple[Section, ...] = ("estimator", "cost", "contingency")
 
 # Flat setting name (the v1 Policy message's, TOML's, the CLI's) -> (section, field) for
 # the settings that live in a section; every other flat name is a PolicyConfig field.
@@ -55,7 +58,13 @@ POLICY_SETTINGS: dict[str, tuple[Section, str]] = {
     "overlap_penalty": ("cost", "overlap_penalty"),
     "commit_gbps": ("cost", "commit_gbps"),
     "swap_seconds": ("cost", "swap_seconds"),
+    "scale_down_nodes": ("contingency", "scale_down_nodes"),
 }
+
+# Settings newer than the store's first strict readers: a stored row names one only when
+# it is not at its default (`PolicyConfig.to_stored`), so a controller rolled back to
+# before it (which refuses unknown names) still reads every row that does not use it.
+STORED_WHEN_SET: frozenset[str] = frozenset({"scale_down_nodes"})
 
 
 @dataclass
@@ -108,6 +117,10 @@ class PolicyConfig:
     """What moving expert weights costs this deployment: the gate charges plans with it,
     and the timing defaults are derived from it."""
 
+    contingency: ContingencyConfig = field(default_factory=ContingencyConfig)
+    """What the survivor placements are planned for besides every single rank and node
+    loss: the scale-downs the deployment declares it may take."""
+
     def for_windows(self, shape: ClusterShape, window_seconds: float) -> PolicyConfig:
         """A copy with `min_interval_seconds` and `decision_period_seconds` derived for
         this deployment and window length (`cost.derived_timing`) from this policy's
@@ -141,9 +154,11 @@ class PolicyConfig:
 
     def validate(self) -> None:
         """Raise InputError naming (by its flat name) the first setting out of range."""
-        for section, kind in (("estimator", EstimatorConfig), ("cost", CostParams)):
+        for section, kind in (("estimator", EstimatorConfig), ("cost", CostParams),
+                              ("contingency", ContingencyConfig)):
             if not isinstance(getattr(self, section), kind):
                 raise InputError(f"policy {section} must be a {kind.__name__}, got {getattr(self, section)!r}")
+        self.contingency.validate()
         settings = self.to_flat()
 
         def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -194,6 +209,13 @@ class PolicyConfig:
         for name, (section, key) in POLICY_SETTINGS.items():
             out[name] = getattr(getattr(self, section), key)
         return out
+
+    def to_stored(self) -> dict[str, Any]:
+        """`to_flat()` as the store keeps it: without the STORED_WHEN_SET settings that
+        are at their default."""
+        defaults = PolicyConfig().to_flat()
+        return {name: value for name, value in self.to_flat().items()
+                if name not in STORED_WHEN_SET or value != defaults[name]}
 
     def with_settings(self, values: Mapping[str, Any]) -> PolicyConfig:
         """A copy with the settings named by flat name changed (not validated); an

@@ -123,7 +123,7 @@ class Registry:
             dep = Deployment(name, shape, self.default_policy, version, phy2log)
             dep.mark_unknown(unknown)
             self.store.create_deployment(
-                name, stored_shape(shape, unknown), dep.policy.to_flat(), version, phy2log, now=now
+                name, stored_shape(shape, unknown), dep.policy.to_stored(), version, phy2log, now=now
             )
             self.deployments[name] = dep
             log.info("new deployment %s: %s", name, shape_key(shape))

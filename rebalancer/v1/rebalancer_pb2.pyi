@@ -232,7 +232,7 @@ class RankPresenceResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Policy(_message.Message):
-    __slots__ = ("min_interval_seconds", "gain_threshold", "horizon_seconds", "max_moved_fraction", "decay", "min_windows", "decision_period_seconds", "prepare_timeout_seconds", "link_bandwidth_gbps", "step_seconds", "overlap_penalty", "commit_gbps", "swap_seconds", "estimate_window", "noise_z", "shrink", "prior_decay")
+    __slots__ = ("min_interval_seconds", "gain_threshold", "horizon_seconds", "max_moved_fraction", "decay", "min_windows", "decision_period_seconds", "prepare_timeout_seconds", "link_bandwidth_gbps", "step_seconds", "overlap_penalty", "commit_gbps", "swap_seconds", "estimate_window", "noise_z", "shrink", "prior_decay", "scale_down_nodes")
     MIN_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GAIN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     HORIZON_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class Policy(_message.Message):
     NOISE_Z_FIELD_NUMBER: _ClassVar[int]
     SHRINK_FIELD_NUMBER: _ClassVar[int]
     PRIOR_DECAY_FIELD_NUMBER: _ClassVar[int]
+    SCALE_DOWN_NODES_FIELD_NUMBER: _ClassVar[int]
     min_interval_seconds: float
     gain_threshold: float
     horizon_seconds: float
@@ -267,7 +268,14 @@ class Policy(_message.Message):
     noise_z: float
     shrink: bool
     prior_decay: float
-    def __init__(self, min_interval_seconds: _Optional[float] = ..., gain_threshold: _Optional[float] = ..., horizon_seconds: _Optional[float] = ..., max_moved_fraction: _Optional[float] = ..., decay: _Optional[float] = ..., min_windows: _Optional[int] = ..., decision_period_seconds: _Optional[float] = ..., prepare_timeout_seconds: _Optional[float] = ..., link_bandwidth_gbps: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overlap_penalty: _Optional[float] = ..., commit_gbps: _Optional[float] = ..., swap_seconds: _Optional[float] = ..., estimate_window: _Optional[int] = ..., noise_z: _Optional[float] = ..., shrink: _Optional[bool] = ..., prior_decay: _Optional[float] = ...) -> None: ...
+    scale_down_nodes: NodeCounts
+    def __init__(self, min_interval_seconds: _Optional[float] = ..., gain_threshold: _Optional[float] = ..., horizon_seconds: _Optional[float] = ..., max_moved_fraction: _Optional[float] = ..., decay: _Optional[float] = ..., min_windows: _Optional[int] = ..., decision_period_seconds: _Optional[float] = ..., prepare_timeout_seconds: _Optional[float] = ..., link_bandwidth_gbps: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overlap_penalty: _Optional[float] = ..., commit_gbps: _Optional[float] = ..., swap_seconds: _Optional[float] = ..., estimate_window: _Optional[int] = ..., noise_z: _Optional[float] = ..., shrink: _Optional[bool] = ..., prior_decay: _Optional[float] = ..., scale_down_nodes: _Optional[_Union[NodeCounts, _Mapping]] = ...) -> None: ...
+
+class NodeCounts(_message.Message):
+    __slots__ = ("counts",)
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeploymentRef(_message.Message):
     __slots__ = ("deployment",)

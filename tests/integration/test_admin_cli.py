@@ -270,3 +270,30 @@ def test_contingency_lists_every_planned_loss(tmp_path: Path) -> None:
         for r in ranks:
             r.agent.stop()
         ctl.stop()
+
+
+def test_policy_scale_down_nodes_is_set_shown_and_refused_precisely(tmp_path: Path) -> None:
+    """`admin policy DEP scale_down_nodes=...`: a list travels and is stored; a count this
+    one-node deployment cannot scale down to is refused by the controller (exit 2, the
+    reason on stderr, nothing changed); a count that is not a whole number is refused
+    before any call."""
+    ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(paused=True, min_windows=1))
+    ranks: list[InstantRank] = []
+    try:
+        ranks = _feed(ctl)
+        code, out, err = admin(ctl, "policy", DEPLOYMENT)
+        assert code == 0 and "scale_down_nodes = none" in out, err
+        code, out, err = admin(ctl, "policy", DEPLOYMENT, "scale_down_nodes=1")
+        assert code == 2 and out == ""
+        assert "scale_down_nodes: 1 nodes is no scale-down of a deployment of 1 node (at most 0)" in err
+        code, out, err = admin(ctl, "policy", DEPLOYMENT, "scale_down_nodes=2,x")
+        assert code == 2 and out == "" and "'x' is not a whole number of nodes" in err
+        code, out, err = admin(ctl, "policy", DEPLOYMENT, "scale_down_nodes=", "--json")
+        assert code == 0, err
+        assert json.loads(out).get("scale_down_nodes", {}).get("counts", []) == []
+        controller = ctl.server.controller  # type: ignore[union-attr]
+        assert ctl.call(lambda: controller.deployment(DEPLOYMENT).policy.contingency.scale_down_nodes) == []
+    finally:
+        for r in ranks:
+            r.agent.stop()
+        ctl.stop()
