@@ -24,7 +24,7 @@ rebalancer/controller/policy_config.py, whose timing defaults come from that mod
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -151,6 +151,12 @@ class Decision:
     noise_margin: float = 0.0
     # When it was taken: the `now` it was decided at, on the caller's clock.
     time: float = 0.0
+    # The regimes policy (rebalancer/controller/regimes.py): which load it decided on (a
+    # recognised regime, the drift forecast, the estimate) and why; "" for the others.
+    load: str = ""
+    # The regimes policy: the deployment's regime library after this decision's windows
+    # (a RegimeLibrary), for the caller to keep; never stored with the record.
+    state: Any = field(default=None, repr=False, compare=False)
 
     @property
     def take(self) -> bool:
@@ -159,8 +165,10 @@ class Decision:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for logs, JSON and the store (the candidate array is left out)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "candidate"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("candidate", "state")}
         out["take"] = self.take
+        if not out["load"]:  # the policies other than regimes record what they always did
+            del out["load"]
         return out
 
 
@@ -258,6 +266,29 @@ def decide(
     return _record(outcome, reason, gate, ev, now)
 
 
+def gate_decision(
+    ev: _Evaluation,
+    policy: PolicyConfig,
+    now: float,
+    last_rebalance: float | None,
+    windows: int,
+    forced: bool = False,
+    dry_run: bool = False,
+    load: str = "",
+) -> Decision:
+    """`decide`'s gate, outcome and record on an evaluation already made
+    (`evaluate_candidate`); `load` says which load it was decided on (Decision.load)."""
+    gate, why = _gate(ev, policy, now, last_rebalance, windows)
+    outcome, reason = _outcome(gate, why, ev, policy, forced, dry_run)
+    decision = _record(outcome, reason, gate, ev, now)
+    return replace(decision, load=load) if load else decision
+
+
+def no_load_decision(windows: int, now: float) -> Decision:
+    """The decision when the estimate holds no load yet."""
+    return _no_load(windows, now)
+
+
 def _no_load(windows: int, now: float) -> Decision:
     """Nothing to fit yet: every figure 0."""
     return Decision(
@@ -302,6 +333,32 @@ def _evaluate(
     b_current, r_current = predicted_balance(current, estimate, shape)
     bound = float(lower_bound_balancedness(estimate, shape.num_slots, G, shape.num_nodes))
     candidate = _fit_candidate(estimate, current, shape, policy)
+    return evaluate_candidate(
+        estimate, current, candidate, shape, policy, effective_windows,
+        current_balance=(b_current, r_current), bound=bound,
+    )
+
+
+def evaluate_candidate(
+    estimate: np.ndarray,
+    current: np.ndarray,
+    candidate: np.ndarray,
+    shape: ClusterShape,
+    policy: PolicyConfig,
+    effective_windows: float | np.ndarray,
+    current_balance: tuple[float, float] | None = None,
+    bound: float | None = None,
+) -> _Evaluation:
+    """A given candidate (phy2log [L, P]) against `current` on the load `estimate` [L, E]:
+    what `decide`'s gate reads (balance of both, moves, their cost, the gain over the
+    horizon, the noise margin for `effective_windows`). `current_balance` and `bound`
+    save recomputing them when several candidates are measured on one load."""
+    G = shape.num_gpus
+    b_current, r_current = (
+        predicted_balance(current, estimate, shape) if current_balance is None else current_balance
+    )
+    if bound is None:
+        bound = float(lower_bound_balancedness(estimate, shape.num_slots, G, shape.num_nodes))
     b_candidate, r_candidate = predicted_balance(candidate, estimate, shape)
     moves = np.asarray(transfers(current, candidate, G, shape.num_nodes))
     slots_moved = int(moves.shape[0])

@@ -64,7 +64,7 @@ POLICY_SETTINGS: dict[str, tuple[Section, str]] = {
 # Settings newer than the store's first strict readers: a stored row names one only when
 # it is not at its default (`PolicyConfig.to_stored`), so a controller rolled back to
 # before it (which refuses unknown names) still reads every row that does not use it.
-STORED_WHEN_SET: frozenset[str] = frozenset({"scale_down_nodes"})
+STORED_WHEN_SET: frozenset[str] = frozenset({"scale_down_nodes", "regimes"})
 
 
 @dataclass
@@ -108,6 +108,13 @@ class PolicyConfig:
     noise_z: float = 2.0
     """Sampling-noise margin added to the hysteresis, in standard errors of a GPU's load:
     a candidate fitted on a noisy estimate looks better on it than it will serve."""
+
+    regimes: bool = False
+    """Opt in to the regimes policy (rebalancer/controller/regimes.py): the windows are
+    clustered into recurring load regimes kept in the store, a returning regime is
+    recognised within a window or two and decided on with its centroid and ready
+    placement, smooth drift on a forecast; the same gate. Off: the adaptive policy.
+    Not on the v1 wire yet: set in TOML's [policy] or `rebalancer simulate --set`."""
 
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     """How the load estimate the decisions read is kept (decay or sliding window, and the
@@ -191,7 +198,7 @@ class PolicyConfig:
             value = settings[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InputError(f"policy {name} must be an integer >= 0, got {value!r}")
-        for name in ("paused", "shrink"):
+        for name in ("paused", "shrink", "regimes"):
             if not isinstance(settings[name], bool):
                 raise InputError(f"policy {name} must be a boolean, got {settings[name]!r}")
 

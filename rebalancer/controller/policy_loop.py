@@ -19,6 +19,10 @@ import numpy as np
 
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig, decide
 from rebalancer.controller.estimate import LoadEstimator
+from rebalancer.controller.regimes import RegimeLibrary, decide_regimes
+
+# Windows the regimes policy keeps for its next decision (while paused, say): the newest.
+MAX_PENDING_WINDOWS = 64
 
 
 class PolicyLoop:
@@ -35,6 +39,10 @@ class PolicyLoop:
         self.last_decision_time: float | None = None
         self.last_rebalance: float | None = None
         self.last_decision: Decision | None = None
+        # The regimes policy (policy.regimes): the library, and the windows folded since
+        # the last decision, which the next decision adds to it.
+        self.regimes: RegimeLibrary | None = RegimeLibrary() if policy.regimes else None
+        self._pending: list[np.ndarray] = []
 
     def set_policy(self, policy: PolicyConfig) -> None:
         """Switch policy; the estimate is kept unless its mode (decay vs window) changes."""
@@ -47,11 +55,16 @@ class PolicyLoop:
         else:
             self.estimator.config = new
         self.policy = dataclasses.replace(policy)
+        if policy.regimes and self.regimes is None:
+            self.regimes = RegimeLibrary()
 
     def observe(self, counts: np.ndarray, checked: bool = False) -> None:
         """Fold one window of counts [L, E], summed over the deployment's ranks
         (`checked`: validated already, LoadEstimator.add)."""
         self.estimator.add(counts, checked)
+        if self.policy.regimes:
+            self._pending.append(np.array(counts, dtype=np.float64, copy=True))
+            del self._pending[:-MAX_PENDING_WINDOWS]
 
     def due(self, now: float) -> bool:
         """Whether a decision period has passed since the last decision."""
@@ -66,6 +79,23 @@ class PolicyLoop:
         Every input is copied here, so the returned call may run on another thread
         while windows keep folding (the controller does that); `record` it afterwards."""
         estimate, effective_windows = self.estimator.estimate_and_noise()
+        if self.policy.regimes:
+            if self.regimes is None:
+                self.regimes = RegimeLibrary()
+            pending, self._pending = [(c, now) for c in self._pending], []
+            return functools.partial(
+                decide_regimes,
+                library=self.regimes,
+                pending=pending,
+                estimate=estimate.copy(),
+                current=np.array(current, copy=True),
+                shape=self.shape,
+                policy=dataclasses.replace(self.policy),
+                now=now,
+                last_rebalance=self.last_rebalance,
+                windows=self.estimator.windows,
+                effective_windows=effective_windows,
+            )
         kwargs = dict(
             estimate=estimate.copy(),
             current=np.array(current, copy=True),
@@ -131,6 +161,8 @@ class PolicyLoop:
         A take is not a rebalance yet: the caller calls `started` when its plan starts."""
         self.last_decision_time = now
         self.last_decision = decision
+        if isinstance(decision.state, RegimeLibrary):
+            self.regimes = decision.state
 
     def started(self, now: float) -> None:
         """A plan of this loop's decision started at `now`: the min interval counts from here."""

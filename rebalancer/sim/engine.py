@@ -23,7 +23,11 @@ plus its stalls, so decisions see the time they would see in production:
 - `hindsight`: one placement fitted on the whole trace's summed counts, in place from
   the first window, free: what the best-informed fixed placement reaches, so a trace
   tells how much of `oracle` comes from tracking change and how much only from fitting
-  each window's sampling noise, which no causal policy can do.
+  each window's sampling noise, which no causal policy can do;
+- `regimes`: `adaptive` with the regimes policy on (`PolicyConfig.regimes`,
+  rebalancer/controller/regimes.py): the same loop, coordinator and costs, deciding on a
+  recognised regime's centroid (and its ready placement), the drift forecast or the
+  estimate, whichever predicts best.
 `follow`, `oracle` and `hindsight` use the engine's best from-scratch algorithm ("auto").
 The changing policies (periodic, adaptive, follow, oracle) start from `SimConfig.start`:
 the trivial placement an engine loads (default), or the static fit (a deployment started
@@ -35,7 +39,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -57,7 +61,7 @@ from rebalancer.sim.cost import CostModel, WindowClock
 from rebalancer.sim.trace import Trace
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, DispatchMode
 
-PolicyName = Literal["none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight"]
+PolicyName = Literal["none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight", "regimes"]
 POLICIES: tuple[PolicyName, ...] = get_args(PolicyName)
 # Where the changing policies start: the trivial placement or the static fit.
 Start = Literal["trivial", "static"]
@@ -340,6 +344,7 @@ class Simulator:
             "follow": self._follow,
             "oracle": self._oracle,
             "hindsight": self._hindsight,
+            "regimes": self._regimes,
         }
         if policy not in runners:
             raise InputError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
@@ -449,10 +454,16 @@ class Simulator:
             done = coordinate.on_committed(plan, rank, flight.ends_at)
         return done.finished
 
-    def _adaptive(self) -> PolicyResult:
+    def _regimes(self) -> PolicyResult:
+        return self._adaptive("regimes")
+
+    def _adaptive(self, name: str = "adaptive") -> PolicyResult:
         penalty = self.params.overlap_penalty
         ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
-        loop = PolicyLoop(self.shape, self.config.policy)
+        policy = self.config.policy
+        if name == "regimes":
+            policy = replace(policy, regimes=True)
+        loop = PolicyLoop(self.shape, policy)
         current = self.start_placement()
         now = 0.0
         flight: _InFlight | None = None
@@ -510,7 +521,7 @@ class Simulator:
                 flight = self._start_plan(current, decision.candidate, now, version + 1)
                 loop.started(now)
                 ledger.moved(w + 1, flight.plan.slots_moved, flight.plan.bytes_moved)
-        result = ledger.result("adaptive", dict(outcomes), log)
+        result = ledger.result(name, dict(outcomes), log)
         result.plans_aborted = aborted
         return result
 

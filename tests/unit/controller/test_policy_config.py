@@ -79,7 +79,7 @@ def test_the_store_keeps_flat_names_a_rolled_back_controller_reads(tmp_path: Pat
 def test_flat_names_and_sections_are_one_map() -> None:
     policy = OLD_AS_SECTIONS
     assert policy.to_stored() == OLD_FLAT_ROW
-    assert policy.to_flat() == {**OLD_FLAT_ROW, "scale_down_nodes": []}
+    assert policy.to_flat() == {**OLD_FLAT_ROW, "scale_down_nodes": [], "regimes": False}
     assert PolicyConfig().with_settings(OLD_FLAT_ROW) == policy
     assert PolicyConfig.from_dict(OLD_FLAT_ROW) == policy
     sections = {"estimator": {"decay": 0.6, "window": 4, "prior_decay": 0.9, "shrink": False},

@@ -1,0 +1,496 @@
+"""Load that comes back: a library of load regimes per deployment, and a drift forecast.
+
+Serving traffic repeats (prefill- and decode-heavy phases, the day's tenant mix) and
+drifts. The adaptive policy meets each return as if it were new: its decayed estimate
+has to move over before a plan pays. The `regimes` policy (opt in: `PolicyConfig.regimes`)
+keeps, per deployment, a `RegimeLibrary`:
+- Regimes: the windows clustered online. A window's distance to a regime is what a
+  placement cares about: the balancedness the regime's own fit (a from-scratch placement
+  on its centroid) loses on the window's load, against what it reaches on the centroid
+  (`distances`). Within `RegimeConfig.match_distance` the window joins the nearest
+  regime; otherwise it starts a new one (the library holds `capacity`; the least seen
+  goes). Per regime: the load centroid (mean per-layer shares), its fit, the ready
+  placement (the best one that served it, reached through the cost gate), how often it
+  came back and how long it stayed.
+- Three predictors of the next window's load, each scored online by how far its
+  prediction was from the window that came (mean per-layer total-variation distance of
+  the shares, `share_distance`): the matched regime's centroid, a drift forecast (the
+  trend between a fast and a slow exponential mean of the shares, extrapolated one
+  window ahead, restarted at a jump between regimes: `forecast`) and the adaptive
+  estimate. The decision uses the one with the lowest running error, except that a
+  window recognised as the return of a known regime takes that regime's centroid at
+  once.
+- Candidates: the migration-aware fit on the chosen load (as adaptive), the recognised
+  regime's ready placement, and, when known regimes alternate faster than a move pays
+  (mean stay at most `fast_run_windows`), a max-min placement over the regimes in play
+  (`maxmin_placement`). Each goes through the same cost gate (`decide.gate_decision`);
+  a load that is a regime's centroid or the smoothed forecast is worth many windows, so
+  its noise margin is smaller, and its hysteresis is `RegimeConfig.gain_threshold`.
+
+Everything here is a function of its arguments: `decide_regimes` takes the library and
+the windows folded since the last decision and returns the Decision with the updated
+library in `Decision.state` (the controller runs it in its decision worker and keeps the
+library it gets back; the simulator runs it inline). `RegimeLibrary.to_record` /
+`from_record` are what the store keeps (rebalancer/controller/store.py, `save_regimes`).
+
+Shapes: L layers, E logical experts, P physical slots, G GPUs; counts and loads [L, E],
+placements (phy2log) [L, P].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from rebalancer.controller.decide import (
+    ClusterShape,
+    Decision,
+    PolicyConfig,
+    evaluate_candidate,
+    gate_decision,
+    no_load_decision,
+    predicted_balance,
+)
+from rebalancer.errors import InputError
+from rebalancer.placement import compute_placement, lower_bound_balancedness
+from rebalancer.placement.metrics import balancedness_of
+
+PREDICTORS = ("regime", "forecast", "estimate")
+# Known regimes' ids kept for the alternation test and the operator's view.
+RECENT_WINDOWS = 32
+
+
+@dataclass(frozen=True)
+class RegimeConfig:
+    """How regimes are told apart and used (defaults for the DeepSeek-V3 traces: the
+    same workload's windows lose 0.005-0.02 of balancedness on each other's fit, two
+    workloads 0.08 or more)."""
+
+    match_distance: float = 0.04
+    """A window joins the nearest regime whose fit loses at most this balancedness on it."""
+
+    capacity: int = 16
+    """Regimes kept per deployment; a new one evicts the least seen (not the current)."""
+
+    known_windows: int = 3
+    """Windows a regime needs before its return is recognised and its centroid decided on."""
+
+    gain_threshold: float = 0.005
+    """Hysteresis on a regime's centroid or the forecast (their noise margin is added)."""
+
+    max_effective_windows: float = 64.0
+    """Cap on the windows a centroid is worth to the noise margin (a regime drifts too)."""
+
+    forecast_fast: float = 0.3
+    """Weight of the old value per window of the forecast's fast exponential mean."""
+
+    forecast_slow: float = 0.8
+    """The same for its slow mean (> forecast_fast): their gap over their lag gap is the trend."""
+
+    forecast_effective_windows: float = 1.5
+    """Windows the forecast is worth to the noise margin (the fast mean's, less the trend's noise)."""
+
+    score_decay: float = 0.7
+    """Weight of a predictor's old running error per window."""
+
+    fast_run_windows: float = 4.0
+    """Known regimes that stay this many windows or fewer on average (over the last
+    RECENT_WINDOWS) alternate too fast for moves: a max-min placement is offered."""
+
+    maxmin_rounds: int = 4
+    """Fits of the max-min placement's multiplicative-weights search."""
+
+    def validate(self) -> None:
+        for name, lo, hi in (("match_distance", 0.0, 1.0), ("gain_threshold", 0.0, 1.0),
+                             ("forecast_fast", 0.0, 0.99), ("forecast_slow", 0.0, 0.99),
+                             ("score_decay", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
+                raise InputError(f"regimes {name} must be in [{lo}, {hi}], got {value!r}")
+        for name in ("capacity", "known_windows", "maxmin_rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"regimes {name} must be an integer >= 1, got {value!r}")
+        if self.forecast_slow <= self.forecast_fast:
+            raise InputError("regimes forecast_slow must be above forecast_fast")
+        for name in ("max_effective_windows", "fast_run_windows", "forecast_effective_windows"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 1):
+                raise InputError(f"regimes {name} must be >= 1, got {value!r}")
+
+
+# -- pure functions on loads and placements ----------------------------------------------
+
+
+def shares(counts: np.ndarray) -> np.ndarray:
+    """Per-layer shares of a window's counts [L, E] (rows sum to 1; a layer without load
+    stays 0). Returns [L, E] float64."""
+    c = np.asarray(counts, dtype=np.float64)
+    total = c.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, c / np.where(total > 0, total, 1.0), 0.0)
+
+
+def share_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over layers of the total-variation distance between two shares [L, E] (0..1)."""
+    return float(0.5 * np.abs(a - b).sum(axis=1).mean())
+
+
+def balance(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> float:
+    """Balancedness of a placement [L, P] on a load [L, E] (mean over loaded layers)."""
+    per_layer = balancedness_of(np.asarray(phy2log, dtype=np.int64), load, num_gpus)
+    valid = per_layer[~np.isnan(per_layer)]
+    return float(valid.mean()) if valid.size else 1.0
+
+
+def fit(load: np.ndarray, shape: ClusterShape, previous: np.ndarray | None = None,
+        max_moved_fraction: float | None = None) -> np.ndarray:
+    """The engine's best placement on `load` [L, E] (from scratch, or migration-aware
+    from `previous` within the budget). Returns phy2log [L, P] int32."""
+    result = compute_placement(load, shape.num_slots, shape.num_gpus, num_nodes=shape.num_nodes,
+                               num_groups=shape.num_groups or None, previous=previous,
+                               max_moved_fraction=max_moved_fraction)
+    return np.asarray(result.phy2log, dtype=np.int32)
+
+
+def maxmin_placement(loads: np.ndarray, shape: ClusterShape, rounds: int = 4) -> tuple[np.ndarray, float]:
+    """A placement good for every load of `loads` [K, L, E] (shares): it maximises the
+    worst balancedness over the K loads, by multiplicative weights: fit on the weighted
+    mixture, weigh up the loads it serves worst, fit again; the best worst case wins.
+    Redundant slots go where the loads disagree (experts hot in any of them). Returns
+    (phy2log [L, P] int32, its worst balancedness)."""
+    k = loads.shape[0]
+    weights = np.full(k, 1.0 / k)
+    best: np.ndarray | None = None
+    best_worst = -1.0
+    for _ in range(max(1, rounds)):
+        placement = fit(np.tensordot(weights, loads, axes=1), shape)
+        b = np.array([balance(placement, loads[i], shape.num_gpus) for i in range(k)])
+        if b.min() > best_worst:
+            best, best_worst = placement, float(b.min())
+        weights = weights * np.exp(20.0 * (b.max() - b))
+        weights /= weights.sum()
+    assert best is not None
+    return best, best_worst
+
+
+# -- the library --------------------------------------------------------------------------
+
+
+@dataclass
+class Regime:
+    """One recurring load: its centroid, its fit and ready placement, when it came back."""
+
+    id: int
+    total: np.ndarray  # [L, E] sum of its windows' shares
+    windows: int
+    fit: np.ndarray  # [L, P] from-scratch placement on the centroid (the distance's yardstick)
+    fit_balance: float  # its balancedness on the centroid
+    first_seen: float
+    last_seen: float
+    visits: int = 1  # stays: runs of consecutive windows
+    ready: np.ndarray | None = None  # [L, P] the best placement that served it
+    fit_windows: int = 1  # windows the fit was made on
+
+    @property
+    def centroid(self) -> np.ndarray:
+        return self.total / max(self.windows, 1)
+
+    def summary(self) -> dict[str, Any]:
+        return {"id": self.id, "windows": self.windows, "visits": self.visits,
+                "mean_stay_windows": round(self.windows / max(self.visits, 1), 2),
+                "first_seen": self.first_seen, "last_seen": self.last_seen,
+                "fit_balancedness": round(self.fit_balance, 4), "ready": self.ready is not None}
+
+
+@dataclass
+class RegimeLibrary:
+    """A deployment's regimes and predictors (see the module docstring)."""
+
+    regimes: list[Regime] = field(default_factory=list)
+    next_id: int = 1
+    current: int = 0  # regime of the newest window (0: none yet)
+    recent: list[int] = field(default_factory=list)  # regime ids of the last windows
+    jumps: list[bool] = field(default_factory=list)  # whether each of them came by a jump
+    fast: np.ndarray | None = None  # the forecast's fast exponential mean [L, E] (shares)
+    slow: np.ndarray | None = None  # and its slow one
+    predictions: dict[str, np.ndarray] = field(default_factory=dict)  # made for the next window
+    errors: dict[str, float] = field(default_factory=dict)  # running error per predictor
+    windows: int = 0
+    maxmin: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict)
+
+    def get(self, regime_id: int) -> Regime | None:
+        for r in self.regimes:
+            if r.id == regime_id:
+                return r
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        """What `rebalancer admin regimes` shows: the library, newest first."""
+        return {"current": self.current, "size": len(self.regimes), "windows": self.windows,
+                "errors": {k: round(v, 5) for k, v in sorted(self.errors.items())},
+                "recent": list(self.recent[-12:]),
+                "regimes": [r.summary() for r in sorted(self.regimes, key=lambda r: -r.last_seen)]}
+
+    # -- store -------------------------------------------------------------------------
+
+    def to_record(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(JSON-ready record, arrays) for the store."""
+        arrays: dict[str, np.ndarray] = {}
+        regimes = []
+        for r in self.regimes:
+            arrays[f"total{r.id}"] = r.total
+            arrays[f"fit{r.id}"] = r.fit.astype(np.int32)
+            if r.ready is not None:
+                arrays[f"ready{r.id}"] = r.ready.astype(np.int32)
+            regimes.append({"id": r.id, "windows": r.windows, "fit_balance": r.fit_balance,
+                            "first_seen": r.first_seen, "last_seen": r.last_seen,
+                            "visits": r.visits, "fit_windows": r.fit_windows})
+        if self.fast is not None and self.slow is not None:
+            arrays["fast"], arrays["slow"] = self.fast, self.slow
+        record = {"version": 1, "regimes": regimes, "next_id": self.next_id,
+                  "current": self.current, "recent": list(self.recent), "jumps": list(self.jumps),
+                  "errors": dict(self.errors), "windows": self.windows}
+        return record, arrays
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], arrays: dict[str, np.ndarray]) -> RegimeLibrary:
+        lib = cls(next_id=int(record["next_id"]), current=int(record["current"]),
+                  recent=[int(i) for i in record["recent"]],
+                  jumps=[bool(j) for j in record.get("jumps", [])],
+                  errors={str(k): float(v) for k, v in record["errors"].items()},
+                  windows=int(record["windows"]), fast=arrays.get("fast"), slow=arrays.get("slow"))
+        for row in record["regimes"]:
+            i = int(row["id"])
+            lib.regimes.append(Regime(
+                id=i, total=np.asarray(arrays[f"total{i}"], dtype=np.float64), windows=int(row["windows"]),
+                fit=np.asarray(arrays[f"fit{i}"]), fit_balance=float(row["fit_balance"]),
+                first_seen=float(row["first_seen"]), last_seen=float(row["last_seen"]),
+                visits=int(row["visits"]), ready=arrays.get(f"ready{i}"),
+                fit_windows=int(row.get("fit_windows", 1))))
+        return lib
+
+
+def distances(lib: RegimeLibrary, x: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Each regime's distance to the shares `x` [L, E]: the balancedness its fit loses on
+    x against the centroid it was fitted on (>= 0). Returns [K] in library order."""
+    return np.array([max(0.0, r.fit_balance - balance(r.fit, x, num_gpus)) for r in lib.regimes])
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one window did to the library."""
+
+    regime: int
+    distance: float  # to the regime it joined (inf: a new regime)
+    new: bool
+    returned: bool  # a jump to a known regime other than the previous window's
+
+
+def _score(lib: RegimeLibrary, x: np.ndarray, decay: float) -> None:
+    """Charge each predictor the distance between its prediction and the window `x`."""
+    for name, predicted in lib.predictions.items():
+        err = share_distance(predicted, x)
+        old = lib.errors.get(name)
+        lib.errors[name] = err if old is None else decay * old + (1.0 - decay) * err
+
+
+def _refit(r: Regime, shape: ClusterShape) -> None:
+    """Fit the regime's centroid again once its windows have doubled since the last fit."""
+    if r.windows >= 2 * r.fit_windows:
+        r.fit = fit(r.centroid, shape)
+        r.fit_windows = r.windows
+    r.fit_balance = balance(r.fit, r.centroid, shape.num_gpus)
+
+
+def observe(lib: RegimeLibrary, counts: np.ndarray, now: float, shape: ClusterShape,
+            config: RegimeConfig, estimate: np.ndarray | None = None) -> Observation:
+    """Fold one window of counts [L, E] into the library (in place): score the predictors
+    on it, join it to the nearest regime within `match_distance` or start a regime,
+    update the forecast, and make the predictions for the next window (`estimate` [L, E],
+    the adaptive estimate after this window, is the third predictor)."""
+    x = shares(counts)
+    if float(x.sum()) <= 0.0:
+        return Observation(lib.current, math.inf, False, False)
+    _score(lib, x, config.score_decay)
+    lib.windows += 1
+    d = distances(lib, x, shape.num_gpus)
+    previous = lib.current
+    if d.size and float(d.min()) <= config.match_distance:
+        r = lib.regimes[int(d.argmin())]
+        dist = float(d.min())
+        known = r.windows >= config.known_windows
+        r.total = r.total + x
+        r.windows += 1
+        if r.id != previous:
+            r.visits += 1
+        r.last_seen = now
+        _refit(r, shape)
+        new = False
+    else:
+        if len(lib.regimes) >= config.capacity:
+            evictable = [r for r in lib.regimes if r.id != previous] or lib.regimes
+            victim = min(evictable, key=lambda r: (r.windows, r.last_seen))
+            lib.regimes.remove(victim)
+            lib.maxmin = {k: v for k, v in lib.maxmin.items() if victim.id not in k}
+        placement = fit(x, shape)
+        r = Regime(id=lib.next_id, total=x.copy(), windows=1, fit=placement,
+                   fit_balance=balance(placement, x, shape.num_gpus), first_seen=now, last_seen=now)
+        lib.next_id += 1
+        lib.regimes.append(r)
+        dist, known, new = math.inf, False, True
+    changed = r.id != previous
+    # A jump (far from the previous window's regime), not a drift: the forecast restarts.
+    before = [i for i, old in enumerate(lib.regimes) if old.id == previous]
+    jump = not before or before[0] >= d.size or float(d[before[0]]) > 2.0 * config.match_distance
+    lib.current = r.id
+    lib.recent = (lib.recent + [r.id])[-RECENT_WINDOWS:]
+    lib.jumps = (lib.jumps + [bool(changed and jump)])[-RECENT_WINDOWS:]
+    if (changed and jump) or lib.fast is None or lib.slow is None:
+        lib.fast, lib.slow = x.copy(), x.copy()
+    else:
+        lib.fast = config.forecast_fast * lib.fast + (1.0 - config.forecast_fast) * x
+        lib.slow = config.forecast_slow * lib.slow + (1.0 - config.forecast_slow) * x
+    lib.predictions = {"regime": r.centroid, "forecast": forecast(lib, config)}
+    if estimate is not None:
+        lib.predictions["estimate"] = shares(estimate)
+    return Observation(r.id, dist, new, changed and known and jump)
+
+
+def forecast(lib: RegimeLibrary, config: RegimeConfig, horizon: float = 1.0) -> np.ndarray:
+    """The forecast shares [L, E] `horizon` windows ahead: an exponential mean of decay
+    f lags (f / (1 - f)) windows behind a linear drift, so the fast and the slow mean
+    differ by the trend times their lag gap; the fast mean plus the trend over its lag and
+    the horizon, clipped at 0 and renormalised per layer."""
+    if lib.fast is None or lib.slow is None:
+        raise InputError("no window observed yet: nothing to forecast")
+    lag_fast = config.forecast_fast / (1.0 - config.forecast_fast)
+    lag_slow = config.forecast_slow / (1.0 - config.forecast_slow)
+    trend = (lib.fast - lib.slow) / (lag_slow - lag_fast)
+    return shares(np.clip(lib.fast + (horizon + lag_fast) * trend, 0.0, None))
+
+
+def alternating(lib: RegimeLibrary, config: RegimeConfig) -> list[int]:
+    """Known regimes in play when they alternate faster than `fast_run_windows` (over
+    the recent windows), else []. Only jumps count (a drifting load walks from one
+    regime to its neighbour), and only regimes that came back by a jump (a burst's
+    one-off regime does not)."""
+    recent = lib.recent
+    if len(recent) < 2 * config.fast_run_windows or len(lib.jumps) != len(recent):
+        return []
+    known = {r.id for r in lib.regimes if r.windows >= config.known_windows}
+    entered = [i for i, jumped in zip(recent, lib.jumps, strict=True) if jumped and i in known]
+    in_play = sorted({i for i in entered if entered.count(i) >= 2})
+    if len(in_play) < 2 or len(recent) / (len(entered) + 1) > config.fast_run_windows:
+        return []
+    return in_play
+
+
+# -- the decision ---------------------------------------------------------------------------
+
+
+def decide_regimes(
+    library: RegimeLibrary,
+    pending: list[tuple[np.ndarray, float]],
+    estimate: np.ndarray,
+    current: np.ndarray,
+    shape: ClusterShape,
+    policy: PolicyConfig,
+    now: float,
+    last_rebalance: float | None,
+    windows: int,
+    effective_windows: float | np.ndarray | None = None,
+    config: RegimeConfig | None = None,
+) -> Decision:
+    """The regimes policy's decision: fold the windows `pending` ([(counts [L, E], time)],
+    those since the last decision) into `library`, pick the load to decide on and the
+    candidates, and run the cost gate. `estimate` [L, E], `current` [L, P] and the rest as
+    for `decide`. Returns the Decision; `Decision.state` is the library (updated in place)."""
+    config = config or RegimeConfig()
+    estimate = np.asarray(estimate, dtype=np.float64)
+    current = np.asarray(current)
+    observation = None
+    for counts, seen in pending:
+        observation = observe(library, counts, seen, shape, config, estimate)
+    if float(estimate.sum()) <= 0.0 or library.current == 0:
+        return replace(no_load_decision(windows, now), state=library)
+    ew: float | np.ndarray = windows if effective_windows is None else effective_windows
+    tokens = estimate.sum(axis=1, keepdims=True)  # per-layer scale of one window
+    regime = library.get(library.current)
+    assert regime is not None
+    # Keep the regime's ready placement: the best that served it so far.
+    centroid = regime.centroid
+    if regime.ready is None or balance(current, centroid, shape.num_gpus) > balance(
+        regime.ready, centroid, shape.num_gpus
+    ):
+        regime.ready = np.array(current, dtype=np.int32, copy=True)
+    # 1. The load: a recognised return, fast alternation, or the best-scored predictor.
+    loads: dict[str, tuple[np.ndarray, float | np.ndarray]] = {
+        "estimate": (estimate, ew),
+        "forecast": (forecast(library, config) * tokens, config.forecast_effective_windows),
+        "regime": (centroid * tokens, min(float(regime.windows), config.max_effective_windows)),
+    }
+    in_play = alternating(library, config)
+    ready: np.ndarray | None = None
+    worth: float | np.ndarray
+    if in_play:
+        playing = sorted((r for r in library.regimes if r.id in in_play), key=lambda r: r.id)
+        mix = np.stack([r.centroid for r in playing])
+        freq = np.array([library.recent.count(r.id) for r in playing], dtype=np.float64)
+        key = tuple(r.id for r in playing)
+        if key not in library.maxmin:
+            library.maxmin[key] = maxmin_placement(mix, shape, config.maxmin_rounds)[0]
+        ready = library.maxmin[key]
+        load_name = "alternation"
+        load = np.tensordot(freq / freq.sum(), mix, axes=1) * tokens
+        worth = min(float(sum(r.windows for r in playing)), config.max_effective_windows)
+        stay = len(library.recent) / (1 + sum(1 for j in library.jumps if j))
+        why = (f"regimes {', '.join(map(str, in_play))} alternate every {stay:.1f} windows: "
+               "their max-min placement")
+    elif observation is not None and observation.returned:
+        load_name, (load, worth) = "regime", loads["regime"]
+        ready = regime.ready if not np.array_equal(regime.ready, current) else None
+        why = (f"regime {regime.id} recognised (distance {observation.distance:.3f}, seen "
+               f"{regime.windows} windows in {regime.visits} stays): its centroid and ready placement")
+    elif observation is not None and observation.new and library.jumps and library.jumps[-1]:
+        # A jump to a load never seen: the forecast restarted on the new window, while
+        # the estimate still holds the old load.
+        load_name, (load, worth) = "forecast", loads["forecast"]
+        why = f"a jump to a new regime {regime.id} (no regime within {config.match_distance:g}): its window"
+    else:
+        scored = {k: library.errors.get(k, math.inf) for k in loads}
+        if regime.windows < config.known_windows:
+            scored["regime"] = math.inf  # too few windows to be worth more than the estimate
+        load_name = min(PREDICTORS, key=lambda k: scored[k])
+        load, worth = loads[load_name]
+        errs = ", ".join(f"{k} {v:.4f}" for k, v in scored.items() if math.isfinite(v))
+        why = f"{load_name} predicted the last windows best ({errs or 'no score yet'})"
+        if load_name == "regime":
+            why = f"regime {regime.id} ({regime.windows} windows): " + why
+    # 2. The candidates, each through the gate on that load.
+    # A known regime's centroid is worth many windows: a smaller hysteresis (its noise
+    # margin still counts). The estimate and the forecast keep the policy's.
+    gate_policy = policy
+    if load_name in ("regime", "alternation") and float(np.min(worth)) >= config.known_windows:
+        gate_policy = replace(policy, gain_threshold=min(policy.gain_threshold, config.gain_threshold))
+    b_current = predicted_balance(current, load, shape)
+    bound = float(lower_bound_balancedness(load, shape.num_slots, shape.num_gpus, shape.num_nodes))
+    candidates = {"fit": fit(load, shape, previous=current, max_moved_fraction=policy.max_moved_fraction)}
+    if ready is not None and not np.array_equal(ready, current):
+        candidates["ready"] = ready
+    best: Decision | None = None
+    best_net = -math.inf
+    for name, candidate in candidates.items():
+        ev = evaluate_candidate(load, current, candidate, shape, gate_policy, worth,
+                                current_balance=b_current, bound=bound)
+        decision = gate_decision(ev, gate_policy, now, last_rebalance, windows,
+                                 load=f"{load_name} ({name} placement): {why}")
+        net = ev.gain - ev.cost.seconds
+        if (best is None or (decision.take and not best.take)
+                or (decision.take == best.take and net > best_net)):
+            best, best_net = decision, net
+    assert best is not None
+    return replace(best, state=library)
