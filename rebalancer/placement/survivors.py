@@ -94,11 +94,13 @@ def rehome_lost(phy2log: np.ndarray, load: np.ndarray, per_gpu: int) -> np.ndarr
 
 def _rehome(
     phy2log: np.ndarray, load: np.ndarray, per_gpu: int, logcnt: np.ndarray | None = None,
+    order: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`rehome_lost`, and the load each slot carries afterwards ([L, P'] float64).
 
     logcnt: [L, E] the replica counts of phy2log if known: updated in place, to the
-    counts of the result."""
+    counts of the result. order: [L, P'] its slots grouped by expert in slot order if
+    known (`_kept_order`)."""
     num_layers, num_slots = phy2log.shape
     num_logical = load.shape[1]
     logcnt = logcnt_of(phy2log, num_logical) if logcnt is None else logcnt
@@ -125,8 +127,10 @@ def _rehome(
     spare[row, col] = load[row, expert] / (logcnt[row, expert] - 1)
     # slots grouped by expert in slot order (a stable sort; radix on 16-bit keys) and
     # where each expert's run starts: a giver's slots are its run ([L, P'], [L, E])
-    keys = phy2log.astype(np.int16) if num_logical <= np.iinfo(np.int16).max else phy2log
-    order = np.argsort(keys, axis=1, kind="stable").reshape(-1)
+    if order is None:
+        keys = phy2log.astype(np.int16) if num_logical <= np.iinfo(np.int16).max else phy2log
+        order = np.argsort(keys, axis=1, kind="stable")
+    order = order.reshape(-1)
     start = (np.cumsum(logcnt, axis=1) - logcnt).reshape(-1)
     held = logcnt.reshape(-1).copy()  # run lengths; a giver only loses slots, never gains one
     width = np.arange(int(logcnt.max()))
@@ -219,8 +223,11 @@ def _plan_batch(
     num_logical = load.shape[1]
     per_gpu = num_slots // num_gpus
     survivors = num_gpus - len(batch[0])
-    kept = np.concatenate([phy2log[:, surviving_slots(num_slots, num_gpus, lost)] for lost in batch])
-    kept = np.ascontiguousarray(kept, dtype=np.int64)
+    # the survivors' slots of every loss, in one gather: [K, L, P'] flat -> [K * L, P']
+    cols = np.stack([surviving_slots(num_slots, num_gpus, lost) for lost in batch])  # [K, P']
+    flat = np.asarray(phy2log, dtype=np.int64).reshape(-1)
+    kept = flat.take((np.arange(num_layers) * num_slots)[None, :, None] + cols[:, None, :])
+    kept = kept.reshape(len(batch) * num_layers, -1)
     stacked = np.tile(load, (len(batch), 1))                        # [K * L, E]
     logcnt = _kept_counts(phy2log, num_gpus, batch, num_logical)    # [K * L, E]
     from_storage = (logcnt == 0).reshape(len(batch), -1).sum(axis=1)
@@ -228,7 +235,8 @@ def _plan_batch(
         short = num_logical - kept.shape[1]
         return [SurvivorPlan(lost, None, float("nan"), 0, int(n), short)
                 for lost, n in zip(batch, from_storage, strict=True)]
-    rehomed, slot_load = _rehome(kept.copy(), stacked, per_gpu, logcnt)
+    order = _kept_order(phy2log, num_logical, cols) if from_storage.any() else None
+    rehomed, slot_load = _rehome(kept.copy(), stacked, per_gpu, logcnt, order)
     gpu_rehomed = pack_sums(slot_load, survivors)
     new = rehomed.copy()
     # even out what the lost GPUs carried, toward the balance the group had
@@ -249,6 +257,22 @@ def _plan_batch(
     moved = (new != kept).sum(axis=1).reshape(len(batch), num_layers).sum(axis=1)
     return [SurvivorPlan(lost, new[k * num_layers:(k + 1) * num_layers], mean_balancedness(per_layer[k]),
                          int(moved[k]), int(from_storage[k]), 0) for k, lost in enumerate(batch)]
+
+
+def _kept_order(phy2log: np.ndarray, num_logical: int, cols: np.ndarray) -> np.ndarray:
+    """The survivors' slots of each loss grouped by expert in slot order (what a stable
+    sort of each survivors' map gives), from one sort of the whole group's map: its order
+    less the lost slots, renumbered as the survivors number them.
+
+    phy2log: [L, P], cols: [K, P'] each loss's surviving slots, ascending.
+    Returns: [K * L, P'] int64."""
+    num_layers, num_slots = phy2log.shape
+    keys = phy2log.astype(np.int16) if num_logical <= np.iinfo(np.int16).max else phy2log
+    order = np.argsort(keys, axis=1, kind="stable")  # [L, P]
+    renumber = np.full((cols.shape[0], num_slots), -1, dtype=np.int64)
+    np.put_along_axis(renumber, cols, np.arange(cols.shape[1]), axis=1)  # [K, P]: -1 when lost
+    mapped = renumber[:, order]  # [K, L, P]
+    return mapped[mapped >= 0].reshape(-1, cols.shape[1])
 
 
 def _kept_counts(phy2log: np.ndarray, num_gpus: int, batch: list[tuple[int, ...]], num_logical: int) -> np.ndarray:
