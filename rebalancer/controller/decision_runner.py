@@ -101,6 +101,7 @@ class DecisionRunner:
             if decision is None:
                 return
             loop.record(decision, now)
+            self.save_regimes(dep)
             if dep.plan is None:
                 self.act(dep, decision, "policy", self.clock())
 
@@ -108,6 +109,19 @@ class DecisionRunner:
         dep.decision_started()
         self.in_flight += 1
         self.background(work, done)
+
+    def save_regimes(self, dep: Deployment) -> None:
+        """Store the deployment's regime library when it changed enough
+        (`RegimeLibrary.save_due`): it survives a restart."""
+        library = dep.loop.regimes
+        if library is None or not library.save_due():
+            return
+        try:
+            self.store.save_regimes(dep.name, *library.to_record())
+        except sqlite3.Error as exc:  # kept in memory; the next decision tries again
+            log.error("%s: the store refused the regime library (%s)", dep.name, exc)
+        else:
+            library.mark_saved()
 
     def act(self, dep: Deployment, decision: Decision, trigger: str, now: float) -> Plan | None:
         """Record a decision; start its plan when it says so and every rank is there."""

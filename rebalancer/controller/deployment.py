@@ -24,6 +24,7 @@ from rebalancer.controller.coordinate import Aborted, Mixed, Plan, Unconfirmed
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.policy_loop import PolicyLoop
+from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.wire.codec import Statement
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE
 from rebalancer.wire.windows import SeqMerger, who
@@ -193,6 +194,11 @@ class Deployment:
         self.windows.restore(next_seq)
         self.estimator.load_state_dict(estimator_state)
         self.stats.tokens_folded = tokens_folded
+
+    def restore_regimes(self, library: RegimeLibrary) -> None:
+        """The regime library the store kept (a restart): the regimes policy recognises
+        what it learned before."""
+        self.loop.restore_regimes(library)
 
     def mark_unknown(self, fields: frozenset[str]) -> None:
         """Shape fields the store held no value for (a row written before they existed)."""

@@ -58,6 +58,10 @@ class PolicyLoop:
         if policy.regimes and self.regimes is None:
             self.regimes = RegimeLibrary()
 
+    def restore_regimes(self, library: RegimeLibrary) -> None:
+        """The regime library read back from the store (a restart)."""
+        self.regimes = library
+
     def observe(self, counts: np.ndarray, checked: bool = False) -> None:
         """Fold one window of counts [L, E], summed over the deployment's ranks
         (`checked`: validated already, LoadEstimator.add)."""

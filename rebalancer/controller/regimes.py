@@ -221,6 +221,19 @@ class RegimeLibrary:
     errors: dict[str, float] = field(default_factory=dict)  # running error per predictor
     windows: int = 0
     maxmin: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict)
+    # What the store holds: set when a regime is made, evicted or given a new ready
+    # placement; `saved_windows` counts the windows the stored copy had.
+    changed: bool = True
+    saved_windows: int = 0
+
+    def save_due(self, every_windows: int = 30) -> bool:
+        """Whether the store's copy is stale enough to write again: a regime was made,
+        evicted or got a ready placement, or `every_windows` windows were folded."""
+        return self.changed or self.windows - self.saved_windows >= every_windows
+
+    def mark_saved(self) -> None:
+        self.changed = False
+        self.saved_windows = self.windows
 
     def get(self, regime_id: int) -> Regime | None:
         for r in self.regimes:
@@ -262,7 +275,8 @@ class RegimeLibrary:
                   recent=[int(i) for i in record["recent"]],
                   jumps=[bool(j) for j in record.get("jumps", [])],
                   errors={str(k): float(v) for k, v in record["errors"].items()},
-                  windows=int(record["windows"]), fast=arrays.get("fast"), slow=arrays.get("slow"))
+                  windows=int(record["windows"]), fast=arrays.get("fast"), slow=arrays.get("slow"),
+                  changed=False, saved_windows=int(record["windows"]))
         for row in record["regimes"]:
             i = int(row["id"])
             lib.regimes.append(Regime(
@@ -335,12 +349,14 @@ def observe(lib: RegimeLibrary, counts: np.ndarray, now: float, shape: ClusterSh
             evictable = [r for r in lib.regimes if r.id != previous] or lib.regimes
             victim = min(evictable, key=lambda r: (r.windows, r.last_seen))
             lib.regimes.remove(victim)
+            lib.changed = True
             lib.maxmin = {k: v for k, v in lib.maxmin.items() if victim.id not in k}
         placement = fit(x, shape)
         r = Regime(id=lib.next_id, total=x.copy(), windows=1, fit=placement,
                    fit_balance=balance(placement, x, shape.num_gpus), first_seen=now, last_seen=now)
         lib.next_id += 1
         lib.regimes.append(r)
+        lib.changed = True
         dist, known, new = math.inf, False, True
     changed = r.id != previous
     # A jump (far from the previous window's regime), not a drift: the forecast restarts.
@@ -410,6 +426,7 @@ def decide_regimes(
     candidates, and run the cost gate. `estimate` [L, E], `current` [L, P] and the rest as
     for `decide`. Returns the Decision; `Decision.state` is the library (updated in place)."""
     config = config or RegimeConfig()
+    config.validate()
     estimate = np.asarray(estimate, dtype=np.float64)
     current = np.asarray(current)
     observation = None
@@ -427,6 +444,7 @@ def decide_regimes(
         regime.ready, centroid, shape.num_gpus
     ):
         regime.ready = np.array(current, dtype=np.int32, copy=True)
+        library.changed = True
     # 1. The load: a recognised return, fast alternation, or the best-scored predictor.
     loads: dict[str, tuple[np.ndarray, float | np.ndarray]] = {
         "estimate": (estimate, ew),

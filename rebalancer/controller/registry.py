@@ -36,6 +36,7 @@ from rebalancer.controller.deployment import (
     shape_key,
     stored_shape,
 )
+from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
 from rebalancer.wire.windows import Ranks, rank_set, who
@@ -91,6 +92,13 @@ class Registry:
                     dep.remember_unfinished(Aborted(newest[0].version, newest[0].reason))
                 elif newest[0].state == "unconfirmed":
                     dep.remember_unfinished(Unconfirmed(newest[0].version))
+            regimes = self.store.regimes(row.name)
+            if regimes is not None:
+                try:
+                    dep.restore_regimes(RegimeLibrary.from_record(*regimes))
+                except (KeyError, ValueError, TypeError) as exc:  # a row this code cannot read
+                    log.error("deployment %s: the stored regime library is unreadable (%s): "
+                              "starting an empty one", row.name, exc)
             mixed = self.store.mixed(row.name)
             if mixed is not None:
                 dep.serve_mixed(mixed)

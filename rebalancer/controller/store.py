@@ -235,6 +235,11 @@ CREATE TABLE IF NOT EXISTS contingency_history (
     time REAL NOT NULL,
     record TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS regimes (
+    deployment TEXT PRIMARY KEY,
+    record TEXT NOT NULL,
+    arrays BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS ingest_state (
     deployment TEXT PRIMARY KEY,
     state TEXT NOT NULL,
@@ -550,6 +555,16 @@ class Store:
 
     def contingency(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
         row = self._db.execute("SELECT record, arrays FROM contingency WHERE deployment = ?", (name,)).fetchone()
+        return None if row is None else (json.loads(row[0]), _unpack_arrays(row[1]))
+
+    def save_regimes(self, name: str, record: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """A deployment's regime library (controller/regimes.py, `RegimeLibrary.to_record`),
+        replacing the one before."""
+        self._db.execute("INSERT OR REPLACE INTO regimes VALUES (?, ?, ?)",
+                         (name, json.dumps(record), _pack_arrays(arrays)))
+
+    def regimes(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+        row = self._db.execute("SELECT record, arrays FROM regimes WHERE deployment = ?", (name,)).fetchone()
         return None if row is None else (json.loads(row[0]), _unpack_arrays(row[1]))
 
     def save_ingest_state(self, name: str, state: dict[str, Any], background: bool = False) -> None:
