@@ -405,7 +405,8 @@ def _best_peak_swaps(
         other_load = gpu_load[rows][:, gpu_of]
         peak = gpu_load[rows, g]
         delta = own_w[:, :, None] - other_w[:, None, :]  # [n, c, P]
-        new_peak = np.maximum(peak[:, None, None] - delta, other_load[:, None, :] + delta)
+        new_peak = np.subtract(peak[:, None, None], delta)
+        np.maximum(new_peak, other_load[:, None, :] + delta, out=new_peak)
         # no duplicate on either GPU, nothing from the peak GPU itself: which GPUs hold
         # each own item [n, c, G] from where it matches (no reductions over a GPU's
         # few slots, which numpy runs slowly)
@@ -415,8 +416,11 @@ def _best_peak_swaps(
         own_there = np.zeros((n, per_gpu, num_gpus), dtype=bool)
         own_there[row, item, slot // per_gpu] = True
         own_there[np.arange(n), :, g] = True
-        allowed = (delta > 0) & ~on_peak[:, None, :] & ~own_there[:, :, gpu_of]
-        new_peak = np.where(allowed, new_peak, np.inf).reshape(n, -1)
+        barred = own_there.take(gpu_of, axis=2)  # [n, c, P]: anything but load off the peak GPU
+        barred |= on_peak[:, None, :]
+        barred |= delta <= 0
+        np.copyto(new_peak, np.inf, where=barred)
+        new_peak = new_peak.reshape(n, -1)
         best = new_peak.argmin(axis=1)
         a[lo:lo + n] = own[np.arange(n), best // num_slots]
         b[lo:lo + n] = best % num_slots
