@@ -73,6 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = cmds.add_parser("contingency", help="survivor placements planned for every single rank and node loss "
                         "and each declared scale-down")
     s.add_argument("deployment")
+    s = cmds.add_parser("regimes", help="the regime library of the regimes policy: recurring loads, "
+                        "their stays, the predictors' errors, the last decision's load")
+    s.add_argument("deployment")
     s = cmds.add_parser("force", help="rebalance now, skipping the gate (or --dry-run): force DEP, or force --pool POOL")
     s.add_argument("deployment", nargs="?", default="")
     s.add_argument("--pool", default="", help="rebalance this replica pool (its placement rolled out to its members)")
@@ -262,7 +265,8 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
         lines = ["plans:"] + [f"  {_when(p.created)} v{p.version} from v{p.base_version} {p.state:10s} "
                               f"{p.trigger:7s} {p.slots_moved} slots {p.bytes_moved / 1e6:.1f} MB {p.reason}"
                               for p in reply.plans]
-        lines += ["decisions:"] + [f"  {_when(d.time)} {d.outcome:18s} {d.reason}" for d in reply.decisions]
+        lines += ["decisions:"] + [f"  {_when(d.time)} {d.outcome:18s} {d.reason}"
+                                   + (f" [load: {d.load}]" if d.load else "") for d in reply.decisions]
         lines += ["contingency sets:"] + [
             f"  {_when(c.time)} on v{c.base_version}: rank loss worst {c.rank_loss_worst:.3f} mean "
             f"{c.rank_loss_mean:.3f}, node loss worst {c.node_loss_worst:.3f}"
@@ -272,6 +276,9 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
     elif cmd == "contingency":
         reply = stub.Contingency(ref, **kw)
         show(reply, _contingency_text(args.deployment, reply))
+    elif cmd == "regimes":
+        reply = stub.Regimes(ref, **kw)
+        show(reply, _regimes_text(args.deployment, reply))
     elif cmd == "force":
         reply = stub.ForceRebalance(pb.ForceRebalanceRequest(
             deployment=args.deployment, pool=args.pool, dry_run=args.dry_run,
@@ -332,6 +339,23 @@ def _policy_value(value: Any) -> Any:
     if hasattr(value, "counts"):
         return ", ".join(map(str, value.counts)) or "none"
     return value
+
+
+def _regimes_text(name: str, reply: Any) -> str:
+    """The library, one line per regime, last seen first."""
+    policy = "regimes policy" if reply.enabled else "adaptive policy (regimes off: admin policy DEP regimes=true)"
+    if not reply.regimes:
+        return f"{name}: {policy}; no regime learned yet"
+    errors = ", ".join(f"{k} {v:.4f}" for k, v in sorted(reply.predictor_errors.items()))
+    lines = [f"{name}: {policy}; {len(reply.regimes)} regimes from {reply.windows} windows, current "
+             f"{reply.current}; predictor errors: {errors or 'none yet'}",
+             f"  {'regime':>6s} {'windows':>8s} {'stays':>6s} {'mean stay':>9s} {'fit bal.':>8s} {'ready':>5s}  last seen"]
+    lines += [f"  {r.id:6d} {r.windows:8d} {r.visits:6d} {r.mean_stay_windows:9.1f} {r.fit_balancedness:8.3f} "
+              f"{'yes' if r.ready else 'no':>5s}  {_when(r.last_seen)}" for r in reply.regimes]
+    lines.append(f"  recent windows' regimes: {' '.join(map(str, reply.recent)) or '-'}")
+    if reply.last_load:
+        lines.append(f"  last decision's load: {reply.last_load}")
+    return "\n".join(lines)
 
 
 def _contingency_text(name: str, reply: Any) -> str:

@@ -28,7 +28,9 @@ periodic (greedy refit every K windows with a blocking stall, like SGLang/vLLM E
 adaptive (the controller: estimate, cost gate, migration-aware plan, overlapped
 transfers), follow (refit on the previous window, free), oracle (refit on the window
 itself, free: an upper bound), hindsight (one placement fitted on the whole trace, held
-fixed, free: what the best-informed fixed placement reaches).
+fixed, free: what the best-informed fixed placement reaches), regimes (adaptive with the
+regimes policy: recurring load regimes recognised and decided on with their ready
+placements, a drift forecast; the same gate and costs).
 
 Replicas (--replicas R): R replicas of one model behind one endpoint, each window an
 independent draw of --replica-tokens tokens per replica from the trace's routing; the
@@ -131,7 +133,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--policy",
         default="all",
-        help="none|static|periodic|adaptive|follow|oracle|hindsight|all, or a comma list",
+        help="none|static|periodic|adaptive|follow|oracle|hindsight|regimes|all, or a comma list",
     )
     p.add_argument("--tokens-per-window", type=int, default=8, help=".jsonl: tokens per window")
     p.add_argument("--num-experts", type=int, default=None, help=".jsonl: experts per layer")

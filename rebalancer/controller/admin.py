@@ -85,7 +85,23 @@ def decision_msg(decision: Decision | None, plan_version: int = 0) -> pb.Decisio
         moved_fraction=num(decision.moved_fraction), bytes_to_move=int(decision.bytes_to_move),
         predicted_gain_seconds=num(decision.predicted_gain_seconds),
         migration_cost_seconds=num(decision.migration_cost_seconds), plan_version=plan_version,
+        load=decision.load,
     )
+
+
+def regimes_msg(dep: Deployment) -> pb.RegimesResponse:
+    """The deployment's regime library as `rebalancer admin regimes` shows it."""
+    library = dep.loop.regimes
+    last = dep.loop.last_decision
+    out = pb.RegimesResponse(enabled=dep.policy.regimes, last_load=last.load if last is not None else "")
+    if library is None:
+        return out
+    summary = library.summary()
+    out.current, out.windows = summary["current"], summary["windows"]
+    out.recent.extend(summary["recent"])
+    out.predictor_errors.update({k: v for k, v in summary["errors"].items() if math.isfinite(v)})
+    out.regimes.extend(pb.RegimeSummary(**r) for r in summary["regimes"])
+    return out
 
 
 def decision_record_msg(record: dict[str, Any]) -> pb.Decision:
@@ -271,6 +287,10 @@ class AdminService(pb_grpc.AdminServiceServicer):
         losses = [planned_loss_msg(loss, made.base_version, len(made.losses)) for loss in made.losses]
         return pb.ContingencyResponse(planned=True, base_version=made.base_version, computed_at=made.computed_at,
                                       balancedness_now=made.healthy, losses=losses)
+
+    async def Regimes(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.RegimesResponse:
+        dep = await self._deployment(context, request.deployment, "Regimes")
+        return regimes_msg(dep)
 
     async def History(self, request: pb.HistoryRequest, context: grpc.aio.ServicerContext) -> pb.HistoryResponse:
         dep = await self._deployment(context, request.deployment, "History")

@@ -87,6 +87,9 @@ POOL_DECISIONS = "rebalancer_pool_decisions"        # counter {pool}: pool decis
 CONTINGENCY_BALANCEDNESS = "rebalancer_contingency_balancedness"  # {deployment, loss, stat}: after a loss
 CONTINGENCY_UNSERVED = "rebalancer_contingency_unserved_experts"   # {deployment}: left without a slot by a node loss
 CONTINGENCY_VERSION = "rebalancer_contingency_base_version"        # {deployment}: placement the set derives from
+REGIME_CURRENT = "rebalancer_regime_current"        # {deployment}: regime of the newest window (regimes policy)
+REGIME_LIBRARY = "rebalancer_regime_library_size"   # {deployment}: regimes kept
+REGIME_LOAD = "rebalancer_regime_decision_load"     # {deployment, load}: 1 for the newest decision's load
 # Only with per_layer:
 LAYER_IMBALANCE = "rebalancer_layer_imbalance"      # {deployment, layer}: max/mean GPU load
 RANK_LOAD_SHARE = "rebalancer_rank_load_share"      # {deployment, layer, rank}: share of the layer
@@ -213,12 +216,38 @@ class _StateCollector(Collector):
                             share.add_metric([name, str(i), str(r)], float(value))
         yield from self._pools()
         yield from self._contingency()
+        yield from self._regimes()
         errors = c(STORE_ERRORS, "Statements the SQLite store refused (disk full, I/O error, locked).")
         errors.add_metric([], self.controller.store.errors)
         yield from (bal, version, ranks, expected, streams, state, paused, mixed, windows, folded, dups,
                     plans, slots, moved, errors)
         if self.per_layer:
             yield from (layer, share)
+
+    def _regimes(self) -> Iterator[Any]:
+        """The regimes policy's library (regimes.py), per deployment that has one."""
+        from rebalancer.controller.regimes import LOADS
+
+        g = GaugeMetricFamily
+        current = g(REGIME_CURRENT, "Id of the load regime the newest window joined (regimes policy; 0: "
+                    "none yet); a change is a regime switch, `rebalancer admin regimes DEP` lists them.",
+                    labels=["deployment"])
+        size = g(REGIME_LIBRARY, "Load regimes the deployment's library keeps (regimes policy).",
+                 labels=["deployment"])
+        load = g(REGIME_LOAD, "1 for the load the newest decision of the regimes policy used (regime: a "
+                 "recognised regime's centroid; forecast: the drift forecast; alternation: the regimes in "
+                 "play; estimate: the adaptive estimate), 0 for the others.", labels=["deployment", "load"])
+        for dep in list(self.controller.deployments.values()):
+            library = dep.loop.regimes
+            if library is None:
+                continue
+            current.add_metric([dep.name], library.current)
+            size.add_metric([dep.name], len(library.regimes))
+            last = dep.loop.last_decision
+            used = last.load.split(" ", 1)[0] if last is not None and last.load else ""
+            for name in LOADS:
+                load.add_metric([dep.name, name], 1.0 if name == used else 0.0)
+        yield from (current, size, load)
 
     def _contingency(self) -> Iterator[Any]:
         """The survivor placements planned ahead (contingency.py): how balanced a single

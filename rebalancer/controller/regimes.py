@@ -59,6 +59,8 @@ from rebalancer.placement import compute_placement, lower_bound_balancedness
 from rebalancer.placement.metrics import balancedness_of
 
 PREDICTORS = ("regime", "forecast", "estimate")
+# The loads a decision may use (the first word of Decision.load).
+LOADS = (*PREDICTORS, "alternation")
 # Known regimes' ids kept for the alternation test and the operator's view.
 RECENT_WINDOWS = 32
 

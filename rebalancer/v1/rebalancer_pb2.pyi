@@ -232,7 +232,7 @@ class RankPresenceResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Policy(_message.Message):
-    __slots__ = ("min_interval_seconds", "gain_threshold", "horizon_seconds", "max_moved_fraction", "decay", "min_windows", "decision_period_seconds", "prepare_timeout_seconds", "link_bandwidth_gbps", "step_seconds", "overlap_penalty", "commit_gbps", "swap_seconds", "estimate_window", "noise_z", "shrink", "prior_decay", "scale_down_nodes")
+    __slots__ = ("min_interval_seconds", "gain_threshold", "horizon_seconds", "max_moved_fraction", "decay", "min_windows", "decision_period_seconds", "prepare_timeout_seconds", "link_bandwidth_gbps", "step_seconds", "overlap_penalty", "commit_gbps", "swap_seconds", "estimate_window", "noise_z", "shrink", "prior_decay", "scale_down_nodes", "regimes")
     MIN_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GAIN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     HORIZON_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class Policy(_message.Message):
     SHRINK_FIELD_NUMBER: _ClassVar[int]
     PRIOR_DECAY_FIELD_NUMBER: _ClassVar[int]
     SCALE_DOWN_NODES_FIELD_NUMBER: _ClassVar[int]
+    REGIMES_FIELD_NUMBER: _ClassVar[int]
     min_interval_seconds: float
     gain_threshold: float
     horizon_seconds: float
@@ -269,7 +270,8 @@ class Policy(_message.Message):
     shrink: bool
     prior_decay: float
     scale_down_nodes: NodeCounts
-    def __init__(self, min_interval_seconds: _Optional[float] = ..., gain_threshold: _Optional[float] = ..., horizon_seconds: _Optional[float] = ..., max_moved_fraction: _Optional[float] = ..., decay: _Optional[float] = ..., min_windows: _Optional[int] = ..., decision_period_seconds: _Optional[float] = ..., prepare_timeout_seconds: _Optional[float] = ..., link_bandwidth_gbps: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overlap_penalty: _Optional[float] = ..., commit_gbps: _Optional[float] = ..., swap_seconds: _Optional[float] = ..., estimate_window: _Optional[int] = ..., noise_z: _Optional[float] = ..., shrink: _Optional[bool] = ..., prior_decay: _Optional[float] = ..., scale_down_nodes: _Optional[_Union[NodeCounts, _Mapping]] = ...) -> None: ...
+    regimes: bool
+    def __init__(self, min_interval_seconds: _Optional[float] = ..., gain_threshold: _Optional[float] = ..., horizon_seconds: _Optional[float] = ..., max_moved_fraction: _Optional[float] = ..., decay: _Optional[float] = ..., min_windows: _Optional[int] = ..., decision_period_seconds: _Optional[float] = ..., prepare_timeout_seconds: _Optional[float] = ..., link_bandwidth_gbps: _Optional[float] = ..., step_seconds: _Optional[float] = ..., overlap_penalty: _Optional[float] = ..., commit_gbps: _Optional[float] = ..., swap_seconds: _Optional[float] = ..., estimate_window: _Optional[int] = ..., noise_z: _Optional[float] = ..., shrink: _Optional[bool] = ..., prior_decay: _Optional[float] = ..., scale_down_nodes: _Optional[_Union[NodeCounts, _Mapping]] = ..., regimes: _Optional[bool] = ...) -> None: ...
 
 class NodeCounts(_message.Message):
     __slots__ = ("counts",)
@@ -296,7 +298,7 @@ class ForceRebalanceRequest(_message.Message):
     def __init__(self, deployment: _Optional[str] = ..., dry_run: _Optional[bool] = ..., max_moved_fraction: _Optional[float] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("time", "outcome", "reason", "balancedness_current", "balancedness_candidate", "bound_balancedness", "moved_fraction", "bytes_to_move", "predicted_gain_seconds", "migration_cost_seconds", "plan_version", "pool")
+    __slots__ = ("time", "outcome", "reason", "balancedness_current", "balancedness_candidate", "bound_balancedness", "moved_fraction", "bytes_to_move", "predicted_gain_seconds", "migration_cost_seconds", "plan_version", "pool", "load")
     TIME_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +311,7 @@ class Decision(_message.Message):
     MIGRATION_COST_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     time: float
     outcome: str
     reason: str
@@ -321,7 +324,8 @@ class Decision(_message.Message):
     migration_cost_seconds: float
     plan_version: int
     pool: str
-    def __init__(self, time: _Optional[float] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., balancedness_current: _Optional[float] = ..., balancedness_candidate: _Optional[float] = ..., bound_balancedness: _Optional[float] = ..., moved_fraction: _Optional[float] = ..., bytes_to_move: _Optional[int] = ..., predicted_gain_seconds: _Optional[float] = ..., migration_cost_seconds: _Optional[float] = ..., plan_version: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
+    load: str
+    def __init__(self, time: _Optional[float] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., balancedness_current: _Optional[float] = ..., balancedness_candidate: _Optional[float] = ..., bound_balancedness: _Optional[float] = ..., moved_fraction: _Optional[float] = ..., bytes_to_move: _Optional[int] = ..., predicted_gain_seconds: _Optional[float] = ..., migration_cost_seconds: _Optional[float] = ..., plan_version: _Optional[int] = ..., pool: _Optional[str] = ..., load: _Optional[str] = ...) -> None: ...
 
 class ForceRebalanceResponse(_message.Message):
     __slots__ = ("decision", "placement", "transfers", "members")
@@ -536,3 +540,48 @@ class ContingencyResponse(_message.Message):
     balancedness_now: float
     losses: _containers.RepeatedCompositeFieldContainer[PlannedLoss]
     def __init__(self, planned: _Optional[bool] = ..., base_version: _Optional[int] = ..., computed_at: _Optional[float] = ..., balancedness_now: _Optional[float] = ..., losses: _Optional[_Iterable[_Union[PlannedLoss, _Mapping]]] = ...) -> None: ...
+
+class RegimeSummary(_message.Message):
+    __slots__ = ("id", "windows", "visits", "mean_stay_windows", "first_seen", "last_seen", "fit_balancedness", "ready")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    VISITS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STAY_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    FIT_BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    windows: int
+    visits: int
+    mean_stay_windows: float
+    first_seen: float
+    last_seen: float
+    fit_balancedness: float
+    ready: bool
+    def __init__(self, id: _Optional[int] = ..., windows: _Optional[int] = ..., visits: _Optional[int] = ..., mean_stay_windows: _Optional[float] = ..., first_seen: _Optional[float] = ..., last_seen: _Optional[float] = ..., fit_balancedness: _Optional[float] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class RegimesResponse(_message.Message):
+    __slots__ = ("enabled", "current", "windows", "regimes", "predictor_errors", "recent", "last_load")
+    class PredictorErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    REGIMES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTOR_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOAD_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    current: int
+    windows: int
+    regimes: _containers.RepeatedCompositeFieldContainer[RegimeSummary]
+    predictor_errors: _containers.ScalarMap[str, float]
+    recent: _containers.RepeatedScalarFieldContainer[int]
+    last_load: str
+    def __init__(self, enabled: _Optional[bool] = ..., current: _Optional[int] = ..., windows: _Optional[int] = ..., regimes: _Optional[_Iterable[_Union[RegimeSummary, _Mapping]]] = ..., predictor_errors: _Optional[_Mapping[str, float]] = ..., recent: _Optional[_Iterable[int]] = ..., last_load: _Optional[str] = ...) -> None: ...

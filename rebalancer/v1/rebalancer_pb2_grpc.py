@@ -282,6 +282,11 @@ class AdminServiceStub:
                 request_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.DeploymentRef.SerializeToString,
                 response_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.ContingencyResponse.FromString,
                 _registered_method=True)
+        self.Regimes = channel.unary_unary(
+                '/rebalancer.v1.AdminService/Regimes',
+                request_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.DeploymentRef.SerializeToString,
+                response_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.RegimesResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -342,6 +347,13 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Regimes(self, request, context):
+        """The deployment's regime library (the regimes policy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -389,6 +401,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Contingency,
                     request_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.DeploymentRef.FromString,
                     response_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.ContingencyResponse.SerializeToString,
+            ),
+            'Regimes': grpc.unary_unary_rpc_method_handler(
+                    servicer.Regimes,
+                    request_deserializer=rebalancer_dot_v1_dot_rebalancer__pb2.DeploymentRef.FromString,
+                    response_serializer=rebalancer_dot_v1_dot_rebalancer__pb2.RegimesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -634,6 +651,33 @@ class AdminService:
             '/rebalancer.v1.AdminService/Contingency',
             rebalancer_dot_v1_dot_rebalancer__pb2.DeploymentRef.SerializeToString,
             rebalancer_dot_v1_dot_rebalancer__pb2.ContingencyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Regimes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rebalancer.v1.AdminService/Regimes',
+            rebalancer_dot_v1_dot_rebalancer__pb2.DeploymentRef.SerializeToString,
+            rebalancer_dot_v1_dot_rebalancer__pb2.RegimesResponse.FromString,
             options,
             channel_credentials,
             insecure,
