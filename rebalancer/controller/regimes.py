@@ -77,6 +77,12 @@ class RegimeConfig:
     capacity: int = 16
     """Regimes kept per deployment; a new one evicts the least seen (not the current)."""
 
+    drift_max_moved_fraction: float = 0.03
+    """Budget of the small move offered while the load drifts (0: none)."""
+
+    drift_gain_threshold: float = 0.005
+    """Hysteresis of that small move (its noise margin is added)."""
+
     known_windows: int = 3
     """Windows a regime needs before its return is recognised and its centroid decided on."""
 
@@ -107,6 +113,7 @@ class RegimeConfig:
 
     def validate(self) -> None:
         for name, lo, hi in (("match_distance", 0.0, 1.0), ("gain_threshold", 0.0, 1.0),
+                             ("drift_max_moved_fraction", 0.0, 1.0), ("drift_gain_threshold", 0.0, 1.0),
                              ("forecast_fast", 0.0, 0.99), ("forecast_slow", 0.0, 0.99),
                              ("score_decay", 0.0, 1.0)):
             value = getattr(self, name)
@@ -498,15 +505,21 @@ def decide_regimes(
         gate_policy = replace(policy, gain_threshold=min(policy.gain_threshold, config.gain_threshold))
     b_current = predicted_balance(current, load, shape)
     bound = float(lower_bound_balancedness(load, shape.num_slots, shape.num_gpus, shape.num_nodes))
-    candidates = {"fit": fit(load, shape, previous=current, max_moved_fraction=policy.max_moved_fraction)}
+    candidates: list[tuple[str, np.ndarray, PolicyConfig]] = [
+        ("fit", fit(load, shape, previous=current, max_moved_fraction=policy.max_moved_fraction), gate_policy)]
     if ready is not None and not np.array_equal(ready, current):
-        candidates["ready"] = ready
+        candidates.append(("ready", ready, gate_policy))
+    if config.drift_max_moved_fraction and ready is None and load_name != "alternation":
+        # Drift: a small move of the slots that pay most, held to the smaller hysteresis.
+        budget = min(policy.max_moved_fraction, config.drift_max_moved_fraction)
+        small = replace(policy, gain_threshold=min(policy.gain_threshold, config.drift_gain_threshold))
+        candidates.append(("trim", fit(load, shape, previous=current, max_moved_fraction=budget), small))
     best: Decision | None = None
     best_net = -math.inf
-    for name, candidate in candidates.items():
-        ev = evaluate_candidate(load, current, candidate, shape, gate_policy, worth,
+    for name, candidate, gate in candidates:
+        ev = evaluate_candidate(load, current, candidate, shape, gate, worth,
                                 current_balance=b_current, bound=bound)
-        decision = gate_decision(ev, gate_policy, now, last_rebalance, windows,
+        decision = gate_decision(ev, gate, now, last_rebalance, windows,
                                  load=f"{load_name} ({name} placement): {why}")
         net = ev.gain - ev.cost.seconds
         if (best is None or (decision.take and not best.take)
