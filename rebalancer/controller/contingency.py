@@ -139,8 +139,9 @@ class ContingencySet:
         return [loss for loss in self.losses if loss.kind == kind]
 
     def summary(self) -> dict[str, Any]:
-        """Worst and mean balancedness after a loss of each kind, and the experts a node
-        loss leaves without a slot (what metrics and the decision history show)."""
+        """Worst and mean balancedness after a loss of each kind (a declared scale-down's
+        only when there is one), and the experts a node loss leaves without a slot (what
+        metrics and the decision history show)."""
         out: dict[str, Any] = {"base_version": self.base_version, "healthy": self.healthy}
         for kind in ("rank", "node"):
             # a loss no placement can serve counts as 0: part of the model is not served
@@ -148,9 +149,9 @@ class ContingencySet:
             out[f"{kind}_worst"] = min(values) if values else float("nan")
             out[f"{kind}_mean"] = float(np.mean(values)) if values else float("nan")
         out["node_unserved"] = max((loss.unserved for loss in self.of("node")), default=0)
-        downs = self.of("scale_down")
-        if downs:  # only where the deployment declares scale-downs: older records lack it
-            out["scale_down_worst"] = min(loss.balancedness if loss.feasible else 0.0 for loss in downs)
+        downs = [loss.balancedness if loss.feasible else 0.0 for loss in self.of("scale_down")]
+        if downs:  # only where the deployment declares scale-downs: older records lack them
+            out["scale_down_worst"], out["scale_down_mean"] = min(downs), float(np.mean(downs))
         return out
 
 

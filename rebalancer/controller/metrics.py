@@ -254,8 +254,9 @@ class _StateCollector(Collector):
         rank or node loss would leave each deployment, and whether a node loss can be served."""
         g = GaugeMetricFamily
         bal = g(CONTINGENCY_BALANCEDNESS, "Balancedness the planned survivor placement would have after a "
-                "single loss (loss: rank or node; stat: worst or mean over the losses of that kind), on "
-                "the estimate it was planned on; a loss no survivor placement can serve counts as 0.",
+                "single loss (loss: rank, node, or scale_down for a declared one; stat: worst or mean "
+                "over the losses of that kind), on the estimate it was planned on; a loss no survivor "
+                "placement can serve counts as 0.",
                 labels=["deployment", "loss", "stat"])
         unserved = g(CONTINGENCY_UNSERVED, "Experts per layer that the worst single node loss would leave "
                      "without a slot on the survivors (0: every node loss can be served).", labels=["deployment"])
@@ -266,10 +267,10 @@ class _StateCollector(Collector):
             if made is None:
                 continue
             summary = made.summary()
-            for loss in ("rank", "node"):
+            for loss in ("rank", "node", "scale_down"):
                 for stat in ("worst", "mean"):
-                    value = summary[f"{loss}_{stat}"]
-                    if math.isfinite(value):  # NaN: no loss of that kind (one rank, or one node)
+                    value = summary.get(f"{loss}_{stat}", math.nan)
+                    if math.isfinite(value):  # NaN: no loss of that kind (one rank, one node, none declared)
                         bal.add_metric([name, loss, stat], value)
             unserved.add_metric([name], summary["node_unserved"])
             version.add_metric([name], made.base_version)

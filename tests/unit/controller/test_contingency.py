@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 
 from rebalancer.controller.contingency import (
     MIN_INTERVAL_SECONDS,
@@ -18,6 +19,7 @@ from rebalancer.controller.contingency import (
     scale_downs,
 )
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.metrics import ControllerMetrics
 from rebalancer.controller.service import planned_loss_msg
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
@@ -135,6 +137,7 @@ def test_declared_scale_downs_are_planned_on_the_tail_nodes_stored_and_told(tmp_
     fold_wide(ctl, 0)
     first = ctl.contingency.get("d")
     assert first is not None and first.of("scale_down") == []  # none declared: none planned
+    assert 'loss="scale_down"' not in generate_latest(ControllerMetrics(ctl).registry).decode()
     dep = ctl.deployment("d")
     ctl.set_policy("d", dep.policy.with_settings({"scale_down_nodes": [2, 3]}))
     fold_wide(ctl, 1)  # the setting changed: planned again at once, on the same placement
@@ -150,6 +153,9 @@ def test_declared_scale_downs_are_planned_on_the_tail_nodes_stored_and_told(tmp_
     (last_node,) = [loss for loss in made.of("node") if loss.lost == (6, 7)]
     assert np.array_equal(downs[0].phy2log, last_node.phy2log)
     assert made.summary()["scale_down_worst"] == min(loss.balancedness for loss in downs)
+    text = generate_latest(ControllerMetrics(ctl).registry).decode()
+    worst = 'rebalancer_contingency_balancedness{deployment="d",loss="scale_down",stat="worst"}'
+    assert f"{worst} {min(loss.balancedness for loss in downs)!r}" in text
     # told to the ranks like the other losses: a rank's survivor_map finds it by lost ranks
     assert [t.loss.lost for t in told if t.loss.kind == "scale_down"] == [(6, 7), (4, 5, 6, 7)]
     agent = WorkerAgent(AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape()), NoPlans(), lambda: 0)
