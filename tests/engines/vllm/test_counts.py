@@ -33,9 +33,11 @@ def _run(tmp_path: Path, steps: int, flags: list[str]) -> tuple[dict[int, dict],
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=steps, common=flags)
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
         committed = ctl.call(lambda: dep.stats.plans_committed)
+        nodes = ctl.call(lambda: dep.shape.num_nodes)
     finally:
         ctl.stop()
     assert codes == [0] * WORLD, _logs(tmp_path)
+    assert nodes == (2 if "--nodes" in flags else 1)  # the shape the ranks registered
     return results, committed
 
 
@@ -54,8 +56,9 @@ def _check_per_expert(results: dict[int, dict]) -> None:
 
 def test_counts_per_expert_survive_every_switch(tmp_path: Path) -> None:
     """Sync mode, the popularity drifting so that several plans commit: the windows
-    around each switch carry the counts of the map each step ran on."""
-    results, committed = _run(tmp_path, 120, ["--drift", "30"])
+    around each switch carry the counts of the map each step ran on. Two fake nodes: EP
+    and EPLB groups of their own, as vLLM builds them (the agreement on EPLB's)."""
+    results, committed = _run(tmp_path, 120, ["--drift", "30", "--nodes", "2"])
     assert committed >= 1, _logs(tmp_path)
     _check_per_expert(results)
     for r in results.values():

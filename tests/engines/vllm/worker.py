@@ -22,8 +22,11 @@ Stand-ins, and why they do not hollow the claim (none touches the adapter's path
     device-to-host copies; there is no device) and `torch.Event` (vLLM times the
     rearrangement with it on rank 0): CPU no-ops; the tensors are CPU tensors already.
   * the EP/EPLB group coordinators (`parallel_state._EP`, `_EPLB`): an object with
-    `device_group`/`cpu_group`, both a gloo group over the 4 ranks, the two attributes
-    vLLM's EPLB code reads; `_NODE_COUNT` = 1. vLLM's real getters return them.
+    `device_group`/`cpu_group`, the two attributes vLLM's EPLB code reads: one gloo group
+    over the 4 ranks for all, `_NODE_COUNT` = 1; with `--nodes 2`, as vLLM builds them, EP's
+    device group, EP's CPU group and EPLB's group each a gloo group of its own over the 4
+    ranks (2 fake nodes of 2: one host, so no transport crosses a node), `_NODE_COUNT` = 2.
+    vLLM's real getters return them.
   * the model: `TinyMoE` implements vLLM's `MixtureOfExperts` attributes EPLB reads
     (expert_weights per layer, counts, `set_eplb_state`); routing is done here: token
     ids go to a physical slot through vLLM's `logical_to_physical_map` and are counted
@@ -75,7 +78,7 @@ def reference_weights(layer: int, expert: int) -> list:
     return [torch.randn(shape, generator=g) for shape in SHAPES]
 
 
-def install_stand_ins(torch, group) -> None:  # noqa: ANN001
+def install_stand_ins(torch, group, nodes: int = 1) -> None:  # noqa: ANN001
     from vllm.distributed import parallel_state
 
     class CpuStream:
@@ -100,11 +103,19 @@ def install_stand_ins(torch, group) -> None:  # noqa: ANN001
 
     torch.accelerator.current_stream = lambda *a, **k: CpuStream()
     torch.Event = CpuEvent
-    coordinator = types.SimpleNamespace(device_group=group, cpu_group=group,
-                                        rank_in_group=group.rank(), world_size=group.size())
-    parallel_state._EP = coordinator
-    parallel_state._EPLB = coordinator
-    parallel_state._NODE_COUNT = 1
+    def coordinator(device_group, cpu_group):  # noqa: ANN001, ANN202
+        return types.SimpleNamespace(device_group=device_group, cpu_group=cpu_group,
+                                     rank_in_group=device_group.rank(), world_size=device_group.size())
+
+    if nodes == 1:
+        parallel_state._EP = parallel_state._EPLB = coordinator(group, group)
+    else:  # as vLLM builds them: EP's device and CPU groups, and EPLB's own group, each apart
+        import torch.distributed as dist
+
+        parallel_state._EP = coordinator(group, dist.new_group(backend="gloo"))
+        eplb = dist.new_group(backend="gloo")
+        parallel_state._EPLB = coordinator(eplb, eplb)
+    parallel_state._NODE_COUNT = nodes
 
 
 def shrink(args, adapter, state, model, model_state, weights_match, group, torch) -> dict:  # noqa: ANN001
@@ -155,6 +166,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=0, help="vLLM's window_size (0: the interval)")
     parser.add_argument("--step-sleep", type=float, default=0.01)
     parser.add_argument("--async-mode", action="store_true")
+    parser.add_argument("--nodes", type=int, default=1, choices=(1, 2),
+                        help="fake nodes: 2 gives EP and EPLB groups of their own, as vLLM builds them")
     parser.add_argument("--runner", choices=("v1", "v2"), default="v1",
                         help="the model runner's EPLB entry: v1 eplb_step, v2 eplb.step (eplb_utils)")
     parser.add_argument("--drafter", action="store_true", help="an MTP-like MoE drafter beside the model")
@@ -180,7 +193,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                             world_size=args.world, timeout=timedelta(seconds=60))
     group = dist.new_group(backend="gloo")
-    install_stand_ins(torch, group)
+    install_stand_ins(torch, group, args.nodes)
 
     from vllm.config import ParallelConfig
     from vllm.config.parallel import EPLBConfig
