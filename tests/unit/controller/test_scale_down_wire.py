@@ -1,13 +1,17 @@
 """The declared scale-downs (policy scale_down_nodes) outside Python: the v1 Policy
 message carries them with presence (absent keeps the deployment's, present and empty
-clears them), `admin policy` parses and prints them, `admin contingency` names them."""
+clears them), `admin policy` parses and prints them, `admin contingency` names them; the
+controller's TOML takes them flat or in `[policy.contingency]` and refuses bad ones."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from rebalancer.cli.admin_cmd import _contingency_text, _parse_settings, _policy_value
 from rebalancer.controller.admin import policy_from_msg, policy_msg
+from rebalancer.controller.config import load_config
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
@@ -53,3 +57,19 @@ def test_admin_contingency_names_a_scale_down_by_the_nodes_left() -> None:
     assert lines[3].split() == ["down", "to", "2", "nodes", "0.800", "5", "0", "ranks", "4-7", "go"]
     assert lines[4].split()[:5] == ["down", "to", "1", "nodes", "-"]
     assert lines[4].endswith("ranks 2-7 go; cannot serve: 2 experts a layer without a slot")
+
+
+@pytest.mark.parametrize("line, message", [
+    ("scale_down_nodes = [7, 0]", "scale_down_nodes: 0 nodes: a deployment scales down to 1 node at least"),
+    ("scale_down_nodes = [6.5]", "scale_down_nodes: 6.5 is not a whole number of nodes"),
+    ("scale_down_nodes = 7", "scale_down_nodes must be a list of node counts, got 7"),
+])
+def test_a_bad_toml_default_is_refused_naming_the_count(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"[policy]\n{line}\n")
+    with pytest.raises(InputError) as err:
+        load_config(path)
+    assert message in str(err.value)
+    ok = tmp_path / "ok.toml"
+    ok.write_text("[policy.contingency]\nscale_down_nodes = [7, 6]\n")
+    assert load_config(ok).policy.contingency.scale_down_nodes == [7, 6]
