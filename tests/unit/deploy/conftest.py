@@ -21,8 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.unit.deploy.yamlish import load_all
+
+def load_all(text: str) -> list[Any]:
+    """Every document of a YAML stream (PyYAML, a dev dependency), empty documents dropped."""
+    return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"

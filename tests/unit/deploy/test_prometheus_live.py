@@ -36,8 +36,7 @@ import pytest
 from rebalancer.demo import DemoConfig
 from scripts.prometheus_live import Fleet, PoolMember, Prometheus
 from scripts.render_dashboard import Query, ask, dashboard_queries, draw, has_data
-from tests.unit.deploy.conftest import DASHBOARD, PROMETHEUS
-from tests.unit.deploy.yamlish import load_all
+from tests.unit.deploy.conftest import DASHBOARD, PROMETHEUS, load_all
 
 pytestmark = pytest.mark.slow
 
