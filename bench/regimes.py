@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pickle
 import statistics
 import time
 from typing import Any
@@ -126,13 +127,20 @@ def decision_cost(repeats: int) -> list[dict[str, Any]]:
             decide_regimes(copy, [(fresh, 1e6 + i)], fresh.astype(np.float64), current, shape, policy,
                            now=1e6 + i, last_rebalance=None, windows=100)
             timings["regimes_new"].append(time.process_time() - t0)
+        # The library travels to the decision worker and back with each decision (pickled).
+        t0 = time.process_time()
+        blob = pickle.dumps(lib)
+        pickle.loads(blob)
+        timings["pickle_round_trip"] = [time.process_time() - t0]
         row = {"gpus": G, "slots": P, "nodes": N, "layers": L, "experts": E, "library": len(lib.regimes),
+               "library_pickle_kib": round(len(blob) / 1024),
                "repeats": repeats, **{f"{k}_ms": round(1e3 * statistics.median(v), 1) for k, v in timings.items()}}
         row["known_over_adaptive"] = round(row["regimes_known_ms"] / row["adaptive_ms"], 2)
         row["new_over_adaptive"] = round(row["regimes_new_ms"] / row["adaptive_ms"], 2)
         print(f"G={G} P={P} N={N}: adaptive {row['adaptive_ms']} ms, regimes (known regime) "
               f"{row['regimes_known_ms']} ms (x{row['known_over_adaptive']}), regimes (new regime) "
-              f"{row['regimes_new_ms']} ms (x{row['new_over_adaptive']}); median CPU of {repeats}", flush=True)
+              f"{row['regimes_new_ms']} ms (x{row['new_over_adaptive']}); median CPU of {repeats}; the library "
+              f"pickled {row['library_pickle_kib']} KiB, round trip {row['pickle_round_trip_ms']} ms", flush=True)
         rows.append(row)
     return rows
 
