@@ -184,7 +184,7 @@ NOT_RUN: dict[str, str] = {
         "the prod controller's certificates, through the port-forward above (admin over mutual TLS with a token: "
         "tests/integration/test_security.py)",
     "rebalancer simulate --gpus 32 --slots 288 --nodes 4 --trace phase.npz --policy all --plot phase.png":
-        "seven policies over 240 windows of G=32: 45 s of CPU, over a minute (the plot: tests/unit/sim)",
+        "eight policies over 240 windows of G=32: about a minute of CPU (the plot: tests/unit/sim)",
     "python -m bench.simulate": "rewrites BENCHMARKS.md's section and docs/sim_*.png in the tree; several minutes",
     "./dev admin force my-deployment --dry-run": "my-deployment stands for a deployment's name: none registered with "
         "this controller (the first hour's `rebalancer admin force demo --dry-run` runs)",
