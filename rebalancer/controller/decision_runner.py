@@ -117,7 +117,7 @@ class DecisionRunner:
         if library is None or not library.save_due():
             return
         try:
-            self.store.save_regimes(dep.name, *library.to_record())
+            self.store.save_regimes(dep.name, *library.changes())
         except sqlite3.Error as exc:  # kept in memory; the next decision tries again
             log.error("%s: the store refused the regime library (%s)", dep.name, exc)
         else:

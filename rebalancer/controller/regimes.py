@@ -203,6 +203,7 @@ class Regime:
     visits: int = 1  # stays: runs of consecutive windows
     ready: np.ndarray | None = None  # [L, P] the best placement that served it
     fit_windows: int = 1  # windows the fit was made on
+    stored: tuple[int, bool] = (0, False)  # (windows, ready) of the copy in the store
 
     @property
     def centroid(self) -> np.ndarray:
@@ -234,15 +235,31 @@ class RegimeLibrary:
     # placement; `saved_windows` counts the windows the stored copy had.
     changed: bool = True
     saved_windows: int = 0
+    evicted: list[int] = field(default_factory=list)  # ids gone since the last save
+    dirty_ready: set[int] = field(default_factory=set)  # ready placement replaced since
 
     def save_due(self, every_windows: int = 30) -> bool:
         """Whether the store's copy is stale enough to write again: a regime was made,
         evicted or got a ready placement, or `every_windows` windows were folded."""
         return self.changed or self.windows - self.saved_windows >= every_windows
 
+    def changes(self) -> tuple[tuple[dict[str, Any], dict[str, np.ndarray]],
+                               dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]], list[int]]:
+        """What a save writes: the library's header (`to_record` without the regimes'
+        arrays), the regimes changed since the last save (id -> record, arrays) and the
+        ids evicted since; a regime's arrays are written only when they changed."""
+        header, arrays = self.to_record(regime_arrays=False)
+        rows = {r.id: _regime_record(r) for r in self.regimes if r.stored != (r.windows, r.ready is not None)
+                or r.id in self.dirty_ready}
+        return (header, arrays), rows, list(self.evicted)
+
     def mark_saved(self) -> None:
         self.changed = False
         self.saved_windows = self.windows
+        self.evicted = []
+        self.dirty_ready = set()
+        for r in self.regimes:
+            r.stored = (r.windows, r.ready is not None)
 
     def get(self, regime_id: int) -> Regime | None:
         for r in self.regimes:
@@ -259,18 +276,16 @@ class RegimeLibrary:
 
     # -- store -------------------------------------------------------------------------
 
-    def to_record(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """(JSON-ready record, arrays) for the store."""
+    def to_record(self, regime_arrays: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(JSON-ready record, arrays): the whole library (`regime_arrays`), or its header
+        with each regime's figures but not its arrays (the store keeps those a row each)."""
         arrays: dict[str, np.ndarray] = {}
         regimes = []
         for r in self.regimes:
-            arrays[f"total{r.id}"] = r.total
-            arrays[f"fit{r.id}"] = r.fit.astype(np.int32)
-            if r.ready is not None:
-                arrays[f"ready{r.id}"] = r.ready.astype(np.int32)
-            regimes.append({"id": r.id, "windows": r.windows, "fit_balance": r.fit_balance,
-                            "first_seen": r.first_seen, "last_seen": r.last_seen,
-                            "visits": r.visits, "fit_windows": r.fit_windows})
+            record, own = _regime_record(r)
+            if regime_arrays:
+                arrays.update({f"{k}{r.id}": v for k, v in own.items()})
+            regimes.append(record)
         if self.fast is not None and self.slow is not None:
             arrays["fast"], arrays["slow"] = self.fast, self.slow
         record = {"version": 1, "regimes": regimes, "next_id": self.next_id,
@@ -288,13 +303,40 @@ class RegimeLibrary:
                   changed=False, saved_windows=int(record["windows"]))
         for row in record["regimes"]:
             i = int(row["id"])
-            lib.regimes.append(Regime(
-                id=i, total=np.asarray(arrays[f"total{i}"], dtype=np.float64), windows=int(row["windows"]),
-                fit=np.asarray(arrays[f"fit{i}"]), fit_balance=float(row["fit_balance"]),
-                first_seen=float(row["first_seen"]), last_seen=float(row["last_seen"]),
-                visits=int(row["visits"]), ready=arrays.get(f"ready{i}"),
-                fit_windows=int(row.get("fit_windows", 1))))
+            own = {k: arrays[f"{k}{i}"] for k in ("total", "fit", "ready") if f"{k}{i}" in arrays}
+            lib.regimes.append(_regime_from_record(row, own))
         return lib
+
+    @classmethod
+    def from_rows(cls, header: dict[str, Any], arrays: dict[str, np.ndarray],
+                  rows: dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]]) -> RegimeLibrary:
+        """The library from the store's header and regime rows (`changes`); the header
+        lists which regimes are in it (a row it does not list is left out)."""
+        lib = cls.from_record({**header, "regimes": []}, arrays)
+        for row in header["regimes"]:
+            stored = rows[int(row["id"])]
+            lib.regimes.append(_regime_from_record(stored[0], stored[1]))
+        return lib
+
+
+def _regime_record(r: Regime) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """One regime as (JSON-ready record, arrays named total, fit and ready)."""
+    arrays = {"total": r.total, "fit": r.fit.astype(np.int32)}
+    if r.ready is not None:
+        arrays["ready"] = r.ready.astype(np.int32)
+    record = {"id": r.id, "windows": r.windows, "fit_balance": r.fit_balance, "first_seen": r.first_seen,
+              "last_seen": r.last_seen, "visits": r.visits, "fit_windows": r.fit_windows}
+    return record, arrays
+
+
+def _regime_from_record(row: dict[str, Any], arrays: dict[str, np.ndarray]) -> Regime:
+    r = Regime(id=int(row["id"]), total=np.asarray(arrays["total"], dtype=np.float64),
+               windows=int(row["windows"]), fit=np.asarray(arrays["fit"]),
+               fit_balance=float(row["fit_balance"]), first_seen=float(row["first_seen"]),
+               last_seen=float(row["last_seen"]), visits=int(row["visits"]), ready=arrays.get("ready"),
+               fit_windows=int(row.get("fit_windows", 1)))
+    r.stored = (r.windows, r.ready is not None)
+    return r
 
 
 def distances(lib: RegimeLibrary, x: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -358,6 +400,7 @@ def observe(lib: RegimeLibrary, counts: np.ndarray, now: float, shape: ClusterSh
             evictable = [r for r in lib.regimes if r.id != previous] or lib.regimes
             victim = min(evictable, key=lambda r: (r.windows, r.last_seen))
             lib.regimes.remove(victim)
+            lib.evicted.append(victim.id)
             lib.changed = True
             lib.maxmin = {k: v for k, v in lib.maxmin.items() if victim.id not in k}
         placement = fit(x, shape)
@@ -453,6 +496,7 @@ def decide_regimes(
         regime.ready, centroid, shape.num_gpus
     ):
         regime.ready = np.array(current, dtype=np.int32, copy=True)
+        library.dirty_ready.add(regime.id)
         library.changed = True
     # 1. The load: a recognised return, fast alternation, or the best-scored predictor.
     loads: dict[str, tuple[np.ndarray, float | np.ndarray]] = {

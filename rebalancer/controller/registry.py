@@ -95,7 +95,7 @@ class Registry:
             regimes = self.store.regimes(row.name)
             if regimes is not None:
                 try:
-                    dep.restore_regimes(RegimeLibrary.from_record(*regimes))
+                    dep.restore_regimes(RegimeLibrary.from_rows(*regimes))
                 except (KeyError, ValueError, TypeError) as exc:  # a row this code cannot read
                     log.error("deployment %s: the stored regime library is unreadable (%s): "
                               "starting an empty one", row.name, exc)

@@ -240,6 +240,13 @@ CREATE TABLE IF NOT EXISTS regimes (
     record TEXT NOT NULL,
     arrays BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS regime_rows (
+    deployment TEXT NOT NULL,
+    id INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    arrays BLOB NOT NULL,
+    PRIMARY KEY (deployment, id)
+);
 CREATE TABLE IF NOT EXISTS ingest_state (
     deployment TEXT PRIMARY KEY,
     state TEXT NOT NULL,
@@ -557,15 +564,32 @@ class Store:
         row = self._db.execute("SELECT record, arrays FROM contingency WHERE deployment = ?", (name,)).fetchone()
         return None if row is None else (json.loads(row[0]), _unpack_arrays(row[1]))
 
-    def save_regimes(self, name: str, record: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
-        """A deployment's regime library (controller/regimes.py, `RegimeLibrary.to_record`),
-        replacing the one before."""
-        self._db.execute("INSERT OR REPLACE INTO regimes VALUES (?, ?, ?)",
-                         (name, json.dumps(record), _pack_arrays(arrays)))
+    def save_regimes(
+        self, name: str, header: tuple[dict[str, Any], dict[str, np.ndarray]],
+        rows: dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]], removed: list[int],
+    ) -> None:
+        """A deployment's regime library (controller/regimes.py, `RegimeLibrary.changes`):
+        its header, the regimes that changed (a row each) and those evicted, in one
+        transaction, so a restart reads one library."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("INSERT OR REPLACE INTO regimes VALUES (?, ?, ?)",
+                             (name, json.dumps(header[0]), _pack_arrays(header[1])))
+            for regime_id, (record, arrays) in rows.items():
+                self._db.execute("INSERT OR REPLACE INTO regime_rows VALUES (?, ?, ?, ?)",
+                                 (name, regime_id, json.dumps(record), _pack_arrays(arrays)))
+            for regime_id in removed:
+                self._db.execute("DELETE FROM regime_rows WHERE deployment = ? AND id = ?", (name, regime_id))
 
-    def regimes(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-        row = self._db.execute("SELECT record, arrays FROM regimes WHERE deployment = ?", (name,)).fetchone()
-        return None if row is None else (json.loads(row[0]), _unpack_arrays(row[1]))
+    def regimes(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray],
+                                           dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]]] | None:
+        """(header, its arrays, regime rows by id) as `save_regimes` left them, or None."""
+        head = self._db.execute("SELECT record, arrays FROM regimes WHERE deployment = ?", (name,)).fetchone()
+        if head is None:
+            return None
+        rows = self._db.execute("SELECT id, record, arrays FROM regime_rows WHERE deployment = ?", (name,))
+        return (json.loads(head[0]), _unpack_arrays(head[1]),
+                {int(i): (json.loads(r), _unpack_arrays(a)) for i, r, a in rows.fetchall()})
 
     def save_ingest_state(self, name: str, state: dict[str, Any], background: bool = False) -> None:
         """Numeric lists and arrays travel as one blob of raw little-endian bytes (JSON of

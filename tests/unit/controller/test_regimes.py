@@ -162,11 +162,19 @@ def test_the_library_round_trips_through_the_store(tmp_path: Path) -> None:
         observe(lib, _window(dist, rng), float(t), SHAPE, RegimeConfig())
     lib.regimes[0].ready = fit(A, SHAPE)
     store = Store(tmp_path / "s.sqlite")
-    store.save_regimes("d", *lib.to_record())
+    header, rows, removed = lib.changes()
+    assert set(rows) == {r.id for r in lib.regimes} and removed == []  # nothing stored yet
+    store.save_regimes("d", header, rows, removed)
+    lib.mark_saved()
+    observe(lib, _window(A, rng), 7.0, SHAPE, RegimeConfig())
+    header, rows, removed = lib.changes()
+    assert set(rows) == {lib.current}  # only the regime that took the window is written again
+    store.save_regimes("d", header, rows, removed)
     store.close()
     saved = Store(tmp_path / "s.sqlite").regimes("d")
     assert saved is not None
-    back = RegimeLibrary.from_record(*saved)
+    back = RegimeLibrary.from_rows(*saved)
+    assert RegimeLibrary.from_record(*lib.to_record()).summary() == lib.summary()
     assert back.summary() == lib.summary()
     for old, new in zip(lib.regimes, back.regimes, strict=True):
         np.testing.assert_array_equal(old.total, new.total)
@@ -239,3 +247,23 @@ def test_a_bad_regime_setting_is_refused_naming_it(bad: dict) -> None:
 def test_a_bad_regimes_policy_value_is_refused() -> None:
     with pytest.raises(InputError, match="regimes must be a boolean"):
         PolicyConfig.from_dict({"regimes": "yes"})
+
+
+def test_an_evicted_regime_leaves_the_store_with_the_next_save(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    lib = RegimeLibrary()
+    config = RegimeConfig(capacity=2)
+    store = Store(tmp_path / "s.sqlite")
+    for t, dist in enumerate([A, A, B]):
+        observe(lib, _window(dist, rng), float(t), SHAPE, config)
+    store.save_regimes("d", *lib.changes())
+    lib.mark_saved()
+    gone = lib.regimes[0].id  # A: B is current when C comes
+    observe(lib, _window(C, rng), 3.0, SHAPE, config)
+    assert lib.evicted == [gone]
+    store.save_regimes("d", *lib.changes())
+    lib.mark_saved()
+    saved = store.regimes("d")
+    assert saved is not None and set(saved[2]) == {r.id for r in lib.regimes} and gone not in saved[2]
+    assert RegimeLibrary.from_rows(*saved).summary() == lib.summary()
+    store.close()
