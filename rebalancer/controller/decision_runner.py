@@ -20,6 +20,7 @@ from rebalancer.controller.coordinate import Plan, who
 from rebalancer.controller.decide import Decision
 from rebalancer.controller.deployment import Deployment, Observers
 from rebalancer.controller.plans import Plans
+from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.controller.store import Store
 
 log = logging.getLogger("rebalancer.controller")
@@ -113,13 +114,17 @@ class DecisionRunner:
     def save_regimes(self, dep: Deployment) -> None:
         """Store the deployment's regime library when it changed enough
         (`RegimeLibrary.save_due`): it survives a restart."""
-        library = dep.loop.regimes
+        self.save_library(dep.name, dep.loop.regimes)
+
+    def save_library(self, key: str, library: RegimeLibrary | None) -> None:
+        """Store a regime library under `key` (a deployment's name, or `pool_key`) when it
+        changed enough."""
         if library is None or not library.save_due():
             return
         try:
-            self.store.save_regimes(dep.name, *library.changes())
+            self.store.save_regimes(key, *library.changes())
         except sqlite3.Error as exc:  # kept in memory; the next decision tries again
-            log.error("%s: the store refused the regime library (%s)", dep.name, exc)
+            log.error("%s: the store refused the regime library (%s)", key, exc)
         else:
             library.mark_saved()
 

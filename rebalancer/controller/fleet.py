@@ -36,6 +36,7 @@ from rebalancer.controller.deployment import (
     stored_shape,
 )
 from rebalancer.controller.plans import Plans
+from rebalancer.controller.regimes import RegimeLibrary, copy_library, pool_key
 from rebalancer.controller.registry import Registry
 from rebalancer.controller.replica_pools import (
     DEFAULT_MAX_MOVING,
@@ -96,6 +97,12 @@ class Fleet:
             pool = self._new_pool(name, ClusterShape(**cast(dict[str, Any], shape)))
             pool.set_shape(pool.shape, UNKNOWN_EXPERT_BYTES - shape.keys())
             pool.restore(version, phy2log)
+            regimes = self.store.regimes(pool_key(name))
+            if regimes is not None:
+                try:
+                    pool.restore_regimes(RegimeLibrary.from_rows(*regimes))
+                except (KeyError, ValueError, TypeError) as exc:  # a row this code cannot read
+                    log.error("pool %s: the stored regime library is unreadable (%s)", name, exc)
         for dep_name, pool_name in self.store.pool_members().items():
             member_pool = self.pools.get(pool_name)
             if member_pool is None or dep_name not in self.registry.deployments:
@@ -158,6 +165,9 @@ class Fleet:
                 self._fill_unknown(pool, dep)
             pool.join(dep.name)
             self.member_of[dep.name] = pool_name
+            library = pool.loop.regimes
+            if library is not None and library.regimes and not (dep.loop.regimes and dep.loop.regimes.regimes):
+                dep.restore_regimes(copy_library(library))  # a new member knows the pool's regimes
             log.info("deployment %s joined pool %s", dep.name, pool_name)
         self.store.set_pool_member(dep.name, pool_name)
 
@@ -259,6 +269,7 @@ class Fleet:
 
         def done(decision: Decision | None) -> None:
             pool.decision_done(decision, now)
+            self.decisions.save_library(pool_key(pool.name), pool.loop.regimes)
             if decision is not None:
                 self._act(pool, decision, "policy", self.clock())
 

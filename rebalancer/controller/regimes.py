@@ -59,6 +59,21 @@ from rebalancer.placement import compute_placement, lower_bound_balancedness
 from rebalancer.placement.metrics import balancedness_of
 
 PREDICTORS = ("regime", "forecast", "estimate")
+
+
+def pool_key(pool: str) -> str:
+    """Where the store keeps a replica pool's library: beside the deployments' (a
+    deployment's name never holds a colon, rebalancer.controller.service.NAME_RE)."""
+    return f"pool:{pool}"
+
+
+def copy_library(library: RegimeLibrary) -> RegimeLibrary:
+    """An independent copy (a new pool member starts from its pool's library)."""
+    copy = RegimeLibrary.from_record(*library.to_record())
+    copy.changed = True  # the copy is not in the store yet
+    for r in copy.regimes:
+        r.stored = (0, False)
+    return copy
 # The loads a decision may use (the first word of Decision.load).
 LOADS = (*PREDICTORS, "alternation")
 # Known regimes' ids kept for the alternation test and the operator's view.

@@ -32,6 +32,7 @@ import numpy as np
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.deployment import Deployment, shape_key
 from rebalancer.controller.policy_loop import PolicyLoop
+from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.errors import StateError
 
 log = logging.getLogger("rebalancer.controller")
@@ -202,6 +203,10 @@ class ReplicaPool:
 
     def decision_started(self) -> None:
         self.deciding = True
+
+    def restore_regimes(self, library: RegimeLibrary) -> None:
+        """The pool's regime library the store kept (a restart)."""
+        self.loop.restore_regimes(library)
 
     def decision_done(self, decision: Decision | None, now: float) -> None:
         self.deciding = False

@@ -267,3 +267,35 @@ def test_an_evicted_regime_leaves_the_store_with_the_next_save(tmp_path: Path) -
     assert saved is not None and set(saved[2]) == {r.id for r in lib.regimes} and gone not in saved[2]
     assert RegimeLibrary.from_rows(*saved).summary() == lib.summary()
     store.close()
+
+
+def test_a_pools_library_survives_a_restart_and_warms_a_new_member(tmp_path: Path) -> None:
+    rng = np.random.default_rng(8)
+    db = tmp_path / "c.sqlite"
+    clock = [100.0]
+    ctl = Controller(Store(db), PolicyConfig(regimes=True, min_windows=1), clock=lambda: clock[0])
+    for name in ("a", "b"):
+        for rank in range(SHAPE.num_gpus):
+            ctl.register(name, rank, SHAPE, 0, None, f"{name}{rank}", pool="p")
+    for seq in range(4):  # one load: a sudden switch makes the members diverge from the pool
+        clock[0] += 1.0
+        counts = np.round(_window(A, rng) / (2 * SHAPE.num_gpus))
+        for name in ("a", "b"):
+            dep = ctl.deployment(name)
+            for rank in range(SHAPE.num_gpus):
+                ctl.ingest(dep, rank, seq, dep.version, counts, None)
+    learned = ctl.fleet.pool("p").loop.regimes
+    assert learned is not None and len(learned.regimes) == 1 and learned.windows >= 3
+    ids = {r.id for r in learned.regimes}
+    ctl.persist_all()
+    ctl.store.close()
+
+    again = Controller(Store(db), PolicyConfig(regimes=True, min_windows=1), clock=lambda: clock[0])
+    restored = again.fleet.pool("p").loop.regimes
+    assert restored is not None and {r.id for r in restored.regimes} == ids
+    assert again.deployment("a").loop.regimes is not None  # each member's own, stored too
+    for rank in range(SHAPE.num_gpus):
+        again.register("c", rank, SHAPE, 0, None, f"c{rank}", pool="p")
+    warm = again.deployment("c").loop.regimes
+    assert warm is not None and {r.id for r in warm.regimes} == ids and warm is not restored
+    again.store.close()
