@@ -173,11 +173,16 @@ def balance(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> float:
 def fit(load: np.ndarray, shape: ClusterShape, previous: np.ndarray | None = None,
         max_moved_fraction: float | None = None) -> np.ndarray:
     """The engine's best placement on `load` [L, E] (from scratch, or migration-aware
-    from `previous` within the budget). Returns phy2log [L, P] int32."""
+    from `previous` within the budget). Returns phy2log [L, P] int64."""
     result = compute_placement(load, shape.num_slots, shape.num_gpus, num_nodes=shape.num_nodes,
                                num_groups=shape.num_groups or None, previous=previous,
                                max_moved_fraction=max_moved_fraction)
-    return np.asarray(result.phy2log, dtype=np.int32)
+    return np.asarray(result.phy2log, dtype=np.int64)
+
+
+def _compact(phy2log: np.ndarray) -> np.ndarray:
+    """A placement as the library keeps it: int16 (experts < 2**15; MAX_SLOTS is 2048)."""
+    return np.asarray(phy2log, dtype=np.int16)
 
 
 def maxmin_placement(loads: np.ndarray, shape: ClusterShape, rounds: int = 4) -> tuple[np.ndarray, float]:
@@ -185,7 +190,7 @@ def maxmin_placement(loads: np.ndarray, shape: ClusterShape, rounds: int = 4) ->
     worst balancedness over the K loads, by multiplicative weights: fit on the weighted
     mixture, weigh up the loads it serves worst, fit again; the best worst case wins.
     Redundant slots go where the loads disagree (experts hot in any of them). Returns
-    (phy2log [L, P] int32, its worst balancedness)."""
+    (phy2log [L, P] int64, its worst balancedness)."""
     k = loads.shape[0]
     weights = np.full(k, 1.0 / k)
     best: np.ndarray | None = None
@@ -209,20 +214,21 @@ class Regime:
     """One recurring load: its centroid, its fit and ready placement, when it came back."""
 
     id: int
-    total: np.ndarray  # [L, E] sum of its windows' shares
+    total: np.ndarray  # [L, E] float32: sum of its windows' shares
     windows: int
-    fit: np.ndarray  # [L, P] from-scratch placement on the centroid (the distance's yardstick)
+    fit: np.ndarray  # [L, P] int16: from-scratch placement on the centroid (the distance's yardstick)
     fit_balance: float  # its balancedness on the centroid
     first_seen: float
     last_seen: float
     visits: int = 1  # stays: runs of consecutive windows
-    ready: np.ndarray | None = None  # [L, P] the best placement that served it
+    ready: np.ndarray | None = None  # [L, P] int16: the best placement that served it
     fit_windows: int = 1  # windows the fit was made on
     stored: tuple[int, bool] = (0, False)  # (windows, ready) of the copy in the store
 
     @property
     def centroid(self) -> np.ndarray:
-        return self.total / max(self.windows, 1)
+        """Mean shares [L, E] float64."""
+        return self.total.astype(np.float64) / max(self.windows, 1)
 
     def summary(self) -> dict[str, Any]:
         return {"id": self.id, "windows": self.windows, "visits": self.visits,
@@ -336,19 +342,21 @@ class RegimeLibrary:
 
 def _regime_record(r: Regime) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """One regime as (JSON-ready record, arrays named total, fit and ready)."""
-    arrays = {"total": r.total, "fit": r.fit.astype(np.int32)}
+    arrays = {"total": r.total, "fit": r.fit}
     if r.ready is not None:
-        arrays["ready"] = r.ready.astype(np.int32)
+        arrays["ready"] = r.ready
     record = {"id": r.id, "windows": r.windows, "fit_balance": r.fit_balance, "first_seen": r.first_seen,
               "last_seen": r.last_seen, "visits": r.visits, "fit_windows": r.fit_windows}
     return record, arrays
 
 
 def _regime_from_record(row: dict[str, Any], arrays: dict[str, np.ndarray]) -> Regime:
-    r = Regime(id=int(row["id"]), total=np.asarray(arrays["total"], dtype=np.float64),
-               windows=int(row["windows"]), fit=np.asarray(arrays["fit"]),
+    ready = arrays.get("ready")
+    r = Regime(id=int(row["id"]), total=np.asarray(arrays["total"], dtype=np.float32),
+               windows=int(row["windows"]), fit=_compact(arrays["fit"]),
                fit_balance=float(row["fit_balance"]), first_seen=float(row["first_seen"]),
-               last_seen=float(row["last_seen"]), visits=int(row["visits"]), ready=arrays.get("ready"),
+               last_seen=float(row["last_seen"]), visits=int(row["visits"]),
+               ready=None if ready is None else _compact(ready),
                fit_windows=int(row.get("fit_windows", 1)))
     r.stored = (r.windows, r.ready is not None)
     return r
@@ -381,7 +389,7 @@ def _score(lib: RegimeLibrary, x: np.ndarray, decay: float) -> None:
 def _refit(r: Regime, shape: ClusterShape) -> None:
     """Fit the regime's centroid again once its windows have doubled since the last fit."""
     if r.windows >= 2 * r.fit_windows:
-        r.fit = fit(r.centroid, shape)
+        r.fit = _compact(fit(r.centroid, shape))
         r.fit_windows = r.windows
     r.fit_balance = balance(r.fit, r.centroid, shape.num_gpus)
 
@@ -399,11 +407,15 @@ def observe(lib: RegimeLibrary, counts: np.ndarray, now: float, shape: ClusterSh
     lib.windows += 1
     d = distances(lib, x, shape.num_gpus)
     previous = lib.current
+    # The distance to the previous window's regime, before a new regime or an eviction
+    # changes the library's order: a jump is a window far from it, not a drift.
+    at = [i for i, old in enumerate(lib.regimes) if old.id == previous]
+    jump = not at or float(d[at[0]]) > 2.0 * config.match_distance
     if d.size and float(d.min()) <= config.match_distance:
         r = lib.regimes[int(d.argmin())]
         dist = float(d.min())
         known = r.windows >= config.known_windows
-        r.total = r.total + x
+        r.total = (r.total + x).astype(np.float32)
         r.windows += 1
         if r.id != previous:
             r.visits += 1
@@ -419,16 +431,13 @@ def observe(lib: RegimeLibrary, counts: np.ndarray, now: float, shape: ClusterSh
             lib.changed = True
             lib.maxmin = {k: v for k, v in lib.maxmin.items() if victim.id not in k}
         placement = fit(x, shape)
-        r = Regime(id=lib.next_id, total=x.copy(), windows=1, fit=placement,
+        r = Regime(id=lib.next_id, total=x.astype(np.float32), windows=1, fit=_compact(placement),
                    fit_balance=balance(placement, x, shape.num_gpus), first_seen=now, last_seen=now)
         lib.next_id += 1
         lib.regimes.append(r)
         lib.changed = True
         dist, known, new = math.inf, False, True
     changed = r.id != previous
-    # A jump (far from the previous window's regime), not a drift: the forecast restarts.
-    before = [i for i, old in enumerate(lib.regimes) if old.id == previous]
-    jump = not before or before[0] >= d.size or float(d[before[0]]) > 2.0 * config.match_distance
     lib.current = r.id
     lib.recent = (lib.recent + [r.id])[-RECENT_WINDOWS:]
     lib.jumps = (lib.jumps + [bool(changed and jump)])[-RECENT_WINDOWS:]
@@ -510,7 +519,7 @@ def decide_regimes(
     if regime.ready is None or balance(current, centroid, shape.num_gpus) > balance(
         regime.ready, centroid, shape.num_gpus
     ):
-        regime.ready = np.array(current, dtype=np.int32, copy=True)
+        regime.ready = _compact(current)
         library.dirty_ready.add(regime.id)
         library.changed = True
     # 1. The load: a recognised return, fast alternation, or the best-scored predictor.
@@ -567,7 +576,7 @@ def decide_regimes(
     candidates: list[tuple[str, np.ndarray, PolicyConfig]] = [
         ("fit", fit(load, shape, previous=current, max_moved_fraction=policy.max_moved_fraction), gate_policy)]
     if ready is not None and not np.array_equal(ready, current):
-        candidates.append(("ready", ready, gate_policy))
+        candidates.append(("ready", np.asarray(ready, dtype=np.int64), gate_policy))
     if config.drift_max_moved_fraction and ready is None and load_name != "alternation":
         # Drift: a small move of the slots that pay most, held to the smaller hysteresis.
         budget = min(policy.max_moved_fraction, config.drift_max_moved_fraction)
