@@ -241,7 +241,10 @@ def main() -> None:
     load_plugins()  # SGLang's own loader: finds worker_hooks.engines.sglang:register by entry point
 
     # SGLang's start step, through the plugin's hook when it wraps it (a pool's warm start).
-    dist.barrier()  # the ranks enter the step together (SGLang's own init holds them in step)
+    # The ranks enter the step together (SGLang's own init holds them in step). A rank
+    # that imported SGLang late on a loaded machine is waited for up to 2 minutes, not
+    # the group's 15 s (which still bounds every later collective).
+    dist.monitored_barrier(timeout=timedelta(seconds=120))
     began = time.monotonic()
     runner_class(model_config).maybe_init_expert_location_metadata()
     started_seconds = time.monotonic() - began
