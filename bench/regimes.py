@@ -90,7 +90,7 @@ def _library(load: np.ndarray, shape: ClusterShape, size: int, rng: np.random.Ge
             observe(lib, counts, t, shape, config)
             t += 1.0
     for r in lib.regimes:
-        r.ready = fit(r.centroid, shape)
+        r.ready = fit(r.centroid, shape).astype(np.int16)  # as the library keeps it
     return lib
 
 
