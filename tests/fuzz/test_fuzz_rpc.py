@@ -333,7 +333,9 @@ def policies(draw: st.DrawFn) -> pb.Policy:
     for field in pb.Policy.DESCRIPTOR.fields:
         if draw(st.integers(0, 2)) == 0:
             continue
-        if field.type == field.TYPE_BOOL:
+        if field.type == field.TYPE_MESSAGE:  # NodeCounts: a list, present even when empty
+            getattr(policy, field.name).counts.extend(draw(st.lists(u32, max_size=4)))
+        elif field.type == field.TYPE_BOOL:
             setattr(policy, field.name, draw(st.booleans()))
         elif field.type == field.TYPE_UINT32:
             setattr(policy, field.name, draw(u32))
