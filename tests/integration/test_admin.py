@@ -22,7 +22,7 @@ import pytest
 
 from rebalancer import placement
 from rebalancer.cli import main as cli
-from rebalancer.controller.admin import policy_from_msg
+from rebalancer.controller.admin import policy_from_msg, policy_msg
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.estimate import EstimatorConfig
@@ -154,9 +154,10 @@ def test_pause_resume_and_policy(live: tuple[EmbeddedController, list[InstantRan
     assert code == 2 and "true or false" in err
     # A message without the optional fields keeps their current values.
     base = PolicyConfig(estimator=EstimatorConfig(shrink=False, prior_decay=0.95))
-    kept = policy_from_msg(pb.Policy(**{k: v for k, v in base.to_flat().items()
-                                        if k in pb.Policy.DESCRIPTOR.fields_by_name
-                                        and k not in ("shrink", "prior_decay")}), base)
+    msg = policy_msg(base)
+    msg.ClearField("shrink")
+    msg.ClearField("prior_decay")
+    kept = policy_from_msg(msg, base)
     assert kept.estimator.shrink is False and kept.estimator.prior_decay == 0.95
 
 
