@@ -225,26 +225,31 @@ class _StateCollector(Collector):
             yield from (layer, share)
 
     def _regimes(self) -> Iterator[Any]:
-        """The regimes policy's library (regimes.py), per deployment that has one."""
+        """The regimes policy's library (regimes.py), per deployment (0 and the estimate for
+        one on the adaptive policy)."""
         from rebalancer.controller.regimes import LOADS
 
         g = GaugeMetricFamily
         current = g(REGIME_CURRENT, "Id of the load regime the newest window joined (regimes policy; 0: "
-                    "none yet); a change is a regime switch, `rebalancer admin regimes DEP` lists them.",
+                    "none yet, or not on the regimes policy); a change is a regime switch, `rebalancer admin "
+                    "regimes DEP` lists them.",
                     labels=["deployment"])
-        size = g(REGIME_LIBRARY, "Load regimes the deployment's library keeps (regimes policy).",
+        size = g(REGIME_LIBRARY, "Load regimes the deployment's library keeps (regimes policy; 0 off it).",
                  labels=["deployment"])
         load = g(REGIME_LOAD, "1 for the load the newest decision of the regimes policy used (regime: a "
                  "recognised regime's centroid; forecast: the drift forecast; alternation: the regimes in "
                  "play; estimate: the adaptive estimate), 0 for the others.", labels=["deployment", "load"])
         for dep in list(self.controller.deployments.values()):
+            # A deployment on the adaptive policy has no regime (0) and an empty library,
+            # and its decisions use the estimate: every deployment has the series, so the
+            # dashboard's row answers for a fleet that has not opted in.
             library = dep.loop.regimes
-            if library is None:
-                continue
-            current.add_metric([dep.name], library.current)
-            size.add_metric([dep.name], len(library.regimes))
+            current.add_metric([dep.name], 0 if library is None else library.current)
+            size.add_metric([dep.name], 0 if library is None else len(library.regimes))
             last = dep.loop.last_decision
             used = last.load.split(" ", 1)[0] if last is not None and last.load else ""
+            if library is None:
+                used = "estimate"
             for name in LOADS:
                 load.add_metric([dep.name, name], 1.0 if name == used else 0.0)
         yield from (current, size, load)
