@@ -259,11 +259,9 @@ def decide(
     _check_inputs(estimate, current, shape)
     policy.validate()
     if float(estimate.sum()) <= 0.0:
-        return _no_load(windows, now)
+        return no_load_decision(windows, now)
     ev = _evaluate(estimate, current, shape, policy, windows if effective_windows is None else effective_windows)
-    gate, why = _gate(ev, policy, now, last_rebalance, windows)
-    outcome, reason = _outcome(gate, why, ev, policy, forced, dry_run)
-    return _record(outcome, reason, gate, ev, now)
+    return gate_decision(ev, policy, now, last_rebalance, windows, forced, dry_run)
 
 
 def gate_decision(
@@ -285,12 +283,7 @@ def gate_decision(
 
 
 def no_load_decision(windows: int, now: float) -> Decision:
-    """The decision when the estimate holds no load yet."""
-    return _no_load(windows, now)
-
-
-def _no_load(windows: int, now: float) -> Decision:
-    """Nothing to fit yet: every figure 0."""
+    """The decision when the estimate holds no load yet: nothing to fit, every figure 0."""
     return Decision(
         outcome="skip_no_load",
         reason=f"the estimate holds no load yet ({windows} window(s) folded)",

@@ -83,23 +83,6 @@ class PolicyLoop:
         Every input is copied here, so the returned call may run on another thread
         while windows keep folding (the controller does that); `record` it afterwards."""
         estimate, effective_windows = self.estimator.estimate_and_noise()
-        if self.policy.regimes:
-            if self.regimes is None:
-                self.regimes = RegimeLibrary()
-            pending, self._pending = [(c, now) for c in self._pending], []
-            return functools.partial(
-                decide_regimes,
-                library=self.regimes,
-                pending=pending,
-                estimate=estimate.copy(),
-                current=np.array(current, copy=True),
-                shape=self.shape,
-                policy=dataclasses.replace(self.policy),
-                now=now,
-                last_rebalance=self.last_rebalance,
-                windows=self.estimator.windows,
-                effective_windows=effective_windows,
-            )
         kwargs = dict(
             estimate=estimate.copy(),
             current=np.array(current, copy=True),
@@ -111,6 +94,12 @@ class PolicyLoop:
             effective_windows=effective_windows,
         )
         # A partial of a module-level function: picklable, so it can run in another process.
+        if self.policy.regimes:
+            if self.regimes is None:
+                self.regimes = RegimeLibrary()
+            pending, self._pending = [(c, now) for c in self._pending], []
+            return functools.partial(decide_regimes, library=self.regimes, pending=pending,
+                                     **kwargs)  # type: ignore[arg-type]
         return functools.partial(decide, **kwargs)  # type: ignore[arg-type]
 
     def tick(self, current: np.ndarray, now: float, in_flight: bool = False) -> Decision | None:

@@ -96,7 +96,6 @@ class VLLMRebalanceAdapter(RankSession):
         self.eplb_state = eplb_state
         self.model_state = model_state
         self.cpu_group = cpu_group  # vLLM's EPLB CPU group: the agreement's collectives
-        self.num_ranks = num_ranks
         self._returned: tuple[int, np.ndarray] | None = None  # given to vLLM, not applied yet
         self._served = self.phy2log.copy()  # the map the next pass runs on (host mirror)
         self._pending: Any = None           # async: the layer result vLLM may make live this step
@@ -136,7 +135,8 @@ class VLLMRebalanceAdapter(RankSession):
         size = int(state.expert_load_window_size)
         rows = (cursor - self._cursor) % size if size else 0
         if rows:
-            if not np.array_equal(serving_before, self._window_map):
+            # The map is replaced whole when it changes: the same object is the same map.
+            if serving_before is not self._window_map and not np.array_equal(serving_before, self._window_map):
                 # A window never spans two maps (async: layer by layer); it ends at the
                 # step before this one, whose rows are the next window's.
                 self._close(self.step - 1)
@@ -180,7 +180,7 @@ class VLLMRebalanceAdapter(RankSession):
         self._close(self.step, wait=True)  # the old version's last
         self.made_live(version, plan)
         self._window_version = version
-        self._window_map = plan.copy()
+        self._window_map = current  # the map vLLM serves now, equal to the plan
 
     def finish(self, timeout: float = 5.0) -> None:
         """At shutdown: send the last window, deliver what the agent holds, stop it."""
@@ -200,7 +200,7 @@ class VLLMRebalanceAdapter(RankSession):
         if not self._main_call(old_map):
             self.stats.drafter_calls += 1
             return default(weight, num_replicas, num_groups, num_nodes, num_ranks, old_map)
-        if num_replicas != self.num_slots or num_ranks != self.num_ranks:
+        if num_replicas != self.num_slots or num_ranks != self.num_gpus:
             planned = self.planned_for_mapping(self.resizing, int(num_replicas), int(num_ranks), self.cpu_group)
             self.stats.other_world.append({"step": self.step, "num_replicas": int(num_replicas),
                                            "num_ranks": int(num_ranks), "planned": planned is not None})
@@ -210,7 +210,7 @@ class VLLMRebalanceAdapter(RankSession):
                 return torch.from_numpy(planned).to(old_map.dtype)
             log.warning("rank %d: vLLM asks for %d slots on %d ranks, the controller plans %d on %d: "
                         "vLLM's default policy answers this call", self.rank, num_replicas, num_ranks,
-                        self.num_slots, self.num_ranks)
+                        self.num_slots, self.num_gpus)
             return default(weight, num_replicas, num_groups, num_nodes, num_ranks, old_map)
         return self.choose_map(old_map)
 
@@ -239,7 +239,7 @@ class VLLMRebalanceAdapter(RankSession):
             if self._warm_due:
                 self._warm_due = False
                 left = self.config.warm_start_seconds - (time.monotonic() - self._started)
-                record["warm_start"] = self.take_warm_start(self.cpu_group, self.num_ranks, max(left, 0.0))
+                record["warm_start"] = self.take_warm_start(self.cpu_group, self.num_gpus, max(left, 0.0))
             switch = self.agree_switch(old_map.cpu().numpy().astype(np.int64), self.cpu_group)
             record["agreed_version"] = switch.agreed
             if switch.plan is None:
