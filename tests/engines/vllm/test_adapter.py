@@ -148,12 +148,17 @@ def test_v2_runner_plans_commit_through_eplb_utils(tmp_path: Path) -> None:
         assert r["attach"] == {"attached": True, "runner": "v2", "reason": "", "failures": 0, "waiting": False}
 
 
-def test_a_drafter_beside_the_model_never_fails_its_plans(tmp_path: Path) -> None:
+def test_a_drafter_is_balanced_with_the_model_and_never_fails_its_plans(tmp_path: Path) -> None:
     """An MTP-like MoE drafter registered with vLLM's EPLB beside the main model (V2's
     real `maybe_register_speculator`, drafter first as vLLM does): vLLM calls the policy
-    for both at every rearrangement. The main model's plans commit one after the other
-    (the load drifts, so the controller plans again), none is reported FAILED; the
-    drafter is rearranged by vLLM's own default policy, its weights matching its map."""
+    for both at every rearrangement. The deployment is the layer set main + drafter (its
+    shape registers both models' layers); plans commit one after the other (the load
+    drifts), none is reported FAILED; the drafter's rows of every plan are what vLLM
+    installs for the drafter, its weights matching its map, and the controller moved
+    them (the drafter is balanced, not left to vLLM's default); the counts sent are what
+    vLLM recorded, per (layer, expert), the drafter's layer included."""
+    from tests.engines.vllm.worker import DRAFT_LAYERS, NUM_LAYERS
+
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
     assert ctl.server is not None
     try:
@@ -166,9 +171,7 @@ def test_a_drafter_beside_the_model_never_fails_its_plans(tmp_path: Path) -> Non
     finally:
         ctl.stop()
     assert codes == [0] * WORLD, _logs(tmp_path)
-    from tests.engines.vllm.worker import NUM_LAYERS
-
-    assert committed.shape[0] == NUM_LAYERS  # the deployment is the main model, not the drafter
+    assert committed.shape[0] == NUM_LAYERS + DRAFT_LAYERS  # main model's layers, then the drafter's
     # The newest plan may still be in flight when the ranks stop (its Commit on the way
     # at the last step, on a loaded machine): every other plan committed, none failed.
     newest = max(plans)
@@ -180,10 +183,16 @@ def test_a_drafter_beside_the_model_never_fails_its_plans(tmp_path: Path) -> Non
         assert switched in (done, done + [newest]) if newest not in done else switched == done
         assert not any("refused" in a or "error" in a for a in r["rearrangements"])
         if switched[-1] == version:
-            assert np.array_equal(np.asarray(r["phy2log"]), committed)
+            assert np.array_equal(np.asarray(r["phy2log"]), committed[:NUM_LAYERS])
+            assert np.array_equal(np.asarray(r["drafter"]["phy2log"]), committed[NUM_LAYERS:])
+        assert not np.array_equal(np.asarray(r["drafter"]["phy2log"]),
+                                  np.asarray(r["initial_phy2log"])[:DRAFT_LAYERS])  # the drafter moved
         assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
         assert r["drafter_calls"] >= len(r["rearrangements"])
         assert r["drafter"]["weights_match_map"]
+        recorded, sent = np.asarray(r["recorded_logical"]), np.asarray(r["sent_logical"])
+        assert recorded[NUM_LAYERS:].sum() > 0
+        np.testing.assert_array_equal(sent, recorded, err_msg=f"rank {r['rank']}: counts per expert")
     assert len({json.dumps(r["commits"]) for r in results.values()}) == 1
 
 

@@ -372,12 +372,14 @@ def main() -> None:
     popularity = np.array([8, 6, 1, 1, 1, 1, 1, 1], dtype=np.float64)
     rng = np.random.default_rng(rank)
     routed = np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64)
-    recorded = np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64)  # routed while vLLM records
+    # Routed while vLLM records, per row of the deployment's layer set: the main model's
+    # layers, then the drafter's (worker_hooks/engines/vllm/layer_set.py).
+    recorded = np.zeros((NUM_LAYERS + (DRAFT_LAYERS if drafter is not None else 0), NUM_EXPERTS), dtype=np.int64)
     # What the adapter hands its agent, summed per (layer, expert) and per slot: the
     # windows as they go to the controller (the agent itself is the real one).
     from worker_hooks.agent import WorkerAgent
 
-    sent = {"logical": np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64), "windows": []}
+    sent = {"logical": np.zeros_like(recorded), "windows": []}
     submit = WorkerAgent.submit_window
 
     def tee(self, first_step, num_steps, version, logical, physical):  # noqa: ANN001, ANN202
@@ -407,8 +409,7 @@ def main() -> None:
             flag = layer.eplb_state.should_record_tensor
             if flag is None or bool(flag):
                 layer.load_view.scatter_add_(0, physical.ravel(), torch.ones(physical.numel(), dtype=torch.int32))
-                if moe is model:
-                    np.add.at(recorded[layer_index], ids.ravel(), 1)
+                np.add.at(recorded[layer_index + (0 if moe is model else NUM_LAYERS)], ids.ravel(), 1)
             current = moe_state.physical_to_logical_map[layer_index]
             wrong += int((current[physical] != logical).sum())
         return wrong

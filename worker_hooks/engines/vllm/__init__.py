@@ -54,18 +54,21 @@ What holds, and what vLLM cannot give
   `REBALANCER_COUNT_DUPLICATES` to that factor (windows are divided by it, rounded).
 * Plans only arrive at vLLM's own rearrangement points (`step_interval`); between them
   the controller's plan waits.
-* NOT given yet: a window's counts reach the host without a wait. Once per
-  `REBALANCER_WINDOW_STEPS` steps the serving thread copies the window's `[L, P]` int64
-  sum with `.cpu()` (and, while vLLM's async rearrangement runs, its map once a step). A
-  pinned, non-blocking copy finished by an event is the intended fix; it needs a CUDA
-  test that this suite, run on CPU against vLLM's code, cannot give, so it waits for one.
-* Maps with empty slots (`-1`, elastic EP's padding) are still refused as plans, and
-  counts are mapped with the registered shape: elastic EP is not supported beyond the
-  other-world answer below.
-* One model per deployment: the main model. A drafter vLLM registers with EPLB (MTP) is
-  rearranged by vLLM's own default policy at the same points (same answer on every rank,
-  no part in the agreement): it never fails or delays the main model's plans, and its
-  counts are not sent (adapter.py's docstring says how the calls are told apart).
+* The serving thread does not wait for the device on the adapter's account: a window's
+  counts go to the host with non-blocking copies (pinned memory and an event on CUDA;
+  worker_hooks/session/windows.py), and the map each pass runs on is mirrored on the
+  host from vLLM's own results (async: `EplbModelState.pending_result`). vLLM's map is
+  read once per plan, where vLLM's own rearrangement synchronises.
+* Maps with empty slots (`-1`, elastic EP's scale-up padding): no adapter is built while
+  a balanced model's map has them; vLLM's default policy fills them and the adapter
+  starts at the next EPLB step (`attach_status()["waiting"]`).
+* Models: the deployment is a layer set (worker_hooks/engines/vllm/layer_set.py), the
+  main model's MoE layers first, then every drafter vLLM registers with EPLB (MTP)
+  whose experts have the main model's shape: the controller balances the drafter's
+  layers with the main model's, one plan covers both, and each of vLLM's per-model policy calls takes its
+  own rows of the one agreed plan, so a drafter's call never fails or delays the main
+  model's plan. A drafter of another expert shape is rearranged by vLLM's own default
+  policy (the same on every rank, outside the agreement) and its counts are not sent.
 * Another world: when vLLM asks the policy for another `num_replicas`/`num_ranks` than
   the controller plans for (elastic EP scaling, `rearrange(rank_mapping=...)`), the answer
   has the shape asked: for a scale-down the controller planned ahead (the survivor

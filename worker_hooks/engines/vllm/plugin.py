@@ -136,9 +136,10 @@ def _warn_unattached() -> None:
 
 def _build_adapter(config: VLLMAdapterConfig, eplb_state: Any) -> Any:
     """This rank's adapter on `eplb_state`, or None while vLLM's map has empty slots."""
-    from worker_hooks.engines.vllm.adapter import VLLMRebalanceAdapter, empty_slots
+    from worker_hooks.engines.vllm.adapter import VLLMRebalanceAdapter
+    from worker_hooks.engines.vllm.layer_set import LayerSet
 
-    empty = empty_slots(eplb_state)
+    empty = LayerSet(eplb_state).empty_slots()
     if empty:  # vLLM's default policy answers until its rearrangement fills them
         if not _status.waiting:
             log.info("rebalancer waits: %d slots of vLLM's map hold no expert yet (elastic EP grew "
@@ -271,7 +272,7 @@ def save_load_dump(eplb_state: Any, path: str) -> None:
     form `rebalancer plan --counts` reads (rebalancer/formats.py). vLLM has no dump of its own."""
     import torch
 
-    from worker_hooks.engines.vllm.adapter import main_model_state
+    from worker_hooks.engines.vllm.layer_set import main_model_state
 
     model_state = main_model_state(eplb_state)
     torch.save({
