@@ -7,7 +7,7 @@ One process per GPU, NCCL. In one run it measures:
    trivially, rebalanced for DeepSeek-V3 routing from rebalancer/data with the
    migration-aware `rebalancer.placement.compute_placement(previous=...)`, moved by
    `MigrationExecutor.prepare` with each configured mover (a `MigrationConfig` per
-   spec, so one of worker_hooks.migrate's transports: NCCL point-to-point on its own
+   spec, so one of worker_hooks.transports: NCCL point-to-point on its own
    process group and side stream, rounds pipelined or not; peers' live weights or
    outboxes mapped through CUDA IPC and read by the copy engines; any of them paced to
    a GB/s cap): GB/s per direction;
@@ -48,11 +48,13 @@ from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 from rebalancer.placement.engine import compute_placement
 from rebalancer.placement.metrics import balancedness_per_layer, trivial_placement
 from rebalancer.placement.transfers import transfers
+from worker_hooks.config import MigrationConfig
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.examples.moe_gpu import MoEBlockConfig, ReferenceMoEBlock, expert_weights
-from worker_hooks.migrate import MigrationConfig, MigrationExecutor, transport_class
+from worker_hooks.migration import MigrationExecutor
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap, replica_rows
+from worker_hooks.transports import transport_class
 
 WORLD = 2
 

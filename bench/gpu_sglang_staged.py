@@ -8,7 +8,7 @@ and w2 [9, 7168, 2048] per layer, one tensor per layer as SGLang's
 (each layer's slots rotated by one): 45 experts, 3.96 GB, the default staging budget
 (4 GiB) full.
 
-* staged (worker_hooks.migrate.MigrationExecutor on per-layer weights, what the adapter
+* staged (worker_hooks.migration.MigrationExecutor on per-layer weights, what the adapter
   runs): `prepare` fills staging beside serving (side stream), then `commit` copies the
   staged rows into the live rows: the stall is that commit alone. Staging memory is the
   allocator's growth across prepare.
@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    from worker_hooks.migrate import MigrationConfig, MigrationExecutor
+    from worker_hooks.config import MigrationConfig
+    from worker_hooks.migration import MigrationExecutor
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)

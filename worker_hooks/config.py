@@ -6,7 +6,7 @@
                windows=WindowConfig(steps=16),            # counting
                dispatch=DispatchConfig(mode="load"),      # tokens among an expert's replicas
                commit=CommitConfig(agree_every=4),        # switching placements
-               migration=MigrationConfig(transport="ipc"))  # moving weights (worker_hooks/migrate.py)
+               migration=MigrationConfig(transport="ipc"))  # moving weights (worker_hooks/migration.py)
 
 Every section has defaults that serve; each checks its own fields when built (a
 TypeError or ValueError naming the field), and `HookConfig` checks how they fit together.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from rebalancer.errors import InputError
 from rebalancer.wire.channel import check_address
@@ -28,10 +29,12 @@ from rebalancer.wire.dispatch import (
     has_shared_replicas,
 )
 from rebalancer.wire.windows import MAX_WINDOW_STEPS
-from worker_hooks.migrate import MigrationConfig
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
-__all__ = ["CommitConfig", "Credentials", "DispatchConfig", "HookConfig", "MigrationConfig", "WindowConfig"]
+__all__ = [
+    "TRANSPORTS", "CommitConfig", "Credentials", "DispatchConfig", "HookConfig", "MigrationConfig", "Transport",
+    "WindowConfig",
+]
 
 
 def _check_ints(section: object, names: tuple[str, ...], minimum: int) -> None:
@@ -119,6 +122,52 @@ class CommitConfig:
         _check_ints(self, ("spare_rows",), 0)
 
 
+Transport = Literal["p2p", "ipc", "outbox"]
+TRANSPORTS: tuple[Transport, ...] = get_args(Transport)
+
+
+@dataclass(frozen=True)
+class MigrationConfig:
+    """How a rank moves weights for a plan (worker_hooks/migration.py, the transports in
+    worker_hooks/transports/); checked on construction."""
+
+    transport: Transport = "p2p"
+    """One of "p2p", "ipc" or "outbox" (worker_hooks/transports/); "ipc" and "outbox" need
+    every rank of the group on this host and the group a gloo group."""
+    layers_per_chunk: int = 4
+    """p2p: layers exchanged per round of transfers."""
+    rounds_in_flight: int = 1
+    """p2p: rounds posted before the oldest is waited for; above 1 the packing of a round
+    overlaps the transfers of the previous ones (correct on gloo,
+    tests/unit/worker_hooks/test_migrate.py; not yet measured on GPU, so the default keeps
+    the measured one-round-at-a-time behaviour)."""
+    outbox_bytes: int = 1 << 30
+    """outbox: size of each of the two outboxes per rank, rounded down to whole experts (at
+    least one)."""
+    copy_streams: int = 2
+    """ipc on GPU: reads from one peer spread round-robin over this many streams (copy
+    engines work in parallel)."""
+    max_gbps: float = 0.0
+    """Any transport: at most this many GB/s received per rank (0: as fast as the links go)."""
+    join_seconds: float = 1.5
+    """Any transport: how long a rank that took a plan waits for every rank of the group to
+    take it before the plan fails everywhere (worker_hooks/fence.py)."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
+        for name in ("layers_per_chunk", "rounds_in_flight", "outbox_bytes", "copy_streams"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.max_gbps >= 0:
+            raise ValueError(f"max_gbps must be >= 0, got {self.max_gbps}")
+        if not self.join_seconds > 0:
+            raise ValueError(f"join_seconds must be > 0, got {self.join_seconds}")
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """Membership of a replica pool (docs/operations.md, "Pools")."""
@@ -176,7 +225,7 @@ class HookConfig:
     commit: CommitConfig = field(default_factory=CommitConfig)
     """Switching to a prepared plan: agreement period, spare rows."""
     migration: MigrationConfig = field(default_factory=MigrationConfig)
-    """Moving weights for a plan (worker_hooks/migrate.py: transport, pacing, chunks)."""
+    """Moving weights for a plan (worker_hooks/migration.py: transport, pacing, chunks)."""
     pool: PoolConfig = field(default_factory=PoolConfig)
     """The replica pool and its warm start."""
 

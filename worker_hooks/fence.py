@@ -37,7 +37,7 @@ POLL_SECONDS = 0.005
 
 
 # A rank's reason to stop when it heard the plan's Abort before its transfers: its peers
-# take it as an abort too (MigrationAborted in migrate.py), not as a failure.
+# take it as an abort too (MigrationAborted in weights.py), not as a failure.
 ABORTED = "aborted before its transfers"
 
 

@@ -62,12 +62,13 @@ from worker_hooks.config import (
 from worker_hooks.counts import add_window, count_arrays, write_count_file
 from worker_hooks.devices import resolve_device
 from worker_hooks.dispatch import ReplicaDispatch
-from worker_hooks.migrate import MigrationExecutor, check_weights
+from worker_hooks.migration import MigrationExecutor
 from worker_hooks.plans import PlanDriver, dispatch_map
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap
 from worker_hooks.serving import HookStats, ServedPlacement
 from worker_hooks.warm import await_offer, group_holds
+from worker_hooks.weights import check_weights
 
 __all__ = [
     "CommitConfig", "Credentials", "DispatchConfig", "HookConfig", "HookStats", "MigrationConfig",

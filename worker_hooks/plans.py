@@ -25,9 +25,10 @@ from rebalancer.wire import codec
 from worker_hooks.agent import PlanHandlers
 from worker_hooks.config import HookConfig
 from worker_hooks.dispatch import ReplicaDispatch
-from worker_hooks.migrate import MigrationAborted, MigrationExecutor
+from worker_hooks.migration import MigrationExecutor
 from worker_hooks.rows import replica_rows
 from worker_hooks.serving import HookStats, ServedPlacement
+from worker_hooks.weights import MigrationAborted
 
 log = logging.getLogger("worker_hooks.plans")
 

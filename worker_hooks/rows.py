@@ -13,7 +13,7 @@ agree on where a peer's expert lives without exchanging row tables. A (layer, ra
 that gains more experts than it has free rows writes the rest in place at commit, as
 without spare rows; with R = 0 every move is such a copy and the rows never change.
 
-One owner moves the rows: the rank's `MigrationExecutor` (worker_hooks/migrate.py), which
+One owner moves the rows: the rank's `MigrationExecutor` (worker_hooks/migration.py), which
 plans them at prepare and switches them at commit, as it writes the weights they point
 to (`RowMap.switch`). Everyone else (the hook's dispatch maps, count files, examples)
 reads them; the array is read-only, so a stray write fails instead of desynchronising

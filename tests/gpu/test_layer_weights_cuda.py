@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker_hooks.migrate import MigrationConfig, MigrationExecutor
+from worker_hooks.config import MigrationConfig
+from worker_hooks.migration import MigrationExecutor
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rebalancer.placement import transfers, trivial_placement
-from worker_hooks.migrate import Transport
+from worker_hooks.config import Transport
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,8 +54,10 @@ def _worker(
     rank: int, init: str, old: np.ndarray, new: np.ndarray, transport: Transport, out: str,
     spare: int,
 ) -> None:
-    from worker_hooks.migrate import MigrationConfig, MigrationExecutor, transport_class
+    from worker_hooks.config import MigrationConfig
+    from worker_hooks.migration import MigrationExecutor
     from worker_hooks.rows import RowMap
+    from worker_hooks.transports import transport_class
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)

@@ -156,7 +156,7 @@ def test_importing_worker_hooks_loads_neither_controller_nor_placement_nor_scipy
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=True)
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "worker_hooks.hook" in loaded and "worker_hooks.migrate" in loaded
+    assert "worker_hooks.hook" in loaded and "worker_hooks.migration" in loaded
     leaked = [m for m in loaded if m.startswith(("rebalancer.controller", "rebalancer.placement",
                                                    "rebalancer.sim", "scipy", "deep_ep"))]
     assert leaked == []
@@ -172,8 +172,21 @@ HOOK_PARTS_BELOW = {
     "worker_hooks.counts": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.agent"},
     "worker_hooks.serving": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.agent"},
     "worker_hooks.config": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.agent",
-                            "worker_hooks.counts", "worker_hooks.serving"},
+                            "worker_hooks.counts", "worker_hooks.serving", "worker_hooks.migration",
+                            "worker_hooks.weights", "worker_hooks.transports"},
 }
+
+# Moving weights, bottom up (ARCHITECTURE.md, "Layering"): the settings (config) and the
+# rank's weights (weights) below the transports (worker_hooks/transports/), the executor
+# (migration) above them. Module prefix -> the modules (and their submodules) it may not import.
+MIGRATION_BELOW = {
+    "worker_hooks.weights": ("worker_hooks.transports", "worker_hooks.migration"),
+    "worker_hooks.transports": ("worker_hooks.migration",),
+}
+
+
+def _forbidden(imported: str, below: set[str] | tuple[str, ...]) -> bool:
+    return any(imported == m or imported.startswith(m + ".") for m in below)
 
 
 def test_the_hooks_parts_reference_one_way() -> None:
@@ -181,5 +194,27 @@ def test_the_hooks_parts_reference_one_way() -> None:
     for importer, forbidden in HOOK_PARTS_BELOW.items():
         path = ROOT / (importer.replace(".", "/") + ".py")
         bad += [f"{path.name}:{line}: imports {imported}" for imported, line in imports_of(path)
-                if imported in forbidden]
+                if _forbidden(imported, forbidden)]
     assert bad == []
+
+
+def test_moving_weights_is_layered() -> None:
+    files = {module_name(p): p for p in source_files()}
+    bad = [f"{path.relative_to(ROOT)}:{line}: imports {imported}"
+           for importer, path in files.items() for prefix, forbidden in MIGRATION_BELOW.items()
+           if importer == prefix or importer.startswith(prefix + ".")
+           for imported, line in imports_of(path) if _forbidden(imported, forbidden)]
+    assert bad == []
+
+
+def test_the_settings_load_no_transport_code() -> None:
+    """A process that reads the hook's settings (an engine's config, a launcher) imports no
+    transport or executor code (worker_hooks/config.py holds `MigrationConfig`)."""
+    pytest.importorskip("torch")
+    code = ("import json, sys\nimport worker_hooks.config\n"
+            "print(json.dumps(sorted(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True)
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [m for m in loaded if m.startswith(("worker_hooks.transports", "worker_hooks.migration",
+                                                 "worker_hooks.weights"))] == []

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.dispatch import DISPATCH_MODES
 from rebalancer.wire.layout import trivial_placement
+from worker_hooks.config import TRANSPORTS
 from worker_hooks.devices import DEVICE_KINDS
 from worker_hooks.examples.moe_cpu import (
     ExpertParallelMoE,
@@ -64,8 +65,8 @@ from worker_hooks.hook import (
     RebalanceHook,
     WindowConfig,
 )
-from worker_hooks.migrate import TRANSPORTS, transport_class
-from worker_hooks.outbox import in_shared_memory, unlink_quietly
+from worker_hooks.transports import transport_class
+from worker_hooks.transports.shared_memory import in_shared_memory, unlink_quietly
 
 log = logging.getLogger("worker_hooks.examples.cpu_worker")
 

@@ -9,7 +9,7 @@ swapped at an agreed step of its own. Between swaps every layer is on either the
 the new placement, its map matching its weights.
 
 The ranks agree on tickets (worker_hooks/agree.py's MIN): `ticket(v, g)` is "plan v with
-its first g groups live". The weights move with `worker_hooks.migrate` over the
+its first g groups live". The weights move with `worker_hooks.migration` over the
 adapter's own group; what making a group's maps live means is the engine's
 (`GroupStaging.swap_next` returns the layers, the adapter updates its engine's maps).
 """
@@ -27,8 +27,9 @@ import numpy as np
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.layout import DST_RANK, LAYER
 from worker_hooks import works
-from worker_hooks.migrate import MigrationAborted, MigrationExecutor
+from worker_hooks.migration import MigrationExecutor
 from worker_hooks.session.rank import RankSession
+from worker_hooks.weights import MigrationAborted
 
 log = logging.getLogger("worker_hooks.session")
 

@@ -133,7 +133,7 @@ def test_updater_auto_stages_on_gloo_and_moves_between_passes_on_nccl() -> None:
     import torch
 
     from worker_hooks.engines.sglang.config import choose_updater
-    from worker_hooks.migrate import P2PTransport
+    from worker_hooks.transports.p2p import P2PTransport
 
     nccl = P2PTransport.group_backend(torch.device("cuda", 0))
     gloo = P2PTransport.group_backend(torch.device("cpu"))

@@ -291,12 +291,12 @@ def main() -> None:
         expert_location_updater.update_expert_weights_single_layer = dying
 
     if args.die_in_staging:  # die inside the transfer, after every rank took the plan
-        from worker_hooks import migrate
+        from worker_hooks.transports import p2p
 
         def dying_receive(self, plan):
             os._exit(3)
 
-        migrate.P2PTransport.receive = dying_receive
+        p2p.P2PTransport.receive = dying_receive
 
     from worker_hooks.engines.sglang import plugin, warm_start
     from worker_hooks.engines.sglang.plugin import current_adapter
@@ -316,10 +316,10 @@ def main() -> None:
         SGLangRebalanceAdapter.add_pass_counts = failing
 
     if args.lag_staging > 0:  # the groups staged after the commit, beside serving, end late here
-        from worker_hooks import migrate
         from worker_hooks.session.staging import ticket_parts
+        from worker_hooks.transports import p2p
 
-        exchange = migrate.P2PTransport.receive
+        exchange = p2p.P2PTransport.receive
 
         def lagging(self, plan):  # noqa: ANN001, ANN202
             got = exchange(self, plan)  # the transfers with the peers, on time
@@ -327,7 +327,7 @@ def main() -> None:
                 time.sleep(args.lag_staging)
             return got
 
-        migrate.P2PTransport.receive = lagging
+        p2p.P2PTransport.receive = lagging
 
     # What the adapter hands its agent, summed per (layer, expert): the windows as they go
     # to the controller (the agent itself is the real one).

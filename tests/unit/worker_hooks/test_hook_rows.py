@@ -11,8 +11,8 @@ import torch
 
 from rebalancer.placement import trivial_placement
 from worker_hooks.hook import CommitConfig, HookConfig, MigrationConfig, RebalanceHook, WindowConfig
-from worker_hooks.migrate import IpcTransport
 from worker_hooks.plans import dispatch_map
+from worker_hooks.transports.ipc import IpcTransport
 
 L, E, P, G, SPARE = 2, 4, 8, 2, 2
 S = P // G
@@ -90,7 +90,7 @@ def test_bad_hook_settings_are_refused_by_name() -> None:
 
 def test_wrong_types_are_refused_at_construction_with_what_was_given() -> None:
     """What an integrator may pass by mistake (the README once let a tensor through to a
-    `RuntimeError: Boolean value of Tensor ... is ambiguous` deep in migrate.py): a
+    `RuntimeError: Boolean value of Tensor ... is ambiguous` deep in the executor): a
     TypeError or ValueError that names the argument and what it got, before any thread."""
     config = HookConfig(
         controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,

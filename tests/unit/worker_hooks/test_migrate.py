@@ -18,22 +18,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rebalancer.placement import transfers, trivial_placement
-from worker_hooks.migrate import (
-    TRANSPORTS,
-    IpcTransport,
-    MigrationAborted,
-    MigrationConfig,
-    MigrationExecutor,
-    OutboxTransport,
-    P2PTransport,
-    PlanMoves,
-    RankWeights,
-    Transport,
-    make_transport,
-    transport_class,
-)
-from worker_hooks.outbox import in_shared_memory, outbox_schedule
+from worker_hooks.config import TRANSPORTS, MigrationConfig, Transport
+from worker_hooks.migration import MigrationExecutor
 from worker_hooks.rows import RowMap
+from worker_hooks.transports import make_transport, transport_class
+from worker_hooks.transports.base import PlanMoves
+from worker_hooks.transports.ipc import IpcTransport
+from worker_hooks.transports.outbox import OutboxTransport
+from worker_hooks.transports.p2p import P2PTransport
+from worker_hooks.transports.shared_memory import in_shared_memory, outbox_schedule
+from worker_hooks.weights import MigrationAborted, RankWeights
 
 L, E, P, G = 5, 8, 12, 3
 S = P // G
@@ -204,7 +198,7 @@ def _refused_worker(
     rank: int, out: str, old: np.ndarray, moves: np.ndarray, transport: Transport, fault: str
 ) -> None:
     """Prepare with one rank unfit for a shared-memory transport; write what it raised."""
-    import worker_hooks.outbox as outbox
+    import worker_hooks.transports.shared_memory as outbox
 
     if fault == "unshared" and rank == 2:  # ordinary memory: no peer can map it
         weights = weights_for(old, rank)

@@ -22,9 +22,11 @@ import torch.distributed as dist
 
 from rebalancer.placement import transfers, trivial_placement
 from tests.unit.worker_hooks.test_migrate import E, G, L, P, S, held, spawn, weights_for
+from worker_hooks.config import MigrationConfig
 from worker_hooks.fence import TransfersDeclined
-from worker_hooks.migrate import MigrationAborted, MigrationConfig, MigrationExecutor
+from worker_hooks.migration import MigrationExecutor
 from worker_hooks.rows import RowMap
+from worker_hooks.weights import MigrationAborted
 
 
 def _worker(rank: int, out: str, when: str, old: np.ndarray, first: np.ndarray, second: np.ndarray,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker_hooks.migrate import MigrationConfig, MigrationExecutor
+from worker_hooks.config import MigrationConfig
+from worker_hooks.migration import MigrationExecutor
 
 SLOTS = 4
 LAYERS = (1, 3)  # sparse: layers 0 and 2 hold no routed experts (dense layers)

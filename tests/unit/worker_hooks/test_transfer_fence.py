@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from rebalancer.placement import transfers, trivial_placement
 from tests.unit.worker_hooks.test_migrate import E, G, L, P, S, held, spawn, weights_for
+from worker_hooks.config import MigrationConfig
 from worker_hooks.fence import ABORTED, TransferFence, TransfersDeclined
-from worker_hooks.migrate import MigrationConfig, MigrationExecutor
+from worker_hooks.migration import MigrationExecutor
 from worker_hooks.rows import RowMap
 
 # ------------------------------------------------------------ the fence alone, on a TCPStore

@@ -34,7 +34,7 @@ The staged update (adapter.py on worker_hooks/session/staging.py)
 -----------------------------------------------------------------
 * Prepare: each rank takes its incoming experts from the plan's transfer list and
   receives them into staging buffers on a background thread, with the project's p2p
-  transport (worker_hooks/migrate.py on SGLang's own per-layer expert tensors) over a
+  transport (worker_hooks/transports/p2p.py on SGLang's own per-layer expert tensors) over a
   process group of the adapter's own (NCCL on GPU, gloo on CPU; never the group of
   SGLang's forward collectives). Sources are the old placement's live rows, which nothing
   writes before the commit. First every rank takes the plan through the transfer fence

@@ -35,12 +35,15 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from worker_hooks import works
 from worker_hooks.agree import CommitAgreement
+from worker_hooks.config import MigrationConfig
 from worker_hooks.engines import require_engine
 from worker_hooks.engines.sglang.config import SGLangAdapterConfig, Updater, choose_updater
 from worker_hooks.fence import TransfersDeclined
-from worker_hooks.migrate import LayerWeights, MigrationConfig, MigrationExecutor, P2PTransport
+from worker_hooks.migration import MigrationExecutor
 from worker_hooks.session.rank import RankSession, SessionStats
 from worker_hooks.session.staging import GroupStaging, StagedPlan, ticket, ticket_parts
+from worker_hooks.transports.p2p import P2PTransport
+from worker_hooks.weights import LayerWeights
 
 log = logging.getLogger("worker_hooks.engines.sglang")
 

@@ -57,9 +57,16 @@ import torch.distributed as dist
 from torch import nn
 
 from rebalancer.wire.layout import trivial_placement
-from worker_hooks.config import CommitConfig, Credentials, HookConfig, MigrationConfig, WindowConfig
+from worker_hooks.config import (
+    CommitConfig,
+    Credentials,
+    HookConfig,
+    MigrationConfig,
+    Transport,
+    WindowConfig,
+)
 from worker_hooks.hook import RebalanceHook
-from worker_hooks.migrate import Transport, transport_class
+from worker_hooks.transports import transport_class
 
 __all__ = [
     "AdapterConfig", "ExpertParallelModel", "MoEBlock", "SlotExperts", "attach", "find_moe_blocks",
