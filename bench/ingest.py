@@ -13,10 +13,16 @@ speak to it as the workers of DeepSeek-V3 deployments at EP32 (32 ranks each) wo
   from K per-rank Poisson draws around the real counts).
 
 Either way `ranks x rate` rank-windows per second reach the controller, as `ranks x rate`
-or `pods x rate` messages. Latency is send to acknowledgement (the controller acks a
-window after decoding, validating and merging it; acks are cumulative and paced, so the
-time the controller held an ack is taken off). Controller CPU is read from /proc, over
-the measured interval only; the decision worker (its child process) is reported apart.
+or `pods x rate` messages. Throughput is what the controller folded into its estimates
+during the measured interval (its `rebalancer_rank_windows_folded_total`, read at both
+ends of it), not what was acknowledged: a lagging controller acks windows after the
+interval, and counting those made it look as if it kept up. Latency is send to
+acknowledgement (the controller acks a window after decoding, validating and merging it;
+acks are cumulative and paced, so the time the controller held an ack is taken off).
+Controller CPU is read from /proc, over the measured interval only; the decision worker
+(its child process) is reported apart. The loop's busy share is the rate of
+`rebalancer_event_loop_busy_seconds_total` (wall time its one event loop ran callbacks
+rather than waiting for I/O: near 1, windows queue), beside the CPU of the loop's thread.
 
 Every session answers a Prepare with PREPARED and a Commit with COMMITTED at once (as a
 pod's sidecar whose ranks hold spare rows would), so plans commit and the controller's
@@ -31,7 +37,9 @@ server that acks each window without decoding it: what gRPC itself costs.
 
 The last line with --json is one JSON object: the controller's figures (`ranks`, `pods`
 (0: direct), `windows_per_second` = rank windows ingested per second, `messages_per_second`,
-`p50_ms`, `p99_ms`, `controller_cpu_cores`, `decision_worker_cpu_cores`,
+`p50_ms`, `p99_ms`, `controller_cpu_cores`, `decision_worker_cpu_cores`, `loop_busy_share`,
+`loop_thread_cpu_cores`, `cpu_us_per_rank_window` (controller CPU over rank windows folded),
+`acked_windows_per_second` (the old count, for comparison),
 `generator_cpu_cores` (the load generators share the machine), the 1/5/15-min
 load average at the start and end of the measured interval, ...), the same for the
 baseline under `baseline`, the machine and the date. `--no-decisions` pauses the policy:
@@ -63,6 +71,33 @@ POD_VARIANTS = 8  # distinct pre-built pod windows (pod i sends variant i % 8)
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu_seconds(pid: int, tid: int) -> float:
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scrape(metrics_port: int, names: tuple[str, ...]) -> dict[str, float]:
+    """The controller's series `names` (unlabelled counters), from a scrape restricted to
+    them: the per-deployment collector is not run, so reading costs the controller almost
+    nothing."""
+    from urllib.parse import urlencode
+    from urllib.request import urlopen
+
+    query = urlencode([("name[]", n) for n in names])
+    with urlopen(f"http://127.0.0.1:{metrics_port}/metrics?{query}", timeout=30) as reply:
+        text = reply.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split()[:2]
+            out[name] = float(value)
+    return out
+
+
+FOLDED = "rebalancer_rank_windows_folded_total"
+LOOP_BUSY = "rebalancer_event_loop_busy_seconds_total"
 
 
 def _children(pid: int) -> list[int]:
@@ -269,7 +304,9 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
 
 def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate: float, seconds: float,
              processes: int, windows: list[np.ndarray], warmup: float = 3.0, drain: float = 2.0,
-             generator_nice: int = 0, pool_size: int = 0) -> dict[str, Any]:
+             generator_nice: int = 0, pool_size: int = 0, metrics_port: int | None = None) -> dict[str, Any]:
+    """`metrics_port`: the controller's; windows are then counted as it folded them (else,
+    the bare baseline, as acknowledged)."""
     ctx = mp.get_context("spawn")
     ready, out = ctx.Queue(), ctx.Queue()
     units = ranks // ranks_per_pod
@@ -291,9 +328,13 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
         load0 = load_average()
         kids = _children(server_pid)  # the decision worker
         gen_pids = [g.pid for g in gens if g.pid is not None]
+        scraped0 = scrape(metrics_port, (FOLDED, LOOP_BUSY)) if metrics_port else {}
         cpu0, kcpu0, gcpu0, t0 = _cpu_seconds(server_pid), _cpu_of(kids), _cpu_of(gen_pids), time.monotonic()
+        lcpu0 = _thread_cpu_seconds(server_pid, server_pid)  # the main thread: the event loop's
         time.sleep(max(0.0, start + warmup + seconds - time.monotonic()))
         cpu1, kcpu1, gcpu1, t1 = _cpu_seconds(server_pid), _cpu_of(kids), _cpu_of(gen_pids), time.monotonic()
+        lcpu1 = _thread_cpu_seconds(server_pid, server_pid)
+        scraped1 = scrape(metrics_port, (FOLDED, LOOP_BUSY)) if metrics_port else {}
         load1 = load_average()
         results = [out.get(timeout=120) for _ in gens]
         for g in gens:
@@ -309,23 +350,37 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
     lat = np.array([x for _, ls, _, _ in results for x in ls]) * 1e3
     messages = sum(a for a, _, _, _ in results) / seconds
     nbytes = windows[0].size * 4
+    wall = t1 - t0
+    acked = messages * ranks_per_pod
+    folded = (scraped1[FOLDED] - scraped0[FOLDED]) / wall if FOLDED in scraped0 else float("nan")
+    busy = (scraped1[LOOP_BUSY] - scraped0[LOOP_BUSY]) / wall if LOOP_BUSY in scraped0 else float("nan")
+    counted = acked if np.isnan(folded) else folded
     return {
         "ranks": ranks,
         "pods": units if ranks_per_pod > 1 else 0,
         "ranks_per_pod": ranks_per_pod,
         "streams": units,
         "offered_windows_per_second": ranks * rate,
-        "windows_per_second": messages * ranks_per_pod,  # rank windows
-        "messages_per_second": messages,
+        # Rank windows the controller folded during the measured interval (the baseline
+        # folds nothing: acked there).
+        "windows_per_second": counted,
+        "counted_by": "acked" if np.isnan(folded) else "folded",
+        "acked_windows_per_second": acked,  # sent in the interval and acknowledged, by the end of the drain
+        "messages_per_second": counted / ranks_per_pod,
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
         "controller_cpu_cores": (cpu1 - cpu0) / (t1 - t0),
+        "cpu_us_per_rank_window": (cpu1 - cpu0) / (counted * wall) * 1e6 if counted else float("nan"),
+        # The event loop: share of wall time it ran callbacks (NaN: a server without the
+        # metric), and the CPU its thread took (cores).
+        "loop_busy_share": busy,
+        "loop_thread_cpu_cores": (lcpu1 - lcpu0) / wall,
         "decision_worker_cpu_cores": sum(kcpu1[p] - kcpu0[p] for p in kcpu1 if p in kcpu0) / (t1 - t0),
         # The load generators share this machine (2 cores here): what they took, and at
         # which niceness (0: the controller's own).
         "generator_cpu_cores": sum(gcpu1[p] - gcpu0[p] for p in gcpu1 if p in gcpu0) / (t1 - t0),
         "generator_nice": generator_nice,
-        "mb_per_second": messages * nbytes / 1e6,
+        "mb_per_second": counted / ranks_per_pod * nbytes / 1e6,
         # Plan commits reported by the sessions (group sessions report for their ranks);
         # counted over the whole run, warm-up included.
         "session_commits": sum(c for _, _, _, c in results),
@@ -351,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                    "here they share the controller's cores)")
     p.add_argument("--no-decisions", action="store_true",
                    help="pause the controller's policy (ingest alone: no estimate-and-decide, no plans)")
-    p.add_argument("--ack-interval", type=float, default=1.0,
-                   help="controller's ack_interval_seconds (0: one ack per window)")
+    p.add_argument("--ack-interval", type=float, default=None,
+                   help="controller's ack_interval_seconds (0: one ack per window; default: the controller's)")
     p.add_argument("--pool-size", type=int, default=0, metavar="N",
                    help="deployments per replica pool (0: no pools): one estimate and decision per pool")
     p.add_argument("--json", action="store_true")
@@ -371,20 +426,23 @@ def main(argv: list[str] | None = None) -> int:
 
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000  # one window's worth, real skew
     windows = [counts] if args.ranks_per_pod == 1 else pod_windows(counts, args.ranks_per_pod)
-    drain = args.ack_interval + 1.0
+    from rebalancer.controller.config import ControllerConfig
+
+    ack_interval = ControllerConfig.ack_interval_seconds if args.ack_interval is None else args.ack_interval
+    drain = ack_interval + 1.0
     load = {"ranks": args.ranks, "ranks_per_pod": args.ranks_per_pod, "rate": args.rate, "seconds": args.seconds,
             "processes": args.processes, "windows": windows, "warmup": args.warmup, "drain": drain,
             "generator_nice": args.generator_nice, "pool_size": args.pool_size}
 
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         config = Path(tmp) / "c.toml"
         # Decisions run as in production (default period, in the decision worker); a plan
         # they start waits for ranks that never answer and times out, so this measures
         # ingest, estimate and decide together (--no-decisions: ingest alone).
         config.write_text(
-            f"[server]\nhost = \"127.0.0.1\"\nack_interval_seconds = {args.ack_interval}\n"
+            f"[server]\nhost = \"127.0.0.1\"\nack_interval_seconds = {ack_interval}\nmetrics_port = {metrics_port}\n"
             "[policy]\nmin_windows = 1\n" + ("paused = true\n" if args.no_decisions else "")
         )
         server = subprocess.Popen(
@@ -392,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
              "--db", f"{tmp}/c.sqlite", "--log-level", "ERROR"], stdout=subprocess.PIPE, text=True)
         try:
             assert server.stdout is not None and "serving on" in server.stdout.readline()
-            rows["controller"] = run_load(f"127.0.0.1:{port}", server.pid, **load)
+            rows["controller"] = run_load(f"127.0.0.1:{port}", server.pid, **load, metrics_port=metrics_port)
         finally:
             server.terminate()
             try:
@@ -418,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows.items():
         who = f"{r['pods']} pods of {r['ranks_per_pod']}" if r["pods"] else "direct"
         print(f"{name:16s} {r['ranks']} ranks ({who}): {r['windows_per_second']:8.0f} rank windows/s of "
-              f"{r['offered_windows_per_second']:.0f} offered ({r['messages_per_second']:.0f} messages/s), "
+              f"{r['offered_windows_per_second']:.0f} offered ({r['counted_by']}; {r['messages_per_second']:.0f} "
+              f"messages/s), {r['cpu_us_per_rank_window']:.1f} us CPU a rank window, loop busy "
+              f"{r['loop_busy_share']:.2f} (its thread {r['loop_thread_cpu_cores']:.2f} cores), "
               f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {r['controller_cpu_cores']:.2f} cores "
               f"(+{r['decision_worker_cpu_cores']:.2f} decision worker; generators "
               f"{r['generator_cpu_cores']:.2f} at nice {r['generator_nice']}), {r['mb_per_second']:.0f} MB/s, "
@@ -427,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         record(args, rows)
     summary = dict(rows["controller"])
     summary["decisions"] = not args.no_decisions
+    summary["ack_interval"] = ack_interval
     summary["pool_size"] = args.pool_size
     if "bare_grpc_echo" in rows:
         summary["baseline"] = rows["bare_grpc_echo"]

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rebalancer.controller.config import ControllerConfig, load_config, read_admin_token
+    from rebalancer.controller.loop_busy import timed_loop
     from rebalancer.controller.server import ControllerServer, serve
     from rebalancer.errors import InputError
 
@@ -89,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"serving on {server.address}{metrics}", flush=True)
 
     try:
-        asyncio.run(serve(config, ready))
+        # The loop's waits are timed: rebalancer_event_loop_busy_seconds_total (loop_busy.py).
+        with asyncio.Runner(loop_factory=timed_loop) as runner:
+            runner.run(serve(config, ready))
     except InputError:
         raise  # one line already, naming what and why (InUseError: exit code 7)
     except OSError as exc:

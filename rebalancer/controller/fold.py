@@ -36,6 +36,9 @@ class Folder:
         self.persist_seconds = persist_seconds
         # (deployment, window, now) -> True when the deployment's pool decides for it.
         self.pooled: Callable[[Deployment, np.ndarray, float], bool] | None = None
+        # Rank windows folded into estimates, all deployments (a merged window counts each
+        # rank it holds): what the controller kept up with (bench.ingest reads it).
+        self.rank_windows_folded = 0
 
     def ingest(
         self, dep: Deployment, rank: Ranks, seq: int, version: int,
@@ -55,6 +58,7 @@ class Folder:
 
     def _fold(self, dep: Deployment, window: CountWindow) -> None:
         logical = window.logical
+        self.rank_windows_folded += len(window.ranks)
         G = dep.shape.num_gpus
         actual, gpu_load = float("nan"), None
         if window.physical is not None:

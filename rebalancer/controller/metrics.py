@@ -23,6 +23,7 @@ the routed tokens, summarised over layers); rearrangements are
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -45,6 +46,7 @@ from rebalancer.controller.cost import plan_cost
 from rebalancer.controller.decide import Decision
 from rebalancer.controller.decision_runner import RECORDED_OUTCOMES, TRIGGERS
 from rebalancer.controller.deployment import Deployment
+from rebalancer.controller.loop_busy import TimedSelector, for_loop
 from rebalancer.controller.state import Controller
 
 # ---------------------------------------------------------------- names (the API)
@@ -90,6 +92,8 @@ CONTINGENCY_VERSION = "rebalancer_contingency_base_version"        # {deployment
 REGIME_CURRENT = "rebalancer_regime_current"        # {deployment}: regime of the newest window (regimes policy)
 REGIME_LIBRARY = "rebalancer_regime_library_size"   # {deployment}: regimes kept
 REGIME_LOAD = "rebalancer_regime_decision_load"     # {deployment, load}: 1 for the newest decision's load
+LOOP_BUSY = "rebalancer_event_loop_busy_seconds"    # counter: wall time the event loop ran callbacks
+RANK_WINDOWS_FOLDED = "rebalancer_rank_windows_folded"  # counter: rank windows in the estimates, all deployments
 # Only with per_layer:
 LAYER_IMBALANCE = "rebalancer_layer_imbalance"      # {deployment, layer}: max/mean GPU load
 RANK_LOAD_SHARE = "rebalancer_rank_load_share"      # {deployment, layer, rank}: share of the layer
@@ -334,6 +338,28 @@ class _StateCollector(Collector):
         return out
 
 
+class _ProcessCollector(Collector):
+    """The controller process's own figures, apart from the per-deployment collector so that
+    a scrape restricted to them (`/metrics?name[]=...`) costs almost nothing."""
+
+    def __init__(self, controller: Controller, loop: TimedSelector | None) -> None:
+        self.controller = controller
+        self.loop = loop
+
+    def collect(self) -> Iterator[Any]:
+        folded = CounterMetricFamily(
+            RANK_WINDOWS_FOLDED, "Rank windows folded into the load estimates, all deployments (a merged "
+            "window counts each rank it holds): against the ranks' rate, whether the controller keeps up.")
+        folded.add_metric([], self.controller.folder.rank_windows_folded)
+        yield folded
+        if self.loop is not None:  # the loop `rebalancer serve` runs (loop_busy.py)
+            busy = CounterMetricFamily(
+                LOOP_BUSY, "Wall seconds the controller's event loop spent running callbacks (not waiting "
+                "for I/O or timers); its rate is the loop's busy share: near 1, windows queue.")
+            busy.add_metric([], self.loop.busy_seconds())
+            yield busy
+
+
 class ControllerMetrics:
     """The registry of one controller, wired to its observers.
 
@@ -348,6 +374,11 @@ class ControllerMetrics:
         self.controller = controller
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StateCollector(controller, per_layer))
+        try:
+            selector = for_loop(asyncio.get_running_loop())
+        except RuntimeError:  # made outside a loop (a test's, a tool's)
+            selector = None
+        self.registry.register(_ProcessCollector(controller, selector))
         r = self.registry
         ProcessCollector(registry=r)
         self.decisions = Counter(DECISIONS, "Decisions taken, by outcome.", ["deployment", "outcome"], registry=r)
