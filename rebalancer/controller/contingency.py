@@ -246,10 +246,12 @@ class ContingencyPlanner:
         made = self.sets.get(dep.name)
         if made is None:
             return
+        # One Told per loss for every session: its message is encoded once (service.py).
+        told = [Told(made.base_version, loss, len(made.losses)) for loss in made.losses]
         for session in dep.live_sessions() if sessions is None else sessions:
             if session.send is not None:
-                for loss in made.losses:
-                    session.send("planned_loss", Told(made.base_version, loss, len(made.losses)))
+                for one in told:
+                    session.send("planned_loss", one)
 
     def due(self, dep: Deployment, now: float) -> bool:
         """Whether `dep` needs a new set: none yet, one of another placement or of other

@@ -139,6 +139,30 @@ class _PrepareArrays:
 _prepare_arrays = _PrepareArrays()
 
 
+class _PlannedLossMessages:
+    """Planned-loss messages encoded once for all the sessions told: a contingency set goes
+    to every rank or pod of the deployment in one burst, one message per loss, each with a
+    survivor placement [L, P]. Keyed by the payload object (contingency.tell makes one per
+    loss for all its sessions), the newest `size` kept."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._made: dict[int, tuple[Any, pb.ControllerMessage]] = {}  # id -> (payload held, message)
+
+    def of(self, told: Any) -> pb.ControllerMessage:
+        hit = self._made.get(id(told))
+        if hit is not None and hit[0] is told:
+            return hit[1]
+        msg = pb.ControllerMessage(planned_loss=planned_loss_msg(told.loss, told.version, told.set_size))
+        self._made[id(told)] = (told, msg)
+        while len(self._made) > self.size:
+            del self._made[next(iter(self._made))]
+        return msg
+
+
+_planned_losses = _PlannedLossMessages()
+
+
 def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
     """A plan phase for a session's stream. `payload` is the Plan, or for "abort"
     anything with `version` and `reason` (an Aborted)."""
@@ -157,7 +181,7 @@ def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
     if kind == "abort":
         return pb.ControllerMessage(abort=pb.Abort(version=plan.version, reason=plan.reason))
     if kind == "planned_loss":
-        return pb.ControllerMessage(planned_loss=planned_loss_msg(payload.loss, payload.version, payload.set_size))
+        return _planned_losses.of(payload)
     raise ValueError(kind)
 
 

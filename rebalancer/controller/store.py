@@ -595,21 +595,22 @@ class Store:
         """Numeric lists and arrays travel as one blob of raw little-endian bytes (JSON of
         [L, E] floats is ~100x slower, npz ~10x); pass arrays, not lists, where you can.
 
-        The row is packed here (a snapshot of the arrays). `background`: a thread writes
-        it (cursor_writer.py), so the caller does not wait for SQLite; once any save went
-        that way, every save does, so a newer cursor is never overwritten by an older one,
-        and a save in line waits for it."""
-        arrays: dict[str, np.ndarray] = {}
-        doc = _split_arrays(state, arrays, "")
-        row = (json.dumps(doc), _pack_arrays(arrays))
+        `background`: a thread writes it (cursor_writer.py), so the caller does not wait
+        for SQLite, and packs it too: the caller only takes a snapshot (the arrays copied,
+        so later folds cannot change what is saved). Once any save went that way, every
+        save does, so a newer cursor is never overwritten by an older one, and a save in
+        line waits for it."""
         if background and self._writer is None and self.path != ":memory:":
             self._writer = CursorWriter(self.path, self._connect_writer)
         if self._writer is not None:
-            self._writer.put(name, row)
-            if not background:
+            if background:
+                snapshot = _snapshot(state)
+                self._writer.put(name, lambda: _ingest_row(snapshot))
+            else:
+                self._writer.put(name, _ingest_row(state))
                 self._writer.flush()
             return
-        self._db.execute("INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, *row))
+        self._db.execute("INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, *_ingest_row(state)))
 
     def flush_ingest_states(self) -> None:
         """Wait until every background save handed over so far is written."""
@@ -638,6 +639,25 @@ class Store:
 # [[key, dtype, shape], ...] and each array's bytes (C order, little-endian) in turn.
 # A blob written before this format (an npz file, starting "PK") is still read.
 _RAW_MAGIC = b"RBA1"
+
+
+def _ingest_row(state: dict[str, Any]) -> tuple[str, bytes]:
+    """An ingest cursor as its row: (JSON document, packed arrays)."""
+    arrays: dict[str, np.ndarray] = {}
+    doc = _split_arrays(state, arrays, "")
+    return json.dumps(doc), _pack_arrays(arrays)
+
+
+def _snapshot(value: Any) -> Any:
+    """`value` with every array copied and every dict and list rebuilt: what the caller
+    changes later is not in it."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_snapshot(v) for v in value]
+    return value
 
 
 def _pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
