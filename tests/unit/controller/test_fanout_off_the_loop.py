@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rebalancer.controller import service, store as store_module
+from rebalancer.controller import service
+from rebalancer.controller import store as store_module
 from rebalancer.controller.contingency import Loss, Told
 from rebalancer.controller.store import Store
 
