@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 
 from rebalancer.controller.config import ControllerConfig
+from rebalancer.controller.loop_busy import timed_loop
 from rebalancer.controller.server import ControllerServer
 
 
@@ -24,7 +25,7 @@ class EmbeddedController:
         self.config = config
         self.setup = setup
         self.server: ControllerServer | None = None
-        self.loop = asyncio.new_event_loop()
+        self.loop = timed_loop()  # its busy share exported, as `rebalancer serve`'s
         self.ready = threading.Event()
         self.error: BaseException | None = None  # why it did not start
         self.thread = threading.Thread(target=self._run, name="controller", daemon=True)

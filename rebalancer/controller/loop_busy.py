@@ -8,8 +8,8 @@ for a core or for the GIL). The loop waits for I/O and timers only in its select
 `select`; `TimedSelector` times those waits, and busy time is the rest of the wall time
 since the loop started.
 
-`rebalancer serve` runs its loop on one (`timed_loop`); `for_loop(loop)` finds it again
-(None for a loop made elsewhere: the embedded controller, tests), and the metrics export
+`rebalancer serve` and the embedded controller run their loop on one (`timed_loop`);
+`for_loop(loop)` finds it again (None for a loop made elsewhere), and the metrics export
 it as `rebalancer_event_loop_busy_seconds_total`.
 """
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,8 +39,14 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from rebalancer import __version__
 from rebalancer.controller.coordinate import Plan, PlanState
@@ -338,6 +346,53 @@ class _StateCollector(Collector):
         return out
 
 
+INGEST_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
+
+
+class _IngestCollector(Collector):
+    """What each window adds to the metrics, taken on the event loop in batches: a window
+    only appends its time to a queue and adds its bytes to a dict (no lock, no series
+    lookup); a scrape sorts the queued times into the histogram's buckets at once (issue 32:
+    two prometheus_client updates a window, each behind a lock, were a share of the loop's
+    time per message). Exported as a histogram and a counter, as they were."""
+
+    def __init__(self) -> None:
+        self._times: deque[float] = deque()  # appended on the loop, taken by scrapes (thread-safe ends)
+        self._bytes: dict[str, int] = {}     # written on the loop only; scrapes copy it
+        self._lock = threading.Lock()        # scrapes (several threads) fold the queue one at a time
+        self._bounds = np.array(INGEST_BUCKETS)
+        self._counts = np.zeros(len(INGEST_BUCKETS) + 1, dtype=np.int64)  # the last: above every bound
+        self._sum = 0.0
+
+    def known(self, deployment: str) -> None:
+        """A zero series for a deployment from the start."""
+        self._bytes.setdefault(deployment, 0)
+
+    def add(self, deployment: str, nbytes: int, seconds: float) -> None:
+        byts = self._bytes
+        byts[deployment] = byts.get(deployment, 0) + nbytes
+        self._times.append(seconds)
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            times = self._times
+            taken = np.fromiter((times.popleft() for _ in range(len(times))), dtype=np.float64)
+            if taken.size:
+                self._counts += np.bincount(np.searchsorted(self._bounds, taken, side="left"),
+                                            minlength=self._counts.size)
+                self._sum += float(taken.sum())
+            cumulative = np.cumsum(self._counts)
+            total = self._sum
+        les = [floatToGoString(b) for b in INGEST_BUCKETS] + ["+Inf"]
+        yield HistogramMetricFamily(INGEST_SECONDS, "Decode, validate and merge time of one window.",
+                                    buckets=list(zip(les, (float(c) for c in cumulative), strict=True)),
+                                    sum_value=total)
+        byts = CounterMetricFamily(INGEST_BYTES, "Bytes of count arrays ingested.", labels=["deployment"])
+        for name, value in dict(self._bytes).items():
+            byts.add_metric([name], value)
+        yield byts
+
+
 class _ProcessCollector(Collector):
     """The controller process's own figures, apart from the per-deployment collector so that
     a scrape restricted to them (`/metrics?name[]=...`) costs almost nothing."""
@@ -403,12 +458,8 @@ class ControllerMetrics:
             LAST_PLAN_STALL, "Newest committed plan: serving stall at its commit (staged experts copied "
             "into live slots on the busiest rank, plus the map swap), as the cost model predicts it "
             "from its transfer list and the deployment's policy.", ["deployment"], registry=r)
-        self.ingest_seconds = Histogram(
-            INGEST_SECONDS, "Decode, validate and merge time of one window.", registry=r,
-            buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1),
-        )
-        self.ingest_bytes = Counter(INGEST_BYTES, "Bytes of count arrays ingested.", ["deployment"], registry=r)
-        self._ingest_bytes_of: dict[str, Any] = {}  # deployment -> its ingest_bytes series
+        self._ingest = _IngestCollector()  # rebalancer_ingest_seconds and _bytes, batched
+        r.register(self._ingest)
         self.ingest_refused = Counter(INGEST_REFUSED, "Windows refused (bad input, or not acceptable in this state); the stream ends.", ["deployment"], registry=r)
         controller.observers.plan.append(self.on_plan)
         controller.observers.decision.append(self.on_decision)
@@ -426,7 +477,7 @@ class ControllerMetrics:
             self.rebalances.labels(deployment, trigger)
         for reason in ABORT_REASONS:
             self.aborts.labels(deployment, reason)
-        self.ingest_bytes.labels(deployment)
+        self._ingest.known(deployment)
         self.ingest_refused.labels(deployment)
 
     def on_decision(self, deployment: str, decision: Decision, trigger: str) -> None:
@@ -456,13 +507,8 @@ class ControllerMetrics:
         return cost.commit_pause_seconds + cost.swap_seconds
 
     def on_ingest(self, deployment: str, nbytes: int, seconds: float) -> None:
-        # Once per window: the deployment's series is looked up once, not per call (labels()
-        # takes a lock and builds a key); series are never removed, so the child stays valid.
-        child = self._ingest_bytes_of.get(deployment)
-        if child is None:
-            child = self._ingest_bytes_of[deployment] = self.ingest_bytes.labels(deployment)
-        child.inc(nbytes)
-        self.ingest_seconds.observe(seconds)
+        """Once per window, on the event loop: batched (_IngestCollector)."""
+        self._ingest.add(deployment, nbytes, seconds)
 
     def on_refused(self, deployment: str) -> None:
         self.ingest_refused.labels(deployment).inc()

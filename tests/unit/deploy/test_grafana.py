@@ -81,7 +81,8 @@ def test_per_deployment_metrics_follow_the_variable(dashboard: dict[str, Any]) -
                       "rebalancer_store_errors", "rebalancer_pool_members", "rebalancer_pool_diverged_members",
                       "rebalancer_pool_members_at_target", "rebalancer_pool_members_moving",
                       "rebalancer_pool_placement_version", "rebalancer_pool_balancedness",
-                      "rebalancer_pool_decisions", "rebalancer_pool_divergences", "rebalancer_pool_member_diverged"}
+                      "rebalancer_pool_decisions", "rebalancer_pool_divergences", "rebalancer_pool_member_diverged",
+                      "rebalancer_rank_windows_folded", "rebalancer_event_loop_busy_seconds"}
     for where, expr in _queries(dashboard):
         names = {base_name(n) for n in metric_names(expr)}
         if names - global_metrics:
