@@ -6,7 +6,8 @@ transfer fence, receives the rank's incoming experts (MigrationExecutor) and sta
 new dispatch maps, then reports PREPARED or FAILED; a Commit marks the plan ready for the
 commit agreement; an Abort drops its staging. The serving thread asks it which version
 it may switch to (`ready_version`) and, at the agreed step, takes the staged plan
-(`take_commit`). Neither the driver nor the agent holds the hook: the driver reports
+(`take_commit`). The plans held are the rank session's `PlanBook` (worker_hooks/session/),
+as in the engine adapters: one lock between the agent and the serving thread. Neither the driver nor the agent holds the hook: the driver reports
 plan phases through the callable given to `report_to` (the agent's `report`).
 """
 
@@ -28,6 +29,7 @@ from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.migration import MigrationExecutor
 from worker_hooks.rows import replica_rows
 from worker_hooks.serving import HookStats, ServedPlacement
+from worker_hooks.session.book import PlanBook
 from worker_hooks.weights import MigrationAborted
 
 log = logging.getLogger("worker_hooks.plans")
@@ -74,14 +76,14 @@ class PlanDriver(PlanHandlers):
         self._migrations: list[threading.Thread] = []  # those still running, newest last
         self._last_prepare = 0  # newest plan version whose Prepare came (agent thread)
         self._closing = False
-        # Newest version the controller said to commit; read by the serving thread.
-        self._commit_ready = 0
-        self.staged_phy2log: dict[int, np.ndarray] = {}
+        # Each staged plan's map and the newest version the controller said to commit:
+        # written by the agent and migration threads, read by the serving thread.
+        self.book = PlanBook()
 
     @property
     def commit_ready(self) -> int:
         """The newest version the controller said to commit (0: none yet)."""
-        return self._commit_ready
+        return self.book.committed
 
     def report_to(self, report: Report) -> None:
         """Where the plans' phases go: the agent's `report` (set once, before it starts)."""
@@ -92,15 +94,17 @@ class PlanDriver(PlanHandlers):
     def ready_version(self) -> int:
         """The newest version this rank may switch to: one the controller said to commit
         and whose staging is here, else the version served."""
-        ready = self._commit_ready
-        return ready if ready in self.staged_phy2log else self.served.version
+        return self.book.ready(self.served.version)
 
     def take_commit(self, version: int) -> tuple[np.ndarray, int]:
         """At the agreed step: make plan `version`'s weights live (the executor copies what
         found no spare row and moves the rows); returns the plan's phy2log and the experts
         copied. The caller then switches the dispatch maps and the served placement."""
         copied = self.executor.commit(version)
-        return self.staged_phy2log.pop(version), copied
+        phy2log = self.book.take(version)
+        if phy2log is None:  # ready_version named it: only a defect gets here
+            raise RuntimeError(f"plan v{version} is not staged on rank {self.config.rank}")
+        return phy2log, copied
 
     # ------------------------------------------------------------ shutdown
 
@@ -132,11 +136,11 @@ class PlanDriver(PlanHandlers):
         self._migrations = [t for t in self._migrations if t.is_alive()] + [self.migration]
 
     def on_commit(self, version: int) -> None:
-        self._commit_ready = max(self._commit_ready, version)
+        self.book.commit(version)
 
     def on_abort(self, version: int, reason: str) -> None:
         self.executor.abort(version)
-        self.staged_phy2log.pop(version, None)
+        self.book.drop(version)
         self.stats.aborted += 1
         # A peer's planned stop is no fault: INFO (rebalancer.errors.SHUTTING_DOWN).
         log.log(logging.INFO if SHUTTING_DOWN in reason else logging.WARNING,
@@ -166,7 +170,7 @@ class PlanDriver(PlanHandlers):
             if rows is None:  # an Abort dropped the staging after the transfers (on_abort reported it)
                 raise MigrationAborted(f"plan v{version} aborted while its weights were staged")
             self.dispatch.stage(dispatch_map(cfg, new, self.executor.row_map.row_ids(rows)))
-            self.staged_phy2log = {version: new}
+            self.book.stage(version, new, self.served.version, alone=True)
         except MigrationAborted:
             return
         except _Stopping:  # a planned stop, not a failure: the plan still aborts everywhere
@@ -197,8 +201,8 @@ class PlanDriver(PlanHandlers):
         serving = self.served.version
         if prepare.base_version != serving:
             return f"plan is based on v{prepare.base_version}, rank serves v{serving}"
-        ready = self._commit_ready
-        if ready > serving and ready in self.staged_phy2log:
+        ready = self.book.ready(serving)
+        if ready > serving:
             return f"rank is switching to v{ready}, plan v{prepare.version} must wait"
         return ""
 

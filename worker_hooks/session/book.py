@@ -24,12 +24,13 @@ class PlanBook:
         """The newest version the controller said to commit (0: none yet)."""
         return self._committed
 
-    def stage(self, version: int, phy2log: np.ndarray, serving: int) -> None:
+    def stage(self, version: int, phy2log: np.ndarray, serving: int, alone: bool = False) -> None:
         """Hold plan `version`'s map; plans at or below `serving` (the version served) are
-        dropped: no rank can switch to them any more."""
+        dropped: no rank can switch to them any more. `alone`: every other plan is dropped
+        too (a rank whose weights are staged for one plan at a time)."""
         with self._lock:
-            self._staged = {v: p for v, p in self._staged.items() if v > serving}
-            self._staged[version] = phy2log
+            kept = {} if alone else {v: p for v, p in self._staged.items() if v > serving}
+            self._staged = {**kept, version: phy2log}
 
     def commit(self, version: int) -> None:
         with self._lock:
@@ -62,3 +63,7 @@ class PlanBook:
     def __contains__(self, version: int) -> bool:
         with self._lock:
             return version in self._staged
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._staged)

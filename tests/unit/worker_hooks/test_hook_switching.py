@@ -137,7 +137,7 @@ def test_an_abort_right_after_the_transfers_is_no_failure(tmp_path: Path) -> Non
         hook.plans._prepare(prepare(1, 0, old, new))
         assert (hook.stats.prepared, hook.stats.failed, hook.stats.aborted) == (0, 0, 1)
         assert reports == [(1, pb.PLAN_PHASE_ABORTED, "")]
-        assert 1 not in hook.plans.staged_phy2log
+        assert 1 not in hook.plans.book
     finally:
         dist.destroy_process_group()
 
@@ -158,7 +158,7 @@ def test_a_plan_prepared_while_the_rank_stops_is_a_planned_stop(tmp_path: Path, 
         with caplog.at_level(logging.INFO, logger="worker_hooks.plans"):
             hook.plans._prepare(prepare(1, 0, old, new))
         assert reports == [(1, pb.PLAN_PHASE_FAILED, SHUTTING_DOWN)]
-        assert (hook.stats.prepared, hook.stats.failed) == (0, 0) and 1 not in hook.plans.staged_phy2log
+        assert (hook.stats.prepared, hook.stats.failed) == (0, 0) and 1 not in hook.plans.book
         assert [r.levelno for r in caplog.records] == [logging.INFO], caplog.records
     finally:
         dist.destroy_process_group()

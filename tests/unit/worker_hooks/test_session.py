@@ -78,6 +78,19 @@ def test_the_book_offers_a_committed_plan_only_once_its_map_is_staged() -> None:
     assert book.take(4) is None
 
 
+def test_a_plan_staged_alone_replaces_every_other() -> None:
+    """The project's hook stages one plan's weights at a time (worker_hooks/plans.py): a
+    newer plan staged replaces an older one not yet switched to, so the older can no
+    longer be offered (its weights are gone)."""
+    book = PlanBook()
+    book.stage(2, START, serving=1)
+    book.commit(2)
+    book.stage(3, PLAN, serving=1, alone=True)
+    assert 2 not in book and len(book) == 1 and book.ready(serving=1) == 1
+    book.commit(3)
+    assert book.ready(serving=1) == 3
+
+
 def test_windows_close_per_placement_and_an_empty_window_stays_open() -> None:
     s = session()
     w = CountWindows(s.agent, E, divide_by=2)
