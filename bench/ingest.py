@@ -78,10 +78,10 @@ def _thread_cpu_seconds(pid: int, tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def scrape(metrics_port: int, names: tuple[str, ...]) -> dict[str, float]:
-    """The controller's series `names` (unlabelled counters), from a scrape restricted to
-    them: the per-deployment collector is not run, so reading costs the controller almost
-    nothing."""
+def scrape(metrics_port: int, names: tuple[str, ...], labelled: bool = False) -> dict[str, float]:
+    """The controller's series `names` (unlabelled counters; `labelled`: every series, by its
+    full name with labels), from a scrape restricted to them: the per-deployment collector
+    is not run, so reading costs the controller almost nothing."""
     from urllib.parse import urlencode
     from urllib.request import urlopen
 
@@ -91,13 +91,28 @@ def scrape(metrics_port: int, names: tuple[str, ...]) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
-            name, value = line.split()[:2]
+            name, value = line.rsplit(" ", 1) if labelled else line.split()[:2]
             out[name] = float(value)
     return out
 
 
 FOLDED = "rebalancer_rank_windows_folded_total"
 LOOP_BUSY = "rebalancer_event_loop_busy_seconds_total"
+# A controller from before FOLDED (run against an older tree, PYTHONPATH=<tree>): its merged
+# windows folded per deployment, each RANKS_PER_DEPLOYMENT rank windows here (every rank
+# sends every window). Reading it runs that tree's per-deployment collector: the scrapes
+# fall outside the CPU interval but not outside the loop's.
+FOLDED_PER_DEPLOYMENT = "rebalancer_windows_folded_total"
+
+
+def read_counts(metrics_port: int) -> tuple[float, dict[str, float]]:
+    """(time of the reading, {FOLDED, LOOP_BUSY} as far as the controller has them)."""
+    t0 = time.monotonic()
+    got = scrape(metrics_port, (FOLDED, LOOP_BUSY))
+    if FOLDED not in got:
+        merged = scrape(metrics_port, (FOLDED_PER_DEPLOYMENT,), labelled=True)
+        got[FOLDED] = RANKS_PER_DEPLOYMENT * sum(merged.values())
+    return (t0 + time.monotonic()) / 2, got
 
 
 def _children(pid: int) -> list[int]:
@@ -328,13 +343,13 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
         load0 = load_average()
         kids = _children(server_pid)  # the decision worker
         gen_pids = [g.pid for g in gens if g.pid is not None]
-        scraped0 = scrape(metrics_port, (FOLDED, LOOP_BUSY)) if metrics_port else {}
+        at0, scraped0 = read_counts(metrics_port) if metrics_port else (0.0, {})
         cpu0, kcpu0, gcpu0, t0 = _cpu_seconds(server_pid), _cpu_of(kids), _cpu_of(gen_pids), time.monotonic()
         lcpu0 = _thread_cpu_seconds(server_pid, server_pid)  # the main thread: the event loop's
         time.sleep(max(0.0, start + warmup + seconds - time.monotonic()))
         cpu1, kcpu1, gcpu1, t1 = _cpu_seconds(server_pid), _cpu_of(kids), _cpu_of(gen_pids), time.monotonic()
         lcpu1 = _thread_cpu_seconds(server_pid, server_pid)
-        scraped1 = scrape(metrics_port, (FOLDED, LOOP_BUSY)) if metrics_port else {}
+        at1, scraped1 = read_counts(metrics_port) if metrics_port else (0.0, {})
         load1 = load_average()
         results = [out.get(timeout=120) for _ in gens]
         for g in gens:
@@ -352,8 +367,9 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
     nbytes = windows[0].size * 4
     wall = t1 - t0
     acked = messages * ranks_per_pod
-    folded = (scraped1[FOLDED] - scraped0[FOLDED]) / wall if FOLDED in scraped0 else float("nan")
-    busy = (scraped1[LOOP_BUSY] - scraped0[LOOP_BUSY]) / wall if LOOP_BUSY in scraped0 else float("nan")
+    folded = (scraped1[FOLDED] - scraped0[FOLDED]) / (at1 - at0) if FOLDED in scraped0 else float("nan")
+    # The busy seconds over the wall time between the two readings (a reading under load takes a while).
+    busy = (scraped1[LOOP_BUSY] - scraped0[LOOP_BUSY]) / (at1 - at0) if LOOP_BUSY in scraped0 else float("nan")
     counted = acked if np.isnan(folded) else folded
     return {
         "ranks": ranks,
@@ -422,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
-    from rebalancer.demo import free_port
+    from rebalancer.launch.processes import free_port
 
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000  # one window's worth, real skew
     windows = [counts] if args.ranks_per_pod == 1 else pod_windows(counts, args.ranks_per_pod)
