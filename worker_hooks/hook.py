@@ -67,6 +67,7 @@ from worker_hooks.plans import PlanDriver, dispatch_map
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap
 from worker_hooks.serving import HookStats, ServedPlacement
+from worker_hooks.session.windows import window_due
 from worker_hooks.warm import await_offer, group_holds
 from worker_hooks.weights import check_weights
 
@@ -372,7 +373,7 @@ class RebalanceHook:
         if agreed is not None and agreed > self.served.version:
             self._flush_window()  # a window never mixes two placements
             self._commit(agreed)
-        elif self.step - self._window_start >= self.config.windows.steps:
+        elif window_due(self.step, self._window_start, self.config.windows.steps):
             self._flush_window()
 
     def _flush_window(self) -> None:

@@ -28,7 +28,7 @@ from rebalancer.wire import codec
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.session.agreement import NO_PLAN, all_reduce_min, held_everywhere, plan_digest
 from worker_hooks.session.book import PlanBook
-from worker_hooks.session.windows import CountWindows
+from worker_hooks.session.windows import CountWindows, window_due
 from worker_hooks.warm import await_offer, group_holds
 
 log = logging.getLogger("worker_hooks.session")
@@ -119,7 +119,7 @@ class RankSession(PlanHandlers):
 
     def window_due(self) -> bool:
         """Whether the open window has run its `window_steps`."""
-        return self.step - self.windows.start >= self.config.window_steps
+        return window_due(self.step, self.windows.start, self.config.window_steps)
 
     def made_live(self, version: int, phy2log: np.ndarray) -> None:
         """The engine serves plan `version` from this pass on: the window of the old

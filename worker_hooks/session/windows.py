@@ -22,6 +22,13 @@ from rebalancer.wire.layout import logical_counts
 from worker_hooks.agent import WorkerAgent
 
 
+def window_due(step: int, start: int, steps: int) -> bool:
+    """The close rule's count part, for every rank of every engine (the project's hook
+    included): the window opened at pass `start` is due at pass `step` once it ran
+    `steps` passes."""
+    return step - start >= steps
+
+
 @dataclass
 class _Closed:
     """A closed window whose counts are on their way to the host."""

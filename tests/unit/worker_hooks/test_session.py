@@ -6,13 +6,18 @@ code with several ranks."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+import worker_hooks
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from worker_hooks.session import windows
 from worker_hooks.session.agreement import NO_PLAN, plan_digest
 from worker_hooks.session.book import PlanBook
 from worker_hooks.session.rank import RankSession, SessionStats, worker_identity
@@ -154,3 +159,16 @@ def test_the_worker_identity_carries_the_pid() -> None:
     import os
 
     assert worker_identity(Link()) == f"w pid {os.getpid()}"
+
+
+def test_the_window_close_rule_has_one_home() -> None:
+    """When a window is due is decided in one function (worker_hooks/session/windows.py
+    `window_due`) for the hook and every engine adapter: no other comparison of a step
+    count against the window's steps in the worker side."""
+    rule = re.compile(r"(>=|<=|>|<)\s*[\w.]*(window_steps|windows\.steps)\b|(window_steps|windows\.steps)\s*(>=|<=|>|<)")
+    root = Path(worker_hooks.__file__).parent
+    offenders = [f"{path.relative_to(root)}:{n}: {line.strip()}"
+                 for path in sorted(root.rglob("*.py")) if path != Path(windows.__file__)
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if rule.search(line) and not line.lstrip().startswith("#")]
+    assert offenders == [], "a second window close rule:\n" + "\n".join(offenders)
