@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rebalancer.demo import free_port, reap
+from rebalancer.launch.processes import free_port, reap
 
 WORLD = 4
 NUM_LAYERS = 9            # layer 0 dense, 1..8 MoE

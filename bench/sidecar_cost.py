@@ -171,7 +171,7 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
     import torch.distributed as dist
 
     from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
-    from rebalancer.demo import free_port
+    from rebalancer.launch.processes import free_port
     from rebalancer.placement import trivial_placement
     from rebalancer.v1 import rebalancer_pb2 as pb
     from worker_hooks.agent import AgentConfig, WorkerAgent

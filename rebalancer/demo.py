@@ -18,8 +18,9 @@ deployment; the demo then shows the deployment's status as the AdminService repo
 
 No process outlives the demo: the workers and sidecars are reaped on every way out
 (done, error, Ctrl-C), and each asked the kernel to SIGKILL it should the demo itself
-be killed (PR_SET_PDEATHSIG, Linux: tied to the thread that started it, so call
-`run_demo` and `launch_workers` from a thread that outlives them, e.g. the main one).
+be killed (rebalancer.launch.processes: call `run_demo` from a thread that outlives
+them, e.g. the main one). The fleet's shape, routing and processes come from the launch
+toolkit (rebalancer.launch); this module holds the demo itself.
 """
 
 from __future__ import annotations
@@ -28,10 +29,7 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,19 +41,14 @@ import numpy as np
 
 from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.coordinate import Plan
-from rebalancer.controller.cost import CostParams
-from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.deployment import WindowEvent
 from rebalancer.controller.embedded import EmbeddedController
-from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.server import ControllerServer
-from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
-
-# Phase order: alternate prefill and decode so the hot experts move.
-PHASES = (
-    "prefill_in1024", "decode_in1000out1000", "prefill_in4096",
-    "decode_in2000out100", "prefill_in500out1500", "prefill_in1000out1000",
-)
+from rebalancer.launch.config import DemoConfig, pod_ranks, time_limit
+from rebalancer.launch.processes import LaunchFailed, exit_text, reap
+from rebalancer.launch.routing import PHASES, write_profile
+from rebalancer.launch.sidecars import launch_sidecars
+from rebalancer.launch.workers import launch_workers
 
 # The first line the demo prints: what each field of a window line means.
 LEGEND = (
@@ -69,83 +62,6 @@ LEGEND = (
 # Windows averaged for balancedness_first / balancedness_last.
 EDGE_WINDOWS = 3
 
-# The workers' time limit when none is given: this much per forward step (a loaded
-# 2-core machine ran ~0.1 s per step of the default 4 workers), at least MIN_TIME_LIMIT.
-TIME_LIMIT_PER_STEP = 0.25
-MIN_TIME_LIMIT = 110.0
-
-# The deployment's worker token, for workers (worker_hooks.examples.cpu_worker reads it) and sidecars
-# attached to a controller that asks for one ([worker_tokens]).
-WORKER_TOKEN_ENV = "REBALANCER_WORKER_TOKEN"
-
-# Run argv[2:] in place of this process (exec) once the kernel is told to SIGKILL it when
-# its parent, pid argv[1], ends: a demo killed outright leaves no worker or sidecar behind.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "if sys.platform.startswith('linux'):\n"
-    "    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG\n"
-    "    if os.getppid() != int(sys.argv[1]):\n"
-    "        os._exit(1)  # the parent died before the request took effect\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def bound_to_this_process(cmd: Sequence[str]) -> list[str]:
-    """`cmd` (an executable path first) run as a child that dies with this process."""
-    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
-
-
-@dataclass
-class DemoConfig:
-    workers: int = 4
-    layers: int = 6
-    experts: int = 32
-    slots: int = 40
-    top_k: int = 4
-    tokens: int = 32              # per rank per step
-    steps: int = 480
-    window_steps: int = 16
-    windows_per_phase: int = 5
-    seed: int = 7
-    db_path: str | None = None    # default: a temporary file
-    port: int = 0
-    worker_log: str = "WARNING"
-    # The workers' time limit; None: derived from the steps (`time_limit`).
-    timeout_seconds: float | None = None
-    # Weight transfers between the worker processes: "p2p" (gloo send/recv) or "ipc"
-    # (each rank reads what it gains from its peers' weights in shared memory).
-    transport: str = "p2p"
-    # Where the workers keep the hook and the expert weights: "cpu" or "cuda".
-    device: str = "cpu"
-    # Spare weight rows per layer and rank: with enough, a commit copies no weights.
-    spare_rows: int = 0
-    # Pods, each with a `rebalancer sidecar` between its workers/sidecars ranks and the
-    # controller; 0: every worker talks to the controller directly. `rebalancer demo`
-    # defaults to default_sidecars(workers).
-    sidecars: int = 0
-    # Keep the temporary folder (store, routing profile, rank results, sockets).
-    keep: bool = False
-    # The embedded controller's Prometheus port (None: none; 0: any free), with the
-    # per-layer series on (a demo deployment is small).
-    metrics_port: int | None = None
-    # Attach to this running controller (host:port) instead of starting one.
-    controller: str = ""
-    deployment: str = "demo"
-    policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(
-        min_interval_seconds=1.0, gain_threshold=0.03, horizon_seconds=60.0,
-        max_moved_fraction=0.3, min_windows=2, decision_period_seconds=0.25,
-        prepare_timeout_seconds=20.0, estimator=EstimatorConfig(decay=0.5),
-        cost=CostParams(step_seconds=0.01),
-    ))
-
-
-def time_limit(config: DemoConfig) -> float:
-    """Seconds the workers may run: `timeout_seconds`, or by default enough for every
-    step asked (TIME_LIMIT_PER_STEP each, at least MIN_TIME_LIMIT)."""
-    if config.timeout_seconds is not None:
-        return config.timeout_seconds
-    return max(MIN_TIME_LIMIT, TIME_LIMIT_PER_STEP * config.steps)
-
 
 def stopped_early(config: DemoConfig, results: Sequence[dict[str, Any]]) -> str:
     """Why the workers ran fewer steps than asked ("" when they ran them all): the one
@@ -157,171 +73,9 @@ def stopped_early(config: DemoConfig, results: Sequence[dict[str, Any]]) -> str:
             f"(--max-seconds {time_limit(config):g})")
 
 
-def default_sidecars(workers: int) -> int:
-    """Two pods of workers/2 ranks (like two 2-GPU pods of the default 4 workers) when the
-    workers split evenly, else one pod holding them all."""
-    return 2 if workers >= 2 and workers % 2 == 0 else 1
-
-
-def pod_ranks(workers: int, sidecars: int) -> list[range]:
-    """The ranks of each pod: pod i holds i*n .. i*n+n-1, n = workers / sidecars."""
-    if sidecars < 1 or workers % sidecars:
-        raise ValueError(f"{workers} workers do not split into {sidecars} equal pods")
-    n = workers // sidecars
-    return [range(i * n, (i + 1) * n) for i in range(sidecars)]
-
-
-def routing_profiles(config: DemoConfig) -> np.ndarray:
-    """Per-phase expert probabilities [phases, L, E] from the DeepSeek-V3 files.
-
-    Small layer l replays real layer round(l * 57 / (L - 1)); its E experts are
-    picked at evenly spaced load ranks of that layer (hottest included, so the
-    real skew survives the scale-down) and shuffled over the slots."""
-    files = {f.stem: f for f in deepseek_v3_files()}
-    rng = np.random.default_rng(config.seed)
-    real = np.stack([load_deepseek_v3(files[name]).astype(np.float64) for name in PHASES])
-    _, num_real_layers, num_real_experts = real.shape
-    layers = np.linspace(0, num_real_layers - 1, config.layers).round().astype(int)
-    ranks = np.linspace(0, num_real_experts - 1, config.experts).round().astype(int)
-    out = np.empty((len(PHASES), config.layers, config.experts))
-    for i, layer in enumerate(layers):
-        by_load = np.argsort(-real[:, layer].sum(axis=0))
-        experts = rng.permutation(by_load[ranks])
-        out[:, i] = real[:, layer][:, experts]
-    return out / out.sum(axis=2, keepdims=True)
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (for a rendezvous or a server)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def write_profile(config: DemoConfig, folder: Path) -> Path:
-    """The routing profile the workers replay, as an .npz in `folder`."""
-    path = folder / "routing.npz"
-    np.savez(path, profiles=routing_profiles(config),
-             steps_per_phase=config.window_steps * config.windows_per_phase)
-    return path
-
-
-def launch_workers(
-    config: DemoConfig, address: str | Sequence[str], profile: Path, folder: Path,
-    extra_args: dict[int, list[str]] | None = None,
-) -> list[subprocess.Popen[bytes]]:
-    """Start the G worker processes of one gloo EP group; each writes folder/rank<r>.json.
-
-    `address`: the controller's, or one target per rank (its pod sidecar's socket). Each
-    worker dies with this process (see the module's docstring)."""
-    targets = [address] * config.workers if isinstance(address, str) else list(address)
-    if len(targets) != config.workers:
-        raise ValueError(f"{len(targets)} controller targets for {config.workers} workers")
-    port = free_port()
-    env = {**os.environ, "REBALANCER_LOG": config.worker_log, "OMP_NUM_THREADS": "1"}
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for rank in range(config.workers):
-            cmd = [
-                sys.executable, "-m", "worker_hooks.examples.cpu_worker", "--rank", str(rank),
-                "--world", str(config.workers), "--port", str(port), "--controller", targets[rank],
-                "--profile", str(profile), "--steps", str(config.steps), "--tokens", str(config.tokens),
-                "--experts", str(config.experts), "--slots", str(config.slots), "--layers", str(config.layers),
-                "--top-k", str(config.top_k), "--window-steps", str(config.window_steps),
-                "--max-seconds", str(time_limit(config)), "--out", str(folder / f"rank{rank}.json"),
-                "--transport", config.transport, "--device", config.device,
-                "--spare-rows", str(config.spare_rows), "--deployment", config.deployment,
-                *(extra_args or {}).get(rank, []),
-            ]
-            procs.append(subprocess.Popen(bound_to_this_process(cmd), env=env))
-    except BaseException:
-        reap(procs, terminate=False)
-        raise
-    return procs
-
-
-class DemoFailed(RuntimeError):
+class DemoFailed(LaunchFailed):
     """The demo's own processes failed (a worker or sidecar that ended early, workers past
     their deadline): `rebalancer demo` says so in one line and exits 1."""
-
-
-def exit_text(code: int) -> str:
-    """How a process ended, from its return code (negative: the signal that killed it)."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def reap(procs: Sequence[subprocess.Popen[Any]], terminate: bool = True, seconds: float = 10.0) -> None:
-    """End every process still running and wait for all: SIGTERM first (a sidecar drains)
-    and SIGKILL after `seconds`, or SIGKILL at once; killed anyway if interrupted."""
-    try:
-        if terminate:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + seconds
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-
-
-def launch_sidecars(
-    config: DemoConfig, address: str, folder: Path, started: list[subprocess.Popen[bytes]],
-    metrics_ports: Sequence[int] = (),
-) -> list[str]:
-    """Start one `rebalancer sidecar` per pod (socket folder/pod<i>/agent.sock, the pod's
-    ranks, upstream `address`, pod name demo/pod<i>), appended to `started` as they start,
-    and wait until each answers its readiness check (gRPC health on its socket, what
-    `rebalancer sidecar --check` asks). `metrics_ports`: one per pod, each sidecar's
-    /metrics on loopback (none without). Returns each rank's target: its pod's socket."""
-    from rebalancer.sidecar.config import format_ranks, socket_path
-    from rebalancer.sidecar.listen import probe
-
-    pods = pod_ranks(config.workers, config.sidecars)
-    sockets = [f"unix://{folder / f'pod{i}' / 'agent.sock'}" for i in range(len(pods))]
-    for target in sockets:
-        socket_path(target)  # InputError if the temporary folder's path is too long for a socket
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for i, ranks in enumerate(pods):
-        cmd = [
-            sys.executable, "-m", "rebalancer", "sidecar", "--listen", sockets[i], "--controller", address,
-            "--ranks", format_ranks(tuple(ranks)), "--pod", f"demo/pod{i}", "--deployment", config.deployment,
-            "--socket-access", "owner", "--grace", "1", "--log-level", config.worker_log,
-        ]
-        if metrics_ports:
-            cmd += ["--metrics-port", str(metrics_ports[i]), "--metrics-host", "127.0.0.1"]
-        token = os.environ.get(WORKER_TOKEN_ENV)
-        if token:  # the sidecar holds the pod's credentials: hand it the workers' token
-            token_file = folder / f"pod{i}-token"
-            token_file.write_text(token)
-            token_file.chmod(0o600)
-            cmd += ["--token-file", str(token_file)]
-        started.append(subprocess.Popen(bound_to_this_process(cmd), env=env, stdout=subprocess.DEVNULL))
-    for i, (proc, target) in enumerate(zip(started, sockets, strict=True)):
-        deadline = time.monotonic() + 60.0
-        while True:
-            if proc.poll() is not None:
-                raise DemoFailed(f"sidecar of pod {i} {exit_text(proc.returncode)} before it "
-                                 "was ready (see its output above)")
-            ok, seen = probe(target, timeout=1.0)
-            if ok:
-                break
-            if time.monotonic() > deadline:
-                raise DemoFailed(f"sidecar of pod {i} not ready on {target} after 60 s ({seen})")
-            time.sleep(0.1)
-    return [sockets[rank // (config.workers // config.sidecars)] for rank in range(config.workers)]
 
 
 @dataclass
@@ -592,6 +346,7 @@ class StatusPoller:
         import grpc
 
         from rebalancer.wire.channel import unavailable_cause
+        from rebalancer.wire.status import balancedness_text
 
         try:
             d = self.status()
@@ -607,8 +362,6 @@ class StatusPoller:
         flight = f" | plan v{d.plan_in_flight} {d.plan_phase}" if d.plan_in_flight else ""
         last = d.last_decision
         decision = f" | last decision {last.outcome}" if last.outcome else ""
-        from rebalancer.cli.admin_cmd import balancedness_text
-
         return (f"status v{d.placement_version:<2d} | routed balancedness {balancedness_text(d.balancedness_actual, 'none yet')}"
                 f" | on estimate {balancedness_text(d.balancedness_estimated, 'none yet')} | {d.windows_folded} windows"
                 f" | {d.connected_ranks}/{d.shape.num_gpus} ranks | plans committed {d.plans_committed}"

@@ -25,7 +25,9 @@ from bench.chaos.config import CONTROLLER_TOML, DEPLOYMENT, ChaosConfig
 from bench.chaos.processes import Processes
 from bench.chaos.steplog import STEP, VERSION
 from bench.faultproxy import FaultProxy
-from rebalancer.demo import DemoConfig, free_port, write_profile
+from rebalancer.launch.config import DemoConfig
+from rebalancer.launch.processes import free_port
+from rebalancer.launch.routing import write_profile
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 

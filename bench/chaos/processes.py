@@ -19,7 +19,7 @@ from bench.chaos.config import DEPLOYMENT, ChaosConfig
 from bench.chaos.steplog import StepLog
 from bench.chaos_worker import PREPARE_SECONDS, STEP_LOG
 from bench.faultproxy import FaultProxy
-from rebalancer.demo import bound_to_this_process, free_port
+from rebalancer.launch.processes import bound_to_this_process, free_port
 
 # A busy process: what a CPU hog (`--hog`) and the `cpu_starve` fault run.
 BUSY = "while True: pass"

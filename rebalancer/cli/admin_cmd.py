@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any
 
+from rebalancer.wire.status import balancedness_text
+
 EXIT_CODES = {
     "INVALID_ARGUMENT": 2, "NOT_FOUND": 3, "FAILED_PRECONDITION": 4, "ALREADY_EXISTS": 4,
     "UNAVAILABLE": 5, "DEADLINE_EXCEEDED": 5, "UNAUTHENTICATED": 6, "PERMISSION_DENIED": 6,
@@ -419,12 +421,6 @@ def _status_text(d: Any) -> str:
            + (f" (plan v{last.plan_version})" if last.plan_version else "") + f": {last.reason}"
            if last.outcome else "")
     )
-
-
-def balancedness_text(value: float, missing: str) -> str:
-    """A balancedness as status shows it: 0 on the wire means none yet (a measured one
-    is mean / max load of a window with load, above 0)."""
-    return f"{value:.3f}" if value > 0 else f"- ({missing})"
 
 
 def _when(seconds: float) -> str:

@@ -86,7 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window-steps", type=int, default=16, help="forward steps per window, default 16")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="the workers' time limit (default: ample for every window asked, "
-                        "rebalancer.demo.time_limit); a run it cuts short exits 1 saying so")
+                        "rebalancer.launch.config.time_limit); a run it cuts short exits 1 saying so")
     p.add_argument("--experts", type=int, default=32, help="logical experts per layer, default 32")
     p.add_argument("--slots", type=int, default=0, help="physical slots (default experts + workers*2)")
     p.add_argument("--layers", type=int, default=6, help="MoE layers, default 6")
@@ -120,8 +120,10 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from rebalancer.demo import DemoConfig, DemoFailed, default_sidecars, run_demo
+    from rebalancer.demo import run_demo
     from rebalancer.errors import InputError
+    from rebalancer.launch.config import DemoConfig, default_sidecars
+    from rebalancer.launch.processes import LaunchFailed
 
     if args.spare_rows < 0:
         raise InputError(f"--spare-rows must be >= 0, got {args.spare_rows}")
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
     try:
         summary = run_demo(config)
-    except DemoFailed as exc:
+    except LaunchFailed as exc:
         # Every worker and sidecar is reaped by now; what failed is said once, not as a traceback.
         print(f"rebalancer demo: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1

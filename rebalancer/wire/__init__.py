@@ -8,6 +8,7 @@
 - `layout`: placement layout rules, `phy2log` -> replica tables, transfer-list columns.
 - `dispatch`: the dispatch modes and the water-fill's constants and tables.
 - `countfile`: the count file's keys and plain writer (recorder side and CLI side).
+- `status`: how a status field the AdminService sends reads (`admin status`, the demo).
 
 It sits at the bottom with `rebalancer.errors` and the generated `rebalancer.v1`: numpy,
 grpc and protobuf only, so an inference process that imports `worker_hooks` loads

@@ -13,7 +13,8 @@ import torch
 from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.estimate import EstimatorConfig
-from rebalancer.demo import DemoConfig, run_demo
+from rebalancer.demo import run_demo
+from rebalancer.launch.config import DemoConfig
 
 pytestmark = [
     pytest.mark.gpu,

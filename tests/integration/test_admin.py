@@ -28,8 +28,8 @@ from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 from rebalancer.formats import read_placement
+from rebalancer.launch.instant import InstantRank
 from rebalancer.v1 import rebalancer_pb2 as pb
-from scripts.prometheus_live import InstantRank
 from tests.integration.conftest import start_controller
 
 L, E, P, G = 4, 256, 288, 32

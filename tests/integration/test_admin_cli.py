@@ -20,7 +20,7 @@ from rebalancer.cli import main as cli
 from rebalancer.cli.admin_cmd import EXIT_CODES, EXIT_MEANINGS, EXIT_OTHER
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
-from scripts.prometheus_live import DEPLOYMENT, E, G, InstantRank, L, P
+from rebalancer.launch.instant import DEPLOYMENT, E, G, InstantRank, L, P
 from tests.integration.conftest import start_controller
 from tests.unit.deploy.live import wait_for
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from rebalancer.controller.decide import PolicyConfig
-from scripts.prometheus_live import DEPLOYMENT, InstantRank
+from rebalancer.launch.instant import DEPLOYMENT, InstantRank
 from tests.integration.conftest import start_controller
 from tests.integration.test_admin_cli import _feed, admin
 from tests.unit.deploy.live import wait_for

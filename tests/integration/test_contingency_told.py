@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.launch.instant import InstantRank
 from rebalancer.v1 import rebalancer_pb2 as pb
-from scripts.prometheus_live import InstantRank
 from tests.integration.conftest import start_controller
 from tests.unit.deploy.live import wait_for
 

@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from rebalancer.demo import free_port
+from rebalancer.launch.processes import free_port
 from tests.integration.conftest import start_controller
 from tests.integration.test_process_lifetime import alive, children_of
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rebalancer.demo import launch_workers, write_profile
+from rebalancer.launch.routing import write_profile
+from rebalancer.launch.workers import launch_workers
 from tests.integration.conftest import start_controller
 from tests.integration.test_end_to_end import small_config
 

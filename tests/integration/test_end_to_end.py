@@ -19,7 +19,11 @@ from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.deployment import Deployment
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.store import Store
-from rebalancer.demo import DemoConfig, launch_workers, reap, run_demo, write_profile
+from rebalancer.demo import run_demo
+from rebalancer.launch.config import DemoConfig
+from rebalancer.launch.processes import reap
+from rebalancer.launch.routing import write_profile
+from rebalancer.launch.workers import launch_workers
 from tests.integration.conftest import start_controller
 from tests.integration.until import stop_together, wait_for
 

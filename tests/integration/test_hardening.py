@@ -33,7 +33,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rebalancer.controller.embedded import EmbeddedController
-from rebalancer.demo import free_port
+from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec

@@ -21,12 +21,13 @@ import pytest
 from rebalancer import placement
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
+from rebalancer.launch.instant import InstantRank
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.channel import client_options
 from tests.integration.conftest import start_controller
-from tests.integration.test_admin import InstantRank, admin, real_counts
+from tests.integration.test_admin import admin, real_counts
 from tests.unit.deploy.conftest import find_tool, missing
 from worker_hooks.agent import AgentConfig, WorkerAgent
 

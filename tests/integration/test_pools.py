@@ -27,7 +27,8 @@ import pytest
 
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.store import Store
-from rebalancer.demo import free_port, reap, routing_profiles
+from rebalancer.launch.processes import free_port, reap
+from rebalancer.launch.routing import routing_profiles
 from tests.integration.conftest import start_controller
 from tests.integration.test_end_to_end import FAST_POLICY, small_config
 

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from rebalancer.demo import free_port
+from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec

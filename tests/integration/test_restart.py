@@ -16,7 +16,9 @@ import grpc
 import pytest
 
 from rebalancer.controller.store import Store
-from rebalancer.demo import free_port, launch_workers, write_profile
+from rebalancer.launch.processes import free_port
+from rebalancer.launch.routing import write_profile
+from rebalancer.launch.workers import launch_workers
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.windows import FOLD_LAG

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from rebalancer.cli import main as cli
-from rebalancer.demo import free_port
+from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import ChannelConfig, sync_channel

@@ -31,7 +31,9 @@ import pytest
 from rebalancer.controller.coordinate import PlanState
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.store import Store
-from rebalancer.demo import DemoConfig, free_port, write_profile
+from rebalancer.launch.config import DemoConfig
+from rebalancer.launch.processes import free_port
+from rebalancer.launch.routing import write_profile
 from tests.integration.conftest import start_controller
 from tests.integration.sidecar_worker import PREPARE_SECONDS, STEP_LOG
 from tests.integration.test_end_to_end import FAST_POLICY, small_config

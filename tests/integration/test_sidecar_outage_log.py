@@ -20,7 +20,7 @@ from pathlib import Path
 from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
-from rebalancer.demo import free_port
+from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from worker_hooks.agent import AgentConfig, WorkerAgent
 

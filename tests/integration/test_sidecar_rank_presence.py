@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from rebalancer.controller.store import Store
-from rebalancer.demo import free_port
+from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from tests.integration.test_end_to_end import small_config

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rebalancer.demo import free_port
+from rebalancer.launch.processes import free_port
 
 BAD_UTF8 = b"\x0a\x02\xff\xfe"  # field 1 (a string in these requests): invalid UTF-8
 NOT_PROTOBUF = b"\xff\xff\xff"

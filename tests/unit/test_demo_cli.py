@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rebalancer.cli import main
-from rebalancer.demo import CommitCuts, default_sidecars, pod_ranks
+from rebalancer.demo import CommitCuts
+from rebalancer.launch.config import default_sidecars, pod_ranks
 
 
 def exit_code(argv: list[str]) -> int:
@@ -116,7 +117,7 @@ def test_the_window_a_commit_cuts_ran_on_the_old_placement() -> None:
 def test_the_workers_time_limit_grows_with_the_windows_asked() -> None:
     """`demo --windows 200` (3,200 steps) stopped after ~1,300 steps at a fixed 110 s and
     exited 0 without a word: the default limit now grows with the steps asked."""
-    from rebalancer.demo import MIN_TIME_LIMIT, TIME_LIMIT_PER_STEP, DemoConfig, time_limit
+    from rebalancer.launch.config import MIN_TIME_LIMIT, TIME_LIMIT_PER_STEP, DemoConfig, time_limit
 
     assert time_limit(DemoConfig(steps=200 * 16)) == 200 * 16 * TIME_LIMIT_PER_STEP >= 800
     assert time_limit(DemoConfig(steps=30 * 16)) == max(MIN_TIME_LIMIT, 480 * TIME_LIMIT_PER_STEP)
@@ -129,7 +130,8 @@ def test_a_run_cut_short_says_why_and_exits_1(
     """Workers that ran fewer steps than asked (their time limit ran out): the summary
     says why (`stopped_early`) and the demo exits 1 with that reason on one line."""
     import rebalancer.demo as demo
-    from rebalancer.demo import DemoConfig, stopped_early
+    from rebalancer.demo import stopped_early
+    from rebalancer.launch.config import DemoConfig
 
     config = DemoConfig(steps=3200, timeout_seconds=140.0)
     assert stopped_early(config, [{"steps": 3200}, {"steps": 3200}]) == ""

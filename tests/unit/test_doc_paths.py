@@ -59,7 +59,7 @@ NOT_IN_THE_TREE = {
     "eplb.py": "DeepSeek's EPLB reference, not ours",
     "eplb_utils.py": "vLLM's file",
     "drain.toml": "the config a restart test writes at run time",
-    "prometheus.yml": "the config scripts/prometheus_live.py writes at run time",
+    "prometheus.yml": "the config rebalancer/launch/prometheus.py writes at run time",
     "my-inference.yaml": "the reader's own manifest in an example kustomization",
 }
 

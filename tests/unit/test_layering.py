@@ -5,6 +5,11 @@ Two checks. A static walk of every import statement in `rebalancer/` and `worker
 against the allowed edges; and a fresh
 interpreter that imports every `worker_hooks` module and must not have loaded the
 controller, the placement engine or scipy (what an inference process pays for).
+
+Beside the product, the same walk over `bench/`, `tests/` and `scripts/`: one way only,
+product <- bench <- tests and product <- scripts (the product imports none of them, bench
+imports no test, neither tests nor bench import a script); and no import circle among the
+product's modules at import time.
 """
 
 from __future__ import annotations
@@ -35,10 +40,18 @@ LAYERS = {
     "rebalancer.sim": "sim",
     "worker_hooks.examples": "examples",
     "worker_hooks.engines": "engines",
-    "rebalancer.demo": "top",
+    "rebalancer.launch": "launch",
+    "rebalancer.demo": "demo",
     "rebalancer.cli": "top",
     "rebalancer.__main__": "top",
+    # Beside the product, never imported by it.
+    "bench": "bench",
+    "tests": "tests",
+    "scripts": "scripts",
 }
+
+# The product's layers (what the CLI may import) and the rest of the tree.
+PRODUCT = {layer for layer in LAYERS.values() if layer not in {"bench", "tests", "scripts"}}
 
 # What each layer may import (besides itself). Bottom: base and wire; placement on top of
 # them; controller and worker_hooks beside each other; the rest above.
@@ -53,7 +66,18 @@ ALLOWED = {
     "sim": {"base", "wire", "data", "placement", "controller"},
     "examples": {"base", "wire", "worker_hooks"},
     "engines": {"base", "wire", "data", "worker_hooks"},
-    "top": set(LAYERS.values()),
+    # The launch toolkit (ports, reaping, controller, sidecars, workers, the instant rank):
+    # what the demo, bench, scripts and tests launch with; never the demo or the CLI.
+    "launch": {"base", "wire", "data", "placement", "controller", "worker_hooks", "sidecar", "examples"},
+    "demo": {"base", "wire", "data", "placement", "controller", "worker_hooks", "sidecar", "examples",
+             "launch"},
+    "top": PRODUCT,
+    # One way: product <- bench <- tests, product <- scripts.
+    # bench/sglang_staged.py still starts its SGLang ranks with the tests' helpers
+    # (tests/engines/sglang): the one bench -> tests edge left, to go.
+    "bench": PRODUCT | {"tests"},
+    "tests": PRODUCT | {"bench"},
+    "scripts": PRODUCT,
 }
 
 
@@ -94,9 +118,9 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
     return found
 
 
-def source_files() -> list[Path]:
+def source_files(tops: tuple[str, ...] = ("rebalancer", "worker_hooks")) -> list[Path]:
     files = []
-    for top in ("rebalancer", "worker_hooks"):
+    for top in tops:
         files += [p for p in (ROOT / top).rglob("*.py") if "v1" not in p.relative_to(ROOT).parts]
     return sorted(files)
 
@@ -115,12 +139,121 @@ def forbidden_edges(files: dict[str, Path] | None = None) -> list[str]:
             if dst is None or dst == src:
                 continue
             if dst not in ALLOWED[src]:
-                bad.append(f"{path.name}:{line}: {src} imports {imported} ({dst})")
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                bad.append(f"{where}:{line}: {src} imports {imported} ({dst})")
     return bad
 
 
 def test_no_import_crosses_the_layers_the_wrong_way() -> None:
     assert forbidden_edges() == []
+
+
+def test_bench_tests_and_scripts_import_one_way() -> None:
+    """bench imports no test and no script, tests import no script, scripts import neither
+    (the product's side is held above)."""
+    files = {module_name(p): p for p in source_files(("bench", "tests", "scripts"))
+             if "cpu_shims" not in p.parts}  # stand-ins of third-party packages, not ours
+    assert forbidden_edges(files) == []
+
+
+def module_level_imports(path: Path) -> list[str]:
+    """The modules a file imports when it is imported: statements at module level (inside
+    `if`/`try` too), not in functions, not under `if TYPE_CHECKING:`."""
+    found: list[str] = []
+    body = list(ast.parse(path.read_text(), filename=str(path)).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.If) and not ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            body += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            body += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return found
+
+
+def import_circles(files: dict[str, Path] | None = None) -> list[list[str]]:
+    """Every circle of modules (of `files`, default: the product's) that import each other
+    at import time, each as its modules sorted."""
+    if files is None:
+        files = {module_name(p): p for p in source_files()}
+
+    def ours(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: {t for t in map(ours, module_level_imports(p))
+                 if t is not None and t != m and not m.startswith(t + ".")}  # a package's own __init__
+             for m, p in files.items()}
+    # Strongly connected components (Tarjan's), iteratively.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_no_import_circle_in_the_product() -> None:
+    assert import_circles() == []
+
+
+def test_the_walk_sees_a_sideways_import_and_a_circle(tmp_path: Path) -> None:
+    """The checkers themselves: the product importing a script or a test, bench or a test
+    importing a script; two modules importing each other."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from scripts.render_dashboard import main\nimport tests.conftest\n")
+    assert forbidden_edges({"rebalancer.launch.probe": probe}) == [
+        "probe.py:1: launch imports scripts.render_dashboard (scripts)",
+        "probe.py:1: launch imports scripts.render_dashboard.main (scripts)",
+        "probe.py:2: launch imports tests.conftest (tests)",
+    ]
+    assert forbidden_edges({"bench.probe": probe}) == [
+        "probe.py:1: bench imports scripts.render_dashboard (scripts)",
+        "probe.py:1: bench imports scripts.render_dashboard.main (scripts)",
+    ]
+    assert forbidden_edges({"tests.probe": probe}) == [
+        "probe.py:1: tests imports scripts.render_dashboard (scripts)",
+        "probe.py:1: tests imports scripts.render_dashboard.main (scripts)",
+    ]
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text("from rebalancer.x.b import f\n")
+    b.write_text("import rebalancer.x.a\n")
+    c.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rebalancer.x.a\n"
+                 "def g():\n    import rebalancer.x.b\n")
+    assert import_circles({"rebalancer.x.a": a, "rebalancer.x.b": b, "rebalancer.x.c": c}) == [
+        ["rebalancer.x.a", "rebalancer.x.b"]]
 
 
 def test_the_walk_sees_a_forbidden_edge(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.store import Store
-from rebalancer.demo import reap
+from rebalancer.launch.processes import reap
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import client_options

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rebalancer.controller.decide import PolicyConfig
-from rebalancer.demo import bound_to_this_process, free_port, reap
+from rebalancer.launch.processes import bound_to_this_process, free_port, reap
 from tests.integration.conftest import start_controller
 
 pytest.importorskip("transformers")

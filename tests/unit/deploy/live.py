@@ -21,10 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rebalancer.demo import reap
-
-# The instant ranks live with the fleet, which the dashboard's picture runs too.
-from scripts.prometheus_live import DEPLOYMENT, E, G, InstantRank, L, P
+from rebalancer.launch.instant import DEPLOYMENT, E, G, InstantRank, L, P
+from rebalancer.launch.processes import reap
 
 # What each metric type of the text exposition puts after a family's name.
 _SERIES_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from scripts.render_dashboard import grafana_to_promql
+from rebalancer.launch.dashboard import grafana_to_promql
 from tests.unit.deploy.conftest import DASHBOARD, PROCESS_PREFIX, base_name
 from tests.unit.deploy.promql import metric_names
 

@@ -1,7 +1,7 @@
 """The dashboard and the alerts on a real Prometheus over a live run, with real faults.
 
 A Prometheus server (Debian's, the package promtool comes from) scrapes, every second, a
-live fleet (scripts/prometheus_live.py): `rebalancer serve`, the demo's 2 sidecars with
+live fleet (rebalancer/launch/fleet.py): `rebalancer serve`, the demo's 2 sidecars with
 their /metrics, and the demo's 4 CPU workers serving through them. Its rules are the
 shipped deploy/prometheus/alerts.yml with every `for:` shortened to FOR, evaluated every
 second: only `for` is changed (the test checks it), so expressions, labels and
@@ -9,7 +9,7 @@ annotations are the shipped ones.
 
 1. Every query of every dashboard panel, the sidecars' too, is answered by Prometheus
    (query_range over the run, Grafana's variables as Grafana sets them) with data, and
-   the picture is drawn from those answers (scripts/render_dashboard.py).
+   the picture is drawn from those answers (rebalancer/launch/dashboard.py).
 2. The engines die behind live sidecars (SIGKILL of every worker; the sidecars keep their
    streams to the controller): RebalancerRanksDisconnected fires; the engines start
    again and it resolves.
@@ -33,9 +33,11 @@ from typing import Any
 
 import pytest
 
-from rebalancer.demo import DemoConfig
-from scripts.prometheus_live import Fleet, PoolMember, Prometheus
-from scripts.render_dashboard import Query, ask, dashboard_queries, draw, has_data
+from rebalancer.launch.config import DemoConfig
+from rebalancer.launch.dashboard import Query, ask, dashboard_queries, draw, has_data
+from rebalancer.launch.fleet import Fleet
+from rebalancer.launch.instant import PoolMember
+from rebalancer.launch.prometheus import Prometheus
 from tests.unit.deploy.conftest import DASHBOARD, PROMETHEUS, load_all
 
 pytestmark = pytest.mark.slow
