@@ -51,9 +51,8 @@ def test_the_adapter_waits_while_vllms_map_has_empty_slots(caplog: pytest.LogCap
     """Elastic EP grew the slots (`reconfigure_physical_expert_slots` fills them with -1):
     no adapter is built on a map some slots of which hold no expert, vLLM's default policy
     answers until its rearrangement fills them, and the adapter starts after that."""
-    import torch
 
-    model_state = types.SimpleNamespace(model_name="m", physical_to_logical_map=torch.tensor([[0, 1, -1, -1]]))
+    model_state = _model_state("m", [[0, 1, -1, -1]])
     state = types.SimpleNamespace(model_states={"m": model_state})
     with caplog.at_level(logging.INFO, logger="worker_hooks.engines.vllm"):
         assert plugin._build_adapter(CONFIG, state) is None
@@ -62,8 +61,44 @@ def test_the_adapter_waits_while_vllms_map_has_empty_slots(caplog: pytest.LogCap
     assert sum("2 slots of vLLM's map hold no expert yet" in r.getMessage() for r in caplog.records) == 1
 
 
+def _model_state(name: str, phy2log: list[list[int]], experts: int = 2) -> types.SimpleNamespace:
+    """What the layer set reads of vLLM's `EplbModelState` (stand-in: no vLLM here)."""
+    import torch
+
+    return types.SimpleNamespace(model_name=name, physical_to_logical_map=torch.tensor(phy2log),
+                                 model=types.SimpleNamespace(num_logical_experts=experts), rebalanced=False)
+
+
+def test_the_layer_set_is_the_main_model_then_its_drafters_of_the_same_expert_shape() -> None:
+    """vLLM registers a drafter first, the main model last; the layer set puts the main
+    model's rows first, keeps a drafter with the main model's experts and slots, and
+    leaves out one of another shape. Policy calls come in registration order: the
+    drafter's opens the rearrangement (the agreement runs there), the main model's
+    follows; a map shape only one model has names its model."""
+    import torch
+
+    from worker_hooks.engines.vllm.layer_set import LayerSet
+
+    draft = _model_state("m (draft)", [[0, 1, 1, 0]])
+    other = _model_state("n (draft)", [[0, 1, 2]], experts=3)
+    main = _model_state("m", [[0, 1, 0, 1], [1, 0, 1, 0]])
+    state = types.SimpleNamespace(model_states={"m (draft)": draft, "n (draft)": other, "m": main})
+    layers = LayerSet(state)
+    assert layers.models[0] is main and layers.models[1] is draft and len(layers.models) == 2
+    assert layers.rows == [slice(0, 2), slice(2, 3)] and layers.left_out() == ["n (draft)"]
+    assert layers.read_map().tolist() == [[0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 1, 0]]
+    assert layers.index_of(other) is None and layers.index_of(draft) == 1
+    assert layers.opens_rearrangement(1) and not layers.opens_rearrangement(0)
+    # One rearrangement: the drafter, the model of another shape, the main model.
+    asked = [layers.model_of_call(torch.zeros(1, 4)), layers.model_of_call(torch.zeros(1, 3)),
+             layers.model_of_call(torch.zeros(2, 4))]
+    assert asked[0] is draft and asked[1] is other and asked[2] is main
+    main.rebalanced = True
+    assert layers.rebalancing()
+
+
 def test_expert_groups_are_registered_when_vllm_keeps_several() -> None:
-    from worker_hooks.engines.vllm.adapter import expert_groups
+    from worker_hooks.engines.vllm.layer_set import expert_groups
 
     def model(groups: int | None, experts: int = 256) -> object:
         return types.SimpleNamespace(num_expert_groups=groups, num_logical_experts=experts)
