@@ -3,10 +3,9 @@
 Every deployment saves its ingest cursor (per-rank next window and the estimate built
 from them, about 120 kB at DeepSeek-V3 shapes) every `persist_seconds`. At 512
 deployments that is about 100 SQLite writes a second, and done on the event loop they
-were a quarter of its time, so windows queued behind them. Here the loop only takes a
-snapshot (the arrays copied, so later folds cannot change what is saved) and hands over
-a packer of the row; the thread packs and writes it (packing on the loop was a tenth of
-its time at 16,384 ranks, issue 32). SQLite's WAL lets the two connections of one
+were a quarter of its time, so windows queued behind them. Here the loop only packs the
+row (a snapshot: each array copied once into the blob, so later folds cannot change what
+is saved) and hands it over; the thread writes it. SQLite's WAL lets the two connections of one
 process take turns (each waits for the other's short write lock, never fails on it).
 
 Rules that keep a cursor from going backwards (a window counted twice after a restart):
@@ -31,7 +30,6 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("rebalancer.store")
@@ -44,8 +42,7 @@ IDLE_SECONDS = 1.0
 # At most one "cannot save" line per this many seconds (a full disk fails every save).
 ERROR_LOG_SECONDS = 10.0
 
-Row = tuple[str, bytes]  # (JSON document, packed arrays) of the ingest_state table
-RowOrPacker = Row | Callable[[], Row]  # a row, or what packs it (called once, by the writer)
+Row = tuple[str, bytes | bytearray]  # (JSON document, packed arrays) of the ingest_state table
 
 
 class CursorWriter:
@@ -54,8 +51,8 @@ class CursorWriter:
         connection class, so refused statements are counted the same way)."""
         self.path = path
         self._connect = connect
-        self._pending: dict[str, RowOrPacker] = {}
-        self._writing: dict[str, RowOrPacker] = {}
+        self._pending: dict[str, Row] = {}
+        self._writing: dict[str, Row] = {}
         self._cond = threading.Condition()
         self._closed = False
         self.errors = 0
@@ -63,7 +60,7 @@ class CursorWriter:
         self._last_error_log = -float("inf")
         self._thread: threading.Thread | None = None  # the running writer, if any
 
-    def put(self, name: str, row: RowOrPacker) -> None:
+    def put(self, name: str, row: Row) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("cursor writer is closed")
@@ -76,8 +73,7 @@ class CursorWriter:
     def pending(self, name: str) -> Row | None:
         """The newest row of `name` handed over and not yet written, if any."""
         with self._cond:
-            row = self._pending.get(name) or self._writing.get(name)
-        return row() if callable(row) else row
+            return self._pending.get(name) or self._writing.get(name)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every row handed over so far is written (or failed); False on timeout."""
@@ -117,14 +113,16 @@ class CursorWriter:
                     self._pending, self._writing = {}, {}
                     self._cond.notify_all()
 
-    def _write(self, db: sqlite3.Connection, rows: dict[str, RowOrPacker]) -> None:
+    def _write(self, db: sqlite3.Connection, rows: dict[str, Row]) -> None:
         try:
-            packed = [(name, *(row() if callable(row) else row)) for name, row in rows.items()]
             db.execute("BEGIN")
-            db.executemany("INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", packed)
+            db.executemany(
+                "INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)",
+                [(name, doc, blob) for name, (doc, blob) in rows.items()],
+            )
             db.execute("COMMIT")
             self.written += len(rows)
-        except (sqlite3.Error, TypeError, ValueError) as exc:  # ValueError, TypeError: a row that does not pack
+        except sqlite3.Error as exc:
             self.errors += 1
             try:
                 db.execute("ROLLBACK")

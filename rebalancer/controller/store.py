@@ -595,19 +595,17 @@ class Store:
         """Numeric lists and arrays travel as one blob of raw little-endian bytes (JSON of
         [L, E] floats is ~100x slower, npz ~10x); pass arrays, not lists, where you can.
 
-        `background`: a thread writes it (cursor_writer.py), so the caller does not wait
-        for SQLite, and packs it too: the caller only takes a snapshot (the arrays copied,
-        so later folds cannot change what is saved). Once any save went that way, every
-        save does, so a newer cursor is never overwritten by an older one, and a save in
-        line waits for it."""
+        The row is packed here: each array copied once into the blob, which is the
+        snapshot (later folds cannot change what is saved); packing in the writer thread
+        held the GIL all the same and took one copy more. `background`: a thread writes it
+        (cursor_writer.py), so the caller does not wait for SQLite; once any save went
+        that way, every save does, so a newer cursor is never overwritten by an older one,
+        and a save in line waits for it."""
         if background and self._writer is None and self.path != ":memory:":
             self._writer = CursorWriter(self.path, self._connect_writer)
         if self._writer is not None:
-            if background:
-                snapshot = _snapshot(state)
-                self._writer.put(name, lambda: _ingest_row(snapshot))
-            else:
-                self._writer.put(name, _ingest_row(state))
+            self._writer.put(name, _ingest_row(state))
+            if not background:
                 self._writer.flush()
             return
         self._db.execute("INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, *_ingest_row(state)))
@@ -641,37 +639,38 @@ class Store:
 _RAW_MAGIC = b"RBA1"
 
 
-def _ingest_row(state: dict[str, Any]) -> tuple[str, bytes]:
+def _ingest_row(state: dict[str, Any]) -> tuple[str, bytearray]:
     """An ingest cursor as its row: (JSON document, packed arrays)."""
     arrays: dict[str, np.ndarray] = {}
     doc = _split_arrays(state, arrays, "")
     return json.dumps(doc), _pack_arrays(arrays)
 
 
-def _snapshot(value: Any) -> Any:
-    """`value` with every array copied and every dict and list rebuilt: what the caller
-    changes later is not in it."""
-    if isinstance(value, np.ndarray):
-        return value.copy()
-    if isinstance(value, dict):
-        return {k: _snapshot(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_snapshot(v) for v in value]
-    return value
-
-
-def _pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
+def _pack_arrays(arrays: dict[str, np.ndarray]) -> bytearray:
+    """The arrays as one blob: magic, header length, JSON header (key, dtype, shape per
+    array), then each array's little-endian bytes. Each array is copied once, straight into
+    the blob (a bytearray: SQLite stores it as a BLOB): at 240 kB a cursor, `tobytes` then
+    `join` made two fresh copies and cost ten times as long (issue 32)."""
     header: list[list[Any]] = []
-    parts: list[bytes] = []
+    placed: list[tuple[np.ndarray, np.dtype]] = []
+    size = 0
     for key, arr in arrays.items():
-        arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
-        header.append([key, arr.dtype.str, list(arr.shape)])
-        parts.append(arr.tobytes())
+        dtype = arr.dtype.newbyteorder("<")
+        header.append([key, dtype.str, list(arr.shape)])
+        placed.append((arr, dtype))
+        size += arr.size * dtype.itemsize
     head = json.dumps(header).encode()
-    return b"".join([_RAW_MAGIC, len(head).to_bytes(4, "little"), head, *parts])
+    offset = len(_RAW_MAGIC) + 4 + len(head)
+    blob = bytearray(offset + size)
+    blob[:offset] = _RAW_MAGIC + len(head).to_bytes(4, "little") + head
+    for arr, dtype in placed:
+        if arr.size:
+            np.frombuffer(blob, dtype, arr.size, offset).reshape(arr.shape)[...] = arr
+        offset += arr.size * dtype.itemsize
+    return blob
 
 
-def _unpack_arrays(blob: bytes) -> dict[str, np.ndarray]:
+def _unpack_arrays(blob: bytes | bytearray) -> dict[str, np.ndarray]:
     if not blob.startswith(_RAW_MAGIC):
         with np.load(io.BytesIO(blob)) as npz:
             return dict(npz)
