@@ -8,7 +8,7 @@ Beside it, SGLang's own `ExpertLocationMetadata.init_by_eplb` on the same dump (
 dump's counts, layout DeepSeek-V3 at EP32: 288 slots, 4 nodes, 8 expert groups.
 
 Needs SGLang importable (scripts/sglang_env.sh provisions it):
-    PYTHONPATH=.ci/tools/sglang-site:tests/engines/sglang/cpu_shims \
+    PYTHONPATH=.ci/tools/sglang-site:bench/cpu_shims \
         .venv/bin/python -m bench.sglang_offline [--json]
 """
 

@@ -1,9 +1,9 @@
 """SGLang's updater vs the staged update, the same plans in one run, on SGLang's real code.
 
 4 CPU ranks (gloo), each with SGLang's ExpertLocationMetadata, dispatch, EPLBManager and
-ExpertLocationUpdater and the rebalancer's SGLang plugin (as tests/engines/sglang/worker.py,
-no controller: a driver thread per rank hands the adapter the plans, and all ranks
-confirm PREPARED on a gloo group of the driver's own before the commit). Model: 1 dense
+ExpertLocationUpdater and the rebalancer's SGLang plugin (set up by bench/sglang_cpu.py, as
+the SGLang tests' ranks are; no controller: a driver thread per rank hands the adapter the
+plans, and all ranks confirm PREPARED on a gloo group of the driver's own before the commit). Model: 1 dense
 + 8 MoE layers, 8 experts + 4 redundant slots over 4 ranks (3 slots per rank), each
 expert 3 x (512 x 1024) float32 = 6 MiB. A forward pass is SGLang's dispatch of 16
 tokens x top-2 per MoE layer, one small matmul on each layer's first live expert, a
@@ -83,10 +83,10 @@ def worker(args: argparse.Namespace) -> None:
     from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
     from sglang.srt.plugins import load_plugins
 
+    from bench.sglang_cpu import sglang_cpu_rank
     from rebalancer.placement.transfers import transfers as transfer_list
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.wire import codec
-    from tests.engines.sglang.worker import sglang_cpu_rank
 
     model_config = sglang_cpu_rank(rank, WORLD, Path(args.out).parent, NUM_LAYERS, rebalance_iterations=10**6)
     load_plugins()
@@ -272,16 +272,16 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from tests.engines.sglang import sglang_env
+    from bench import sglang_cpu
 
-    if not sglang_env.available():
-        sys.exit(sglang_env.MISSING)
+    if not sglang_cpu.available():
+        sys.exit(sglang_cpu.MISSING)
     with tempfile.TemporaryDirectory() as tmp:
         settings = {"REBALANCER_ADDRESS": f"unix:{tmp}/no-controller.sock", "REBALANCER_AGREE_EVERY": "2",
                     "REBALANCER_WINDOW_STEPS": "16", "TMPDIR": tmp}
         if args.staging_budget_bytes is not None:
             settings["REBALANCER_STAGING_BUDGET_BYTES"] = str(args.staging_budget_bytes)
-        env = sglang_env.environment(**settings)
+        env = sglang_cpu.environment(**settings)
         port = free_port()
         procs = []
         try:
@@ -289,7 +289,7 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "bench.sglang_staged", "--worker", "--rank", str(rank),
                        "--port", str(port), "--out", f"{tmp}/rank{rank}.json", "--rounds", str(args.rounds)]
                 log = open(f"{tmp}/rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-                procs.append((subprocess.Popen(cmd, cwd=sglang_env.ROOT, env=env, stdout=log,
+                procs.append((subprocess.Popen(cmd, cwd=sglang_cpu.ROOT, env=env, stdout=log,
                                                stderr=subprocess.STDOUT), log))
             codes = [p.wait(timeout=900) for p, _ in procs]
         finally:

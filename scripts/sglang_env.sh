@@ -5,7 +5,7 @@
 # the light packages its EPLB code imports are installed with --no-deps (pinned) into
 #   .ci/tools/sglang-site   (or $1)
 # Not installed: triton (1 GB; GPU kernels) and torchvision (PyPI's wheels need CUDA
-# torch): the tests put stubs of both on their path (tests/engines/sglang/cpu_shims).
+# torch): the tests and benches put stubs of both on their path (bench/cpu_shims).
 #
 #   scripts/sglang_env.sh            provision (skips when already there)
 set -euo pipefail

@@ -73,9 +73,7 @@ ALLOWED = {
              "launch"},
     "top": PRODUCT,
     # One way: product <- bench <- tests, product <- scripts.
-    # bench/sglang_staged.py still starts its SGLang ranks with the tests' helpers
-    # (tests/engines/sglang): the one bench -> tests edge left, to go.
-    "bench": PRODUCT | {"tests"},
+    "bench": PRODUCT,
     "tests": PRODUCT | {"bench"},
     "scripts": PRODUCT,
 }
@@ -230,8 +228,8 @@ def test_no_import_circle_in_the_product() -> None:
 
 
 def test_the_walk_sees_a_sideways_import_and_a_circle(tmp_path: Path) -> None:
-    """The checkers themselves: the product importing a script or a test, bench or a test
-    importing a script; two modules importing each other."""
+    """The checkers themselves: the product importing a script or a test, bench importing
+    a script or a test, a test importing a script; two modules importing each other."""
     probe = tmp_path / "probe.py"
     probe.write_text("from scripts.render_dashboard import main\nimport tests.conftest\n")
     assert forbidden_edges({"rebalancer.launch.probe": probe}) == [
@@ -242,6 +240,7 @@ def test_the_walk_sees_a_sideways_import_and_a_circle(tmp_path: Path) -> None:
     assert forbidden_edges({"bench.probe": probe}) == [
         "probe.py:1: bench imports scripts.render_dashboard (scripts)",
         "probe.py:1: bench imports scripts.render_dashboard.main (scripts)",
+        "probe.py:2: bench imports tests.conftest (tests)",
     ]
     assert forbidden_edges({"tests.probe": probe}) == [
         "probe.py:1: tests imports scripts.render_dashboard (scripts)",

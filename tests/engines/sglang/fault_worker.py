@@ -38,16 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from tests.engines.sglang.worker import (
-    NUM_EXPERTS,
-    NUM_LAYERS,
-    SHAPES,
-    TOKENS,
-    TOP_K,
-    _stand_in_model_runner,
-    reference_weights,
-    sglang_cpu_rank,
-)
+from bench.sglang_cpu import NUM_EXPERTS, NUM_LAYERS, TOP_K, sglang_cpu_rank
+from tests.engines.sglang.worker import SHAPES, TOKENS, _stand_in_model_runner, reference_weights
 
 
 def main() -> None:

@@ -1,10 +1,8 @@
 """Where the SGLang tests find SGLang: its own folder, never the project's venv.
 
-SGLang pins torch 2.14.1 (the venv has 2.13.0 CPU), so scripts/sglang_env.sh installs
-the SGLang wheel and the light packages its EPLB code imports with `--no-deps` into
-.ci/tools/sglang-site (CI: `.ci/run --tools`). The tests run SGLang in worker
-processes with that folder and cpu_shims (test-only stubs of triton and torchvision)
-on PYTHONPATH, and skip with the reason when the folder is missing, except in CI
+Where it is and the environment of a process that imports it are bench/sglang_cpu.py's
+(bench/sglang_staged.py runs SGLang too); the tests run SGLang in worker processes with
+that environment, and skip with the reason when the folder is missing, except in CI
 (.ci/run sets REBALANCER_REQUIRE_SGLANG=1): there they fail, so a CI run without SGLang
 never passes.
 """
@@ -12,21 +10,12 @@ never passes.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-SITE = Path(os.environ.get("REBALANCER_SGLANG_SITE", ROOT / ".ci" / "tools" / "sglang-site"))
-SHIMS = Path(__file__).resolve().parent / "cpu_shims"
-MISSING = (
-    f"SGLang is not provisioned at {SITE}: run scripts/sglang_env.sh (CI: .ci/run --tools)"
-)
+from bench.sglang_cpu import MISSING, ROOT, SHIMS, SITE, available, environment
 
-
-def available() -> bool:
-    return (SITE / "sglang" / "srt" / "eplb" / "eplb_manager.py").is_file()
-
+__all__ = ["MISSING", "ROOT", "SHIMS", "SITE", "available", "environment", "needed"]
 
 REQUIRE_ENV = "REBALANCER_REQUIRE_SGLANG"
 
@@ -37,16 +26,3 @@ def needed() -> pytest.MarkDecorator:
     if not available() and os.environ.get(REQUIRE_ENV) == "1":
         pytest.fail(f"{MISSING} ({REQUIRE_ENV}=1: CI runs these tests)", pytrace=False)
     return pytest.mark.skipif(not available(), reason=MISSING)
-
-
-def environment(**extra: str) -> dict[str, str]:
-    """The environment of a process that imports SGLang: the repo, SGLang's folder, the
-    CPU shims (after SGLang's folder, so a real triton there would win)."""
-    env = dict(os.environ)
-    paths = [str(ROOT), str(SITE), str(SHIMS)]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.setdefault("SGLANG_ROLE_NAMESPACES", "off")
-    env.update(extra)
-    return env

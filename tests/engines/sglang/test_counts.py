@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.sglang_cpu import NUM_LAYERS
 from tests.engines.sglang.test_plugin import (
     EXPERT_BYTES,
     WORLD,
@@ -23,7 +24,6 @@ from tests.engines.sglang.test_plugin import (
     _staged_run,
     sglang_env,
 )
-from tests.engines.sglang.worker import NUM_LAYERS
 from worker_hooks.session.staging import ticket_parts
 
 pytestmark = [pytest.mark.slow, sglang_env.needed()]

@@ -104,7 +104,7 @@ def _no_temporary_files_left(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == []
 
 
-# Tokens x top-k each rank routes per pass: 3 MoE layers x worker.TOKENS x worker.TOP_K.
+# Tokens x top-k each rank routes per pass: 3 MoE layers x worker.TOKENS x sglang_cpu.TOP_K.
 ROUTED_PER_PASS = 3 * 16 * 2
 
 
@@ -199,7 +199,7 @@ def test_lp_dispatch_follows_every_staged_swap(tmp_path: Path) -> None:
     slot now holding another expert). Now every swap (layer groups too: a budget of two
     experts) rebuilds them as SGLang's own update does: after the run each rank's solvers
     are the map's, and every token of every pass reached a slot holding its expert.
-    Stood in (GPU-only, worker._lp_stand_ins): the solver's JIT warm-up, its fused LP
+    Stood in (GPU-only, bench.sglang_cpu._lp_stand_ins): the solver's JIT warm-up, its fused LP
     solve and the CUDA dispatch kernel; SGLang's LPLBSolver, init_lplb_solvers and
     dispatch info are real."""
     codes, results, dep = _staged_run(
@@ -347,7 +347,7 @@ QUIET_POLICY = replace(FAST_POLICY, paused=True)  # no plan of the controller's 
 def _pool_placement() -> np.ndarray:
     """A placement of the worker's shape unlike SGLang's trivial one (hot experts 0 and 1
     held twice, every layer permuted differently)."""
-    from tests.engines.sglang.worker import NUM_EXPERTS, NUM_LAYERS, REDUNDANT
+    from bench.sglang_cpu import NUM_EXPERTS, NUM_LAYERS, REDUNDANT
 
     rows = [np.concatenate([np.roll(np.arange(NUM_EXPERTS)[::-1], layer), [0, 1, 0, 1]])
             for layer in range(NUM_LAYERS)]
@@ -365,7 +365,7 @@ def _expert_bytes() -> int:
 def _seed_pool(ctl: EmbeddedController, placement: np.ndarray) -> None:
     """Pool `p` holding `placement`: a seed member of the worker's shape registers over
     gRPC, then the pool takes the placement as a pool decision would."""
-    from tests.engines.sglang.worker import NUM_EXPERTS, NUM_LAYERS, REDUNDANT
+    from bench.sglang_cpu import NUM_EXPERTS, NUM_LAYERS, REDUNDANT
 
     assert ctl.server is not None
     shape = pb.ModelShape(num_layers=NUM_LAYERS, num_logical_experts=NUM_EXPERTS,

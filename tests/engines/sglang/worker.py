@@ -9,8 +9,9 @@ moving the weights (the staged update: the adapter's own executor over gloo). St
 `routed_experts_weights_of_layer` SGLang's updater moves) and the model-class lookup
 `ModelConfigForExpertLocation.from_model_config` (it would import SGLang's DeepSeek
 model code, which needs GPU kernels), the recorder's `get_device` (answers "cpu") and
-`torch.cpu.empty_cache` (a no-op the updater calls once);
-triton and torchvision are stubs (cpu_shims).
+`torch.cpu.empty_cache` (a no-op the updater calls once), set up by
+bench/sglang_cpu.py (`sglang_cpu_rank`, shared with bench/sglang_staged.py);
+triton and torchvision are stubs (bench/cpu_shims).
 """
 
 from __future__ import annotations
@@ -25,10 +26,8 @@ from typing import Any
 
 import numpy as np
 
-NUM_LAYERS = 4        # layer 0 dense (first_k_dense_replace=1), 1..3 MoE
-NUM_EXPERTS = 8
-REDUNDANT = 4         # 12 slots over 4 ranks
-TOP_K = 2
+from bench.sglang_cpu import NUM_EXPERTS, NUM_LAYERS, TOP_K, sglang_cpu_rank
+
 TOKENS = 16
 SHAPES = ((4, 3), (3, 2))  # two weight tensors per expert, like w13 and w2
 
@@ -38,19 +37,6 @@ def reference_weights(layer: int, expert: int) -> list:
 
     g = torch.Generator().manual_seed(1000 * layer + expert)
     return [torch.randn(shape, generator=g) for shape in SHAPES]
-
-
-def write_model(folder: Path, num_layers: int = NUM_LAYERS) -> None:
-    config = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "num_hidden_layers": num_layers, "first_k_dense_replace": 1,
-        "n_routed_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K, "n_group": 1,
-        "topk_group": 1, "hidden_size": 16, "intermediate_size": 32,
-        "moe_intermediate_size": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "vocab_size": 64, "kv_lora_rank": 8, "q_lora_rank": None, "qk_rope_head_dim": 4,
-        "qk_nope_head_dim": 4, "v_head_dim": 4, "max_position_embeddings": 64,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
 
 
 def _stand_in_model_runner() -> type:
@@ -91,87 +77,6 @@ def _stand_in_model_runner() -> type:
     return ModelRunner
 
 
-def sglang_cpu_rank(rank: int, world: int, folder: Path, num_layers: int = NUM_LAYERS,
-                    rebalance_iterations: int = 1000, dispatch: str | None = None,
-                    recorder_mode: str | None = None) -> Any:
-    """SGLang set up on one CPU rank of an initialised gloo group: the tiny model written to
-    `folder`/model-rank<rank>, the server args published, and the stand-ins a CPU rank needs
-    (module docstring). Returns SGLang's ModelConfig. The tests' worker and
-    bench/sglang_staged.py both start their ranks here. `dispatch` and `recorder_mode`:
-    SGLang's --ep-dispatch-algorithm and --expert-distribution-recorder-mode (None: what
-    SGLang picks with --enable-eplb)."""
-    import torch
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.eplb import expert_distribution
-    from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
-
-    model_dir = folder / f"model-rank{rank}"
-    model_dir.mkdir(exist_ok=True)
-    write_model(model_dir, num_layers)
-    extra: dict[str, Any] = {}
-    if dispatch == "lp":  # SGLang takes lp only with an a2a backend (DeepEP's, as in production)
-        extra.update(ep_dispatch_algorithm="lp", moe_a2a_backend="deepep", deepep_mode="normal")
-    elif dispatch is not None:
-        extra.update(ep_dispatch_algorithm=dispatch)
-    if recorder_mode is not None:
-        extra.update(expert_distribution_recorder_mode=recorder_mode)
-    server_args = ServerArgs(
-        model_path=str(model_dir), device="cpu", tp_size=world, ep_size=world,
-        enable_eplb=True, ep_num_redundant_experts=REDUNDANT, skip_tokenizer_init=True,
-        eplb_rebalance_num_iterations=rebalance_iterations, **extra,
-    )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
-    if dispatch == "lp":
-        _lp_stand_ins()
-    model_config = ModelConfig.from_server_args(server_args)
-    # Stand-in for the model-class lookup (see the module docstring).
-    ModelConfigForExpertLocation.from_model_config = staticmethod(  # type: ignore[method-assign]
-        lambda _config: ModelConfigForExpertLocation(num_layers, NUM_EXPERTS, None))
-    # The recorder asks sglang.srt.utils.get_device(), which raises without an accelerator
-    # (its CPU answer needs SGLANG_USE_CPU_ENGINE, whose platform needs sgl_kernel).
-    expert_distribution.get_device = lambda *_a, **_k: "cpu"
-    # The updater empties the device cache once (torch.get_device_module().empty_cache());
-    # torch.cpu has none.
-    if not hasattr(torch.cpu, "empty_cache"):
-        torch.cpu.empty_cache = lambda: None
-    return model_config
-
-
-def _lp_stand_ins() -> None:
-    """The GPU-only parts of SGLang's lp dispatch, stood in on CPU: the solver's JIT kernel
-    warm-up (`torch_solver.warmup`, a no-op), its fused interior-point solve
-    (`LPLBSolver._solve`: each replica the solver knows gets an equal share, where the real
-    LP weighs them by load) and the CUDA dispatch kernel
-    (`_topk_ids_logical_to_physical_probability`: each token's replica column drawn from
-    the solver's probabilities, then SGLang's own `partial_logical_to_all_physical_map`
-    read at it, as `cuda_solver.dispatch_probability` does). The EP group of the solver's
-    all-reduce is None (one rank's counts): the stand-in solve does not read them. The
-    solvers themselves are SGLang's `LPLBSolver`, built by SGLang's `init_lplb_solvers`."""
-    import torch
-    from sglang.kernels.ops.lplb import torch_solver
-    from sglang.srt.eplb import expert_location_dispatch
-    from sglang.srt.eplb.lplb_solver import LPLBSolver
-    from sglang.srt.runtime_context import get_parallel
-
-    get_parallel().override_permanently(moe_ep_group=None)
-    torch_solver.warmup = lambda *_a, **_k: None
-
-    def solve(self: Any, global_counts: Any) -> Any:
-        valid = (self.log2phy != -1).float()
-        return valid / valid.sum(dim=1, keepdim=True)
-
-    def dispatch(topk_ids: Any, info: Any, log2phy_prob: Any) -> Any:
-        flat = topk_ids.flatten().long()
-        column = torch.multinomial(log2phy_prob[flat], 1).flatten()
-        physical = info.partial_logical_to_all_physical_map[flat, column]
-        return physical.view(topk_ids.shape).to(topk_ids.dtype)
-
-    LPLBSolver._solve = solve  # type: ignore[method-assign]
-    expert_location_dispatch._topk_ids_logical_to_physical_probability = dispatch
-
-
 def lp_solvers_match() -> bool:
     """SGLang's lp solvers (one per layer) were built from the expert location metadata
     served now: each solver's replica table and replicated slots are the map's."""
@@ -205,7 +110,7 @@ def main() -> None:
                         help="the adapter raises on this pass's counts (1-based): an adapter bug")
     parser.add_argument("--die-in-staging", action="store_true",
                         help="exit inside the staged update's weight transfer of the first plan")
-    parser.add_argument("--dispatch", default=None, help="SGLang's --ep-dispatch-algorithm (lp: see _lp_stand_ins)")
+    parser.add_argument("--dispatch", default=None, help="SGLang's --ep-dispatch-algorithm (lp: see bench.sglang_cpu._lp_stand_ins)")
     parser.add_argument("--recorder-mode", default=None, help="SGLang's --expert-distribution-recorder-mode")
     parser.add_argument("--lag-staging", type=float, default=0.0,
                         help="this rank's staging of every layer group after a plan's first ends this long "
