@@ -130,6 +130,12 @@ def test_demo_direct_keeps_its_folder_with_keep() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# How long the demo may take to unwind: it ends its workers (each closes its agreements
+# and delivers its last window) and sidecars; on a busy CI machine that takes a while, and
+# what the test asserts is that it ends, leaving no process, not how fast.
+UNWIND_SECONDS = 150
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill"])
 def test_demo_interrupted_or_killed_leaves_no_process(how: str) -> None:
     token = uuid.uuid4().hex
@@ -143,12 +149,12 @@ def test_demo_interrupted_or_killed_leaves_no_process(how: str) -> None:
         assert len(tagged(token)) >= 1 + 2 + 4  # the demo, its sidecars, its workers
         if how == "ctrl-c":  # what a terminal does: SIGINT to the whole foreground group
             os.killpg(proc.pid, signal.SIGINT)
-            assert proc.wait(60) == 130
+            assert proc.wait(UNWIND_SECONDS) == 130
             assert_none_left(token)
             assert not folder.exists()
         elif how == "sigterm":  # the demo alone: it unwinds as on Ctrl-C
             proc.terminate()
-            assert proc.wait(60) == 128 + signal.SIGTERM
+            assert proc.wait(UNWIND_SECONDS) == 128 + signal.SIGTERM
             assert_none_left(token)
             assert not folder.exists()
         else:
