@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import sglang_cpu
 from tests.conftest import MARKER
 from tests.engines.sglang import sglang_env
 from tests.engines.vllm import vllm_env
@@ -119,7 +120,7 @@ def vllm_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sglang_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel installed beside SGLang's pinned code (and the CPU stubs of its GPU imports)."""
     venv = tmp_path_factory.mktemp("sglang-venv")
-    make_venv(wheel, venv, (sglang_env.SITE, sglang_env.SHIMS))
+    make_venv(wheel, venv, (sglang_cpu.SITE, sglang_cpu.SHIMS))
     return venv
 
 

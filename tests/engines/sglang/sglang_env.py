@@ -13,9 +13,7 @@ import os
 
 import pytest
 
-from bench.sglang_cpu import MISSING, ROOT, SHIMS, SITE, available, environment
-
-__all__ = ["MISSING", "ROOT", "SHIMS", "SITE", "available", "environment", "needed"]
+from bench.sglang_cpu import MISSING, available
 
 REQUIRE_ENV = "REBALANCER_REQUIRE_SGLANG"
 

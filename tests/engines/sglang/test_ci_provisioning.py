@@ -16,9 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.engines.sglang import sglang_env
+from bench import sglang_cpu
 
-ROOT = sglang_env.ROOT
+ROOT = sglang_cpu.ROOT
 OPERATOR = Path("tests/unit/deploy/operator")
 
 

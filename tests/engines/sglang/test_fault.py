@@ -13,7 +13,6 @@ recorder, with the plugin's hooks installed by SGLang's HookRegistry.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench import sglang_cpu
+from rebalancer.launch.processes import free_port
 from tests.engines import planned_loss
 from tests.engines.sglang import sglang_env
 from tests.engines.sglang.test_plugin import DEPLOYMENT, FAST_POLICY
@@ -41,19 +42,13 @@ RUN_SECONDS = 300.0
 MOE = slice(1, None)  # layer 0 is dense: SGLang's update leaves its row as it was
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(tmp_path: Path, address: str, flags: list[str],
                during: Callable[[], None] | None = None) -> tuple[list[int], dict[int, dict]]:
-    env = sglang_env.environment(
+    env = sglang_cpu.environment(
         REBALANCER_ADDRESS=address, REBALANCER_DEPLOYMENT=DEPLOYMENT, REBALANCER_WINDOW_STEPS="4",
         REBALANCER_AGREE_EVERY="2", REBALANCER_AGREE_TIMEOUT_SECONDS="15",
     )
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for rank in range(WORLD):
@@ -61,7 +56,7 @@ def _run_ranks(tmp_path: Path, address: str, flags: list[str],
                    "--world", str(WORLD), "--port", str(port), "--lost", str(LOST),
                    "--out", str(tmp_path / f"rank{rank}.json"), *flags]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((subprocess.Popen(cmd, cwd=sglang_env.ROOT, env=env, stdout=log,
+            procs.append((subprocess.Popen(cmd, cwd=sglang_cpu.ROOT, env=env, stdout=log,
                                            stderr=subprocess.STDOUT), log))
         helper = threading.Thread(target=during, daemon=True) if during else None
         if helper is not None:

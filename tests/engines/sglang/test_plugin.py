@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,12 +20,13 @@ import grpc
 import numpy as np
 import pytest
 
+from bench import sglang_cpu
 from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.store import Store
-from rebalancer.launch.processes import reap
+from rebalancer.launch.processes import free_port, reap
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import client_options
@@ -49,24 +49,18 @@ FAST_POLICY = PolicyConfig(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
                settings: dict[str, str] | None = None, rank_env: dict[int, dict[str, str]] | None = None,
                world: int = WORLD) -> tuple[list[int], dict[int, dict]]:
     """`world` SGLang ranks; their temporary files go to a folder of the test's own (TMPDIR),
     which _no_temporary_files_left checks."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    env = sglang_env.environment(
+    env = sglang_cpu.environment(
         REBALANCER_ADDRESS=address, REBALANCER_DEPLOYMENT=DEPLOYMENT,
         REBALANCER_WINDOW_STEPS="4", REBALANCER_AGREE_EVERY="2",
         REBALANCER_AGREE_TIMEOUT_SECONDS="15", TMPDIR=str(tmp_path / "tmp"), **(settings or {}),
     )
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for rank in range(world):
@@ -74,7 +68,7 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
                    "--world", str(world), "--port", str(port), "--steps", str(steps),
                    "--out", str(tmp_path / f"rank{rank}.json"), *(extra or {}).get(rank, [])]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((subprocess.Popen(cmd, cwd=sglang_env.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
+            procs.append((subprocess.Popen(cmd, cwd=sglang_cpu.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
                                            stdout=log,
                                            stderr=subprocess.STDOUT), log))
         # Generous: four processes import SGLang at once, on a machine that may be loaded.
@@ -223,7 +217,7 @@ def test_a_recorder_mode_without_counts_is_refused_loudly_and_sglang_serves(tmp_
     on its placement. (per_token reads the batch's tokens: the worker hands the recorder a
     stand-in ForwardBatch with the fields it reads.)"""
     steps = 6
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=steps, world=2,
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=steps, world=2,
                                 extra={r: ["--recorder-mode", mode] for r in range(2)})
     assert codes == [0, 0], _logs(tmp_path)
     for rank, r in results.items():
@@ -434,7 +428,7 @@ def test_a_rank_without_the_offer_keeps_every_rank_on_sglangs_start(tmp_path: Pa
 
 def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(tmp_path: Path) -> None:
     bound = 2.0
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=8,
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=8,
                                 settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": str(bound)})
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():
@@ -461,7 +455,7 @@ def test_a_fresh_group_behind_its_pods_sidecar_starts_on_the_pool_placement(tmp_
         [sys.executable, "-m", "rebalancer", "sidecar", "--listen", target, "--controller", ctl.server.address,
          "--ranks", f"0-{WORLD - 1}", "--pod", "ns/a", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
          "--grace", "1", "--pool", POOL, "--log-level", "INFO"],
-        stdout=subprocess.PIPE, stderr=log, text=True, cwd=sglang_env.ROOT,
+        stdout=subprocess.PIPE, stderr=log, text=True, cwd=sglang_cpu.ROOT,
     )
     log.close()
     try:

@@ -9,7 +9,6 @@ through vLLM's own entry-point loader, counts into vLLM's load window, and lets 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.controller.estimate import EstimatorConfig
+from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import client_options
@@ -51,12 +51,6 @@ FAST_POLICY = PolicyConfig(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
                common: list[str] | None = None, timeout: float = 240,
                during: Callable[[], None] | None = None, env_extra: dict[str, str] | None = None,
@@ -65,7 +59,7 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
         REBALANCER_ADDRESS=address, REBALANCER_DEPLOYMENT=DEPLOYMENT, REBALANCER_WINDOW_STEPS="4",
         **(env_extra or {}),
     )
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for rank in range(WORLD):
@@ -202,7 +196,7 @@ def test_a_call_for_another_world_gets_that_worlds_shape(tmp_path: Path) -> None
     rank_mapping=...)` calls it; that call itself needs vLLM's stateless TCP-store group
     coordinator, a stand-in) for world - 1 ranks: the answer is vLLM's default policy's,
     in the shape asked, never the old map."""
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=8,
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=8,
                                 common=["--runner", "v2", "--interval", "4", "--policy-probe"])
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():
@@ -256,7 +250,7 @@ def test_a_scale_down_takes_the_planned_survivor_placement_with_the_controller_g
 def test_a_scale_down_with_no_plan_gets_vllms_default_on_the_new_shape(tmp_path: Path) -> None:
     """No controller ever answered: vLLM's default policy places the survivors, in the
     new world's shape (never the old map)."""
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=8,
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=8,
                                 common=["--runner", "v2", "--interval", "4", "--scale-down"])
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():
@@ -351,7 +345,7 @@ def test_controller_lost_mid_run_never_blocks_a_step(tmp_path: Path) -> None:
 
 def test_controller_unreachable_never_blocks_a_step(tmp_path: Path) -> None:
     # Nothing listens at this address, from the start to the end of the run.
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=80)
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=80)
     assert codes == [0] * WORLD, _logs(tmp_path)
     gap = _unblocked(results, 80)
     print(f"largest step gap with the controller unreachable: {gap:.3f} s")
@@ -458,7 +452,7 @@ def test_a_rank_without_the_offer_keeps_every_rank_on_its_start_map(tmp_path: Pa
 
 def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(tmp_path: Path) -> None:
     bound = 2.0
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{_free_port()}", steps=24, common=["--interval", "4"],
+    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=24, common=["--interval", "4"],
                                 env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": str(bound)})
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():

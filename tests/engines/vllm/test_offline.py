@@ -59,11 +59,9 @@ save_load_dump(state, sys.argv[1])
 @pytest.mark.skipif(not vllm_env.available(), reason=vllm_env.MISSING)
 def test_vllm_window_dump_is_planned(tmp_path: Path) -> None:
     dump = tmp_path / "vllm_load.pt"
-    import socket
+    from rebalancer.launch.processes import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = subprocess.run([sys.executable, "-c", DUMP_SCRIPT, str(dump), str(port)], cwd=vllm_env.ROOT,
                          env=vllm_env.environment(), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

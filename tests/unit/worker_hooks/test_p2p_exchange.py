@@ -4,7 +4,6 @@ moved slot ends up holding exactly the source slot's weights, local moves includ
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import torch
@@ -12,14 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.p2p_exchange import packed_exchange
+from rebalancer.launch.processes import free_port
 
 LAYERS, SLOTS = 3, 5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _plan() -> np.ndarray:
