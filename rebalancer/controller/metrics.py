@@ -346,6 +346,9 @@ class _StateCollector(Collector):
         return out
 
 
+# Queued window times folded into the buckets on the loop once this many wait, scraped or
+# not: at 16,384 windows a second an unscraped queue would otherwise grow without end.
+FOLD_EVERY = 4096
 INGEST_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
 
 
@@ -371,16 +374,24 @@ class _IngestCollector(Collector):
     def add(self, deployment: str, nbytes: int, seconds: float) -> None:
         byts = self._bytes
         byts[deployment] = byts.get(deployment, 0) + nbytes
-        self._times.append(seconds)
+        times = self._times
+        times.append(seconds)
+        if len(times) >= FOLD_EVERY:  # nobody scrapes (or not for long): the queue stays bounded
+            with self._lock:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Sort the queued times into the buckets (the caller holds the lock)."""
+        times = self._times
+        taken = np.fromiter((times.popleft() for _ in range(len(times))), dtype=np.float64)
+        if taken.size:
+            self._counts += np.bincount(np.searchsorted(self._bounds, taken, side="left"),
+                                        minlength=self._counts.size)
+            self._sum += float(taken.sum())
 
     def collect(self) -> Iterator[Any]:
         with self._lock:
-            times = self._times
-            taken = np.fromiter((times.popleft() for _ in range(len(times))), dtype=np.float64)
-            if taken.size:
-                self._counts += np.bincount(np.searchsorted(self._bounds, taken, side="left"),
-                                            minlength=self._counts.size)
-                self._sum += float(taken.sum())
+            self._fold()
             cumulative = np.cumsum(self._counts)
             total = self._sum
         les = [floatToGoString(b) for b in INGEST_BUCKETS] + ["+Inf"]

@@ -73,3 +73,21 @@ def test_windows_counted_once_while_scrapes_run_beside(tmp_path: Path) -> None:
     assert "rebalancer_ingest_seconds_count 20000.0" in text
     assert 'rebalancer_ingest_bytes_total{deployment="a"} 160000.0' in text
     ctl.store.close()
+
+
+def test_the_queue_stays_bounded_when_nobody_scrapes(tmp_path: Path) -> None:
+    """A controller whose metrics nobody scrapes keeps folding the queued window times into
+    the buckets: the queue never holds more than FOLD_EVERY, and the next scrape still shows
+    every window."""
+    from rebalancer.controller.metrics import FOLD_EVERY
+
+    ctl = Controller(Store(tmp_path / "c.sqlite"), PolicyConfig(paused=True))
+    ctl.register("a", 0, SHAPE, 0, None, "", "")
+    metrics = ControllerMetrics(ctl)
+    windows = 3 * FOLD_EVERY + 7
+    for _ in range(windows):
+        metrics.on_ingest("a", 8, 1e-3)
+        assert len(metrics._ingest._times) < FOLD_EVERY
+    text = generate_latest(metrics.registry).decode()
+    assert f"rebalancer_ingest_seconds_count {float(windows)}" in text
+    assert 'rebalancer_ingest_bytes_total{deployment="a"} ' + str(float(8 * windows)) in text
