@@ -76,6 +76,11 @@ THREADS_NOT_OURS = (
     # gRPC's asyncio poller: one per process, started by the first asyncio call of any test
     # and kept by gRPC for the process's life (no API ends it).
     "grpc._cython.cygrpc.PollerCompletionQueue._poll_wrapper",
+    # torch.compile's (the GPU dispatch test, `compile_dispatch`): Inductor's compile-worker
+    # pool reader and tqdm's monitor, both started by the first compile and kept for the
+    # process's life by torch (seen on the H100, tests/gpu/test_dispatch_modes.py).
+    "torch._inductor.compile_worker.subproc_pool.SubprocPool._read_thread",
+    "tqdm._monitor.TMonitor",
 )
 THREAD_GRACE_SECONDS = 2.0
 
