@@ -14,5 +14,7 @@ adapters (worker_hooks/engines/) share instead of writing it each, one job per f
 
 The SGLang adapter and the project's own hook agree without waiting, on
 worker_hooks/agree.py's `CommitAgreement`. The hook's plan driver (worker_hooks/plans.py)
-is not on the session yet: it holds its own staged map and committed version.
+holds its plans in the session's `PlanBook` and the hook closes windows by the same rule
+(`windows.window_due`); its Prepare and Abort handlers (the transfer fence, migration
+threads) and its windows (the recorder, count files) are still its own.
 """
