@@ -42,10 +42,10 @@ class ControllerConfig:
     persist_seconds: float = 5.0     # ingest cursor saved at most this often per deployment
     # Cumulative window acks at most this often per stream (0: one ack per window). An ack
     # only lets the sender drop windows it would resend after a reconnect (folding never
-    # waits for it, and the simulator has no cost for a later one), so it may wait: at a
-    # window a second a stream gets one ack per 5 windows, not one per window (issue 32),
-    # and each sender keeps at most that many unacknowledged windows.
-    ack_interval_seconds: float = 5.0
+    # waits for it), but a rank or sidecar that stops waits for the ack of its last window
+    # (its drain), so the interval is also how long every graceful stop may take: 5 s
+    # made each rank's stop wait up to 5 s (issue 32 tried it). One second keeps stops quick.
+    ack_interval_seconds: float = 1.0
     drain_seconds: float = 1.0       # NOT_SERVING before the port closes, on shutdown
     grace_seconds: float = 5.0       # calls in flight may finish this long after
     # Listen on a non-loopback host although a service is unauthenticated (no token and
