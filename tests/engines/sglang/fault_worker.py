@@ -19,7 +19,9 @@ Stood in, beyond worker.py's:
     process stays for the fault path's collectives on the default group (the recorder's
     all-reduce, the plugin's agreement), which SGLang's elastic backend runs over the
     active ranks only; its own weight update is a no-op (it is dead: nothing it holds is
-    read) and it exits right after the fault path, writing nothing more;
+    read) and it exits right after the fault path, writing nothing more, a second later (its
+    adapter, alive until then, must report no placement: the map it holds is not what the
+    survivors serve);
   * storage: the experts no survivor holds are read by SGLang's "update weights from
     disk" callable; a stand-in writes the tiny model's reference weights for the slots
     of this rank (what a reload of the checkpoint gives).
@@ -196,7 +198,10 @@ def main() -> None:
     rebalanced = elastic_ep.maybe_rebalance_after_rank_fault(eplb_manager=manager)
     after = get_global_expert_location_metadata()
     if rank == lost:
-        os._exit(0)  # dead from here (module docstring)
+        # Dead from here (module docstring). It lingers a moment first, so that a placement
+        # its adapter wrongly reported would reach the controller.
+        time.sleep(1.0)
+        os._exit(0)
 
     # SGLang's own algorithm on the same counts and active ranks (unhooked: the module's function).
     own_phy2log, own_log2phy, _ = elasticity_aware.rebalance_experts(

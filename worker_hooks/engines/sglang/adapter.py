@@ -329,6 +329,13 @@ class SGLangRebalanceAdapter(RankSession):
         self.agreement.broken = self.agreement.broken or "rank fault"
         self.phy2log[:] = served
         self.stats.rank_faults.append({"step": self.step, "lost": list(lost), "planned": planned})
+        if self.rank in lost:
+            # This rank is one SGLang marked inactive: it serves nothing from here, and the
+            # map it holds is not what the survivors serve (SGLang moves nothing onto it), so
+            # it must not be what the controller records.
+            self.broken = self.broken or f"rank {self.rank} marked inactive"
+            log.warning("rank %d: marked inactive by SGLang's elastic EP; it reports no placement", self.rank)
+            return
         how = (f"the survivor placement the controller planned on v{self.version}" if planned
                else "SGLang's own placement (no planned survivor placement held by every rank)")
         self.stopped(self.version, f"ranks {list(lost)} lost: SGLang's elastic EP serves {how} on the "
