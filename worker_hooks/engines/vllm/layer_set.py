@@ -73,8 +73,10 @@ class LayerSet:
         return sum(int((m.physical_to_logical_map < 0).sum()) for m in self.models)
 
     def window_rows(self, index: list[int]) -> torch.Tensor:
-        """The set's `[L, P]` int64 sum of rows `index` of vLLM's load windows."""
-        return torch.cat([m.expert_load_window[index].sum(dim=0, dtype=torch.int64) for m in self.models])
+        """The set's `[L, P]` int64 sum of rows `index` of vLLM's load windows (one model,
+        the usual case: its sum as is, no concatenated copy on the serving thread)."""
+        sums = [m.expert_load_window[index].sum(dim=0, dtype=torch.int64) for m in self.models]
+        return sums[0] if len(sums) == 1 else torch.cat(sums)
 
     def rebalancing(self) -> bool:
         """Whether vLLM's rearrangement still runs for a model of the set (async mode)."""
