@@ -56,7 +56,7 @@ def _run_ranks(tmp_path: Path, address: str, flags: list[str],
                    "--world", str(WORLD), "--port", str(port), "--lost", str(LOST),
                    "--out", str(tmp_path / f"rank{rank}.json"), *flags]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((subprocess.Popen(cmd, cwd=sglang_cpu.ROOT, env=env, stdout=log,
+            procs.append((sglang_env.rank_starter().popen(cmd, cwd=sglang_cpu.ROOT, env=env, stdout=log,
                                            stderr=subprocess.STDOUT), log))
         helper = threading.Thread(target=during, daemon=True) if during else None
         if helper is not None:

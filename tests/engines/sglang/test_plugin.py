@@ -68,7 +68,7 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
                    "--world", str(world), "--port", str(port), "--steps", str(steps),
                    "--out", str(tmp_path / f"rank{rank}.json"), *(extra or {}).get(rank, [])]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((subprocess.Popen(cmd, cwd=sglang_cpu.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
+            procs.append((sglang_env.rank_starter().popen(cmd, cwd=sglang_cpu.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
                                            stdout=log,
                                            stderr=subprocess.STDOUT), log))
         # Generous: four processes import SGLang at once, on a machine that may be loaded.

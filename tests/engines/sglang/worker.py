@@ -1,6 +1,7 @@
 """One SGLang EP rank on CPU for the adapter's tests: SGLang's real EPLB code, a tiny MoE.
 
-Run by tests/engines/sglang/test_plugin.py as `python -m tests.engines.sglang.worker`
+Run by tests/engines/sglang/test_plugin.py as `python -m tests.engines.sglang.worker` (forked
+from the session's zygote that has imported SGLang, tests/engines/zygote.py)
 with SGLang's folder (and cpu_shims) on PYTHONPATH. Real parts: SGLang's ServerArgs and
 runtime context, ExpertLocationMetadata, the expert distribution recorder (stat mode),
 dispatch (`topk_ids_logical_to_physical`), EPLBManager, ExpertLocationUpdater, the

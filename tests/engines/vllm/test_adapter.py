@@ -68,7 +68,7 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
                    "--out", str(tmp_path / f"rank{rank}.json"), *(common or []),
                    *(extra or {}).get(rank, [])]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((subprocess.Popen(cmd, cwd=vllm_env.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
+            procs.append((vllm_env.rank_starter().popen(cmd, cwd=vllm_env.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
                                            stdout=log,
                                            stderr=subprocess.STDOUT), log))
         if during is not None:

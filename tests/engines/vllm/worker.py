@@ -1,6 +1,7 @@
 """One vLLM EP rank on CPU for the adapter's tests: vLLM's real EPLB code, a tiny MoE.
 
-Run by tests/engines/vllm/test_adapter.py as `python -m tests.engines.vllm.worker` with
+Run by tests/engines/vllm/test_adapter.py as `python -m tests.engines.vllm.worker` (forked from the
+session's zygote that has imported vLLM, tests/engines/zygote.py) with
 vLLM's folder on PYTHONPATH and VLLM_TARGET_DEVICE=cpu. Real parts: vLLM's plugin loader
 (`load_general_plugins` finds worker_hooks.engines.vllm:register by entry point), its
 `EPLB_POLICIES`, `ParallelConfig`/`EPLBConfig`, `EplbState` (`add_model`, `step`,
