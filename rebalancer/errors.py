@@ -19,6 +19,7 @@ StatusName = Literal[
     "FAILED_PRECONDITION",
     "ALREADY_EXISTS",
     "INVALID_ARGUMENT",
+    "UNAVAILABLE",  # not now: the caller asks again (a resize while a plan is under way)
     "PERMISSION_DENIED",
     "UNAUTHENTICATED",
 ]

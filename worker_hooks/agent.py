@@ -56,6 +56,10 @@ class AgentConfig:
     rpc_timeout_seconds: float = 5.0
     backoff_initial_seconds: float = 0.2
     backoff_max_seconds: float = 5.0
+    # An elastic engine resized the EP group (vLLM's elastic EP): (version, GPUs) of the
+    # world before, told at Register until the controller answered once
+    # (RegisterRequest.resized_from); the rank then serves the version it is given.
+    resized_from: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
@@ -129,6 +133,8 @@ class WorkerAgent:
         self.refused = ""        # "STATUS: message" while the controller (or sidecar) turns this rank down
         self._logged_loss = ""   # the loss last logged: said once per outage, not per try
         self.committed_placement: np.ndarray | None = None
+        self.committed_version = 0  # set after committed_placement, at every Register
+        self._resized_from = config.resized_from  # told until a Register is answered
         # The pool placement offered to this fresh rank (RegisterResponse.warm_start or,
         # through a sidecar, ControllerMessage.warm_start): read by the hook at start.
         self.warm_start: pb.Placement | None = None
@@ -279,12 +285,16 @@ class WorkerAgent:
             request.initial_placement.CopyFrom(
                 pb.Placement(version=0, phy2log=codec.encode(self._initial.astype(np.int32)))
             )
+        if self._resized_from is not None:
+            request.resized_from.CopyFrom(pb.Resize(version=self._resized_from[0], num_gpus=self._resized_from[1]))
         response = await stub.Register(
             request, timeout=self.config.rpc_timeout_seconds, wait_for_ready=True, metadata=self._metadata
         )
         self._session = response.session_id
         self.refused = ""
         self.committed_placement = codec.decode(response.committed.phy2log, "committed").astype(np.int64)
+        self.committed_version = int(response.committed.version)
+        self._resized_from = None  # the controller took the resize (or knew it): said once
         if response.HasField("warm_start"):
             self._offer(response.warm_start)
         # Resend what the controller has not counted; renumber if it expects less.

@@ -52,6 +52,9 @@ class Session:
     # The newest plan version whose Commit this session was sent: its ranks can have
     # switched to no newer one (a late confirmation of a newer one is a stale report).
     commit_told: int = 0
+    # Its deployment was resized (rebalancer/controller/resize.py): the session stands for ranks of a
+    # world that is gone; its stream is refused at its next window.
+    ended_by_resize: bool = False
 
     def __post_init__(self) -> None:
         self.ranks = tuple(sorted(self.ranks)) if self.ranks else (self.rank,)
@@ -110,6 +113,18 @@ class Observers:
     decision: list[Callable[[str, Decision, str], None]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Resize:
+    """What a rank of a resized EP group states: the world it served before (proto
+    `Resize`; rebalancer/controller/resize.py)."""
+
+    version: int   # the placement version the old world served
+    num_gpus: int  # its GPU count
+
+    def describe(self) -> str:
+        return f"v{self.version} on {self.num_gpus} GPUs"
+
+
 class Deployment:
     def __init__(
         self, name: str, shape: ClusterShape, policy: PolicyConfig, version: int, phy2log: np.ndarray
@@ -142,6 +157,9 @@ class Deployment:
         # stated), from its session's windows; set again at its Register (it may have
         # restarted). Read by plans.serving: level-triggered reconciliation.
         self.stated: dict[int, Statement] = {}
+        # The world the EP group served before an elastic engine resized it, once the
+        # controller took the resize (rebalancer/controller/resize.py): its later ranks join at once.
+        self.resized_from: Resize | None = None
 
     @property
     def policy(self) -> PolicyConfig:
@@ -237,6 +255,27 @@ class Deployment:
         those still not known."""
         self.shape = self.loop.shape = shape
         self.unknown_fields = unknown
+
+    def resize(self, shape: ClusterShape, version: int, phy2log: np.ndarray, resized_from: Resize) -> None:
+        """An elastic engine resized the EP group (rebalancer/controller/resize.py): the new world's
+        shape and placement `version`. The old world's sessions, partial windows, statements
+        and unfinished plans are gone; the estimate per logical expert is kept (the same
+        experts), the regime library is not (its placements have the old world's slots)."""
+        if self.plan is not None or self.deciding:
+            raise ValueError(f"{self.name}: no resize while a plan or decision is under way")
+        estimate = self.loop.estimator.state_dict()
+        self.shape = shape
+        self.loop = PolicyLoop(shape, self.policy)
+        self.loop.estimator.load_state_dict(estimate)
+        self.version, self.phy2log = version, np.array(phy2log, dtype=np.int64, copy=True)
+        for session in self.live_sessions():
+            session.ended_by_resize = True
+        self.sessions.clear()
+        self.windows = SeqMerger(range(shape.num_gpus), dtype=np.float64)
+        self.stated.clear()
+        self.last_aborted = self.last_unconfirmed = None
+        self.mixed = None
+        self.resized_from = resized_from
 
     def begin(self, plan: Plan) -> None:
         """Plan v+1 is in flight (one at a time, built on the committed placement)."""

@@ -22,7 +22,7 @@ from typing import Any, cast
 import numpy as np
 
 from rebalancer import placement
-from rebalancer.controller import reconcile
+from rebalancer.controller import reconcile, resize
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Aborted, Unconfirmed
 from rebalancer.controller.decide import ClusterShape, PolicyConfig
@@ -30,6 +30,7 @@ from rebalancer.controller.deployment import (
     LATER_SHAPE_FIELDS,
     Deployment,
     Observers,
+    Resize,
     Send,
     Session,
     merge_shape,
@@ -115,10 +116,12 @@ class Registry:
     def register(
         self, name: str, rank: Ranks, shape: ClusterShape, version: int,
         initial: np.ndarray | None, worker_id: str, pod: str = "",
-        unknown: frozenset[str] = frozenset(),
+        unknown: frozenset[str] = frozenset(), resized_from: Resize | None = None,
     ) -> tuple[Session, Deployment]:
         """Register one rank, or a group of ranks (a sequence: a pod's sidecar). `unknown`:
-        shape fields the registration does not know yet (deployment.UNKNOWN_EXPERT_BYTES)."""
+        shape fields the registration does not know yet (deployment.UNKNOWN_EXPERT_BYTES).
+        `resized_from`: an elastic engine resized the group (rebalancer/controller/resize.py); the
+        ranks serve `initial`, at the deployment's version once the resize is taken."""
         now = self.clock()
         ranks = tuple(sorted(rank_set(rank)))
         label = who(rank, pod)
@@ -137,6 +140,16 @@ class Registry:
             log.info("new deployment %s: %s", name, shape_key(shape))
             for observer in self.observers.deployment:
                 observer(name)
+        if resized_from is not None and not created:
+            if initial is None:
+                raise StateError("INVALID_ARGUMENT", f"{label} of {name!r}: a resized registration "
+                                                     "carries the placement it serves (initial_placement)")
+            old_world = dep.live_sessions()
+            resize.take(self.store, dep, label, shape, initial, resized_from, unknown, now)
+            for ended in old_world:
+                if ended.ended_by_resize:
+                    self.sessions.pop(ended.session_id, None)
+            version = dep.version
         merged: ClusterShape | None = dep.shape
         still_unknown = dep.unknown_fields & unknown  # neither the store nor this rank knows
         if not created:

@@ -24,7 +24,7 @@ from rebalancer.controller.clock import Clock
 from rebalancer.controller.contingency import Loss
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape
-from rebalancer.controller.deployment import UNKNOWN_EXPERT_BYTES, dispatch_shape
+from rebalancer.controller.deployment import UNKNOWN_EXPERT_BYTES, Resize, dispatch_shape
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import MAX_VERSION
 from rebalancer.errors import InputError, StateError
@@ -275,8 +275,14 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             # expert_bytes 0: not known yet (deployment.UNKNOWN_EXPERT_BYTES), a later
             # Register fills it in.
             unknown = UNKNOWN_EXPERT_BYTES if request.shape.expert_bytes == 0 else frozenset()
+            resized_from = None
+            if request.HasField("resized_from"):
+                resized_from = Resize(check_version(request.resized_from.version, "resized_from.version"),
+                                      int(request.resized_from.num_gpus))
+                if resized_from.num_gpus <= 0:
+                    raise InputError("resized_from.num_gpus must be positive")
             session, dep = self.controller.register(
-                name, ranks, shape, version, initial, request.worker_id, request.pod, pool, unknown
+                name, ranks, shape, version, initial, request.worker_id, request.pod, pool, unknown, resized_from
             )
             warm = self.controller.warm_offer(dep, version) if pool else None
         except (InputError, StateError) as exc:
@@ -323,6 +329,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 if not msg.HasField("window"):
                     raise InputError("only windows may follow hello on the stream")
                 w = msg.window
+                if session.ended_by_resize:
+                    raise StateError("NOT_FOUND", f"{session.label} of {dep.name!r} belongs to a world the "
+                                                  "deployment was resized from: register again")
                 t0 = self.clock()
                 check_version(w.placement_version, "window placement_version")
                 logical = codec.decode_counts(w.logical_count, "logical_count", logical_shape)

@@ -20,7 +20,7 @@ from rebalancer.controller.contingency import ContingencyPlanner
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
 from rebalancer.controller.decision_runner import Background, DecisionRunner, run_inline
-from rebalancer.controller.deployment import Deployment, Observers, Send, Session
+from rebalancer.controller.deployment import Deployment, Observers, Resize, Send, Session
 from rebalancer.controller.fleet import Fleet
 from rebalancer.controller.fold import Folder
 from rebalancer.controller.operate import Operations
@@ -75,13 +75,17 @@ class Controller:
     def register(
         self, name: str, rank: Ranks, shape: ClusterShape, version: int,
         initial: np.ndarray | None, worker_id: str, pod: str = "", pool: str = "",
-        unknown: frozenset[str] = frozenset(),
+        unknown: frozenset[str] = frozenset(), resized_from: Resize | None = None,
     ) -> tuple[Session, Deployment]:
         """One rank, or a group of ranks (a sequence: a pod's sidecar speaking for them),
-        of a deployment in `pool` ("": none); `unknown`: shape fields it does not know yet.
-        The warm start to offer: `warm_offer`."""
+        of a deployment in `pool` ("": none); `unknown`: shape fields it does not know yet;
+        `resized_from`: the world an elastic engine resized the group from (it serves
+        `initial`, rebalancer/controller/resize.py). The warm start to offer: `warm_offer`."""
         self.fleet.check_join(name, pool, shape, unknown)
-        session, dep = self.registry.register(name, rank, shape, version, initial, worker_id, pod, unknown)
+        session, dep = self.registry.register(name, rank, shape, version, initial, worker_id, pod, unknown,
+                                              resized_from)
+        if resized_from is not None:
+            version = dep.version  # the resize taken: the version of what the ranks serve
         self.fleet.joined(dep, pool)
         self.plans.registered(dep, session, version)
         return session, dep

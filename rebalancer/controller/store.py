@@ -432,6 +432,25 @@ class Store:
                 "UPDATE deployments SET committed_version = ? WHERE name = ?", (version, name)
             )
 
+    def resize(self, name: str, shape: dict[str, Any], version: int, base_version: int, phy2log: np.ndarray,
+               reason: str, *, now: float) -> None:
+        """An elastic engine resized the deployment's EP group (rebalancer/controller/resize.py): the new
+        shape and the placement the new world serves, committed as plan `version` (trigger
+        "resize"), and no mixed placement left, atomically."""
+        if version > MAX_VERSION:
+            raise StateError("FAILED_PRECONDITION", f"no plan version is left for {name!r}")
+        with self._db:
+            self._db.execute("BEGIN")
+            self._put_placement(name, version, phy2log, now)
+            self._db.execute(
+                "INSERT INTO plans (deployment, version, base_version, state, trigger, created, finished,"
+                " reason) VALUES (?, ?, ?, 'committed', 'resize', ?, ?, ?)",
+                (name, version, base_version, now, now, reason),
+            )
+            self._db.execute("UPDATE deployments SET shape = ?, committed_version = ? WHERE name = ?",
+                             (json.dumps(shape), version, name))
+            self._db.execute("DELETE FROM mixed_placements WHERE deployment = ?", (name,))
+
     def set_mixed(self, name: str, mixed: Mixed, plan_state_reason: str, *, now: float) -> None:
         """Plan `mixed.version` applied in part: mark it partial and record what the ranks
         serve, atomically (a controller restarted on this store holds the same)."""

@@ -116,6 +116,11 @@ class Pod:
         rank = int(request.rank)
         if request.ranks:
             raise StateError("INVALID_ARGUMENT", "a sidecar serves single ranks, not group sessions")
+        if request.HasField("resized_from"):
+            # The pod holds one shape for its ranks and its group session; a resized world
+            # changes both (and may leave this pod's ranks split): not relayed yet.
+            raise StateError("FAILED_PRECONDITION", f"rank {rank} registers a resized EP group "
+                                                    "(resized_from): the sidecar does not relay a resize yet")
         if rank not in self.ranks:
             raise StateError("INVALID_ARGUMENT", f"rank {rank} is not one of this pod's ranks {self.config.ranks_label}")
         if self.deployment and request.deployment != self.deployment:

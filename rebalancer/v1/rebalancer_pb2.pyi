@@ -70,7 +70,7 @@ class Placement(_message.Message):
     def __init__(self, version: _Optional[int] = ..., phy2log: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("deployment", "rank", "shape", "placement_version", "initial_placement", "worker_id", "ranks", "pod", "dispatch_mode", "top_k", "pool")
+    __slots__ = ("deployment", "rank", "shape", "placement_version", "initial_placement", "worker_id", "ranks", "pod", "dispatch_mode", "top_k", "pool", "resized_from")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class RegisterRequest(_message.Message):
     DISPATCH_MODE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    RESIZED_FROM_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     rank: int
     shape: ModelShape
@@ -93,7 +94,16 @@ class RegisterRequest(_message.Message):
     dispatch_mode: str
     top_k: int
     pool: str
-    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., initial_placement: _Optional[_Union[Placement, _Mapping]] = ..., worker_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., pod: _Optional[str] = ..., dispatch_mode: _Optional[str] = ..., top_k: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
+    resized_from: Resize
+    def __init__(self, deployment: _Optional[str] = ..., rank: _Optional[int] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., placement_version: _Optional[int] = ..., initial_placement: _Optional[_Union[Placement, _Mapping]] = ..., worker_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., pod: _Optional[str] = ..., dispatch_mode: _Optional[str] = ..., top_k: _Optional[int] = ..., pool: _Optional[str] = ..., resized_from: _Optional[_Union[Resize, _Mapping]] = ...) -> None: ...
+
+class Resize(_message.Message):
+    __slots__ = ("version", "num_gpus")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPUS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    num_gpus: int
+    def __init__(self, version: _Optional[int] = ..., num_gpus: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "committed", "next_window_seq", "warm_start")

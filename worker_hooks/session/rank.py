@@ -67,12 +67,13 @@ def worker_identity(config: LinkSettings) -> str:
 
 def engine_agent(config: LinkSettings, rank: int, shape: pb.ModelShape, handlers: PlanHandlers,
                  version: Callable[[], int], phy2log: np.ndarray,
-                 served_map: Callable[[], np.ndarray] | None = None) -> WorkerAgent:
+                 served_map: Callable[[], np.ndarray] | None = None,
+                 resized_from: tuple[int, int] | None = None) -> WorkerAgent:
     """An engine rank's agent (not started): one home for what an adapter registers with."""
     return WorkerAgent(
         AgentConfig(config.address, config.deployment, rank, shape, worker_identity(config), pool=config.pool,
                     token=config.token, ca_file=config.ca_file, cert_file=config.cert_file,
-                    key_file=config.key_file),
+                    key_file=config.key_file, resized_from=resized_from),
         handlers, version, initial_phy2log=phy2log.copy(), served_map=served_map,
     )
 
@@ -96,10 +97,14 @@ class SessionStats:
 
 class RankSession(PlanHandlers):
     """One engine rank's session (module docstring). `phy2log` `[L, P]` is the map the
-    engine serves at start; `stats` the adapter's (a `SessionStats` or a subclass)."""
+    engine serves at start; `stats` the adapter's (a `SessionStats` or a subclass).
+    `resized_from`: (version, GPUs) of the world an elastic engine resized this group
+    from; the rank serves `phy2log` under the version the controller gives it for the
+    resize (`_join_resized_world`), v0 until then."""
 
     def __init__(self, config: LinkSettings, rank: int, shape: pb.ModelShape, phy2log: np.ndarray,
-                 stats: SessionStats, count_duplicates: int = 1) -> None:
+                 stats: SessionStats, count_duplicates: int = 1,
+                 resized_from: tuple[int, int] | None = None) -> None:
         self.config = config
         self.rank = rank
         self.phy2log = np.array(phy2log, dtype=np.int64, copy=True)  # the map served
@@ -111,15 +116,41 @@ class RankSession(PlanHandlers):
         self.stats = stats
         self.broken: str | None = None  # why this rank takes no more plans (None: it does)
         self.plans = PlanBook()
+        self.joining_resized = resized_from is not None
         self.agent = engine_agent(config, rank, shape, self, lambda: self.version, self.phy2log,
-                                  served_map=lambda: self.phy2log.copy())
+                                  served_map=lambda: self.phy2log.copy(), resized_from=resized_from)
         self.windows = CountWindows(self.agent, self.num_logical, divide_by=count_duplicates)
 
     # ------------------------------------------------------------ serving thread
 
     def window_due(self) -> bool:
-        """Whether the open window has run its `window_steps`."""
+        """Whether the open window has run its `window_steps` (asked at every pass)."""
+        if self.joining_resized:
+            self._join_resized_world()
         return window_due(self.step, self.windows.start, self.config.window_steps)
+
+    def _join_resized_world(self) -> None:
+        """A rank of a resized group serves its map as v0 until the controller answered its
+        Register: the version the controller committed the resize under, when that is the
+        map served (rebalancer/controller/resize.py). The window counted before goes up as v0."""
+        version = self.agent.committed_version
+        placement = self.agent.committed_placement
+        if version <= 0 or placement is None:
+            return
+        self.joining_resized = False
+        if not np.array_equal(placement, self.phy2log):
+            log.error("rank %d: the controller holds v%d for the resized group, another map than this rank "
+                      "serves: it stays at v0 and takes no plan", self.rank, version)
+            self.broken = self.broken or "the resized group's map is not the controller's"
+            return
+        self.serve_version(version)
+        log.info("rank %d: the resized group serves v%d", self.rank, version)
+
+    def serve_version(self, version: int) -> None:
+        """The map served is `version` from this pass on, with no plan (a resize the
+        controller took): the window counted so far goes up under the version before."""
+        self.windows.close(self.step, self.version, self.phy2log)
+        self.version = version
 
     def made_live(self, version: int, phy2log: np.ndarray) -> None:
         """The engine serves plan `version` from this pass on: the window of the old

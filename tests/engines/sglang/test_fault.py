@@ -114,7 +114,7 @@ def test_a_rank_fault_takes_the_planned_survivor_placement_with_the_controller_g
     assert ctl.server is not None
     planned: list[Any] = []
 
-    stop_controller_once_planned = planned_loss.stop_controller_once_planned(
+    stop_controller_once_planned = planned_loss.go_once_planned(
         ctl, tmp_path, WORLD, DEPLOYMENT, (LOST,), planned)
 
     try:

@@ -230,7 +230,7 @@ def test_a_scale_down_takes_the_planned_survivor_placement_with_the_controller_g
     assert ctl.server is not None
     planned: list[Any] = []
 
-    stop_controller_once_planned = planned_loss.stop_controller_once_planned(
+    stop_controller_once_planned = planned_loss.go_once_planned(
         ctl, tmp_path, WORLD, DEPLOYMENT, (WORLD - 1,), planned)
 
     try:
@@ -245,6 +245,48 @@ def test_a_scale_down_takes_the_planned_survivor_placement_with_the_controller_g
         new = _check_scaled_down(r, WORLD - 1)
         assert np.array_equal(new, planned[0])
         assert r["scale_down"]["other_world"][-1]["planned"] is True
+
+
+def test_the_controller_takes_the_scaled_down_world_and_the_survivors_serve_its_version(tmp_path: Path) -> None:
+    """The same planned scale-down with the controller up: the survivors step on through
+    vLLM's `EplbState.step` on the new world (stand-in: their gloo group as vLLM's resized
+    EP group, worker.rejoin); the plugin's next adapter registers as the resized group
+    (RegisterRequest.resized_from) and the controller takes the new world: the deployment
+    has 3 GPUs and 9 slots, its committed placement is the one the survivors serve (the
+    planned one) under a new version stored with trigger "resize", and every survivor
+    serves that version. Before this, the controller refused the new world's Register
+    (another shape) and never rebalanced the group again."""
+    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True))
+    assert ctl.server is not None
+    planned: list[Any] = []
+    go = planned_loss.go_once_planned(ctl, tmp_path, WORLD, DEPLOYMENT, (WORLD - 1,), planned, stop_controller=False)
+    try:
+        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=40, during=go,
+                                    common=["--runner", "v2", "--scale-down", "--wait-plan", "150", "--rejoin"])
+
+        def read() -> tuple:
+            c = ctl.server.controller  # type: ignore[union-attr]
+            dep = c.deployments[DEPLOYMENT]
+            return (dep.shape.num_gpus, dep.shape.num_slots, dep.version, dep.phy2log.copy(),
+                    [(p.version, p.state, p.trigger) for p in c.store.plans(DEPLOYMENT)])
+
+        gpus, slots, version, committed, plans = ctl.call(read)  # type: ignore[misc]
+    finally:
+        ctl.stop()
+    assert codes == [0] * WORLD, _logs(tmp_path)
+    assert len(planned) == 1 and planned[0] is not None
+    assert (gpus, slots) == (WORLD - 1, 9), _logs(tmp_path)
+    assert plans[0] == (version, "committed", "resize")
+    assert np.array_equal(committed, planned[0])
+    for rank, r in results.items():
+        rejoined = r["scale_down"]["rejoined"]
+        if rank == WORLD - 1:
+            assert rejoined is None  # the rank that left
+            continue
+        assert np.array_equal(_check_scaled_down(r, WORLD - 1), planned[0])
+        assert rejoined["num_gpus"] == WORLD - 1 and rejoined["rank"] == rank
+        assert rejoined["version"] == version > 0, _logs(tmp_path)
+        assert np.array_equal(np.asarray(rejoined["phy2log"]), committed)
 
 
 def test_a_scale_down_with_no_plan_gets_vllms_default_on_the_new_shape(tmp_path: Path) -> None:

@@ -79,6 +79,12 @@ def reference_weights(layer: int, expert: int) -> list:
     return [torch.randn(shape, generator=g) for shape in SHAPES]
 
 
+def coordinator(device_group, cpu_group):  # noqa: ANN001, ANN201
+    """Stand-in for vLLM's GroupCoordinator: the attributes its EPLB code reads."""
+    return types.SimpleNamespace(device_group=device_group, cpu_group=cpu_group,
+                                 rank_in_group=device_group.rank(), world_size=device_group.size())
+
+
 def install_stand_ins(torch, group, nodes: int = 1) -> None:  # noqa: ANN001
     from vllm.distributed import parallel_state
 
@@ -104,10 +110,6 @@ def install_stand_ins(torch, group, nodes: int = 1) -> None:  # noqa: ANN001
 
     torch.accelerator.current_stream = lambda *a, **k: CpuStream()
     torch.Event = CpuEvent
-    def coordinator(device_group, cpu_group):  # noqa: ANN001, ANN202
-        return types.SimpleNamespace(device_group=device_group, cpu_group=cpu_group,
-                                     rank_in_group=device_group.rank(), world_size=device_group.size())
-
     if nodes == 1:
         parallel_state._EP = parallel_state._EPLB = coordinator(group, group)
     else:  # as vLLM builds them: EP's device and CPU groups, and EPLB's own group, each apart
@@ -151,9 +153,38 @@ def shrink(args, adapter, state, model, model_state, weights_match, group, torch
     state.rearrange(rank_mapping=mapping)
     new_map = model_state.physical_to_logical_map.cpu()
     survivor_ok = bool(weights_match(model, model_state)) if args.rank != lost else None
+    rejoined = rejoin(args, state, lost) if args.rejoin else None
     return {"lost": lost, "planned": planned.tolist() if planned is not None else None,
             "map": new_map.tolist(), "survivor_weights_match_map": survivor_ok,
-            "other_world": adapter.stats.other_world if adapter else []}
+            "other_world": adapter.stats.other_world if adapter else [], "rejoined": rejoined}
+
+
+def rejoin(args, state, lost: int) -> dict | None:  # noqa: ANN001
+    """After the scale-down, the survivors step on the new world as vLLM goes on serving:
+    the EP/EPLB group is a gloo group of the survivors (stand-in for the resized
+    StatelessGroupCoordinator), and two dummy EPLB steps through vLLM's `EplbState.step`
+    (the plugin builds the new world's adapter at the first; the second is a pass after
+    its Register was answered). Returns the new adapter's version and world."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    from worker_hooks.engines.vllm import plugin
+
+    survivors = dist.new_group(ranks=[r for r in range(args.world) if r != lost], backend="gloo")  # every rank
+    if args.rank == lost:
+        return None
+    parallel_state._EP = parallel_state._EPLB = coordinator(survivors, survivors)
+    state.step(is_dummy=True)
+    adapter = plugin.current_adapter()
+    if adapter is None:
+        return {"version": None}
+    deadline = time.monotonic() + 60
+    while adapter.agent.committed_version == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    state.step(is_dummy=True)
+    out = {"version": adapter.version, "num_gpus": adapter.num_gpus, "rank": adapter.rank,
+           "phy2log": adapter.phy2log.tolist(), "committed_version": adapter.agent.committed_version}
+    return out  # the worker extension's destroy stops the adapter
 
 
 def main() -> None:
@@ -178,6 +209,8 @@ def main() -> None:
     parser.add_argument("--scale-down", action="store_true",
                         help="after the run, elastic EP's scale-down: EplbState.rearrange(rank_mapping=...) "
                              "drops the last rank")
+    parser.add_argument("--rejoin", action="store_true",
+                        help="after the scale-down, the survivors step on the new world (a new adapter)")
     parser.add_argument("--wait-plan", type=float, default=0.0,
                         help="before the scale-down, wait up to this long for the controller's survivor "
                              "placement of that loss, then write <out>.planned and wait for <out>.go")

@@ -74,9 +74,10 @@ What holds, and what vLLM cannot give
   has the shape asked: for a scale-down the controller planned ahead (the survivor
   placement it sent for exactly the ranks leaving, on the map served, held by every
   rank: one all-reduce of its digest), that placement; otherwise vLLM's default policy
-  (WARNING). The adapter then stops; the next EPLB step builds one on the new world, whose
-  registration the controller refuses while the deployment's shape is the old one (the
-  controller does not yet take a deployment's resize: serving goes on, unbalanced).
+  (WARNING). The adapter then stops; the next EPLB step builds one on the new world,
+  which registers as the resized group (the world before: `RegisterRequest.resized_from`)
+  and the controller takes the new world as the deployment's shape and committed
+  placement (rebalancer/controller/resize.py); the rank serves the version it is given.
 * Warm start (`REBALANCER_POOL`): a fresh group offered the pool's placement at Register
   installs it at vLLM's first policy call, when every rank holds the same offer
   (all-reduce of the offered version on the EPLB CPU group, worker_hooks/warm.py, then

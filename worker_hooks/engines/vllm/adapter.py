@@ -52,7 +52,8 @@ class VLLMRebalanceAdapter(RankSession):
     stage a map or mark a version committed."""
 
     def __init__(self, config: VLLMAdapterConfig, eplb_state: Any, cpu_group: Any,
-                 rank: int, num_ranks: int, num_nodes: int = 1) -> None:
+                 rank: int, num_ranks: int, num_nodes: int = 1,
+                 resized_from: tuple[int, int] | None = None) -> None:
         self.layers = LayerSet(eplb_state)  # the models balanced, main first, and their rows
         model = self.layers.models[0].model
         phy2log = self.layers.read_map()
@@ -63,7 +64,8 @@ class VLLMRebalanceAdapter(RankSession):
             expert_bytes=int(sum(t[0].numel() * t.element_size() for t in weights)),
             num_groups=expert_groups(model),
         )
-        super().__init__(config, rank, shape, phy2log, AdapterStats(), count_duplicates=config.count_duplicates)
+        super().__init__(config, rank, shape, phy2log, AdapterStats(), count_duplicates=config.count_duplicates,
+                         resized_from=resized_from)
         self.config: VLLMAdapterConfig = config
         self.stats: AdapterStats
         self.eplb_state = eplb_state
@@ -158,6 +160,10 @@ class VLLMRebalanceAdapter(RankSession):
         self.made_live(version, plan)
         self._window_version = version
         self._window_map = current  # the map vLLM serves now, equal to the plan
+
+    def serve_version(self, version: int) -> None:
+        self._close(self.step)
+        self.version = self._window_version = version
 
     def finish(self, timeout: float = 5.0) -> None:
         """At shutdown: send the last window, deliver what the agent holds, stop it."""

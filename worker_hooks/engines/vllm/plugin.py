@@ -43,6 +43,9 @@ log = logging.getLogger("worker_hooks.engines.vllm")
 POLICY_MODULE = "vllm.distributed.eplb.policy"
 
 _adapter: Any = None  # VLLMRebalanceAdapter of this process, built at the first EPLB step
+# (version, GPUs) of the world an elastic resize this rank survived left: the next adapter
+# registers as the resized group (RegisterRequest.resized_from), then it is cleared.
+_resized_from: tuple[int, int] | None = None
 
 
 @dataclass
@@ -149,10 +152,13 @@ def _build_adapter(config: VLLMAdapterConfig, eplb_state: Any) -> Any:
     _status.waiting = False
     from vllm.distributed.parallel_state import get_ep_group, get_eplb_group, get_node_count
 
+    global _resized_from
     ep = get_ep_group()
-    return VLLMRebalanceAdapter(config, eplb_state, get_eplb_group().cpu_group,
-                                rank=int(ep.device_group.rank()), num_ranks=int(ep.device_group.size()),
-                                num_nodes=int(get_node_count()))
+    adapter = VLLMRebalanceAdapter(config, eplb_state, get_eplb_group().cpu_group,
+                                   rank=int(ep.device_group.rank()), num_ranks=int(ep.device_group.size()),
+                                   num_nodes=int(get_node_count()), resized_from=_resized_from)
+    _resized_from = None
+    return adapter
 
 
 def _fail(reason: str) -> None:
@@ -232,8 +238,9 @@ def _instrument(state: Any, config: VLLMAdapterConfig) -> None:
         to new, -1 leaving) the adapter's policy answer may be the survivor placement the
         controller planned for exactly that loss (VLLMRebalanceAdapter.answer). The adapter
         holds the old world's group and shape: after a resize it stops, and the next step
-        builds one on the new world."""
-        global _adapter
+        builds one on the new world, which registers as the resized group (the controller
+        takes the new world: rebalancer/controller/resize.py)."""
+        global _adapter, _resized_from
         adapter = _adapter
         if rank_mapping is None or adapter is None or adapter.eplb_state is not state:
             return original_rearrange(is_profile=is_profile, rank_mapping=rank_mapping, **kwargs)
@@ -244,6 +251,8 @@ def _instrument(state: Any, config: VLLMAdapterConfig) -> None:
             adapter.resizing = None
             if not is_profile:
                 _adapter = None
+                if rank_mapping.get(adapter.rank, -1) >= 0:  # this rank is in the new world
+                    _resized_from = (int(adapter.version), int(adapter.num_gpus))
                 try:
                     adapter.finish(timeout=1.0)
                 except Exception:
