@@ -130,6 +130,16 @@ class DecisionPool:
             self._worker = _Worker()
         return self._worker
 
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until the started worker answers a call (its imports done: a second or
+        two, longer on a loaded machine), for a caller that must not race them (a test
+        whose ranks stream at once). From any thread but the event loop's: the call runs
+        in turn on the pool's own thread."""
+        worker = self._worker
+        if worker is None:
+            raise RuntimeError("the decision pool is not started")
+        self._calls.submit(worker.call, int).result(timeout)
+
     def submit(self, fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
         """Run `fn` in the worker, then `done(result)` (None if it raised) on this event
         loop. Once closing, nothing new runs and results are dropped (the store may be

@@ -15,11 +15,18 @@ from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import client_options
 
 
-def start_controller(db: Path | str, policy: PolicyConfig | None = None, **kw: object) -> EmbeddedController:
+def start_controller(db: Path | str, policy: PolicyConfig | None = None, ready: bool = False,
+                     **kw: object) -> EmbeddedController:
+    """A controller on loopback; `ready`: returns once its decision process can decide
+    (its imports take seconds on a loaded machine: an engine test's ranks, forked ready
+    from a zygote, would otherwise run their steps before the first plan could start)."""
     kw.setdefault("drain_seconds", 0.0)
     config = ControllerConfig(port=0, db_path=str(db), policy=policy or PolicyConfig(), **kw)  # type: ignore[arg-type]
     ctl = EmbeddedController(config)
     ctl.start()
+    if ready:
+        assert ctl.server is not None
+        ctl.server.pool.wait_ready()
     return ctl
 
 

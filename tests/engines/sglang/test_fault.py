@@ -110,7 +110,7 @@ def test_a_rank_fault_takes_the_planned_survivor_placement_with_the_controller_g
     blocks of slots in place, rank 3's slots filled and out of every expert's replicas),
     every expert served by an active rank, weights and dispatch consistent. Today's tree:
     SGLang's own from-scratch placement."""
-    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True))
+    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True), ready=True)
     assert ctl.server is not None
     planned: list[Any] = []
 
@@ -142,7 +142,7 @@ def test_a_rank_fault_with_no_plan_takes_sglangs_own_placement_and_tells_the_con
     the placement now served: the controller records it as the deployment's mixed placement
     (no silent drift; no plan starts on top of it). Today's tree: the controller still
     holds v0's placement and knows nothing of the fault."""
-    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True))
+    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True), ready=True)
     assert ctl.server is not None
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, ["--before", "2", "--after", "12"])

@@ -108,7 +108,7 @@ EXPERT_BYTES = (4 * 3 + 3 * 2) * 4
 
 
 def test_controller_plans_commit_through_sglang_updater(tmp_path: Path) -> None:
-    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=160, settings=SGLANG_UPDATER)
@@ -134,7 +134,7 @@ def test_controller_plans_commit_through_sglang_updater(tmp_path: Path) -> None:
 
 def _staged_run(tmp_path: Path, steps: int, settings: dict[str, str] | None = None,
                 extra: dict[int, list[str]] | None = None) -> tuple[list[int], dict[int, dict], object]:
-    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=steps, extra=extra,
@@ -250,7 +250,7 @@ def test_rank_killed_mid_staging_aborts_the_plan_with_no_live_change(tmp_path: P
 
 
 def test_rank_killed_mid_update_leaves_survivors_on_one_placement(tmp_path: Path) -> None:
-    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
         # Rank 3 exits inside SGLang's updater at the second MoE layer of the first plan.
@@ -296,7 +296,7 @@ def test_every_pass_reaches_the_controller_without_an_explicit_finish(tmp_path: 
     a production process lost its last window at exit. Here no rank calls finish(); 10
     passes in windows of 4: every routed token is folded, the last 2 passes' too."""
     steps = 10
-    ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(paused=True, min_windows=1))
+    ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(paused=True, min_windows=1), ready=True)
     assert ctl.server is not None
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=steps,
@@ -315,7 +315,7 @@ def test_an_adapter_error_disables_it_and_sglang_keeps_serving(tmp_path: Path) -
     turns the adapter off on that rank (loud log, its agent stops: the controller sees the
     rank leave) and SGLang serves every pass on the placement it holds."""
     steps = 24
-    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=steps,
@@ -373,7 +373,7 @@ def _seed_pool(ctl: EmbeddedController, placement: np.ndarray) -> None:
 
 def _warm_run(tmp_path: Path, rank_env: dict[int, dict[str, str]] | None = None,
               ) -> tuple[list[int], dict[int, dict], tuple[int, np.ndarray, int], dict[int, tuple[str, str]], np.ndarray]:
-    ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY, ready=True)
     assert ctl.server is not None
     placement = _pool_placement()
     try:
@@ -445,7 +445,7 @@ def test_a_fresh_group_behind_its_pods_sidecar_starts_on_the_pool_placement(tmp_
     """The offer relayed by the pod's sidecar (ControllerMessage.warm_start); the ranks'
     expert bytes, unknown at the early registration, reach the controller through the
     group's next registration."""
-    ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY, ready=True)
     assert ctl.server is not None
     placement = _pool_placement()
     sockets = Path(tempfile.mkdtemp(prefix="sgw", dir="/tmp"))  # short: 107-byte socket paths

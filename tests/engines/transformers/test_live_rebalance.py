@@ -32,7 +32,7 @@ POLICY = PolicyConfig(min_windows=1, decision_period_seconds=0.2, prepare_timeou
 
 
 def test_two_ranks_rebalanced_live_keep_logits_identical(tmp_path: Path) -> None:
-    ctl = start_controller(tmp_path / "c.sqlite", POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", POLICY, ready=True)
     assert ctl.server is not None
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []

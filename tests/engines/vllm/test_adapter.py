@@ -90,7 +90,7 @@ def _logs(tmp_path: Path) -> str:
 
 
 def _check_commits(tmp_path: Path, mode: list[str]) -> None:
-    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=120, common=mode)
@@ -153,7 +153,7 @@ def test_a_drafter_is_balanced_with_the_model_and_never_fails_its_plans(tmp_path
     vLLM recorded, per (layer, expert), the drafter's layer included."""
     from tests.engines.vllm.worker import DRAFT_LAYERS, NUM_LAYERS
 
-    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=160,
@@ -226,7 +226,7 @@ def test_a_scale_down_takes_the_planned_survivor_placement_with_the_controller_g
     (stand-in: the StatelessGroupCoordinator, see worker.shrink). The controller planned
     the survivors' placement for that loss ahead and is stopped before the loss: the map
     vLLM installs is that placement, every expert served, the survivors' weights match."""
-    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True))
+    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True), ready=True)
     assert ctl.server is not None
     planned: list[Any] = []
 
@@ -256,7 +256,7 @@ def test_the_controller_takes_the_scaled_down_world_and_the_survivors_serve_its_
     planned one) under a new version stored with trigger "resize", and every survivor
     serves that version. Before this, the controller refused the new world's Register
     (another shape) and never rebalanced the group again."""
-    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True))
+    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True), ready=True)
     assert ctl.server is not None
     planned: list[Any] = []
     go = planned_loss.go_once_planned(ctl, tmp_path, WORLD, DEPLOYMENT, (WORLD - 1,), planned, stop_controller=False)
@@ -305,7 +305,7 @@ def test_a_rank_whose_commit_comes_late_holds_every_rank_to_one_step(tmp_path: P
     this interval): the others hold the committed plan but the agreement (MIN of the
     ready versions) keeps every rank on the old map until rank 3 has it; every plan is
     installed by every rank at the same step."""
-    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=200,
@@ -323,7 +323,7 @@ def test_a_rank_whose_commit_comes_late_holds_every_rank_to_one_step(tmp_path: P
 
 
 def test_stale_plan_on_one_rank_keeps_every_rank_on_the_old_map(tmp_path: Path) -> None:
-    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=120,
@@ -357,7 +357,7 @@ def _unblocked(results: dict[int, dict], steps: int) -> float:
 
 
 def test_controller_lost_mid_run_never_blocks_a_step(tmp_path: Path) -> None:
-    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
 
     def stop_once_counting() -> None:
@@ -443,7 +443,7 @@ def _seed_pool(ctl: EmbeddedController, placement: np.ndarray) -> None:
 
 def _warm_run(tmp_path: Path, rank_env: dict[int, dict[str, str]] | None = None
               ) -> tuple[list[int], dict[int, dict], Any, np.ndarray]:
-    ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY, ready=True)
     assert ctl.server is not None
     placement = _pool_placement()
     try:

@@ -27,7 +27,7 @@ pytestmark = [
 
 
 def _run(tmp_path: Path, steps: int, flags: list[str]) -> tuple[dict[int, dict], int]:
-    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY)
+    ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
         codes, results = _run_ranks(tmp_path, ctl.server.address, steps=steps, common=flags)
