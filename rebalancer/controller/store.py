@@ -21,12 +21,14 @@ the file (tests, `sqlite3 .backup`) need no lock: SQLite's WAL lets them read be
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
 import json
 import os
 import sqlite3
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -373,6 +375,17 @@ class Store:
             (name, version, arr.shape[0], arr.shape[1], arr.tobytes(), now),
         )
 
+    @contextlib.contextmanager
+    def _new_placement(self, name: str, version: int, phy2log: np.ndarray, now: float) -> Iterator[None]:
+        """One transaction that stores placement `version` and what the caller adds to it
+        (its plan row); StateError, nothing written, past MAX_VERSION."""
+        if version > MAX_VERSION:
+            raise StateError("FAILED_PRECONDITION", f"no plan version is left for {name!r}")
+        with self._db:
+            self._db.execute("BEGIN")
+            self._put_placement(name, version, phy2log, now)
+            yield
+
     def placement(self, name: str, version: int) -> np.ndarray | None:
         row = self._db.execute(
             "SELECT num_layers, num_slots, phy2log FROM placements WHERE deployment = ? AND version = ?",
@@ -437,11 +450,7 @@ class Store:
         """An elastic engine resized the deployment's EP group (rebalancer/controller/resize.py): the new
         shape and the placement the new world serves, committed as plan `version` (trigger
         "resize"), and no mixed placement left, atomically."""
-        if version > MAX_VERSION:
-            raise StateError("FAILED_PRECONDITION", f"no plan version is left for {name!r}")
-        with self._db:
-            self._db.execute("BEGIN")
-            self._put_placement(name, version, phy2log, now)
+        with self._new_placement(name, version, phy2log, now):
             self._db.execute(
                 "INSERT INTO plans (deployment, version, base_version, state, trigger, created, finished,"
                 " reason) VALUES (?, ?, ?, 'committed', 'resize', ?, ?, ?)",
@@ -504,11 +513,7 @@ class Store:
     def offer_plan(self, name: str, version: int, phy2log: np.ndarray, *, now: float) -> None:
         """Record a warm start offered to a fresh deployment: its placement as plan
         `version` (state "offered", based on v0), adopted when the ranks confirm it."""
-        if version > MAX_VERSION:
-            raise StateError("FAILED_PRECONDITION", f"no plan version is left for {name!r}")
-        with self._db:
-            self._db.execute("BEGIN")
-            self._put_placement(name, version, phy2log, now)
+        with self._new_placement(name, version, phy2log, now):
             self._db.execute(
                 "INSERT OR REPLACE INTO plans (deployment, version, base_version, state, trigger, created,"
                 " reason) VALUES (?, ?, 0, 'offered', 'warm_start', ?, 'the pool placement, offered at Register')",
