@@ -1,7 +1,8 @@
 """A rank's side of a plan's life, off the serving thread: the plan driver.
 
 `PlanDriver` is what the agent calls when the controller speaks (worker_hooks/agent.py's
-`PlanHandlers`): a Prepare starts a migration thread that takes the plan through the
+`PlanHandlers`), on the session's `PlanMessages` (worker_hooks/session/messages.py: a
+Commit and an Abort are answered as on every engine's rank): a Prepare starts a migration thread that takes the plan through the
 transfer fence, receives the rank's incoming experts (MigrationExecutor) and stages the
 new dispatch maps, then reports PREPARED or FAILED; a Commit marks the plan ready for the
 commit agreement; an Abort drops its staging. The serving thread asks it which version
@@ -30,6 +31,7 @@ from worker_hooks.migration import MigrationExecutor
 from worker_hooks.rows import replica_rows
 from worker_hooks.serving import HookStats, ServedPlacement
 from worker_hooks.session.book import PlanBook
+from worker_hooks.session.messages import PlanMessages
 from worker_hooks.weights import MigrationAborted
 
 log = logging.getLogger("worker_hooks.plans")
@@ -52,7 +54,7 @@ def _unconnected(version: int, phase: pb.PlanPhase, **_: object) -> None:
     raise RuntimeError(f"plan v{version}: no link to report phase {phase} to (PlanDriver.report_to)")
 
 
-class PlanDriver(PlanHandlers):
+class PlanDriver(PlanMessages, PlanHandlers):
     """Prepare / commit / abort of the controller's plans on one rank (module docstring).
 
     Subclass it to check a plan after its transfers (`after_transfers`) or to inject
@@ -67,6 +69,7 @@ class PlanDriver(PlanHandlers):
         stats: HookStats,
     ) -> None:
         self.config = config
+        self.rank = config.rank
         self.executor = executor
         self.dispatch = dispatch
         self.served = served
@@ -88,6 +91,14 @@ class PlanDriver(PlanHandlers):
     def report_to(self, report: Report) -> None:
         """Where the plans' phases go: the agent's `report` (set once, before it starts)."""
         self._report = report
+
+    def report(self, version: int, phase: pb.PlanPhase, **fields: object) -> None:
+        self._report(version, phase, **fields)
+
+    @property
+    def plans(self) -> PlanBook:  # type: ignore[override]
+        """The plans held (`book`), as the session's handlers name them."""
+        return self.book
 
     # ------------------------------------------------------------ serving thread
 
@@ -135,17 +146,11 @@ class PlanDriver(PlanHandlers):
         self.migration.start()
         self._migrations = [t for t in self._migrations if t.is_alive()] + [self.migration]
 
-    def on_commit(self, version: int) -> None:
-        self.book.commit(version)
-
-    def on_abort(self, version: int, reason: str) -> None:
+    def dropped(self, version: int) -> None:
+        """An Abort (PlanMessages.on_abort, which then drops the plan, counts and reports
+        it): the executor drops the plan's transfers and staging first, so a migration
+        thread still running stages nothing after."""
         self.executor.abort(version)
-        self.book.drop(version)
-        self.stats.aborted += 1
-        # A peer's planned stop is no fault: INFO (rebalancer.errors.SHUTTING_DOWN).
-        log.log(logging.INFO if SHUTTING_DOWN in reason else logging.WARNING,
-                "rank %d: plan v%d aborted: %s", self.config.rank, version, reason)
-        self._report(version, pb.PLAN_PHASE_ABORTED)
 
     # ------------------------------------------------------------ migration thread
 

@@ -7,6 +7,9 @@ adapters (worker_hooks/engines/) share instead of writing it each, one job per f
 * `windows.py` `CountWindows`: counts windows closed per placement and copied to the host
   without the serving thread waiting for the device.
 * `book.py` `PlanBook`: the plans held (staged maps, the committed version).
+* `messages.py` `PlanMessages`: a Commit marked, an Abort dropped, counted and reported,
+  a refusal reported, alike on every rank: the engine adapters' `RankSession` and the
+  hook's plan driver.
 * `agreement.py`: blocking agreement on a version or a plan digest, for an engine's one
   decision point (vLLM's policy call, a fault path).
 * `staging.py` `GroupStaging`: weights staged beside serving in layer groups within a
@@ -14,7 +17,8 @@ adapters (worker_hooks/engines/) share instead of writing it each, one job per f
 
 The SGLang adapter and the project's own hook agree without waiting, on
 worker_hooks/agree.py's `CommitAgreement`. The hook's plan driver (worker_hooks/plans.py)
-holds its plans in the session's `PlanBook` and the hook closes windows by the same rule
-(`windows.window_due`); its Prepare and Abort handlers (the transfer fence, migration
-threads) and its windows (the recorder, count files) are still its own.
+holds its plans in the session's `PlanBook`, answers Commit and Abort as `PlanMessages`
+does, and the hook closes windows by the same rule (`windows.window_due`); its Prepare
+(the transfer fence, migration threads) and its windows (the recorder, count files) are
+still its own.
 """

@@ -22,12 +22,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rebalancer.errors import SHUTTING_DOWN, InputError
+from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.session.agreement import NO_PLAN, all_reduce_min, held_everywhere, plan_digest
 from worker_hooks.session.book import PlanBook
+from worker_hooks.session.messages import PlanMessages
 from worker_hooks.session.windows import CountWindows, window_due
 from worker_hooks.warm import await_offer, group_holds
 
@@ -95,7 +96,7 @@ class SessionStats:
     commits: list[tuple[int, int]] = field(default_factory=list)  # (step, version) made live
 
 
-class RankSession(PlanHandlers):
+class RankSession(PlanMessages, PlanHandlers):
     """One engine rank's session (module docstring). `phy2log` `[L, P]` is the map the
     engine serves at start; `stats` the adapter's (a `SessionStats` or a subclass).
     `resized_from`: (version, GPUs) of the world an elastic engine resized this group
@@ -292,21 +293,5 @@ class RankSession(PlanHandlers):
         self.stats.prepared += 1
         self.agent.report(version, pb.PLAN_PHASE_PREPARED, bytes_received=bytes_received, seconds=seconds)
 
-    def refuse(self, version: int, why: str) -> None:
-        log.error("rank %d: plan v%d refused: %s", self.rank, version, why)
-        self.agent.report(version, pb.PLAN_PHASE_FAILED, error=why[:500])
-
-    def on_commit(self, version: int) -> None:
-        self.plans.commit(version)
-
-    def on_abort(self, version: int, reason: str) -> None:
-        self.plans.drop(version)
-        self.dropped(version)
-        self.stats.aborted += 1
-        # A peer's planned stop is no fault: INFO (rebalancer.errors.SHUTTING_DOWN).
-        log.log(logging.INFO if SHUTTING_DOWN in reason else logging.WARNING,
-                "rank %d: plan v%d aborted: %s", self.rank, version, reason)
-        self.agent.report(version, pb.PLAN_PHASE_ABORTED)
-
-    def dropped(self, version: int) -> None:
-        """An Abort of `version`: drop what the adapter staged for it beyond its map."""
+    def report(self, version: int, phase: pb.PlanPhase, **fields: Any) -> None:
+        self.agent.report(version, phase, **fields)
