@@ -41,13 +41,22 @@ def same_model(a: ClusterShape, b: ClusterShape) -> bool:
     return shape_key(replace(b, **world)) == shape_key(a)
 
 
+def _taken(store: Store, dep: Deployment, resized_from: Resize) -> bool:
+    """Whether the deployment's placement is this resize, taken already: in this process
+    (`dep.resized_from`), or before a restart (its newest plan row, trigger "resize")."""
+    if dep.resized_from == resized_from:
+        return True
+    newest = store.plans(dep.name, limit=1)
+    return bool(newest) and newest[0].version == dep.version and newest[0].trigger == "resize" \
+        and newest[0].base_version == resized_from.version
+
+
 def take(store: Store, dep: Deployment, who: str, shape: ClusterShape, phy2log: np.ndarray,
          resized_from: Resize, unknown: frozenset[str], now: float) -> None:
     """`who` registers with the new world `shape`, serving `phy2log` `[L, P']`, resized from
     `resized_from`: resize `dep`, or find it resized already by a peer of the same resize
     (module docstring); StateError otherwise."""
-    taken = dep.resized_from
-    if taken == resized_from and shape_key(dep.shape) == shape_key(shape):
+    if _taken(store, dep, resized_from) and shape_key(dep.shape) == shape_key(shape):
         if not np.array_equal(dep.phy2log, phy2log):
             raise StateError("FAILED_PRECONDITION",
                              f"{who} of {dep.name!r} resized from {resized_from.describe()} serves another "

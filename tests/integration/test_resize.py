@@ -157,3 +157,29 @@ def test_a_resize_while_a_decision_is_under_way_is_asked_again(ctl: EmbeddedCont
     assert _state(ctl) == before
     ctl.call(dep.decision_done)
     assert _resized(stub, 0).committed.version == 1
+
+
+def test_a_peer_of_a_resize_registering_after_a_controller_restart_joins(tmp_path: Path) -> None:
+    """The resize is in the store: a peer that registers only after the controller
+    restarted still joins at the resize's version (its plan row, trigger "resize")."""
+    ctl = start_controller(tmp_path / "c.sqlite")
+    try:
+        assert ctl.server is not None
+        with grpc.insecure_channel(ctl.server.address, options=client_options()) as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            _register(stub, 0)
+            assert _resized(stub, 0).committed.version == 1
+    finally:
+        ctl.stop()
+    again = start_controller(tmp_path / "c.sqlite")
+    try:
+        assert again.server is not None
+        with grpc.insecure_channel(again.server.address, options=client_options()) as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            assert _resized(stub, 1).committed.version == 1
+            code, details = code_of(_resized, stub, 2, version=1)  # a resize from v1: none was
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "is at v1 on 3 GPUs" in details
+        assert [(p.version, p.trigger) for p in again.call(
+            lambda: again.server.controller.store.plans("dep"))] == [(1, "resize")]  # type: ignore[union-attr]
+    finally:
+        again.stop()
