@@ -63,10 +63,18 @@ def assert_none_left(token: str, seconds: float = 10.0) -> None:
     assert not left, f"outlived the demo (killed now): {left}"
 
 
+def _as_a_foreground_job() -> None:
+    """A terminal's foreground job takes SIGINT and SIGQUIT: a suite run in the background
+    (`cmd &`, nohup) ignores them, and an ignored signal stays ignored across exec."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def start(args: list[str], token: str) -> subprocess.Popen[str]:
     env = {**os.environ, TAG: token, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "rebalancer", "demo", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, start_new_session=True)  # its own group, like a shell job
+                            stdout=subprocess.PIPE, start_new_session=True,  # its own group, like a shell job
+                            preexec_fn=_as_a_foreground_job)
 
 
 def run(args: list[str]) -> tuple[int, list[str], dict[str, Any]]:
