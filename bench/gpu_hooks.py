@@ -10,7 +10,7 @@ each overhead is the median of its per-round ratios, given with their interquart
 range and range: bench/interleave.py)
 - the swap pause between replays: committing a staged DeepSeek-V3-shaped map
   (61 layers x 256 experts) and one layer's staged expert weights;
-- a recorder window snapshot (begin_window) between replays;
+- a window closed between replays by the hook's pipeline (`WindowPipeline.close_as`);
 - with `--dispatch all` (or a comma list of modes), each dispatch mode
   (rebalancer.wire.dispatch) as `RebalanceHook.route` runs it, at EP32 with a shared
   expert, captured in a CUDA graph of its own over every layer of the block, against the
@@ -43,6 +43,7 @@ from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.examples.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
 from worker_hooks.hook import DispatchConfig, HookConfig, RebalanceHook
 from worker_hooks.record import ExpertRecorder
+from worker_hooks.session.windows import WindowPipeline
 
 
 @dataclass
@@ -361,20 +362,34 @@ def bench_swap(cfg: HookBenchConfig, dev: torch.device) -> Figures:
     }
 
 
+class _Sink:
+    """Takes the windows (an agent's `submit_window`), counting them."""
+
+    def __init__(self) -> None:
+        self.windows = 0
+
+    def submit_window(self, *window: object) -> None:
+        self.windows += 1
+
+
 def bench_snapshot(cfg: HookBenchConfig, dev: torch.device) -> Figures:
+    """A window closed between replays by the hook's pipeline (worker_hooks/session/
+    windows.py): the host time of the close, and how long after it the window is ready."""
     rec = ExpertRecorder(61, 257, num_physical=288, device=dev)
     ids = torch.randint(-1, 257, (cfg.tokens, 9), device=dev)
     graph = capture(lambda: rec.record(10, ids))
+    sink = _Sink()
+    pipeline = WindowPipeline(sink, rec.counts)  # type: ignore[arg-type]
     host_us, wait_us = [], []
-    for _ in range(20):
+    for step in range(20):
         graph.replay()
         t0 = time.perf_counter()
-        rec.begin_window()
+        pipeline.close_as(2 * step + 1, 0, rec.split)
         host_us.append(1e6 * (time.perf_counter() - t0))
         graph.replay()
         t1 = time.perf_counter()
-        while rec.poll_window() is None:
-            pass
+        while pipeline.in_flight:
+            pipeline.poll()
         wait_us.append(1e6 * (time.perf_counter() - t1))
     return {
         "snapshot_begin_host_us": statistics.median(host_us[2:]),

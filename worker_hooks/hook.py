@@ -67,7 +67,7 @@ from worker_hooks.plans import PlanDriver, dispatch_map
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.rows import RowMap
 from worker_hooks.serving import HookStats, ServedPlacement
-from worker_hooks.session.windows import window_due
+from worker_hooks.session.windows import WindowPipeline, window_due
 from worker_hooks.warm import await_offer, group_holds
 from worker_hooks.weights import check_weights
 
@@ -200,9 +200,9 @@ class RebalanceHook:
         self._agree_group = agree_group
         self._expert_source = expert_source
         self.step = 0
-        self._window_start = 0
-        # (first step, steps, version, row ids of that version) of the window in flight
-        self._snapshot: tuple[int, int, int, np.ndarray] | None = None
+        # The session's window pipeline over the recorder's counters (one close rule and
+        # copy for every engine and the hook).
+        self.windows = WindowPipeline(self.agent, self.recorder.counts)
 
     @property
     def version(self) -> int:
@@ -300,10 +300,10 @@ class RebalanceHook:
         tearing down its process groups."""
         deadline = time.monotonic() + timeout
         self.plans.close()
-        self._flush_window()
-        while self._snapshot is not None and time.monotonic() < deadline:
+        self._close_window()
+        while self.windows.in_flight and time.monotonic() < deadline:
             time.sleep(0.005)
-            self._poll_window()
+            self.windows.poll()
         self.agent.drain(max(0.0, deadline - time.monotonic()))
         done = self.plans.join(transfer_timeout)
         self.stop()
@@ -368,44 +368,29 @@ class RebalanceHook:
         """Call once per forward step, after the step, on every rank."""
         self.step += 1
         self.stats.steps += 1
-        self._poll_window()
+        self.windows.poll()
         agreed = self.agreement.on_step(self.step, self.plans.ready_version(), serving=self.served.version)
         if agreed is not None and agreed > self.served.version:
-            self._flush_window()  # a window never mixes two placements
+            self._close_window()  # a window never mixes two placements
             self._commit(agreed)
-        elif window_due(self.step, self._window_start, self.config.windows.steps):
-            self._flush_window()
+        elif window_due(self.step, self.windows.start, self.config.windows.steps):
+            self._close_window()
 
-    def _flush_window(self) -> None:
-        """Close the current window: start its snapshot (non-blocking on GPU).
+    def _close_window(self) -> None:
+        """Close the open window on the placement served (non-blocking on GPU): its
+        counts by row are read as slots with that placement's rows."""
+        row_ids = self.served.row_ids.copy()
 
-        If the previous snapshot is still in flight, the counts simply keep
-        accumulating into the next window (merged, never queued)."""
-        if self.step == self._window_start:
-            return
-        if self.recorder.begin_window():
-            self._snapshot = (
-                self._window_start, self.step - self._window_start, self.served.version, self.served.row_ids
-            )
-            self._window_start = self.step
-        self._poll_window()
+        def read(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+            logical, physical = self.recorder.split(flat)
+            add_window(self.stats, self.config, logical, physical)
+            self.stats.windows += 1
+            logical = logical[:, : self.config.num_logical]  # the controller counts routed experts
+            if physical is not None:  # counted by row: back to the slots the controller knows
+                physical = np.take_along_axis(physical[:, : self._num_rows], row_ids, axis=1)
+            return logical, physical
 
-    def _poll_window(self) -> None:
-        """Hand a finished snapshot to the agent; never waits for the device."""
-        if self._snapshot is None:
-            return
-        window = self.recorder.poll_window()
-        if window is None:
-            return
-        first_step, num_steps, version, row_ids = self._snapshot
-        self._snapshot = None
-        logical, physical = window
-        add_window(self.stats, self.config, logical, physical)
-        logical = logical[:, : self.config.num_logical]  # the controller counts routed experts
-        if physical is not None:  # counted by row: back to the slots the controller knows
-            physical = np.take_along_axis(physical[:, : self._num_rows], row_ids, axis=1)
-        self.agent.submit_window(first_step, num_steps, version, logical, physical)
-        self.stats.windows += 1
+        self.windows.close_as(self.step, self.served.version, read)
 
     def _commit(self, version: int) -> None:
         """Switch to plan `version` at this step, agreed by every rank."""

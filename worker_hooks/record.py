@@ -12,10 +12,10 @@ missing or out-of-range one is an error in eager mode; under graph capture (wher
 raising would break the capture) it records nothing and is counted in
 `dropped_calls`, so a bug never shows up as silent extra load on layer 0.
 
-Windows are read between replays. `take_window()` is the simple blocking form.
-`begin_window()` / `poll_window()` snapshot the buffers into pinned host memory on a
-side stream and zero them there; the compute stream waits for that (tiny) copy on the
-device, never on the host, so the next replay cannot race with the zeroing.
+Windows are read between replays: a rank's window pipeline
+(worker_hooks/session/windows.py, the one the engine adapters use) copies `counts` to
+pinned host memory and zeroes it in place, stream-ordered, never waiting on the host;
+`take_window()` is the blocking form for tests, benches and offline tools.
 """
 
 from __future__ import annotations
@@ -85,11 +85,6 @@ class ExpertRecorder:
         )
         # Calls under capture with a missing layer: they record nothing (see module doc).
         self.dropped_calls = 0
-        self._pinned: torch.Tensor | None = None
-        self._side: torch.cuda.Stream | None = None
-        self._done: torch.cuda.Event | None = None
-        self._pending = False
-        self._cpu_snapshot: np.ndarray | None = None
 
     # -- hot path -------------------------------------------------------------------
 
@@ -154,78 +149,24 @@ class ExpertRecorder:
         index = torch.where(in_range, flat_ids + (base + layer * width), self._sink)
         self._flat.index_add_(0, index, torch.ones_like(index))
 
-    # -- window read-out (between replays) --------------------------------------------
+    # -- window read-out ----------------------------------------------------------------
 
-    def begin_window(self) -> bool:
-        """Start copying the current window out and zeroing the counters.
-
-        Non-blocking on GPU. Returns False (and does nothing) if the previous snapshot
-        has not been polled yet: the counts keep accumulating and land in the next
-        window, merged rather than queued.
-        """
-        if self._pending:
-            return False
-        if self.device.type != "cuda":
-            self._cpu_snapshot = self._flat[: self._sink].numpy().copy()
-            self._flat.zero_()
-            self._pending = True
-            return True
-        if self._pinned is None:
-            self._pinned = torch.empty(self._sink, dtype=torch.int64, pin_memory=True)
-            self._side = torch.cuda.Stream(device=self.device)
-            self._done = torch.cuda.Event()
-        assert self._side is not None and self._done is not None
-        main = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            self._pinned.copy_(self._flat[: self._sink], non_blocking=True)
-            self._flat.zero_()
-            self._done.record(self._side)
-        # Later replays must not add counts before the zeroing: a device-side wait.
-        main.wait_event(self._done)
-        self._pending = True
-        return True
-
-    def poll_window(self) -> tuple[np.ndarray, np.ndarray | None] | None:
-        """The window started by `begin_window`, or None while it is still in flight."""
-        if not self._pending:
-            return None
-        if self.device.type != "cuda":
-            flat = self._cpu_snapshot
-            self._cpu_snapshot = None
-        else:
-            assert self._done is not None and self._pinned is not None
-            if not self._done.query():
-                return None
-            flat = self._pinned.numpy().copy()
-        self._pending = False
-        assert flat is not None
-        return self._split(flat)
+    @property
+    def counts(self) -> torch.Tensor:
+        """Every counter (logical, then physical), flat, without the sink: the buffer a
+        rank's window pipeline copies out and zeroes in place between replays
+        (worker_hooks/session/windows.py); `split` reads it."""
+        return self._flat[: self._sink]
 
     def take_window(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """Copy the counts out as int64 numpy ([L, E], [L, P] or None) and zero them.
+        """Copy the counts out as int64 numpy ([L, E], [L, P] or None) and zero them,
+        blocking until they are on the host (tests, benches, offline tools)."""
+        flat = self.counts.cpu().numpy().copy()
+        self.counts.zero_()
+        return self.split(flat)
 
-        Blocks until the snapshot is on the host; a snapshot begun earlier and not yet
-        polled is merged in, so nothing recorded is lost.
-        """
-        earlier = self._wait_and_poll() if self._pending else None
-        self.begin_window()
-        logical, physical = self._wait_and_poll()
-        if earlier is not None:
-            logical = logical + earlier[0]
-            if physical is not None and earlier[1] is not None:
-                physical = physical + earlier[1]
-        return logical, physical
-
-    def _wait_and_poll(self) -> tuple[np.ndarray, np.ndarray | None]:
-        if self.device.type == "cuda":
-            assert self._done is not None
-            self._done.synchronize()
-        out = self.poll_window()
-        assert out is not None
-        return out
-
-    def _split(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    def split(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """`counts` read on the host: logical [L, E] and physical [L, P] (or None)."""
         logical = flat[: self._n_log].reshape(self.num_layers, self.num_logical)
         physical = None
         if self.num_physical is not None:

@@ -9,6 +9,7 @@ import torch
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.examples.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
 from worker_hooks.record import ExpertRecorder
+from worker_hooks.session.windows import WindowPipeline
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,27 +116,41 @@ def test_missing_layer_in_capture_records_nothing() -> None:
     assert logical.sum() == 20
 
 
-def test_window_snapshot_between_replays_without_host_sync() -> None:
+class _Agent:
+    def __init__(self) -> None:
+        self.windows: list[tuple[np.ndarray, np.ndarray | None]] = []
+
+    def submit_window(self, first: int, steps: int, version: int, logical: np.ndarray,
+                      physical: np.ndarray | None) -> None:
+        self.windows.append((logical, physical))
+
+
+def test_window_pipeline_between_replays_without_host_sync() -> None:
+    """The hook's windows on CUDA: the session's pipeline copies the recorder's counters
+    (what the graph adds to) and zeroes them in place; a replay queued right behind the
+    close belongs to the next window; a window is handed over only once its copy is done."""
     dev = torch.device("cuda")
     rec = ExpertRecorder(2, 16, num_physical=32, device=dev)
     ids = torch.randint(-1, 16, (1024, 8), device=dev)
     phys = torch.randint(-1, 32, (1024, 8), device=dev)
     graph = _capture(lambda: (rec.record(1, ids), rec.record_physical(0, phys)))
     rec.take_window()
-    windows = []
+    agent = _Agent()
+    pipeline = WindowPipeline(agent, rec.counts)  # type: ignore[arg-type]
+    step = 0
     for w in range(3):
         for _ in range(4 + w):
             graph.replay()
-        assert rec.begin_window()
-        graph.replay()  # queued behind the snapshot: belongs to the next window
-        got = None
-        while got is None:
-            got = rec.poll_window()
-        windows.append(got)
+            step += 1
+        pipeline.close_as(step, 0, rec.split)
+        graph.replay()  # queued behind the copy and the zeroing: belongs to the next window
+        step += 1
+        while len(agent.windows) < w + 1:
+            pipeline.poll()
     tail, _ = rec.take_window()
     exp_log = np.bincount(ids[ids >= 0].cpu().numpy(), minlength=16)
     exp_phy = np.bincount(phys[phys >= 0].cpu().numpy(), minlength=32)
-    for w, (logical, physical) in enumerate(windows):
+    for w, (logical, physical) in enumerate(agent.windows):
         replays = 4 + w + (1 if w else 0)
         np.testing.assert_array_equal(logical[1], exp_log * replays)
         assert physical is not None

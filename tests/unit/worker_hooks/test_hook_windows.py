@@ -67,7 +67,7 @@ def test_a_commit_closes_the_window_of_the_placement_it_leaves(tmp_path: Path) -
         row_ids[1] = hook.served.row_ids.copy()
         assert not np.array_equal(row_ids[0], row_ids[1])  # the plan moved rows: a map to get wrong
         serve(STEPS_V1)
-        hook._flush_window()
+        hook._close_window()
         windows = list(hook.agent._pending)
         assert [w.version for w in windows] == [0, 1]
         steps_v0 = len(runs[0]) // L

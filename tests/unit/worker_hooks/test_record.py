@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from worker_hooks.record import ExpertRecorder
+from worker_hooks.session.windows import WindowPipeline
 
 # A DeepSeek-V4-like shape: 43 decoder layers, the first 3 routed by token-id hash,
 # a few dense layers in between that never route, 256 routed experts + 1 fused shared.
@@ -133,28 +134,48 @@ def test_record_physical_needs_num_physical() -> None:
         ExpertRecorder(2, 4).record_physical(0, torch.tensor([0]))
 
 
-def test_begin_poll_merges_instead_of_queueing() -> None:
-    rec = ExpertRecorder(1, 3)
-    assert rec.poll_window() is None
+class _Agent:
+    """What a window pipeline hands windows to (the agent's `submit_window`), kept."""
+
+    def __init__(self) -> None:
+        self.windows: list[tuple[int, int, int, list[list[int]], list[list[int]] | None]] = []
+
+    def submit_window(self, first: int, steps: int, version: int, logical: np.ndarray,
+                      physical: np.ndarray | None) -> None:
+        self.windows.append((first, steps, version, logical.tolist(),
+                             None if physical is None else physical.tolist()))
+
+
+def test_the_window_pipeline_reads_the_recorders_counters_in_place() -> None:
+    """The hook's windows: the session's pipeline copies the recorder's counters out and
+    zeroes them in place (the tensors a captured graph adds to stay the same), windows
+    queued in close order, each read with what was told at its close."""
+    rec = ExpertRecorder(1, 3, num_physical=2)
+    buffer = rec.counts.data_ptr()
+    agent = _Agent()
+    pipeline = WindowPipeline(agent, rec.counts)  # type: ignore[arg-type]
+    pipeline.close_as(4, 0, rec.split)  # nothing recorded since step 0: an empty window is sent
     rec.record(0, torch.tensor([0, 1]))
-    assert rec.begin_window()
-    rec.record(0, torch.tensor([2]))
-    # A second begin before polling does nothing: the new count waits for the next window.
-    assert not rec.begin_window()
-    first = rec.poll_window()
-    assert first is not None
-    np.testing.assert_array_equal(first[0], [[1, 1, 0]])
-    logical, _ = rec.take_window()
-    np.testing.assert_array_equal(logical, [[0, 0, 1]])
+    rec.record_physical(0, torch.tensor([1, 1]))
+    pipeline.close_as(6, 2, rec.split)
+    rec.record(0, torch.tensor([2, -1]))
+    pipeline.close_as(6, 3, rec.split)  # no step since: stays open
+    pipeline.close_as(7, 3, rec.split)
+    assert agent.windows == [
+        (0, 4, 0, [[0, 0, 0]], [[0, 0]]),
+        (4, 2, 2, [[1, 1, 0]], [[0, 2]]),
+        (6, 1, 3, [[0, 0, 1]], [[0, 0]]),
+    ]
+    assert rec.counts.data_ptr() == buffer and int(rec.counts.sum()) == 0
+    assert (pipeline.sent, pipeline.tokens_sent, pipeline.in_flight) == (3, 3, 0)
 
 
-def test_take_window_merges_an_unpolled_snapshot() -> None:
+def test_take_window_reads_and_zeroes() -> None:
     rec = ExpertRecorder(1, 3)
-    rec.record(0, torch.tensor([0]))
-    rec.begin_window()
-    rec.record(0, torch.tensor([0, 2]))
-    logical, _ = rec.take_window()
+    rec.record(0, torch.tensor([0, 0, 2]))
+    logical, physical = rec.take_window()
     np.testing.assert_array_equal(logical, [[2, 0, 1]])
+    assert physical is None and int(rec.counts.sum()) == 0
 
 
 def test_dense_logical_counts_add_what_record_would_count() -> None:
