@@ -147,6 +147,37 @@ class RankSession(PlanMessages, PlanHandlers):
         self.serve_version(version)
         log.info("rank %d: the resized group serves v%d", self.rank, version)
 
+    def rejoin_resized(self, rank: int, shape: pb.ModelShape, phy2log: np.ndarray, why: str) -> None:
+        """The engine resized this rank's group in place (SGLang's elastic EP after a rank
+        fault): from this pass on the rank is rank `rank` of the world `shape`, serving
+        `phy2log` `[L, P']`. The window counted on the old world is sent, the old world's
+        agent stopped, and an agent of the new world registers stating the world before
+        (`RegisterRequest.resized_from`): the controller takes the map served as the
+        deployment's committed placement (rebalancer/controller/resize.py) and the rank
+        serves it under that version (`_join_resized_world`), v0 until then. It takes no
+        plan from here (`why`): the engine's groups still hold the ranks it lost."""
+        self.broken = self.broken or why  # a Prepare on either agent is refused from now on
+        resized_from = (self.version, self.num_gpus)
+        try:
+            self.windows.close(self.step, self.version, self.phy2log, wait=True)
+        finally:
+            self.agent.stop(timeout=1.0)
+        self.rank = rank
+        self.phy2log = np.array(phy2log, dtype=np.int64, copy=True)
+        self.num_layers, self.num_slots = self.phy2log.shape
+        self.num_gpus = int(shape.num_gpus)
+        self.version = 0
+        self.plans.clear()
+        self.agent = engine_agent(self.config, rank, shape, self, lambda: self.version, self.phy2log,
+                                  served_map=lambda: self.phy2log.copy(), resized_from=resized_from)
+        divide_by = self.windows.divide_by
+        self.windows = CountWindows(self.agent, self.num_logical, divide_by=divide_by)
+        self.windows.start = self.step
+        self.joining_resized = True
+        self.agent.start()
+        log.warning("rank %d (of %d now): the EP group was resized from %d GPUs at v%d; registering the "
+                    "new world with the controller", rank, self.num_gpus, resized_from[1], resized_from[0])
+
     def serve_version(self, version: int) -> None:
         """The map served is `version` from this pass on, with no plan (a resize the
         controller took): the window counted so far goes up under the version before."""

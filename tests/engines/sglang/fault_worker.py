@@ -56,6 +56,9 @@ def main() -> None:
     parser.add_argument("--wait-plan", type=float, default=0.0,
                         help="serve until every rank holds a planned survivor placement for the loss (at most "
                              "this long), write <out>.planned and wait for <out>.go before the fault")
+    parser.add_argument("--wait-joined", type=float, default=0.0,
+                        help="after --after passes, serve until the adapter serves the version the controller "
+                             "gave the resized world (at most this long)")
     parser.add_argument("--step-sleep", type=float, default=0.02)
     args = parser.parse_args()
     rank, world, lost = args.rank, args.world, args.lost
@@ -215,6 +218,9 @@ def main() -> None:
     }
     for _ in range(args.after):
         serve_pass()
+    joined_by = time.monotonic() + args.wait_joined
+    while current_adapter() is not None and current_adapter().version == 0 and time.monotonic() < joined_by:
+        serve_pass()
     final = get_global_expert_location_metadata().physical_to_logical_map_cpu
 
     def weights_match() -> bool:
@@ -230,6 +236,8 @@ def main() -> None:
         "dispatch_mismatches": counters["mismatches"], "tokens_to_lost": counters["to_lost"],
         "adapter_phy2log": None if adapter is None else adapter.phy2log.tolist(),
         "adapter_version": None if adapter is None else adapter.version,
+        "adapter_rank": None if adapter is None else adapter.rank,
+        "windows_sent": None if adapter is None else adapter.windows.sent,
         "rank_faults": None if adapter is None else getattr(adapter.stats, "rank_faults", None),
     }
     if adapter is not None:

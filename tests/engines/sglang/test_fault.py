@@ -95,9 +95,16 @@ def _check_survivors_serve(r: dict[str, Any]) -> np.ndarray:
     assert r["weights_match_map"]
     assert r["dispatch_mismatches"] == 0 and r["tokens_to_lost"] == 0
     assert np.array_equal(np.asarray(r["final"]), np.asarray(r["installed"]["phy2log"]))
-    # The adapter serves (and states) what SGLang installed.
-    assert np.array_equal(np.asarray(r["adapter_phy2log"]), np.asarray(r["installed"]["phy2log"]))
+    # The adapter serves (and states) what SGLang installed on the survivors' slots: the
+    # world of 3 ranks (survivor i = rank i here), SGLang's full width without rank 3's slots.
+    assert np.array_equal(np.asarray(r["adapter_phy2log"]), _survivors_map(r))
+    assert r["adapter_rank"] == r["rank"]
     return phy2log
+
+
+def _survivors_map(r: dict[str, Any]) -> np.ndarray:
+    """What SGLang installed, on the survivors' slots only `[L, 3 * SLOTS]`."""
+    return np.asarray(r["installed"]["phy2log"])[:, :LOST * SLOTS]
 
 
 def _survivors(results: dict[int, dict]) -> list[dict[str, Any]]:
@@ -136,24 +143,27 @@ def test_a_rank_fault_takes_the_planned_survivor_placement_with_the_controller_g
         assert not np.array_equal(phy2log, np.asarray(r["own_phy2log"])[MOE])
 
 
-def test_a_rank_fault_with_no_plan_takes_sglangs_own_placement_and_tells_the_controller(tmp_path: Path) -> None:
+def test_a_rank_fault_with_no_plan_takes_sglangs_own_placement_and_the_controller_commits_it(
+        tmp_path: Path) -> None:
     """No survivor placement planned yet (the loss comes before any window): SGLang's own
-    elasticity-aware algorithm places the survivors, unchanged, and the adapter reports
-    the placement now served: the controller records it as the deployment's mixed placement
-    (no silent drift; no plan starts on top of it). Today's tree: the controller still
-    holds v0's placement and knows nothing of the fault."""
+    elasticity-aware algorithm places the survivors, unchanged, and the survivors' adapters
+    register the smaller world as a resize: the controller commits the placement they
+    serve as a new version of 3 GPUs (trigger "resize"), the survivors serve that version
+    and state it in their windows (no silent drift, no mixed placement). The tree before:
+    a FAILED report, the placement recorded as mixed."""
     ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True), ready=True)
     assert ctl.server is not None
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, ["--before", "2", "--after", "12"])
+        codes, results = _run_ranks(tmp_path, ctl.server.address,
+                                    ["--before", "2", "--after", "12", "--wait-joined", "60"])
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
+        plans = ctl.call(lambda: ctl.server.controller.store.plans(DEPLOYMENT, limit=1))  # type: ignore[union-attr]
+        stated = ctl.call(lambda: dict(dep.stated))
     finally:
         ctl.stop()
     assert codes == [0] * WORLD, _logs(tmp_path)
     survivors = _survivors(results)
     assert len(survivors) == WORLD - 1
-    # The controller was told: the survivors' placement is recorded as what they serve.
-    assert dep.mixed is not None, _logs(tmp_path)
     for r in survivors:
         phy2log = _check_survivors_serve(r)
         own_log2phy = np.asarray(r["own_log2phy"])[MOE]
@@ -162,7 +172,12 @@ def test_a_rank_fault_with_no_plan_takes_sglangs_own_placement_and_tells_the_con
         assert np.array_equal(installed[..., :own_log2phy.shape[-1]], own_log2phy)
         assert (installed[..., own_log2phy.shape[-1]:] == -1).all()
         assert r["rank_faults"][0]["planned"] is False
-    assert dep.mixed.version == dep.mixed.base_version == dep.version == 0
-    assert np.array_equal(np.asarray(dep.mixed.phy2log), np.asarray(survivors[0]["installed"]["phy2log"]))
-    assert np.array_equal(np.asarray(dep.phy2log), np.asarray(survivors[0]["installed"]["phy2log"]))
-    assert "ranks [3] lost" in dep.mixed.reason
+        assert r["adapter_version"] == 1, _logs(tmp_path)
+    # The controller committed what the survivors serve, as the resized world's v1.
+    assert dep.mixed is None, _logs(tmp_path)
+    assert (dep.version, dep.shape.num_gpus, dep.shape.num_slots) == (1, WORLD - 1, (WORLD - 1) * SLOTS)
+    assert np.array_equal(np.asarray(dep.phy2log), _survivors_map(survivors[0]))
+    assert plans[0].version == 1 and plans[0].trigger == "resize" and plans[0].base_version == 0
+    assert "from 4 to 3 GPUs" in plans[0].reason
+    # Their windows state it: every survivor serves v1, and the controller knows.
+    assert {rank: version for rank, (version, _) in stated.items()} == {0: 1, 1: 1, 2: 1}, stated

@@ -86,6 +86,11 @@ class SGLangRebalanceAdapter(RankSession):
         self.stats: AdapterStats
         self.slots_per_rank = self.num_slots // self.num_gpus
         self.faulted: tuple[int, ...] | None = None  # ranks lost in SGLang's fault path
+        self._live_slots: np.ndarray | None = None  # after it: the survivors' slots of SGLang's [L, P]
+        # SGLang's EP world and this rank in it: they keep their width and numbers after a
+        # rank fault, where the controller's world shrinks (after_rank_fault).
+        self.ep_size, self.ep_rank = self.num_gpus, self.rank
+        self.ranks_per_node = max(1, self.num_gpus // max(1, int(shape.num_nodes)))
         self._finished = False
         self._ticket = 0  # what is live (staging.ticket)
         # Groups of the adapter's own, so its collectives never interleave with SGLang's.
@@ -126,7 +131,11 @@ class SGLangRebalanceAdapter(RankSession):
     # ------------------------------------------------------------ SGLang's thread
 
     def add_pass_counts(self, global_physical_count: torch.Tensor) -> None:
-        """One recorded pass: this rank's tokens per physical slot, `[L, P]` (device)."""
+        """One recorded pass: this rank's tokens per physical slot, `[L, P]` (device); after
+        a rank fault, the survivors' slots only (the world the controller knows)."""
+        if self._live_slots is not None:
+            global_physical_count = global_physical_count[:, torch.from_numpy(self._live_slots)
+                                                          .to(global_physical_count.device)]
         self.windows.add(global_physical_count)
 
     def on_forward_pass_end(self) -> None:
@@ -157,10 +166,10 @@ class SGLangRebalanceAdapter(RankSession):
         return ticket(ready, 0) if ready > self.version else self._ticket
 
     def _close_window(self, wait: bool = False) -> None:
-        # Between the swaps of a plan's groups, and after a rank fault, the map is one no
-        # version names: only the logical counts go up then.
+        # Between the swaps of a plan's groups the map is one no version names: only the
+        # logical counts go up then.
         plan = self.staging.plan
-        mixed = (plan is not None and plan.swapped > 0) or self.faulted is not None
+        mixed = plan is not None and plan.swapped > 0
         self.windows.close(self.step, self.version, self.phy2log, mixed=mixed, wait=wait)
 
     def finish(self, timeout: float = 5.0) -> None:
@@ -203,10 +212,10 @@ class SGLangRebalanceAdapter(RankSession):
         model = manager._get_model()
         weights = model.routed_experts_weights_of_layer
         target = ExpertLocationMetadata.init_by_mapping(
-            manager._model_config, torch.from_numpy(new.copy()), moe_ep_rank=self.rank)
+            manager._model_config, torch.from_numpy(new.copy()), moe_ep_rank=self.ep_rank)
         before = ExpertLocationMetadata.init_by_mapping(
-            manager._model_config, torch.from_numpy(self.phy2log.copy()), moe_ep_rank=self.rank)
-        local = slice(self.rank * self.slots_per_rank, (self.rank + 1) * self.slots_per_rank)
+            manager._model_config, torch.from_numpy(self.phy2log.copy()), moe_ep_rank=self.ep_rank)
+        local = slice(self.ep_rank * self.slots_per_rank, (self.ep_rank + 1) * self.slots_per_rank)
         weight_updater = manager._get_weight_updater()
         dispatch_algorithm = get_exec().moe.ep_dispatch_algorithm
 
@@ -221,7 +230,7 @@ class SGLangRebalanceAdapter(RankSession):
                     model=model,
                     new_expert_location_metadata=target,
                     update_layer_ids=[layer],
-                    tp_rank=self.rank,
+                    tp_rank=self.ep_rank,
                     expert_backup_client=manager._get_expert_backup_client(),
                     update_weights_from_disk_callable=getattr(weight_updater, "update_weights_from_disk", None),
                     ep_dispatch_algorithm=dispatch_algorithm,
@@ -289,7 +298,7 @@ class SGLangRebalanceAdapter(RankSession):
         from sglang.srt.eplb.expert_location import ExpertLocationMetadata
 
         plan.target = ExpertLocationMetadata.init_by_mapping(
-            self.manager._model_config, torch.from_numpy(plan.new.copy()), moe_ep_rank=self.rank)
+            self.manager._model_config, torch.from_numpy(plan.new.copy()), moe_ep_rank=self.ep_rank)
 
     def planned_survivors(self, lost: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """SGLang's fault path lost `lost`: the survivor placement the controller planned for
@@ -312,34 +321,44 @@ class SGLangRebalanceAdapter(RankSession):
 
     def after_rank_fault(self, lost: tuple[int, ...], planned: bool) -> None:
         """SGLang's fault path installed a placement on the survivors (the planned one, or
-        its own): this rank serves it from now on. The controller cannot adopt a placement
-        no plan of its own describes, and the group has dead ranks its plans would place
-        experts on, so the adapter tells it the truth as a FAILED report of the version it
-        served, carrying the placement now served: the controller records it as the
-        deployment's mixed placement (it is what the ranks serve, no plan starts on top of
-        it, a restarted group clears it). From here the adapter takes no plans and runs no
-        collective of its own (its groups hold the dead ranks); its windows go on with the
-        logical counts and state the placement served (version, digest)."""
+        its own), full width with the lost ranks' slots filled and out of every replica
+        list. The survivors are a smaller world now: each survivor's adapter registers it
+        with the controller as a resize (`RankSession.rejoin_resized`: rank i of the new
+        world = the i-th surviving rank, its slots the survivors' blocks), so the
+        controller records the placement served as the deployment's committed placement
+        under a new version, and the windows from here count the survivors' slots under
+        it: no silent drift. From here the adapter takes no plans and runs no collective
+        of its own (its groups hold the dead ranks) until the group restarts."""
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
         self._close_window(wait=True)  # the counts so far were taken on the old placement
         served = get_global_expert_location_metadata().physical_to_logical_map_cpu.numpy().astype(np.int64)
         self.faulted = tuple(lost)
-        self.plans.clear()
         self.agreement.broken = self.agreement.broken or "rank fault"
-        self.phy2log[:] = served
         self.stats.rank_faults.append({"step": self.step, "lost": list(lost), "planned": planned})
-        if self.rank in lost:
-            # This rank is one SGLang marked inactive: it serves nothing from here, and the
-            # map it holds is not what the survivors serve (SGLang moves nothing onto it), so
-            # it must not be what the controller records.
-            self.broken = self.broken or f"rank {self.rank} marked inactive"
-            log.warning("rank %d: marked inactive by SGLang's elastic EP; it reports no placement", self.rank)
-            return
         how = (f"the survivor placement the controller planned on v{self.version}" if planned
                else "SGLang's own placement (no planned survivor placement held by every rank)")
-        self.stopped(self.version, f"ranks {list(lost)} lost: SGLang's elastic EP serves {how} on the "
-                     "survivors outside any plan, until the group restarts")
+        if self.ep_rank in lost:
+            # This rank is one SGLang marked inactive: it serves nothing from here, and the
+            # map it holds is not what the survivors serve (SGLang moves nothing onto it), so
+            # it must not be what the controller records: its agent stops.
+            self.broken = self.broken or f"rank {self.rank} marked inactive"
+            self.plans.clear()
+            log.warning("rank %d: marked inactive by SGLang's elastic EP; it reports no placement", self.rank)
+            self.agent.stop(timeout=0.0)
+            return
+        survivors = [r for r in range(self.ep_size) if r not in lost]
+        per = self.slots_per_rank
+        self._live_slots = np.concatenate([np.arange(r * per, (r + 1) * per) for r in survivors])
+        shape = pb.ModelShape()
+        shape.CopyFrom(self.agent.config.shape)
+        shape.num_gpus = len(survivors)
+        shape.num_physical_slots = len(self._live_slots)
+        shape.num_nodes = len({r // self.ranks_per_node for r in survivors})
+        log.warning("rank %d: ranks %s lost; SGLang's elastic EP serves %s on the %d survivors", self.rank,
+                    list(lost), how, len(survivors))
+        self.rejoin_resized(survivors.index(self.ep_rank), shape, served[:, self._live_slots],
+                            f"ranks {list(lost)} lost: SGLang's elastic EP group holds them until it restarts")
 
     def _rebuild_lp_solvers(self) -> None:
         """After the expert location metadata changed, what SGLang's own update does
