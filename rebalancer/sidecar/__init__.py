@@ -10,12 +10,12 @@ credentials, and rides out controller outages with a bounded merged buffer. Expe
 weights never pass through it: ranks move them among themselves.
 
 Modules, one concern each: `config` (settings from flags and the pod's environment),
-`merge` (windows of the pod's ranks merged per seq; the bounded buffer), `relay` (the
-plan relay state machine), `pod` (the pod's state both sides share), `ranks` (the
+`relay` (the plan relay state machine), `resize` (a resize of the EP group gathered from
+the survivors' registrations), `pod` (the pod's state both sides share: the windows of
+its ranks merged per seq into a bounded buffer, rebalancer.wire.windows), `ranks` (the
 WorkerService the ranks speak on the socket), `upstream` (the one link to the
 controller), `listen` (the socket: modes, one sidecar per path, the readiness probe),
-`metrics` (Prometheus names, defined once), `daemon` (wiring, health, shutdown), `errors`
-(the one error type, named by gRPC status).
+`metrics` (Prometheus names, defined once), `daemon` (wiring, health, shutdown).
 
 Imports only the bottom layers (rebalancer.errors, rebalancer.v1, rebalancer.wire): no
 controller, no placement, no torch.

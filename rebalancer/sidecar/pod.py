@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -31,8 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from rebalancer.errors import StateError
-from rebalancer.sidecar.config import SidecarConfig
+from rebalancer.sidecar.config import SidecarConfig, format_ranks
 from rebalancer.sidecar.relay import Actions, Event, Relay, RelayPlan
+from rebalancer.sidecar.resize import PendingResize, describe
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from rebalancer.wire.codec import Statement
@@ -63,9 +65,9 @@ class PodStats:
 
 
 class Pod:
-    def __init__(self, config: SidecarConfig) -> None:
+    def __init__(self, config: SidecarConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.ranks = tuple(sorted(config.ranks))
+        self.clock = clock
         self.deployment = config.deployment
         self.shape: pb.ModelShape | None = None
         # The ranks' dispatch mode (None until the first rank registers; a rank sending
@@ -73,14 +75,31 @@ class Pod:
         self.dispatch_mode: str | None = None
         self.top_k = 0
         self.initial: pb.Placement | None = None
+        self.pool = config.pool  # the replica pool told upstream ("" = none, or the ranks')
+        # A resize of the EP group (rebalancer/sidecar/resize.py): the one being gathered,
+        # the one the pod took (its ranks register into it), whether the controller still
+        # has to be told it, and the new world's workers until their sessions exist.
+        self.resize: PendingResize | None = None
+        self.resized_from: pb.Resize | None = None
+        self.tell_resize = False
+        self._resize_workers: dict[int, str] = {}
+        self.world = 0  # how many resizes the pod took: the upstream link renumbers from scratch
+        self.stats = PodStats()
+        self.changed = asyncio.Event()  # wakes the upstream link: windows, reports, ranks
+        self.observers: list[Callable[[Event, RelayPlan], None]] = []
+        self._new_world(tuple(sorted(config.ranks)))
+
+    def _new_world(self, ranks: tuple[int, ...]) -> None:
+        """The pod's ranks from now on and everything kept per world: their sessions,
+        windows, plans and what the controller said."""
+        self.ranks = ranks
         self.sessions: dict[str, RankSession] = {}  # local session id -> session
         self.by_rank: dict[int, RankSession] = {}
-        self.merge = SeqMerger(self.ranks, config.fold_lag)
-        self.buffer = BoundedWindows(config.max_buffered_windows)
+        self.merge = SeqMerger(self.ranks, self.config.fold_lag)
+        self.buffer = BoundedWindows(self.config.max_buffered_windows)
         self.relay = Relay(self.ranks)
         self.reports: deque[pb.PlanReport] = deque()  # for the controller, in order
         self.committed: pb.Placement | None = None    # the controller's, once known
-        self.pool = config.pool  # the replica pool told upstream ("" = none, or the ranks')
         # The pool placement the controller offered the group (RegisterResponse.warm_start),
         # told to every rank until a plan is relayed or a version above 0 committed.
         self.warm_start: pb.Placement | None = None
@@ -96,9 +115,10 @@ class Pod:
         self.statements: dict[int, Statement] = {}
         # The newest contingency set the controller told (lost ranks -> its message).
         self.planned: dict[tuple[int, ...], pb.ControllerMessage] = {}
-        self.stats = PodStats()
-        self.changed = asyncio.Event()  # wakes the upstream link: windows, reports, ranks
-        self.observers: list[Callable[[Event, RelayPlan], None]] = []
+
+    @property
+    def ranks_label(self) -> str:
+        return format_ranks(self.ranks)
 
     # ------------------------------------------------------------ the ranks
 
@@ -116,18 +136,16 @@ class Pod:
         rank = int(request.rank)
         if request.ranks:
             raise StateError("INVALID_ARGUMENT", "a sidecar serves single ranks, not group sessions")
-        if request.HasField("resized_from"):
-            # The pod holds one shape for its ranks and its group session; a resized world
-            # changes both (and may leave this pod's ranks split): not relayed yet.
-            raise StateError("FAILED_PRECONDITION", f"rank {rank} registers a resized EP group "
-                                                    "(resized_from): the sidecar does not relay a resize yet")
-        if rank not in self.ranks:
-            raise StateError("INVALID_ARGUMENT", f"rank {rank} is not one of this pod's ranks {self.config.ranks_label}")
+        resized = request.HasField("resized_from")
         if self.deployment and request.deployment != self.deployment:
             raise StateError(
                 "FAILED_PRECONDITION",
                 f"rank {rank} registers for deployment {request.deployment!r}, this pod serves {self.deployment!r}",
             )
+        if resized and not self._in_resized_world(request):
+            self._gather_resize(request)
+        if rank not in self.ranks:
+            raise StateError("INVALID_ARGUMENT", f"rank {rank} is not one of this pod's ranks {self.ranks_label}")
         if self.shape is not None and not _same_shape(request.shape, self.shape):
             raise StateError(
                 "FAILED_PRECONDITION",
@@ -152,7 +170,7 @@ class Pod:
         if max(self.ranks) >= request.shape.num_gpus:
             raise StateError(
                 "INVALID_ARGUMENT",
-                f"this pod's ranks {self.config.ranks_label} do not fit {request.shape.num_gpus} GPUs",
+                f"this pod's ranks {self.ranks_label} do not fit {request.shape.num_gpus} GPUs",
             )
         old = self.by_rank.get(rank)
         if old is not None and old.send is not None:
@@ -178,9 +196,12 @@ class Pod:
             self.sessions.pop(old.session_id, None)
         session = RankSession(rank, uuid.uuid4().hex, request.worker_id)
         self.sessions[session.session_id] = self.by_rank[rank] = session
-        self.relay.serves(rank, request.placement_version, registering=True)
-        self.statements[rank] = (request.placement_version, 0)  # its map told by its windows
-        behind = self.committed is not None and request.placement_version < self.committed.version
+        # A rank of the resize the controller took serves its placement, as v0 until this
+        # answer tells it the version (RegisterResponse.committed).
+        serving = self.committed.version if resized and self.committed is not None else request.placement_version
+        self.relay.serves(rank, serving, registering=True)
+        self.statements[rank] = (serving, 0)  # its map told by its windows
+        behind = self.committed is not None and serving < self.committed.version
         restarted = bool(old is not None and old.worker_id and request.worker_id
                          and old.worker_id != request.worker_id)
         if self.upstream_registered and (behind or restarted):
@@ -194,7 +215,7 @@ class Pod:
             log.info("rank %d told the expert bytes (%d): registering the group again once every rank is back",
                      rank, request.shape.expert_bytes)
             self.upstream_registered, self.resync = False, True
-        log.info("rank %d registered (worker %s, v%d)", rank, request.worker_id or "?", request.placement_version)
+        log.info("rank %d registered (worker %s, v%d)", rank, request.worker_id or "?", serving)
         self.changed.set()
         response = pb.RegisterResponse(
             session_id=session.session_id,
@@ -204,6 +225,60 @@ class Pod:
         if self.warm_start is not None and request.placement_version == 0:
             response.warm_start.CopyFrom(self.warm_start)
         return response
+
+    def _in_resized_world(self, request: pb.RegisterRequest) -> bool:
+        """Whether `request` is a rank of the resize the pod took; UNAVAILABLE while the
+        controller has not answered it yet (the rank asks again)."""
+        if self.resized_from is None or request.resized_from != self.resized_from or self.shape is None \
+                or not _same_shape(request.shape, self.shape):
+            return False
+        if not self.upstream_registered:
+            raise StateError("UNAVAILABLE", f"rank {request.rank}: the EP group's resize from "
+                                            f"{describe(self.resized_from)} is being relayed to the controller; "
+                                            "ask again")
+        return True
+
+    def _gather_resize(self, request: pb.RegisterRequest) -> None:
+        """A rank of a resize the pod has not taken yet (rebalancer/sidecar/resize.py):
+        gathered; the new world taken once every old rank is accounted for. Always
+        raises: UNAVAILABLE (ask again) or the refusal."""
+        now = self.clock()
+        pending = self.resize
+        if pending is None or not pending.same_resize(request):
+            pending = PendingResize.of(request, now)  # a newer resize replaces one gathered
+        old_rank = next((s.rank for s in self.by_rank.values()
+                         if request.worker_id and s.worker_id == request.worker_id), None)
+        pending.add(request, old_rank)
+        if self.resize is not pending:
+            log.warning("rank %d (rank %s before) registers a resize of the EP group from %s to %d GPUs: "
+                        "gathering this pod's ranks of it", request.rank, "?" if old_rank is None else old_rank,
+                        describe(pending.resized_from), pending.shape.num_gpus)
+        self.resize = pending
+        if pending.complete(self.ranks, self.connected(), now):
+            self._take_resize(pending)
+        raise StateError("UNAVAILABLE", f"rank {request.rank}: the EP group's resize from "
+                                        f"{describe(pending.resized_from)} is being relayed to the controller; "
+                                        "ask again")
+
+    def _take_resize(self, pending: PendingResize) -> None:
+        """The pod's ranks are the new world's from now on: the old world's sessions end
+        (a window on one is refused), its windows and reports not yet sent are dropped
+        (the controller drops the old world's partial windows too), and the upstream link
+        registers the new world resized from the old."""
+        log.warning("the EP group was resized from %s: this pod's ranks are %s of %d GPUs now (were %s; %d "
+                    "window(s) of the old world dropped); registering the new world with the controller",
+                    describe(pending.resized_from), format_ranks(pending.ranks), pending.shape.num_gpus,
+                    self.ranks_label, len(self.buffer))
+        self._new_world(pending.ranks)
+        self.shape = pending.shape
+        self.initial = pending.placement
+        self.resized_from = pending.resized_from
+        self.tell_resize = True
+        self._resize_workers = dict(pending.workers)
+        self.resize = None
+        self.world += 1
+        self.resync = True  # the upstream link ends the old world's session
+        self.changed.set()
 
     def _committed_for(self, request: pb.RegisterRequest) -> pb.Placement:
         if self.committed is not None:
@@ -246,6 +321,9 @@ class Pod:
     def window(self, session: RankSession, w: pb.Window) -> bool:
         """One rank window: validated, merged; False for a duplicate."""
         assert self.shape is not None  # a session exists only after a registration
+        if self.sessions.get(session.session_id) is not session:
+            raise StateError("NOT_FOUND", f"the session of rank {session.rank} ended (the EP group was resized): "
+                                          "register again")
         L, E, P = self.shape.num_layers, self.shape.num_logical_experts, self.shape.num_physical_slots
         logical = codec.decode_counts(w.logical_count, "logical_count", (L, E))
         physical = None
@@ -298,6 +376,8 @@ class Pod:
     def upstream_ready(self) -> bool:
         """Every rank registered (and, before the first upstream registration, has its
         stream open, so that no plan finds a rank missing at the start)."""
+        if self.tell_resize:  # the new world's ranks wait on the controller's answer to register here
+            return self.shape is not None
         if self.shape is None or set(self.by_rank) != set(self.ranks):
             return False
         return self.upstream_registered or self.connected_ranks == len(self.ranks)
@@ -314,26 +394,30 @@ class Pod:
         )
         if self.initial is not None:
             request.initial_placement.CopyFrom(self.initial)
+        if self.tell_resize and self.resized_from is not None:
+            request.resized_from.CopyFrom(self.resized_from)
         return request
 
     def group_worker_id(self) -> str:
         """The group session's identity: this sidecar and its ranks' processes, so the
         controller tells a group whose ranks restarted from one that only reconnected (a
         mixed placement clears only when the ranks holding it are gone)."""
-        ranks = ",".join(self.by_rank[r].worker_id or "?" if r in self.by_rank else "-" for r in self.ranks)
+        ranks = ",".join(self.by_rank[r].worker_id or "?" if r in self.by_rank
+                         else self._resize_workers.get(r, "-") for r in self.ranks)
         return f"sidecar {self.config.pod} pid {os.getpid()} ranks {ranks}"
 
     def registered_upstream(self, response: pb.RegisterResponse) -> None:
         self.committed = pb.Placement()
         self.committed.CopyFrom(response.committed)
         self.upstream_registered, self.resync = True, False
+        self.tell_resize = False  # taken (or known): said once, as a rank's agent does
         if response.HasField("warm_start") and self.committed.version == 0:
             # A fresh group's ranks registered here before the sidecar could ask: tell them
             # now (a rank already serving ignores it; the contract is the proto's).
             self.warm_start = pb.Placement()
             self.warm_start.CopyFrom(response.warm_start)
             log.info("pool %s: placement offered as v%d (warm start), told to ranks %s", self.pool,
-                     self.warm_start.version, self.config.ranks_label)
+                     self.warm_start.version, self.ranks_label)
             message = pb.ControllerMessage(warm_start=self.warm_start)
             for session in list(self.by_rank.values()):
                 if session.send is not None:
@@ -359,7 +443,7 @@ class Pod:
         if kind in ("prepare", "commit"):
             self.warm_start = None  # the group is past its start: no rank installs it now
         if kind == "prepare":
-            log.info("plan v%d: prepare relayed to ranks %s", msg.prepare.version, self.config.ranks_label)
+            log.info("plan v%d: prepare relayed to ranks %s", msg.prepare.version, self.ranks_label)
             self.apply(self.relay.prepare(msg.prepare))
         elif kind == "commit":
             log.info("plan v%d: commit relayed", msg.commit.version)

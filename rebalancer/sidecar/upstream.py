@@ -67,6 +67,7 @@ class Upstream:
         self.last_error = ""
         self._session = ""
         self._sent = SentWindows()
+        self._world = pod.world  # the pod's world the windows sent belong to
         # The ranks last told connected in this session (None: not yet). A controller older
         # than ReportRanks counts the group by its stream: not told again in that session.
         self._told_connected: frozenset[int] | None = None
@@ -136,7 +137,7 @@ class Upstream:
             message = str(exc)
             if message != self.last_error:
                 log.error("cannot connect to the controller (%s); serving ranks %s here, merging their "
-                          "windows, reading the files again every %.0f s", exc, self.config.ranks_label,
+                          "windows, reading the files again every %.0f s", exc, self.pod.ranks_label,
                           self.config.backoff_max_seconds)
             self.state, self.last_error = "no_credentials", message
             return None
@@ -178,6 +179,8 @@ class Upstream:
             self.pod.changed.clear()
 
     async def _register(self, stub: pb_grpc.WorkerServiceStub) -> None:
+        if self._world != self.pod.world:  # the pod took a resize: nothing of the old world is resent
+            self._sent, self._world = SentWindows(), self.pod.world
         request = self.pod.group_request()
         response = await stub.Register(request, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata)
         self._session = response.session_id
@@ -190,7 +193,7 @@ class Upstream:
         # make the group register again): resent without it; fresh windows state it.
         self._sent.withdraw_statements()
         log.info("registered ranks %s as one group with %s (v%d committed, resend %d windows)",
-                 self.config.ranks_label, self.config.controller, response.committed.version,
+                 self.pod.ranks_label, self.config.controller, response.committed.version,
                  len(self._sent))
 
     async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
@@ -234,7 +237,7 @@ class Upstream:
         while self.pod.reports:
             report = self.pod.reports[0]
             await send_report(stub, report, self._session, self.config.rpc_timeout_seconds,
-                              self._metadata, log, f"ranks {self.config.ranks_label}")
+                              self._metadata, log, f"ranks {self.pod.ranks_label}")
             if self.pod.reports and self.pod.reports[0] is report:
                 self.pod.reports.popleft()
 
@@ -252,7 +255,7 @@ class Upstream:
                 raise  # reconnect; the new session is told
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.warning("the controller does not take ReportRanks (older than this sidecar): "
-                            "it counts ranks %s connected while this pod's stream is open", self.config.ranks_label)
+                            "it counts ranks %s connected while this pod's stream is open", self.pod.ranks_label)
                 self._ranks_report_known = False
                 return
             log.warning("ranks connected %s refused: %s: %s", sorted(connected), exc.code().name, exc.details())

@@ -90,8 +90,9 @@ class Cluster:
     def target(self, pod: str) -> str:
         return f"unix://{self.sockets}/{pod}/agent.sock"
 
-    def sidecar(self, pod: str, controller: str, *extra: str) -> Sidecar:
-        ranks = PODS[pod]
+    def sidecar(self, pod: str, controller: str, *extra: str, ranks: tuple[int, ...] | None = None) -> Sidecar:
+        """Pod `pod`'s sidecar, serving its ranks (PODS) or `ranks`."""
+        ranks = ranks or PODS[pod]
         log = (self.tmp / f"sidecar-{pod}.log").open("a")
         proc = subprocess.Popen(
             [sys.executable, "-m", "rebalancer", "sidecar", "--listen", self.target(pod), "--controller", controller,

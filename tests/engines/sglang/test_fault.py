@@ -31,6 +31,7 @@ from tests.engines import planned_loss
 from tests.engines.sglang import sglang_env
 from tests.engines.sglang.test_plugin import DEPLOYMENT, FAST_POLICY
 from tests.integration.conftest import start_controller
+from tests.integration.test_sidecar import Cluster
 
 pytestmark = [pytest.mark.slow, sglang_env.needed()]
 
@@ -143,23 +144,30 @@ def test_a_rank_fault_takes_the_planned_survivor_placement_with_the_controller_g
         assert not np.array_equal(phy2log, np.asarray(r["own_phy2log"])[MOE])
 
 
+@pytest.mark.parametrize("through", ["direct", "sidecar"])
 def test_a_rank_fault_with_no_plan_takes_sglangs_own_placement_and_the_controller_commits_it(
-        tmp_path: Path) -> None:
+        tmp_path: Path, through: str) -> None:
     """No survivor placement planned yet (the loss comes before any window): SGLang's own
     elasticity-aware algorithm places the survivors, unchanged, and the survivors' adapters
     register the smaller world as a resize: the controller commits the placement they
     serve as a new version of 3 GPUs (trigger "resize"), the survivors serve that version
     and state it in their windows (no silent drift, no mixed placement). The tree before:
-    a FAILED report, the placement recorded as mixed."""
+    a FAILED report, the placement recorded as mixed. Through a sidecar serving the 4 ranks
+    (a real `rebalancer sidecar` process), which relays the resize (rebalancer/sidecar/resize.py):
+    the same outcome; the tree before refused the resized ranks there."""
     ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True), ready=True)
     assert ctl.server is not None
+    cluster = Cluster(tmp_path)
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address,
-                                    ["--before", "2", "--after", "12", "--wait-joined", "60"])
+        address = ctl.server.address
+        if through == "sidecar":
+            address = cluster.sidecar("all", address, ranks=tuple(range(WORLD))).target
+        codes, results = _run_ranks(tmp_path, address, ["--before", "2", "--after", "12", "--wait-joined", "60"])
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
         plans = ctl.call(lambda: ctl.server.controller.store.plans(DEPLOYMENT, limit=1))  # type: ignore[union-attr]
         stated = ctl.call(lambda: dict(dep.stated))
     finally:
+        cluster.close()
         ctl.stop()
     assert codes == [0] * WORLD, _logs(tmp_path)
     survivors = _survivors(results)

@@ -48,15 +48,3 @@ def test_a_rank_that_disagrees_is_refused_and_changes_nothing(second: tuple[str,
         pod.register(request(1, *second))
     assert err.value.code == code
     assert set(pod.by_rank) == {0} and (pod.dispatch_mode, pod.top_k) == ("load+shared", 4)
-
-
-def test_a_resized_group_is_refused_with_the_reason_and_changes_nothing() -> None:
-    """The sidecar does not relay an elastic resize (rebalancer/controller/resize.py) yet: said plainly,
-    not as a shape mismatch."""
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
-    resized = request(0, "split", 0)
-    resized.resized_from.CopyFrom(pb.Resize(version=3, num_gpus=4))
-    with pytest.raises(StateError, match="the sidecar does not relay a resize yet") as err:
-        pod.register(resized)
-    assert err.value.code == "FAILED_PRECONDITION"
-    assert not pod.by_rank and pod.shape is None
