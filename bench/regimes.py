@@ -33,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from rebalancer.controller.decide import ClusterShape, PolicyConfig, decide
+from rebalancer.controller.decide import PolicyConfig, decide
 from rebalancer.controller.regimes import RegimeConfig, RegimeLibrary, decide_regimes, fit, observe
 from rebalancer.sim import SimConfig, TraceGenConfig, deepseek_v3_sources, make_trace, simulate
+from rebalancer.wire.shape import ClusterShape
 
 
 def _row(kind: str, windows: int, window_seconds: float, seed: int, start: str,

@@ -17,13 +17,14 @@ import grpc
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.deployment import Deployment
 from rebalancer.controller.replica_pools import ReplicaPool, at_target, members_moving
-from rebalancer.controller.service import placement_msg, planned_loss_msg, shape_msg
+from rebalancer.controller.service import placement_msg, planned_loss_msg
 from rebalancer.controller.state import Controller
 from rebalancer.errors import InputError, StateError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.service import refuse
+from rebalancer.wire.shape import shape_msg
 
 # Policy fields that the v1 message carries; the others keep their current value.
 _WIRE_POLICY_FIELDS = tuple(f.name for f in pb.Policy.DESCRIPTOR.fields)

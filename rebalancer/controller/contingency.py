@@ -28,9 +28,9 @@ from rebalancer.placement.survivors import survivor_placements
 
 if TYPE_CHECKING:  # annotations only: policy_config imports this module for its section
     from rebalancer.controller.clock import Clock
-    from rebalancer.controller.decide import ClusterShape
     from rebalancer.controller.deployment import Deployment, Session
     from rebalancer.controller.store import Store
+    from rebalancer.wire.shape import ClusterShape
 
 log = logging.getLogger("rebalancer.controller")
 

@@ -72,9 +72,7 @@ import numpy as np
 from rebalancer.errors import InputError
 from rebalancer.placement import gpu_load
 from rebalancer.wire.layout import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
-
-# DeepSeek-V3 routed expert in FP8: gate, up (7168 x 2048 each) and down (2048 x 7168).
-DEEPSEEK_V3_EXPERT_BYTES = 3 * 7168 * 2048
+from rebalancer.wire.shape import DEEPSEEK_V3_EXPERT_BYTES
 
 # The longest counts window the timing defaults are derived for (and the simulator's
 # traces may declare): about 11.6 days, far beyond any real window (seconds to minutes),

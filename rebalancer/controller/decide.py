@@ -29,13 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from rebalancer.controller.cost import (
-    DEEPSEEK_V3_EXPERT_BYTES,
-    PlanCost,
-    gain_seconds,
-    imbalance_ratio,
-    plan_cost,
-)
+from rebalancer.controller.cost import PlanCost, gain_seconds, imbalance_ratio, plan_cost
 from rebalancer.controller.policy_config import PolicyConfig
 from rebalancer.errors import InputError
 from rebalancer.placement import (
@@ -49,12 +43,9 @@ from rebalancer.placement.metrics import (
     expected_gpu_loads,
     mean_balancedness,
 )
-from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, check_dispatch_mode
-from rebalancer.wire.layout import check_layout
+from rebalancer.wire.shape import ClusterShape
 
 __all__ = [
-    "DEEPSEEK_V3_EXPERT_BYTES",
-    "ClusterShape",
     "Decision",
     "PolicyConfig",
     "decide",
@@ -62,39 +53,6 @@ __all__ = [
 ]
 
 TAKEN = ("rebalance", "forced")
-
-
-@dataclass(frozen=True)
-class ClusterShape:
-    """What the decision needs to know about a deployment's EP group."""
-
-    num_layers: int
-    num_logical: int
-    num_slots: int
-    num_gpus: int
-    num_nodes: int = 1
-    num_groups: int = 0  # expert groups for hierarchical placement, 0 = none
-    expert_bytes: int = DEEPSEEK_V3_EXPERT_BYTES
-    # How the ranks divide an expert's tokens among its replicas (rebalancer.wire.dispatch):
-    # a placement's balance is predicted under it. top_k (0: unknown) sizes the shared
-    # expert's load under "load+shared" (one shared pick per token).
-    dispatch_mode: str = DEFAULT_DISPATCH_MODE
-    top_k: int = 0
-
-    def validate(self) -> None:
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, (int, np.integer)) or self.num_layers <= 0:
-            raise InputError(f"num_layers must be a positive integer, got {self.num_layers!r}")
-        check_layout(self.num_logical, self.num_slots, self.num_gpus, self.num_nodes)
-        if self.num_groups < 0 or (self.num_groups and self.num_logical % self.num_groups):
-            raise InputError(
-                f"num_groups ({self.num_groups}) must be 0 or divide num_logical "
-                f"({self.num_logical})"
-            )
-        if self.expert_bytes < 0:
-            raise InputError(f"expert_bytes must be >= 0, got {self.expert_bytes}")
-        check_dispatch_mode(self.dispatch_mode)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or not 0 <= self.top_k <= self.num_logical:
-            raise InputError(f"top_k must be an integer in [0, num_logical], got {self.top_k!r}")
 
 
 def predicted_balance(phy2log: np.ndarray, estimate: np.ndarray, shape: ClusterShape) -> tuple[float, float]:

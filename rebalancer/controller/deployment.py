@@ -21,12 +21,13 @@ from typing import Any
 import numpy as np
 
 from rebalancer.controller.coordinate import Aborted, Mixed, Plan, Unconfirmed
-from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
+from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.wire.codec import Statement
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE
+from rebalancer.wire.shape import ClusterShape
 from rebalancer.wire.windows import SeqMerger, who
 
 # (kind, payload) -> queued for the rank's stream; kind is "prepare", "commit" or "abort".
@@ -403,7 +404,7 @@ LATER_SHAPE_FIELDS = ("dispatch_mode", "top_k", "expert_bytes")
 
 # A Register with expert_bytes 0 does not know it yet: SGLang's warm start registers before
 # the engine loaded its weights (worker_hooks/engines/sglang/warm_start.py). The shape
-# holds the default bytes (service.shape_of) with the field unknown, until a rank reports it.
+# holds the default bytes (wire/shape.py shape_of) with the field unknown, until a rank reports it.
 UNKNOWN_EXPERT_BYTES = frozenset({"expert_bytes"})
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from rebalancer import placement
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
-from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
+from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.decision_runner import DecisionRunner
 from rebalancer.controller.deployment import (
     UNKNOWN_EXPERT_BYTES,
@@ -50,6 +50,7 @@ from rebalancer.controller.replica_pools import (
 )
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
+from rebalancer.wire.shape import ClusterShape
 
 log = logging.getLogger("rebalancer.controller")
 

@@ -31,11 +31,10 @@ from rebalancer.controller.cost import (
 )
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.errors import InputError
+from rebalancer.wire.shape import ClusterShape
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
-
-    from rebalancer.controller.decide import ClusterShape
 
 # Defaults the timing defaults are derived from (rebalancer/controller/cost.py).
 _GAIN_THRESHOLD = 0.02

@@ -17,9 +17,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig, decide
+from rebalancer.controller.decide import Decision, PolicyConfig, decide
 from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.regimes import RegimeLibrary, decide_regimes
+from rebalancer.wire.shape import ClusterShape
 
 # Windows the regimes policy keeps for its next decision (while paused, say): the newest.
 MAX_PENDING_WINDOWS = 64

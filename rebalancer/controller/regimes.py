@@ -46,7 +46,6 @@ from typing import Any
 import numpy as np
 
 from rebalancer.controller.decide import (
-    ClusterShape,
     Decision,
     PolicyConfig,
     evaluate_candidate,
@@ -57,6 +56,7 @@ from rebalancer.controller.decide import (
 from rebalancer.errors import InputError
 from rebalancer.placement import compute_placement, lower_bound_balancedness
 from rebalancer.placement.metrics import balancedness_of
+from rebalancer.wire.shape import ClusterShape
 
 PREDICTORS = ("regime", "forecast", "estimate")
 

@@ -25,7 +25,7 @@ from rebalancer import placement
 from rebalancer.controller import reconcile, resize
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Aborted, Unconfirmed
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.deployment import (
     LATER_SHAPE_FIELDS,
     Deployment,
@@ -40,6 +40,7 @@ from rebalancer.controller.deployment import (
 from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
+from rebalancer.wire.shape import ClusterShape
 from rebalancer.wire.windows import Ranks, rank_set, who
 
 log = logging.getLogger("rebalancer.controller")

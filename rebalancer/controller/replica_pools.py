@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
+from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.deployment import Deployment, shape_key
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.errors import StateError
+from rebalancer.wire.shape import ClusterShape
 
 log = logging.getLogger("rebalancer.controller")
 

@@ -23,7 +23,6 @@ import grpc
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.contingency import Loss
 from rebalancer.controller.coordinate import Plan
-from rebalancer.controller.decide import ClusterShape
 from rebalancer.controller.deployment import UNKNOWN_EXPERT_BYTES, Resize, dispatch_shape
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import MAX_VERSION
@@ -31,8 +30,8 @@ from rebalancer.errors import InputError, StateError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
-from rebalancer.wire.layout import MAX_EXPERT_BYTES, MAX_LAYER_SLOTS, MAX_LAYERS
 from rebalancer.wire.service import EOF_OF_STREAM, StreamWriter, read_hello, refuse
+from rebalancer.wire.shape import shape_of
 
 log = logging.getLogger("rebalancer.service")
 
@@ -83,37 +82,6 @@ def check_version(value: int, field: str) -> int:
     if value > MAX_VERSION:
         raise InputError(f"{field} {value} is above the largest version {MAX_VERSION} (2**63 - 1)")
     return int(value)
-
-
-def shape_of(msg: pb.ModelShape) -> ClusterShape:
-    """A Register's shape, checked before anything of its size is allocated: the layout
-    rules and limits (wire/layout.py: E <= P <= MAX_SLOTS, P / G <= MAX_SLOTS_PER_GPU,
-    L <= MAX_LAYERS, L x P <= MAX_LAYER_SLOTS, expert bytes <= MAX_EXPERT_BYTES)."""
-    if msg.num_layers > MAX_LAYERS:
-        raise InputError(f"shape.num_layers {msg.num_layers} is above the limit {MAX_LAYERS}")
-    if msg.expert_bytes > MAX_EXPERT_BYTES:
-        raise InputError(f"shape.expert_bytes {msg.expert_bytes} is above the limit {MAX_EXPERT_BYTES} (1 TiB)")
-    shape = ClusterShape(
-        num_layers=msg.num_layers, num_logical=msg.num_logical_experts,
-        num_slots=msg.num_physical_slots, num_gpus=msg.num_gpus, num_nodes=msg.num_nodes or 1,
-        num_groups=msg.num_groups, expert_bytes=msg.expert_bytes or ClusterShape.expert_bytes,
-    )
-    shape.validate()
-    cells = shape.num_layers * shape.num_slots
-    if cells > MAX_LAYER_SLOTS:
-        raise InputError(
-            f"shape.num_layers x shape.num_physical_slots ({shape.num_layers} x {shape.num_slots} = {cells}) "
-            f"is above the limit {MAX_LAYER_SLOTS}"
-        )
-    return shape
-
-
-def shape_msg(shape: ClusterShape) -> pb.ModelShape:
-    return pb.ModelShape(
-        num_layers=shape.num_layers, num_logical_experts=shape.num_logical,
-        num_physical_slots=shape.num_slots, num_gpus=shape.num_gpus, num_nodes=shape.num_nodes,
-        expert_bytes=shape.expert_bytes, num_groups=shape.num_groups,
-    )
 
 
 def placement_msg(version: int, phy2log: Any) -> pb.Placement:

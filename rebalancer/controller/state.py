@@ -18,7 +18,7 @@ import numpy as np
 from rebalancer.controller.clock import Clock, system_clock
 from rebalancer.controller.contingency import ContingencyPlanner
 from rebalancer.controller.coordinate import Plan
-from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
+from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.decision_runner import Background, DecisionRunner, run_inline
 from rebalancer.controller.deployment import Deployment, Observers, Resize, Send, Session
 from rebalancer.controller.fleet import Fleet
@@ -29,6 +29,7 @@ from rebalancer.controller.registry import Registry
 from rebalancer.controller.replica_pools import DEFAULT_MAX_MOVING, DivergenceConfig
 from rebalancer.controller.store import Store
 from rebalancer.wire.codec import Statement
+from rebalancer.wire.shape import ClusterShape
 from rebalancer.wire.windows import Ranks, rank_set
 
 

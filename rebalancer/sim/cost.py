@@ -27,8 +27,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from rebalancer.controller.cost import DEEPSEEK_V3_EXPERT_BYTES, CostParams
+from rebalancer.controller.cost import CostParams
 from rebalancer.errors import InputError
+from rebalancer.wire.shape import DEEPSEEK_V3_EXPERT_BYTES
 
 # Mixtral-8x7B expert in FP8: w1, w3 (4096 x 14336) and w2 (14336 x 4096).
 MIXTRAL_8X7B_EXPERT_BYTES = 3 * 4096 * 14336

@@ -53,13 +53,14 @@ from rebalancer.controller.cost import (
     rank_receive_seconds,
     transfer_seconds,
 )
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.errors import InputError
 from rebalancer.placement import compute_placement, transfers, trivial_placement
 from rebalancer.sim.cost import CostModel, WindowClock
 from rebalancer.sim.trace import Trace
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, DispatchMode
+from rebalancer.wire.shape import ClusterShape
 
 PolicyName = Literal["none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight", "regimes"]
 POLICIES: tuple[PolicyName, ...] = get_args(PolicyName)

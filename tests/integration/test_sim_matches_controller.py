@@ -10,13 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rebalancer.controller.decide import ClusterShape, Decision, PolicyConfig
+from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
 from rebalancer.errors import InputError
 from rebalancer.placement import trivial_placement
 from rebalancer.sim import TraceGenConfig, deepseek_v3_sources, make_trace
+from rebalancer.wire.shape import ClusterShape
 
 G, P = 8, 264
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.metrics import ControllerMetrics
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
@@ -17,6 +17,7 @@ from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.metrics import SidecarMetrics
 from rebalancer.sidecar.pod import Pod
 from rebalancer.sidecar.upstream import Upstream
+from rebalancer.wire.shape import ClusterShape
 
 SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, expert_bytes=10)
 

@@ -18,7 +18,7 @@ from rebalancer.controller.contingency import (
     load_shift,
     scale_downs,
 )
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.metrics import ControllerMetrics
 from rebalancer.controller.service import planned_loss_msg
 from rebalancer.controller.state import Controller
@@ -26,6 +26,7 @@ from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
 from rebalancer.placement import logcnt_of
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.shape import ClusterShape
 from tests.unit.controller.test_controller import FakeClock
 from tests.unit.worker_hooks.test_agent_buffer import NoPlans
 from worker_hooks.agent import AgentConfig, WorkerAgent

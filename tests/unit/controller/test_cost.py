@@ -20,10 +20,11 @@ from rebalancer.controller.cost import (
     reference_transfers,
     transfer_seconds,
 )
-from rebalancer.controller.decide import ClusterShape, PolicyConfig, decide
+from rebalancer.controller.decide import PolicyConfig, decide
 from rebalancer.errors import InputError
 from rebalancer.placement import transfers, trivial_placement
 from rebalancer.wire.layout import DST_RANK, SRC_RANK
+from rebalancer.wire.shape import ClusterShape
 
 PARAMS = CostParams(intra_node_gbps=100.0, inter_node_gbps=10.0, commit_gbps=1000.0)
 # 4 GPUs on 2 nodes: rank 0 receives one expert from its node and one from the other

@@ -8,10 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from rebalancer.controller.decide import ClusterShape, PolicyConfig, decide
+from rebalancer.controller.decide import PolicyConfig, decide
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.errors import InputError
 from rebalancer.placement import balancedness, compute_placement, gpu_load, trivial_placement
+from rebalancer.wire.shape import ClusterShape
 
 L, E, P, G = 4, 16, 24, 4
 SHAPE = ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=10**8)

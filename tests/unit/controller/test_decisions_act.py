@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
 from rebalancer.wire.layout import trivial_placement
+from rebalancer.wire.shape import ClusterShape
 
 SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, expert_bytes=10)
 

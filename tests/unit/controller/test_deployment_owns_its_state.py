@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from rebalancer.controller.coordinate import Plan
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.deployment import Deployment
+from rebalancer.wire.shape import ClusterShape
 
 ROOT = Path(__file__).resolve().parents[3]
 OWNER = ROOT / "rebalancer" / "controller" / "deployment.py"

@@ -14,11 +14,12 @@ import pytest
 from prometheus_client import generate_latest
 
 from rebalancer.controller import metrics as metrics_module
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.loop_busy import for_loop, timed_loop
 from rebalancer.controller.metrics import LOOP_BUSY, RANK_WINDOWS_FOLDED, ControllerMetrics
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
+from rebalancer.wire.shape import ClusterShape
 
 SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=8, num_gpus=4, expert_bytes=10)
 

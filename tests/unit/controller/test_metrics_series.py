@@ -9,11 +9,12 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.decision_runner import RECORDED_OUTCOMES, TRIGGERS
 from rebalancer.controller.metrics import ABORT_REASONS, ControllerMetrics
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
+from rebalancer.wire.shape import ClusterShape
 
 SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, expert_bytes=10)
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.metrics import ControllerMetrics
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
 from rebalancer.errors import SHUTTING_DOWN
+from rebalancer.wire.shape import ClusterShape
 
 SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, expert_bytes=10)
 SKEWED = np.array([[40, 2, 1, 1], [1, 1, 30, 8]])

@@ -13,7 +13,6 @@ import pytest
 from rebalancer.controller.admin import policy_from_msg, policy_msg
 from rebalancer.controller.config import load_config
 from rebalancer.controller.cost import CostParams
-from rebalancer.controller.decide import ClusterShape
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.policy_config import POLICY_SETTINGS, SECTIONS, PolicyConfig
 from rebalancer.controller.registry import Registry
@@ -21,6 +20,7 @@ from rebalancer.controller.store import Store
 from rebalancer.errors import InputError
 from rebalancer.placement import trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.shape import ClusterShape
 
 L, E, P, G = 2, 4, 6, 2
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rebalancer.controller.decide import ClusterShape, PolicyConfig, decide
+from rebalancer.controller.decide import PolicyConfig, decide
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.controller.regimes import (
     RegimeConfig,
@@ -30,6 +30,7 @@ from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
 from rebalancer.errors import InputError
 from rebalancer.placement import trivial_placement
+from rebalancer.wire.shape import ClusterShape
 
 SHAPE = ClusterShape(num_layers=3, num_logical=16, num_slots=24, num_gpus=4, expert_bytes=10)
 TOKENS = 200_000

@@ -12,12 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.fleet import OFFER_GRACE_SECONDS
 from rebalancer.controller.replica_pools import DivergenceConfig, excess_tv, sampling_tv
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
+from rebalancer.wire.shape import ClusterShape
 
 SHAPE = ClusterShape(num_layers=2, num_logical=8, num_slots=8, num_gpus=2, expert_bytes=10)
 POLICY = PolicyConfig(min_windows=1, min_interval_seconds=0.0, decision_period_seconds=1e-9)

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import numpy as np
 
-from rebalancer.controller.decide import ClusterShape, PolicyConfig
+from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
+from rebalancer.wire.shape import ClusterShape
 
 
 def test_round_trip_across_reopen(tmp_path: Path) -> None:
