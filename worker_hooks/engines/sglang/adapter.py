@@ -320,15 +320,13 @@ class SGLangRebalanceAdapter(RankSession):
         return phy2log, log2phy, logcnt
 
     def after_rank_fault(self, lost: tuple[int, ...], planned: bool) -> None:
-        """SGLang's fault path installed a placement on the survivors (the planned one, or
-        its own), full width with the lost ranks' slots filled and out of every replica
-        list. The survivors are a smaller world now: each survivor's adapter registers it
-        with the controller as a resize (`RankSession.rejoin_resized`: rank i of the new
-        world = the i-th surviving rank, its slots the survivors' blocks), so the
-        controller records the placement served as the deployment's committed placement
-        under a new version, and the windows from here count the survivors' slots under
-        it: no silent drift. From here the adapter takes no plans and runs no collective
-        of its own (its groups hold the dead ranks) until the group restarts."""
+        """SGLang's fault path installed a placement on the survivors (planned, or its own)
+        at full width, the lost ranks' slots out of every replica list. The survivors are
+        a smaller world now (fault.survivors_world), which each one registers as a resize
+        (`RankSession.rejoin_resized`): the controller commits the placement served under
+        a new version, which the windows count from here (no silent drift). The adapter
+        takes no plans and runs no collective of its own (its groups hold the dead
+        ranks) until the group restarts."""
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
         self._close_window(wait=True)  # the counts so far were taken on the old placement
@@ -347,14 +345,10 @@ class SGLangRebalanceAdapter(RankSession):
             log.warning("rank %d: marked inactive by SGLang's elastic EP; it reports no placement", self.rank)
             self.agent.stop(timeout=0.0)
             return
-        survivors = [r for r in range(self.ep_size) if r not in lost]
-        per = self.slots_per_rank
-        self._live_slots = np.concatenate([np.arange(r * per, (r + 1) * per) for r in survivors])
-        shape = pb.ModelShape()
-        shape.CopyFrom(self.agent.config.shape)
-        shape.num_gpus = len(survivors)
-        shape.num_physical_slots = len(self._live_slots)
-        shape.num_nodes = len({r // self.ranks_per_node for r in survivors})
+        from worker_hooks.engines.sglang.fault import survivors_world
+
+        survivors, self._live_slots, shape = survivors_world(self.agent.config.shape, lost, self.ep_size,
+                                                             self.slots_per_rank, self.ranks_per_node)
         log.warning("rank %d: ranks %s lost; SGLang's elastic EP serves %s on the %d survivors", self.rank,
                     list(lost), how, len(survivors))
         self.rejoin_resized(survivors.index(self.ep_rank), shape, served[:, self._live_slots],

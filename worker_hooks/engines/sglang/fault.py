@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from rebalancer.v1 import rebalancer_pb2 as pb
+
 log = logging.getLogger("worker_hooks.engines.sglang")
 
 FAULT_PATH = "sglang.srt.elastic_ep.elastic_ep.maybe_rebalance_after_rank_fault"
@@ -101,6 +103,21 @@ def full_width(planned: np.ndarray, lost: tuple[int, ...], num_ranks: int, num_l
             where = slots[phy2log[layer, slots] == expert]
             log2phy[layer, expert, :len(where)] = where
     return phy2log, log2phy, logcnt
+
+
+def survivors_world(shape: pb.ModelShape, lost: tuple[int, ...], ep_size: int, slots_per_rank: int,
+                    ranks_per_node: int) -> tuple[list[int], np.ndarray, pb.ModelShape]:
+    """The world SGLang's survivors are after losing `lost` of `ep_size` ranks, as the
+    controller knows worlds: (the surviving ranks, survivor i being rank i of the new
+    world; their slots of SGLang's full-width map `[P']`; the new world's shape, `shape`
+    with its GPUs, slots and nodes those of the survivors)."""
+    survivors = [r for r in range(ep_size) if r not in lost]
+    live = np.concatenate([np.arange(r * slots_per_rank, (r + 1) * slots_per_rank) for r in survivors])
+    world = pb.ModelShape()
+    world.CopyFrom(shape)
+    world.num_gpus, world.num_physical_slots = len(survivors), len(live)
+    world.num_nodes = len({r // ranks_per_node for r in survivors})
+    return survivors, live, world
 
 
 def around_fault_path(adapter: Callable[[], Any], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
