@@ -16,7 +16,6 @@ resize yet") and the controller kept the 4-GPU world.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,19 +24,14 @@ import pytest
 
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.layout import trivial_placement
-from tests.engines.sglang.test_plugin import FAST_POLICY
 from tests.integration.conftest import start_controller
+from tests.integration.test_end_to_end import FAST_POLICY
+from tests.integration.test_resize import NEW, OLD, SURVIVORS, E, L
 from tests.integration.test_sidecar import PODS, Cluster, wait_for
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
 pytestmark = pytest.mark.slow
 
-L, E = 2, 4
-OLD = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=8, num_gpus=4, num_nodes=1,
-                    expert_bytes=1000)
-NEW = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=6, num_gpus=3, num_nodes=1,
-                    expert_bytes=1000)
-SURVIVORS = np.array([[0, 1, 2, 3, 0, 1], [3, 2, 1, 0, 2, 3]], dtype=np.int64)
 LOST = 1
 NEW_RANK = {0: 0, 2: 1, 3: 2}  # old rank -> its rank in the new world
 
@@ -60,18 +54,10 @@ class Rank:
     def on_abort(self, version: int, reason: str) -> None: ...
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 def test_a_resized_group_is_relayed_by_the_sidecars_and_every_survivor_serves_the_new_version(
-        cluster: Cluster, tmp_path: Path) -> None:
+        tmp_path: Path) -> None:
     ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True))
+    cluster = Cluster(tmp_path)
     ranks: list[Rank] = []
     try:
         assert ctl.server is not None
@@ -119,4 +105,5 @@ def test_a_resized_group_is_relayed_by_the_sidecars_and_every_survivor_serves_th
     finally:
         for rank in ranks:
             rank.agent.stop(timeout=1.0)
+        cluster.close()
         ctl.stop()
