@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from rebalancer.wire.status import balancedness_text
@@ -83,6 +84,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--pool", default="", help="rebalance this replica pool (its placement rolled out to its members)")
     s.add_argument("--dry-run", action="store_true", help="show the plan, its gain and cost; start nothing")
     s.add_argument("--max-moved-fraction", type=float, default=0.0, help="budget for this plan (0: policy's)")
+    s.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="a plan in flight for the deployment: wait up to this long for it to end first "
+                        "(default 0: refused at once, exit 4)")
     for name, text in (("pause", "stop automatic rebalancing"), ("resume", "resume automatic rebalancing")):
         s = cmds.add_parser(name, help=text)
         s.add_argument("deployment")
@@ -152,6 +156,10 @@ def _check_args(args: argparse.Namespace, pb: Any) -> list[tuple[str, Any]]:
         raise InputError("force needs a deployment or --pool POOL (one of them)")
     if args.admin_command == "force" and not math.isfinite(args.max_moved_fraction):
         raise InputError(f"--max-moved-fraction must be a number, got {args.max_moved_fraction}")
+    if args.admin_command == "force" and not (math.isfinite(args.wait) and args.wait >= 0):
+        raise InputError(f"--wait must be a number of seconds >= 0, got {args.wait}")
+    if args.admin_command == "force" and args.wait and args.pool:
+        raise InputError("--wait waits for a deployment's plan, not a pool's")
     if args.admin_command == "policy":
         return _parse_settings(args.settings, pb)
     return []
@@ -191,6 +199,22 @@ def _parse_settings(settings: list[str], pb: Any) -> list[tuple[str, Any]]:
             raise InputError(f"setting {item!r}: {number} is out of range [0, {UINT32_MAX}]")
         parsed.append((key, number))
     return parsed
+
+
+def _wait_for_plan_in_flight(stub: Any, pb: Any, kw: dict[str, Any], deployment: str, seconds: float) -> None:
+    """Until `deployment` has no plan in flight, at most `seconds` (said once on stderr);
+    the force that follows is refused as usual if one still is."""
+    deadline = time.monotonic() + seconds
+    told = False
+    while True:
+        found = stub.Status(pb.StatusRequest(deployment=deployment), **kw).deployments
+        in_flight = found[0].plan_in_flight if found else 0
+        if not in_flight or time.monotonic() >= deadline:
+            return
+        if not told:
+            print(f"waiting up to {seconds:g} s for plan v{in_flight} in flight to end", file=sys.stderr)
+            told = True
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 def _write(what: str, path: str, write: Any) -> None:
@@ -282,6 +306,8 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
         reply = stub.Regimes(ref, **kw)
         show(reply, _regimes_text(args.deployment, reply))
     elif cmd == "force":
+        if args.wait and not args.dry_run:
+            _wait_for_plan_in_flight(stub, pb, kw, args.deployment, args.wait)
         reply = stub.ForceRebalance(pb.ForceRebalanceRequest(
             deployment=args.deployment, pool=args.pool, dry_run=args.dry_run,
             max_moved_fraction=args.max_moved_fraction), **kw)

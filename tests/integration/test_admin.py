@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -193,3 +194,34 @@ def test_metrics_exposition_passes_promtool(live: tuple[EmbeddedController, list
         pytest.skip("promtool not installed (.ci/run provides it)")
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_force_meeting_a_plan_in_flight_is_refused_or_waits_for_it(
+        live: tuple[EmbeddedController, list[InstantRank]]) -> None:
+    """A plan in flight (one rank holds its PREPARED back): `force` is refused at once
+    with the plan named (exit 4); `force --wait` waits for it to end (said on stderr), then
+    starts its own. The tree before had no --wait: the docs' first hour failed so at load."""
+    ctl, ranks = live
+    held, release = ranks[0], threading.Event()
+    original = held.on_prepare
+
+    def late_prepare(prepare: pb.Prepare) -> None:
+        threading.Thread(target=lambda: (release.wait(30), original(prepare)), daemon=True).start()
+
+    held.on_prepare = late_prepare  # type: ignore[method-assign]
+    try:
+        code, out, _ = admin(ctl, "--json", "force", "dsv3", "--max-moved-fraction", "0.05")
+        assert code == 0, out
+        first = json.loads(out)["plan_version"]
+        code, _, err = admin(ctl, "force", "dsv3")
+        assert code == 4 and f"plan v{first} is in flight" in err
+        threading.Timer(1.0, release.set).start()
+        code, out, err = admin(ctl, "--json", "force", "dsv3", "--wait", "30")
+        assert f"waiting up to 30 s for plan v{first} in flight to end" in err
+        assert code == 0, err
+        assert json.loads(out)["plan_version"] > first
+        code, _, err = admin(ctl, "force", "dsv3", "--wait", "-1")
+        assert code == 2 and "--wait must be a number of seconds >= 0" in err
+    finally:
+        held.on_prepare = original  # type: ignore[method-assign]
+        release.set()

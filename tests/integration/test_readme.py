@@ -213,7 +213,7 @@ EXPECT: dict[str, str] = {
     "rebalancer admin history demo --limit 5": r"decision",
     "rebalancer admin force demo --dry-run": r"dry_run: balancedness [0-9.]+ -> [0-9.]+",
     "rebalancer admin pause demo": r"pause",
-    "rebalancer admin force demo": r"plan",
+    "rebalancer admin force demo --wait 60": r"plan",
     "rebalancer admin --json status demo | jq .deployments[0].last_decision": r'"outcome"',
     "curl -s localhost:9400/metrics | grep -E 'rebalancer_(balancedness|rebalancing_state|plans_total)'":
         r'rebalancer_balancedness\{deployment="demo"',
@@ -400,7 +400,7 @@ def test_every_docs_command_runs_as_written(tmp_path: Path) -> None:
         # The operator's first hour is all there, in its order.
         firsts = [r"rebalancer serve .*", "rebalancer admin status", r"rebalancer demo --controller .*",
                   "rebalancer admin status demo", r"rebalancer admin history demo .*",
-                  "rebalancer admin force demo --dry-run", "rebalancer admin pause demo", "rebalancer admin force demo",
+                  "rebalancer admin force demo --dry-run", "rebalancer admin pause demo", "rebalancer admin force demo --wait 60",
                   r"kill .*"]
         # Each step found after the one before it (README's own examples may name the same
         # commands earlier).
