@@ -188,6 +188,16 @@ def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[st
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _wait_for_decisions(server: ControllerServer, seconds: float = 120.0) -> None:
+    """Until the controller's decision process can decide (its imports take seconds, more
+    on a busy machine): a short demo's workers would otherwise run every window before
+    the first decision, and no plan would commit."""
+    try:
+        server.pool.wait_ready(seconds)
+    except TimeoutError:
+        raise DemoFailed(f"the controller's decision process did not start within {seconds:.0f} s") from None
+
+
 def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str, Any]:
     profile_path = write_profile(config, tmp)
     events: list[WindowEvent] = []
@@ -249,6 +259,7 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
         emit(f"{config.workers} workers direct to the controller (one stream per rank)")
     start = time.monotonic()
     try:
+        _wait_for_decisions(server)
         with demo_fleet(config, server.address, profile_path, tmp) as procs:
             if not wait_workers(procs, start + time_limit(config) + 60):
                 raise DemoFailed(f"workers still running after {time_limit(config) + 60:.0f} s")

@@ -3,6 +3,9 @@ starting anything; its help defines the summary; its pods and commit marks."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,7 +14,7 @@ import torch
 
 from rebalancer.cli import main
 from rebalancer.demo import CommitCuts
-from rebalancer.launch.config import default_sidecars, pod_ranks
+from rebalancer.launch.config import DemoConfig, default_sidecars, pod_ranks
 
 
 def exit_code(argv: list[str]) -> int:
@@ -155,3 +158,38 @@ def test_a_run_cut_short_says_why_and_exits_1(
 def test_demo_max_seconds_must_be_positive(capsys: pytest.CaptureFixture[str], seconds: str) -> None:
     assert exit_code(["demo", "--max-seconds", seconds]) == 2
     assert "--max-seconds must be a positive number of seconds" in capsys.readouterr().err
+
+
+def test_the_demo_starts_its_workers_only_once_the_controller_can_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision process imports for a second or more (longer on a busy machine): the
+    demo's workers start only once it answers, or a short demo runs every window before
+    the first decision and commits no plan (the wheel's demo test failed so beside a
+    4-process CPU hog). Its workers are stopped before they start here: only the order
+    is checked, on a real embedded controller."""
+    from rebalancer import demo
+
+    seen: dict[str, bool] = {}
+
+    @contextlib.contextmanager
+    def fleet(config: DemoConfig, address: str, profile: Path, tmp: Path) -> Iterator[list[Any]]:
+        server = started[0]
+        try:
+            server.pool.wait_ready(0.01)  # answers at once only if it already could
+            seen["ready"] = True
+        except TimeoutError:
+            seen["ready"] = False
+        raise demo.DemoFailed("stopped before the workers (this test)")
+        yield []
+
+    started: list[Any] = []
+    real_start = demo.EmbeddedController.start
+
+    def start(self: Any) -> Any:
+        started.append(real_start(self))
+        return started[0]
+
+    monkeypatch.setattr(demo, "demo_fleet", fleet)
+    monkeypatch.setattr(demo.EmbeddedController, "start", start)
+    with pytest.raises(demo.DemoFailed, match="this test"):
+        demo.run_demo(DemoConfig(steps=32), emit=lambda line: None)
+    assert seen == {"ready": True}
