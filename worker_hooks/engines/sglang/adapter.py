@@ -86,7 +86,7 @@ class SGLangRebalanceAdapter(RankSession):
         self.stats: AdapterStats
         self.slots_per_rank = self.num_slots // self.num_gpus
         self.faulted: tuple[int, ...] | None = None  # ranks lost in SGLang's fault path
-        self._live_slots: np.ndarray | None = None  # after it: the survivors' slots of SGLang's [L, P]
+        self._live_slots: torch.Tensor | None = None  # after it: the survivors' slots of SGLang's [L, P]
         # SGLang's EP world and this rank in it: they keep their width and numbers after a
         # rank fault, where the controller's world shrinks (after_rank_fault).
         self.ep_size, self.ep_rank = self.num_gpus, self.rank
@@ -134,8 +134,9 @@ class SGLangRebalanceAdapter(RankSession):
         """One recorded pass: this rank's tokens per physical slot, `[L, P]` (device); after
         a rank fault, the survivors' slots only (the world the controller knows)."""
         if self._live_slots is not None:
-            global_physical_count = global_physical_count[:, torch.from_numpy(self._live_slots)
-                                                          .to(global_physical_count.device)]
+            if self._live_slots.device != global_physical_count.device:  # once: the index lives with the counts
+                self._live_slots = self._live_slots.to(global_physical_count.device)
+            global_physical_count = global_physical_count[:, self._live_slots]
         self.windows.add(global_physical_count)
 
     def on_forward_pass_end(self) -> None:
@@ -347,11 +348,12 @@ class SGLangRebalanceAdapter(RankSession):
             return
         from worker_hooks.engines.sglang.fault import survivors_world
 
-        survivors, self._live_slots, shape = survivors_world(self.agent.config.shape, lost, self.ep_size,
-                                                             self.slots_per_rank, self.ranks_per_node)
+        survivors, live, shape = survivors_world(self.agent.config.shape, lost, self.ep_size,
+                                                 self.slots_per_rank, self.ranks_per_node)
+        self._live_slots = torch.from_numpy(live)
         log.warning("rank %d: ranks %s lost; SGLang's elastic EP serves %s on the %d survivors", self.rank,
                     list(lost), how, len(survivors))
-        self.rejoin_resized(survivors.index(self.ep_rank), shape, served[:, self._live_slots],
+        self.rejoin_resized(survivors.index(self.ep_rank), shape, served[:, live],
                             f"ranks {list(lost)} lost: SGLang's elastic EP group holds them until it restarts")
 
     def _rebuild_lp_solvers(self) -> None:
