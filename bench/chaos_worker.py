@@ -109,9 +109,18 @@ class LoggingHook(cpu_worker.FaultyHook):
         if hook_ms - runq_ms > CLOSER_MS:
             runq_ms = max(runq_ms, 1e-6 * (all_runq_ns - self._all_runq_ns))
         self._all_runq_ns = all_runq_ns
-        line = [step, version, self.plans.commit_ready, self.stats.prepared, self.stats.aborted,
-                int(bool(len(self.plans.book))), round(hook_ms, 3), float(_step["diff"]),
-                round(time.time(), 4), round(min(runq_ms, hook_ms), 3)]
+        line = [
+            step,
+            version,
+            self.plans.commit_ready,
+            self.stats.prepared,
+            self.stats.aborted,
+            int(bool(len(self.plans.book))),
+            round(hook_ms, 3),
+            float(_step["diff"]),
+            round(time.time(), 4),
+            round(min(runq_ms, hook_ms), 3),
+        ]
         _step["diff"] = 0.0
         self._log.write(json.dumps(line) + "\n")
 

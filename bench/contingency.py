@@ -42,8 +42,9 @@ from rebalancer.placement.survivors import repair_placement, surviving_slots, su
 
 def losses_of(num_gpus: int, num_nodes: int) -> list[tuple[int, ...]]:
     per_node = num_gpus // num_nodes
-    return [(g,) for g in range(num_gpus)] + [tuple(range(n * per_node, (n + 1) * per_node))
-                                               for n in range(num_nodes)]
+    return [(g,) for g in range(num_gpus)] + [
+        tuple(range(n * per_node, (n + 1) * per_node)) for n in range(num_nodes)
+    ]
 
 
 def quality(load: np.ndarray, G: int, N: int, P: int) -> dict[str, Any]:
@@ -52,22 +53,34 @@ def quality(load: np.ndarray, G: int, N: int, P: int) -> dict[str, Any]:
     ranks = [(g,) for g in range(G)]
     plans = survivor_placements(load, healthy, G, ranks)
     planned = np.array([p.balancedness for p in plans])
-    repair = np.array([balancedness(repair_placement(healthy, G, lost, load.shape[1]), load, G - 1)
-                       for lost in ranks])
+    repair = np.array(
+        [
+            balancedness(repair_placement(healthy, G, lost, load.shape[1]), load, G - 1)
+            for lost in ranks
+        ]
+    )
     fresh = compute_placement(load, P // G * (G - 1), G - 1, 1).phy2log
-    scratch = np.array([int((fresh != healthy[:, surviving_slots(P, G, lost)]).sum()) for lost in ranks])
+    scratch = np.array(
+        [int((fresh != healthy[:, surviving_slots(P, G, lost)]).sum()) for lost in ranks]
+    )
     moved = np.array([p.slots_moved for p in plans])
     nodes = survivor_placements(load, healthy, G, losses_of(G, N)[G:]) if N > 1 else []
     return {
         "healthy": before,
-        "planned_mean": float(planned.mean()), "planned_min": float(planned.min()),
+        "planned_mean": float(planned.mean()),
+        "planned_min": float(planned.min()),
         "planned_over_healthy": float(planned.mean() / before),
-        "repair_mean": float(repair.mean()), "planned_above_repair_every_loss": bool((planned > repair).all()),
-        "moved_mean": float(moved.mean()), "scratch_moved_mean": float(scratch.mean()),
+        "repair_mean": float(repair.mean()),
+        "planned_above_repair_every_loss": bool((planned > repair).all()),
+        "moved_mean": float(moved.mean()),
+        "scratch_moved_mean": float(scratch.mean()),
         "moved_over_scratch_max": float((moved / scratch).max()),
-        "node_feasible": sum(p.feasible for p in nodes), "node_losses": len(nodes),
+        "node_feasible": sum(p.feasible for p in nodes),
+        "node_losses": len(nodes),
         "node_unserved_max": max((p.unserved for p in nodes), default=0),
-        "node_balancedness_min": min((p.balancedness for p in nodes if p.feasible), default=float("nan")),
+        "node_balancedness_min": min(
+            (p.balancedness for p in nodes if p.feasible), default=float("nan")
+        ),
     }
 
 
@@ -89,19 +102,28 @@ def timing(load: np.ndarray, G: int, N: int, P: int, repeats: int) -> dict[str, 
                 compute_placement(load, P // G * survivors, survivors, 1)
         scratch.append(time.perf_counter() - t)
         scratch_cpu.append(time.process_time() - c)
-    return {"gpus": G, "nodes": N, "slots": P, "losses": len(losses),
-            "planned_best_s": min(ours), "planned_median_s": statistics.median(ours),
-            "planned_cpu_median_s": statistics.median(ours_cpu),
-            "scratch_best_s": min(scratch), "scratch_median_s": statistics.median(scratch),
-            "scratch_cpu_median_s": statistics.median(scratch_cpu),
-            "speedup_median": statistics.median(scratch) / statistics.median(ours)}
+    return {
+        "gpus": G,
+        "nodes": N,
+        "slots": P,
+        "losses": len(losses),
+        "planned_best_s": min(ours),
+        "planned_median_s": statistics.median(ours),
+        "planned_cpu_median_s": statistics.median(ours_cpu),
+        "scratch_best_s": min(scratch),
+        "scratch_median_s": statistics.median(scratch),
+        "scratch_cpu_median_s": statistics.median(scratch_cpu),
+        "speedup_median": statistics.median(scratch) / statistics.median(ours),
+    }
 
 
 def print_timing(t: dict[str, float]) -> None:
-    print(f"G={t['gpus']:.0f} P={t['slots']:.0f}: all {t['losses']:.0f} losses planned: best "
-          f"{t['planned_best_s'] * 1e3:.0f} ms, median {t['planned_median_s'] * 1e3:.0f} ms "
-          f"(cpu {t['planned_cpu_median_s'] * 1e3:.0f} ms); from scratch per loss (baseline): median "
-          f"{t['scratch_median_s'] * 1e3:.0f} ms (cpu {t['scratch_cpu_median_s'] * 1e3:.0f} ms)")
+    print(
+        f"G={t['gpus']:.0f} P={t['slots']:.0f}: all {t['losses']:.0f} losses planned: best "
+        f"{t['planned_best_s'] * 1e3:.0f} ms, median {t['planned_median_s'] * 1e3:.0f} ms "
+        f"(cpu {t['planned_cpu_median_s'] * 1e3:.0f} ms); from scratch per loss (baseline): median "
+        f"{t['scratch_median_s'] * 1e3:.0f} ms (cpu {t['scratch_cpu_median_s'] * 1e3:.0f} ms)"
+    )
 
 
 def main() -> None:
@@ -109,10 +131,16 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=32)
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--slots", type=int, default=288)
-    p.add_argument("--node-slots", type=int, default=352, help="also plan node losses at this P (0: not)")
+    p.add_argument(
+        "--node-slots", type=int, default=352, help="also plan node losses at this P (0: not)"
+    )
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--wide", type=str, default="256,32,512",
-                   help="also time a wide group GPUS,NODES,SLOTS (no quality rows; '' : not)")
+    p.add_argument(
+        "--wide",
+        type=str,
+        default="256,32,512",
+        help="also time a wide group GPUS,NODES,SLOTS (no quality rows; '' : not)",
+    )
     p.add_argument("--wide-repeats", type=int, default=3)
     p.add_argument("--timing-only", action="store_true", help="skip the quality rows")
     p.add_argument("--json", action="store_true")
@@ -120,8 +148,13 @@ def main() -> None:
     G, N, P = args.gpus, args.nodes, args.slots
     if G < 2 or N < 1 or G % N or P % G:
         p.error(f"--gpus {G}, --nodes {N}, --slots {P}: need G >= 2, N | G and G | P")
-    out: dict[str, object] = {"gpus": G, "nodes": N, "slots": P, "load_avg_start": os.getloadavg()[0],
-                              "workloads": {}}
+    out: dict[str, object] = {
+        "gpus": G,
+        "nodes": N,
+        "slots": P,
+        "load_avg_start": os.getloadavg()[0],
+        "workloads": {},
+    }
     files = deepseek_v3_files()
     for f in [] if args.timing_only else files:
         load = load_deepseek_v3(f).astype(np.float64)
@@ -130,15 +163,19 @@ def main() -> None:
             row["at_node_slots"] = quality(load, G, N, args.node_slots)
         out["workloads"][f.stem] = row  # type: ignore[index]
         if not args.json:
-            print(f"{f.stem:24s} healthy {row['healthy']:.3f} planned {row['planned_mean']:.3f} "
-                  f"(x{row['planned_over_healthy']:.3f}, min {row['planned_min']:.3f}) repair {row['repair_mean']:.3f} "
-                  f"moved {row['moved_mean']:.0f} vs scratch {row['scratch_moved_mean']:.0f} "
-                  f"(max ratio {row['moved_over_scratch_max']:.3f}); node losses at P={P}: "
-                  f"{row['node_feasible']}/{row['node_losses']} servable")
+            print(
+                f"{f.stem:24s} healthy {row['healthy']:.3f} planned {row['planned_mean']:.3f} "
+                f"(x{row['planned_over_healthy']:.3f}, min {row['planned_min']:.3f}) repair {row['repair_mean']:.3f} "
+                f"moved {row['moved_mean']:.0f} vs scratch {row['scratch_moved_mean']:.0f} "
+                f"(max ratio {row['moved_over_scratch_max']:.3f}); node losses at P={P}: "
+                f"{row['node_feasible']}/{row['node_losses']} servable"
+            )
             if args.node_slots:
                 n = row["at_node_slots"]
-                print(f"{'':24s} at P={args.node_slots}: node losses {n['node_feasible']}/{n['node_losses']} "
-                      f"servable, worst balancedness {n['node_balancedness_min']:.3f} (healthy {n['healthy']:.3f})")
+                print(
+                    f"{'':24s} at P={args.node_slots}: node losses {n['node_feasible']}/{n['node_losses']} "
+                    f"servable, worst balancedness {n['node_balancedness_min']:.3f} (healthy {n['healthy']:.3f})"
+                )
     load = load_deepseek_v3(files[0]).astype(np.float64)
     timings = [timing(load, G, N, P, args.repeats)]
     if args.node_slots:  # where every node loss has a placement to plan
@@ -153,7 +190,9 @@ def main() -> None:
     else:
         for t in timings:
             print_timing(t)
-        print(f"load {out['load_avg_start']:.1f}-{out['load_avg_end']:.1f} on {os.cpu_count()} cores")
+        print(
+            f"load {out['load_avg_start']:.1f}-{out['load_avg_end']:.1f} on {os.cpu_count()} cores"
+        )
 
 
 if __name__ == "__main__":

@@ -41,16 +41,16 @@ _CHUNK = 64 * 1024
 class LinkState:
     """What the link does to its bytes now (changed only on the proxy's loop)."""
 
-    latency: float = 0.0               # seconds added to every chunk
-    bytes_per_second: float = 0.0      # 0: unlimited
-    half_open: bool = False            # new connections accepted, never answered
+    latency: float = 0.0  # seconds added to every chunk
+    bytes_per_second: float = 0.0  # 0: unlimited
+    half_open: bool = False  # new connections accepted, never answered
     moving: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: blackhole
 
 
 def _split(address: str) -> tuple[str, int] | str:
     """'unix:///path' or '/path' -> the path; 'host:port' -> (host, port)."""
     if address.startswith("unix://"):
-        return address[len("unix://"):]
+        return address[len("unix://") :]
     if address.startswith("/"):
         return address
     host, port = address.rsplit(":", 1)
@@ -60,7 +60,9 @@ def _split(address: str) -> tuple[str, int] | str:
 class Link:
     """One proxied gRPC link: clients connect to `listen`, bytes go to `upstream`."""
 
-    def __init__(self, name: str, listen: str, upstream: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, name: str, listen: str, upstream: str, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.name = name
         self.upstream = upstream
         self._listen = listen
@@ -90,7 +92,9 @@ class Link:
                 os.unlink(where)
             self._server = await asyncio.start_unix_server(self._accept, path=where)
         else:
-            self._server = await asyncio.start_server(self._accept, where[0], where[1], reuse_address=True)
+            self._server = await asyncio.start_server(
+                self._accept, where[0], where[1], reuse_address=True
+            )
 
     async def close(self) -> None:
         if self._server is not None:
@@ -118,7 +122,9 @@ class Link:
                 if sock is not None and sock.family != socket.AF_UNIX:
                     # RST, not FIN: what a dropped connection looks like to the peer.
                     with contextlib.suppress(OSError):
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                        sock.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                        )
                 w.close()
         self._conns.clear()
 
@@ -196,7 +202,9 @@ class FaultProxy:
 
     def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="faultproxy", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="faultproxy", daemon=True
+        )
         self._thread.start()
         self.links: dict[str, Link] = {}
         self._timers: list[asyncio.TimerHandle] = []

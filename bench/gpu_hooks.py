@@ -99,10 +99,13 @@ def interleaved(
     """Each graph (with its replays per round) timed once a round, alternating round by
     round so drift hits them alike; a warm-up round is dropped. Milliseconds per replay,
     round i at index i of every list."""
+
     def measure(graph: torch.cuda.CUDAGraph, replays: int) -> Callable[[int], float]:
         return lambda _round: time_replays(graph, replays)
 
-    return run_interleaved({k: measure(g, n) for k, (g, n) in graphs.items()}, cfg.rounds, warmup_rounds=1)
+    return run_interleaved(
+        {k: measure(g, n) for k, (g, n) in graphs.items()}, cfg.rounds, warmup_rounds=1
+    )
 
 
 def identity_map(num_layers: int, num_experts: int) -> np.ndarray:
@@ -175,9 +178,14 @@ def bench_block(cfg: HookBenchConfig, dev: torch.device) -> Figures:
             rec.record_physical(layer, disp.dispatch(layer, ids))
 
     g_hooks = capture(hooks_only)
-    times = interleaved({
-        "plain": (g_plain, cfg.replays), "hooked": (g_hooked, cfg.replays), "hooks_only": (g_hooks, cfg.replays),
-    }, cfg)
+    times = interleaved(
+        {
+            "plain": (g_plain, cfg.replays),
+            "hooked": (g_hooked, cfg.replays),
+            "hooks_only": (g_hooks, cfg.replays),
+        },
+        cfg,
+    )
     med = {k: statistics.median(v) for k, v in times.items()}
     rec.take_window()
     flops = 2 * 3 * cfg.hidden * cfg.intermediate * cfg.tokens * cfg.top_k * cfg.num_layers
@@ -210,10 +218,18 @@ def dispatch_hook(cfg: HookBenchConfig, mode: str, dev: torch.device) -> Rebalan
     phy2log = trivial_placement(cfg.num_layers, E, P, G)
     phy2log[:, E:] = rng.integers(0, E, size=(cfg.num_layers, P - E))
     config = HookConfig(
-        controller="127.0.0.1:1", deployment="bench", rank=0, num_layers=cfg.num_layers,
-        num_logical=E, num_slots=P, num_gpus=G, shared_expert=True, top_k=cfg.top_k,
+        controller="127.0.0.1:1",
+        deployment="bench",
+        rank=0,
+        num_layers=cfg.num_layers,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=G,
+        shared_expert=True,
+        top_k=cfg.top_k,
         dispatch=DispatchConfig(
-            mode=mode, waterfill_passes=cfg.waterfill_passes,  # type: ignore[arg-type]
+            mode=mode,
+            waterfill_passes=cfg.waterfill_passes,  # type: ignore[arg-type]
             compile=bool(cfg.compile_dispatch) and dev.type == "cuda",
         ),
     )
@@ -222,7 +238,9 @@ def dispatch_hook(cfg: HookBenchConfig, mode: str, dev: torch.device) -> Rebalan
     # rank r's counts: rank 0's rotated by 3 r experts (one gather, so the stand-in adds
     # one kernel where the real all-gather is one collective)
     width = E + 1
-    rotate = (torch.arange(width, device=dev)[None, :] + 3 * torch.arange(G, device=dev)[:, None]) % width
+    rotate = (
+        torch.arange(width, device=dev)[None, :] + 3 * torch.arange(G, device=dev)[:, None]
+    ) % width
 
     def gather(local: torch.Tensor) -> torch.Tensor:
         return local[rotate]
@@ -232,10 +250,29 @@ def dispatch_hook(cfg: HookBenchConfig, mode: str, dev: torch.device) -> Rebalan
 
 # aten ops that only make a view or allocate: no kernel
 _NO_KERNEL = frozenset(
-    f"aten::{name}" for name in (
-        "view", "reshape", "_reshape_alias", "_unsafe_view", "unsqueeze", "squeeze", "slice",
-        "select", "t", "transpose", "permute", "expand", "expand_as", "as_strided", "alias",
-        "detach", "empty", "empty_like", "empty_strided", "resize_", "result_type",
+    f"aten::{name}"
+    for name in (
+        "view",
+        "reshape",
+        "_reshape_alias",
+        "_unsafe_view",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "expand_as",
+        "as_strided",
+        "alias",
+        "detach",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "resize_",
+        "result_type",
     )
 )
 
@@ -268,14 +305,19 @@ def bench_dispatch(cfg: HookBenchConfig, dev: torch.device) -> Figures:
     results: dict[str, list[torch.Tensor]] = {}
     for mode in dispatch_modes(cfg.dispatch):
         hook = dispatch_hook(cfg, mode, dev)
-        results[mode] = [torch.empty(cfg.tokens, cfg.top_k + 1, dtype=ids.dtype, device=dev) for _ in range(cfg.num_layers)]
+        results[mode] = [
+            torch.empty(cfg.tokens, cfg.top_k + 1, dtype=ids.dtype, device=dev)
+            for _ in range(cfg.num_layers)
+        ]
 
         def route(hook: RebalanceHook = hook, res: list[torch.Tensor] = results[mode]) -> None:
             for layer in range(cfg.num_layers):
                 res[layer].copy_(hook.route(layer, ids))
 
         routes[mode] = route
-        out[f"dispatch_{mode}_ops_per_layer"] = float(ops_per_layer(lambda hook=hook: hook.route(0, ids)))
+        out[f"dispatch_{mode}_ops_per_layer"] = float(
+            ops_per_layer(lambda hook=hook: hook.route(0, ids))
+        )
     if dev.type == "cuda":
         graphs = {mode: capture(fn) for mode, fn in routes.items()}
         eager = {}
@@ -285,12 +327,18 @@ def bench_dispatch(cfg: HookBenchConfig, dev: torch.device) -> Figures:
             replayed = [r.clone() for r in results[mode]]
             fn()
             torch.cuda.synchronize()
-            eager[mode] = all(torch.equal(a, b) for a, b in zip(replayed, results[mode], strict=True))
+            eager[mode] = all(
+                torch.equal(a, b) for a, b in zip(replayed, results[mode], strict=True)
+            )
         plain, x = plain_block(cfg, dev)
         block_out = torch.empty_like(x)
         g_block = capture(lambda: block_out.copy_(plain.forward(x)))
         times = interleaved(
-            {"block": (g_block, cfg.replays), **{m: (g, cfg.route_replays) for m, g in graphs.items()}}, cfg
+            {
+                "block": (g_block, cfg.replays),
+                **{m: (g, cfg.route_replays) for m, g in graphs.items()},
+            },
+            cfg,
         )
         out["dispatch_block_ms"] = statistics.median(times["block"])
         for mode in routes:
@@ -434,15 +482,31 @@ def main() -> None:
     cfg = HookBenchConfig(**{k.replace("-", "_"): v for k, v in args.items()})
     dispatch_modes(cfg.dispatch)  # a bad mode fails before any work
     if not torch.cuda.is_available():  # a smoke check of the dispatch modes, small shapes
-        small = HookBenchConfig(tokens=64, num_layers=2, num_experts=32, top_k=4, replays=3,
-                                dispatch=cfg.dispatch or "all", dispatch_gpus=4, dispatch_slots=40,
-                                waterfill_passes=cfg.waterfill_passes)
+        small = HookBenchConfig(
+            tokens=64,
+            num_layers=2,
+            num_experts=32,
+            top_k=4,
+            replays=3,
+            dispatch=cfg.dispatch or "all",
+            dispatch_gpus=4,
+            dispatch_slots=40,
+            waterfill_passes=cfg.waterfill_passes,
+        )
         figures = bench_dispatch(small, torch.device("cpu"))
         if not quiet:
             for k, v in figures.items():
                 print(figure_line("dispatch", k, v), flush=True)
-        print(json.dumps({"gpu": None, "date": time.strftime("%Y-%m-%d"), "config": asdict(small),
-                          "dispatch": jsonable(figures)}))
+        print(
+            json.dumps(
+                {
+                    "gpu": None,
+                    "date": time.strftime("%Y-%m-%d"),
+                    "config": asdict(small),
+                    "dispatch": jsonable(figures),
+                }
+            )
+        )
         return
     dev = torch.device("cuda")
     result: dict[str, object] = {
@@ -453,7 +517,9 @@ def main() -> None:
         "copy_GBps": copy_bandwidth(dev),
     }
     benches: list[tuple[str, Callable[[HookBenchConfig, torch.device], Figures]]] = [
-        ("block", bench_block), ("swap", bench_swap), ("snapshot", bench_snapshot),
+        ("block", bench_block),
+        ("swap", bench_swap),
+        ("snapshot", bench_snapshot),
     ]
     if cfg.dispatch:
         benches.append(("dispatch", bench_dispatch))

@@ -93,14 +93,24 @@ def parse_mover(spec: str) -> MigrationConfig | None:
     kind, *args = spec.split(":")
     try:
         if kind == "p2p" and len(args) in (2, 3):
-            return MigrationConfig("p2p", layers_per_chunk=int(args[0]), rounds_in_flight=int(args[1]),
-                                   max_gbps=float(args[2]) if len(args) == 3 else 0.0)
+            return MigrationConfig(
+                "p2p",
+                layers_per_chunk=int(args[0]),
+                rounds_in_flight=int(args[1]),
+                max_gbps=float(args[2]) if len(args) == 3 else 0.0,
+            )
         if kind == "outbox" and len(args) in (1, 2):
-            return MigrationConfig("outbox", outbox_bytes=int(args[0]) << 20,
-                                   max_gbps=float(args[1]) if len(args) == 2 else 0.0)
+            return MigrationConfig(
+                "outbox",
+                outbox_bytes=int(args[0]) << 20,
+                max_gbps=float(args[1]) if len(args) == 2 else 0.0,
+            )
         if kind == "ipc" and len(args) in (0, 1, 2):
-            return MigrationConfig("ipc", copy_streams=int(args[0]) if args else 2,
-                                   max_gbps=float(args[1]) if len(args) == 2 else 0.0)
+            return MigrationConfig(
+                "ipc",
+                copy_streams=int(args[0]) if args else 2,
+                max_gbps=float(args[1]) if len(args) == 2 else 0.0,
+            )
         if kind == "packed" and not args:
             return None
     except ValueError:  # also a setting MigrationConfig refuses
@@ -223,7 +233,10 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str, spare: int) -
         log["layers"] = layers.tolist()
 
     mcfg = MoEBlockConfig(
-        num_layers=cfg.num_layers, num_gpus=WORLD, rank=rank, num_redundant=cfg.num_redundant,
+        num_layers=cfg.num_layers,
+        num_gpus=WORLD,
+        rank=rank,
+        num_redundant=cfg.num_redundant,
         spare_rows=spare,
     )
     say("expert_MiB", mcfg.expert_bytes() / 2**20)
@@ -235,14 +248,19 @@ def worker(rank: int, cfg: MigrationBenchConfig, result_path: str, spare: int) -
     num_rows = WORLD * mcfg.rows_per_gpu  # dispatch hands out row ids
     disps = [
         ReplicaDispatch(
-            replica_rows(old, rows.row_ids(), num_experts, width), WORLD, r, device=dev,
+            replica_rows(old, rows.row_ids(), num_experts, width),
+            WORLD,
+            r,
+            device=dev,
             num_physical=num_rows,
         )
         for r in range(WORLD)
     ]
     rec = ExpertRecorder(cfg.num_layers, num_experts, num_physical=num_rows, device=dev)
     t0 = time.perf_counter()
-    block = ReferenceMoEBlock(mcfg, torch.from_numpy(old), dev, dispatch=disps, recorder=rec, seed=0)
+    block = ReferenceMoEBlock(
+        mcfg, torch.from_numpy(old), dev, dispatch=disps, recorder=rec, seed=0
+    )
     say("fill_seconds", time.perf_counter() - t0)
 
     # -- graphs: local expert work only (no collective), one for the balance figure --
@@ -518,7 +536,9 @@ def copy_baseline() -> dict[str, float]:
             a_in.copy_(b, non_blocking=True)
     torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
-    out["copy_both_ways_1344MiB_GBps_per_direction"] = 3 * a.numel() / (time.perf_counter() - t0) / 1e9
+    out["copy_both_ways_1344MiB_GBps_per_direction"] = (
+        3 * a.numel() / (time.perf_counter() - t0) / 1e9
+    )
     del a, b, a_in, b_in
     for mib in (84, 1344):
         src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda:0").random_()
@@ -572,10 +592,16 @@ def main() -> None:
         with open(out_path) as fh:
             runs[spare] = json.load(fh)
     per_rank = runs[cfg.spare_rows[0]]
-    commit_keys = ("commit_experts_written", "commit_weights_us", "commit_maps_us",
-                   "invariant1_bit_identical", "moved_slots_wrong_weights")
-    commits = {spare: {k: max(r[k] for r in ranks) for k in commit_keys}
-               for spare, ranks in runs.items()}
+    commit_keys = (
+        "commit_experts_written",
+        "commit_weights_us",
+        "commit_maps_us",
+        "invariant1_bit_identical",
+        "moved_slots_wrong_weights",
+    )
+    commits = {
+        spare: {k: max(r[k] for r in ranks) for k in commit_keys} for spare, ranks in runs.items()
+    }
     for spare, figures in commits.items():
         pause = figures["commit_weights_us"] + figures["commit_maps_us"]
         figures["commit_pause_us"] = pause
@@ -603,8 +629,11 @@ def main() -> None:
         pct = 100 * per_rank[0][f"{spec}_oneway_GBps"] / peak
         summary[f"{spec}_oneway_vs_copy_pct"] = pct
         print(f"{spec + '_oneway_vs_copy_pct':40s} {pct:14.4f}")
-        pct = 100 * per_rank[0][f"{spec}_alone_GBps_busiest_dir"] / base[
-            "copy_both_ways_1344MiB_GBps_per_direction"]
+        pct = (
+            100
+            * per_rank[0][f"{spec}_alone_GBps_busiest_dir"]
+            / base["copy_both_ways_1344MiB_GBps_per_direction"]
+        )
         summary[f"{spec}_vs_copy_both_ways_pct"] = pct
         print(f"{spec + '_vs_copy_both_ways_pct':40s} {pct:14.4f}")
     print(json.dumps(summary))

@@ -33,13 +33,19 @@ import time
 import numpy as np
 import torch
 
-SLOTS = 9                     # DeepSeek-V3 at EP32: 288 slots / 32 GPUs
-HIDDEN, INTER = 7168, 2048    # DeepSeek-V3's hidden size and expert intermediate size
+SLOTS = 9  # DeepSeek-V3 at EP32: 288 slots / 32 GPUs
+HIDDEN, INTER = 7168, 2048  # DeepSeek-V3's hidden size and expert intermediate size
 
 
 def live_weights(layers: int, dev: torch.device) -> dict[str, dict[int, torch.Tensor]]:
-    w13 = {layer: torch.empty((SLOTS, 2 * INTER, HIDDEN), dtype=torch.bfloat16, device=dev) for layer in range(layers)}
-    w2 = {layer: torch.empty((SLOTS, HIDDEN, INTER), dtype=torch.bfloat16, device=dev) for layer in range(layers)}
+    w13 = {
+        layer: torch.empty((SLOTS, 2 * INTER, HIDDEN), dtype=torch.bfloat16, device=dev)
+        for layer in range(layers)
+    }
+    w2 = {
+        layer: torch.empty((SLOTS, HIDDEN, INTER), dtype=torch.bfloat16, device=dev)
+        for layer in range(layers)
+    }
     for layer in range(layers):  # slot s holds "expert s" of its layer: a known value per row
         for s in range(SLOTS):
             w13[layer][s].fill_(float(layer * 16 + s))
@@ -103,7 +109,9 @@ def main() -> None:
     # After the rotations every slot s of layer l holds expert (s + reps) % 9 of it.
     ok = all(
         bool((weights[name][layer][s] == float(layer * 16 + (s + args.reps) % SLOTS)).all())
-        for name in weights for layer in range(args.layers) for s in range(SLOTS)
+        for name in weights
+        for layer in range(args.layers)
+        for s in range(SLOTS)
     )
     updater_ms = timed(lambda: updater_in_step(weights, args.layers), args.reps)
 
@@ -128,19 +136,28 @@ def main() -> None:
         beside.append(matmuls())
         thread.join()
         executor.abort(version)
-    print(json.dumps({
-        "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-        "layers": args.layers, "slots_per_layer": SLOTS, "expert_mb": expert_bytes / 1e6,
-        "group_gb": group_bytes / 1e9, "reps": args.reps,
-        "staged_commit_ms": [round(x, 3) for x in commit_ms],
-        "staged_commit_ms_median": round(float(np.median(commit_ms)), 3),
-        "staging_gb": [round(x / 1e9, 3) for x in staging_bytes],
-        "prepare_s": [round(x, 4) for x in prepare_s],
-        "updater_in_step_copy_ms": [round(x, 3) for x in updater_ms],
-        "updater_in_step_copy_ms_median": round(float(np.median(updater_ms)), 3),
-        "matmul_ms_alone": [round(x, 3) for x in alone], "matmul_ms_beside_prepare": [round(x, 3) for x in beside],
-        "weights_match": ok,
-    }))
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(dev),
+                "torch": torch.__version__,
+                "layers": args.layers,
+                "slots_per_layer": SLOTS,
+                "expert_mb": expert_bytes / 1e6,
+                "group_gb": group_bytes / 1e9,
+                "reps": args.reps,
+                "staged_commit_ms": [round(x, 3) for x in commit_ms],
+                "staged_commit_ms_median": round(float(np.median(commit_ms)), 3),
+                "staging_gb": [round(x / 1e9, 3) for x in staging_bytes],
+                "prepare_s": [round(x, 4) for x in prepare_s],
+                "updater_in_step_copy_ms": [round(x, 3) for x in updater_ms],
+                "updater_in_step_copy_ms_median": round(float(np.median(updater_ms)), 3),
+                "matmul_ms_alone": [round(x, 3) for x in alone],
+                "matmul_ms_beside_prepare": [round(x, 3) for x in beside],
+                "weights_match": ok,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

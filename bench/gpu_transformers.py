@@ -108,14 +108,32 @@ class BenchConfig:
 # The model's shapes: DeepSeek-V3's (CUDA) or a tiny one (--small). `model_config` and
 # the memory sizing (`memory_need`) read the same numbers.
 FULL_SHAPE: dict[str, int] = dict(
-    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
-    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
-    qk_nope_head_dim=128, v_head_dim=128, vocab_size=4096,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    n_routed_experts=256,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    vocab_size=4096,
 )
 SMALL_SHAPE: dict[str, int] = dict(
-    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=32, num_attention_heads=4,
-    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-    v_head_dim=16, vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    n_routed_experts=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    vocab_size=256,
 )
 TOP_K = 8
 SHARED_EXPERTS = 1
@@ -127,9 +145,15 @@ def model_config(cfg: BenchConfig) -> Any:
 
     shape: dict[str, Any] = SMALL_SHAPE if cfg.small else FULL_SHAPE
     config = DeepseekV3Config(
-        num_hidden_layers=cfg.layers, first_k_dense_replace=0, num_experts_per_tok=TOP_K, n_group=8,
-        topk_group=4, n_shared_experts=SHARED_EXPERTS, max_position_embeddings=max(4096, cfg.tokens),
-        rope_scaling=None, **shape,
+        num_hidden_layers=cfg.layers,
+        first_k_dense_replace=0,
+        num_experts_per_tok=TOP_K,
+        n_group=8,
+        topk_group=4,
+        n_shared_experts=SHARED_EXPERTS,
+        max_position_embeddings=max(4096, cfg.tokens),
+        rope_scaling=None,
+        **shape,
     )
     config._attn_implementation = "sdpa"
     return config
@@ -166,14 +190,26 @@ class MemoryNeed:
 
     @property
     def total(self) -> int:
-        return (self.stock_experts + self.slot_rows + self.staging + self.other_weights + self.activations
-                + self.margin)
+        return (
+            self.stock_experts
+            + self.slot_rows
+            + self.staging
+            + self.other_weights
+            + self.activations
+            + self.margin
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: round(v / GIB, 2) for k, v in {**asdict(self), "total": self.total}.items() if k != "layers"}
+        return {
+            k: round(v / GIB, 2)
+            for k, v in {**asdict(self), "total": self.total}.items()
+            if k != "layers"
+        }
 
 
-def memory_need(cfg: BenchConfig, layers: int, world: int = 1, element_bytes: int = 2) -> MemoryNeed:
+def memory_need(
+    cfg: BenchConfig, layers: int, world: int = 1, element_bytes: int = 2
+) -> MemoryNeed:
     """The bytes one GPU of `world` needs to run `cfg` with `layers` MoE layers (pure
     arithmetic on the shapes `model_config` builds; `element_bytes`: 2 for bf16)."""
     shape = SMALL_SHAPE if cfg.small else FULL_SHAPE
@@ -184,10 +220,13 @@ def memory_need(cfg: BenchConfig, layers: int, world: int = 1, element_bytes: in
     # One GPU's plan (_hook_plan) moves max(spare_rows, 1) experts a layer, staged first.
     moved = max(cfg.spare_rows, 1)
     q_head = shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"]
-    attention = (h * shape["q_lora_rank"] + shape["q_lora_rank"] * heads * q_head
-                 + h * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"])
-                 + shape["kv_lora_rank"] * heads * (shape["qk_nope_head_dim"] + shape["v_head_dim"])
-                 + heads * shape["v_head_dim"] * h)
+    attention = (
+        h * shape["q_lora_rank"]
+        + shape["q_lora_rank"] * heads * q_head
+        + h * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"])
+        + shape["kv_lora_rank"] * heads * (shape["qk_nope_head_dim"] + shape["v_head_dim"])
+        + heads * shape["v_head_dim"] * h
+    )
     per_layer_other = (attention + SHARED_EXPERTS * 3 * h * i + e * h) * element_bytes
     embeddings = 2 * vocab * h * element_bytes  # input embeddings and the LM head
     picks = cfg.tokens * world * TOP_K  # a rank's blocks see every rank's tokens
@@ -205,22 +244,30 @@ def memory_need(cfg: BenchConfig, layers: int, world: int = 1, element_bytes: in
     )
 
 
-def size_to_device(cfg: BenchConfig, free_bytes: int, world: int = 1) -> tuple[BenchConfig, MemoryNeed]:
+def size_to_device(
+    cfg: BenchConfig, free_bytes: int, world: int = 1
+) -> tuple[BenchConfig, MemoryNeed]:
     """`cfg` with the layers that fit `free_bytes` on each GPU: with `auto_layers`, the
     most up to `cfg.layers`; else exactly `cfg.layers`. Raises SizeError (one line, the
     numbers) when nothing asked for fits."""
     need = memory_need(cfg, cfg.layers, world)
     if need.total <= free_bytes:
         return cfg, need
-    fits = [n for n in range(cfg.layers - 1, 0, -1) if memory_need(cfg, n, world).total <= free_bytes]
+    fits = [
+        n for n in range(cfg.layers - 1, 0, -1) if memory_need(cfg, n, world).total <= free_bytes
+    ]
     what = f"{cfg.layers} layer{'s' if cfg.layers > 1 else ''} x {cfg.tokens} tokens"
-    short = (f"{what} need {need.total / GIB:.1f} GiB on each GPU ({need.stock_experts / GIB:.1f} stock experts, "
-             f"{need.slot_rows / GIB:.1f} slot rows, {need.activations / GIB:.1f} activations), "
-             f"{free_bytes / GIB:.1f} GiB free")
+    short = (
+        f"{what} need {need.total / GIB:.1f} GiB on each GPU ({need.stock_experts / GIB:.1f} stock experts, "
+        f"{need.slot_rows / GIB:.1f} slot rows, {need.activations / GIB:.1f} activations), "
+        f"{free_bytes / GIB:.1f} GiB free"
+    )
     if not fits:
         one = memory_need(cfg, 1, world)
-        raise SizeError(f"{short}; even 1 layer needs {one.total / GIB:.1f} GiB: use fewer --tokens, "
-                        f"--redundant or --spare-rows, or a larger GPU")
+        raise SizeError(
+            f"{short}; even 1 layer needs {one.total / GIB:.1f} GiB: use fewer --tokens, "
+            f"--redundant or --spare-rows, or a larger GPU"
+        )
     if not cfg.auto_layers:
         raise SizeError(f"{short}: --layers {fits[0]} fits (or leave --layers out to fit the GPU)")
     return replace(cfg, layers=fits[0]), memory_need(cfg, fits[0], world)
@@ -243,10 +290,14 @@ def routing_profile(cfg: BenchConfig, num_layers: int, num_experts: int) -> np.n
     return out
 
 
-def sample_ids(profile: np.ndarray, tokens: int, top_k: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+def sample_ids(
+    profile: np.ndarray, tokens: int, top_k: int, gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
     """`[L, T, K]` distinct experts per token drawn from `profile` `[L, E]` (Gumbel top-k)."""
     logp = torch.from_numpy(np.log(profile)).float()
-    u = torch.rand((profile.shape[0], tokens, profile.shape[1]), generator=gen).clamp_(1e-9, 1 - 1e-9)
+    u = torch.rand((profile.shape[0], tokens, profile.shape[1]), generator=gen).clamp_(
+        1e-9, 1 - 1e-9
+    )
     return (logp[:, None, :] - torch.log(-torch.log(u))).topk(top_k, dim=-1).indices.to(device)
 
 
@@ -258,7 +309,9 @@ class ReplayRouter(nn.Module):
         self.gate = gate
         self.ids = torch.zeros(tokens, top_k, dtype=torch.int64, device=device)
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits, weights, _ = self.gate(hidden_states)
         return logits, weights, self.ids
 
@@ -294,12 +347,15 @@ def install(modules: SwapSet) -> None:
 
 
 def interleaved_phase(
-    variants: dict[str, tuple[SwapSet, Callable[[int], None]]], cfg: BenchConfig, device: torch.device
+    variants: dict[str, tuple[SwapSet, Callable[[int], None]]],
+    cfg: BenchConfig,
+    device: torch.device,
 ) -> dict[str, list[list[float]]]:
     """Each variant (its modules, its step on routing i) in blocks of `block_steps` steps,
     alternating round by round (a warm-up round dropped); round r of every variant
     replays routings r * block_steps ... of the pool. Per variant: the step times (s) of
     each round."""
+
     def measure(name: str) -> Callable[[int], list[float]]:
         modules, step = variants[name]
 
@@ -309,6 +365,7 @@ def interleaved_phase(
             step(first - 1)  # untimed: the first step after a switch pays for it
             indices = iter(range(first, first + cfg.block_steps))
             return timed_steps(lambda: step(next(indices)), cfg.block_steps, device)
+
         return block
 
     return run_interleaved({name: measure(name) for name in variants}, cfg.rounds, warmup_rounds=1)
@@ -321,7 +378,9 @@ def kernel_times(step: Callable[[int], None], steps: int) -> dict[str, float]:
 
     step(-1)  # untimed: the first step after a switch
     torch.cuda.synchronize()
-    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": one cycle here
+    with (
+        warnings.catch_warnings()
+    ):  # "Profiler clears events at the end of each cycle": one cycle here
         warnings.simplefilter("ignore", UserWarning)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for i in range(steps):
@@ -344,11 +403,15 @@ def profile_phase(
     for name, (modules, step) in variants.items():
         install(modules)
         times = kernel_times(step, steps)
-        out[name] = {k: round(v, 1) for k, v in sorted(times.items(), key=lambda kv: -kv[1]) if v >= 1.0}
+        out[name] = {
+            k: round(v, 1) for k, v in sorted(times.items(), key=lambda kv: -kv[1]) if v >= 1.0
+        }
     return out
 
 
-def profile_deltas(before: dict[str, float], after: dict[str, float], top: int = 8) -> list[tuple[str, float]]:
+def profile_deltas(
+    before: dict[str, float], after: dict[str, float], top: int = 8
+) -> list[tuple[str, float]]:
     """The kernels whose device time per step moved most from `before` to `after` (us),
     largest change first, with the total's change first of all."""
     names = set(before) | set(after)
@@ -379,7 +442,11 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
     if cfg.steps < 1 or cfg.block_steps < 1 or cfg.routings < 1:
         raise ValueError("steps, block_steps and routings must be at least 1")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(cfg.device, rank % max(torch.cuda.device_count(), 1)) if cfg.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(cfg.device, rank % max(torch.cuda.device_count(), 1))
+        if cfg.device == "cuda"
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     graphs = device.type == "cuda"
@@ -391,14 +458,21 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
         dist.all_reduce(free, op=dist.ReduceOp.MIN)
         asked = cfg.layers
         cfg, need = size_to_device(cfg, int(free), world)
-        memory = {"layers_asked": asked, "memory_free_gib": round(int(free) / GIB, 2),
-                  "memory_need_gib": need.as_dict()}
-        emit(f"memory: {cfg.layers} of {asked} layers fit ({need.total / GIB:.1f} GiB needed, "
-             f"{int(free) / GIB:.1f} GiB free on each GPU)")
+        memory = {
+            "layers_asked": asked,
+            "memory_free_gib": round(int(free) / GIB, 2),
+            "memory_need_gib": need.as_dict(),
+        }
+        emit(
+            f"memory: {cfg.layers} of {asked} layers fit ({need.total / GIB:.1f} GiB needed, "
+            f"{int(free) / GIB:.1f} GiB free on each GPU)"
+        )
     config = model_config(cfg)
     torch.manual_seed(0)  # every rank: the same weights
     with device:
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="grouped_mm")
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, experts_implementation="grouped_mm"
+        )
     model.eval()
     blocks = find_moe_blocks(model)
     num_experts, top_k = int(config.n_routed_experts), int(config.num_experts_per_tok)
@@ -410,7 +484,9 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
     profile = routing_profile(cfg, len(blocks), num_experts)
     gen = torch.Generator().manual_seed(1000 + rank)
     input_ids = torch.randint(0, int(config.vocab_size), (1, cfg.tokens), generator=gen).to(device)
-    probe_ids = sample_ids(profile, cfg.tokens, top_k, torch.Generator().manual_seed(7 + rank), device)
+    probe_ids = sample_ids(
+        profile, cfg.tokens, top_k, torch.Generator().manual_seed(7 + rank), device
+    )
     # Drawn ahead (on the host, out of the timed steps) and replayed in turn, so the
     # variants of a round serve the very same routings.
     pool = [sample_ids(profile, cfg.tokens, top_k, gen, device) for _ in range(cfg.routings)]
@@ -428,11 +504,13 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
 
     def serve(hook_step: Callable[[], None] | None) -> Callable[[int], None]:
         """One step on routing i of the pool."""
+
         def step(i: int) -> None:
             set_routing(pool[i % len(pool)])
             forward()
             if hook_step is not None:
                 hook_step()
+
         return step
 
     def graphed_or_experts() -> dict[str, nn.Module]:
@@ -445,7 +523,9 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
     # the stock experts' weights; they are put back so the stock variant keeps serving.
     set_routing(probe_ids)
     stock_logits = forward()
-    stock_experts = [(b.block.experts, {n: getattr(b.block.experts, n) for n in WEIGHT_NAMES}) for b in blocks]
+    stock_experts = [
+        (b.block.experts, {n: getattr(b.block.experts, n) for n in WEIGHT_NAMES}) for b in blocks
+    ]
     if graphs:
         graph_moe_blocks(model, example)
     set_routing(probe_ids)
@@ -457,20 +537,37 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
     ctl: EmbeddedController | None = None
     address = [""]
     if rank == 0:
-        ctl = EmbeddedController(ControllerConfig(
-            port=0, db_path=os.path.join(scratch, "c.sqlite"), drain_seconds=0.0,
-            policy=PolicyConfig(min_windows=1, decision_period_seconds=0.2, prepare_timeout_seconds=60.0,
-                                max_moved_fraction=1.0, paused=True),
-        ))
+        ctl = EmbeddedController(
+            ControllerConfig(
+                port=0,
+                db_path=os.path.join(scratch, "c.sqlite"),
+                drain_seconds=0.0,
+                policy=PolicyConfig(
+                    min_windows=1,
+                    decision_period_seconds=0.2,
+                    prepare_timeout_seconds=60.0,
+                    max_moved_fraction=1.0,
+                    paused=True,
+                ),
+            )
+        )
         address[0] = ctl.start().address
     dist.broadcast_object_list(address, src=0)
     # The token exchange of G > 1 CUDA ranks runs on NCCL (captured in the graphs).
     ep_group = dist.new_group(backend="nccl") if world > 1 and device.type == "cuda" else None
     try:
-        ep = attach(model, AdapterConfig(
-            controller=address[0], deployment="bench-tf", redundant_slots=cfg.redundant,
-            spare_rows=cfg.spare_rows, window_steps=cfg.window_steps, agree_every=cfg.agree_every,
-        ), ep_group=ep_group)
+        ep = attach(
+            model,
+            AdapterConfig(
+                controller=address[0],
+                deployment="bench-tf",
+                redundant_slots=cfg.redundant,
+                spare_rows=cfg.spare_rows,
+                window_steps=cfg.window_steps,
+                agree_every=cfg.agree_every,
+            ),
+            ep_group=ep_group,
+        )
         for experts, held in stock_experts:
             for name, weight in held.items():
                 setattr(experts, name, weight)
@@ -523,17 +620,29 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
     def diff(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.float() - b.float()).abs().max())
 
-    first, second = step_figures(before, "stock", "adapter"), step_figures(after, "stock", "adapter")
+    first, second = (
+        step_figures(before, "stock", "adapter"),
+        step_figures(after, "stock", "adapter"),
+    )
     out = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "world": world, "cuda_graphs": graphs, "torch": torch.__version__,
-        "transformers": transformers.__version__, **asdict(cfg),
+        "world": world,
+        "cuda_graphs": graphs,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        **asdict(cfg),
         "rounds": cfg.rounds,
-        "moe_layers": len(blocks), "experts": num_experts, "slots": num_experts + cfg.redundant,
-        "step_ms_unwrapped": first["base_ms"], "step_ms_before": first["variant_ms"],
-        "step_ms_unwrapped_after_phase": second["base_ms"], "step_ms_after": second["variant_ms"],
-        "round_ms_unwrapped": first["base_round_ms"], "round_ms_before": first["variant_round_ms"],
-        "round_ms_unwrapped_after_phase": second["base_round_ms"], "round_ms_after": second["variant_round_ms"],
+        "moe_layers": len(blocks),
+        "experts": num_experts,
+        "slots": num_experts + cfg.redundant,
+        "step_ms_unwrapped": first["base_ms"],
+        "step_ms_before": first["variant_ms"],
+        "step_ms_unwrapped_after_phase": second["base_ms"],
+        "step_ms_after": second["variant_ms"],
+        "round_ms_unwrapped": first["base_round_ms"],
+        "round_ms_before": first["variant_round_ms"],
+        "round_ms_unwrapped_after_phase": second["base_round_ms"],
+        "round_ms_after": second["variant_round_ms"],
         "hook_overhead_pct": round(first["overhead_pct"].median, 2),
         "hook_overhead_pct_spread": first["overhead_pct"].as_dict(3),
         "after_overhead_pct": round(second["overhead_pct"].median, 2),
@@ -552,17 +661,25 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
         for variant in ("adapter", "stock"):
             moved = profile_deltas(profiles["before"][variant], profiles["after"][variant])
             out[f"profile_{variant}_after_minus_before_us"] = [[k, round(v, 1)] for k, v in moved]
-            emit(f"profile, {variant} after - before (device us/step): "
-                 + "; ".join(f"{k[:60]} {v:+.1f}" for k, v in moved))
+            emit(
+                f"profile, {variant} after - before (device us/step): "
+                + "; ".join(f"{k[:60]} {v:+.1f}" for k, v in moved)
+            )
     if device.type == "cuda":
         out["memory_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GIB, 2)
-    emit(f"interleaved, {out['rounds']} rounds of {cfg.block_steps} steps per variant: "
-         f"stock {out['step_ms_unwrapped']} ms/step, adapter {out['step_ms_before']} ms/step; "
-         f"hook overhead {first['overhead_pct'].text('%', signed=True)}")
-    emit(f"after the rebalance: stock {out['step_ms_unwrapped_after_phase']} ms/step, adapter "
-         f"{out['step_ms_after']} ms/step; overhead {second['overhead_pct'].text('%', signed=True)}")
-    emit(f"rebalance v{out['version']}: {out['slots_moved']} slots moved, swap {out['swap_ms']} ms, "
-         f"swap step {out['swap_step_ms']} ms; logits after vs before {out['logit_diff_after_vs_before']}")
+    emit(
+        f"interleaved, {out['rounds']} rounds of {cfg.block_steps} steps per variant: "
+        f"stock {out['step_ms_unwrapped']} ms/step, adapter {out['step_ms_before']} ms/step; "
+        f"hook overhead {first['overhead_pct'].text('%', signed=True)}"
+    )
+    emit(
+        f"after the rebalance: stock {out['step_ms_unwrapped_after_phase']} ms/step, adapter "
+        f"{out['step_ms_after']} ms/step; overhead {second['overhead_pct'].text('%', signed=True)}"
+    )
+    emit(
+        f"rebalance v{out['version']}: {out['slots_moved']} slots moved, swap {out['swap_ms']} ms, "
+        f"swap step {out['swap_step_ms']} ms; logits after vs before {out['logit_diff_after_vs_before']}"
+    )
     return out
 
 
@@ -579,8 +696,12 @@ def _force(ctl: EmbeddedController, deployment: str) -> int:
 
 
 def _rebalance_live(
-    cfg: BenchConfig, ep: ExpertParallelModel, ctl: EmbeddedController | None,
-    step: Callable[[], None], device: torch.device, world: int = 1,
+    cfg: BenchConfig,
+    ep: ExpertParallelModel,
+    ctl: EmbeddedController | None,
+    step: Callable[[], None],
+    device: torch.device,
+    world: int = 1,
 ) -> dict[str, Any]:
     """Serve until the controller has windows, force one plan (rank 0), serve until it
     commits; returns the swap figures."""
@@ -596,14 +717,21 @@ def _rebalance_live(
             if forced[0] < 0 and world == 1:
                 # One GPU has nothing to balance: the controller starts no plan that moves
                 # nothing (the caller moves experts through the hook's own path instead).
-                return {"version": ep.version, "slots_moved": 0, "swap_ms": None, "swap_step_ms": None,
-                        "controller_plan": "nothing to move on one GPU"}
+                return {
+                    "version": ep.version,
+                    "slots_moved": 0,
+                    "swap_ms": None,
+                    "swap_step_ms": None,
+                    "controller_plan": "nothing to move on one GPU",
+                }
             if forced[0] < 0:
                 raise RuntimeError("the controller found no placement change to force")
         if ep.version >= 1:
             break
     if ep.version < 1:
-        raise RuntimeError(f"no plan committed within {cfg.swap_timeout_s:g} s ({len(times)} steps served)")
+        raise RuntimeError(
+            f"no plan committed within {cfg.swap_timeout_s:g} s ({len(times)} steps served)"
+        )
     stats = ep.hook.stats
     commit_step = stats.commits[0][0]
     return {
@@ -612,7 +740,9 @@ def _rebalance_live(
         "bytes_received": stats.bytes_received,
         "copied_at_commit": stats.copied_at_commit,
         "swap_ms": round(1e3 * max(stats.swap_seconds), 3),
-        "swap_step_ms": round(1e3 * times[commit_step - 1 - first_step], 3) if commit_step > first_step else None,
+        "swap_step_ms": round(1e3 * times[commit_step - 1 - first_step], 3)
+        if commit_step > first_step
+        else None,
         "steps_to_commit": len(times),
     }
 
@@ -643,7 +773,10 @@ def reshuffled(old: np.ndarray, num_logical: int, moved: int, kind: HookPlan) ->
 
 
 def _hook_plan(
-    ep: ExpertParallelModel, step: Callable[[], None], device: torch.device, kind: HookPlan = "rotate"
+    ep: ExpertParallelModel,
+    step: Callable[[], None],
+    device: torch.device,
+    kind: HookPlan = "rotate",
 ) -> dict[str, Any]:
     """Prepare and commit a reshuffled placement (`reshuffled`) on this rank as a
     controller's Prepare would, serving between; the swap figures."""
@@ -658,13 +791,18 @@ def _hook_plan(
     num_logical, moved = hook.config.num_logical, max(hook.config.commit.spare_rows, 1)
     new = reshuffled(old, num_logical, moved, kind)
     swaps = len(hook.stats.swap_seconds)
-    hook.plans.on_prepare(pb.Prepare(
-        version=version, base_version=hook.version,
-        placement=pb.Placement(version=version, phy2log=codec.encode(new.astype(np.int32))),
-        transfers=codec.encode(transfers(old, new, num_gpus=1).astype(np.int32)),
-    ))
+    hook.plans.on_prepare(
+        pb.Prepare(
+            version=version,
+            base_version=hook.version,
+            placement=pb.Placement(version=version, phy2log=codec.encode(new.astype(np.int32))),
+            transfers=codec.encode(transfers(old, new, num_gpus=1).astype(np.int32)),
+        )
+    )
     times: list[float] = []
-    while hook.plans.migration is not None and hook.plans.migration.is_alive():  # prepare beside serving
+    while (
+        hook.plans.migration is not None and hook.plans.migration.is_alive()
+    ):  # prepare beside serving
         times += timed_steps(step, 1, device)
     if hook.stats.failed:
         raise RuntimeError("the hook's plan failed to prepare")
@@ -684,38 +822,73 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument("--layers", type=int, default=None,
-                   help=f"MoE layers (default: up to {BenchConfig.layers}, as many as the GPU holds)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"MoE layers (default: up to {BenchConfig.layers}, as many as the GPU holds)",
+    )
     p.add_argument("--tokens", type=int, default=None)
-    p.add_argument("--steps", type=int, default=BenchConfig.steps, help="timed steps per variant and phase")
-    p.add_argument("--block-steps", type=int, default=BenchConfig.block_steps,
-                   help="steps of one variant in a row before the other's turn")
-    p.add_argument("--routings", type=int, default=BenchConfig.routings, help="distinct routings replayed in turn")
+    p.add_argument(
+        "--steps", type=int, default=BenchConfig.steps, help="timed steps per variant and phase"
+    )
+    p.add_argument(
+        "--block-steps",
+        type=int,
+        default=BenchConfig.block_steps,
+        help="steps of one variant in a row before the other's turn",
+    )
+    p.add_argument(
+        "--routings",
+        type=int,
+        default=BenchConfig.routings,
+        help="distinct routings replayed in turn",
+    )
     p.add_argument("--redundant", type=int, default=BenchConfig.redundant)
     p.add_argument("--spare-rows", type=int, default=BenchConfig.spare_rows)
     p.add_argument("--workload", default=BenchConfig.workload)
-    p.add_argument("--hook-plan", choices=("rotate", "random"), default=BenchConfig.hook_plan,
-                   help="one GPU's plan: rotate the replicated experts (same work) or replicate random ones")
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="after each phase, profile this many steps of each variant (device time per kernel)")
+    p.add_argument(
+        "--hook-plan",
+        choices=("rotate", "random"),
+        default=BenchConfig.hook_plan,
+        help="one GPU's plan: rotate the replicated experts (same work) or replicate random ones",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after each phase, profile this many steps of each variant (device time per kernel)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     for name in ("layers", "steps", "block_steps", "routings", "tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     tokens = args.tokens or (64 if args.small else BenchConfig.tokens)
-    cfg = BenchConfig(device=args.device, small=args.small, layers=args.layers or BenchConfig.layers,
-                      auto_layers=args.layers is None, tokens=tokens,
-                      steps=args.steps, block_steps=args.block_steps, routings=args.routings,
-                      redundant=args.redundant, spare_rows=args.spare_rows,
-                      workload=args.workload, hook_plan=args.hook_plan, profile_steps=max(args.profile_steps, 0))
+    cfg = BenchConfig(
+        device=args.device,
+        small=args.small,
+        layers=args.layers or BenchConfig.layers,
+        auto_layers=args.layers is None,
+        tokens=tokens,
+        steps=args.steps,
+        block_steps=args.block_steps,
+        routings=args.routings,
+        redundant=args.redundant,
+        spare_rows=args.spare_rows,
+        workload=args.workload,
+        hook_plan=args.hook_plan,
+        profile_steps=max(args.profile_steps, 0),
+    )
     # The store, and a world of one's rendezvous (a file: no port to race other processes
     # for), live in a folder removed on the way out.
     with tempfile.TemporaryDirectory(prefix="bench-tf-") as scratch:
         if "RANK" in os.environ:  # torchrun
             dist.init_process_group("gloo")
         else:
-            dist.init_process_group("gloo", init_method=f"file://{scratch}/rdzv", rank=0, world_size=1)
+            dist.init_process_group(
+                "gloo", init_method=f"file://{scratch}/rdzv", rank=0, world_size=1
+            )
         if cfg.device == "cpu":
             torch.set_num_threads(1)
         try:

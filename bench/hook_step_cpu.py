@@ -45,15 +45,30 @@ def main(argv: list[str] | None = None) -> int:
 def measure(steps: int) -> dict[str, object]:
     import worker_hooks.hook as h
 
-    common = dict(controller="127.0.0.1:1", deployment="bench", rank=0, num_layers=L, num_logical=E,
-                  num_slots=P, num_gpus=G)
+    common = dict(
+        controller="127.0.0.1:1",
+        deployment="bench",
+        rank=0,
+        num_layers=L,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=G,
+    )
     if hasattr(h, "WindowConfig"):
-        config = h.HookConfig(**common, windows=h.WindowConfig(steps=16),  # type: ignore[arg-type]
-                              commit=h.CommitConfig(agree_every=4))
+        config = h.HookConfig(
+            **common,
+            windows=h.WindowConfig(steps=16),  # type: ignore[arg-type]
+            commit=h.CommitConfig(agree_every=4),
+        )
     else:  # a tree from before the sections
         config = h.HookConfig(**common, window_steps=16, agree_every=4)  # type: ignore[arg-type, call-arg]
-    hook = h.RebalanceHook(config, trivial_placement(L, E, P, G), {"w": torch.zeros(L, P // G, 1)},
-                           dist.group.WORLD, None)
+    hook = h.RebalanceHook(
+        config,
+        trivial_placement(L, E, P, G),
+        {"w": torch.zeros(L, P // G, 1)},
+        dist.group.WORLD,
+        None,
+    )
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, E, (T, K), generator=gen) for _ in range(L)]
     seconds = []
@@ -64,8 +79,11 @@ def measure(steps: int) -> dict[str, object]:
         hook.step_end()
         seconds.append(time.perf_counter() - t0)
     hook.agreement.close()
-    return {"tree": str(Path(h.__file__).resolve().parents[1]), "steps": steps,
-            "median_us": round(1e6 * statistics.median(seconds[WARMUP:]), 1)}
+    return {
+        "tree": str(Path(h.__file__).resolve().parents[1]),
+        "steps": steps,
+        "median_us": round(1e6 * statistics.median(seconds[WARMUP:]), 1),
+    }
 
 
 if __name__ == "__main__":

@@ -143,6 +143,7 @@ def load_average() -> list[float]:
 
 # ---------------------------------------------------------------- baseline server
 
+
 def _echo_server(port: int, ready: Any) -> None:
     """A WorkerService that registers anything and acks every window unread."""
     import grpc
@@ -174,18 +175,34 @@ def _echo_server(port: int, ready: Any) -> None:
 
 # ---------------------------------------------------------------- load generator
 
-def pod_windows(counts: np.ndarray, ranks_per_pod: int, variants: int = POD_VARIANTS,
-                seed: int = 0) -> list[np.ndarray]:
+
+def pod_windows(
+    counts: np.ndarray, ranks_per_pod: int, variants: int = POD_VARIANTS, seed: int = 0
+) -> list[np.ndarray]:
     """Pre-built merged windows of a pod: each the sum over its ranks of one window per
     rank, a Poisson draw around the real counts (so ranks differ as real ones do)."""
     rng = np.random.default_rng(seed)
-    return [sum((rng.poisson(counts) for _ in range(ranks_per_pod)), np.zeros_like(counts))
-            for _ in range(variants)]
+    return [
+        sum((rng.poisson(counts) for _ in range(ranks_per_pod)), np.zeros_like(counts))
+        for _ in range(variants)
+    ]
 
 
-def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, seconds: float,
-               warmup: float, windows: list[np.ndarray], drain: float, ready: Any, go: Any, out: Any,
-               niceness: int = 0, pool_size: int = 0) -> None:
+def _generator(
+    address: str,
+    units: list[int],
+    ranks_per_pod: int,
+    rate: float,
+    seconds: float,
+    warmup: float,
+    windows: list[np.ndarray],
+    drain: float,
+    ready: Any,
+    go: Any,
+    out: Any,
+    niceness: int = 0,
+    pool_size: int = 0,
+) -> None:
     """Speaks for `units`: ranks (direct) or pods of `ranks_per_pod` ranks (sidecars).
     `niceness`: the generators stand for remote pods, which in a cluster do not share the
     controller's cores; on a 2-core machine they do, and `--generator-nice` lowers their
@@ -200,8 +217,14 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
     from rebalancer.wire.channel import client_options
 
     encoded = [codec.encode(w.astype(np.uint32)) for w in windows]  # what agents / sidecars send
-    shape = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P,
-                          num_gpus=RANKS_PER_DEPLOYMENT, num_nodes=4, expert_bytes=44 << 20)
+    shape = pb.ModelShape(
+        num_layers=L,
+        num_logical_experts=E,
+        num_physical_slots=P,
+        num_gpus=RANKS_PER_DEPLOYMENT,
+        num_nodes=4,
+        expert_bytes=44 << 20,
+    )
     latencies: list[float] = []
     acked = 0  # messages sent in the measured interval and acknowledged
     plans_committed = 0  # plan commits this generator's sessions reported
@@ -216,8 +239,13 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
         pool = f"pool-{index // pool_size}" if pool_size else ""
         if ranks_per_pod == 1:  # a v1 client: one rank
             return pb.RegisterRequest(deployment=deployment, rank=local, shape=shape, pool=pool)
-        return pb.RegisterRequest(deployment=deployment, ranks=list(range(local, local + ranks_per_pod)),
-                                  pod=f"ns/pod-{unit}", shape=shape, pool=pool)
+        return pb.RegisterRequest(
+            deployment=deployment,
+            ranks=list(range(local, local + ranks_per_pod)),
+            pod=f"ns/pod-{unit}",
+            shape=shape,
+            pool=pool,
+        )
 
     async def register(stub: Any, unit: int, gate: asyncio.Semaphore) -> Any:
         # A burst of thousands of simultaneous Registers is partly CANCELLED by gRPC itself
@@ -228,12 +256,17 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
                 async with gate:
                     return await stub.Register(request(unit), timeout=120)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE) or attempt == 7:
+                if (
+                    exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+                    or attempt == 7
+                ):
                     raise
-                await asyncio.sleep(0.2 * 2 ** attempt)
+                await asyncio.sleep(0.2 * 2**attempt)
         raise AssertionError("unreachable")
 
-    async def one_unit(stub: Any, unit: int, started: asyncio.Future[float], gate: asyncio.Semaphore) -> None:
+    async def one_unit(
+        stub: Any, unit: int, started: asyncio.Future[float], gate: asyncio.Semaphore
+    ) -> None:
         nonlocal acked, registered
         reply = await register(stub, unit, gate)
         call = stub.Stream()
@@ -247,8 +280,10 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
         async def report(version: int, phase: int) -> None:
             nonlocal plans_committed
             try:
-                await stub.ReportPlan(pb.PlanReport(session_id=reply.session_id, version=version, phase=phase),
-                                      timeout=30)
+                await stub.ReportPlan(
+                    pb.PlanReport(session_id=reply.session_id, version=version, phase=phase),
+                    timeout=30,
+                )
             except grpc.aio.AioRpcError:
                 return  # a plan that timed out or aborted meanwhile: its report is refused
             if phase == pb.PLAN_PHASE_COMMITTED:
@@ -262,9 +297,13 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
                 # spare rows would: the controller's plan work is measured, the weights'
                 # moves are not (they are rank to rank, never through the controller).
                 if body == "prepare":
-                    reports.add(asyncio.create_task(report(msg.prepare.version, pb.PLAN_PHASE_PREPARED)))
+                    reports.add(
+                        asyncio.create_task(report(msg.prepare.version, pb.PLAN_PHASE_PREPARED))
+                    )
                 if body == "commit":
-                    reports.add(asyncio.create_task(report(msg.commit.version, pb.PLAN_PHASE_COMMITTED)))
+                    reports.add(
+                        asyncio.create_task(report(msg.commit.version, pb.PLAN_PHASE_COMMITTED))
+                    )
                 if body != "window_ack":
                     continue
                 now = time.monotonic()
@@ -287,7 +326,9 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
             if time.monotonic() >= stop:
                 break
             sent[seq] = time.monotonic()
-            await call.write(pb.WorkerMessage(window=pb.Window(seq=seq, num_steps=1, logical_count=logical)))
+            await call.write(
+                pb.WorkerMessage(window=pb.Window(seq=seq, num_steps=1, logical_count=logical))
+            )
             seq += 1
             next_at += period
         await asyncio.sleep(drain)  # last acks (paced: up to the ack interval)
@@ -317,9 +358,21 @@ def _generator(address: str, units: list[int], ranks_per_pod: int, rate: float, 
     out.put((acked, latencies, errors, plans_committed))
 
 
-def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate: float, seconds: float,
-             processes: int, windows: list[np.ndarray], warmup: float = 3.0, drain: float = 2.0,
-             generator_nice: int = 0, pool_size: int = 0, metrics_port: int | None = None) -> dict[str, Any]:
+def run_load(
+    address: str,
+    server_pid: int,
+    ranks: int,
+    ranks_per_pod: int,
+    rate: float,
+    seconds: float,
+    processes: int,
+    windows: list[np.ndarray],
+    warmup: float = 3.0,
+    drain: float = 2.0,
+    generator_nice: int = 0,
+    pool_size: int = 0,
+    metrics_port: int | None = None,
+) -> dict[str, Any]:
     """`metrics_port`: the controller's; windows are then counted as it folded them (else,
     the bare baseline, as acknowledged)."""
     ctx = mp.get_context("spawn")
@@ -327,9 +380,28 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
     units = ranks // ranks_per_pod
     shards = [list(range(i, units, processes)) for i in range(processes)]
     gos = [ctx.Queue() for _ in shards]
-    gens = [ctx.Process(target=_generator, args=(address, s, ranks_per_pod, rate, seconds, warmup, windows, drain,
-                                                 ready, go, out, generator_nice, pool_size), daemon=True)
-            for s, go in zip(shards, gos, strict=True)]
+    gens = [
+        ctx.Process(
+            target=_generator,
+            args=(
+                address,
+                s,
+                ranks_per_pod,
+                rate,
+                seconds,
+                warmup,
+                windows,
+                drain,
+                ready,
+                go,
+                out,
+                generator_nice,
+                pool_size,
+            ),
+            daemon=True,
+        )
+        for s, go in zip(shards, gos, strict=True)
+    ]
     try:
         for g in gens:
             g.start()
@@ -344,10 +416,20 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
         kids = _children(server_pid)  # the decision worker
         gen_pids = [g.pid for g in gens if g.pid is not None]
         at0, scraped0 = read_counts(metrics_port) if metrics_port else (0.0, {})
-        cpu0, kcpu0, gcpu0, t0 = _cpu_seconds(server_pid), _cpu_of(kids), _cpu_of(gen_pids), time.monotonic()
+        cpu0, kcpu0, gcpu0, t0 = (
+            _cpu_seconds(server_pid),
+            _cpu_of(kids),
+            _cpu_of(gen_pids),
+            time.monotonic(),
+        )
         lcpu0 = _thread_cpu_seconds(server_pid, server_pid)  # the main thread: the event loop's
         time.sleep(max(0.0, start + warmup + seconds - time.monotonic()))
-        cpu1, kcpu1, gcpu1, t1 = _cpu_seconds(server_pid), _cpu_of(kids), _cpu_of(gen_pids), time.monotonic()
+        cpu1, kcpu1, gcpu1, t1 = (
+            _cpu_seconds(server_pid),
+            _cpu_of(kids),
+            _cpu_of(gen_pids),
+            time.monotonic(),
+        )
         lcpu1 = _thread_cpu_seconds(server_pid, server_pid)
         at1, scraped1 = read_counts(metrics_port) if metrics_port else (0.0, {})
         load1 = load_average()
@@ -367,9 +449,15 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
     nbytes = windows[0].size * 4
     wall = t1 - t0
     acked = messages * ranks_per_pod
-    folded = (scraped1[FOLDED] - scraped0[FOLDED]) / (at1 - at0) if FOLDED in scraped0 else float("nan")
+    folded = (
+        (scraped1[FOLDED] - scraped0[FOLDED]) / (at1 - at0) if FOLDED in scraped0 else float("nan")
+    )
     # The busy seconds over the wall time between the two readings (a reading under load takes a while).
-    busy = (scraped1[LOOP_BUSY] - scraped0[LOOP_BUSY]) / (at1 - at0) if LOOP_BUSY in scraped0 else float("nan")
+    busy = (
+        (scraped1[LOOP_BUSY] - scraped0[LOOP_BUSY]) / (at1 - at0)
+        if LOOP_BUSY in scraped0
+        else float("nan")
+    )
     counted = acked if np.isnan(folded) else folded
     return {
         "ranks": ranks,
@@ -386,12 +474,15 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
         "controller_cpu_cores": (cpu1 - cpu0) / (t1 - t0),
-        "cpu_us_per_rank_window": (cpu1 - cpu0) / (counted * wall) * 1e6 if counted else float("nan"),
+        "cpu_us_per_rank_window": (cpu1 - cpu0) / (counted * wall) * 1e6
+        if counted
+        else float("nan"),
         # The event loop: share of wall time it ran callbacks (NaN: a server without the
         # metric), and the CPU its thread took (cores).
         "loop_busy_share": busy,
         "loop_thread_cpu_cores": (lcpu1 - lcpu0) / wall,
-        "decision_worker_cpu_cores": sum(kcpu1[p] - kcpu0[p] for p in kcpu1 if p in kcpu0) / (t1 - t0),
+        "decision_worker_cpu_cores": sum(kcpu1[p] - kcpu0[p] for p in kcpu1 if p in kcpu0)
+        / (t1 - t0),
         # The load generators share this machine (2 cores here): what they took, and at
         # which niceness (0: the controller's own).
         "generator_cpu_cores": sum(gcpu1[p] - gcpu0[p] for p in gcpu1 if p in gcpu0) / (t1 - t0),
@@ -409,23 +500,48 @@ def run_load(address: str, server_pid: int, ranks: int, ranks_per_pod: int, rate
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=1024)
-    p.add_argument("--ranks-per-pod", type=int, default=1,
-                   help="1: every rank streams on its own (direct); K: one group stream per pod of K "
-                        "ranks, as pod sidecars speak (must divide 32)")
-    p.add_argument("--rate", type=float, default=3.0, help="windows per second per rank (per pod with K > 1)")
+    p.add_argument(
+        "--ranks-per-pod",
+        type=int,
+        default=1,
+        help="1: every rank streams on its own (direct); K: one group stream per pod of K "
+        "ranks, as pod sidecars speak (must divide 32)",
+    )
+    p.add_argument(
+        "--rate", type=float, default=3.0, help="windows per second per rank (per pod with K > 1)"
+    )
     p.add_argument("--seconds", type=float, default=20.0)
-    p.add_argument("--warmup", type=float, default=3.0, help="seconds sent before the measured interval")
+    p.add_argument(
+        "--warmup", type=float, default=3.0, help="seconds sent before the measured interval"
+    )
     p.add_argument("--processes", type=int, default=2, help="load-generator processes")
     p.add_argument("--no-baseline", action="store_true")
-    p.add_argument("--generator-nice", type=int, default=0, metavar="N",
-                   help="run the load generators at this niceness (they stand for remote pods; "
-                   "here they share the controller's cores)")
-    p.add_argument("--no-decisions", action="store_true",
-                   help="pause the controller's policy (ingest alone: no estimate-and-decide, no plans)")
-    p.add_argument("--ack-interval", type=float, default=None,
-                   help="controller's ack_interval_seconds (0: one ack per window; default: the controller's)")
-    p.add_argument("--pool-size", type=int, default=0, metavar="N",
-                   help="deployments per replica pool (0: no pools): one estimate and decision per pool")
+    p.add_argument(
+        "--generator-nice",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the load generators at this niceness (they stand for remote pods; "
+        "here they share the controller's cores)",
+    )
+    p.add_argument(
+        "--no-decisions",
+        action="store_true",
+        help="pause the controller's policy (ingest alone: no estimate-and-decide, no plans)",
+    )
+    p.add_argument(
+        "--ack-interval",
+        type=float,
+        default=None,
+        help="controller's ack_interval_seconds (0: one ack per window; default: the controller's)",
+    )
+    p.add_argument(
+        "--pool-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="deployments per replica pool (0: no pools): one estimate and decision per pool",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md")
     args = p.parse_args(argv)
@@ -433,8 +549,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--ranks must be a multiple of {RANKS_PER_DEPLOYMENT}", file=sys.stderr)
         return 2
     if args.ranks_per_pod < 1 or RANKS_PER_DEPLOYMENT % args.ranks_per_pod:
-        print(f"--ranks-per-pod must divide {RANKS_PER_DEPLOYMENT} (pods do not straddle deployments)",
-              file=sys.stderr)
+        print(
+            f"--ranks-per-pod must divide {RANKS_PER_DEPLOYMENT} (pods do not straddle deployments)",
+            file=sys.stderr,
+        )
         return 2
 
     from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
@@ -444,11 +562,22 @@ def main(argv: list[str] | None = None) -> int:
     windows = [counts] if args.ranks_per_pod == 1 else pod_windows(counts, args.ranks_per_pod)
     from rebalancer.controller.config import ControllerConfig
 
-    ack_interval = ControllerConfig.ack_interval_seconds if args.ack_interval is None else args.ack_interval
+    ack_interval = (
+        ControllerConfig.ack_interval_seconds if args.ack_interval is None else args.ack_interval
+    )
     drain = ack_interval + 1.0
-    load = {"ranks": args.ranks, "ranks_per_pod": args.ranks_per_pod, "rate": args.rate, "seconds": args.seconds,
-            "processes": args.processes, "windows": windows, "warmup": args.warmup, "drain": drain,
-            "generator_nice": args.generator_nice, "pool_size": args.pool_size}
+    load = {
+        "ranks": args.ranks,
+        "ranks_per_pod": args.ranks_per_pod,
+        "rate": args.rate,
+        "seconds": args.seconds,
+        "processes": args.processes,
+        "windows": windows,
+        "warmup": args.warmup,
+        "drain": drain,
+        "generator_nice": args.generator_nice,
+        "pool_size": args.pool_size,
+    }
 
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -458,15 +587,32 @@ def main(argv: list[str] | None = None) -> int:
         # they start waits for ranks that never answer and times out, so this measures
         # ingest, estimate and decide together (--no-decisions: ingest alone).
         config.write_text(
-            f"[server]\nhost = \"127.0.0.1\"\nack_interval_seconds = {ack_interval}\nmetrics_port = {metrics_port}\n"
+            f'[server]\nhost = "127.0.0.1"\nack_interval_seconds = {ack_interval}\nmetrics_port = {metrics_port}\n'
             "[policy]\nmin_windows = 1\n" + ("paused = true\n" if args.no_decisions else "")
         )
         server = subprocess.Popen(
-            [sys.executable, "-m", "rebalancer", "serve", "--config", str(config), "--port", str(port),
-             "--db", f"{tmp}/c.sqlite", "--log-level", "ERROR"], stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "rebalancer",
+                "serve",
+                "--config",
+                str(config),
+                "--port",
+                str(port),
+                "--db",
+                f"{tmp}/c.sqlite",
+                "--log-level",
+                "ERROR",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert server.stdout is not None and "serving on" in server.stdout.readline()
-            rows["controller"] = run_load(f"127.0.0.1:{port}", server.pid, **load, metrics_port=metrics_port)
+            rows["controller"] = run_load(
+                f"127.0.0.1:{port}", server.pid, **load, metrics_port=metrics_port
+            )
         finally:
             server.terminate()
             try:
@@ -491,14 +637,16 @@ def main(argv: list[str] | None = None) -> int:
                     echo.join(5)
     for name, r in rows.items():
         who = f"{r['pods']} pods of {r['ranks_per_pod']}" if r["pods"] else "direct"
-        print(f"{name:16s} {r['ranks']} ranks ({who}): {r['windows_per_second']:8.0f} rank windows/s of "
-              f"{r['offered_windows_per_second']:.0f} offered ({r['counted_by']}; {r['messages_per_second']:.0f} "
-              f"messages/s), {r['cpu_us_per_rank_window']:.1f} us CPU a rank window, loop busy "
-              f"{r['loop_busy_share']:.2f} (its thread {r['loop_thread_cpu_cores']:.2f} cores), "
-              f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {r['controller_cpu_cores']:.2f} cores "
-              f"(+{r['decision_worker_cpu_cores']:.2f} decision worker; generators "
-              f"{r['generator_cpu_cores']:.2f} at nice {r['generator_nice']}), {r['mb_per_second']:.0f} MB/s, "
-              f"load {r['load_avg_start'][0]:.2f} -> {r['load_avg_end'][0]:.2f}")
+        print(
+            f"{name:16s} {r['ranks']} ranks ({who}): {r['windows_per_second']:8.0f} rank windows/s of "
+            f"{r['offered_windows_per_second']:.0f} offered ({r['counted_by']}; {r['messages_per_second']:.0f} "
+            f"messages/s), {r['cpu_us_per_rank_window']:.1f} us CPU a rank window, loop busy "
+            f"{r['loop_busy_share']:.2f} (its thread {r['loop_thread_cpu_cores']:.2f} cores), "
+            f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {r['controller_cpu_cores']:.2f} cores "
+            f"(+{r['decision_worker_cpu_cores']:.2f} decision worker; generators "
+            f"{r['generator_cpu_cores']:.2f} at nice {r['generator_nice']}), {r['mb_per_second']:.0f} MB/s, "
+            f"load {r['load_avg_start'][0]:.2f} -> {r['load_avg_end'][0]:.2f}"
+        )
     if args.record:
         record(args, rows)
     summary = dict(rows["controller"])
@@ -515,8 +663,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cpu_model() -> str:
-    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")), platform.processor())
+    return next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
 
 
 def record(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
@@ -533,10 +687,12 @@ def record(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['windows_per_second']:.0f} | {r['offered_windows_per_second']:.0f} | "
-                     f"{r['messages_per_second']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-                     f"{r['controller_cpu_cores']:.2f} | {r['decision_worker_cpu_cores']:.2f} | "
-                     f"{r['mb_per_second']:.0f} | {r['load_avg_start'][0]:.2f} / {r['load_avg_end'][0]:.2f} |")
+        lines.append(
+            f"| {name} | {r['windows_per_second']:.0f} | {r['offered_windows_per_second']:.0f} | "
+            f"{r['messages_per_second']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+            f"{r['controller_cpu_cores']:.2f} | {r['decision_worker_cpu_cores']:.2f} | "
+            f"{r['mb_per_second']:.0f} | {r['load_avg_start'][0]:.2f} / {r['load_avg_end'][0]:.2f} |"
+        )
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     marker = "## Controller ingest"
     if marker not in text:

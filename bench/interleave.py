@@ -65,16 +65,22 @@ class Spread:
 
     def as_dict(self, digits: int = 4) -> dict[str, float | int]:
         return {
-            "median": round(self.median, digits), "q1": round(self.q1, digits), "q3": round(self.q3, digits),
-            "min": round(self.min, digits), "max": round(self.max, digits), "n": self.n,
+            "median": round(self.median, digits),
+            "q1": round(self.q1, digits),
+            "q3": round(self.q3, digits),
+            "min": round(self.min, digits),
+            "max": round(self.max, digits),
+            "n": self.n,
         }
 
     def text(self, unit: str = "", digits: int = 2, signed: bool = False) -> str:
         """`+0.41 % (IQR +0.20..+0.62, range -0.31..+1.10, 20 rounds)`."""
         f = f"{{:+.{digits}f}}" if signed else f"{{:.{digits}f}}"
         u = f" {unit}" if unit else ""
-        return (f"{f.format(self.median)}{u} (IQR {f.format(self.q1)}..{f.format(self.q3)}, "
-                f"range {f.format(self.min)}..{f.format(self.max)}, {self.n} rounds)")
+        return (
+            f"{f.format(self.median)}{u} (IQR {f.format(self.q1)}..{f.format(self.q3)}, "
+            f"range {f.format(self.min)}..{f.format(self.max)}, {self.n} rounds)"
+        )
 
 
 def spread(values: Sequence[float]) -> Spread:
@@ -110,4 +116,3 @@ def share_pct(base: Sequence[float], part: Sequence[float]) -> Spread:
     """Per-round `100 * part / base`: a piece of work (timed alone) as a share of the
     baseline of its own round."""
     return spread([100.0 * p / b for b, p in _paired(base, part)])
-

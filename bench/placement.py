@@ -85,15 +85,17 @@ def speed(loads: dict[str, np.ndarray], repeats: int, loop: bool) -> list[str]:
             best_ours.append(best)
             med_ours.append(med)
             weight = load.astype(np.float64)
-            best, med = timed(partial(greedy_placement, weight, slots, gpus, nodes, groups), repeats)
+            best, med = timed(
+                partial(greedy_placement, weight, slots, gpus, nodes, groups), repeats
+            )
             best_greedy.append(best)
             med_greedy.append(med)
         loop_ms = float("nan")
         if loop:
             first = next(iter(loads.values())).astype(np.float64)
-            loop_ms = 1e3 * timed(
-                partial(reference_placement, first, slots, gpus, nodes, groups), 1
-            )[0]
+            loop_ms = (
+                1e3 * timed(partial(reference_placement, first, slots, gpus, nodes, groups), 1)[0]
+            )
         ours_ms = 1e3 * statistics.median(med_ours)
         line = (
             f"| {name} | {1e3 * min(best_ours):.2f} / {ours_ms:.2f} | "
@@ -133,7 +135,9 @@ def migration(loads: dict[str, np.ndarray], slots: int, gpus: int, nodes: int) -
     """Every ordered pair (fit on A, re-plan for B): stale, re-planned, moved; then the
     balancedness / moved-fraction curve over budgets."""
     pairs = list(itertools.permutations(loads, 2))
-    fitted = {name: compute_placement(load, slots, gpus, nodes).phy2log for name, load in loads.items()}
+    fitted = {
+        name: compute_placement(load, slots, gpus, nodes).phy2log for name, load in loads.items()
+    }
     rows = [
         f"Layout G={gpus} N={nodes} P={slots}, {len(pairs)} ordered pairs, no budget:",
         "",
@@ -167,16 +171,24 @@ def migration(loads: dict[str, np.ndarray], slots: int, gpus: int, nodes: int) -
         f"| **mean** | | {np.mean(stale_all):.3f} | {np.mean(ours_all):.4f} | "
         f"{np.mean(moved_all):.3f} | {np.mean(fresh_all):.2f} ({np.mean(relabel_all):.2f}) | |"
     )
-    rows += [summary, f"| **worst** | | {np.min(stale_all):.3f} | {np.min(ours_all):.4f} | "
-             f"{np.max(moved_all):.3f} | | |"]
+    rows += [
+        summary,
+        f"| **worst** | | {np.min(stale_all):.3f} | {np.min(ours_all):.4f} | "
+        f"{np.max(moved_all):.3f} | | |",
+    ]
     print(summary, flush=True)
-    rows += ["", "Balancedness against moved fraction (mean over the pairs):", "",
-             "| max moved fraction | mean balancedness on B | worst | mean moved |",
-             "|---|---|---|---|"]
+    rows += [
+        "",
+        "Balancedness against moved fraction (mean over the pairs):",
+        "",
+        "| max moved fraction | mean balancedness on B | worst | mean moved |",
+        "|---|---|---|---|",
+    ]
     for budget in BUDGETS:
         results = [
-            compute_placement(loads[b], slots, gpus, nodes, previous=fitted[a],
-                              max_moved_fraction=budget)
+            compute_placement(
+                loads[b], slots, gpus, nodes, previous=fitted[a], max_moved_fraction=budget
+            )
             for a, b in pairs
         ]
         line = (
@@ -195,7 +207,9 @@ def migration_summary(
 ) -> list[str]:
     """Means over every ordered pair only, for a second layout."""
     pairs = list(itertools.permutations(loads, 2))
-    fitted = {name: compute_placement(load, slots, gpus, nodes).phy2log for name, load in loads.items()}
+    fitted = {
+        name: compute_placement(load, slots, gpus, nodes).phy2log for name, load in loads.items()
+    }
     rows = [
         f"Layout G={gpus} N={nodes} P={slots}, {len(pairs)} ordered pairs (means):",
         "",
@@ -206,8 +220,9 @@ def migration_summary(
         stale, ours, moved, seconds = [], [], [], []
         for a, b in pairs:
             start = time.perf_counter()
-            result = compute_placement(loads[b], slots, gpus, nodes, previous=fitted[a],
-                                       max_moved_fraction=budget)
+            result = compute_placement(
+                loads[b], slots, gpus, nodes, previous=fitted[a], max_moved_fraction=budget
+            )
             seconds.append(time.perf_counter() - start)
             stale.append(balancedness(fitted[a], loads[b], gpus))
             ours.append(result.balancedness)

@@ -52,30 +52,44 @@ def cases(load: np.ndarray) -> dict[str, dict[str, Any]]:
         "G=32 N=4 P=288 hierarchical": dict(num_slots=288, num_gpus=32, num_nodes=4, num_groups=8),
         "G=256 N=32 P=512": dict(num_slots=512, num_gpus=256, num_nodes=32),
     }
-    previous = new_engine.compute_placement(load, **out["G=32 N=4 P=288 global"], algorithm="greedy").phy2log
+    previous = new_engine.compute_placement(
+        load, **out["G=32 N=4 P=288 global"], algorithm="greedy"
+    ).phy2log
     out["G=32 N=4 P=288 migration, budget 0.25"] = dict(
-        num_slots=288, num_gpus=32, num_nodes=4, previous=np.asarray(previous), max_moved_fraction=0.25
+        num_slots=288,
+        num_gpus=32,
+        num_nodes=4,
+        previous=np.asarray(previous),
+        max_moved_fraction=0.25,
     )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.placement_ab", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.placement_ab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--old-engine", type=Path, required=True, help="the other tree's engine.py")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=5, help="timed calls per variant and round")
     args = parser.parse_args(argv)
     old_engine = load_old_engine(args.old_engine)
     load = load_deepseek_v3(deepseek_v3_files()[0], moe_only=False)
-    print(f"load average at start {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs); "
-          f"{args.rounds} rounds x {args.calls} calls per variant")
+    print(
+        f"load average at start {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs); "
+        f"{args.rounds} rounds x {args.calls} calls per variant"
+    )
     same_everywhere = True
     for name, kw in cases(load).items():
         a = old_engine.compute_placement(load, **kw)
         b = new_engine.compute_placement(load, **kw)
-        same = bool(np.array_equal(a.phy2log, b.phy2log) and a.balancedness == b.balancedness
-                    and a.algorithm == b.algorithm)
+        same = bool(
+            np.array_equal(a.phy2log, b.phy2log)
+            and a.balancedness == b.balancedness
+            and a.algorithm == b.algorithm
+        )
         same_everywhere &= same
 
         def timer(engine: ModuleType, kw: dict[str, Any] = kw) -> Any:
@@ -86,12 +100,16 @@ def main(argv: list[str] | None = None) -> int:
                     engine.compute_placement(load, **kw)
                     times.append(time.perf_counter() - start)
                 return 1e3 * statistics.median(times)
+
             return measure
 
         ms = run_interleaved({"old": timer(old_engine), "new": timer(new_engine)}, args.rounds)
-        print(f"{name}: same result {same}\n  old {spread(ms['old']).text('ms')}\n"
-              f"  new {spread(ms['new']).text('ms')}\n"
-              f"  new vs old {overhead_pct(ms['old'], ms['new']).text('%', signed=True)}", flush=True)
+        print(
+            f"{name}: same result {same}\n  old {spread(ms['old']).text('ms')}\n"
+            f"  new {spread(ms['new']).text('ms')}\n"
+            f"  new vs old {overhead_pct(ms['old'], ms['new']).text('%', signed=True)}",
+            flush=True,
+        )
     print(f"load average at end {os.getloadavg()[0]:.1f}")
     return 0 if same_everywhere else 1
 

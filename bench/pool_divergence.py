@@ -42,12 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     loads = {f.stem: load_deepseek_v3(f).astype(np.float64) for f in deepseek_v3_files()}
-    pairs = {f"{a} vs {b}": mean_tv(loads[a], loads[b]) for a, b in itertools.combinations(sorted(loads), 2)}
+    pairs = {
+        f"{a} vs {b}": mean_tv(loads[a], loads[b])
+        for a, b in itertools.combinations(sorted(loads), 2)
+    }
     noise, other = {}, {}
     for picks in PICKS:
-        same = [excess_tv(draw(rng, c, picks), c) for c in loads.values() for _ in range(args.draws // 4 or 1)]
-        diff = [excess_tv(draw(rng, loads[b], picks), loads[a])
-                for a, b in itertools.permutations(sorted(loads), 2) if a[:6] != b[:6]]  # prefill vs decode
+        same = [
+            excess_tv(draw(rng, c, picks), c)
+            for c in loads.values()
+            for _ in range(args.draws // 4 or 1)
+        ]
+        diff = [
+            excess_tv(draw(rng, loads[b], picks), loads[a])
+            for a, b in itertools.permutations(sorted(loads), 2)
+            if a[:6] != b[:6]
+        ]  # prefill vs decode
         noise[picks] = {"mean": float(np.mean(same)), "max": float(np.max(same))}
         other[picks] = {"min": float(np.min(diff)), "mean": float(np.mean(diff))}
     out = {"workload_tv": pairs, "sampling_noise_excess": noise, "prefill_vs_decode_excess": other}
@@ -57,9 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in sorted(pairs.items(), key=lambda kv: kv[1]):
         print(f"TV {value:.3f}  {name}")
     for picks in PICKS:
-        print(f"{picks:>7d} picks/layer: sampling noise excess mean {noise[picks]['mean']:.4f} max "
-              f"{noise[picks]['max']:.4f}; prefill vs decode excess min {other[picks]['min']:.3f} "
-              f"mean {other[picks]['mean']:.3f}")
+        print(
+            f"{picks:>7d} picks/layer: sampling noise excess mean {noise[picks]['mean']:.4f} max "
+            f"{noise[picks]['max']:.4f}; prefill vs decode excess min {other[picks]['min']:.3f} "
+            f"mean {other[picks]['mean']:.3f}"
+        )
     return 0
 
 

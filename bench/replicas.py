@@ -34,24 +34,31 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sources = deepseek_v3_sources()
     rows: list[dict[str, Any]] = []
-    print(f"{'trace':6s} {'R':>3s} {'pooled':>8s} {'alone':>8s} {'ratio':>6s} {'slots_pool':>10s} "
-          f"{'slots_alone':>11s} {'warm':>6s} {'trivial':>7s} {'s':>5s}")
+    print(
+        f"{'trace':6s} {'R':>3s} {'pooled':>8s} {'alone':>8s} {'ratio':>6s} {'slots_pool':>10s} "
+        f"{'slots_alone':>11s} {'warm':>6s} {'trivial':>7s} {'s':>5s}"
+    )
     for kind in args.kinds.split(","):
         trace = make_trace(sources, TraceGenConfig(kind=kind, windows=args.windows, seed=0))
         config = SimConfig(num_gpus=32, num_slots=288, num_nodes=4)
         config = dataclasses.replace(
-            config, policy=config.policy.for_windows(config.shape(trace), trace.window_seconds))
+            config, policy=config.policy.for_windows(config.shape(trace), trace.window_seconds)
+        )
         for r in (int(v) for v in args.replicas.split(",")):
             start = time.perf_counter()
-            out = simulate_replicas(trace, config, ReplicaConfig(replicas=r, tokens_per_window=args.tokens))
+            out = simulate_replicas(
+                trace, config, ReplicaConfig(replicas=r, tokens_per_window=args.tokens)
+            )
             seconds = time.perf_counter() - start
             pooled, alone = out["pooled"], out["per_deployment"]
             rows.append({"trace": kind, **out, "seconds": round(seconds, 1)})
-            print(f"{kind:6s} {r:3d} {pooled['relative_throughput']:8.4f} {alone['relative_throughput']:8.4f} "
-                  f"{pooled['relative_throughput'] / alone['relative_throughput']:6.3f} "
-                  f"{pooled['slots_moved']:10d} {alone['slots_moved']:11d} "
-                  f"{out['warm_first_window_ratio']:6.3f} {out['trivial_first_window_ratio']:7.3f} {seconds:5.0f}",
-                  flush=True)
+            print(
+                f"{kind:6s} {r:3d} {pooled['relative_throughput']:8.4f} {alone['relative_throughput']:8.4f} "
+                f"{pooled['relative_throughput'] / alone['relative_throughput']:6.3f} "
+                f"{pooled['slots_moved']:10d} {alone['slots_moved']:11d} "
+                f"{out['warm_first_window_ratio']:6.3f} {out['trivial_first_window_ratio']:7.3f} {seconds:5.0f}",
+                flush=True,
+            )
     if args.json:
         print(json.dumps({"tokens_per_window": args.tokens, "windows": args.windows, "rows": rows}))
     return 0

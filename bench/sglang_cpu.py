@@ -23,9 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("REBALANCER_SGLANG_SITE", ROOT / ".ci" / "tools" / "sglang-site"))
 SHIMS = Path(__file__).resolve().parent / "cpu_shims"
-MISSING = (
-    f"SGLang is not provisioned at {SITE}: run scripts/sglang_env.sh (CI: .ci/run --tools)"
-)
+MISSING = f"SGLang is not provisioned at {SITE}: run scripts/sglang_env.sh (CI: .ci/run --tools)"
 
 
 def available() -> bool:
@@ -45,28 +43,47 @@ def environment(**extra: str) -> dict[str, str]:
     return env
 
 
-NUM_LAYERS = 4        # layer 0 dense (first_k_dense_replace=1), 1..3 MoE
+NUM_LAYERS = 4  # layer 0 dense (first_k_dense_replace=1), 1..3 MoE
 NUM_EXPERTS = 8
-REDUNDANT = 4         # 12 slots over 4 ranks
+REDUNDANT = 4  # 12 slots over 4 ranks
 TOP_K = 2
 
 
 def write_model(folder: Path, num_layers: int = NUM_LAYERS) -> None:
     config = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "num_hidden_layers": num_layers, "first_k_dense_replace": 1,
-        "n_routed_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K, "n_group": 1,
-        "topk_group": 1, "hidden_size": 16, "intermediate_size": 32,
-        "moe_intermediate_size": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "vocab_size": 64, "kv_lora_rank": 8, "q_lora_rank": None, "qk_rope_head_dim": 4,
-        "qk_nope_head_dim": 4, "v_head_dim": 4, "max_position_embeddings": 64,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": num_layers,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": NUM_EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "n_group": 1,
+        "topk_group": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "moe_intermediate_size": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 64,
+        "kv_lora_rank": 8,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 4,
+        "v_head_dim": 4,
+        "max_position_embeddings": 64,
     }
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def sglang_cpu_rank(rank: int, world: int, folder: Path, num_layers: int = NUM_LAYERS,
-                    rebalance_iterations: int = 1000, dispatch: str | None = None,
-                    recorder_mode: str | None = None) -> Any:
+def sglang_cpu_rank(
+    rank: int,
+    world: int,
+    folder: Path,
+    num_layers: int = NUM_LAYERS,
+    rebalance_iterations: int = 1000,
+    dispatch: str | None = None,
+    recorder_mode: str | None = None,
+) -> Any:
     """SGLang set up on one CPU rank of an initialised gloo group: the tiny model written to
     `folder`/model-rank<rank>, the server args published, and the stand-ins a CPU rank needs
     (module docstring). Returns SGLang's ModelConfig. The tests' worker and
@@ -91,9 +108,15 @@ def sglang_cpu_rank(rank: int, world: int, folder: Path, num_layers: int = NUM_L
     if recorder_mode is not None:
         extra.update(expert_distribution_recorder_mode=recorder_mode)
     server_args = ServerArgs(
-        model_path=str(model_dir), device="cpu", tp_size=world, ep_size=world,
-        enable_eplb=True, ep_num_redundant_experts=REDUNDANT, skip_tokenizer_init=True,
-        eplb_rebalance_num_iterations=rebalance_iterations, **extra,
+        model_path=str(model_dir),
+        device="cpu",
+        tp_size=world,
+        ep_size=world,
+        enable_eplb=True,
+        ep_num_redundant_experts=REDUNDANT,
+        skip_tokenizer_init=True,
+        eplb_rebalance_num_iterations=rebalance_iterations,
+        **extra,
     )
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
     if dispatch == "lp":
@@ -101,7 +124,8 @@ def sglang_cpu_rank(rank: int, world: int, folder: Path, num_layers: int = NUM_L
     model_config = ModelConfig.from_server_args(server_args)
     # Stand-in for the model-class lookup (see the module docstring).
     ModelConfigForExpertLocation.from_model_config = staticmethod(  # type: ignore[method-assign]
-        lambda _config: ModelConfigForExpertLocation(num_layers, NUM_EXPERTS, None))
+        lambda _config: ModelConfigForExpertLocation(num_layers, NUM_EXPERTS, None)
+    )
     # The recorder asks sglang.srt.utils.get_device(), which raises without an accelerator
     # (its CPU answer needs SGLANG_USE_CPU_ENGINE, whose platform needs sgl_kernel).
     expert_distribution.get_device = lambda *_a, **_k: "cpu"

@@ -39,27 +39,52 @@ def _sglang_context(model_dir: Path, init_expert_location: str) -> object:
     from sglang.srt.server_args import ServerArgs
 
     config = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256,
-        "num_experts_per_tok": 8, "n_group": GROUPS, "topk_group": 4, "hidden_size": 64,
-        "intermediate_size": 64, "moe_intermediate_size": 16, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "vocab_size": 64, "kv_lora_rank": 8, "q_lora_rank": None,
-        "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_group": GROUPS,
+        "topk_group": 4,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 64,
+        "kv_lora_rank": 8,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 4,
+        "v_head_dim": 4,
         "max_position_embeddings": 64,
     }
     (model_dir / "config.json").write_text(json.dumps(config))
     server_args = ServerArgs(
-        model_path=str(model_dir), device="cpu", tp_size=GPUS, ep_size=GPUS, nnodes=NODES,
-        enable_eplb=True, ep_num_redundant_experts=SLOTS - 256, skip_tokenizer_init=True,
-        init_expert_location=init_expert_location, dist_init_addr="127.0.0.1:1",
+        model_path=str(model_dir),
+        device="cpu",
+        tp_size=GPUS,
+        ep_size=GPUS,
+        nnodes=NODES,
+        enable_eplb=True,
+        ep_num_redundant_experts=SLOTS - 256,
+        skip_tokenizer_init=True,
+        init_expert_location=init_expert_location,
+        dist_init_addr="127.0.0.1:1",
     )
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
     ModelConfigForExpertLocation.from_model_config = staticmethod(  # type: ignore[method-assign]
-        lambda _config: ModelConfigForExpertLocation(61, 256, GROUPS))
+        lambda _config: ModelConfigForExpertLocation(61, 256, GROUPS)
+    )
     if not torch.distributed.is_initialized():  # init_by_eplb asks for this process's rank
         torch.distributed.init_process_group(
-            "gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
-            timeout=timedelta(seconds=30))
+            "gloo",
+            init_method="tcp://127.0.0.1:0",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=30),
+        )
     return ModelConfig.from_server_args(server_args)
 
 
@@ -81,24 +106,46 @@ def run(emit=print) -> dict:
             ours_file = folder / f"{path.stem}.sglang.json"
             start = time.perf_counter()
             out = subprocess.run(
-                [sys.executable, "-m", "rebalancer", "plan", "--counts", str(dump),
-                 "--gpus", str(GPUS), "--slots", str(SLOTS), "--nodes", str(NODES),
-                 "--groups", str(GROUPS), "--sglang-out", str(ours_file), "--json"],
-                capture_output=True, text=True, check=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "rebalancer",
+                    "plan",
+                    "--counts",
+                    str(dump),
+                    "--gpus",
+                    str(GPUS),
+                    "--slots",
+                    str(SLOTS),
+                    "--nodes",
+                    str(NODES),
+                    "--groups",
+                    str(GROUPS),
+                    "--sglang-out",
+                    str(ours_file),
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             plan_seconds = time.perf_counter() - start
             report = json.loads(out.stdout.strip().splitlines()[-1])
             if model_config is None:
                 model_config = _sglang_context(folder, str(ours_file))
             # SGLang's own loader installs our file ...
             from sglang.srt.runtime_context import get_exec
+
             with get_exec().moe.override(init_expert_location=str(ours_file)):
                 installed = sgl_location.compute_initial_expert_location_metadata(
-                    model_config, moe_ep_rank=0)
+                    model_config, moe_ep_rank=0
+                )
             ours = installed.physical_to_logical_map_cpu.numpy()
             # ... and its own EPLB on the same dump.
             start = time.perf_counter()
             theirs_meta = sgl_location.ExpertLocationMetadata.init_by_eplb(
-                model_config, logical_count=torch.load(dump, weights_only=True)["logical_count"])
+                model_config, logical_count=torch.load(dump, weights_only=True)["logical_count"]
+            )
             sglang_seconds = time.perf_counter() - start
             theirs = theirs_meta.physical_to_logical_map_cpu.numpy()
             row = {
@@ -106,15 +153,21 @@ def run(emit=print) -> dict:
                 "ours": balancedness(ours, counts, GPUS),
                 "sglang_init_by_eplb": balancedness(theirs, counts, GPUS),
                 "bound": report["bound_balancedness"],
-                "loaded_equals_planned": bool(np.array_equal(
-                    ours, np.asarray(json.loads(ours_file.read_text())["physical_to_logical_map"]))),
+                "loaded_equals_planned": bool(
+                    np.array_equal(
+                        ours,
+                        np.asarray(json.loads(ours_file.read_text())["physical_to_logical_map"]),
+                    )
+                ),
                 "plan_cli_seconds": plan_seconds,
                 "sglang_seconds": sglang_seconds,
             }
             rows.append(row)
-            emit(f"{row['workload']:24s} ours {row['ours']:.4f}  SGLang init_by_eplb "
-                 f"{row['sglang_init_by_eplb']:.4f}  bound {row['bound']:.4f}  "
-                 f"loaded by SGLang: {row['loaded_equals_planned']}")
+            emit(
+                f"{row['workload']:24s} ours {row['ours']:.4f}  SGLang init_by_eplb "
+                f"{row['sglang_init_by_eplb']:.4f}  bound {row['bound']:.4f}  "
+                f"loaded by SGLang: {row['loaded_equals_planned']}"
+            )
     summary = {
         "layout": {"gpus": GPUS, "slots": SLOTS, "nodes": NODES, "groups": GROUPS},
         "workloads": rows,

@@ -41,7 +41,7 @@ import numpy as np
 from rebalancer.launch.processes import free_port, reap
 
 WORLD = 4
-NUM_LAYERS = 9            # layer 0 dense, 1..8 MoE
+NUM_LAYERS = 9  # layer 0 dense, 1..8 MoE
 NUM_EXPERTS = 8
 REDUNDANT = 4
 SLOTS = (NUM_EXPERTS + REDUNDANT) // WORLD
@@ -50,7 +50,7 @@ TOKENS = 16
 SHAPES = ((512, 1024), (512, 1024), (512, 1024))  # float32: 6 MiB per expert
 PASS_SLEEP = 0.010
 BASELINE_PASSES = 60
-GAP_PASSES = 20           # passes after a plan is live before the next one
+GAP_PASSES = 20  # passes after a plan is live before the next one
 
 
 def reference_weights(layer: int, expert: int) -> list:
@@ -64,8 +64,13 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=120),
+    )
     from sglang.srt.eplb.eplb_manager import EPLBManager
     from sglang.srt.eplb.expert_distribution import (
         ExpertDistributionRecorder,
@@ -88,7 +93,9 @@ def worker(args: argparse.Namespace) -> None:
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.wire import codec
 
-    model_config = sglang_cpu_rank(rank, WORLD, Path(args.out).parent, NUM_LAYERS, rebalance_iterations=10**6)
+    model_config = sglang_cpu_rank(
+        rank, WORLD, Path(args.out).parent, NUM_LAYERS, rebalance_iterations=10**6
+    )
     load_plugins()
     metadata = ExpertLocationMetadata.init_trivial(model_config, moe_ep_rank=rank)
     set_global_expert_location_metadata(metadata)
@@ -98,16 +105,27 @@ def worker(args: argparse.Namespace) -> None:
 
     class Model:
         routed_experts_weights_of_layer = {
-            layer: [torch.stack([reference_weights(layer, int(initial[layer, rank * SLOTS + s]))[i]
-                                 for s in range(SLOTS)]) for i in range(len(SHAPES))]
+            layer: [
+                torch.stack(
+                    [
+                        reference_weights(layer, int(initial[layer, rank * SLOTS + s]))[i]
+                        for s in range(SLOTS)
+                    ]
+                )
+                for i in range(len(SHAPES))
+            ]
             for layer in range(1, NUM_LAYERS)
         }
 
     model = Model()
     updater = ExpertLocationUpdater()
-    manager = EPLBManager(model_config=model_config, get_model=lambda: model,
-                          get_expert_location_updater=lambda: updater,
-                          get_expert_backup_client=lambda: None, get_weight_updater=lambda: None)
+    manager = EPLBManager(
+        model_config=model_config,
+        get_model=lambda: model,
+        get_expert_location_updater=lambda: updater,
+        get_expert_backup_client=lambda: None,
+        get_weight_updater=lambda: None,
+    )
     from worker_hooks.engines.sglang.plugin import current_adapter
 
     # Plan A: every slot's expert moves one rank on (MoE layers); plan B: back.
@@ -143,9 +161,12 @@ def worker(args: argparse.Namespace) -> None:
             version += 1
             adapter.updater = mode
             moves = transfer_list(current, target, WORLD)
-            prepare = pb.Prepare(version=version, base_version=version - 1,
-                                 placement=pb.Placement(phy2log=codec.encode(target.astype(np.int32))),
-                                 transfers=codec.encode(moves.astype(np.int32)))
+            prepare = pb.Prepare(
+                version=version,
+                base_version=version - 1,
+                placement=pb.Placement(phy2log=codec.encode(target.astype(np.int32))),
+                transfers=codec.encode(moves.astype(np.int32)),
+            )
             prepared = adapter.stats.prepared
             dist.barrier(group=driver_group)
             t0 = time.perf_counter()
@@ -158,8 +179,15 @@ def worker(args: argparse.Namespace) -> None:
                 time.sleep(0.001)
             t1 = time.perf_counter()
             dist.barrier(group=driver_group)
-            plans.append({"mode": mode, "version": version, "start": t0, "end": t1,
-                          "bytes_in": int((moves[:, 1] == rank).sum()) * expert_bytes})
+            plans.append(
+                {
+                    "mode": mode,
+                    "version": version,
+                    "start": t0,
+                    "end": t1,
+                    "bytes_in": int((moves[:, 1] == rank).sum()) * expert_bytes,
+                }
+            )
             current = target
             n0 = len(pass_ends)
             while len(pass_ends) < n0 + GAP_PASSES:
@@ -180,9 +208,13 @@ def worker(args: argparse.Namespace) -> None:
         with recorder.with_forward_pass(step, None):
             for layer in range(1, NUM_LAYERS):
                 with recorder.with_current_layer(layer):
-                    ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False) for _ in range(TOKENS)])
+                    ids = np.stack(
+                        [rng.choice(NUM_EXPERTS, TOP_K, replace=False) for _ in range(TOKENS)]
+                    )
                     topk = torch.from_numpy(ids).to(torch.int32)
-                    physical = topk_ids_logical_to_physical(topk, ExpertLocationDispatchInfo.init_new(layer_id=layer))
+                    physical = topk_ids_logical_to_physical(
+                        topk, ExpertLocationDispatchInfo.init_new(layer_id=layer)
+                    )
                     recorder.on_select_experts(topk_ids=physical)
                     _ = tokens @ model.routed_experts_weights_of_layer[layer][0][0]
         time.sleep(PASS_SLEEP)
@@ -197,13 +229,23 @@ def worker(args: argparse.Namespace) -> None:
     for layer in range(1, NUM_LAYERS):
         for s in range(SLOTS):
             expect = float(1000 * layer + int(final[layer, rank * SLOTS + s]))
-            weights_ok &= all(bool((w[s] == expect).all()) for w in model.routed_experts_weights_of_layer[layer])
+            weights_ok &= all(
+                bool((w[s] == expect).all()) for w in model.routed_experts_weights_of_layer[layer]
+            )
     adapter = current_adapter()
-    Path(args.out).write_text(json.dumps({
-        "rank": rank, "pass_ends": pass_ends, "plans": plans, "weights_match_map": weights_ok,
-        "swap_seconds": adapter.stats.swap_seconds, "update_seconds": adapter.stats.update_seconds,
-        "groups": adapter.stats.groups,
-    }))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "pass_ends": pass_ends,
+                "plans": plans,
+                "weights_match_map": weights_ok,
+                "swap_seconds": adapter.stats.swap_seconds,
+                "update_seconds": adapter.stats.update_seconds,
+                "groups": adapter.stats.groups,
+            }
+        )
+    )
     adapter.finish(timeout=0.5)
     dist.destroy_process_group()
 
@@ -240,8 +282,10 @@ def summarise(results: list[dict]) -> dict:
         "expert_mib": sum(int(np.prod(s)) for s in SHAPES) * 4 / 2**20,
         "plans_per_update": len(rows["staged"]),
         "mib_in_per_rank_per_plan": r0["plans"][1]["bytes_in"] / 2**20,
-        "baseline_pass_ms": round(1e3 / base_rate, 2), "baseline_max_gap_ms": round(base_gap, 2),
-        "updater_max_gap_ms": round(updater_gap, 2), "staged_max_gap_ms": round(staged_gap, 2),
+        "baseline_pass_ms": round(1e3 / base_rate, 2),
+        "baseline_max_gap_ms": round(base_gap, 2),
+        "updater_max_gap_ms": round(updater_gap, 2),
+        "staged_max_gap_ms": round(staged_gap, 2),
         "gap_ratio": round(updater_gap / staged_gap, 1),
         "updater_gap_ms_min_median_max": spread([g for g, _, _ in rows["sglang"]]),
         "staged_gap_ms_min_median_max": spread([g for g, _, _ in rows["staged"]]),
@@ -262,8 +306,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--staging-budget-bytes", type=int, default=None,
-                        help="REBALANCER_STAGING_BUDGET_BYTES (default: the adapter's)")
+    parser.add_argument(
+        "--staging-budget-bytes",
+        type=int,
+        default=None,
+        help="REBALANCER_STAGING_BUDGET_BYTES (default: the adapter's)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -277,8 +325,12 @@ def main() -> None:
     if not sglang_cpu.available():
         sys.exit(sglang_cpu.MISSING)
     with tempfile.TemporaryDirectory() as tmp:
-        settings = {"REBALANCER_ADDRESS": f"unix:{tmp}/no-controller.sock", "REBALANCER_AGREE_EVERY": "2",
-                    "REBALANCER_WINDOW_STEPS": "16", "TMPDIR": tmp}
+        settings = {
+            "REBALANCER_ADDRESS": f"unix:{tmp}/no-controller.sock",
+            "REBALANCER_AGREE_EVERY": "2",
+            "REBALANCER_WINDOW_STEPS": "16",
+            "TMPDIR": tmp,
+        }
         if args.staging_budget_bytes is not None:
             settings["REBALANCER_STAGING_BUDGET_BYTES"] = str(args.staging_budget_bytes)
         env = sglang_cpu.environment(**settings)
@@ -286,11 +338,29 @@ def main() -> None:
         procs = []
         try:
             for rank in range(WORLD):
-                cmd = [sys.executable, "-m", "bench.sglang_staged", "--worker", "--rank", str(rank),
-                       "--port", str(port), "--out", f"{tmp}/rank{rank}.json", "--rounds", str(args.rounds)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.sglang_staged",
+                    "--worker",
+                    "--rank",
+                    str(rank),
+                    "--port",
+                    str(port),
+                    "--out",
+                    f"{tmp}/rank{rank}.json",
+                    "--rounds",
+                    str(args.rounds),
+                ]
                 log = open(f"{tmp}/rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-                procs.append((subprocess.Popen(cmd, cwd=sglang_cpu.ROOT, env=env, stdout=log,
-                                               stderr=subprocess.STDOUT), log))
+                procs.append(
+                    (
+                        subprocess.Popen(
+                            cmd, cwd=sglang_cpu.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                        ),
+                        log,
+                    )
+                )
             codes = [p.wait(timeout=900) for p, _ in procs]
         finally:
             reap([p for p, _ in procs], terminate=False)

@@ -53,6 +53,7 @@ TOP_K = 8
 
 # ---------------------------------------------------------------- /proc
 
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -72,6 +73,7 @@ def load_average() -> list[float]:
 
 
 # ---------------------------------------------------------------- processes
+
 
 class Processes:
     """Every child process of the run; `close` reaps them all, whatever happened."""
@@ -103,17 +105,23 @@ def first_line(proc: subprocess.Popen[str], words: str, seconds: float, log: Pat
     ready, _, _ = select.select([proc.stdout], [], [], seconds)
     line = proc.stdout.readline() if ready else ""
     if words not in line:
-        raise RuntimeError(f"{log.stem}: no {words!r} within {seconds:.0f} s (got {line!r}, exit code "
-                           f"{proc.poll()}); its log: {log.read_text()[-2000:]}")
+        raise RuntimeError(
+            f"{log.stem}: no {words!r} within {seconds:.0f} s (got {line!r}, exit code "
+            f"{proc.poll()}); its log: {log.read_text()[-2000:]}"
+        )
     return line
 
 
 def metrics(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")}
+    return {
+        k: float(v)
+        for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")
+    }
 
 
 # ---------------------------------------------------------------- the ranks
+
 
 class NoPlans:
     """Plan handlers of the simulated ranks: decisions are paused, none should come."""
@@ -131,7 +139,9 @@ class NoPlans:
         self.seen += 1
 
 
-def rank_windows(counts: np.ndarray, phy2log: np.ndarray, n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def rank_windows(
+    counts: np.ndarray, phy2log: np.ndarray, n: int, seed: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """`n` (logical [L, E], physical [L, P]) windows of one rank: Poisson draws around the
     real counts, each expert's tokens split evenly over its slots."""
     rng = np.random.default_rng(seed)
@@ -152,19 +162,33 @@ def routing_batches(counts: np.ndarray, tokens: int, n: int, seed: int) -> list[
     rng = np.random.default_rng(seed)
     p = counts / counts.sum(axis=1, keepdims=True)
     # Gumbel top-k: k distinct experts per token, in proportion to popularity.
-    return [[torch.from_numpy(np.argsort(np.log(p[layer]) + rng.gumbel(size=(tokens, E)), axis=1)[:, -TOP_K:].copy())
-             for layer in range(L)] for _ in range(n)]
+    return [
+        [
+            torch.from_numpy(
+                np.argsort(np.log(p[layer]) + rng.gumbel(size=(tokens, E)), axis=1)[
+                    :, -TOP_K:
+                ].copy()
+            )
+            for layer in range(L)
+        ]
+        for _ in range(n)
+    ]
 
 
 def summarize(values: list[float]) -> dict[str, float]:
     a = np.array(values) * 1e6
     if not a.size:
         return {"n": 0}
-    return {"n": int(a.size), "median_us": float(np.median(a)), "p99_us": float(np.percentile(a, 99)),
-            "mean_us": float(a.mean())}
+    return {
+        "n": int(a.size),
+        "median_us": float(np.median(a)),
+        "p99_us": float(np.percentile(a, 99)),
+        "mean_us": float(a.mean()),
+    }
 
 
 # ---------------------------------------------------------------- the run
+
 
 def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) -> dict[str, Any]:
     import torch
@@ -180,44 +204,113 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
     torch.set_num_threads(1)  # a rank's host work is one thread; the machine has 2 cores
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000
     phy2log = trivial_placement(L, E, P, G)
-    shape = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G, num_nodes=1,
-                          expert_bytes=44 << 20)
+    shape = pb.ModelShape(
+        num_layers=L,
+        num_logical_experts=E,
+        num_physical_slots=P,
+        num_gpus=G,
+        num_nodes=1,
+        expert_bytes=44 << 20,
+    )
 
     # The controller: decisions paused, so only windows flow.
     port = free_port()
     config = tmp / "c.toml"
-    config.write_text("[server]\nhost = \"127.0.0.1\"\n[policy]\npaused = true\n")
-    controller = procs.start([sys.executable, "-m", "rebalancer", "serve", "--config", str(config), "--port",
-                              str(port), "--db", str(tmp / "c.sqlite"), "--log-level", "ERROR"], tmp / "controller.log")
+    config.write_text('[server]\nhost = "127.0.0.1"\n[policy]\npaused = true\n')
+    controller = procs.start(
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--db",
+            str(tmp / "c.sqlite"),
+            "--log-level",
+            "ERROR",
+        ],
+        tmp / "controller.log",
+    )
     first_line(controller, "serving on", 60, tmp / "controller.log")
     direct = f"127.0.0.1:{port}"
 
     # The sidecar of the pod's 8 ranks, on its socket.
     target = f"unix://{sockets}/agent.sock"
-    sidecar = procs.start([sys.executable, "-m", "rebalancer", "sidecar", "--listen", target, "--controller", direct,
-                           "--ranks", f"0-{G - 1}", "--deployment", "pod", "--pod", "bench/pod-0",
-                           "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--grace", "1",
-                           "--log-level", "WARNING"], tmp / "sidecar.log")
+    sidecar = procs.start(
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "sidecar",
+            "--listen",
+            target,
+            "--controller",
+            direct,
+            "--ranks",
+            f"0-{G - 1}",
+            "--deployment",
+            "pod",
+            "--pod",
+            "bench/pod-0",
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
+            "--grace",
+            "1",
+            "--log-level",
+            "WARNING",
+        ],
+        tmp / "sidecar.log",
+    )
     line = first_line(sidecar, "sidecar serving on", 60, tmp / "sidecar.log")
     metrics_port = int(line.rsplit(":", 1)[1])
 
     # One process, world of one: the hooks' commit agreement runs its real (gloo) path.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     modes = {"sidecar": ("pod", target), "direct": ("direct", direct)}
     agents: dict[str, list[WorkerAgent]] = {}
     hooks: dict[str, RebalanceHook] = {}
     handlers = NoPlans()
-    windows = {mode: [rank_windows(counts, phy2log, 4, seed=10 * i + r) for r in range(G - 1)]
-               for i, mode in enumerate(modes)}
+    windows = {
+        mode: [rank_windows(counts, phy2log, 4, seed=10 * i + r) for r in range(G - 1)]
+        for i, mode in enumerate(modes)
+    }
     try:
         for mode, (deployment, address) in modes.items():
-            agents[mode] = [WorkerAgent(AgentConfig(address, deployment, r, shape, worker_id=f"bench-{mode}-{r}"),
-                                        handlers, lambda: 0, initial_phy2log=phy2log) for r in range(G - 1)]
+            agents[mode] = [
+                WorkerAgent(
+                    AgentConfig(address, deployment, r, shape, worker_id=f"bench-{mode}-{r}"),
+                    handlers,
+                    lambda: 0,
+                    initial_phy2log=phy2log,
+                )
+                for r in range(G - 1)
+            ]
             hooks[mode] = RebalanceHook(
-                HookConfig(controller=address, deployment=deployment, rank=G - 1, num_layers=L, num_logical=E,
-                           num_slots=P, num_gpus=G, num_nodes=1, expert_bytes=44 << 20,
-                           windows=WindowConfig(steps=args.window_steps), worker_id=f"bench-{mode}-hook"),
-                phy2log, {"w": torch.zeros(L, P // G, 1)}, dist.group.WORLD, None)
+                HookConfig(
+                    controller=address,
+                    deployment=deployment,
+                    rank=G - 1,
+                    num_layers=L,
+                    num_logical=E,
+                    num_slots=P,
+                    num_gpus=G,
+                    num_nodes=1,
+                    expert_bytes=44 << 20,
+                    windows=WindowConfig(steps=args.window_steps),
+                    worker_id=f"bench-{mode}-hook",
+                ),
+                phy2log,
+                {"w": torch.zeros(L, P // G, 1)},
+                dist.group.WORLD,
+                None,
+            )
             for agent in agents[mode]:
                 agent.start()
             hooks[mode].start()
@@ -225,8 +318,10 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
         deadline = time.monotonic() + 60
         for agent in everyone:
             if not agent.connected.wait(max(0.1, deadline - time.monotonic())):
-                raise RuntimeError(f"rank {agent.config.rank} of {agent.config.deployment} never connected; "
-                                   f"sidecar log: {(tmp / 'sidecar.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"rank {agent.config.rank} of {agent.config.deployment} never connected; "
+                    f"sidecar log: {(tmp / 'sidecar.log').read_text()[-2000:]}"
+                )
         while metrics(metrics_port).get("rebalancer_sidecar_upstream_up", 0) != 1:
             if time.monotonic() > deadline:
                 raise RuntimeError("the sidecar's group stream never opened")
@@ -251,14 +346,17 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
                     return
                 agent, ws = sims[i]
                 logical, physical = ws[sent[i] % len(ws)]
-                agent.submit_window(sent[i] * args.window_steps, args.window_steps, 0, logical, physical)
+                agent.submit_window(
+                    sent[i] * args.window_steps, args.window_steps, 0, logical, physical
+                )
                 sent[i] += 1
                 next_at[i] += window_period
 
         feeder = threading.Thread(target=feed, name="bench-feeder", daemon=True)
         feeder.start()
-        times: dict[str, dict[str, list[float]]] = {m: {"route": [], "step_end": [], "step_end_window": []}
-                                                    for m in modes}
+        times: dict[str, dict[str, list[float]]] = {
+            m: {"route": [], "step_end": [], "step_end_window": []} for m in modes
+        }
         order = list(modes)
         m0: dict[str, float] = {}
         cpu0 = t0 = 0.0
@@ -307,9 +405,17 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
 
     elapsed = t1 - t0
     rank_in = m1["rebalancer_sidecar_windows_in_total"] - m0["rebalancer_sidecar_windows_in_total"]
-    merged_out = m1["rebalancer_sidecar_windows_out_total"] - m0["rebalancer_sidecar_windows_out_total"]
-    steps = {mode: {"route": summarize(t["route"]), "step_end": summarize(t["step_end"]),
-                    "step_end_window": summarize(t["step_end_window"])} for mode, t in times.items()}
+    merged_out = (
+        m1["rebalancer_sidecar_windows_out_total"] - m0["rebalancer_sidecar_windows_out_total"]
+    )
+    steps = {
+        mode: {
+            "route": summarize(t["route"]),
+            "step_end": summarize(t["step_end"]),
+            "step_end_window": summarize(t["step_end_window"]),
+        }
+        for mode, t in times.items()
+    }
 
     def ratio(what: str, stat: str) -> float:
         return steps["sidecar"][what][stat] / steps["direct"][what][stat]
@@ -343,8 +449,14 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
 
 
 def _cpu_model() -> str:
-    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")), "unknown")
+    return next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--rate", type=float, default=3.0, help="windows per second per rank")
     p.add_argument("--window-steps", type=int, default=16, help="hook steps per window")
-    p.add_argument("--tokens", type=int, default=64, help="tokens per hook step (routed through 58 layers)")
+    p.add_argument(
+        "--tokens", type=int, default=64, help="tokens per hook step (routed through 58 layers)"
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -374,14 +488,18 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(sockets, ignore_errors=True)
     s, d = r["hook_steps"]["sidecar"], r["hook_steps"]["direct"]
-    print(f"sidecar: {100 * r['sidecar_cpu_cores']:.2f} % of one core (target <= 5 %), RSS "
-          f"{r['sidecar_rss_mb']:.0f} MiB (peak {r['sidecar_peak_rss_mb']:.0f}), "
-          f"{r['rank_windows_in_per_second']:.1f} rank windows/s in, {r['merged_windows_out_per_second']:.2f} "
-          f"merged windows/s out, over {r['seconds']:.1f} s")
+    print(
+        f"sidecar: {100 * r['sidecar_cpu_cores']:.2f} % of one core (target <= 5 %), RSS "
+        f"{r['sidecar_rss_mb']:.0f} MiB (peak {r['sidecar_peak_rss_mb']:.0f}), "
+        f"{r['rank_windows_in_per_second']:.1f} rank windows/s in, {r['merged_windows_out_per_second']:.2f} "
+        f"merged windows/s out, over {r['seconds']:.1f} s"
+    )
     for name, x in (("behind sidecar", s), ("direct", d)):
-        print(f"hook {name:14s}: route (58 layers) median {x['route']['median_us']:.0f} us, p99 "
-              f"{x['route']['p99_us']:.0f} us; step_end median {x['step_end']['median_us']:.1f} us, p99 "
-              f"{x['step_end']['p99_us']:.1f} us; at window steps median {x['step_end_window']['median_us']:.1f} us")
+        print(
+            f"hook {name:14s}: route (58 layers) median {x['route']['median_us']:.0f} us, p99 "
+            f"{x['route']['p99_us']:.0f} us; step_end median {x['step_end']['median_us']:.1f} us, p99 "
+            f"{x['step_end']['p99_us']:.1f} us; at window steps median {x['step_end_window']['median_us']:.1f} us"
+        )
     print(f"load average {r['load_avg_start']} -> {r['load_avg_end']}")
     if args.json:
         print(json.dumps(r))

@@ -108,11 +108,18 @@ class Soak:
             chaos = h.report(time.monotonic() - start)
         finally:
             h.release_files()
-        return {**self.summary(), "invariant_violations": chaos["invariant_violations"],
-                "violations": chaos["violations"], "plans_committed": chaos["plans_committed"],
-                "plans_aborted": chaos["plans_aborted"], "max_step_wait_ms": chaos["max_step_wait_ms"],
-                "steps_logged": chaos["steps_logged"], "leaked_processes": chaos["leaked_processes"],
-                "seconds": round(time.monotonic() - start, 1), "load_avg": chaos["load_avg"]}
+        return {
+            **self.summary(),
+            "invariant_violations": chaos["invariant_violations"],
+            "violations": chaos["violations"],
+            "plans_committed": chaos["plans_committed"],
+            "plans_aborted": chaos["plans_aborted"],
+            "max_step_wait_ms": chaos["max_step_wait_ms"],
+            "steps_logged": chaos["steps_logged"],
+            "leaked_processes": chaos["leaked_processes"],
+            "seconds": round(time.monotonic() - start, 1),
+            "load_avg": chaos["load_avg"],
+        }
 
     def summary(self) -> dict[str, Any]:
         """Per series: first-third and last-third means, growth between them, and the last
@@ -127,13 +134,21 @@ class Soak:
                 continue
             first, last = pts[:third, 1].mean(), pts[-third:, 1].mean()
             tail = pts[-third:]
-            slope = float(np.polyfit(tail[:, 0], tail[:, 1], 1)[0]) * 3600 if len(tail) >= 2 else 0.0
-            growth[k] = {"first_third": round(float(first), 2), "last_third": round(float(last), 2),
-                         "growth_pct": round(100 * (last - first) / first, 1) if first else 0.0,
-                         "last_third_slope_per_hour": round(slope, 2)}
+            slope = (
+                float(np.polyfit(tail[:, 0], tail[:, 1], 1)[0]) * 3600 if len(tail) >= 2 else 0.0
+            )
+            growth[k] = {
+                "first_third": round(float(first), 2),
+                "last_third": round(float(last), 2),
+                "growth_pct": round(100 * (last - first) / first, 1) if first else 0.0,
+                "last_third_slope_per_hour": round(slope, 2),
+            }
         curve = self.samples[:: max(1, n // 12)] + ([self.samples[-1]] if n else [])
-        return {"samples": n, "growth": growth,
-                "curve": [{k: round(v, 1) for k, v in row.items()} for row in curve]}
+        return {
+            "samples": n,
+            "growth": growth,
+            "curve": [{k: round(v, 1) for k, v in row.items()} for row in curve],
+        }
 
 
 def main(argv: list[str] | None = None) -> int:

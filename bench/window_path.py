@@ -59,8 +59,10 @@ def _pod_windows(counts: np.ndarray, variants: int = 8, seed: int = 0) -> list[n
     """A pod's merged windows: each the sum over its ranks of a Poisson draw around the real
     counts (bench.ingest.pod_windows; here so this file runs against any tree)."""
     rng = np.random.default_rng(seed)
-    return [sum((rng.poisson(counts) for _ in range(RANKS_PER_POD)), np.zeros_like(counts))
-            for _ in range(variants)]
+    return [
+        sum((rng.poisson(counts) for _ in range(RANKS_PER_POD)), np.zeros_like(counts))
+        for _ in range(variants)
+    ]
 
 
 async def _run(deployments: int, windows: int, ack_interval: float) -> dict[str, Any]:
@@ -75,8 +77,14 @@ async def _run(deployments: int, windows: int, ack_interval: float) -> dict[str,
 
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000
     encoded = [codec.encode(w.astype(np.uint32)) for w in _pod_windows(counts)]
-    shape = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P,
-                          num_gpus=RANKS_PER_POD * PODS, num_nodes=PODS, expert_bytes=44 << 20)
+    shape = pb.ModelShape(
+        num_layers=L,
+        num_logical_experts=E,
+        num_physical_slots=P,
+        num_gpus=RANKS_PER_POD * PODS,
+        num_nodes=PODS,
+        expert_bytes=44 << 20,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "c.sqlite")
         ctl = Controller(store, default_policy=PolicyConfig(paused=True))
@@ -84,18 +92,33 @@ async def _run(deployments: int, windows: int, ack_interval: float) -> dict[str,
         if contingency is not None:
             contingency.refresh = lambda dep, now: None
         metrics = ControllerMetrics(ctl)
-        service = WorkerService(ctl, on_ingest=metrics.on_ingest, ack_interval=ack_interval, on_refused=metrics.on_refused)
+        service = WorkerService(
+            ctl,
+            on_ingest=metrics.on_ingest,
+            ack_interval=ack_interval,
+            on_refused=metrics.on_refused,
+        )
         streams = []
         for d in range(deployments):
             for p in range(PODS):
                 request = pb.RegisterRequest(
-                    deployment=f"dsv3-{d}", ranks=list(range(p * RANKS_PER_POD, (p + 1) * RANKS_PER_POD)),
-                    pod=f"ns/pod-{d}-{p}", shape=shape)
+                    deployment=f"dsv3-{d}",
+                    ranks=list(range(p * RANKS_PER_POD, (p + 1) * RANKS_PER_POD)),
+                    pod=f"ns/pod-{d}-{p}",
+                    shape=shape,
+                )
                 reply = await service.Register(request, _Call([]))
                 messages = [pb.WorkerMessage(hello=pb.Hello(session_id=reply.session_id))]
-                messages += [pb.WorkerMessage(window=pb.Window(
-                    seq=reply.next_window_seq + s, num_steps=1,
-                    logical_count=encoded[(d * PODS + p + s) % len(encoded)])) for s in range(windows)]
+                messages += [
+                    pb.WorkerMessage(
+                        window=pb.Window(
+                            seq=reply.next_window_seq + s,
+                            num_steps=1,
+                            logical_count=encoded[(d * PODS + p + s) % len(encoded)],
+                        )
+                    )
+                    for s in range(windows)
+                ]
                 streams.append(messages)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(service.Stream(None, _Call(m)) for m in streams))
@@ -117,17 +140,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--deployments", type=int, default=32)
     p.add_argument("--windows", type=int, default=40, help="windows per pod")
-    p.add_argument("--ack-interval", type=float, default=1.0,
-                   help="the service's ack interval (0: one ack per window; the windows of a run "
-                        "arrive within about a second, so 1 paces them)")
+    p.add_argument(
+        "--ack-interval",
+        type=float,
+        default=1.0,
+        help="the service's ack interval (0: one ack per window; the windows of a run "
+        "arrive within about a second, so 1 paces them)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     result = _run_sync(args.deployments, args.windows, args.ack_interval)
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{result['messages']} messages: {result['cpu_us_per_message']:.1f} us CPU, "
-              f"{result['wall_us_per_message']:.1f} us wall per message (load {result['load_avg'][0]})")
+        print(
+            f"{result['messages']} messages: {result['cpu_us_per_message']:.1f} us CPU, "
+            f"{result['wall_us_per_message']:.1f} us wall per message (load {result['load_avg'][0]})"
+        )
     return 0
 
 

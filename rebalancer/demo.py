@@ -69,8 +69,10 @@ def stopped_early(config: DemoConfig, results: Sequence[dict[str, Any]]) -> str:
     steps = min(int(r["steps"]) for r in results)
     if steps >= config.steps:
         return ""
-    return (f"the workers stopped at step {steps} of {config.steps}: their time limit ran out "
-            f"(--max-seconds {time_limit(config):g})")
+    return (
+        f"the workers stopped at step {steps} of {config.steps}: their time limit ran out "
+        f"(--max-seconds {time_limit(config):g})"
+    )
 
 
 class DemoFailed(LaunchFailed):
@@ -86,8 +88,8 @@ class CommitCuts:
     after the controller saw the commit."""
 
     base: dict[int, int] = field(default_factory=dict)  # plan version -> version it replaces
-    in_flight: int | None = None   # proposed, not finished
-    unclaimed: int | None = None   # committed, its cut window not seen yet
+    in_flight: int | None = None  # proposed, not finished
+    unclaimed: int | None = None  # committed, its cut window not seen yet
     claimed: set[int] = field(default_factory=set)
 
     def on_plan(self, what: str, plan: Plan) -> None:
@@ -134,22 +136,30 @@ def demo_fleet(
         try:
             reap(procs, terminate=False)
         finally:
-            sidecars_failed = [(i, p.returncode) for i, p in enumerate(sidecars) if p.poll() is not None]
+            sidecars_failed = [
+                (i, p.returncode) for i, p in enumerate(sidecars) if p.poll() is not None
+            ]
             reap(sidecars, terminate=True)
     failed = {i: code for i, code in ended.items() if code != 0}
     if failed:
         stopped = [i for i in range(len(procs)) if i not in ended]
         # A worker killed by a signal first: its peers fail because it is gone.
         order = sorted(failed, key=lambda i: (failed[i] >= 0, i))
-        raise DemoFailed(", ".join(f"worker {i} {exit_text(failed[i])}" for i in order)
-                         + (f"; the demo stopped workers {stopped} with it" if stopped else "")
-                         + " (see the workers' output above)")
+        raise DemoFailed(
+            ", ".join(f"worker {i} {exit_text(failed[i])}" for i in order)
+            + (f"; the demo stopped workers {stopped} with it" if stopped else "")
+            + " (see the workers' output above)"
+        )
     if any(p.returncode != 0 for p in procs):
-        raise DemoFailed(f"workers {[i for i, p in enumerate(procs) if p.returncode != 0]} did not end "
-                         "by themselves (see their output above)")
+        raise DemoFailed(
+            f"workers {[i for i, p in enumerate(procs) if p.returncode != 0]} did not end "
+            "by themselves (see their output above)"
+        )
     if sidecars_failed:
-        raise DemoFailed("sidecars ended during the run (see their output above): " + ", ".join(
-            f"pod {i} {exit_text(code)}" for i, code in sidecars_failed))
+        raise DemoFailed(
+            "sidecars ended during the run (see their output above): "
+            + ", ".join(f"pod {i} {exit_text(code)}" for i, code in sidecars_failed)
+        )
 
 
 def wait_workers(procs: Sequence[subprocess.Popen[Any]], until: float) -> bool:
@@ -166,7 +176,10 @@ def wait_workers(procs: Sequence[subprocess.Popen[Any]], until: float) -> bool:
 
 
 def _follow(
-    procs: list[subprocess.Popen[bytes]], poller: StatusPoller, deadline: float, start: float,
+    procs: list[subprocess.Popen[bytes]],
+    poller: StatusPoller,
+    deadline: float,
+    start: float,
     emit: Callable[[str], None],
 ) -> None:
     """Until the workers end (or one fails): the deployment's status line each second."""
@@ -195,7 +208,9 @@ def _wait_for_decisions(server: ControllerServer, seconds: float = 120.0) -> Non
     try:
         server.pool.wait_ready(seconds)
     except TimeoutError:
-        raise DemoFailed(f"the controller's decision process did not start within {seconds:.0f} s") from None
+        raise DemoFailed(
+            f"the controller's decision process did not start within {seconds:.0f} s"
+        ) from None
 
 
 def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str, Any]:
@@ -217,16 +232,20 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
             cut = commits.cut()
             if cut is not None:
                 version, note = commits.base.get(cut, version), f" (ends at commit v{cut})"
-        emit(f"window {e.seq:3d} | v{version:<2d} | routed balancedness {e.balancedness_actual:.3f}"
-             f" | on estimate {e.balancedness_estimated:.3f} | fresh fit {e.balancedness_best:.3f}"
-             f" | {e.ranks} ranks, {e.tokens} tokens{note}")
+        emit(
+            f"window {e.seq:3d} | v{version:<2d} | routed balancedness {e.balancedness_actual:.3f}"
+            f" | on estimate {e.balancedness_estimated:.3f} | fresh fit {e.balancedness_best:.3f}"
+            f" | {e.ranks} ranks, {e.tokens} tokens{note}"
+        )
 
     def on_plan(name: str, plan: Plan, what: str) -> None:
         plan_log.append((what, plan.version, plan.reason))
         commits.on_plan(what, plan)
         if what == "proposed":
-            emit(f"  plan v{plan.version} proposed ({plan.trigger}): {plan.slots_moved} slots "
-                 f"({plan.slots_moved / slots_total:.1%}), {plan.bytes_moved / 1e6:.2f} MB")
+            emit(
+                f"  plan v{plan.version} proposed ({plan.trigger}): {plan.slots_moved} slots "
+                f"({plan.slots_moved / slots_total:.1%}), {plan.bytes_moved / 1e6:.2f} MB"
+            )
         elif what == "aborted":
             emit(f"  plan v{plan.version} aborted: {plan.reason}")
         else:
@@ -238,23 +257,31 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
 
     emit(LEGEND)
     ctl = EmbeddedController(
-        ControllerConfig(port=config.port, db_path=config.db_path or str(tmp / "controller.sqlite"),
-                         policy=config.policy, metrics_port=config.metrics_port,
-                         per_layer_metrics=config.metrics_port is not None),
+        ControllerConfig(
+            port=config.port,
+            db_path=config.db_path or str(tmp / "controller.sqlite"),
+            policy=config.policy,
+            metrics_port=config.metrics_port,
+            per_layer_metrics=config.metrics_port is not None,
+        ),
         setup,
     )
     server = ctl.start()
     temporary = "" if config.db_path or config.keep else " (temporary; --keep keeps it)"
     if server.metrics_port:
         emit(f"metrics on http://127.0.0.1:{server.metrics_port}/metrics (per-layer series on)")
-    emit(f"controller on {server.address}, store {server.store.path}{temporary}; "
-         f"{config.layers} layers x {config.experts} experts, "
-         f"{config.slots} slots, top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads")
+    emit(
+        f"controller on {server.address}, store {server.store.path}{temporary}; "
+        f"{config.layers} layers x {config.experts} experts, "
+        f"{config.slots} slots, top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads"
+    )
     if config.sidecars:
         pods = pod_ranks(config.workers, config.sidecars)
-        emit(f"{config.workers} workers in {len(pods)} pods via sidecars "
-             f"({', '.join(f'ranks {r[0]}-{r[-1]}' if len(r) > 1 else f'rank {r[0]}' for r in pods)}, "
-             f"each pod's sidecar on a Unix socket, one upstream stream per pod)")
+        emit(
+            f"{config.workers} workers in {len(pods)} pods via sidecars "
+            f"({', '.join(f'ranks {r[0]}-{r[-1]}' if len(r) > 1 else f'rank {r[0]}' for r in pods)}, "
+            f"each pod's sidecar on a Unix socket, one upstream stream per pod)"
+        )
     else:
         emit(f"{config.workers} workers direct to the controller (one stream per rank)")
     start = time.monotonic()
@@ -318,19 +345,24 @@ class StatusPoller:
         self.config = ChannelConfig(address, token=os.environ.get("REBALANCER_ADMIN_TOKEN"))
         self.channel = sync_channel(self.config)
         self.stub = pb_grpc.AdminServiceStub(self.channel)
-        self.ranks_seen = 0             # the most ranks the controller counted connected at once
+        self.ranks_seen = 0  # the most ranks the controller counted connected at once
         self.first_windows: int | None = None  # windows folded at the first poll that answered
-        self.windows = 0                # windows folded at the newest poll that answered
-        self.balancedness: list[float] = []  # newest window's routed balancedness, per new window seen
-        self.error = ""                 # the newest failed call's status and why ("" once one answers)
+        self.windows = 0  # windows folded at the newest poll that answered
+        self.balancedness: list[
+            float
+        ] = []  # newest window's routed balancedness, per new window seen
+        self.error = ""  # the newest failed call's status and why ("" once one answers)
 
     def status(self) -> Any:
         """The deployment's DeploymentStatus, or None while the controller does not know it."""
         import grpc
 
         try:
-            reply = self.stub.Status(self.pb.StatusRequest(deployment=self.deployment),
-                                     timeout=self.timeout, metadata=self.config.metadata())
+            reply = self.stub.Status(
+                self.pb.StatusRequest(deployment=self.deployment),
+                timeout=self.timeout,
+                metadata=self.config.metadata(),
+            )
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -363,7 +395,11 @@ class StatusPoller:
             d = self.status()
         except grpc.RpcError as exc:
             details = exc.details() or ""
-            cause = unavailable_cause(self.config, details) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+            cause = (
+                unavailable_cause(self.config, details)
+                if exc.code() == grpc.StatusCode.UNAVAILABLE
+                else ""
+            )
             self.error = f"{exc.code().name}: {cause or details}"
             return f"status: {self.error}"
         self.error = ""
@@ -373,10 +409,12 @@ class StatusPoller:
         flight = f" | plan v{d.plan_in_flight} {d.plan_phase}" if d.plan_in_flight else ""
         last = d.last_decision
         decision = f" | last decision {last.outcome}" if last.outcome else ""
-        return (f"status v{d.placement_version:<2d} | routed balancedness {balancedness_text(d.balancedness_actual, 'none yet')}"
-                f" | on estimate {balancedness_text(d.balancedness_estimated, 'none yet')} | {d.windows_folded} windows"
-                f" | {d.connected_ranks}/{d.shape.num_gpus} ranks | plans committed {d.plans_committed}"
-                f", aborted {d.plans_aborted}{flight}{decision}")
+        return (
+            f"status v{d.placement_version:<2d} | routed balancedness {balancedness_text(d.balancedness_actual, 'none yet')}"
+            f" | on estimate {balancedness_text(d.balancedness_estimated, 'none yet')} | {d.windows_folded} windows"
+            f" | {d.connected_ranks}/{d.shape.num_gpus} ranks | plans committed {d.plans_committed}"
+            f", aborted {d.plans_aborted}{flight}{decision}"
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -387,12 +425,16 @@ def _attach(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[
     controller runs here, so what is shown is what an operator sees (the AdminService)."""
     profile_path = write_profile(config, tmp)
     poller = StatusPoller(config.controller, config.deployment)
-    emit(f"attaching {config.workers} workers to the controller at {config.controller} as deployment "
-         f"{config.deployment!r}: {config.layers} layers x {config.experts} experts, {config.slots} slots, "
-         f"top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads"
-         + (f", in {config.sidecars} pods via sidecars" if config.sidecars else ", direct"))
-    emit("each second: the deployment's status as `rebalancer admin status` shows it "
-         "(try `rebalancer admin status|history|force` meanwhile)")
+    emit(
+        f"attaching {config.workers} workers to the controller at {config.controller} as deployment "
+        f"{config.deployment!r}: {config.layers} layers x {config.experts} experts, {config.slots} slots, "
+        f"top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads"
+        + (f", in {config.sidecars} pods via sidecars" if config.sidecars else ", direct")
+    )
+    emit(
+        "each second: the deployment's status as `rebalancer admin status` shows it "
+        "(try `rebalancer admin status|history|force` meanwhile)"
+    )
     start = time.monotonic()
     deadline = start + time_limit(config) + 60
     try:

@@ -60,8 +60,9 @@ def _counts_array(raw: object, path: Path, key: str = LOGICAL_COUNT) -> np.ndarr
     arr = arr.astype(np.float64)
     if arr.size and np.isfinite(arr).all() and arr.max() > MAX_COUNT:
         where = ", ".join(str(i) for i in np.unravel_index(int(arr.argmax()), arr.shape))
-        raise InputError(f"{path}: '{key}' has {arr.max():.4g} at [{where}], above the largest "
-                         "count 2^53")
+        raise InputError(
+            f"{path}: '{key}' has {arr.max():.4g} at [{where}], above the largest count 2^53"
+        )
     if arr.ndim == len(axes) + 1:
         arr = arr.sum(axis=0)
     if arr.ndim != len(axes):
@@ -204,8 +205,8 @@ def _whole_if_whole(arr: np.ndarray) -> np.ndarray:
 
 # vLLM has no load dump of its own: its EPLB window saved with torch
 # (worker_hooks.engines.vllm.save_load_dump) holds vLLM's two tensors under their names.
-VLLM_WINDOW = "expert_load_window"      # [W, L, P] or [L, P] tokens per physical slot
-VLLM_MAP = "physical_to_logical_map"    # [L, P] the logical expert of each slot
+VLLM_WINDOW = "expert_load_window"  # [W, L, P] or [L, P] tokens per physical slot
+VLLM_MAP = "physical_to_logical_map"  # [L, P] the logical expert of each slot
 VLLM_NUM_LOGICAL = "num_logical_experts"
 
 
@@ -221,8 +222,10 @@ def _vllm_logical_counts(data: Mapping[str, Any], path: Path) -> np.ndarray:
     if counts.ndim == 3:
         counts = counts.sum(axis=0)
     if mapping.ndim != 2 or counts.shape != mapping.shape:
-        raise InputError(f"{path}: '{VLLM_WINDOW}' {list(window.shape)} does not fit "
-                         f"'{VLLM_MAP}' {list(phy2log.shape)} ([W, L, P] or [L, P] against [L, P])")
+        raise InputError(
+            f"{path}: '{VLLM_WINDOW}' {list(window.shape)} does not fit "
+            f"'{VLLM_MAP}' {list(phy2log.shape)} ([W, L, P] or [L, P] against [L, P])"
+        )
     num_logical = int(data.get(VLLM_NUM_LOGICAL, int(mapping.max(initial=-1)) + 1))
     if mapping.size and (mapping.min() < 0 or mapping.max() >= num_logical):
         raise InputError(f"{path}: '{VLLM_MAP}' holds experts outside 0..{num_logical - 1}")
@@ -271,7 +274,9 @@ def _load_torch_counts(path: Path) -> dict[str, np.ndarray]:
         try:
             out[key] = tensor.detach().to(torch.float64).numpy()
         except (RuntimeError, TypeError, NotImplementedError) as exc:
-            raise InputError(f"{path}: '{key}' is not readable as numbers ({type(exc).__name__})") from None
+            raise InputError(
+                f"{path}: '{key}' is not readable as numbers ({type(exc).__name__})"
+            ) from None
     return out
 
 
@@ -346,7 +351,9 @@ def read_placement(path: str | Path) -> PlacementFile:
     if num_gpus % num_nodes:
         raise InputError(f"{path}: {num_gpus} GPUs do not divide over {num_nodes} nodes")
     if phy2log.max() >= num_logical:
-        raise InputError(f"{path}: 'phy2log' refers to expert {int(phy2log.max())} of {num_logical}")
+        raise InputError(
+            f"{path}: 'phy2log' refers to expert {int(phy2log.max())} of {num_logical}"
+        )
     offsets = np.arange(phy2log.shape[0])[:, None] * num_logical
     seen = np.bincount((phy2log + offsets).ravel(), minlength=phy2log.shape[0] * num_logical)
     missing = np.argwhere(seen.reshape(phy2log.shape[0], num_logical) == 0)

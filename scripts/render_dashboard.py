@@ -53,8 +53,16 @@ def run(dashboard: dict[str, Any], steps: int, every: float) -> dict[str, Any]:
     demo = DemoConfig(steps=steps, timeout_seconds=run_seconds)
     with tempfile.TemporaryDirectory(prefix="dashboard") as tmp:
         fleet = Fleet(Path(tmp) / "fleet", demo)
-        with Prometheus(Path(tmp) / "prometheus", fleet.targets(), scrape_interval=every,
-                        evaluation_interval=every) as prom, fleet, PoolMember(fleet.address, *POOLED):
+        with (
+            Prometheus(
+                Path(tmp) / "prometheus",
+                fleet.targets(),
+                scrape_interval=every,
+                evaluation_interval=every,
+            ) as prom,
+            fleet,
+            PoolMember(fleet.address, *POOLED),
+        ):
             start = time.time()
             deadline = time.monotonic() + run_seconds
             while all(w.poll() is None for w in fleet.workers) and time.monotonic() < deadline:
@@ -64,18 +72,29 @@ def run(dashboard: dict[str, Any], steps: int, every: float) -> dict[str, Any]:
             end = last_all_connected(prom, demo.deployment, start, time.time(), every)
             failed = [r for r, w in enumerate(fleet.workers) if w.poll() != 0]
             if failed:
-                raise SystemExit(f"workers {failed} failed or did not finish (see their output above)")
+                raise SystemExit(
+                    f"workers {failed} failed or did not finish (see their output above)"
+                )
             answers = ask(prom, dashboard_queries(dashboard), demo.deployment, start, end, every)
             version = prom.api("status/buildinfo")["version"]
-    return {"start": start, "end": end, "step": every, "prometheus": version,
-            "answers": [{"query": vars(q), "answer": a} for q, a in answers.items()]}
+    return {
+        "start": start,
+        "end": end,
+        "step": every,
+        "prometheus": version,
+        "answers": [{"query": vars(q), "answer": a} for q, a in answers.items()],
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "docs" / "dashboard.png"))
-    p.add_argument("--steps", type=int, default=640, help="forward steps of each worker (default %(default)s)")
-    p.add_argument("--every", type=float, default=1.0, help="scrape interval and query step, seconds")
+    p.add_argument(
+        "--steps", type=int, default=640, help="forward steps of each worker (default %(default)s)"
+    )
+    p.add_argument(
+        "--every", type=float, default=1.0, help="scrape interval and query step, seconds"
+    )
     p.add_argument("--answers", help="also write Prometheus's answers here (JSON)")
     p.add_argument("--from-answers", help="draw from answers --answers wrote (no run)")
     args = p.parse_args()
@@ -88,9 +107,11 @@ def main() -> int:
             Path(args.answers).write_text(json.dumps(saved))
     answers = {Query(**a["query"]): a["answer"] for a in saved["answers"]}
     start, end, step = saved["start"], saved["end"], saved["step"]
-    title = (f"{dashboard['title']}: drawn by scripts/render_dashboard.py (not Grafana) from a real Prometheus "
-             f"{saved['prometheus']}\nscraping a live run for {end - start:.0f} s: the controller, 2 demo "
-             f"sidecars and 4 CPU workers on DeepSeek-V3 routing, and a pooled deployment of 2 instant ranks")
+    title = (
+        f"{dashboard['title']}: drawn by scripts/render_dashboard.py (not Grafana) from a real Prometheus "
+        f"{saved['prometheus']}\nscraping a live run for {end - start:.0f} s: the controller, 2 demo "
+        f"sidecars and 4 CPU workers on DeepSeek-V3 routing, and a pooled deployment of 2 instant ranks"
+    )
     for line in draw(dashboard, answers, start, end, step, Path(args.out), title):
         print(line)
     print(f"wrote {args.out}")

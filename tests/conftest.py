@@ -104,12 +104,19 @@ def no_thread_left_behind() -> Iterator[None]:
     before = set(threading.enumerate())
     yield
     deadline = time.monotonic() + THREAD_GRACE_SECONDS
-    left = [t for t in threading.enumerate() if t not in before and thread_target(t) not in THREADS_NOT_OURS]
+    left = [
+        t
+        for t in threading.enumerate()
+        if t not in before and thread_target(t) not in THREADS_NOT_OURS
+    ]
     if left:  # an object dropped in a cycle (an exception's frames) may own one: collect it first
         gc.collect()
     for thread in left:
         thread.join(max(0.0, deadline - time.monotonic()))
     left = [t for t in left if t.is_alive()]
     if left:
-        pytest.fail("threads the test started are still running:\n" + "\n".join(
-            f"  {describe_thread(t)}" for t in left), pytrace=False)
+        pytest.fail(
+            "threads the test started are still running:\n"
+            + "\n".join(f"  {describe_thread(t)}" for t in left),
+            pytrace=False,
+        )

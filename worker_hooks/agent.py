@@ -45,14 +45,14 @@ class AgentConfig:
     rank: int
     shape: pb.ModelShape
     worker_id: str = ""
-    dispatch_mode: str = "split"      # told at Register: the controller predicts under it
-    top_k: int = 0                    # routed experts per token (0: unknown)
-    pool: str = ""                    # the deployment's replica pool ("" = none; RegisterRequest.pool)
-    token: str | None = None          # bearer token of the deployment
-    ca_file: str | None = None        # TLS: the controller's CA
-    cert_file: str | None = None      # mutual TLS: this rank's certificate and key
+    dispatch_mode: str = "split"  # told at Register: the controller predicts under it
+    top_k: int = 0  # routed experts per token (0: unknown)
+    pool: str = ""  # the deployment's replica pool ("" = none; RegisterRequest.pool)
+    token: str | None = None  # bearer token of the deployment
+    ca_file: str | None = None  # TLS: the controller's CA
+    cert_file: str | None = None  # mutual TLS: this rank's certificate and key
     key_file: str | None = None
-    max_pending: int = 32             # unsent windows before merging
+    max_pending: int = 32  # unsent windows before merging
     rpc_timeout_seconds: float = 5.0
     backoff_initial_seconds: float = 0.2
     backoff_max_seconds: float = 5.0
@@ -75,17 +75,23 @@ class AgentConfig:
 
 
 # What the controller sends down the stream: the `body` of a ControllerMessage.
-ControllerMessageKind = Literal["window_ack", "prepare", "commit", "abort", "warm_start", "planned_loss"]
+ControllerMessageKind = Literal[
+    "window_ack", "prepare", "commit", "abort", "warm_start", "planned_loss"
+]
 CONTROLLER_MESSAGE_KINDS: tuple[ControllerMessageKind, ...] = get_args(ControllerMessageKind)
 
 
 # Statuses that turn this rank down (another deployment on the sidecar, a shape or token
 # that does not fit): asking again gets the same answer until someone changes the pod, so
 # they are an error said once and asked again at the slowest pace, not a link lost.
-REFUSALS = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
-})
+REFUSALS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
 
 
 class PlanHandlers(Protocol):
@@ -124,14 +130,20 @@ class WorkerAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stop = threading.Event()
-        self._channel = ChannelConfig(config.address, config.ca_file, config.cert_file, config.key_file, config.token)
+        self._channel = ChannelConfig(
+            config.address, config.ca_file, config.cert_file, config.key_file, config.token
+        )
         self._channel.credentials()  # InputError now, at start, for TLS settings that cannot work
         self._metadata = self._channel.metadata()
-        self._thread = threading.Thread(target=self._run, name=f"rebalancer-agent-{config.rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"rebalancer-agent-{config.rank}", daemon=True
+        )
         self.connected = threading.Event()
         self.reconnects = 0
-        self.refused = ""        # "STATUS: message" while the controller (or sidecar) turns this rank down
-        self._logged_loss = ""   # the loss last logged: said once per outage, not per try
+        self.refused = (
+            ""  # "STATUS: message" while the controller (or sidecar) turns this rank down
+        )
+        self._logged_loss = ""  # the loss last logged: said once per outage, not per try
         self.committed_placement: np.ndarray | None = None
         self.committed_version = 0  # set after committed_placement, at every Register
         self._resized_from = config.resized_from  # told until a Register is answered
@@ -166,23 +178,46 @@ class WorkerAgent:
         return False
 
     def submit_window(
-        self, first_step: int, num_steps: int, version: int,
-        logical: np.ndarray, physical: np.ndarray | None,
+        self,
+        first_step: int,
+        num_steps: int,
+        version: int,
+        logical: np.ndarray,
+        physical: np.ndarray | None,
     ) -> None:
         """Queue one window; O(1), never blocks on the network."""
         with self._lock:
             self._pending.push(CountWindow(-1, first_step, num_steps, version, logical, physical))
         self._poke()
 
-    def report(self, version: int, phase: pb.PlanPhase, step: int = 0, error: str = "",
-               bytes_received: int = 0, seconds: float = 0.0, serving: np.ndarray | None = None) -> None:
+    def report(
+        self,
+        version: int,
+        phase: pb.PlanPhase,
+        step: int = 0,
+        error: str = "",
+        bytes_received: int = 0,
+        seconds: float = 0.0,
+        serving: np.ndarray | None = None,
+    ) -> None:
         """`serving`: with FAILED after a Commit, the placement the rank serves (applied in part)."""
-        placement = None if serving is None else pb.Placement(phy2log=codec.encode(serving.astype(np.int32)))
+        placement = (
+            None
+            if serving is None
+            else pb.Placement(phy2log=codec.encode(serving.astype(np.int32)))
+        )
         with self._lock:
-            self._reports.append(pb.PlanReport(
-                version=version, phase=phase, step=step, error=error,
-                bytes_received=bytes_received, seconds=seconds, serving=placement,
-            ))
+            self._reports.append(
+                pb.PlanReport(
+                    version=version,
+                    phase=phase,
+                    step=step,
+                    error=error,
+                    bytes_received=bytes_received,
+                    seconds=seconds,
+                    serving=placement,
+                )
+            )
         self._poke()
 
     @property
@@ -221,8 +256,12 @@ class WorkerAgent:
         while not self._stop.is_set():
             try:
                 channel = aio_channel(self._channel)  # reads the certificate files
-            except InputError as exc:  # one gone since start (rotated away): retried, the agent lives on
-                log.error("rank %d: cannot connect to %s: %s", self.config.rank, self.config.address, exc)
+            except (
+                InputError
+            ) as exc:  # one gone since start (rotated away): retried, the agent lives on
+                log.error(
+                    "rank %d: cannot connect to %s: %s", self.config.rank, self.config.address, exc
+                )
             else:
                 async with channel:
                     stub = pb_grpc.WorkerServiceStub(channel)
@@ -230,13 +269,20 @@ class WorkerAgent:
                         await self._register(stub)
                         backoff = self.config.backoff_initial_seconds
                         await self._session_loop(stub)
-                    except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError) as exc:
+                    except (
+                        grpc.aio.AioRpcError,
+                        ConnectionError,
+                        asyncio.InvalidStateError,
+                    ) as exc:
                         # InvalidStateError: gRPC's answer to a write on a stream that ended
                         # between two writes (a proxy's GOAWAY): a lost link like any other.
                         # Uncaught, it ended the agent's thread, and the rank never came back
                         # (the short campaign, seed 532).
-                        lost = (ConnectionError(f"the stream ended under a write: {exc}")
-                                if isinstance(exc, asyncio.InvalidStateError) else exc)
+                        lost = (
+                            ConnectionError(f"the stream ended under a write: {exc}")
+                            if isinstance(exc, asyncio.InvalidStateError)
+                            else exc
+                        )
                         if self._link_failed(lost):  # turned down: the slowest pace at once
                             backoff = self.config.backoff_max_seconds
             self.connected.clear()
@@ -261,13 +307,23 @@ class WorkerAgent:
         was_connected = self.connected.is_set()
         if code in REFUSALS:
             if message != self.refused:
-                log.error("rank %d: refused by %s (%s); serving on without rebalancing, asking again every ~"
-                          "%g s", self.config.rank, self.config.address, message, self.config.backoff_max_seconds)
+                log.error(
+                    "rank %d: refused by %s (%s); serving on without rebalancing, asking again every ~"
+                    "%g s",
+                    self.config.rank,
+                    self.config.address,
+                    message,
+                    self.config.backoff_max_seconds,
+                )
             self.refused = message
             return True
         loss = was_connected or bool(self.refused) or message != self._logged_loss
-        log.log(logging.WARNING if loss else logging.DEBUG, "rank %d: controller link lost (%s)",
-                self.config.rank, message)
+        log.log(
+            logging.WARNING if loss else logging.DEBUG,
+            "rank %d: controller link lost (%s)",
+            self.config.rank,
+            message,
+        )
         self._logged_loss, self.refused = message, ""
         return False
 
@@ -277,22 +333,34 @@ class WorkerAgent:
 
     async def _register(self, stub: pb_grpc.WorkerServiceStub) -> None:
         request = pb.RegisterRequest(
-            deployment=self.config.deployment, rank=self.config.rank, shape=self.config.shape,
-            placement_version=self._version(), worker_id=self.config.worker_id,
-            dispatch_mode=self.config.dispatch_mode, top_k=self.config.top_k, pool=self.config.pool,
+            deployment=self.config.deployment,
+            rank=self.config.rank,
+            shape=self.config.shape,
+            placement_version=self._version(),
+            worker_id=self.config.worker_id,
+            dispatch_mode=self.config.dispatch_mode,
+            top_k=self.config.top_k,
+            pool=self.config.pool,
         )
         if self._initial is not None:
             request.initial_placement.CopyFrom(
                 pb.Placement(version=0, phy2log=codec.encode(self._initial.astype(np.int32)))
             )
         if self._resized_from is not None:
-            request.resized_from.CopyFrom(pb.Resize(version=self._resized_from[0], num_gpus=self._resized_from[1]))
+            request.resized_from.CopyFrom(
+                pb.Resize(version=self._resized_from[0], num_gpus=self._resized_from[1])
+            )
         response = await stub.Register(
-            request, timeout=self.config.rpc_timeout_seconds, wait_for_ready=True, metadata=self._metadata
+            request,
+            timeout=self.config.rpc_timeout_seconds,
+            wait_for_ready=True,
+            metadata=self._metadata,
         )
         self._session = response.session_id
         self.refused = ""
-        self.committed_placement = codec.decode(response.committed.phy2log, "committed").astype(np.int64)
+        self.committed_placement = codec.decode(response.committed.phy2log, "committed").astype(
+            np.int64
+        )
         self.committed_version = int(response.committed.version)
         self._resized_from = None  # the controller took the resize (or knew it): said once
         if response.HasField("warm_start"):
@@ -301,8 +369,13 @@ class WorkerAgent:
         expected = response.next_window_seq
         with self._lock:
             self._sent.resume(expected)
-        log.info("rank %d registered with %s (session %s, resend %d windows)",
-                 self.config.rank, self.config.address, self._session[:8], len(self._sent))
+        log.info(
+            "rank %d registered with %s (session %s, resend %d windows)",
+            self.config.rank,
+            self.config.address,
+            self._session[:8],
+            len(self._sent),
+        )
 
     async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
         assert self._wake is not None
@@ -324,7 +397,9 @@ class WorkerAgent:
                     await call.write(pb.WorkerMessage(window=w))
                 self._wake.clear()
                 waiter = asyncio.create_task(self._wake.wait())
-                await asyncio.wait({waiter, reader}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {waiter, reader}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                )
                 waiter.cancel()
             await call.done_writing()
         finally:
@@ -335,8 +410,16 @@ class WorkerAgent:
         out = []
         with self._lock:
             for w in self._pending.take():
-                out.append(self._sent.number(w.first_step, w.num_steps, w.version, w.logical, w.physical,
-                                             self.statement()))
+                out.append(
+                    self._sent.number(
+                        w.first_step,
+                        w.num_steps,
+                        w.version,
+                        w.logical,
+                        w.physical,
+                        self.statement(),
+                    )
+                )
         return out
 
     def statement(self) -> Statement:
@@ -360,8 +443,15 @@ class WorkerAgent:
                 if not self._reports:
                     return
                 report = self._reports[0]
-            await send_report(stub, report, self._session, self.config.rpc_timeout_seconds,
-                              self._metadata, log, f"rank {self.config.rank}")
+            await send_report(
+                stub,
+                report,
+                self._session,
+                self.config.rpc_timeout_seconds,
+                self._metadata,
+                log,
+                f"rank {self.config.rank}",
+            )
             with self._lock:
                 self._reports.popleft()
 
@@ -381,7 +471,11 @@ class WorkerAgent:
         whole; the dictionary is swapped, never changed, so readers need no lock)."""
         held = self._planned
         planned = {} if loss.base_version != self._planned_base else dict(held)
-        phy2log = codec.decode(loss.phy2log, "phy2log").astype(np.int64) if loss.HasField("phy2log") else None
+        phy2log = (
+            codec.decode(loss.phy2log, "phy2log").astype(np.int64)
+            if loss.HasField("phy2log")
+            else None
+        )
         planned[tuple(sorted(loss.lost_ranks))] = phy2log
         self._planned_base, self._planned = loss.base_version, planned
 
@@ -413,4 +507,3 @@ class WorkerAgent:
                 self._keep_planned(msg.planned_loss)
             case _:  # empty, or a kind this version does not know
                 log.warning("rank %d: controller message %r ignored", self.config.rank, kind)
-

@@ -89,14 +89,19 @@ class CommitAgreement:
             self._running.append((work, buf, ready_version))
         except RuntimeError as exc:  # a peer died: keep serving the committed placement
             self.broken = works.reason(exc)
-            log.error("commit agreement lost its peers (%s); staying on the committed placement", self.broken)
+            log.error(
+                "commit agreement lost its peers (%s); staying on the committed placement",
+                self.broken,
+            )
             return None
         return agreed
 
     def _reap(self) -> None:
         """Forget the unread agreements that completed (raising a peer's failure), and
         wait for the oldest beyond `MAX_UNREAD`."""
-        while self._running and (self._running[0][0].is_completed() or len(self._running) >= MAX_UNREAD):
+        while self._running and (
+            self._running[0][0].is_completed() or len(self._running) >= MAX_UNREAD
+        ):
             work, buf, _ = self._running.popleft()
             self._recent.append((work, (buf,)))
             work.wait()

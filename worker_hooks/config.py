@@ -32,7 +32,13 @@ from rebalancer.wire.windows import MAX_WINDOW_STEPS
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
 __all__ = [
-    "TRANSPORTS", "CommitConfig", "Credentials", "DispatchConfig", "HookConfig", "MigrationConfig", "Transport",
+    "TRANSPORTS",
+    "CommitConfig",
+    "Credentials",
+    "DispatchConfig",
+    "HookConfig",
+    "MigrationConfig",
+    "Transport",
     "WindowConfig",
 ]
 
@@ -76,8 +82,10 @@ class WindowConfig:
     def __post_init__(self) -> None:
         _check_ints(self, ("steps",), 1)
         if self.steps > MAX_WINDOW_STEPS:  # the sidecar and the controller would refuse its windows
-            raise ValueError(f"WindowConfig.steps must be at most {MAX_WINDOW_STEPS} (a window's steps "
-                             f"travel as a uint32), got {self.steps}")
+            raise ValueError(
+                f"WindowConfig.steps must be at most {MAX_WINDOW_STEPS} (a window's steps "
+                f"travel as a uint32), got {self.steps}"
+            )
 
 
 @dataclass(frozen=True)
@@ -232,23 +240,48 @@ class HookConfig:
     def __post_init__(self) -> None:
         for name in ("controller", "deployment"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise TypeError(f"HookConfig.{name} must be a non-empty str, got {getattr(self, name)!r}")
+                raise TypeError(
+                    f"HookConfig.{name} must be a non-empty str, got {getattr(self, name)!r}"
+                )
         try:
             check_address(self.controller)  # gRPC would only fail at every connection attempt
         except InputError as exc:
             raise InputError(f"HookConfig.controller: {exc}") from None
-        _check_ints(self, ("rank", "num_layers", "num_logical", "num_slots", "num_gpus", "num_nodes",
-                           "expert_bytes", "top_k"), 0)
-        for name, section in (("credentials", Credentials), ("windows", WindowConfig),
-                              ("dispatch", DispatchConfig), ("commit", CommitConfig),
-                              ("migration", MigrationConfig), ("pool", PoolConfig)):
+        _check_ints(
+            self,
+            (
+                "rank",
+                "num_layers",
+                "num_logical",
+                "num_slots",
+                "num_gpus",
+                "num_nodes",
+                "expert_bytes",
+                "top_k",
+            ),
+            0,
+        )
+        for name, section in (
+            ("credentials", Credentials),
+            ("windows", WindowConfig),
+            ("dispatch", DispatchConfig),
+            ("commit", CommitConfig),
+            ("migration", MigrationConfig),
+            ("pool", PoolConfig),
+        ):
             if not isinstance(getattr(self, name), section):
-                raise TypeError(f"HookConfig.{name} must be a {section.__name__}, "
-                                f"got {type(getattr(self, name)).__name__}")
+                raise TypeError(
+                    f"HookConfig.{name} must be a {section.__name__}, "
+                    f"got {type(getattr(self, name)).__name__}"
+                )
         if self.num_gpus < 1 or not 0 <= self.rank < self.num_gpus:
-            raise ValueError(f"need 0 <= rank < num_gpus, got rank={self.rank}, num_gpus={self.num_gpus}")
+            raise ValueError(
+                f"need 0 <= rank < num_gpus, got rank={self.rank}, num_gpus={self.num_gpus}"
+            )
         if self.num_slots % self.num_gpus:
-            raise ValueError(f"num_slots={self.num_slots} is not a multiple of num_gpus={self.num_gpus}")
+            raise ValueError(
+                f"num_slots={self.num_slots} is not a multiple of num_gpus={self.num_gpus}"
+            )
         if has_shared_replicas(self.dispatch.mode) and not self.shared_expert:
             raise ValueError('dispatch mode "load+shared" needs shared_expert=True')
 

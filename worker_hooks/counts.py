@@ -24,10 +24,14 @@ from worker_hooks.config import HookConfig
 from worker_hooks.serving import HookStats
 
 
-def add_window(stats: HookStats, config: HookConfig, logical: np.ndarray, physical: np.ndarray | None) -> None:
+def add_window(
+    stats: HookStats, config: HookConfig, logical: np.ndarray, physical: np.ndarray | None
+) -> None:
     """Add one window to the totals: logical [L, X] and, counted by row, physical
     [L, G * rows_per_rank (+ G shared)], summed per GPU into [L, G (+ G shared)]."""
-    stats.logical_total = logical.copy() if stats.logical_total is None else stats.logical_total + logical
+    stats.logical_total = (
+        logical.copy() if stats.logical_total is None else stats.logical_total + logical
+    )
     if physical is None:
         return
     num_rows = config.num_rows

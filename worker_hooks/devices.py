@@ -21,7 +21,9 @@ DEVICE_KINDS: tuple[DeviceKind, ...] = get_args(DeviceKind)
 def resolve_device(device: torch.device | str) -> torch.device:
     dev = torch.device(device)
     if dev.type not in DEVICE_KINDS:
-        raise ValueError(f"worker_hooks run on {' or '.join(DEVICE_KINDS)}, got device {str(dev)!r}")
+        raise ValueError(
+            f"worker_hooks run on {' or '.join(DEVICE_KINDS)}, got device {str(dev)!r}"
+        )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

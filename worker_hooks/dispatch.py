@@ -102,7 +102,9 @@ def gpu_tables(
     replicas = np.zeros((num_layers, num_logical, num_gpus + 1), dtype=np.int64)
     layer = np.arange(num_layers)[:, None, None]
     expert = np.arange(num_logical)[None, :, None]
-    np.add.at(replicas, (np.broadcast_to(layer, gpu.shape), np.broadcast_to(expert, gpu.shape), gpu), 1)
+    np.add.at(
+        replicas, (np.broadcast_to(layer, gpu.shape), np.broadcast_to(expert, gpu.shape), gpu), 1
+    )
     slot_on = np.full((num_layers, num_logical, num_gpus + 1), -1, dtype=np.int64)
     # Last writer wins: write replicas in reverse map order so the first one stays.
     for r in range(width - 1, -1, -1):
@@ -196,11 +198,15 @@ class ReplicaDispatch:
         if compiled:
             if self.device.type != "cuda":
                 raise ValueError("compiled dispatch by load needs a CUDA device")
-            self._route_by_load = torch.compile(waterfill.route_by_load, dynamic=False, fullgraph=True)
+            self._route_by_load = torch.compile(
+                waterfill.route_by_load, dynamic=False, fullgraph=True
+            )
         gshape = (self.num_layers, self.num_routed, num_gpus) if by_load else (0, 0, 0)
         self.replicas = torch.zeros(gshape, dtype=torch.int64, device=self.device)
         self.slot_on = torch.zeros(gshape, dtype=torch.int64, device=self.device)
-        self.fill_tables = torch.zeros((gshape[0], WATERFILL_TABLES, *gshape[1:]), dtype=torch.int64, device=self.device)
+        self.fill_tables = torch.zeros(
+            (gshape[0], WATERFILL_TABLES, *gshape[1:]), dtype=torch.int64, device=self.device
+        )
         self._staged_replicas = torch.empty_like(self.replicas)
         self._staged_slot_on = torch.empty_like(self.slot_on)
         self._staged_fill_tables = torch.empty_like(self.fill_tables)
@@ -256,8 +262,14 @@ class ReplicaDispatch:
             )
         flat = ids.reshape(-1).to(torch.int64)
         slot = self._route_by_load(
-            flat, counts, self.fill_tables[layer], self.slot_on[layer], self.rank,
-            shared_movable, self.shared_expert, self.waterfill_passes,
+            flat,
+            counts,
+            self.fill_tables[layer],
+            self.slot_on[layer],
+            self.rank,
+            shared_movable,
+            self.shared_expert,
+            self.waterfill_passes,
         )
         return slot.view(ids.shape).to(ids.dtype)
 
@@ -280,7 +292,9 @@ class ReplicaDispatch:
         r = min(arr.shape[2], self.max_replicas)
         padded[:, :, :r] = arr[:, :, :r]
         if self.by_load:
-            replicas, slot_on = gpu_tables(padded, self.num_physical, self.num_gpus, self.shared_expert)
+            replicas, slot_on = gpu_tables(
+                padded, self.num_physical, self.num_gpus, self.shared_expert
+            )
             # Small next to the map (L x X x G): copied synchronously, before the pause.
             self._staged_replicas.copy_(torch.from_numpy(replicas))
             self._staged_slot_on.copy_(torch.from_numpy(slot_on))

@@ -54,8 +54,14 @@ class TransferFence:
     """One rank's side of the fence, on `store` (shared by every rank of the group;
     `prefix` keeps this group's keys apart from others on the same store)."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, join_seconds: float = 1.5,
-                 prefix: str = "rebalancer/fence/") -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        join_seconds: float = 1.5,
+        prefix: str = "rebalancer/fence/",
+    ) -> None:
         if not join_seconds > 0:
             raise ValueError(f"join_seconds must be > 0, got {join_seconds}")
         self.store = dist.PrefixStore(prefix, store)
@@ -93,9 +99,13 @@ class TransferFence:
                 return
             if time.monotonic() >= deadline:
                 missing = self.missing(version)
-                self._settle(self._decide(
-                    version, f"{STOP}:rank(s) {missing} did not join its transfers within "
-                             f"{self.join_seconds:g} s"))
+                self._settle(
+                    self._decide(
+                        version,
+                        f"{STOP}:rank(s) {missing} did not join its transfers within "
+                        f"{self.join_seconds:g} s",
+                    )
+                )
                 return
             time.sleep(POLL_SECONDS)
 
@@ -133,7 +143,9 @@ def group_store(group: dist.ProcessGroup | None) -> tuple[dist.Store, str] | Non
         return None
     store = dist.distributed_c10d._get_default_store()
     try:
-        name = dist.distributed_c10d._get_process_group_name(group) if group is not None else "world"
+        name = (
+            dist.distributed_c10d._get_process_group_name(group) if group is not None else "world"
+        )
     except (RuntimeError, ValueError, KeyError):
         name = "world"
     return store, f"rebalancer/fence/{name}/"

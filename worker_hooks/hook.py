@@ -72,8 +72,16 @@ from worker_hooks.warm import await_offer, group_holds
 from worker_hooks.weights import check_weights
 
 __all__ = [
-    "CommitConfig", "Credentials", "DispatchConfig", "HookConfig", "HookStats", "MigrationConfig",
-    "PlanDriver", "PoolConfig", "RebalanceHook", "WindowConfig",
+    "CommitConfig",
+    "Credentials",
+    "DispatchConfig",
+    "HookConfig",
+    "HookStats",
+    "MigrationConfig",
+    "PlanDriver",
+    "PoolConfig",
+    "RebalanceHook",
+    "WindowConfig",
 ]
 
 log = logging.getLogger("worker_hooks.hook")
@@ -86,16 +94,20 @@ def _checked_placement(phy2log: object, config: HookConfig) -> np.ndarray:
         phy2log = phy2log.detach().cpu().numpy()
     placement = check_phy2log(phy2log, config.num_logical)
     if placement.shape != (config.num_layers, config.num_slots):
-        raise InputError(f"phy2log has shape {list(placement.shape)}, the config says "
-                         f"[num_layers={config.num_layers}, num_slots={config.num_slots}]")
+        raise InputError(
+            f"phy2log has shape {list(placement.shape)}, the config says "
+            f"[num_layers={config.num_layers}, num_slots={config.num_slots}]"
+        )
     return placement
 
 
 def _check_groups(**groups: dist.ProcessGroup | None) -> None:
     for name, group in groups.items():
         if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"{name} must be a torch.distributed group (dist.new_group(...)) or None, "
-                            f"got {type(group).__name__}")
+            raise TypeError(
+                f"{name} must be a torch.distributed group (dist.new_group(...)) or None, "
+                f"got {type(group).__name__}"
+            )
 
 
 def agent_config(config: HookConfig) -> AgentConfig:
@@ -110,9 +122,18 @@ def agent_config(config: HookConfig) -> AgentConfig:
     )
     cred = config.credentials
     return AgentConfig(
-        config.controller, config.deployment, config.rank, shape, config.worker_id,
-        dispatch_mode=config.dispatch.mode, top_k=config.top_k, pool=config.pool.name,
-        token=cred.token, ca_file=cred.ca_file, cert_file=cred.cert_file, key_file=cred.key_file,
+        config.controller,
+        config.deployment,
+        config.rank,
+        shape,
+        config.worker_id,
+        dispatch_mode=config.dispatch.mode,
+        top_k=config.top_k,
+        pool=config.pool.name,
+        token=cred.token,
+        ca_file=cred.ca_file,
+        cert_file=cred.cert_file,
+        key_file=cred.key_file,
     )
 
 
@@ -169,12 +190,18 @@ class RebalanceHook:
         start loads (a rank without it never installs one, and neither do its peers)."""
         if not isinstance(config, HookConfig):
             raise TypeError(f"config must be a HookConfig, got {type(config).__name__}")
-        check_weights(weights)  # before anything starts: a clear TypeError, not one from deep inside
-        _check_groups(agree_group=agree_group, migrate_group=migrate_group, dispatch_group=dispatch_group)
+        check_weights(
+            weights
+        )  # before anything starts: a clear TypeError, not one from deep inside
+        _check_groups(
+            agree_group=agree_group, migrate_group=migrate_group, dispatch_group=dispatch_group
+        )
         self.config = config
         self.device = resolve_device(device)
         self.weights = weights
-        rows = RowMap(config.num_gpus, config.num_layers, config.slots_per_rank, config.commit.spare_rows)
+        rows = RowMap(
+            config.num_gpus, config.num_layers, config.slots_per_rank, config.commit.spare_rows
+        )
         self.served = ServedPlacement(_checked_placement(phy2log, config), rows.row_ids())
         self.recorder = _recorder(config, self.device)
         self.dispatch = _dispatch(config, self.served, self.device)
@@ -187,7 +214,10 @@ class RebalanceHook:
         self.plans = plan_driver(config, self.executor, self.dispatch, self.served, self.stats)
         # The agent knows the plan driver and the served version, not the hook.
         self.agent = WorkerAgent(
-            agent_config(config), self.plans, self.served.current_version, initial_phy2log=self.served.phy2log,
+            agent_config(config),
+            self.plans,
+            self.served.current_version,
+            initial_phy2log=self.served.phy2log,
             served_map=self.served.current_map,
         )
         self.plans.report_to(self.agent.report)
@@ -248,10 +278,20 @@ class RebalanceHook:
         offered, new = 0, None
         source = self._expert_source
         if source is not None and cfg.pool.warm_start_seconds > 0:
-            offered, new = await_offer(self.agent, cfg.pool.warm_start_seconds, cfg.num_layers,
-                                       cfg.num_slots, cfg.num_logical, cfg.rank)
+            offered, new = await_offer(
+                self.agent,
+                cfg.pool.warm_start_seconds,
+                cfg.num_layers,
+                cfg.num_slots,
+                cfg.num_logical,
+                cfg.rank,
+            )
         if not self._all_hold(offered) or new is None or source is None:
-            log.info("rank %d: no warm start (offered v%d); starting on the start placement", cfg.rank, offered)
+            log.info(
+                "rank %d: no warm start (offered v%d); starting on the start placement",
+                cfg.rank,
+                offered,
+            )
             return False
         gained: list[tuple[int, int, dict[str, torch.Tensor]]] = []
         try:
@@ -261,14 +301,22 @@ class RebalanceHook:
                 for s in range(S):
                     slot = cfg.rank * S + s
                     if new[layer, slot] != self.served.phy2log[layer, slot]:
-                        gained.append((layer, int(rows[cfg.rank, layer, s]), source(layer, int(new[layer, slot]))))
+                        gained.append(
+                            (
+                                layer,
+                                int(rows[cfg.rank, layer, s]),
+                                source(layer, int(new[layer, slot])),
+                            )
+                        )
             self.dispatch.stage(dispatch_map(cfg, new, self.served.row_ids))
             loaded = offered
         except Exception as exc:  # its peers must not switch alone
             log.error("rank %d: warm start v%d not loaded: %s", cfg.rank, offered, exc)
             loaded = 0
         if not self._all_hold(loaded):
-            log.warning("rank %d: warm start v%d not installed: a rank could not load it", cfg.rank, offered)
+            log.warning(
+                "rank %d: warm start v%d not installed: a rank could not load it", cfg.rank, offered
+            )
             return False
         for layer, row, expert in gained:
             for name, tensor in expert.items():
@@ -277,8 +325,12 @@ class RebalanceHook:
         self.served.switch(offered, new, self.rows.row_ids())
         self.stats.commits.append((self.step, offered))
         self.agent.report(offered, pb.PLAN_PHASE_COMMITTED, step=self.step)
-        log.info("rank %d: warm start: serving the pool placement v%d (%d experts loaded)",
-                 cfg.rank, offered, len(gained))
+        log.info(
+            "rank %d: warm start: serving the pool placement v%d (%d experts loaded)",
+            cfg.rank,
+            offered,
+            len(gained),
+        )
         return True
 
     def _all_hold(self, version: int) -> bool:
@@ -369,7 +421,9 @@ class RebalanceHook:
         self.step += 1
         self.stats.steps += 1
         self.windows.poll()
-        agreed = self.agreement.on_step(self.step, self.plans.ready_version(), serving=self.served.version)
+        agreed = self.agreement.on_step(
+            self.step, self.plans.ready_version(), serving=self.served.version
+        )
         if agreed is not None and agreed > self.served.version:
             self._close_window()  # a window never mixes two placements
             self._commit(agreed)

@@ -48,7 +48,6 @@ class PrepareStats:
     seconds: float
 
 
-
 class MigrationExecutor:
     """Stages, commits or drops the expert weights of one plan at a time.
 
@@ -75,21 +74,26 @@ class MigrationExecutor:
         self.config = config if config is not None else MigrationConfig()
         self.ctx = RankWeights(rank, world_size, weights, group, row_map)
         if self.ctx.by_layer is not None and transport_class(self.config.transport).one_host:
-            raise ValueError(f"transport {self.config.transport!r} maps one tensor per weight: "
-                             "per-layer weights move with 'p2p'")
+            raise ValueError(
+                f"transport {self.config.transport!r} maps one tensor per weight: "
+                "per-layer weights move with 'p2p'"
+            )
         self.transport = make_transport(self.config, self.ctx)
         self.weights = weights
         self.row_map = self.ctx.row_map
         self._lock = threading.Lock()
         self._staged_version: int | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # name -> [n_in, ...]
-        self._staged_writer: RowWriter | None = None           # staging row i -> its live row
-        self._staged_rows: np.ndarray | None = None            # [G, L, S] after commit
+        self._staged_writer: RowWriter | None = None  # staging row i -> its live row
+        self._staged_rows: np.ndarray | None = None  # [G, L, S] after commit
         # No rank moves a plan's weights before every rank of the group said it will
         # (a rank left waiting for a peer that never comes breaks the group for good).
         shared = group_store(group) if world_size > 1 else None
-        self.fence = (TransferFence(shared[0], rank, world_size, self.config.join_seconds, prefix=shared[1])
-                      if shared is not None else None)
+        self.fence = (
+            TransferFence(shared[0], rank, world_size, self.config.join_seconds, prefix=shared[1])
+            if shared is not None
+            else None
+        )
 
     @property
     def staged_rows(self) -> np.ndarray | None:
@@ -126,7 +130,9 @@ class MigrationExecutor:
         except TransfersDeclined as exc:
             self.ctx.check_aborted(version)
             if exc.aborted:  # a peer heard the Abort first: this rank will hear it too
-                raise MigrationAborted(f"plan v{version} aborted before its transfers ({exc})") from exc
+                raise MigrationAborted(
+                    f"plan v{version} aborted before its transfers ({exc})"
+                ) from exc
             raise
 
     def prepare(self, version: int, transfers: np.ndarray) -> PrepareStats:
@@ -141,9 +147,12 @@ class MigrationExecutor:
         start = time.perf_counter()
         ctx = self.ctx
         t = np.asarray(transfers, dtype=np.int64).reshape(-1, 5)
-        if t.size and (t[:, [DST_RANK, SRC_RANK]].max() >= ctx.world_size or t.min() < 0
-                       or t[:, [DST_SLOT, SRC_SLOT]].max() >= ctx.slots_per_rank
-                       or t[:, LAYER].max() >= ctx.num_layers):
+        if t.size and (
+            t[:, [DST_RANK, SRC_RANK]].max() >= ctx.world_size
+            or t.min() < 0
+            or t[:, [DST_SLOT, SRC_SLOT]].max() >= ctx.slots_per_rank
+            or t[:, LAYER].max() >= ctx.num_layers
+        ):
             raise ValueError("transfer list refers to ranks, slots or layers out of range")
         if t.size and not set(np.unique(t[:, LAYER]).tolist()) <= ctx.layers_with_weights:
             raise ValueError("transfer list moves experts of layers that hold no expert weights")
@@ -207,8 +216,12 @@ class MigrationExecutor:
         forward steps (between graph replays): storage never changes."""
         ctx = self.ctx
         with self._lock:
-            if (self._staged_version != version or self._staging is None
-                    or self._staged_writer is None or self._staged_rows is None):
+            if (
+                self._staged_version != version
+                or self._staging is None
+                or self._staged_writer is None
+                or self._staged_rows is None
+            ):
                 raise RuntimeError(f"commit of v{version} but staged is v{self._staged_version}")
             staging, writer, rows = self._staging, self._staged_writer, self._staged_rows
             self._staging = self._staged_writer = self._staged_rows = None
@@ -228,4 +241,3 @@ class MigrationExecutor:
             if self._staged_version == version:
                 self._staging = self._staged_writer = self._staged_rows = None
                 self._staged_version = None
-

@@ -51,7 +51,9 @@ class _Stopping(RuntimeError):
 
 
 def _unconnected(version: int, phase: pb.PlanPhase, **_: object) -> None:
-    raise RuntimeError(f"plan v{version}: no link to report phase {phase} to (PlanDriver.report_to)")
+    raise RuntimeError(
+        f"plan v{version}: no link to report phase {phase} to (PlanDriver.report_to)"
+    )
 
 
 class PlanDriver(PlanMessages, PlanHandlers):
@@ -172,7 +174,9 @@ class PlanDriver(PlanMessages, PlanHandlers):
                 raise _Stopping(SHUTTING_DOWN)
             self.after_transfers(version)
             rows = self.executor.staged_rows
-            if rows is None:  # an Abort dropped the staging after the transfers (on_abort reported it)
+            if (
+                rows is None
+            ):  # an Abort dropped the staging after the transfers (on_abort reported it)
                 raise MigrationAborted(f"plan v{version} aborted while its weights were staged")
             self.dispatch.stage(dispatch_map(cfg, new, self.executor.row_map.row_ids(rows)))
             self.book.stage(version, new, self.served.version, alone=True)

@@ -107,7 +107,9 @@ class ExpertRecorder:
                 f"needs an explicit layer index in [0, {self.num_layers}), got {layer!r}"
             )
         if counts.shape != (self.num_logical,):
-            raise ValueError(f"counts of shape {tuple(counts.shape)}, expected ({self.num_logical},)")
+            raise ValueError(
+                f"counts of shape {tuple(counts.shape)}, expected ({self.num_logical},)"
+            )
         self.logical_counts[layer] += counts.to(torch.int64)
 
     def add_physical_counts(self, layer: int, first_slot: int, counts: torch.Tensor) -> None:

@@ -51,7 +51,9 @@ class RowMap:
 
     Changed only by `switch`, called by the rank's MigrationExecutor at commit."""
 
-    def __init__(self, num_gpus: int, num_layers: int, slots_per_rank: int, spare_rows: int = 0) -> None:
+    def __init__(
+        self, num_gpus: int, num_layers: int, slots_per_rank: int, spare_rows: int = 0
+    ) -> None:
         if min(num_gpus, num_layers, slots_per_rank) <= 0 or spare_rows < 0:
             raise ValueError(
                 f"need positive ranks, layers and slots and spare_rows >= 0, got "
@@ -72,7 +74,9 @@ class RowMap:
         weights are in place. Only the MigrationExecutor that wrote them calls it."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.shape != self._rows.shape:
-            raise ValueError(f"rows of shape {list(rows.shape)} for a row map of {list(self._rows.shape)}")
+            raise ValueError(
+                f"rows of shape {list(rows.shape)} for a row map of {list(self._rows.shape)}"
+            )
         self._rows = _frozen(rows)
 
     @property
@@ -81,7 +85,9 @@ class RowMap:
 
     def digest(self) -> int:
         """A 63-bit fingerprint of the rows, to check that ranks agree on them."""
-        raw = hashlib.blake2b(np.ascontiguousarray(self.rows, dtype=np.int64).tobytes(), digest_size=8)
+        raw = hashlib.blake2b(
+            np.ascontiguousarray(self.rows, dtype=np.int64).tobytes(), digest_size=8
+        )
         return int.from_bytes(raw.digest(), "little") >> 1
 
     def row_ids(self, rows: np.ndarray | None = None) -> np.ndarray:

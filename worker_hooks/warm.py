@@ -43,8 +43,9 @@ def check_warm_start_seconds(seconds: float, name: str) -> None:
         raise InputError(f"{name} must be >= 0 and finite, got {seconds}")
 
 
-def await_offer(agent: WorkerAgent, seconds: float, num_layers: int, num_slots: int,
-                num_logical: int, rank: int) -> tuple[int, np.ndarray | None]:
+def await_offer(
+    agent: WorkerAgent, seconds: float, num_layers: int, num_slots: int, num_logical: int, rank: int
+) -> tuple[int, np.ndarray | None]:
     """(W, the `[L, P]` map) of the warm start the agent holds or receives within
     `seconds`, or (0, None): none in time, or one that does not fit this rank's shape
     (logged)."""

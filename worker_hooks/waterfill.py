@@ -78,15 +78,23 @@ def waterfill(
         target = (level - masked).clamp_min_(0)
         # share + floor((target - share) * n / d), as one floor division (same integers)
         kept = share * (damping.denominator - damping.numerator)
-        share = torch.div(kept.add_(target, alpha=damping.numerator), damping.denominator, rounding_mode="floor")
+        share = torch.div(
+            kept.add_(target, alpha=damping.numerator), damping.denominator, rounding_mode="floor"
+        )
     peak = share.sum(dim=0).amax() if base is None else torch.add(base, share.sum(dim=0)).amax()
-    start_peak = start.sum(dim=0).amax() if base is None else torch.add(base, start.sum(dim=0)).amax()
+    start_peak = (
+        start.sum(dim=0).amax() if base is None else torch.add(base, start.sum(dim=0)).amax()
+    )
     return torch.where(peak < start_peak, share, start)
 
 
 def round_allocation(share: torch.Tensor, demand: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
     """metrics.round_allocation for one layer: [X, G] units, [X] tokens, [X, G] -> [X, G]."""
-    cum = torch.div(torch.cumsum(share, dim=1).add_(WATERFILL_UNITS // 2), WATERFILL_UNITS, rounding_mode="floor")
+    cum = torch.div(
+        torch.cumsum(share, dim=1).add_(WATERFILL_UNITS // 2),
+        WATERFILL_UNITS,
+        rounding_mode="floor",
+    )
     column = demand.unsqueeze(1)
     cum = torch.where(tail > 0, column, torch.minimum(cum, column))
     cum = torch.cummax(cum, dim=1).values
@@ -112,13 +120,18 @@ def allocate(
     if shared_column and not shared_movable:
         routed = counts[:, :-1]
         share = waterfill(
-            demand[:-1] * WATERFILL_UNITS, split_units(routed, tables[:, :-1]), tables[1, :-1],
-            counts[:, -1] * WATERFILL_UNITS, passes,
+            demand[:-1] * WATERFILL_UNITS,
+            split_units(routed, tables[:, :-1]),
+            tables[1, :-1],
+            counts[:, -1] * WATERFILL_UNITS,
+            passes,
         )
         out = round_allocation(share, demand[:-1], tables[4, :-1])
         return torch.cat([out, counts[:, -1].unsqueeze(0)], dim=0)
     # The shared row is held by every GPU: its split start is each rank's own tokens.
-    share = waterfill(demand * WATERFILL_UNITS, split_units(counts, tables), tables[1], None, passes)
+    share = waterfill(
+        demand * WATERFILL_UNITS, split_units(counts, tables), tables[1], None, passes
+    )
     return round_allocation(share, demand, tables[4])
 
 
@@ -164,8 +177,14 @@ def assign(
 
 
 def route_by_load(
-    ids: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, slot_on: torch.Tensor, rank: int,
-    shared_movable: bool, shared_column: bool, passes: int,
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    tables: torch.Tensor,
+    slot_on: torch.Tensor,
+    rank: int,
+    shared_movable: bool,
+    shared_column: bool,
+    passes: int,
 ) -> torch.Tensor:
     """`allocate` then `assign`: one layer's picks [N] -> slots [N] (one function, so that
     `torch.compile` can fuse the whole of it: ReplicaDispatch's `compiled`)."""

@@ -34,10 +34,14 @@ def check_weights(weights: object) -> None:
     """TypeError / ValueError (naming what was given) unless `weights` is a non-empty dict
     of name -> torch.Tensor `[L, rows, ...]` (one rank's expert weights), or of
     name -> {layer: torch.Tensor `[rows, ...]`} (`LayerWeights`)."""
-    what = ("weights must be a dict of name -> torch.Tensor [L, slots on this rank (+ spare rows), ...] "
-            "or of name -> {layer: torch.Tensor [slots on this rank, ...]}")
+    what = (
+        "weights must be a dict of name -> torch.Tensor [L, slots on this rank (+ spare rows), ...] "
+        "or of name -> {layer: torch.Tensor [slots on this rank, ...]}"
+    )
     if isinstance(weights, torch.Tensor):
-        raise TypeError(f"{what}, got one Tensor of shape {list(weights.shape)}: name it, e.g. {{'w': weights}}")
+        raise TypeError(
+            f"{what}, got one Tensor of shape {list(weights.shape)}: name it, e.g. {{'w': weights}}"
+        )
     if not isinstance(weights, dict):
         raise TypeError(f"{what}, got {type(weights).__name__}")
     if not weights:
@@ -50,12 +54,16 @@ def check_weights(weights: object) -> None:
                 if not isinstance(layer, int) or layer < 0 or not isinstance(t, torch.Tensor):
                     raise TypeError(f"{what}, got {name!r}[{layer!r}]: {type(t).__name__}")
                 if t.dim() < 1:
-                    raise ValueError(f"weight {name!r} of layer {layer} is a scalar: it needs [rows, ...]")
+                    raise ValueError(
+                        f"weight {name!r} of layer {layer} is a scalar: it needs [rows, ...]"
+                    )
             continue
         if not isinstance(name, str) or not isinstance(w, torch.Tensor):
             raise TypeError(f"{what}, got {name!r}: {type(w).__name__}")
         if w.dim() < 2:
-            raise ValueError(f"weight {name!r} has shape {list(w.shape)}: it needs at least [L, rows]")
+            raise ValueError(
+                f"weight {name!r} has shape {list(w.shape)}: it needs at least [L, rows]"
+            )
 
 
 class RankWeights:
@@ -94,15 +102,25 @@ class RankWeights:
             self.layers_with_weights = frozenset(layers)
         else:
             if any(isinstance(w, dict) for w in weights.values()):
-                raise TypeError("weights must be all stacked tensors or all per-layer dicts, not a mix")
+                raise TypeError(
+                    "weights must be all stacked tensors or all per-layer dicts, not a mix"
+                )
             stacked: dict[str, torch.Tensor] = weights  # type: ignore[assignment]
             self.stacked = stacked
             first = next(iter(stacked.values()))
             for name, w in stacked.items():
-                if w.shape[:2] != first.shape[:2] or w.dtype != first.dtype or w.device != first.device:
-                    raise ValueError(f"weight {name!r} must share [L, S], dtype and device with the others")
+                if (
+                    w.shape[:2] != first.shape[:2]
+                    or w.dtype != first.dtype
+                    or w.device != first.device
+                ):
+                    raise ValueError(
+                        f"weight {name!r} must share [L, S], dtype and device with the others"
+                    )
                 if not w.is_contiguous():
-                    raise ValueError(f"weight {name!r} must be contiguous (its flat view is updated in place)")
+                    raise ValueError(
+                        f"weight {name!r} must be contiguous (its flat view is updated in place)"
+                    )
             self.num_layers, self.rows_per_layer = int(first.shape[0]), int(first.shape[1])
             self.row_shapes = {name: tuple(w.shape[2:]) for name, w in stacked.items()}
             self.row_dtypes = {name: w.dtype for name, w in stacked.items()}
@@ -110,7 +128,9 @@ class RankWeights:
         if row_map is None:
             row_map = RowMap(world_size, self.num_layers, self.rows_per_layer)
         if (row_map.num_gpus, row_map.num_layers, row_map.rows_per_rank) != (
-            world_size, self.num_layers, self.rows_per_layer
+            world_size,
+            self.num_layers,
+            self.rows_per_layer,
         ):
             raise ValueError(
                 f"row map of {row_map.num_gpus} ranks x {row_map.num_layers} layers x "
@@ -132,7 +152,9 @@ class RankWeights:
         self.aborted: set[int] = set()
 
     @staticmethod
-    def _check_layers(weights: LayerWeights) -> tuple[list[int], torch.Tensor, dict[str, tuple[int, ...]]]:
+    def _check_layers(
+        weights: LayerWeights,
+    ) -> tuple[list[int], torch.Tensor, dict[str, tuple[int, ...]]]:
         """Every weight covers the same layers, one device, rows and a row shape and dtype
         per name; returns the layers, one tensor and each name's row shape."""
         names = list(weights)
@@ -141,15 +163,23 @@ class RankWeights:
         shapes: dict[str, tuple[int, ...]] = {}
         for name, per_layer in weights.items():
             if sorted(per_layer) != layers:
-                raise ValueError(f"weight {name!r} covers layers {sorted(per_layer)}, "
-                                 f"{names[0]!r} covers {layers}")
+                raise ValueError(
+                    f"weight {name!r} covers layers {sorted(per_layer)}, "
+                    f"{names[0]!r} covers {layers}"
+                )
             one = per_layer[layers[0]]
             shapes[name] = tuple(one.shape[1:])
             for layer, t in per_layer.items():
-                if (t.shape[0] != first.shape[0] or tuple(t.shape[1:]) != shapes[name]
-                        or t.dtype != one.dtype or t.device != first.device):
-                    raise ValueError(f"weight {name!r} of layer {layer} ({list(t.shape)}, {t.dtype}, "
-                                     f"{t.device}) differs from its other layers or weights")
+                if (
+                    t.shape[0] != first.shape[0]
+                    or tuple(t.shape[1:]) != shapes[name]
+                    or t.dtype != one.dtype
+                    or t.device != first.device
+                ):
+                    raise ValueError(
+                        f"weight {name!r} of layer {layer} ({list(t.shape)}, {t.dtype}, "
+                        f"{t.device}) differs from its other layers or weights"
+                    )
         return layers, first, shapes
 
     def check_aborted(self, version: int) -> None:
@@ -166,7 +196,9 @@ class RankWeights:
         rows = layers * self.rows_per_layer + self.row_map.rows[self.rank, layers, slots]
         return torch.as_tensor(rows, dtype=torch.int64, device=self.device)
 
-    def free_rows_of(self, new_rows: np.ndarray, incoming: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def free_rows_of(
+        self, new_rows: np.ndarray, incoming: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """For this rank's incoming transfer rows: which get a free row (their row changes
         from now to `new_rows` [G, L, S]), and that row in the flat weight views."""
         layers, slots = incoming[:, LAYER], incoming[:, DST_SLOT]
@@ -181,18 +213,26 @@ class RankWeights:
             for name, shape in self.row_shapes.items()
         }
 
-    def gather(self, name: str, layers: np.ndarray, slots: np.ndarray,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(
+        self, name: str, layers: np.ndarray, slots: np.ndarray, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The live rows of weight `name` at this rank's (layer, slot) pairs, in that order
         (into `out` when given): one `index_select` on the flat view, or one per layer."""
         if self.by_layer is None:
             idx = self.flat_index(layers, slots)
             w = self.flat(self.stacked[name])
-            return torch.index_select(w, 0, idx, out=out) if out is not None else w.index_select(0, idx)
+            return (
+                torch.index_select(w, 0, idx, out=out)
+                if out is not None
+                else w.index_select(0, idx)
+            )
         per_layer = self.by_layer[name]
         if out is None:
-            out = torch.empty((len(layers),) + self.row_shapes[name], dtype=self.row_dtypes[name],
-                              device=self.device)
+            out = torch.empty(
+                (len(layers),) + self.row_shapes[name],
+                dtype=self.row_dtypes[name],
+                device=self.device,
+            )
         for layer, at, rows in self._by_layer_runs(layers, slots):
             torch.index_select(per_layer[layer], 0, rows, out=out[at])
         return out
@@ -206,7 +246,9 @@ class RankWeights:
             raise ValueError(f"layer(s) {sorted(missing)} hold no expert weights on this rank")
         return layers, self.row_map.rows[self.rank, layers, slots]
 
-    def _by_layer_runs(self, layers: np.ndarray, slots: np.ndarray) -> list[tuple[int, slice, torch.Tensor]]:
+    def _by_layer_runs(
+        self, layers: np.ndarray, slots: np.ndarray
+    ) -> list[tuple[int, slice, torch.Tensor]]:
         """(layer, positions, rows) for each run of equal layers in `layers` (callers pass
         rows sorted by layer, so a layer is usually one run)."""
         layers, rows = self._live_rows(layers, slots)
@@ -214,9 +256,14 @@ class RankWeights:
             return []
         starts = np.flatnonzero(np.r_[True, layers[1:] != layers[:-1]])
         ends = np.r_[starts[1:], len(layers)]
-        return [(int(layers[lo]), slice(int(lo), int(hi)),
-                 torch.as_tensor(rows[lo:hi], dtype=torch.int64, device=self.device))
-                for lo, hi in zip(starts, ends, strict=True)]
+        return [
+            (
+                int(layers[lo]),
+                slice(int(lo), int(hi)),
+                torch.as_tensor(rows[lo:hi], dtype=torch.int64, device=self.device),
+            )
+            for lo, hi in zip(starts, ends, strict=True)
+        ]
 
     def writer(self, layers: np.ndarray, slots: np.ndarray) -> RowWriter:
         """What writes staged rows into this rank's live rows at (layer, slot), index
@@ -234,13 +281,18 @@ class RankWeights:
             return []
         breaks = np.flatnonzero((np.diff(layers) != 0) | (np.diff(rows) != 1)) + 1
         starts, ends = np.r_[0, breaks], np.r_[breaks, len(layers)]
-        return [(int(layers[lo]), int(lo), int(rows[lo]), int(hi - lo)) for lo, hi in zip(starts, ends, strict=True)]
+        return [
+            (int(layers[lo]), int(lo), int(rows[lo]), int(hi - lo))
+            for lo, hi in zip(starts, ends, strict=True)
+        ]
 
     def copy_local(self, rows: np.ndarray, staging: dict[str, torch.Tensor], lo: int) -> None:
         """Experts this rank already holds: straight from the live weights into staging."""
         if len(rows):
             for name in self.weights:
-                self.gather(name, rows[:, LAYER], rows[:, SRC_SLOT], out=staging[name][lo:lo + len(rows)])
+                self.gather(
+                    name, rows[:, LAYER], rows[:, SRC_SLOT], out=staging[name][lo : lo + len(rows)]
+                )
 
 
 class RowWriter:
@@ -248,8 +300,12 @@ class RowWriter:
     weight on the flat view, or for `LayerWeights` one `copy_` per weight and run of
     consecutive rows. Storage never changes (CUDA graphs stay valid)."""
 
-    def __init__(self, ctx: RankWeights, flat_index: torch.Tensor | None,
-                 runs: list[tuple[int, int, int, int]]) -> None:
+    def __init__(
+        self,
+        ctx: RankWeights,
+        flat_index: torch.Tensor | None,
+        runs: list[tuple[int, int, int, int]],
+    ) -> None:
         self.ctx, self.flat_index, self.runs = ctx, flat_index, runs
 
     def __len__(self) -> int:
@@ -267,5 +323,4 @@ class RowWriter:
         assert ctx.by_layer is not None
         for name, per_layer in ctx.by_layer.items():
             for layer, lo, row, n in self.runs:
-                per_layer[layer][row:row + n].copy_(staging[name][lo:lo + n])
-
+                per_layer[layer][row : row + n].copy_(staging[name][lo : lo + n])

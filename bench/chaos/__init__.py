@@ -58,5 +58,14 @@ from bench.chaos.faults import (
 )
 from bench.chaos.harness import Harness, run_chaos
 
-__all__ = ["ALL_KINDS", "FAULTS", "LINK_FAULTS", "NODE_FAULTS", "PROCESS_FAULTS", "STORE_FAULTS", "ChaosConfig",
-           "Harness", "run_chaos"]
+__all__ = [
+    "ALL_KINDS",
+    "FAULTS",
+    "LINK_FAULTS",
+    "NODE_FAULTS",
+    "PROCESS_FAULTS",
+    "STORE_FAULTS",
+    "ChaosConfig",
+    "Harness",
+    "run_chaos",
+]

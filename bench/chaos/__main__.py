@@ -15,15 +15,26 @@ from bench.chaos.harness import run_chaos
 
 def main(argv: list[str] | None = None) -> int:
     doc = bench.chaos.__doc__
-    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=doc.splitlines()[0] if doc else "")
-    p.add_argument("--seconds", type=float, default=300.0,
-                   help="how long to inject faults (at least until every kind was injected once)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.chaos", description=doc.splitlines()[0] if doc else ""
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=300.0,
+        help="how long to inject faults (at least until every kind was injected once)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--pods", type=int, default=2)
     p.add_argument("--kinds", default="", help=f"comma-separated subset of: {','.join(ALL_KINDS)}")
-    p.add_argument("--hog", type=int, default=0, metavar="N",
-                   help="N busy processes beside the whole campaign (a busy node)")
+    p.add_argument(
+        "--hog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy processes beside the whole campaign (a busy node)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the run's folder (logs, store)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -36,8 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.hog < 0:
         print(f"error: --hog must be >= 0, got {args.hog}", file=sys.stderr)
         return 2
-    config = ChaosConfig(seconds=args.seconds, seed=args.seed, workers=args.workers, pods=args.pods,
-                         kinds=kinds, hog=args.hog, keep=args.keep, progress=not args.quiet)
+    config = ChaosConfig(
+        seconds=args.seconds,
+        seed=args.seed,
+        workers=args.workers,
+        pods=args.pods,
+        kinds=kinds,
+        hog=args.hog,
+        keep=args.keep,
+        progress=not args.quiet,
+    )
     # SIGTERM (a timeout, an operator) ends the run like Ctrl-C: every process, the store's
     # tmpfs and the run's folder are released on the way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

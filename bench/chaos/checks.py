@@ -43,6 +43,7 @@ class Outcome:
 
 # ---------------------------------------------------------------- during the run
 
+
 def store_version(db: Path) -> int | None:
     """The committed version in the store, read as another process would."""
     try:
@@ -68,10 +69,16 @@ def settle(h: Harness) -> None:
         ranks = h.rank_versions()
         stored = store_version(h.db)
         if s is not None:
-            seen = (f"store v{stored}, controller v{s.placement_version} ({s.connected_ranks} ranks, "
-                    f"plan {s.plan_in_flight or '-'} {s.plan_phase}), ranks {ranks}")
-            if (not s.plan_in_flight and s.connected_ranks == h.cfg.workers
-                    and stored == s.placement_version and all(v == stored for v in ranks)):
+            seen = (
+                f"store v{stored}, controller v{s.placement_version} ({s.connected_ranks} ranks, "
+                f"plan {s.plan_in_flight or '-'} {s.plan_phase}), ranks {ranks}"
+            )
+            if (
+                not s.plan_in_flight
+                and s.connected_ranks == h.cfg.workers
+                and stored == s.placement_version
+                and all(v == stored for v in ranks)
+            ):
                 h.out.settle_seconds.append(time.monotonic() - start)
                 return
         time.sleep(0.05)
@@ -82,21 +89,28 @@ def check_liveness(h: Harness) -> None:
     """A process that ended on its own is a finding; it is restarted so the run goes on."""
     procs = h.procs
     if procs.controller is not None and procs.controller.poll() is not None:
-        h.violation(f"controller exited with {procs.controller.returncode}: {procs.tail('controller.log')}")
+        h.violation(
+            f"controller exited with {procs.controller.returncode}: {procs.tail('controller.log')}"
+        )
         h.restart_controller()
     for pod, proc in enumerate(procs.sidecars):
         if proc is not None and proc.poll() is not None:
-            h.violation(f"sidecar {pod} exited with {proc.returncode}: {procs.tail(f'sidecar{pod}.log')}")
+            h.violation(
+                f"sidecar {pod} exited with {proc.returncode}: {procs.tail(f'sidecar{pod}.log')}"
+            )
             procs.start_sidecar(pod)
     g = procs.group
     if g is not None and any(p.poll() is not None for p in g.procs):
         codes = [p.poll() for p in g.procs]
-        h.violation(f"group {g.index}: a rank exited on its own {codes}: "
-                    f"{procs.tail(f'g{g.index}-rank{codes.index(next(c for c in codes if c is not None))}.log')}")
+        h.violation(
+            f"group {g.index}: a rank exited on its own {codes}: "
+            f"{procs.tail(f'g{g.index}-rank{codes.index(next(c for c in codes if c is not None))}.log')}"
+        )
         h.restart_group()
 
 
 # ---------------------------------------------------------------- after the run
+
 
 def final_plans(db: Path, violation: Violation) -> dict[int, str]:
     """Every plan's version and final state in the store."""
@@ -111,8 +125,13 @@ def final_plans(db: Path, violation: Violation) -> dict[int, str]:
         store.close()
 
 
-def check_step_logs(groups: Iterable[Group], plans: dict[int, str], excused: list[tuple[float, float]],
-                    step_wait_bound_ms: float, violation: Violation) -> dict[str, Any]:
+def check_step_logs(
+    groups: Iterable[Group],
+    plans: dict[int, str],
+    excused: list[tuple[float, float]],
+    step_wait_bound_ms: float,
+    violation: Violation,
+) -> dict[str, Any]:
     """Invariants 1, 2, 3, 5 from every group's step logs; the run's figures."""
     committed = {v for v, state in plans.items() if state == "committed"} | {0}
     aborted = {v for v, state in plans.items() if state == "aborted"}
@@ -121,7 +140,9 @@ def check_step_logs(groups: Iterable[Group], plans: dict[int, str], excused: lis
     max_hook = 0.0
     max_gap = 0.0
     for g in groups:
-        rows = [np.array(log.read(), dtype=np.float64).reshape(-1, STEP_LOG_COLUMNS) for log in g.logs]
+        rows = [
+            np.array(log.read(), dtype=np.float64).reshape(-1, STEP_LOG_COLUMNS) for log in g.logs
+        ]
         steps += sum(len(r) for r in rows)
         if not all(len(r) for r in rows):
             continue
@@ -133,27 +154,35 @@ def check_step_logs(groups: Iterable[Group], plans: dict[int, str], excused: lis
         mixed = np.flatnonzero((versions != versions[0]).any(axis=0))
         if len(mixed):
             s = int(mixed[0])
-            violation(f"2: group {g.index}: {len(mixed)} steps ran mixed versions, first step {s}: "
-                      f"{versions[:, s].astype(int).tolist()}")
+            violation(
+                f"2: group {g.index}: {len(mixed)} steps ran mixed versions, first step {s}: "
+                f"{versions[:, s].astype(int).tolist()}"
+            )
         for rank, r in enumerate(rows):
             bad = np.flatnonzero(r[:, DIFF] != 0.0)
             if len(bad):
-                violation(f"1: group {g.index} rank {rank}: {len(bad)} steps differ from the reference "
-                          f"(max {r[:, DIFF].max():g})")
+                violation(
+                    f"1: group {g.index} rank {rank}: {len(bad)} steps differ from the reference "
+                    f"(max {r[:, DIFF].max():g})"
+                )
             ran = {int(v) for v in np.unique(r[:, VERSION])}
             if ran - committed:
-                violation(f"5: group {g.index} rank {rank} ran versions {sorted(ran - committed)} that "
-                          f"are not committed in the store (aborted: {sorted(ran & aborted)})")
+                violation(
+                    f"5: group {g.index} rank {rank} ran versions {sorted(ran - committed)} that "
+                    f"are not committed in the store (aborted: {sorted(ran & aborted)})"
+                )
             waited = r[:, HOOK_MS] - r[:, HOOK_RUNQ_MS]  # in the hook, not waiting for a CPU
             max_wait = max(max_wait, float(waited.max()))
             max_hook = max(max_hook, float(r[:, HOOK_MS].max()))
             slow = np.flatnonzero(waited > step_wait_bound_ms)
             if len(slow):
                 worst = int(slow[np.argmax(waited[slow])])
-                violation(f"3: group {g.index} rank {rank}: {len(slow)} steps spent more than "
-                          f"{step_wait_bound_ms:g} ms in the hook besides waiting for a CPU "
-                          f"(max {waited[worst]:.0f} ms at step {worst}, {r[worst, HOOK_MS]:.0f} ms "
-                          f"with the CPU wait)")
+                violation(
+                    f"3: group {g.index} rank {rank}: {len(slow)} steps spent more than "
+                    f"{step_wait_bound_ms:g} ms in the hook besides waiting for a CPU "
+                    f"(max {waited[worst]:.0f} ms at step {worst}, {r[worst, HOOK_MS]:.0f} ms "
+                    f"with the CPU wait)"
+                )
             gaps = np.diff(r[:, WALL])
             ends = r[1:, WALL]
             ok = np.ones(len(gaps), dtype=bool)
@@ -166,9 +195,14 @@ def check_step_logs(groups: Iterable[Group], plans: dict[int, str], excused: lis
         ran_all = [set(np.unique(r[:n, VERSION]).astype(int)) for r in rows]
         if any(s != ran_all[0] for s in ran_all):
             violation(f"5: group {g.index}: ranks ran different version sets {ran_all}")
-    return {"steps": steps, "max_step_wait_ms": round(max_wait, 2), "max_hook_ms": round(max_hook, 2),
-            "max_step_gap_ms": round(1e3 * max_gap, 1),
-            "plans_committed": len(committed - {0}), "plans_aborted": len(aborted)}
+    return {
+        "steps": steps,
+        "max_step_wait_ms": round(max_wait, 2),
+        "max_hook_ms": round(max_hook, 2),
+        "max_step_gap_ms": round(1e3 * max_gap, 1),
+        "plans_committed": len(committed - {0}),
+        "plans_aborted": len(aborted),
+    }
 
 
 def transfer_timeouts(folder: Path) -> int:

@@ -41,7 +41,7 @@ class ChaosConfig:
     window_steps: int = 8
     agree_every: int = 4
     step_sleep: float = 0.01
-    prepare_seconds: float = 0.4       # a prepare's extra time on the last rank (chaos_worker)
+    prepare_seconds: float = 0.4  # a prepare's extra time on the last rank (chaos_worker)
     prepare_timeout_seconds: float = 5.0
     kinds: tuple[str, ...] = ALL_KINDS
     # Busy processes beside the whole campaign (a node other work keeps busy).
@@ -53,7 +53,7 @@ class ChaosConfig:
     # not counting the time its thread waited for a CPU (a starved node's doing). A step
     # that waited on a link would wait at least the fault's length (0.3-2 s).
     step_wait_bound_ms: float = 250.0
-    settle_seconds: float = 30.0       # after an episode, to agreement (invariant 7)
+    settle_seconds: float = 30.0  # after an episode, to agreement (invariant 7)
     recovery_bound_seconds: float = 10.0
     keep: bool = False
     progress: bool = True

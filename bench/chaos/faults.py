@@ -39,12 +39,14 @@ FAULTS: dict[str, Fault] = {}
 
 def fault(family: Family, *names: str, weight: float = 1.0) -> Callable[[Inject], Inject]:
     """Register the decorated function as the fault kinds `names`."""
+
     def register(inject: Inject) -> Inject:
         for name in names:
             if name in FAULTS:
                 raise ValueError(f"fault kind {name} registered twice")
             FAULTS[name] = Fault(name, family, weight, inject)
         return inject
+
     return register
 
 
@@ -69,6 +71,7 @@ def signal_of(kind: str) -> signal.Signals:
 # socket; a killed worker takes its gloo group with it (a gloo group cannot lose a
 # member), so the other ranks are killed and the deployment's G ranks start again.
 # A killed worker restarts G torch processes, the slowest episode: it comes less often.
+
 
 @fault("process", "sigkill_worker", "sigterm_worker", weight=0.35)
 def kill_worker(h: Harness, kind: str) -> None:
@@ -137,8 +140,14 @@ def freeze(h: Harness, proc: subprocess.Popen[Any] | None, name: str, excuse: bo
         h.out.excused.append((start, time.time() + 1.0))
 
 
-def stop(h: Harness, proc: subprocess.Popen[Any], sig: signal.Signals, name: str, log: str,
-         seconds: float) -> None:
+def stop(
+    h: Harness,
+    proc: subprocess.Popen[Any],
+    sig: signal.Signals,
+    name: str,
+    log: str,
+    seconds: float,
+) -> None:
     """Send `sig` and wait for the exit: still running after `seconds`, or a SIGTERM
     answered with a non-zero exit, is a finding (the process is killed either way)."""
     proc.send_signal(sig)
@@ -168,6 +177,7 @@ def kill_controller(h: Harness, sig: signal.Signals, torn_wal: bool = False) -> 
 # Every gRPC link goes through the loopback fault proxy (bench/faultproxy.py), which
 # ends each fault after its length.
 
+
 @fault("link", "latency", "bandwidth", "drop", "half_open", "blackhole", weight=2.0)
 def link(h: Harness, kind: str) -> None:
     time.sleep(link_fault(h, kind))
@@ -181,8 +191,11 @@ def link_fault(h: Harness, kind: str, link: str | None = None) -> float:
     # Both amounts are drawn for every kind (the order of draws the seeds were recorded with).
     amounts = {"latency": rng.uniform(0.05, 0.5), "bandwidth": rng.choice([2e3, 2e4, 2e5])}
     amount = amounts.get(kind, 0.0)
-    h.say(f"{kind} on link {link}" + (f" for {seconds:.1f}s" if seconds else "")
-          + (f" ({amount:g})" if amount else ""))
+    h.say(
+        f"{kind} on link {link}"
+        + (f" for {seconds:.1f}s" if seconds else "")
+        + (f" ({amount:g})" if amount else "")
+    )
     h.proxy.inject(link, kind, seconds, amount)  # type: ignore[arg-type]
     h.out.faults[kind] += 1
     return seconds
@@ -192,6 +205,7 @@ def link_fault(h: Harness, kind: str, link: str | None = None) -> float:
 #
 # Read-only and disk full use a tmpfs when run as root; otherwise a size limit on the
 # controller's files (RLIMIT_FSIZE) and file modes.
+
 
 @fault("store", "store_readonly")
 def store_readonly(h: Harness, kind: str) -> None:
@@ -204,7 +218,9 @@ def store_readonly(h: Harness, kind: str) -> None:
     proc.wait()
     h.say("store read-only, controller restarted on it")
     if h.tmpfs:
-        subprocess.run(["mount", "-o", "remount,ro", str(h.store_dir)], check=True, capture_output=True)
+        subprocess.run(
+            ["mount", "-o", "remount,ro", str(h.store_dir)], check=True, capture_output=True
+        )
     else:
         for p in h.store_dir.iterdir():
             p.chmod(0o444)
@@ -217,12 +233,16 @@ def store_readonly(h: Harness, kind: str) -> None:
             h.procs.controller.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
             h.procs.controller.wait()  # type: ignore[union-attr]
         else:
-            line = f"exit {h.procs.last_exit}: " + h.procs.tail("controller.log", 300).split(" | ")[-1]
+            line = (
+                f"exit {h.procs.last_exit}: " + h.procs.tail("controller.log", 300).split(" | ")[-1]
+            )
             h.out.refused_starts.append(line.replace(str(h.tmp), "$RUN"))
             h.say(f"refused: {line}")
     finally:
         if h.tmpfs:
-            subprocess.run(["mount", "-o", "remount,rw", str(h.store_dir)], check=True, capture_output=True)
+            subprocess.run(
+                ["mount", "-o", "remount,rw", str(h.store_dir)], check=True, capture_output=True
+            )
         else:
             h.store_dir.chmod(0o755)
             for p in h.store_dir.iterdir():
@@ -276,6 +296,7 @@ def tear_wal(h: Harness) -> None:
 
 
 # ---------------------------------------------------------------- the node
+
 
 @fault("node", "cpu_starve")
 def cpu_starve(h: Harness, kind: str) -> None:

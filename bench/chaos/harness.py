@@ -45,11 +45,20 @@ class Harness:
             self.db = self.store_dir / "c.sqlite"
             self.out = Outcome()
             self.port = free_port()
-            self.demo = DemoConfig(workers=config.workers, layers=config.layers, experts=config.experts,
-                                   slots=config.slots, top_k=config.top_k, tokens=config.tokens,
-                                   window_steps=config.window_steps, seed=config.seed)
+            self.demo = DemoConfig(
+                workers=config.workers,
+                layers=config.layers,
+                experts=config.experts,
+                slots=config.slots,
+                top_k=config.top_k,
+                tokens=config.tokens,
+                window_steps=config.window_steps,
+                seed=config.seed,
+            )
             self.profile = write_profile(self.demo, self.tmp)
-            (self.tmp / "c.toml").write_text(CONTROLLER_TOML.format(prepare_timeout=config.prepare_timeout_seconds))
+            (self.tmp / "c.toml").write_text(
+                CONTROLLER_TOML.format(prepare_timeout=config.prepare_timeout_seconds)
+            )
             self.proxy = FaultProxy()
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -114,7 +123,9 @@ class Harness:
         for _ in range(3):
             if self.procs.start_controller():
                 break
-            self.violation(f"controller refused to restart on its store: {self.procs.tail('controller.log')}")
+            self.violation(
+                f"controller refused to restart on its store: {self.procs.tail('controller.log')}"
+            )
         self.out.controller_restarts += 1
         waited = self.wait_ready(60.0)
         if waited is None:
@@ -143,13 +154,19 @@ class Harness:
         if self.cfg.hog:
             self.procs.start_hogs(self.cfg.hog)
         if os.geteuid() == 0 and shutil.which("mount"):
-            r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(self.store_dir)],
-                               capture_output=True)
+            r = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(self.store_dir)],
+                capture_output=True,
+            )
             self.tmpfs = r.returncode == 0
         self.proxy.add("controller", "127.0.0.1:0", f"127.0.0.1:{self.port}")
         for pod in range(self.cfg.pods):
             (self.tmp / f"pod{pod}").mkdir()
-            self.proxy.add(f"pod{pod}", f"unix://{self.tmp}/pod{pod}/proxy.sock", f"unix://{self.tmp}/pod{pod}/agent.sock")
+            self.proxy.add(
+                f"pod{pod}",
+                f"unix://{self.tmp}/pod{pod}/proxy.sock",
+                f"unix://{self.tmp}/pod{pod}/agent.sock",
+            )
         if not self.procs.start_controller():
             raise RuntimeError(f"controller did not start: {self.procs.tail('controller.log')}")
         for pod in range(self.cfg.pods):
@@ -170,8 +187,10 @@ class Harness:
     def _run(self, start: float) -> None:
         try:
             self.setup()
-            self.say(f"up: controller :{self.port}, {self.cfg.pods} sidecars, {self.cfg.workers} ranks; "
-                     f"store on {'tmpfs' if self.tmpfs else 'disk'}; {self.tmp}")
+            self.say(
+                f"up: controller :{self.port}, {self.cfg.pods} sidecars, {self.cfg.workers} ranks; "
+                f"store on {'tmpfs' if self.tmpfs else 'disk'}; {self.tmp}"
+            )
             first = schedule.first_turns(self.rng, self.cfg.kinds)
             episode = 0
             end = start + self.cfg.seconds
@@ -191,7 +210,9 @@ class Harness:
         hit = schedule.reach(self, schedule.phase_of(index))
         self.out.phases[hit] += 1
         storm = schedule.storm(self.rng, self.cfg.kinds)
-        self.say(f"episode {index}: {kind} at {hit}" + (f" with {', '.join(storm)}" if storm else ""))
+        self.say(
+            f"episode {index}: {kind} at {hit}" + (f" with {', '.join(storm)}" if storm else "")
+        )
         until = time.monotonic() + max((faults.link_fault(self, k) for k in storm), default=0.0)
         faults.inject(self, kind)
         time.sleep(max(0.0, until - time.monotonic()))
@@ -218,7 +239,9 @@ class Harness:
         if codes != [0] * len(codes):
             self.violation(f"group {g.index}: ranks ended with {codes} when asked to stop")
             return
-        results = [json.loads((g.folder / f"rank{r}.json").read_text()) for r in range(self.cfg.workers)]
+        results = [
+            json.loads((g.folder / f"rank{r}.json").read_text()) for r in range(self.cfg.workers)
+        ]
         if not all(r["weights_match_map"] for r in results):
             self.violation(f"group {g.index}: weights do not match the map at the end")
         if any(r["agreement_broken"] for r in results):
@@ -238,7 +261,11 @@ class Harness:
         copy of a tmpfs store)."""
         if self.tmpfs and self.cfg.keep:  # the tmpfs goes either way
             with contextlib.suppress(OSError):
-                shutil.copytree(self.store_dir, self.tmp / "store-copy", ignore=shutil.ignore_patterns("ballast"))
+                shutil.copytree(
+                    self.store_dir,
+                    self.tmp / "store-copy",
+                    ignore=shutil.ignore_patterns("ballast"),
+                )
         if self.tmpfs:
             subprocess.run(["umount", "-l", str(self.store_dir)], capture_output=True)
         if not self.cfg.keep:
@@ -247,13 +274,16 @@ class Harness:
     def report(self, seconds: float) -> dict[str, Any]:
         """The run's figures and violations (the JSON object of `--json`)."""
         plans = checks.final_plans(self.db, self.violation)
-        figures = checks.check_step_logs(self.procs.groups, plans, self.out.excused, self.cfg.step_wait_bound_ms,
-                                         self.violation)
+        figures = checks.check_step_logs(
+            self.procs.groups, plans, self.out.excused, self.cfg.step_wait_bound_ms, self.violation
+        )
         leaked = self.procs.leaked()
         rec = sorted(self.out.recoveries)
         p99 = checks.recovery_p99(rec)
         if rec and p99 > self.cfg.recovery_bound_seconds:
-            self.violation(f"controller recovery p99 {p99:.1f} s is above {self.cfg.recovery_bound_seconds:g} s")
+            self.violation(
+                f"controller recovery p99 {p99:.1f} s is above {self.cfg.recovery_bound_seconds:g} s"
+            )
         result = {
             "seconds": round(seconds, 1),
             "seed": self.cfg.seed,

@@ -42,8 +42,9 @@ def wait_line(proc: subprocess.Popen[str], needle: str, seconds: float) -> str |
     """The first stdout line of `proc` if it holds `needle` within `seconds`, else None."""
     assert proc.stdout is not None
     box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""),
-                              daemon=True)
+    reader = threading.Thread(
+        target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True
+    )
     reader.start()
     reader.join(seconds)
     if box and needle in box[0]:
@@ -82,8 +83,15 @@ def alive(pids: set[int]) -> list[int]:
 class Processes:
     """Starts the run's processes in `folder` (their logs beside them) and reaps them."""
 
-    def __init__(self, config: ChaosConfig, folder: Path, db: Path, port: int, profile: Path,
-                 proxy: FaultProxy) -> None:
+    def __init__(
+        self,
+        config: ChaosConfig,
+        folder: Path,
+        db: Path,
+        port: int,
+        profile: Path,
+        proxy: FaultProxy,
+    ) -> None:
         self.cfg = config
         self.folder = folder
         self.db = db
@@ -102,7 +110,9 @@ class Processes:
         # resource tracker, which lives as long as the runner): not the run's to reap.
         self._before = process_tree(os.getpid())
 
-    def popen(self, cmd: list[str], log: str, text: bool = False, **kw: Any) -> subprocess.Popen[Any]:
+    def popen(
+        self, cmd: list[str], log: str, text: bool = False, **kw: Any
+    ) -> subprocess.Popen[Any]:
         with (self.folder / log).open("ab") as err:
             proc = subprocess.Popen(bound_to_this_process(cmd), stderr=err, text=text, **kw)
         self.all_procs.append(proc)
@@ -110,15 +120,32 @@ class Processes:
 
     def tail(self, log: str, chars: int = 600) -> str:
         with contextlib.suppress(OSError):
-            return (self.folder / log).read_text(errors="replace")[-chars:].strip().replace("\n", " | ")
+            return (
+                (self.folder / log)
+                .read_text(errors="replace")[-chars:]
+                .strip()
+                .replace("\n", " | ")
+            )
         return ""
 
     # ------------------------------------------------------------ the controller and sidecars
 
     def start_controller(self) -> bool:
         """`rebalancer serve` on the same store and port; False if it refused to start."""
-        cmd = [sys.executable, "-m", "rebalancer", "serve", "--config", str(self.folder / "c.toml"),
-               "--port", str(self.port), "--db", str(self.db), "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "serve",
+            "--config",
+            str(self.folder / "c.toml"),
+            "--port",
+            str(self.port),
+            "--db",
+            str(self.db),
+            "--log-level",
+            "WARNING",
+        ]
         proc = self.popen(cmd, "controller.log", text=True, stdout=subprocess.PIPE)
         if wait_line(proc, "serving on", 30.0) is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -134,10 +161,28 @@ class Processes:
 
     def start_sidecar(self, pod: int) -> None:
         ranks = self.pod_ranks(pod)
-        cmd = [sys.executable, "-m", "rebalancer", "sidecar", "--listen", f"unix://{self.folder}/pod{pod}/agent.sock",
-               "--controller", self.proxy.links["controller"].address, "--ranks", f"{ranks[0]}-{ranks[-1]}",
-               "--pod", f"chaos/pod{pod}", "--deployment", DEPLOYMENT, "--socket-access", "owner",
-               "--grace", "1", "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "sidecar",
+            "--listen",
+            f"unix://{self.folder}/pod{pod}/agent.sock",
+            "--controller",
+            self.proxy.links["controller"].address,
+            "--ranks",
+            f"{ranks[0]}-{ranks[-1]}",
+            "--pod",
+            f"chaos/pod{pod}",
+            "--deployment",
+            DEPLOYMENT,
+            "--socket-access",
+            "owner",
+            "--grace",
+            "1",
+            "--log-level",
+            "WARNING",
+        ]
         proc = self.popen(cmd, f"sidecar{pod}.log", text=True, stdout=subprocess.PIPE)
         if wait_line(proc, "sidecar serving on", 30.0) is None:
             raise RuntimeError(f"sidecar {pod} did not start: {self.tail(f'sidecar{pod}.log')}")
@@ -154,22 +199,65 @@ class Processes:
         folder = self.folder / f"g{index}"
         folder.mkdir()
         port = free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "REBALANCER_LOG": "ERROR", STEP_LOG: str(folder),
-               PREPARE_SECONDS: str(self.cfg.prepare_seconds)}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "REBALANCER_LOG": "ERROR",
+            STEP_LOG: str(folder),
+            PREPARE_SECONDS: str(self.cfg.prepare_seconds),
+        }
         procs = []
         for rank in range(self.cfg.workers):
             pod = rank // (self.cfg.workers // self.cfg.pods)
-            cmd = [sys.executable, "-m", "bench.chaos_worker", "--rank", str(rank), "--world", str(self.cfg.workers),
-                   "--port", str(port), "--controller", self.proxy.links[f"pod{pod}"].address,
-                   "--deployment", DEPLOYMENT, "--profile", str(self.profile), "--steps", str(10**9),
-                   "--tokens", str(self.cfg.tokens), "--experts", str(self.cfg.experts),
-                   "--slots", str(self.cfg.slots), "--layers", str(self.cfg.layers), "--top-k", str(self.cfg.top_k),
-                   "--window-steps", str(self.cfg.window_steps), "--agree-every", str(self.cfg.agree_every),
-                   "--step-sleep", str(self.cfg.step_sleep), "--max-seconds", str(self.cfg.seconds + 600),
-                   "--stop-file", str(folder / "stop"), "--out", str(folder / f"rank{rank}.json")]
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.chaos_worker",
+                "--rank",
+                str(rank),
+                "--world",
+                str(self.cfg.workers),
+                "--port",
+                str(port),
+                "--controller",
+                self.proxy.links[f"pod{pod}"].address,
+                "--deployment",
+                DEPLOYMENT,
+                "--profile",
+                str(self.profile),
+                "--steps",
+                str(10**9),
+                "--tokens",
+                str(self.cfg.tokens),
+                "--experts",
+                str(self.cfg.experts),
+                "--slots",
+                str(self.cfg.slots),
+                "--layers",
+                str(self.cfg.layers),
+                "--top-k",
+                str(self.cfg.top_k),
+                "--window-steps",
+                str(self.cfg.window_steps),
+                "--agree-every",
+                str(self.cfg.agree_every),
+                "--step-sleep",
+                str(self.cfg.step_sleep),
+                "--max-seconds",
+                str(self.cfg.seconds + 600),
+                "--stop-file",
+                str(folder / "stop"),
+                "--out",
+                str(folder / f"rank{rank}.json"),
+            ]
             procs.append(self.popen(cmd, f"g{index}-rank{rank}.log", env=env))
-        group = Group(index, folder, procs, [StepLog(folder / f"steps{r}.jsonl") for r in range(self.cfg.workers)],
-                      time.time())
+        group = Group(
+            index,
+            folder,
+            procs,
+            [StepLog(folder / f"steps{r}.jsonl") for r in range(self.cfg.workers)],
+            time.time(),
+        )
         self.groups.append(group)
         self.group = group
         return group

@@ -18,8 +18,17 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 if TYPE_CHECKING:
     from bench.chaos.harness import Harness
 
-Phase = Literal["any", "proposed", "preparing", "prepared", "commit_sent", "commit_agreed", "switched"]
-PHASES: tuple[Phase, ...] = ("proposed", "preparing", "prepared", "commit_sent", "commit_agreed", "switched")
+Phase = Literal[
+    "any", "proposed", "preparing", "prepared", "commit_sent", "commit_agreed", "switched"
+]
+PHASES: tuple[Phase, ...] = (
+    "proposed",
+    "preparing",
+    "prepared",
+    "commit_sent",
+    "commit_agreed",
+    "switched",
+)
 # Every seventh episode strikes at a random moment instead of a plan phase.
 ANY_EVERY = 7
 
@@ -94,19 +103,41 @@ def reach(h: Harness, phase: Phase) -> str:
         switched = sum(int(r[VERSION]) >= version for r in rows)  # type: ignore[index]
         s = h.status(0.5) if phase in ("preparing", "prepared", "commit_sent") else None
         in_flight = s is not None and s.plan_in_flight == version
-        if phase == "preparing" and in_flight and s is not None and s.plan_phase == "preparing" and prepared == 0:
+        if (
+            phase == "preparing"
+            and in_flight
+            and s is not None
+            and s.plan_phase == "preparing"
+            and prepared == 0
+        ):
             time.sleep(h.rng.uniform(0.0, 0.1))
             return phase
-        if phase == "prepared" and in_flight and s is not None and s.plan_phase == "preparing" and 0 < prepared:
+        if (
+            phase == "prepared"
+            and in_flight
+            and s is not None
+            and s.plan_phase == "preparing"
+            and 0 < prepared
+        ):
             return phase
-        if phase == "commit_sent" and in_flight and s is not None and s.plan_phase == "committing" and switched == 0:
+        if (
+            phase == "commit_sent"
+            and in_flight
+            and s is not None
+            and s.plan_phase == "committing"
+            and switched == 0
+        ):
             return phase
         if phase == "commit_agreed" and ready > 0 and switched == 0:
             return phase
         if phase == "switched" and switched > 0:
             return phase
-        if switched == len(rows) or (s is not None and s.plan_in_flight != version and prepared == 0
-                                     and phase in ("preparing", "prepared")):
+        if switched == len(rows) or (
+            s is not None
+            and s.plan_in_flight != version
+            and prepared == 0
+            and phase in ("preparing", "prepared")
+        ):
             return "missed"
         time.sleep(0.005)
     return "missed"

@@ -98,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         return _error(args.command, "out of memory for the sizes asked for", EXIT_FAILED)
     except OSError as exc:
         # a file the command writes or reads that the system refused (permissions, disk full)
-        return _error(args.command, f"{exc.strerror or type(exc).__name__}: {exc.filename or exc}", EXIT_FAILED)
+        return _error(
+            args.command,
+            f"{exc.strerror or type(exc).__name__}: {exc.filename or exc}",
+            EXIT_FAILED,
+        )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,14 @@ from typing import Any
 from rebalancer.wire.status import balancedness_text
 
 EXIT_CODES = {
-    "INVALID_ARGUMENT": 2, "NOT_FOUND": 3, "FAILED_PRECONDITION": 4, "ALREADY_EXISTS": 4,
-    "UNAVAILABLE": 5, "DEADLINE_EXCEEDED": 5, "UNAUTHENTICATED": 6, "PERMISSION_DENIED": 6,
+    "INVALID_ARGUMENT": 2,
+    "NOT_FOUND": 3,
+    "FAILED_PRECONDITION": 4,
+    "ALREADY_EXISTS": 4,
+    "UNAVAILABLE": 5,
+    "DEADLINE_EXCEEDED": 5,
+    "UNAUTHENTICATED": 6,
+    "PERMISSION_DENIED": 6,
 }
 # Any other gRPC status the controller answers with.
 EXIT_OTHER = 1
@@ -26,12 +32,12 @@ EXIT_REFUSED = EXIT_CODES["FAILED_PRECONDITION"]
 EXIT_MEANINGS = {
     0: "done",
     EXIT_OTHER: "failed: any other gRPC error (INTERNAL, RESOURCE_EXHAUSTED, ...), or a file "
-                "the system refused",
+    "the system refused",
     2: "bad input: usage, a flag or setting, an unwritable --out/--sglang file (nothing "
-       "sent), or input the controller refused",
+    "sent), or input the controller refused",
     3: "not found: no such deployment, or nothing stored for it yet",
     4: "refused in this state: a plan in flight, no counts yet, or a force that started no "
-       "plan (ranks not connected, nothing to move)",
+    "plan (ranks not connected, nothing to move)",
     5: "controller unreachable or too slow (--timeout)",
     6: "not authenticated or not allowed: --token / REBALANCER_ADMIN_TOKEN, client certificate",
     130: "interrupted (Ctrl-C)",
@@ -49,14 +55,21 @@ def exit_codes_help() -> str:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "admin", help="inspect and steer a running controller",
+        "admin",
+        help="inspect and steer a running controller",
         description="Talk to a controller's AdminService. The token comes from --token or "
         "REBALANCER_ADMIN_TOKEN. --json goes before or after the action.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=exit_codes_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=exit_codes_help(),
     )
-    p.add_argument("--address", default=os.environ.get("REBALANCER_ADDRESS", "127.0.0.1:50051"),
-                   help="controller host:port (env REBALANCER_ADDRESS)")
-    p.add_argument("--token", default=os.environ.get("REBALANCER_ADMIN_TOKEN"), help="admin bearer token")
+    p.add_argument(
+        "--address",
+        default=os.environ.get("REBALANCER_ADDRESS", "127.0.0.1:50051"),
+        help="controller host:port (env REBALANCER_ADDRESS)",
+    )
+    p.add_argument(
+        "--token", default=os.environ.get("REBALANCER_ADMIN_TOKEN"), help="admin bearer token"
+    )
     p.add_argument("--ca", help="CA certificate of the server (enables TLS)")
     p.add_argument("--cert", help="client certificate (mutual TLS)")
     p.add_argument("--key", help="client key (mutual TLS)")
@@ -64,7 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     cmds = p.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
 
-    s = cmds.add_parser("status", help="per pool and deployment: version, balancedness, plan in flight, last decision")
+    s = cmds.add_parser(
+        "status",
+        help="per pool and deployment: version, balancedness, plan in flight, last decision",
+    )
     s.add_argument("deployment", nargs="?", default="", help="one deployment (default: all)")
     s = cmds.add_parser("placement", help="print or export the committed placement")
     s.add_argument("deployment")
@@ -73,21 +89,46 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = cmds.add_parser("history", help="plans and decisions, newest first")
     s.add_argument("deployment")
     s.add_argument("--limit", type=int, default=20)
-    s = cmds.add_parser("contingency", help="survivor placements planned for every single rank and node loss "
-                        "and each declared scale-down")
+    s = cmds.add_parser(
+        "contingency",
+        help="survivor placements planned for every single rank and node loss "
+        "and each declared scale-down",
+    )
     s.add_argument("deployment")
-    s = cmds.add_parser("regimes", help="the regime library of the regimes policy: recurring loads, "
-                        "their stays, the predictors' errors, the last decision's load")
+    s = cmds.add_parser(
+        "regimes",
+        help="the regime library of the regimes policy: recurring loads, "
+        "their stays, the predictors' errors, the last decision's load",
+    )
     s.add_argument("deployment")
-    s = cmds.add_parser("force", help="rebalance now, skipping the gate (or --dry-run): force DEP, or force --pool POOL")
+    s = cmds.add_parser(
+        "force",
+        help="rebalance now, skipping the gate (or --dry-run): force DEP, or force --pool POOL",
+    )
     s.add_argument("deployment", nargs="?", default="")
-    s.add_argument("--pool", default="", help="rebalance this replica pool (its placement rolled out to its members)")
-    s.add_argument("--dry-run", action="store_true", help="show the plan, its gain and cost; start nothing")
-    s.add_argument("--max-moved-fraction", type=float, default=0.0, help="budget for this plan (0: policy's)")
-    s.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                   help="a plan in flight for the deployment: wait up to this long for it to end first "
-                        "(default 0: refused at once, exit 4)")
-    for name, text in (("pause", "stop automatic rebalancing"), ("resume", "resume automatic rebalancing")):
+    s.add_argument(
+        "--pool",
+        default="",
+        help="rebalance this replica pool (its placement rolled out to its members)",
+    )
+    s.add_argument(
+        "--dry-run", action="store_true", help="show the plan, its gain and cost; start nothing"
+    )
+    s.add_argument(
+        "--max-moved-fraction", type=float, default=0.0, help="budget for this plan (0: policy's)"
+    )
+    s.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="a plan in flight for the deployment: wait up to this long for it to end first "
+        "(default 0: refused at once, exit 4)",
+    )
+    for name, text in (
+        ("pause", "stop automatic rebalancing"),
+        ("resume", "resume automatic rebalancing"),
+    ):
         s = cmds.add_parser(name, help=text)
         s.add_argument("deployment")
     s = cmds.add_parser("policy", help="get or set the policy: policy DEP [key=value ...]")
@@ -95,8 +136,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("settings", nargs="*", metavar="key=value")
     # --json after the action as well: SUPPRESS keeps the value given before it.
     for action in cmds.choices.values():
-        action.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                            help="print one JSON object")
+        action.add_argument(
+            "--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object"
+        )
     p.set_defaults(func=run)
 
 
@@ -135,8 +177,12 @@ def _check_args(args: argparse.Namespace, pb: Any) -> list[tuple[str, Any]]:
 
     from rebalancer.errors import InputError
 
-    texts = [("--address", args.address), ("--token", args.token),
-             ("deployment", getattr(args, "deployment", None)), *(("setting", s) for s in getattr(args, "settings", None) or [])]
+    texts = [
+        ("--address", args.address),
+        ("--token", args.token),
+        ("deployment", getattr(args, "deployment", None)),
+        *(("setting", s) for s in getattr(args, "settings", None) or []),
+    ]
     for what, value in texts:
         if value is None:
             continue
@@ -175,13 +221,17 @@ def _parse_settings(settings: list[str], pb: Any) -> list[tuple[str, Any]]:
         key, sep, value = item.partition("=")
         field = fields.get(key)
         if not sep or field is None:
-            raise InputError(f"setting {item!r}: expected key=value with key one of {', '.join(fields)}")
+            raise InputError(
+                f"setting {item!r}: expected key=value with key one of {', '.join(fields)}"
+            )
         if field.type == field.TYPE_MESSAGE:  # a list of node counts: "7,6", or "" for none
             counts = []
             for part in filter(None, (p.strip() for p in value.split(","))):
                 if not part.isdigit():
-                    raise InputError(f"setting {item!r}: {part!r} is not a whole number of nodes "
-                                     "(a comma-separated list, e.g. 7,6; empty for none)")
+                    raise InputError(
+                        f"setting {item!r}: {part!r} is not a whole number of nodes "
+                        "(a comma-separated list, e.g. 7,6; empty for none)"
+                    )
                 counts.append(int(part))
             parsed.append((key, counts))
             continue
@@ -201,7 +251,9 @@ def _parse_settings(settings: list[str], pb: Any) -> list[tuple[str, Any]]:
     return parsed
 
 
-def _wait_for_plan_in_flight(stub: Any, pb: Any, kw: dict[str, Any], deployment: str, seconds: float) -> None:
+def _wait_for_plan_in_flight(
+    stub: Any, pb: Any, kw: dict[str, Any], deployment: str, seconds: float
+) -> None:
     """Until `deployment` has no plan in flight, at most `seconds` (said once on stderr);
     the force that follows is refused as usual if one still is."""
     deadline = time.monotonic() + seconds
@@ -212,7 +264,10 @@ def _wait_for_plan_in_flight(stub: Any, pb: Any, kw: dict[str, Any], deployment:
         if not in_flight or time.monotonic() >= deadline:
             return
         if not told:
-            print(f"waiting up to {seconds:g} s for plan v{in_flight} in flight to end", file=sys.stderr)
+            print(
+                f"waiting up to {seconds:g} s for plan v{in_flight} in flight to end",
+                file=sys.stderr,
+            )
             told = True
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
@@ -249,7 +304,9 @@ def run(args: argparse.Namespace) -> int:
             return _dispatch(args, stub, pb, kw)
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details() or ""
-            cause = unavailable_cause(config, details) if code == grpc.StatusCode.UNAVAILABLE else ""
+            cause = (
+                unavailable_cause(config, details) if code == grpc.StatusCode.UNAVAILABLE else ""
+            )
             return _fail(EXIT_CODES.get(code.name, EXIT_OTHER), f"{code.name}: {cause or details}")
 
 
@@ -273,31 +330,56 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
         status = stub.Status(pb.StatusRequest(deployment=args.deployment), **kw).deployments[0]
         phy2log = codec.decode(reply.phy2log, "phy2log")
         if args.out:
-            _write("--out", args.out, lambda: write_placement(
-                args.out, phy2log, status.shape.num_gpus, status.shape.num_nodes or 1,
-                status.shape.num_logical_experts, reply.version))
+            _write(
+                "--out",
+                args.out,
+                lambda: write_placement(
+                    args.out,
+                    phy2log,
+                    status.shape.num_gpus,
+                    status.shape.num_nodes or 1,
+                    status.shape.num_logical_experts,
+                    reply.version,
+                ),
+            )
         if args.sglang:
-            _write("--sglang", args.sglang, lambda: write_sglang_expert_location(args.sglang, phy2log))
+            _write(
+                "--sglang", args.sglang, lambda: write_sglang_expert_location(args.sglang, phy2log)
+            )
         if args.json:
             print(json.dumps({"version": reply.version, "phy2log": phy2log.tolist()}))
         elif not (args.out or args.sglang):
-            print(f"placement v{reply.version} of {args.deployment}: {phy2log.shape[0]} layers x {phy2log.shape[1]} slots")
+            print(
+                f"placement v{reply.version} of {args.deployment}: {phy2log.shape[0]} layers x {phy2log.shape[1]} slots"
+            )
             for layer, row in enumerate(phy2log):
                 print(f"  layer {layer:3d}: {' '.join(map(str, row))}")
         else:
-            print(f"wrote placement v{reply.version} to {', '.join(p for p in (args.out, args.sglang) if p)}")
+            print(
+                f"wrote placement v{reply.version} to {', '.join(p for p in (args.out, args.sglang) if p)}"
+            )
     elif cmd == "history":
         reply = stub.History(pb.HistoryRequest(deployment=args.deployment, limit=args.limit), **kw)
-        lines = ["plans:"] + [f"  {_when(p.created)} v{p.version} from v{p.base_version} {p.state:10s} "
-                              f"{p.trigger:7s} {p.slots_moved} slots {p.bytes_moved / 1e6:.1f} MB {p.reason}"
-                              for p in reply.plans]
-        lines += ["decisions:"] + [f"  {_when(d.time)} {d.outcome:18s} {d.reason}"
-                                   + (f" [load: {d.load}]" if d.load else "") for d in reply.decisions]
+        lines = ["plans:"] + [
+            f"  {_when(p.created)} v{p.version} from v{p.base_version} {p.state:10s} "
+            f"{p.trigger:7s} {p.slots_moved} slots {p.bytes_moved / 1e6:.1f} MB {p.reason}"
+            for p in reply.plans
+        ]
+        lines += ["decisions:"] + [
+            f"  {_when(d.time)} {d.outcome:18s} {d.reason}"
+            + (f" [load: {d.load}]" if d.load else "")
+            for d in reply.decisions
+        ]
         lines += ["contingency sets:"] + [
             f"  {_when(c.time)} on v{c.base_version}: rank loss worst {c.rank_loss_worst:.3f} mean "
             f"{c.rank_loss_mean:.3f}, node loss worst {c.node_loss_worst:.3f}"
-            + (f" ({c.node_loss_unserved} experts a layer without a slot)" if c.node_loss_unserved else "")
-            for c in reply.contingency_sets]
+            + (
+                f" ({c.node_loss_unserved} experts a layer without a slot)"
+                if c.node_loss_unserved
+                else ""
+            )
+            for c in reply.contingency_sets
+        ]
         show(reply, "\n".join(lines))
     elif cmd == "contingency":
         reply = stub.Contingency(ref, **kw)
@@ -308,25 +390,41 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
     elif cmd == "force":
         if args.wait and not args.dry_run:
             _wait_for_plan_in_flight(stub, pb, kw, args.deployment, args.wait)
-        reply = stub.ForceRebalance(pb.ForceRebalanceRequest(
-            deployment=args.deployment, pool=args.pool, dry_run=args.dry_run,
-            max_moved_fraction=args.max_moved_fraction), **kw)
+        reply = stub.ForceRebalance(
+            pb.ForceRebalanceRequest(
+                deployment=args.deployment,
+                pool=args.pool,
+                dry_run=args.dry_run,
+                max_moved_fraction=args.max_moved_fraction,
+            ),
+            **kw,
+        )
         d = reply.decision
-        text = (f"{d.outcome}: balancedness {d.balancedness_current:.3f} -> {d.balancedness_candidate:.3f} "
-                f"(bound {d.bound_balancedness:.3f}), moves {d.moved_fraction:.1%} of slots "
-                f"({d.bytes_to_move / 1e6:.1f} MB), predicted gain {d.predicted_gain_seconds:.2f} s vs cost "
-                f"{d.migration_cost_seconds:.3f} s" + (f"; plan v{d.plan_version} started" if d.plan_version else "")
-                + (f"; pool placement {reply.placement.version}, rolled out to its members"
-                   if args.pool and d.outcome == "forced" and not args.dry_run else ""))
+        text = (
+            f"{d.outcome}: balancedness {d.balancedness_current:.3f} -> {d.balancedness_candidate:.3f} "
+            f"(bound {d.bound_balancedness:.3f}), moves {d.moved_fraction:.1%} of slots "
+            f"({d.bytes_to_move / 1e6:.1f} MB), predicted gain {d.predicted_gain_seconds:.2f} s vs cost "
+            f"{d.migration_cost_seconds:.3f} s"
+            + (f"; plan v{d.plan_version} started" if d.plan_version else "")
+            + (
+                f"; pool placement {reply.placement.version}, rolled out to its members"
+                if args.pool and d.outcome == "forced" and not args.dry_run
+                else ""
+            )
+        )
         if args.pool and reply.members:
             # The decision compares the pool placement with the pool's last one; what each
             # member's plan moves is from the placement it serves (one balanced alone while
             # diverged may move far more).
             text += "\neach member's own move, from the placement it serves:" + "".join(
-                f"\n  {m.deployment} (v{m.placement_version}): " + (
-                    "diverged (balanced alone): not rolled to, moves nothing" if m.diverged else
-                    f"{m.slots_moved} slots ({m.moved_fraction:.1%}), {m.bytes_to_move / 1e6:.1f} MB")
-                for m in reply.members)
+                f"\n  {m.deployment} (v{m.placement_version}): "
+                + (
+                    "diverged (balanced alone): not rolled to, moves nothing"
+                    if m.diverged
+                    else f"{m.slots_moved} slots ({m.moved_fraction:.1%}), {m.bytes_to_move / 1e6:.1f} MB"
+                )
+                for m in reply.members
+            )
         if args.json:
             out = plain(d)
             out["transfers"] = len(reply.transfers.data) // 20 if reply.transfers.data else 0
@@ -337,17 +435,24 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
             print(text)
         if args.pool and not args.dry_run:
             if d.outcome != "forced":
-                return _fail(EXIT_REFUSED, f"pool {args.pool!r} placement unchanged: {d.outcome}: {d.reason}")
+                return _fail(
+                    EXIT_REFUSED, f"pool {args.pool!r} placement unchanged: {d.outcome}: {d.reason}"
+                )
             if not args.json:
                 print(text)
         elif not args.dry_run and not d.plan_version:
             # Refused by the state it met (ranks missing, nothing to move, the store): the
             # decision is in the history, and the operator hears why, as for any refusal.
-            return _fail(EXIT_REFUSED, f"no plan started for {args.deployment!r}: {d.outcome}: {d.reason}")
+            return _fail(
+                EXIT_REFUSED, f"no plan started for {args.deployment!r}: {d.outcome}: {d.reason}"
+            )
     elif cmd in ("pause", "resume"):
         (stub.Pause if cmd == "pause" else stub.Resume)(ref, **kw)
-        print(json.dumps({"deployment": args.deployment, "paused": cmd == "pause"}) if args.json
-              else f"{args.deployment}: {'paused' if cmd == 'pause' else 'resumed'}")
+        print(
+            json.dumps({"deployment": args.deployment, "paused": cmd == "pause"})
+            if args.json
+            else f"{args.deployment}: {'paused' if cmd == 'pause' else 'resumed'}"
+        )
     elif cmd == "policy":
         policy = stub.GetPolicy(ref, **kw)
         if args.settings:
@@ -356,9 +461,16 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
                     getattr(policy, key).CopyFrom(pb.NodeCounts(counts=value))
                 else:
                     setattr(policy, key, value)
-            policy = stub.SetPolicy(pb.SetPolicyRequest(deployment=args.deployment, policy=policy), **kw)
-        show(policy, "\n".join(f"{f.name} = {_policy_value(getattr(policy, f.name))}"
-                               for f in policy.DESCRIPTOR.fields))
+            policy = stub.SetPolicy(
+                pb.SetPolicyRequest(deployment=args.deployment, policy=policy), **kw
+            )
+        show(
+            policy,
+            "\n".join(
+                f"{f.name} = {_policy_value(getattr(policy, f.name))}"
+                for f in policy.DESCRIPTOR.fields
+            ),
+        )
     return 0
 
 
@@ -371,15 +483,24 @@ def _policy_value(value: Any) -> Any:
 
 def _regimes_text(name: str, reply: Any) -> str:
     """The library, one line per regime, last seen first."""
-    policy = "regimes policy" if reply.enabled else "adaptive policy (regimes off: admin policy DEP regimes=true)"
+    policy = (
+        "regimes policy"
+        if reply.enabled
+        else "adaptive policy (regimes off: admin policy DEP regimes=true)"
+    )
     if not reply.regimes:
         return f"{name}: {policy}; no regime learned yet"
     errors = ", ".join(f"{k} {v:.4f}" for k, v in sorted(reply.predictor_errors.items()))
-    lines = [f"{name}: {policy}; {len(reply.regimes)} regimes from {reply.windows} windows, current "
-             f"{reply.current}; predictor errors: {errors or 'none yet'}",
-             f"  {'regime':>6s} {'windows':>8s} {'stays':>6s} {'mean stay':>9s} {'fit bal.':>8s} {'ready':>5s}  last seen"]
-    lines += [f"  {r.id:6d} {r.windows:8d} {r.visits:6d} {r.mean_stay_windows:9.1f} {r.fit_balancedness:8.3f} "
-              f"{'yes' if r.ready else 'no':>5s}  {_when(r.last_seen)}" for r in reply.regimes]
+    lines = [
+        f"{name}: {policy}; {len(reply.regimes)} regimes from {reply.windows} windows, current "
+        f"{reply.current}; predictor errors: {errors or 'none yet'}",
+        f"  {'regime':>6s} {'windows':>8s} {'stays':>6s} {'mean stay':>9s} {'fit bal.':>8s} {'ready':>5s}  last seen",
+    ]
+    lines += [
+        f"  {r.id:6d} {r.windows:8d} {r.visits:6d} {r.mean_stay_windows:9.1f} {r.fit_balancedness:8.3f} "
+        f"{'yes' if r.ready else 'no':>5s}  {_when(r.last_seen)}"
+        for r in reply.regimes
+    ]
     lines.append(f"  recent windows' regimes: {' '.join(map(str, reply.recent)) or '-'}")
     if reply.last_load:
         lines.append(f"  last decision's load: {reply.last_load}")
@@ -390,22 +511,27 @@ def _contingency_text(name: str, reply: Any) -> str:
     """One line per planned loss: balancedness after it, slots to refill, experts from storage."""
     if not reply.planned:
         return f"{name}: no contingency set yet (it is planned once counts arrive, for groups of 2+ ranks)"
-    lines = [f"{name}: survivor placements planned on v{reply.base_version} at {_when(reply.computed_at)} "
-             f"(balancedness now {reply.balancedness_now:.3f})",
-             f"  {'loss':<18s} {'balancedness':>12s} {'slots moved':>12s} {'from storage':>13s}  note"]
+    lines = [
+        f"{name}: survivor placements planned on v{reply.base_version} at {_when(reply.computed_at)} "
+        f"(balancedness now {reply.balancedness_now:.3f})",
+        f"  {'loss':<18s} {'balancedness':>12s} {'slots moved':>12s} {'from storage':>13s}  note",
+    ]
     nodes = [loss for loss in reply.losses if loss.kind == "node"]
     per_node = len(nodes[0].lost_ranks) if nodes else 0
     for loss in reply.losses:
         ranks = ",".join(map(str, loss.lost_ranks))
         what = f"{loss.kind} {ranks}" if loss.kind == "rank" else f"node (ranks {ranks})"
-        note = (f"cannot serve: {loss.unserved} experts a layer without a slot" if loss.unserved
-                else "")
+        note = (
+            f"cannot serve: {loss.unserved} experts a layer without a slot" if loss.unserved else ""
+        )
         if loss.kind == "scale_down" and per_node:  # a declared one: the tail nodes go
             first, last = loss.lost_ranks[0], loss.lost_ranks[-1]
             what = f"down to {first // per_node} nodes"
             note = f"ranks {first}-{last} go" + (f"; {note}" if note else "")
         bal = f"{loss.balancedness:.3f}" if not loss.unserved else "-"
-        lines.append(f"  {what:<18s} {bal:>12s} {loss.slots_moved:>12d} {loss.from_storage:>13d}  {note}".rstrip())
+        lines.append(
+            f"  {what:<18s} {bal:>12s} {loss.slots_moved:>12d} {loss.from_storage:>13d}  {note}".rstrip()
+        )
     return "\n".join(lines)
 
 
@@ -420,11 +546,16 @@ def _status_by_pool(reply: Any) -> str:
             f"balancedness on the pool estimate {balancedness_text(p.balancedness_estimated, 'none yet')}; "
             f"rolling: {p.members_at_target}/{len(p.members) - len(p.diverged)} on the pool placement, "
             f"{p.members_moving} moving (cap {p.max_moving})"
-            + (f"\n  last pool decision: {last.outcome}: {last.reason}" if last.outcome else ""))
+            + (f"\n  last pool decision: {last.outcome}: {last.reason}" if last.outcome else "")
+        )
         for d in reply.deployments:
             if d.pool == p.pool:
                 text = _status_text(d)
-                out.append("  " + text.replace("\n", "\n  ") + ("\n    DIVERGED: balanced alone" if d.diverged else ""))
+                out.append(
+                    "  "
+                    + text.replace("\n", "\n  ")
+                    + ("\n    DIVERGED: balanced alone" if d.diverged else "")
+                )
     out += [_status_text(d) for d in reply.deployments if not d.pool]
     return "\n".join(out)
 
@@ -442,10 +573,18 @@ def _status_text(d: Any) -> str:
         f"  plans committed {d.plans_committed}, aborted {d.plans_aborted}; moved {d.slots_moved} slots, "
         f"{d.bytes_moved / 1e6:.1f} MB"
         + (f"\n  plan in flight: v{d.plan_in_flight} ({d.plan_phase})" if d.plan_in_flight else "")
-        + (f"\n  MIXED PLACEMENT: {d.mixed}; no plan starts until its ranks restart" if d.mixed else "")
-        + (f"\n  last decision: {last.outcome}"
-           + (f" (plan v{last.plan_version})" if last.plan_version else "") + f": {last.reason}"
-           if last.outcome else "")
+        + (
+            f"\n  MIXED PLACEMENT: {d.mixed}; no plan starts until its ranks restart"
+            if d.mixed
+            else ""
+        )
+        + (
+            f"\n  last decision: {last.outcome}"
+            + (f" (plan v{last.plan_version})" if last.plan_version else "")
+            + f": {last.reason}"
+            if last.outcome
+            else ""
+        )
     )
 
 

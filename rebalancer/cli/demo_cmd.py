@@ -62,9 +62,13 @@ def check_demo_shape(layers: int, experts: int, slots: int, workers: int) -> Non
     try:
         check_layout(experts, slots, workers)
     except InputError as exc:
-        raise InputError(f"--experts {experts}, --slots {slots}, --workers {workers}: {exc}") from None
+        raise InputError(
+            f"--experts {experts}, --slots {slots}, --workers {workers}: {exc}"
+        ) from None
     if layers * slots > MAX_LAYER_SLOTS:
-        raise InputError(f"--layers x --slots must be at most {MAX_LAYER_SLOTS}, got {layers} x {slots}")
+        raise InputError(
+            f"--layers x --slots must be at most {MAX_LAYER_SLOTS}, got {layers} x {slots}"
+        )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -79,38 +83,74 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=SUMMARY_HELP,
     )
     p.add_argument("--workers", type=int, default=4, help="EP ranks (worker processes), default 4")
-    p.add_argument("--sidecars", type=int, default=None,
-                   help="pods of workers/N ranks, each behind its own sidecar (default 2 when the "
-                        "workers split evenly, else 1); 0: workers talk to the controller directly")
+    p.add_argument(
+        "--sidecars",
+        type=int,
+        default=None,
+        help="pods of workers/N ranks, each behind its own sidecar (default 2 when the "
+        "workers split evenly, else 1); 0: workers talk to the controller directly",
+    )
     p.add_argument("--windows", type=int, default=30, help="windows of counts per rank, default 30")
-    p.add_argument("--window-steps", type=int, default=16, help="forward steps per window, default 16")
-    p.add_argument("--max-seconds", type=float, default=None,
-                   help="the workers' time limit (default: ample for every window asked, "
-                        "rebalancer.launch.config.time_limit); a run it cuts short exits 1 saying so")
+    p.add_argument(
+        "--window-steps", type=int, default=16, help="forward steps per window, default 16"
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="the workers' time limit (default: ample for every window asked, "
+        "rebalancer.launch.config.time_limit); a run it cuts short exits 1 saying so",
+    )
     p.add_argument("--experts", type=int, default=32, help="logical experts per layer, default 32")
-    p.add_argument("--slots", type=int, default=0, help="physical slots (default experts + workers*2)")
+    p.add_argument(
+        "--slots", type=int, default=0, help="physical slots (default experts + workers*2)"
+    )
     p.add_argument("--layers", type=int, default=6, help="MoE layers, default 6")
-    p.add_argument("--transport", choices=("p2p", "ipc"), default="p2p",
-                   help="weight transfers between workers: gloo send/recv (default) or reads "
-                        "from the peers' weights in shared memory")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where workers keep hooks and expert weights (cuda: one GPU per rank)")
-    p.add_argument("--spare-rows", type=int, default=0,
-                   help="spare weight rows per layer and worker: incoming experts land there "
-                        "while serving and a commit only swaps maps (default 0: copy at commit)")
+    p.add_argument(
+        "--transport",
+        choices=("p2p", "ipc"),
+        default="p2p",
+        help="weight transfers between workers: gloo send/recv (default) or reads "
+        "from the peers' weights in shared memory",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where workers keep hooks and expert weights (cuda: one GPU per rank)",
+    )
+    p.add_argument(
+        "--spare-rows",
+        type=int,
+        default=0,
+        help="spare weight rows per layer and worker: incoming experts land there "
+        "while serving and a commit only swaps maps (default 0: copy at commit)",
+    )
     p.add_argument("--db", default=None, help="SQLite file of the controller (default: temporary)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve the controller's Prometheus metrics on this port (0: any free), "
-                        "per-layer series included (default: none)")
-    p.add_argument("--controller", default="", metavar="ADDR",
-                   help="attach the workers (and sidecars) to this running controller "
-                        "(`rebalancer serve`, host:port, plain gRPC) instead of starting one; "
-                        "shows its status each second (admin token: REBALANCER_ADMIN_TOKEN, "
-                        "worker token: REBALANCER_WORKER_TOKEN)")
-    p.add_argument("--deployment", default="demo",
-                   help="deployment name the workers register (default demo)")
-    p.add_argument("--keep", action="store_true",
-                   help="keep the temporary folder (store, rank results, sockets); default: removed")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the controller's Prometheus metrics on this port (0: any free), "
+        "per-layer series included (default: none)",
+    )
+    p.add_argument(
+        "--controller",
+        default="",
+        metavar="ADDR",
+        help="attach the workers (and sidecars) to this running controller "
+        "(`rebalancer serve`, host:port, plain gRPC) instead of starting one; "
+        "shows its status each second (admin token: REBALANCER_ADMIN_TOKEN, "
+        "worker token: REBALANCER_WORKER_TOKEN)",
+    )
+    p.add_argument(
+        "--deployment", default="demo", help="deployment name the workers register (default demo)"
+    )
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the temporary folder (store, rank results, sockets); default: removed",
+    )
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--verbose", action="store_true", help="controller, sidecar and worker logs")
     p.set_defaults(func=run)
@@ -129,12 +169,18 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--spare-rows must be >= 0, got {args.spare_rows}")
     if args.workers < 2 or args.windows < 4 or args.window_steps < 1:
         raise InputError("need --workers >= 2, --windows >= 4, --window-steps >= 1")
-    if args.max_seconds is not None and not (math.isfinite(args.max_seconds) and args.max_seconds > 0):
-        raise InputError(f"--max-seconds must be a positive number of seconds, got {args.max_seconds}")
+    if args.max_seconds is not None and not (
+        math.isfinite(args.max_seconds) and args.max_seconds > 0
+    ):
+        raise InputError(
+            f"--max-seconds must be a positive number of seconds, got {args.max_seconds}"
+        )
     sidecars = default_sidecars(args.workers) if args.sidecars is None else args.sidecars
     if sidecars < 0 or (sidecars and args.workers % sidecars):
-        raise InputError(f"--sidecars {sidecars} must be 0 (direct) or divide --workers {args.workers} "
-                         "into pods of equal size")
+        raise InputError(
+            f"--sidecars {sidecars} must be 0 (direct) or divide --workers {args.workers} "
+            "into pods of equal size"
+        )
     if args.device == "cuda":
         import torch  # the workers' dependency; only asked here to fail early and clearly
 
@@ -144,8 +190,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{torch.cuda.device_count()} GPU(s) visible"
             )
     if args.controller and (args.db or args.metrics_port is not None):
-        raise InputError("--db and --metrics-port belong to the demo's own controller: with "
-                         "--controller, give them to `rebalancer serve`")
+        raise InputError(
+            "--db and --metrics-port belong to the demo's own controller: with "
+            "--controller, give them to `rebalancer serve`"
+        )
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise InputError(f"--metrics-port must be a port number (0-65535), got {args.metrics_port}")
     if args.controller:
@@ -156,14 +204,27 @@ def run(args: argparse.Namespace) -> int:
     if slots % args.workers or slots < args.experts:
         raise InputError(f"--slots {slots} must be a multiple of --workers and >= --experts")
     check_demo_shape(args.layers, args.experts, slots, args.workers)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     config = DemoConfig(
-        workers=args.workers, layers=args.layers, experts=args.experts, slots=slots,
-        steps=args.windows * args.window_steps, window_steps=args.window_steps, db_path=args.db,
-        worker_log="INFO" if args.verbose else "WARNING", transport=args.transport,
-        device=args.device, spare_rows=args.spare_rows, sidecars=sidecars, keep=args.keep,
-        metrics_port=args.metrics_port, controller=args.controller, deployment=args.deployment,
+        workers=args.workers,
+        layers=args.layers,
+        experts=args.experts,
+        slots=slots,
+        steps=args.windows * args.window_steps,
+        window_steps=args.window_steps,
+        db_path=args.db,
+        worker_log="INFO" if args.verbose else "WARNING",
+        transport=args.transport,
+        device=args.device,
+        spare_rows=args.spare_rows,
+        sidecars=sidecars,
+        keep=args.keep,
+        metrics_port=args.metrics_port,
+        controller=args.controller,
+        deployment=args.deployment,
         timeout_seconds=args.max_seconds,
     )
 
@@ -199,8 +260,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.controller and not (summary["ranks_seen"] or summary["windows"]):
         seen = f" (last status: {summary['status_error']})" if summary["status_error"] else ""
-        print(f"rebalancer demo: error: no worker registered with the controller at {args.controller} "
-              f"as deployment {args.deployment!r}: no rank connected, no window folded{seen}",
-              file=sys.stderr)
+        print(
+            f"rebalancer demo: error: no worker registered with the controller at {args.controller} "
+            f"as deployment {args.deployment!r}: no rank connected, no window folded{seen}",
+            file=sys.stderr,
+        )
         return 1
     return 0 if ok else 1

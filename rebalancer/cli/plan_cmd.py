@@ -27,36 +27,81 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Compute an expert placement for the counts in PATH and report its "
         "balancedness, the best reachable balancedness and the share of slots moved.",
     )
-    parser.add_argument("--counts", required=True, metavar="PATH",
-                        help="counts file: SGLang JSON/.pt dump or .npz with logical_count "
-                        "(and optionally the recorder's shared_count)")
+    parser.add_argument(
+        "--counts",
+        required=True,
+        metavar="PATH",
+        help="counts file: SGLang JSON/.pt dump or .npz with logical_count "
+        "(and optionally the recorder's shared_count)",
+    )
     parser.add_argument("--gpus", required=True, type=int, metavar="G", help="EP ranks")
-    parser.add_argument("--slots", required=True, type=int, metavar="P",
-                        help="physical expert slots per layer (multiple of G)")
+    parser.add_argument(
+        "--slots",
+        required=True,
+        type=int,
+        metavar="P",
+        help="physical expert slots per layer (multiple of G)",
+    )
     parser.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
-    parser.add_argument("--groups", type=int, default=None, metavar="K",
-                        help="expert groups; hierarchical placement when K %% N == 0")
-    parser.add_argument("--previous", metavar="PLACEMENT.json",
-                        help="current placement: plan migration-aware from it")
-    parser.add_argument("--max-moved-fraction", type=float, default=None, metavar="F",
-                        help="at most this share of slots may change (needs --previous)")
-    parser.add_argument("--max-moved-bytes", type=int, default=None, metavar="BYTES",
-                        help="at most this many bytes of expert weights may move "
-                        "(needs --previous and --expert-bytes)")
-    parser.add_argument("--expert-bytes", type=int, default=None, metavar="BYTES",
-                        help="bytes of one expert's weights, for --max-moved-bytes")
-    parser.add_argument("--algorithm", default="auto",
-                        help="auto (default), greedy, balanced, migration or reference")
-    parser.add_argument("--dispatch", default=None, metavar="MODE",
-                        help="also report the placement's predicted balancedness under this "
-                        "dispatch mode: split (default), load or load+shared "
-                        "(rebalancer.wire.dispatch)")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K",
-                        help="routed experts per token: the shared expert's load is routed "
-                        "picks / K when the counts file has no shared_count")
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        metavar="K",
+        help="expert groups; hierarchical placement when K %% N == 0",
+    )
+    parser.add_argument(
+        "--previous",
+        metavar="PLACEMENT.json",
+        help="current placement: plan migration-aware from it",
+    )
+    parser.add_argument(
+        "--max-moved-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="at most this share of slots may change (needs --previous)",
+    )
+    parser.add_argument(
+        "--max-moved-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="at most this many bytes of expert weights may move "
+        "(needs --previous and --expert-bytes)",
+    )
+    parser.add_argument(
+        "--expert-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes of one expert's weights, for --max-moved-bytes",
+    )
+    parser.add_argument(
+        "--algorithm",
+        default="auto",
+        help="auto (default), greedy, balanced, migration or reference",
+    )
+    parser.add_argument(
+        "--dispatch",
+        default=None,
+        metavar="MODE",
+        help="also report the placement's predicted balancedness under this "
+        "dispatch mode: split (default), load or load+shared "
+        "(rebalancer.wire.dispatch)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="routed experts per token: the shared expert's load is routed "
+        "picks / K when the counts file has no shared_count",
+    )
     parser.add_argument("--out", metavar="PLACEMENT.json", help="write the placement here")
-    parser.add_argument("--sglang-out", metavar="PATH",
-                        help="also write it for SGLang's --init-expert-location")
+    parser.add_argument(
+        "--sglang-out", metavar="PATH", help="also write it for SGLang's --init-expert-location"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -112,9 +157,15 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--max-moved-bytes needs --previous")
     start = time.perf_counter()
     result = compute_placement(
-        counts, args.slots, args.gpus, args.nodes, args.groups,
-        previous=previous, max_moved_fraction=args.max_moved_fraction,
-        algorithm=args.algorithm, max_moved_bytes=args.max_moved_bytes,
+        counts,
+        args.slots,
+        args.gpus,
+        args.nodes,
+        args.groups,
+        previous=previous,
+        max_moved_fraction=args.max_moved_fraction,
+        algorithm=args.algorithm,
+        max_moved_bytes=args.max_moved_bytes,
         expert_bytes=args.expert_bytes,
     )
     seconds = time.perf_counter() - start
@@ -122,10 +173,15 @@ def run(args: argparse.Namespace) -> int:
     # Before: what serves these counts now, the --previous placement, else the trivial one a
     # deployment starts on (slot p holds expert p % E).
     before_from = "previous" if previous is not None else "trivial"
-    before = previous if previous is not None else trivial_placement(
-        counts.shape[0], counts.shape[1], args.slots, args.gpus)
+    before = (
+        previous
+        if previous is not None
+        else trivial_placement(counts.shape[0], counts.shape[1], args.slots, args.gpus)
+    )
     balancedness_before = balancedness(before, counts, args.gpus)
-    dispatch_balancedness, _ = balance_under_dispatch(result.phy2log, counts, args.gpus, mode, shared)
+    dispatch_balancedness, _ = balance_under_dispatch(
+        result.phy2log, counts, args.gpus, mode, shared
+    )
     report = {
         "balancedness": result.balancedness,
         "balancedness_before": balancedness_before,
@@ -173,7 +229,9 @@ def _shared_load(
 
     num_experts = count_file.logical.shape[1]
     if top_k is not None and not 1 <= top_k <= num_experts:
-        raise InputError(f"--top-k must be in [1, {num_experts}] (the counts' experts), got {top_k}")
+        raise InputError(
+            f"--top-k must be in [1, {num_experts}] (the counts' experts), got {top_k}"
+        )
     if count_file.shared is not None:
         return count_file.shared, "shared_count"
     if top_k is not None:

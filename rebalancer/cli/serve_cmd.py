@@ -49,9 +49,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="CA for client certificates; requires mutual TLS")
     p.add_argument("--grace", type=float, help="drain seconds on shutdown (default 5)")
-    p.add_argument("--insecure", action="store_true", default=None,
-                   help="listen on a non-loopback --host although a service is unauthenticated "
-                   "(no token, no mutual TLS); refused without it")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="listen on a non-loopback --host although a service is unauthenticated "
+        "(no token, no mutual TLS); refused without it",
+    )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(func=run)
 
@@ -70,14 +74,24 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config) if args.config else ControllerConfig()
     overrides = {
-        "host": args.host, "port": args.port, "db_path": args.db, "metrics_port": args.metrics_port,
-        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
-        "grace_seconds": args.grace, "insecure": args.insecure,
+        "host": args.host,
+        "port": args.port,
+        "db_path": args.db,
+        "metrics_port": args.metrics_port,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
+        "grace_seconds": args.grace,
+        "insecure": args.insecure,
     }
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.admin_token_file:
-        config = replace(config, admin_token=read_admin_token(Path(args.admin_token_file), "--admin-token-file"))
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        config = replace(
+            config, admin_token=read_admin_token(Path(args.admin_token_file), "--admin-token-file")
+        )
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
 
     def ready(server: ControllerServer) -> None:
         # What startup built (modules, the server, restored deployments) lives as long as
@@ -97,5 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise  # one line already, naming what and why (InUseError: exit code 7)
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
-        raise InputError(f"cannot serve on {config.host}:{config.port}: {exc.strerror or exc}{where}") from None
+        raise InputError(
+            f"cannot serve on {config.host}:{config.port}: {exc.strerror or exc}{where}"
+        ) from None
     return 0

@@ -41,31 +41,62 @@ def register(sub: argparse._SubParsersAction) -> None:
               rebalancer sidecar --check unix:///run/rebalancer/agent.sock
             """),
     )
-    p.add_argument("--check", metavar="TARGET",
-                   help="probe a running sidecar's health at TARGET (unix:///...) and exit 0 if it serves")
-    p.add_argument("--listen", default="unix:///run/rebalancer/agent.sock",
-                   help="the ranks' socket (default %(default)s)")
-    p.add_argument("--socket-access", choices=("owner", "group"), default="group",
-                   help="owner: directory 0700, socket 0600; group: 0750, 0660 (default)")
-    p.add_argument("--controller", default=os.environ.get(ENV_CONTROLLER, ""),
-                   help=f"the controller's host:port (default ${ENV_CONTROLLER})")
+    p.add_argument(
+        "--check",
+        metavar="TARGET",
+        help="probe a running sidecar's health at TARGET (unix:///...) and exit 0 if it serves",
+    )
+    p.add_argument(
+        "--listen",
+        default="unix:///run/rebalancer/agent.sock",
+        help="the ranks' socket (default %(default)s)",
+    )
+    p.add_argument(
+        "--socket-access",
+        choices=("owner", "group"),
+        default="group",
+        help="owner: directory 0700, socket 0600; group: 0750, 0660 (default)",
+    )
+    p.add_argument(
+        "--controller",
+        default=os.environ.get(ENV_CONTROLLER, ""),
+        help=f"the controller's host:port (default ${ENV_CONTROLLER})",
+    )
     p.add_argument("--ranks", help="this pod's EP ranks, e.g. 0-7 or 8,9,10,11")
-    p.add_argument("--ranks-per-pod", type=int,
-                   help="with LWS_GROUP_SIZE / LWS_WORKER_INDEX: pod i holds ranks i*n .. i*n+n-1")
+    p.add_argument(
+        "--ranks-per-pod",
+        type=int,
+        help="with LWS_GROUP_SIZE / LWS_WORKER_INDEX: pod i holds ranks i*n .. i*n+n-1",
+    )
     p.add_argument("--deployment", default="", help="only accept ranks of this deployment")
-    p.add_argument("--pool", default=os.environ.get(ENV_POOL, ""),
-                   help=f"the deployment's replica pool (default ${ENV_POOL}; empty: none)")
-    p.add_argument("--pod", help="pod identity (default $POD_NAMESPACE/$POD_NAME, else the host name)")
+    p.add_argument(
+        "--pool",
+        default=os.environ.get(ENV_POOL, ""),
+        help=f"the deployment's replica pool (default ${ENV_POOL}; empty: none)",
+    )
+    p.add_argument(
+        "--pod", help="pod identity (default $POD_NAMESPACE/$POD_NAME, else the host name)"
+    )
     p.add_argument("--ca", help="the controller's CA (PEM): TLS upstream")
     p.add_argument("--cert", help="client certificate (PEM): mutual TLS upstream")
     p.add_argument("--key", help="client private key (PEM)")
     p.add_argument("--token-file", help="file holding the deployment's worker token")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default: no metrics server)")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="metrics listen address (default %(default)s)")
-    p.add_argument("--max-buffered-windows", type=int, default=64,
-                   help="merged windows held while the controller is away (default %(default)s)")
-    p.add_argument("--grace", type=float, default=2.0, help="drain seconds on shutdown (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=2.0, help="--check: seconds to wait (default %(default)s)")
+    p.add_argument(
+        "--metrics-host", default="0.0.0.0", help="metrics listen address (default %(default)s)"
+    )
+    p.add_argument(
+        "--max-buffered-windows",
+        type=int,
+        default=64,
+        help="merged windows held while the controller is away (default %(default)s)",
+    )
+    p.add_argument(
+        "--grace", type=float, default=2.0, help="drain seconds on shutdown (default %(default)s)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=2.0, help="--check: seconds to wait (default %(default)s)"
+    )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(func=run)
 
@@ -101,20 +132,37 @@ def run(args: argparse.Namespace) -> int:
     elif args.ranks_per_pod is not None:
         ranks = lws_ranks(os.environ, args.ranks_per_pod)
     else:
-        raise InputError("give --ranks, or --ranks-per-pod with LWS_GROUP_SIZE and LWS_WORKER_INDEX set")
+        raise InputError(
+            "give --ranks, or --ranks-per-pod with LWS_GROUP_SIZE and LWS_WORKER_INDEX set"
+        )
     config = SidecarConfig(
-        controller=args.controller, ranks=ranks, listen=args.listen, socket_access=args.socket_access,
-        deployment=args.deployment, pod=args.pod or pod_identity(os.environ), pool=args.pool,
-        ca_file=args.ca, cert_file=args.cert, key_file=args.key, token_file=args.token_file,
-        metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        max_buffered_windows=args.max_buffered_windows, grace_seconds=args.grace,
+        controller=args.controller,
+        ranks=ranks,
+        listen=args.listen,
+        socket_access=args.socket_access,
+        deployment=args.deployment,
+        pod=args.pod or pod_identity(os.environ),
+        pool=args.pool,
+        ca_file=args.ca,
+        cert_file=args.cert,
+        key_file=args.key,
+        token_file=args.token_file,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        max_buffered_windows=args.max_buffered_windows,
+        grace_seconds=args.grace,
     )
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
 
     def ready(sidecar: Sidecar) -> None:
         metrics = f", metrics on :{sidecar.metrics_port}" if sidecar.metrics_port else ""
         # One line on stdout that scripts (and tests) can wait for.
-        print(f"sidecar serving on {sidecar.target} for ranks {config.ranks_label}{metrics}", flush=True)
+        print(
+            f"sidecar serving on {sidecar.target} for ranks {config.ranks_label}{metrics}",
+            flush=True,
+        )
 
     try:
         asyncio.run(serve(config, ready))

@@ -88,7 +88,9 @@ def _policy_settings(
 ) -> PolicyConfig:
     """Apply KEY=VALUE overrides to a PolicyConfig, KEY a setting's flat name (the names
     of the v1 Policy message and the controller's TOML, `PolicyConfig.setting_names`)."""
-    return policy.with_settings(_parse_key_values(items, list(policy.setting_names()), what, aliases))
+    return policy.with_settings(
+        _parse_key_values(items, list(policy.setting_names()), what, aliases)
+    )
 
 
 def _parse_key_values(
@@ -212,21 +214,47 @@ def register(subparsers: Any) -> None:
         default=None,
         help="with --dispatch: water-filling passes of the load modes (HookConfig.dispatch.waterfill_passes)",
     )
-    p.add_argument("--replicas", type=int, default=None,
-                   help="also simulate R replicas pooled vs per deployment, and a joining member")
-    p.add_argument("--replica-tokens", type=int, default=None,
-                   help="with --replicas: tokens each replica routes per window (default 512)")
-    p.add_argument("--replica-top-k", type=int, default=None,
-                   help="with --replicas: experts per token of the sampled windows (default 8)")
-    p.add_argument("--join-window", type=int, default=None,
-                   help="with --replicas: the window a member joins at (default mid-trace)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="also simulate R replicas pooled vs per deployment, and a joining member",
+    )
+    p.add_argument(
+        "--replica-tokens",
+        type=int,
+        default=None,
+        help="with --replicas: tokens each replica routes per window (default 512)",
+    )
+    p.add_argument(
+        "--replica-top-k",
+        type=int,
+        default=None,
+        help="with --replicas: experts per token of the sampled windows (default 8)",
+    )
+    p.add_argument(
+        "--join-window",
+        type=int,
+        default=None,
+        help="with --replicas: the window a member joins at (default mid-trace)",
+    )
     p.add_argument("--seed", type=int, default=0, help="with --replicas: sampling seed")
-    p.add_argument("--fail", action="append", default=[], metavar="RANK@WINDOW",
-                   help="lose this rank at this window (repeatable; one window for all): compare "
-                        "the >= 1-replica repair, a from-scratch re-placement and the planned "
-                        "survivor placement from then on (a \"failure\" key in the JSON)")
-    p.add_argument("--fail-node", action="append", default=[], metavar="NODE@WINDOW",
-                   help="lose every rank of this node at this window (repeatable), as --fail")
+    p.add_argument(
+        "--fail",
+        action="append",
+        default=[],
+        metavar="RANK@WINDOW",
+        help="lose this rank at this window (repeatable; one window for all): compare "
+        "the >= 1-replica repair, a from-scratch re-placement and the planned "
+        'survivor placement from then on (a "failure" key in the JSON)',
+    )
+    p.add_argument(
+        "--fail-node",
+        action="append",
+        default=[],
+        metavar="NODE@WINDOW",
+        help="lose every rank of this node at this window (repeatable), as --fail",
+    )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw balancedness over time")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.set_defaults(func=run)
@@ -271,13 +299,23 @@ def _step_config(args: argparse.Namespace) -> Any:
     from rebalancer.wire.dispatch import DISPATCH_MODES, check_dispatch_mode
 
     if args.dispatch is None:
-        if args.batch_tokens is not None or args.step_windows is not None or args.waterfill_passes is not None:
-            raise InputError("--batch-tokens, --step-windows and --waterfill-passes need --dispatch")
+        if (
+            args.batch_tokens is not None
+            or args.step_windows is not None
+            or args.waterfill_passes is not None
+        ):
+            raise InputError(
+                "--batch-tokens, --step-windows and --waterfill-passes need --dispatch"
+            )
         return None
     if args.dispatch == "all":
         modes = DISPATCH_MODES
     else:
-        modes = tuple(check_dispatch_mode(m.strip(), "--dispatch mode") for m in args.dispatch.split(",") if m.strip())
+        modes = tuple(
+            check_dispatch_mode(m.strip(), "--dispatch mode")
+            for m in args.dispatch.split(",")
+            if m.strip()
+        )
         if not modes:
             raise InputError(f"--dispatch names no mode: {args.dispatch!r}")
     batch = (
@@ -299,7 +337,11 @@ def _replica_config(args: argparse.Namespace) -> Any:
     from rebalancer.sim.replicas import ReplicaConfig
 
     if args.replicas is None:
-        if args.replica_tokens is not None or args.join_window is not None or args.replica_top_k is not None:
+        if (
+            args.replica_tokens is not None
+            or args.join_window is not None
+            or args.replica_top_k is not None
+        ):
             raise InputError("--replica-tokens, --replica-top-k and --join-window need --replicas")
         return None
     config = ReplicaConfig(replicas=args.replicas, join_window=args.join_window, seed=args.seed)
@@ -311,14 +353,20 @@ def _replica_config(args: argparse.Namespace) -> Any:
 
 
 def _replicas_table(out: dict[str, Any]) -> str:
-    lines = [f"replicas R={out['replicas']}, {out['tokens_per_window']} tokens per replica window:",
-             f"{'adaptive':15s} {'rel_tput':>8s} {'balanced':>8s} {'rebal':>6s} {'slots':>9s}"]
+    lines = [
+        f"replicas R={out['replicas']}, {out['tokens_per_window']} tokens per replica window:",
+        f"{'adaptive':15s} {'rel_tput':>8s} {'balanced':>8s} {'rebal':>6s} {'slots':>9s}",
+    ]
     for name in ("pooled", "per_deployment"):
         f = out[name]
-        lines.append(f"{name:15s} {f['relative_throughput']:8.4f} {f['mean_balancedness']:8.4f} "
-                     f"{f['rebalances']:6d} {f['slots_moved']:9d}")
-    lines.append(f"joiner at window {out['join_window']} (pool {out['pool_balancedness_at_join']:.4f}): "
-                 f"warm {out['warm_first_windows']}, trivial {out['trivial_first_windows']}")
+        lines.append(
+            f"{name:15s} {f['relative_throughput']:8.4f} {f['mean_balancedness']:8.4f} "
+            f"{f['rebalances']:6d} {f['slots_moved']:9d}"
+        )
+    lines.append(
+        f"joiner at window {out['join_window']} (pool {out['pool_balancedness_at_join']:.4f}): "
+        f"warm {out['warm_first_windows']}, trivial {out['trivial_first_windows']}"
+    )
     return "\n".join(lines)
 
 
@@ -404,7 +452,11 @@ def run(args: argparse.Namespace) -> int:
         from rebalancer.sim.steps import attach_step_balance, decide_under_modes
 
         # The adaptive policy decides under each mode it is modelled in, as the controller does.
-        decided = decide_under_modes(trace, config, steps, results["adaptive"]) if "adaptive" in results else None
+        decided = (
+            decide_under_modes(trace, config, steps, results["adaptive"])
+            if "adaptive" in results
+            else None
+        )
         attach_step_balance(results, trace, config.num_gpus, steps, decided)
     if args.plot:
         from rebalancer.sim.plot import plot_balancedness

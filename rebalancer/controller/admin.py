@@ -34,7 +34,8 @@ log = logging.getLogger("rebalancer.admin")
 
 # Policy fields that are lists of node counts (a NodeCounts message: present or absent).
 _COUNTS_POLICY_FIELDS = tuple(
-    f.name for f in pb.Policy.DESCRIPTOR.fields
+    f.name
+    for f in pb.Policy.DESCRIPTOR.fields
     if f.message_type is not None and f.message_type.full_name == pb.NodeCounts.DESCRIPTOR.full_name
 )
 
@@ -42,7 +43,9 @@ _COUNTS_POLICY_FIELDS = tuple(
 def policy_msg(policy: PolicyConfig) -> pb.Policy:
     settings = policy.to_flat()
     values: dict[str, Any] = {
-        name: pb.NodeCounts(counts=settings[name]) if name in _COUNTS_POLICY_FIELDS else settings[name]
+        name: pb.NodeCounts(counts=settings[name])
+        if name in _COUNTS_POLICY_FIELDS
+        else settings[name]
         for name in _WIRE_POLICY_FIELDS
     }
     return pb.Policy(**values)
@@ -50,7 +53,8 @@ def policy_msg(policy: PolicyConfig) -> pb.Policy:
 
 # Fields with presence on the wire: absent means "keep the current value".
 _OPTIONAL_POLICY_FIELDS = tuple(
-    f.name for f in pb.Policy.DESCRIPTOR.fields
+    f.name
+    for f in pb.Policy.DESCRIPTOR.fields
     if f.has_presence and (f.containing_oneof is not None or f.name in _COUNTS_POLICY_FIELDS)
 )
 
@@ -59,7 +63,9 @@ def policy_from_msg(msg: pb.Policy, base: PolicyConfig) -> PolicyConfig:
     """`base` with the message's settings (flat names, `PolicyConfig.with_settings`)."""
     known = set(PolicyConfig.setting_names())
     values = {
-        name: list(getattr(msg, name).counts) if name in _COUNTS_POLICY_FIELDS else getattr(msg, name)
+        name: list(getattr(msg, name).counts)
+        if name in _COUNTS_POLICY_FIELDS
+        else getattr(msg, name)
         for name in _WIRE_POLICY_FIELDS
         if name in known and (name not in _OPTIONAL_POLICY_FIELDS or msg.HasField(name))
     }
@@ -79,13 +85,17 @@ def decision_msg(decision: Decision | None, plan_version: int = 0) -> pb.Decisio
         return float(x) if math.isfinite(x) else 0.0
 
     return pb.Decision(
-        time=num(decision.time), outcome=decision.outcome, reason=decision.reason,
+        time=num(decision.time),
+        outcome=decision.outcome,
+        reason=decision.reason,
         balancedness_current=num(decision.balancedness_current),
         balancedness_candidate=num(decision.balancedness_candidate),
         bound_balancedness=num(decision.bound_balancedness),
-        moved_fraction=num(decision.moved_fraction), bytes_to_move=int(decision.bytes_to_move),
+        moved_fraction=num(decision.moved_fraction),
+        bytes_to_move=int(decision.bytes_to_move),
         predicted_gain_seconds=num(decision.predicted_gain_seconds),
-        migration_cost_seconds=num(decision.migration_cost_seconds), plan_version=plan_version,
+        migration_cost_seconds=num(decision.migration_cost_seconds),
+        plan_version=plan_version,
         load=decision.load,
     )
 
@@ -94,7 +104,9 @@ def regimes_msg(dep: Deployment) -> pb.RegimesResponse:
     """The deployment's regime library as `rebalancer admin regimes` shows it."""
     library = dep.loop.regimes
     last = dep.loop.last_decision
-    out = pb.RegimesResponse(enabled=dep.policy.regimes, last_load=last.load if last is not None else "")
+    out = pb.RegimesResponse(
+        enabled=dep.policy.regimes, last_load=last.load if last is not None else ""
+    )
     if library is None:
         return out
     summary = library.summary()
@@ -109,10 +121,13 @@ def decision_record_msg(record: dict[str, Any]) -> pb.Decision:
     """A stored decision (store.decisions) as the wire message: what History lists and
     Status shows as the last decision, so the two agree (plan version and time included)."""
     names = pb.Decision.DESCRIPTOR.fields_by_name
-    return pb.Decision(**{
-        k: v for k, v in record.items()
-        if k in names and v is not None and not (isinstance(v, float) and not math.isfinite(v))
-    })
+    return pb.Decision(
+        **{
+            k: v
+            for k, v in record.items()
+            if k in names and v is not None and not (isinstance(v, float) and not math.isfinite(v))
+        }
+    )
 
 
 def pool_status_msg(pool: ReplicaPool, deployments: dict[str, Deployment]) -> pb.PoolStatus:
@@ -126,16 +141,23 @@ def pool_status_msg(pool: ReplicaPool, deployments: dict[str, Deployment]) -> pb
         est = float(placement.balancedness(pool.phy2log, estimate, pool.shape.num_gpus))
     following = [deployments[m] for m in pool.following() if m in deployments]
     return pb.PoolStatus(
-        pool=pool.name, members=sorted(pool.members), diverged=pool.diverged(),
-        pool_version=pool.version, balancedness_estimated=est,
-        members_at_target=sum(1 for d in following if pool.phy2log is not None and at_target(pool, d)),
-        members_moving=len(members_moving(pool, deployments)), max_moving=pool.max_moving,
+        pool=pool.name,
+        members=sorted(pool.members),
+        diverged=pool.diverged(),
+        pool_version=pool.version,
+        balancedness_estimated=est,
+        members_at_target=sum(
+            1 for d in following if pool.phy2log is not None and at_target(pool, d)
+        ),
+        members_moving=len(members_moving(pool, deployments)),
+        max_moving=pool.max_moving,
         last_decision=decision_msg(pool.loop.last_decision),
     )
 
 
-def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None,
-               pool: ReplicaPool | None = None) -> pb.DeploymentStatus:
+def status_msg(
+    dep: Deployment, last_decision: dict[str, Any] | None = None, pool: ReplicaPool | None = None
+) -> pb.DeploymentStatus:
     """One deployment's status. `last_decision`: its newest stored decision (the store
     keeps them across restarts; a dry run is not one). Windows two ways: received since
     this controller started (one per stream and sequence number, as the metric
@@ -145,19 +167,29 @@ def status_msg(dep: Deployment, last_decision: dict[str, Any] | None = None,
     from rebalancer import placement
 
     estimate = dep.estimator.estimate()
-    est = placement.balancedness(dep.phy2log, estimate, dep.shape.num_gpus) if estimate.sum() > 0 else 0.0
+    est = (
+        placement.balancedness(dep.phy2log, estimate, dep.shape.num_gpus)
+        if estimate.sum() > 0
+        else 0.0
+    )
     actual = dep.stats.balancedness_actual
     return pb.DeploymentStatus(
-        deployment=dep.name, shape=shape_msg(dep.shape), placement_version=dep.version,
+        deployment=dep.name,
+        shape=shape_msg(dep.shape),
+        placement_version=dep.version,
         balancedness_actual=actual if math.isfinite(actual) else 0.0,
-        balancedness_estimated=float(est), connected_ranks=dep.connected_ranks,
-        windows_ingested=dep.stats.windows_ingested, windows_folded=dep.estimator.windows,
+        balancedness_estimated=float(est),
+        connected_ranks=dep.connected_ranks,
+        windows_ingested=dep.stats.windows_ingested,
+        windows_folded=dep.estimator.windows,
         paused=dep.policy.paused,
         plan_in_flight=dep.plan.version if dep.plan else 0,
         plan_phase=dep.plan.state.value if dep.plan else "",
         last_decision=decision_record_msg(last_decision) if last_decision else pb.Decision(),
-        plans_committed=dep.stats.plans_committed, plans_aborted=dep.stats.plans_aborted,
-        slots_moved=dep.stats.slots_moved, bytes_moved=dep.stats.bytes_moved,
+        plans_committed=dep.stats.plans_committed,
+        plans_aborted=dep.stats.plans_aborted,
+        slots_moved=dep.stats.slots_moved,
+        bytes_moved=dep.stats.bytes_moved,
         mixed=dep.mixed.describe() if dep.mixed is not None else "",
         pool=pool.name if pool is not None else "",
         diverged=pool is not None and not pool.is_following(dep.name),
@@ -173,7 +205,9 @@ class AdminService(pb_grpc.AdminServiceServicer):
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
 
-    async def _deployment(self, context: grpc.aio.ServicerContext, name: str, what: str) -> Deployment:
+    async def _deployment(
+        self, context: grpc.aio.ServicerContext, name: str, what: str
+    ) -> Deployment:
         """The named deployment; NOT_FOUND otherwise."""
         try:
             return self.controller.deployment(name)
@@ -181,9 +215,15 @@ class AdminService(pb_grpc.AdminServiceServicer):
             await refuse(context, exc, what, log)
             raise
 
-    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+    async def Status(
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusResponse:
         try:
-            deps = [self.controller.deployment(request.deployment)] if request.deployment else list(self.controller.deployments.values())
+            deps = (
+                [self.controller.deployment(request.deployment)]
+                if request.deployment
+                else list(self.controller.deployments.values())
+            )
         except StateError as exc:
             await refuse(context, exc, "Status", log)
             raise
@@ -191,26 +231,36 @@ class AdminService(pb_grpc.AdminServiceServicer):
         fleet = self.controller.fleet
         pools = sorted({p.name: p for d in deps if (p := fleet.pool_of(d)) is not None}.items())
         return pb.StatusResponse(
-            deployments=[status_msg(d, next(iter(store.decisions(d.name, 1)), None), fleet.pool_of(d))
-                         for d in deps],
+            deployments=[
+                status_msg(d, next(iter(store.decisions(d.name, 1)), None), fleet.pool_of(d))
+                for d in deps
+            ],
             pools=[pool_status_msg(p, self.controller.deployments) for _, p in pools],
         )
 
-    async def GetPlacement(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Placement:
+    async def GetPlacement(
+        self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext
+    ) -> pb.Placement:
         dep = await self._deployment(context, request.deployment, "GetPlacement")
         return placement_msg(dep.version, dep.phy2log)
 
-    async def ForceRebalance(self, request: pb.ForceRebalanceRequest, context: grpc.aio.ServicerContext) -> pb.ForceRebalanceResponse:
+    async def ForceRebalance(
+        self, request: pb.ForceRebalanceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ForceRebalanceResponse:
         if request.pool:
             return await self._force_pool(request, context)
         try:
             decision, plan = self.controller.force(
-                request.deployment, dry_run=request.dry_run, max_moved_fraction=request.max_moved_fraction
+                request.deployment,
+                dry_run=request.dry_run,
+                max_moved_fraction=request.max_moved_fraction,
             )
         except (StateError, InputError) as exc:
             await refuse(context, exc, "ForceRebalance", log)
             raise
-        response = pb.ForceRebalanceResponse(decision=decision_msg(decision, plan.version if plan else 0))
+        response = pb.ForceRebalanceResponse(
+            decision=decision_msg(decision, plan.version if plan else 0)
+        )
         if plan is not None:
             response.placement.CopyFrom(placement_msg(plan.version, plan.phy2log))
             response.transfers.CopyFrom(codec.encode(plan.transfers.astype("int32")))
@@ -219,12 +269,15 @@ class AdminService(pb_grpc.AdminServiceServicer):
 
             dep = self.controller.deployment(request.deployment)
             response.placement.CopyFrom(placement_msg(0, decision.candidate))
-            transfers = placement.transfers(dep.phy2log, decision.candidate, dep.shape.num_gpus, dep.shape.num_nodes)
+            transfers = placement.transfers(
+                dep.phy2log, decision.candidate, dep.shape.num_gpus, dep.shape.num_nodes
+            )
             response.transfers.CopyFrom(codec.encode(transfers.astype("int32")))
         return response
 
-    async def _force_pool(self, request: pb.ForceRebalanceRequest,
-                          context: grpc.aio.ServicerContext) -> pb.ForceRebalanceResponse:
+    async def _force_pool(
+        self, request: pb.ForceRebalanceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ForceRebalanceResponse:
         """A pool's rebalance: the response carries the pool placement (version: the pool
         placement's number), no transfers (each member's plan has its own) and each member's
         own move to it."""
@@ -232,7 +285,8 @@ class AdminService(pb_grpc.AdminServiceServicer):
             if request.deployment:
                 raise InputError("name a deployment or a pool, not both")
             decision, plans = self.controller.force_pool(
-                request.pool, dry_run=request.dry_run, max_moved_fraction=request.max_moved_fraction)
+                request.pool, dry_run=request.dry_run, max_moved_fraction=request.max_moved_fraction
+            )
         except (StateError, InputError) as exc:
             await refuse(context, exc, "ForceRebalance", log)
             raise
@@ -241,22 +295,35 @@ class AdminService(pb_grpc.AdminServiceServicer):
         msg.pool = pool.name
         response = pb.ForceRebalanceResponse(decision=msg)
         if decision.candidate is not None:
-            response.placement.CopyFrom(placement_msg(pool.version if decision.take and not request.dry_run else 0,
-                                                      decision.candidate))
+            response.placement.CopyFrom(
+                placement_msg(
+                    pool.version if decision.take and not request.dry_run else 0, decision.candidate
+                )
+            )
             # Each member's own move (no await since the force: no plan has ended meanwhile,
             # so each member still serves the placement its plan starts from).
             response.members.extend(
-                pb.PoolMemberMove(deployment=m.deployment, placement_version=m.version, slots_moved=m.slots_moved,
-                                  bytes_to_move=m.bytes_to_move, moved_fraction=m.moved_fraction,
-                                  diverged=m.diverged)
-                for m in self.controller.fleet.member_moves(pool.name, decision.candidate))
+                pb.PoolMemberMove(
+                    deployment=m.deployment,
+                    placement_version=m.version,
+                    slots_moved=m.slots_moved,
+                    bytes_to_move=m.bytes_to_move,
+                    moved_fraction=m.moved_fraction,
+                    diverged=m.diverged,
+                )
+                for m in self.controller.fleet.member_moves(pool.name, decision.candidate)
+            )
         return response
 
-    async def GetPolicy(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Policy:
+    async def GetPolicy(
+        self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext
+    ) -> pb.Policy:
         dep = await self._deployment(context, request.deployment, "GetPolicy")
         return policy_msg(dep.policy)
 
-    async def SetPolicy(self, request: pb.SetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.Policy:
+    async def SetPolicy(
+        self, request: pb.SetPolicyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Policy:
         try:
             dep = self.controller.deployment(request.deployment)
             policy = policy_from_msg(request.policy, dep.policy)
@@ -269,10 +336,14 @@ class AdminService(pb_grpc.AdminServiceServicer):
     async def Pause(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Empty:
         return await self._pause(request, context, True)
 
-    async def Resume(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.Empty:
+    async def Resume(
+        self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext
+    ) -> pb.Empty:
         return await self._pause(request, context, False)
 
-    async def _pause(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext, paused: bool) -> pb.Empty:
+    async def _pause(
+        self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext, paused: bool
+    ) -> pb.Empty:
         try:
             self.controller.set_paused(request.deployment, paused)
         except StateError as exc:
@@ -280,28 +351,49 @@ class AdminService(pb_grpc.AdminServiceServicer):
             raise
         return pb.Empty()
 
-    async def Contingency(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.ContingencyResponse:
+    async def Contingency(
+        self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext
+    ) -> pb.ContingencyResponse:
         dep = await self._deployment(context, request.deployment, "Contingency")
         made = self.controller.contingency.get(dep.name)
         if made is None:
             return pb.ContingencyResponse(planned=False)
-        losses = [planned_loss_msg(loss, made.base_version, len(made.losses)) for loss in made.losses]
-        return pb.ContingencyResponse(planned=True, base_version=made.base_version, computed_at=made.computed_at,
-                                      balancedness_now=made.healthy, losses=losses)
+        losses = [
+            planned_loss_msg(loss, made.base_version, len(made.losses)) for loss in made.losses
+        ]
+        return pb.ContingencyResponse(
+            planned=True,
+            base_version=made.base_version,
+            computed_at=made.computed_at,
+            balancedness_now=made.healthy,
+            losses=losses,
+        )
 
-    async def Regimes(self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext) -> pb.RegimesResponse:
+    async def Regimes(
+        self, request: pb.DeploymentRef, context: grpc.aio.ServicerContext
+    ) -> pb.RegimesResponse:
         dep = await self._deployment(context, request.deployment, "Regimes")
         return regimes_msg(dep)
 
-    async def History(self, request: pb.HistoryRequest, context: grpc.aio.ServicerContext) -> pb.HistoryResponse:
+    async def History(
+        self, request: pb.HistoryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HistoryResponse:
         dep = await self._deployment(context, request.deployment, "History")
         limit = request.limit or 50
         store = self.controller.store
         plans = [pb.PlanRecord(**vars(p)) for p in store.plans(dep.name, limit)]
         decisions = [decision_record_msg(rec) for rec in store.decisions(dep.name, limit)]
-        sets = [pb.ContingencySummary(
-            time=r["time"], base_version=r["base_version"], balancedness_now=_finite(r["healthy"]),
-            rank_loss_worst=_finite(r["rank_worst"]), rank_loss_mean=_finite(r["rank_mean"]),
-            node_loss_worst=_finite(r["node_worst"]), node_loss_mean=_finite(r["node_mean"]),
-            node_loss_unserved=r["node_unserved"]) for r in store.contingency_history(dep.name, limit)]
+        sets = [
+            pb.ContingencySummary(
+                time=r["time"],
+                base_version=r["base_version"],
+                balancedness_now=_finite(r["healthy"]),
+                rank_loss_worst=_finite(r["rank_worst"]),
+                rank_loss_mean=_finite(r["rank_mean"]),
+                node_loss_worst=_finite(r["node_worst"]),
+                node_loss_mean=_finite(r["node_mean"]),
+                node_loss_unserved=r["node_unserved"],
+            )
+            for r in store.contingency_history(dep.name, limit)
+        ]
         return pb.HistoryResponse(plans=plans, decisions=decisions, contingency_sets=sets)

@@ -41,7 +41,7 @@ def bearer_token(metadata: Any) -> str | None:
     for key, value in metadata or ():
         if key == "authorization":
             if isinstance(value, str) and value.startswith("Bearer "):
-                return value[len("Bearer "):]
+                return value[len("Bearer ") :]
             return None
     return None
 
@@ -54,7 +54,9 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     """`admin_token`: None, no admin auth; `worker_tokens`: deployment -> token, empty:
     workers unauthenticated (use mutual TLS or a private network)."""
 
-    def __init__(self, admin_token: str | None = None, worker_tokens: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, admin_token: str | None = None, worker_tokens: Mapping[str, str] | None = None
+    ) -> None:
         self.admin_token = admin_token or None
         self.worker_tokens = dict(worker_tokens or {})
 
@@ -72,27 +74,45 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         if service == ADMIN_SERVICE and self.admin_token:
             token = bearer_token(metadata)
             if token is None:
-                return _refusal(handler, method, grpc.StatusCode.UNAUTHENTICATED,
-                                "admin calls need 'authorization: Bearer <token>'")
+                return _refusal(
+                    handler,
+                    method,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "admin calls need 'authorization: Bearer <token>'",
+                )
             if not _same(token, self.admin_token):
-                return _refusal(handler, method, grpc.StatusCode.PERMISSION_DENIED, "admin token not accepted")
+                return _refusal(
+                    handler, method, grpc.StatusCode.PERMISSION_DENIED, "admin token not accepted"
+                )
         elif service == WORKER_SERVICE and self.worker_tokens:
             token = bearer_token(metadata)
             if token is None:
-                return _refusal(handler, method, grpc.StatusCode.UNAUTHENTICATED,
-                                "worker calls need 'authorization: Bearer <token>'")
+                return _refusal(
+                    handler,
+                    method,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "worker calls need 'authorization: Bearer <token>'",
+                )
             # Every token is compared, so the time taken does not tell which one matched.
-            matches = [name for name, expected in self.worker_tokens.items() if _same(token, expected)]
+            matches = [
+                name for name, expected in self.worker_tokens.items() if _same(token, expected)
+            ]
             if not matches:
-                return _refusal(handler, method, grpc.StatusCode.PERMISSION_DENIED,
-                                "worker token not accepted for any deployment")
+                return _refusal(
+                    handler,
+                    method,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "worker token not accepted for any deployment",
+                )
             return _with_deployments(handler, frozenset(matches))
         return handler
 
     def check_deployment(self, deployment: str) -> None:
         """Raise StateError unless the call in progress may speak for `deployment`."""
         if self.worker_tokens and deployment not in _DEPLOYMENTS.get():
-            raise StateError("PERMISSION_DENIED", f"token does not allow speaking for deployment {deployment!r}")
+            raise StateError(
+                "PERMISSION_DENIED", f"token does not allow speaking for deployment {deployment!r}"
+            )
 
 
 def _wrap(behavior: Callable[..., Any], before: Callable[[], None]) -> Callable[..., Any]:
@@ -114,7 +134,9 @@ def _wrap(behavior: Callable[..., Any], before: Callable[[], None]) -> Callable[
     return call
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> grpc.RpcMethodHandler:
+def _rebuild(
+    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> grpc.RpcMethodHandler:
     """A handler of the same kind and (de)serializers whose behavior is `wrap(behavior)`."""
     des, ser = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
@@ -126,14 +148,18 @@ def _rebuild(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any]]
     return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), des, ser)
 
 
-def _with_deployments(handler: grpc.RpcMethodHandler, deployments: frozenset[str]) -> grpc.RpcMethodHandler:
+def _with_deployments(
+    handler: grpc.RpcMethodHandler, deployments: frozenset[str]
+) -> grpc.RpcMethodHandler:
     def note() -> None:
         _DEPLOYMENTS.set(deployments)
 
     return _rebuild(handler, lambda behavior: _wrap(behavior, note))
 
 
-def _refusal(handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def _refusal(
+    handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
     log.warning("%s refused: %s: %s", method, code.name, message)
 
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:

@@ -25,12 +25,12 @@ from rebalancer.wire.channel import MAX_MESSAGE_BYTES
 @dataclass
 class ControllerConfig:
     host: str = "127.0.0.1"
-    port: int = 50051                # 0 picks a free port
+    port: int = 50051  # 0 picks a free port
     db_path: str = "rebalancer.sqlite"
-    admin_token: str | None = None   # required on every admin call when set
+    admin_token: str | None = None  # required on every admin call when set
     # deployment -> bearer token its ranks must present; empty: workers unauthenticated.
     worker_tokens: dict[str, str] = field(default_factory=dict)
-    tls_cert: str | None = None      # server certificate chain (PEM): TLS on
+    tls_cert: str | None = None  # server certificate chain (PEM): TLS on
     tls_key: str | None = None
     tls_client_ca: str | None = None  # CA of client certificates: mutual TLS required
     metrics_port: int | None = None  # Prometheus exposition on its own port (0: any free)
@@ -38,16 +38,16 @@ class ControllerConfig:
     # rebalancer_rank_load_share): L + L x G per deployment, 4,453 for DeepSeek-V3 at EP72.
     per_layer_metrics: bool = False
     max_message_bytes: int = MAX_MESSAGE_BYTES
-    tick_seconds: float = 0.2        # plan timeouts are checked this often
-    persist_seconds: float = 5.0     # ingest cursor saved at most this often per deployment
+    tick_seconds: float = 0.2  # plan timeouts are checked this often
+    persist_seconds: float = 5.0  # ingest cursor saved at most this often per deployment
     # Cumulative window acks at most this often per stream (0: one ack per window). An ack
     # only lets the sender drop windows it would resend after a reconnect (folding never
     # waits for it), but a rank or sidecar that stops waits for the ack of its last window
     # (its drain), so the interval is also how long every graceful stop may take: 5 s
     # made each rank's stop wait up to 5 s (issue 32 tried it). One second keeps stops quick.
     ack_interval_seconds: float = 1.0
-    drain_seconds: float = 1.0       # NOT_SERVING before the port closes, on shutdown
-    grace_seconds: float = 5.0       # calls in flight may finish this long after
+    drain_seconds: float = 1.0  # NOT_SERVING before the port closes, on shutdown
+    grace_seconds: float = 5.0  # calls in flight may finish this long after
     # Listen on a non-loopback host although a service is unauthenticated (no token and
     # no mutual TLS); without it such a config is refused (check_exposure).
     insecure: bool = False
@@ -58,11 +58,31 @@ class ControllerConfig:
 
 
 _SECTIONS = {"server", "tls", "worker_tokens", "policy"}
-_SERVER_KEYS = {"host", "port", "db_path", "admin_token", "admin_token_file", "metrics_port",
-                "per_layer_metrics", "max_message_bytes", "tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds",
-                "ack_interval_seconds", "insecure", "pool_max_moving"}
+_SERVER_KEYS = {
+    "host",
+    "port",
+    "db_path",
+    "admin_token",
+    "admin_token_file",
+    "metrics_port",
+    "per_layer_metrics",
+    "max_message_bytes",
+    "tick_seconds",
+    "grace_seconds",
+    "drain_seconds",
+    "persist_seconds",
+    "ack_interval_seconds",
+    "insecure",
+    "pool_max_moving",
+}
 _TLS_KEYS = {"cert": "tls_cert", "key": "tls_key", "client_ca": "tls_client_ca"}
-_SECONDS = ("tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds", "ack_interval_seconds")
+_SECONDS = (
+    "tick_seconds",
+    "grace_seconds",
+    "drain_seconds",
+    "persist_seconds",
+    "ack_interval_seconds",
+)
 
 
 def read_text_file(path: Path, what: str) -> str:
@@ -100,7 +120,9 @@ def load_config(path: str | Path) -> ControllerConfig:
         raise InputError(f"{path}: not valid TOML (nested too deeply)") from None
     unknown = set(doc) - _SECTIONS
     if unknown:
-        raise InputError(f"{path}: unknown section(s) {sorted(unknown)}; expected {sorted(_SECTIONS)}")
+        raise InputError(
+            f"{path}: unknown section(s) {sorted(unknown)}; expected {sorted(_SECTIONS)}"
+        )
     values: dict[str, Any] = {}
     server = _table(doc, "server", path)
     bad = set(server) - _SERVER_KEYS
@@ -162,10 +184,14 @@ def validate_config(config: ControllerConfig) -> None:
         value = getattr(config, name)
         if not isinstance(value, str) or not value.strip():
             raise InputError(f"{name} must be a non-empty string, got {value!r}")
-    if config.admin_token is not None and (not isinstance(config.admin_token, str) or not config.admin_token):
+    if config.admin_token is not None and (
+        not isinstance(config.admin_token, str) or not config.admin_token
+    ):
         raise InputError("admin_token must be a non-empty string (or unset)")
     if not _is_int(config.max_message_bytes) or config.max_message_bytes <= 0:
-        raise InputError(f"max_message_bytes must be a positive integer, got {config.max_message_bytes!r}")
+        raise InputError(
+            f"max_message_bytes must be a positive integer, got {config.max_message_bytes!r}"
+        )
     if not _is_int(config.pool_max_moving) or config.pool_max_moving < 1:
         raise InputError(f"pool_max_moving must be an integer >= 1, got {config.pool_max_moving!r}")
     for name in _SECONDS:
@@ -217,7 +243,7 @@ def mutual_tls(config: ControllerConfig) -> bool:
 
 
 def unauthenticated_services(config: ControllerConfig) -> list[str]:
-    """"admin" / "worker" for each service anyone who reaches the port may call: no token
+    """ "admin" / "worker" for each service anyone who reaches the port may call: no token
     of its own and no mutual TLS."""
     if mutual_tls(config):
         return []
@@ -238,8 +264,10 @@ def check_exposure(config: ControllerConfig) -> None:
     what = " and ".join(f"the {s} service" for s in open_services)
     raise InputError(
         f"refusing to listen on {config.host} with {what} unauthenticated: set "
-        + " and ".join({"admin": "an admin token (--admin-token-file)",
-                        "worker": "[worker_tokens]"}[s] for s in open_services)
+        + " and ".join(
+            {"admin": "an admin token (--admin-token-file)", "worker": "[worker_tokens]"}[s]
+            for s in open_services
+        )
         + ", or mutual TLS, or listen on 127.0.0.1; --insecure (server.insecure = true) accepts it"
     )
 
@@ -247,15 +275,20 @@ def check_exposure(config: ControllerConfig) -> None:
 def exposure_warnings(config: ControllerConfig) -> list[str]:
     """One line per thing left open, for the WARNING log at start (empty: nothing)."""
     local = is_loopback(config.host)
-    who = ("any process on this machine (loopback only)" if local
-           else f"anyone who reaches the port ({config.host}, not loopback)")
+    who = (
+        "any process on this machine (loopback only)"
+        if local
+        else f"anyone who reaches the port ({config.host}, not loopback)"
+    )
     where = "loopback only" if local else f"{config.host}, not loopback"
     lines = []
     for service in unauthenticated_services(config):
         why = {"admin": "no admin token", "worker": "no [worker_tokens]"}[service]
         lines.append(f"{service} service unauthenticated ({why}, no mutual TLS): {who} may call it")
     if mutual_tls(config) and not config.admin_token:
-        lines.append("admin service has no admin token: any client certificate of the client CA may call it")
+        lines.append(
+            "admin service has no admin token: any client certificate of the client CA may call it"
+        )
     if not config.tls_cert:
         lines.append(f"TLS off: calls and tokens travel in plain text ({where})")
     return lines

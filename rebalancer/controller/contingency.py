@@ -75,10 +75,14 @@ def check_scale_down_nodes(counts: object, num_nodes: int | None = None) -> list
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
             raise InputError(f"policy scale_down_nodes: {count!r} is not a whole number of nodes")
         if count < 1:
-            raise InputError(f"policy scale_down_nodes: {count} nodes: a deployment scales down to 1 node at least")
+            raise InputError(
+                f"policy scale_down_nodes: {count} nodes: a deployment scales down to 1 node at least"
+            )
         if num_nodes is not None and count >= num_nodes:
-            raise InputError(f"policy scale_down_nodes: {count} nodes is no scale-down of a deployment of "
-                             f"{num_nodes} node{'s' if num_nodes != 1 else ''} (at most {num_nodes - 1})")
+            raise InputError(
+                f"policy scale_down_nodes: {count} nodes is no scale-down of a deployment of "
+                f"{num_nodes} node{'s' if num_nodes != 1 else ''} (at most {num_nodes - 1})"
+            )
         if count in out:
             raise InputError(f"policy scale_down_nodes: {count} nodes given twice")
         out.append(int(count))
@@ -100,10 +104,10 @@ class Loss:
 
     kind: LossKind
     lost: tuple[int, ...]
-    balancedness: float     # on the estimate it was planned on; NaN when infeasible
-    slots_moved: int        # slots the survivors must refill
-    from_storage: int       # (layer, expert) pairs no survivor holds: weights from storage
-    unserved: int           # experts per layer left without a slot (infeasible when > 0)
+    balancedness: float  # on the estimate it was planned on; NaN when infeasible
+    slots_moved: int  # slots the survivors must refill
+    from_storage: int  # (layer, expert) pairs no survivor holds: weights from storage
+    unserved: int  # experts per layer left without a slot (infeasible when > 0)
     phy2log: np.ndarray | None  # [L, P'] the survivors' placement, None when infeasible
 
     @property
@@ -111,8 +115,14 @@ class Loss:
         return self.phy2log is not None and self.unserved == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "lost": list(self.lost), "balancedness": self.balancedness,
-                "slots_moved": self.slots_moved, "from_storage": self.from_storage, "unserved": self.unserved}
+        return {
+            "kind": self.kind,
+            "lost": list(self.lost),
+            "balancedness": self.balancedness,
+            "slots_moved": self.slots_moved,
+            "from_storage": self.from_storage,
+            "unserved": self.unserved,
+        }
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,7 @@ class ContingencySet:
 
     base_version: int
     computed_at: float
-    healthy: float          # the placement in use, balancedness on the same estimate
+    healthy: float  # the placement in use, balancedness on the same estimate
     losses: tuple[Loss, ...]
 
     def of(self, kind: LossKind) -> list[Loss]:
@@ -157,26 +167,47 @@ class ContingencySet:
 
 def to_record(made: ContingencySet) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A set as the store keeps it: a JSON record and the survivors' placements."""
-    record = {"base_version": made.base_version, "computed_at": made.computed_at, "healthy": made.healthy,
-              "losses": [loss.to_dict() for loss in made.losses]}
-    arrays = {f"loss{i}": loss.phy2log.astype(np.int32) for i, loss in enumerate(made.losses)
-              if loss.phy2log is not None}
+    record = {
+        "base_version": made.base_version,
+        "computed_at": made.computed_at,
+        "healthy": made.healthy,
+        "losses": [loss.to_dict() for loss in made.losses],
+    }
+    arrays = {
+        f"loss{i}": loss.phy2log.astype(np.int32)
+        for i, loss in enumerate(made.losses)
+        if loss.phy2log is not None
+    }
     return record, arrays
 
 
 def from_record(record: dict[str, Any], arrays: dict[str, np.ndarray]) -> ContingencySet:
     losses = tuple(
-        Loss(d["kind"], tuple(d["lost"]), float(d["balancedness"]), int(d["slots_moved"]), int(d["from_storage"]),
-             int(d["unserved"]), arrays[f"loss{i}"].astype(np.int64) if f"loss{i}" in arrays else None)
-        for i, d in enumerate(record["losses"]))
-    return ContingencySet(int(record["base_version"]), float(record["computed_at"]), float(record["healthy"]), losses)
+        Loss(
+            d["kind"],
+            tuple(d["lost"]),
+            float(d["balancedness"]),
+            int(d["slots_moved"]),
+            int(d["from_storage"]),
+            int(d["unserved"]),
+            arrays[f"loss{i}"].astype(np.int64) if f"loss{i}" in arrays else None,
+        )
+        for i, d in enumerate(record["losses"])
+    )
+    return ContingencySet(
+        int(record["base_version"]), float(record["computed_at"]), float(record["healthy"]), losses
+    )
 
 
-def failure_domains(shape: ClusterShape, scale_down_nodes: Sequence[int] = ()) -> list[tuple[LossKind, tuple[int, ...]]]:
+def failure_domains(
+    shape: ClusterShape, scale_down_nodes: Sequence[int] = ()
+) -> list[tuple[LossKind, tuple[int, ...]]]:
     """Every single rank, every single node when there are several (ranks numbered node
     by node, G / N to a node), then each declared scale-down's tail ranks (`scale_downs`)."""
     G, N = shape.num_gpus, shape.num_nodes
-    out: list[tuple[LossKind, tuple[int, ...]]] = [("rank", (g,)) for g in range(G)] if G > 1 else []
+    out: list[tuple[LossKind, tuple[int, ...]]] = (
+        [("rank", (g,)) for g in range(G)] if G > 1 else []
+    )
     if N > 1:
         per_node = G // N
         out += [("node", tuple(range(n * per_node, (n + 1) * per_node))) for n in range(N)]
@@ -184,23 +215,39 @@ def failure_domains(shape: ClusterShape, scale_down_nodes: Sequence[int] = ()) -
     return out
 
 
-def plan_losses(load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape,
-                scale_down_nodes: Sequence[int] = ()) -> list[Loss]:
+def plan_losses(
+    load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape, scale_down_nodes: Sequence[int] = ()
+) -> list[Loss]:
     """The survivor placement of every failure domain (decision worker; pure). Going down
     to N - 1 nodes loses the same ranks as the last node's loss: planned once, listed as both.
 
     load: [L, E] the estimate, phy2log: [L, P] the committed placement."""
     domains = failure_domains(shape, scale_down_nodes)
     unique = list(dict.fromkeys(lost for _, lost in domains))
-    plans = dict(zip(unique, survivor_placements(load, phy2log, shape.num_gpus, unique), strict=True))
-    return [Loss(kind, lost, plans[lost].balancedness, plans[lost].slots_moved, plans[lost].from_storage,
-                 plans[lost].unserved, plans[lost].phy2log) for kind, lost in domains]
+    plans = dict(
+        zip(unique, survivor_placements(load, phy2log, shape.num_gpus, unique), strict=True)
+    )
+    return [
+        Loss(
+            kind,
+            lost,
+            plans[lost].balancedness,
+            plans[lost].slots_moved,
+            plans[lost].from_storage,
+            plans[lost].unserved,
+            plans[lost].phy2log,
+        )
+        for kind, lost in domains
+    ]
 
 
-def _plan(load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape,
-          scale_down_nodes: Sequence[int] = ()) -> tuple[float, list[Loss]]:
+def _plan(
+    load: np.ndarray, phy2log: np.ndarray, shape: ClusterShape, scale_down_nodes: Sequence[int] = ()
+) -> tuple[float, list[Loss]]:
     """The decision worker's job: the placement in use on `load`, and every loss planned."""
-    return balancedness(phy2log, load, shape.num_gpus), plan_losses(load, phy2log, shape, scale_down_nodes)
+    return balancedness(phy2log, load, shape.num_gpus), plan_losses(
+        load, phy2log, shape, scale_down_nodes
+    )
 
 
 def load_shift(a: np.ndarray, b: np.ndarray) -> float:
@@ -220,14 +267,16 @@ Submit = Callable[[Callable[[], Any], Callable[[Any], None]], None]
 class ContingencyPlanner:
     """The contingency sets of every deployment (module docstring)."""
 
-    def __init__(self, store: Store, clock: Clock, submit: Submit, has_room: Callable[[], bool]) -> None:
+    def __init__(
+        self, store: Store, clock: Clock, submit: Submit, has_room: Callable[[], bool]
+    ) -> None:
         self.store = store
         self.clock = clock
         self.submit = submit
         self.has_room = has_room  # the decision worker idle: policy decisions keep their room
         self.sets: dict[str, ContingencySet] = {}
         self._planned_on: dict[str, np.ndarray] = {}  # the estimate each set was planned on
-        self._asked: dict[str, float] = {}             # when a set was last asked for or looked at
+        self._asked: dict[str, float] = {}  # when a set was last asked for or looked at
         self._running: set[str] = set()
 
     def load(self, names: list[str]) -> None:
@@ -258,11 +307,18 @@ class ContingencyPlanner:
         declared scale-downs, or the estimate moved by REFRESH_SHIFT; never while one is computed, never more often
         than MIN_INTERVAL_SECONDS, and only with counts to plan on and a loss to plan for."""
         declared = dep.policy.contingency.scale_down_nodes
-        if dep.name in self._running or not failure_domains(dep.shape, declared) or dep.mixed is not None:
+        if (
+            dep.name in self._running
+            or not failure_domains(dep.shape, declared)
+            or dep.mixed is not None
+        ):
             return False
         current = self.sets.get(dep.name)
-        stale = (current is None or current.base_version != dep.version
-                 or [loss.lost for loss in current.of("scale_down")] != scale_downs(dep.shape, declared))
+        stale = (
+            current is None
+            or current.base_version != dep.version
+            or [loss.lost for loss in current.of("scale_down")] != scale_downs(dep.shape, declared)
+        )
         if not stale and now - self._asked.get(dep.name, -np.inf) < MIN_INTERVAL_SECONDS:
             return False
         estimate = dep.estimator.estimate()
@@ -300,9 +356,18 @@ class ContingencyPlanner:
             except Exception as exc:  # noqa: BLE001 - a full disk must not lose the set in memory
                 log.error("%s: the store refused the contingency set (%s)", name, exc)
             if summary["node_unserved"]:
-                log.warning("%s: a node loss would leave %d experts per layer without a slot (v%d)",
-                            name, summary["node_unserved"], version)
-            log.info("%s: contingency set on v%d: rank loss worst %.3f, node loss worst %.3f", name, version,
-                     summary["rank_worst"], summary["node_worst"])
+                log.warning(
+                    "%s: a node loss would leave %d experts per layer without a slot (v%d)",
+                    name,
+                    summary["node_unserved"],
+                    version,
+                )
+            log.info(
+                "%s: contingency set on v%d: rank loss worst %.3f, node loss worst %.3f",
+                name,
+                version,
+                summary["rank_worst"],
+                summary["node_worst"],
+            )
 
         self.submit(partial(_plan, estimate, phy2log, shape, declared), done)

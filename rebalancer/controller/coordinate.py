@@ -28,7 +28,6 @@ from rebalancer.wire.windows import Ranks, rank_set, who
 COMMIT_GRACE_SECONDS = 60.0
 
 
-
 class PlanState(enum.Enum):
     PREPARING = "preparing"
     COMMITTING = "committing"
@@ -42,12 +41,12 @@ class PlanState(enum.Enum):
 class Plan:
     version: int
     base_version: int
-    phy2log: np.ndarray      # [L, P] the placement being installed
-    transfers: np.ndarray    # [K, 5] (layer, dst_rank, dst_slot, src_rank, src_slot)
+    phy2log: np.ndarray  # [L, P] the placement being installed
+    transfers: np.ndarray  # [K, 5] (layer, dst_rank, dst_slot, src_rank, src_slot)
     num_ranks: int
     trigger: str
     created: float
-    deadline: float          # controller clock seconds; preparing past this aborts
+    deadline: float  # controller clock seconds; preparing past this aborts
     slots_moved: int
     bytes_moved: int
     state: PlanState = PlanState.PREPARING
@@ -57,7 +56,7 @@ class Plan:
     # Aborted because a rank stopped as planned (it reported SHUTTING_DOWN): no fault,
     # counted apart from the failed plans (metrics, logs); aborted all the same.
     stopped: bool = False
-    started_at: float = 0.0    # controller clock seconds when Prepare went out
+    started_at: float = 0.0  # controller clock seconds when Prepare went out
     prepared_at: float = 0.0
     committed_at: float = 0.0
     # Sessions with a stream open when Commit went out: only their ranks can switch.
@@ -95,19 +94,21 @@ class Mixed:
     (store, status, metrics) until the group restarts; no plan starts on top of it, since
     every plan's transfers assume the ranks serve the placement the controller holds."""
 
-    version: int                 # the plan applied in part
-    base_version: int            # the version the ranks still report serving
-    phy2log: np.ndarray | None   # [L, P] what they serve, as a rank reported it (None: unknown)
+    version: int  # the plan applied in part
+    base_version: int  # the version the ranks still report serving
+    phy2log: np.ndarray | None  # [L, P] what they serve, as a rank reported it (None: unknown)
     reason: str
-    since: float                 # controller clock
-    workers: frozenset[str]      # worker ids of the sessions that hold it (a restart clears)
+    since: float  # controller clock
+    workers: frozenset[str]  # worker ids of the sessions that hold it (a restart clears)
 
     def describe(self) -> str:
         served = "" if self.phy2log is not None else "; the placement served is unknown"
         if self.version == self.base_version:  # the engine left it outside any plan
             return f"the ranks left v{self.version} outside any plan ({self.reason}){served}"
-        return (f"plan v{self.version} applied in part over v{self.base_version} "
-                f"({self.reason}){served}")
+        return (
+            f"plan v{self.version} applied in part over v{self.base_version} "
+            f"({self.reason}){served}"
+        )
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,10 @@ class Transition:
     send_commit: bool = False
     send_abort: bool = False
     became_committed: bool = False  # first rank confirmed the switch
-    finished: bool = False          # plan left the in-flight slot
+    finished: bool = False  # plan left the in-flight slot
     duplicate: bool = False
-    unconfirmed: bool = False       # finished without any rank confirming the commit
-    partial: bool = False           # finished applied in part: the ranks serve a mix
+    unconfirmed: bool = False  # finished without any rank confirming the commit
+    partial: bool = False  # finished applied in part: the ranks serve a mix
 
 
 def on_prepared(plan: Plan, rank: Ranks, now: float) -> Transition:
@@ -128,7 +129,9 @@ def on_prepared(plan: Plan, rank: Ranks, now: float) -> Transition:
     if plan.state is not PlanState.PREPARING:
         if ranks <= plan.prepared:
             return Transition(duplicate=True)
-        raise StateError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}, not preparing")
+        raise StateError(
+            "FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}, not preparing"
+        )
     if ranks <= plan.prepared:
         return Transition(duplicate=True)
     plan.prepared |= ranks
@@ -152,8 +155,10 @@ def on_failed(plan: Plan, rank: Ranks, error: str, pod: str = "") -> Transition:
     if plan.state in (PlanState.ABORTED, PlanState.PARTIAL):
         return Transition(duplicate=True)
     if rank_set(rank) & plan.committed:
-        raise StateError("FAILED_PRECONDITION",
-                         f"plan v{plan.version}: {who(rank, pod)} confirmed it committed, it cannot fail it")
+        raise StateError(
+            "FAILED_PRECONDITION",
+            f"plan v{plan.version}: {who(rank, pod)} confirmed it committed, it cannot fail it",
+        )
     plan.state = PlanState.PARTIAL
     plan.reason = f"{who(rank, pod)} failed after the commit: {error or 'no reason given'}"
     return Transition(partial=True, finished=True)
@@ -181,7 +186,9 @@ def commit_unrecorded(plan: Plan, reason: str) -> Transition:
     instead, before any Commit is sent (a controller restarting on that store would hold
     the plan as preparing and abort it, while ranks might already have switched)."""
     if plan.state is not PlanState.COMMITTING or plan.committed:
-        raise StateError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}, its commit is out")
+        raise StateError(
+            "FAILED_PRECONDITION", f"plan v{plan.version} is {plan.state.value}, its commit is out"
+        )
     plan.state = PlanState.ABORTED
     plan.reason = reason
     return Transition(send_abort=True, finished=True)

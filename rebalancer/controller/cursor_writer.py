@@ -96,7 +96,9 @@ class CursorWriter:
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._pending or self._closed, IDLE_SECONDS)
-                    if not self._pending:  # closed or idle, nothing left: a later put starts another
+                    if (
+                        not self._pending
+                    ):  # closed or idle, nothing left: a later put starts another
                         self._thread = None
                         return
                     self._writing, self._pending = self._pending, {}
@@ -108,7 +110,9 @@ class CursorWriter:
             if db is not None:
                 db.close()
             with self._cond:
-                if self._thread is threading.current_thread():  # ended by an error, not idle or closed:
+                if (
+                    self._thread is threading.current_thread()
+                ):  # ended by an error, not idle or closed:
                     self._thread = None  # nothing more will be written now: release any flush()
                     self._pending, self._writing = {}, {}
                     self._cond.notify_all()
@@ -131,5 +135,9 @@ class CursorWriter:
             now = time.monotonic()
             if now - self._last_error_log >= ERROR_LOG_SECONDS:
                 self._last_error_log = now
-                log.error("store %s: cannot save the ingest cursor of %d deployment(s): %s",
-                          self.path, len(rows), exc)
+                log.error(
+                    "store %s: cannot save the ingest cursor of %d deployment(s): %s",
+                    self.path,
+                    len(rows),
+                    exc,
+                )

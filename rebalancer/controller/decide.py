@@ -55,7 +55,9 @@ __all__ = [
 TAKEN = ("rebalance", "forced")
 
 
-def predicted_balance(phy2log: np.ndarray, estimate: np.ndarray, shape: ClusterShape) -> tuple[float, float]:
+def predicted_balance(
+    phy2log: np.ndarray, estimate: np.ndarray, shape: ClusterShape
+) -> tuple[float, float]:
     """(balancedness, imbalance ratio) of a placement on a load estimate, under the
     deployment's dispatch mode.
 
@@ -123,7 +125,11 @@ class Decision:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for logs, JSON and the store (the candidate array is left out)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("candidate", "state")}
+        out = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("candidate", "state")
+        }
         out["take"] = self.take
         if not out["load"]:  # the policies other than regimes record what they always did
             del out["load"]
@@ -218,7 +224,13 @@ def decide(
     policy.validate()
     if float(estimate.sum()) <= 0.0:
         return no_load_decision(windows, now)
-    ev = _evaluate(estimate, current, shape, policy, windows if effective_windows is None else effective_windows)
+    ev = _evaluate(
+        estimate,
+        current,
+        shape,
+        policy,
+        windows if effective_windows is None else effective_windows,
+    )
     return gate_decision(ev, policy, now, last_rebalance, windows, forced, dry_run)
 
 
@@ -257,7 +269,9 @@ def no_load_decision(windows: int, now: float) -> Decision:
     )
 
 
-def _fit_candidate(estimate: np.ndarray, current: np.ndarray, shape: ClusterShape, policy: PolicyConfig) -> np.ndarray:
+def _fit_candidate(
+    estimate: np.ndarray, current: np.ndarray, shape: ClusterShape, policy: PolicyConfig
+) -> np.ndarray:
     """The migration-aware candidate within the policy's move budget: phy2log [L, P]."""
     result = compute_placement(
         estimate,
@@ -285,8 +299,14 @@ def _evaluate(
     bound = float(lower_bound_balancedness(estimate, shape.num_slots, G, shape.num_nodes))
     candidate = _fit_candidate(estimate, current, shape, policy)
     return evaluate_candidate(
-        estimate, current, candidate, shape, policy, effective_windows,
-        current_balance=(b_current, r_current), bound=bound,
+        estimate,
+        current,
+        candidate,
+        shape,
+        policy,
+        effective_windows,
+        current_balance=(b_current, r_current),
+        bound=bound,
     )
 
 
@@ -313,7 +333,9 @@ def evaluate_candidate(
     b_candidate, r_candidate = predicted_balance(candidate, estimate, shape)
     moves = np.asarray(transfers(current, candidate, G, shape.num_nodes))
     slots_moved = int(moves.shape[0])
-    noise = policy.noise_z * sampling_noise(estimate, G, effective_windows) if policy.noise_z else 0.0
+    noise = (
+        policy.noise_z * sampling_noise(estimate, G, effective_windows) if policy.noise_z else 0.0
+    )
     return _Evaluation(
         b_current=b_current,
         r_current=r_current,

@@ -31,8 +31,15 @@ TRIGGERS = ("policy", "forced")
 # deployment is paused its policy does not decide; a forced decision's reason names the
 # gate it skipped, skip_paused included. A dry run is not a decision.
 RECORDED_OUTCOMES = (
-    "rebalance", "forced", "skip_min_interval", "skip_min_windows", "skip_gain", "skip_no_load",
-    "skip_ranks", "skip_store", "skip_mixed",
+    "rebalance",
+    "forced",
+    "skip_min_interval",
+    "skip_min_windows",
+    "skip_gain",
+    "skip_no_load",
+    "skip_ranks",
+    "skip_store",
+    "skip_mixed",
 )
 
 # Runs fn, then done(result), or done(None) if fn raised, back on the event loop thread.
@@ -59,7 +66,11 @@ MAX_DECISIONS_IN_FLIGHT = 2
 
 class DecisionRunner:
     def __init__(
-        self, store: Store, clock: Clock, plans: Plans, observers: Observers,
+        self,
+        store: Store,
+        clock: Clock,
+        plans: Plans,
+        observers: Observers,
         background: Background = run_inline,
     ) -> None:
         self.store = store
@@ -74,8 +85,12 @@ class DecisionRunner:
         """Whether the policy should decide now: no plan or decision under way, not paused,
         the ranks not on a mixed placement, and room in the decision queue (MAX_DECISIONS_IN_FLIGHT)."""
         return (
-            dep.plan is None and not dep.deciding and not dep.policy.paused and dep.mixed is None
-            and self.in_flight < MAX_DECISIONS_IN_FLIGHT and dep.loop.due(now)
+            dep.plan is None
+            and not dep.deciding
+            and not dep.policy.paused
+            and dep.mixed is None
+            and self.in_flight < MAX_DECISIONS_IN_FLIGHT
+            and dep.loop.due(now)
         )
 
     def has_room(self) -> bool:
@@ -85,6 +100,7 @@ class DecisionRunner:
     def submit(self, work: Callable[[], Any], done: Callable[[Any], None]) -> None:
         """Run `work` by `background`, counted in the decisions in flight (a pool's
         decision: fleet.py)."""
+
         def finish(result: Any) -> None:
             self.in_flight -= 1
             done(result)
@@ -134,21 +150,27 @@ class DecisionRunner:
         candidate = decision.candidate
         if decision.take and candidate is not None:
             if dep.mixed is not None:
-                decision = replace(decision, outcome="skip_mixed",
-                                   reason=f"the ranks serve a mixed placement: {dep.mixed.describe()}")
+                decision = replace(
+                    decision,
+                    outcome="skip_mixed",
+                    reason=f"the ranks serve a mixed placement: {dep.mixed.describe()}",
+                )
                 dep.loop.amend(decision)
             elif dep.connected_ranks < dep.shape.num_gpus:
                 decision = replace(
-                    decision, outcome="skip_ranks",
+                    decision,
+                    outcome="skip_ranks",
                     reason=f"only {dep.connected_ranks} of {dep.shape.num_gpus} ranks connected "
-                           f"(missing: {who(dep.missing_ranks())})",
+                    f"(missing: {who(dep.missing_ranks())})",
                 )
                 dep.loop.amend(decision)
             else:
                 try:
                     plan = self.plans.start(dep, candidate, trigger, now)
                 except sqlite3.Error as exc:  # nothing changed: the plan is stored before it starts
-                    decision = replace(decision, outcome="skip_store", reason=f"the store refused the plan: {exc}")
+                    decision = replace(
+                        decision, outcome="skip_store", reason=f"the store refused the plan: {exc}"
+                    )
                     dep.loop.amend(decision)
                 else:
                     dep.loop.started(now)  # only a plan that started is a rebalance
@@ -160,10 +182,19 @@ class DecisionRunner:
             log.error("%s: the store refused a decision record (%s)", dep.name, exc)
         # A decision every period would be a line per deployment per second: INFO when
         # the outcome changes, a plan starts or an operator asked; the repeats at DEBUG.
-        repeated = trigger == "policy" and plan is None and self.last_outcome.get(dep.name) == decision.outcome
+        repeated = (
+            trigger == "policy"
+            and plan is None
+            and self.last_outcome.get(dep.name) == decision.outcome
+        )
         self.last_outcome[dep.name] = decision.outcome
-        log.log(logging.DEBUG if repeated else logging.INFO, "%s decision: %s (%s)",
-                dep.name, decision.outcome, decision.reason)
+        log.log(
+            logging.DEBUG if repeated else logging.INFO,
+            "%s decision: %s (%s)",
+            dep.name,
+            decision.outcome,
+            decision.reason,
+        )
         for observer in self.observers.decision:
             observer(dep.name, decision, trigger)
         return plan

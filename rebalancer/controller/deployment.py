@@ -40,13 +40,13 @@ class Session:
     which then speaks for all of them: windows summed over them, reports for all."""
 
     session_id: str
-    rank: int             # the rank, or a group's lowest rank
+    rank: int  # the rank, or a group's lowest rank
     worker_id: str
     registered_at: float  # controller clock
     send: Send | None = None
     streaming: bool = False
     ranks: tuple[int, ...] = ()  # every rank it stands for; () means (rank,)
-    pod: str = ""                # a group's pod, for logs
+    pod: str = ""  # a group's pod, for logs
     # Ranks of a group its sidecar reports without a stream to it (their engine exited
     # or is restarting: ReportRanks). Not connected, though the group's stream is open.
     absent: frozenset[int] = frozenset()
@@ -79,20 +79,20 @@ class WindowEvent:
     ranks: int
     version: int
     tokens: int
-    balancedness_actual: float     # routed load of this window on the GPUs, measured
+    balancedness_actual: float  # routed load of this window on the GPUs, measured
     balancedness_estimated: float  # current placement on the estimate
-    balancedness_best: float       # a fresh placement on this window's counts
+    balancedness_best: float  # a fresh placement on this window's counts
 
 
 @dataclass
 class DeploymentStats:
     windows_ingested: int = 0
-    tokens_folded: int = 0   # routed (token, k) pairs counted; persisted with the cursor
+    tokens_folded: int = 0  # routed (token, k) pairs counted; persisted with the cursor
     duplicate_windows: int = 0  # resent windows recognised (the merger refuses them)
     plans_committed: int = 0
     plans_aborted: int = 0
-    plans_stopped: int = 0   # aborted because a rank stopped as planned (Plan.stopped): no fault
-    plans_partial: int = 0   # Commit out, then a rank failed: applied in part (Mixed)
+    plans_stopped: int = 0  # aborted because a rank stopped as planned (Plan.stopped): no fault
+    plans_partial: int = 0  # Commit out, then a rank failed: applied in part (Mixed)
     slots_moved: int = 0
     bytes_moved: int = 0
     balancedness_actual: float = float("nan")
@@ -119,7 +119,7 @@ class Resize:
     """What a rank of a resized EP group states: the world it served before (proto
     `Resize`; rebalancer/controller/resize.py)."""
 
-    version: int   # the placement version the old world served
+    version: int  # the placement version the old world served
     num_gpus: int  # its GPU count
 
     def describe(self) -> str:
@@ -128,7 +128,12 @@ class Resize:
 
 class Deployment:
     def __init__(
-        self, name: str, shape: ClusterShape, policy: PolicyConfig, version: int, phy2log: np.ndarray
+        self,
+        name: str,
+        shape: ClusterShape,
+        policy: PolicyConfig,
+        version: int,
+        phy2log: np.ndarray,
     ) -> None:
         self.name = name
         self.shape = shape
@@ -188,8 +193,11 @@ class Deployment:
 
     def missing_ranks(self) -> list[int]:
         """The ranks of the EP group not counted in `connected_ranks`."""
-        return [r for r in range(self.shape.num_gpus)
-                if (s := self.sessions.get(r)) is None or not s.streaming or r in s.absent]
+        return [
+            r
+            for r in range(self.shape.num_gpus)
+            if (s := self.sessions.get(r)) is None or not s.streaming or r in s.absent
+        ]
 
     def live_sessions(self) -> list[Session]:
         """Each session once (a group's is held under each of its ranks)."""
@@ -208,7 +216,9 @@ class Deployment:
             if self.sessions.get(r) is session:
                 del self.sessions[r]
 
-    def restore(self, next_seq: dict[int, int], estimator_state: dict[str, Any], tokens_folded: int) -> None:
+    def restore(
+        self, next_seq: dict[int, int], estimator_state: dict[str, Any], tokens_folded: int
+    ) -> None:
         """Resume ingest from a saved cursor and the estimate built up to it (a restart)."""
         self.windows.restore(next_seq)
         self.estimator.load_state_dict(estimator_state)
@@ -223,7 +233,9 @@ class Deployment:
         """Shape fields the store held no value for (a row written before they existed)."""
         self.unknown_fields = fields
 
-    def state_serving(self, ranks: tuple[int, ...], version: int, digest: int, registering: bool = False) -> None:
+    def state_serving(
+        self, ranks: tuple[int, ...], version: int, digest: int, registering: bool = False
+    ) -> None:
         """`ranks` state the placement they serve: by a window (never backwards: a window
         resent late states an older version), or by a Register (outright, digest unknown)."""
         for r in ranks:
@@ -257,7 +269,9 @@ class Deployment:
         self.shape = self.loop.shape = shape
         self.unknown_fields = unknown
 
-    def resize(self, shape: ClusterShape, version: int, phy2log: np.ndarray, resized_from: Resize) -> None:
+    def resize(
+        self, shape: ClusterShape, version: int, phy2log: np.ndarray, resized_from: Resize
+    ) -> None:
         """An elastic engine resized the EP group (rebalancer/controller/resize.py): the new world's
         shape and placement `version`. The old world's sessions, partial windows, statements
         and unfinished plans are gone; the estimate per logical expert is kept (the same
@@ -283,8 +297,10 @@ class Deployment:
         if self.plan is not None:
             raise ValueError(f"{self.name}: plan v{self.plan.version} is still in flight")
         if plan.base_version != self.version:
-            raise ValueError(f"{self.name}: plan v{plan.version} is built on v{plan.base_version}, "
-                             f"the deployment is at v{self.version}")
+            raise ValueError(
+                f"{self.name}: plan v{plan.version} is built on v{plan.base_version}, "
+                f"the deployment is at v{self.version}"
+            )
         self.plan = plan
 
     def commit(self, plan: Plan) -> None:
@@ -347,7 +363,9 @@ class Deployment:
         else:
             self.stats.duplicate_windows += 1
 
-    def fold(self, logical: np.ndarray, gpu_load: np.ndarray | None, balancedness_actual: float) -> None:
+    def fold(
+        self, logical: np.ndarray, gpu_load: np.ndarray | None, balancedness_actual: float
+    ) -> None:
         """A merged window into the estimate: its routed counts [L, E], and when the ranks
         sent dispatched counts, the GPUs' load [L, G] and its measured balancedness."""
         self.stats.tokens_folded += int(logical.sum())
@@ -413,8 +431,12 @@ def stored_shape(shape: ClusterShape, unknown: frozenset[str]) -> dict[str, Any]
     return {k: v for k, v in shape_key(shape).items() if k not in unknown}
 
 
-def merge_shape(stored: ClusterShape, reported: ClusterShape, unknown: frozenset[str],
-                reported_unknown: frozenset[str] = frozenset()) -> ClusterShape | None:
+def merge_shape(
+    stored: ClusterShape,
+    reported: ClusterShape,
+    unknown: frozenset[str],
+    reported_unknown: frozenset[str] = frozenset(),
+) -> ClusterShape | None:
     """The deployment's shape once a rank reports `reported`, or None if the two disagree.
 
     1. A stored field that is unknown (in `unknown`: absent from an older store, or from

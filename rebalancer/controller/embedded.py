@@ -78,4 +78,3 @@ class EmbeddedController:
             return fn()
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
-

@@ -140,7 +140,9 @@ class LoadEstimator:
         if checked:
             arr = np.asarray(counts)
             if arr.shape != self.shape:
-                raise InputError(f"counts have shape {list(arr.shape)}, expected {list(self.shape)}")
+                raise InputError(
+                    f"counts have shape {list(arr.shape)}, expected {list(self.shape)}"
+                )
             arr = arr.astype(np.float64, copy=False)
         else:
             arr = self._check(counts)
@@ -251,7 +253,11 @@ class LoadEstimator:
     def state_dict(self) -> dict[str, Any]:
         """`state()` as JSON-ready plain values."""
         return {
-            k: [w.tolist() for w in v] if k == "recent" else v.tolist() if isinstance(v, np.ndarray) else v
+            k: [w.tolist() for w in v]
+            if k == "recent"
+            else v.tolist()
+            if isinstance(v, np.ndarray)
+            else v
             for k, v in self.state().items()
         }
 

@@ -64,17 +64,23 @@ class MemberMove:
     """One member's share of a pool rebalance: what its own plan would move."""
 
     deployment: str
-    version: int           # the placement it serves
+    version: int  # the placement it serves
     slots_moved: int
     bytes_to_move: int
     moved_fraction: float
-    diverged: bool         # balanced alone: not rolled to, moves nothing
+    diverged: bool  # balanced alone: not rolled to, moves nothing
 
 
 class Fleet:
     def __init__(
-        self, store: Store, clock: Clock, registry: Registry, decisions: DecisionRunner, plans: Plans,
-        policy: PolicyConfig, max_moving: int = DEFAULT_MAX_MOVING,
+        self,
+        store: Store,
+        clock: Clock,
+        registry: Registry,
+        decisions: DecisionRunner,
+        plans: Plans,
+        policy: PolicyConfig,
+        max_moving: int = DEFAULT_MAX_MOVING,
         divergence: DivergenceConfig | None = None,
     ) -> None:
         self.store = store
@@ -128,8 +134,13 @@ class Fleet:
 
     # -- registration ------------------------------------------------------------
 
-    def check_join(self, deployment: str, pool_name: str, shape: ClusterShape,
-                   unknown: frozenset[str] = frozenset()) -> None:
+    def check_join(
+        self,
+        deployment: str,
+        pool_name: str,
+        shape: ClusterShape,
+        unknown: frozenset[str] = frozenset(),
+    ) -> None:
         """Refuse (StateError, nothing changed) a registration whose pool cannot take it
         (`unknown`: shape fields the registration does not know yet)."""
         current = self.member_of.get(deployment, "")
@@ -160,14 +171,20 @@ class Fleet:
             if pool is None:
                 pool = self._new_pool(pool_name, dep.shape)
                 pool.set_shape(dep.shape, dep.unknown_fields & UNKNOWN_EXPERT_BYTES)
-                self.store.save_pool(pool_name, stored_shape(dep.shape, pool.unknown_fields), 0, None)
+                self.store.save_pool(
+                    pool_name, stored_shape(dep.shape, pool.unknown_fields), 0, None
+                )
                 log.info("new pool %s: %s", pool_name, shape_key(dep.shape))
             else:
                 self._fill_unknown(pool, dep)
             pool.join(dep.name)
             self.member_of[dep.name] = pool_name
             library = pool.loop.regimes
-            if library is not None and library.regimes and not (dep.loop.regimes and dep.loop.regimes.regimes):
+            if (
+                library is not None
+                and library.regimes
+                and not (dep.loop.regimes and dep.loop.regimes.regimes)
+            ):
                 dep.restore_regimes(copy_library(library))  # a new member knows the pool's regimes
             log.info("deployment %s joined pool %s", dep.name, pool_name)
         self.store.set_pool_member(dep.name, pool_name)
@@ -177,9 +194,13 @@ class Fleet:
         member that knows them (a member's shape was checked against the pool's)."""
         if "expert_bytes" not in pool.unknown_fields or "expert_bytes" in dep.unknown_fields:
             return
-        pool.set_shape(replace(pool.shape, expert_bytes=dep.shape.expert_bytes),
-                       pool.unknown_fields - UNKNOWN_EXPERT_BYTES)
-        self.store.save_pool(pool.name, stored_shape(pool.shape, pool.unknown_fields), pool.version, pool.phy2log)
+        pool.set_shape(
+            replace(pool.shape, expert_bytes=dep.shape.expert_bytes),
+            pool.unknown_fields - UNKNOWN_EXPERT_BYTES,
+        )
+        self.store.save_pool(
+            pool.name, stored_shape(pool.shape, pool.unknown_fields), pool.version, pool.phy2log
+        )
         log.info("pool %s: expert_bytes %d from %s", pool.name, pool.shape.expert_bytes, dep.name)
 
     def warm_offer(self, dep: Deployment, version: int) -> tuple[int, np.ndarray] | None:
@@ -222,9 +243,14 @@ class Fleet:
         change = pool.test_window(dep.name, logical)
         if change is not None:
             statistic = pool.tracks[dep.name].last_statistic
-            log.warning("%s %s pool %s (excess total variation %.3f, threshold %.3f)", dep.name,
-                        "diverged from" if change == "diverged" else "matches again", pool.name,
-                        statistic, pool.divergence.threshold)
+            log.warning(
+                "%s %s pool %s (excess total variation %.3f, threshold %.3f)",
+                dep.name,
+                "diverged from" if change == "diverged" else "matches again",
+                pool.name,
+                statistic,
+                pool.divergence.threshold,
+            )
             self._record_membership(dep, pool, change, statistic, now)
             for observer in self.observers.member:
                 observer(pool.name, dep.name, change)
@@ -238,13 +264,17 @@ class Fleet:
         self.maybe_decide(pool, now)
         return True
 
-    def _record_membership(self, dep: Deployment, pool: ReplicaPool, change: str, statistic: float,
-                           now: float) -> None:
+    def _record_membership(
+        self, dep: Deployment, pool: ReplicaPool, change: str, statistic: float, now: float
+    ) -> None:
         """A member leaving or rejoining the pool estimate, in its decision history."""
         record = {
-            "time": now, "outcome": f"pool_{change}", "pool": pool.name, "plan_version": 0,
+            "time": now,
+            "outcome": f"pool_{change}",
+            "pool": pool.name,
+            "plan_version": 0,
             "reason": f"window excess total variation {statistic:.3f} against the pool's windows "
-                      f"(threshold {pool.divergence.threshold:.3f}, {pool.divergence.windows} windows in a row)",
+            f"(threshold {pool.divergence.threshold:.3f}, {pool.divergence.windows} windows in a row)",
         }
         try:
             self.store.record_decision(dep.name, record)
@@ -259,8 +289,12 @@ class Fleet:
 
     def maybe_decide(self, pool: ReplicaPool, now: float) -> None:
         """The pool's policy decision when one is due and nothing of the pool is moving."""
-        if (pool.deciding or not pool.loop.due(now) or not self.decisions.has_room()
-                or members_moving(pool, self.registry.deployments)):
+        if (
+            pool.deciding
+            or not pool.loop.due(now)
+            or not self.decisions.has_room()
+            or members_moving(pool, self.registry.deployments)
+        ):
             return
         base = self._base(pool)
         if base is None:
@@ -281,12 +315,20 @@ class Fleet:
             pool.take(decision.candidate)
             pool.loop.started(now)  # the pool's rebalance: its placement changes now
             try:
-                self.store.save_pool(pool.name, stored_shape(pool.shape, pool.unknown_fields), pool.version, pool.phy2log)
+                self.store.save_pool(
+                    pool.name,
+                    stored_shape(pool.shape, pool.unknown_fields),
+                    pool.version,
+                    pool.phy2log,
+                )
             except sqlite3.Error as exc:
                 log.error("pool %s: the store refused the pool placement (%s)", pool.name, exc)
-            log.info("pool %s: placement %d (%s): %s", pool.name, pool.version, trigger, decision.reason)
-        elif trigger == "forced" or decision.outcome != (pool.loop.last_decision.outcome
-                                                         if pool.loop.last_decision else ""):
+            log.info(
+                "pool %s: placement %d (%s): %s", pool.name, pool.version, trigger, decision.reason
+            )
+        elif trigger == "forced" or decision.outcome != (
+            pool.loop.last_decision.outcome if pool.loop.last_decision else ""
+        ):
             log.info("pool %s decision: %s (%s)", pool.name, decision.outcome, decision.reason)
         for observer in self.observers.decision:
             observer(pool.name, decision)
@@ -304,9 +346,16 @@ class Fleet:
             if moving >= pool.max_moving:
                 break
             dep = deployments.get(name)
-            if (dep is None or dep.plan is not None or dep.deciding or dep.mixed is not None
-                    or dep.policy.paused or dep.connected_ranks < dep.shape.num_gpus or at_target(pool, dep)
-                    or self._warm_pending(dep, now)):
+            if (
+                dep is None
+                or dep.plan is not None
+                or dep.deciding
+                or dep.mixed is not None
+                or dep.policy.paused
+                or dep.connected_ranks < dep.shape.num_gpus
+                or at_target(pool, dep)
+                or self._warm_pending(dep, now)
+            ):
                 continue
             try:
                 plan = self.plans.start(dep, pool.phy2log, POOL_TRIGGER, now)
@@ -331,10 +380,15 @@ class Fleet:
     def _record_roll(self, dep: Deployment, pool: ReplicaPool, plan: Plan, now: float) -> None:
         """The pool decision a member's plan carries out, in the member's history."""
         decision = pool.loop.last_decision
-        record: dict[str, Any] = (decision.to_dict() if decision is not None
-                                  else {"outcome": "rebalance", "reason": ""})
-        record.update(time=now, plan_version=plan.version, pool=pool.name,
-                      reason=f"pool {pool.name} placement {pool.version}: " + str(record.get("reason", "")))
+        record: dict[str, Any] = (
+            decision.to_dict() if decision is not None else {"outcome": "rebalance", "reason": ""}
+        )
+        record.update(
+            time=now,
+            plan_version=plan.version,
+            pool=pool.name,
+            reason=f"pool {pool.name} placement {pool.version}: " + str(record.get("reason", "")),
+        )
         try:
             self.store.record_decision(dep.name, record)
         except sqlite3.Error as exc:
@@ -364,28 +418,48 @@ class Fleet:
                 moves.append(MemberMove(name, dep.version, 0, 0, 0.0, True))
                 continue
             moved = int(placement.transfers(dep.phy2log, candidate, G, N).shape[0])
-            moves.append(MemberMove(name, dep.version, moved, moved * int(dep.shape.expert_bytes),
-                                    moved / float(dep.phy2log.size), False))
+            moves.append(
+                MemberMove(
+                    name,
+                    dep.version,
+                    moved,
+                    moved * int(dep.shape.expert_bytes),
+                    moved / float(dep.phy2log.size),
+                    False,
+                )
+            )
         return moves
 
-    def force(self, pool_name: str, dry_run: bool = False,
-              max_moved_fraction: float = 0.0) -> tuple[Decision, list[Plan]]:
+    def force(
+        self, pool_name: str, dry_run: bool = False, max_moved_fraction: float = 0.0
+    ) -> tuple[Decision, list[Plan]]:
         """An operator's pool rebalance: the gate skipped, the placement rolled out."""
         pool = self.pool(pool_name)
         if pool.loop.estimator.windows == 0:
-            raise StateError("FAILED_PRECONDITION", f"no counts ingested yet for pool {pool_name!r}")
+            raise StateError(
+                "FAILED_PRECONDITION", f"no counts ingested yet for pool {pool_name!r}"
+            )
         if max_moved_fraction and not 0.0 < max_moved_fraction <= 1.0:
-            raise StateError("INVALID_ARGUMENT", f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}")
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}",
+            )
         moving = members_moving(pool, self.registry.deployments)
         if moving and not dry_run:
-            raise StateError("FAILED_PRECONDITION",
-                             f"pool {pool_name!r} is rolling its placement {pool.version} out "
-                             f"(moving: {', '.join(moving)})")
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"pool {pool_name!r} is rolling its placement {pool.version} out "
+                f"(moving: {', '.join(moving)})",
+            )
         base = self._base(pool)
         if base is None:
-            raise StateError("FAILED_PRECONDITION", f"pool {pool_name!r} has no member that follows it")
+            raise StateError(
+                "FAILED_PRECONDITION", f"pool {pool_name!r} has no member that follows it"
+            )
         now = self.clock()
-        decision = pool.loop.force(base, now, dry_run=dry_run, max_moved_fraction=max_moved_fraction or None)
+        decision = pool.loop.force(
+            base, now, dry_run=dry_run, max_moved_fraction=max_moved_fraction or None
+        )
         if dry_run:
             return decision, []
         return decision, self._act(pool, decision, "forced", now)

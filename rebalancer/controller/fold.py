@@ -26,7 +26,11 @@ from rebalancer.wire.windows import CountWindow, Ranks
 
 class Folder:
     def __init__(
-        self, store: Store, clock: Clock, decisions: DecisionRunner, observers: Observers,
+        self,
+        store: Store,
+        clock: Clock,
+        decisions: DecisionRunner,
+        observers: Observers,
         persist_seconds: float,
     ) -> None:
         self.store = store
@@ -41,8 +45,13 @@ class Folder:
         self.rank_windows_folded = 0
 
     def ingest(
-        self, dep: Deployment, rank: Ranks, seq: int, version: int,
-        logical: np.ndarray, physical: np.ndarray | None,
+        self,
+        dep: Deployment,
+        rank: Ranks,
+        seq: int,
+        version: int,
+        logical: np.ndarray,
+        physical: np.ndarray | None,
     ) -> bool:
         """Merge one rank's window (or a group's, summed over its ranks) and fold what
         became complete; False for a duplicate. `logical` / `physical`: as
@@ -71,10 +80,18 @@ class Folder:
         if self.observers.window:
             best = float("nan")
             if logical.sum() > 0:
-                best = placement.compute_placement(logical, dep.shape.num_slots, G, dep.shape.num_nodes).balancedness
+                best = placement.compute_placement(
+                    logical, dep.shape.num_slots, G, dep.shape.num_nodes
+                ).balancedness
             event = WindowEvent(
-                dep.name, window.seq, len(window.ranks), dep.version, int(logical.sum()), actual,
-                placement.balancedness(dep.phy2log, dep.estimator.estimate(), G), best,
+                dep.name,
+                window.seq,
+                len(window.ranks),
+                dep.version,
+                int(logical.sum()),
+                actual,
+                placement.balancedness(dep.phy2log, dep.estimator.estimate(), G),
+                best,
             )
             for observer in self.observers.window:
                 observer(event)
@@ -94,7 +111,9 @@ class Folder:
         all at once every period (an interval is never longer than `persist_seconds`)."""
         now = self.clock() if now is None else now
         first = dep.persisted_at == -float("inf")
-        stagger = min(self.persist_seconds, MAX_STAGGER_SECONDS) * _phase(dep.name) if first else 0.0
+        stagger = (
+            min(self.persist_seconds, MAX_STAGGER_SECONDS) * _phase(dep.name) if first else 0.0
+        )
         dep.saved(now - stagger)
         self.store.save_ingest_state(
             dep.name,

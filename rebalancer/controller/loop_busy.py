@@ -21,7 +21,9 @@ import time
 import weakref
 from typing import Any
 
-_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TimedSelector] = weakref.WeakKeyDictionary()
+_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TimedSelector] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class TimedSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]

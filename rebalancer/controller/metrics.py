@@ -58,53 +58,71 @@ from rebalancer.controller.loop_busy import TimedSelector, for_loop
 from rebalancer.controller.state import Controller
 
 # ---------------------------------------------------------------- names (the API)
-BUILD = "rebalancer_build"                          # _info{version}
-BALANCEDNESS = "rebalancer_balancedness"            # {deployment, source, stat}
+BUILD = "rebalancer_build"  # _info{version}
+BALANCEDNESS = "rebalancer_balancedness"  # {deployment, source, stat}
 PLACEMENT_VERSION = "rebalancer_placement_version"  # committed placement version
-CONNECTED_RANKS = "rebalancer_connected_ranks"      # ranks there (own stream, or their sidecar's report)
-RANKS = "rebalancer_ranks"                          # G of the EP group
-STREAMS = "rebalancer_streams"                      # open streams (one per rank or per pod)
-STATE = "rebalancer_rebalancing_state"              # {deployment, state}: 1 for the current one
-PAUSED = "rebalancer_paused"                        # 1: automatic rebalancing paused
-MIXED = "rebalancer_mixed_placement"                # 1: the ranks serve a plan applied in part
-WINDOWS_INGESTED = "rebalancer_windows_ingested"    # counter: windows received (per stream)
-WINDOWS_FOLDED = "rebalancer_windows_folded"        # counter: merged windows in the estimate
+CONNECTED_RANKS = (
+    "rebalancer_connected_ranks"  # ranks there (own stream, or their sidecar's report)
+)
+RANKS = "rebalancer_ranks"  # G of the EP group
+STREAMS = "rebalancer_streams"  # open streams (one per rank or per pod)
+STATE = "rebalancer_rebalancing_state"  # {deployment, state}: 1 for the current one
+PAUSED = "rebalancer_paused"  # 1: automatic rebalancing paused
+MIXED = "rebalancer_mixed_placement"  # 1: the ranks serve a plan applied in part
+WINDOWS_INGESTED = "rebalancer_windows_ingested"  # counter: windows received (per stream)
+WINDOWS_FOLDED = "rebalancer_windows_folded"  # counter: merged windows in the estimate
 DUPLICATE_WINDOWS = "rebalancer_duplicate_windows"  # counter: resent windows recognised
-PLANS = "rebalancer_plans"                          # counter {outcome}: committed | aborted | stopped | partial
-MIGRATED_SLOTS = "rebalancer_migrated_slots"        # counter
-MIGRATED_BYTES = "rebalancer_migrated_bytes"        # counter
-STORE_ERRORS = "rebalancer_store_errors"            # counter: statements SQLite refused
-DECISIONS = "rebalancer_decisions"                  # counter {outcome}
-DECISION_GAIN = "rebalancer_decision_predicted_gain_seconds"   # {outcome}: newest such decision
-DECISION_COST = "rebalancer_decision_migration_cost_seconds"   # {outcome}: newest such decision
-REBALANCES = "rebalancer_rebalances"                # counter {trigger}: plans started
-ABORTS = "rebalancer_plan_aborts"                   # counter {reason}
-PHASE_SECONDS = "rebalancer_plan_phase_seconds"     # histogram {phase}: prepare | commit
+PLANS = "rebalancer_plans"  # counter {outcome}: committed | aborted | stopped | partial
+MIGRATED_SLOTS = "rebalancer_migrated_slots"  # counter
+MIGRATED_BYTES = "rebalancer_migrated_bytes"  # counter
+STORE_ERRORS = "rebalancer_store_errors"  # counter: statements SQLite refused
+DECISIONS = "rebalancer_decisions"  # counter {outcome}
+DECISION_GAIN = "rebalancer_decision_predicted_gain_seconds"  # {outcome}: newest such decision
+DECISION_COST = "rebalancer_decision_migration_cost_seconds"  # {outcome}: newest such decision
+REBALANCES = "rebalancer_rebalances"  # counter {trigger}: plans started
+ABORTS = "rebalancer_plan_aborts"  # counter {reason}
+PHASE_SECONDS = "rebalancer_plan_phase_seconds"  # histogram {phase}: prepare | commit
 LAST_PLAN_SECONDS = "rebalancer_last_plan_seconds"  # newest committed plan: proposed -> committed
 LAST_PLAN_STALL = "rebalancer_last_plan_stall_seconds"  # its serving stall (cost model)
-INGEST_SECONDS = "rebalancer_ingest_seconds"        # histogram
-INGEST_BYTES = "rebalancer_ingest_bytes"            # counter
-INGEST_REFUSED = "rebalancer_ingest_refused"        # counter
-POOL_MEMBERS = "rebalancer_pool_members"            # {pool}: deployments in the pool
+INGEST_SECONDS = "rebalancer_ingest_seconds"  # histogram
+INGEST_BYTES = "rebalancer_ingest_bytes"  # counter
+INGEST_REFUSED = "rebalancer_ingest_refused"  # counter
+POOL_MEMBERS = "rebalancer_pool_members"  # {pool}: deployments in the pool
 POOL_DIVERGED = "rebalancer_pool_diverged_members"  # {pool}: members balanced alone
-POOL_AT_TARGET = "rebalancer_pool_members_at_target"  # {pool}: following members on the pool placement
-POOL_MOVING = "rebalancer_pool_members_moving"      # {pool}: members with a plan toward it in flight
+POOL_AT_TARGET = (
+    "rebalancer_pool_members_at_target"  # {pool}: following members on the pool placement
+)
+POOL_MOVING = "rebalancer_pool_members_moving"  # {pool}: members with a plan toward it in flight
 POOL_VERSION = "rebalancer_pool_placement_version"  # {pool}: pool placements taken so far
-POOL_BALANCEDNESS = "rebalancer_pool_balancedness"  # {pool}: the pool placement on the pool estimate
+POOL_BALANCEDNESS = (
+    "rebalancer_pool_balancedness"  # {pool}: the pool placement on the pool estimate
+)
 POOL_MEMBER_DIVERGED = "rebalancer_pool_member_diverged"  # {pool, deployment}: 1 while diverged
-POOL_DIVERGENCES = "rebalancer_pool_divergences"    # counter {pool}: members that left the estimate
-POOL_DECISIONS = "rebalancer_pool_decisions"        # counter {pool}: pool decisions computed
-CONTINGENCY_BALANCEDNESS = "rebalancer_contingency_balancedness"  # {deployment, loss, stat}: after a loss
-CONTINGENCY_UNSERVED = "rebalancer_contingency_unserved_experts"   # {deployment}: left without a slot by a node loss
-CONTINGENCY_VERSION = "rebalancer_contingency_base_version"        # {deployment}: placement the set derives from
-REGIME_CURRENT = "rebalancer_regime_current"        # {deployment}: regime of the newest window (regimes policy)
-REGIME_LIBRARY = "rebalancer_regime_library_size"   # {deployment}: regimes kept
-REGIME_LOAD = "rebalancer_regime_decision_load"     # {deployment, load}: 1 for the newest decision's load
-LOOP_BUSY = "rebalancer_event_loop_busy_seconds"    # counter: wall time the event loop ran callbacks
-RANK_WINDOWS_FOLDED = "rebalancer_rank_windows_folded"  # counter: rank windows in the estimates, all deployments
+POOL_DIVERGENCES = "rebalancer_pool_divergences"  # counter {pool}: members that left the estimate
+POOL_DECISIONS = "rebalancer_pool_decisions"  # counter {pool}: pool decisions computed
+CONTINGENCY_BALANCEDNESS = (
+    "rebalancer_contingency_balancedness"  # {deployment, loss, stat}: after a loss
+)
+CONTINGENCY_UNSERVED = (
+    "rebalancer_contingency_unserved_experts"  # {deployment}: left without a slot by a node loss
+)
+CONTINGENCY_VERSION = (
+    "rebalancer_contingency_base_version"  # {deployment}: placement the set derives from
+)
+REGIME_CURRENT = (
+    "rebalancer_regime_current"  # {deployment}: regime of the newest window (regimes policy)
+)
+REGIME_LIBRARY = "rebalancer_regime_library_size"  # {deployment}: regimes kept
+REGIME_LOAD = (
+    "rebalancer_regime_decision_load"  # {deployment, load}: 1 for the newest decision's load
+)
+LOOP_BUSY = "rebalancer_event_loop_busy_seconds"  # counter: wall time the event loop ran callbacks
+RANK_WINDOWS_FOLDED = (
+    "rebalancer_rank_windows_folded"  # counter: rank windows in the estimates, all deployments
+)
 # Only with per_layer:
-LAYER_IMBALANCE = "rebalancer_layer_imbalance"      # {deployment, layer}: max/mean GPU load
-RANK_LOAD_SHARE = "rebalancer_rank_load_share"      # {deployment, layer, rank}: share of the layer
+LAYER_IMBALANCE = "rebalancer_layer_imbalance"  # {deployment, layer}: max/mean GPU load
+RANK_LOAD_SHARE = "rebalancer_rank_load_share"  # {deployment, layer, rank}: share of the layer
 
 # The rebalancing state of a deployment, as vLLM users ask for it.
 STATES = ("idle", "preparing", "committing")
@@ -113,8 +131,12 @@ STATS = ("min", "p50", "p90", "avg")
 # Plan phases timed by PHASE_SECONDS.
 PHASES = ("prepare", "commit")
 # An abort's free-text reason -> its label (the first key found in it), else "other".
-_ABORT_KEYS = (("timeout", "timeout"), ("disconnected", "disconnect"),
-               ("failed to prepare", "prepare_failed"), ("restarted", "restart"))
+_ABORT_KEYS = (
+    ("timeout", "timeout"),
+    ("disconnected", "disconnect"),
+    ("failed to prepare", "prepare_failed"),
+    ("restarted", "restart"),
+)
 ABORT_REASONS = (*(label for _, label in _ABORT_KEYS), "other")
 
 
@@ -139,8 +161,12 @@ def layer_summary(per_layer: np.ndarray) -> dict[str, float]:
     valid = per_layer[np.isfinite(per_layer)]
     if not valid.size:
         return {}
-    return {"min": float(valid.min()), "p50": float(np.percentile(valid, 50)),
-            "p90": float(np.percentile(valid, 90)), "avg": float(valid.mean())}
+    return {
+        "min": float(valid.min()),
+        "p50": float(np.percentile(valid, 50)),
+        "p90": float(np.percentile(valid, 90)),
+        "avg": float(valid.mean()),
+    }
 
 
 def _per_layer(gpu_load: np.ndarray) -> np.ndarray:
@@ -160,39 +186,78 @@ class _StateCollector(Collector):
         info.add_metric([], {"version": __version__})
         yield info
         g, c = GaugeMetricFamily, CounterMetricFamily
-        bal = g(BALANCEDNESS, "Mean/max GPU load per layer (1 is perfect), summarised over layers "
-                "(stat: min, p50, p90, avg); source actual: the routed tokens of the newest window, "
-                "estimated: the committed placement on the load estimate.",
-                labels=["deployment", "source", "stat"])
+        bal = g(
+            BALANCEDNESS,
+            "Mean/max GPU load per layer (1 is perfect), summarised over layers "
+            "(stat: min, p50, p90, avg); source actual: the routed tokens of the newest window, "
+            "estimated: the committed placement on the load estimate.",
+            labels=["deployment", "source", "stat"],
+        )
         version = g(PLACEMENT_VERSION, "Committed placement version.", labels=["deployment"])
-        ranks = g(CONNECTED_RANKS, "Ranks connected: with a stream of their own, or with one to their pod's "
-                  "sidecar (as it reports them) while the pod's stream is open.", labels=["deployment"])
+        ranks = g(
+            CONNECTED_RANKS,
+            "Ranks connected: with a stream of their own, or with one to their pod's "
+            "sidecar (as it reports them) while the pod's stream is open.",
+            labels=["deployment"],
+        )
         expected = g(RANKS, "Ranks of the deployment's EP group (G).", labels=["deployment"])
-        streams = g(STREAMS, "Open worker streams: one per rank, or one per pod through its sidecar.",
-                    labels=["deployment"])
-        state = g(STATE, "Rebalancing state (1 for the current one): idle, preparing (weights "
-                  "moving beside serving), committing (ranks switching at an agreed step).",
-                  labels=["deployment", "state"])
+        streams = g(
+            STREAMS,
+            "Open worker streams: one per rank, or one per pod through its sidecar.",
+            labels=["deployment"],
+        )
+        state = g(
+            STATE,
+            "Rebalancing state (1 for the current one): idle, preparing (weights "
+            "moving beside serving), committing (ranks switching at an agreed step).",
+            labels=["deployment", "state"],
+        )
         paused = g(PAUSED, "1 when automatic rebalancing is paused.", labels=["deployment"])
-        mixed = g(MIXED, "1 while the ranks serve a mixed placement (a plan applied in part: "
-                  "its Commit went out, then a rank failed midway); no plan starts until they restart.",
-                  labels=["deployment"])
-        windows = c(WINDOWS_INGESTED, "Windows of counts received, one per stream and sequence number.",
-                    labels=["deployment"])
-        folded = c(WINDOWS_FOLDED, "Windows folded into the load estimate, one per sequence number "
-                   "merged over all ranks (what status and decisions count; kept across restarts).",
-                   labels=["deployment"])
-        dups = c(DUPLICATE_WINDOWS, "Resent windows recognised and not counted again.", labels=["deployment"])
-        plans = c(PLANS, "Plans finished, by outcome (committed: a rearrangement; aborted: "
-                  "failed; stopped: aborted as a rank stopped as planned; partial: "
-                  "applied in part, see rebalancer_mixed_placement).",
-                  labels=["deployment", "outcome"])
+        mixed = g(
+            MIXED,
+            "1 while the ranks serve a mixed placement (a plan applied in part: "
+            "its Commit went out, then a rank failed midway); no plan starts until they restart.",
+            labels=["deployment"],
+        )
+        windows = c(
+            WINDOWS_INGESTED,
+            "Windows of counts received, one per stream and sequence number.",
+            labels=["deployment"],
+        )
+        folded = c(
+            WINDOWS_FOLDED,
+            "Windows folded into the load estimate, one per sequence number "
+            "merged over all ranks (what status and decisions count; kept across restarts).",
+            labels=["deployment"],
+        )
+        dups = c(
+            DUPLICATE_WINDOWS,
+            "Resent windows recognised and not counted again.",
+            labels=["deployment"],
+        )
+        plans = c(
+            PLANS,
+            "Plans finished, by outcome (committed: a rearrangement; aborted: "
+            "failed; stopped: aborted as a rank stopped as planned; partial: "
+            "applied in part, see rebalancer_mixed_placement).",
+            labels=["deployment", "outcome"],
+        )
         slots = c(MIGRATED_SLOTS, "Physical slots whose expert changed.", labels=["deployment"])
-        moved = c(MIGRATED_BYTES, "Expert weight bytes moved by committed plans.", labels=["deployment"])
-        layer = g(LAYER_IMBALANCE, "Max/mean GPU load of each layer's routed tokens in the newest "
-                  "window (1 is perfect); per_layer_metrics only.", labels=["deployment", "layer"])
-        share = g(RANK_LOAD_SHARE, "Share of each layer's routed tokens on each rank in the newest "
-                  "window (1/G is even); per_layer_metrics only.", labels=["deployment", "layer", "rank"])
+        moved = c(
+            MIGRATED_BYTES, "Expert weight bytes moved by committed plans.", labels=["deployment"]
+        )
+        layer = g(
+            LAYER_IMBALANCE,
+            "Max/mean GPU load of each layer's routed tokens in the newest "
+            "window (1 is perfect); per_layer_metrics only.",
+            labels=["deployment", "layer"],
+        )
+        share = g(
+            RANK_LOAD_SHARE,
+            "Share of each layer's routed tokens on each rank in the newest "
+            "window (1/G is even); per_layer_metrics only.",
+            labels=["deployment", "layer", "rank"],
+        )
         for dep in list(self.controller.deployments.values()):
             name, stats = dep.name, dep.stats
             for source, per_layer in self._balancedness(dep).items():
@@ -229,10 +294,27 @@ class _StateCollector(Collector):
         yield from self._pools()
         yield from self._contingency()
         yield from self._regimes()
-        errors = c(STORE_ERRORS, "Statements the SQLite store refused (disk full, I/O error, locked).")
+        errors = c(
+            STORE_ERRORS, "Statements the SQLite store refused (disk full, I/O error, locked)."
+        )
         errors.add_metric([], self.controller.store.errors)
-        yield from (bal, version, ranks, expected, streams, state, paused, mixed, windows, folded, dups,
-                    plans, slots, moved, errors)
+        yield from (
+            bal,
+            version,
+            ranks,
+            expected,
+            streams,
+            state,
+            paused,
+            mixed,
+            windows,
+            folded,
+            dups,
+            plans,
+            slots,
+            moved,
+            errors,
+        )
         if self.per_layer:
             yield from (layer, share)
 
@@ -242,15 +324,25 @@ class _StateCollector(Collector):
         from rebalancer.controller.regimes import LOADS
 
         g = GaugeMetricFamily
-        current = g(REGIME_CURRENT, "Id of the load regime the newest window joined (regimes policy; 0: "
-                    "none yet, or not on the regimes policy); a change is a regime switch, `rebalancer admin "
-                    "regimes DEP` lists them.",
-                    labels=["deployment"])
-        size = g(REGIME_LIBRARY, "Load regimes the deployment's library keeps (regimes policy; 0 off it).",
-                 labels=["deployment"])
-        load = g(REGIME_LOAD, "1 for the load the newest decision of the regimes policy used (regime: a "
-                 "recognised regime's centroid; forecast: the drift forecast; alternation: the regimes in "
-                 "play; estimate: the adaptive estimate), 0 for the others.", labels=["deployment", "load"])
+        current = g(
+            REGIME_CURRENT,
+            "Id of the load regime the newest window joined (regimes policy; 0: "
+            "none yet, or not on the regimes policy); a change is a regime switch, `rebalancer admin "
+            "regimes DEP` lists them.",
+            labels=["deployment"],
+        )
+        size = g(
+            REGIME_LIBRARY,
+            "Load regimes the deployment's library keeps (regimes policy; 0 off it).",
+            labels=["deployment"],
+        )
+        load = g(
+            REGIME_LOAD,
+            "1 for the load the newest decision of the regimes policy used (regime: a "
+            "recognised regime's centroid; forecast: the drift forecast; alternation: the regimes in "
+            "play; estimate: the adaptive estimate), 0 for the others.",
+            labels=["deployment", "load"],
+        )
         for dep in list(self.controller.deployments.values()):
             # A deployment on the adaptive policy has no regime (0) and an empty library,
             # and its decisions use the estimate: every deployment has the series, so the
@@ -270,15 +362,26 @@ class _StateCollector(Collector):
         """The survivor placements planned ahead (contingency.py): how balanced a single
         rank or node loss would leave each deployment, and whether a node loss can be served."""
         g = GaugeMetricFamily
-        bal = g(CONTINGENCY_BALANCEDNESS, "Balancedness the planned survivor placement would have after a "
-                "single loss (loss: rank, node, or scale_down for a declared one; stat: worst or mean "
-                "over the losses of that kind), on the estimate it was planned on; a loss no survivor "
-                "placement can serve counts as 0.",
-                labels=["deployment", "loss", "stat"])
-        unserved = g(CONTINGENCY_UNSERVED, "Experts per layer that the worst single node loss would leave "
-                     "without a slot on the survivors (0: every node loss can be served).", labels=["deployment"])
-        version = g(CONTINGENCY_VERSION, "Placement version the contingency set was planned on (behind "
-                    "rebalancer_placement_version while a new set is computed).", labels=["deployment"])
+        bal = g(
+            CONTINGENCY_BALANCEDNESS,
+            "Balancedness the planned survivor placement would have after a "
+            "single loss (loss: rank, node, or scale_down for a declared one; stat: worst or mean "
+            "over the losses of that kind), on the estimate it was planned on; a loss no survivor "
+            "placement can serve counts as 0.",
+            labels=["deployment", "loss", "stat"],
+        )
+        unserved = g(
+            CONTINGENCY_UNSERVED,
+            "Experts per layer that the worst single node loss would leave "
+            "without a slot on the survivors (0: every node loss can be served).",
+            labels=["deployment"],
+        )
+        version = g(
+            CONTINGENCY_VERSION,
+            "Placement version the contingency set was planned on (behind "
+            "rebalancer_placement_version while a new set is computed).",
+            labels=["deployment"],
+        )
         for name in list(self.controller.deployments):
             made = self.controller.contingency.get(name)
             if made is None:
@@ -287,7 +390,9 @@ class _StateCollector(Collector):
             for loss in ("rank", "node", "scale_down"):
                 for stat in ("worst", "mean"):
                     value = summary.get(f"{loss}_{stat}", math.nan)
-                    if math.isfinite(value):  # NaN: no loss of that kind (one rank, one node, none declared)
+                    if math.isfinite(
+                        value
+                    ):  # NaN: no loss of that kind (one rank, one node, none declared)
                         bal.add_metric([name, loss, stat], value)
             unserved.add_metric([name], summary["node_unserved"])
             version.add_metric([name], made.base_version)
@@ -300,31 +405,53 @@ class _StateCollector(Collector):
 
         g, c = GaugeMetricFamily, CounterMetricFamily
         members = g(POOL_MEMBERS, "Deployments in the replica pool.", labels=["pool"])
-        diverged = g(POOL_DIVERGED, "Pool members whose windows stopped matching the pool estimate "
-                     "(balanced alone).", labels=["pool"])
+        diverged = g(
+            POOL_DIVERGED,
+            "Pool members whose windows stopped matching the pool estimate (balanced alone).",
+            labels=["pool"],
+        )
         at = g(POOL_AT_TARGET, "Following members that serve the pool placement.", labels=["pool"])
-        moving = g(POOL_MOVING, "Members with a plan toward the pool placement in flight (at most the "
-                   "rolling cap).", labels=["pool"])
+        moving = g(
+            POOL_MOVING,
+            "Members with a plan toward the pool placement in flight (at most the rolling cap).",
+            labels=["pool"],
+        )
         version = g(POOL_VERSION, "Pool placements taken so far (0: none yet).", labels=["pool"])
-        bal = g(POOL_BALANCEDNESS, "Mean/max GPU load of the pool placement on the pool estimate, "
-                "averaged over layers.", labels=["pool"])
-        member = g(POOL_MEMBER_DIVERGED, "1 while the member is diverged from its pool.",
-                   labels=["pool", "deployment"])
-        divergences = c(POOL_DIVERGENCES, "Members that left the pool estimate (diverged).", labels=["pool"])
-        decisions = c(POOL_DECISIONS, "Pool decisions computed (one serves every following member).",
-                      labels=["pool"])
+        bal = g(
+            POOL_BALANCEDNESS,
+            "Mean/max GPU load of the pool placement on the pool estimate, averaged over layers.",
+            labels=["pool"],
+        )
+        member = g(
+            POOL_MEMBER_DIVERGED,
+            "1 while the member is diverged from its pool.",
+            labels=["pool", "deployment"],
+        )
+        divergences = c(
+            POOL_DIVERGENCES, "Members that left the pool estimate (diverged).", labels=["pool"]
+        )
+        decisions = c(
+            POOL_DECISIONS,
+            "Pool decisions computed (one serves every following member).",
+            labels=["pool"],
+        )
         deployments = self.controller.deployments
         for pool in list(self.controller.fleet.pools.values()):
             name = pool.name
             following = [deployments[m] for m in pool.following() if m in deployments]
             members.add_metric([name], len(pool.members))
             diverged.add_metric([name], len(pool.diverged()))
-            at.add_metric([name], sum(1 for d in following if pool.phy2log is not None and at_target(pool, d)))
+            at.add_metric(
+                [name], sum(1 for d in following if pool.phy2log is not None and at_target(pool, d))
+            )
             moving.add_metric([name], len(members_moving(pool, deployments)))
             version.add_metric([name], pool.version)
             estimate = pool.loop.estimator.estimate()
             if pool.phy2log is not None and estimate.sum() > 0:
-                bal.add_metric([name], float(placement.balancedness(pool.phy2log, estimate, pool.shape.num_gpus)))
+                bal.add_metric(
+                    [name],
+                    float(placement.balancedness(pool.phy2log, estimate, pool.shape.num_gpus)),
+                )
             for m in sorted(pool.members):
                 member.add_metric([name, m], 0.0 if pool.is_following(m) else 1.0)
             divergences.add_metric([name], pool.stats.diverged_events)
@@ -360,11 +487,15 @@ class _IngestCollector(Collector):
     time per message). Exported as a histogram and a counter, as they were."""
 
     def __init__(self) -> None:
-        self._times: deque[float] = deque()  # appended on the loop, taken by scrapes (thread-safe ends)
-        self._bytes: dict[str, int] = {}     # written on the loop only; scrapes copy it
-        self._lock = threading.Lock()        # scrapes (several threads) fold the queue one at a time
+        self._times: deque[float] = (
+            deque()
+        )  # appended on the loop, taken by scrapes (thread-safe ends)
+        self._bytes: dict[str, int] = {}  # written on the loop only; scrapes copy it
+        self._lock = threading.Lock()  # scrapes (several threads) fold the queue one at a time
         self._bounds = np.array(INGEST_BUCKETS)
-        self._counts = np.zeros(len(INGEST_BUCKETS) + 1, dtype=np.int64)  # the last: above every bound
+        self._counts = np.zeros(
+            len(INGEST_BUCKETS) + 1, dtype=np.int64
+        )  # the last: above every bound
         self._sum = 0.0
 
     def known(self, deployment: str) -> None:
@@ -385,8 +516,9 @@ class _IngestCollector(Collector):
         times = self._times
         taken = np.fromiter((times.popleft() for _ in range(len(times))), dtype=np.float64)
         if taken.size:
-            self._counts += np.bincount(np.searchsorted(self._bounds, taken, side="left"),
-                                        minlength=self._counts.size)
+            self._counts += np.bincount(
+                np.searchsorted(self._bounds, taken, side="left"), minlength=self._counts.size
+            )
             self._sum += float(taken.sum())
 
     def collect(self) -> Iterator[Any]:
@@ -395,10 +527,15 @@ class _IngestCollector(Collector):
             cumulative = np.cumsum(self._counts)
             total = self._sum
         les = [floatToGoString(b) for b in INGEST_BUCKETS] + ["+Inf"]
-        yield HistogramMetricFamily(INGEST_SECONDS, "Decode, validate and merge time of one window.",
-                                    buckets=list(zip(les, (float(c) for c in cumulative), strict=True)),
-                                    sum_value=total)
-        byts = CounterMetricFamily(INGEST_BYTES, "Bytes of count arrays ingested.", labels=["deployment"])
+        yield HistogramMetricFamily(
+            INGEST_SECONDS,
+            "Decode, validate and merge time of one window.",
+            buckets=list(zip(les, (float(c) for c in cumulative), strict=True)),
+            sum_value=total,
+        )
+        byts = CounterMetricFamily(
+            INGEST_BYTES, "Bytes of count arrays ingested.", labels=["deployment"]
+        )
         for name, value in dict(self._bytes).items():
             byts.add_metric([name], value)
         yield byts
@@ -414,14 +551,18 @@ class _ProcessCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         folded = CounterMetricFamily(
-            RANK_WINDOWS_FOLDED, "Rank windows folded into the load estimates, all deployments (a merged "
-            "window counts each rank it holds): against the ranks' rate, whether the controller keeps up.")
+            RANK_WINDOWS_FOLDED,
+            "Rank windows folded into the load estimates, all deployments (a merged "
+            "window counts each rank it holds): against the ranks' rate, whether the controller keeps up.",
+        )
         folded.add_metric([], self.controller.folder.rank_windows_folded)
         yield folded
         if self.loop is not None:  # the loop `rebalancer serve` runs (loop_busy.py)
             busy = CounterMetricFamily(
-                LOOP_BUSY, "Wall seconds the controller's event loop spent running callbacks (not waiting "
-                "for I/O or timers); its rate is the loop's busy share: near 1, windows queue.")
+                LOOP_BUSY,
+                "Wall seconds the controller's event loop spent running callbacks (not waiting "
+                "for I/O or timers); its rate is the loop's busy share: near 1, windows queue.",
+            )
             busy.add_metric([], self.loop.busy_seconds())
             yield busy
 
@@ -447,31 +588,60 @@ class ControllerMetrics:
         self.registry.register(_ProcessCollector(controller, selector))
         r = self.registry
         ProcessCollector(registry=r)
-        self.decisions = Counter(DECISIONS, "Decisions taken, by outcome.", ["deployment", "outcome"], registry=r)
+        self.decisions = Counter(
+            DECISIONS, "Decisions taken, by outcome.", ["deployment", "outcome"], registry=r
+        )
         self.decision_gain = Gauge(
-            DECISION_GAIN, "Predicted serving seconds saved over the policy's horizon by the newest "
-            "decision of this outcome.", ["deployment", "outcome"], registry=r)
+            DECISION_GAIN,
+            "Predicted serving seconds saved over the policy's horizon by the newest "
+            "decision of this outcome.",
+            ["deployment", "outcome"],
+            registry=r,
+        )
         self.decision_cost = Gauge(
-            DECISION_COST, "Predicted serving seconds its weight migration costs (transfers beside "
+            DECISION_COST,
+            "Predicted serving seconds its weight migration costs (transfers beside "
             "serving, commit pause, map swap), newest decision of this outcome.",
-            ["deployment", "outcome"], registry=r)
-        self.rebalances = Counter(REBALANCES, "Plans started, by trigger.", ["deployment", "trigger"], registry=r)
-        self.aborts = Counter(ABORTS, "Plans aborted, by reason.", ["deployment", "reason"], registry=r)
+            ["deployment", "outcome"],
+            registry=r,
+        )
+        self.rebalances = Counter(
+            REBALANCES, "Plans started, by trigger.", ["deployment", "trigger"], registry=r
+        )
+        self.aborts = Counter(
+            ABORTS, "Plans aborted, by reason.", ["deployment", "reason"], registry=r
+        )
         self.phase_seconds = Histogram(
-            PHASE_SECONDS, "Duration of plan phases (prepare: proposed to all "
-            "prepared; commit: all prepared to first commit confirmed).", ["phase"], registry=r,
+            PHASE_SECONDS,
+            "Duration of plan phases (prepare: proposed to all "
+            "prepared; commit: all prepared to first commit confirmed).",
+            ["phase"],
+            registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
         self.last_plan_seconds = Gauge(
-            LAST_PLAN_SECONDS, "Newest committed plan (rearrangement): seconds from proposed to the "
-            "first rank's commit confirmed.", ["deployment"], registry=r)
+            LAST_PLAN_SECONDS,
+            "Newest committed plan (rearrangement): seconds from proposed to the "
+            "first rank's commit confirmed.",
+            ["deployment"],
+            registry=r,
+        )
         self.last_plan_stall = Gauge(
-            LAST_PLAN_STALL, "Newest committed plan: serving stall at its commit (staged experts copied "
+            LAST_PLAN_STALL,
+            "Newest committed plan: serving stall at its commit (staged experts copied "
             "into live slots on the busiest rank, plus the map swap), as the cost model predicts it "
-            "from its transfer list and the deployment's policy.", ["deployment"], registry=r)
+            "from its transfer list and the deployment's policy.",
+            ["deployment"],
+            registry=r,
+        )
         self._ingest = _IngestCollector()  # rebalancer_ingest_seconds and _bytes, batched
         r.register(self._ingest)
-        self.ingest_refused = Counter(INGEST_REFUSED, "Windows refused (bad input, or not acceptable in this state); the stream ends.", ["deployment"], registry=r)
+        self.ingest_refused = Counter(
+            INGEST_REFUSED,
+            "Windows refused (bad input, or not acceptable in this state); the stream ends.",
+            ["deployment"],
+            registry=r,
+        )
         controller.observers.plan.append(self.on_plan)
         controller.observers.decision.append(self.on_decision)
         controller.observers.deployment.append(self.on_deployment)
@@ -493,8 +663,10 @@ class ControllerMetrics:
 
     def on_decision(self, deployment: str, decision: Decision, trigger: str) -> None:
         self.decisions.labels(deployment, decision.outcome).inc()
-        for gauge, value in ((self.decision_gain, decision.predicted_gain_seconds),
-                             (self.decision_cost, decision.migration_cost_seconds)):
+        for gauge, value in (
+            (self.decision_gain, decision.predicted_gain_seconds),
+            (self.decision_cost, decision.migration_cost_seconds),
+        ):
             if math.isfinite(value):
                 gauge.labels(deployment, decision.outcome).set(value)
 
@@ -502,10 +674,16 @@ class ControllerMetrics:
         if what == "proposed":
             self.rebalances.labels(deployment, plan.trigger).inc()
         elif what == "prepared" and plan.prepared_at:
-            self.phase_seconds.labels("prepare").observe(max(0.0, plan.prepared_at - plan.started_at))
+            self.phase_seconds.labels("prepare").observe(
+                max(0.0, plan.prepared_at - plan.started_at)
+            )
         elif what == "committed" and plan.committed_at and plan.prepared_at:
-            self.phase_seconds.labels("commit").observe(max(0.0, plan.committed_at - plan.prepared_at))
-            self.last_plan_seconds.labels(deployment).set(max(0.0, plan.committed_at - plan.started_at))
+            self.phase_seconds.labels("commit").observe(
+                max(0.0, plan.committed_at - plan.prepared_at)
+            )
+            self.last_plan_seconds.labels(deployment).set(
+                max(0.0, plan.committed_at - plan.started_at)
+            )
             self.last_plan_stall.labels(deployment).set(self._stall(deployment, plan))
         elif what == "aborted" and not plan.stopped:  # a planned stop is no failure
             self.aborts.labels(deployment, abort_reason(plan.reason)).inc()
@@ -513,8 +691,9 @@ class ControllerMetrics:
     def _stall(self, deployment: str, plan: Plan) -> float:
         dep = self.controller.deployments[deployment]
         shape = dep.shape
-        cost = plan_cost(plan.transfers, shape.num_gpus, shape.num_nodes, shape.expert_bytes,
-                         dep.policy.cost)
+        cost = plan_cost(
+            plan.transfers, shape.num_gpus, shape.num_nodes, shape.expert_bytes, dep.policy.cost
+        )
         return cost.commit_pause_seconds + cost.swap_seconds
 
     def on_ingest(self, deployment: str, nbytes: int, seconds: float) -> None:

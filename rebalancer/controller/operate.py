@@ -20,7 +20,9 @@ from rebalancer.errors import InputError, StateError
 
 
 class Operations:
-    def __init__(self, store: Store, clock: Clock, registry: Registry, decisions: DecisionRunner) -> None:
+    def __init__(
+        self, store: Store, clock: Clock, registry: Registry, decisions: DecisionRunner
+    ) -> None:
         self.store = store
         self.clock = clock
         self.registry = registry
@@ -34,14 +36,22 @@ class Operations:
         `max_moved_fraction` (0: the policy's) bounds this plan's moved slots only."""
         dep = self.registry.deployment(name)
         if dep.plan is not None and not dry_run:
-            raise StateError("FAILED_PRECONDITION", f"plan v{dep.plan.version} is in flight for {name!r}")
+            raise StateError(
+                "FAILED_PRECONDITION", f"plan v{dep.plan.version} is in flight for {name!r}"
+            )
         if dep.estimator.windows == 0:
             raise StateError("FAILED_PRECONDITION", f"no counts ingested yet for {name!r}")
         if dep.mixed is not None and not dry_run:
-            raise StateError("FAILED_PRECONDITION", f"{name!r} serves a mixed placement, no plan can start "
-                                                    f"until its ranks restart: {dep.mixed.describe()}")
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"{name!r} serves a mixed placement, no plan can start "
+                f"until its ranks restart: {dep.mixed.describe()}",
+            )
         if max_moved_fraction and not 0.0 < max_moved_fraction <= 1.0:
-            raise StateError("INVALID_ARGUMENT", f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}")
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}",
+            )
         now = self.clock()
         decision = dep.loop.force(
             dep.phy2log, now, dry_run=dry_run, max_moved_fraction=max_moved_fraction or None

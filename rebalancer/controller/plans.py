@@ -69,8 +69,12 @@ class Plans:
         # in order: retried at every tick until written. The plan's outcome is decided and
         # told to the ranks regardless; only the record waits.
         self._unwritten: dict[str, list[Callable[[], None]]] = {}
-        self._refused: dict[str, tuple[int, int]] = {}  # statement last refused, per deployment (logged once)
-        self._placements: dict[str, tuple[int, np.ndarray]] = {}  # the stored placement last looked up
+        self._refused: dict[
+            str, tuple[int, int]
+        ] = {}  # statement last refused, per deployment (logged once)
+        self._placements: dict[
+            str, tuple[int, np.ndarray]
+        ] = {}  # the stored placement last looked up
 
     def start(self, dep: Deployment, new: np.ndarray, trigger: str, now: float) -> Plan:
         """Store plan v+1 toward `new` and send Prepare to every connected rank."""
@@ -80,14 +84,30 @@ class Plans:
         moved = int(transfers.shape[0])
         bytes_moved = moved * int(dep.shape.expert_bytes)
         plan = Plan(
-            version=version, base_version=dep.version, phy2log=new, transfers=transfers,
-            num_ranks=G, trigger=trigger, created=now,
+            version=version,
+            base_version=dep.version,
+            phy2log=new,
+            transfers=transfers,
+            num_ranks=G,
+            trigger=trigger,
+            created=now,
             deadline=now + dep.policy.prepare_timeout_seconds,
-            slots_moved=moved, bytes_moved=bytes_moved, started_at=now,
+            slots_moved=moved,
+            bytes_moved=bytes_moved,
+            started_at=now,
         )
-        self.store.begin_plan(dep.name, version, dep.version, trigger, new, moved, bytes_moved, now=now)
+        self.store.begin_plan(
+            dep.name, version, dep.version, trigger, new, moved, bytes_moved, now=now
+        )
         dep.begin(plan)
-        log.info("%s: plan v%d (%s) moves %d slots, %d bytes", dep.name, version, trigger, moved, bytes_moved)
+        log.info(
+            "%s: plan v%d (%s) moves %d slots, %d bytes",
+            dep.name,
+            version,
+            trigger,
+            moved,
+            bytes_moved,
+        )
         dep.send_all("prepare", plan)
         self._notify(dep, plan, "proposed")
         return plan
@@ -109,7 +129,10 @@ class Plans:
         ranks = set(session.ranks)
         if plan.state is PlanState.PREPARING and not ranks <= plan.prepared:
             session.send("prepare", plan)
-        elif plan.state in (PlanState.COMMITTING, PlanState.COMMITTED) and not ranks <= plan.committed:
+        elif (
+            plan.state in (PlanState.COMMITTING, PlanState.COMMITTED)
+            and not ranks <= plan.committed
+        ):
             dep.send(session, "commit", plan)
 
     def registered(self, dep: Deployment, session: Session, version: int) -> None:
@@ -129,24 +152,37 @@ class Plans:
         some ranks confirmed before the group restarted is finished too. Ranks that did switch (their sessions only lost their
         link) report it, and the controller adopts it then (`_report_off_plan`)."""
         plan = dep.plan
-        if (plan is not None and plan.version == version
-                and plan.state in (PlanState.COMMITTING, PlanState.COMMITTED)):
+        if (
+            plan is not None
+            and plan.version == version
+            and plan.state in (PlanState.COMMITTING, PlanState.COMMITTED)
+        ):
             self.apply(dep, coordinate.on_committed(plan, session.ranks, self.clock()))
             return
-        if (plan is None or plan.state not in (PlanState.COMMITTING, PlanState.COMMITTED)
-                or version >= plan.version
-                or any(s.session_id in plan.commit_sessions for s in dep.live_sessions())):
+        if (
+            plan is None
+            or plan.state not in (PlanState.COMMITTING, PlanState.COMMITTED)
+            or version >= plan.version
+            or any(s.session_id in plan.commit_sessions for s in dep.live_sessions())
+        ):
             return
         if plan.committed:
             # Some ranks confirmed it, then the whole group restarted on an older version
             # (reconcile took that one): nothing is left to confirm. Waiting for the
             # others held the slot until the commit grace ran out (seed 106 of the short
             # campaign beside a hog: "plan 6 committed" 30 s after the episode).
-            log.warning("%s: plan v%d ends: %s came back on v%d after the group restarted", dep.name,
-                        plan.version, session.label, version)
+            log.warning(
+                "%s: plan v%d ends: %s came back on v%d after the group restarted",
+                dep.name,
+                plan.version,
+                session.label,
+                version,
+            )
             self.apply(dep, Transition(finished=True))
             return
-        plan.reason = f"{session.label} came back on v{version} before any rank confirmed the commit"
+        plan.reason = (
+            f"{session.label} came back on v{version} before any rank confirmed the commit"
+        )
         self.apply(dep, Transition(finished=True, unconfirmed=True))
 
     def serving(self, dep: Deployment, ranks: tuple[int, ...], version: int, digest: int) -> None:
@@ -167,9 +203,14 @@ class Plans:
         if known is None or placement_digest(known) != digest:
             if self._refused.get(dep.name) != said:
                 self._refused[dep.name] = said
-                log.warning("%s: every rank states it serves v%d (digest %016x), which matches no plan of the "
-                            "controller (%s): not adopted", dep.name, version, digest,
-                            "unknown version" if known is None else "another placement")
+                log.warning(
+                    "%s: every rank states it serves v%d (digest %016x), which matches no plan of the "
+                    "controller (%s): not adopted",
+                    dep.name,
+                    version,
+                    digest,
+                    "unknown version" if known is None else "another placement",
+                )
             return
         plan, now = dep.plan, self.clock()
         why = f"every rank's windows state it (digest {digest:016x})"
@@ -179,18 +220,32 @@ class Plans:
                 self.apply(dep, coordinate.on_committed(plan, tuple(range(plan.num_ranks)), now))
             return  # preparing: no rank can serve it before its Commit (a stale statement)
         if plan is not None and plan.base_version < version:
-            self.apply(dep, coordinate.abort(plan, f"every rank serves v{version}, the plan is based "
-                                                   f"on v{plan.base_version}"))
+            self.apply(
+                dep,
+                coordinate.abort(
+                    plan, f"every rank serves v{version}, the plan is based on v{plan.base_version}"
+                ),
+            )
         if dep.plan is None:
-            reconcile.adopt(self.store, dep, version, known, why, now,
-                            record=lambda write: self._write(dep.name, write))
+            reconcile.adopt(
+                self.store,
+                dep,
+                version,
+                known,
+                why,
+                now,
+                record=lambda write: self._write(dep.name, write),
+            )
 
     def _offered(self, dep: Deployment, version: int) -> bool:
         """Whether plan `version` is a pool's warm start offered at Register (installed
         by fresh ranks without a Commit: replica_pools.py). Its trigger, not its state:
         ranks that register one by one may have it adopted (a rank registered serving it),
         then v0 again (another registered before its switch), before their COMMITTED comes."""
-        return any(p.version == version and p.trigger == "warm_start" for p in self.store.plans(dep.name, 5))
+        return any(
+            p.version == version and p.trigger == "warm_start"
+            for p in self.store.plans(dep.name, 5)
+        )
 
     def _placement(self, dep: Deployment, version: int) -> np.ndarray | None:
         """The stored placement of plan `version` (kept while the ranks state it)."""
@@ -202,8 +257,15 @@ class Plans:
             cached = self._placements[dep.name] = (version, known)
         return cached[1]
 
-    def report(self, dep: Deployment, session: Session, version: int, phase: str, error: str = "",
-               serving: np.ndarray | None = None) -> None:
+    def report(
+        self,
+        dep: Deployment,
+        session: Session,
+        version: int,
+        phase: str,
+        error: str = "",
+        serving: np.ndarray | None = None,
+    ) -> None:
         """A session's plan progress (for each of its ranks): prepared / failed / committed /
         aborted. `serving`: with failed after a Commit, the placement the ranks serve now."""
         plan = dep.plan
@@ -225,18 +287,35 @@ class Plans:
             raise StateError("INVALID_ARGUMENT", f"plan phase {phase!r} is not reportable")
         self.apply(dep, t)
 
-    def _record_mixed(self, dep: Deployment, version: int, base_version: int, reason: str,
-                      serving: np.ndarray | None, now: float) -> None:
+    def _record_mixed(
+        self,
+        dep: Deployment,
+        version: int,
+        base_version: int,
+        reason: str,
+        serving: np.ndarray | None,
+        now: float,
+    ) -> None:
         """Plan `version` was applied in part: record what the ranks serve (module docstring)."""
         workers = frozenset(s.worker_id for s in dep.live_sessions() if s.worker_id)
         mixed = Mixed(version, base_version, serving, reason, now, workers)
         dep.serve_mixed(mixed, counted=True)
-        log.error("%s: the ranks serve a mixed placement: %s; no plan starts until the group restarts",
-                  dep.name, mixed.describe())
+        log.error(
+            "%s: the ranks serve a mixed placement: %s; no plan starts until the group restarts",
+            dep.name,
+            mixed.describe(),
+        )
         self._write(dep.name, lambda: self.store.set_mixed(dep.name, mixed, reason, now=now))
 
-    def _failed_after_commit(self, dep: Deployment, session: Session, version: int, error: str,
-                             serving: np.ndarray | None, now: float) -> bool:
+    def _failed_after_commit(
+        self,
+        dep: Deployment,
+        session: Session,
+        version: int,
+        error: str,
+        serving: np.ndarray | None,
+        now: float,
+    ) -> bool:
         """FAILED of a plan no longer in flight whose Commit went out: told by another
         survivor of the same partial plan (the placement filled in if still unknown), or
         after the plan finished unconfirmed (its commit grace ran out, or the controller
@@ -246,7 +325,9 @@ class Plans:
             if mixed.phy2log is None and serving is not None:
                 known = replace(mixed, phy2log=serving)
                 dep.serve_mixed(known)
-                self._write(dep.name, lambda: self.store.set_mixed(dep.name, known, known.reason, now=now))
+                self._write(
+                    dep.name, lambda: self.store.set_mixed(dep.name, known, known.reason, now=now)
+                )
             return True
         if dep.last_unconfirmed is None or dep.last_unconfirmed.version != version:
             return False
@@ -256,8 +337,9 @@ class Plans:
         self._record_mixed(dep, version, base, reason, serving, now)
         return True
 
-    def _left_outside_plans(self, dep: Deployment, session: Session, error: str, serving: np.ndarray,
-                            now: float) -> None:
+    def _left_outside_plans(
+        self, dep: Deployment, session: Session, error: str, serving: np.ndarray, now: float
+    ) -> None:
         """FAILED of the committed version, with the placement served: the engine moved the
         ranks off it outside any plan (SGLang's elastic EP placed the survivors of a rank
         fault). Recorded as the deployment's mixed placement (what the ranks serve; no plan
@@ -272,11 +354,21 @@ class Plans:
             self.apply(dep, coordinate.abort(plan, reason))
         self._record_mixed(dep, dep.version, dep.version, reason, serving, now)
 
-    def _report_off_plan(self, dep: Deployment, session: Session, version: int, phase: str, now: float,
-                         error: str = "", serving: np.ndarray | None = None) -> None:
+    def _report_off_plan(
+        self,
+        dep: Deployment,
+        session: Session,
+        version: int,
+        phase: str,
+        now: float,
+        error: str = "",
+        serving: np.ndarray | None = None,
+    ) -> None:
         """A report of a version that is not the plan in flight."""
         plan = dep.plan
-        if phase == "failed" and self._failed_after_commit(dep, session, version, error, serving, now):
+        if phase == "failed" and self._failed_after_commit(
+            dep, session, version, error, serving, now
+        ):
             return
         if phase == "failed" and version == dep.version and serving is not None:
             self._left_outside_plans(dep, session, error, serving, now)
@@ -284,36 +376,73 @@ class Plans:
         if version == dep.version and phase in ("committed", "prepared"):
             return  # late confirmation of a plan already finished: harmless
         known = self.store.placement(dep.name, version) if version > dep.version else None
-        if (phase == "committed" and known is not None and session.commit_told < version
-                and not self._offered(dep, version)):
+        if (
+            phase == "committed"
+            and known is not None
+            and session.commit_told < version
+            and not self._offered(dep, version)
+        ):
             # No Commit of it went to this session: the report is from ranks that are gone
             # (a sidecar's queue outliving the group it restarted; seed 213 of the short
             # campaign beside a hog adopted v10 after the group came back on v0).
-            log.warning("%s: %s says it committed v%d, but was never told to: a stale report, refused",
-                        dep.name, session.label, version)
-            raise StateError("FAILED_PRECONDITION", f"{session.label} was never sent the commit of plan v{version}")
-        if (phase == "committed" and known is not None and plan is not None
-                and plan.state is PlanState.PREPARING and plan.base_version < version):
+            log.warning(
+                "%s: %s says it committed v%d, but was never told to: a stale report, refused",
+                dep.name,
+                session.label,
+                version,
+            )
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"{session.label} was never sent the commit of plan v{version}",
+            )
+        if (
+            phase == "committed"
+            and known is not None
+            and plan is not None
+            and plan.state is PlanState.PREPARING
+            and plan.base_version < version
+        ):
             # The ranks switched to a plan the controller had given up on: the plan in
             # flight is based on an older version and cannot prepare anywhere.
-            self.apply(dep, coordinate.abort(plan, f"{session.label} serves v{version}, the plan is based "
-                                                   f"on v{plan.base_version}"))
+            self.apply(
+                dep,
+                coordinate.abort(
+                    plan,
+                    f"{session.label} serves v{version}, the plan is based on v{plan.base_version}",
+                ),
+            )
             plan = dep.plan
         if phase == "committed" and known is not None and plan is None:
             # Recorded like a plan's outcome: a confirmation is told once, so a store that
             # refuses the record (disk full) must not make the controller forget it.
-            reconcile.adopt(self.store, dep, version, known, f"{session.label} confirmed it late", now,
-                            record=lambda write: self._write(dep.name, write))
+            reconcile.adopt(
+                self.store,
+                dep,
+                version,
+                known,
+                f"{session.label} confirmed it late",
+                now,
+                record=lambda write: self._write(dep.name, write),
+            )
             return
-        latest = max(dep.version, plan.version if plan else 0,
-                     dep.last_aborted.version if dep.last_aborted else 0,
-                     dep.last_unconfirmed.version if dep.last_unconfirmed else 0)
+        latest = max(
+            dep.version,
+            plan.version if plan else 0,
+            dep.last_aborted.version if dep.last_aborted else 0,
+            dep.last_unconfirmed.version if dep.last_unconfirmed else 0,
+        )
         if phase == "aborted" and version <= latest:
             return  # staging of a finished plan dropped (an Abort told again): harmless
-        if phase == "failed" and dep.last_aborted is not None and dep.last_aborted.version == version:
+        if (
+            phase == "failed"
+            and dep.last_aborted is not None
+            and dep.last_aborted.version == version
+        ):
             return  # another rank failing (or stopping) a plan already aborted: harmless
         if version > latest:
-            raise StateError("NOT_FOUND", f"plan v{version} unknown for {dep.name!r} (latest v{latest})")
+            raise StateError(
+                "NOT_FOUND", f"plan v{version} unknown for {dep.name!r} (latest v{latest})"
+            )
         raise StateError(
             "FAILED_PRECONDITION",
             f"plan v{version} of {dep.name!r} is not in flight (committed v{dep.version}"
@@ -340,8 +469,12 @@ class Plans:
             try:
                 pending[0]()
             except sqlite3.Error as exc:
-                log.error("%s: store refused a plan record (%s); %d write(s) retried at the next tick",
-                          name, exc, len(pending))
+                log.error(
+                    "%s: store refused a plan record (%s); %d write(s) retried at the next tick",
+                    name,
+                    exc,
+                    len(pending),
+                )
                 return
             pending.pop(0)
 
@@ -354,7 +487,12 @@ class Plans:
         try:
             self.store.mark_committing(dep.name, plan.version)
         except sqlite3.Error as exc:
-            log.error("%s: store refused to record the commit of plan v%d (%s)", dep.name, plan.version, exc)
+            log.error(
+                "%s: store refused to record the commit of plan v%d (%s)",
+                dep.name,
+                plan.version,
+                exc,
+            )
             return str(exc)
         return ""
 
@@ -372,17 +510,29 @@ class Plans:
         if t.send_commit:
             refused = self._record_commit(dep, plan)
             if refused:
-                t = coordinate.commit_unrecorded(plan, f"the store refused to record the commit ({refused})")
+                t = coordinate.commit_unrecorded(
+                    plan, f"the store refused to record the commit ({refused})"
+                )
         if t.send_commit:
             log.info("%s: plan v%d prepared on all ranks, committing", dep.name, plan.version)
-            plan.commit_sessions = frozenset(s.session_id for s in dep.live_sessions() if s.streaming)
+            plan.commit_sessions = frozenset(
+                s.session_id for s in dep.live_sessions() if s.streaming
+            )
             dep.send_all("commit", plan)
             self._notify(dep, plan, "prepared")
         if t.send_abort:
-            log.log(logging.INFO if plan.stopped else logging.WARNING,  # a planned stop is no fault
-                    "%s: plan v%d aborted: %s", dep.name, plan.version, plan.reason)
+            log.log(
+                logging.INFO if plan.stopped else logging.WARNING,  # a planned stop is no fault
+                "%s: plan v%d aborted: %s",
+                dep.name,
+                plan.version,
+                plan.reason,
+            )
             version, reason = plan.version, plan.reason
-            self._write(dep.name, lambda: self.store.set_plan_state(dep.name, version, "aborted", reason, now=now))
+            self._write(
+                dep.name,
+                lambda: self.store.set_plan_state(dep.name, version, "aborted", reason, now=now),
+            )
             dep.abort(plan)
             dep.send_all("abort", plan)
             self._notify(dep, plan, "aborted")
@@ -398,8 +548,12 @@ class Plans:
             log.error("%s: plan v%d: %s", dep.name, plan.version, plan.reason)
             dep.leave_unconfirmed(plan)
             version, reason = plan.version, plan.reason
-            self._write(dep.name, lambda: self.store.set_plan_state(dep.name, version, "unconfirmed", reason,
-                                                                    now=now))
+            self._write(
+                dep.name,
+                lambda: self.store.set_plan_state(
+                    dep.name, version, "unconfirmed", reason, now=now
+                ),
+            )
             self._notify(dep, plan, "unconfirmed")
         if t.finished:
             dep.finish()

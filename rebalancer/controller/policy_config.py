@@ -160,10 +160,15 @@ class PolicyConfig:
 
     def validate(self) -> None:
         """Raise InputError naming (by its flat name) the first setting out of range."""
-        for section, kind in (("estimator", EstimatorConfig), ("cost", CostParams),
-                              ("contingency", ContingencyConfig)):
+        for section, kind in (
+            ("estimator", EstimatorConfig),
+            ("cost", CostParams),
+            ("contingency", ContingencyConfig),
+        ):
             if not isinstance(getattr(self, section), kind):
-                raise InputError(f"policy {section} must be a {kind.__name__}, got {getattr(self, section)!r}")
+                raise InputError(
+                    f"policy {section} must be a {kind.__name__}, got {getattr(self, section)!r}"
+                )
         self.contingency.validate()
         settings = self.to_flat()
 
@@ -220,8 +225,11 @@ class PolicyConfig:
         """`to_flat()` as the store keeps it: without the STORED_WHEN_SET settings that
         are at their default."""
         defaults = PolicyConfig().to_flat()
-        return {name: value for name, value in self.to_flat().items()
-                if name not in STORED_WHEN_SET or value != defaults[name]}
+        return {
+            name: value
+            for name, value in self.to_flat().items()
+            if name not in STORED_WHEN_SET or value != defaults[name]
+        }
 
     def with_settings(self, values: Mapping[str, Any]) -> PolicyConfig:
         """A copy with the settings named by flat name changed (not validated); an
@@ -241,7 +249,11 @@ class PolicyConfig:
         return replace(
             self,
             **top,
-            **{s: replace(getattr(self, s), **changes) for s, changes in sections.items() if changes},
+            **{
+                s: replace(getattr(self, s), **changes)
+                for s, changes in sections.items()
+                if changes
+            },
         )
 
     @classmethod
@@ -256,18 +268,23 @@ class PolicyConfig:
                 flat[key] = value
                 continue
             if not isinstance(value, dict):
-                raise InputError(f"policy {key} must be a table of settings, got {type(value).__name__}")
+                raise InputError(
+                    f"policy {key} must be a table of settings, got {type(value).__name__}"
+                )
             for sub, sub_value in value.items():
                 name = by_field.get((key, sub))  # type: ignore[arg-type]
                 if name is None:
                     raise InputError(f"unknown policy field(s): {key}.{sub}")
                 flat[name] = sub_value
         twice = sorted(
-            name for name, (section, sub) in POLICY_SETTINGS.items()
+            name
+            for name, (section, sub) in POLICY_SETTINGS.items()
             if name in values and isinstance(values.get(section), dict) and sub in values[section]
         )
         if twice:
-            raise InputError(f"policy setting(s) given twice (flat and in a section): {', '.join(twice)}")
+            raise InputError(
+                f"policy setting(s) given twice (flat and in a section): {', '.join(twice)}"
+            )
         config = cls().with_settings(flat)
         config.validate()
         return config

@@ -34,9 +34,7 @@ class PolicyLoop:
         policy.validate()
         self.shape = shape
         self.policy = policy
-        self.estimator = LoadEstimator(
-            shape.num_layers, shape.num_logical, policy.estimator
-        )
+        self.estimator = LoadEstimator(shape.num_layers, shape.num_logical, policy.estimator)
         self.last_decision_time: float | None = None
         self.last_rebalance: float | None = None
         self.last_decision: Decision | None = None
@@ -99,8 +97,12 @@ class PolicyLoop:
             if self.regimes is None:
                 self.regimes = RegimeLibrary()
             pending, self._pending = [(c, now) for c in self._pending], []
-            return functools.partial(decide_regimes, library=self.regimes, pending=pending,
-                                     **kwargs)  # type: ignore[arg-type]
+            return functools.partial(
+                decide_regimes,
+                library=self.regimes,
+                pending=pending,
+                **kwargs,  # type: ignore[arg-type]
+            )
         return functools.partial(decide, **kwargs)  # type: ignore[arg-type]
 
     def tick(self, current: np.ndarray, now: float, in_flight: bool = False) -> Decision | None:

@@ -62,7 +62,9 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rebalancer.controller.pool", "--parent", str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
         )
         self.broken = False
 
@@ -82,7 +84,9 @@ class _Worker:
             ok, value = pickle.load(self.proc.stdout)
         except (OSError, EOFError, pickle.UnpicklingError) as exc:
             self.broken = True
-            raise DecisionError(f"the decision process died (exit code {self.proc.poll()})") from exc
+            raise DecisionError(
+                f"the decision process died (exit code {self.proc.poll()})"
+            ) from exc
         if not ok:
             raise DecisionError(value)
         return value
@@ -108,7 +112,9 @@ class DecisionPool:
     controller's `Background`. Call everything but the work itself on the event loop."""
 
     def __init__(self) -> None:
-        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="decisions")
+        self._calls = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="decisions"
+        )
         self._worker: _Worker | None = None
         self._closing = False
 

@@ -26,7 +26,11 @@ def reconcile(store: Store, dep: Deployment, who: str, version: int, now: float)
     """A rank (`who`: "rank 3", or a group's "ranks 0-7 (pod p)") registers with another
     version than the controller holds as committed."""
     plan = dep.plan
-    if plan is not None and plan.version == version and plan.state in (PlanState.COMMITTING, PlanState.COMMITTED):
+    if (
+        plan is not None
+        and plan.version == version
+        and plan.state in (PlanState.COMMITTING, PlanState.COMMITTED)
+    ):
         return  # it switched: the registration counts as its confirmation (plans.registered)
     known = store.placement(dep.name, version)
     if version > dep.version and known is not None:
@@ -34,7 +38,9 @@ def reconcile(store: Store, dep: Deployment, who: str, version: int, now: float)
         adopt(store, dep, version, known, f"{who} registered serving it", now)
         return
     if dep.streaming_ranks == 0 and known is not None:
-        log.warning("%s: ranks restarted on v%d (controller had v%d)", dep.name, version, dep.version)
+        log.warning(
+            "%s: ranks restarted on v%d (controller had v%d)", dep.name, version, dep.version
+        )
         store.commit_plan(dep.name, version, now=now)
         dep.adopt(version, known)
         return
@@ -44,14 +50,23 @@ def reconcile(store: Store, dep: Deployment, who: str, version: int, now: float)
     )
 
 
-def adopt(store: Store, dep: Deployment, version: int, phy2log: np.ndarray, why: str, now: float,
-          record: Callable[[Callable[[], None]], None] | None = None) -> None:
+def adopt(
+    store: Store,
+    dep: Deployment,
+    version: int,
+    phy2log: np.ndarray,
+    why: str,
+    now: float,
+    record: Callable[[Callable[[], None]], None] | None = None,
+) -> None:
     """Make a stored placement the committed one because the ranks serve it.
 
     `record`: how the store's record is written (plans.py's writer keeps one SQLite
     refuses and writes it later); None: at once, and a refusal raises (the caller's
     request fails and its sender tries again)."""
-    log.warning("%s: adopting placement v%d (controller had v%d): %s", dep.name, version, dep.version, why)
+    log.warning(
+        "%s: adopting placement v%d (controller had v%d): %s", dep.name, version, dep.version, why
+    )
     name = dep.name
 
     def write() -> None:

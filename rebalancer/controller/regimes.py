@@ -74,6 +74,8 @@ def copy_library(library: RegimeLibrary) -> RegimeLibrary:
     for r in copy.regimes:
         r.stored = (0, False)
     return copy
+
+
 # The loads a decision may use (the first word of Decision.load).
 LOADS = (*PREDICTORS, "alternation")
 # Known regimes' ids kept for the alternation test and the operator's view.
@@ -127,10 +129,15 @@ class RegimeConfig:
     """Fits of the max-min placement's multiplicative-weights search."""
 
     def validate(self) -> None:
-        for name, lo, hi in (("match_distance", 0.0, 1.0), ("gain_threshold", 0.0, 1.0),
-                             ("drift_max_moved_fraction", 0.0, 1.0), ("drift_gain_threshold", 0.0, 1.0),
-                             ("forecast_fast", 0.0, 0.99), ("forecast_slow", 0.0, 0.99),
-                             ("score_decay", 0.0, 1.0)):
+        for name, lo, hi in (
+            ("match_distance", 0.0, 1.0),
+            ("gain_threshold", 0.0, 1.0),
+            ("drift_max_moved_fraction", 0.0, 1.0),
+            ("drift_gain_threshold", 0.0, 1.0),
+            ("forecast_fast", 0.0, 0.99),
+            ("forecast_slow", 0.0, 0.99),
+            ("score_decay", 0.0, 1.0),
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
                 raise InputError(f"regimes {name} must be in [{lo}, {hi}], got {value!r}")
@@ -170,13 +177,23 @@ def balance(phy2log: np.ndarray, load: np.ndarray, num_gpus: int) -> float:
     return float(valid.mean()) if valid.size else 1.0
 
 
-def fit(load: np.ndarray, shape: ClusterShape, previous: np.ndarray | None = None,
-        max_moved_fraction: float | None = None) -> np.ndarray:
+def fit(
+    load: np.ndarray,
+    shape: ClusterShape,
+    previous: np.ndarray | None = None,
+    max_moved_fraction: float | None = None,
+) -> np.ndarray:
     """The engine's best placement on `load` [L, E] (from scratch, or migration-aware
     from `previous` within the budget). Returns phy2log [L, P] int64."""
-    result = compute_placement(load, shape.num_slots, shape.num_gpus, num_nodes=shape.num_nodes,
-                               num_groups=shape.num_groups or None, previous=previous,
-                               max_moved_fraction=max_moved_fraction)
+    result = compute_placement(
+        load,
+        shape.num_slots,
+        shape.num_gpus,
+        num_nodes=shape.num_nodes,
+        num_groups=shape.num_groups or None,
+        previous=previous,
+        max_moved_fraction=max_moved_fraction,
+    )
     return np.asarray(result.phy2log, dtype=np.int64)
 
 
@@ -185,7 +202,9 @@ def _compact(phy2log: np.ndarray) -> np.ndarray:
     return np.asarray(phy2log, dtype=np.int16)
 
 
-def maxmin_placement(loads: np.ndarray, shape: ClusterShape, rounds: int = 4) -> tuple[np.ndarray, float]:
+def maxmin_placement(
+    loads: np.ndarray, shape: ClusterShape, rounds: int = 4
+) -> tuple[np.ndarray, float]:
     """A placement good for every load of `loads` [K, L, E] (shares): it maximises the
     worst balancedness over the K loads, by multiplicative weights: fit on the weighted
     mixture, weigh up the loads it serves worst, fit again; the best worst case wins.
@@ -216,7 +235,9 @@ class Regime:
     id: int
     total: np.ndarray  # [L, E] float32: sum of its windows' shares
     windows: int
-    fit: np.ndarray  # [L, P] int16: from-scratch placement on the centroid (the distance's yardstick)
+    fit: (
+        np.ndarray
+    )  # [L, P] int16: from-scratch placement on the centroid (the distance's yardstick)
     fit_balance: float  # its balancedness on the centroid
     first_seen: float
     last_seen: float
@@ -231,10 +252,16 @@ class Regime:
         return self.total.astype(np.float64) / max(self.windows, 1)
 
     def summary(self) -> dict[str, Any]:
-        return {"id": self.id, "windows": self.windows, "visits": self.visits,
-                "mean_stay_windows": round(self.windows / max(self.visits, 1), 2),
-                "first_seen": self.first_seen, "last_seen": self.last_seen,
-                "fit_balancedness": round(self.fit_balance, 4), "ready": self.ready is not None}
+        return {
+            "id": self.id,
+            "windows": self.windows,
+            "visits": self.visits,
+            "mean_stay_windows": round(self.windows / max(self.visits, 1), 2),
+            "first_seen": self.first_seen,
+            "last_seen": self.last_seen,
+            "fit_balancedness": round(self.fit_balance, 4),
+            "ready": self.ready is not None,
+        }
 
 
 @dataclass
@@ -264,14 +291,22 @@ class RegimeLibrary:
         evicted or got a ready placement, or `every_windows` windows were folded."""
         return self.changed or self.windows - self.saved_windows >= every_windows
 
-    def changes(self) -> tuple[tuple[dict[str, Any], dict[str, np.ndarray]],
-                               dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]], list[int]]:
+    def changes(
+        self,
+    ) -> tuple[
+        tuple[dict[str, Any], dict[str, np.ndarray]],
+        dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]],
+        list[int],
+    ]:
         """What a save writes: the library's header (`to_record` without the regimes'
         arrays), the regimes changed since the last save (id -> record, arrays) and the
         ids evicted since; a regime's arrays are written only when they changed."""
         header, arrays = self.to_record(regime_arrays=False)
-        rows = {r.id: _regime_record(r) for r in self.regimes if r.stored != (r.windows, r.ready is not None)
-                or r.id in self.dirty_ready}
+        rows = {
+            r.id: _regime_record(r)
+            for r in self.regimes
+            if r.stored != (r.windows, r.ready is not None) or r.id in self.dirty_ready
+        }
         return (header, arrays), rows, list(self.evicted)
 
     def mark_saved(self) -> None:
@@ -290,10 +325,14 @@ class RegimeLibrary:
 
     def summary(self) -> dict[str, Any]:
         """What `rebalancer admin regimes` shows: the library, newest first."""
-        return {"current": self.current, "size": len(self.regimes), "windows": self.windows,
-                "errors": {k: round(v, 5) for k, v in sorted(self.errors.items())},
-                "recent": list(self.recent[-12:]),
-                "regimes": [r.summary() for r in sorted(self.regimes, key=lambda r: -r.last_seen)]}
+        return {
+            "current": self.current,
+            "size": len(self.regimes),
+            "windows": self.windows,
+            "errors": {k: round(v, 5) for k, v in sorted(self.errors.items())},
+            "recent": list(self.recent[-12:]),
+            "regimes": [r.summary() for r in sorted(self.regimes, key=lambda r: -r.last_seen)],
+        }
 
     # -- store -------------------------------------------------------------------------
 
@@ -309,19 +348,32 @@ class RegimeLibrary:
             regimes.append(record)
         if self.fast is not None and self.slow is not None:
             arrays["fast"], arrays["slow"] = self.fast, self.slow
-        record = {"version": 1, "regimes": regimes, "next_id": self.next_id,
-                  "current": self.current, "recent": list(self.recent), "jumps": list(self.jumps),
-                  "errors": dict(self.errors), "windows": self.windows}
+        record = {
+            "version": 1,
+            "regimes": regimes,
+            "next_id": self.next_id,
+            "current": self.current,
+            "recent": list(self.recent),
+            "jumps": list(self.jumps),
+            "errors": dict(self.errors),
+            "windows": self.windows,
+        }
         return record, arrays
 
     @classmethod
     def from_record(cls, record: dict[str, Any], arrays: dict[str, np.ndarray]) -> RegimeLibrary:
-        lib = cls(next_id=int(record["next_id"]), current=int(record["current"]),
-                  recent=[int(i) for i in record["recent"]],
-                  jumps=[bool(j) for j in record.get("jumps", [])],
-                  errors={str(k): float(v) for k, v in record["errors"].items()},
-                  windows=int(record["windows"]), fast=arrays.get("fast"), slow=arrays.get("slow"),
-                  changed=False, saved_windows=int(record["windows"]))
+        lib = cls(
+            next_id=int(record["next_id"]),
+            current=int(record["current"]),
+            recent=[int(i) for i in record["recent"]],
+            jumps=[bool(j) for j in record.get("jumps", [])],
+            errors={str(k): float(v) for k, v in record["errors"].items()},
+            windows=int(record["windows"]),
+            fast=arrays.get("fast"),
+            slow=arrays.get("slow"),
+            changed=False,
+            saved_windows=int(record["windows"]),
+        )
         for row in record["regimes"]:
             i = int(row["id"])
             own = {k: arrays[f"{k}{i}"] for k in ("total", "fit", "ready") if f"{k}{i}" in arrays}
@@ -329,8 +381,12 @@ class RegimeLibrary:
         return lib
 
     @classmethod
-    def from_rows(cls, header: dict[str, Any], arrays: dict[str, np.ndarray],
-                  rows: dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]]) -> RegimeLibrary:
+    def from_rows(
+        cls,
+        header: dict[str, Any],
+        arrays: dict[str, np.ndarray],
+        rows: dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]],
+    ) -> RegimeLibrary:
         """The library from the store's header and regime rows (`changes`); the header
         lists which regimes are in it (a row it does not list is left out)."""
         lib = cls.from_record({**header, "regimes": []}, arrays)
@@ -345,19 +401,32 @@ def _regime_record(r: Regime) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     arrays = {"total": r.total, "fit": r.fit}
     if r.ready is not None:
         arrays["ready"] = r.ready
-    record = {"id": r.id, "windows": r.windows, "fit_balance": r.fit_balance, "first_seen": r.first_seen,
-              "last_seen": r.last_seen, "visits": r.visits, "fit_windows": r.fit_windows}
+    record = {
+        "id": r.id,
+        "windows": r.windows,
+        "fit_balance": r.fit_balance,
+        "first_seen": r.first_seen,
+        "last_seen": r.last_seen,
+        "visits": r.visits,
+        "fit_windows": r.fit_windows,
+    }
     return record, arrays
 
 
 def _regime_from_record(row: dict[str, Any], arrays: dict[str, np.ndarray]) -> Regime:
     ready = arrays.get("ready")
-    r = Regime(id=int(row["id"]), total=np.asarray(arrays["total"], dtype=np.float32),
-               windows=int(row["windows"]), fit=_compact(arrays["fit"]),
-               fit_balance=float(row["fit_balance"]), first_seen=float(row["first_seen"]),
-               last_seen=float(row["last_seen"]), visits=int(row["visits"]),
-               ready=None if ready is None else _compact(ready),
-               fit_windows=int(row.get("fit_windows", 1)))
+    r = Regime(
+        id=int(row["id"]),
+        total=np.asarray(arrays["total"], dtype=np.float32),
+        windows=int(row["windows"]),
+        fit=_compact(arrays["fit"]),
+        fit_balance=float(row["fit_balance"]),
+        first_seen=float(row["first_seen"]),
+        last_seen=float(row["last_seen"]),
+        visits=int(row["visits"]),
+        ready=None if ready is None else _compact(ready),
+        fit_windows=int(row.get("fit_windows", 1)),
+    )
     r.stored = (r.windows, r.ready is not None)
     return r
 
@@ -394,8 +463,14 @@ def _refit(r: Regime, shape: ClusterShape) -> None:
     r.fit_balance = balance(r.fit, r.centroid, shape.num_gpus)
 
 
-def observe(lib: RegimeLibrary, counts: np.ndarray, now: float, shape: ClusterShape,
-            config: RegimeConfig, estimate: np.ndarray | None = None) -> Observation:
+def observe(
+    lib: RegimeLibrary,
+    counts: np.ndarray,
+    now: float,
+    shape: ClusterShape,
+    config: RegimeConfig,
+    estimate: np.ndarray | None = None,
+) -> Observation:
     """Fold one window of counts [L, E] into the library (in place): score the predictors
     on it, join it to the nearest regime within `match_distance` or start a regime,
     update the forecast, and make the predictions for the next window (`estimate` [L, E],
@@ -431,8 +506,15 @@ def observe(lib: RegimeLibrary, counts: np.ndarray, now: float, shape: ClusterSh
             lib.changed = True
             lib.maxmin = {k: v for k, v in lib.maxmin.items() if victim.id not in k}
         placement = fit(x, shape)
-        r = Regime(id=lib.next_id, total=x.astype(np.float32), windows=1, fit=_compact(placement),
-                   fit_balance=balance(placement, x, shape.num_gpus), first_seen=now, last_seen=now)
+        r = Regime(
+            id=lib.next_id,
+            total=x.astype(np.float32),
+            windows=1,
+            fit=_compact(placement),
+            fit_balance=balance(placement, x, shape.num_gpus),
+            first_seen=now,
+            last_seen=now,
+        )
         lib.next_id += 1
         lib.regimes.append(r)
         lib.changed = True
@@ -543,13 +625,17 @@ def decide_regimes(
         load = np.tensordot(freq / freq.sum(), mix, axes=1) * tokens
         worth = min(float(sum(r.windows for r in playing)), config.max_effective_windows)
         stay = len(library.recent) / (1 + sum(1 for j in library.jumps if j))
-        why = (f"regimes {', '.join(map(str, in_play))} alternate every {stay:.1f} windows: "
-               "their max-min placement")
+        why = (
+            f"regimes {', '.join(map(str, in_play))} alternate every {stay:.1f} windows: "
+            "their max-min placement"
+        )
     elif observation is not None and observation.returned:
         load_name, (load, worth) = "regime", loads["regime"]
         ready = regime.ready if not np.array_equal(regime.ready, current) else None
-        why = (f"regime {regime.id} recognised (distance {observation.distance:.3f}, seen "
-               f"{regime.windows} windows in {regime.visits} stays): its centroid and ready placement")
+        why = (
+            f"regime {regime.id} recognised (distance {observation.distance:.3f}, seen "
+            f"{regime.windows} windows in {regime.visits} stays): its centroid and ready placement"
+        )
     elif observation is not None and observation.new and library.jumps and library.jumps[-1]:
         # A jump to a load never seen: the forecast restarted on the new window, while
         # the estimate still holds the old load.
@@ -570,28 +656,44 @@ def decide_regimes(
     # margin still counts). The estimate and the forecast keep the policy's.
     gate_policy = policy
     if load_name in ("regime", "alternation") and float(np.min(worth)) >= config.known_windows:
-        gate_policy = replace(policy, gain_threshold=min(policy.gain_threshold, config.gain_threshold))
+        gate_policy = replace(
+            policy, gain_threshold=min(policy.gain_threshold, config.gain_threshold)
+        )
     b_current = predicted_balance(current, load, shape)
     bound = float(lower_bound_balancedness(load, shape.num_slots, shape.num_gpus, shape.num_nodes))
     candidates: list[tuple[str, np.ndarray, PolicyConfig]] = [
-        ("fit", fit(load, shape, previous=current, max_moved_fraction=policy.max_moved_fraction), gate_policy)]
+        (
+            "fit",
+            fit(load, shape, previous=current, max_moved_fraction=policy.max_moved_fraction),
+            gate_policy,
+        )
+    ]
     if ready is not None and not np.array_equal(ready, current):
         candidates.append(("ready", np.asarray(ready, dtype=np.int64), gate_policy))
     if config.drift_max_moved_fraction and ready is None and load_name != "alternation":
         # Drift: a small move of the slots that pay most, held to the smaller hysteresis.
         budget = min(policy.max_moved_fraction, config.drift_max_moved_fraction)
-        small = replace(policy, gain_threshold=min(policy.gain_threshold, config.drift_gain_threshold))
-        candidates.append(("trim", fit(load, shape, previous=current, max_moved_fraction=budget), small))
+        small = replace(
+            policy, gain_threshold=min(policy.gain_threshold, config.drift_gain_threshold)
+        )
+        candidates.append(
+            ("trim", fit(load, shape, previous=current, max_moved_fraction=budget), small)
+        )
     best: Decision | None = None
     best_net = -math.inf
     for name, candidate, gate in candidates:
-        ev = evaluate_candidate(load, current, candidate, shape, gate, worth,
-                                current_balance=b_current, bound=bound)
-        decision = gate_decision(ev, gate, now, last_rebalance, windows,
-                                 load=f"{load_name} ({name} placement): {why}")
+        ev = evaluate_candidate(
+            load, current, candidate, shape, gate, worth, current_balance=b_current, bound=bound
+        )
+        decision = gate_decision(
+            ev, gate, now, last_rebalance, windows, load=f"{load_name} ({name} placement): {why}"
+        )
         net = ev.gain - ev.cost.seconds
-        if (best is None or (decision.take and not best.take)
-                or (decision.take == best.take and net > best_net)):
+        if (
+            best is None
+            or (decision.take and not best.take)
+            or (decision.take == best.take and net > best_net)
+        ):
             best, best_net = decision, net
     assert best is not None
     return replace(best, state=library)

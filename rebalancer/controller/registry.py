@@ -52,7 +52,11 @@ REREGISTER_SECONDS = 10.0
 
 class Registry:
     def __init__(
-        self, store: Store, clock: Clock, default_policy: PolicyConfig, observers: Observers | None = None,
+        self,
+        store: Store,
+        clock: Clock,
+        default_policy: PolicyConfig,
+        observers: Observers | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -72,20 +76,30 @@ class Registry:
             dep.mark_unknown(frozenset(f for f in LATER_SHAPE_FIELDS if f not in row.shape))
             saved = self.store.ingest_state(row.name)
             if saved:
-                dep.restore({int(k): int(v) for k, v in saved["next_seq"].items()}, saved["estimator"],
-                            int(saved.get("tokens_folded", 0)))
+                dep.restore(
+                    {int(k): int(v) for k, v in saved["next_seq"].items()},
+                    saved["estimator"],
+                    int(saved.get("tokens_folded", 0)),
+                )
             for plan in self.store.unfinished_plans(row.name):
                 if plan.state == "committing":
                     # Its Commit went out before the restart: ranks may have switched, or
                     # hold it staged waiting for a peer's Commit. Never aborted (an Abort
                     # after a Commit could split the ranks): unconfirmed, its Commit told
                     # again, adopted once ranks serve it (reconcile).
-                    self.store.set_plan_state(row.name, plan.version, "unconfirmed",
-                                              "controller restarted after its Commit went out", now=now)
+                    self.store.set_plan_state(
+                        row.name,
+                        plan.version,
+                        "unconfirmed",
+                        "controller restarted after its Commit went out",
+                        now=now,
+                    )
                 else:
                     # Never reached commit: void; ranks that staged it drop their staging
                     # when told of it again (plans.catch_up).
-                    self.store.set_plan_state(row.name, plan.version, "aborted", "controller restarted", now=now)
+                    self.store.set_plan_state(
+                        row.name, plan.version, "aborted", "controller restarted", now=now
+                    )
             # A session reconnecting is told of the newest plan if it ended unfinished
             # above the committed version: its ranks may hold staging of it.
             newest = self.store.plans(row.name, 1)
@@ -99,12 +113,20 @@ class Registry:
                 try:
                     dep.restore_regimes(RegimeLibrary.from_rows(*regimes))
                 except (KeyError, ValueError, TypeError) as exc:  # a row this code cannot read
-                    log.error("deployment %s: the stored regime library is unreadable (%s): "
-                              "starting an empty one", row.name, exc)
+                    log.error(
+                        "deployment %s: the stored regime library is unreadable (%s): "
+                        "starting an empty one",
+                        row.name,
+                        exc,
+                    )
             mixed = self.store.mixed(row.name)
             if mixed is not None:
                 dep.serve_mixed(mixed)
-                log.error("deployment %s: the ranks serve a mixed placement: %s", row.name, mixed.describe())
+                log.error(
+                    "deployment %s: the ranks serve a mixed placement: %s",
+                    row.name,
+                    mixed.describe(),
+                )
             self.deployments[row.name] = dep
             log.info("loaded deployment %s at placement v%d", row.name, row.committed_version)
 
@@ -115,9 +137,16 @@ class Registry:
         return dep
 
     def register(
-        self, name: str, rank: Ranks, shape: ClusterShape, version: int,
-        initial: np.ndarray | None, worker_id: str, pod: str = "",
-        unknown: frozenset[str] = frozenset(), resized_from: Resize | None = None,
+        self,
+        name: str,
+        rank: Ranks,
+        shape: ClusterShape,
+        version: int,
+        initial: np.ndarray | None,
+        worker_id: str,
+        pod: str = "",
+        unknown: frozenset[str] = frozenset(),
+        resized_from: Resize | None = None,
     ) -> tuple[Session, Deployment]:
         """Register one rank, or a group of ranks (a sequence: a pod's sidecar). `unknown`:
         shape fields the registration does not know yet (deployment.UNKNOWN_EXPERT_BYTES).
@@ -129,13 +158,22 @@ class Registry:
         dep = self.deployments.get(name)
         created = dep is None
         if dep is None:
-            phy2log = initial if initial is not None else placement.trivial_placement(
-                shape.num_layers, shape.num_logical, shape.num_slots, shape.num_gpus
+            phy2log = (
+                initial
+                if initial is not None
+                else placement.trivial_placement(
+                    shape.num_layers, shape.num_logical, shape.num_slots, shape.num_gpus
+                )
             )
             dep = Deployment(name, shape, self.default_policy, version, phy2log)
             dep.mark_unknown(unknown)
             self.store.create_deployment(
-                name, stored_shape(shape, unknown), dep.policy.to_stored(), version, phy2log, now=now
+                name,
+                stored_shape(shape, unknown),
+                dep.policy.to_stored(),
+                version,
+                phy2log,
+                now=now,
             )
             self.deployments[name] = dep
             log.info("new deployment %s: %s", name, shape_key(shape))
@@ -143,8 +181,11 @@ class Registry:
                 observer(name)
         if resized_from is not None and not created:
             if initial is None:
-                raise StateError("INVALID_ARGUMENT", f"{label} of {name!r}: a resized registration "
-                                                     "carries the placement it serves (initial_placement)")
+                raise StateError(
+                    "INVALID_ARGUMENT",
+                    f"{label} of {name!r}: a resized registration "
+                    "carries the placement it serves (initial_placement)",
+                )
             old_world = dep.live_sessions()
             resize.take(self.store, dep, label, shape, initial, resized_from, unknown, now)
             for ended in old_world:
@@ -172,17 +213,26 @@ class Registry:
                     f"rank {r} of {name!r} is already registered (session {old.session_id[:8]}{held_by})",
                 )
             olds[old.session_id] = old
-        if merged is not None and (merged != dep.shape or dep.unknown_fields != still_unknown):  # unknown fields, now known: kept
+        if merged is not None and (
+            merged != dep.shape or dep.unknown_fields != still_unknown
+        ):  # unknown fields, now known: kept
             self.store.set_shape(name, stored_shape(merged, still_unknown))
             dep.reshape(merged, still_unknown)
-            log.info("deployment %s: %s set the shape's unknown fields: %s", name, label, shape_key(merged))
+            log.info(
+                "deployment %s: %s set the shape's unknown fields: %s",
+                name,
+                label,
+                shape_key(merged),
+            )
         if dep.mixed is not None and self._group_restarted(dep, worker_id):
             self._clear_mixed(dep, label)
         if version != dep.version:
             reconcile.reconcile(self.store, dep, label, version, now)
         for old in olds.values():  # expired registrations that never streamed: replaced whole
             self._forget(dep, old)
-        session = Session(uuid.uuid4().hex, ranks[0], worker_id, registered_at=now, ranks=ranks, pod=pod)
+        session = Session(
+            uuid.uuid4().hex, ranks[0], worker_id, registered_at=now, ranks=ranks, pod=pod
+        )
         dep.add_session(session)
         dep.state_serving(ranks, version, 0, registering=True)
         self.sessions[session.session_id] = (name, session)
@@ -197,13 +247,21 @@ class Registry:
         one; the survivors reconnecting after a controller restart keep theirs.)"""
         assert dep.mixed is not None
         holders = dep.mixed.workers
-        return worker_id not in holders and not any(s.worker_id in holders for s in dep.live_sessions())
+        return worker_id not in holders and not any(
+            s.worker_id in holders for s in dep.live_sessions()
+        )
 
     def _clear_mixed(self, dep: Deployment, label: str) -> None:
         assert dep.mixed is not None
         self.store.clear_mixed(dep.name)
-        log.warning("%s: the ranks that served a mixed placement (%s) are gone; %s registered: "
-                    "back to v%d, plans resume", dep.name, dep.mixed.describe(), label, dep.version)
+        log.warning(
+            "%s: the ranks that served a mixed placement (%s) are gone; %s registered: "
+            "back to v%d, plans resume",
+            dep.name,
+            dep.mixed.describe(),
+            label,
+            dep.version,
+        )
         dep.end_mixed(self.store.placement(dep.name, dep.version))
 
     def _forget(self, dep: Deployment, session: Session) -> None:
@@ -232,11 +290,19 @@ class Registry:
         dep, session = self.session(session_id)
         stranger = sorted(connected - set(session.ranks))
         if stranger:
-            raise StateError("INVALID_ARGUMENT", f"rank {stranger[0]} is not one of the session's {session.label}")
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"rank {stranger[0]} is not one of the session's {session.label}",
+            )
         absent = frozenset(session.ranks) - connected
         if absent != session.absent:
             if absent:
-                log.warning("%s of %s: %s not connected to the sidecar", session.label, dep.name, who(sorted(absent)))
+                log.warning(
+                    "%s of %s: %s not connected to the sidecar",
+                    session.label,
+                    dep.name,
+                    who(sorted(absent)),
+                )
             else:
                 log.info("%s of %s: every rank connected to the sidecar", session.label, dep.name)
         session.absent = absent

@@ -104,25 +104,30 @@ class MemberTrack:
     """A member's run of windows above (or below) the divergence line."""
 
     diverged: bool = False
-    run: int = 0                 # windows in a row on the other side of the line
+    run: int = 0  # windows in a row on the other side of the line
     last_statistic: float = float("nan")
 
 
 @dataclass
 class PoolStats:
     decisions: int = 0
-    placements: int = 0          # pool decisions that took a candidate
-    diverged_events: int = 0     # members that left the pool estimate
-    rejoined_events: int = 0     # members that matched again
-    warm_offers: int = 0         # warm starts offered at Register
+    placements: int = 0  # pool decisions that took a candidate
+    diverged_events: int = 0  # members that left the pool estimate
+    rejoined_events: int = 0  # members that matched again
+    warm_offers: int = 0  # warm starts offered at Register
 
 
 class ReplicaPool:
     """One pool's state; it changes only through the methods below."""
 
-    def __init__(self, name: str, shape: ClusterShape, policy: PolicyConfig,
-                 max_moving: int = DEFAULT_MAX_MOVING,
-                 divergence: DivergenceConfig | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        shape: ClusterShape,
+        policy: PolicyConfig,
+        max_moving: int = DEFAULT_MAX_MOVING,
+        divergence: DivergenceConfig | None = None,
+    ) -> None:
         if max_moving < 1:
             raise ValueError(f"max_moving must be >= 1, got {max_moving}")
         self.name = name
@@ -130,12 +135,12 @@ class ReplicaPool:
         self.max_moving = max_moving
         self.divergence = divergence or DivergenceConfig()
         self.divergence.validate()
-        self.loop = PolicyLoop(shape, policy)   # the pool estimate and decision timing
+        self.loop = PolicyLoop(shape, policy)  # the pool estimate and decision timing
         # Shape fields no member has reported yet (expert_bytes: deployment.UNKNOWN_EXPERT_BYTES).
         self.unknown_fields: frozenset[str] = frozenset()
         self.members: set[str] = set()
         self.tracks: dict[str, MemberTrack] = {}
-        self.version = 0                        # pool placements taken so far
+        self.version = 0  # pool placements taken so far
         self.phy2log: np.ndarray | None = None  # the pool placement; None before the first
         self.reference: np.ndarray | None = None  # decayed sum of following windows (divergence)
         self.deciding = False
@@ -230,8 +235,9 @@ class ReplicaPool:
         self.stats.warm_offers += 1
 
 
-def check_member_shape(pool: ReplicaPool, deployment: str, shape: ClusterShape,
-                       unknown: frozenset[str] = frozenset()) -> None:
+def check_member_shape(
+    pool: ReplicaPool, deployment: str, shape: ClusterShape, unknown: frozenset[str] = frozenset()
+) -> None:
     """FAILED_PRECONDITION naming the first field on which `shape` differs from the pool's;
     a field unknown to the pool or to the registration (`unknown`) is not compared."""
     ours, theirs = shape_key(pool.shape), shape_key(shape)
@@ -259,9 +265,13 @@ class PoolObservers:
 
 def members_moving(pool: ReplicaPool, deployments: dict[str, Deployment]) -> list[str]:
     """Following members with a plan toward the pool placement in flight."""
-    return [m for m in pool.following()
-            if (dep := deployments.get(m)) is not None and dep.plan is not None
-            and dep.plan.trigger == POOL_TRIGGER]
+    return [
+        m
+        for m in pool.following()
+        if (dep := deployments.get(m)) is not None
+        and dep.plan is not None
+        and dep.plan.trigger == POOL_TRIGGER
+    ]
 
 
 def at_target(pool: ReplicaPool, dep: Deployment) -> bool:

@@ -47,37 +47,66 @@ def _taken(store: Store, dep: Deployment, resized_from: Resize) -> bool:
     if dep.resized_from == resized_from:
         return True
     newest = store.plans(dep.name, limit=1)
-    return bool(newest) and newest[0].version == dep.version and newest[0].trigger == "resize" \
+    return (
+        bool(newest)
+        and newest[0].version == dep.version
+        and newest[0].trigger == "resize"
         and newest[0].base_version == resized_from.version
+    )
 
 
-def take(store: Store, dep: Deployment, who: str, shape: ClusterShape, phy2log: np.ndarray,
-         resized_from: Resize, unknown: frozenset[str], now: float) -> None:
+def take(
+    store: Store,
+    dep: Deployment,
+    who: str,
+    shape: ClusterShape,
+    phy2log: np.ndarray,
+    resized_from: Resize,
+    unknown: frozenset[str],
+    now: float,
+) -> None:
     """`who` registers with the new world `shape`, serving `phy2log` `[L, P']`, resized from
     `resized_from`: resize `dep`, or find it resized already by a peer of the same resize
     (module docstring); StateError otherwise."""
     if _taken(store, dep, resized_from) and shape_key(dep.shape) == shape_key(shape):
         if not np.array_equal(dep.phy2log, phy2log):
-            raise StateError("FAILED_PRECONDITION",
-                             f"{who} of {dep.name!r} resized from {resized_from.describe()} serves another "
-                             f"placement than the ranks that resized first (v{dep.version})")
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"{who} of {dep.name!r} resized from {resized_from.describe()} serves another "
+                f"placement than the ranks that resized first (v{dep.version})",
+            )
         return
     if not same_model(dep.shape, shape):
-        raise StateError("FAILED_PRECONDITION",
-                         f"{who} of {dep.name!r}: a resize changes only {', '.join(WORLD_FIELDS)}; the "
-                         f"deployment is {shape_key(dep.shape)}, {who} reports {shape_key(shape)}")
+        raise StateError(
+            "FAILED_PRECONDITION",
+            f"{who} of {dep.name!r}: a resize changes only {', '.join(WORLD_FIELDS)}; the "
+            f"deployment is {shape_key(dep.shape)}, {who} reports {shape_key(shape)}",
+        )
     if dep.version != resized_from.version or dep.shape.num_gpus != resized_from.num_gpus:
-        raise StateError("FAILED_PRECONDITION",
-                         f"{who} of {dep.name!r} resized from {resized_from.describe()}; the deployment "
-                         f"is at v{dep.version} on {dep.shape.num_gpus} GPUs")
+        raise StateError(
+            "FAILED_PRECONDITION",
+            f"{who} of {dep.name!r} resized from {resized_from.describe()}; the deployment "
+            f"is at v{dep.version} on {dep.shape.num_gpus} GPUs",
+        )
     if dep.plan is not None or dep.deciding:
         under_way = f"plan v{dep.plan.version}" if dep.plan is not None else "a decision"
-        raise StateError("UNAVAILABLE", f"{dep.name!r}: {under_way} is under way; the resize is "
-                                        "taken once it ends (ask again)")
+        raise StateError(
+            "UNAVAILABLE",
+            f"{dep.name!r}: {under_way} is under way; the resize is taken once it ends (ask again)",
+        )
     version = store.max_version(dep.name) + 1
-    reason = (f"{who} resized the EP group from {resized_from.num_gpus} to {shape.num_gpus} GPUs "
-              f"(v{resized_from.version})")
-    store.resize(dep.name, stored_shape(shape, dep.unknown_fields & unknown), version, resized_from.version,
-                 phy2log, reason, now=now)
+    reason = (
+        f"{who} resized the EP group from {resized_from.num_gpus} to {shape.num_gpus} GPUs "
+        f"(v{resized_from.version})"
+    )
+    store.resize(
+        dep.name,
+        stored_shape(shape, dep.unknown_fields & unknown),
+        version,
+        resized_from.version,
+        phy2log,
+        reason,
+        now=now,
+    )
     log.warning("%s: %s: the new world serves v%d", dep.name, reason, version)
     dep.resize(shape, version, phy2log, resized_from)

@@ -65,7 +65,9 @@ def preflight(config: ControllerConfig) -> grpc.ServerCredentials | None:
     check_exposure(config)
     check_store_path(config.db_path)
     if config.metrics_port and config.metrics_port == config.port:
-        raise InputError(f"metrics port and gRPC port are both {config.port}: the metrics need a port of their own")
+        raise InputError(
+            f"metrics port and gRPC port are both {config.port}: the metrics need a port of their own"
+        )
     return _tls_credentials(config)
 
 
@@ -112,7 +114,10 @@ class ControllerServer:
         opened.callback(self.pool.close)
         try:
             self.controller = Controller(
-                self.store, config.policy, config.persist_seconds, background=self.pool.submit,
+                self.store,
+                config.policy,
+                config.persist_seconds,
+                background=self.pool.submit,
                 pool_max_moving=config.pool_max_moving,
             )
         except sqlite3.DatabaseError as exc:  # an SQLite file, but not one we can load
@@ -121,18 +126,25 @@ class ControllerServer:
         self.server = grpc.aio.server(
             interceptors=[self.auth], options=server_options(config.max_message_bytes)
         )
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.health = (
+            health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        )
         self.metrics = ControllerMetrics(self.controller, config.per_layer_metrics)
         # Requests that do not parse are refused with INVALID_ARGUMENT (wire/service.py).
         add_service(
             pb_grpc.add_WorkerServiceServicer_to_server,
             WorkerService(
-                self.controller, self.auth.check_deployment, self.metrics.on_ingest,
-                config.ack_interval_seconds, on_refused=self.metrics.on_refused,
+                self.controller,
+                self.auth.check_deployment,
+                self.metrics.on_ingest,
+                config.ack_interval_seconds,
+                on_refused=self.metrics.on_refused,
             ),
             self.server,
         )
-        add_service(pb_grpc.add_AdminServiceServicer_to_server, AdminService(self.controller), self.server)
+        add_service(
+            pb_grpc.add_AdminServiceServicer_to_server, AdminService(self.controller), self.server
+        )
         add_service(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -190,12 +202,16 @@ class ControllerServer:
         if port is None:
             return
         try:
-            self._metrics_http, _ = start_http_server(port, addr=self.config.host, registry=self.metrics.registry)
+            self._metrics_http, _ = start_http_server(
+                port, addr=self.config.host, registry=self.metrics.registry
+            )
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise InUseError(f"metrics port {port} is in use (another controller?)") from None
-            raise InputError(f"cannot serve metrics on {_bracketed(self.config.host)}:{port}: "
-                             f"{exc.strerror or exc}") from None
+            raise InputError(
+                f"cannot serve metrics on {_bracketed(self.config.host)}:{port}: "
+                f"{exc.strerror or exc}"
+            ) from None
         self._stack.callback(self._metrics_http.server_close)
         self._stack.callback(self._metrics_http.shutdown)
         self.metrics_port = int(self._metrics_http.server_port)
@@ -223,8 +239,11 @@ class ControllerServer:
             return
         self._stopping = True
         self.pool.stop_accepting()  # no plan starts while draining
-        log.info("draining (%.1fs not ready, then grace %.1fs)", self.config.drain_seconds,
-                 self.config.grace_seconds)
+        log.info(
+            "draining (%.1fs not ready, then grace %.1fs)",
+            self.config.drain_seconds,
+            self.config.grace_seconds,
+        )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         # Still serving, but reported NOT_SERVING: probes and balancers stop sending
         # new work before the port closes.
@@ -238,7 +257,9 @@ class ControllerServer:
         await self._stopped.wait()
 
 
-async def serve(config: ControllerConfig, ready: Callable[[ControllerServer], None] | None = None) -> None:
+async def serve(
+    config: ControllerConfig, ready: Callable[[ControllerServer], None] | None = None
+) -> None:
     """Run until SIGTERM/SIGINT, then drain."""
     server = ControllerServer(config)
     await server.start()
@@ -259,7 +280,9 @@ def probe_port(host: str, port: int, what: str) -> None:
     """Bind `host:port` as gRPC would (SO_REUSEADDR, no SO_REUSEPORT) and let go at once:
     InUseError when another process listens there, InputError for any other reason."""
     try:
-        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as exc:
         raise InputError(f"cannot listen on {host}: unknown host ({exc.strerror})") from None
     failures: list[OSError] = []
@@ -276,7 +299,9 @@ def probe_port(host: str, port: int, what: str) -> None:
     # and fails only when none is left.
     if failures and len(failures) == len(infos):
         first = failures[0]
-        raise InputError(f"cannot listen on {_bracketed(host)}:{port} ({what}): {first.strerror or first}")
+        raise InputError(
+            f"cannot listen on {_bracketed(host)}:{port} ({what}): {first.strerror or first}"
+        )
 
 
 def _read_pem(path: str, what: str) -> bytes:
@@ -311,7 +336,9 @@ def _tls_credentials(config: ControllerConfig) -> grpc.ServerCredentials | None:
             context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
         except (ssl.SSLError, ValueError) as exc:
             reason = getattr(exc, "reason", None) or str(exc)
-            raise InputError(f"tls client_ca {config.tls_client_ca}: not a usable PEM CA certificate ({reason})") from None
+            raise InputError(
+                f"tls client_ca {config.tls_client_ca}: not a usable PEM CA certificate ({reason})"
+            ) from None
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
     )

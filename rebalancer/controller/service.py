@@ -71,7 +71,9 @@ def ranks_of(request: pb.RegisterRequest, num_gpus: int) -> int | tuple[int, ...
 
 def register_label(request: pb.RegisterRequest) -> str:
     if request.ranks:
-        return f"ranks {list(request.ranks)}" + (f" (pod {request.pod[:64]})" if request.pod else "")
+        return f"ranks {list(request.ranks)}" + (
+            f" (pod {request.pod[:64]})" if request.pod else ""
+        )
     return f"rank {request.rank}"
 
 
@@ -99,8 +101,13 @@ class _PrepareArrays:
 
     def of(self, plan: Plan) -> tuple[pb.Placement, pb.Array]:
         if plan is not self._plan or self._arrays is None:
-            self._plan, self._arrays = plan, (
-                placement_msg(plan.version, plan.phy2log), codec.encode(plan.transfers.astype("int32")))
+            self._plan, self._arrays = (
+                plan,
+                (
+                    placement_msg(plan.version, plan.phy2log),
+                    codec.encode(plan.transfers.astype("int32")),
+                ),
+            )
         return self._arrays
 
 
@@ -115,13 +122,17 @@ class _PlannedLossMessages:
 
     def __init__(self, size: int = 1024) -> None:
         self.size = size
-        self._made: dict[int, tuple[Any, pb.ControllerMessage]] = {}  # id -> (payload held, message)
+        self._made: dict[
+            int, tuple[Any, pb.ControllerMessage]
+        ] = {}  # id -> (payload held, message)
 
     def of(self, told: Any) -> pb.ControllerMessage:
         hit = self._made.get(id(told))
         if hit is not None and hit[0] is told:
             return hit[1]
-        msg = pb.ControllerMessage(planned_loss=planned_loss_msg(told.loss, told.version, told.set_size))
+        msg = pb.ControllerMessage(
+            planned_loss=planned_loss_msg(told.loss, told.version, told.set_size)
+        )
         self._made[id(told)] = (told, msg)
         while len(self._made) > self.size:
             del self._made[next(iter(self._made))]
@@ -140,10 +151,14 @@ def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
         # Prepare's layers_per_chunk and timeout_seconds stay unset: ranks pace and time
         # their transfers by their own settings (HookConfig), the controller by the plan's
         # deadline.
-        return pb.ControllerMessage(prepare=pb.Prepare(
-            version=plan.version, base_version=plan.base_version,
-            placement=placement, transfers=transfers,
-        ))
+        return pb.ControllerMessage(
+            prepare=pb.Prepare(
+                version=plan.version,
+                base_version=plan.base_version,
+                placement=placement,
+                transfers=transfers,
+            )
+        )
     if kind == "commit":
         return pb.ControllerMessage(commit=pb.Commit(version=plan.version))
     if kind == "abort":
@@ -155,10 +170,16 @@ def controller_message(kind: str, payload: Any) -> pb.ControllerMessage:
 
 def planned_loss_msg(loss: Loss, base_version: int = 0, set_size: int = 0) -> pb.PlannedLoss:
     """One loss of a contingency set as the admin API and the ranks see it."""
-    msg = pb.PlannedLoss(kind=loss.kind, lost_ranks=loss.lost,
-                         balancedness=loss.balancedness if loss.feasible else 0.0,
-                         slots_moved=loss.slots_moved, from_storage=loss.from_storage, unserved=loss.unserved,
-                         base_version=base_version, set_size=set_size)
+    msg = pb.PlannedLoss(
+        kind=loss.kind,
+        lost_ranks=loss.lost,
+        balancedness=loss.balancedness if loss.feasible else 0.0,
+        slots_moved=loss.slots_moved,
+        from_storage=loss.from_storage,
+        unserved=loss.unserved,
+        base_version=base_version,
+        set_size=set_size,
+    )
     if loss.phy2log is not None:
         msg.phy2log.CopyFrom(codec.encode(loss.phy2log.astype("int32")))
     return msg
@@ -172,7 +193,9 @@ class AckPacer:
     The first window after a quiet interval is acked at once; later ones by a timer.
     Each ack says how long it was held, so senders can still tell ingest latency."""
 
-    def __init__(self, write: Callable[[pb.ControllerMessage], None], interval: float, clock: Clock) -> None:
+    def __init__(
+        self, write: Callable[[pb.ControllerMessage], None], interval: float, clock: Clock
+    ) -> None:
         self._write = write
         self.interval = interval
         self._clock = clock
@@ -214,7 +237,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
     for deployment `name` (auth.TokenAuth.check_deployment); None: no such check."""
 
     def __init__(
-        self, controller: Controller, check_deployment: Callable[[str], None] | None = None,
+        self,
+        controller: Controller,
+        check_deployment: Callable[[str], None] | None = None,
         on_ingest: Callable[[str, int, float], None] | None = None,
         ack_interval: float = 0.0,
         on_refused: Callable[[str], None] | None = None,
@@ -226,7 +251,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         self.on_ingest = on_ingest  # (deployment, bytes, seconds) per window, for metrics
         self.on_refused = on_refused  # (deployment) per window refused, for metrics
 
-    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+    async def Register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterResponse:
         try:
             name = check_name(request.deployment)
             self.check_deployment(name)
@@ -237,7 +264,10 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             if request.HasField("initial_placement"):
                 check_version(request.initial_placement.version, "initial_placement.version")
                 initial = codec.decode_phy2log(
-                    request.initial_placement.phy2log, shape.num_layers, shape.num_slots, shape.num_logical
+                    request.initial_placement.phy2log,
+                    shape.num_layers,
+                    shape.num_slots,
+                    shape.num_logical,
                 )
             pool = check_name(request.pool, "pool") if request.pool else ""
             # expert_bytes 0: not known yet (deployment.UNKNOWN_EXPERT_BYTES), a later
@@ -245,16 +275,29 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             unknown = UNKNOWN_EXPERT_BYTES if request.shape.expert_bytes == 0 else frozenset()
             resized_from = None
             if request.HasField("resized_from"):
-                resized_from = Resize(check_version(request.resized_from.version, "resized_from.version"),
-                                      int(request.resized_from.num_gpus))
+                resized_from = Resize(
+                    check_version(request.resized_from.version, "resized_from.version"),
+                    int(request.resized_from.num_gpus),
+                )
                 if resized_from.num_gpus <= 0:
                     raise InputError("resized_from.num_gpus must be positive")
             session, dep = self.controller.register(
-                name, ranks, shape, version, initial, request.worker_id, request.pod, pool, unknown, resized_from
+                name,
+                ranks,
+                shape,
+                version,
+                initial,
+                request.worker_id,
+                request.pod,
+                pool,
+                unknown,
+                resized_from,
             )
             warm = self.controller.warm_offer(dep, version) if pool else None
         except (InputError, StateError) as exc:
-            await refuse(context, exc, f"Register({request.deployment!r}, {register_label(request)})", log)
+            await refuse(
+                context, exc, f"Register({request.deployment!r}, {register_label(request)})", log
+            )
             raise AssertionError("unreachable") from exc
         response = pb.RegisterResponse(
             session_id=session.session_id,
@@ -298,17 +341,29 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                     raise InputError("only windows may follow hello on the stream")
                 w = msg.window
                 if session.ended_by_resize:
-                    raise StateError("NOT_FOUND", f"{session.label} of {dep.name!r} belongs to a world the "
-                                                  "deployment was resized from: register again")
+                    raise StateError(
+                        "NOT_FOUND",
+                        f"{session.label} of {dep.name!r} belongs to a world the "
+                        "deployment was resized from: register again",
+                    )
                 t0 = self.clock()
                 check_version(w.placement_version, "window placement_version")
                 logical = codec.decode_counts(w.logical_count, "logical_count", logical_shape)
                 physical = None
                 if w.HasField("physical_count"):
-                    physical = codec.decode_counts(w.physical_count, "physical_count", physical_shape)
+                    physical = codec.decode_counts(
+                        w.physical_count, "physical_count", physical_shape
+                    )
                 check_version(w.serving_version, "window serving_version")
-                self.controller.ingest(dep, session.ranks, w.seq, w.placement_version, logical, physical,
-                                       (w.serving_version, w.serving_hash))
+                self.controller.ingest(
+                    dep,
+                    session.ranks,
+                    w.seq,
+                    w.placement_version,
+                    logical,
+                    physical,
+                    (w.serving_version, w.serving_hash),
+                )
                 if self.on_ingest is not None:  # the arrays' sizes: re-reading .data would copy it
                     nbytes = logical.nbytes + (physical.nbytes if physical is not None else 0)
                     self.on_ingest(dep.name, nbytes, self.clock() - t0)
@@ -323,7 +378,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             writer.cancel()
             self.controller.detach(session_id)
 
-    async def ReportPlan(self, request: pb.PlanReport, context: grpc.aio.ServicerContext) -> pb.PlanReportResponse:
+    async def ReportPlan(
+        self, request: pb.PlanReport, context: grpc.aio.ServicerContext
+    ) -> pb.PlanReportResponse:
         try:
             self.check_deployment(self.controller.session(request.session_id)[0].name)
             phase = _PHASES.get(request.phase)
@@ -334,13 +391,16 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             if request.HasField("serving"):
                 shape = self.controller.session(request.session_id)[0].shape
                 serving = codec.decode_phy2log(
-                    request.serving.phy2log, shape.num_layers, shape.num_slots, shape.num_logical)
+                    request.serving.phy2log, shape.num_layers, shape.num_slots, shape.num_logical
+                )
             self.controller.report(request.session_id, version, phase, request.error, serving)
         except (InputError, StateError) as exc:
             await refuse(context, exc, f"ReportPlan(v{request.version})", log)
         return pb.PlanReportResponse()
 
-    async def ReportRanks(self, request: pb.RankPresence, context: grpc.aio.ServicerContext) -> pb.RankPresenceResponse:
+    async def ReportRanks(
+        self, request: pb.RankPresence, context: grpc.aio.ServicerContext
+    ) -> pb.RankPresenceResponse:
         try:
             self.check_deployment(self.controller.session(request.session_id)[0].name)
             connected = [int(r) for r in request.connected_ranks]

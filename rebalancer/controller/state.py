@@ -53,16 +53,27 @@ class Controller:
         self.store = store
         self.clock: Clock = clock or system_clock()
         self.observers = Observers()
-        self.registry = Registry(store, self.clock, default_policy or PolicyConfig(), self.observers)
+        self.registry = Registry(
+            store, self.clock, default_policy or PolicyConfig(), self.observers
+        )
         self.plans = Plans(store, self.clock, self.observers)
         self.decisions = DecisionRunner(store, self.clock, self.plans, self.observers, background)
         self.folder = Folder(store, self.clock, self.decisions, self.observers, persist_seconds)
         self.operations = Operations(store, self.clock, self.registry, self.decisions)
-        self.fleet = Fleet(store, self.clock, self.registry, self.decisions, self.plans,
-                           self.registry.default_policy, pool_max_moving, divergence)
+        self.fleet = Fleet(
+            store,
+            self.clock,
+            self.registry,
+            self.decisions,
+            self.plans,
+            self.registry.default_policy,
+            pool_max_moving,
+            divergence,
+        )
         self.folder.pooled = self.fleet.folded
-        self.contingency = ContingencyPlanner(store, self.clock, self.decisions.submit,
-                                              lambda: self.decisions.in_flight == 0)
+        self.contingency = ContingencyPlanner(
+            store, self.clock, self.decisions.submit, lambda: self.decisions.in_flight == 0
+        )
         self.registry.load()
         self.fleet.load()
         self.contingency.load(list(self.registry.deployments))
@@ -74,17 +85,26 @@ class Controller:
     # ------------------------------------------------------------ ranks
 
     def register(
-        self, name: str, rank: Ranks, shape: ClusterShape, version: int,
-        initial: np.ndarray | None, worker_id: str, pod: str = "", pool: str = "",
-        unknown: frozenset[str] = frozenset(), resized_from: Resize | None = None,
+        self,
+        name: str,
+        rank: Ranks,
+        shape: ClusterShape,
+        version: int,
+        initial: np.ndarray | None,
+        worker_id: str,
+        pod: str = "",
+        pool: str = "",
+        unknown: frozenset[str] = frozenset(),
+        resized_from: Resize | None = None,
     ) -> tuple[Session, Deployment]:
         """One rank, or a group of ranks (a sequence: a pod's sidecar speaking for them),
         of a deployment in `pool` ("": none); `unknown`: shape fields it does not know yet;
         `resized_from`: the world an elastic engine resized the group from (it serves
         `initial`, rebalancer/controller/resize.py). The warm start to offer: `warm_offer`."""
         self.fleet.check_join(name, pool, shape, unknown)
-        session, dep = self.registry.register(name, rank, shape, version, initial, worker_id, pod, unknown,
-                                              resized_from)
+        session, dep = self.registry.register(
+            name, rank, shape, version, initial, worker_id, pod, unknown, resized_from
+        )
         if resized_from is not None:
             version = dep.version  # the resize taken: the version of what the ranks serve
         self.fleet.joined(dep, pool)
@@ -115,8 +135,14 @@ class Controller:
             self.plans.disconnected(*gone)
 
     def ingest(
-        self, dep: Deployment, rank: Ranks, seq: int, version: int,
-        logical: np.ndarray, physical: np.ndarray | None, serving: Statement = (0, 0),
+        self,
+        dep: Deployment,
+        rank: Ranks,
+        seq: int,
+        version: int,
+        logical: np.ndarray,
+        physical: np.ndarray | None,
+        serving: Statement = (0, 0),
     ) -> bool:
         """Merge one session's window (a group's: summed over its ranks) and fold what
         became complete; False for a duplicate. `serving`: the (version, digest) its ranks
@@ -128,8 +154,14 @@ class Controller:
             self.contingency.refresh(dep, self.clock())
         return fresh
 
-    def report(self, session_id: str, version: int, phase: str, error: str = "",
-               serving: np.ndarray | None = None) -> None:
+    def report(
+        self,
+        session_id: str,
+        version: int,
+        phase: str,
+        error: str = "",
+        serving: np.ndarray | None = None,
+    ) -> None:
         """A session's plan progress (for all its ranks): prepared / failed / committed / aborted;
         `serving`: the placement its ranks serve after a plan applied in part."""
         dep, session = self.registry.session(session_id)

@@ -99,9 +99,13 @@ class StoreLock:
                 os.close(fd)
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     who = f"pid {holder}" if holder else "another process"
-                    raise InUseError(f"store {db_path} is in use by another controller ({who}; "
-                                     f"lock {self.path}): one controller per store") from None
-                raise InputError(f"store {db_path}: cannot lock {self.path}: {exc.strerror or exc}") from None
+                    raise InUseError(
+                        f"store {db_path} is in use by another controller ({who}; "
+                        f"lock {self.path}): one controller per store"
+                    ) from None
+                raise InputError(
+                    f"store {db_path}: cannot lock {self.path}: {exc.strerror or exc}"
+                ) from None
             if _names(self.path, fd):
                 break
             os.close(fd)  # deleted by the holder that just let go: lock the path's file
@@ -116,8 +120,9 @@ class StoreLock:
         try:
             return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise InputError(f"store {db_path}: cannot open its lock file {self.path}: "
-                             f"{exc.strerror or exc}") from None
+            raise InputError(
+                f"store {db_path}: cannot open its lock file {self.path}: {exc.strerror or exc}"
+            ) from None
 
     @property
     def held(self) -> bool:
@@ -156,8 +161,10 @@ def _check_single_link(db_path: str | Path, real: str) -> None:
     except OSError:
         return  # not there yet: the store creates it
     if links > 1:
-        raise InputError(f"store {db_path}: the file has {links} hard links; a controller locks "
-                         "its store by name, so give it a file with one name (copy it)")
+        raise InputError(
+            f"store {db_path}: the file has {links} hard links; a controller locks "
+            "its store by name, so give it a file with one name (copy it)"
+        )
 
 
 def _read_pid(fd: int) -> int | None:
@@ -166,6 +173,7 @@ def _read_pid(fd: int) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS deployments (
@@ -302,8 +310,9 @@ class Store:
         self.path = str(path)
         check_store_path(self.path)
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                       factory=_Connection)
+            self._db = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, factory=_Connection
+            )
         except sqlite3.Error as exc:
             raise InputError(f"store {self.path}: cannot open ({exc})") from None
         try:
@@ -336,8 +345,14 @@ class Store:
     # ------------------------------------------------------------ deployments
 
     def create_deployment(
-        self, name: str, shape: dict[str, int], policy: dict[str, Any], version: int,
-        phy2log: np.ndarray, *, now: float,
+        self,
+        name: str,
+        shape: dict[str, int],
+        policy: dict[str, Any],
+        version: int,
+        phy2log: np.ndarray,
+        *,
+        now: float,
     ) -> None:
         with self._db:
             self._db.execute("BEGIN")
@@ -348,12 +363,16 @@ class Store:
             self._put_placement(name, version, phy2log, now)
 
     def set_policy(self, name: str, policy: dict[str, Any]) -> None:
-        self._db.execute("UPDATE deployments SET policy = ? WHERE name = ?", (json.dumps(policy), name))
+        self._db.execute(
+            "UPDATE deployments SET policy = ? WHERE name = ?", (json.dumps(policy), name)
+        )
 
     def set_shape(self, name: str, shape: dict[str, Any]) -> None:
         """Rewrite a deployment's shape: a field an older store lacked, now known
         (registry.py adopts a rank's dispatch mode and top_k)."""
-        self._db.execute("UPDATE deployments SET shape = ? WHERE name = ?", (json.dumps(shape), name))
+        self._db.execute(
+            "UPDATE deployments SET shape = ? WHERE name = ?", (json.dumps(shape), name)
+        )
 
     def load_deployments(self) -> list[DeploymentRow]:
         rows = self._db.execute(
@@ -376,7 +395,9 @@ class Store:
         )
 
     @contextlib.contextmanager
-    def _new_placement(self, name: str, version: int, phy2log: np.ndarray, now: float) -> Iterator[None]:
+    def _new_placement(
+        self, name: str, version: int, phy2log: np.ndarray, now: float
+    ) -> Iterator[None]:
         """One transaction that stores placement `version` and what the caller adds to it
         (its plan row); StateError, nothing written, past MAX_VERSION."""
         if version > MAX_VERSION:
@@ -399,15 +420,26 @@ class Store:
     # ------------------------------------------------------------ plans
 
     def begin_plan(
-        self, name: str, version: int, base_version: int, trigger: str, phy2log: np.ndarray,
-        slots_moved: int, bytes_moved: int, *, now: float,
+        self,
+        name: str,
+        version: int,
+        base_version: int,
+        trigger: str,
+        phy2log: np.ndarray,
+        slots_moved: int,
+        bytes_moved: int,
+        *,
+        now: float,
     ) -> None:
         """Record a plan and its placement before any rank hears of it. StateError, nothing
         written, when `version` is beyond MAX_VERSION (a deployment registered at the
         largest version has no plan version left)."""
         if version > MAX_VERSION:
-            raise StateError("FAILED_PRECONDITION", f"no plan version is left for {name!r} after "
-                                                    f"v{base_version} (versions end at 2**63 - 1)")
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"no plan version is left for {name!r} after "
+                f"v{base_version} (versions end at 2**63 - 1)",
+            )
         with self._db:
             self._db.execute("BEGIN")
             self._put_placement(name, version, phy2log, now)
@@ -430,7 +462,8 @@ class Store:
         restarted after that must not abort the plan (registry.load)."""
         with self._db:
             self._db.execute(
-                "UPDATE plans SET state = 'committing' WHERE deployment = ? AND version = ?", (name, version)
+                "UPDATE plans SET state = 'committing' WHERE deployment = ? AND version = ?",
+                (name, version),
             )
 
     def commit_plan(self, name: str, version: int, *, now: float) -> None:
@@ -445,8 +478,17 @@ class Store:
                 "UPDATE deployments SET committed_version = ? WHERE name = ?", (version, name)
             )
 
-    def resize(self, name: str, shape: dict[str, Any], version: int, base_version: int, phy2log: np.ndarray,
-               reason: str, *, now: float) -> None:
+    def resize(
+        self,
+        name: str,
+        shape: dict[str, Any],
+        version: int,
+        base_version: int,
+        phy2log: np.ndarray,
+        reason: str,
+        *,
+        now: float,
+    ) -> None:
         """An elastic engine resized the deployment's EP group (rebalancer/controller/resize.py): the new
         shape and the placement the new world serves, committed as plan `version` (trigger
         "resize"), and no mixed placement left, atomically."""
@@ -456,8 +498,10 @@ class Store:
                 " reason) VALUES (?, ?, ?, 'committed', 'resize', ?, ?, ?)",
                 (name, version, base_version, now, now, reason),
             )
-            self._db.execute("UPDATE deployments SET shape = ?, committed_version = ? WHERE name = ?",
-                             (json.dumps(shape), version, name))
+            self._db.execute(
+                "UPDATE deployments SET shape = ?, committed_version = ? WHERE name = ?",
+                (json.dumps(shape), version, name),
+            )
             self._db.execute("DELETE FROM mixed_placements WHERE deployment = ?", (name,))
 
     def set_mixed(self, name: str, mixed: Mixed, plan_state_reason: str, *, now: float) -> None:
@@ -473,21 +517,36 @@ class Store:
             )
             self._db.execute(
                 "INSERT OR REPLACE INTO mixed_placements VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (name, mixed.version, mixed.base_version, shape[0], shape[1],
-                 None if arr is None else arr.tobytes(), mixed.reason, mixed.since,
-                 json.dumps(sorted(mixed.workers))),
+                (
+                    name,
+                    mixed.version,
+                    mixed.base_version,
+                    shape[0],
+                    shape[1],
+                    None if arr is None else arr.tobytes(),
+                    mixed.reason,
+                    mixed.since,
+                    json.dumps(sorted(mixed.workers)),
+                ),
             )
 
     def mixed(self, name: str) -> Mixed | None:
         row = self._db.execute(
             "SELECT version, base_version, num_layers, num_slots, phy2log, reason, since, workers"
-            " FROM mixed_placements WHERE deployment = ?", (name,),
+            " FROM mixed_placements WHERE deployment = ?",
+            (name,),
         ).fetchone()
         if row is None:
             return None
         version, base, layers, slots, blob, reason, since, workers = row
-        phy2log = None if blob is None else np.frombuffer(blob, dtype="<i4").reshape(layers, slots).astype(np.int64)
-        return Mixed(int(version), int(base), phy2log, reason, float(since), frozenset(json.loads(workers)))
+        phy2log = (
+            None
+            if blob is None
+            else np.frombuffer(blob, dtype="<i4").reshape(layers, slots).astype(np.int64)
+        )
+        return Mixed(
+            int(version), int(base), phy2log, reason, float(since), frozenset(json.loads(workers))
+        )
 
     def clear_mixed(self, name: str) -> None:
         self._db.execute("DELETE FROM mixed_placements WHERE deployment = ?", (name,))
@@ -508,7 +567,9 @@ class Store:
 
     def unfinished_plans(self, name: str) -> list[PlanRow]:
         """Plans a controller left in flight: preparing, or committing (Commit went out)."""
-        return [p for p in self.plans(name, limit=1_000_000) if p.state in ("preparing", "committing")]
+        return [
+            p for p in self.plans(name, limit=1_000_000) if p.state in ("preparing", "committing")
+        ]
 
     def offer_plan(self, name: str, version: int, phy2log: np.ndarray, *, now: float) -> None:
         """Record a warm start offered to a fresh deployment: its placement as plan
@@ -525,7 +586,9 @@ class Store:
     def set_pool_member(self, deployment: str, pool: str) -> None:
         """`deployment` is in `pool` ("" : in none)."""
         if pool:
-            self._db.execute("INSERT OR REPLACE INTO pool_members VALUES (?, ?)", (deployment, pool))
+            self._db.execute(
+                "INSERT OR REPLACE INTO pool_members VALUES (?, ?)", (deployment, pool)
+            )
         else:
             self._db.execute("DELETE FROM pool_members WHERE deployment = ?", (deployment,))
 
@@ -533,20 +596,34 @@ class Store:
         """deployment -> its pool."""
         return dict(self._db.execute("SELECT deployment, pool FROM pool_members").fetchall())
 
-    def save_pool(self, name: str, shape: dict[str, Any], version: int, phy2log: np.ndarray | None) -> None:
+    def save_pool(
+        self, name: str, shape: dict[str, Any], version: int, phy2log: np.ndarray | None
+    ) -> None:
         arr = None if phy2log is None else np.ascontiguousarray(phy2log, dtype="<i4")
         layers, slots = (0, 0) if arr is None else arr.shape
         self._db.execute(
             "INSERT OR REPLACE INTO pools VALUES (?, ?, ?, ?, ?, ?)",
-            (name, json.dumps(shape), version, layers, slots, None if arr is None else arr.tobytes()),
+            (
+                name,
+                json.dumps(shape),
+                version,
+                layers,
+                slots,
+                None if arr is None else arr.tobytes(),
+            ),
         )
 
     def load_pools(self) -> list[tuple[str, dict[str, Any], int, np.ndarray | None]]:
         """(name, shape, pool placement version, pool placement or None) of every pool."""
         out = []
         for name, shape, version, layers, slots, blob in self._db.execute(
-                "SELECT name, shape, version, num_layers, num_slots, phy2log FROM pools ORDER BY name"):
-            phy2log = None if blob is None else np.frombuffer(blob, dtype="<i4").reshape(layers, slots).astype(np.int64)
+            "SELECT name, shape, version, num_layers, num_slots, phy2log FROM pools ORDER BY name"
+        ):
+            phy2log = (
+                None
+                if blob is None
+                else np.frombuffer(blob, dtype="<i4").reshape(layers, slots).astype(np.int64)
+            )
             out.append((name, json.loads(shape), int(version), phy2log))
         return out
 
@@ -568,52 +645,87 @@ class Store:
 
     # ------------------------------------------------------------ ingest cursor
 
-    def save_contingency(self, name: str, record: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    def save_contingency(
+        self, name: str, record: dict[str, Any], arrays: dict[str, np.ndarray]
+    ) -> None:
         """A deployment's newest contingency set (controller/contingency.py): its record
         and the survivors' placements, replacing the one before."""
-        self._db.execute("INSERT OR REPLACE INTO contingency VALUES (?, ?, ?)",
-                         (name, json.dumps(record), _pack_arrays(arrays)))
+        self._db.execute(
+            "INSERT OR REPLACE INTO contingency VALUES (?, ?, ?)",
+            (name, json.dumps(record), _pack_arrays(arrays)),
+        )
 
     def record_contingency(self, name: str, time: float, summary: dict[str, Any]) -> None:
         """One contingency set in the deployment's history (its summary)."""
-        self._db.execute("INSERT INTO contingency_history (deployment, time, record) VALUES (?, ?, ?)",
-                         (name, time, json.dumps(summary)))
+        self._db.execute(
+            "INSERT INTO contingency_history (deployment, time, record) VALUES (?, ?, ?)",
+            (name, time, json.dumps(summary)),
+        )
 
     def contingency_history(self, name: str, limit: int = 50) -> list[dict[str, Any]]:
-        rows = self._db.execute("SELECT time, record FROM contingency_history WHERE deployment = ? "
-                                "ORDER BY id DESC LIMIT ?", (name, limit)).fetchall()
+        rows = self._db.execute(
+            "SELECT time, record FROM contingency_history WHERE deployment = ? "
+            "ORDER BY id DESC LIMIT ?",
+            (name, limit),
+        ).fetchall()
         return [{"time": t, **json.loads(r)} for t, r in rows]
 
     def contingency(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-        row = self._db.execute("SELECT record, arrays FROM contingency WHERE deployment = ?", (name,)).fetchone()
+        row = self._db.execute(
+            "SELECT record, arrays FROM contingency WHERE deployment = ?", (name,)
+        ).fetchone()
         return None if row is None else (json.loads(row[0]), _unpack_arrays(row[1]))
 
     def save_regimes(
-        self, name: str, header: tuple[dict[str, Any], dict[str, np.ndarray]],
-        rows: dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]], removed: list[int],
+        self,
+        name: str,
+        header: tuple[dict[str, Any], dict[str, np.ndarray]],
+        rows: dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]],
+        removed: list[int],
     ) -> None:
         """A deployment's regime library (controller/regimes.py, `RegimeLibrary.changes`):
         its header, the regimes that changed (a row each) and those evicted, in one
         transaction, so a restart reads one library."""
         with self._db:
             self._db.execute("BEGIN")
-            self._db.execute("INSERT OR REPLACE INTO regimes VALUES (?, ?, ?)",
-                             (name, json.dumps(header[0]), _pack_arrays(header[1])))
+            self._db.execute(
+                "INSERT OR REPLACE INTO regimes VALUES (?, ?, ?)",
+                (name, json.dumps(header[0]), _pack_arrays(header[1])),
+            )
             for regime_id, (record, arrays) in rows.items():
-                self._db.execute("INSERT OR REPLACE INTO regime_rows VALUES (?, ?, ?, ?)",
-                                 (name, regime_id, json.dumps(record), _pack_arrays(arrays)))
+                self._db.execute(
+                    "INSERT OR REPLACE INTO regime_rows VALUES (?, ?, ?, ?)",
+                    (name, regime_id, json.dumps(record), _pack_arrays(arrays)),
+                )
             for regime_id in removed:
-                self._db.execute("DELETE FROM regime_rows WHERE deployment = ? AND id = ?", (name, regime_id))
+                self._db.execute(
+                    "DELETE FROM regime_rows WHERE deployment = ? AND id = ?", (name, regime_id)
+                )
 
-    def regimes(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray],
-                                           dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]]] | None:
+    def regimes(
+        self, name: str
+    ) -> (
+        tuple[
+            dict[str, Any],
+            dict[str, np.ndarray],
+            dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]],
+        ]
+        | None
+    ):
         """(header, its arrays, regime rows by id) as `save_regimes` left them, or None."""
-        head = self._db.execute("SELECT record, arrays FROM regimes WHERE deployment = ?", (name,)).fetchone()
+        head = self._db.execute(
+            "SELECT record, arrays FROM regimes WHERE deployment = ?", (name,)
+        ).fetchone()
         if head is None:
             return None
-        rows = self._db.execute("SELECT id, record, arrays FROM regime_rows WHERE deployment = ?", (name,))
-        return (json.loads(head[0]), _unpack_arrays(head[1]),
-                {int(i): (json.loads(r), _unpack_arrays(a)) for i, r, a in rows.fetchall()})
+        rows = self._db.execute(
+            "SELECT id, record, arrays FROM regime_rows WHERE deployment = ?", (name,)
+        )
+        return (
+            json.loads(head[0]),
+            _unpack_arrays(head[1]),
+            {int(i): (json.loads(r), _unpack_arrays(a)) for i, r, a in rows.fetchall()},
+        )
 
     def save_ingest_state(self, name: str, state: dict[str, Any], background: bool = False) -> None:
         """Numeric lists and arrays travel as one blob of raw little-endian bytes (JSON of
@@ -632,7 +744,9 @@ class Store:
             if not background:
                 self._writer.flush()
             return
-        self._db.execute("INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, *_ingest_row(state)))
+        self._db.execute(
+            "INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, *_ingest_row(state))
+        )
 
     def flush_ingest_states(self) -> None:
         """Wait until every background save handed over so far is written."""
@@ -640,8 +754,13 @@ class Store:
             self._writer.flush()
 
     def _connect_writer(self, path: str, timeout: float) -> sqlite3.Connection:
-        db = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False,
-                             factory=_Connection)
+        db = sqlite3.connect(
+            path,
+            timeout=timeout,
+            isolation_level=None,
+            check_same_thread=False,
+            factory=_Connection,
+        )
         db.execute("PRAGMA synchronous=NORMAL")
         return db
 
@@ -699,7 +818,7 @@ def _unpack_arrays(blob: bytes | bytearray) -> dict[str, np.ndarray]:
         with np.load(io.BytesIO(blob)) as npz:
             return dict(npz)
     start = len(_RAW_MAGIC) + 4
-    end = start + int.from_bytes(blob[len(_RAW_MAGIC):start], "little")
+    end = start + int.from_bytes(blob[len(_RAW_MAGIC) : start], "little")
     arrays: dict[str, np.ndarray] = {}
     for key, dtype, shape in json.loads(blob[start:end]):
         dt = np.dtype(dtype)

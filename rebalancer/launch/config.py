@@ -27,12 +27,12 @@ class DemoConfig:
     experts: int = 32
     slots: int = 40
     top_k: int = 4
-    tokens: int = 32              # per rank per step
+    tokens: int = 32  # per rank per step
     steps: int = 480
     window_steps: int = 16
     windows_per_phase: int = 5
     seed: int = 7
-    db_path: str | None = None    # default: a temporary file
+    db_path: str | None = None  # default: a temporary file
     port: int = 0
     worker_log: str = "WARNING"
     # The workers' time limit; None: derived from the steps (`time_limit`).
@@ -56,12 +56,19 @@ class DemoConfig:
     # Attach to this running controller (host:port) instead of starting one.
     controller: str = ""
     deployment: str = "demo"
-    policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(
-        min_interval_seconds=1.0, gain_threshold=0.03, horizon_seconds=60.0,
-        max_moved_fraction=0.3, min_windows=2, decision_period_seconds=0.25,
-        prepare_timeout_seconds=20.0, estimator=EstimatorConfig(decay=0.5),
-        cost=CostParams(step_seconds=0.01),
-    ))
+    policy: PolicyConfig = field(
+        default_factory=lambda: PolicyConfig(
+            min_interval_seconds=1.0,
+            gain_threshold=0.03,
+            horizon_seconds=60.0,
+            max_moved_fraction=0.3,
+            min_windows=2,
+            decision_period_seconds=0.25,
+            prepare_timeout_seconds=20.0,
+            estimator=EstimatorConfig(decay=0.5),
+            cost=CostParams(step_seconds=0.01),
+        )
+    )
 
 
 def time_limit(config: DemoConfig) -> float:

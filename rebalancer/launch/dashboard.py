@@ -15,11 +15,18 @@ from typing import Any
 from rebalancer.launch.prometheus import Prometheus
 
 
-def grafana_to_promql(expr: str, deployment: str = ".*", rate_interval: str = "5m", range_: str = "1h") -> str:
+def grafana_to_promql(
+    expr: str, deployment: str = ".*", rate_interval: str = "5m", range_: str = "1h"
+) -> str:
     """A dashboard query with Grafana's variables replaced (by default with values any
     PromQL parser accepts; for a live run, with the run's)."""
-    for var, value in (("$__rate_interval", rate_interval), ("$__interval", rate_interval),
-                       ("$__range", range_), ("${deployment}", deployment), ("$deployment", deployment)):
+    for var, value in (
+        ("$__rate_interval", rate_interval),
+        ("$__interval", rate_interval),
+        ("$__range", range_),
+        ("${deployment}", deployment),
+        ("$deployment", deployment),
+    ):
         expr = expr.replace(var, value)
     if "$" in expr:
         raise ValueError(f"unknown Grafana variable in {expr!r}")
@@ -28,16 +35,20 @@ def grafana_to_promql(expr: str, deployment: str = ".*", rate_interval: str = "5
 
 @dataclass(frozen=True)
 class Query:
-    panel: str   # the panel's title
-    ref: str     # the target's refId
+    panel: str  # the panel's title
+    ref: str  # the target's refId
     legend: str  # the target's legendFormat
-    expr: str    # as the dashboard holds it
+    expr: str  # as the dashboard holds it
 
 
 def dashboard_queries(dashboard: dict[str, Any]) -> list[Query]:
     """Every query of every panel (rows hold none)."""
-    return [Query(p["title"], t["refId"], t.get("legendFormat", ""), t["expr"])
-            for p in dashboard["panels"] if p["type"] != "row" for t in p["targets"]]
+    return [
+        Query(p["title"], t["refId"], t.get("legendFormat", ""), t["expr"])
+        for p in dashboard["panels"]
+        if p["type"] != "row"
+        for t in p["targets"]
+    ]
 
 
 def rate_interval(step: float, scrape_interval: float) -> str:
@@ -49,13 +60,16 @@ def rate_interval(step: float, scrape_interval: float) -> str:
 Answers = dict[Query, list[dict[str, Any]]]
 
 
-def ask(prom: Prometheus, queries: list[Query], deployment: str, start: float, end: float,
-        step: float) -> Answers:
+def ask(
+    prom: Prometheus, queries: list[Query], deployment: str, start: float, end: float, step: float
+) -> Answers:
     """Each query over [start, end], variables as Grafana sets them for that span."""
     interval = rate_interval(step, prom.scrape_interval)
     span = f"{max(1, math.ceil(end - start))}s"
-    return {q: prom.query_range(grafana_to_promql(q.expr, deployment, interval, span), start, end, step)
-            for q in queries}
+    return {
+        q: prom.query_range(grafana_to_promql(q.expr, deployment, interval, span), start, end, step)
+        for q in queries
+    }
 
 
 def has_data(answer: list[dict[str, Any]]) -> bool:
@@ -64,11 +78,14 @@ def has_data(answer: list[dict[str, Any]]) -> bool:
 
 
 def legend(fmt: str, labels: dict[str, str]) -> str:
-    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt).strip() or "value"
+    return (
+        re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt).strip() or "value"
+    )
 
 
-def panel_series(query: Query, answer: list[dict[str, Any]], start: float, step: float,
-                 points: int) -> dict[str, list[float]]:
+def panel_series(
+    query: Query, answer: list[dict[str, Any]], start: float, step: float, points: int
+) -> dict[str, list[float]]:
     """The answer as named series on the grid start + k * step (NaN where it has none)."""
     out = {}
     for series in answer:
@@ -83,8 +100,16 @@ def panel_series(query: Query, answer: list[dict[str, Any]], start: float, step:
 
 # ------------------------------------------------------------------ drawing
 
-def draw(dashboard: dict[str, Any], answers: Answers, start: float, end: float, step: float,
-         out: Path, title: str) -> list[str]:
+
+def draw(
+    dashboard: dict[str, Any],
+    answers: Answers,
+    start: float,
+    end: float,
+    step: float,
+    out: Path,
+    title: str,
+) -> list[str]:
     """Every panel at its grid place, from the answers; one report line per panel."""
     import matplotlib
 
@@ -109,7 +134,9 @@ def draw(dashboard: dict[str, Any], answers: Answers, start: float, end: float, 
         x0, w = pos["x"] / 24, pos["w"] / 24
         top = 1 - (pos["y"] * unit_h + 1.0) / (bottom * unit_h + 1.2)
         h = pos["h"] * unit_h / (bottom * unit_h + 1.2)
-        ax = fig.add_axes((x0 + 0.03 * w, top - h + 0.35 * h / pos["h"], w * 0.93, h - 0.9 * h / pos["h"]))
+        ax = fig.add_axes(
+            (x0 + 0.03 * w, top - h + 0.35 * h / pos["h"], w * 0.93, h - 0.9 * h / pos["h"])
+        )
         ax.set_facecolor("#181b1f")
         for spine in ax.spines.values():
             spine.set_color("#333")
@@ -120,7 +147,14 @@ def draw(dashboard: dict[str, Any], answers: Answers, start: float, end: float, 
         pos, kind = p["gridPos"], p["type"]
         if kind == "row":
             y = 1 - (pos["y"] * unit_h + 1.0 + 0.2) / (bottom * unit_h + 1.2)
-            fig.text(0.005, y, p["title"].replace("$deployment", "demo"), color="white", fontsize=14, weight="bold")
+            fig.text(
+                0.005,
+                y,
+                p["title"].replace("$deployment", "demo"),
+                color="white",
+                fontsize=14,
+                weight="bold",
+            )
             continue
         ax = axes(pos)
         ax.set_title(p["title"], color="white", fontsize=11, loc="left")
@@ -131,7 +165,10 @@ def draw(dashboard: dict[str, Any], answers: Answers, start: float, end: float, 
             if not any(not math.isnan(v) for values in got.values() for v in values):
                 empty.append(q.ref)
             series.update(got)
-        report.append(f"{p['title']}: {len(series)} series" + (f", queries {empty} returned no data" if empty else ""))
+        report.append(
+            f"{p['title']}: {len(series)} series"
+            + (f", queries {empty} returned no data" if empty else "")
+        )
         unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit", "short")
         if kind == "stat":
             ax.set_xticks([])
@@ -142,17 +179,38 @@ def draw(dashboard: dict[str, Any], answers: Answers, start: float, end: float, 
                 last = next((v for v in reversed(values) if not math.isnan(v)), math.nan)
                 text = fmt(last, unit)
                 for m in mappings:
-                    text = m.get("options", {}).get(str(int(last)) if not math.isnan(last) else "", {}).get("text", text)
+                    text = (
+                        m.get("options", {})
+                        .get(str(int(last)) if not math.isnan(last) else "", {})
+                        .get("text", text)
+                    )
                 mode = p["options"].get("textMode")
-                texts.append(name if mode == "name" else text if mode == "value" else f"{name}: {text}")
-            ax.text(0.5, 0.45, "\n".join(texts) or "no data", ha="center", va="center", color="#73bf69",
-                    fontsize=22 if len(texts) == 1 else 15, transform=ax.transAxes, weight="bold")
+                texts.append(
+                    name if mode == "name" else text if mode == "value" else f"{name}: {text}"
+                )
+            ax.text(
+                0.5,
+                0.45,
+                "\n".join(texts) or "no data",
+                ha="center",
+                va="center",
+                color="#73bf69",
+                fontsize=22 if len(texts) == 1 else 15,
+                transform=ax.transAxes,
+                weight="bold",
+            )
         elif kind == "heatmap":
             names = sorted(series, key=lambda s: int(s) if s.isdigit() else 0)
             if names:
                 grid = np.array([series[n] for n in names])
-                im = ax.imshow(grid, aspect="auto", cmap="Oranges", origin="lower", interpolation="nearest",
-                               extent=(times[0], times[-1], -0.5, len(names) - 0.5))
+                im = ax.imshow(
+                    grid,
+                    aspect="auto",
+                    cmap="Oranges",
+                    origin="lower",
+                    interpolation="nearest",
+                    extent=(times[0], times[-1], -0.5, len(names) - 0.5),
+                )
                 ax.set_yticks(range(len(names)), [f"layer {n}" for n in names])
                 ax.set_xlabel("seconds into the run", color="#aaa", fontsize=8)
                 cb = fig.colorbar(im, ax=ax, fraction=0.03)
@@ -161,17 +219,37 @@ def draw(dashboard: dict[str, Any], answers: Answers, start: float, end: float, 
         else:
             bars = p["fieldConfig"]["defaults"]["custom"]["drawStyle"] == "bars"
             for name, values in series.items():
-                ax.plot(times, values, label=name, linewidth=1.4, drawstyle="steps-post" if bars else "default")
+                ax.plot(
+                    times,
+                    values,
+                    label=name,
+                    linewidth=1.4,
+                    drawstyle="steps-post" if bars else "default",
+                )
             ax.grid(color="#2a2d33")
             ax.set_xlim(times[0], times[-1])
             if unit == "percentunit":
                 ax.set_ylim(top=1.0)
             if series:
-                ax.legend(fontsize=7, loc="best", facecolor="#181b1f", labelcolor="#ccc", framealpha=0.8, ncol=2)
+                ax.legend(
+                    fontsize=7,
+                    loc="best",
+                    facecolor="#181b1f",
+                    labelcolor="#ccc",
+                    framealpha=0.8,
+                    ncol=2,
+                )
             ax.set_xlabel(f"seconds into the run ({unit})", color="#777", fontsize=7)
         if empty:
-            ax.text(0.99, 0.02, f"no data: {','.join(empty)}", ha="right", color="#e0a040", fontsize=8,
-                    transform=ax.transAxes)
+            ax.text(
+                0.99,
+                0.02,
+                f"no data: {','.join(empty)}",
+                ha="right",
+                color="#e0a040",
+                fontsize=8,
+                transform=ax.transAxes,
+            )
     fig.savefig(out, facecolor=fig.get_facecolor())
     plt.close(fig)
     return report
@@ -189,10 +267,17 @@ def fmt(value: float, unit: str) -> str:
     return f"{value:.0f}" if value == int(value) else f"{value:.3g}"
 
 
-def last_all_connected(prom: Prometheus, deployment: str, start: float, end: float, step: float) -> float:
+def last_all_connected(
+    prom: Prometheus, deployment: str, start: float, end: float, step: float
+) -> float:
     """The last time in [start, end] every rank of `deployment` was connected (the run,
     before the workers leave), or `end` if never."""
-    answer = prom.query_range(f'rebalancer_connected_ranks{{deployment="{deployment}"}} '
-                              f'== rebalancer_ranks{{deployment="{deployment}"}}', start, end, step)
+    answer = prom.query_range(
+        f'rebalancer_connected_ranks{{deployment="{deployment}"}} '
+        f'== rebalancer_ranks{{deployment="{deployment}"}}',
+        start,
+        end,
+        step,
+    )
     times = [float(t) for series in answer for t, _ in series["values"]]
     return max(times, default=end)

@@ -40,7 +40,9 @@ class Fleet:
 
     NAMESPACE = "demo"
 
-    def __init__(self, folder: Path, demo: DemoConfig | None = None, worker_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, folder: Path, demo: DemoConfig | None = None, worker_args: Sequence[str] = ()
+    ) -> None:
         demo = demo or DemoConfig()
         self.demo = replace(demo, sidecars=demo.sidecars or 2)
         self.folder = folder
@@ -64,40 +66,70 @@ class Fleet:
         labels it (namespace, pod)."""
         return {
             "rebalancer": [(f"127.0.0.1:{self.metrics_port}", {})],
-            "rebalancer-sidecars": [(f"127.0.0.1:{port}", {"namespace": self.NAMESPACE, "pod": f"pod{i}"})
-                                    for i, port in enumerate(self.sidecar_ports)],
+            "rebalancer-sidecars": [
+                (f"127.0.0.1:{port}", {"namespace": self.NAMESPACE, "pod": f"pod{i}"})
+                for i, port in enumerate(self.sidecar_ports)
+            ],
         }
 
     def start(self) -> Fleet:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.sockets = Path(tempfile.mkdtemp(prefix="fleet", dir="/tmp"))
         self.start_controller()
-        self.rank_targets = launch_sidecars(self.demo, self.address, self.sockets, self.sidecars, self.sidecar_ports)
+        self.rank_targets = launch_sidecars(
+            self.demo, self.address, self.sockets, self.sidecars, self.sidecar_ports
+        )
         self.start_engines()
         return self
 
     def _config(self) -> Path:
         path = self.folder / "controller.toml"
         if not path.exists():
-            policy = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.demo.policy.to_flat().items())
-            path.write_text(f'[server]\nhost = "127.0.0.1"\nper_layer_metrics = true\n\n[policy]\n{policy}\n')
+            policy = "\n".join(
+                f"{k} = {json.dumps(v)}" for k, v in self.demo.policy.to_flat().items()
+            )
+            path.write_text(
+                f'[server]\nhost = "127.0.0.1"\nper_layer_metrics = true\n\n[policy]\n{policy}\n'
+            )
         return path
 
     def start_controller(self, ready_seconds: float = 60.0) -> None:
         """`rebalancer serve` on the fleet's ports and store (again after a kill: same store)."""
         with (self.folder / "controller.log").open("a") as log:
-            self.controller = subprocess.Popen(bound_to_this_process([
-                sys.executable, "-m", "rebalancer", "serve", "--config", str(self._config()),
-                "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-                "--db", str(self.folder / "controller.sqlite"), "--log-level", "WARNING",
-            ]), stdout=subprocess.PIPE, stderr=log, text=True)
+            self.controller = subprocess.Popen(
+                bound_to_this_process(
+                    [
+                        sys.executable,
+                        "-m",
+                        "rebalancer",
+                        "serve",
+                        "--config",
+                        str(self._config()),
+                        "--port",
+                        str(self.port),
+                        "--metrics-port",
+                        str(self.metrics_port),
+                        "--db",
+                        str(self.folder / "controller.sqlite"),
+                        "--log-level",
+                        "WARNING",
+                    ]
+                ),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         assert self.controller.stdout is not None
         ready, _, _ = select.select([self.controller.stdout], [], [], ready_seconds)
-        line = self.controller.stdout.readline() if ready else ""  # "serving on ...", "" if it exited
+        line = (
+            self.controller.stdout.readline() if ready else ""
+        )  # "serving on ...", "" if it exited
         if "serving on" not in line:
-            raise RuntimeError(f"the controller did not start within {ready_seconds:.0f} s "
-                               f"({line.strip() or 'no output'}): "
-                               + (self.folder / "controller.log").read_text()[-2000:])
+            raise RuntimeError(
+                f"the controller did not start within {ready_seconds:.0f} s "
+                f"({line.strip() or 'no output'}): "
+                + (self.folder / "controller.log").read_text()[-2000:]
+            )
 
     def kill_controller(self) -> None:
         """SIGKILL: the controller dies as in a crash (restart with start_controller)."""
@@ -110,8 +142,13 @@ class Fleet:
         a fresh gloo group, as restarted engines)."""
         if self.profile is None:
             self.profile = write_profile(self.demo, self.folder)
-        self.workers = launch_workers(self.demo, self.rank_targets, self.profile, self.folder,
-                                      {r: self.worker_args for r in range(self.demo.workers)})
+        self.workers = launch_workers(
+            self.demo,
+            self.rank_targets,
+            self.profile,
+            self.folder,
+            {r: self.worker_args for r in range(self.demo.workers)},
+        )
 
     def kill_engines(self) -> None:
         """SIGKILL every worker: the engines die, their sidecars live on."""
@@ -136,6 +173,10 @@ class Fleet:
             self.close()
             raise
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()

@@ -17,17 +17,31 @@ from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 
 DEPLOYMENT = "live"  # the instant ranks' deployment unless told another
 L, E, P, G = 3, 8, 12, 2
-SHAPE = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G,
-                      num_nodes=1, expert_bytes=1 << 20)
+SHAPE = pb.ModelShape(
+    num_layers=L,
+    num_logical_experts=E,
+    num_physical_slots=P,
+    num_gpus=G,
+    num_nodes=1,
+    expert_bytes=1 << 20,
+)
 
 
 class InstantRank(PlanHandlers):
     """Prepares and commits at once; a real agent carries the messages."""
 
-    def __init__(self, rank: int, address: str, deployment: str = DEPLOYMENT, pool: str = "",
-                 shape: pb.ModelShape = SHAPE) -> None:
+    def __init__(
+        self,
+        rank: int,
+        address: str,
+        deployment: str = DEPLOYMENT,
+        pool: str = "",
+        shape: pb.ModelShape = SHAPE,
+    ) -> None:
         self.version = 0
-        self.agent = WorkerAgent(AgentConfig(address, deployment, rank, shape, pool=pool), self, lambda: self.version)
+        self.agent = WorkerAgent(
+            AgentConfig(address, deployment, rank, shape, pool=pool), self, lambda: self.version
+        )
 
     def on_prepare(self, prepare: pb.Prepare) -> None:
         self.agent.report(prepare.version, pb.PLAN_PHASE_PREPARED)

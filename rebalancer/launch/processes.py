@@ -56,7 +56,9 @@ def exit_text(code: int) -> str:
     return f"exited with code {code}"
 
 
-def reap(procs: Sequence[subprocess.Popen[Any]], terminate: bool = True, seconds: float = 10.0) -> None:
+def reap(
+    procs: Sequence[subprocess.Popen[Any]], terminate: bool = True, seconds: float = 10.0
+) -> None:
     """End every process still running and wait for all: SIGTERM first (a sidecar drains)
     and SIGKILL after `seconds`, or SIGKILL at once; killed anyway if interrupted."""
     try:

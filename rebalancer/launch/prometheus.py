@@ -45,13 +45,20 @@ class Prometheus:
     """One Prometheus server on a free loopback port; `start()` returns once it is ready."""
 
     def __init__(
-        self, folder: Path, targets: dict[str, list[Target]], rule_files: Sequence[Path] = (),
-        scrape_interval: float = 1.0, evaluation_interval: float = 1.0, binary: str | None = None,
+        self,
+        folder: Path,
+        targets: dict[str, list[Target]],
+        rule_files: Sequence[Path] = (),
+        scrape_interval: float = 1.0,
+        evaluation_interval: float = 1.0,
+        binary: str | None = None,
     ) -> None:
         binary = binary or prometheus_binary()
         if binary is None:
-            raise FileNotFoundError("no prometheus server: run `.ci/run --tools` (Debian's prometheus "
-                                    "package into .ci/tools) or put one on PATH")
+            raise FileNotFoundError(
+                "no prometheus server: run `.ci/run --tools` (Debian's prometheus "
+                "package into .ci/tools) or put one on PATH"
+            )
         self.binary = binary
         self.folder = folder
         self.targets = targets
@@ -67,12 +74,19 @@ class Prometheus:
         """prometheus.yml (JSON is YAML): one job per target group, static targets."""
         seconds = f"{self.scrape_interval:g}s"
         return {
-            "global": {"scrape_interval": seconds, "scrape_timeout": seconds,
-                       "evaluation_interval": f"{self.evaluation_interval:g}s"},
+            "global": {
+                "scrape_interval": seconds,
+                "scrape_timeout": seconds,
+                "evaluation_interval": f"{self.evaluation_interval:g}s",
+            },
             "rule_files": [str(p) for p in self.rule_files],
             "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": [address], "labels": labels}
-                                                     for address, labels in targets]}
+                {
+                    "job_name": job,
+                    "static_configs": [
+                        {"targets": [address], "labels": labels} for address, labels in targets
+                    ],
+                }
                 for job, targets in self.targets.items()
             ],
         }
@@ -82,14 +96,25 @@ class Prometheus:
         config = self.folder / "prometheus.yml"
         config.write_text(json.dumps(self.config(), indent=1))
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(bound_to_this_process([
-                self.binary, f"--config.file={config}", f"--storage.tsdb.path={self.folder / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
-            ]), stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                bound_to_this_process(
+                    [
+                        self.binary,
+                        f"--config.file={config}",
+                        f"--storage.tsdb.path={self.folder / 'tsdb'}",
+                        f"--web.listen-address=127.0.0.1:{self.port}",
+                        "--log.level=warn",
+                    ]
+                ),
+                stdout=log,
+                stderr=log,
+            )
         deadline = time.monotonic() + ready_seconds
         while True:
             if self.proc.poll() is not None:
-                raise PrometheusError(f"prometheus exited with {self.proc.returncode}: {self.log_tail()}")
+                raise PrometheusError(
+                    f"prometheus exited with {self.proc.returncode}: {self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as reply:
                     if reply.status == 200:
@@ -97,7 +122,9 @@ class Prometheus:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise PrometheusError(f"prometheus not ready after {ready_seconds:.0f} s: {self.log_tail()}")
+                raise PrometheusError(
+                    f"prometheus not ready after {ready_seconds:.0f} s: {self.log_tail()}"
+                )
             time.sleep(0.2)
 
     def log_tail(self, chars: int = 2000) -> str:
@@ -141,7 +168,9 @@ class Prometheus:
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
         """A matrix: [{"metric": labels, "values": [[t, "v"], ...]}]."""
-        data = self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step:g}")
+        data = self.api(
+            "query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step:g}"
+        )
         return list(data["result"])
 
     def alert_rules(self) -> dict[str, dict[str, Any]]:

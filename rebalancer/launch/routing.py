@@ -12,8 +12,12 @@ from rebalancer.launch.config import DemoConfig
 
 # Phase order: alternate prefill and decode so the hot experts move.
 PHASES = (
-    "prefill_in1024", "decode_in1000out1000", "prefill_in4096",
-    "decode_in2000out100", "prefill_in500out1500", "prefill_in1000out1000",
+    "prefill_in1024",
+    "decode_in1000out1000",
+    "prefill_in4096",
+    "decode_in2000out100",
+    "prefill_in500out1500",
+    "prefill_in1000out1000",
 )
 
 
@@ -40,6 +44,9 @@ def routing_profiles(config: DemoConfig) -> np.ndarray:
 def write_profile(config: DemoConfig, folder: Path) -> Path:
     """The routing profile the workers replay, as an .npz in `folder`."""
     path = folder / "routing.npz"
-    np.savez(path, profiles=routing_profiles(config),
-             steps_per_phase=config.window_steps * config.windows_per_phase)
+    np.savez(
+        path,
+        profiles=routing_profiles(config),
+        steps_per_phase=config.window_steps * config.windows_per_phase,
+    )
     return path

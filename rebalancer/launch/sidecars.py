@@ -15,7 +15,10 @@ from rebalancer.launch.processes import LaunchFailed, bound_to_this_process, exi
 
 
 def launch_sidecars(
-    config: DemoConfig, address: str, folder: Path, started: list[subprocess.Popen[bytes]],
+    config: DemoConfig,
+    address: str,
+    folder: Path,
+    started: list[subprocess.Popen[bytes]],
     metrics_ports: Sequence[int] = (),
 ) -> list[str]:
     """Start one `rebalancer sidecar` per pod (socket folder/pod<i>/agent.sock, the pod's
@@ -33,9 +36,26 @@ def launch_sidecars(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for i, ranks in enumerate(pods):
         cmd = [
-            sys.executable, "-m", "rebalancer", "sidecar", "--listen", sockets[i], "--controller", address,
-            "--ranks", format_ranks(tuple(ranks)), "--pod", f"demo/pod{i}", "--deployment", config.deployment,
-            "--socket-access", "owner", "--grace", "1", "--log-level", config.worker_log,
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "sidecar",
+            "--listen",
+            sockets[i],
+            "--controller",
+            address,
+            "--ranks",
+            format_ranks(tuple(ranks)),
+            "--pod",
+            f"demo/pod{i}",
+            "--deployment",
+            config.deployment,
+            "--socket-access",
+            "owner",
+            "--grace",
+            "1",
+            "--log-level",
+            config.worker_log,
         ]
         if metrics_ports:
             cmd += ["--metrics-port", str(metrics_ports[i]), "--metrics-host", "127.0.0.1"]
@@ -45,13 +65,17 @@ def launch_sidecars(
             token_file.write_text(token)
             token_file.chmod(0o600)
             cmd += ["--token-file", str(token_file)]
-        started.append(subprocess.Popen(bound_to_this_process(cmd), env=env, stdout=subprocess.DEVNULL))
+        started.append(
+            subprocess.Popen(bound_to_this_process(cmd), env=env, stdout=subprocess.DEVNULL)
+        )
     for i, (proc, target) in enumerate(zip(started, sockets, strict=True)):
         deadline = time.monotonic() + 60.0
         while True:
             if proc.poll() is not None:
-                raise LaunchFailed(f"sidecar of pod {i} {exit_text(proc.returncode)} before it "
-                                   "was ready (see its output above)")
+                raise LaunchFailed(
+                    f"sidecar of pod {i} {exit_text(proc.returncode)} before it "
+                    "was ready (see its output above)"
+                )
             ok, seen = probe(target, timeout=1.0)
             if ok:
                 break

@@ -267,8 +267,10 @@ def spread_duplicates(
                 break
             pairs = same_row & ok[d:] & ok[:-d]
             wait[d:] |= pairs & (
-                (dup_pack[d:] == dup_pack[:-d]) | (dup_pack[d:] == pack_b[:-d])
-                | (pack_b[d:] == dup_pack[:-d]) | (pack_b[d:] == pack_b[:-d])
+                (dup_pack[d:] == dup_pack[:-d])
+                | (dup_pack[d:] == pack_b[:-d])
+                | (pack_b[d:] == dup_pack[:-d])
+                | (pack_b[d:] == pack_b[:-d])
             )
         ok &= ~wait
         r, a, b = rows[ok], dup_slot_all[ok], partner[ok]

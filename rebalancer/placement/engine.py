@@ -59,8 +59,12 @@ def _loaded_rows_only(place_rows: PlaceRows) -> PlaceRows:
 
     @functools.wraps(place_rows)
     def wrapped(
-        load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
-        num_groups: int | None = None, **options: float,
+        load: np.ndarray,
+        num_slots: int,
+        num_gpus: int,
+        num_nodes: int = 1,
+        num_groups: int | None = None,
+        **options: float,
     ) -> np.ndarray:
         out, rows = _loaded_rows(load, num_slots)
         if rows is not None:
@@ -88,7 +92,10 @@ def _replicate_capped(
 
 @_loaded_rows_only
 def greedy_placement(
-    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
+    load: np.ndarray,
+    num_slots: int,
+    num_gpus: int,
+    num_nodes: int = 1,
     num_groups: int | None = None,
 ) -> np.ndarray:
     """DeepSeek's greedy, vectorised. load: [L, E]. Returns: phy2log [L, P]."""
@@ -98,8 +105,12 @@ def greedy_placement(
 
 
 def balanced_placement(
-    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
-    num_groups: int | None = None, greedy_check_items: int = 64,
+    load: np.ndarray,
+    num_slots: int,
+    num_gpus: int,
+    num_nodes: int = 1,
+    num_groups: int | None = None,
+    greedy_check_items: int = 64,
     greedy_check_gap: float = 0.01,
 ) -> np.ndarray:
     """Capped greedy replication, round packing and swaps, checked against the greedy.
@@ -120,8 +131,12 @@ def balanced_placement(
 
 
 def _balanced_and_peak(
-    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int = 1,
-    num_groups: int | None = None, greedy_check_items: int = 64,
+    load: np.ndarray,
+    num_slots: int,
+    num_gpus: int,
+    num_nodes: int = 1,
+    num_groups: int | None = None,
+    greedy_check_items: int = 64,
     greedy_check_gap: float = 0.01,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`balanced_placement` and its max GPU load per layer (0 without load), which the
@@ -133,15 +148,25 @@ def _balanced_and_peak(
     peak = np.zeros(len(load))
     if rows is not None:
         phy2log[rows], peak[rows] = _balanced_rows(
-            load[rows], num_slots, num_gpus, num_nodes, num_groups, greedy_check_items,
+            load[rows],
+            num_slots,
+            num_gpus,
+            num_nodes,
+            num_groups,
+            greedy_check_items,
             greedy_check_gap,
         )
     return phy2log, peak
 
 
 def _balanced_rows(
-    load: np.ndarray, num_slots: int, num_gpus: int, num_nodes: int, num_groups: int | None,
-    greedy_check_items: int, greedy_check_gap: float,
+    load: np.ndarray,
+    num_slots: int,
+    num_gpus: int,
+    num_nodes: int,
+    num_groups: int | None,
+    greedy_check_items: int,
+    greedy_check_gap: float,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`_balanced_and_peak` on layers that all have load."""
     phy2log = place(
@@ -166,7 +191,12 @@ def _balanced_rows(
             check[check] = peak[check] > bound * (1 + greedy_check_gap)
     if check.any():
         greedy = place(
-            load[check], num_slots, num_gpus, num_nodes, num_groups, _replicate_uncapped,
+            load[check],
+            num_slots,
+            num_gpus,
+            num_nodes,
+            num_groups,
+            _replicate_uncapped,
             pack_greedy_slots,
         )
         greedy_peak = peak_load(greedy, load[check], num_gpus)
@@ -181,13 +211,13 @@ def _balanced_rows(
 class PlacementRequest:
     """A validated placement problem, as every registered algorithm receives it."""
 
-    load: np.ndarray                 # [L, E]
+    load: np.ndarray  # [L, E]
     num_slots: int
     num_gpus: int
     num_nodes: int
     num_groups: int | None
-    previous: np.ndarray | None      # [L, P], the current placement
-    budget_slots: int | None         # at most this many slots may change (None: any)
+    previous: np.ndarray | None  # [L, P], the current placement
+    budget_slots: int | None  # at most this many slots may change (None: any)
 
 
 # An algorithm: the placement [L, P] and, when it has it anyway, its max GPU load per
@@ -221,7 +251,9 @@ def register_algorithm(name: str, *, migration_aware: bool = False) -> Callable[
 
 @register_algorithm("greedy")
 def _greedy(req: PlacementRequest) -> tuple[np.ndarray, np.ndarray | None]:
-    return greedy_placement(req.load, req.num_slots, req.num_gpus, req.num_nodes, req.num_groups), None
+    return greedy_placement(
+        req.load, req.num_slots, req.num_gpus, req.num_nodes, req.num_groups
+    ), None
 
 
 @register_algorithm("balanced")
@@ -240,7 +272,9 @@ def _migration(req: PlacementRequest) -> tuple[np.ndarray, np.ndarray | None]:
 @register_algorithm("reference")
 def _reference(req: PlacementRequest) -> tuple[np.ndarray, np.ndarray | None]:
     """The slow per-item port of DeepSeek's eplb.py (tests and benches compare with it)."""
-    return reference_placement(req.load, req.num_slots, req.num_gpus, req.num_nodes, req.num_groups), None
+    return reference_placement(
+        req.load, req.num_slots, req.num_gpus, req.num_nodes, req.num_groups
+    ), None
 
 
 def algorithm_names() -> tuple[str, ...]:
@@ -257,7 +291,9 @@ ALGORITHMS: tuple[str, ...] = algorithm_names()
 def check_algorithm_name(name: object) -> None:
     """InputError listing the accepted names unless `name` is one of `algorithm_names()`."""
     if not isinstance(name, str) or name not in algorithm_names():
-        raise InputError(f"unknown algorithm {name!r}; expected one of {', '.join(algorithm_names())}")
+        raise InputError(
+            f"unknown algorithm {name!r}; expected one of {', '.join(algorithm_names())}"
+        )
 
 
 def _pick_algorithm(name: str, previous: np.ndarray | None, limited: bool) -> PlacementAlgorithm:
@@ -337,7 +373,9 @@ def compute_placement(
         if byte_slots is not None:
             budget_slots = byte_slots if budget_slots is None else min(budget_slots, byte_slots)
     # 2. compute
-    request = PlacementRequest(load_arr, num_slots, num_gpus, num_nodes, num_groups, old, budget_slots)
+    request = PlacementRequest(
+        load_arr, num_slots, num_gpus, num_nodes, num_groups, old, budget_slots
+    )
     phy2log, peak = chosen.place(request)
     return finish(phy2log, load_arr, num_gpus, num_nodes, old, chosen.name, peak)
 

@@ -76,8 +76,12 @@ def replicate_greedy(
             )
         rows = np.flatnonzero(~plain)
         extras[rows] = _top_offers(
-            weight[rows], np.zeros_like(sure[rows]), None, None,
-            np.full(rows.size, num_extra), cap,
+            weight[rows],
+            np.zeros_like(sure[rows]),
+            None,
+            None,
+            np.full(rows.size, num_extra),
+            cap,
         )
     # 3. lay out the extras in expert order after the identity block
     extra_experts = np.repeat(
@@ -148,7 +152,9 @@ def _top_offers(
     return picked
 
 
-def pack_greedy(weight: np.ndarray, num_packs: int, item_expert: np.ndarray | None = None) -> np.ndarray:
+def pack_greedy(
+    weight: np.ndarray, num_packs: int, item_expert: np.ndarray | None = None
+) -> np.ndarray:
     """Pack n items into packs of n / num_packs items: heaviest first, each onto the
     lightest pack with room (lowest index on ties); one item per step for all rows.
 

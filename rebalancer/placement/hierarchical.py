@@ -72,9 +72,7 @@ def place_in_nodes(
     return phy2log.reshape(num_layers, num_slots)
 
 
-def assign_groups(
-    weight: np.ndarray, num_nodes: int, num_groups: int, pack: Pack
-) -> np.ndarray:
+def assign_groups(weight: np.ndarray, num_nodes: int, num_groups: int, pack: Pack) -> np.ndarray:
     """Spread expert groups over nodes, the same number of groups on each.
 
     weight: [L, E] with E % num_groups == 0.

@@ -77,8 +77,6 @@ def rows_cols(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.divmod(np.flatnonzero(mask), mask.shape[1])
 
 
-
-
 def replica_load(
     phy2log: np.ndarray, load: np.ndarray, logcnt: np.ndarray | None = None
 ) -> np.ndarray:
@@ -321,7 +319,11 @@ def dispatch_allocation(
     demand = counts.sum(axis=1)  # [L, E]
     local = None if shared is None else np.rint(shared).astype(np.int64)  # [L, G]
     if mode == "load" or local is None:
-        base = np.zeros((num_layers, num_gpus), dtype=np.int64) if local is None else local * WATERFILL_UNITS
+        base = (
+            np.zeros((num_layers, num_gpus), dtype=np.int64)
+            if local is None
+            else local * WATERFILL_UNITS
+        )
         share = waterfill(demand * WATERFILL_UNITS, start, tables[:, 1], base, passes)
         out = round_allocation(share, demand, tables[:, 4])
         return out if local is None else np.concatenate([out, local[:, None, :]], axis=1)
@@ -357,7 +359,9 @@ def expected_gpu_loads(
     num_layers, num_logical = load_arr.shape
     per_gpu_shared = np.zeros((num_layers, num_gpus))
     if shared is not None:
-        per_gpu_shared = np.repeat(np.asarray(shared, dtype=np.float64)[:, None] / num_gpus, num_gpus, axis=1)
+        per_gpu_shared = np.repeat(
+            np.asarray(shared, dtype=np.float64)[:, None] / num_gpus, num_gpus, axis=1
+        )
     replicas = gpu_replicas(p2l, num_logical, num_gpus)
     total = np.maximum(replicas.sum(axis=2, keepdims=True), 1)
     split = load_arr[..., None] * replicas / total  # [L, E, G]
@@ -366,7 +370,9 @@ def expected_gpu_loads(
     # The water-fill is in integer units: scale each layer to EXPECTED_UNITS_PER_LAYER
     # (fine enough, far from int64's range), fill, and scale back.
     total = load_arr.sum(axis=1) + per_gpu_shared.sum(axis=1)  # [L]
-    scale = np.where(total > 0, EXPECTED_UNITS_PER_LAYER / np.where(total > 0, total, 1.0), 0.0)[:, None]
+    scale = np.where(total > 0, EXPECTED_UNITS_PER_LAYER / np.where(total > 0, total, 1.0), 0.0)[
+        :, None
+    ]
     tables = waterfill_tables(replicas)
     demand = np.rint(load_arr * scale).astype(np.int64)
     start = np.rint(split * scale[..., None]).astype(np.int64)

@@ -61,6 +61,7 @@ def align_slots(old: np.ndarray, new: np.ndarray, num_gpus: int) -> np.ndarray:
     per_gpu = num_slots // num_gpus
     big = int(max(old.max(), new.max())) + 1
     gpu = np.arange(num_slots) // per_gpu
+
     # 1. key = (gpu, expert, occurrence) for the old slots and the new items
     def keys(phy2log: np.ndarray) -> np.ndarray:
         base = gpu[None, :] * big + phy2log
@@ -89,9 +90,7 @@ def align_slots(old: np.ndarray, new: np.ndarray, num_gpus: int) -> np.ndarray:
     return out
 
 
-def keep_in_place(
-    old: np.ndarray, new: np.ndarray, num_gpus: int, num_logical: int
-) -> np.ndarray:
+def keep_in_place(old: np.ndarray, new: np.ndarray, num_gpus: int, num_logical: int) -> np.ndarray:
     """The new placement's GPU contents, relabelled and aligned to the old slots.
 
     old, new: [L, P]. Returns: [L, P] with the same per-GPU expert sets as `new` up to a
@@ -133,7 +132,9 @@ def move_replicas(
     if may.size < num_layers:
         if may.size:
             sub, sub_quota = phy2log[may], quota[may]
-            move_replicas(sub, old[may], load[may], threshold[may], sub_quota, per_gpu, max_steps, logcnt[may])
+            move_replicas(
+                sub, old[may], load[may], threshold[may], sub_quota, per_gpu, max_steps, logcnt[may]
+            )
             phy2log[may], quota[may] = sub, sub_quota
         return phy2log
     rows = np.arange(num_layers)
@@ -240,8 +241,10 @@ def swap_to_target(
         cur_a, cur_b = flat_expert[sa], flat_expert[sb]
         old_a, old_b = flat_old[sa], flat_old[sb]
         cost = (
-            (cur_b != old_a).astype(np.int64) + (cur_a != old_b)
-            - (cur_a != old_a) - (cur_b != old_b)
+            (cur_b != old_a).astype(np.int64)
+            + (cur_a != old_b)
+            - (cur_a != old_a)
+            - (cur_b != old_b)
         )
         spend = np.cumsum(np.where(useful, np.maximum(cost, 0), 0), axis=1)
         useful &= spend <= quota[active, None]
@@ -275,7 +278,11 @@ PAIR_CHUNK = 1 << 16
 
 
 def _best_pair_swaps(
-    hw: np.ndarray, lw: np.ndarray, he: np.ndarray, le: np.ndarray, half_gap: np.ndarray,
+    hw: np.ndarray,
+    lw: np.ndarray,
+    he: np.ndarray,
+    le: np.ndarray,
+    half_gap: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """For each (busy GPU, light GPU) pair, the swap of one item of each that brings the
     pair closest to even (first in (busy slot, light slot) order on ties), never putting
@@ -340,7 +347,9 @@ def swap_peak(
     if may.size < num_layers:
         if may.size:
             sub, sub_quota, sub_load = phy2log[may], quota[may], weight[may]
-            swap_peak(sub, old[may], load[may], target[may], sub_quota, per_gpu, max_rounds, sub_load)
+            swap_peak(
+                sub, old[may], load[may], target[may], sub_quota, per_gpu, max_rounds, sub_load
+            )
             phy2log[may], quota[may], weight[may] = sub, sub_quota, sub_load
         return phy2log
     # a layer that takes no swap in a round is left as it was, so it would take none in
@@ -352,7 +361,9 @@ def swap_peak(
         active = np.flatnonzero(live & (peak > target) & (quota > 0))
         if active.size == 0:
             break
-        a, b, new_peak = _best_peak_swaps(phy2log, weight, gpu_load, active, peak_gpu[active], per_gpu)
+        a, b, new_peak = _best_peak_swaps(
+            phy2log, weight, gpu_load, active, peak_gpu[active], per_gpu
+        )
         layer = active
         cost = (
             (phy2log[layer, b] != old[layer, a]).astype(np.int64)
@@ -377,8 +388,12 @@ def swap_peak(
 
 
 def _best_peak_swaps(
-    phy2log: np.ndarray, weight: np.ndarray, gpu_load: np.ndarray, active: np.ndarray,
-    peak_gpu: np.ndarray, per_gpu: int,
+    phy2log: np.ndarray,
+    weight: np.ndarray,
+    gpu_load: np.ndarray,
+    active: np.ndarray,
+    peak_gpu: np.ndarray,
+    per_gpu: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each active layer, the swap of an item of its busiest GPU with an item of
     another GPU that leaves the pair's peak lowest (first in (item, slot) order on ties),
@@ -395,7 +410,7 @@ def _best_peak_swaps(
     b = np.empty(active.size, dtype=np.int64)
     best_peak = np.empty(active.size)
     for lo in range(0, active.size, step):
-        rows, g = active[lo:lo + step], peak_gpu[lo:lo + step]
+        rows, g = active[lo : lo + step], peak_gpu[lo : lo + step]
         n = rows.size
         own = g[:, None] * per_gpu + np.arange(per_gpu)  # [n, c]
         own_w = weight[rows[:, None], own]
@@ -422,9 +437,9 @@ def _best_peak_swaps(
         np.copyto(new_peak, np.inf, where=barred)
         new_peak = new_peak.reshape(n, -1)
         best = new_peak.argmin(axis=1)
-        a[lo:lo + n] = own[np.arange(n), best // num_slots]
-        b[lo:lo + n] = best % num_slots
-        best_peak[lo:lo + n] = new_peak[np.arange(n), best]
+        a[lo : lo + n] = own[np.arange(n), best // num_slots]
+        b[lo : lo + n] = best % num_slots
+        best_peak[lo : lo + n] = new_peak[np.arange(n), best]
     return a, b, best_peak
 
 

@@ -93,7 +93,10 @@ def rehome_lost(phy2log: np.ndarray, load: np.ndarray, per_gpu: int) -> np.ndarr
 
 
 def _rehome(
-    phy2log: np.ndarray, load: np.ndarray, per_gpu: int, logcnt: np.ndarray | None = None,
+    phy2log: np.ndarray,
+    load: np.ndarray,
+    per_gpu: int,
+    logcnt: np.ndarray | None = None,
     order: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`rehome_lost`, and the load each slot carries afterwards ([L, P'] float64).
@@ -136,7 +139,10 @@ def _rehome(
     width = np.arange(int(logcnt.max()))
     # the [L, P'] and [L, E] arrays read and written flat, at layer * P' + slot and
     # layer * E + expert (views: the writes land in phy2log, logcnt and slot_load)
-    flat_map, flat_slot_load = np.reshape(phy2log, -1, copy=False), np.reshape(slot_load, -1, copy=False)
+    flat_map, flat_slot_load = (
+        np.reshape(phy2log, -1, copy=False),
+        np.reshape(slot_load, -1, copy=False),
+    )
     flat_count, flat_load = np.reshape(logcnt, -1, copy=False), load.reshape(-1)
     for step in range(takers.shape[1]):
         rows = np.flatnonzero(num_lost > step)
@@ -149,9 +155,13 @@ def _rehome(
         #    slots, those it still holds, the load of each one's GPU
         count = held[giver]
         run = width[: count.max()] < count[:, None]  # as wide as the largest run picked
-        options = order[first_slot + start[giver][:, None] + np.where(run, width[: run.shape[1]], 0)]
+        options = order[
+            first_slot + start[giver][:, None] + np.where(run, width[: run.shape[1]], 0)
+        ]
         holds = run & (flat_map[options + first_slot] == (giver - rows * num_logical)[:, None])
-        on_gpu = flat_slot_load[(options // per_gpu * per_gpu + first_slot)[:, :, None] + np.arange(per_gpu)]
+        on_gpu = flat_slot_load[
+            (options // per_gpu * per_gpu + first_slot)[:, :, None] + np.arange(per_gpu)
+        ]
         gpu = pack_sums(on_gpu.reshape(-1, per_gpu), 1).reshape(options.shape)
         which = np.where(holds, gpu, np.inf).argmin(axis=1)
         taken = options[here, which] + first_slot[:, 0]  # flat
@@ -186,8 +196,12 @@ def _rank_in_row(row: np.ndarray, per_row: np.ndarray) -> np.ndarray:
 
 
 def survivor_placement(
-    load: np.ndarray, phy2log: np.ndarray, num_gpus: int, lost: tuple[int, ...],
-    goal: float | None = None, gap: float = 0.01,
+    load: np.ndarray,
+    phy2log: np.ndarray,
+    num_gpus: int,
+    lost: tuple[int, ...],
+    goal: float | None = None,
+    gap: float = 0.01,
 ) -> SurvivorPlan:
     """The planned placement on the survivors of losing GPUs `lost` (module docstring).
 
@@ -197,8 +211,12 @@ def survivor_placement(
 
 
 def survivor_placements(
-    load: np.ndarray, phy2log: np.ndarray, num_gpus: int, losses: list[tuple[int, ...]],
-    goal: float | None = None, gap: float = 0.01,
+    load: np.ndarray,
+    phy2log: np.ndarray,
+    num_gpus: int,
+    losses: list[tuple[int, ...]],
+    goal: float | None = None,
+    gap: float = 0.01,
 ) -> list[SurvivorPlan]:
     """`survivor_placement` for each loss in `losses`, in that order. Losses of as many
     GPUs are planned together, their layers stacked ([K * L, P']): the placement math is
@@ -209,14 +227,20 @@ def survivor_placements(
     plans: dict[tuple[int, ...], SurvivorPlan] = {}
     for size in sorted({len(lost) for lost in losses}):
         batch = [tuple(lost) for lost in losses if len(lost) == size]
-        for lost, plan in zip(batch, _plan_batch(load, phy2log, num_gpus, batch, aim, gap), strict=True):
+        for lost, plan in zip(
+            batch, _plan_batch(load, phy2log, num_gpus, batch, aim, gap), strict=True
+        ):
             plans[lost] = plan
     return [plans[tuple(lost)] for lost in losses]
 
 
 def _plan_batch(
-    load: np.ndarray, phy2log: np.ndarray, num_gpus: int, batch: list[tuple[int, ...]],
-    aim: float, gap: float,
+    load: np.ndarray,
+    phy2log: np.ndarray,
+    num_gpus: int,
+    batch: list[tuple[int, ...]],
+    aim: float,
+    gap: float,
 ) -> list[SurvivorPlan]:
     """Plans for losses of the same number of GPUs, planned as one stack of layers."""
     num_layers, num_slots = phy2log.shape
@@ -228,13 +252,15 @@ def _plan_batch(
     flat = np.asarray(phy2log, dtype=np.int64).reshape(-1)
     kept = flat.take((np.arange(num_layers) * num_slots)[None, :, None] + cols[:, None, :])
     kept = kept.reshape(len(batch) * num_layers, -1)
-    stacked = np.tile(load, (len(batch), 1))                        # [K * L, E]
-    logcnt = _kept_counts(phy2log, num_gpus, batch, num_logical)    # [K * L, E]
+    stacked = np.tile(load, (len(batch), 1))  # [K * L, E]
+    logcnt = _kept_counts(phy2log, num_gpus, batch, num_logical)  # [K * L, E]
     from_storage = (logcnt == 0).reshape(len(batch), -1).sum(axis=1)
     if kept.shape[1] < num_logical:
         short = num_logical - kept.shape[1]
-        return [SurvivorPlan(lost, None, float("nan"), 0, int(n), short)
-                for lost, n in zip(batch, from_storage, strict=True)]
+        return [
+            SurvivorPlan(lost, None, float("nan"), 0, int(n), short)
+            for lost, n in zip(batch, from_storage, strict=True)
+        ]
     order = _kept_order(phy2log, num_logical, cols) if from_storage.any() else None
     rehomed, slot_load = _rehome(kept.copy(), stacked, per_gpu, logcnt, order)
     gpu_rehomed = pack_sums(slot_load, survivors)
@@ -244,19 +270,38 @@ def _plan_batch(
     loaded = mean > 0
     target = np.where(loaded, mean / max(aim - gap, 1e-3), np.inf)
     quota = np.full(new.shape[0], int(REFINE_SHARE * per_gpu) + 1, dtype=np.int64)
-    move_replicas(new, kept, stacked, np.where(loaded, REPLICA_SHARE * target, np.inf), quota, per_gpu,
-                  logcnt=logcnt)
+    move_replicas(
+        new,
+        kept,
+        stacked,
+        np.where(loaded, REPLICA_SHARE * target, np.inf),
+        quota,
+        per_gpu,
+        logcnt=logcnt,
+    )
     given = np.flatnonzero((new != rehomed).any(axis=1))  # replica counts changed: slot loads too
     slot_load[given] = replica_load(new[given], stacked[given])
     swap_to_target(new, kept, stacked, target, quota, per_gpu, slot_load=slot_load)
     swap_peak(new, kept, stacked, target, quota, per_gpu, slot_load=slot_load)
     gpu = pack_sums(slot_load, survivors)
     worse = gpu.max(axis=1) > gpu_rehomed.max(axis=1)
-    new[worse], gpu[worse] = rehomed[worse], gpu_rehomed[worse]  # never worse than the re-homing alone
+    new[worse], gpu[worse] = (
+        rehomed[worse],
+        gpu_rehomed[worse],
+    )  # never worse than the re-homing alone
     per_layer = balancedness_of_gpu_loads(gpu).reshape(len(batch), num_layers)
     moved = (new != kept).sum(axis=1).reshape(len(batch), num_layers).sum(axis=1)
-    return [SurvivorPlan(lost, new[k * num_layers:(k + 1) * num_layers], mean_balancedness(per_layer[k]),
-                         int(moved[k]), int(from_storage[k]), 0) for k, lost in enumerate(batch)]
+    return [
+        SurvivorPlan(
+            lost,
+            new[k * num_layers : (k + 1) * num_layers],
+            mean_balancedness(per_layer[k]),
+            int(moved[k]),
+            int(from_storage[k]),
+            0,
+        )
+        for k, lost in enumerate(batch)
+    ]
 
 
 def _kept_order(phy2log: np.ndarray, num_logical: int, cols: np.ndarray) -> np.ndarray:
@@ -275,14 +320,18 @@ def _kept_order(phy2log: np.ndarray, num_logical: int, cols: np.ndarray) -> np.n
     return mapped[mapped >= 0].reshape(-1, cols.shape[1])
 
 
-def _kept_counts(phy2log: np.ndarray, num_gpus: int, batch: list[tuple[int, ...]], num_logical: int) -> np.ndarray:
+def _kept_counts(
+    phy2log: np.ndarray, num_gpus: int, batch: list[tuple[int, ...]], num_logical: int
+) -> np.ndarray:
     """Replicas per expert on the survivors of each loss: the whole group's counts, less
     those on the lost GPUs (a few slots each), instead of counting every survivor's slots.
 
     phy2log: [L, P]. Returns: [K * L, E] int64, loss k's layers at rows k * L onward."""
     num_layers, num_slots = phy2log.shape
     per_gpu = num_slots // num_gpus
-    lost = np.array([[g * per_gpu + i for g in gone for i in range(per_gpu)] for gone in batch])  # [K, s]
+    lost = np.array(
+        [[g * per_gpu + i for g in gone for i in range(per_gpu)] for gone in batch]
+    )  # [K, s]
     counts = np.tile(logcnt_of(phy2log, num_logical), (len(batch), 1))
     row = np.arange(len(batch) * num_layers).reshape(len(batch), num_layers, 1)
     where = row * num_logical + phy2log[:, lost].transpose(1, 0, 2)  # [K, L, s]
@@ -290,12 +339,15 @@ def _kept_counts(phy2log: np.ndarray, num_gpus: int, batch: list[tuple[int, ...]
     return counts
 
 
-def repair_placement(phy2log: np.ndarray, num_gpus: int, lost: tuple[int, ...], num_logical: int) -> np.ndarray | None:
+def repair_placement(
+    phy2log: np.ndarray, num_gpus: int, lost: tuple[int, ...], num_logical: int
+) -> np.ndarray | None:
     """The >= 1-replica repair an engine improvises (vLLM's fault-tolerance path): each
     expert no survivor holds takes, round-robin over the survivors, a slot of a replicated
     expert; no balancing. The baseline of `survivor_placement`. [L, P'] or None."""
-    kept = np.ascontiguousarray(phy2log[:, surviving_slots(phy2log.shape[1], num_gpus, lost)],
-                                dtype=np.int64).copy()
+    kept = np.ascontiguousarray(
+        phy2log[:, surviving_slots(phy2log.shape[1], num_gpus, lost)], dtype=np.int64
+    ).copy()
     if kept.shape[1] < num_logical:
         return None
     per_gpu = kept.shape[1] // (num_gpus - len(lost))

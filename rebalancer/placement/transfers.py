@@ -61,7 +61,5 @@ def transfers(
     rotation = (np.arange(width)[None, :] - ordinal[:, None]) % num_valid
     score = np.where(valid, tier * width + rotation, np.iinfo(np.int64).max)
     src = replicas[np.arange(layer.size), score.argmin(axis=1)]
-    out = np.stack(
-        [layer, dst_rank, dst % per_gpu, src // per_gpu, src % per_gpu], axis=1
-    )
+    out = np.stack([layer, dst_rank, dst % per_gpu, src // per_gpu, src % per_gpu], axis=1)
     return out.astype(np.int32)

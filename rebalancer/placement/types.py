@@ -67,10 +67,6 @@ def check_load(load: object) -> np.ndarray:
     return arr
 
 
-
-
-
-
 def check_fraction(value: float | None, name: str = "max_moved_fraction") -> float | None:
     """Return value unless it is outside [0, 1] or not a number."""
     if value is None:

@@ -43,12 +43,12 @@ _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 class SidecarConfig:
     """Everything the daemon needs; checked on construction (InputError, one line)."""
 
-    controller: str                      # the controller's gRPC target (host:port)
-    ranks: tuple[int, ...]               # the EP ranks of this pod
-    listen: str = DEFAULT_LISTEN         # unix:///absolute/path of the ranks' socket
+    controller: str  # the controller's gRPC target (host:port)
+    ranks: tuple[int, ...]  # the EP ranks of this pod
+    listen: str = DEFAULT_LISTEN  # unix:///absolute/path of the ranks' socket
     socket_access: SocketAccess = "group"
-    deployment: str = ""                 # empty: the deployment the ranks register with
-    pod: str = ""                        # namespace/name, for logs and the controller
+    deployment: str = ""  # empty: the deployment the ranks register with
+    pod: str = ""  # namespace/name, for logs and the controller
     # The deployment's replica pool ("" = none, or what the ranks name): told upstream
     # at Register; a fresh group is offered the pool's placement (ControllerMessage.warm_start).
     pool: str = ""
@@ -59,24 +59,28 @@ class SidecarConfig:
     key_file: str | None = None
     token_file: str | None = None
     metrics_host: str = "0.0.0.0"
-    metrics_port: int | None = None      # None: no /metrics server; 0 picks a port
-    max_buffered_windows: int = 64       # merged windows held while upstream is down
-    fold_lag: int = 2                    # a rank this many windows behind is not waited for
-    rpc_timeout_seconds: float = 5.0     # deadline of upstream unary calls
+    metrics_port: int | None = None  # None: no /metrics server; 0 picks a port
+    max_buffered_windows: int = 64  # merged windows held while upstream is down
+    fold_lag: int = 2  # a rank this many windows behind is not waited for
+    rpc_timeout_seconds: float = 5.0  # deadline of upstream unary calls
     backoff_initial_seconds: float = 0.2
     # A restarted controller is back in about a second (several on a starved node): a pod
     # tries again within 1 s (1.5 s with jitter), so every rank is resynced within a few
     # seconds (RELIABILITY.md), at the cost of one connection attempt per pod a second
     # while the controller is down.
     backoff_max_seconds: float = 1.0
-    grace_seconds: float = 2.0           # on SIGTERM: calls in flight and last windows
+    grace_seconds: float = 2.0  # on SIGTERM: calls in flight and last windows
 
     def __post_init__(self) -> None:
         if not self.controller:
-            raise InputError("the controller's address is needed (--controller or REBALANCER_CONTROLLER)")
+            raise InputError(
+                "the controller's address is needed (--controller or REBALANCER_CONTROLLER)"
+            )
         check_address(self.controller)
         if not self.ranks:
-            raise InputError("the pod's ranks are needed (--ranks, or LWS_GROUP_SIZE/LWS_WORKER_INDEX with --ranks-per-pod)")
+            raise InputError(
+                "the pod's ranks are needed (--ranks, or LWS_GROUP_SIZE/LWS_WORKER_INDEX with --ranks-per-pod)"
+            )
         if len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
             raise InputError(f"ranks {list(self.ranks)} must be distinct and >= 0")
         socket_path(self.listen)  # raises on a target that is not unix:///absolute/path
@@ -94,7 +98,9 @@ class SidecarConfig:
         if self.grace_seconds < 0:
             raise InputError(f"grace must be >= 0, got {self.grace_seconds}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise InputError(f"metrics port must be a port number (0-65535; 0: any free), got {self.metrics_port}")
+            raise InputError(
+                f"metrics port must be a port number (0-65535; 0: any free), got {self.metrics_port}"
+            )
         # The credential flags must fit together; their files are read at each connection.
         ChannelConfig(self.controller, self.ca_file, self.cert_file, self.key_file).check()
 
@@ -143,10 +149,12 @@ def socket_path(target: str) -> Path:
     """The path of a `unix:///absolute/path` (or `unix:/absolute/path`) target."""
     for prefix in ("unix://", "unix:"):
         if target.startswith(prefix):
-            path = Path(target[len(prefix):])
+            path = Path(target[len(prefix) :])
             if path.is_absolute() and path.name:
                 if len(str(path).encode()) > 107:
-                    raise InputError(f"socket path {path} is longer than the 107 bytes a Unix socket allows")
+                    raise InputError(
+                        f"socket path {path} is longer than the 107 bytes a Unix socket allows"
+                    )
                 return path
             break
     raise InputError(f"listen address {target!r} must be unix:///absolute/path")
@@ -163,8 +171,10 @@ def parse_ranks(text: str) -> tuple[int, ...]:
         if hi < lo:
             raise InputError(f"ranks {text!r}: range {lo}-{hi} is empty")
         if hi >= MAX_SLOTS:  # checked before the range is spelled out
-            raise InputError(f"ranks {text!r}: rank {hi} is out of range (a deployment has at most "
-                             f"{MAX_SLOTS} ranks: 0-{MAX_SLOTS - 1})")
+            raise InputError(
+                f"ranks {text!r}: rank {hi} is out of range (a deployment has at most "
+                f"{MAX_SLOTS} ranks: 0-{MAX_SLOTS - 1})"
+            )
         ranks.extend(range(lo, hi + 1))
     if len(set(ranks)) != len(ranks):
         raise InputError(f"ranks {text!r} name a rank twice")
@@ -185,14 +195,18 @@ def lws_ranks(env: Mapping[str, str], ranks_per_pod: int) -> tuple[int, ...]:
     try:
         size, index = int(env["LWS_GROUP_SIZE"]), int(env["LWS_WORKER_INDEX"])
     except KeyError as exc:
-        raise InputError(f"{exc.args[0]} is not set: give --ranks, or run in a LeaderWorkerSet") from None
+        raise InputError(
+            f"{exc.args[0]} is not set: give --ranks, or run in a LeaderWorkerSet"
+        ) from None
     except ValueError:
         raise InputError("LWS_GROUP_SIZE and LWS_WORKER_INDEX must be integers") from None
     if size < 1 or not 0 <= index < size:
         raise InputError(f"LWS_WORKER_INDEX={index} is not in a group of LWS_GROUP_SIZE={size}")
     if (index + 1) * ranks_per_pod > MAX_SLOTS:
-        raise InputError(f"pod {index} of {ranks_per_pod} ranks ends past rank {MAX_SLOTS - 1} "
-                         f"(a deployment has at most {MAX_SLOTS} ranks)")
+        raise InputError(
+            f"pod {index} of {ranks_per_pod} ranks ends past rank {MAX_SLOTS - 1} "
+            f"(a deployment has at most {MAX_SLOTS} ranks)"
+        )
     return tuple(range(index * ranks_per_pod, (index + 1) * ranks_per_pod))
 
 

@@ -50,8 +50,9 @@ class _Health(health.aio.HealthServicer):
         super().__init__()
         self._upstream = upstream
 
-    async def Check(self, request: health_pb2.HealthCheckRequest,
-                    context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
         context.set_trailing_metadata(((listen.UPSTREAM_KEY, self._upstream.summary()),))
         return await super().Check(request, context)
 
@@ -98,22 +99,32 @@ class Sidecar:
             if self.config.metrics_port is not None:
                 try:
                     self._metrics_http, _ = start_http_server(
-                        self.config.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
+                        self.config.metrics_port,
+                        addr=self.config.metrics_host,
+                        registry=self.metrics.registry,
                     )
                 except OSError as exc:
                     if exc.errno == errno.EADDRINUSE:
-                        raise listen.InUse(f"metrics port {self.config.metrics_port} is in use") from None
+                        raise listen.InUse(
+                            f"metrics port {self.config.metrics_port} is in use"
+                        ) from None
                     raise
                 self.metrics_port = int(self._metrics_http.server_port)
-                log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
+                log.info(
+                    "metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port
+                )
         except BaseException:
             await self.server.stop(0)  # a server already started must not outlive the failure
             self._claim.release()
             raise
         self._upstream_task = asyncio.create_task(self.upstream.run())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("sidecar of ranks %s serving on %s (controller %s)",
-                 self.config.ranks_label, self.target, self.config.controller)
+        log.info(
+            "sidecar of ranks %s serving on %s (controller %s)",
+            self.config.ranks_label,
+            self.target,
+            self.config.controller,
+        )
 
     async def stop(self) -> None:
         if self._stopping:

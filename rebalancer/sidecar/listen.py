@@ -68,7 +68,9 @@ def lock_path(path: Path) -> Path:
 
 def _let_go(lock: Path, fd: int) -> None:
     """Delete the lock file while it is still locked (module docstring), then drop the lock."""
-    with contextlib.suppress(OSError):  # gone already, or a read-only folder: the next holder takes it over
+    with contextlib.suppress(
+        OSError
+    ):  # gone already, or a read-only folder: the next holder takes it over
         os.unlink(lock)
     os.close(fd)  # closing the only descriptor drops the flock
 
@@ -92,18 +94,28 @@ def claim(path: Path, dir_mode: int) -> SocketClaim:
     # a chain of them: a missing parent is a typo or a volume that is not mounted.
     if not folder.is_dir():
         if not folder.parent.is_dir():
-            raise InputError(f"cannot make the socket's folder {folder}: {folder.parent} does not exist "
-                             "(mount the pod's shared volume there, or fix --listen)")
+            raise InputError(
+                f"cannot make the socket's folder {folder}: {folder.parent} does not exist "
+                "(mount the pod's shared volume there, or fix --listen)"
+            )
         with contextlib.suppress(FileExistsError):
             folder.mkdir(mode=0o700)  # private until the mode below is set
     if folder.stat().st_mode & stat.S_ISVTX:  # /tmp and the like: everyone's, never narrowed
-        log.warning("socket directory %s is shared by everyone (sticky, mode %o): leaving its mode; "
-                    "give the socket a folder of its own", folder, stat.S_IMODE(folder.stat().st_mode))
+        log.warning(
+            "socket directory %s is shared by everyone (sticky, mode %o): leaving its mode; "
+            "give the socket a folder of its own",
+            folder,
+            stat.S_IMODE(folder.stat().st_mode),
+        )
     elif folder.stat().st_uid == os.getuid():
         os.chmod(folder, dir_mode)
     else:  # a shared volume made by someone else: its mode is theirs
-        log.warning("socket directory %s belongs to uid %d; leaving its mode %o",
-                    folder, folder.stat().st_uid, stat.S_IMODE(folder.stat().st_mode))
+        log.warning(
+            "socket directory %s belongs to uid %d; leaving its mode %o",
+            folder,
+            folder.stat().st_uid,
+            stat.S_IMODE(folder.stat().st_mode),
+        )
     lock = lock_path(path)
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
@@ -120,8 +132,12 @@ def claim(path: Path, dir_mode: int) -> SocketClaim:
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise InputError(f"{path} exists and is not a socket")
-            if accepts_connections(path):  # a server that does not take the lock: never take its path
-                raise InUse(f"{path} is in use by a live process that is not a sidecar (it accepts connections)")
+            if accepts_connections(
+                path
+            ):  # a server that does not take the lock: never take its path
+                raise InUse(
+                    f"{path} is in use by a live process that is not a sidecar (it accepts connections)"
+                )
             os.unlink(path)  # stale: its sidecar is gone (we hold the lock)
             log.info("removed the stale socket %s", path)
         os.ftruncate(fd, 0)
@@ -171,7 +187,10 @@ def probe(target: str, timeout: float = 2.0) -> tuple[bool, str]:
             )
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
-            return False, f"{code.name if code else 'error'}: {exc.details() if isinstance(exc, grpc.Call) else exc}"
+            return (
+                False,
+                f"{code.name if code else 'error'}: {exc.details() if isinstance(exc, grpc.Call) else exc}",
+            )
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     upstream = dict(call.trailing_metadata() or ()).get(UPSTREAM_KEY)
     seen = f"{status}; controller link: {upstream}" if upstream else status

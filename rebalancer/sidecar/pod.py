@@ -57,8 +57,8 @@ class RankSession:
 
 @dataclass
 class PodStats:
-    windows_in: int = 0        # rank windows received
-    windows_out: int = 0       # merged windows sent upstream
+    windows_in: int = 0  # rank windows received
+    windows_out: int = 0  # merged windows sent upstream
     duplicate_windows: int = 0
     plans_committed: int = 0
     plans_aborted: int = 0
@@ -99,7 +99,7 @@ class Pod:
         self.buffer = BoundedWindows(self.config.max_buffered_windows)
         self.relay = Relay(self.ranks)
         self.reports: deque[pb.PlanReport] = deque()  # for the controller, in order
-        self.committed: pb.Placement | None = None    # the controller's, once known
+        self.committed: pb.Placement | None = None  # the controller's, once known
         # The pool placement the controller offered the group (RegisterResponse.warm_start),
         # told to every rank until a plan is relayed or a version above 0 committed.
         self.warm_start: pb.Placement | None = None
@@ -135,7 +135,9 @@ class Pod:
         """A rank registers on the socket: checked against the pod, answered at once."""
         rank = int(request.rank)
         if request.ranks:
-            raise StateError("INVALID_ARGUMENT", "a sidecar serves single ranks, not group sessions")
+            raise StateError(
+                "INVALID_ARGUMENT", "a sidecar serves single ranks, not group sessions"
+            )
         resized = request.HasField("resized_from")
         if self.deployment and request.deployment != self.deployment:
             raise StateError(
@@ -145,7 +147,9 @@ class Pod:
         if resized and not self._in_resized_world(request):
             self._gather_resize(request)
         if rank not in self.ranks:
-            raise StateError("INVALID_ARGUMENT", f"rank {rank} is not one of this pod's ranks {self.ranks_label}")
+            raise StateError(
+                "INVALID_ARGUMENT", f"rank {rank} is not one of this pod's ranks {self.ranks_label}"
+            )
         if self.shape is not None and not _same_shape(request.shape, self.shape):
             raise StateError(
                 "FAILED_PRECONDITION",
@@ -153,7 +157,10 @@ class Pod:
             )
         mode = request.dispatch_mode or DEFAULT_DISPATCH_MODE
         if mode not in DISPATCH_MODES:
-            raise StateError("INVALID_ARGUMENT", f"rank {rank} names an unknown dispatch mode {request.dispatch_mode!r}")
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"rank {rank} names an unknown dispatch mode {request.dispatch_mode!r}",
+            )
         if self.dispatch_mode is not None and mode != self.dispatch_mode:
             raise StateError(
                 "FAILED_PRECONDITION",
@@ -161,11 +168,13 @@ class Pod:
             )
         if request.top_k and self.top_k and request.top_k != self.top_k:
             raise StateError(
-                "FAILED_PRECONDITION", f"rank {rank} reports top_k {request.top_k}, the pod's ranks {self.top_k}"
+                "FAILED_PRECONDITION",
+                f"rank {rank} reports top_k {request.top_k}, the pod's ranks {self.top_k}",
             )
         if self.pool and request.pool and request.pool != self.pool:
             raise StateError(
-                "FAILED_PRECONDITION", f"rank {rank} names pool {request.pool!r}, this pod's is {self.pool!r}"
+                "FAILED_PRECONDITION",
+                f"rank {rank} names pool {request.pool!r}, this pod's is {self.pool!r}",
             )
         if max(self.ranks) >= request.shape.num_gpus:
             raise StateError(
@@ -174,7 +183,9 @@ class Pod:
             )
         old = self.by_rank.get(rank)
         if old is not None and old.send is not None:
-            raise StateError("ALREADY_EXISTS", f"rank {rank} is already registered here with a stream open")
+            raise StateError(
+                "ALREADY_EXISTS", f"rank {rank} is already registered here with a stream open"
+            )
         # Accepted: nothing above changed any state.
         self.deployment = request.deployment
         learned_bytes = False
@@ -198,22 +209,40 @@ class Pod:
         self.sessions[session.session_id] = self.by_rank[rank] = session
         # A rank of the resize the controller took serves its placement, as v0 until this
         # answer tells it the version (RegisterResponse.committed).
-        serving = self.committed.version if resized and self.committed is not None else request.placement_version
+        serving = (
+            self.committed.version
+            if resized and self.committed is not None
+            else request.placement_version
+        )
         self.relay.serves(rank, serving, registering=True)
         self.statements[rank] = (serving, 0)  # its map told by its windows
         behind = self.committed is not None and serving < self.committed.version
-        restarted = bool(old is not None and old.worker_id and request.worker_id
-                         and old.worker_id != request.worker_id)
+        restarted = bool(
+            old is not None
+            and old.worker_id
+            and request.worker_id
+            and old.worker_id != request.worker_id
+        )
         if self.upstream_registered and (behind or restarted):
-            log.warning("rank %d %s on v%d: registering the group again once every rank is back", rank,
-                        "restarted" if restarted else "came back", request.placement_version)
+            log.warning(
+                "rank %d %s on v%d: registering the group again once every rank is back",
+                rank,
+                "restarted" if restarted else "came back",
+                request.placement_version,
+            )
             self.upstream_registered, self.resync = False, True
             if self.reports:  # of processes that are gone: a late COMMITTED of theirs is false now
-                log.info("dropping %d plan report(s) of the ranks before they restarted", len(self.reports))
+                log.info(
+                    "dropping %d plan report(s) of the ranks before they restarted",
+                    len(self.reports),
+                )
                 self.reports.clear()
         elif self.upstream_registered and learned_bytes:
-            log.info("rank %d told the expert bytes (%d): registering the group again once every rank is back",
-                     rank, request.shape.expert_bytes)
+            log.info(
+                "rank %d told the expert bytes (%d): registering the group again once every rank is back",
+                rank,
+                request.shape.expert_bytes,
+            )
             self.upstream_registered, self.resync = False, True
         log.info("rank %d registered (worker %s, v%d)", rank, request.worker_id or "?", serving)
         self.changed.set()
@@ -229,13 +258,20 @@ class Pod:
     def _in_resized_world(self, request: pb.RegisterRequest) -> bool:
         """Whether `request` is a rank of the resize the pod took; UNAVAILABLE while the
         controller has not answered it yet (the rank asks again)."""
-        if self.resized_from is None or request.resized_from != self.resized_from or self.shape is None \
-                or not _same_shape(request.shape, self.shape):
+        if (
+            self.resized_from is None
+            or request.resized_from != self.resized_from
+            or self.shape is None
+            or not _same_shape(request.shape, self.shape)
+        ):
             return False
         if not self.upstream_registered:
-            raise StateError("UNAVAILABLE", f"rank {request.rank}: the EP group's resize from "
-                                            f"{describe(self.resized_from)} is being relayed to the controller; "
-                                            "ask again")
+            raise StateError(
+                "UNAVAILABLE",
+                f"rank {request.rank}: the EP group's resize from "
+                f"{describe(self.resized_from)} is being relayed to the controller; "
+                "ask again",
+            )
         return True
 
     def _gather_resize(self, request: pb.RegisterRequest) -> None:
@@ -246,29 +282,48 @@ class Pod:
         pending = self.resize
         if pending is None or not pending.same_resize(request):
             pending = PendingResize.of(request, now)  # a newer resize replaces one gathered
-        old_rank = next((s.rank for s in self.by_rank.values()
-                         if request.worker_id and s.worker_id == request.worker_id), None)
+        old_rank = next(
+            (
+                s.rank
+                for s in self.by_rank.values()
+                if request.worker_id and s.worker_id == request.worker_id
+            ),
+            None,
+        )
         pending.add(request, old_rank)
         if self.resize is not pending:
-            log.warning("rank %d (rank %s before) registers a resize of the EP group from %s to %d GPUs: "
-                        "gathering this pod's ranks of it", request.rank, "?" if old_rank is None else old_rank,
-                        describe(pending.resized_from), pending.shape.num_gpus)
+            log.warning(
+                "rank %d (rank %s before) registers a resize of the EP group from %s to %d GPUs: "
+                "gathering this pod's ranks of it",
+                request.rank,
+                "?" if old_rank is None else old_rank,
+                describe(pending.resized_from),
+                pending.shape.num_gpus,
+            )
         self.resize = pending
         if pending.complete(self.ranks, self.connected(), now):
             self._take_resize(pending)
-        raise StateError("UNAVAILABLE", f"rank {request.rank}: the EP group's resize from "
-                                        f"{describe(pending.resized_from)} is being relayed to the controller; "
-                                        "ask again")
+        raise StateError(
+            "UNAVAILABLE",
+            f"rank {request.rank}: the EP group's resize from "
+            f"{describe(pending.resized_from)} is being relayed to the controller; "
+            "ask again",
+        )
 
     def _take_resize(self, pending: PendingResize) -> None:
         """The pod's ranks are the new world's from now on: the old world's sessions end
         (a window on one is refused), its windows and reports not yet sent are dropped
         (the controller drops the old world's partial windows too), and the upstream link
         registers the new world resized from the old."""
-        log.warning("the EP group was resized from %s: this pod's ranks are %s of %d GPUs now (were %s; %d "
-                    "window(s) of the old world dropped); registering the new world with the controller",
-                    describe(pending.resized_from), format_ranks(pending.ranks), pending.shape.num_gpus,
-                    self.ranks_label, len(self.buffer))
+        log.warning(
+            "the EP group was resized from %s: this pod's ranks are %s of %d GPUs now (were %s; %d "
+            "window(s) of the old world dropped); registering the new world with the controller",
+            describe(pending.resized_from),
+            format_ranks(pending.ranks),
+            pending.shape.num_gpus,
+            self.ranks_label,
+            len(self.buffer),
+        )
         self._new_world(pending.ranks)
         self.shape = pending.shape
         self.initial = pending.placement
@@ -286,7 +341,9 @@ class Pod:
         if self.initial is not None:  # the sidecar has not reached the controller yet
             return pb.Placement(version=0, phy2log=self.initial.phy2log)
         s = request.shape
-        phy2log = trivial_placement(s.num_layers, s.num_logical_experts, s.num_physical_slots, s.num_gpus)
+        phy2log = trivial_placement(
+            s.num_layers, s.num_logical_experts, s.num_physical_slots, s.num_gpus
+        )
         return pb.Placement(version=0, phy2log=codec.encode(np.asarray(phy2log, dtype=np.int32)))
 
     def session(self, session_id: str) -> RankSession:
@@ -298,7 +355,9 @@ class Pod:
     def attach(self, session_id: str, send: Send) -> RankSession:
         session = self.session(session_id)
         if session.send is not None:
-            raise StateError("ALREADY_EXISTS", f"session of rank {session.rank} already has a stream")
+            raise StateError(
+                "ALREADY_EXISTS", f"session of rank {session.rank} already has a stream"
+            )
         session.send = send
         log.info("rank %d connected", session.rank)
         if self.warm_start is not None:
@@ -322,16 +381,32 @@ class Pod:
         """One rank window: validated, merged; False for a duplicate."""
         assert self.shape is not None  # a session exists only after a registration
         if self.sessions.get(session.session_id) is not session:
-            raise StateError("NOT_FOUND", f"the session of rank {session.rank} ended (the EP group was resized): "
-                                          "register again")
-        L, E, P = self.shape.num_layers, self.shape.num_logical_experts, self.shape.num_physical_slots
+            raise StateError(
+                "NOT_FOUND",
+                f"the session of rank {session.rank} ended (the EP group was resized): "
+                "register again",
+            )
+        L, E, P = (
+            self.shape.num_layers,
+            self.shape.num_logical_experts,
+            self.shape.num_physical_slots,
+        )
         logical = codec.decode_counts(w.logical_count, "logical_count", (L, E))
         physical = None
         if w.HasField("physical_count"):
             physical = codec.decode_counts(w.physical_count, "physical_count", (L, P))
-        fresh = self.merge.add(session.rank, w.seq, logical, physical, w.first_step, w.num_steps, w.placement_version)
-        log.debug("rank %d window seq %d (steps %d+%d, v%d)%s", session.rank, w.seq, w.first_step,
-                  w.num_steps, w.placement_version, "" if fresh else " again")
+        fresh = self.merge.add(
+            session.rank, w.seq, logical, physical, w.first_step, w.num_steps, w.placement_version
+        )
+        log.debug(
+            "rank %d window seq %d (steps %d+%d, v%d)%s",
+            session.rank,
+            w.seq,
+            w.first_step,
+            w.num_steps,
+            w.placement_version,
+            "" if fresh else " again",
+        )
         if not fresh:
             self.stats.duplicate_windows += 1
             return False
@@ -347,19 +422,28 @@ class Pod:
     def report(self, report: pb.PlanReport) -> None:
         session = self.session(report.session_id)
         actions = self.relay.report(session.rank, report)
-        if (report.phase == pb.PLAN_PHASE_COMMITTED and self.warm_start is not None
-                and report.version >= self.warm_start.version):
+        if (
+            report.phase == pb.PLAN_PHASE_COMMITTED
+            and self.warm_start is not None
+            and report.version >= self.warm_start.version
+        ):
             self.warm_start = None  # installed: the group serves it
         # A switch the relay no longer follows (the controller gave up on the plan and
         # moved on before the ranks' agreement switched): tell the controller once, so it
         # adopts what the ranks serve instead of planning from an older version forever.
-        late = (report.phase == pb.PLAN_PHASE_COMMITTED and self.committed is not None
-                and report.version > max(self.committed.version, self._confirmed_late)
-                and (self.relay.plan is None or self.relay.plan.version != report.version))
+        late = (
+            report.phase == pb.PLAN_PHASE_COMMITTED
+            and self.committed is not None
+            and report.version > max(self.committed.version, self._confirmed_late)
+            and (self.relay.plan is None or self.relay.plan.version != report.version)
+        )
         if late:
             self._confirmed_late = report.version
-            actions.upstream.append(pb.PlanReport(version=report.version, phase=pb.PLAN_PHASE_COMMITTED,
-                                                  step=report.step))
+            actions.upstream.append(
+                pb.PlanReport(
+                    version=report.version, phase=pb.PLAN_PHASE_COMMITTED, step=report.step
+                )
+            )
         self.apply(actions)
 
     def statement(self) -> Statement:
@@ -376,7 +460,9 @@ class Pod:
     def upstream_ready(self) -> bool:
         """Every rank registered (and, before the first upstream registration, has its
         stream open, so that no plan finds a rank missing at the start)."""
-        if self.tell_resize:  # the new world's ranks wait on the controller's answer to register here
+        if (
+            self.tell_resize
+        ):  # the new world's ranks wait on the controller's answer to register here
             return self.shape is not None
         if self.shape is None or set(self.by_rank) != set(self.ranks):
             return False
@@ -387,10 +473,16 @@ class Pod:
         assert self.shape is not None
         version = max((self.relay.versions.get(r, 0) for r in self.ranks), default=0)
         request = pb.RegisterRequest(
-            deployment=self.deployment, rank=self.ranks[0], ranks=self.ranks, shape=self.shape,
-            placement_version=version, pod=self.config.pod,
+            deployment=self.deployment,
+            rank=self.ranks[0],
+            ranks=self.ranks,
+            shape=self.shape,
+            placement_version=version,
+            pod=self.config.pod,
             worker_id=self.group_worker_id(),
-            dispatch_mode=self.dispatch_mode or DEFAULT_DISPATCH_MODE, top_k=self.top_k, pool=self.pool,
+            dispatch_mode=self.dispatch_mode or DEFAULT_DISPATCH_MODE,
+            top_k=self.top_k,
+            pool=self.pool,
         )
         if self.initial is not None:
             request.initial_placement.CopyFrom(self.initial)
@@ -402,8 +494,12 @@ class Pod:
         """The group session's identity: this sidecar and its ranks' processes, so the
         controller tells a group whose ranks restarted from one that only reconnected (a
         mixed placement clears only when the ranks holding it are gone)."""
-        ranks = ",".join(self.by_rank[r].worker_id or "?" if r in self.by_rank
-                         else self._resize_workers.get(r, "-") for r in self.ranks)
+        ranks = ",".join(
+            self.by_rank[r].worker_id or "?"
+            if r in self.by_rank
+            else self._resize_workers.get(r, "-")
+            for r in self.ranks
+        )
         return f"sidecar {self.config.pod} pid {os.getpid()} ranks {ranks}"
 
     def registered_upstream(self, response: pb.RegisterResponse) -> None:
@@ -416,8 +512,12 @@ class Pod:
             # now (a rank already serving ignores it; the contract is the proto's).
             self.warm_start = pb.Placement()
             self.warm_start.CopyFrom(response.warm_start)
-            log.info("pool %s: placement offered as v%d (warm start), told to ranks %s", self.pool,
-                     self.warm_start.version, self.ranks_label)
+            log.info(
+                "pool %s: placement offered as v%d (warm start), told to ranks %s",
+                self.pool,
+                self.warm_start.version,
+                self.ranks_label,
+            )
             message = pb.ControllerMessage(warm_start=self.warm_start)
             for session in list(self.by_rank.values()):
                 if session.send is not None:
@@ -430,7 +530,10 @@ class Pod:
         rank that opens its stream later (the newest set only), so the ranks hold it with
         the controller gone."""
         loss = msg.planned_loss
-        if self.planned and next(iter(self.planned.values())).planned_loss.base_version != loss.base_version:
+        if (
+            self.planned
+            and next(iter(self.planned.values())).planned_loss.base_version != loss.base_version
+        ):
             self.planned = {}
         self.planned[tuple(sorted(loss.lost_ranks))] = msg
         for session in list(self.by_rank.values()):
@@ -480,7 +583,9 @@ class Pod:
             if event == "committed":
                 self.stats.plans_committed += 1
                 if plan.prepare is not None:
-                    self.committed = pb.Placement(version=plan.version, phy2log=plan.prepare.placement.phy2log)
+                    self.committed = pb.Placement(
+                        version=plan.version, phy2log=plan.prepare.placement.phy2log
+                    )
             elif event == "aborted":
                 self.stats.plans_aborted += 1
             for observer in self.observers:
@@ -502,5 +607,7 @@ def _same_shape(reported: pb.ModelShape, pod: pb.ModelShape) -> bool:
 
 
 def _shape_text(shape: pb.ModelShape) -> str:
-    return (f"L={shape.num_layers} E={shape.num_logical_experts} P={shape.num_physical_slots} "
-            f"G={shape.num_gpus} N={shape.num_nodes} groups={shape.num_groups} bytes={shape.expert_bytes}")
+    return (
+        f"L={shape.num_layers} E={shape.num_logical_experts} P={shape.num_physical_slots} "
+        f"G={shape.num_gpus} N={shape.num_nodes} groups={shape.num_groups} bytes={shape.expert_bytes}"
+    )

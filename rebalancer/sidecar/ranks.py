@@ -27,12 +27,13 @@ from rebalancer.wire.service import EOF_OF_STREAM, StreamWriter, read_hello, ref
 log = logging.getLogger("rebalancer.sidecar")
 
 
-
 class RankService(pb_grpc.WorkerServiceServicer):
     def __init__(self, pod: Pod) -> None:
         self.pod = pod
 
-    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+    async def Register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterResponse:
         try:
             return self.pod.register(request)
         except (StateError, InputError) as exc:
@@ -69,15 +70,21 @@ class RankService(pb_grpc.WorkerServiceServicer):
             writer.cancel()
             self.pod.detach(session)
 
-    async def ReportPlan(self, request: pb.PlanReport, context: grpc.aio.ServicerContext) -> pb.PlanReportResponse:
+    async def ReportPlan(
+        self, request: pb.PlanReport, context: grpc.aio.ServicerContext
+    ) -> pb.PlanReportResponse:
         try:
             self.pod.report(request)
         except (StateError, InputError) as exc:
             await refuse(context, exc, f"ReportPlan(v{request.version})", log)
         return pb.PlanReportResponse()
 
-    async def ReportRanks(self, request: pb.RankPresence, context: grpc.aio.ServicerContext) -> pb.RankPresenceResponse:
+    async def ReportRanks(
+        self, request: pb.RankPresence, context: grpc.aio.ServicerContext
+    ) -> pb.RankPresenceResponse:
         # The sidecar's own call to the controller; here a rank's presence is its stream.
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "ReportRanks is what a sidecar tells the controller, not a rank's call")
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "ReportRanks is what a sidecar tells the controller, not a rank's call",
+        )
         raise AssertionError("unreachable")

@@ -47,14 +47,14 @@ Event = Literal["proposed", "prepared", "failed", "committed", "aborted"]
 class RelayPlan:
     version: int
     phase: Phase
-    prepare: pb.Prepare | None   # None: learnt of at its commit or abort (sidecar restarted)
+    prepare: pb.Prepare | None  # None: learnt of at its commit or abort (sidecar restarted)
     started_at: float
     prepared: set[int] = field(default_factory=set)
     committed: set[int] = field(default_factory=set)
     aborted: set[int] = field(default_factory=set)  # ranks that confirmed dropping staging
-    failed: str = ""              # the FAILED reason sent up (at most once)
-    reason: str = ""              # why the controller aborted it
-    step: int = 0                 # the step its ranks switched at
+    failed: str = ""  # the FAILED reason sent up (at most once)
+    reason: str = ""  # why the controller aborted it
+    step: int = 0  # the step its ranks switched at
     bytes_received: int = 0
     seconds: float = 0.0
     prepared_at: float = 0.0
@@ -67,7 +67,7 @@ class Actions:
 
     to_ranks: list[tuple[int, pb.ControllerMessage]] = field(default_factory=list)
     upstream: list[pb.PlanReport] = field(default_factory=list)
-    drop_reports: int | None = None   # queued upstream reports of this version are moot
+    drop_reports: int | None = None  # queued upstream reports of this version are moot
     events: list[tuple[Event, RelayPlan]] = field(default_factory=list)
 
 
@@ -100,8 +100,12 @@ class Relay:
         plan = self.plan
         if plan is None:
             return a
-        if (plan.prepare is not None and rank in self.ranks and plan.phase in ("preparing", "aborted")
-                and rank not in plan.prepared | plan.aborted):
+        if (
+            plan.prepare is not None
+            and rank in self.ranks
+            and plan.phase in ("preparing", "aborted")
+            and rank not in plan.prepared | plan.aborted
+        ):
             # Its peers' transfers wait for it; a rank that has it ignores it (the Abort,
             # if any, follows).
             a.to_ranks.append((rank, pb.ControllerMessage(prepare=plan.prepare)))
@@ -136,7 +140,9 @@ class Relay:
             if phase in (pb.PLAN_PHASE_COMMITTED, pb.PLAN_PHASE_ABORTED):
                 return a  # a late confirmation: the version it serves is noted
             now = f" (v{plan.version} is {plan.phase})" if plan is not None else ""
-            raise StateError("FAILED_PRECONDITION", f"plan v{report.version} is not in flight here{now}")
+            raise StateError(
+                "FAILED_PRECONDITION", f"plan v{report.version} is not in flight here{now}"
+            )
         if phase == pb.PLAN_PHASE_PREPARED:
             if plan.phase == "preparing" and rank not in plan.prepared:
                 plan.prepared.add(rank)
@@ -144,10 +150,14 @@ class Relay:
                 plan.seconds = max(plan.seconds, report.seconds)
                 if plan.prepared >= self.ranks and not plan.failed:
                     plan.phase, plan.prepared_at = "prepared", self.clock()
-                    a.upstream.append(pb.PlanReport(
-                        version=plan.version, phase=pb.PLAN_PHASE_PREPARED,
-                        bytes_received=plan.bytes_received, seconds=plan.seconds,
-                    ))
+                    a.upstream.append(
+                        pb.PlanReport(
+                            version=plan.version,
+                            phase=pb.PLAN_PHASE_PREPARED,
+                            bytes_received=plan.bytes_received,
+                            seconds=plan.seconds,
+                        )
+                    )
                     a.events.append(("prepared", plan))
         elif phase == pb.PLAN_PHASE_FAILED:
             if plan.phase in ("preparing", "prepared"):
@@ -156,14 +166,21 @@ class Relay:
                 # After the Commit: the rank applied it in part (an engine's updater lost a
                 # peer midway); the controller records the placement it serves.
                 plan.failed = f"rank {rank}: {report.error or 'no reason given'}"
-                a.upstream.append(pb.PlanReport(
-                    version=plan.version, phase=pb.PLAN_PHASE_FAILED, error=plan.failed[:500],
-                    serving=report.serving if report.HasField("serving") else None,
-                ))
+                a.upstream.append(
+                    pb.PlanReport(
+                        version=plan.version,
+                        phase=pb.PLAN_PHASE_FAILED,
+                        error=plan.failed[:500],
+                        serving=report.serving if report.HasField("serving") else None,
+                    )
+                )
                 a.events.append(("failed", plan))
         elif phase == pb.PLAN_PHASE_COMMITTED:
             if plan.phase not in ("committing", "committed"):
-                raise StateError("FAILED_PRECONDITION", f"plan v{plan.version} is {plan.phase}; no commit was sent")
+                raise StateError(
+                    "FAILED_PRECONDITION",
+                    f"plan v{plan.version} is {plan.phase}; no commit was sent",
+                )
             plan.committed.add(rank)
             plan.step = plan.step or report.step
             self._settle_commit(plan, a)
@@ -246,7 +263,9 @@ class Relay:
         if plan.failed:
             return
         plan.failed = reason
-        a.upstream.append(pb.PlanReport(version=plan.version, phase=pb.PLAN_PHASE_FAILED, error=reason[:500]))
+        a.upstream.append(
+            pb.PlanReport(version=plan.version, phase=pb.PLAN_PHASE_FAILED, error=reason[:500])
+        )
         a.events.append(("failed", plan))
 
     def _abort(self, plan: RelayPlan, reason: str, a: Actions) -> None:

@@ -46,16 +46,19 @@ class PendingResize:
 
     resized_from: pb.Resize
     shape: pb.ModelShape
-    placement: pb.Placement          # what every rank of the new world serves (version 0 to them)
-    started: float                   # when the first of them asked
+    placement: pb.Placement  # what every rank of the new world serves (version 0 to them)
+    started: float  # when the first of them asked
     workers: dict[int, str] = field(default_factory=dict)  # new rank -> worker id
-    old_ranks: set[int] = field(default_factory=set)       # the pod's old ranks they were
+    old_ranks: set[int] = field(default_factory=set)  # the pod's old ranks they were
 
     @classmethod
     def of(cls, request: pb.RegisterRequest, now: float) -> PendingResize:
         if not request.HasField("initial_placement"):
-            raise StateError("INVALID_ARGUMENT", f"rank {request.rank} registers a resized EP group without the "
-                                                 "placement it serves (initial_placement)")
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"rank {request.rank} registers a resized EP group without the "
+                "placement it serves (initial_placement)",
+            )
         shape, placement = pb.ModelShape(), pb.Placement()
         shape.CopyFrom(request.shape)
         placement.CopyFrom(request.initial_placement)
@@ -71,12 +74,16 @@ class PendingResize:
         """A rank of this resize asked; `old_rank`: its number in the old world, if known."""
         rank = int(request.rank)
         if request.initial_placement.phy2log != self.placement.phy2log:
-            raise StateError("FAILED_PRECONDITION",
-                             f"rank {rank} registers the resize from {describe(self.resized_from)} serving another "
-                             "placement than its peers of the same resize")
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"rank {rank} registers the resize from {describe(self.resized_from)} serving another "
+                "placement than its peers of the same resize",
+            )
         if not 0 <= rank < self.shape.num_gpus:
-            raise StateError("INVALID_ARGUMENT", f"rank {rank} registers a resized EP group of "
-                                                 f"{self.shape.num_gpus} GPUs")
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"rank {rank} registers a resized EP group of {self.shape.num_gpus} GPUs",
+            )
         self.workers[rank] = request.worker_id
         if old_rank is not None:
             self.old_ranks.add(old_rank)

@@ -44,15 +44,26 @@ from rebalancer.wire.windows import CountWindow
 
 log = logging.getLogger("rebalancer.sidecar")
 
-UpstreamState = Literal["waiting_for_ranks", "connecting", "connected", "backoff", "refused", "no_credentials",
-                        "stopped"]
+UpstreamState = Literal[
+    "waiting_for_ranks",
+    "connecting",
+    "connected",
+    "backoff",
+    "refused",
+    "no_credentials",
+    "stopped",
+]
 UPSTREAM_STATES: tuple[UpstreamState, ...] = get_args(UpstreamState)
 
 # A refusal that another try can fix (the controller restarting, or still holding the
 # previous stream of this pod): retried quietly; anything else is logged as an error.
 _TRANSIENT = {
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
@@ -136,15 +147,22 @@ class Upstream:
         except InputError as exc:
             message = str(exc)
             if message != self.last_error:
-                log.error("cannot connect to the controller (%s); serving ranks %s here, merging their "
-                          "windows, reading the files again every %.0f s", exc, self.pod.ranks_label,
-                          self.config.backoff_max_seconds)
+                log.error(
+                    "cannot connect to the controller (%s); serving ranks %s here, merging their "
+                    "windows, reading the files again every %.0f s",
+                    exc,
+                    self.pod.ranks_label,
+                    self.config.backoff_max_seconds,
+                )
             self.state, self.last_error = "no_credentials", message
             return None
         missing = self.config.token_missing()
         if missing and missing != self._token_missing:
-            log.warning("no worker token (%s): connecting without one, as mutual TLS or a controller "
-                        "without [worker_tokens] allows", missing)
+            log.warning(
+                "no worker token (%s): connecting without one, as mutual TLS or a controller "
+                "without [worker_tokens] allows",
+                missing,
+            )
         self._token_missing = missing
         return channel
 
@@ -159,13 +177,20 @@ class Upstream:
             first = not self._outage
             self._outage = True
             self.state = "backoff"
-            log.log(logging.WARNING if first else logging.DEBUG, "controller link lost (%s)", message)
+            log.log(
+                logging.WARNING if first else logging.DEBUG, "controller link lost (%s)", message
+            )
         else:
             self.state = "refused"
-            if self._token_missing and code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            if self._token_missing and code in (
+                grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.PERMISSION_DENIED,
+            ):
                 message += f" (sent without a token: {self._token_missing})"
             if message != self.last_error:
-                log.error("controller refused the pod (%s); serving the ranks here, retrying", message)
+                log.error(
+                    "controller refused the pod (%s); serving the ranks here, retrying", message
+                )
         self.last_error = message
 
     async def _wait(self, timeout: float, only_stop: bool = False) -> None:
@@ -179,10 +204,14 @@ class Upstream:
             self.pod.changed.clear()
 
     async def _register(self, stub: pb_grpc.WorkerServiceStub) -> None:
-        if self._world != self.pod.world:  # the pod took a resize: nothing of the old world is resent
+        if (
+            self._world != self.pod.world
+        ):  # the pod took a resize: nothing of the old world is resent
             self._sent, self._world = SentWindows(), self.pod.world
         request = self.pod.group_request()
-        response = await stub.Register(request, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata)
+        response = await stub.Register(
+            request, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata
+        )
         self._session = response.session_id
         self._told_connected, self._ranks_report_known = None, True  # a new session: tell it
         self.pod.registered_upstream(response)
@@ -192,9 +221,13 @@ class Upstream:
         # What those windows said the ranks serve may be stale now (ranks that restarted
         # make the group register again): resent without it; fresh windows state it.
         self._sent.withdraw_statements()
-        log.info("registered ranks %s as one group with %s (v%d committed, resend %d windows)",
-                 self.pod.ranks_label, self.config.controller, response.committed.version,
-                 len(self._sent))
+        log.info(
+            "registered ranks %s as one group with %s (v%d committed, resend %d windows)",
+            self.pod.ranks_label,
+            self.config.controller,
+            response.committed.version,
+            len(self._sent),
+        )
 
     async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
         call = stub.Stream(metadata=self._metadata)
@@ -220,7 +253,9 @@ class Upstream:
                 if self._stop.is_set() or self.pod.resync:
                     break  # leaving, or the ranks restarted: end the session, register again
                 waiter = asyncio.create_task(self.pod.changed.wait())
-                await asyncio.wait({waiter, reader}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {waiter, reader}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                )
                 waiter.cancel()
             # Leaving: the controller reads to the end, then ends the call.
             await call.done_writing()
@@ -230,14 +265,27 @@ class Upstream:
             call.cancel()
 
     def _window(self, window: CountWindow) -> pb.Window:
-        return self._sent.number(window.first_step, window.num_steps, window.version,
-                                 window.logical, window.physical, self.pod.statement())
+        return self._sent.number(
+            window.first_step,
+            window.num_steps,
+            window.version,
+            window.logical,
+            window.physical,
+            self.pod.statement(),
+        )
 
     async def _flush_reports(self, stub: pb_grpc.WorkerServiceStub) -> None:
         while self.pod.reports:
             report = self.pod.reports[0]
-            await send_report(stub, report, self._session, self.config.rpc_timeout_seconds,
-                              self._metadata, log, f"ranks {self.pod.ranks_label}")
+            await send_report(
+                stub,
+                report,
+                self._session,
+                self.config.rpc_timeout_seconds,
+                self._metadata,
+                log,
+                f"ranks {self.pod.ranks_label}",
+            )
             if self.pod.reports and self.pod.reports[0] is report:
                 self.pod.reports.popleft()
 
@@ -249,16 +297,26 @@ class Upstream:
             return
         request = pb.RankPresence(session_id=self._session, connected_ranks=sorted(connected))
         try:
-            await stub.ReportRanks(request, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata)
+            await stub.ReportRanks(
+                request, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise  # reconnect; the new session is told
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                log.warning("the controller does not take ReportRanks (older than this sidecar): "
-                            "it counts ranks %s connected while this pod's stream is open", self.pod.ranks_label)
+                log.warning(
+                    "the controller does not take ReportRanks (older than this sidecar): "
+                    "it counts ranks %s connected while this pod's stream is open",
+                    self.pod.ranks_label,
+                )
                 self._ranks_report_known = False
                 return
-            log.warning("ranks connected %s refused: %s: %s", sorted(connected), exc.code().name, exc.details())
+            log.warning(
+                "ranks connected %s refused: %s: %s",
+                sorted(connected),
+                exc.code().name,
+                exc.details(),
+            )
         self._told_connected = connected
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
@@ -267,4 +325,3 @@ class Upstream:
                 self._sent.ack(msg.window_ack.seq)
             else:
                 self.pod.from_controller(msg)
-

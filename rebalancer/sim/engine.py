@@ -62,7 +62,9 @@ from rebalancer.sim.trace import Trace
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, DispatchMode
 from rebalancer.wire.shape import ClusterShape
 
-PolicyName = Literal["none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight", "regimes"]
+PolicyName = Literal[
+    "none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight", "regimes"
+]
 POLICIES: tuple[PolicyName, ...] = get_args(PolicyName)
 # Where the changing policies start: the trivial placement or the static fit.
 Start = Literal["trivial", "static"]
@@ -257,11 +259,18 @@ class Simulator:
     instead of the trace's own counts (a pool's windows, summed over its members), while
     the trace's counts are what this deployment serves."""
 
-    def __init__(self, trace: Trace, config: SimConfig, start: np.ndarray | None = None,
-                 observed: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        config: SimConfig,
+        start: np.ndarray | None = None,
+        observed: np.ndarray | None = None,
+    ) -> None:
         if observed is not None and observed.shape != trace.counts.shape:
-            raise InputError(f"observed counts of shape {list(observed.shape)}, expected "
-                             f"{list(trace.counts.shape)} like the trace")
+            raise InputError(
+                f"observed counts of shape {list(observed.shape)}, expected "
+                f"{list(trace.counts.shape)} like the trace"
+            )
         self._start = None if start is None else np.asarray(start)
         self._observed = trace.counts if observed is None else observed
         config.cost.validate()
@@ -274,9 +283,7 @@ class Simulator:
         if config.periodic.period_steps <= 0 or config.periodic.fit_steps <= 0:
             raise InputError("periodic period_steps and fit_steps must be > 0")
         if config.start not in STARTS:
-            raise InputError(
-                f"unknown start {config.start!r}; expected one of {', '.join(STARTS)}"
-            )
+            raise InputError(f"unknown start {config.start!r}; expected one of {', '.join(STARTS)}")
         for what, algorithm in (
             ("periodic algorithm", config.periodic.algorithm),
             ("reference_algorithm", config.reference_algorithm),
@@ -537,9 +544,7 @@ class _InFlight:
     pause: float  # staged weights into live slots + map swap, between two replays
 
 
-def simulate(
-    trace: Trace, config: SimConfig, policies: Sequence[str]
-) -> dict[str, PolicyResult]:
+def simulate(trace: Trace, config: SimConfig, policies: Sequence[str]) -> dict[str, PolicyResult]:
     """Run the named policies over one trace; results keyed by policy name."""
     for name in policies:
         if name not in POLICIES:

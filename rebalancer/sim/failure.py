@@ -40,7 +40,9 @@ def parse_at(spec: str, flag: str, what: str) -> tuple[int, int]:
     """`N@W` as (N, W), both non-negative integers; InputError naming the flag otherwise."""
     match = _SPEC.match(spec)
     if match is None:
-        raise InputError(f"{flag}: expected {what}@WINDOW with non-negative integers (e.g. 3@10), got {spec!r}")
+        raise InputError(
+            f"{flag}: expected {what}@WINDOW with non-negative integers (e.g. 3@10), got {spec!r}"
+        )
     return int(match.group(1)), int(match.group(2))
 
 
@@ -53,7 +55,10 @@ class Failure:
 
 
 def parse_failures(
-    ranks: list[str], nodes: list[str], num_gpus: int, num_nodes: int,
+    ranks: list[str],
+    nodes: list[str],
+    num_gpus: int,
+    num_nodes: int,
 ) -> Failure | None:
     """The failure that --fail (RANK@WINDOW, repeatable) and --fail-node (NODE@WINDOW,
     repeatable) describe, checked against the group (G ranks in N nodes), or None when
@@ -68,13 +73,17 @@ def parse_failures(
     for index, _, is_node in specs:
         limit, name = (num_nodes, "node") if is_node else (num_gpus, "rank")
         if index >= limit:
-            raise InputError(f"--fail{'-node' if is_node else ''}: {name} {index} is out of range "
-                             f"(the group has {limit} {name}s: 0..{limit - 1})")
+            raise InputError(
+                f"--fail{'-node' if is_node else ''}: {name} {index} is out of range "
+                f"(the group has {limit} {name}s: 0..{limit - 1})"
+            )
         lost.update(range(index * per_node, (index + 1) * per_node) if is_node else (index,))
     windows = sorted({w for _, w, _ in specs})
     if len(windows) > 1:
-        raise InputError(f"--fail/--fail-node: every failure must name the same window (one failure "
-                         f"event), got windows {', '.join(map(str, windows))}")
+        raise InputError(
+            f"--fail/--fail-node: every failure must name the same window (one failure "
+            f"event), got windows {', '.join(map(str, windows))}"
+        )
     if len(lost) >= num_gpus:
         raise InputError(f"--fail/--fail-node: all {num_gpus} ranks lost, none survives")
     return Failure(tuple(sorted(lost)), windows[0])
@@ -83,8 +92,10 @@ def parse_failures(
 def check_window(failure: Failure, num_windows: int) -> None:
     """InputError unless the failure's window lies inside the trace."""
     if failure.window >= num_windows:
-        raise InputError(f"--fail/--fail-node: window {failure.window} is beyond the trace "
-                         f"({num_windows} windows: 0..{num_windows - 1})")
+        raise InputError(
+            f"--fail/--fail-node: window {failure.window} is beyond the trace "
+            f"({num_windows} windows: 0..{num_windows - 1})"
+        )
 
 
 def simulate_failure(trace: Trace, config: SimConfig, failure: Failure) -> dict[str, Any]:
@@ -101,17 +112,26 @@ def simulate_failure(trace: Trace, config: SimConfig, failure: Failure) -> dict[
     healthy = compute_placement(estimate, num_slots, num_gpus, config.num_nodes).phy2log
     survivors = num_gpus - len(failure.lost)
     kept = healthy[:, surviving_slots(num_slots, num_gpus, failure.lost)]
-    out: dict[str, Any] = {"lost": list(failure.lost), "window": w, "survivors": survivors,
-                           "slots": kept.shape[1], "feasible": kept.shape[1] >= num_logical}
+    out: dict[str, Any] = {
+        "lost": list(failure.lost),
+        "window": w,
+        "survivors": survivors,
+        "slots": kept.shape[1],
+        "feasible": kept.shape[1] >= num_logical,
+    }
     if not out["feasible"]:
-        return out | {way: {"balancedness_after": None, "slots_moved": None, "relative_throughput": None}
-                      for way in FAILURE_WAYS}
+        return out | {
+            way: {"balancedness_after": None, "slots_moved": None, "relative_throughput": None}
+            for way in FAILURE_WAYS
+        }
     placements = {
         "repair": repair_placement(healthy, num_gpus, failure.lost, num_logical),
         "scratch": compute_placement(estimate, kept.shape[1], survivors, 1).phy2log,
         "planned": survivor_placement(estimate, healthy, num_gpus, failure.lost).phy2log,
     }
-    clock = WindowClock.calibrate(config.cost, config.params, trace.counts, trace.window_seconds, survivors)
+    clock = WindowClock.calibrate(
+        config.cost, config.params, trace.counts, trace.window_seconds, survivors
+    )
     after = counts[w:]
     mean = after.sum(axis=(1, 2)) / survivors  # [T - w]: sum over layers of the mean GPU load
     for way, phy2log in placements.items():
@@ -119,20 +139,26 @@ def simulate_failure(trace: Trace, config: SimConfig, failure: Failure) -> dict[
         peak = np.array([peak_load(phy2log, window, survivors).sum() for window in after])
         ideal = sum(clock.seconds(float(m)) for m in mean)
         taken = sum(clock.seconds(float(p)) for p in peak)
-        out[way] = {"balancedness_after": round(float(mean.sum() / peak.sum()), 6),
-                    "slots_moved": int((phy2log != kept).sum()),
-                    "relative_throughput": round(ideal / taken, 6)}
+        out[way] = {
+            "balancedness_after": round(float(mean.sum() / peak.sum()), 6),
+            "slots_moved": int((phy2log != kept).sum()),
+            "relative_throughput": round(ideal / taken, 6),
+        }
     return out
 
 
 def failure_table(out: dict[str, Any]) -> str:
-    lines = [f"failure at window {out['window']}: ranks {out['lost']} lost, {out['survivors']} "
-             f"survivors with {out['slots']} slots" + ("" if out["feasible"] else
-                                                        " (fewer than the experts: no placement serves them)"),
-             f"{'way':9s} {'balanced':>8s} {'rel_tput':>8s} {'slots':>9s}"]
+    lines = [
+        f"failure at window {out['window']}: ranks {out['lost']} lost, {out['survivors']} "
+        f"survivors with {out['slots']} slots"
+        + ("" if out["feasible"] else " (fewer than the experts: no placement serves them)"),
+        f"{'way':9s} {'balanced':>8s} {'rel_tput':>8s} {'slots':>9s}",
+    ]
     if out["feasible"]:
         for way in FAILURE_WAYS:
             f = out[way]
-            lines.append(f"{way:9s} {f['balancedness_after']:8.4f} {f['relative_throughput']:8.4f} "
-                         f"{f['slots_moved']:9d}")
+            lines.append(
+                f"{way:9s} {f['balancedness_after']:8.4f} {f['relative_throughput']:8.4f} "
+                f"{f['slots_moved']:9d}"
+            )
     return "\n".join(lines)

@@ -72,8 +72,9 @@ class ReplicaConfig:
         return num_windows // 2 if self.join_window is None else self.join_window
 
 
-def sample_replicas(trace: Trace, replicas: int, tokens_per_window: int, top_k: int,
-                    rng: np.random.Generator) -> np.ndarray:
+def sample_replicas(
+    trace: Trace, replicas: int, tokens_per_window: int, top_k: int, rng: np.random.Generator
+) -> np.ndarray:
     """Independent replica windows drawn from the trace's per-window routing.
 
     Returns: [R, T, L, E] int64, each replica window `tokens_per_window * top_k` picks
@@ -125,10 +126,16 @@ def simulate_replicas(trace: Trace, config: SimConfig, replicas: ReplicaConfig) 
     members = sample_replicas(trace, R + 1, replicas.tokens_per_window, replicas.top_k, rng)
     joiner_counts, members = members[R, join:], members[:R]
     pool = members.sum(axis=0)  # [T, L, E]: the pool's windows
-    alone = [Simulator(_as_trace(trace, members[r], f"{trace.name}#r{r}"), config).run("adaptive")
-             for r in range(R)]
-    pooled = [Simulator(_as_trace(trace, members[r], f"{trace.name}#r{r}"), config,
-                        observed=pool).run("adaptive") for r in range(R)]
+    alone = [
+        Simulator(_as_trace(trace, members[r], f"{trace.name}#r{r}"), config).run("adaptive")
+        for r in range(R)
+    ]
+    pooled = [
+        Simulator(_as_trace(trace, members[r], f"{trace.name}#r{r}"), config, observed=pool).run(
+            "adaptive"
+        )
+        for r in range(R)
+    ]
     # What a joining member is told: the pool's newest placement (member 0's; every
     # member serves the pool's, up to when each one's plan lands), and the pool's
     # balancedness in the window it joins at.
@@ -136,7 +143,9 @@ def simulate_replicas(trace: Trace, config: SimConfig, replicas: ReplicaConfig) 
     pool_balance = float(np.mean([r.balancedness_per_window[join] for r in pooled]))
     joiner_trace = _as_trace(trace, joiner_counts, f"{trace.name}#joiner")
     joiner_observed = pool[join:]
-    warm = Simulator(joiner_trace, config, start=pool_placement, observed=joiner_observed).run("adaptive")
+    warm = Simulator(joiner_trace, config, start=pool_placement, observed=joiner_observed).run(
+        "adaptive"
+    )
     cold = Simulator(joiner_trace, config, observed=joiner_observed).run("adaptive")
     k = min(replicas.first_windows, trace.num_windows - join)
     return {

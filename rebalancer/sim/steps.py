@@ -65,7 +65,9 @@ class StepConfig:
             raise InputError("batch_tokens needs at least one batch size")
         for b in self.batch_tokens:
             if not isinstance(b, int) or isinstance(b, bool) or not 0 < b <= MAX_BATCH_TOKENS:
-                raise InputError(f"batch tokens must be integers in [1, {MAX_BATCH_TOKENS}], got {b!r}")
+                raise InputError(
+                    f"batch tokens must be integers in [1, {MAX_BATCH_TOKENS}], got {b!r}"
+                )
         if not self.modes:
             raise InputError("modes needs at least one dispatch mode")
         for mode in self.modes:
@@ -87,7 +89,9 @@ def sample_step(
     Returns: [L, G, E] int64 tokens each rank routed to each expert.
     """
     num_layers, num_logical = probs.shape
-    draws = rng.multinomial(batch_tokens * top_k, np.broadcast_to(probs, (num_gpus, num_layers, num_logical)))
+    draws = rng.multinomial(
+        batch_tokens * top_k, np.broadcast_to(probs, (num_gpus, num_layers, num_logical))
+    )
     return np.ascontiguousarray(np.swapaxes(draws, 0, 1)).astype(np.int64)
 
 
@@ -125,7 +129,9 @@ def step_balance(
     sees the same tokens.
     """
     config.validate()
-    by_mode = placements if isinstance(placements, Mapping) else dict.fromkeys(config.modes, placements)
+    by_mode = (
+        placements if isinstance(placements, Mapping) else dict.fromkeys(config.modes, placements)
+    )
     for mode in config.modes:
         if mode not in by_mode:
             raise InputError(f"no placements for dispatch mode {mode!r}")
@@ -143,7 +149,9 @@ def step_balance(
             for mode in config.modes:
                 p2l = by_mode[mode][w]
                 if id(p2l) not in replicas_of:
-                    replicas_of[id(p2l)] = gpu_replicas(np.asarray(p2l, dtype=np.int64), trace.num_experts, num_gpus)
+                    replicas_of[id(p2l)] = gpu_replicas(
+                        np.asarray(p2l, dtype=np.int64), trace.num_experts, num_gpus
+                    )
             for s in range(config.steps_per_window):
                 rng = np.random.default_rng([config.seed, int(w), batch, s])
                 counts = sample_step(rng, probs, num_gpus, batch, config.top_k)
@@ -152,7 +160,9 @@ def step_balance(
                     shared = np.full((trace.num_layers, num_gpus), batch * config.shared_experts)
                 for mode in config.modes:
                     replicas = replicas_of[id(by_mode[mode][w])]
-                    loads = dispatch_allocation(counts, replicas, mode, shared, config.waterfill_passes).sum(axis=1)
+                    loads = dispatch_allocation(
+                        counts, replicas, mode, shared, config.waterfill_passes
+                    ).sum(axis=1)
                     busiest[mode] += float(loads.max(axis=1).sum())
                 ideal += float(counts.sum()) / num_gpus
                 if shared is not None:
@@ -189,7 +199,9 @@ def decide_under_modes(
         if adaptive is not None and mode == sim.dispatch_mode == "split":
             out[mode] = adaptive
         else:
-            out[mode] = Simulator(trace, replace(sim, dispatch_mode=mode, top_k=top_k)).run("adaptive")
+            out[mode] = Simulator(trace, replace(sim, dispatch_mode=mode, top_k=top_k)).run(
+                "adaptive"
+            )
     return out
 
 
@@ -206,10 +218,15 @@ def attach_step_balance(
     `"decided_under_mode"`."""
     for name, result in results.items():
         if name == "adaptive" and decided is not None:
-            result.dispatch = step_balance(trace, {m: r.placements for m, r in decided.items()}, num_gpus, config)
+            result.dispatch = step_balance(
+                trace, {m: r.placements for m, r in decided.items()}, num_gpus, config
+            )
             result.dispatch_decisions = {
-                m: {"rebalances": r.rebalances, "slots_moved": r.slots_moved,
-                    "relative_throughput": round(r.relative_throughput, 6)}
+                m: {
+                    "rebalances": r.rebalances,
+                    "slots_moved": r.slots_moved,
+                    "relative_throughput": round(r.relative_throughput, 6),
+                }
                 for m, r in decided.items()
             }
         else:

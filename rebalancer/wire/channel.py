@@ -62,10 +62,10 @@ def client_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
 @dataclass(frozen=True)
 class ChannelConfig:
     address: str
-    ca_file: str | None = None      # server CA: TLS on when set
-    cert_file: str | None = None    # client certificate (mutual TLS)
+    ca_file: str | None = None  # server CA: TLS on when set
+    cert_file: str | None = None  # client certificate (mutual TLS)
     key_file: str | None = None
-    token: str | None = None        # bearer token sent as `authorization` metadata
+    token: str | None = None  # bearer token sent as `authorization` metadata
 
     def check(self) -> None:
         """The settings fit together (no file is read): InputError, one line, if not."""
@@ -78,12 +78,17 @@ class ChannelConfig:
         self.check()
         if not self.ca_file:
             return None
-        root, key, chain = (_read(self.ca_file), _read(self.key_file) if self.key_file else None,
-                            _read(self.cert_file) if self.cert_file else None)
+        root, key, chain = (
+            _read(self.ca_file),
+            _read(self.key_file) if self.key_file else None,
+            _read(self.cert_file) if self.cert_file else None,
+        )
         if self.cert_file and self.key_file:
             # gRPC would only fail the handshake, which reads as an unreachable controller.
             check_key_pair(self.cert_file, self.key_file, "client certificate", "client key")
-        return grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=chain)
+        return grpc.ssl_channel_credentials(
+            root_certificates=root, private_key=key, certificate_chain=chain
+        )
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
@@ -109,9 +114,13 @@ def check_key_pair(cert_file: str, key_file: str, cert_what: str, key_what: str)
     except (ssl.SSLError, OSError) as exc:
         reason = getattr(exc, "reason", None) or str(exc)
         if "MISMATCH" in str(reason).upper():
-            raise InputError(f"{key_what} {key_file} is not the key of {cert_what} {cert_file}") from None
-        raise InputError(f"{cert_what} {cert_file} and {key_what} {key_file}: not a usable PEM "
-                         f"certificate and private key ({reason})") from None
+            raise InputError(
+                f"{key_what} {key_file} is not the key of {cert_what} {cert_file}"
+            ) from None
+        raise InputError(
+            f"{cert_what} {cert_file} and {key_what} {key_file}: not a usable PEM "
+            f"certificate and private key ({reason})"
+        ) from None
 
 
 def unavailable_cause(config: ChannelConfig, details: str, flags: TlsFlags = TlsFlags()) -> str:
@@ -124,24 +133,34 @@ def unavailable_cause(config: ChannelConfig, details: str, flags: TlsFlags = Tls
         return f"nothing listens on {where} (is the controller running there?)"
     if "Failed parsing HTTP/2" in details:
         # An HTTP/1 server (the controller's or a sidecar's metrics port) answers gRPC's preface.
-        return (f"the server at {where} answers HTTP, not gRPC: it is not the controller's gRPC port "
-                "(is it the metrics port?)")
+        return (
+            f"the server at {where} answers HTTP, not gRPC: it is not the controller's gRPC port "
+            "(is it the metrics port?)"
+        )
     if "WRONG_VERSION_NUMBER" in details:
         return f"the server at {where} does not speak TLS: leave out {flags.ca}, {flags.cert} and {flags.key}"
     if "CERTIFICATE_VERIFY_FAILED" in details:
         return f"the server's certificate is not signed by the CA of {flags.ca} {config.ca_file}"
     if "Hostname Verification" in details or "Peer name" in details:
-        return (f"the server's certificate does not name the host of {where}: connect by a name "
-                "or address its subjectAltName lists")
+        return (
+            f"the server's certificate does not name the host of {where}: connect by a name "
+            "or address its subjectAltName lists"
+        )
     if "Socket closed" in details:
         if not tls:
-            return (f"the server at {where} closed the connection at once: it likely serves TLS "
-                    f"(give {flags.ca}, and {flags.cert} / {flags.key} for mutual TLS)")
+            return (
+                f"the server at {where} closed the connection at once: it likely serves TLS "
+                f"(give {flags.ca}, and {flags.cert} / {flags.key} for mutual TLS)"
+            )
         if not config.cert_file:
-            return (f"the server at {where} ended the TLS handshake: it likely asks for a client "
-                    f"certificate (mutual TLS): give {flags.cert} and {flags.key}")
-        return (f"the server at {where} ended the TLS handshake: it likely does not accept the client "
-                f"certificate {config.cert_file} (not signed by the CA it trusts for clients?)")
+            return (
+                f"the server at {where} ended the TLS handshake: it likely asks for a client "
+                f"certificate (mutual TLS): give {flags.cert} and {flags.key}"
+            )
+        return (
+            f"the server at {where} ended the TLS handshake: it likely does not accept the client "
+            f"certificate {config.cert_file} (not signed by the CA it trusts for clients?)"
+        )
     return ""
 
 
@@ -156,8 +175,10 @@ def _read(path: str) -> bytes:
 
 
 # A host name (RFC 1123 labels) or an IPv4 address, then a port: what `host:port` allows.
-_HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-                   r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
+_HOST = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+    r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$"
+)
 
 
 def check_address(address: str) -> None:
@@ -166,25 +187,33 @@ def check_address(address: str) -> None:
     later, at every connection attempt (`notahost:xx`, a missing port)."""
     target = address
     if target.startswith("unix:"):
-        if not target[len("unix:"):].lstrip("/"):
+        if not target[len("unix:") :].lstrip("/"):
             raise InputError(f"controller address {address!r}: a unix: target needs a path")
         return
     if target.startswith("dns:"):
-        target = target[len("dns:"):]
+        target = target[len("dns:") :]
         if target.startswith("//"):  # dns://authority/host:port, the authority may be empty
             target = target[2:].partition("/")[2]
     host, sep, port = target.rpartition(":")
     if not sep or not host:
-        raise InputError(f"controller address {address!r} must be host:port (e.g. rebalancer:50051)")
+        raise InputError(
+            f"controller address {address!r} must be host:port (e.g. rebalancer:50051)"
+        )
     if not (port.isdigit() and 1 <= int(port) <= 65535):
-        raise InputError(f"controller address {address!r}: port {port!r} is not a number from 1 to 65535")
+        raise InputError(
+            f"controller address {address!r}: port {port!r} is not a number from 1 to 65535"
+        )
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
-            raise InputError(f"controller address {address!r}: {host} is not an IPv6 address") from None
+            raise InputError(
+                f"controller address {address!r}: {host} is not an IPv6 address"
+            ) from None
     elif not _HOST.match(host):
-        raise InputError(f"controller address {address!r}: {host!r} is not a host name or IP address")
+        raise InputError(
+            f"controller address {address!r}: {host!r} is not a host name or IP address"
+        )
 
 
 def sync_channel(config: ChannelConfig) -> grpc.Channel:

@@ -50,14 +50,18 @@ def decode(msg: pb.Array, what: str, shape: tuple[int, ...] | None = None) -> np
     """
     dtype = _TO_NUMPY.get(msg.dtype)
     if dtype is None:
-        raise InputError(f"{what}: unsupported dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype}")
+        raise InputError(
+            f"{what}: unsupported dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype}"
+        )
     got = tuple(msg.shape)  # uint64 on the wire: Python ints already
     if shape is not None and got != tuple(shape):
         raise InputError(f"{what}: shape {list(got)} does not match expected {list(shape)}")
     expected = math.prod(got) * dtype.itemsize
     data = msg.data  # each read of a bytes field copies the payload: read it once
     if len(data) != expected:
-        raise InputError(f"{what}: {len(data)} bytes for shape {list(got)} of {dtype.name} (expected {expected})")
+        raise InputError(
+            f"{what}: {len(data)} bytes for shape {list(got)} of {dtype.name} (expected {expected})"
+        )
     try:
         return np.frombuffer(data, dtype=dtype).reshape(got)
     except ValueError as exc:  # an empty shape numpy cannot hold: too many or too large dims
@@ -73,7 +77,8 @@ def count_scans(dtype: np.dtype) -> tuple[bool, bool]:
 
 
 _SCANS: dict[np.dtype, tuple[bool, bool]] = {
-    dt: (dt.kind != "u", dt.kind == "f" or int(np.iinfo(dt).max) > MAX_COUNT) for dt in _TO_NUMPY.values()
+    dt: (dt.kind != "u", dt.kind == "f" or int(np.iinfo(dt).max) > MAX_COUNT)
+    for dt in _TO_NUMPY.values()
 }
 
 
@@ -120,16 +125,25 @@ Statement = tuple[int, int]
 
 
 def window_message(
-    seq: int, first_step: int, num_steps: int, version: int,
-    logical: np.ndarray, physical: np.ndarray | None, serving: Statement = (0, 0),
+    seq: int,
+    first_step: int,
+    num_steps: int,
+    version: int,
+    logical: np.ndarray,
+    physical: np.ndarray | None,
+    serving: Statement = (0, 0),
 ) -> pb.Window:
     """One window of counts as ranks and sidecars send it: logical `[L, E]`, and the
     dispatched slot counts `[L, P]` when there are any; `serving`: (version, digest) of the
     placement the sender serves now (digest 0: not stated)."""
     msg = pb.Window(
-        seq=seq, first_step=first_step, num_steps=num_steps,
-        placement_version=version, logical_count=encode_counts(logical),
-        serving_version=serving[0], serving_hash=serving[1],
+        seq=seq,
+        first_step=first_step,
+        num_steps=num_steps,
+        placement_version=version,
+        logical_count=encode_counts(logical),
+        serving_version=serving[0],
+        serving_hash=serving[1],
     )
     if physical is not None:
         msg.physical_count.CopyFrom(encode_counts(physical))

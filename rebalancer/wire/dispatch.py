@@ -53,8 +53,14 @@ WATERFILL_DAMPING = Fraction(5, 16)
 
 def check_waterfill_passes(passes: object) -> int:
     """`passes` as a pass count in [1, MAX_WATERFILL_PASSES], or an InputError."""
-    if not isinstance(passes, int) or isinstance(passes, bool) or not 1 <= passes <= MAX_WATERFILL_PASSES:
-        raise InputError(f"waterfill passes must be an integer in [1, {MAX_WATERFILL_PASSES}], got {passes!r}")
+    if (
+        not isinstance(passes, int)
+        or isinstance(passes, bool)
+        or not 1 <= passes <= MAX_WATERFILL_PASSES
+    ):
+        raise InputError(
+            f"waterfill passes must be an integer in [1, {MAX_WATERFILL_PASSES}], got {passes!r}"
+        )
     return passes
 
 

@@ -65,7 +65,10 @@ def check_layout(num_logical: int, num_slots: int, num_gpus: int, num_nodes: int
     if num_gpus % num_nodes:
         raise InputError(f"GPUs ({num_gpus}) must be a multiple of nodes ({num_nodes})")
 
-def trivial_placement(num_layers: int, num_logical: int, num_slots: int, num_gpus: int) -> np.ndarray:
+
+def trivial_placement(
+    num_layers: int, num_logical: int, num_slots: int, num_gpus: int
+) -> np.ndarray:
     """Contiguous placement: slot p holds expert p % E.
 
     Returns: phy2log [L, P] int64.
@@ -77,11 +80,9 @@ def trivial_placement(num_layers: int, num_logical: int, num_slots: int, num_gpu
     return np.tile(row, (num_layers, 1))
 
 
-
-
-
-
-def check_phy2log(phy2log: object, num_logical: int | None = None, name: str = "phy2log") -> np.ndarray:
+def check_phy2log(
+    phy2log: object, num_logical: int | None = None, name: str = "phy2log"
+) -> np.ndarray:
     """Return phy2log as int64 [L, P], or raise InputError.
 
     phy2log: [L, P] integers in [0, E); with num_logical given every expert must appear
@@ -176,8 +177,11 @@ def logical_counts(physical: np.ndarray, phy2log: np.ndarray, num_logical: int) 
     num_layers = physical.shape[0]
     index = phy2log + np.arange(num_layers)[:, None] * num_logical
     held = np.asarray(phy2log) >= 0
-    summed = np.bincount(index[held], weights=np.asarray(physical)[held].astype(np.float64),
-                         minlength=num_layers * num_logical)
+    summed = np.bincount(
+        index[held],
+        weights=np.asarray(physical)[held].astype(np.float64),
+        minlength=num_layers * num_logical,
+    )
     return summed.reshape(num_layers, num_logical).round().astype(np.int64)
 
 

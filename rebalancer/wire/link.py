@@ -34,12 +34,20 @@ class SentWindows:
     def __len__(self) -> int:
         return len(self.unacked)
 
-    def number(self, first_step: int, num_steps: int, version: int,
-               logical: np.ndarray, physical: np.ndarray | None,
-               serving: codec.Statement = (0, 0)) -> pb.Window:
+    def number(
+        self,
+        first_step: int,
+        num_steps: int,
+        version: int,
+        logical: np.ndarray,
+        physical: np.ndarray | None,
+        serving: codec.Statement = (0, 0),
+    ) -> pb.Window:
         """The next window to send, numbered and kept until acknowledged; `serving`: what
         the sender serves now (Window.serving_version / serving_hash)."""
-        msg = codec.window_message(self.next_seq, first_step, num_steps, version, logical, physical, serving)
+        msg = codec.window_message(
+            self.next_seq, first_step, num_steps, version, logical, physical, serving
+        )
         self.unacked[self.next_seq] = msg
         self.next_seq += 1
         return msg
@@ -68,9 +76,15 @@ class SentWindows:
             del self.unacked[s]
 
 
-async def send_report(stub: pb_grpc.WorkerServiceStub, report: pb.PlanReport, session_id: str,
-                      timeout: float, metadata: tuple[tuple[str, str], ...], logger: logging.Logger,
-                      who: str) -> None:
+async def send_report(
+    stub: pb_grpc.WorkerServiceStub,
+    report: pb.PlanReport,
+    session_id: str,
+    timeout: float,
+    metadata: tuple[tuple[str, str], ...],
+    logger: logging.Logger,
+    who: str,
+) -> None:
     """Deliver one plan report for `session_id` (module doc); `who` names the sender in the log."""
     report.session_id = session_id
     try:
@@ -78,5 +92,11 @@ async def send_report(stub: pb_grpc.WorkerServiceStub, report: pb.PlanReport, se
     except grpc.aio.AioRpcError as exc:
         if exc.code() in LINK_LOST:
             raise  # reconnect, then send it again
-        logger.warning("%s: report of v%d (%s) refused: %s: %s", who, report.version,
-                       pb.PlanPhase.Name(report.phase), exc.code().name, exc.details())
+        logger.warning(
+            "%s: report of v%d (%s) refused: %s: %s",
+            who,
+            report.version,
+            pb.PlanPhase.Name(report.phase),
+            exc.code().name,
+            exc.details(),
+        )

@@ -44,8 +44,9 @@ def status_of(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def refuse(context: grpc.aio.ServicerContext, exc: Exception, what: str,
-                 logger: logging.Logger) -> None:
+async def refuse(
+    context: grpc.aio.ServicerContext, exc: Exception, what: str, logger: logging.Logger
+) -> None:
     """End the call with `exc`'s status and message, and say so in `logger`'s log."""
     code = status_of(exc)
     logger.warning("%s refused: %s: %s", what, code.name, exc)
@@ -62,7 +63,9 @@ async def read_hello(context: grpc.aio.ServicerContext) -> Any | None:
     INVALID_ARGUMENT when the stream opens with anything else or ends at once."""
     first = await context.read()
     if first is EOF_OF_STREAM or not first.HasField("hello"):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first stream message must be hello")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, "the first stream message must be hello"
+        )
         return None
     return first.hello
 
@@ -119,12 +122,16 @@ async def _checked_iter(requests: Any) -> AsyncIterator[Any]:
         yield _parsed(message)
 
 
-async def _refuse_undecodable(context: grpc.aio.ServicerContext, method: str, exc: UndecodableRequest) -> None:
+async def _refuse_undecodable(
+    context: grpc.aio.ServicerContext, method: str, exc: UndecodableRequest
+) -> None:
     log.warning("%s refused: INVALID_ARGUMENT: %s", method, exc)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
-def _guard(behavior: Callable[..., Any], method: str, request_streaming: bool) -> Callable[..., Any]:
+def _guard(
+    behavior: Callable[..., Any], method: str, request_streaming: bool
+) -> Callable[..., Any]:
     """`behavior` refusing a request that did not parse, of the same kind (coroutine or
     async generator) so the server drives it the same way."""
 
@@ -156,10 +163,13 @@ def _guard(behavior: Callable[..., Any], method: str, request_streaming: bool) -
 def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     """`handler` with a tolerant deserializer and its behavior guarded; as it is when its
     behavior is not async (a sync servicer would then run on the event loop)."""
-    behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary
-                or handler.stream_stream)
+    behavior = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
     parse = handler.request_deserializer
-    if parse is None or not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+    if parse is None or not (
+        inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
+    ):
         return handler
     guarded = _guard(behavior, method, handler.request_streaming)
     des, ser = _tolerant(parse), handler.response_serializer
@@ -182,7 +192,9 @@ class _Collector:
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         pass  # the same handlers come to add_registered_method_handlers
 
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
         self.services[service] = dict(handlers)
 
 
@@ -191,7 +203,9 @@ def add_service(add: Callable[[Any, Any], None], servicer: Any, server: Any) -> 
     method refusing a request that does not parse with INVALID_ARGUMENT."""
     collector = _Collector()
     add(servicer, collector)
-    if not collector.services:  # generated code older than grpcio 1.63 registers generic handlers only
+    if (
+        not collector.services
+    ):  # generated code older than grpcio 1.63 registers generic handlers only
         raise RuntimeError(f"{add.__qualname__} registered no method handlers")
     for service, handlers in collector.services.items():
         guarded = {name: _guarded(h, f"/{service}/{name}") for name, h in handlers.items()}
@@ -212,7 +226,9 @@ class StreamWriter:
     """The one writer of a server stream. Callbacks on the event loop `put` messages (plan
     phases, acks); one task writes them in order, so writes on the call never overlap."""
 
-    def __init__(self, context: grpc.aio.ServicerContext, what: str, size: int = SEND_QUEUE) -> None:
+    def __init__(
+        self, context: grpc.aio.ServicerContext, what: str, size: int = SEND_QUEUE
+    ) -> None:
         self.what = what  # names the stream in the log line of a dropped message
         self._queue: asyncio.Queue[Any] = asyncio.Queue(size)
         self._task = asyncio.create_task(self._run(context))

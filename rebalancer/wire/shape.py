@@ -36,7 +36,11 @@ class ClusterShape:
     top_k: int = 0
 
     def validate(self) -> None:
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, (int, np.integer)) or self.num_layers <= 0:
+        if (
+            isinstance(self.num_layers, bool)
+            or not isinstance(self.num_layers, (int, np.integer))
+            or self.num_layers <= 0
+        ):
             raise InputError(f"num_layers must be a positive integer, got {self.num_layers!r}")
         check_layout(self.num_logical, self.num_slots, self.num_gpus, self.num_nodes)
         if self.num_groups < 0 or (self.num_groups and self.num_logical % self.num_groups):
@@ -47,7 +51,11 @@ class ClusterShape:
         if self.expert_bytes < 0:
             raise InputError(f"expert_bytes must be >= 0, got {self.expert_bytes}")
         check_dispatch_mode(self.dispatch_mode)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or not 0 <= self.top_k <= self.num_logical:
+        if (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, (int, np.integer))
+            or not 0 <= self.top_k <= self.num_logical
+        ):
             raise InputError(f"top_k must be an integer in [0, num_logical], got {self.top_k!r}")
 
 
@@ -58,11 +66,17 @@ def shape_of(msg: pb.ModelShape) -> ClusterShape:
     if msg.num_layers > MAX_LAYERS:
         raise InputError(f"shape.num_layers {msg.num_layers} is above the limit {MAX_LAYERS}")
     if msg.expert_bytes > MAX_EXPERT_BYTES:
-        raise InputError(f"shape.expert_bytes {msg.expert_bytes} is above the limit {MAX_EXPERT_BYTES} (1 TiB)")
+        raise InputError(
+            f"shape.expert_bytes {msg.expert_bytes} is above the limit {MAX_EXPERT_BYTES} (1 TiB)"
+        )
     shape = ClusterShape(
-        num_layers=msg.num_layers, num_logical=msg.num_logical_experts,
-        num_slots=msg.num_physical_slots, num_gpus=msg.num_gpus, num_nodes=msg.num_nodes or 1,
-        num_groups=msg.num_groups, expert_bytes=msg.expert_bytes or ClusterShape.expert_bytes,
+        num_layers=msg.num_layers,
+        num_logical=msg.num_logical_experts,
+        num_slots=msg.num_physical_slots,
+        num_gpus=msg.num_gpus,
+        num_nodes=msg.num_nodes or 1,
+        num_groups=msg.num_groups,
+        expert_bytes=msg.expert_bytes or ClusterShape.expert_bytes,
     )
     shape.validate()
     cells = shape.num_layers * shape.num_slots
@@ -76,7 +90,11 @@ def shape_of(msg: pb.ModelShape) -> ClusterShape:
 
 def shape_msg(shape: ClusterShape) -> pb.ModelShape:
     return pb.ModelShape(
-        num_layers=shape.num_layers, num_logical_experts=shape.num_logical,
-        num_physical_slots=shape.num_slots, num_gpus=shape.num_gpus, num_nodes=shape.num_nodes,
-        expert_bytes=shape.expert_bytes, num_groups=shape.num_groups,
+        num_layers=shape.num_layers,
+        num_logical_experts=shape.num_logical,
+        num_physical_slots=shape.num_slots,
+        num_gpus=shape.num_gpus,
+        num_nodes=shape.num_nodes,
+        expert_bytes=shape.expert_bytes,
+        num_groups=shape.num_groups,
     )

@@ -70,14 +70,20 @@ class CountWindow:
     seq: int
     first_step: int
     num_steps: int
-    version: int                       # newest placement version its parts ran on
+    version: int  # newest placement version its parts ran on
     logical: np.ndarray
     physical: np.ndarray | None
     ranks: set[int] = field(default_factory=set)
-    parts: int = 0                     # windows summed into it
+    parts: int = 0  # windows summed into it
 
-    def add(self, first_step: int, num_steps: int, version: int,
-            logical: np.ndarray, physical: np.ndarray | None) -> None:
+    def add(
+        self,
+        first_step: int,
+        num_steps: int,
+        version: int,
+        logical: np.ndarray,
+        physical: np.ndarray | None,
+    ) -> None:
         """Sum one more part (a rank's window of this seq) into this window."""
         if self.parts == 0:
             self.first_step, self.num_steps = first_step, num_steps
@@ -100,22 +106,28 @@ class CountWindow:
         if self.physical is not None and newer.physical is not None:
             physical = self.physical + newer.physical
         return CountWindow(
-            self.seq, self.first_step, self.num_steps + newer.num_steps,
-            max(self.version, newer.version), self.logical + newer.logical, physical,
-            self.ranks | newer.ranks, self.parts + newer.parts,
+            self.seq,
+            self.first_step,
+            self.num_steps + newer.num_steps,
+            max(self.version, newer.version),
+            self.logical + newer.logical,
+            physical,
+            self.ranks | newer.ranks,
+            self.parts + newer.parts,
         )
 
 
 class SeqMerger:
     """Merges the windows of a group of ranks per sequence number (module doc)."""
 
-    def __init__(self, ranks: Iterable[int], fold_lag: int = FOLD_LAG,
-                 dtype: type[np.generic] = np.int64) -> None:
+    def __init__(
+        self, ranks: Iterable[int], fold_lag: int = FOLD_LAG, dtype: type[np.generic] = np.int64
+    ) -> None:
         self.ranks = frozenset(ranks)
         self.fold_lag = fold_lag
         self.dtype = dtype
         self.next_seq: dict[int, int] = {}  # rank -> next seq it may send
-        self.newest_seq = -1                # highest seq any rank sent
+        self.newest_seq = -1  # highest seq any rank sent
         self._open: dict[int, CountWindow] = {}
 
     def restore(self, next_seq: dict[int, int]) -> None:
@@ -134,22 +146,34 @@ class SeqMerger:
         get = self.next_seq.get  # once per window: a list is cheaper than a generator
         return max([get(r, 0) for r in ranks])
 
-    def add(self, ranks: Ranks, seq: int, logical: np.ndarray,
-            physical: np.ndarray | None, first_step: int = 0, num_steps: int = 0,
-            version: int = 0) -> bool:
+    def add(
+        self,
+        ranks: Ranks,
+        seq: int,
+        logical: np.ndarray,
+        physical: np.ndarray | None,
+        first_step: int = 0,
+        num_steps: int = 0,
+        version: int = 0,
+    ) -> bool:
         """Merge one window of `ranks` (one rank's, or a group's already summed); False for
         a duplicate. Raises StateError on a gap or a rank outside the group, changing nothing.
 
         logical: [L, E], physical: [L, P] or None (any integer or float dtype)."""
         group = rank_set(ranks)
         if not group or not group <= self.ranks:
-            raise StateError("INVALID_ARGUMENT", f"{who(group - self.ranks or group)} is not one "
-                             f"of the {len(self.ranks)} ranks of this group")
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"{who(group - self.ranks or group)} is not one "
+                f"of the {len(self.ranks)} ranks of this group",
+            )
         expected = self.expected(group)
         if seq < expected:
             return False
         if seq > expected and any(r in self.next_seq for r in group):
-            raise StateError("FAILED_PRECONDITION", f"window seq {seq} from {who(group)}: expected {expected}")
+            raise StateError(
+                "FAILED_PRECONDITION", f"window seq {seq} from {who(group)}: expected {expected}"
+            )
         for r in group:
             self.next_seq[r] = seq + 1
         self.newest_seq = max(self.newest_seq, seq)

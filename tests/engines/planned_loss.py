@@ -13,8 +13,15 @@ from typing import Any
 from rebalancer.controller.embedded import EmbeddedController
 
 
-def go_once_planned(ctl: EmbeddedController, tmp_path: Path, world: int, deployment: str,
-                    lost: tuple[int, ...], planned: list[Any], stop_controller: bool = True) -> Callable[[], None]:
+def go_once_planned(
+    ctl: EmbeddedController,
+    tmp_path: Path,
+    world: int,
+    deployment: str,
+    lost: tuple[int, ...],
+    planned: list[Any],
+    stop_controller: bool = True,
+) -> Callable[[], None]:
     """What `_run_ranks(during=...)` runs: appends the controller's planned map for `lost` to
     `planned`; the loss comes with the controller stopped, or up (`stop_controller` False)."""
 

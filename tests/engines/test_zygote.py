@@ -31,9 +31,13 @@ def _start(z: zygote.Zygote, tmp_path: Path, *args: str, **env: str):  # noqa: A
     tmp.mkdir(exist_ok=True)
     log = open(tmp_path / "out.log", "w")  # noqa: SIM115 - closed below
     try:
-        return z.popen([sys.executable, "-m", PROBE, *args], cwd=tmp_path,
-                       env={**os.environ, "TMPDIR": str(tmp), **env}, stdout=log,
-                       stderr=subprocess.STDOUT)
+        return z.popen(
+            [sys.executable, "-m", PROBE, *args],
+            cwd=tmp_path,
+            env={**os.environ, "TMPDIR": str(tmp), **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     finally:
         log.close()
 
@@ -44,7 +48,8 @@ def _said(tmp_path: Path) -> tuple[dict, str]:
 
 
 def test_a_forked_rank_runs_its_module_as_main_with_its_own_argv_env_folder_and_output(
-        starter: zygote.Zygote, tmp_path: Path) -> None:
+    starter: zygote.Zygote, tmp_path: Path
+) -> None:
     rank = _start(starter, tmp_path, "0", "--flag", PROBE="seen")
     assert rank.wait(timeout=60) == 0
     said, rest = _said(tmp_path)
@@ -58,8 +63,9 @@ def test_a_forked_rank_runs_its_module_as_main_with_its_own_argv_env_folder_and_
 
 
 @pytest.mark.parametrize(("action", "code"), [("3", 3), ("raise", 1)])
-def test_a_forked_rank_ends_with_the_code_python_would(starter: zygote.Zygote, tmp_path: Path,
-                                                        action: str, code: int) -> None:
+def test_a_forked_rank_ends_with_the_code_python_would(
+    starter: zygote.Zygote, tmp_path: Path, action: str, code: int
+) -> None:
     rank = _start(starter, tmp_path, action)
     assert rank.wait(timeout=60) == code
     assert rank.poll() == code
@@ -67,8 +73,9 @@ def test_a_forked_rank_ends_with_the_code_python_would(starter: zygote.Zygote, t
         assert "ValueError: a rank failed" in _said(tmp_path)[1]
 
 
-def test_a_killed_rank_says_the_signal_and_wait_times_out_like_popen(starter: zygote.Zygote,
-                                                                     tmp_path: Path) -> None:
+def test_a_killed_rank_says_the_signal_and_wait_times_out_like_popen(
+    starter: zygote.Zygote, tmp_path: Path
+) -> None:
     rank = _start(starter, tmp_path, "sleep")
     with pytest.raises(subprocess.TimeoutExpired):
         rank.wait(timeout=0.5)
@@ -95,11 +102,17 @@ def test_a_preload_that_starts_grpc_is_refused() -> None:
         zygote.Zygote(["grpc"], dict(os.environ), ROOT)
 
 
-def test_a_command_that_is_not_a_module_run_is_started_as_a_process(starter: zygote.Zygote,
-                                                                   tmp_path: Path) -> None:
+def test_a_command_that_is_not_a_module_run_is_started_as_a_process(
+    starter: zygote.Zygote, tmp_path: Path
+) -> None:
     with open(tmp_path / "out.log", "w") as log:
-        proc = starter.popen([sys.executable, "-c", "print('plain')"], cwd=tmp_path,
-                             env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+        proc = starter.popen(
+            [sys.executable, "-c", "print('plain')"],
+            cwd=tmp_path,
+            env=dict(os.environ),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     assert isinstance(proc, subprocess.Popen)
     assert proc.wait(timeout=60) == 0
     assert (tmp_path / "out.log").read_text().strip() == "plain"
@@ -119,8 +132,12 @@ def test_a_killed_test_process_leaves_neither_the_zygote_nor_its_ranks(tmp_path:
         "print(z.process.pid, r.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", script, str(ROOT), str(tmp_path / "out.log")],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(ROOT), str(tmp_path / "out.log")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert parent.stdout is not None
         pids = [int(p) for p in parent.stdout.readline().split()]

@@ -110,10 +110,19 @@ class Zygote:
     def __init__(self, preload: list[str], env: dict[str, str], cwd: Path) -> None:
         self._folder = tempfile.mkdtemp(prefix="zygote-")
         self.address = os.path.join(self._folder, "socket")
-        cmd = [sys.executable, "-m", "tests.engines.zygote", str(os.getpid()), self.address, *preload]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.engines.zygote",
+            str(os.getpid()),
+            self.address,
+            *preload,
+        ]
         self._log = Path(self._folder, "zygote.log")
         with open(self._log, "w") as log:
-            self.process = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+            self.process = subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=log, text=True
+            )
         assert self.process.stdout is not None
         ready, _, _ = select.select([self.process.stdout], [], [], START_SECONDS)
         line = self.process.stdout.readline() if ready else ""
@@ -122,9 +131,20 @@ class Zygote:
             self.close()
             raise RuntimeError(f"the zygote did not start ({' '.join(preload)}): {said}")
 
-    def popen(self, cmd: list[str], cwd: Path | str, env: dict[str, str], stdout: IO[Any],
-              stderr: Any = None) -> ForkedRank | subprocess.Popen[bytes]:
-        if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or stderr != subprocess.STDOUT:
+    def popen(
+        self,
+        cmd: list[str],
+        cwd: Path | str,
+        env: dict[str, str],
+        stdout: IO[Any],
+        stderr: Any = None,
+    ) -> ForkedRank | subprocess.Popen[bytes]:
+        if (
+            len(cmd) < 3
+            or cmd[0] != sys.executable
+            or cmd[1] != "-m"
+            or stderr != subprocess.STDOUT
+        ):
             return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.connect(self.address)
@@ -227,7 +247,10 @@ def _serve(parent: int, address: str, preload: list[str]) -> None:
         importlib.import_module(name)
     set_by_preload = {k: v for k, v in os.environ.items() if before.get(k) != v}
     if "grpc" in sys.modules:
-        print(f"a preload imported grpc, which must not be started before a fork: {preload}", flush=True)
+        print(
+            f"a preload imported grpc, which must not be started before a fork: {preload}",
+            flush=True,
+        )
         sys.exit(1)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(address)
@@ -251,7 +274,11 @@ def _serve(parent: int, address: str, preload: list[str]) -> None:
             conn, _ = listener.accept()
             try:
                 data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 1)
-                request = {**json.loads(data), "zygote": os.getpid(), "set_by_preload": set_by_preload}
+                request = {
+                    **json.loads(data),
+                    "zygote": os.getpid(),
+                    "set_by_preload": set_by_preload,
+                }
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()

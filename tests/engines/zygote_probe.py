@@ -9,9 +9,20 @@ import tempfile
 import time
 
 if __name__ == "__main__":
-    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
-                      "tmp": tempfile.gettempdir(), "main": __name__, "pid": os.getpid(),
-                      "ppid": os.getppid()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "argv": sys.argv[1:],
+                "cwd": os.getcwd(),
+                "probe": os.environ.get("PROBE"),
+                "tmp": tempfile.gettempdir(),
+                "main": __name__,
+                "pid": os.getpid(),
+                "ppid": os.getppid(),
+            }
+        ),
+        flush=True,
+    )
     print("to stderr", file=sys.stderr, flush=True)
     action = sys.argv[1]
     if action == "sleep":

@@ -39,7 +39,8 @@ def check_run(argv: list[str], allowed: set[int]) -> tuple[int, str, str]:
         assert ERROR_LINE.match(lines[-1]), err
         if len(lines) > 1:  # argparse: usage (with its continuation lines), then the error
             assert lines[0].startswith("usage: ") and all(
-                line.startswith(" ") or line == "" for line in lines[1:-1]), err
+                line.startswith(" ") or line == "" for line in lines[1:-1]
+            ), err
     elif "--json" in argv and out.strip() and not helping:
         json.loads(out.strip().splitlines()[-1])
     return code, out, err

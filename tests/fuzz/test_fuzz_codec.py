@@ -76,9 +76,14 @@ def test_decode_refuses_or_is_consistent(msg: pb.Array, shape: tuple[int, ...] |
     check_decoded(arr, msg, shape)
 
 
-@given(raw_arrays(), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
-       st.one_of(st.none(), st.integers(0, 200)))
-def test_decode_of_mutated_wire_bytes(msg: pb.Array, flips: list[tuple[int, int]], cut: int | None) -> None:
+@given(
+    raw_arrays(),
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
+    st.one_of(st.none(), st.integers(0, 200)),
+)
+def test_decode_of_mutated_wire_bytes(
+    msg: pb.Array, flips: list[tuple[int, int]], cut: int | None
+) -> None:
     """Bytes as they come off the wire, flipped and truncated: parse errors belong to
     protobuf (DecodeError, before the codec); whatever parses must decode or be refused."""
     from google.protobuf.message import DecodeError
@@ -116,11 +121,15 @@ def count_arrays(draw: st.DrawFn) -> np.ndarray:
 def test_decode_counts(counts: np.ndarray) -> None:
     msg = codec.encode(counts)
     bad = counts.size > 0 and (
-        (counts.dtype.kind == "f" and not np.isfinite(counts).all()) or (counts < 0).any()
+        (counts.dtype.kind == "f" and not np.isfinite(counts).all())
+        or (counts < 0).any()
         or (counts > codec.MAX_COUNT).any()
     )
     if bad:
-        with pytest.raises(InputError, match=r"^c: counts contain (NaN or infinity|negative values|.* above the largest count 2\^53)$"):
+        with pytest.raises(
+            InputError,
+            match=r"^c: counts contain (NaN or infinity|negative values|.* above the largest count 2\^53)$",
+        ):
             codec.decode_counts(msg, "c", counts.shape)
         return
     out = codec.decode_counts(msg, "c", counts.shape)
@@ -132,8 +141,11 @@ def test_decode_counts(counts: np.ndarray) -> None:
 
 wire_arrays = st.builds(
     lambda dtype, order: dtype.newbyteorder(order),
-    st.sampled_from(list(KNOWN.values())), st.sampled_from(["<", ">"]),
-).flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=6)))
+    st.sampled_from(list(KNOWN.values())),
+    st.sampled_from(["<", ">"]),
+).flatmap(
+    lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=6))
+)
 
 
 @given(wire_arrays, st.booleans())
@@ -149,8 +161,14 @@ def test_round_trip_is_identity(arr: np.ndarray, transpose: bool) -> None:
     assert not back.flags.writeable
 
 
-@given(hnp.arrays(st.sampled_from([np.float64, np.int8, np.int16, np.uint64, np.bool_, np.complex64, np.float16]),
-                  hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3)))
+@given(
+    hnp.arrays(
+        st.sampled_from(
+            [np.float64, np.int8, np.int16, np.uint64, np.bool_, np.complex64, np.float16]
+        ),
+        hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3),
+    )
+)
 def test_encode_refuses_other_dtypes(arr: np.ndarray) -> None:
     with pytest.raises(InputError, match="cannot encode dtype"):
         codec.encode(arr)
@@ -166,7 +184,9 @@ def phy2log_cases(draw: st.DrawFn) -> tuple[pb.Array, int, int, int]:
         for row in arr:
             draw(st.randoms(use_true_random=False)).shuffle(row)
         if draw(st.booleans()):
-            arr[draw(st.integers(0, L - 1)), draw(st.integers(0, P - 1))] = draw(st.integers(-3, E + 3))
+            arr[draw(st.integers(0, L - 1)), draw(st.integers(0, P - 1))] = draw(
+                st.integers(-3, E + 3)
+            )
         dtype = draw(st.sampled_from(list(KNOWN.values())))
         if dtype.kind == "u":
             arr = np.abs(arr)

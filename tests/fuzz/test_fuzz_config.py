@@ -23,11 +23,29 @@ from rebalancer.controller.config import ControllerConfig, load_config
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.errors import InputError
 
-SERVER_KEYS = ["host", "port", "db_path", "admin_token", "admin_token_file", "metrics_port", "max_message_bytes",
-               "tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds", "ack_interval_seconds",
-               "insecure"]
+SERVER_KEYS = [
+    "host",
+    "port",
+    "db_path",
+    "admin_token",
+    "admin_token_file",
+    "metrics_port",
+    "max_message_bytes",
+    "tick_seconds",
+    "grace_seconds",
+    "drain_seconds",
+    "persist_seconds",
+    "ack_interval_seconds",
+    "insecure",
+]
 POLICY_KEYS = list(PolicyConfig.setting_names())
-SECONDS = ["tick_seconds", "grace_seconds", "drain_seconds", "persist_seconds", "ack_interval_seconds"]
+SECONDS = [
+    "tick_seconds",
+    "grace_seconds",
+    "drain_seconds",
+    "persist_seconds",
+    "ack_interval_seconds",
+]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +100,7 @@ def write(folder: Path, text: str | bytes) -> Path:
 
 # ------------------------------------------------------------------ checks
 
+
 def load_or_refuse(path: Path) -> ControllerConfig | None:
     try:
         config = load_config(path)
@@ -105,7 +124,9 @@ def fully_valid(config: ControllerConfig) -> None:
     for name in ("port", "metrics_port"):
         value = getattr(config, name)
         assert value is None or (type(value) is int and 0 <= value < 65536), (name, value)
-    assert config.admin_token is None or (isinstance(config.admin_token, str) and config.admin_token)
+    assert config.admin_token is None or (
+        isinstance(config.admin_token, str) and config.admin_token
+    )
     assert type(config.max_message_bytes) is int and config.max_message_bytes > 0
     for name in SECONDS:
         value = getattr(config, name)
@@ -119,37 +140,60 @@ def fully_valid(config: ControllerConfig) -> None:
 
 text = st.text(st.characters(codec="utf-8", exclude_categories=["Cc", "Cs"]), max_size=8)
 scalars = st.one_of(
-    st.booleans(), st.integers(-(2**63), 2**63 - 1), st.integers(-1, 70000),
-    st.floats(allow_nan=True, allow_infinity=True), text,
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-1, 70000),
+    st.floats(allow_nan=True, allow_infinity=True),
+    text,
 )
-values = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(text, scalars, max_size=2))
+values = st.one_of(
+    scalars, st.lists(scalars, max_size=3), st.dictionaries(text, scalars, max_size=2)
+)
 
-good_server = st.fixed_dictionaries({}, optional={
-    "host": st.sampled_from(["127.0.0.1", "0.0.0.0", "::", "localhost"]),
-    "port": st.integers(0, 65535),
-    "db_path": st.sampled_from(["r.sqlite", "/tmp/x.sqlite"]),
-    "admin_token": st.text("abcdef0123", min_size=1, max_size=8),
-    "metrics_port": st.integers(0, 65535),
-    "max_message_bytes": st.integers(1, 2**31),
-    "tick_seconds": st.floats(0.01, 10),
-    "grace_seconds": st.floats(0, 60),
-    "drain_seconds": st.floats(0, 60),
-    "persist_seconds": st.floats(0, 60),
-    "ack_interval_seconds": st.floats(0, 10),
-})
-good_policy = st.fixed_dictionaries({}, optional={
-    "gain_threshold": st.floats(0, 1), "decay": st.floats(0, 1), "min_windows": st.integers(0, 100),
-    "max_moved_fraction": st.floats(0.01, 1), "horizon_seconds": st.floats(1, 1e4),
-    "shrink": st.booleans(), "paused": st.booleans(), "estimate_window": st.integers(0, 10),
-})
-good_tokens = st.dictionaries(st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True),
-                              st.text("xyz019", min_size=1, max_size=8), max_size=3)
+good_server = st.fixed_dictionaries(
+    {},
+    optional={
+        "host": st.sampled_from(["127.0.0.1", "0.0.0.0", "::", "localhost"]),
+        "port": st.integers(0, 65535),
+        "db_path": st.sampled_from(["r.sqlite", "/tmp/x.sqlite"]),
+        "admin_token": st.text("abcdef0123", min_size=1, max_size=8),
+        "metrics_port": st.integers(0, 65535),
+        "max_message_bytes": st.integers(1, 2**31),
+        "tick_seconds": st.floats(0.01, 10),
+        "grace_seconds": st.floats(0, 60),
+        "drain_seconds": st.floats(0, 60),
+        "persist_seconds": st.floats(0, 60),
+        "ack_interval_seconds": st.floats(0, 10),
+    },
+)
+good_policy = st.fixed_dictionaries(
+    {},
+    optional={
+        "gain_threshold": st.floats(0, 1),
+        "decay": st.floats(0, 1),
+        "min_windows": st.integers(0, 100),
+        "max_moved_fraction": st.floats(0.01, 1),
+        "horizon_seconds": st.floats(1, 1e4),
+        "shrink": st.booleans(),
+        "paused": st.booleans(),
+        "estimate_window": st.integers(0, 10),
+    },
+)
+good_tokens = st.dictionaries(
+    st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True),
+    st.text("xyz019", min_size=1, max_size=8),
+    max_size=3,
+)
 
 
 @st.composite
 def good_docs(draw: st.DrawFn) -> dict:
     doc: dict[str, object] = {}
-    for name, strategy in (("server", good_server), ("policy", good_policy), ("worker_tokens", good_tokens)):
+    for name, strategy in (
+        ("server", good_server),
+        ("policy", good_policy),
+        ("worker_tokens", good_tokens),
+    ):
         if draw(st.booleans()):
             doc[name] = draw(strategy)
     return doc
@@ -179,9 +223,13 @@ def fuzzed_docs(draw: st.DrawFn) -> dict:
         table = doc.setdefault(section, {})
         if not isinstance(table, dict):
             continue
-        keys = {"server": SERVER_KEYS + ["bogus"], "policy": POLICY_KEYS + ["bogus"],
-                "worker_tokens": ["dep", "a b", ""], "tls": ["cert", "key", "client_ca", "bogus"],
-                "bogus": ["x"]}[section]
+        keys = {
+            "server": SERVER_KEYS + ["bogus"],
+            "policy": POLICY_KEYS + ["bogus"],
+            "worker_tokens": ["dep", "a b", ""],
+            "tls": ["cert", "key", "client_ca", "bogus"],
+            "bogus": ["x"],
+        }[section]
         table[draw(st.sampled_from(keys))] = draw(values)
     return doc
 
@@ -207,12 +255,12 @@ def test_fuzzed_documents_refused_or_loaded_valid(folder: Path, doc: dict) -> No
 
 
 CRASHES = {
-    "server-not-a-table": 'server = 5\n',  # TypeError: 'int' object is not iterable
-    "tls-not-a-table": 'tls = 5\n',  # TypeError: 'int' object is not iterable
-    "tokens-not-a-table": 'worker_tokens = [1]\n',  # AttributeError
-    "policy-not-a-table": 'policy = [1]\n',  # TypeError in PolicyConfig(**values)
-    "token-file-not-a-string": '[server]\nadmin_token_file = 5\n',  # TypeError: Path(5)
-    "tls-cert-not-a-string": '[tls]\ncert = 5\nkey = 5\n',  # TypeError: Path(5)
+    "server-not-a-table": "server = 5\n",  # TypeError: 'int' object is not iterable
+    "tls-not-a-table": "tls = 5\n",  # TypeError: 'int' object is not iterable
+    "tokens-not-a-table": "worker_tokens = [1]\n",  # AttributeError
+    "policy-not-a-table": "policy = [1]\n",  # TypeError in PolicyConfig(**values)
+    "token-file-not-a-string": "[server]\nadmin_token_file = 5\n",  # TypeError: Path(5)
+    "tls-cert-not-a-string": "[tls]\ncert = 5\nkey = 5\n",  # TypeError: Path(5)
     "deep-nesting": "x = " + "[" * 5000 + "]" * 5000 + "\n",  # RecursionError in tomllib
 }
 
@@ -235,7 +283,7 @@ def test_unreadable_file(folder: Path, case: str) -> None:
 def test_admin_token_file_not_utf8(folder: Path) -> None:
     token = folder / "token"
     token.write_bytes(b"\xff\xfe")
-    load_or_refuse(write(folder, f'[server]\nadmin_token_file = {json.dumps(str(token))}\n'))
+    load_or_refuse(write(folder, f"[server]\nadmin_token_file = {json.dumps(str(token))}\n"))
 
 
 @given(st.binary(max_size=200).filter(lambda b: b.isascii()))
@@ -246,10 +294,17 @@ def test_random_ascii_bytes(folder: Path, content: bytes) -> None:
 VALID = Path(__file__).resolve().parents[2] / "deploy" / "controller.toml"
 
 
-@given(st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(list(" =[]\"'#.,{}0123456789-+eaxntf\n"))),
-                min_size=1, max_size=4),
-       st.one_of(st.none(), st.integers(0, 10**6)))
-def test_mutated_shipped_config(folder: Path, edits: list[tuple[int, str]], cut: int | None) -> None:
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 10**6), st.sampled_from(list(" =[]\"'#.,{}0123456789-+eaxntf\n"))),
+        min_size=1,
+        max_size=4,
+    ),
+    st.one_of(st.none(), st.integers(0, 10**6)),
+)
+def test_mutated_shipped_config(
+    folder: Path, edits: list[tuple[int, str]], cut: int | None
+) -> None:
     text = list(VALID.read_text())
     for pos, char in edits:
         text[pos % len(text)] = char

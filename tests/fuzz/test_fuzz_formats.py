@@ -57,17 +57,26 @@ def one_line_input_error(fn, path: Path):  # type: ignore[no-untyped-def]
 # ------------------------------------------------------------------ strategies
 
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from([10**400, -(10**400)]),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([10**400, -(10**400)]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
 )
 json_values = st.recursive(
     json_scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 numbers = st.one_of(
-    st.integers(0, 100), st.integers(-(2**70), 2**70), st.sampled_from([10**400, 2**64, 2**63, -1]),
-    st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+    st.integers(0, 100),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([10**400, 2**64, 2**63, -1]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
 )
 
 
@@ -92,8 +101,6 @@ def dumps(value: object) -> bytes:
     return json.dumps(value, allow_nan=True).encode()
 
 
-
-
 # ------------------------------------------------------------------ counts
 
 
@@ -107,7 +114,10 @@ def check_counts(arr: np.ndarray | None) -> None:
 @given(st.sampled_from(COUNT_SUFFIXES), st.binary(max_size=300))
 @example(suffix=".npz", content=b"PK\x03\x04garbage")  # zipfile.BadZipFile escaped
 @example(suffix=".npz", content=b"")  # EOFError escaped
-@example(suffix=".npz", content=b"\x93NUMPY\x01\x00v\x00{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }")
+@example(
+    suffix=".npz",
+    content=b"\x93NUMPY\x01\x00v\x00{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }",
+)
 @example(suffix=".json", content=b"[" * 100_000)  # RecursionError escaped
 def test_counts_random_bytes(folder: Path, suffix: str, content: bytes) -> None:
     check_counts(one_line_input_error(load_counts, put(folder, "random" + suffix, content)))
@@ -161,7 +171,9 @@ def _tensor_cases() -> list[object]:
     return [
         {"logical_count": base.to_sparse()},  # TypeError escaped
         {"logical_count": torch.ones(2, 3, device="meta")},  # TypeError escaped
-        {"logical_count": torch.quantize_per_tensor(base, 0.1, 0, torch.quint8)},  # RuntimeError escaped
+        {
+            "logical_count": torch.quantize_per_tensor(base, 0.1, 0, torch.quint8)
+        },  # RuntimeError escaped
         {"logical_count": base * 1j},  # imaginary part silently dropped
         {"logical_count": base.bool()},
         {"logical_count": base.to(torch.bfloat16)},
@@ -208,7 +220,9 @@ def test_counts_mutated_valid_files(folder: Path, suffix: str, mutation: tuple) 
 def test_counts_oversized_npz_header(folder: Path) -> None:
     """A .npz member whose header declares terabytes: MemoryError escaped."""
     buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": "<f8", "fortran_order": False, "shape": (10**6, 10**7)})
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": "<f8", "fortran_order": False, "shape": (10**6, 10**7)}
+    )
     buf.write(b"\0" * 64)
     zbuf = io.BytesIO()
     with zipfile.ZipFile(zbuf, "w") as z:
@@ -216,10 +230,14 @@ def test_counts_oversized_npz_header(folder: Path) -> None:
     assert one_line_input_error(load_counts, put(folder, "big.npz", zbuf.getvalue())) is None
 
 
-@given(hnp.arrays(st.sampled_from([np.int64, np.int32, np.float32, np.float64]),
-                  hnp.array_shapes(min_dims=2, max_dims=3, min_side=1, max_side=5),
-                  elements=st.integers(0, 10**6)),
-       st.sampled_from(["json", "npz", "pt"]))
+@given(
+    hnp.arrays(
+        st.sampled_from([np.int64, np.int32, np.float32, np.float64]),
+        hnp.array_shapes(min_dims=2, max_dims=3, min_side=1, max_side=5),
+        elements=st.integers(0, 10**6),
+    ),
+    st.sampled_from(["json", "npz", "pt"]),
+)
 def test_counts_round_trip(folder: Path, counts: np.ndarray, kind: str) -> None:
     if kind == "json":
         content = dumps({"logical_count": counts.tolist()})
@@ -259,23 +277,39 @@ def valid_placements(draw: st.DrawFn) -> dict:
         row = list(range(E)) + [draw(st.integers(0, E - 1)) for _ in range(P - E)]
         rows.append(draw(st.permutations(row)))
     version = draw(st.one_of(st.none(), st.integers(0, 2**40)))
-    return dict(phy2log=np.array(rows, np.int64), num_gpus=G, num_nodes=N, num_logical=E, version=version)
+    return dict(
+        phy2log=np.array(rows, np.int64), num_gpus=G, num_nodes=N, num_logical=E, version=version
+    )
 
 
 @st.composite
 def broken_placement_docs(draw: st.DrawFn) -> dict:
     """A valid PLACEMENT.json with one key replaced, removed or added."""
     p = draw(valid_placements())
-    doc = json.loads(json.dumps({
-        "format": "rebalancer.placement/v1", "num_gpus": p["num_gpus"], "num_nodes": p["num_nodes"],
-        "num_logical": p["num_logical"], "phy2log": p["phy2log"].tolist(), "version": p["version"],
-    }))
-    key = draw(st.sampled_from(["num_gpus", "num_nodes", "num_logical", "phy2log", "version", "format", "extra"]))
+    doc = json.loads(
+        json.dumps(
+            {
+                "format": "rebalancer.placement/v1",
+                "num_gpus": p["num_gpus"],
+                "num_nodes": p["num_nodes"],
+                "num_logical": p["num_logical"],
+                "phy2log": p["phy2log"].tolist(),
+                "version": p["version"],
+            }
+        )
+    )
+    key = draw(
+        st.sampled_from(
+            ["num_gpus", "num_nodes", "num_logical", "phy2log", "version", "format", "extra"]
+        )
+    )
     how = draw(st.sampled_from(["replace", "delete", "entry"]))
     if how == "delete":
         doc.pop(key, None)
     elif how == "entry" and doc["phy2log"] and doc["phy2log"][0]:
-        doc["phy2log"][draw(st.integers(0, len(doc["phy2log"]) - 1))][0] = draw(numbers | json_scalars)
+        doc["phy2log"][draw(st.integers(0, len(doc["phy2log"]) - 1))][0] = draw(
+            numbers | json_scalars
+        )
     else:
         doc[key] = draw(numbers | json_values | count_lists())
     return doc
@@ -321,7 +355,11 @@ def test_placement_round_trip(folder: Path, p: dict) -> None:
     saved = read_placement(path)
     assert np.array_equal(saved.phy2log, p["phy2log"]) and saved.phy2log.dtype == np.int64
     assert (saved.num_gpus, saved.num_nodes, saved.num_logical, saved.version) == (
-        p["num_gpus"], p["num_nodes"], p["num_logical"], p["version"])
+        p["num_gpus"],
+        p["num_nodes"],
+        p["num_logical"],
+        p["version"],
+    )
     sglang = folder / "sglang.json"
     write_sglang_expert_location(sglang, p["phy2log"])
     assert json.loads(sglang.read_text()) == {"physical_to_logical_map": p["phy2log"].tolist()}

@@ -50,13 +50,19 @@ def load_or_refuse(path: Path, **kw: object) -> Trace | None:
 
 # Numbers within int64 and beyond it (up to beyond float's range).
 safe_numbers = st.one_of(
-    st.integers(0, 1000), st.integers(-(2**62), 2**62), st.booleans(),
-    st.floats(-1e15, 1e15), st.sampled_from([float("nan"), float("inf"), 1e19, 1e308]),
-    st.sampled_from([2**63 - 1, 2**63, 2**64, 2**70, 10**400]), st.text(max_size=3),
+    st.integers(0, 1000),
+    st.integers(-(2**62), 2**62),
+    st.booleans(),
+    st.floats(-1e15, 1e15),
+    st.sampled_from([float("nan"), float("inf"), 1e19, 1e308]),
+    st.sampled_from([2**63 - 1, 2**63, 2**64, 2**70, 10**400]),
+    st.text(max_size=3),
 )
 shallow_json = st.recursive(
     st.none() | safe_numbers,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
     max_leaves=15,
 )
 
@@ -64,12 +70,19 @@ shallow_json = st.recursive(
 def _valid_trace_files() -> dict[str, bytes]:
     counts = np.arange(2 * 3 * 4, dtype=np.int64).reshape(2, 3, 4)
     return {
-        ".npz": npz_bytes(logical_count=counts, window_seconds=np.float64(2.0), labels=np.array(["a", "b"])),
+        ".npz": npz_bytes(
+            logical_count=counts, window_seconds=np.float64(2.0), labels=np.array(["a", "b"])
+        ),
         ".json": json.dumps({"logical_count": counts.tolist(), "window_seconds": 2.0}).encode(),
         ".pt": pt_bytes({"logical_count": torch.from_numpy(counts)}),
         ".jsonl": b"".join(
-            json.dumps({"problem_id": p, "token_idx": t, "layer": layer, "experts": [t % 4, (t + 1) % 4]}).encode() + b"\n"
-            for p in range(2) for t in range(3) for layer in range(2)
+            json.dumps(
+                {"problem_id": p, "token_idx": t, "layer": layer, "experts": [t % 4, (t + 1) % 4]}
+            ).encode()
+            + b"\n"
+            for p in range(2)
+            for t in range(3)
+            for layer in range(2)
         ),
     }
 
@@ -89,7 +102,11 @@ def test_mutated_valid_files(folder: Path, suffix: str, mutation: tuple) -> None
 
 @given(shallow_json, shallow_json)
 def test_json_of_wrong_structure(folder: Path, counts: object, seconds: object) -> None:
-    for doc in (counts, {"logical_count": counts}, {"logical_count": [[[1]]], "window_seconds": seconds}):
+    for doc in (
+        counts,
+        {"logical_count": counts},
+        {"logical_count": [[[1]]], "window_seconds": seconds},
+    ):
         load_or_refuse(put(folder, "wrong.json", json.dumps(doc).encode()))
 
 
@@ -102,36 +119,65 @@ def routing_records(draw: st.DrawFn) -> bytes:
     for _ in range(draw(st.integers(0, 6))):
         rec: dict[str, object] = {
             "problem_id": draw(st.integers(0, 3) | st.text(max_size=2) | st.none() | st.just([0])),
-            "token_idx": draw(st.integers(0, 5) | st.text(max_size=2) | st.sampled_from([[1], 1.5, True])),
-            "layer": draw(st.integers(-1, 3) | st.sampled_from([1.5, "2", None, float("inf")]) | big),
-            "experts": draw(st.lists(st.integers(-1, 6) | st.sampled_from([2.5, "1", None]) | big, max_size=3)
-                            | st.sampled_from([None, 3, "x", "12"])),
+            "token_idx": draw(
+                st.integers(0, 5) | st.text(max_size=2) | st.sampled_from([[1], 1.5, True])
+            ),
+            "layer": draw(
+                st.integers(-1, 3) | st.sampled_from([1.5, "2", None, float("inf")]) | big
+            ),
+            "experts": draw(
+                st.lists(st.integers(-1, 6) | st.sampled_from([2.5, "1", None]) | big, max_size=3)
+                | st.sampled_from([None, 3, "x", "12"])
+            ),
         }
         for key in draw(st.lists(st.sampled_from(sorted(rec)), max_size=1)):
             del rec[key]
         lines.append(json.dumps(rec))
     if draw(st.booleans()):
-        lines.insert(draw(st.integers(0, len(lines))), draw(st.sampled_from(["", "  ", "{", "nul", "[1]", "7"])))
+        lines.insert(
+            draw(st.integers(0, len(lines))),
+            draw(st.sampled_from(["", "  ", "{", "nul", "[1]", "7"])),
+        )
     content = ("\n".join(lines) + "\n").encode()
     return content + b"\xff\xfe\n" if draw(st.integers(0, 9)) == 0 else content
 
 
-@given(routing_records(), st.integers(-1, 4), st.one_of(st.none(), st.integers(-1, 8)),
-       st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)))
-def test_jsonl_records(folder: Path, content: bytes, tokens: int, experts: int | None, seconds: float | None) -> None:
-    load_or_refuse(put(folder, "routing.jsonl", content), tokens_per_window=tokens,
-                   num_experts=experts, window_seconds=seconds)
+@given(
+    routing_records(),
+    st.integers(-1, 4),
+    st.one_of(st.none(), st.integers(-1, 8)),
+    st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
+)
+def test_jsonl_records(
+    folder: Path, content: bytes, tokens: int, experts: int | None, seconds: float | None
+) -> None:
+    load_or_refuse(
+        put(folder, "routing.jsonl", content),
+        tokens_per_window=tokens,
+        num_experts=experts,
+        window_seconds=seconds,
+    )
 
 
-@given(hnp.arrays(np.int64, hnp.array_shapes(min_dims=3, max_dims=3, min_side=1, max_side=4),
-                  elements=st.integers(0, 10**9)),
-       st.floats(1e-3, 1e6), st.sampled_from([".npz", ".json", ".pt"]))
+@given(
+    hnp.arrays(
+        np.int64,
+        hnp.array_shapes(min_dims=3, max_dims=3, min_side=1, max_side=4),
+        elements=st.integers(0, 10**9),
+    ),
+    st.floats(1e-3, 1e6),
+    st.sampled_from([".npz", ".json", ".pt"]),
+)
 def test_round_trip(folder: Path, counts: np.ndarray, seconds: float, suffix: str) -> None:
     counts[0, :, 0] += 1  # no all-zero layer (those are dropped on load)
     if suffix == ".npz":
         Trace(counts, seconds, "t", [str(i) for i in range(len(counts))]).save(folder / "t.npz")
     elif suffix == ".json":
-        put(folder, "t.json", json.dumps({"logical_count": counts.tolist(), "window_seconds": seconds}).encode())
+        put(
+            folder,
+            "t.json",
+            json.dumps({"logical_count": counts.tolist(), "window_seconds": seconds}).encode(),
+        )
     else:
         put(folder, "t.pt", pt_bytes({"logical_count": torch.from_numpy(counts)}))
     trace = load_trace(folder / ("t" + suffix))
@@ -181,12 +227,15 @@ def test_pt_tensor_layouts(folder: Path, kind: str) -> None:
         load_trace(put(folder, kind + ".pt", pt_bytes({"logical_count": tensor})))
 
 
-@pytest.mark.parametrize("content, suffix", [
-    (b'{"logical_count": [[1e19, 1]]}', ".json"),
-    (npz_bytes(logical_count=np.array([[2**63, 1]], dtype=np.uint64)), ".npz"),
-    (b'{"logical_count": [[%d, 1]]}' % 2**64, ".json"),  # beyond uint64: an object array
-    (b'{"logical_count": [[%d, %d]]}' % (2**62, 2**62), ".json"),  # each fits, the sum does not
-])
+@pytest.mark.parametrize(
+    "content, suffix",
+    [
+        (b'{"logical_count": [[1e19, 1]]}', ".json"),
+        (npz_bytes(logical_count=np.array([[2**63, 1]], dtype=np.uint64)), ".npz"),
+        (b'{"logical_count": [[%d, 1]]}' % 2**64, ".json"),  # beyond uint64: an object array
+        (b'{"logical_count": [[%d, %d]]}' % (2**62, 2**62), ".json"),  # each fits, the sum does not
+    ],
+)
 def test_counts_beyond_int64(folder: Path, content: bytes, suffix: str) -> None:
     """Counts beyond int64 (1e19 in JSON, uint64 2**63 in .npz) wrapped negative in
     astype(int64) and were refused with a misleading 'got shape [1, 0, E]'."""
@@ -206,7 +255,9 @@ def test_window_seconds_not_a_sane_number(folder: Path, seconds: bytes) -> None:
 @pytest.mark.parametrize("expert", ["2.5", '"1"', "true", "2.0"])
 def test_jsonl_non_integer_ids(folder: Path, expert: str) -> None:
     """Float and string expert ids were truncated or parsed (int(2.5) == 2, int('1') == 1)."""
-    path = put(folder, "ids.jsonl", b'{"token_idx": 0, "layer": 0, "experts": [%s]}\n' % expert.encode())
+    path = put(
+        folder, "ids.jsonl", b'{"token_idx": 0, "layer": 0, "experts": [%s]}\n' % expert.encode()
+    )
     with pytest.raises(InputError, match="must be an integer"):
         load_trace(path)
 
@@ -219,11 +270,14 @@ def test_pt_message_lines(folder: Path) -> None:
     assert "\n" not in str(info.value) and "weights_only=False" not in str(info.value)
 
 
-@pytest.mark.parametrize("counts", [
-    [[[1, 2, 3, 4], [4, 3, 2, 1]]] * 2,  # [T, L, E]: escaped as IndexError
-    [[[1, 2], [2, 1]]] * 2,  # [T, L, E] with L == E: the mask fitted, read as [L, E] silently
-    [1, 2, 3],
-])
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [[[1, 2, 3, 4], [4, 3, 2, 1]]] * 2,  # [T, L, E]: escaped as IndexError
+        [[[1, 2], [2, 1]]] * 2,  # [T, L, E] with L == E: the mask fitted, read as [L, E] silently
+        [1, 2, 3],
+    ],
+)
 def test_generate_sources_of_wrong_rank(folder: Path, counts: list) -> None:
     """deepseek_v3_sources (datasets.load_deepseek_v3): a [T, L, E] counts file escaped as
     IndexError (only ValueError/KeyError/TypeError were caught)."""
@@ -242,4 +296,7 @@ def test_generate_top_k_above_experts() -> None:
     sources = {"a": np.array([[1.0, 2.0, 3.0, 4.0]])}
     with pytest.raises(InputError, match="top_k"):
         make_trace(sources, TraceGenConfig(windows=1, tokens_per_window=4, top_k=9))
-    assert make_trace(sources, TraceGenConfig(windows=1, tokens_per_window=4, top_k=4)).counts.sum() == 16
+    assert (
+        make_trace(sources, TraceGenConfig(windows=1, tokens_per_window=4, top_k=4)).counts.sum()
+        == 16
+    )

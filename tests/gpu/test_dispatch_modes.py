@@ -20,6 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+
 @pytest.fixture(scope="module", autouse=True)
 def reap_compile_workers() -> Iterator[None]:
     """torch.compile (the compiled dispatch) starts inductor's pool of compile workers;
@@ -30,12 +31,20 @@ def reap_compile_workers() -> Iterator[None]:
     shutdown_compile_workers()
 
 
-CFG = HookBenchConfig(tokens=256, num_layers=3, num_experts=64, top_k=4, dispatch_gpus=8, dispatch_slots=80)
+CFG = HookBenchConfig(
+    tokens=256, num_layers=3, num_experts=64, top_k=4, dispatch_gpus=8, dispatch_slots=80
+)
 
 
 @pytest.mark.parametrize(
     ("mode", "compiled"),
-    [("split", False), ("load", False), ("load+shared", False), ("load", True), ("load+shared", True)],
+    [
+        ("split", False),
+        ("load", False),
+        ("load+shared", False),
+        ("load", True),
+        ("load+shared", True),
+    ],
 )
 def test_capture_and_replay_equals_eager_and_cpu(mode: str, compiled: bool) -> None:
     """`compiled`: the water-fill fused by torch.compile (DispatchConfig.compile) gives
@@ -45,7 +54,10 @@ def test_capture_and_replay_equals_eager_and_cpu(mode: str, compiled: bool) -> N
     gen = torch.Generator().manual_seed(1)
     ids_cpu = torch.randint(0, CFG.num_experts, (CFG.tokens, CFG.top_k), generator=gen)
     ids = ids_cpu.to(dev)
-    out = [torch.empty(CFG.tokens, CFG.top_k + 1, dtype=ids.dtype, device=dev) for _ in range(CFG.num_layers)]
+    out = [
+        torch.empty(CFG.tokens, CFG.top_k + 1, dtype=ids.dtype, device=dev)
+        for _ in range(CFG.num_layers)
+    ]
 
     def route() -> None:
         for layer in range(CFG.num_layers):

@@ -120,8 +120,9 @@ class _Agent:
     def __init__(self) -> None:
         self.windows: list[tuple[np.ndarray, np.ndarray | None]] = []
 
-    def submit_window(self, first: int, steps: int, version: int, logical: np.ndarray,
-                      physical: np.ndarray | None) -> None:
+    def submit_window(
+        self, first: int, steps: int, version: int, logical: np.ndarray, physical: np.ndarray | None
+    ) -> None:
         self.windows.append((logical, physical))
 
 

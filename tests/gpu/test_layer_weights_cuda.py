@@ -22,8 +22,14 @@ SLOTS, LAYERS = 9, (3, 4, 6)
 def weights(dev: torch.device) -> dict[str, dict[int, torch.Tensor]]:
     gen = torch.Generator(device=dev).manual_seed(0)
     return {
-        "w13": {layer: torch.randn((SLOTS, 64, 48), generator=gen, device=dev, dtype=torch.bfloat16) for layer in LAYERS},
-        "w2": {layer: torch.randn((SLOTS, 48, 32), generator=gen, device=dev, dtype=torch.bfloat16) for layer in LAYERS},
+        "w13": {
+            layer: torch.randn((SLOTS, 64, 48), generator=gen, device=dev, dtype=torch.bfloat16)
+            for layer in LAYERS
+        },
+        "w2": {
+            layer: torch.randn((SLOTS, 48, 32), generator=gen, device=dev, dtype=torch.bfloat16)
+            for layer in LAYERS
+        },
     }
 
 

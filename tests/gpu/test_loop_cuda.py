@@ -22,9 +22,15 @@ pytestmark = [
 ]
 
 POLICY = PolicyConfig(
-    min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
-    min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=30.0,
-    estimator=EstimatorConfig(decay=0.5), cost=CostParams(step_seconds=0.01),
+    min_interval_seconds=0.5,
+    gain_threshold=0.03,
+    horizon_seconds=60.0,
+    max_moved_fraction=1.0,
+    min_windows=2,
+    decision_period_seconds=0.2,
+    prepare_timeout_seconds=30.0,
+    estimator=EstimatorConfig(decay=0.5),
+    cost=CostParams(step_seconds=0.01),
 )
 
 
@@ -33,9 +39,20 @@ def test_loop_on_gpus_keeps_outputs_identical(
     tmp_path: Path, transport: str, spare_rows: int
 ) -> None:
     config = DemoConfig(
-        workers=2, layers=4, experts=16, slots=24, tokens=16, steps=160, window_steps=8,
-        windows_per_phase=5, timeout_seconds=90.0, policy=POLICY, transport=transport,
-        device="cuda", db_path=str(tmp_path / "c.sqlite"), spare_rows=spare_rows,
+        workers=2,
+        layers=4,
+        experts=16,
+        slots=24,
+        tokens=16,
+        steps=160,
+        window_steps=8,
+        windows_per_phase=5,
+        timeout_seconds=90.0,
+        policy=POLICY,
+        transport=transport,
+        device="cuda",
+        db_path=str(tmp_path / "c.sqlite"),
+        spare_rows=spare_rows,
     )
     summary = run_demo(config, emit=lambda _: None)
     assert summary["plans_committed"] >= 1

@@ -34,24 +34,37 @@ def expert(layer: int, e: int, dev: torch.device) -> torch.Tensor:
     return torch.randn(SHAPE, generator=gen, device=dev, dtype=torch.bfloat16)
 
 
-def live(phy2log: np.ndarray, rank: int, dev: torch.device, spare: int = 0) -> dict[str, torch.Tensor]:
+def live(
+    phy2log: np.ndarray, rank: int, dev: torch.device, spare: int = 0
+) -> dict[str, torch.Tensor]:
     """Each slot's expert in row = slot, then `spare` free (zero) rows per layer."""
-    w = torch.stack([
-        torch.stack([expert(layer, int(phy2log[layer, rank * S + s]), dev) for s in range(S)]
-                    + [torch.zeros(SHAPE, device=dev, dtype=torch.bfloat16)] * spare)
-        for layer in range(L)
-    ])
+    w = torch.stack(
+        [
+            torch.stack(
+                [expert(layer, int(phy2log[layer, rank * S + s]), dev) for s in range(S)]
+                + [torch.zeros(SHAPE, device=dev, dtype=torch.bfloat16)] * spare
+            )
+            for layer in range(L)
+        ]
+    )
     return {"w13": w.contiguous(), "w2": (w * 2).contiguous()}
 
 
 def served(weights: dict[str, torch.Tensor], rows: np.ndarray) -> dict[str, torch.Tensor]:
     """Each slot's row ([L, S] of this rank) gathered into [L, S, ...]."""
     index = torch.as_tensor(rows, device=next(iter(weights.values())).device)
-    return {k: torch.stack([w[layer, index[layer]] for layer in range(L)]) for k, w in weights.items()}
+    return {
+        k: torch.stack([w[layer, index[layer]] for layer in range(L)]) for k, w in weights.items()
+    }
 
 
 def _worker(
-    rank: int, init: str, old: np.ndarray, new: np.ndarray, transport: Transport, out: str,
+    rank: int,
+    init: str,
+    old: np.ndarray,
+    new: np.ndarray,
+    transport: Transport,
+    out: str,
     spare: int,
 ) -> None:
     from worker_hooks.config import MigrationConfig
@@ -62,7 +75,11 @@ def _worker(
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group(
-        "nccl", init_method=init, rank=rank, world_size=G, device_id=dev,
+        "nccl",
+        init_method=init,
+        rank=rank,
+        world_size=G,
+        device_id=dev,
         timeout=datetime.timedelta(seconds=60),
     )
     group = dist.new_group(backend=transport_class(transport).group_backend(dev))

@@ -43,9 +43,16 @@ def test_graphed_blocks_replay_eager_across_a_committed_placement(family: str) -
     # bfloat16: torch's grouped products of other dtypes loop over the groups on the host.
     reference = build_tiny_model(family, seed=5, experts=EXPERTS).to(device, torch.bfloat16)  # type: ignore[arg-type]
     model = copy.deepcopy(reference)
-    ep = attach(model, AdapterConfig(
-        controller="127.0.0.1:1", deployment="t", redundant_slots=REDUNDANT, spare_rows=SPARE, agree_every=2,
-    ))
+    ep = attach(
+        model,
+        AdapterConfig(
+            controller="127.0.0.1:1",
+            deployment="t",
+            redundant_slots=REDUNDANT,
+            spare_rows=SPARE,
+            agree_every=2,
+        ),
+    )
     ids = token_batch(0, 0, TOKENS, int(reference.config.vocab_size), seed=1).to(device)
 
     def logits(m: torch.nn.Module) -> torch.Tensor:
@@ -80,6 +87,8 @@ def test_capture_of_float32_experts_is_refused_with_the_reason() -> None:
     from worker_hooks.engines.transformers.families import build_tiny_model
 
     model = build_tiny_model("qwen3_moe", seed=5, experts=EXPERTS).to("cuda")  # type: ignore[arg-type]
-    attach(model, AdapterConfig(controller="127.0.0.1:1", deployment="t", redundant_slots=REDUNDANT))
+    attach(
+        model, AdapterConfig(controller="127.0.0.1:1", deployment="t", redundant_slots=REDUNDANT)
+    )
     with pytest.raises(ValueError, match="needs bfloat16 expert weights on a CUDA device"):
         graph_moe_blocks(model, lambda _b: (torch.zeros(1, TOKENS, 8, device="cuda"), {}))

@@ -15,8 +15,9 @@ from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import client_options
 
 
-def start_controller(db: Path | str, policy: PolicyConfig | None = None, ready: bool = False,
-                     **kw: object) -> EmbeddedController:
+def start_controller(
+    db: Path | str, policy: PolicyConfig | None = None, ready: bool = False, **kw: object
+) -> EmbeddedController:
     """A controller on loopback; `ready`: returns once its decision process can decide
     (its imports take seconds on a loaded machine: an engine test's ranks, forked ready
     from a zygote, would otherwise run their steps before the first plan could start)."""

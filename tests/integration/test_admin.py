@@ -35,7 +35,14 @@ from tests.integration.conftest import start_controller
 
 L, E, P, G = 4, 256, 288, 32
 TOKEN = "admin-secret"
-SHAPE = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G, num_nodes=4, expert_bytes=44 << 20)
+SHAPE = pb.ModelShape(
+    num_layers=L,
+    num_logical_experts=E,
+    num_physical_slots=P,
+    num_gpus=G,
+    num_nodes=4,
+    expert_bytes=44 << 20,
+)
 
 
 def real_counts() -> np.ndarray:
@@ -44,7 +51,9 @@ def real_counts() -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedController, list[InstantRank]]]:
+def live(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[EmbeddedController, list[InstantRank]]]:
     db = tmp_path_factory.mktemp("admin") / "c.sqlite"
     # Paused: only forced plans happen here.
     policy = PolicyConfig(paused=True, min_windows=1)
@@ -60,7 +69,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedCon
         for r in ranks:  # each rank sees its share of the traffic
             r.agent.submit_window(seq * 8, 8, 0, counts // G, None)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and ctl.call(lambda: ctl.server.controller.deployments["dsv3"].stats.windows_ingested) < 3 * G:  # type: ignore[union-attr]
+    while (
+        time.monotonic() < deadline
+        and ctl.call(lambda: ctl.server.controller.deployments["dsv3"].stats.windows_ingested)
+        < 3 * G
+    ):  # type: ignore[union-attr]
         time.sleep(0.05)
     yield ctl, ranks
     for r in ranks:
@@ -94,29 +107,51 @@ def test_status(live: tuple[EmbeddedController, list[InstantRank]]) -> None:
     assert code == 0 and "32/32 ranks" in out
 
 
-def test_dry_run_predicts_what_the_engine_reports(live: tuple[EmbeddedController, list[InstantRank]]) -> None:
+def test_dry_run_predicts_what_the_engine_reports(
+    live: tuple[EmbeddedController, list[InstantRank]],
+) -> None:
     ctl, _ = live
-    before = ctl.call(lambda: (ctl.server.controller.deployments["dsv3"].version, len(ctl.server.store.plans("dsv3"))))  # type: ignore[union-attr]
+    before = ctl.call(
+        lambda: (
+            ctl.server.controller.deployments["dsv3"].version,
+            len(ctl.server.store.plans("dsv3")),
+        )
+    )  # type: ignore[union-attr]
     code, out, _ = admin(ctl, "--json", "force", "dsv3", "--dry-run")
     assert code == 0
     reply = json.loads(out)
     assert reply["outcome"] == "dry_run" and reply["plan_version"] == 0 and reply["transfers"] > 0
     dep = ctl.call(lambda: ctl.server.controller.deployments["dsv3"])  # type: ignore[union-attr]
     estimate = ctl.call(lambda: dep.estimator.estimate())  # type: ignore[attr-defined]
-    engine = placement.compute_placement(estimate, P, G, 4, previous=dep.phy2log, max_moved_fraction=dep.policy.max_moved_fraction)  # type: ignore[attr-defined]
+    engine = placement.compute_placement(
+        estimate, P, G, 4, previous=dep.phy2log, max_moved_fraction=dep.policy.max_moved_fraction
+    )  # type: ignore[attr-defined]
     assert reply["balancedness_candidate"] == pytest.approx(engine.balancedness, abs=1e-9)
-    assert reply["balancedness_current"] == pytest.approx(placement.balancedness(dep.phy2log, estimate, G), abs=1e-9)  # type: ignore[attr-defined]
+    assert reply["balancedness_current"] == pytest.approx(
+        placement.balancedness(dep.phy2log, estimate, G), abs=1e-9
+    )  # type: ignore[attr-defined]
     assert reply["balancedness_candidate"] > reply["balancedness_current"]
-    after = ctl.call(lambda: (ctl.server.controller.deployments["dsv3"].version, len(ctl.server.store.plans("dsv3"))))  # type: ignore[union-attr]
+    after = ctl.call(
+        lambda: (
+            ctl.server.controller.deployments["dsv3"].version,
+            len(ctl.server.store.plans("dsv3")),
+        )
+    )  # type: ignore[union-attr]
     assert after == before  # a dry run changes nothing
 
 
-def test_force_commits_and_history_and_placement_export(live: tuple[EmbeddedController, list[InstantRank]], tmp_path: Path) -> None:
+def test_force_commits_and_history_and_placement_export(
+    live: tuple[EmbeddedController, list[InstantRank]], tmp_path: Path
+) -> None:
     ctl, ranks = live
     code, out, _ = admin(ctl, "--json", "force", "dsv3", "--max-moved-fraction", "0.2")
     assert code == 0
     reply = json.loads(out)
-    assert reply["outcome"] == "forced" and reply["plan_version"] >= 1 and reply["moved_fraction"] <= 0.2 + 1e-9
+    assert (
+        reply["outcome"] == "forced"
+        and reply["plan_version"] >= 1
+        and reply["moved_fraction"] <= 0.2 + 1e-9
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(r.version != reply["plan_version"] for r in ranks):
         time.sleep(0.05)
@@ -124,13 +159,30 @@ def test_force_commits_and_history_and_placement_export(live: tuple[EmbeddedCont
     code, out, _ = admin(ctl, "--json", "history", "dsv3")
     assert code == 0
     history = json.loads(out)
-    assert history["plans"][0]["state"] == "committed" and history["plans"][0]["trigger"] == "forced"
+    assert (
+        history["plans"][0]["state"] == "committed" and history["plans"][0]["trigger"] == "forced"
+    )
     assert any(d["outcome"] == "forced" for d in history["decisions"])
-    code, _, _ = admin(ctl, "placement", "dsv3", "--out", str(tmp_path / "p.json"), "--sglang", str(tmp_path / "s.json"))
+    code, _, _ = admin(
+        ctl,
+        "placement",
+        "dsv3",
+        "--out",
+        str(tmp_path / "p.json"),
+        "--sglang",
+        str(tmp_path / "s.json"),
+    )
     assert code == 0
     saved = read_placement(tmp_path / "p.json")
-    assert saved.version == reply["plan_version"] and saved.phy2log.shape == (L, P) and saved.num_gpus == G
-    assert json.loads((tmp_path / "s.json").read_text())["physical_to_logical_map"] == saved.phy2log.tolist()
+    assert (
+        saved.version == reply["plan_version"]
+        and saved.phy2log.shape == (L, P)
+        and saved.num_gpus == G
+    )
+    assert (
+        json.loads((tmp_path / "s.json").read_text())["physical_to_logical_map"]
+        == saved.phy2log.tolist()
+    )
 
 
 def test_pause_resume_and_policy(live: tuple[EmbeddedController, list[InstantRank]]) -> None:
@@ -138,8 +190,13 @@ def test_pause_resume_and_policy(live: tuple[EmbeddedController, list[InstantRan
     assert admin(ctl, "pause", "dsv3")[0] == 0
     assert json.loads(admin(ctl, "--json", "status", "dsv3")[1])["deployments"][0]["paused"] is True
     assert admin(ctl, "resume", "dsv3")[0] == 0
-    assert json.loads(admin(ctl, "--json", "status", "dsv3")[1])["deployments"][0].get("paused", False) is False
-    code, out, _ = admin(ctl, "--json", "policy", "dsv3", "gain_threshold=0.05", "max_moved_fraction=0.3")
+    assert (
+        json.loads(admin(ctl, "--json", "status", "dsv3")[1])["deployments"][0].get("paused", False)
+        is False
+    )
+    code, out, _ = admin(
+        ctl, "--json", "policy", "dsv3", "gain_threshold=0.05", "max_moved_fraction=0.3"
+    )
     assert code == 0 and json.loads(out)["gain_threshold"] == 0.05
     assert json.loads(admin(ctl, "--json", "policy", "dsv3")[1])["max_moved_fraction"] == 0.3
     # Bad values: refused with exit 2, policy unchanged.
@@ -150,7 +207,9 @@ def test_pause_resume_and_policy(live: tuple[EmbeddedController, list[InstantRan
     assert json.loads(admin(ctl, "--json", "policy", "dsv3")[1])["max_moved_fraction"] == 0.3
     # The estimator's shrinkage: a boolean and a fraction; a bad boolean is refused.
     code, out, _ = admin(ctl, "--json", "policy", "dsv3", "shrink=false", "prior_decay=0.95")
-    assert code == 0 and json.loads(out)["shrink"] is False and json.loads(out)["prior_decay"] == 0.95
+    assert (
+        code == 0 and json.loads(out)["shrink"] is False and json.loads(out)["prior_decay"] == 0.95
+    )
     code, _, err = admin(ctl, "policy", "dsv3", "shrink=maybe")
     assert code == 2 and "true or false" in err
     # A message without the optional fields keeps their current values.
@@ -174,17 +233,30 @@ def test_refusals_change_nothing(live: tuple[EmbeddedController, list[InstantRan
     code, _, err = admin(ctl, "force", "dsv3", "--max-moved-fraction", "7")
     assert code == 2
     after = admin(ctl, "--json", "status")[1]
-    strip = lambda s: {k: v for k, v in json.loads(s)["deployments"][0].items() if k not in ("balancedness_actual",)}  # noqa: E731
+    strip = lambda s: {  # noqa: E731
+        k: v
+        for k, v in json.loads(s)["deployments"][0].items()
+        if k not in ("balancedness_actual",)
+    }
     assert strip(after) == strip(before)
 
 
-def test_metrics_exposition_passes_promtool(live: tuple[EmbeddedController, list[InstantRank]], tmp_path: Path) -> None:
+def test_metrics_exposition_passes_promtool(
+    live: tuple[EmbeddedController, list[InstantRank]], tmp_path: Path
+) -> None:
     ctl, _ = live
     port = ctl.server.metrics_port  # type: ignore[union-attr]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for name in ("rebalancer_balancedness", "rebalancer_placement_version", "rebalancer_connected_ranks",
-                 "rebalancer_windows_ingested_total", "rebalancer_decisions_total", "rebalancer_ingest_seconds_bucket",
-                 "rebalancer_build_info", "rebalancer_plans_total"):
+    for name in (
+        "rebalancer_balancedness",
+        "rebalancer_placement_version",
+        "rebalancer_connected_ranks",
+        "rebalancer_windows_ingested_total",
+        "rebalancer_decisions_total",
+        "rebalancer_ingest_seconds_bucket",
+        "rebalancer_build_info",
+        "rebalancer_plans_total",
+    ):
         assert name in text, name
     assert 'rebalancer_connected_ranks{deployment="dsv3"} 32.0' in text
     promtool = shutil.which("promtool")
@@ -192,12 +264,15 @@ def test_metrics_exposition_passes_promtool(live: tuple[EmbeddedController, list
         if os.environ.get("CI"):
             pytest.fail("promtool missing in CI (.ci/run provides it)")
         pytest.skip("promtool not installed (.ci/run provides it)")
-    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_a_force_meeting_a_plan_in_flight_is_refused_or_waits_for_it(
-        live: tuple[EmbeddedController, list[InstantRank]]) -> None:
+    live: tuple[EmbeddedController, list[InstantRank]],
+) -> None:
     """A plan in flight (one rank holds its PREPARED back): `force` is refused at once
     with the plan named (exit 4); `force --wait` waits for it to end (said on stderr), then
     starts its own. The tree before had no --wait: the docs' first hour failed so at load."""

@@ -81,9 +81,16 @@ def _feed(ctl: EmbeddedController) -> list[InstantRank]:
         for r in ranks:
             r.agent.submit_window(seq * 4, 4, 0, logical, rng.integers(0, 50, (L, P)))
     controller = ctl.server.controller  # type: ignore[union-attr]
-    wait_for(lambda: DEPLOYMENT in ctl.call(lambda: controller.deployments)
-             and ctl.call(lambda: controller.deployments[DEPLOYMENT].stats.windows_ingested) == WINDOWS * G
-             and ctl.call(lambda: controller.deployments[DEPLOYMENT].estimator.windows) >= WINDOWS, 30, "windows folded")
+    wait_for(
+        lambda: (
+            DEPLOYMENT in ctl.call(lambda: controller.deployments)
+            and ctl.call(lambda: controller.deployments[DEPLOYMENT].stats.windows_ingested)
+            == WINDOWS * G
+            and ctl.call(lambda: controller.deployments[DEPLOYMENT].estimator.windows) >= WINDOWS
+        ),
+        30,
+        "windows folded",
+    )
     return ranks
 
 
@@ -106,7 +113,11 @@ def test_status_agrees_with_history_across_a_restart(tmp_path: Path) -> None:
         assert code == 0, err
         forced = json.loads(out)
         assert forced["outcome"] == "forced" and forced["plan_version"] == 1
-        wait_for(lambda: ctl.call(lambda: controller.deployments[DEPLOYMENT].version) == 1, 30, "plan v1 committed")
+        wait_for(
+            lambda: ctl.call(lambda: controller.deployments[DEPLOYMENT].version) == 1,
+            30,
+            "plan v1 committed",
+        )
         code, out, _ = admin(ctl, "status", DEPLOYMENT, "--json")
         last = json.loads(out)["deployments"][0]["last_decision"]
         history = json.loads(admin(ctl, "history", DEPLOYMENT, "--json")[1])
@@ -140,15 +151,23 @@ def _connect(ctl: EmbeddedController) -> list[InstantRank]:
     return ranks
 
 
-def _send(ctl: EmbeddedController, ranks: list[InstantRank], logical: np.ndarray, windows: int) -> None:
+def _send(
+    ctl: EmbeddedController, ranks: list[InstantRank], logical: np.ndarray, windows: int
+) -> None:
     """`windows` windows of the same counts from every rank, waited until folded."""
     controller = ctl.server.controller  # type: ignore[union-attr]
     start = ctl.call(lambda: controller.deployments[DEPLOYMENT].estimator.windows)
     for seq in range(windows):
         for r in ranks:
             r.agent.submit_window(seq * 4, 4, 0, logical, np.full((L, P), 10))
-    wait_for(lambda: ctl.call(lambda: controller.deployments[DEPLOYMENT].estimator.windows) >= start + windows,
-             30, "windows folded")
+    wait_for(
+        lambda: (
+            ctl.call(lambda: controller.deployments[DEPLOYMENT].estimator.windows)
+            >= start + windows
+        ),
+        30,
+        "windows folded",
+    )
 
 
 def test_a_force_with_no_rank_connected_exits_4_with_its_reason(tmp_path: Path) -> None:
@@ -161,11 +180,17 @@ def test_a_force_with_no_rank_connected_exits_4_with_its_reason(tmp_path: Path) 
     for r in ranks:
         r.agent.stop()
     try:
-        wait_for(lambda: ctl.call(lambda: controller.deployments[DEPLOYMENT].connected_ranks) == 0, 30, "ranks gone")
+        wait_for(
+            lambda: ctl.call(lambda: controller.deployments[DEPLOYMENT].connected_ranks) == 0,
+            30,
+            "ranks gone",
+        )
         code, out, err = admin(ctl, "force", DEPLOYMENT)
         assert (code, out) == (4, ""), (code, out, err)
-        assert err == (f"rebalancer admin: error: no plan started for {DEPLOYMENT!r}: skip_ranks: "
-                       f"only 0 of {G} ranks connected (missing: ranks 0-{G - 1})\n")
+        assert err == (
+            f"rebalancer admin: error: no plan started for {DEPLOYMENT!r}: skip_ranks: "
+            f"only 0 of {G} ranks connected (missing: ranks 0-{G - 1})\n"
+        )
         code, out, err = admin(ctl, "force", DEPLOYMENT, "--json")
         decision = json.loads(out)
         assert code == 4 and err.count("\n") == 1 and "skip_ranks" in err
@@ -191,9 +216,19 @@ def test_a_force_that_would_move_nothing_starts_no_plan(tmp_path: Path) -> None:
         assert code == 0 and json.loads(out)["moved_fraction"] == 0.0
         code, out, err = admin(ctl, "force", DEPLOYMENT)
         assert (code, out) == (4, ""), (code, out, err)
-        assert err.startswith(f"rebalancer admin: error: no plan started for {DEPLOYMENT!r}: skip_gain: forced, "
-                              "but the candidate equals the current placement") and err.count("\n") == 1
-        assert ctl.call(lambda: (controller.deployments[DEPLOYMENT].version, controller.deployments[DEPLOYMENT].plan)) == (0, None)
+        assert (
+            err.startswith(
+                f"rebalancer admin: error: no plan started for {DEPLOYMENT!r}: skip_gain: forced, "
+                "but the candidate equals the current placement"
+            )
+            and err.count("\n") == 1
+        )
+        assert ctl.call(
+            lambda: (
+                controller.deployments[DEPLOYMENT].version,
+                controller.deployments[DEPLOYMENT].plan,
+            )
+        ) == (0, None)
         assert ctl.call(lambda: controller.store.plans(DEPLOYMENT, 5)) == []
     finally:
         for r in ranks:
@@ -215,13 +250,18 @@ def test_what_status_and_history_say_before_and_after_windows(tmp_path: Path) ->
     try:
         code, text, _ = admin(ctl, "status", DEPLOYMENT)
         assert code == 0, text
-        assert ("balancedness actual - (no window measured yet), on estimate - (no counts folded yet); "
-                "0 windows folded (0 received since start)") in text
+        assert (
+            "balancedness actual - (no window measured yet), on estimate - (no counts folded yet); "
+            "0 windows folded (0 received since start)"
+        ) in text
         assert "0.000" not in text
         rng = np.random.default_rng(5)
         _send(ctl, ranks, rng.integers(0, 50, (L, E)) * (1 + np.arange(E)), 3)
         code, text, _ = admin(ctl, "status", DEPLOYMENT)
-        assert re.search(r"balancedness actual [01]\.\d{3}, on estimate [01]\.\d{3}; 3 windows folded \(6 received", text), text
+        assert re.search(
+            r"balancedness actual [01]\.\d{3}, on estimate [01]\.\d{3}; 3 windows folded \(6 received",
+            text,
+        ), text
         before = time.time()
         dry = json.loads(admin(ctl, "force", DEPLOYMENT, "--dry-run", "--json")[1])
         code, out, err = admin(ctl, "force", DEPLOYMENT, "--json")
@@ -232,9 +272,12 @@ def test_what_status_and_history_say_before_and_after_windows(tmp_path: Path) ->
         assert history["decisions"][0]["time"] == forced["time"]  # what was recorded
         code, text, _ = admin(ctl, "history", DEPLOYMENT)
         lines = text.splitlines()
-        plans, decisions = lines[1:lines.index("decisions:")], lines[lines.index("decisions:") + 1:]
-        sets = decisions[decisions.index("contingency sets:") + 1:]
-        decisions = decisions[:decisions.index("contingency sets:")]
+        plans, decisions = (
+            lines[1 : lines.index("decisions:")],
+            lines[lines.index("decisions:") + 1 :],
+        )
+        sets = decisions[decisions.index("contingency sets:") + 1 :]
+        decisions = decisions[: decisions.index("contingency sets:")]
         assert plans and decisions  # a contingency set may still be computed
         for line in plans + decisions + sets:
             assert re.match(rf"  {STAMP} ", line), line
@@ -254,14 +297,20 @@ def test_contingency_lists_every_planned_loss(tmp_path: Path) -> None:
     try:
         ranks = _feed(ctl)
         controller = ctl.server.controller  # type: ignore[union-attr]
-        wait_for(lambda: ctl.call(lambda: controller.contingency.get(DEPLOYMENT)) is not None, 30, "contingency set")
+        wait_for(
+            lambda: ctl.call(lambda: controller.contingency.get(DEPLOYMENT)) is not None,
+            30,
+            "contingency set",
+        )
         code, out, err = admin(ctl, "contingency", DEPLOYMENT, "--json")
         assert code == 0, err
         reply = json.loads(out)
         assert reply["planned"] and int(reply["base_version"]) == 0
         assert [loss["lost_ranks"] for loss in reply["losses"]] == [[r] for r in range(G)]
         for loss in reply["losses"]:
-            assert loss["kind"] == "rank" and (loss["unserved"] > 0 or 0 < loss["balancedness"] <= 1)
+            assert loss["kind"] == "rank" and (
+                loss["unserved"] > 0 or 0 < loss["balancedness"] <= 1
+            )
         code, out, _ = admin(ctl, "contingency", DEPLOYMENT)
         assert code == 0 and "planned on v0" in out and out.count("\n  rank ") == G
         code, _, err = admin(ctl, "contingency", "nope")
@@ -285,14 +334,20 @@ def test_policy_scale_down_nodes_is_set_shown_and_refused_precisely(tmp_path: Pa
         assert code == 0 and "scale_down_nodes = none" in out, err
         code, out, err = admin(ctl, "policy", DEPLOYMENT, "scale_down_nodes=1")
         assert code == 2 and out == ""
-        assert "scale_down_nodes: 1 nodes is no scale-down of a deployment of 1 node (at most 0)" in err
+        assert (
+            "scale_down_nodes: 1 nodes is no scale-down of a deployment of 1 node (at most 0)"
+            in err
+        )
         code, out, err = admin(ctl, "policy", DEPLOYMENT, "scale_down_nodes=2,x")
         assert code == 2 and out == "" and "'x' is not a whole number of nodes" in err
         code, out, err = admin(ctl, "policy", DEPLOYMENT, "scale_down_nodes=", "--json")
         assert code == 0, err
         assert json.loads(out).get("scale_down_nodes", {}).get("counts", []) == []
         controller = ctl.server.controller  # type: ignore[union-attr]
-        assert ctl.call(lambda: controller.deployment(DEPLOYMENT).policy.contingency.scale_down_nodes) == []
+        assert (
+            ctl.call(lambda: controller.deployment(DEPLOYMENT).policy.contingency.scale_down_nodes)
+            == []
+        )
     finally:
         for r in ranks:
             r.agent.stop()

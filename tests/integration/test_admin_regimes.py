@@ -30,8 +30,11 @@ def test_admin_regimes_shows_the_library_the_policy_learned(tmp_path: Path) -> N
         code, out, err = admin(ctl, "regimes", DEPLOYMENT, "--json")
         assert code == 0, err
         reply = json.loads(out)
-        assert reply["enabled"] and reply["regimes"] and int(reply["current"]) in {
-            int(r["id"]) for r in reply["regimes"]}
+        assert (
+            reply["enabled"]
+            and reply["regimes"]
+            and int(reply["current"]) in {int(r["id"]) for r in reply["regimes"]}
+        )
         assert sum(int(r["windows"]) for r in reply["regimes"]) == int(reply["windows"])
         assert reply["last_load"]  # the decision says what load it used and why
         code, out, _ = admin(ctl, "regimes", DEPLOYMENT)

@@ -15,6 +15,7 @@ from bench.chaos.short import short_campaign_failures, short_config
 
 pytestmark = pytest.mark.slow
 
+
 def test_short_chaos_campaign_keeps_every_invariant() -> None:
     config = short_config()
     result = run_chaos(config)
@@ -32,9 +33,23 @@ def test_sigterm_ends_the_harness_with_nothing_left_behind() -> None:
     from pathlib import Path
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.chaos", "--seconds", "60", "--workers", "2", "--pods", "2",
-         "--kinds", "latency", "--json"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "bench.chaos",
+            "--seconds",
+            "60",
+            "--workers",
+            "2",
+            "--pods",
+            "2",
+            "--kinds",
+            "latency",
+            "--json",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stderr is not None
@@ -72,13 +87,24 @@ def test_a_campaign_that_cannot_start_leaves_nothing_behind() -> None:
     reaped, the tmpfs unmounted and the run's folder removed."""
     from pathlib import Path
 
-    config = ChaosConfig(seconds=1.0, workers=2, pods=2, kinds=("latency",), hog=1,
-                         prepare_timeout_seconds=-1.0, progress=False)
+    config = ChaosConfig(
+        seconds=1.0,
+        workers=2,
+        pods=2,
+        kinds=("latency",),
+        hog=1,
+        prepare_timeout_seconds=-1.0,
+        progress=False,
+    )
     harness = Harness(config)
-    with pytest.raises(RuntimeError, match="controller did not start: .*prepare_timeout_seconds must be"):
+    with pytest.raises(
+        RuntimeError, match="controller did not start: .*prepare_timeout_seconds must be"
+    ):
         harness.run()
     started = harness.procs.all_procs
-    assert len(started) == 2 and all(p.poll() is not None for p in started)  # the hog and the controller
+    assert len(started) == 2 and all(
+        p.poll() is not None for p in started
+    )  # the hog and the controller
     assert harness.procs.leaked() == []
     assert not harness.tmp.exists()
     assert str(harness.tmp) not in Path("/proc/mounts").read_text()

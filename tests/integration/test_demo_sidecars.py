@@ -25,10 +25,26 @@ pytestmark = [
 
 SMALL = ["--workers", "4", "--windows", "10", "--layers", "2", "--experts", "16"]
 KEYS = {
-    "windows", "steps", "workers", "sidecars", "plans_proposed", "plans_committed", "plans_aborted",
-    "placement_version", "balancedness_first", "balancedness_last", "balancedness_mean",
-    "slots_moved", "bytes_moved", "max_output_diff", "weights_match_map",
-    "ranks_agree_on_versions", "max_swap_ms", "experts_copied_at_commit", "seconds", "stopped_early",
+    "windows",
+    "steps",
+    "workers",
+    "sidecars",
+    "plans_proposed",
+    "plans_committed",
+    "plans_aborted",
+    "placement_version",
+    "balancedness_first",
+    "balancedness_last",
+    "balancedness_mean",
+    "slots_moved",
+    "bytes_moved",
+    "max_output_diff",
+    "weights_match_map",
+    "ranks_agree_on_versions",
+    "max_swap_ms",
+    "experts_copied_at_commit",
+    "seconds",
+    "stopped_early",
 }  # and "store" when the store outlives the demo (--db, --keep)
 TAG = "DEMO_TEST_RUN"  # set for one demo run; every process it starts inherits it
 
@@ -45,7 +61,9 @@ def tagged(token: str) -> dict[int, str]:
                 continue
             if "\nState:\tZ" in (entry / "status").read_text():
                 continue
-            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            found[int(entry.name)] = (
+                (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
         except OSError:
             continue
     return found
@@ -72,9 +90,14 @@ def _as_a_foreground_job() -> None:
 
 def start(args: list[str], token: str) -> subprocess.Popen[str]:
     env = {**os.environ, TAG: token, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "rebalancer", "demo", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, start_new_session=True,  # its own group, like a shell job
-                            preexec_fn=_as_a_foreground_job)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rebalancer", "demo", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        start_new_session=True,  # its own group, like a shell job
+        preexec_fn=_as_a_foreground_job,
+    )
 
 
 def run(args: list[str]) -> tuple[int, list[str], dict[str, Any]]:
@@ -118,8 +141,12 @@ def test_demo_through_two_sidecars() -> None:
     assert summary["max_output_diff"] == 0.0
     assert summary["ranks_agree_on_versions"] and summary["weights_match_map"]
     assert summary["bytes_moved"] > 0
-    assert lines[0].startswith("each window: seq | vN placement it ran on | routed balancedness = mean/max")
-    assert any(ln.startswith("4 workers in 2 pods via sidecars (ranks 0-1, ranks 2-3") for ln in lines)
+    assert lines[0].startswith(
+        "each window: seq | vN placement it ran on | routed balancedness = mean/max"
+    )
+    assert any(
+        ln.startswith("4 workers in 2 pods via sidecars (ranks 0-1, ranks 2-3") for ln in lines
+    )
     assert not temp_folder(lines).exists()  # the temporary folder is gone, and not named as kept
 
 

@@ -31,7 +31,10 @@ def test_each_mode_keeps_outputs_identical_and_counts_what_was_computed(
     assert ctl.server is not None
     # Past its steps, each rank serves on until plan v1 committed (all switch at one step,
     # so all stop together): a run of a fixed number of steps may end before any plan.
-    extra = {r: ["--dispatch", mode, "--shared-expert", "--wait-version", "1"] for r in range(config.workers)}
+    extra = {
+        r: ["--dispatch", mode, "--shared-expert", "--wait-version", "1"]
+        for r in range(config.workers)
+    }
     try:
         procs = launch_workers(
             config, ctl.server.address, write_profile(config, tmp_path), tmp_path, extra
@@ -57,7 +60,9 @@ def test_each_mode_keeps_outputs_identical_and_counts_what_was_computed(
     logical = np.sum([np.asarray(r["recorded_logical"]) for r in results], axis=0)
     tokens = config.tokens * G * np.asarray([r["steps"] for r in results]).max()
     np.testing.assert_array_equal(logical[:, config.experts], np.full(L, tokens))
-    np.testing.assert_array_equal(logical[:, : config.experts].sum(axis=1), np.full(L, tokens * config.top_k))
+    np.testing.assert_array_equal(
+        logical[:, : config.experts].sum(axis=1), np.full(L, tokens * config.top_k)
+    )
     own_shared = np.asarray([computed[g, :, 1] for g in range(G)])
     if mode == "load+shared":  # busy GPUs shed shared work: not every token stayed home
         assert (own_shared != tokens // G).any()
@@ -70,10 +75,19 @@ def test_register_carries_the_mode_and_refuses_bad_or_mixed_ones(worker_stub, co
 
     from rebalancer.v1 import rebalancer_pb2 as pb
 
-    shape = pb.ModelShape(num_layers=2, num_logical_experts=16, num_physical_slots=24, num_gpus=4, num_nodes=1, expert_bytes=1000)
+    shape = pb.ModelShape(
+        num_layers=2,
+        num_logical_experts=16,
+        num_physical_slots=24,
+        num_gpus=4,
+        num_nodes=1,
+        expert_bytes=1000,
+    )
 
     def register(rank: int, mode: str, name: str = "dep") -> object:
-        request = pb.RegisterRequest(deployment=name, rank=rank, shape=shape, dispatch_mode=mode, top_k=4)
+        request = pb.RegisterRequest(
+            deployment=name, rank=rank, shape=shape, dispatch_mode=mode, top_k=4
+        )
         return worker_stub.Register(request, timeout=5)
 
     register(0, "load+shared")
@@ -82,6 +96,9 @@ def test_register_carries_the_mode_and_refuses_bad_or_mixed_ones(worker_stub, co
     for mode, name in (("split", "dep"), ("hash", "other")):  # mixed in one deployment; unknown
         with pytest.raises(grpc.RpcError) as err:
             register(1, mode, name)
-        assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+        assert err.value.code() in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )
         assert ("dispatch mode" in err.value.details()) or ("shape" in err.value.details())
     assert "other" not in controller.call(lambda: controller.server.controller.deployments)

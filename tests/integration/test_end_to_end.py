@@ -30,15 +30,31 @@ from tests.integration.until import stop_together, wait_for
 pytestmark = pytest.mark.slow
 
 FAST_POLICY = PolicyConfig(
-    min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
-    min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
-    estimator=EstimatorConfig(decay=0.5), cost=CostParams(step_seconds=0.01),
+    min_interval_seconds=0.5,
+    gain_threshold=0.03,
+    horizon_seconds=60.0,
+    max_moved_fraction=1.0,
+    min_windows=2,
+    decision_period_seconds=0.2,
+    prepare_timeout_seconds=20.0,
+    estimator=EstimatorConfig(decay=0.5),
+    cost=CostParams(step_seconds=0.01),
 )
 
 
 def small_config(**kw: object) -> DemoConfig:
-    base = dict(workers=4, layers=4, experts=16, slots=24, tokens=16, steps=160, window_steps=8,
-                windows_per_phase=5, timeout_seconds=90.0, policy=FAST_POLICY)
+    base = dict(
+        workers=4,
+        layers=4,
+        experts=16,
+        slots=24,
+        tokens=16,
+        steps=160,
+        window_steps=8,
+        windows_per_phase=5,
+        timeout_seconds=90.0,
+        policy=FAST_POLICY,
+    )
     base.update(kw)
     return DemoConfig(**base)  # type: ignore[arg-type]
 
@@ -76,8 +92,13 @@ def test_rebalances_keep_outputs_identical_and_ranks_in_step(
 
 
 def _run_until(
-    tmp_path: Path, extra: dict[int, list[str]], config: DemoConfig, event: Callable[[Deployment], bool],
-    what: str, live: Sequence[int], seconds: float = 120.0,
+    tmp_path: Path,
+    extra: dict[int, list[str]],
+    config: DemoConfig,
+    event: Callable[[Deployment], bool],
+    what: str,
+    live: Sequence[int],
+    seconds: float = 120.0,
 ) -> tuple[list[dict[str, Any]], Deployment, int]:
     """Run the ranks open-ended until the controller sees `event` (bounded by `seconds`),
     then stop the ranks `live` at one step; their results, the deployment, that step."""
@@ -87,8 +108,13 @@ def _run_until(
     extra = {r: [*extra.get(r, []), "--stop-file", str(stop)] for r in range(config.workers)}
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs = launch_workers(replace(config, steps=10**9), ctl.server.address, write_profile(config, tmp_path),
-                               tmp_path, extra)
+        procs = launch_workers(
+            replace(config, steps=10**9),
+            ctl.server.address,
+            write_profile(config, tmp_path),
+            tmp_path,
+            extra,
+        )
 
         def seen() -> bool:
             dep = ctl.call(lambda: ctl.server.controller.deployments.get("demo"))  # type: ignore[union-attr]
@@ -108,17 +134,22 @@ def _run_until(
 
 def test_failed_prepare_aborts_plan_on_every_rank(tmp_path: Path) -> None:
     config = small_config()
-    results, dep, step = _run_until(tmp_path, {2: ["--fault", "fail"]}, config,
-                                    lambda d: d.stats.plans_aborted >= 1 and d.plan is None, "a plan aborted",
-                                    live=range(4))
+    results, dep, step = _run_until(
+        tmp_path,
+        {2: ["--fault", "fail"]},
+        config,
+        lambda d: d.stats.plans_aborted >= 1 and d.plan is None,
+        "a plan aborted",
+        live=range(4),
+    )
     assert len(results) == 4
     assert dep.stats.plans_aborted >= 1
     assert dep.stats.plans_committed == 0
     for r in results:
         assert r["version"] == 0 and r["commits"] == []
-        assert r["weights_match_map"]      # staging dropped, live weights untouched
+        assert r["weights_match_map"]  # staging dropped, live weights untouched
         assert r["max_output_diff"] == 0.0
-        assert r["steps"] == step          # serving went on, past the abort
+        assert r["steps"] == step  # serving went on, past the abort
     assert sum(r["aborted"] for r in results) >= 3  # the healthy ranks dropped staging
     store = Store(tmp_path / "c.sqlite")
     plans = store.plans("demo")
@@ -132,9 +163,14 @@ def test_rank_killed_while_preparing_aborts_and_others_keep_serving(tmp_path: Pa
     # no token exchange, so its peers serve on without it.
     extra = {r: ["--local", "--step-sleep", "0.02"] for r in range(4)}
     extra[3] = ["--local", "--step-sleep", "0.02", "--fault", "die"]
-    results, dep, step = _run_until(tmp_path, extra, config,
-                                    lambda d: d.stats.plans_aborted >= 1 and d.plan is None and 3 not in d.sessions,
-                                    "a plan in PREPARE, rank 3 killed, the plan aborted", live=range(3))
+    results, dep, step = _run_until(
+        tmp_path,
+        extra,
+        config,
+        lambda d: d.stats.plans_aborted >= 1 and d.plan is None and 3 not in d.sessions,
+        "a plan in PREPARE, rank 3 killed, the plan aborted",
+        live=range(3),
+    )
     assert len(results) == 3  # rank 3 was killed with SIGKILL
     assert dep.stats.plans_committed == 0
     assert dep.stats.plans_aborted >= 1
@@ -145,7 +181,9 @@ def test_rank_killed_while_preparing_aborts_and_others_keep_serving(tmp_path: Pa
     # The abort names rank 3's disconnect, or a survivor whose transfer lost rank 3 first.
     for plan in Store(tmp_path / "c.sqlite").plans("demo"):
         assert plan.state == "aborted"
-        assert ("rank 3 disconnected" in plan.reason or "failed to prepare" in plan.reason), plan.reason
+        assert "rank 3 disconnected" in plan.reason or "failed to prepare" in plan.reason, (
+            plan.reason
+        )
 
 
 def test_workers_serve_without_controller_and_resync(tmp_path: Path) -> None:

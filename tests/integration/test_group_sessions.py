@@ -23,20 +23,42 @@ from rebalancer.wire import codec
 from tests.integration.test_worker_api import code_of, snapshot
 
 L, E, P, G = 2, 4, 8, 4
-SHAPE = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G, num_nodes=1,
-                      expert_bytes=1000)
+SHAPE = pb.ModelShape(
+    num_layers=L,
+    num_logical_experts=E,
+    num_physical_slots=P,
+    num_gpus=G,
+    num_nodes=1,
+    expert_bytes=1000,
+)
 
 
-def register(stub: pb_grpc.WorkerServiceStub, ranks: tuple[int, ...] = (), rank: int = 0, pod: str = "",
-             version: int = 0) -> pb.RegisterResponse:
-    return stub.Register(pb.RegisterRequest(deployment="dep", rank=rank, ranks=ranks, pod=pod, shape=SHAPE,
-                                            placement_version=version), timeout=5)
+def register(
+    stub: pb_grpc.WorkerServiceStub,
+    ranks: tuple[int, ...] = (),
+    rank: int = 0,
+    pod: str = "",
+    version: int = 0,
+) -> pb.RegisterResponse:
+    return stub.Register(
+        pb.RegisterRequest(
+            deployment="dep",
+            rank=rank,
+            ranks=ranks,
+            pod=pod,
+            shape=SHAPE,
+            placement_version=version,
+        ),
+        timeout=5,
+    )
 
 
 def window(seq: int, hot: int = 0, tokens: int = 100) -> pb.WorkerMessage:
     counts = np.ones((L, E), np.int64)
     counts[:, hot] += tokens
-    return pb.WorkerMessage(window=pb.Window(seq=seq, num_steps=4, logical_count=codec.encode(counts)))
+    return pb.WorkerMessage(
+        window=pb.Window(seq=seq, num_steps=4, logical_count=codec.encode(counts))
+    )
 
 
 class Link:
@@ -76,7 +98,10 @@ class Link:
             except queue.Empty:
                 break
             kind = str(msg.WhichOneof("body"))
-            if kind not in ("window_ack", "planned_loss"):  # survivor placements: test_contingency_told.py
+            if kind not in (
+                "window_ack",
+                "planned_loss",
+            ):  # survivor placements: test_contingency_told.py
                 out.append((kind, getattr(msg, kind).version))
         return out
 
@@ -102,14 +127,22 @@ def wait_for(predicate: Callable[[], bool], what: str, seconds: float = 10.0) ->
         time.sleep(0.02)
 
 
-def two_pods(controller: EmbeddedController, stub: pb_grpc.WorkerServiceStub) -> tuple[dict[str, str], dict[str, Link]]:
+def two_pods(
+    controller: EmbeddedController, stub: pb_grpc.WorkerServiceStub
+) -> tuple[dict[str, str], dict[str, Link]]:
     """Pods a (ranks 0-1) and b (ranks 2-3), streaming, a window of seq 0 each, paused."""
-    ids = {"a": register(stub, (0, 1), pod="ns/a").session_id, "b": register(stub, (2, 3), pod="ns/b").session_id}
+    ids = {
+        "a": register(stub, (0, 1), pod="ns/a").session_id,
+        "b": register(stub, (2, 3), pod="ns/b").session_id,
+    }
     on_loop(controller, lambda c: c.set_paused("dep", True))  # plans only when the test forces one
     links = {pod: Link(stub, sid) for pod, sid in ids.items()}
     for link in links.values():
         link.send(window(0))
-    wait_for(lambda: on_loop(controller, lambda c: c.deployments["dep"].estimator.windows) == 1, "a folded window")
+    wait_for(
+        lambda: on_loop(controller, lambda c: c.deployments["dep"].estimator.windows) == 1,
+        "a folded window",
+    )
     return ids, links
 
 
@@ -127,16 +160,23 @@ def test_group_windows_cover_their_ranks_with_single_ranks_beside(
     links[0].send(window(0))
     links[1].send(window(0))
     time.sleep(0.3)
-    assert on_loop(controller, lambda c: c.deployments["dep"].estimator.windows) == 0  # ranks 2, 3 missing
+    assert (
+        on_loop(controller, lambda c: c.deployments["dep"].estimator.windows) == 0
+    )  # ranks 2, 3 missing
     links[2].send(window(0))  # the group's window covers ranks 2 and 3: complete
-    wait_for(lambda: on_loop(controller, lambda c: c.deployments["dep"].estimator.windows) == 1, "the fold")
+    wait_for(
+        lambda: on_loop(controller, lambda c: c.deployments["dep"].estimator.windows) == 1,
+        "the fold",
+    )
     dep = on_loop(controller, lambda c: c.deployments["dep"])
     assert dict(dep.next_seq) == {0: 1, 1: 1, 2: 1, 3: 1}
     assert dep.connected_ranks == 4 and len(dep.live_sessions()) == 3
     assert dep.stats.tokens_folded == 3 * int(np.ones((L, E)).sum() + L * 100)
     for link in links:
         link.close()
-    wait_for(lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks) == 0, "detach")
+    wait_for(
+        lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks) == 0, "detach"
+    )
     again = register(worker_stub, (2, 3), pod="ns/b")
     assert again.next_window_seq == 1  # the group resumes after what was counted
 
@@ -151,12 +191,19 @@ def test_group_windows_cover_their_ranks_with_single_ranks_beside(
     ],
 )
 def test_group_registration_refusals_change_nothing(
-    controller: EmbeddedController, worker_stub: pb_grpc.WorkerServiceStub,
-    ranks: tuple[int, ...], rank: int, code: grpc.StatusCode, words: str,
+    controller: EmbeddedController,
+    worker_stub: pb_grpc.WorkerServiceStub,
+    ranks: tuple[int, ...],
+    rank: int,
+    code: grpc.StatusCode,
+    words: str,
 ) -> None:
     held = register(worker_stub, (0, 1), pod="ns/a")
     link = Link(worker_stub, held.session_id)
-    wait_for(lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks) == 2, "the stream")
+    wait_for(
+        lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks) == 2,
+        "the stream",
+    )
     before = snapshot(controller)
     sessions = on_loop(controller, lambda c: dict(c.deployments["dep"].sessions))
     got, details = code_of(register, worker_stub, ranks, rank)
@@ -178,7 +225,9 @@ def test_a_groups_reports_stand_for_all_its_ranks(
     report(worker_stub, ids["a"], 1, pb.PLAN_PHASE_PREPARED)  # again: a duplicate, harmless
     assert links["a"].plan_messages(0.3) == []
     report(worker_stub, ids["b"], 1, pb.PLAN_PHASE_PREPARED)
-    assert links["a"].plan_messages() == [("commit", 1)] and links["b"].plan_messages() == [("commit", 1)]
+    assert links["a"].plan_messages() == [("commit", 1)] and links["b"].plan_messages() == [
+        ("commit", 1)
+    ]
     report(worker_stub, ids["a"], 1, pb.PLAN_PHASE_COMMITTED)
     assert on_loop(controller, lambda c: c.deployments["dep"].version) == 1  # stored at the first
     report(worker_stub, ids["b"], 1, pb.PLAN_PHASE_COMMITTED)
@@ -196,9 +245,15 @@ def test_a_group_leaving_while_preparing_aborts_and_hears_the_abort_when_back(
     links["a"].cancel()  # the sidecar of pod a dies
     assert links["b"].plan_messages(2.0) == [("prepare", 1), ("abort", 1)]
     plans = on_loop(controller, lambda c: c.store.plans("dep"))
-    assert plans[0].state == "aborted" and "ranks 0-1 (pod ns/a) disconnected while preparing" in plans[0].reason
+    assert (
+        plans[0].state == "aborted"
+        and "ranks 0-1 (pod ns/a) disconnected while preparing" in plans[0].reason
+    )
     # A restarted sidecar registers the group again: told the aborted plan first thing.
-    wait_for(lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks) == 2, "the detach")
+    wait_for(
+        lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks) == 2,
+        "the detach",
+    )
     back = register(worker_stub, (0, 1), pod="ns/a")
     link = Link(worker_stub, back.session_id)
     assert link.plan_messages() == [("abort", 1)]
@@ -207,18 +262,26 @@ def test_a_group_leaving_while_preparing_aborts_and_hears_the_abort_when_back(
     assert got == grpc.StatusCode.FAILED_PRECONDITION and "not in flight" in details
     # A direct rank coming back is told too; once a later plan commits, nobody is.
     links["b"].close()
-    wait_for(lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks) == 2, "b leaves")
+    wait_for(
+        lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks) == 2, "b leaves"
+    )
     single = Link(worker_stub, register(worker_stub, rank=2).session_id)
     assert single.plan_messages() == [("abort", 1)]
     single.close()
     link.close()
 
 
-def test_a_group_failing_names_its_pod(controller: EmbeddedController, worker_stub: pb_grpc.WorkerServiceStub) -> None:
+def test_a_group_failing_names_its_pod(
+    controller: EmbeddedController, worker_stub: pb_grpc.WorkerServiceStub
+) -> None:
     ids, links = two_pods(controller, worker_stub)
     on_loop(controller, lambda c: c.force("dep"))
-    worker_stub.ReportPlan(pb.PlanReport(session_id=ids["b"], version=1, phase=pb.PLAN_PHASE_FAILED,
-                                         error="rank 3: injected"), timeout=5)
+    worker_stub.ReportPlan(
+        pb.PlanReport(
+            session_id=ids["b"], version=1, phase=pb.PLAN_PHASE_FAILED, error="rank 3: injected"
+        ),
+        timeout=5,
+    )
     assert links["a"].plan_messages() == [("prepare", 1), ("abort", 1)]
     (plan, *_) = on_loop(controller, lambda c: c.store.plans("dep"))
     assert plan.reason == "ranks 2-3 (pod ns/b) failed to prepare: rank 3: injected"
@@ -230,7 +293,10 @@ def test_a_group_serving_another_version_is_reconciled_like_a_rank(
     controller: EmbeddedController, worker_stub: pb_grpc.WorkerServiceStub
 ) -> None:
     link = Link(worker_stub, register(worker_stub, (0, 1), pod="ns/a").session_id)
-    wait_for(lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks) == 2, "the stream")
+    wait_for(
+        lambda: on_loop(controller, lambda c: c.deployments["dep"].connected_ranks) == 2,
+        "the stream",
+    )
     before = snapshot(controller)
     got, details = code_of(register, worker_stub, (2, 3), 0, "ns/b", 5)
     assert got == grpc.StatusCode.FAILED_PRECONDITION
@@ -259,15 +325,32 @@ def test_a_groups_absent_ranks_are_not_connected_and_no_plan_starts(
     presence(worker_stub, ids["b"], [])
     assert connected() == 1
     _, plan = on_loop(controller, lambda c: c.force("dep"))
-    assert plan is None and on_loop(controller, lambda c: c.deployments["dep"].missing_ranks()) == [0, 2, 3]
+    assert plan is None and on_loop(controller, lambda c: c.deployments["dep"].missing_ranks()) == [
+        0,
+        2,
+        3,
+    ]
     before = snapshot(controller)
     for session, ranks, code, says in (
-        (ids["a"], [0, 2], grpc.StatusCode.INVALID_ARGUMENT, "rank 2 is not one of the session's ranks 0-1 (pod ns/a)"),
-        (ids["a"], [1, 1], grpc.StatusCode.INVALID_ARGUMENT, "connected_ranks name rank 1 more than once"),
+        (
+            ids["a"],
+            [0, 2],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "rank 2 is not one of the session's ranks 0-1 (pod ns/a)",
+        ),
+        (
+            ids["a"],
+            [1, 1],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "connected_ranks name rank 1 more than once",
+        ),
         ("nope", [0], grpc.StatusCode.NOT_FOUND, "unknown session 'nope'"),
     ):
         got, details = code_of(presence, worker_stub, session, ranks)
-        assert (got, details) == (code, says + (": register first" if got == grpc.StatusCode.NOT_FOUND else ""))
+        assert (got, details) == (
+            code,
+            says + (": register first" if got == grpc.StatusCode.NOT_FOUND else ""),
+        )
     assert snapshot(controller) == before and connected() == 1
     presence(worker_stub, ids["a"], [0, 1])
     presence(worker_stub, ids["b"], [2, 3])

@@ -59,9 +59,26 @@ def locked_wheels() -> Path:
     if missing_wheels(pins, WHEELS):
         WHEELS.mkdir(parents=True, exist_ok=True)
         fetch = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--require-hashes",
-             "--only-binary=:all:", "-r", str(RUNTIME_LOCK), "-r", str(BUILD_LOCK), "-d", str(WHEELS)],
-            capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--require-hashes",
+                "--only-binary=:all:",
+                "-r",
+                str(RUNTIME_LOCK),
+                "-r",
+                str(BUILD_LOCK),
+                "-d",
+                str(WHEELS),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if fetch.returncode != 0:
             missing("the locked wheels", f"pip download failed: {fetch.stderr.strip()[-500:]}")
     left = missing_wheels(pins, WHEELS)
@@ -76,30 +93,53 @@ class Buildah:
 
     home: Path
     binary: str
-    driver: str  # overlay: no full copy of the base per stage and container; vfs where overlay fails
+    driver: (
+        str  # overlay: no full copy of the base per stage and container; vfs where overlay fails
+    )
     started: list[subprocess.Popen[str]] = field(default_factory=list)
 
     @property
     def argv(self) -> list[str]:
-        return [self.binary, "--root", str(self.home / "storage"), "--runroot", str(self.home / "run"),
-                "--storage-driver", self.driver]
+        return [
+            self.binary,
+            "--root",
+            str(self.home / "storage"),
+            "--runroot",
+            str(self.home / "run"),
+            "--storage-driver",
+            self.driver,
+        ]
 
     @property
     def env(self) -> dict[str, str]:
         return {**os.environ, "TMPDIR": str(self.home / "tmp"), "BUILDAH_ISOLATION": "chroot"}
 
     def __call__(self, *args: str, timeout: float = 300) -> str:
-        run = subprocess.run([*self.argv, *args], capture_output=True, text=True, timeout=timeout,
-                             env=self.env, stdin=subprocess.DEVNULL)
-        assert run.returncode == 0, f"buildah {' '.join(args)}: exit {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+        run = subprocess.run(
+            [*self.argv, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+        )
+        assert run.returncode == 0, (
+            f"buildah {' '.join(args)}: exit {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+        )
         return run.stdout.strip()
 
     def start(self, container: str, *command: str, log: Path) -> subprocess.Popen[str]:
         """`buildah run` in a session of its own: its whole tree is one process group."""
         with log.open("w") as stderr:
-            proc = subprocess.Popen([*self.argv, "run", "--isolation", "chroot", container, "--", *command],
-                                    stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-                                    text=True, env=self.env, start_new_session=True)
+            proc = subprocess.Popen(
+                [*self.argv, "run", "--isolation", "chroot", container, "--", *command],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                env=self.env,
+                start_new_session=True,
+            )
         self.started.append(proc)
         return proc
 
@@ -184,7 +224,10 @@ def image() -> Iterator[Image]:
     if binary is None:
         missing("buildah", ".ci/run installs Debian's (`.ci/run --tools` alone)")
     if not BASE_TAR.is_file():
-        missing(f"the local Debian base {BASE_TAR.relative_to(ROOT)}", "`.ci/run --tools` makes it with mmdebstrap")
+        missing(
+            f"the local Debian base {BASE_TAR.relative_to(ROOT)}",
+            "`.ci/run --tools` makes it with mmdebstrap",
+        )
     assert binary is not None
     wheels = locked_wheels()
     home = Path(tempfile.mkdtemp(prefix="rebalancer-image-"))
@@ -201,14 +244,32 @@ def image() -> Iterator[Image]:
         buildah("commit", "--quiet", "--rm", base, BASE_IMAGE, timeout=600)
         seconds["base"] = time.monotonic() - start
         start = time.monotonic()
-        buildah("bud", "--pull-never", "--isolation", "chroot", "--layers=false",
-                "--build-arg", f"PYTHON_IMAGE={BASE_IMAGE}",
-                "--build-arg", "PIP_NO_INDEX=1", "--build-arg", "PIP_FIND_LINKS=/wheels",
-                "--volume", f"{wheels}:/wheels:ro",
-                "-f", str(ROOT / "Containerfile"), "-t", IMAGE, str(ROOT), timeout=1000)
+        buildah(
+            "bud",
+            "--pull-never",
+            "--isolation",
+            "chroot",
+            "--layers=false",
+            "--build-arg",
+            f"PYTHON_IMAGE={BASE_IMAGE}",
+            "--build-arg",
+            "PIP_NO_INDEX=1",
+            "--build-arg",
+            "PIP_FIND_LINKS=/wheels",
+            "--volume",
+            f"{wheels}:/wheels:ro",
+            "-f",
+            str(ROOT / "Containerfile"),
+            "-t",
+            IMAGE,
+            str(ROOT),
+            timeout=1000,
+        )
         seconds["build"] = time.monotonic() - start
-        print(f"\n[image] {buildah.driver} storage: base imported in {seconds['base']:.1f}s,"
-              f" image built in {seconds['build']:.1f}s")
+        print(
+            f"\n[image] {buildah.driver} storage: base imported in {seconds['base']:.1f}s,"
+            f" image built in {seconds['build']:.1f}s"
+        )
         yield Image(buildah, buildah("from", "--pull-never", IMAGE))
     finally:
         start = time.monotonic()
@@ -235,7 +296,10 @@ def main_process(proc: subprocess.Popen[str]) -> int:
             continue
         with contextlib.suppress(OSError):
             argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if os.getpgid(int(entry)) == proc.pid and argv[:2] == [VENV_PYTHON.encode(), ENTRYPOINT.encode()]:
+            if os.getpgid(int(entry)) == proc.pid and argv[:2] == [
+                VENV_PYTHON.encode(),
+                ENTRYPOINT.encode(),
+            ]:
                 return int(entry)
     raise AssertionError(f"no rebalancer process in the group of buildah run {proc.pid}")
 
@@ -253,23 +317,62 @@ def test_serves_health_and_the_sidecar_check_in_the_image(image: Image) -> None:
     buildah, container = image.buildah, image.container
     assert buildah("run", container, "--", "id", "-u") == "10001", "the manifests' runAsUser"
     serve_log = buildah.home / "serve.log"
-    serve = buildah.start(container, "rebalancer", "serve", "--host", "127.0.0.1", "--port", "0",
-                          "--db", "/var/lib/rebalancer/rebalancer.sqlite", "--grace", "1", log=serve_log)
+    serve = buildah.start(
+        container,
+        "rebalancer",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--db",
+        "/var/lib/rebalancer/rebalancer.sqlite",
+        "--grace",
+        "1",
+        log=serve_log,
+    )
     line = read_line(serve, 120)
     assert line.startswith("serving on 127.0.0.1:"), (line, serve_log.read_text()[-2000:])
     address = line.split()[-1]
     # The host asks the controller in the container for its health, over loopback.
     with grpc.insecure_channel(address) as channel:
-        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=30
+        )
     assert answer.status == health_pb2.HealthCheckResponse.SERVING
 
     sidecar_log = buildah.home / "sidecar.log"
-    sidecar = buildah.start(container, "rebalancer", "sidecar", "--listen", SOCKET, "--controller", address,
-                            "--ranks", "0-1", "--pod", "test/pod0", "--grace", "1", log=sidecar_log)
+    sidecar = buildah.start(
+        container,
+        "rebalancer",
+        "sidecar",
+        "--listen",
+        SOCKET,
+        "--controller",
+        address,
+        "--ranks",
+        "0-1",
+        "--pod",
+        "test/pod0",
+        "--grace",
+        "1",
+        log=sidecar_log,
+    )
     line = read_line(sidecar, 120)
     assert line.startswith("sidecar serving on"), (line, sidecar_log.read_text()[-2000:])
     # The startup probe of the manifests, run in the image as the kubelet would.
-    buildah("run", container, "--", "rebalancer", "sidecar", "--check", SOCKET, "--timeout", "30", timeout=120)
+    buildah(
+        "run",
+        container,
+        "--",
+        "rebalancer",
+        "sidecar",
+        "--check",
+        SOCKET,
+        "--timeout",
+        "30",
+        timeout=120,
+    )
 
     assert stop(sidecar, sidecar_log) == 0, sidecar_log.read_text()[-2000:]
     assert stop(serve, serve_log) == 0, serve_log.read_text()[-2000:]

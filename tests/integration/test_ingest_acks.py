@@ -21,8 +21,14 @@ from rebalancer.wire.channel import client_options
 from tests.integration.conftest import start_controller
 
 L, E, P, G = 2, 4, 8, 2
-SHAPE = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G, num_nodes=1,
-                      expert_bytes=1000)
+SHAPE = pb.ModelShape(
+    num_layers=L,
+    num_logical_experts=E,
+    num_physical_slots=P,
+    num_gpus=G,
+    num_nodes=1,
+    expert_bytes=1000,
+)
 
 
 def test_the_default_interval_keeps_a_graceful_stop_quick() -> None:
@@ -41,18 +47,25 @@ def test_one_ack_per_interval_each_window_acked_within_it_and_folded_once(tmp_pa
         acks: list[tuple[float, int, float]] = []  # (arrival, seq, held_seconds)
         with grpc.insecure_channel(ctl.server.address, options=client_options()) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
-            reply = stub.Register(pb.RegisterRequest(deployment="dep", ranks=[0, 1], pod="ns/p", shape=SHAPE),
-                                  timeout=5)
+            reply = stub.Register(
+                pb.RegisterRequest(deployment="dep", ranks=[0, 1], pod="ns/p", shape=SHAPE),
+                timeout=5,
+            )
             done = threading.Event()
 
             def requests() -> Iterator[pb.WorkerMessage]:
                 yield pb.WorkerMessage(hello=pb.Hello(session_id=reply.session_id))
                 for seq in range(windows):
                     sent[seq] = time.monotonic()
-                    yield pb.WorkerMessage(window=pb.Window(seq=seq, num_steps=1,
-                                                            logical_count=codec.encode_counts(counts[seq])))
+                    yield pb.WorkerMessage(
+                        window=pb.Window(
+                            seq=seq, num_steps=1, logical_count=codec.encode_counts(counts[seq])
+                        )
+                    )
                     time.sleep(period)
-                done.wait(2 * interval + 1)  # the stream stays open: paced acks, not the end's flush
+                done.wait(
+                    2 * interval + 1
+                )  # the stream stays open: paced acks, not the end's flush
 
             for msg in stub.Stream(requests(), timeout=30):
                 if msg.WhichOneof("body") == "window_ack":

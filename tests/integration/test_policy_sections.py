@@ -16,7 +16,9 @@ from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import client_options
 from tests.integration.conftest import start_controller
 
-SHAPE = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, expert_bytes=10)
+SHAPE = pb.ModelShape(
+    num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, expert_bytes=10
+)
 
 
 def test_set_policy_reaches_the_sections_and_bad_values_change_nothing(tmp_path: Path) -> None:
@@ -26,7 +28,8 @@ def test_set_policy_reaches_the_sections_and_bad_values_change_nothing(tmp_path:
         assert ctl.server is not None
         with grpc.insecure_channel(ctl.server.address, options=client_options()) as channel:
             pb_grpc.WorkerServiceStub(channel).Register(
-                pb.RegisterRequest(deployment="d", rank=0, shape=SHAPE, worker_id="w0"), timeout=10)
+                pb.RegisterRequest(deployment="d", rank=0, shape=SHAPE, worker_id="w0"), timeout=10
+            )
             admin = pb_grpc.AdminServiceStub(channel)
             policy = admin.GetPolicy(pb.DeploymentRef(deployment="d"), timeout=10)
             policy.estimate_window, policy.link_bandwidth_gbps, policy.decay = 4, 5.0, 0.6
@@ -51,4 +54,8 @@ def test_set_policy_reaches_the_sections_and_bad_values_change_nothing(tmp_path:
     finally:
         ctl.stop()
     (row,) = Store(db).load_deployments()
-    assert (row.policy["estimate_window"], row.policy["link_bandwidth_gbps"], row.policy["decay"]) == (4, 5.0, 0.6)
+    assert (
+        row.policy["estimate_window"],
+        row.policy["link_bandwidth_gbps"],
+        row.policy["decay"],
+    ) == (4, 5.0, 0.6)

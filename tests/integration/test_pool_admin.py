@@ -32,23 +32,31 @@ from tests.unit.deploy.conftest import find_tool, missing
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
 L, E, P, G = 4, 256, 288, 4
-SHAPE = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G, expert_bytes=1 << 20)
+SHAPE = pb.ModelShape(
+    num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=G, expert_bytes=1 << 20
+)
 
 
 class PoolRank(InstantRank):
     def __init__(self, deployment: str, rank: int, address: str, pool: str) -> None:
         self.version = 0
-        self.agent = WorkerAgent(AgentConfig(address, deployment, rank, SHAPE, pool=pool), self,
-                                 lambda: self.version)
+        self.agent = WorkerAgent(
+            AgentConfig(address, deployment, rank, SHAPE, pool=pool), self, lambda: self.version
+        )
 
 
 def settled(ctl: EmbeddedController) -> bool:
     """No pool decision or plan in flight, every member on the pool placement (if any)."""
+
     def check(c: Any) -> bool:
         pool = c.fleet.pools["fleet"]
         deps = [c.deployments[d] for d in ("m1", "m2")]
-        return not pool.deciding and all(d.plan is None for d in deps) and (
-            pool.phy2log is None or all(np.array_equal(d.phy2log, pool.phy2log) for d in deps))
+        return (
+            not pool.deciding
+            and all(d.plan is None for d in deps)
+            and (pool.phy2log is None or all(np.array_equal(d.phy2log, pool.phy2log) for d in deps))
+        )
+
     return bool(ctl.call(lambda: check(ctl.server.controller)))  # type: ignore[union-attr]
 
 
@@ -62,9 +70,13 @@ def wait_for(fn: object, seconds: float = 20.0) -> None:
 @pytest.fixture
 def live(tmp_path: Path) -> Iterator[tuple[EmbeddedController, list[PoolRank]]]:
     # The policy never finds a gain worth it (threshold 1.0): plans here are forced.
-    ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(min_windows=1, gain_threshold=1.0), metrics_port=0)
+    ctl = start_controller(
+        tmp_path / "c.sqlite", PolicyConfig(min_windows=1, gain_threshold=1.0), metrics_port=0
+    )
     assert ctl.server is not None
-    ranks = [PoolRank(dep, r, ctl.server.address, "fleet") for dep in ("m1", "m2") for r in range(G)]
+    ranks = [
+        PoolRank(dep, r, ctl.server.address, "fleet") for dep in ("m1", "m2") for r in range(G)
+    ]
     try:
         for r in ranks:
             r.agent.start()
@@ -74,7 +86,12 @@ def live(tmp_path: Path) -> Iterator[tuple[EmbeddedController, list[PoolRank]]]:
         for seq in range(3):
             for r in ranks:
                 r.agent.submit_window(seq * 8, 8, 0, counts // G, None)
-        wait_for(lambda: ctl.call(lambda: ctl.server.controller.fleet.pools["fleet"].loop.estimator.windows) >= 6)  # type: ignore[union-attr]
+        wait_for(
+            lambda: (
+                ctl.call(lambda: ctl.server.controller.fleet.pools["fleet"].loop.estimator.windows)
+                >= 6
+            )
+        )  # type: ignore[union-attr]
         wait_for(lambda: settled(ctl))
         yield ctl, ranks
     finally:
@@ -95,15 +112,25 @@ def test_status_force_pool_and_metrics(live: tuple[EmbeddedController, list[Pool
     # Rolled out one member at a time, both end on the pool placement.
     wait_for(lambda: settled(ctl))
     assert all(r.version >= 1 for r in ranks)
-    pool_phy2log, placements = ctl.call(lambda: (  # type: ignore[union-attr]
-        ctl.server.controller.fleet.pools["fleet"].phy2log,
-        [ctl.server.controller.deployments[d].phy2log for d in ("m1", "m2")]))
+    pool_phy2log, placements = ctl.call(
+        lambda: (  # type: ignore[union-attr]
+            ctl.server.controller.fleet.pools["fleet"].phy2log,
+            [ctl.server.controller.deployments[d].phy2log for d in ("m1", "m2")],
+        )
+    )
     assert all(np.array_equal(p, pool_phy2log) for p in placements)
     code, out, _ = admin(ctl, "--json", "status", token=None)
     reply = json.loads(out)
     (pool,) = reply["pools"]
-    assert pool["pool"] == "fleet" and pool["members"] == ["m1", "m2"] and int(pool["members_at_target"]) == 2
-    assert {d["deployment"]: d["pool"] for d in reply["deployments"]} == {"m1": "fleet", "m2": "fleet"}
+    assert (
+        pool["pool"] == "fleet"
+        and pool["members"] == ["m1", "m2"]
+        and int(pool["members_at_target"]) == 2
+    )
+    assert {d["deployment"]: d["pool"] for d in reply["deployments"]} == {
+        "m1": "fleet",
+        "m2": "fleet",
+    }
     code, text, _ = admin(ctl, "status", token=None)
     assert text.startswith("pool fleet: placement ") and "2 members (0 diverged)" in text
     assert "2/2 on the pool placement" in text
@@ -114,7 +141,9 @@ def test_status_force_pool_and_metrics(live: tuple[EmbeddedController, list[Pool
         other.CopyFrom(SHAPE)
         other.num_physical_slots = 260
         with pytest.raises(grpc.RpcError) as refused:
-            stub.Register(pb.RegisterRequest(deployment="m3", rank=0, shape=other, pool="fleet"), timeout=5)
+            stub.Register(
+                pb.RegisterRequest(deployment="m3", rank=0, shape=other, pool="fleet"), timeout=5
+            )
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "num_slots is 260, the pool's 288" in refused.value.details()
     assert ctl.call(lambda: "m3" not in ctl.server.controller.deployments)  # type: ignore[union-attr]
@@ -127,17 +156,23 @@ def test_status_force_pool_and_metrics(live: tuple[EmbeddedController, list[Pool
     if promtool is None:
         missing("promtool", ".ci/run provides it; `.ci/run --tools` alone")
     assert promtool is not None
-    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_a_fresh_member_is_offered_the_pool_placement_at_register(
-        live: tuple[EmbeddedController, list[PoolRank]]) -> None:
+    live: tuple[EmbeddedController, list[PoolRank]],
+) -> None:
     ctl, ranks = live
     assert admin(ctl, "force", "--pool", "fleet", token=None)[0] == 0
     wait_for(lambda: settled(ctl))
-    joiner = WorkerAgent(AgentConfig(ctl.server.address, "m9", 0, SHAPE, pool="fleet"), ranks[0],  # type: ignore[union-attr]
-                         lambda: 0)
+    joiner = WorkerAgent(
+        AgentConfig(ctl.server.address, "m9", 0, SHAPE, pool="fleet"),
+        ranks[0],  # type: ignore[union-attr]
+        lambda: 0,
+    )
     joiner.start()
     try:
         assert joiner.warm_offered.wait(10) and joiner.warm_start is not None
@@ -150,7 +185,9 @@ def test_a_fresh_member_is_offered_the_pool_placement_at_register(
         joiner.stop()
 
 
-def test_pool_dry_run_shows_each_members_own_move(live: tuple[EmbeddedController, list[PoolRank]]) -> None:
+def test_pool_dry_run_shows_each_members_own_move(
+    live: tuple[EmbeddedController, list[PoolRank]],
+) -> None:
     """Issue 34: `force --pool P --dry-run` showed the pool placement against the pool's last
     one only, while a member that had been balanced on its own serves another placement and
     moves more. Each member's own move is shown: what its plan would move from the
@@ -159,22 +196,39 @@ def test_pool_dry_run_shows_each_members_own_move(live: tuple[EmbeddedController
     # m2 balanced on its own (as a member does while diverged): it serves v1, m1 still v0.
     code, _, err = admin(ctl, "force", "m2", token=None)
     assert code == 0, err
-    wait_for(lambda: ctl.call(lambda: ctl.server.controller.deployments["m2"].plan is None  # type: ignore[union-attr]
-                              and ctl.server.controller.deployments["m2"].version == 1))  # type: ignore[union-attr]
+    wait_for(
+        lambda: ctl.call(
+            lambda: (
+                ctl.server.controller.deployments["m2"].plan is None  # type: ignore[union-attr]
+                and ctl.server.controller.deployments["m2"].version == 1
+            )
+        )
+    )  # type: ignore[union-attr]
     with grpc.insecure_channel(ctl.server.address, options=client_options()) as channel:  # type: ignore[union-attr]
         reply = pb_grpc.AdminServiceStub(channel).ForceRebalance(
-            pb.ForceRebalanceRequest(pool="fleet", dry_run=True), timeout=10)
+            pb.ForceRebalanceRequest(pool="fleet", dry_run=True), timeout=10
+        )
     candidate = codec.decode(reply.placement.phy2log, "phy2log")
-    served = ctl.call(lambda: {d: (ctl.server.controller.deployments[d].version,  # type: ignore[union-attr]
-                                   ctl.server.controller.deployments[d].phy2log.copy())  # type: ignore[union-attr]
-                               for d in ("m1", "m2")})
+    served = ctl.call(
+        lambda: {
+            d: (
+                ctl.server.controller.deployments[d].version,  # type: ignore[union-attr]
+                ctl.server.controller.deployments[d].phy2log.copy(),
+            )  # type: ignore[union-attr]
+            for d in ("m1", "m2")
+        }
+    )
     moves = {m.deployment: m for m in reply.members}
     assert sorted(moves) == ["m1", "m2"]
     for name, (version, phy2log) in served.items():
         slots = int(placement.transfers(phy2log, candidate, G, 1).shape[0])
         m = moves[name]
         assert (m.placement_version, m.slots_moved, m.bytes_to_move, m.diverged) == (
-            version, slots, slots * (1 << 20), False), (name, m)
+            version,
+            slots,
+            slots * (1 << 20),
+            False,
+        ), (name, m)
         assert m.moved_fraction == pytest.approx(slots / (L * P))
     # The pool's own number is m1's (the pool's base); m2's move is its own, not that one.
     assert moves["m1"].slots_moved == round(reply.decision.moved_fraction * L * P)
@@ -183,11 +237,22 @@ def test_pool_dry_run_shows_each_members_own_move(live: tuple[EmbeddedController
     assert code == 0, err
     m2 = moves["m2"]
     assert "each member's own move, from the placement it serves:" in out, out
-    assert f"  m2 (v1): {m2.slots_moved} slots ({m2.moved_fraction:.1%}), {m2.bytes_to_move / 1e6:.1f} MB" in out, out
+    assert (
+        f"  m2 (v1): {m2.slots_moved} slots ({m2.moved_fraction:.1%}), {m2.bytes_to_move / 1e6:.1f} MB"
+        in out
+    ), out
     code, out, err = admin(ctl, "--json", "force", "--pool", "fleet", "--dry-run", token=None)
     assert code == 0, err
     assert {m["deployment"]: int(m["slots_moved"]) for m in json.loads(out)["members"]} == {
-        name: m.slots_moved for name, m in moves.items()}
+        name: m.slots_moved for name, m in moves.items()
+    }
     # Nothing started: no plan in flight, both members where they were.
-    assert ctl.call(lambda: [(d.version, d.plan) for d in (ctl.server.controller.deployments["m1"],  # type: ignore[union-attr]
-                                                         ctl.server.controller.deployments["m2"])]) == [(0, None), (1, None)]  # type: ignore[union-attr]
+    assert ctl.call(
+        lambda: [
+            (d.version, d.plan)
+            for d in (
+                ctl.server.controller.deployments["m1"],  # type: ignore[union-attr]
+                ctl.server.controller.deployments["m2"],
+            )
+        ]
+    ) == [(0, None), (1, None)]  # type: ignore[union-attr]

@@ -54,8 +54,10 @@ class Fleet:
         self.sockets = Path(tempfile.mkdtemp(prefix="pl", dir="/tmp"))  # short socket paths
         self.procs: list[subprocess.Popen[Any]] = []
         base = routing_profiles(CONFIG)[:1]  # one phase: members that start apart see the same mix
-        self.profiles = {"A": self._profile("A", base),
-                         "B": self._profile("B", np.roll(base, CONFIG.experts // 2, axis=2))}
+        self.profiles = {
+            "A": self._profile("A", base),
+            "B": self._profile("B", np.roll(base, CONFIG.experts // 2, axis=2)),
+        }
 
     def _profile(self, name: str, profiles: np.ndarray) -> Path:
         path = self.tmp / f"profile-{name}.npz"
@@ -67,25 +69,78 @@ class Fleet:
         target = f"unix://{self.sockets}/{name}/agent.sock"
         log = (self.tmp / f"sidecar-{name}.log").open("a")
         sidecar = subprocess.Popen(
-            [sys.executable, "-m", "rebalancer", "sidecar", "--listen", target, "--controller", self.address,
-             "--ranks", "0-1", "--pod", f"ns/{name}", "--log-level", "INFO", "--grace", "1"],
-            stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "REBALANCER_POOL": "p"},
+            [
+                sys.executable,
+                "-m",
+                "rebalancer",
+                "sidecar",
+                "--listen",
+                target,
+                "--controller",
+                self.address,
+                "--ranks",
+                "0-1",
+                "--pod",
+                f"ns/{name}",
+                "--log-level",
+                "INFO",
+                "--grace",
+                "1",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, "REBALANCER_POOL": "p"},
         )
         log.close()
         self.procs.append(sidecar)
         assert sidecar.stdout is not None
         assert "sidecar serving on" in sidecar.stdout.readline()
         port = free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "REBALANCER_LOG": "INFO", "REBALANCER_POOL": "p"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "REBALANCER_LOG": "INFO",
+            "REBALANCER_POOL": "p",
+        }
         workers = []
         for rank in range(2):
-            cmd = [sys.executable, "-m", "worker_hooks.examples.cpu_worker", "--rank", str(rank), "--world", "2",
-                   "--port", str(port), "--controller", target, "--deployment", name,
-                   "--profile", str(self.profiles[profile]), "--tokens", str(CONFIG.tokens),
-                   "--experts", str(CONFIG.experts), "--slots", str(CONFIG.slots), "--layers", str(CONFIG.layers),
-                   "--top-k", str(CONFIG.top_k), "--window-steps", str(CONFIG.window_steps),
-                   "--max-seconds", "150", "--warm-start-seconds", "20",
-                   "--out", str(self.tmp / f"{name}-rank{rank}.json"), *extra]
+            cmd = [
+                sys.executable,
+                "-m",
+                "worker_hooks.examples.cpu_worker",
+                "--rank",
+                str(rank),
+                "--world",
+                "2",
+                "--port",
+                str(port),
+                "--controller",
+                target,
+                "--deployment",
+                name,
+                "--profile",
+                str(self.profiles[profile]),
+                "--tokens",
+                str(CONFIG.tokens),
+                "--experts",
+                str(CONFIG.experts),
+                "--slots",
+                str(CONFIG.slots),
+                "--layers",
+                str(CONFIG.layers),
+                "--top-k",
+                str(CONFIG.top_k),
+                "--window-steps",
+                str(CONFIG.window_steps),
+                "--max-seconds",
+                "150",
+                "--warm-start-seconds",
+                "20",
+                "--out",
+                str(self.tmp / f"{name}-rank{rank}.json"),
+                *extra,
+            ]
             err = (self.tmp / f"{name}-rank{rank}.log").open("w")
             workers.append(subprocess.Popen(cmd, env=env, stderr=err))
             err.close()
@@ -115,8 +170,14 @@ def on_loop(ctl: EmbeddedController, fn: Callable[[Any], Any]) -> Any:
 
 def members_at_pool_placement(c: Any, names: tuple[str, ...]) -> bool:
     pool = c.fleet.pools.get("p")
-    return (pool is not None and pool.phy2log is not None
-            and all(n in c.deployments and np.array_equal(c.deployments[n].phy2log, pool.phy2log) for n in names))
+    return (
+        pool is not None
+        and pool.phy2log is not None
+        and all(
+            n in c.deployments and np.array_equal(c.deployments[n].phy2log, pool.phy2log)
+            for n in names
+        )
+    )
 
 
 def same_math(results: list[dict[str, Any]]) -> None:
@@ -131,19 +192,35 @@ def test_pool_rolls_one_placement_warm_starts_a_joiner_and_flags_a_diverged_memb
     assert controller.server is not None
     fleet = Fleet(tmp_path, controller.server.address)
     try:
-        first = fleet.deployment("r1", "A", "--steps", "120", "--wait-version", "1", "--step-sleep", "0.01")
-        first += fleet.deployment("r2", "A", "--steps", "120", "--wait-version", "1", "--step-sleep", "0.01")
-        wait_for(lambda: on_loop(controller, lambda c: members_at_pool_placement(c, ("r1", "r2"))), 120,
-                 "r1 and r2 on the pool placement")
+        first = fleet.deployment(
+            "r1", "A", "--steps", "120", "--wait-version", "1", "--step-sleep", "0.01"
+        )
+        first += fleet.deployment(
+            "r2", "A", "--steps", "120", "--wait-version", "1", "--step-sleep", "0.01"
+        )
+        wait_for(
+            lambda: on_loop(controller, lambda c: members_at_pool_placement(c, ("r1", "r2"))),
+            120,
+            "r1 and r2 on the pool placement",
+        )
         assert [w.wait(timeout=150) for w in first] == [0] * 4
-        pool_placement, pool_decisions = on_loop(controller, lambda c: (c.fleet.pools["p"].phy2log.copy(),
-                                                                        c.fleet.pools["p"].stats.decisions))
+        pool_placement, pool_decisions = on_loop(
+            controller,
+            lambda c: (c.fleet.pools["p"].phy2log.copy(), c.fleet.pools["p"].stats.decisions),
+        )
         joiners = fleet.deployment("r3", "A", "--steps", "64", "--step-sleep", "0.01")
-        joiners += fleet.deployment("r4", "B", "--steps", "64", "--wait-version", "2", "--step-sleep", "0.01")
-        wait_for(lambda: on_loop(controller, lambda c: c.fleet.pools["p"].diverged()) == ["r4"], 120,
-                 "r4 flagged diverged")
+        joiners += fleet.deployment(
+            "r4", "B", "--steps", "64", "--wait-version", "2", "--step-sleep", "0.01"
+        )
+        wait_for(
+            lambda: on_loop(controller, lambda c: c.fleet.pools["p"].diverged()) == ["r4"],
+            120,
+            "r4 flagged diverged",
+        )
         assert [w.wait(timeout=150) for w in joiners] == [0] * 4
-        status = on_loop(controller, lambda c: (c.fleet.pools["p"].following(), c.deployments["r4"].version))
+        status = on_loop(
+            controller, lambda c: (c.fleet.pools["p"].following(), c.deployments["r4"].version)
+        )
     finally:
         fleet.close()
     store = Store(tmp_path / "c.sqlite")
@@ -156,11 +233,14 @@ def test_pool_rolls_one_placement_warm_starts_a_joiner_and_flags_a_diverged_memb
     # r3: the pool placement from its first step, installed before serving.
     r3 = fleet.results("r3")
     same_math(r3)
-    (first_step, warm), = r3[0]["versions"][:1]
+    ((first_step, warm),) = r3[0]["versions"][:1]
     assert first_step == 0 and warm >= 1 and r3[0]["commits"][0] == [0, warm]
     offered = store.placement("r3", warm)
     assert offered is not None and np.array_equal(offered, pool_placement)
-    assert {p.version: (p.state, p.trigger) for p in store.plans("r3")}[warm] == ("committed", "warm_start")
+    assert {p.version: (p.state, p.trigger) for p in store.plans("r3")}[warm] == (
+        "committed",
+        "warm_start",
+    )
     # r4: another workload, flagged and balanced alone by its own policy.
     following, r4_version = status
     assert "r4" not in following and "r3" in following

@@ -21,7 +21,9 @@ from rebalancer.wire import codec
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="walks /proc")
 
-SHAPE = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=1, num_nodes=1)
+SHAPE = pb.ModelShape(
+    num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=1, num_nodes=1
+)
 
 
 def stat_of(pid: int) -> tuple[int, str, int] | None:
@@ -55,10 +57,14 @@ def run_one_decision(address: str) -> None:
     policy's first decision runs in the decision worker."""
     with grpc.insecure_channel(address) as channel:
         worker = pb_grpc.WorkerServiceStub(channel)
-        session = worker.Register(pb.RegisterRequest(deployment="d", rank=0, shape=SHAPE), timeout=10).session_id
+        session = worker.Register(
+            pb.RegisterRequest(deployment="d", rank=0, shape=SHAPE), timeout=10
+        ).session_id
         counts = codec.encode(np.array([[5, 1, 1, 1], [1, 1, 1, 9]], dtype=np.int64))
-        messages = [pb.WorkerMessage(hello=pb.Hello(session_id=session)),
-                    pb.WorkerMessage(window=pb.Window(seq=0, num_steps=1, logical_count=counts))]
+        messages = [
+            pb.WorkerMessage(hello=pb.Hello(session_id=session)),
+            pb.WorkerMessage(window=pb.Window(seq=0, num_steps=1, logical_count=counts)),
+        ]
         list(worker.Stream(iter(messages), timeout=10))
         admin = pb_grpc.AdminServiceStub(channel)
         deadline = time.monotonic() + 30
@@ -73,23 +79,38 @@ def run_one_decision(address: str) -> None:
 def test_sigkill_leaves_no_child_behind(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rebalancer", "serve", "--port", str(port), "--db", str(tmp_path / "c.sqlite"),
-         "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "serve",
+            "--port",
+            str(port),
+            "--db",
+            str(tmp_path / "c.sqlite"),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     children: dict[int, int] = {}
     try:
         assert proc.stdout is not None and "serving on" in proc.stdout.readline()
         run_one_decision(f"127.0.0.1:{port}")
         children = children_of(proc.pid)
-        commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in children]
+        commands = [
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in children
+        ]
         assert any(b"rebalancer.controller.pool" in c for c in commands), commands
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(10) == -signal.SIGKILL
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(alive(p, s) for p, s in children.items()):
             time.sleep(0.05)
-        assert not [p for p, s in children.items() if alive(p, s)], "children outlived the controller"
+        assert not [p for p, s in children.items() if alive(p, s)], (
+            "children outlived the controller"
+        )
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -81,8 +81,10 @@ print("RESULT " + json.dumps(namespace["result"]), flush=True)
 def python_blocks() -> list[tuple[int, str]]:
     """(first line of its code, code) of every ```python block of the README."""
     text = README.read_text()
-    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1))
-            for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+    return [
+        (text.count("\n", 0, m.start(1)) + 1, m.group(1))
+        for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)
+    ]
 
 
 def wait_for(predicate: Callable[[], object], seconds: float, what: str) -> None:
@@ -97,27 +99,50 @@ def test_the_readme_python_runs_as_written(tmp_path: Path) -> None:
     blocks = python_blocks()
     hook_blocks = [b for b in blocks if "RebalanceHook(" in b[1] or "DispatchConfig(" in b[1]]
     adapter_blocks = [b for b in blocks if "attach(" in b[1]]
-    assert len(hook_blocks) == 2 and len(adapter_blocks) == 1, "a README block this test does not run"
-    assert len(blocks) == len(hook_blocks) + len(adapter_blocks), "a README block this test does not run"
+    assert len(hook_blocks) == 2 and len(adapter_blocks) == 1, (
+        "a README block this test does not run"
+    )
+    assert len(blocks) == len(hook_blocks) + len(adapter_blocks), (
+        "a README block this test does not run"
+    )
     # Paused: the hook's windows are what is checked here (plans: tests/integration).
     ctl = start_controller(tmp_path / "c.sqlite", replace(PolicyConfig(), paused=True))
     assert ctl.server is not None
     env = {**os.environ, "REBALANCER_ADDRESS": ctl.server.address, "OMP_NUM_THREADS": "1"}
-    runs = [(HOOK_PRELUDE, hook_blocks, HOOK_RESULT, str(rank), f"file://{tmp_path}/hook-rdzv") for rank in (0, 1)]
-    runs.append((TRANSFORMERS_PRELUDE, adapter_blocks, TRANSFORMERS_RESULT, "0", f"file://{tmp_path}/tf-rdzv"))
+    runs = [
+        (HOOK_PRELUDE, hook_blocks, HOOK_RESULT, str(rank), f"file://{tmp_path}/hook-rdzv")
+        for rank in (0, 1)
+    ]
+    runs.append(
+        (
+            TRANSFORMERS_PRELUDE,
+            adapter_blocks,
+            TRANSFORMERS_RESULT,
+            "0",
+            f"file://{tmp_path}/tf-rdzv",
+        )
+    )
     procs: list[subprocess.Popen[str]] = []
     try:
         for i, (prelude, chosen, result, rank, rendezvous) in enumerate(runs):
             program = tmp_path / f"program{i}.json"
             program.write_text(json.dumps([textwrap.dedent(prelude), chosen, result]))
-            procs.append(subprocess.Popen([sys.executable, "-c", RUNNER, rank, rendezvous, str(program)], cwd=tmp_path,
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", RUNNER, rank, rendezvous, str(program)],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         outputs = []
         for proc in procs:
             out, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err[-4000:]
             (line,) = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-            outputs.append(json.loads(line[len("RESULT "):]))
+            outputs.append(json.loads(line[len("RESULT ") :]))
 
         def deployment(name: str) -> Any:
             return ctl.call(lambda: ctl.server.controller.deployments.get(name))  # type: ignore[union-attr]
@@ -127,12 +152,21 @@ def test_the_readme_python_runs_as_written(tmp_path: Path) -> None:
         hook_a, hook_b, adapter = outputs
         assert hook_a == hook_b == {"windows": 3, "steps": 40, "mode": "load+shared"}
         picks = 2 * 40 * 32 * 2 * 2
-        wait_for(lambda: deployment("deepseek-v3-prod") is not None
-                 and deployment("deepseek-v3-prod").stats.tokens_folded == picks, 30, "the hook's picks folded")
+        wait_for(
+            lambda: (
+                deployment("deepseek-v3-prod") is not None
+                and deployment("deepseek-v3-prod").stats.tokens_folded == picks
+            ),
+            30,
+            "the hook's picks folded",
+        )
         assert deployment("deepseek-v3-prod").shape.num_gpus == 2
         assert adapter["windows"] >= 1 and adapter["logits"][:2] == [1, 16]
-        wait_for(lambda: deployment("ds-v3") is not None and deployment("ds-v3").stats.tokens_folded > 0, 30,
-                 "the adapter's picks folded")
+        wait_for(
+            lambda: deployment("ds-v3") is not None and deployment("ds-v3").stats.tokens_folded > 0,
+            30,
+            "the adapter's picks folded",
+        )
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -159,40 +193,32 @@ VENV_BIN = ROOT / ".venv" / "bin"
 CLUSTER = "needs a Kubernetes cluster (the manifests are rendered and checked by tests/unit/deploy)"
 NOT_RUN: dict[str, str] = {
     "./dev test": "the suite itself, with ruff, mypy and the proto checks: CI's entry point (.ci/run ends in it)",
-    "podman build -t sglang-rebalancer:v0.5.23 -f deploy/engines/sglang.Containerfile .":
-        "pulls SGLang's published image (GBs) from a registry; the layers are linted by tests/unit/deploy",
-    "podman build -t vllm-openai-rebalancer:v0.33.0 -f deploy/engines/vllm.Containerfile .":
-        "pulls vLLM's published image (GBs) from a registry; the layers are linted by tests/unit/deploy",
-    "export REBALANCER_ADDRESS=unix:/run/rebalancer/agent.sock REBALANCER_DEPLOYMENT=deepseek-v3-prod":
-        "the engine container's environment, for the engine command after it",
-    "python -m sglang.launch_server --model-path deepseek-ai/DeepSeek-V3 --ep-size 32 --enable-eplb ...":
-        "DeepSeek-V3 on 32 GPUs (tests/engines runs the adapter in SGLang's own code)",
-    "vllm serve deepseek-ai/DeepSeek-V3 --enable-expert-parallel --enable-eplb --eplb-config '{\"window_size\": 3000, "
-    "\"step_interval\": 3000}' --worker-extension-cls worker_hooks.engines.vllm.RebalancerWorkerExtension ...":
-        "DeepSeek-V3 on GPUs (tests/engines runs the adapter in vLLM's own code)",
+    "podman build -t sglang-rebalancer:v0.5.23 -f deploy/engines/sglang.Containerfile .": "pulls SGLang's published image (GBs) from a registry; the layers are linted by tests/unit/deploy",
+    "podman build -t vllm-openai-rebalancer:v0.33.0 -f deploy/engines/vllm.Containerfile .": "pulls vLLM's published image (GBs) from a registry; the layers are linted by tests/unit/deploy",
+    "export REBALANCER_ADDRESS=unix:/run/rebalancer/agent.sock REBALANCER_DEPLOYMENT=deepseek-v3-prod": "the engine container's environment, for the engine command after it",
+    "python -m sglang.launch_server --model-path deepseek-ai/DeepSeek-V3 --ep-size 32 --enable-eplb ...": "DeepSeek-V3 on 32 GPUs (tests/engines runs the adapter in SGLang's own code)",
+    'vllm serve deepseek-ai/DeepSeek-V3 --enable-expert-parallel --enable-eplb --eplb-config \'{"window_size": 3000, '
+    '"step_interval": 3000}\' --worker-extension-cls worker_hooks.engines.vllm.RebalancerWorkerExtension ...': "DeepSeek-V3 on GPUs (tests/engines runs the adapter in vLLM's own code)",
     "kubectl apply -k deploy/kubernetes/overlays/dev": CLUSTER,
     "kubectl -n rebalancer-dev rollout status deploy/rebalancer": CLUSTER,
     "kubectl -n rebalancer-dev exec deploy/rebalancer -- rebalancer admin status": CLUSTER,
     "kubectl create namespace rebalancer": CLUSTER,
-    "kubectl -n rebalancer create secret generic rebalancer-admin-token --from-literal=token=\"$(openssl rand -hex 32)\"":
-        CLUSTER,
+    'kubectl -n rebalancer create secret generic rebalancer-admin-token --from-literal=token="$(openssl rand -hex 32)"': CLUSTER,
     "kubectl apply -k deploy/kubernetes/overlays/prod": CLUSTER,
     "kubectl -n rebalancer rollout status deploy/rebalancer": CLUSTER,
     "kubectl -n rebalancer port-forward svc/rebalancer 50051": CLUSTER,
     "export REBALANCER_ADMIN_TOKEN=$(kubectl -n rebalancer get secret rebalancer-admin-token -o jsonpath='{.data.token}' "
     "| base64 -d)": CLUSTER,
-    "rebalancer admin --ca ca.crt --cert admin.crt --key admin.key status":
-        "the prod controller's certificates, through the port-forward above (admin over mutual TLS with a token: "
-        "tests/integration/test_security.py)",
-    "rebalancer simulate --gpus 32 --slots 288 --nodes 4 --trace phase.npz --policy all --plot phase.png":
-        "eight policies over 240 windows of G=32: about a minute of CPU (the plot: tests/unit/sim)",
+    "rebalancer admin --ca ca.crt --cert admin.crt --key admin.key status": "the prod controller's certificates, through the port-forward above (admin over mutual TLS with a token: "
+    "tests/integration/test_security.py)",
+    "rebalancer simulate --gpus 32 --slots 288 --nodes 4 --trace phase.npz --policy all --plot phase.png": "eight policies over 240 windows of G=32: about a minute of CPU (the plot: tests/unit/sim)",
     "python -m bench.simulate": "rewrites BENCHMARKS.md's section and docs/sim_*.png in the tree; several minutes",
     "./dev admin force my-deployment --dry-run": "my-deployment stands for a deployment's name: none registered with "
-        "this controller (the first hour's `rebalancer admin force demo --dry-run` runs)",
+    "this controller (the first hour's `rebalancer admin force demo --dry-run` runs)",
     "./dev admin policy my-deployment gain_threshold=0.05": "my-deployment stands for a deployment's name "
-        "(admin policy on a live one: tests/integration/test_admin_cli.py)",
+    "(admin policy on a live one: tests/integration/test_admin_cli.py)",
     "./dev simulate --gpus 32 --slots 288 --nodes 4 --trace TRACE.npz --policy all": "TRACE.npz stands for a trace "
-        "(docs/simulator.md's commands run on a real one)",
+    "(docs/simulator.md's commands run on a real one)",
 }
 # command -> the shorter run of it that the same document names (run instead).
 SMALLER: dict[str, str] = {"./dev demo": "./dev demo --windows 6"}
@@ -207,16 +233,14 @@ EXPECT: dict[str, str] = {
     "--batch-tokens 64,256,512,4096,16384 --json": r'"load\+shared": \{"relative_step_throughput"',
     "rebalancer admin status": r"no deployments",
     "./dev admin status": r"no deployments",
-    "./dev plan --counts rebalancer/data/deepseek-v3/prefill_in4096.json --gpus 32 --slots 288 --nodes 4 --json":
-        r'"balancedness_before": 0\.44',
+    "./dev plan --counts rebalancer/data/deepseek-v3/prefill_in4096.json --gpus 32 --slots 288 --nodes 4 --json": r'"balancedness_before": 0\.44',
     "rebalancer admin status demo": r"demo",
     "rebalancer admin history demo --limit 5": r"decision",
     "rebalancer admin force demo --dry-run": r"dry_run: balancedness [0-9.]+ -> [0-9.]+",
     "rebalancer admin pause demo": r"pause",
     "rebalancer admin force demo --wait 60": r"plan",
     "rebalancer admin --json status demo | jq .deployments[0].last_decision": r'"outcome"',
-    "curl -s localhost:9400/metrics | grep -E 'rebalancer_(balancedness|rebalancing_state|plans_total)'":
-        r'rebalancer_balancedness\{deployment="demo"',
+    "curl -s localhost:9400/metrics | grep -E 'rebalancer_(balancedness|rebalancing_state|plans_total)'": r'rebalancer_balancedness\{deployment="demo"',
 }
 
 
@@ -232,8 +256,10 @@ class Command:
 def fenced(path: Path) -> list[tuple[int, str, str]]:
     """(line of the fence, language, body) of every fenced block."""
     text = path.read_text()
-    return [(text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2))
-            for m in re.finditer(r"^```(\S*)\n(.*?)^```", text, re.S | re.M)]
+    return [
+        (text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2))
+        for m in re.finditer(r"^```(\S*)\n(.*?)^```", text, re.S | re.M)
+    ]
 
 
 def split_outside_quotes(line: str) -> tuple[list[str], str]:
@@ -275,15 +301,23 @@ def shell_commands(path: Path) -> list[Command]:
                 if not command:
                     continue
                 background = command.endswith("&") and not command.endswith("&&")
-                found.append(Command(path.name, fence, line, command.rstrip("&").rstrip(), background))
+                found.append(
+                    Command(path.name, fence, line, command.rstrip("&").rstrip(), background)
+                )
     return found
 
 
 def test_every_docs_block_names_its_language() -> None:
     """A block without a language, or in one this test does not know, could hide a command."""
-    unknown = [(path.name, line, language) for path in DOCS for line, language, _ in fenced(path)
-               if language not in SHELL_LANGUAGES | OTHER_LANGUAGES]
-    assert not unknown, f"fenced blocks with no or an unknown language (use ```bash for commands): {unknown}"
+    unknown = [
+        (path.name, line, language)
+        for path in DOCS
+        for line, language, _ in fenced(path)
+        if language not in SHELL_LANGUAGES | OTHER_LANGUAGES
+    ]
+    assert not unknown, (
+        f"fenced blocks with no or an unknown language (use ```bash for commands): {unknown}"
+    )
 
 
 def test_the_command_tables_match_the_docs() -> None:
@@ -294,15 +328,32 @@ def test_the_command_tables_match_the_docs() -> None:
     assert not stale, f"listed, but in no docs block any more: {sorted(stale)}"
     for command, shorter in SMALLER.items():
         (doc,) = {path for path in DOCS for c in shell_commands(path) if c.text == command}
-        assert f"`{shorter}`" in doc.read_text(), f"{doc.name} does not name the shorter run `{shorter}`"
-    foreground = {SMALLER.get(c.text, c.text) for path in DOCS for c in shell_commands(path)
-                  if c.text not in NOT_RUN and not c.background and not c.text.startswith("kill ")}
-    background = {c.text for path in DOCS for c in shell_commands(path) if c.text not in NOT_RUN and c.background}
-    assert all(c.startswith(("rebalancer serve ", "./dev serve ", "rebalancer demo ")) for c in background), background
+        assert f"`{shorter}`" in doc.read_text(), (
+            f"{doc.name} does not name the shorter run `{shorter}`"
+        )
+    foreground = {
+        SMALLER.get(c.text, c.text)
+        for path in DOCS
+        for c in shell_commands(path)
+        if c.text not in NOT_RUN and not c.background and not c.text.startswith("kill ")
+    }
+    background = {
+        c.text
+        for path in DOCS
+        for c in shell_commands(path)
+        if c.text not in NOT_RUN and c.background
+    }
+    assert all(
+        c.startswith(("rebalancer serve ", "./dev serve ", "rebalancer demo ")) for c in background
+    ), background
     ran_or_expected = foreground
     unchecked = foreground - set(EXPECT)
-    assert not unchecked, f"docs commands this file neither runs with a check nor lists: {sorted(unchecked)}"
-    assert not set(EXPECT) - ran_or_expected, f"checks of commands no docs block holds: {set(EXPECT) - ran_or_expected}"
+    assert not unchecked, (
+        f"docs commands this file neither runs with a check nor lists: {sorted(unchecked)}"
+    )
+    assert not set(EXPECT) - ran_or_expected, (
+        f"checks of commands no docs block holds: {set(EXPECT) - ran_or_expected}"
+    )
 
 
 def metric(port: int, name: str, deployment: str) -> float:
@@ -329,14 +380,23 @@ def test_every_docs_command_runs_as_written(tmp_path: Path) -> None:
     Background commands are started, waited for as an operator would (the controller
     listening; the demo's first window folded) and ended by the docs' own `kill`."""
     stamp = list((ROOT / ".venv").glob(".installed-*"))
-    assert stamp, "no .venv built for this pyproject.toml: `./dev setup` first (./dev would build it inside a test)"
+    assert stamp, (
+        "no .venv built for this pyproject.toml: `./dev setup` first (./dev would build it inside a test)"
+    )
     grpc_port, metrics_port = free_port(), free_port()
     ports = {"50051": str(grpc_port), "9400": str(metrics_port)}
-    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
-           "REBALANCER_ADDRESS": f"127.0.0.1:{grpc_port}"}
+    env = {
+        **os.environ,
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+        "OMP_NUM_THREADS": "1",
+        "REBALANCER_ADDRESS": f"127.0.0.1:{grpc_port}",
+    }
     env.pop("REBALANCER_ADMIN_TOKEN", None)
-    blocks = {(path, c.block): [d for d in shell_commands(path) if d.block == c.block]
-              for path in DOCS for c in shell_commands(path)}
+    blocks = {
+        (path, c.block): [d for d in shell_commands(path) if d.block == c.block]
+        for path in DOCS
+        for c in shell_commands(path)
+    }
     folders: dict[tuple[Path, int], Path] = {}
     for (path, fence), commands in blocks.items():  # a fresh folder per block, as a new terminal's
         folder = folders[path, fence] = tmp_path / f"{path.stem}-{fence}"
@@ -368,18 +428,38 @@ def test_every_docs_command_runs_as_written(tmp_path: Path) -> None:
                 cwd = folders[path, command.block]
                 if command.background:
                     log = (tmp_path / f"job{len(jobs) + 1}.log").open("wb")
-                    jobs.append(subprocess.Popen(["bash", "-c", "exec " + text], cwd=cwd, env=env, stdout=log,
-                                                 stderr=subprocess.STDOUT, start_new_session=True))
+                    jobs.append(
+                        subprocess.Popen(
+                            ["bash", "-c", "exec " + text],
+                            cwd=cwd,
+                            env=env,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
                     block_jobs.append(jobs[-1])
                     if re.match(r"(rebalancer|\./dev) serve ", command.text):
-                        wait_for(lambda: listening(grpc_port) or jobs[-1].poll() is not None, 60, where)
+                        wait_for(
+                            lambda: listening(grpc_port) or jobs[-1].poll() is not None, 60, where
+                        )
                     elif command.text.startswith("rebalancer demo"):
                         # "meanwhile": once the controller folded a window of the demo's ranks
-                        wait_for(lambda: metric(metrics_port, "rebalancer_windows_folded_total", "demo") >= 1
-                                 or jobs[-1].poll() is not None, 150, where)
+                        wait_for(
+                            lambda: (
+                                metric(metrics_port, "rebalancer_windows_folded_total", "demo") >= 1
+                                or jobs[-1].poll() is not None
+                            ),
+                            150,
+                            where,
+                        )
                     else:
-                        raise AssertionError(f"{where}: a background command this test does not know")
-                    assert jobs[-1].poll() is None, f"{where} ended: {(tmp_path / log.name).read_text()[-3000:]}"
+                        raise AssertionError(
+                            f"{where}: a background command this test does not know"
+                        )
+                    assert jobs[-1].poll() is None, (
+                        f"{where} ended: {(tmp_path / log.name).read_text()[-3000:]}"
+                    )
                 elif m := re.fullmatch(r"kill((?: %\d+)+)", text):
                     for job in (int(n) for n in m.group(1).split("%")[1:]):
                         proc = block_jobs[job - 1]
@@ -389,19 +469,37 @@ def test_every_docs_command_runs_as_written(tmp_path: Path) -> None:
                         # the demo ends its workers and sidecars (the session guard sees any left)
                         # and exits 128 + SIGTERM.
                         serve = " serve " in proc.args[-1]  # type: ignore[index]
-                        assert code == (0 if serve else 128 + signal.SIGTERM), f"{where}: job {job} exited {code}"
+                        assert code == (0 if serve else 128 + signal.SIGTERM), (
+                            f"{where}: job {job} exited {code}"
+                        )
                 else:
-                    done = subprocess.run(["bash", "-o", "pipefail", "-c", text], cwd=cwd, env=env,
-                                          capture_output=True, text=True, timeout=600)
-                    assert done.returncode == 0, f"{where}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
-                    assert re.search(EXPECT[SMALLER.get(command.text, command.text)], done.stdout), \
-                        f"{where}: not in its output:\n{done.stdout[-3000:]}"
+                    done = subprocess.run(
+                        ["bash", "-o", "pipefail", "-c", text],
+                        cwd=cwd,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=600,
+                    )
+                    assert done.returncode == 0, (
+                        f"{where}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+                    )
+                    assert re.search(
+                        EXPECT[SMALLER.get(command.text, command.text)], done.stdout
+                    ), f"{where}: not in its output:\n{done.stdout[-3000:]}"
                 ran.append(text)
         # The operator's first hour is all there, in its order.
-        firsts = [r"rebalancer serve .*", "rebalancer admin status", r"rebalancer demo --controller .*",
-                  "rebalancer admin status demo", r"rebalancer admin history demo .*",
-                  "rebalancer admin force demo --dry-run", "rebalancer admin pause demo", "rebalancer admin force demo --wait 60",
-                  r"kill .*"]
+        firsts = [
+            r"rebalancer serve .*",
+            "rebalancer admin status",
+            r"rebalancer demo --controller .*",
+            "rebalancer admin status demo",
+            r"rebalancer admin history demo .*",
+            "rebalancer admin force demo --dry-run",
+            "rebalancer admin pause demo",
+            "rebalancer admin force demo --wait 60",
+            r"kill .*",
+        ]
         # Each step found after the one before it (README's own examples may name the same
         # commands earlier).
         positions, start = [], 0

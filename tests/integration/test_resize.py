@@ -20,30 +20,63 @@ from tests.integration.conftest import start_controller
 from tests.integration.test_worker_api import code_of, stream, window
 
 L, E = 2, 4
-OLD = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=8, num_gpus=4, num_nodes=1,
-                    expert_bytes=1000)
-NEW = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=6, num_gpus=3, num_nodes=1,
-                    expert_bytes=1000)
+OLD = pb.ModelShape(
+    num_layers=L,
+    num_logical_experts=E,
+    num_physical_slots=8,
+    num_gpus=4,
+    num_nodes=1,
+    expert_bytes=1000,
+)
+NEW = pb.ModelShape(
+    num_layers=L,
+    num_logical_experts=E,
+    num_physical_slots=6,
+    num_gpus=3,
+    num_nodes=1,
+    expert_bytes=1000,
+)
 SURVIVORS = np.array([[0, 1, 2, 3, 0, 1], [3, 2, 1, 0, 2, 3]], dtype=np.int32)
 
 
-def _register(stub: pb_grpc.WorkerServiceStub, rank: int, shape: pb.ModelShape = OLD, **kw: object) -> pb.RegisterResponse:
-    return stub.Register(pb.RegisterRequest(deployment="dep", rank=rank, shape=shape, worker_id=f"w{rank}",
-                                            **kw), timeout=5)  # type: ignore[arg-type]
+def _register(
+    stub: pb_grpc.WorkerServiceStub, rank: int, shape: pb.ModelShape = OLD, **kw: object
+) -> pb.RegisterResponse:
+    return stub.Register(
+        pb.RegisterRequest(deployment="dep", rank=rank, shape=shape, worker_id=f"w{rank}", **kw),
+        timeout=5,
+    )  # type: ignore[arg-type]
 
 
-def _resized(stub: pb_grpc.WorkerServiceStub, rank: int, phy2log: np.ndarray = SURVIVORS, version: int = 0,
-             num_gpus: int = 4, shape: pb.ModelShape = NEW) -> pb.RegisterResponse:
-    return _register(stub, rank, shape, resized_from=pb.Resize(version=version, num_gpus=num_gpus),
-                     initial_placement=pb.Placement(phy2log=codec.encode(phy2log.astype(np.int32))))
+def _resized(
+    stub: pb_grpc.WorkerServiceStub,
+    rank: int,
+    phy2log: np.ndarray = SURVIVORS,
+    version: int = 0,
+    num_gpus: int = 4,
+    shape: pb.ModelShape = NEW,
+) -> pb.RegisterResponse:
+    return _register(
+        stub,
+        rank,
+        shape,
+        resized_from=pb.Resize(version=version, num_gpus=num_gpus),
+        initial_placement=pb.Placement(phy2log=codec.encode(phy2log.astype(np.int32))),
+    )
 
 
 def _state(ctl: EmbeddedController) -> tuple:
     def read() -> tuple:
         c = ctl.server.controller  # type: ignore[union-attr]
         dep = c.deployments["dep"]
-        return (dep.shape.num_gpus, dep.shape.num_slots, dep.version, dep.phy2log.tolist(),
-                [(p.version, p.state, p.trigger) for p in c.store.plans("dep")], sorted(dep.sessions))
+        return (
+            dep.shape.num_gpus,
+            dep.shape.num_slots,
+            dep.version,
+            dep.phy2log.tolist(),
+            [(p.version, p.state, p.trigger) for p in c.store.plans("dep")],
+            sorted(dep.sessions),
+        )
 
     return ctl.call(read)  # type: ignore[return-value]
 
@@ -63,7 +96,8 @@ def stub(ctl: EmbeddedController):  # noqa: ANN201
 
 
 def test_the_first_resized_rank_resizes_the_deployment_and_its_peers_join_at_that_version(
-        ctl: EmbeddedController, stub: pb_grpc.WorkerServiceStub, tmp_path: Path) -> None:
+    ctl: EmbeddedController, stub: pb_grpc.WorkerServiceStub, tmp_path: Path
+) -> None:
     old_sessions = [_register(stub, r).session_id for r in range(4)]
     first = _resized(stub, 0)
     assert first.committed.version == 1
@@ -85,6 +119,7 @@ def test_the_first_resized_rank_resizes_the_deployment_and_its_peers_join_at_tha
     ctl.stop()
     again = start_controller(tmp_path / "c.sqlite")  # what the store kept
     try:
+
         def read() -> tuple:
             dep = again.server.controller.deployments["dep"]  # type: ignore[union-attr]
             return dep.shape.num_gpus, dep.version, dep.phy2log.tolist()
@@ -95,7 +130,9 @@ def test_the_first_resized_rank_resizes_the_deployment_and_its_peers_join_at_tha
         again.stop()
 
 
-def test_the_new_worlds_windows_are_counted(ctl: EmbeddedController, stub: pb_grpc.WorkerServiceStub) -> None:
+def test_the_new_worlds_windows_are_counted(
+    ctl: EmbeddedController, stub: pb_grpc.WorkerServiceStub
+) -> None:
     for r in range(4):
         _register(stub, r)
     sessions = [_resized(stub, r).session_id for r in range(3)]
@@ -108,18 +145,52 @@ def test_the_new_worlds_windows_are_counted(ctl: EmbeddedController, stub: pb_gr
         return dep.stats.windows_ingested, dep.estimator.windows
 
     ingested, folded = ctl.call(read)  # type: ignore[misc]
-    assert ingested == 3 and folded == 1  # one window of every rank of the new world: one complete window
+    assert (
+        ingested == 3 and folded == 1
+    )  # one window of every rank of the new world: one complete window
 
 
-@pytest.mark.parametrize("kw, code, words", [
-    (dict(version=7), grpc.StatusCode.FAILED_PRECONDITION, "resized from v7 on 4 GPUs; the deployment is at v0"),
-    (dict(num_gpus=8), grpc.StatusCode.FAILED_PRECONDITION, "the deployment is at v0 on 4 GPUs"),
-    (dict(shape=pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=6, num_gpus=3, num_nodes=1,
-                              expert_bytes=2000)), grpc.StatusCode.FAILED_PRECONDITION, "a resize changes only"),
-    (dict(phy2log=np.zeros((L, 6), np.int32)), grpc.StatusCode.INVALID_ARGUMENT, "has no replica of expert"),
-])
+@pytest.mark.parametrize(
+    "kw, code, words",
+    [
+        (
+            dict(version=7),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "resized from v7 on 4 GPUs; the deployment is at v0",
+        ),
+        (
+            dict(num_gpus=8),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "the deployment is at v0 on 4 GPUs",
+        ),
+        (
+            dict(
+                shape=pb.ModelShape(
+                    num_layers=L,
+                    num_logical_experts=E,
+                    num_physical_slots=6,
+                    num_gpus=3,
+                    num_nodes=1,
+                    expert_bytes=2000,
+                )
+            ),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "a resize changes only",
+        ),
+        (
+            dict(phy2log=np.zeros((L, 6), np.int32)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "has no replica of expert",
+        ),
+    ],
+)
 def test_a_resize_that_does_not_follow_from_the_deployment_is_refused_and_changes_nothing(
-        ctl: EmbeddedController, stub: pb_grpc.WorkerServiceStub, kw: dict, code: grpc.StatusCode, words: str) -> None:
+    ctl: EmbeddedController,
+    stub: pb_grpc.WorkerServiceStub,
+    kw: dict,
+    code: grpc.StatusCode,
+    words: str,
+) -> None:
     for r in range(4):
         _register(stub, r)
     before = _state(ctl)
@@ -128,8 +199,9 @@ def test_a_resize_that_does_not_follow_from_the_deployment_is_refused_and_change
     assert _state(ctl) == before
 
 
-def test_a_resized_registration_without_its_placement_is_refused(ctl: EmbeddedController,
-                                                                 stub: pb_grpc.WorkerServiceStub) -> None:
+def test_a_resized_registration_without_its_placement_is_refused(
+    ctl: EmbeddedController, stub: pb_grpc.WorkerServiceStub
+) -> None:
     _register(stub, 0)
     before = _state(ctl)
     code, details = code_of(_register, stub, 0, NEW, resized_from=pb.Resize(version=0, num_gpus=4))
@@ -138,7 +210,8 @@ def test_a_resized_registration_without_its_placement_is_refused(ctl: EmbeddedCo
 
 
 def test_a_peer_serving_another_placement_than_the_resize_taken_is_refused(
-        ctl: EmbeddedController, stub: pb_grpc.WorkerServiceStub) -> None:
+    ctl: EmbeddedController, stub: pb_grpc.WorkerServiceStub
+) -> None:
     _register(stub, 0)
     _resized(stub, 0)
     other = SURVIVORS[:, ::-1].copy()
@@ -146,8 +219,9 @@ def test_a_peer_serving_another_placement_than_the_resize_taken_is_refused(
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "another placement" in details
 
 
-def test_a_resize_while_a_decision_is_under_way_is_asked_again(ctl: EmbeddedController,
-                                                               stub: pb_grpc.WorkerServiceStub) -> None:
+def test_a_resize_while_a_decision_is_under_way_is_asked_again(
+    ctl: EmbeddedController, stub: pb_grpc.WorkerServiceStub
+) -> None:
     _register(stub, 0)
     dep = ctl.call(lambda: ctl.server.controller.deployments["dep"])  # type: ignore[union-attr]
     ctl.call(dep.decision_started)
@@ -179,7 +253,9 @@ def test_a_peer_of_a_resize_registering_after_a_controller_restart_joins(tmp_pat
             assert _resized(stub, 1).committed.version == 1
             code, details = code_of(_resized, stub, 2, version=1)  # a resize from v1: none was
             assert code == grpc.StatusCode.FAILED_PRECONDITION and "is at v1 on 3 GPUs" in details
-        assert [(p.version, p.trigger) for p in again.call(
-            lambda: again.server.controller.store.plans("dep"))] == [(1, "resize")]  # type: ignore[union-attr]
+        assert [
+            (p.version, p.trigger)
+            for p in again.call(lambda: again.server.controller.store.plans("dep"))
+        ] == [(1, "resize")]  # type: ignore[union-attr]
     finally:
         again.stop()

@@ -65,7 +65,10 @@ class Sidecar:
     def metrics(self) -> dict[str, float]:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=5).read().decode()
-        return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")}
+        return {
+            k: float(v)
+            for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")
+        }
 
     def stop(self) -> int:
         """SIGTERM: drain and exit 0."""
@@ -75,8 +78,11 @@ class Sidecar:
 
 def probe(target: str) -> int:
     """`rebalancer sidecar --check`: what a startup probe runs."""
-    return subprocess.run([sys.executable, "-m", "rebalancer", "sidecar", "--check", target, "--timeout", "2"],
-                          capture_output=True, timeout=60).returncode
+    return subprocess.run(
+        [sys.executable, "-m", "rebalancer", "sidecar", "--check", target, "--timeout", "2"],
+        capture_output=True,
+        timeout=60,
+    ).returncode
 
 
 class Cluster:
@@ -84,27 +90,56 @@ class Cluster:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.sockets = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))  # short: 107-byte socket paths
+        self.sockets = Path(
+            tempfile.mkdtemp(prefix="sc", dir="/tmp")
+        )  # short: 107-byte socket paths
         self.procs: list[subprocess.Popen[Any]] = []
 
     def target(self, pod: str) -> str:
         return f"unix://{self.sockets}/{pod}/agent.sock"
 
-    def sidecar(self, pod: str, controller: str, *extra: str, ranks: tuple[int, ...] | None = None) -> Sidecar:
+    def sidecar(
+        self, pod: str, controller: str, *extra: str, ranks: tuple[int, ...] | None = None
+    ) -> Sidecar:
         """Pod `pod`'s sidecar, serving its ranks (PODS) or `ranks`."""
         ranks = ranks or PODS[pod]
         log = (self.tmp / f"sidecar-{pod}.log").open("a")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rebalancer", "sidecar", "--listen", self.target(pod), "--controller", controller,
-             "--ranks", f"{ranks[0]}-{ranks[-1]}", "--pod", f"ns/{pod}", "--metrics-port", "0",
-             "--metrics-host", "127.0.0.1", "--grace", "1", "--log-level", "INFO", *extra],
-            stdout=subprocess.PIPE, stderr=log, text=True,
+            [
+                sys.executable,
+                "-m",
+                "rebalancer",
+                "sidecar",
+                "--listen",
+                self.target(pod),
+                "--controller",
+                controller,
+                "--ranks",
+                f"{ranks[0]}-{ranks[-1]}",
+                "--pod",
+                f"ns/{pod}",
+                "--metrics-port",
+                "0",
+                "--metrics-host",
+                "127.0.0.1",
+                "--grace",
+                "1",
+                "--log-level",
+                "INFO",
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
         )
         log.close()
         self.procs.append(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert "sidecar serving on" in line, (line, (self.tmp / f"sidecar-{pod}.log").read_text()[-3000:])
+        assert "sidecar serving on" in line, (
+            line,
+            (self.tmp / f"sidecar-{pod}.log").read_text()[-3000:],
+        )
         assert probe(self.target(pod)) == 0  # ready: the startup probe passes
         return Sidecar(pod, proc, self.target(pod), int(line.rsplit(":", 1)[1]))
 
@@ -113,22 +148,55 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def workers(self, config: DemoConfig, extra: list[str], env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+    def workers(
+        self, config: DemoConfig, extra: list[str], env: dict[str, str] | None = None
+    ) -> list[subprocess.Popen[bytes]]:
         """The 4 ranks of one gloo group, each pointed at its pod's socket."""
         profile = write_profile(config, self.tmp)
         port = free_port()
-        env = {**os.environ, "REBALANCER_LOG": config.worker_log, "OMP_NUM_THREADS": "1",
-               STEP_LOG: str(self.tmp), **(env or {})}
+        env = {
+            **os.environ,
+            "REBALANCER_LOG": config.worker_log,
+            "OMP_NUM_THREADS": "1",
+            STEP_LOG: str(self.tmp),
+            **(env or {}),
+        }
         procs = []
         for rank in range(config.workers):
             pod = next(p for p, ranks in PODS.items() if rank in ranks)
             cmd = [
-                sys.executable, "-m", "tests.integration.sidecar_worker", "--rank", str(rank),
-                "--world", str(config.workers), "--port", str(port), "--controller", self.target(pod),
-                "--profile", str(profile), "--steps", str(config.steps), "--tokens", str(config.tokens),
-                "--experts", str(config.experts), "--slots", str(config.slots), "--layers", str(config.layers),
-                "--top-k", str(config.top_k), "--window-steps", str(config.window_steps),
-                "--max-seconds", str(config.timeout_seconds), "--out", str(self.tmp / f"rank{rank}.json"), *extra,
+                sys.executable,
+                "-m",
+                "tests.integration.sidecar_worker",
+                "--rank",
+                str(rank),
+                "--world",
+                str(config.workers),
+                "--port",
+                str(port),
+                "--controller",
+                self.target(pod),
+                "--profile",
+                str(profile),
+                "--steps",
+                str(config.steps),
+                "--tokens",
+                str(config.tokens),
+                "--experts",
+                str(config.experts),
+                "--slots",
+                str(config.slots),
+                "--layers",
+                str(config.layers),
+                "--top-k",
+                str(config.top_k),
+                "--window-steps",
+                str(config.window_steps),
+                "--max-seconds",
+                str(config.timeout_seconds),
+                "--out",
+                str(self.tmp / f"rank{rank}.json"),
+                *extra,
             ]
             procs.append(subprocess.Popen(cmd, env=env))
         self.procs += procs
@@ -162,15 +230,21 @@ def on_loop(ctl: EmbeddedController, fn: Callable[[Any], Any]) -> Any:
 
 
 def sessions(ctl: EmbeddedController) -> set[str]:
-    return on_loop(ctl, lambda c: {s.label for s in c.deployments["demo"].live_sessions() if s.streaming}
-                   if "demo" in c.deployments else set())
+    return on_loop(
+        ctl,
+        lambda c: (
+            {s.label for s in c.deployments["demo"].live_sessions() if s.streaming}
+            if "demo" in c.deployments
+            else set()
+        ),
+    )
 
 
 def assert_same_math_and_one_version_per_step(results: list[dict[str, Any]]) -> None:
     assert all(r["max_output_diff"] == 0.0 for r in results)  # invariant 1, every step
-    assert all(r["weights_match_map"] for r in results)        # weights really where the map says
+    assert all(r["weights_match_map"] for r in results)  # weights really where the map says
     assert len({json.dumps(r["versions"]) for r in results}) == 1  # invariant 2
-    assert len({json.dumps(r["commits"]) for r in results}) == 1   # same versions, same steps
+    assert len({json.dumps(r["commits"]) for r in results}) == 1  # same versions, same steps
 
 
 def test_plans_commit_through_sidecars(cluster: Cluster, tmp_path: Path) -> None:
@@ -201,7 +275,10 @@ def test_plans_commit_through_sidecars(cluster: Cluster, tmp_path: Path) -> None
     assert [p.state for p in plans].count("committed") == dep.stats.plans_committed
     assert all("shutting down" in p.reason for p in plans if p.state == "aborted")  # invariant 5
     for m in seen:
-        assert m["rebalancer_sidecar_windows_in_total"] > 0 and m["rebalancer_sidecar_windows_out_total"] > 0
+        assert (
+            m["rebalancer_sidecar_windows_in_total"] > 0
+            and m["rebalancer_sidecar_windows_out_total"] > 0
+        )
         assert m['rebalancer_sidecar_plans_total{outcome="committed"}'] == dep.stats.plans_committed
         assert m['rebalancer_sidecar_plan_phase_seconds_count{phase="prepare"}'] >= 1
 
@@ -211,26 +288,46 @@ def test_sidecar_killed_while_its_ranks_prepare_aborts_everywhere_and_restart_re
 ) -> None:
     config = small_config(steps=300, timeout_seconds=150.0)
     prepare_seconds = 3.0  # each rank stays preparing this long after its transfers
-    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True))  # plans: forced here
+    ctl = start_controller(
+        tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True)
+    )  # plans: forced here
     try:
         assert ctl.server is not None
         address = ctl.server.address
         a, b = (cluster.sidecar(pod, address) for pod in PODS)
-        workers = cluster.workers(config, ["--step-sleep", "0.02", "--wait-version", "2"],
-                                  {PREPARE_SECONDS: str(prepare_seconds)})
-        wait_for(lambda: sessions(ctl) == GROUPS and on_loop(ctl, lambda c: c.deployments["demo"].estimator.windows) >= 2,
-                 60, "both pods streaming windows")
+        workers = cluster.workers(
+            config,
+            ["--step-sleep", "0.02", "--wait-version", "2"],
+            {PREPARE_SECONDS: str(prepare_seconds)},
+        )
+        wait_for(
+            lambda: (
+                sessions(ctl) == GROUPS
+                and on_loop(ctl, lambda c: c.deployments["demo"].estimator.windows) >= 2
+            ),
+            60,
+            "both pods streaming windows",
+        )
         _, plan = on_loop(ctl, lambda c: c.force("demo"))
         forced_at = time.monotonic()
         assert plan is not None and plan.version == 1
-        wait_for(lambda: a.metrics()['rebalancer_sidecar_plan_phase{phase="preparing"}'] == 1, 10, "a relays v1")
+        wait_for(
+            lambda: a.metrics()['rebalancer_sidecar_plan_phase{phase="preparing"}'] == 1,
+            10,
+            "a relays v1",
+        )
         time.sleep(0.5)
         assert on_loop(ctl, lambda c: c.deployments["demo"].plan.state) is PlanState.PREPARING
         a.proc.send_signal(signal.SIGKILL)  # while its ranks prepare
         a.proc.wait(10)
-        wait_for(lambda: on_loop(ctl, lambda c: c.deployments["demo"].plan) is None, 10, "the abort")
+        wait_for(
+            lambda: on_loop(ctl, lambda c: c.deployments["demo"].plan) is None, 10, "the abort"
+        )
         (aborted,) = Store(tmp_path / "c.sqlite").plans("demo")
-        assert aborted.state == "aborted" and "ranks 0-1 (pod ns/a) disconnected while preparing" in aborted.reason
+        assert (
+            aborted.state == "aborted"
+            and "ranks 0-1 (pod ns/a) disconnected while preparing" in aborted.reason
+        )
         assert probe(a.target) != 0  # not ready while it is down
         a = cluster.sidecar("a", address)  # restarted in place: same socket
         wait_for(lambda: sessions(ctl) == GROUPS, 60, "pod a's ranks back through the new sidecar")
@@ -238,7 +335,9 @@ def test_sidecar_killed_while_its_ranks_prepare_aborts_everywhere_and_restart_re
         time.sleep(max(0.0, forced_at + prepare_seconds + 2.0 - time.monotonic()))
         _, plan = on_loop(ctl, lambda c: c.force("demo"))
         assert plan is not None and plan.version == 2
-        wait_for(lambda: on_loop(ctl, lambda c: c.deployments["demo"].version) == 2, 90, "v2 committed")
+        wait_for(
+            lambda: on_loop(ctl, lambda c: c.deployments["demo"].version) == 2, 90, "v2 committed"
+        )
         assert [w.wait(timeout=200) for w in workers] == [0] * 4
         assert [a.stop(), b.stop()] == [0, 0]
     finally:
@@ -255,7 +354,9 @@ def test_sidecar_killed_while_its_ranks_prepare_aborts_everywhere_and_restart_re
     assert states == {1: "aborted", 2: "committed"}
 
 
-def test_controller_gone_for_10s_no_step_waits_and_windows_resume(cluster: Cluster, tmp_path: Path) -> None:
+def test_controller_gone_for_10s_no_step_waits_and_windows_resume(
+    cluster: Cluster, tmp_path: Path
+) -> None:
     (tmp_path / "c.toml").write_text(CONFIG)
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -266,8 +367,15 @@ def test_controller_gone_for_10s_no_step_waits_and_windows_resume(cluster: Clust
     first = cluster.controller(port)
     pods = [cluster.sidecar(pod, address, "--max-buffered-windows", "4") for pod in PODS]
     workers = cluster.workers(config, ["--step-sleep", "0.02", "--stop-file", str(stop)])
-    wait_for(lambda: (s := status(address)) is not None and s.connected_ranks == 4 and s.windows_ingested >= 4,
-             90, "windows through both pods")
+    wait_for(
+        lambda: (
+            (s := status(address)) is not None
+            and s.connected_ranks == 4
+            and s.windows_ingested >= 4
+        ),
+        90,
+        "windows through both pods",
+    )
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     down_at = time.time()
@@ -276,12 +384,17 @@ def test_controller_gone_for_10s_no_step_waits_and_windows_resume(cluster: Clust
     time.sleep(max(0.0, down_at + 10.0 - time.time()))
     second = cluster.controller(port)
     up_at = time.time()
-    wait_for(lambda: (s := status(address)) is not None and s.connected_ranks == 4, 30, "pods reconnect")
+    wait_for(
+        lambda: (s := status(address)) is not None and s.connected_ranks == 4, 30, "pods reconnect"
+    )
     s = status(address)
     assert s is not None
     windows_then = s.windows_ingested
-    wait_for(lambda: (s := status(address)) is not None and s.windows_ingested > windows_then + 2, 30,
-             "windows resume")
+    wait_for(
+        lambda: (s := status(address)) is not None and s.windows_ingested > windows_then + 2,
+        30,
+        "windows resume",
+    )
     last_step = stop_together(stop, range(4))
     assert [w.wait(timeout=200) for w in workers] == [0] * 4
     after = [pod.metrics() for pod in pods]

@@ -24,7 +24,9 @@ from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
-SHAPE = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=1, num_nodes=1)
+SHAPE = pb.ModelShape(
+    num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=1, num_nodes=1
+)
 
 
 class _Handlers:
@@ -42,7 +44,9 @@ def wait_for(predicate: Callable[[], object], seconds: float, what: str) -> None
 
 def test_one_outage_is_one_link_lost_line(tmp_path: Path) -> None:
     port = free_port()
-    config = ControllerConfig(port=port, db_path=str(tmp_path / "c.sqlite"), policy=PolicyConfig(), drain_seconds=0.0)
+    config = ControllerConfig(
+        port=port, db_path=str(tmp_path / "c.sqlite"), policy=PolicyConfig(), drain_seconds=0.0
+    )
     sockets = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))  # short: 107-byte socket paths
     target = f"unix://{sockets}/agent.sock"
     log_path = tmp_path / "sidecar.log"
@@ -50,9 +54,26 @@ def test_one_outage_is_one_link_lost_line(tmp_path: Path) -> None:
     ctl.start()
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rebalancer", "sidecar", "--listen", target, "--controller", f"127.0.0.1:{port}",
-             "--ranks", "0", "--grace", "0.5", "--log-level", "INFO"],
-            stdout=subprocess.PIPE, stderr=log, text=True)
+            [
+                sys.executable,
+                "-m",
+                "rebalancer",
+                "sidecar",
+                "--listen",
+                target,
+                "--controller",
+                f"127.0.0.1:{port}",
+                "--ranks",
+                "0",
+                "--grace",
+                "0.5",
+                "--log-level",
+                "INFO",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
     agent: WorkerAgent | None = None
 
     def lines(word: str) -> list[str]:
@@ -69,7 +90,9 @@ def test_one_outage_is_one_link_lost_line(tmp_path: Path) -> None:
         time.sleep(4.0)
         ctl = EmbeddedController(config)
         ctl.start()
-        wait_for(lambda: len(lines("registered ranks")) >= 2, 30, "the pod's group registered again")
+        wait_for(
+            lambda: len(lines("registered ranks")) >= 2, 30, "the pod's group registered again"
+        )
     finally:
         if agent is not None:
             agent.stop()

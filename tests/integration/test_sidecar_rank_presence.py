@@ -49,9 +49,24 @@ def serve_with_metrics(cluster: Cluster, port: int, metrics_port: int) -> subpro
     tmp = cluster.tmp
     (tmp / "c.toml").write_text(PAUSED)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rebalancer", "serve", "--config", str(tmp / "c.toml"), "--port", str(port),
-         "--metrics-port", str(metrics_port), "--db", str(tmp / "c.sqlite"), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "serve",
+            "--config",
+            str(tmp / "c.toml"),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--db",
+            str(tmp / "c.sqlite"),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     cluster.procs.append(proc)
     assert proc.stdout is not None
@@ -60,7 +75,11 @@ def serve_with_metrics(cluster: Cluster, port: int, metrics_port: int) -> subpro
 
 
 def connected_metric(metrics_port: int) -> float | None:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
     for line in text.splitlines():
         if line.startswith('rebalancer_connected_ranks{deployment="demo"}'):
             return float(line.rsplit(" ", 1)[1])
@@ -69,7 +88,9 @@ def connected_metric(metrics_port: int) -> float | None:
 
 def force(address: str) -> pb.ForceRebalanceResponse:
     with grpc.insecure_channel(address) as channel:
-        return pb_grpc.AdminServiceStub(channel).ForceRebalance(pb.ForceRebalanceRequest(deployment="demo"), timeout=10)
+        return pb_grpc.AdminServiceStub(channel).ForceRebalance(
+            pb.ForceRebalanceRequest(deployment="demo"), timeout=10
+        )
 
 
 def test_engines_dead_behind_live_sidecars_are_not_counted_and_no_plan_starts(
@@ -81,21 +102,33 @@ def test_engines_dead_behind_live_sidecars_are_not_counted_and_no_plan_starts(
     pods = {name: cluster.sidecar(name, address) for name in PODS}
     config = small_config(steps=100_000, timeout_seconds=300.0)
     workers = cluster.workers(config, ["--step-sleep", "0.02"])
-    wait_for(lambda: (s := status(address)) is not None and s.connected_ranks == 4 and s.windows_ingested >= 2,
-             90, "4 ranks streaming windows through both pods")
+    wait_for(
+        lambda: (
+            (s := status(address)) is not None
+            and s.connected_ranks == 4
+            and s.windows_ingested >= 2
+        ),
+        90,
+        "4 ranks streaming windows through both pods",
+    )
     assert connected_metric(metrics_port) == 4
 
     for proc in workers:  # the engines die; the sidecars live on, their group streams open
         proc.send_signal(signal.SIGKILL)
     for proc in workers:
         proc.wait(30)
-    wait_for(lambda: all(p.metrics()["rebalancer_sidecar_ranks_connected"] == 0 for p in pods.values()),
-             15, "the sidecars see their ranks gone")
+    wait_for(
+        lambda: all(p.metrics()["rebalancer_sidecar_ranks_connected"] == 0 for p in pods.values()),
+        15,
+        "the sidecars see their ranks gone",
+    )
     # What the sidecars see, the controller shows within a bounded time: metric and status.
     wait_for(lambda: connected_metric(metrics_port) == 0, 10, "rebalancer_connected_ranks 0")
     s = status(address)
     assert s is not None and s.connected_ranks == 0
-    assert all(p.metrics()["rebalancer_sidecar_upstream_up"] == 1 for p in pods.values())  # still linked
+    assert all(
+        p.metrics()["rebalancer_sidecar_upstream_up"] == 1 for p in pods.values()
+    )  # still linked
 
     reply = force(address)
     decision = reply.decision

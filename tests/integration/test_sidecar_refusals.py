@@ -23,7 +23,9 @@ from worker_hooks.agent import AgentConfig, WorkerAgent
 
 pytestmark = pytest.mark.slow
 
-SHAPE = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=2, num_nodes=1)
+SHAPE = pb.ModelShape(
+    num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=2, num_nodes=1
+)
 REFUSAL = "FAILED_PRECONDITION: rank 1 registers for deployment 'canary', this pod serves 'prod'"
 
 
@@ -37,15 +39,33 @@ def test_a_rank_of_a_second_deployment_is_told_once_why(caplog: pytest.LogCaptur
     sockets = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))
     target = f"unix://{sockets}/run/agent.sock"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rebalancer", "sidecar", "--listen", target, "--controller", "127.0.0.1:1",
-         "--ranks", "0-1", "--grace", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "sidecar",
+            "--listen",
+            target,
+            "--controller",
+            "127.0.0.1:1",
+            "--ranks",
+            "0-1",
+            "--grace",
+            "0.5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     agents: list[WorkerAgent] = []
     try:
         assert proc.stdout is not None and "sidecar serving on" in proc.stdout.readline()
         caplog.set_level(logging.DEBUG, logger="worker_hooks.agent")
         fast = dict(backoff_initial_seconds=0.05, backoff_max_seconds=0.2)  # many tries, quickly
-        agents = [WorkerAgent(AgentConfig(target, dep, rank, SHAPE, **fast), _Handlers(), lambda: 0)  # type: ignore[arg-type]
-                  for rank, dep in ((0, "prod"), (1, "canary"))]
+        agents = [
+            WorkerAgent(AgentConfig(target, dep, rank, SHAPE, **fast), _Handlers(), lambda: 0)  # type: ignore[arg-type]
+            for rank, dep in ((0, "prod"), (1, "canary"))
+        ]
         agents[0].start()
         assert agents[0].connected.wait(30)  # the pod is prod's
         agents[1].start()
@@ -60,8 +80,18 @@ def test_a_rank_of_a_second_deployment_is_told_once_why(caplog: pytest.LogCaptur
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         shutil.rmtree(sockets, ignore_errors=True)
-    said = [(r.levelname, r.getMessage()) for r in caplog.records
-            if r.name == "worker_hooks.agent" and r.levelno >= logging.INFO and "rank 1" in r.getMessage()]
-    assert said == [("ERROR", f"rank 1: refused by {target} ({REFUSAL}); serving on without rebalancing, "
-                              "asking again every ~0.2 s")], said
+    said = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.name == "worker_hooks.agent"
+        and r.levelno >= logging.INFO
+        and "rank 1" in r.getMessage()
+    ]
+    assert said == [
+        (
+            "ERROR",
+            f"rank 1: refused by {target} ({REFUSAL}); serving on without rebalancing, "
+            "asking again every ~0.2 s",
+        )
+    ], said
     assert not [r for r in caplog.records if "link lost" in r.getMessage()]

@@ -39,14 +39,33 @@ NEW_RANK = {0: 0, 2: 1, 3: 2}  # old rank -> its rank in the new world
 class Rank:
     """One rank's agent and the version it serves (what an engine adapter holds)."""
 
-    def __init__(self, target: str, rank: int, shape: pb.ModelShape, phy2log: np.ndarray, worker: str,
-                 resized_from: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        rank: int,
+        shape: pb.ModelShape,
+        phy2log: np.ndarray,
+        worker: str,
+        resized_from: tuple[int, int] | None = None,
+    ) -> None:
         self.version = 0
         self.phy2log = phy2log
         self.agent = WorkerAgent(
-            AgentConfig(target, "dep", rank, shape, worker, resized_from=resized_from,
-                        backoff_initial_seconds=0.1, backoff_max_seconds=1.0),
-            self, lambda: self.version, initial_phy2log=phy2log, served_map=lambda: self.phy2log)
+            AgentConfig(
+                target,
+                "dep",
+                rank,
+                shape,
+                worker,
+                resized_from=resized_from,
+                backoff_initial_seconds=0.1,
+                backoff_max_seconds=1.0,
+            ),
+            self,
+            lambda: self.version,
+            initial_phy2log=phy2log,
+            served_map=lambda: self.phy2log,
+        )
         self.agent.start()
 
     def on_prepare(self, prepare: pb.Prepare) -> None: ...
@@ -55,7 +74,8 @@ class Rank:
 
 
 def test_a_resized_group_is_relayed_by_the_sidecars_and_every_survivor_serves_the_new_version(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True))
     cluster = Cluster(tmp_path)
     ranks: list[Rank] = []
@@ -63,7 +83,9 @@ def test_a_resized_group_is_relayed_by_the_sidecars_and_every_survivor_serves_th
         assert ctl.server is not None
         for pod in PODS:
             cluster.sidecar(pod, ctl.server.address)
-        target = {rank: cluster.target(pod) for pod, pod_ranks in PODS.items() for rank in pod_ranks}
+        target = {
+            rank: cluster.target(pod) for pod, pod_ranks in PODS.items() for rank in pod_ranks
+        }
         start = trivial_placement(L, E, 8, 4)
         old = {rank: Rank(target[rank], rank, OLD, start, f"worker {rank}") for rank in range(4)}
         ranks += old.values()
@@ -73,8 +95,13 @@ def test_a_resized_group_is_relayed_by_the_sidecars_and_every_survivor_serves_th
                 dep = ctl.server.controller.deployments.get("dep")  # type: ignore[union-attr]
                 if dep is None:
                     return -1, 0, [], {}
-                return dep.version, dep.shape.num_gpus, sorted(dep.sessions), \
-                    {rank: version for rank, (version, _) in dep.stated.items()}
+                return (
+                    dep.version,
+                    dep.shape.num_gpus,
+                    sorted(dep.sessions),
+                    {rank: version for rank, (version, _) in dep.stated.items()},
+                )
+
             return ctl.call(read)  # type: ignore[return-value]
 
         wait_for(lambda: controller()[2] == [0, 1, 2, 3], 60, "both pods registered upstream")
@@ -83,25 +110,45 @@ def test_a_resized_group_is_relayed_by_the_sidecars_and_every_survivor_serves_th
         # adapter ends its old world's agent), the survivors register the new world.
         for rank in old.values():
             rank.agent.stop(timeout=2.0)
-        new = {old_rank: Rank(target[old_rank], new_rank, NEW, SURVIVORS, f"worker {old_rank}", resized_from=(0, 4))
-               for old_rank, new_rank in NEW_RANK.items()}
+        new = {
+            old_rank: Rank(
+                target[old_rank],
+                new_rank,
+                NEW,
+                SURVIVORS,
+                f"worker {old_rank}",
+                resized_from=(0, 4),
+            )
+            for old_rank, new_rank in NEW_RANK.items()
+        }
         ranks += new.values()
-        wait_for(lambda: all(r.agent.committed_version == 1 for r in new.values()), 90,
-                 "every survivor told the version the controller committed the resize under")
+        wait_for(
+            lambda: all(r.agent.committed_version == 1 for r in new.values()),
+            90,
+            "every survivor told the version the controller committed the resize under",
+        )
         version, gpus, sessions, _ = controller()
         assert (version, gpus, sessions) == (1, 3, [0, 1, 2])
         for rank in new.values():
             assert np.array_equal(rank.agent.committed_placement, SURVIVORS)
             rank.version = 1  # what RankSession._join_resized_world does
-        plans = ctl.call(lambda: [(p.version, p.trigger, p.base_version)
-                                  for p in ctl.server.controller.store.plans("dep")])  # type: ignore[union-attr]
+        plans = ctl.call(
+            lambda: [
+                (p.version, p.trigger, p.base_version)
+                for p in ctl.server.controller.store.plans("dep")
+            ]
+        )  # type: ignore[union-attr]
         assert plans[0] == (1, "resize", 0)
         # Their windows state v1 through the sidecars: the controller knows what they serve.
         for step in range(3):
             for rank in new.values():
-                rank.agent.submit_window(step, 1, 1, np.ones((L, E), dtype=np.int64), np.ones((L, 6), dtype=np.int64))
+                rank.agent.submit_window(
+                    step, 1, 1, np.ones((L, E), dtype=np.int64), np.ones((L, 6), dtype=np.int64)
+                )
             time.sleep(0.2)
-        wait_for(lambda: controller()[3] == {0: 1, 1: 1, 2: 1}, 30, "the survivors' statements of v1")
+        wait_for(
+            lambda: controller()[3] == {0: 1, 1: 1, 2: 1}, 30, "the survivors' statements of v1"
+        )
     finally:
         for rank in ranks:
             rank.agent.stop(timeout=1.0)

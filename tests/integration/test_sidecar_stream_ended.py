@@ -20,7 +20,9 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 
-SHAPE = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=1, expert_bytes=8)
+SHAPE = pb.ModelShape(
+    num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=1, expert_bytes=8
+)
 
 
 class EndsStreams(pb_grpc.WorkerServiceServicer):
@@ -28,7 +30,9 @@ class EndsStreams(pb_grpc.WorkerServiceServicer):
         self.streams = 0
 
     async def Register(self, request: pb.RegisterRequest, context: object) -> pb.RegisterResponse:
-        return pb.RegisterResponse(session_id="s", committed=pb.Placement(version=0), next_window_seq=0)
+        return pb.RegisterResponse(
+            session_id="s", committed=pb.Placement(version=0), next_window_seq=0
+        )
 
     async def Stream(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         self.streams += 1
@@ -41,8 +45,12 @@ async def scenario() -> tuple[int, int, bool]:
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    config = SidecarConfig(controller=f"127.0.0.1:{port}", ranks=(0,), backoff_initial_seconds=0.01,
-                           backoff_max_seconds=0.02)
+    config = SidecarConfig(
+        controller=f"127.0.0.1:{port}",
+        ranks=(0,),
+        backoff_initial_seconds=0.01,
+        backoff_max_seconds=0.02,
+    )
     pod = Pod(config)
     reply = pod.register(pb.RegisterRequest(deployment="d", rank=0, shape=SHAPE))
     session = pod.attach(reply.session_id, lambda msg: None)
@@ -51,7 +59,9 @@ async def scenario() -> tuple[int, int, bool]:
     counts = codec.encode_counts(np.ones((2, 4), dtype=np.int64))
     try:
         for seq in range(300):  # windows keep coming, so writes follow the hello
-            pod.window(session, pb.Window(seq=seq, first_step=seq, num_steps=1, logical_count=counts))
+            pod.window(
+                session, pb.Window(seq=seq, first_step=seq, num_steps=1, logical_count=counts)
+            )
             await asyncio.sleep(0.01)
             if task.done():
                 break

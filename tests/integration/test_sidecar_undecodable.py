@@ -26,10 +26,26 @@ def sidecar_target() -> Iterator[str]:
     target = f"unix://{folder}/agent.sock"
     # The controller is not there: the sidecar serves its ranks anyway.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rebalancer", "sidecar", "--listen", target, "--controller",
-         f"127.0.0.1:{free_port()}", "--ranks", "0-1", "--pod", "ns/u", "--grace", "0",
-         "--log-level", "ERROR"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "sidecar",
+            "--listen",
+            target,
+            "--controller",
+            f"127.0.0.1:{free_port()}",
+            "--ranks",
+            "0-1",
+            "--pod",
+            "ns/u",
+            "--grace",
+            "0",
+            "--log-level",
+            "ERROR",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None
@@ -41,15 +57,19 @@ def sidecar_target() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.mark.parametrize("method, data, message", [
-    ("/rebalancer.v1.WorkerService/Register", NOT_PROTOBUF, "rebalancer.v1.RegisterRequest"),
-    ("/rebalancer.v1.WorkerService/Register", BAD_UTF8, "rebalancer.v1.RegisterRequest"),
-    ("/rebalancer.v1.WorkerService/ReportPlan", BAD_UTF8, "rebalancer.v1.PlanReport"),
-    ("/rebalancer.v1.WorkerService/ReportRanks", BAD_UTF8, "rebalancer.v1.RankPresence"),
-    ("/grpc.health.v1.Health/Check", BAD_UTF8, "grpc.health.v1.HealthCheckRequest"),
-])
-def test_sidecar_refuses_undecodable_unary_request(sidecar_target: str, method: str, data: bytes,
-                                                  message: str) -> None:
+@pytest.mark.parametrize(
+    "method, data, message",
+    [
+        ("/rebalancer.v1.WorkerService/Register", NOT_PROTOBUF, "rebalancer.v1.RegisterRequest"),
+        ("/rebalancer.v1.WorkerService/Register", BAD_UTF8, "rebalancer.v1.RegisterRequest"),
+        ("/rebalancer.v1.WorkerService/ReportPlan", BAD_UTF8, "rebalancer.v1.PlanReport"),
+        ("/rebalancer.v1.WorkerService/ReportRanks", BAD_UTF8, "rebalancer.v1.RankPresence"),
+        ("/grpc.health.v1.Health/Check", BAD_UTF8, "grpc.health.v1.HealthCheckRequest"),
+    ],
+)
+def test_sidecar_refuses_undecodable_unary_request(
+    sidecar_target: str, method: str, data: bytes, message: str
+) -> None:
     with grpc.insecure_channel(sidecar_target) as channel:
         fn = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
         with pytest.raises(grpc.RpcError) as info:
@@ -60,8 +80,11 @@ def test_sidecar_refuses_undecodable_unary_request(sidecar_target: str, method: 
 
 def test_sidecar_refuses_undecodable_stream_message(sidecar_target: str) -> None:
     with grpc.insecure_channel(sidecar_target) as channel:
-        fn = channel.stream_stream("/rebalancer.v1.WorkerService/Stream", request_serializer=None,
-                                   response_deserializer=None)
+        fn = channel.stream_stream(
+            "/rebalancer.v1.WorkerService/Stream",
+            request_serializer=None,
+            response_deserializer=None,
+        )
         with pytest.raises(grpc.RpcError) as info:
             list(fn(iter([NOT_PROTOBUF]), timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value

@@ -27,8 +27,10 @@ def test_same_windows_same_decisions() -> None:
         sources = {k: v[10:14] for k, v in deepseek_v3_sources().items()}
     except InputError:
         pytest.skip("shared routing data not present")
-    trace = make_trace(sources, TraceGenConfig(kind="phase", windows=24, phase_min_windows=4,
-                                               phase_max_windows=6, seed=3))
+    trace = make_trace(
+        sources,
+        TraceGenConfig(kind="phase", windows=24, phase_min_windows=4, phase_max_windows=6, seed=3),
+    )
     L, E = trace.counts.shape[1:]
     shape = ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, num_nodes=2)
     policy = PolicyConfig(decision_period_seconds=2.0, min_interval_seconds=4.0, min_windows=2)
@@ -53,7 +55,9 @@ def test_same_windows_same_decisions() -> None:
             got.append((int(clock[0]), result))
         done(result)
 
-    controller = Controller(Store(":memory:"), policy, clock=lambda: clock[0], background=background)
+    controller = Controller(
+        Store(":memory:"), policy, clock=lambda: clock[0], background=background
+    )
     for rank in range(G):
         _, dep = controller.register("d", rank, shape, 0, current, f"w{rank}")
     for w in range(trace.num_windows):

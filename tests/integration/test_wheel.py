@@ -46,10 +46,13 @@ LAYER = ROOT / "deploy" / "engines" / "layer.py"
 
 def pinned(engine: str) -> str:
     """The engine version pyproject.toml's extra pins, the one place it is set."""
-    (requirement,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][engine]
+    (requirement,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ][engine]
     name, _, version = requirement.partition("==")
     assert name == engine, requirement
     return version
+
 
 pytestmark = pytest.mark.slow
 
@@ -63,14 +66,30 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src.mkdir()
     for name in SOURCES:
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, src / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+            shutil.copytree(
+                ROOT / name,
+                src / name,
+                ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"),
+            )
         else:
             shutil.copy2(ROOT / name, src / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
-         "-q", "--disable-pip-version-check", "-w", str(out)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "--disable-pip-version-check",
+            "-w",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     (built,) = out.glob("moe_rebalancer-*.whl")
     return built
@@ -79,12 +98,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_venv(wheel: Path, venv: Path, beside: tuple[Path, ...] = ()) -> Path:
     """A fresh venv holding the wheel; `beside` (an engine's folder) and then the dev venv's
     packages on its path, through a path file."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
     python = venv / "bin" / "python"
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True, timeout=60,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout.strip()
     # Dependencies only: a path line does not run the dev venv's own .pth files, so its
     # editable install of this project stays out of the fresh environment (and its metadata,
@@ -92,9 +115,21 @@ def make_venv(wheel: Path, venv: Path, beside: tuple[Path, ...] = ()) -> Path:
     paths = [*map(str, beside), site.getsitepackages()[0]]
     Path(purelib, "dependencies-from-dev-venv.pth").write_text("\n".join(paths) + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
-         "--disable-pip-version-check", str(wheel)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "-q",
+            "--disable-pip-version-check",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     return Path(purelib)
 
@@ -124,15 +159,17 @@ def sglang_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv
 
 
-def run_in(venv: Path, cwd: Path, *args: str, timeout: float = 120,
-           **env: str) -> subprocess.CompletedProcess[str]:
+def run_in(
+    venv: Path, cwd: Path, *args: str, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
     """A clean environment: nothing of the tree or the dev venv but what the venv's path file
     names (the session's marker passes, so a process left behind is caught)."""
     base = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(cwd)}
     if MARKER in os.environ:
         base[MARKER] = os.environ[MARKER]
-    return subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**base, **env})
+    return subprocess.run(
+        list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**base, **env}
+    )
 
 
 def last_json(done: subprocess.CompletedProcess[str]) -> dict:
@@ -178,21 +215,35 @@ def test_installed_adapters_import_without_their_engine(fresh_venv: Path, tmp_pa
     done = run_in(fresh_venv, tmp_path, str(fresh_venv / "bin" / "python"), "-c", probe)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["rebalancer"].startswith(str(fresh_venv)), "the project came from the tree, not the wheel"
+    assert out["rebalancer"].startswith(str(fresh_venv)), (
+        "the project came from the tree, not the wheel"
+    )
     assert out["strays"] == []
     assert out["entry_point"] == "worker_hooks.engines.sglang:register"
     kind, message = out["missing"]
     assert kind == "EngineMissingError"
     # No index serves moe-rebalancer: the way that works, with the version the wheel pins.
-    assert message == ("the SGLang adapter needs SGLang (sglang is not installed): install the moe-rebalancer "
-                       f"wheel into SGLang {pinned('sglang')}'s own environment (the version "
-                       "tested), e.g. its image with deploy/engines/sglang.Containerfile "
-                       '(docs/operations.md, "Engine images")')
+    assert message == (
+        "the SGLang adapter needs SGLang (sglang is not installed): install the moe-rebalancer "
+        f"wheel into SGLang {pinned('sglang')}'s own environment (the version "
+        "tested), e.g. its image with deploy/engines/sglang.Containerfile "
+        '(docs/operations.md, "Engine images")'
+    )
 
 
 def test_installed_wheel_runs_the_demo(fresh_venv: Path, tmp_path: Path) -> None:
-    done = run_in(fresh_venv, tmp_path, str(fresh_venv / "bin" / "rebalancer"), "demo",
-                  "--workers", "2", "--windows", "6", "--json", timeout=240)
+    done = run_in(
+        fresh_venv,
+        tmp_path,
+        str(fresh_venv / "bin" / "rebalancer"),
+        "demo",
+        "--workers",
+        "2",
+        "--windows",
+        "6",
+        "--json",
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["workers"] == 2 and summary["windows"] >= 6
@@ -221,15 +272,29 @@ print(json.dumps({
 
 def test_vllms_plugin_loader_registers_the_installed_wheel(vllm_venv: Path, tmp_path: Path) -> None:
     purelib = str(next(vllm_venv.glob("lib/python*/site-packages")))
-    done = run_in(vllm_venv, tmp_path, str(vllm_venv / "bin" / "python"), "-c", VLLM_PROBE,
-                  timeout=240, VLLM_TARGET_DEVICE="cpu", VLLM_PLUGINS="rebalancer",
-                  REBALANCER_ADDRESS=f"unix:{tmp_path}/agent.sock")
+    done = run_in(
+        vllm_venv,
+        tmp_path,
+        str(vllm_venv / "bin" / "python"),
+        "-c",
+        VLLM_PROBE,
+        timeout=240,
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_PLUGINS="rebalancer",
+        REBALANCER_ADDRESS=f"unix:{tmp_path}/agent.sock",
+    )
     out = last_json(done)
     # vLLM's loader ran the plugin: its EPLB, on vLLM's own policy before, now asks the controller.
     assert out["before"].startswith("vllm."), out["before"]
-    assert out["after"] == "worker_hooks.engines.vllm.plugin.controller_policy.<locals>.ControllerEplbPolicy", (
-        out, done.stderr[-3000:])
-    assert out["entries"]["rebalancer"] == ["worker_hooks.engines.vllm:register", "moe-rebalancer", purelib]
+    assert (
+        out["after"]
+        == "worker_hooks.engines.vllm.plugin.controller_policy.<locals>.ControllerEplbPolicy"
+    ), (out, done.stderr[-3000:])
+    assert out["entries"]["rebalancer"] == [
+        "worker_hooks.engines.vllm:register",
+        "moe-rebalancer",
+        purelib,
+    ]
     assert out["adapter"].startswith(purelib), "the adapter came from elsewhere than the wheel"
 
 
@@ -254,16 +319,30 @@ print(json.dumps({
 
 
 @sglang_env.needed()
-def test_sglangs_plugin_loader_registers_the_installed_wheel(sglang_venv: Path, tmp_path: Path) -> None:
+def test_sglangs_plugin_loader_registers_the_installed_wheel(
+    sglang_venv: Path, tmp_path: Path
+) -> None:
     purelib = str(next(sglang_venv.glob("lib/python*/site-packages")))
-    done = run_in(sglang_venv, tmp_path, str(sglang_venv / "bin" / "python"), "-c", SGLANG_PROBE,
-                  timeout=240, SGLANG_ROLE_NAMESPACES="off", SGLANG_PLUGINS="rebalancer",
-                  REBALANCER_ADDRESS=f"unix:{tmp_path}/agent.sock")
+    done = run_in(
+        sglang_venv,
+        tmp_path,
+        str(sglang_venv / "bin" / "python"),
+        "-c",
+        SGLANG_PROBE,
+        timeout=240,
+        SGLANG_ROLE_NAMESPACES="off",
+        SGLANG_PLUGINS="rebalancer",
+        REBALANCER_ADDRESS=f"unix:{tmp_path}/agent.sock",
+    )
     out = last_json(done)
     registered = {(target, kind, hook): source for target, kind, hook, source in out["hooks"]}
     plugin = "worker_hooks.engines.sglang.plugin"
-    assert (ON_FORWARD_PASS_END, "around", f"{plugin}._on_forward_pass_end") in registered, out["hooks"]
-    assert (STAT_ACCUMULATOR_APPEND, "after", f"{plugin}._on_pass_counts") in registered, out["hooks"]
+    assert (ON_FORWARD_PASS_END, "around", f"{plugin}._on_forward_pass_end") in registered, out[
+        "hooks"
+    ]
+    assert (STAT_ACCUMULATOR_APPEND, "after", f"{plugin}._on_pass_counts") in registered, out[
+        "hooks"
+    ]
     # SGLang's record of each hook: the entry point's name and the wheel's distribution.
     assert set(map(tuple, registered.values())) == {("rebalancer", "moe-rebalancer")}
     # ... and it applied every one: each target exists in the pinned SGLang.
@@ -272,20 +351,36 @@ def test_sglangs_plugin_loader_registers_the_installed_wheel(sglang_venv: Path, 
     assert out["adapter"].startswith(purelib), "the adapter came from elsewhere than the wheel"
 
 
-def test_the_engine_images_check_passes_beside_the_tested_vllm_only(vllm_venv: Path, fresh_venv: Path,
-                                                                     tmp_path: Path) -> None:
+def test_the_engine_images_check_passes_beside_the_tested_vllm_only(
+    vllm_venv: Path, fresh_venv: Path, tmp_path: Path
+) -> None:
     """deploy/engines/layer.py, the engine images' install step, on the wheel beside vLLM."""
     python = str(vllm_venv / "bin" / "python")
     check = (python, str(LAYER), "check", "vllm")
-    assert run_in(vllm_venv, tmp_path, *check, vllm_env.VERSION, "vllm.general_plugins").returncode == 0
+    assert (
+        run_in(vllm_venv, tmp_path, *check, vllm_env.VERSION, "vllm.general_plugins").returncode
+        == 0
+    )
     newer = run_in(vllm_venv, tmp_path, *check, "99.0.0", "vllm.general_plugins")
     assert newer.returncode == 1
-    assert newer.stderr.strip() == (f"engine layer: the image runs vllm {vllm_env.VERSION}, not 99.0.0, the "
-                                    "version the adapter is tested with: see docs/operations.md, \"A newer engine\"")
+    assert newer.stderr.strip() == (
+        f"engine layer: the image runs vllm {vllm_env.VERSION}, not 99.0.0, the "
+        'version the adapter is tested with: see docs/operations.md, "A newer engine"'
+    )
     wrong_group = run_in(vllm_venv, tmp_path, *check, vllm_env.VERSION, "vllm.platform_plugins")
-    assert wrong_group.returncode == 1 and "holds 0 entries named 'rebalancer'" in wrong_group.stderr
-    absent = run_in(fresh_venv, tmp_path, str(fresh_venv / "bin" / "python"), str(LAYER), "check", "vllm",
-                    vllm_env.VERSION, "vllm.general_plugins")
+    assert (
+        wrong_group.returncode == 1 and "holds 0 entries named 'rebalancer'" in wrong_group.stderr
+    )
+    absent = run_in(
+        fresh_venv,
+        tmp_path,
+        str(fresh_venv / "bin" / "python"),
+        str(LAYER),
+        "check",
+        "vllm",
+        vllm_env.VERSION,
+        "vllm.general_plugins",
+    )
     assert absent.returncode == 1 and "vllm is not installed" in absent.stderr
     # The constraints hold the engine and the torch it runs on at their versions.
     pins = run_in(vllm_venv, tmp_path, python, str(LAYER), "constraints")

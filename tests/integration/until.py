@@ -32,10 +32,16 @@ def progress(stop_file: Path, rank: int) -> int | None:
         return None
 
 
-def stop_together(stop_file: Path, ranks: Sequence[int], ahead: int = 64, seconds: float = 60.0) -> int:
+def stop_together(
+    stop_file: Path, ranks: Sequence[int], ahead: int = 64, seconds: float = 60.0
+) -> int:
     """Make `ranks` stop at one step, `ahead` steps past the furthest of them (a rank
     writes its step every 8 and reads the stop file every 8); returns that step."""
-    wait_for(lambda: all(progress(stop_file, r) is not None for r in ranks), seconds, f"ranks {list(ranks)} stepping")
+    wait_for(
+        lambda: all(progress(stop_file, r) is not None for r in ranks),
+        seconds,
+        f"ranks {list(ranks)} stepping",
+    )
     furthest = max(progress(stop_file, r) or 0 for r in ranks)
     step = (furthest + ahead + 7) // 8 * 8
     tmp = stop_file.parent / f"{stop_file.name}.tmp"

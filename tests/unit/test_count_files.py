@@ -105,7 +105,10 @@ def test_sglang_still_reads_a_file_with_the_extra_keys(tmp_path: Path, suffix: s
         ([1, -2, 3], "'shared_count' has a negative value at layer 1"),
         ([1, float("nan"), 3], "'shared_count' has NaN or infinite values"),
         (["1", "2", "3"], "'shared_count' is not a numeric array"),
-        ([[[1, 2, 3]]], r"'shared_count' must have rank 1 \[layers\] or 2 \[steps, layers\], got rank 3"),
+        (
+            [[[1, 2, 3]]],
+            r"'shared_count' must have rank 1 \[layers\] or 2 \[steps, layers\], got rank 3",
+        ),
         ([], r"'shared_count' is empty \(shape \(0,\)\)"),
         (None, "'shared_count' is not a numeric array"),
     ],
@@ -126,8 +129,10 @@ def test_bad_shared_count_is_refused(tmp_path: Path, shared: object, message: st
     "extra, message",
     [
         ({"gpu_count": np.ones((2, G))}, "'gpu_count' covers 2 layers, 'logical_count' 3"),
-        ({"gpu_count": np.ones((L, G)), "gpu_shared_count": np.ones((L, G + 1))},
-         "'gpu_shared_count' has 3 GPUs, 'gpu_count' 2"),
+        (
+            {"gpu_count": np.ones((L, G)), "gpu_shared_count": np.ones((L, G + 1))},
+            "'gpu_shared_count' has 3 GPUs, 'gpu_count' 2",
+        ),
         ({"gpu_count": -np.ones((L, G))}, "'gpu_count' has a negative value at layer 0, GPU 0"),
         ({"gpu_shared_count": np.ones(L)}, r"'gpu_shared_count' must have rank 2 \[layers, GPUs\]"),
     ],
@@ -141,7 +146,9 @@ def test_bad_gpu_counts_are_refused(tmp_path: Path, extra: dict, message: str) -
 
 def test_write_refuses_other_suffixes(tmp_path: Path) -> None:
     for name in ("c.pt", "c.csv", "c"):
-        with pytest.raises(InputError, match=r"cannot write counts as '.*' \(expected .json or .npz\)"):
+        with pytest.raises(
+            InputError, match=r"cannot write counts as '.*' \(expected .json or .npz\)"
+        ):
             write_counts(tmp_path / name, LOGICAL)
 
 
@@ -156,15 +163,27 @@ def recorded_hook(mode: str, shared: bool = True, steps: int = STEPS) -> Rebalan
     """Rank 0 of HG, run `steps` steps of skewed routing on every layer (one window a step).
     Under dispatch by load every rank is taken to have routed what rank 0 did."""
     config = HookConfig(
-        controller="127.0.0.1:1", deployment="d", rank=0, num_layers=HL, num_logical=HE,
-        num_slots=HP, num_gpus=HG, shared_expert=shared, top_k=HK,
-        windows=WindowConfig(steps=1), commit=CommitConfig(agree_every=10**6),
+        controller="127.0.0.1:1",
+        deployment="d",
+        rank=0,
+        num_layers=HL,
+        num_logical=HE,
+        num_slots=HP,
+        num_gpus=HG,
+        shared_expert=shared,
+        top_k=HK,
+        windows=WindowConfig(steps=1),
+        commit=CommitConfig(agree_every=10**6),
         dispatch=DispatchConfig(mode=mode),  # type: ignore[arg-type]
     )
     gather = None if mode == "split" else (lambda local: local.unsqueeze(0).repeat(HG, 1))
     hook = RebalanceHook(
-        config, trivial_placement(HL, HE, HP, HG), {"w": torch.zeros(HL, SLOTS_PER_RANK, 1)},
-        None, None, counts_gather=gather,
+        config,
+        trivial_placement(HL, HE, HP, HG),
+        {"w": torch.zeros(HL, SLOTS_PER_RANK, 1)},
+        None,
+        None,
+        counts_gather=gather,
     )
     rng = np.random.default_rng(0)
     probs = np.r_[np.full(4, 6.0), np.ones(HE - 4)]
@@ -217,8 +236,9 @@ def test_hook_without_shared_expert_or_windows(tmp_path: Path) -> None:
 
 
 def plan_json(capsys, counts: Path, *argv: str) -> dict:
-    code = main(["plan", "--counts", str(counts), "--gpus", str(HG), "--slots", str(HP),
-                 "--json", *argv])
+    code = main(
+        ["plan", "--counts", str(counts), "--gpus", str(HG), "--slots", str(HP), "--json", *argv]
+    )
     assert code == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
@@ -253,7 +273,10 @@ def test_plan_dispatch_on_a_recorded_file(tmp_path: Path, capsys) -> None:
         (["--dispatch", "even"], "unknown --dispatch mode 'even'"),
         (["--top-k", "0"], "--top-k must be in [1, 16]"),
     ]:
-        assert main(["plan", "--counts", str(routed), "--gpus", str(HG), "--slots", str(HP), *argv]) == 2
+        assert (
+            main(["plan", "--counts", str(routed), "--gpus", str(HG), "--slots", str(HP), *argv])
+            == 2
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]
 
@@ -262,9 +285,25 @@ def test_subprocess_load_shared_without_shared_load_exit_2(tmp_path: Path) -> No
     routed = tmp_path / "routed.npz"
     write_counts(routed, LOGICAL)
     proc = subprocess.run(
-        [sys.executable, "-m", "rebalancer", "plan", "--counts", str(routed), "--gpus", "2",
-         "--slots", "8", "--dispatch", "load+shared", "--json"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "plan",
+            "--counts",
+            str(routed),
+            "--gpus",
+            "2",
+            "--slots",
+            "8",
+            "--dispatch",
+            "load+shared",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().count("\n") == 0
@@ -279,15 +318,55 @@ def test_counts_of_1e308_are_refused_without_overflow(tmp_path: Path) -> None:
     counts[1, 5] = 1e308
     path = tmp_path / "big.json"
     path.write_text(json.dumps({"logical_count": counts.tolist()}))
-    with pytest.raises(InputError, match=r"'logical_count' has 1e\+308 at \[1, 5\], above the largest count 2\^53"):
+    with pytest.raises(
+        InputError, match=r"'logical_count' has 1e\+308 at \[1, 5\], above the largest count 2\^53"
+    ):
         read_counts(path)
-    run = subprocess.run([sys.executable, "-W", "error", "-m", "rebalancer", "plan", "--counts", str(path),
-                          "--gpus", "2", "--slots", "10"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "error",
+            "-m",
+            "rebalancer",
+            "plan",
+            "--counts",
+            str(path),
+            "--gpus",
+            "2",
+            "--slots",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert run.returncode == 2 and run.stdout == "", run.stderr
-    assert run.stderr.splitlines() == [f"rebalancer plan: error: {path}: 'logical_count' has 1e+308 at [1, 5], "
-                                       "above the largest count 2^53"]
+    assert run.stderr.splitlines() == [
+        f"rebalancer plan: error: {path}: 'logical_count' has 1e+308 at [1, 5], "
+        "above the largest count 2^53"
+    ]
     counts[1, 5] = 2.0**53
     path.write_text(json.dumps({"logical_count": counts.tolist()}))
-    run = subprocess.run([sys.executable, "-W", "error", "-m", "rebalancer", "plan", "--counts", str(path),
-                          "--gpus", "2", "--slots", "10"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "error",
+            "-m",
+            "rebalancer",
+            "plan",
+            "--counts",
+            str(path),
+            "--gpus",
+            "2",
+            "--slots",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert run.returncode == 0 and "RuntimeWarning" not in run.stderr, run.stderr

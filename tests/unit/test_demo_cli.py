@@ -36,7 +36,9 @@ def exit_code(argv: list[str]) -> int:
         (["--workers", "2", "--sidecars", "4"], "divide --workers 2"),
     ],
 )
-def test_demo_bad_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+def test_demo_bad_flags_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
     assert exit_code(["demo", *argv]) == 2
     assert message in capsys.readouterr().err
 
@@ -46,13 +48,22 @@ def test_demo_bad_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[st
     [
         (["--experts", "100000000"], "slots (100000008) must be at most 2048"),
         (["--layers", "100000"], "--layers must be in [1, 1024]"),
-        (["--layers", "1000", "--experts", "2000", "--slots", "2000"], "--layers x --slots must be at most"),
-        (["--controller", "notahost:xx"], "controller address 'notahost:xx': port 'xx' is not a number"),
+        (
+            ["--layers", "1000", "--experts", "2000", "--slots", "2000"],
+            "--layers x --slots must be at most",
+        ),
+        (
+            ["--controller", "notahost:xx"],
+            "controller address 'notahost:xx': port 'xx' is not a number",
+        ),
         (["--spare-rows", "-1"], "--spare-rows must be >= 0"),
     ],
 )
 def test_demo_range_errors_exit_2_before_any_work(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str], message: str
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    message: str,
 ) -> None:
     """Issue 34: these were "out of memory" or a traceback after the workers (or the
     sidecars) had started; a range error is one line and exit 2 before anything runs."""
@@ -64,7 +75,9 @@ def test_demo_range_errors_exit_2_before_any_work(
     monkeypatch.setattr(rebalancer.demo, "run_demo", started)
     assert exit_code(["demo", *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("rebalancer demo: error: ") and err.count("\n") == 1 and message in err, err
+    assert err.startswith("rebalancer demo: error: ") and err.count("\n") == 1 and message in err, (
+        err
+    )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 4, reason="enough GPUs for the default 4 workers")
@@ -139,28 +152,44 @@ def test_a_run_cut_short_says_why_and_exits_1(
     config = DemoConfig(steps=3200, timeout_seconds=140.0)
     assert stopped_early(config, [{"steps": 3200}, {"steps": 3200}]) == ""
     why = stopped_early(config, [{"steps": 1301}, {"steps": 1300}])
-    assert why == "the workers stopped at step 1300 of 3200: their time limit ran out (--max-seconds 140)"
+    assert (
+        why
+        == "the workers stopped at step 1300 of 3200: their time limit ran out (--max-seconds 140)"
+    )
     seen: list[DemoConfig] = []
 
     def cut_short(config: DemoConfig, emit: Any = print) -> dict[str, Any]:
         seen.append(config)
-        return {"plans_committed": 0, "max_output_diff": 0.0, "ranks_agree_on_versions": True,
-                "stopped_early": stopped_early(config, [{"steps": 1300}] * 4)}
+        return {
+            "plans_committed": 0,
+            "max_output_diff": 0.0,
+            "ranks_agree_on_versions": True,
+            "stopped_early": stopped_early(config, [{"steps": 1300}] * 4),
+        }
 
     monkeypatch.setattr(demo, "run_demo", cut_short)
-    assert exit_code(["demo", "--controller", "127.0.0.1:1", "--windows", "200", "--max-seconds", "140"]) == 1
+    assert (
+        exit_code(
+            ["demo", "--controller", "127.0.0.1:1", "--windows", "200", "--max-seconds", "140"]
+        )
+        == 1
+    )
     assert seen[0].steps == 3200 and seen[0].timeout_seconds == 140.0
     err = capsys.readouterr().err
     assert err == f"rebalancer demo: error: {why}\n"
 
 
 @pytest.mark.parametrize("seconds", ["0", "-1", "nan", "inf"])
-def test_demo_max_seconds_must_be_positive(capsys: pytest.CaptureFixture[str], seconds: str) -> None:
+def test_demo_max_seconds_must_be_positive(
+    capsys: pytest.CaptureFixture[str], seconds: str
+) -> None:
     assert exit_code(["demo", "--max-seconds", seconds]) == 2
     assert "--max-seconds must be a positive number of seconds" in capsys.readouterr().err
 
 
-def test_the_demo_starts_its_workers_only_once_the_controller_can_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_demo_starts_its_workers_only_once_the_controller_can_decide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The decision process imports for a second or more (longer on a busy machine): the
     demo's workers start only once it answers, or a short demo runs every window before
     the first decision and commits no plan (the wheel's demo test failed so beside a

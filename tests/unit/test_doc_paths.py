@@ -33,7 +33,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TOPS = ("rebalancer", "worker_hooks", "bench", "tests", "docs", "scripts", "deploy", "proto", ".ci")
 SUFFIXES = (".py", ".md", ".toml", ".sh", ".yaml", ".yml", ".cfg", ".proto")
-CODE = ("rebalancer/", "worker_hooks/", "bench/", "tests/", "scripts/")  # prose: docstrings, comments
+CODE = (
+    "rebalancer/",
+    "worker_hooks/",
+    "bench/",
+    "tests/",
+    "scripts/",
+)  # prose: docstrings, comments
 GENERATED = ("rebalancer/v1/",)  # protoc's output names the .proto by its import path
 THIS = "tests/unit/test_doc_paths.py"  # its examples name missing files on purpose
 # Dated records: each entry says what was true on its day, in that day's file names.
@@ -65,8 +71,9 @@ NOT_IN_THE_TREE = {
 
 
 def tracked_files() -> list[str]:
-    return subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.split()
+    return subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
 
 
 class Tree:
@@ -78,7 +85,9 @@ class Tree:
         self.paths = set(files) | folders
         self.tails = {p.split("/", i)[-1] for p in self.paths for i in range(p.count("/") + 1)}
         self.names = {f.rsplit("/", 1)[-1] for f in files}
-        self.second = {d.split("/")[1] for d in folders if d.count("/") == 1 and d.split("/")[0] in TOPS}
+        self.second = {
+            d.split("/")[1] for d in folders if d.count("/") == 1 and d.split("/")[0] in TOPS
+        }
 
     def has_path(self, ref: str) -> bool:
         return ref in self.paths or f"{ref}.py" in self.paths or (ROOT / ref).exists()
@@ -91,8 +100,11 @@ def prose_lines(name: str, text: str) -> Iterator[tuple[int, str]]:
     if name.endswith(".md"):
         yield from enumerate(text.splitlines(), 1)
     elif name.endswith(".proto"):
-        yield from ((n, line.split("//", 1)[1]) for n, line in enumerate(text.splitlines(), 1)
-                    if "//" in line)
+        yield from (
+            (n, line.split("//", 1)[1])
+            for n, line in enumerate(text.splitlines(), 1)
+            if "//" in line
+        )
     elif name.endswith(".py") and name.startswith(CODE):
         tree = ast.parse(text)
         for node in ast.walk(tree):
@@ -100,11 +112,19 @@ def prose_lines(name: str, text: str) -> Iterator[tuple[int, str]]:
             if not isinstance(body, list):
                 continue
             for before, stmt in zip([None, *body], body, strict=False):
-                documents = (before is None and isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef
-                                                           | ast.AsyncFunctionDef)
-                             or isinstance(before, ast.Assign | ast.AnnAssign))
-                if (documents and isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
-                        and isinstance(stmt.value.value, str)):
+                documents = (
+                    before is None
+                    and isinstance(
+                        node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+                    )
+                    or isinstance(before, ast.Assign | ast.AnnAssign)
+                )
+                if (
+                    documents
+                    and isinstance(stmt, ast.Expr)
+                    and isinstance(stmt.value, ast.Constant)
+                    and isinstance(stmt.value.value, str)
+                ):
                     yield from enumerate(stmt.value.value.splitlines(), stmt.lineno)
         for tok in tokenize.generate_tokens(io.StringIO(text).readline):
             if tok.type == tokenize.COMMENT:
@@ -113,9 +133,12 @@ def prose_lines(name: str, text: str) -> Iterator[tuple[int, str]]:
 
 def missing_paths(name: str, text: str, tree: Tree) -> list[str]:
     """Check 1 on one file: `name:line -> path` for each repository path not in the tree."""
-    return [f"{name}:{n} -> {ref}" for n, line in enumerate(text.splitlines(), 1)
-            for ref in (m.group(1).rstrip(".") for m in PATH.finditer(line))
-            if ref not in NOT_IN_THE_TREE and not tree.has_path(ref)]
+    return [
+        f"{name}:{n} -> {ref}"
+        for n, line in enumerate(text.splitlines(), 1)
+        for ref in (m.group(1).rstrip(".") for m in PATH.finditer(line))
+        if ref not in NOT_IN_THE_TREE and not tree.has_path(ref)
+    ]
 
 
 def missing_in_prose(name: str, text: str, tree: Tree) -> list[str]:
@@ -126,13 +149,21 @@ def missing_in_prose(name: str, text: str, tree: Tree) -> list[str]:
         for m in RELATIVE.finditer(line):
             ref = m.group(1).rstrip(".")
             first = ref.split("/")[0]
-            if (first in tree.second and first not in TOPS and ref not in NOT_IN_THE_TREE
-                    and ref not in tree.tails and f"{ref}.py" not in tree.tails):
+            if (
+                first in tree.second
+                and first not in TOPS
+                and ref not in NOT_IN_THE_TREE
+                and ref not in tree.tails
+                and f"{ref}.py" not in tree.tails
+            ):
                 bad.append(f"{name}:{n} -> {ref}")
         if name in RECORDS:
             continue
-        bad += [f"{name}:{n} -> {ref}" for ref in (m.group(1) for m in BARE.finditer(line))
-                if ref not in tree.names and ref not in NOT_IN_THE_TREE]
+        bad += [
+            f"{name}:{n} -> {ref}"
+            for ref in (m.group(1) for m in BARE.finditer(line))
+            if ref not in tree.names and ref not in NOT_IN_THE_TREE
+        ]
     return bad
 
 
@@ -154,22 +185,33 @@ def test_every_repository_path_named_exists() -> None:
 def test_every_file_named_in_prose_exists() -> None:
     tree = Tree(tracked_files())
     bad = [line for name, text in scanned() for line in missing_in_prose(name, text, tree)]
-    assert not bad, "files named in docs, docstrings or comments but not in the tree:\n  " + "\n  ".join(bad)
+    assert not bad, (
+        "files named in docs, docstrings or comments but not in the tree:\n  " + "\n  ".join(bad)
+    )
 
 
 def test_the_checks_find_a_missing_file() -> None:
     tree = Tree(tracked_files())
-    doc = ("See rebalancer/controller/nosuch.py and worker_hooks/agent.py, not vllm/distributed/eplb/x.py;\n"
-           "engines/vllm/extension.py, engines/vllm/plugin.py, DESIGN.md and ARCHITECTURE.md;\n"
-           "the brief is ../shared/DESIGN.md.\n")
+    doc = (
+        "See rebalancer/controller/nosuch.py and worker_hooks/agent.py, not vllm/distributed/eplb/x.py;\n"
+        "engines/vllm/extension.py, engines/vllm/plugin.py, DESIGN.md and ARCHITECTURE.md;\n"
+        "the brief is ../shared/DESIGN.md.\n"
+    )
     assert missing_paths("a.md", doc, tree) == ["a.md:1 -> rebalancer/controller/nosuch.py"]
-    assert missing_in_prose("a.md", doc, tree) == ["a.md:2 -> engines/vllm/extension.py",
-                                                    "a.md:2 -> DESIGN.md"]
+    assert missing_in_prose("a.md", doc, tree) == [
+        "a.md:2 -> engines/vllm/extension.py",
+        "a.md:2 -> DESIGN.md",
+    ]
     # In code only docstrings and comments are prose; a record may use a name of its day.
-    code = ('"""Moves weights (migrate.py)."""\n\nNAME = "nosuch.toml"\n\n\ndef f() -> None:\n'
-            '    """Per controller/nosuch.py."""\n    x = 1  # as fold.py and gone.py say\n')
+    code = (
+        '"""Moves weights (migrate.py)."""\n\nNAME = "nosuch.toml"\n\n\ndef f() -> None:\n'
+        '    """Per controller/nosuch.py."""\n    x = 1  # as fold.py and gone.py say\n'
+    )
     assert missing_in_prose("tests/x.py", code, tree) == [
-        "tests/x.py:1 -> migrate.py", "tests/x.py:7 -> controller/nosuch.py", "tests/x.py:8 -> gone.py"]
+        "tests/x.py:1 -> migrate.py",
+        "tests/x.py:7 -> controller/nosuch.py",
+        "tests/x.py:8 -> gone.py",
+    ]
     assert missing_in_prose("BENCHMARKS.md", "after the refactor of migrate.py\n", tree) == []
 
 

@@ -68,9 +68,27 @@ ALLOWED = {
     "engines": {"base", "wire", "data", "worker_hooks"},
     # The launch toolkit (ports, reaping, controller, sidecars, workers, the instant rank):
     # what the demo, bench, scripts and tests launch with; never the demo or the CLI.
-    "launch": {"base", "wire", "data", "placement", "controller", "worker_hooks", "sidecar", "examples"},
-    "demo": {"base", "wire", "data", "placement", "controller", "worker_hooks", "sidecar", "examples",
-             "launch"},
+    "launch": {
+        "base",
+        "wire",
+        "data",
+        "placement",
+        "controller",
+        "worker_hooks",
+        "sidecar",
+        "examples",
+    },
+    "demo": {
+        "base",
+        "wire",
+        "data",
+        "placement",
+        "controller",
+        "worker_hooks",
+        "sidecar",
+        "examples",
+        "launch",
+    },
     "top": PRODUCT,
     # One way: product <- bench <- tests, product <- scripts.
     "bench": PRODUCT,
@@ -101,11 +119,20 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
     tree = ast.parse(path.read_text(), filename=str(path))
     found: list[tuple[str, int]] = []
     for node in ast.walk(tree):
-        items = (node.elts if isinstance(node, ast.List | ast.Tuple)
-                 else node.args if isinstance(node, ast.Call) else [])
+        items = (
+            node.elts
+            if isinstance(node, ast.List | ast.Tuple)
+            else node.args
+            if isinstance(node, ast.Call)
+            else []
+        )
         for flag, target in zip(items, items[1:], strict=False):
-            if (isinstance(flag, ast.Constant) and flag.value == "-m"
-                    and isinstance(target, ast.Constant) and isinstance(target.value, str)):
+            if (
+                isinstance(flag, ast.Constant)
+                and flag.value == "-m"
+                and isinstance(target, ast.Constant)
+                and isinstance(target.value, str)
+            ):
                 found.append((target.value, target.lineno))
         if isinstance(node, ast.Import):
             found.extend((alias.name, node.lineno) for alias in node.names)
@@ -149,8 +176,11 @@ def test_no_import_crosses_the_layers_the_wrong_way() -> None:
 def test_bench_tests_and_scripts_import_one_way() -> None:
     """bench imports no test and no script, tests import no script, scripts import neither
     (the product's side is held above)."""
-    files = {module_name(p): p for p in source_files(("bench", "tests", "scripts"))
-             if "cpu_shims" not in p.parts}  # stand-ins of third-party packages, not ours
+    files = {
+        module_name(p): p
+        for p in source_files(("bench", "tests", "scripts"))
+        if "cpu_shims" not in p.parts
+    }  # stand-ins of third-party packages, not ours
     assert forbidden_edges(files) == []
 
 
@@ -168,7 +198,12 @@ def module_level_imports(path: Path) -> list[str]:
         elif isinstance(node, ast.If) and not ast.unparse(node.test).endswith("TYPE_CHECKING"):
             body += node.body + node.orelse
         elif isinstance(node, ast.Try):
-            body += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+            body += (
+                node.body
+                + node.orelse
+                + node.finalbody
+                + [s for h in node.handlers for s in h.body]
+            )
     return found
 
 
@@ -183,9 +218,14 @@ def import_circles(files: dict[str, Path] | None = None) -> list[list[str]]:
             name = name.rpartition(".")[0]
         return name or None
 
-    graph = {m: {t for t in map(ours, module_level_imports(p))
-                 if t is not None and t != m and not m.startswith(t + ".")}  # a package's own __init__
-             for m, p in files.items()}
+    graph = {
+        m: {
+            t
+            for t in map(ours, module_level_imports(p))
+            if t is not None and t != m and not m.startswith(t + ".")
+        }  # a package's own __init__
+        for m, p in files.items()
+    }
     # Strongly connected components (Tarjan's), iteratively.
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -249,10 +289,13 @@ def test_the_walk_sees_a_sideways_import_and_a_circle(tmp_path: Path) -> None:
     a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
     a.write_text("from rebalancer.x.b import f\n")
     b.write_text("import rebalancer.x.a\n")
-    c.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rebalancer.x.a\n"
-                 "def g():\n    import rebalancer.x.b\n")
+    c.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rebalancer.x.a\n"
+        "def g():\n    import rebalancer.x.b\n"
+    )
     assert import_circles({"rebalancer.x.a": a, "rebalancer.x.b": b, "rebalancer.x.c": c}) == [
-        ["rebalancer.x.a", "rebalancer.x.b"]]
+        ["rebalancer.x.a", "rebalancer.x.b"]
+    ]
 
 
 def test_the_walk_sees_a_forbidden_edge(tmp_path: Path) -> None:
@@ -269,7 +312,9 @@ def test_the_walk_sees_a_forbidden_edge(tmp_path: Path) -> None:
 def test_the_walk_sees_a_module_started_as_a_process(tmp_path: Path) -> None:
     """`python -m worker_hooks.examples.cpu_worker` from the controller is an edge too."""
     probe = tmp_path / "probe.py"
-    probe.write_text('import sys\ncmd = [sys.executable, "-m", "worker_hooks.examples.cpu_worker"]\n')
+    probe.write_text(
+        'import sys\ncmd = [sys.executable, "-m", "worker_hooks.examples.cpu_worker"]\n'
+    )
     assert forbidden_edges({"rebalancer.controller.probe": probe}) == [
         "probe.py:2: controller imports worker_hooks.examples.cpu_worker (examples)",
     ]
@@ -285,12 +330,23 @@ def test_importing_worker_hooks_loads_neither_controller_nor_placement_nor_scipy
         f"for m in {modules!r}: importlib.import_module(m)\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert "worker_hooks.hook" in loaded and "worker_hooks.migration" in loaded
-    leaked = [m for m in loaded if m.startswith(("rebalancer.controller", "rebalancer.placement",
-                                                   "rebalancer.sim", "scipy", "deep_ep"))]
+    leaked = [
+        m
+        for m in loaded
+        if m.startswith(
+            ("rebalancer.controller", "rebalancer.placement", "rebalancer.sim", "scipy", "deep_ep")
+        )
+    ]
     assert leaked == []
 
 
@@ -298,14 +354,26 @@ def test_importing_worker_hooks_loads_neither_controller_nor_placement_nor_scipy
 # which state"): the hot path (hook) above the plan driver (plans) above the agent; the
 # settings, counters and count files below them all. Module -> the siblings it may not import.
 HOOK_PARTS_BELOW = {
-    "worker_hooks.agent": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.counts",
-                           "worker_hooks.serving", "worker_hooks.config"},
+    "worker_hooks.agent": {
+        "worker_hooks.hook",
+        "worker_hooks.plans",
+        "worker_hooks.counts",
+        "worker_hooks.serving",
+        "worker_hooks.config",
+    },
     "worker_hooks.plans": {"worker_hooks.hook", "worker_hooks.counts"},
     "worker_hooks.counts": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.agent"},
     "worker_hooks.serving": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.agent"},
-    "worker_hooks.config": {"worker_hooks.hook", "worker_hooks.plans", "worker_hooks.agent",
-                            "worker_hooks.counts", "worker_hooks.serving", "worker_hooks.migration",
-                            "worker_hooks.weights", "worker_hooks.transports"},
+    "worker_hooks.config": {
+        "worker_hooks.hook",
+        "worker_hooks.plans",
+        "worker_hooks.agent",
+        "worker_hooks.counts",
+        "worker_hooks.serving",
+        "worker_hooks.migration",
+        "worker_hooks.weights",
+        "worker_hooks.transports",
+    },
 }
 
 # Moving weights, bottom up (ARCHITECTURE.md, "Layering"): the settings (config) and the
@@ -325,17 +393,24 @@ def test_the_hooks_parts_reference_one_way() -> None:
     bad = []
     for importer, forbidden in HOOK_PARTS_BELOW.items():
         path = ROOT / (importer.replace(".", "/") + ".py")
-        bad += [f"{path.name}:{line}: imports {imported}" for imported, line in imports_of(path)
-                if _forbidden(imported, forbidden)]
+        bad += [
+            f"{path.name}:{line}: imports {imported}"
+            for imported, line in imports_of(path)
+            if _forbidden(imported, forbidden)
+        ]
     assert bad == []
 
 
 def test_moving_weights_is_layered() -> None:
     files = {module_name(p): p for p in source_files()}
-    bad = [f"{path.relative_to(ROOT)}:{line}: imports {imported}"
-           for importer, path in files.items() for prefix, forbidden in MIGRATION_BELOW.items()
-           if importer == prefix or importer.startswith(prefix + ".")
-           for imported, line in imports_of(path) if _forbidden(imported, forbidden)]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: imports {imported}"
+        for importer, path in files.items()
+        for prefix, forbidden in MIGRATION_BELOW.items()
+        if importer == prefix or importer.startswith(prefix + ".")
+        for imported, line in imports_of(path)
+        if _forbidden(imported, forbidden)
+    ]
     assert bad == []
 
 
@@ -343,10 +418,20 @@ def test_the_settings_load_no_transport_code() -> None:
     """A process that reads the hook's settings (an engine's config, a launcher) imports no
     transport or executor code (worker_hooks/config.py holds `MigrationConfig`)."""
     pytest.importorskip("torch")
-    code = ("import json, sys\nimport worker_hooks.config\n"
-            "print(json.dumps(sorted(sys.modules)))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, check=True)
+    code = "import json, sys\nimport worker_hooks.config\nprint(json.dumps(sorted(sys.modules)))\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    assert [m for m in loaded if m.startswith(("worker_hooks.transports", "worker_hooks.migration",
-                                                 "worker_hooks.weights"))] == []
+    assert [
+        m
+        for m in loaded
+        if m.startswith(
+            ("worker_hooks.transports", "worker_hooks.migration", "worker_hooks.weights")
+        )
+    ] == []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TESTS = '''
+TESTS = """
 import threading, time
 
 def spin_until(stop):
@@ -37,14 +37,30 @@ def test_thread_ends_within_the_grace():
 
 def test_zz_release():
     STOP.set()
-'''
+"""
 
 
 def test_the_guard_fails_a_test_that_leaves_a_thread(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     (tmp_path / "test_threads.py").write_text(TESTS)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                           "-rA", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:randomly",
+            "-p",
+            "no:cacheprovider",
+            "-rA",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
     assert "ERROR" in out and "test_leaves_a_non_daemon_thread" in out

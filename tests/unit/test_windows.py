@@ -17,7 +17,9 @@ def counts(value: int, shape: tuple[int, int] = (L, E)) -> np.ndarray:
     return np.full(shape, value, dtype=np.uint32)
 
 
-def add(m: SeqMerger, rank: int, seq: int, value: int = 1, physical: bool = True, version: int = 0) -> bool:
+def add(
+    m: SeqMerger, rank: int, seq: int, value: int = 1, physical: bool = True, version: int = 0
+) -> bool:
     phys = counts(value, (L, P)) if physical else None
     return m.add(rank, seq, counts(value), phys, seq * 4, 4, version)
 
@@ -91,7 +93,18 @@ def test_buffer_stays_bounded_and_keeps_every_count() -> None:
     buf = BoundedWindows(limit=8)
     n = 1000
     for i in range(n):
-        buf.push(CountWindow(i, i * 4, 4, i // 100, np.full((L, E), i, np.int64), np.ones((L, P), np.int64), {0}, 1))
+        buf.push(
+            CountWindow(
+                i,
+                i * 4,
+                4,
+                i // 100,
+                np.full((L, E), i, np.int64),
+                np.ones((L, P), np.int64),
+                {0},
+                1,
+            )
+        )
         assert len(buf) <= 8
     assert buf.merged == n - 8
     windows = buf.take()
@@ -136,9 +149,13 @@ def test_a_merged_window_spanning_a_switch_keeps_the_gpus_load() -> None:
     """Slots keep their GPU across versions, so dispatched counts of v0 and v1 add up."""
     buf = BoundedWindows(limit=1)
     for version in (0, 1):
-        buf.push(CountWindow(version, version * 4, 4, version, counts(1), counts(1, (L, P)), {0}, 1))
+        buf.push(
+            CountWindow(version, version * 4, 4, version, counts(1), counts(1, (L, P)), {0}, 1)
+        )
     (w,) = buf.take()
-    assert w.version == 1 and w.num_steps == 8 and w.physical is not None and (w.physical == 2).all()
+    assert (
+        w.version == 1 and w.num_steps == 8 and w.physical is not None and (w.physical == 2).all()
+    )
 
 
 def test_a_rank_far_behind_still_has_every_window_released() -> None:

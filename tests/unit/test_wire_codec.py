@@ -49,7 +49,9 @@ def test_counts_above_2_to_the_53_are_refused() -> None:
     top = np.full((2, 2), codec.MAX_COUNT, np.int64)
     assert codec.decode_counts(codec.encode(top), "c", (2, 2)).max() == 2**53
     for big in (np.full((2, 2), 2**60, np.int64), np.full((2, 2), 3e38, np.float32)):
-        with pytest.raises(InputError, match=r"^c: counts contain .* above the largest count 2\^53$"):
+        with pytest.raises(
+            InputError, match=r"^c: counts contain .* above the largest count 2\^53$"
+        ):
             codec.decode_counts(codec.encode(big), "c", (2, 2))
 
 
@@ -67,19 +69,26 @@ class _Watched(np.ndarray):
         return super().max(*args, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("dtype", "scans"), [
-    (np.uint32, []),              # never negative, never above 2^53: nothing can fail
-    (np.int32, ["min"]),          # the sign only: no int32 is above 2^53
-    (np.int64, ["min", "max"]),
-    (np.float32, ["min", "max"]),  # NaN and infinity too
-])
+@pytest.mark.parametrize(
+    ("dtype", "scans"),
+    [
+        (np.uint32, []),  # never negative, never above 2^53: nothing can fail
+        (np.int32, ["min"]),  # the sign only: no int32 is above 2^53
+        (np.int64, ["min", "max"]),
+        (np.float32, ["min", "max"]),  # NaN and infinity too
+    ],
+)
 def test_decode_counts_runs_only_the_scans_that_can_fail(
-    dtype: type, scans: list[str], monkeypatch: pytest.MonkeyPatch,
+    dtype: type,
+    scans: list[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The controller decodes every window: a uint32 window (what ranks and sidecars send)
     is taken without scanning it; the dtypes that can carry bad counts are still scanned."""
     real = codec.decode
-    monkeypatch.setattr(codec, "decode", lambda msg, what, shape=None: real(msg, what, shape).view(_Watched))
+    monkeypatch.setattr(
+        codec, "decode", lambda msg, what, shape=None: real(msg, what, shape).view(_Watched)
+    )
     _Watched.scans = []
     counts = (np.arange(12).reshape(3, 4) * 7).astype(dtype)
     out = codec.decode_counts(codec.encode(counts), "c", (3, 4))
@@ -90,7 +99,10 @@ def test_decode_counts_runs_only_the_scans_that_can_fail(
 def test_counts_at_the_edges_of_each_unscanned_check() -> None:
     """What a skipped scan would have checked holds by the dtype: the largest uint32 and
     int32 pass, a negative int32 is still refused."""
-    for top in (np.full((2, 2), np.iinfo(np.uint32).max, np.uint32), np.full((2, 2), np.iinfo(np.int32).max, np.int32)):
+    for top in (
+        np.full((2, 2), np.iinfo(np.uint32).max, np.uint32),
+        np.full((2, 2), np.iinfo(np.int32).max, np.int32),
+    ):
         assert np.array_equal(codec.decode_counts(codec.encode(top), "c", (2, 2)), top)
     with pytest.raises(InputError, match="negative"):
         codec.decode_counts(codec.encode(np.array([[0, -1]], np.int32)), "c", (1, 2))

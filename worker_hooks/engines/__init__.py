@@ -28,11 +28,15 @@ def require_engine(module: str, engine: str, extra: str) -> ModuleType:
         if exc.name is not None and exc.name.split(".")[0] != top:
             raise  # the engine is there but one of its own dependencies is not: say that
         version = tested_version(extra)
-        where = (f"{engine} {version}'s own environment (the version tested), e.g. its image "
-                 f"with deploy/engines/{extra}.Containerfile" if version else f"{engine}'s own environment")
+        where = (
+            f"{engine} {version}'s own environment (the version tested), e.g. its image "
+            f"with deploy/engines/{extra}.Containerfile"
+            if version
+            else f"{engine}'s own environment"
+        )
         raise EngineMissingError(
             f"the {engine} adapter needs {engine} ({top} is not installed): install the "
-            f"moe-rebalancer wheel into {where} (docs/operations.md, \"Engine images\")"
+            f'moe-rebalancer wheel into {where} (docs/operations.md, "Engine images")'
         ) from exc
 
 

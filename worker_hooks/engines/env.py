@@ -63,11 +63,17 @@ class EngineEnv:
         except InputError as exc:
             raise InputError(f"{ENV_PREFIX}ADDRESS: {exc}") from None
         return {
-            "address": address, "deployment": self.get("DEPLOYMENT") or default_deployment,
-            "token": self.token(), "ca_file": self.tls_file("CA_FILE"), "cert_file": self.tls_file("CERT_FILE"),
-            "key_file": self.tls_file("KEY_FILE"), "worker_id": self.get("WORKER_ID") or "",
+            "address": address,
+            "deployment": self.get("DEPLOYMENT") or default_deployment,
+            "token": self.token(),
+            "ca_file": self.tls_file("CA_FILE"),
+            "cert_file": self.tls_file("CERT_FILE"),
+            "key_file": self.tls_file("KEY_FILE"),
+            "worker_id": self.get("WORKER_ID") or "",
             "pool": self.get("POOL") or "",
-            "warm_start_seconds": float(self.number("WARM_START_SECONDS", float, DEFAULT_WARM_START_SECONDS)),
+            "warm_start_seconds": float(
+                self.number("WARM_START_SECONDS", float, DEFAULT_WARM_START_SECONDS)
+            ),
         }
 
     def tls_file(self, name: str) -> str | None:
@@ -77,8 +83,10 @@ class EngineEnv:
         alias = TLS_ALIASES[name]
         ours, theirs = self.get(name), self.get(alias)
         if ours and theirs and ours != theirs:
-            raise InputError(f"{ENV_PREFIX}{name}={ours!r} and {ENV_PREFIX}{alias}={theirs!r} name different "
-                             "files for one setting: set one of them")
+            raise InputError(
+                f"{ENV_PREFIX}{name}={ours!r} and {ENV_PREFIX}{alias}={theirs!r} name different "
+                "files for one setting: set one of them"
+            )
         return ours or theirs
 
     def token(self) -> str | None:
@@ -96,8 +104,10 @@ def check_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) 
     """TLS settings that could never connect are refused at the adapter's start, in one
     line naming the variable (the agent would otherwise find out at its first connect)."""
     if (cert_file or key_file) and not ca_file:
-        raise InputError(f"{ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE (mutual TLS) need "
-                         f"{ENV_PREFIX}CA_FILE, the controller's CA")
+        raise InputError(
+            f"{ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE (mutual TLS) need "
+            f"{ENV_PREFIX}CA_FILE, the controller's CA"
+        )
     if bool(cert_file) != bool(key_file):
         raise InputError(f"mutual TLS needs both {ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE")
     for name, path in (("CA_FILE", ca_file), ("CERT_FILE", cert_file), ("KEY_FILE", key_file)):

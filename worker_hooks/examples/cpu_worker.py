@@ -138,9 +138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--local", action="store_true", help="no token exchange (peers may die)")
-    p.add_argument(
-        "--fault", choices=FAULTS, default="", help="fault injection (tests)"
-    )
+    p.add_argument("--fault", choices=FAULTS, default="", help="fault injection (tests)")
     p.add_argument(
         "--wait-version",
         type=int,
@@ -148,28 +146,57 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="after --steps, keep stepping until this version is committed",
     )
     p.add_argument(
-        "--transport", choices=TRANSPORTS, default="p2p",
+        "--transport",
+        choices=TRANSPORTS,
+        default="p2p",
         help="weight transfers: gloo point-to-point, or reads from the peers' shared memory",
     )
-    p.add_argument("--spare-rows", type=int, default=0,
-                   help="spare weight rows per layer: commits then copy no weights")
-    p.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
-                   help="where the hook and the expert weights live (cuda: GPU rank %% count)")
-    p.add_argument("--dispatch", choices=DISPATCH_MODES, default="split",
-                   help="how an expert's tokens are divided among its replicas each step")
-    p.add_argument("--shared-expert", action="store_true",
-                   help="the model has a shared expert (needed by --dispatch load+shared)")
+    p.add_argument(
+        "--spare-rows",
+        type=int,
+        default=0,
+        help="spare weight rows per layer: commits then copy no weights",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICE_KINDS,
+        default="cpu",
+        help="where the hook and the expert weights live (cuda: GPU rank %% count)",
+    )
+    p.add_argument(
+        "--dispatch",
+        choices=DISPATCH_MODES,
+        default="split",
+        help="how an expert's tokens are divided among its replicas each step",
+    )
+    p.add_argument(
+        "--shared-expert",
+        action="store_true",
+        help="the model has a shared expert (needed by --dispatch load+shared)",
+    )
     p.add_argument("--max-seconds", type=float, default=120.0)
-    p.add_argument("--stop-file", default="",
-                   help="stop at the step written in this file, once it appears (every rank "
-                        "stops at the same step; for harnesses that run an open-ended group). "
-                        "Each rank writes the step it is at to <stop-file>.rank<r> every 8 "
-                        "steps, so that a harness can pick a step ahead of every rank")
-    p.add_argument("--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token")
-    p.add_argument("--pool", default=os.environ.get("REBALANCER_POOL", ""),
-                   help="the deployment's replica pool (a fresh group starts on the pool's placement)")
-    p.add_argument("--warm-start-seconds", type=float, default=PoolConfig.warm_start_seconds,
-                   help="longest wait at start for the pool's placement")
+    p.add_argument(
+        "--stop-file",
+        default="",
+        help="stop at the step written in this file, once it appears (every rank "
+        "stops at the same step; for harnesses that run an open-ended group). "
+        "Each rank writes the step it is at to <stop-file>.rank<r> every 8 "
+        "steps, so that a harness can pick a step ahead of every rank",
+    )
+    p.add_argument(
+        "--token", default=os.environ.get("REBALANCER_WORKER_TOKEN"), help="deployment token"
+    )
+    p.add_argument(
+        "--pool",
+        default=os.environ.get("REBALANCER_POOL", ""),
+        help="the deployment's replica pool (a fresh group starts on the pool's placement)",
+    )
+    p.add_argument(
+        "--warm-start-seconds",
+        type=float,
+        default=PoolConfig.warm_start_seconds,
+        help="longest wait at start for the pool's placement",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.dispatch != "split" and args.local:
@@ -205,7 +232,9 @@ def join_groups(args: argparse.Namespace) -> Groups:
         torch.cuda.set_device(device)
     agree = dist.new_group(backend="gloo", timeout=timeout)
     # NCCL carries GPU weights for p2p; the shared-memory transports talk over gloo.
-    migrate = dist.new_group(backend=transport_class(args.transport).group_backend(device), timeout=timeout)
+    migrate = dist.new_group(
+        backend=transport_class(args.transport).group_backend(device), timeout=timeout
+    )
     return Groups(device, agree, migrate)
 
 
@@ -226,7 +255,9 @@ def build_model(args: argparse.Namespace, device: torch.device) -> RankModel:
     room for the spare rows, where the transport needs them (GPU, or shared memory for
     peers that map them)."""
     cfg = MoEConfig(
-        num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,
+        num_layers=args.layers,
+        num_experts=args.experts,
+        top_k=args.top_k,
         shared_expert=args.shared_expert,
     )
     phy2log = trivial_placement(cfg.num_layers, cfg.num_experts, args.slots, args.world)
@@ -274,11 +305,17 @@ def build_hook(args: argparse.Namespace, model: RankModel, groups: Groups) -> Re
     """Step 3: the hook around the live weights, started (it serves on whether or not the
     controller answers)."""
     hook = FaultyHook(
-        hook_config(args, model.config), model.phy2log, model.weights, groups.agree, groups.migrate,
-        device=groups.device, fault=args.fault,
+        hook_config(args, model.config),
+        model.phy2log,
+        model.weights,
+        groups.agree,
+        groups.migrate,
+        device=groups.device,
+        fault=args.fault,
         # What a warm start loads: this model's weights of any expert, made on the spot.
         expert_source=lambda layer, expert: dict(
-            zip(("w1", "w2"), expert_weights(model.config, layer, expert), strict=True)),
+            zip(("w1", "w2"), expert_weights(model.config, layer, expert), strict=True)
+        ),
     )
     hook.executor.connect()  # map the peers now (ipc, outbox): then the file names can go
     for path in model.shared_files:
@@ -323,8 +360,14 @@ def serve(args: argparse.Namespace, hook: RebalanceHook, model: RankModel) -> Se
     data = np.load(args.profile)
     profiles, steps_per_phase = data["profiles"], int(data["steps_per_phase"])
     moe = ExpertParallelMoE(
-        hook.route, hook.weights, hook.config.rows_per_rank, args.rank, args.world, hook.device,
-        exchange=not args.local, shared=shared_weights(cfg),
+        hook.route,
+        hook.weights,
+        hook.config.rows_per_rank,
+        args.rank,
+        args.world,
+        hook.device,
+        exchange=not args.local,
+        shared=shared_weights(cfg),
     )
     served = Served(computed=np.zeros((cfg.num_layers, 2), dtype=np.int64))
     assert served.computed is not None
@@ -374,7 +417,9 @@ def weights_match_map(hook: RebalanceHook, model: RankModel) -> bool:
     )
 
 
-def result_of(args: argparse.Namespace, hook: RebalanceHook, model: RankModel, served: Served) -> dict[str, Any]:
+def result_of(
+    args: argparse.Namespace, hook: RebalanceHook, model: RankModel, served: Served
+) -> dict[str, Any]:
     """What the tests and the demo read from a rank (the JSON of `--out`)."""
     stats = hook.stats
     return {
@@ -390,7 +435,9 @@ def result_of(args: argparse.Namespace, hook: RebalanceHook, model: RankModel, s
         "swap_seconds_max": max(stats.swap_seconds, default=0.0),
         "copied_at_commit": stats.copied_at_commit,
         "max_output_diff": served.max_diff,
-        "step_seconds_median": float(np.median(served.step_seconds)) if served.step_seconds else 0.0,
+        "step_seconds_median": float(np.median(served.step_seconds))
+        if served.step_seconds
+        else 0.0,
         "agreement_broken": hook.agreement.broken,
         "dispatch": args.dispatch,
         "computed": None if served.computed is None else served.computed.tolist(),
@@ -427,26 +474,31 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s rank{args.rank} %(name)s %(levelname)s %(message)s",
     )
     torch.set_num_threads(1)
-    groups = join_groups(args)                   # 1. the process groups
-    model = build_model(args, groups.device)     # 2. this rank's weights
-    hook = build_hook(args, model, groups)       # 3. the hook around them, started
+    groups = join_groups(args)  # 1. the process groups
+    model = build_model(args, groups.device)  # 2. this rank's weights
+    hook = build_hook(args, model, groups)  # 3. the hook around them, started
     try:
-        served = serve(args, hook, model)        # 4. route / step_end in the forward loop
+        served = serve(args, hook, model)  # 4. route / step_end in the forward loop
     except RuntimeError as exc:
-        if "gloo" not in str(exc):  # gloo's errors name its source file: anything else is a bug here
+        if "gloo" not in str(
+            exc
+        ):  # gloo's errors name its source file: anything else is a bug here
             raise
         # A peer rank ended (killed, failed) and this rank's collective with it failed: the
         # group cannot serve any more. One line, not gloo's traceback, and exit 1 at once:
         # the interpreter's exit would tear the groups down under gloo threads still on the
         # dead peer, which aborts the process (as in shut_down).
-        print(f"rank {args.rank}: error: the expert-parallel group lost a peer: {gloo_reason(exc)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"rank {args.rank}: error: the expert-parallel group lost a peer: {gloo_reason(exc)}",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(1)
     settled = hook.finish(timeout=5.0, transfer_timeout=15.0)  # last window, reports, transfers
     with open(args.out, "w") as f:
         json.dump(result_of(args, hook, model, served), f)
-    shut_down(args, settled)                     # 5. leave the group
+    shut_down(args, settled)  # 5. leave the group
     return 0
 
 
@@ -488,7 +540,9 @@ def leave_group(rank: int, world: int, timeout: float = 60.0) -> None:
         if rank != 0:
             store.add(GONE, 1)
         else:
-            while store.add(GONE, 0) + store.add(LEFT, 0) < world - 1 and time.monotonic() < deadline:
+            while (
+                store.add(GONE, 0) + store.add(LEFT, 0) < world - 1 and time.monotonic() < deadline
+            ):
                 time.sleep(0.01)
     except RuntimeError:  # rank 0 left without its goodbye (a transfer of its was blocked)
         log.warning("rank %d: the group's store is gone; leaving without a goodbye", rank)

@@ -116,7 +116,9 @@ def shared_weights(config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor] | Non
     """The shared expert of every layer (w1 [L, H, F], w2 [L, F, H]), or None without one."""
     if not config.shared_expert:
         return None
-    pairs = [expert_weights(config, layer, config.num_experts) for layer in range(config.num_layers)]
+    pairs = [
+        expert_weights(config, layer, config.num_experts) for layer in range(config.num_layers)
+    ]
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 
@@ -166,7 +168,7 @@ class ExpertParallelMoE:
             parts = [torch.empty_like(packed) for _ in range(self.world)]
             dist.all_gather(parts, packed)
             gathered = torch.cat(parts)
-            X, PH = gathered[:, : x.shape[1]], gathered[:, x.shape[1]:].to(phys.dtype)
+            X, PH = gathered[:, : x.shape[1]], gathered[:, x.shape[1] :].to(phys.dtype)
         else:
             X, PH = x, phys
         K = gates.shape[1]

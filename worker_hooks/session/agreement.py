@@ -18,14 +18,18 @@ NO_PLAN = 0  # the digest a rank contributes when it has no plan to switch to
 
 def plan_digest(version: int, phy2log: np.ndarray) -> int:
     """A positive 63-bit digest of (version, map `[L, P]`): equal on two ranks iff the plans are."""
-    digest = hashlib.blake2b(np.ascontiguousarray(phy2log, dtype=np.int64).tobytes(),
-                             digest_size=8, person=b"rebalancer-plan",
-                             salt=version.to_bytes(8, "little", signed=False)).digest()
+    digest = hashlib.blake2b(
+        np.ascontiguousarray(phy2log, dtype=np.int64).tobytes(),
+        digest_size=8,
+        person=b"rebalancer-plan",
+        salt=version.to_bytes(8, "little", signed=False),
+    ).digest()
     return (int.from_bytes(digest, "little") >> 1) or 1
 
 
-def all_reduce_min(values: list[int], group: dist.ProcessGroup | None,
-                   device: torch.device | None = None) -> list[int]:
+def all_reduce_min(
+    values: list[int], group: dist.ProcessGroup | None, device: torch.device | None = None
+) -> list[int]:
     """The element-wise MIN of `values` over the ranks of `group` (collective; `device`:
     where the group's backend takes its tensors, the host by default)."""
     buf = torch.tensor(values, dtype=torch.int64, device=device)

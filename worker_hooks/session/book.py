@@ -16,8 +16,8 @@ import numpy as np
 class PlanBook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._staged: dict[int, np.ndarray] = {}   # [L, P] map of each staged plan
-        self._committed = 0                        # newest version the controller committed
+        self._staged: dict[int, np.ndarray] = {}  # [L, P] map of each staged plan
+        self._committed = 0  # newest version the controller committed
 
     @property
     def committed(self) -> int:

@@ -46,8 +46,13 @@ class PlanMessages:
         self.plans.drop(version)
         self.stats.aborted += 1
         # A peer's planned stop is no fault: INFO (rebalancer.errors.SHUTTING_DOWN).
-        log.log(logging.INFO if SHUTTING_DOWN in reason else logging.WARNING,
-                "rank %d: plan v%d aborted: %s", self.rank, version, reason)
+        log.log(
+            logging.INFO if SHUTTING_DOWN in reason else logging.WARNING,
+            "rank %d: plan v%d aborted: %s",
+            self.rank,
+            version,
+            reason,
+        )
         self.report(version, pb.PLAN_PHASE_ABORTED)
 
     def dropped(self, version: int) -> None:

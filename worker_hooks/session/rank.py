@@ -66,16 +66,35 @@ def worker_identity(config: LinkSettings) -> str:
     return f"{config.worker_id or socket.gethostname()} pid {os.getpid()}"
 
 
-def engine_agent(config: LinkSettings, rank: int, shape: pb.ModelShape, handlers: PlanHandlers,
-                 version: Callable[[], int], phy2log: np.ndarray,
-                 served_map: Callable[[], np.ndarray] | None = None,
-                 resized_from: tuple[int, int] | None = None) -> WorkerAgent:
+def engine_agent(
+    config: LinkSettings,
+    rank: int,
+    shape: pb.ModelShape,
+    handlers: PlanHandlers,
+    version: Callable[[], int],
+    phy2log: np.ndarray,
+    served_map: Callable[[], np.ndarray] | None = None,
+    resized_from: tuple[int, int] | None = None,
+) -> WorkerAgent:
     """An engine rank's agent (not started): one home for what an adapter registers with."""
     return WorkerAgent(
-        AgentConfig(config.address, config.deployment, rank, shape, worker_identity(config), pool=config.pool,
-                    token=config.token, ca_file=config.ca_file, cert_file=config.cert_file,
-                    key_file=config.key_file, resized_from=resized_from),
-        handlers, version, initial_phy2log=phy2log.copy(), served_map=served_map,
+        AgentConfig(
+            config.address,
+            config.deployment,
+            rank,
+            shape,
+            worker_identity(config),
+            pool=config.pool,
+            token=config.token,
+            ca_file=config.ca_file,
+            cert_file=config.cert_file,
+            key_file=config.key_file,
+            resized_from=resized_from,
+        ),
+        handlers,
+        version,
+        initial_phy2log=phy2log.copy(),
+        served_map=served_map,
     )
 
 
@@ -83,9 +102,9 @@ def engine_agent(config: LinkSettings, rank: int, shape: pb.ModelShape, handlers
 class Switch:
     """What the ranks agreed at a decision point (`RankSession.agree_switch`)."""
 
-    agreed: int                      # the MIN over the ranks of the version each can switch to
-    plan: np.ndarray | None = None   # [L, P] the plan every rank holds for it (None: no switch)
-    refused: str = ""                # why a newer agreed version is not switched to
+    agreed: int  # the MIN over the ranks of the version each can switch to
+    plan: np.ndarray | None = None  # [L, P] the plan every rank holds for it (None: no switch)
+    refused: str = ""  # why a newer agreed version is not switched to
 
 
 @dataclass
@@ -103,9 +122,16 @@ class RankSession(PlanMessages, PlanHandlers):
     from; the rank serves `phy2log` under the version the controller gives it for the
     resize (`_join_resized_world`), v0 until then."""
 
-    def __init__(self, config: LinkSettings, rank: int, shape: pb.ModelShape, phy2log: np.ndarray,
-                 stats: SessionStats, count_duplicates: int = 1,
-                 resized_from: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        config: LinkSettings,
+        rank: int,
+        shape: pb.ModelShape,
+        phy2log: np.ndarray,
+        stats: SessionStats,
+        count_duplicates: int = 1,
+        resized_from: tuple[int, int] | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.phy2log = np.array(phy2log, dtype=np.int64, copy=True)  # the map served
@@ -118,8 +144,16 @@ class RankSession(PlanMessages, PlanHandlers):
         self.broken: str | None = None  # why this rank takes no more plans (None: it does)
         self.plans = PlanBook()
         self.joining_resized = resized_from is not None
-        self.agent = engine_agent(config, rank, shape, self, lambda: self.version, self.phy2log,
-                                  served_map=lambda: self.phy2log.copy(), resized_from=resized_from)
+        self.agent = engine_agent(
+            config,
+            rank,
+            shape,
+            self,
+            lambda: self.version,
+            self.phy2log,
+            served_map=lambda: self.phy2log.copy(),
+            resized_from=resized_from,
+        )
         self.windows = CountWindows(self.agent, self.num_logical, divide_by=count_duplicates)
 
     # ------------------------------------------------------------ serving thread
@@ -140,14 +174,20 @@ class RankSession(PlanMessages, PlanHandlers):
             return
         self.joining_resized = False
         if not np.array_equal(placement, self.phy2log):
-            log.error("rank %d: the controller holds v%d for the resized group, another map than this rank "
-                      "serves: it stays at v0 and takes no plan", self.rank, version)
+            log.error(
+                "rank %d: the controller holds v%d for the resized group, another map than this rank "
+                "serves: it stays at v0 and takes no plan",
+                self.rank,
+                version,
+            )
             self.broken = self.broken or "the resized group's map is not the controller's"
             return
         self.serve_version(version)
         log.info("rank %d: the resized group serves v%d", self.rank, version)
 
-    def rejoin_resized(self, rank: int, shape: pb.ModelShape, phy2log: np.ndarray, why: str) -> None:
+    def rejoin_resized(
+        self, rank: int, shape: pb.ModelShape, phy2log: np.ndarray, why: str
+    ) -> None:
         """The engine resized this rank's group in place (SGLang's elastic EP after a rank
         fault): from this pass on the rank is rank `rank` of the world `shape`, serving
         `phy2log` `[L, P']`. The window counted on the old world is sent, the old world's
@@ -168,15 +208,29 @@ class RankSession(PlanMessages, PlanHandlers):
         self.num_gpus = int(shape.num_gpus)
         self.version = 0
         self.plans.clear()
-        self.agent = engine_agent(self.config, rank, shape, self, lambda: self.version, self.phy2log,
-                                  served_map=lambda: self.phy2log.copy(), resized_from=resized_from)
+        self.agent = engine_agent(
+            self.config,
+            rank,
+            shape,
+            self,
+            lambda: self.version,
+            self.phy2log,
+            served_map=lambda: self.phy2log.copy(),
+            resized_from=resized_from,
+        )
         divide_by = self.windows.divide_by
         self.windows = CountWindows(self.agent, self.num_logical, divide_by=divide_by)
         self.windows.start = self.step
         self.joining_resized = True
         self.agent.start()
-        log.warning("rank %d (of %d now): the EP group was resized from %d GPUs at v%d; registering the "
-                    "new world with the controller", rank, self.num_gpus, resized_from[1], resized_from[0])
+        log.warning(
+            "rank %d (of %d now): the EP group was resized from %d GPUs at v%d; registering the "
+            "new world with the controller",
+            rank,
+            self.num_gpus,
+            resized_from[1],
+            resized_from[0],
+        )
 
     def serve_version(self, version: int) -> None:
         """The map served is `version` from this pass on, with no plan (a resize the
@@ -215,9 +269,17 @@ class RankSession(PlanMessages, PlanHandlers):
                 switch.plan = plan.copy()
             else:
                 switch.refused = switch.refused or "ranks hold different plans for this version"
-                log.error("rank %d: v%d not installed, every rank keeps its map: %s",
-                          self.rank, switch.agreed, switch.refused)
-                self.agent.report(switch.agreed, pb.PLAN_PHASE_FAILED, error=f"not installed: {switch.refused}"[:500])
+                log.error(
+                    "rank %d: v%d not installed, every rank keeps its map: %s",
+                    self.rank,
+                    switch.agreed,
+                    switch.refused,
+                )
+                self.agent.report(
+                    switch.agreed,
+                    pb.PLAN_PHASE_FAILED,
+                    error=f"not installed: {switch.refused}"[:500],
+                )
                 self.plans.drop(switch.agreed)
         return switch
 
@@ -228,17 +290,23 @@ class RankSession(PlanMessages, PlanHandlers):
         returns its version, or 0 (every rank serves its map as without a pool)."""
         offered, plan = 0, None
         if self.version == 0 and seconds > 0:
-            offered, plan = await_offer(self.agent, seconds, self.num_layers, self.num_slots,
-                                        self.num_logical, self.rank)
+            offered, plan = await_offer(
+                self.agent, seconds, self.num_layers, self.num_slots, self.num_logical, self.rank
+            )
         if not group_holds(offered, group, num_ranks, self.rank) or plan is None:
-            log.info("rank %d: no warm start (offered v%d); the engine keeps its start map", self.rank, offered)
+            log.info(
+                "rank %d: no warm start (offered v%d); the engine keeps its start map",
+                self.rank,
+                offered,
+            )
             return 0
         self.plans.stage(offered, plan, self.version)
         self.plans.commit(offered)
         return offered
 
-    def planned_for_mapping(self, mapping: dict[int, int] | None, num_replicas: int, num_ranks: int,
-                            group: Any) -> np.ndarray | None:
+    def planned_for_mapping(
+        self, mapping: dict[int, int] | None, num_replicas: int, num_ranks: int, group: Any
+    ) -> np.ndarray | None:
         """The controller's survivor placement `[L, num_replicas]` for the resize an
         elastic engine runs now, `mapping` old rank -> new rank (-1: lost), its slots in the
         new ranks' order; None for a resize it did not plan (a scale-up, another loss,
@@ -252,14 +320,18 @@ class RankSession(PlanMessages, PlanHandlers):
             lost = sorted(set(mapping) - set(survivors))
             per = self.num_slots // self.num_gpus
             planned = self.agent.survivor_map(lost, self.version) if lost else None
-            if (planned is not None and len(survivors) == num_ranks and num_replicas == per * num_ranks
-                    and planned.shape == (self.num_layers, num_replicas)
-                    and sorted(mapping[old] for old in survivors) == list(range(num_ranks))):
+            if (
+                planned is not None
+                and len(survivors) == num_ranks
+                and num_replicas == per * num_ranks
+                and planned.shape == (self.num_layers, num_replicas)
+                and sorted(mapping[old] for old in survivors) == list(range(num_ranks))
+            ):
                 # The plan's i-th block of slots is the i-th surviving old rank's.
                 answer = np.empty_like(planned)
                 for i, old in enumerate(survivors):
                     new = mapping[old]
-                    answer[:, new * per:(new + 1) * per] = planned[:, i * per:(i + 1) * per]
+                    answer[:, new * per : (new + 1) * per] = planned[:, i * per : (i + 1) * per]
                 digest = plan_digest(self.version, answer)
         except Exception:
             log.exception("rank %d: the planned survivor placement was not used", self.rank)
@@ -279,7 +351,9 @@ class RankSession(PlanMessages, PlanHandlers):
         self.broken = self.broken or what
         message = f"{what}; no more plans on this group"
         log.error("rank %d: %s", self.rank, message)
-        self.agent.report(version, pb.PLAN_PHASE_FAILED, error=message[:500], serving=self.phy2log.copy())
+        self.agent.report(
+            version, pb.PLAN_PHASE_FAILED, error=message[:500], serving=self.phy2log.copy()
+        )
 
     def finish(self, timeout: float = 5.0) -> None:
         """At shutdown: send the last window, deliver what the agent holds within
@@ -296,8 +370,12 @@ class RankSession(PlanMessages, PlanHandlers):
         """Plan `prepare`'s map `[L, P]`, or InputError: a plan on another version than
         the one served, or a map that does not fit the rank's shape."""
         if prepare.base_version != self.version:
-            raise InputError(f"plan is based on v{prepare.base_version}, rank serves v{self.version}")
-        new = codec.decode_phy2log(prepare.placement.phy2log, self.num_layers, self.num_slots, self.num_logical)
+            raise InputError(
+                f"plan is based on v{prepare.base_version}, rank serves v{self.version}"
+            )
+        new = codec.decode_phy2log(
+            prepare.placement.phy2log, self.num_layers, self.num_slots, self.num_logical
+        )
         return np.array(new, dtype=np.int64)
 
     def on_prepare(self, prepare: pb.Prepare) -> None:
@@ -322,7 +400,9 @@ class RankSession(PlanMessages, PlanHandlers):
 
     def prepared(self, version: int, bytes_received: int = 0, seconds: float = 0.0) -> None:
         self.stats.prepared += 1
-        self.agent.report(version, pb.PLAN_PHASE_PREPARED, bytes_received=bytes_received, seconds=seconds)
+        self.agent.report(
+            version, pb.PLAN_PHASE_PREPARED, bytes_received=bytes_received, seconds=seconds
+        )
 
     def report(self, version: int, phase: pb.PlanPhase, **fields: Any) -> None:
         self.agent.report(version, phase, **fields)

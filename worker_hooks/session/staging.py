@@ -50,8 +50,13 @@ def ticket_parts(value: int) -> tuple[int, int]:
     return divmod(value, GROUPS_PER_TICKET)
 
 
-def layer_groups(transfers: np.ndarray, changed_layers: list[int], num_gpus: int,
-                 expert_bytes: int, budget_bytes: int) -> list[list[int]]:
+def layer_groups(
+    transfers: np.ndarray,
+    changed_layers: list[int],
+    num_gpus: int,
+    expert_bytes: int,
+    budget_bytes: int,
+) -> list[list[int]]:
     """Consecutive groups of `changed_layers` (those whose map changes and that hold
     weights, ascending) whose incoming experts fit `budget_bytes` on every rank.
 
@@ -64,7 +69,9 @@ def layer_groups(transfers: np.ndarray, changed_layers: list[int], num_gpus: int
     held = np.zeros(num_gpus, dtype=np.int64)
     for layer in changed_layers:
         rows = t[t[:, LAYER] == layer]
-        incoming = np.bincount(rows[:, DST_RANK], minlength=num_gpus).astype(np.int64) * expert_bytes
+        incoming = (
+            np.bincount(rows[:, DST_RANK], minlength=num_gpus).astype(np.int64) * expert_bytes
+        )
         if groups and (held + incoming).max() <= budget_bytes:
             groups[-1].append(layer)
             held += incoming
@@ -79,13 +86,13 @@ class StagedPlan:
     """A plan being staged: its groups of layers, how many are staged and swapped."""
 
     version: int
-    new: np.ndarray                # [L, P] the plan's placement
-    transfers: np.ndarray          # [K, 5] of the layers holding weights
-    groups: list[list[int]]        # layers per group, in swap order
-    weightless: list[int]          # changed layers without weights: maps only, with the first group
-    target: Any = None             # the engine's own form of `new` (first_group's answer)
-    staged: int = 0                # groups staged so far
-    swapped: int = 0               # groups live so far
+    new: np.ndarray  # [L, P] the plan's placement
+    transfers: np.ndarray  # [K, 5] of the layers holding weights
+    groups: list[list[int]]  # layers per group, in swap order
+    weightless: list[int]  # changed layers without weights: maps only, with the first group
+    target: Any = None  # the engine's own form of `new` (first_group's answer)
+    staged: int = 0  # groups staged so far
+    swapped: int = 0  # groups live so far
     thread: threading.Thread | None = None
 
 
@@ -95,9 +102,16 @@ class GroupStaging:
     `first_group(plan)` runs on the staging thread before the first group's transfers
     (the engine builds its form of the target map there); raising fails the plan."""
 
-    def __init__(self, session: RankSession, executor: MigrationExecutor | None, weight_layers: list[int],
-                 num_gpus: int, expert_bytes: int, budget_bytes: int,
-                 first_group: Callable[[StagedPlan], None]) -> None:
+    def __init__(
+        self,
+        session: RankSession,
+        executor: MigrationExecutor | None,
+        weight_layers: list[int],
+        num_gpus: int,
+        expert_bytes: int,
+        budget_bytes: int,
+        first_group: Callable[[StagedPlan], None],
+    ) -> None:
         self.session = session
         self.executor = executor
         self.weight_layers = weight_layers
@@ -116,9 +130,16 @@ class GroupStaging:
         with_weights = set(self.weight_layers)
         changed = [int(layer) for layer in np.flatnonzero((new != serving).any(axis=1))]
         moves = transfers[np.isin(transfers[:, LAYER], sorted(with_weights))]
-        groups = layer_groups(moves, [x for x in changed if x in with_weights], self.num_gpus,
-                              self.expert_bytes, self.budget_bytes)
-        plan = StagedPlan(version, new, moves, groups, [x for x in changed if x not in with_weights])
+        groups = layer_groups(
+            moves,
+            [x for x in changed if x in with_weights],
+            self.num_gpus,
+            self.expert_bytes,
+            self.budget_bytes,
+        )
+        plan = StagedPlan(
+            version, new, moves, groups, [x for x in changed if x not in with_weights]
+        )
         with self._lock:
             self.plan = plan
         self._start(plan, 0)
@@ -130,8 +151,11 @@ class GroupStaging:
             plan = self.plan
             if plan is None:
                 return None
-            return ticket(plan.version, plan.staged) if plan.version <= committed and plan.staged > plan.swapped \
+            return (
+                ticket(plan.version, plan.staged)
+                if plan.version <= committed and plan.staged > plan.swapped
                 else live
+            )
 
     def swap_next(self) -> tuple[StagedPlan, list[int], bool]:
         """At the agreed step: the next group's staged experts are copied into the live
@@ -167,8 +191,12 @@ class GroupStaging:
             self.executor.abort(ticket(version, 1))
 
     def _start(self, plan: StagedPlan, group: int) -> None:
-        plan.thread = threading.Thread(target=self._stage, args=(plan, group), daemon=True,
-                                       name=f"stage-v{plan.version}-g{group}")
+        plan.thread = threading.Thread(
+            target=self._stage,
+            args=(plan, group),
+            daemon=True,
+            name=f"stage-v{plan.version}-g{group}",
+        )
         plan.thread.start()
 
     def _stage(self, plan: StagedPlan, group: int) -> None:
@@ -184,7 +212,9 @@ class GroupStaging:
             if plan.groups:
                 assert self.executor is not None
                 layers = np.asarray(plan.groups[group])
-                stats = self.executor.prepare(key, plan.transfers[np.isin(plan.transfers[:, LAYER], layers)])
+                stats = self.executor.prepare(
+                    key, plan.transfers[np.isin(plan.transfers[:, LAYER], layers)]
+                )
                 self.bytes_received += stats.bytes_received
                 received, seconds = stats.bytes_received, stats.seconds
         except MigrationAborted:
@@ -213,8 +243,11 @@ class GroupStaging:
         # After the commit (a later group): the swapped groups stay, every map matching
         # its weights; the controller records the mixed placement.
         live = [x for g in plan.groups[:group] for x in g]
-        session.stopped(plan.version, f"staging layer group {group} of v{plan.version} failed ({error}); layers "
-                        f"{live} are on v{plan.version}, the others on v{session.version}")
+        session.stopped(
+            plan.version,
+            f"staging layer group {group} of v{plan.version} failed ({error}); layers "
+            f"{live} are on v{plan.version}, the others on v{session.version}",
+        )
 
     def before_staging(self, version: int, group: int) -> None:
         """Called on the staging thread before each group's transfers; raising fails the

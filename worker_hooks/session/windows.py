@@ -44,12 +44,12 @@ def window_due(step: int, start: int, steps: int) -> bool:
 class _Closed:
     """A closed window whose counts are on their way to the host."""
 
-    first: int                       # first step
+    first: int  # first step
     steps: int
-    version: int                     # the placement the passes ran on
-    host: torch.Tensor               # the buffer's counts on the host (filled when `done` fires)
-    done: torch.cuda.Event | None    # None: already on the host
-    read: Read                       # what they mean, under that placement
+    version: int  # the placement the passes ran on
+    host: torch.Tensor  # the buffer's counts on the host (filled when `done` fires)
+    done: torch.cuda.Event | None  # None: already on the host
+    read: Read  # what they mean, under that placement
 
 
 class WindowPipeline:
@@ -59,9 +59,9 @@ class WindowPipeline:
 
     def __init__(self, agent: WorkerAgent, counts: torch.Tensor | None = None) -> None:
         self.agent = agent
-        self.start = 0                 # first step of the open window
-        self.sent = 0                  # windows handed to the agent
-        self.tokens_sent = 0           # routed (token, k) pairs in them
+        self.start = 0  # first step of the open window
+        self.sent = 0  # windows handed to the agent
+        self.tokens_sent = 0  # routed (token, k) pairs in them
         self._counts = counts
         self._closed: deque[_Closed] = deque()
 
@@ -122,8 +122,9 @@ class CountWindows(WindowPipeline):
         self.num_logical = num_logical
         self.divide_by = divide_by
 
-    def close(self, end: int, version: int, phy2log: np.ndarray, mixed: bool = False,
-              wait: bool = False) -> None:
+    def close(
+        self, end: int, version: int, phy2log: np.ndarray, mixed: bool = False, wait: bool = False
+    ) -> None:
         """`close_as` with slot counts taken on map `phy2log` `[L, P]`; `mixed`: a map no
         version names, whose logical counts only go up."""
         held = np.array(phy2log, dtype=np.int64, copy=True)

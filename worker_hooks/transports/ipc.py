@@ -122,19 +122,25 @@ class IpcTransport(PeerMemoryTransport):
         #    (free rows are handed out in the same order, rows.RowMap.plan); each goes to
         #    its free row (live weights) or to the next staging row.
         incoming = t[t[:, DST_RANK] == ctx.rank]
-        src_row = incoming[:, LAYER] * ctx.rows_per_layer + ctx.row_map.rows[
-            incoming[:, SRC_RANK], incoming[:, LAYER], incoming[:, SRC_SLOT]
-        ]
+        src_row = (
+            incoming[:, LAYER] * ctx.rows_per_layer
+            + ctx.row_map.rows[incoming[:, SRC_RANK], incoming[:, LAYER], incoming[:, SRC_SLOT]]
+        )
         order = np.lexsort((src_row, incoming[:, SRC_RANK]))
         incoming, src_row = incoming[order], src_row[order]
         live, live_row = ctx.free_rows_of(plan.new_rows, incoming)
         staged = incoming[~live]
         staging = ctx.new_staging(len(staged))
         dst_row = np.where(live, live_row, np.cumsum(~live) - 1)
-        breaks = np.flatnonzero(
-            (np.diff(src_row) != 1) | (np.diff(incoming[:, SRC_RANK]) != 0)
-            | (np.diff(dst_row) != 1) | (np.diff(live.astype(np.int8)) != 0)
-        ) + 1
+        breaks = (
+            np.flatnonzero(
+                (np.diff(src_row) != 1)
+                | (np.diff(incoming[:, SRC_RANK]) != 0)
+                | (np.diff(dst_row) != 1)
+                | (np.diff(live.astype(np.int8)) != 0)
+            )
+            + 1
+        )
         runs = np.split(np.arange(len(incoming)), breaks) if len(incoming) else []
         own = {name: ctx.flat(w) for name, w in ctx.stacked.items()}
         received = 0
@@ -146,13 +152,15 @@ class IpcTransport(PeerMemoryTransport):
             target = own if live[lo] else staging
             if peer == ctx.rank:  # a local move: free rows and mapped rows never overlap
                 for name in ctx.weights:
-                    target[name][to:to + n].copy_(own[name][first:first + n])
+                    target[name][to : to + n].copy_(own[name][first : first + n])
                 continue
             peer_weights = self._peer_weights[peer]
             src = next(iter(peer_weights.values())).device
             with self._reading_from(src, lane=i % self.config.copy_streams):
                 for name, w in peer_weights.items():
-                    target[name][to:to + n].copy_(ctx.flat(w)[first:first + n], non_blocking=True)
+                    target[name][to : to + n].copy_(
+                        ctx.flat(w)[first : first + n], non_blocking=True
+                    )
             received += n * ctx.expert_bytes
             self._pace(plan.start, received)
         self._sync_reads()

@@ -85,7 +85,9 @@ class OutboxTransport(PeerMemoryTransport):
                 src_box = boxes.peer[int(peer)][k % 2]
                 with self._reading_from(next(iter(src_box.values())).device, lane=0):
                     for name in ctx.weights:
-                        staging[name][lo:lo + n].copy_(src_box[name][first:first + n], non_blocking=True)
+                        staging[name][lo : lo + n].copy_(
+                            src_box[name][first : first + n], non_blocking=True
+                        )
                 received += n * ctx.expert_bytes
             self._pace(plan.start, received)
         self._sync_reads()

@@ -68,7 +68,11 @@ def outbox_schedule(transfers: np.ndarray, outbox_rows: int) -> OutboxSchedule:
     remote = t[t[:, DST_RANK] != t[:, SRC_RANK]]
     # 1. Sender-major order: a sender's rows for one receiver are contiguous, so each
     #    (sender, receiver, step) is one read of contiguous outbox rows.
-    remote = remote[np.lexsort((remote[:, DST_SLOT], remote[:, LAYER], remote[:, DST_RANK], remote[:, SRC_RANK]))]
+    remote = remote[
+        np.lexsort(
+            (remote[:, DST_SLOT], remote[:, LAYER], remote[:, DST_RANK], remote[:, SRC_RANK])
+        )
+    ]
     # 2. Position of each row within its sender's list.
     position = np.zeros(len(remote), dtype=np.int64)
     if len(remote):
@@ -110,7 +114,9 @@ class SharedOutboxes:
                 if device.type == "cuda":
                     own[(box, name)] = torch.empty((rows, *shape), dtype=dtype, device=device)
                 else:
-                    own[(box, name)], path = shared_memory_tensor((rows, *shape), dtype, f"outbox{box}-{name}")
+                    own[(box, name)], path = shared_memory_tensor(
+                        (rows, *shape), dtype, f"outbox{box}-{name}"
+                    )
                     files.append(path)
         # 2. Map the peers' boxes; once every rank has (or failed), the names can go.
         try:
@@ -244,7 +250,7 @@ def _open(handle: Any) -> torch.Tensor:
         return pickle.loads(handle)
     path, nbytes, offset, shape, dtype = handle
     whole = torch.from_file(path, shared=True, size=nbytes // dtype.itemsize, dtype=dtype)
-    return whole[offset:offset + int(np.prod(shape))].view(shape)
+    return whole[offset : offset + int(np.prod(shape))].view(shape)
 
 
 def _gpu_id(device: torch.device) -> tuple[int, str]:

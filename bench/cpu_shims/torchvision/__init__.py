@@ -1,4 +1,5 @@
 """Test-only stub of torchvision (see _stub_package.py)."""
+
 import sys
 
 from _stub_package import install

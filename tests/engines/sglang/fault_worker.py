@@ -53,12 +53,20 @@ def main() -> None:
     parser.add_argument("--lost", type=int, default=3, help="the rank lost")
     parser.add_argument("--before", type=int, default=2, help="passes before the fault (at least)")
     parser.add_argument("--after", type=int, default=8, help="passes after the fault")
-    parser.add_argument("--wait-plan", type=float, default=0.0,
-                        help="serve until every rank holds a planned survivor placement for the loss (at most "
-                             "this long), write <out>.planned and wait for <out>.go before the fault")
-    parser.add_argument("--wait-joined", type=float, default=0.0,
-                        help="after --after passes, serve until the adapter serves the version the controller "
-                             "gave the resized world (at most this long)")
+    parser.add_argument(
+        "--wait-plan",
+        type=float,
+        default=0.0,
+        help="serve until every rank holds a planned survivor placement for the loss (at most "
+        "this long), write <out>.planned and wait for <out>.go before the fault",
+    )
+    parser.add_argument(
+        "--wait-joined",
+        type=float,
+        default=0.0,
+        help="after --after passes, serve until the adapter serves the version the controller "
+        "gave the resized world (at most this long)",
+    )
     parser.add_argument("--step-sleep", type=float, default=0.02)
     args = parser.parse_args()
     rank, world, lost = args.rank, args.world, args.lost
@@ -66,8 +74,13 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=30),
+    )
     import sglang.srt.server_args as server_args_module
     from sglang.srt.elastic_ep import elastic_ep
     from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
@@ -84,7 +97,9 @@ def main() -> None:
 
     # SGLang's elastic EP runs the elasticity-aware algorithm (its ServerArgs insist).
     real_server_args = server_args_module.ServerArgs
-    server_args_module.ServerArgs = functools.partial(real_server_args, eplb_algorithm="elasticity_aware")
+    server_args_module.ServerArgs = functools.partial(
+        real_server_args, eplb_algorithm="elasticity_aware"
+    )
     try:
         model_config = sglang_cpu_rank(rank, world, Path(args.out).parent)
     finally:
@@ -105,8 +120,15 @@ def main() -> None:
 
     class TinyModel:
         routed_experts_weights_of_layer = {
-            layer: [torch.stack([reference_weights(layer, int(initial[layer, rank * slots + s]))[i]
-                                 for s in range(slots)]) for i in range(len(SHAPES))]
+            layer: [
+                torch.stack(
+                    [
+                        reference_weights(layer, int(initial[layer, rank * slots + s]))[i]
+                        for s in range(slots)
+                    ]
+                )
+                for i in range(len(SHAPES))
+            ]
             for layer in range(1, NUM_LAYERS)
         }
 
@@ -118,7 +140,9 @@ def main() -> None:
         for layer, tensors in weights.items():
             for s in range(slots):
                 for i, tensor in enumerate(tensors):
-                    tensor[s].copy_(reference_weights(layer, int(served[layer, rank * slots + s]))[i])
+                    tensor[s].copy_(
+                        reference_weights(layer, int(served[layer, rank * slots + s]))[i]
+                    )
         loaded["calls"] += 1
 
     loaded = {"calls": 0}
@@ -129,9 +153,13 @@ def main() -> None:
 
     updater: Any = DeadRankUpdater() if rank == lost else ExpertLocationUpdater()
     storage = type("Storage", (), {"update_weights_from_disk": staticmethod(reload_from_storage)})()
-    manager = EPLBManager(model_config=model_config, get_model=lambda: model,
-                          get_expert_location_updater=lambda: updater,
-                          get_expert_backup_client=lambda: None, get_weight_updater=lambda: storage)
+    manager = EPLBManager(
+        model_config=model_config,
+        get_model=lambda: model,
+        get_expert_location_updater=lambda: updater,
+        get_expert_backup_client=lambda: None,
+        get_weight_updater=lambda: storage,
+    )
 
     # The counts SGLang's fault path hands its algorithm: kept, to run SGLang's own
     # algorithm on them afterwards (what it installs when no plan answers).
@@ -159,13 +187,19 @@ def main() -> None:
             for layer in range(1, NUM_LAYERS):
                 with recorder.with_current_layer(layer):
                     p = np.roll(popularity, layer) / popularity.sum()
-                    ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)])
+                    ids = np.stack(
+                        [rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)]
+                    )
                     topk = torch.from_numpy(ids).to(torch.int32)
-                    physical = topk_ids_logical_to_physical(topk, ExpertLocationDispatchInfo.init_new(layer_id=layer))
+                    physical = topk_ids_logical_to_physical(
+                        topk, ExpertLocationDispatchInfo.init_new(layer_id=layer)
+                    )
                     recorder.on_select_experts(topk_ids=physical)
                     counters["mismatches"] += int((physical < 0).sum())
                     valid = physical >= 0
-                    counters["mismatches"] += int((served[layer][physical.long()] != topk.long())[valid].sum())
+                    counters["mismatches"] += int(
+                        (served[layer][physical.long()] != topk.long())[valid].sum()
+                    )
                     counters["to_lost"] += int((physical[valid] // slots == lost).sum())
         manager.on_forward_pass_end()
         counters["passes"] += 1
@@ -178,7 +212,9 @@ def main() -> None:
 
     def holds_plan() -> bool:
         adapter = current_adapter()
-        return adapter is not None and adapter.agent.survivor_map([lost], adapter.version) is not None
+        return (
+            adapter is not None and adapter.agent.survivor_map([lost], adapter.version) is not None
+        )
 
     for _ in range(args.before):
         serve_pass()
@@ -208,9 +244,16 @@ def main() -> None:
 
     # SGLang's own algorithm on the same counts and active ranks (unhooked: the module's function).
     own_phy2log, own_log2phy, _ = elasticity_aware.rebalance_experts(
-        weight=dumped["logical_count"].sum(dim=0) if dumped["logical_count"].dim() == 3
-        else dumped["logical_count"], num_replicas=metadata.num_physical_experts, num_groups=1, num_nodes=1,
-        num_gpus=world, enable_hierarchical=False, active_ranks=state.active_ranks)
+        weight=dumped["logical_count"].sum(dim=0)
+        if dumped["logical_count"].dim() == 3
+        else dumped["logical_count"],
+        num_replicas=metadata.num_physical_experts,
+        num_groups=1,
+        num_nodes=1,
+        num_gpus=world,
+        enable_hierarchical=False,
+        active_ranks=state.active_ranks,
+    )
     installed = {
         "phy2log": after.physical_to_logical_map_cpu.tolist(),
         "log2phy": after.logical_to_all_physical_map_cpu.tolist(),
@@ -219,21 +262,39 @@ def main() -> None:
     for _ in range(args.after):
         serve_pass()
     joined_by = time.monotonic() + args.wait_joined
-    while current_adapter() is not None and current_adapter().version == 0 and time.monotonic() < joined_by:
+    while (
+        current_adapter() is not None
+        and current_adapter().version == 0
+        and time.monotonic() < joined_by
+    ):
         serve_pass()
     final = get_global_expert_location_metadata().physical_to_logical_map_cpu
 
     def weights_match() -> bool:
-        return all(torch.equal(weights[layer][i][s], reference_weights(layer, int(final[layer, rank * slots + s]))[i])
-                   for layer in weights for s in range(slots) for i in range(len(SHAPES)))
+        return all(
+            torch.equal(
+                weights[layer][i][s],
+                reference_weights(layer, int(final[layer, rank * slots + s]))[i],
+            )
+            for layer in weights
+            for s in range(slots)
+            for i in range(len(SHAPES))
+        )
 
     adapter = current_adapter()
     result = {
-        "rank": rank, "rebalanced": bool(rebalanced), "before": before.tolist(), "installed": installed,
-        "own_phy2log": own_phy2log.tolist(), "own_log2phy": own_log2phy.tolist(),
+        "rank": rank,
+        "rebalanced": bool(rebalanced),
+        "before": before.tolist(),
+        "installed": installed,
+        "own_phy2log": own_phy2log.tolist(),
+        "own_log2phy": own_log2phy.tolist(),
         "planned": None if planned is None else np.asarray(planned).tolist(),
-        "final": final.tolist(), "weights_match_map": weights_match(), "storage_loads": loaded["calls"],
-        "dispatch_mismatches": counters["mismatches"], "tokens_to_lost": counters["to_lost"],
+        "final": final.tolist(),
+        "weights_match_map": weights_match(),
+        "storage_loads": loaded["calls"],
+        "dispatch_mismatches": counters["mismatches"],
+        "tokens_to_lost": counters["to_lost"],
         "adapter_phy2log": None if adapter is None else adapter.phy2log.tolist(),
         "adapter_version": None if adapter is None else adapter.version,
         "adapter_rank": None if adapter is None else adapter.rank,

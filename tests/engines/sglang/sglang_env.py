@@ -19,19 +19,29 @@ from tests.engines import zygote
 REQUIRE_ENV = "REBALANCER_REQUIRE_SGLANG"
 # What a rank imports that costs (about 7 s of CPU): the zygote imports it once
 # (tests/engines/zygote.py) and forks the ranks from there.
-PRELOAD = ["numpy", "torch", "torch.distributed", "sglang.srt.configs.model_config",
-           "sglang.srt.server_args", "sglang.srt.runtime_context", "sglang.srt.plugins",
-           "sglang.srt.eplb.expert_distribution", "sglang.srt.eplb.expert_location",
-           "sglang.srt.eplb.expert_location_dispatch", "sglang.srt.eplb.expert_location_updater",
-           "sglang.srt.eplb.eplb_manager", "sglang.srt.eplb.lplb_solver",
-           "sglang.srt.eplb.eplb_algorithms.elasticity_aware", "sglang.srt.elastic_ep.elastic_ep",
-           "sglang.kernels.ops.lplb.torch_solver"]
+PRELOAD = [
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "sglang.srt.configs.model_config",
+    "sglang.srt.server_args",
+    "sglang.srt.runtime_context",
+    "sglang.srt.plugins",
+    "sglang.srt.eplb.expert_distribution",
+    "sglang.srt.eplb.expert_location",
+    "sglang.srt.eplb.expert_location_dispatch",
+    "sglang.srt.eplb.expert_location_updater",
+    "sglang.srt.eplb.eplb_manager",
+    "sglang.srt.eplb.lplb_solver",
+    "sglang.srt.eplb.eplb_algorithms.elasticity_aware",
+    "sglang.srt.elastic_ep.elastic_ep",
+    "sglang.kernels.ops.lplb.torch_solver",
+]
 
 
 def rank_starter() -> zygote.Zygote:
     """The session's zygote for SGLang ranks: `rank_starter().popen(...)` as subprocess.Popen."""
     return zygote.for_engine(PRELOAD, environment(), ROOT)
-
 
 
 def needed() -> pytest.MarkDecorator:

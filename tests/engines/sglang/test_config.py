@@ -16,33 +16,58 @@ def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:
     assert SGLangAdapterConfig.from_env({}) is None
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    config = SGLangAdapterConfig.from_env({
-        "REBALANCER_ADDRESS": "unix:/run/rebalancer.sock", "REBALANCER_TOKEN_FILE": str(token),
-        "REBALANCER_WINDOW_STEPS": "8",
-    })
+    config = SGLangAdapterConfig.from_env(
+        {
+            "REBALANCER_ADDRESS": "unix:/run/rebalancer.sock",
+            "REBALANCER_TOKEN_FILE": str(token),
+            "REBALANCER_WINDOW_STEPS": "8",
+        }
+    )
     assert config is not None
     assert (config.token, config.window_steps) == ("s3cret", 8)
     assert config.agree_every == SGLangAdapterConfig.agree_every
     assert config.deployment == SGLangAdapterConfig.deployment
     assert config.pool == ""
-    pooled = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "127.0.0.1:1", "REBALANCER_POOL": "ds-v3"})
+    pooled = SGLangAdapterConfig.from_env(
+        {"REBALANCER_ADDRESS": "127.0.0.1:1", "REBALANCER_POOL": "ds-v3"}
+    )
     assert pooled is not None and pooled.pool == "ds-v3"
     # auto by default (staged on gloo, SGLang's updater on NCCL); SGLang's own updater as a setting.
     assert (config.updater, config.staging_budget_bytes) == ("auto", DEFAULT_STAGING_BUDGET_BYTES)
-    fallback = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "127.0.0.1:1", "REBALANCER_UPDATER": "sglang",
-                                            "REBALANCER_STAGING_BUDGET_BYTES": "1048576"})
-    assert fallback is not None and (fallback.updater, fallback.staging_budget_bytes) == ("sglang", 1 << 20)
+    fallback = SGLangAdapterConfig.from_env(
+        {
+            "REBALANCER_ADDRESS": "127.0.0.1:1",
+            "REBALANCER_UPDATER": "sglang",
+            "REBALANCER_STAGING_BUDGET_BYTES": "1048576",
+        }
+    )
+    assert fallback is not None and (fallback.updater, fallback.staging_budget_bytes) == (
+        "sglang",
+        1 << 20,
+    )
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"REBALANCER_WINDOW_STEPS": "x"}, "REBALANCER_WINDOW_STEPS='x' is not an integer"),
-    ({"REBALANCER_AGREE_EVERY": "0"}, "REBALANCER_AGREE_EVERY must be >= 1"),
-    ({"REBALANCER_AGREE_TIMEOUT_SECONDS": "-1"}, "must be > 0"),
-    ({"REBALANCER_TOKEN_FILE": "/nonexistent/token"}, "REBALANCER_TOKEN_FILE /nonexistent/token"),
-    ({"REBALANCER_UPDATER": "fast"}, "REBALANCER_UPDATER must be one of auto, staged, sglang, got 'fast'"),
-    ({"REBALANCER_STAGING_BUDGET_BYTES": "0"}, "REBALANCER_STAGING_BUDGET_BYTES must be >= 1"),
-    ({"REBALANCER_STAGING_BUDGET_BYTES": "4GiB"}, "REBALANCER_STAGING_BUDGET_BYTES='4GiB' is not an integer"),
-])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"REBALANCER_WINDOW_STEPS": "x"}, "REBALANCER_WINDOW_STEPS='x' is not an integer"),
+        ({"REBALANCER_AGREE_EVERY": "0"}, "REBALANCER_AGREE_EVERY must be >= 1"),
+        ({"REBALANCER_AGREE_TIMEOUT_SECONDS": "-1"}, "must be > 0"),
+        (
+            {"REBALANCER_TOKEN_FILE": "/nonexistent/token"},
+            "REBALANCER_TOKEN_FILE /nonexistent/token",
+        ),
+        (
+            {"REBALANCER_UPDATER": "fast"},
+            "REBALANCER_UPDATER must be one of auto, staged, sglang, got 'fast'",
+        ),
+        ({"REBALANCER_STAGING_BUDGET_BYTES": "0"}, "REBALANCER_STAGING_BUDGET_BYTES must be >= 1"),
+        (
+            {"REBALANCER_STAGING_BUDGET_BYTES": "4GiB"},
+            "REBALANCER_STAGING_BUDGET_BYTES='4GiB' is not an integer",
+        ),
+    ],
+)
 def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(InputError, match=message):
         SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "127.0.0.1:1", **env})
@@ -54,18 +79,31 @@ def test_logical_counts_sum_replicas_per_layer() -> None:
     assert logical_counts(physical, phy2log, 3).tolist() == [[8, 1, 2], [0, 7, 10]]
 
 
-@pytest.mark.parametrize(("tls", "message"), [
-    ({"CERT_FILE": "cert", "KEY_FILE": "key"}, "REBALANCER_CERT_FILE and REBALANCER_KEY_FILE .* need REBALANCER_CA_FILE"),
-    ({"CA_FILE": "ca", "CERT_FILE": "cert"}, "mutual TLS needs both REBALANCER_CERT_FILE and REBALANCER_KEY_FILE"),
-    ({"CA_FILE": "gone"}, "REBALANCER_CA_FILE .*gone: no such file"),
-])
-def test_tls_settings_that_cannot_connect_are_refused_at_start(tmp_path, tls: dict[str, str], message: str) -> None:
+@pytest.mark.parametrize(
+    ("tls", "message"),
+    [
+        (
+            {"CERT_FILE": "cert", "KEY_FILE": "key"},
+            "REBALANCER_CERT_FILE and REBALANCER_KEY_FILE .* need REBALANCER_CA_FILE",
+        ),
+        (
+            {"CA_FILE": "ca", "CERT_FILE": "cert"},
+            "mutual TLS needs both REBALANCER_CERT_FILE and REBALANCER_KEY_FILE",
+        ),
+        ({"CA_FILE": "gone"}, "REBALANCER_CA_FILE .*gone: no such file"),
+    ],
+)
+def test_tls_settings_that_cannot_connect_are_refused_at_start(
+    tmp_path, tls: dict[str, str], message: str
+) -> None:
     """Issue 20: cert and key without a CA were accepted, then killed the agent thread at
     its first connect, for good."""
     for name in ("ca", "cert", "key"):
         (tmp_path / name).write_text("-----BEGIN CERTIFICATE-----\n")
-    env = {"REBALANCER_ADDRESS": "127.0.0.1:1",
-           **{f"REBALANCER_{k}": str(tmp_path / v) for k, v in tls.items()}}
+    env = {
+        "REBALANCER_ADDRESS": "127.0.0.1:1",
+        **{f"REBALANCER_{k}": str(tmp_path / v) for k, v in tls.items()},
+    }
     with pytest.raises(InputError, match=message):
         SGLangAdapterConfig.from_env(env)
 
@@ -85,20 +123,30 @@ def test_the_plugin_stays_off_with_one_line_on_bad_tls(tmp_path, monkeypatch, ca
         plugin.register()  # SGLang is not imported: the plugin is off before that
     assert plugin._config is None
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["rebalancer plugin off: REBALANCER_CERT_FILE and REBALANCER_KEY_FILE (mutual TLS) "
-                     "need REBALANCER_CA_FILE, the controller's CA"]
+    assert lines == [
+        "rebalancer plugin off: REBALANCER_CERT_FILE and REBALANCER_KEY_FILE (mutual TLS) "
+        "need REBALANCER_CA_FILE, the controller's CA"
+    ]
 
 
 def test_layer_groups_fit_the_budget_on_every_rank_and_keep_layer_order() -> None:
     """2 ranks, experts of 10 bytes, budget 30: rank 1 gains 2 experts in layer 1, 2 in
     layer 2 (40 > 30: a new group), 1 in layer 4; a layer over the budget alone is a
     group of its own."""
-    t = np.array([
-        [1, 1, 0, 0, 0], [1, 1, 1, 0, 1], [1, 0, 0, 1, 0],
-        [2, 1, 0, 0, 0], [2, 1, 1, 0, 1],
-        [4, 1, 2, 0, 2],
-        [5, 0, 0, 1, 0], [5, 0, 1, 1, 1], [5, 0, 2, 1, 2], [5, 0, 3, 1, 3],
-    ])
+    t = np.array(
+        [
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 0, 1],
+            [1, 0, 0, 1, 0],
+            [2, 1, 0, 0, 0],
+            [2, 1, 1, 0, 1],
+            [4, 1, 2, 0, 2],
+            [5, 0, 0, 1, 0],
+            [5, 0, 1, 1, 1],
+            [5, 0, 2, 1, 2],
+            [5, 0, 3, 1, 3],
+        ]
+    )
     assert layer_groups(t, [1, 2, 4, 5], 2, 10, 30) == [[1], [2, 4], [5]]
     assert layer_groups(t, [1, 2, 4, 5], 2, 10, 10**6) == [[1, 2, 4, 5]]
     assert layer_groups(t[:0], [], 2, 10, 30) == []
@@ -114,14 +162,23 @@ def test_tickets_order_every_swap_of_every_plan() -> None:
 
 
 def test_pool_and_warm_start_wait_from_env() -> None:
-    config = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_POOL": "ds-v3",
-                                           "REBALANCER_WARM_START_SECONDS": "0.5"})
+    config = SGLangAdapterConfig.from_env(
+        {
+            "REBALANCER_ADDRESS": "a:1",
+            "REBALANCER_POOL": "ds-v3",
+            "REBALANCER_WARM_START_SECONDS": "0.5",
+        }
+    )
     assert config is not None and (config.pool, config.warm_start_seconds) == ("ds-v3", 0.5)
     defaults = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1"})
     assert defaults is not None and (defaults.pool, defaults.warm_start_seconds) == ("", 3.0)
     for bad in ("-1", "inf", "nan"):
-        with pytest.raises(InputError, match="REBALANCER_WARM_START_SECONDS must be >= 0 and finite"):
-            SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_WARM_START_SECONDS": bad})
+        with pytest.raises(
+            InputError, match="REBALANCER_WARM_START_SECONDS must be >= 0 and finite"
+        ):
+            SGLangAdapterConfig.from_env(
+                {"REBALANCER_ADDRESS": "a:1", "REBALANCER_WARM_START_SECONDS": bad}
+            )
 
 
 def test_updater_auto_stages_on_gloo_and_moves_between_passes_on_nccl() -> None:
@@ -143,7 +200,11 @@ def test_updater_auto_stages_on_gloo_and_moves_between_passes_on_nccl() -> None:
     assert choose_updater(config.updater, nccl) == ("sglang", None)
     assert choose_updater(config.updater, gloo) == ("staged", None)
     updater, warning = choose_updater("staged", nccl)
-    assert updater == "staged" and warning is not None and "REBALANCER_UPDATER=staged on NCCL" in warning
+    assert (
+        updater == "staged"
+        and warning is not None
+        and "REBALANCER_UPDATER=staged on NCCL" in warning
+    )
     assert choose_updater("staged", gloo) == ("staged", None)
     assert choose_updater("sglang", gloo) == ("sglang", None)
     assert choose_updater("sglang", nccl) == ("sglang", None)
@@ -168,9 +229,19 @@ def test_the_docs_sglang_section_lists_every_setting_of_the_default_path() -> No
     env = EnvRecorder(REBALANCER_ADDRESS="127.0.0.1:1")
     assert SGLangAdapterConfig.from_env(env) is not None
     root = Path(__file__).resolve().parents[3]
-    section = (root / "docs" / "operations.md").read_text().split("### SGLang", 1)[1].split("\n### ", 1)[0]
+    section = (
+        (root / "docs" / "operations.md")
+        .read_text()
+        .split("### SGLang", 1)[1]
+        .split("\n### ", 1)[0]
+    )
     names = {n for n in env.read if n.startswith("REBALANCER_")}
     assert {"REBALANCER_ADDRESS", "REBALANCER_UPDATER", "REBALANCER_STAGING_BUDGET_BYTES"} <= names
-    needed = names | {"SGLANG_PLUGINS", "--enable-eplb", "--ep-num-redundant-experts",
-                      "--expert-distribution-recorder-mode", "--ep-dispatch-algorithm"}
+    needed = names | {
+        "SGLANG_PLUGINS",
+        "--enable-eplb",
+        "--ep-num-redundant-experts",
+        "--expert-distribution-recorder-mode",
+        "--ep-dispatch-algorithm",
+    }
     assert {n for n in needed if f"`{n}`" not in section} == set()

@@ -63,8 +63,9 @@ def test_a_rank_whose_staging_lags_the_agreed_pass_holds_every_ranks_swap(tmp_pa
     # Each group staged after the commit takes rank 3's 1.5 s, about 100 passes: a plan of
     # 8 groups needs about 800 (160 were too few for a plan of 15 slots).
     steps = 1000
-    codes, results, dep = _staged_run(tmp_path, steps=steps, settings=TWO_EXPERTS,
-                                      extra={3: ["--lag-staging", "1.5"]})
+    codes, results, dep = _staged_run(
+        tmp_path, steps=steps, settings=TWO_EXPERTS, extra={3: ["--lag-staging", "1.5"]}
+    )
     assert codes == [0] * WORLD, _logs(tmp_path)
     assert dep.stats.plans_committed >= 1  # type: ignore[attr-defined]
     _check_staged_commits(results, dep)

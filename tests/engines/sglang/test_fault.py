@@ -43,22 +43,45 @@ RUN_SECONDS = 300.0
 MOE = slice(1, None)  # layer 0 is dense: SGLang's update leaves its row as it was
 
 
-def _run_ranks(tmp_path: Path, address: str, flags: list[str],
-               during: Callable[[], None] | None = None) -> tuple[list[int], dict[int, dict]]:
+def _run_ranks(
+    tmp_path: Path, address: str, flags: list[str], during: Callable[[], None] | None = None
+) -> tuple[list[int], dict[int, dict]]:
     env = sglang_cpu.environment(
-        REBALANCER_ADDRESS=address, REBALANCER_DEPLOYMENT=DEPLOYMENT, REBALANCER_WINDOW_STEPS="4",
-        REBALANCER_AGREE_EVERY="2", REBALANCER_AGREE_TIMEOUT_SECONDS="15",
+        REBALANCER_ADDRESS=address,
+        REBALANCER_DEPLOYMENT=DEPLOYMENT,
+        REBALANCER_WINDOW_STEPS="4",
+        REBALANCER_AGREE_EVERY="2",
+        REBALANCER_AGREE_TIMEOUT_SECONDS="15",
     )
     port = free_port()
     procs = []
     try:
         for rank in range(WORLD):
-            cmd = [sys.executable, "-m", "tests.engines.sglang.fault_worker", "--rank", str(rank),
-                   "--world", str(WORLD), "--port", str(port), "--lost", str(LOST),
-                   "--out", str(tmp_path / f"rank{rank}.json"), *flags]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tests.engines.sglang.fault_worker",
+                "--rank",
+                str(rank),
+                "--world",
+                str(WORLD),
+                "--port",
+                str(port),
+                "--lost",
+                str(LOST),
+                "--out",
+                str(tmp_path / f"rank{rank}.json"),
+                *flags,
+            ]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((sglang_env.rank_starter().popen(cmd, cwd=sglang_cpu.ROOT, env=env, stdout=log,
-                                           stderr=subprocess.STDOUT), log))
+            procs.append(
+                (
+                    sglang_env.rank_starter().popen(
+                        cmd, cwd=sglang_cpu.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                    ),
+                    log,
+                )
+            )
         helper = threading.Thread(target=during, daemon=True) if during else None
         if helper is not None:
             helper.start()
@@ -70,8 +93,11 @@ def _run_ranks(tmp_path: Path, address: str, flags: list[str],
                 p.kill()
                 p.wait()
             log.close()
-    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text())
-               for r in range(WORLD) if (tmp_path / f"rank{r}.json").exists()}
+    results = {
+        r: json.loads((tmp_path / f"rank{r}.json").read_text())
+        for r in range(WORLD)
+        if (tmp_path / f"rank{r}.json").exists()
+    }
     return codes, results
 
 
@@ -105,14 +131,16 @@ def _check_survivors_serve(r: dict[str, Any]) -> np.ndarray:
 
 def _survivors_map(r: dict[str, Any]) -> np.ndarray:
     """What SGLang installed, on the survivors' slots only `[L, 3 * SLOTS]`."""
-    return np.asarray(r["installed"]["phy2log"])[:, :LOST * SLOTS]
+    return np.asarray(r["installed"]["phy2log"])[:, : LOST * SLOTS]
 
 
 def _survivors(results: dict[int, dict]) -> list[dict[str, Any]]:
     return [results[r] for r in range(WORLD) if r != LOST]
 
 
-def test_a_rank_fault_takes_the_planned_survivor_placement_with_the_controller_gone(tmp_path: Path) -> None:
+def test_a_rank_fault_takes_the_planned_survivor_placement_with_the_controller_gone(
+    tmp_path: Path,
+) -> None:
     """The controller planned the survivors' placement for losing rank 3 and is stopped
     before the loss: SGLang's fault path installs exactly that placement (the survivors'
     blocks of slots in place, rank 3's slots filled and out of every expert's replicas),
@@ -123,11 +151,16 @@ def test_a_rank_fault_takes_the_planned_survivor_placement_with_the_controller_g
     planned: list[Any] = []
 
     stop_controller_once_planned = planned_loss.go_once_planned(
-        ctl, tmp_path, WORLD, DEPLOYMENT, (LOST,), planned)
+        ctl, tmp_path, WORLD, DEPLOYMENT, (LOST,), planned
+    )
 
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, ["--wait-plan", "150"],
-                                    during=stop_controller_once_planned)
+        codes, results = _run_ranks(
+            tmp_path,
+            ctl.server.address,
+            ["--wait-plan", "150"],
+            during=stop_controller_once_planned,
+        )
     finally:
         ctl.stop()
     assert codes == [0] * WORLD, _logs(tmp_path)
@@ -137,16 +170,19 @@ def test_a_rank_fault_takes_the_planned_survivor_placement_with_the_controller_g
         assert r["planned"] is not None and np.array_equal(np.asarray(r["planned"]), planned[0])
         # Survivor i's block of the plan is rank i's block of slots (ranks 0..2 survive).
         installed = np.asarray(r["installed"]["phy2log"])[MOE]
-        assert np.array_equal(installed[:, :LOST * per], planned[0][MOE]), _logs(tmp_path)
+        assert np.array_equal(installed[:, : LOST * per], planned[0][MOE]), _logs(tmp_path)
         phy2log = _check_survivors_serve(r)
-        assert r["rank_faults"] == [{"step": r["rank_faults"][0]["step"], "lost": [LOST], "planned": True}]
+        assert r["rank_faults"] == [
+            {"step": r["rank_faults"][0]["step"], "lost": [LOST], "planned": True}
+        ]
         # ...which is not what SGLang's own algorithm places (the test tells them apart).
         assert not np.array_equal(phy2log, np.asarray(r["own_phy2log"])[MOE])
 
 
 @pytest.mark.parametrize("through", ["direct", "sidecar"])
 def test_a_rank_fault_with_no_plan_takes_sglangs_own_placement_and_the_controller_commits_it(
-        tmp_path: Path, through: str) -> None:
+    tmp_path: Path, through: str
+) -> None:
     """No survivor placement planned yet (the loss comes before any window): SGLang's own
     elasticity-aware algorithm places the survivors, unchanged, and the survivors' adapters
     register the smaller world as a resize: the controller commits the placement they
@@ -162,7 +198,9 @@ def test_a_rank_fault_with_no_plan_takes_sglangs_own_placement_and_the_controlle
         address = ctl.server.address
         if through == "sidecar":
             address = cluster.sidecar("all", address, ranks=tuple(range(WORLD))).target
-        codes, results = _run_ranks(tmp_path, address, ["--before", "2", "--after", "12", "--wait-joined", "60"])
+        codes, results = _run_ranks(
+            tmp_path, address, ["--before", "2", "--after", "12", "--wait-joined", "60"]
+        )
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
         plans = ctl.call(lambda: ctl.server.controller.store.plans(DEPLOYMENT, limit=1))  # type: ignore[union-attr]
         stated = ctl.call(lambda: dict(dep.stated))
@@ -177,13 +215,17 @@ def test_a_rank_fault_with_no_plan_takes_sglangs_own_placement_and_the_controlle
         own_log2phy = np.asarray(r["own_log2phy"])[MOE]
         assert np.array_equal(phy2log, np.asarray(r["own_phy2log"])[MOE])
         installed = np.asarray(r["installed"]["log2phy"])[MOE]
-        assert np.array_equal(installed[..., :own_log2phy.shape[-1]], own_log2phy)
-        assert (installed[..., own_log2phy.shape[-1]:] == -1).all()
+        assert np.array_equal(installed[..., : own_log2phy.shape[-1]], own_log2phy)
+        assert (installed[..., own_log2phy.shape[-1] :] == -1).all()
         assert r["rank_faults"][0]["planned"] is False
         assert r["adapter_version"] == 1, _logs(tmp_path)
     # The controller committed what the survivors serve, as the resized world's v1.
     assert dep.mixed is None, _logs(tmp_path)
-    assert (dep.version, dep.shape.num_gpus, dep.shape.num_slots) == (1, WORLD - 1, (WORLD - 1) * SLOTS)
+    assert (dep.version, dep.shape.num_gpus, dep.shape.num_slots) == (
+        1,
+        WORLD - 1,
+        (WORLD - 1) * SLOTS,
+    )
     assert np.array_equal(np.asarray(dep.phy2log), _survivors_map(survivors[0]))
     assert plans[0].version == 1 and plans[0].trigger == "resize" and plans[0].base_version == 0
     assert "from 4 to 3 GPUs" in plans[0].reason

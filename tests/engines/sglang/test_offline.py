@@ -25,8 +25,12 @@ pytestmark = [
 
 def test_plan_file_installs_in_sglang_and_beats_its_eplb_on_every_workload() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "bench.sglang_offline", "--json"], cwd=sglang_cpu.ROOT,
-        env=sglang_cpu.environment(), capture_output=True, text=True, timeout=240,
+        [sys.executable, "-m", "bench.sglang_offline", "--json"],
+        cwd=sglang_cpu.ROOT,
+        env=sglang_cpu.environment(),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])

@@ -43,34 +43,72 @@ WORLD = 4
 RUN_SECONDS = 480.0  # the bound on one run of the ranks
 DEPLOYMENT = "sglang-test"
 FAST_POLICY = PolicyConfig(
-    min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
-    min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
-    estimator=EstimatorConfig(decay=0.5), cost=CostParams(step_seconds=0.01),
+    min_interval_seconds=0.5,
+    gain_threshold=0.03,
+    horizon_seconds=60.0,
+    max_moved_fraction=1.0,
+    min_windows=2,
+    decision_period_seconds=0.2,
+    prepare_timeout_seconds=20.0,
+    estimator=EstimatorConfig(decay=0.5),
+    cost=CostParams(step_seconds=0.01),
 )
 
 
-def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
-               settings: dict[str, str] | None = None, rank_env: dict[int, dict[str, str]] | None = None,
-               world: int = WORLD) -> tuple[list[int], dict[int, dict]]:
+def _run_ranks(
+    tmp_path: Path,
+    address: str,
+    steps: int,
+    extra: dict[int, list[str]] | None = None,
+    settings: dict[str, str] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
+    world: int = WORLD,
+) -> tuple[list[int], dict[int, dict]]:
     """`world` SGLang ranks; their temporary files go to a folder of the test's own (TMPDIR),
     which _no_temporary_files_left checks."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
     env = sglang_cpu.environment(
-        REBALANCER_ADDRESS=address, REBALANCER_DEPLOYMENT=DEPLOYMENT,
-        REBALANCER_WINDOW_STEPS="4", REBALANCER_AGREE_EVERY="2",
-        REBALANCER_AGREE_TIMEOUT_SECONDS="15", TMPDIR=str(tmp_path / "tmp"), **(settings or {}),
+        REBALANCER_ADDRESS=address,
+        REBALANCER_DEPLOYMENT=DEPLOYMENT,
+        REBALANCER_WINDOW_STEPS="4",
+        REBALANCER_AGREE_EVERY="2",
+        REBALANCER_AGREE_TIMEOUT_SECONDS="15",
+        TMPDIR=str(tmp_path / "tmp"),
+        **(settings or {}),
     )
     port = free_port()
     procs = []
     try:
         for rank in range(world):
-            cmd = [sys.executable, "-m", "tests.engines.sglang.worker", "--rank", str(rank),
-                   "--world", str(world), "--port", str(port), "--steps", str(steps),
-                   "--out", str(tmp_path / f"rank{rank}.json"), *(extra or {}).get(rank, [])]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tests.engines.sglang.worker",
+                "--rank",
+                str(rank),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--steps",
+                str(steps),
+                "--out",
+                str(tmp_path / f"rank{rank}.json"),
+                *(extra or {}).get(rank, []),
+            ]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((sglang_env.rank_starter().popen(cmd, cwd=sglang_cpu.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
-                                           stdout=log,
-                                           stderr=subprocess.STDOUT), log))
+            procs.append(
+                (
+                    sglang_env.rank_starter().popen(
+                        cmd,
+                        cwd=sglang_cpu.ROOT,
+                        env={**env, **(rank_env or {}).get(rank, {})},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    ),
+                    log,
+                )
+            )
         # Generous: four processes import SGLang at once, on a machine that may be loaded.
         deadline = time.monotonic() + RUN_SECONDS
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p, _ in procs]
@@ -80,8 +118,11 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
                 p.kill()
                 p.wait()
             log.close()
-    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text())
-               for r in range(world) if codes[r] == 0}
+    results = {
+        r: json.loads((tmp_path / f"rank{r}.json").read_text())
+        for r in range(world)
+        if codes[r] == 0
+    }
     return codes, results
 
 
@@ -111,7 +152,9 @@ def test_controller_plans_commit_through_sglang_updater(tmp_path: Path) -> None:
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=160, settings=SGLANG_UPDATER)
+        codes, results = _run_ranks(
+            tmp_path, ctl.server.address, steps=160, settings=SGLANG_UPDATER
+        )
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
     finally:
         ctl.stop()
@@ -122,8 +165,8 @@ def test_controller_plans_commit_through_sglang_updater(tmp_path: Path) -> None:
         # Every rank runs the controller's committed placement, in SGLang's own metadata.
         assert r["version"] == dep.version
         assert np.array_equal(np.asarray(r["phy2log"]), committed)
-        assert r["weights_match_map"]          # SGLang's updater moved the weights to match
-        assert r["dispatch_mismatches"] == 0   # every token reached a slot holding its expert
+        assert r["weights_match_map"]  # SGLang's updater moved the weights to match
+        assert r["dispatch_mismatches"] == 0  # every token reached a slot holding its expert
         assert r["steps"] == 160 and r["windows"] >= 160 // 4 - 1
     # All ranks switched at the same forward pass to the same versions.
     assert len({json.dumps(r["commits"]) for r in results.values()}) == 1
@@ -132,13 +175,18 @@ def test_controller_plans_commit_through_sglang_updater(tmp_path: Path) -> None:
     assert [p.state for p in plans].count("committed") == dep.version
 
 
-def _staged_run(tmp_path: Path, steps: int, settings: dict[str, str] | None = None,
-                extra: dict[int, list[str]] | None = None) -> tuple[list[int], dict[int, dict], object]:
+def _staged_run(
+    tmp_path: Path,
+    steps: int,
+    settings: dict[str, str] | None = None,
+    extra: dict[int, list[str]] | None = None,
+) -> tuple[list[int], dict[int, dict], object]:
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=steps, extra=extra,
-                                    settings=settings)
+        codes, results = _run_ranks(
+            tmp_path, ctl.server.address, steps=steps, extra=extra, settings=settings
+        )
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
     finally:
         ctl.stop()
@@ -177,7 +225,8 @@ def test_layer_groups_commit_a_plan_larger_than_the_staging_budget(tmp_path: Pat
     # Up to 8 groups a plan, each agreed and swapped at a pass of its own: 400 passes let
     # a large plan finish on a loaded machine (160 did not, beside the CI's hog).
     codes, results, dep = _staged_run(
-        tmp_path, steps=400, settings={"REBALANCER_STAGING_BUDGET_BYTES": str(2 * EXPERT_BYTES)})
+        tmp_path, steps=400, settings={"REBALANCER_STAGING_BUDGET_BYTES": str(2 * EXPERT_BYTES)}
+    )
     assert codes == [0] * WORLD, _logs(tmp_path)
     assert dep.stats.plans_committed >= 1  # type: ignore[attr-defined]
     _check_staged_commits(results, dep)
@@ -197,8 +246,11 @@ def test_lp_dispatch_follows_every_staged_swap(tmp_path: Path) -> None:
     solve and the CUDA dispatch kernel; SGLang's LPLBSolver, init_lplb_solvers and
     dispatch info are real."""
     codes, results, dep = _staged_run(
-        tmp_path, steps=400, settings={"REBALANCER_STAGING_BUDGET_BYTES": str(2 * EXPERT_BYTES)},
-        extra=_every_rank(["--dispatch", "lp"]))
+        tmp_path,
+        steps=400,
+        settings={"REBALANCER_STAGING_BUDGET_BYTES": str(2 * EXPERT_BYTES)},
+        extra=_every_rank(["--dispatch", "lp"]),
+    )
     assert codes == [0] * WORLD, _logs(tmp_path)
     assert dep.stats.plans_committed >= 1  # type: ignore[attr-defined]
     _check_staged_commits(results, dep)
@@ -210,23 +262,36 @@ def test_lp_dispatch_follows_every_staged_swap(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["per_pass", "per_token"])
-def test_a_recorder_mode_without_counts_is_refused_loudly_and_sglang_serves(tmp_path: Path, mode: str) -> None:
+def test_a_recorder_mode_without_counts_is_refused_loudly_and_sglang_serves(
+    tmp_path: Path, mode: str
+) -> None:
     """Issue 29: with SGLang's recorder in per_pass or per_token mode the adapter ran and
     never sent a window, without a word. Now it is off from the first pass on every rank,
     with one ERROR line naming the setting and the one to use, and SGLang serves every pass
     on its placement. (per_token reads the batch's tokens: the worker hands the recorder a
     stand-in ForwardBatch with the fields it reads.)"""
     steps = 6
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=steps, world=2,
-                                extra={r: ["--recorder-mode", mode] for r in range(2)})
+    codes, results = _run_ranks(
+        tmp_path,
+        f"127.0.0.1:{free_port()}",
+        steps=steps,
+        world=2,
+        extra={r: ["--recorder-mode", mode] for r in range(2)},
+    )
     assert codes == [0, 0], _logs(tmp_path)
     for rank, r in results.items():
         assert r.get("adapter") is False and r["served"] == steps, r
-        assert r["disabled"] is not None and f"--expert-distribution-recorder-mode is {mode}" in r["disabled"]
+        assert (
+            r["disabled"] is not None
+            and f"--expert-distribution-recorder-mode is {mode}" in r["disabled"]
+        )
         assert r["dispatch_mismatches"] == 0 and r["weights_match_map"]
         assert np.array_equal(np.asarray(r["phy2log"]), np.asarray(r["initial_phy2log"]))
-        errors = [line for line in (tmp_path / f"rank{rank}.log").read_text().splitlines()
-                  if "rebalancer adapter DISABLED on this rank" in line]
+        errors = [
+            line
+            for line in (tmp_path / f"rank{rank}.log").read_text().splitlines()
+            if "rebalancer adapter DISABLED on this rank" in line
+        ]
         assert len(errors) == 1, errors
         assert "use --expert-distribution-recorder-mode stat" in errors[0]
 
@@ -254,8 +319,13 @@ def test_rank_killed_mid_update_leaves_survivors_on_one_placement(tmp_path: Path
     assert ctl.server is not None
     try:
         # Rank 3 exits inside SGLang's updater at the second MoE layer of the first plan.
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=120,
-                                    extra={3: ["--die-at-layer", "2"]}, settings=SGLANG_UPDATER)
+        codes, results = _run_ranks(
+            tmp_path,
+            ctl.server.address,
+            steps=120,
+            extra={3: ["--die-at-layer", "2"]},
+            settings=SGLANG_UPDATER,
+        )
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
     finally:
         ctl.stop()
@@ -296,11 +366,14 @@ def test_every_pass_reaches_the_controller_without_an_explicit_finish(tmp_path: 
     a production process lost its last window at exit. Here no rank calls finish(); 10
     passes in windows of 4: every routed token is folded, the last 2 passes' too."""
     steps = 10
-    ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(paused=True, min_windows=1), ready=True)
+    ctl = start_controller(
+        tmp_path / "c.sqlite", PolicyConfig(paused=True, min_windows=1), ready=True
+    )
     assert ctl.server is not None
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=steps,
-                                    extra=_every_rank(["--no-finish"]))
+        codes, results = _run_ranks(
+            tmp_path, ctl.server.address, steps=steps, extra=_every_rank(["--no-finish"])
+        )
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
         folded = ctl.call(lambda: (dep.stats.tokens_folded, dep.estimator.windows))
     finally:
@@ -318,8 +391,12 @@ def test_an_adapter_error_disables_it_and_sglang_keeps_serving(tmp_path: Path) -
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=steps,
-                                    extra=_every_rank(["--adapter-error-at-pass", "6"]))
+        codes, results = _run_ranks(
+            tmp_path,
+            ctl.server.address,
+            steps=steps,
+            extra=_every_rank(["--adapter-error-at-pass", "6"]),
+        )
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
         folded = ctl.call(lambda: dep.stats.tokens_folded)
     finally:
@@ -329,7 +406,9 @@ def test_an_adapter_error_disables_it_and_sglang_keeps_serving(tmp_path: Path) -
         assert r["served"] == steps and r["dispatch_mismatches"] == 0
         assert r["disabled"] == "pass counts: RuntimeError: injected adapter error", r
         assert not r["agent_running"]  # gone from the controller while SGLang serves
-        assert "rebalancer adapter DISABLED on this rank" in (tmp_path / f"rank{rank}.log").read_text()
+        assert (
+            "rebalancer adapter DISABLED on this rank" in (tmp_path / f"rank{rank}.log").read_text()
+        )
     assert folded <= WORLD * 5 * ROUTED_PER_PASS  # nothing after the error
 
 
@@ -343,8 +422,10 @@ def _pool_placement() -> np.ndarray:
     held twice, every layer permuted differently)."""
     from bench.sglang_cpu import NUM_EXPERTS, NUM_LAYERS, REDUNDANT
 
-    rows = [np.concatenate([np.roll(np.arange(NUM_EXPERTS)[::-1], layer), [0, 1, 0, 1]])
-            for layer in range(NUM_LAYERS)]
+    rows = [
+        np.concatenate([np.roll(np.arange(NUM_EXPERTS)[::-1], layer), [0, 1, 0, 1]])
+        for layer in range(NUM_LAYERS)
+    ]
     placement = np.asarray(rows, dtype=np.int64)
     assert placement.shape[1] == NUM_EXPERTS + REDUNDANT
     return placement
@@ -362,29 +443,49 @@ def _seed_pool(ctl: EmbeddedController, placement: np.ndarray) -> None:
     from bench.sglang_cpu import NUM_EXPERTS, NUM_LAYERS, REDUNDANT
 
     assert ctl.server is not None
-    shape = pb.ModelShape(num_layers=NUM_LAYERS, num_logical_experts=NUM_EXPERTS,
-                          num_physical_slots=NUM_EXPERTS + REDUNDANT, num_gpus=WORLD, num_nodes=1,
-                          expert_bytes=_expert_bytes())
+    shape = pb.ModelShape(
+        num_layers=NUM_LAYERS,
+        num_logical_experts=NUM_EXPERTS,
+        num_physical_slots=NUM_EXPERTS + REDUNDANT,
+        num_gpus=WORLD,
+        num_nodes=1,
+        expert_bytes=_expert_bytes(),
+    )
     with grpc.insecure_channel(ctl.server.address, options=client_options()) as channel:
         pb_grpc.WorkerServiceStub(channel).Register(
-            pb.RegisterRequest(deployment="seed", rank=0, shape=shape, pool=POOL), timeout=30)
+            pb.RegisterRequest(deployment="seed", rank=0, shape=shape, pool=POOL), timeout=30
+        )
     ctl.call(lambda: ctl.server.controller.fleet.pools[POOL].take(placement))  # type: ignore[union-attr]
 
 
-def _warm_run(tmp_path: Path, rank_env: dict[int, dict[str, str]] | None = None,
-              ) -> tuple[list[int], dict[int, dict], tuple[int, np.ndarray, int], dict[int, tuple[str, str]], np.ndarray]:
+def _warm_run(
+    tmp_path: Path,
+    rank_env: dict[int, dict[str, str]] | None = None,
+) -> tuple[
+    list[int], dict[int, dict], tuple[int, np.ndarray, int], dict[int, tuple[str, str]], np.ndarray
+]:
     ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY, ready=True)
     assert ctl.server is not None
     placement = _pool_placement()
     try:
         _seed_pool(ctl, placement)
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=24,
-                                    settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"},
-                                    rank_env=rank_env)
+        codes, results = _run_ranks(
+            tmp_path,
+            ctl.server.address,
+            steps=24,
+            settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"},
+            rank_env=rank_env,
+        )
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
-        state = ctl.call(lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes))
-        plans = ctl.call(lambda: {p.version: (p.state, p.trigger)
-                                  for p in ctl.server.controller.store.plans(DEPLOYMENT)})  # type: ignore[union-attr]
+        state = ctl.call(
+            lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes)
+        )
+        plans = ctl.call(
+            lambda: {
+                p.version: (p.state, p.trigger)
+                for p in ctl.server.controller.store.plans(DEPLOYMENT)
+            }
+        )  # type: ignore[union-attr]
     finally:
         ctl.stop()
     return codes, results, state, plans, placement
@@ -415,7 +516,8 @@ def test_a_fresh_group_in_a_pool_starts_on_the_pool_placement(tmp_path: Path) ->
 def test_a_rank_without_the_offer_keeps_every_rank_on_sglangs_start(tmp_path: Path) -> None:
     # Rank 3 never waits for the offer (0 s): it contributes no version, so none installs.
     codes, results, (version, _, _), plans, placement = _warm_run(
-        tmp_path, rank_env={3: {"REBALANCER_WARM_START_SECONDS": "0"}})
+        tmp_path, rank_env={3: {"REBALANCER_WARM_START_SECONDS": "0"}}
+    )
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():
         assert r["warm_start"] == 0 and r["version"] == 0 and r["commits"] == []
@@ -426,16 +528,24 @@ def test_a_rank_without_the_offer_keeps_every_rank_on_sglangs_start(tmp_path: Pa
     assert [state for state, trigger in plans.values() if trigger == "warm_start"] == ["offered"]
 
 
-def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(tmp_path: Path) -> None:
+def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(
+    tmp_path: Path,
+) -> None:
     bound = 2.0
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=8,
-                                settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": str(bound)})
+    codes, results = _run_ranks(
+        tmp_path,
+        f"127.0.0.1:{free_port()}",
+        steps=8,
+        settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": str(bound)},
+    )
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():
         assert r["warm_start"] == 0 and r["version"] == 0
         assert np.array_equal(np.asarray(r["phy2log"]), np.asarray(r["initial_phy2log"]))
         # SGLang's trivial start (the worker's --init-expert-location is "trivial").
-        assert np.array_equal(np.asarray(r["initial_phy2log"]), np.asarray(results[0]["initial_phy2log"]))
+        assert np.array_equal(
+            np.asarray(r["initial_phy2log"]), np.asarray(results[0]["initial_phy2log"])
+        )
         # The one wait, in SGLang's expert-location step, never longer than the bound
         # (slack: warm_start.STOP_SECONDS for the early agent, the agreement, a loaded machine).
         assert r["started_seconds"] < bound + STOP_SECONDS + 1.5
@@ -452,24 +562,58 @@ def test_a_fresh_group_behind_its_pods_sidecar_starts_on_the_pool_placement(tmp_
     target = f"unix://{sockets}/agent.sock"
     log = (tmp_path / "sidecar.log").open("a")
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "rebalancer", "sidecar", "--listen", target, "--controller", ctl.server.address,
-         "--ranks", f"0-{WORLD - 1}", "--pod", "ns/a", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-         "--grace", "1", "--pool", POOL, "--log-level", "INFO"],
-        stdout=subprocess.PIPE, stderr=log, text=True, cwd=sglang_cpu.ROOT,
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "sidecar",
+            "--listen",
+            target,
+            "--controller",
+            ctl.server.address,
+            "--ranks",
+            f"0-{WORLD - 1}",
+            "--pod",
+            "ns/a",
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
+            "--grace",
+            "1",
+            "--pool",
+            POOL,
+            "--log-level",
+            "INFO",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=sglang_cpu.ROOT,
     )
     log.close()
     try:
         assert sidecar.stdout is not None
-        assert "sidecar serving on" in sidecar.stdout.readline(), (tmp_path / "sidecar.log").read_text()[-3000:]
+        assert "sidecar serving on" in sidecar.stdout.readline(), (
+            tmp_path / "sidecar.log"
+        ).read_text()[-3000:]
         _seed_pool(ctl, placement)
-        codes, results = _run_ranks(tmp_path, target, steps=40,
-                                    settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"})
+        codes, results = _run_ranks(
+            tmp_path,
+            target,
+            steps=40,
+            settings={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"},
+        )
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
         deadline = time.monotonic() + 30  # the sidecar's last registration may still be on its way
-        while ctl.call(lambda: dep.shape.expert_bytes) != _expert_bytes() and time.monotonic() < deadline:
+        while (
+            ctl.call(lambda: dep.shape.expert_bytes) != _expert_bytes()
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
         version, committed, expert_bytes = ctl.call(
-            lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes))
+            lambda: (dep.version, np.asarray(dep.phy2log).copy(), dep.shape.expert_bytes)
+        )
     finally:
         reap([sidecar], seconds=30)
         ctl.stop()

@@ -68,9 +68,15 @@ def _stand_in_model_runner() -> type:
         def maybe_init_expert_location_metadata(self) -> None:
             expert_rank = get_parallel().moe_ep_rank
             set_global_expert_location_metadata(
-                compute_initial_expert_location_metadata(model_config=self.model_config, moe_ep_rank=expert_rank))
+                compute_initial_expert_location_metadata(
+                    model_config=self.model_config, moe_ep_rank=expert_rank
+                )
+            )
             set_global_expert_distribution_recorder(
-                ExpertDistributionRecorder.init_new(get_global_expert_location_metadata(), rank=expert_rank))
+                ExpertDistributionRecorder.init_new(
+                    get_global_expert_location_metadata(), rank=expert_rank
+                )
+            )
 
     module = types.ModuleType("sglang.srt.model_executor.model_runner")
     module.ModelRunner = ModelRunner  # type: ignore[attr-defined]
@@ -91,8 +97,11 @@ def lp_solvers_match() -> bool:
         phy2log = metadata.physical_to_logical_map_cpu[layer]
         logcnt = torch.bincount(phy2log, minlength=metadata.num_logical_experts)
         replicated = torch.nonzero(logcnt[phy2log] > 1).flatten()
-        if solver is None or not torch.equal(solver.log2phy, metadata.logical_to_all_physical_map_cpu[layer]) \
-                or not torch.equal(solver.phy_replicated, replicated):
+        if (
+            solver is None
+            or not torch.equal(solver.log2phy, metadata.logical_to_all_physical_map_cpu[layer])
+            or not torch.equal(solver.phy_replicated, replicated)
+        ):
             return False
     return True
 
@@ -105,27 +114,56 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--step-sleep", type=float, default=0.01)
-    parser.add_argument("--die-at-layer", type=int, default=None,
-                        help="exit inside SGLang's updater at this layer of the first plan")
-    parser.add_argument("--adapter-error-at-pass", type=int, default=None,
-                        help="the adapter raises on this pass's counts (1-based): an adapter bug")
-    parser.add_argument("--die-in-staging", action="store_true",
-                        help="exit inside the staged update's weight transfer of the first plan")
-    parser.add_argument("--dispatch", default=None, help="SGLang's --ep-dispatch-algorithm (lp: see bench.sglang_cpu._lp_stand_ins)")
-    parser.add_argument("--recorder-mode", default=None, help="SGLang's --expert-distribution-recorder-mode")
-    parser.add_argument("--lag-staging", type=float, default=0.0,
-                        help="this rank's staging of every layer group after a plan's first ends this long "
-                             "after its transfers (the others wait for it at the agreement)")
-    parser.add_argument("--no-finish", action="store_true",
-                        help="never call the adapter's finish(), as SGLang does not: the plugin's exit hook must")
+    parser.add_argument(
+        "--die-at-layer",
+        type=int,
+        default=None,
+        help="exit inside SGLang's updater at this layer of the first plan",
+    )
+    parser.add_argument(
+        "--adapter-error-at-pass",
+        type=int,
+        default=None,
+        help="the adapter raises on this pass's counts (1-based): an adapter bug",
+    )
+    parser.add_argument(
+        "--die-in-staging",
+        action="store_true",
+        help="exit inside the staged update's weight transfer of the first plan",
+    )
+    parser.add_argument(
+        "--dispatch",
+        default=None,
+        help="SGLang's --ep-dispatch-algorithm (lp: see bench.sglang_cpu._lp_stand_ins)",
+    )
+    parser.add_argument(
+        "--recorder-mode", default=None, help="SGLang's --expert-distribution-recorder-mode"
+    )
+    parser.add_argument(
+        "--lag-staging",
+        type=float,
+        default=0.0,
+        help="this rank's staging of every layer group after a plan's first ends this long "
+        "after its transfers (the others wait for it at the agreement)",
+    )
+    parser.add_argument(
+        "--no-finish",
+        action="store_true",
+        help="never call the adapter's finish(), as SGLang does not: the plugin's exit hook must",
+    )
     args = parser.parse_args()
     rank = args.rank
 
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=args.world, timeout=timedelta(seconds=15))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=15),
+    )
     from sglang.srt.eplb import expert_location_updater
     from sglang.srt.eplb.eplb_manager import EPLBManager
     from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
@@ -141,8 +179,13 @@ def main() -> None:
 
     # In the test's own folder (beside --out), which the test removes: a folder of our own
     # in /tmp outlived every run.
-    model_config = sglang_cpu_rank(rank, args.world, Path(args.out).parent, dispatch=args.dispatch,
-                                   recorder_mode=args.recorder_mode)
+    model_config = sglang_cpu_rank(
+        rank,
+        args.world,
+        Path(args.out).parent,
+        dispatch=args.dispatch,
+        recorder_mode=args.recorder_mode,
+    )
     runner_class = _stand_in_model_runner()
     load_plugins()  # SGLang's own loader: finds worker_hooks.engines.sglang:register by entry point
 
@@ -165,8 +208,15 @@ def main() -> None:
 
     class TinyModel:
         routed_experts_weights_of_layer = {
-            layer: [torch.stack([reference_weights(layer, int(phy2log[layer, rank * slots + s]))[i]
-                                 for s in range(slots)]) for i in range(len(SHAPES))]
+            layer: [
+                torch.stack(
+                    [
+                        reference_weights(layer, int(phy2log[layer, rank * slots + s]))[i]
+                        for s in range(slots)
+                    ]
+                )
+                for i in range(len(SHAPES))
+            ]
             for layer in range(1, NUM_LAYERS)
         }
 
@@ -175,14 +225,23 @@ def main() -> None:
     def weights_match(layers: range) -> bool:
         final = get_global_expert_location_metadata().physical_to_logical_map_cpu
         return all(
-            torch.equal(model.routed_experts_weights_of_layer[layer][i][s],
-                        reference_weights(layer, int(final[layer, rank * slots + s]))[i])
-            for layer in layers for s in range(slots) for i in range(len(SHAPES))
+            torch.equal(
+                model.routed_experts_weights_of_layer[layer][i][s],
+                reference_weights(layer, int(final[layer, rank * slots + s]))[i],
+            )
+            for layer in layers
+            for s in range(slots)
+            for i in range(len(SHAPES))
         )
+
     updater = ExpertLocationUpdater()
-    manager = EPLBManager(model_config=model_config, get_model=lambda: model,
-                          get_expert_location_updater=lambda: updater,
-                          get_expert_backup_client=lambda: None, get_weight_updater=lambda: None)
+    manager = EPLBManager(
+        model_config=model_config,
+        get_model=lambda: model,
+        get_expert_location_updater=lambda: updater,
+        get_expert_backup_client=lambda: None,
+        get_weight_updater=lambda: None,
+    )
 
     if args.die_at_layer is not None:  # die inside SGLang's updater, mid-transfer
         original = expert_location_updater.update_expert_weights_single_layer
@@ -239,7 +298,10 @@ def main() -> None:
     # to the controller (the agent itself is the real one).
     from worker_hooks.agent import WorkerAgent
 
-    sent: dict[str, Any] = {"logical": np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64), "windows": []}
+    sent: dict[str, Any] = {
+        "logical": np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64),
+        "windows": [],
+    }
     submit = WorkerAgent.submit_window
 
     def tee(self, first_step, num_steps, version, logical, physical):  # noqa: ANN001, ANN202
@@ -258,8 +320,11 @@ def main() -> None:
         import types
 
         forward_batch = types.SimpleNamespace(
-            input_ids=torch.zeros(TOKENS, dtype=torch.int64), positions=torch.arange(TOKENS),
-            extend_seq_lens_cpu=[TOKENS], forward_mode=types.SimpleNamespace(value=1))
+            input_ids=torch.zeros(TOKENS, dtype=torch.int64),
+            positions=torch.arange(TOKENS),
+            extend_seq_lens_cpu=[TOKENS],
+            forward_mode=types.SimpleNamespace(value=1),
+        )
     # Skewed routing: experts 0 and 1 (both on rank 0 at first) take most tokens.
     popularity = np.array([8, 6, 1, 1, 1, 1, 1, 1], dtype=np.float64)
     rng = np.random.default_rng(rank)
@@ -273,19 +338,27 @@ def main() -> None:
             for layer in range(1, NUM_LAYERS):
                 with recorder.with_current_layer(layer):
                     p = np.roll(popularity, layer) / popularity.sum()
-                    ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)])
+                    ids = np.stack(
+                        [rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)]
+                    )
                     np.add.at(routed[layer], ids.ravel(), 1)
                     topk = torch.from_numpy(ids).to(torch.int32)
                     info = ExpertLocationDispatchInfo.init_new(layer_id=layer)
-                    if args.dispatch == "lp":  # SGLang's select_experts: the layer's solver, then dispatch
-                        physical = topk_ids_logical_to_physical(topk, info, get_global_lplb_solver(layer).solve(topk))
+                    if (
+                        args.dispatch == "lp"
+                    ):  # SGLang's select_experts: the layer's solver, then dispatch
+                        physical = topk_ids_logical_to_physical(
+                            topk, info, get_global_lplb_solver(layer).solve(topk)
+                        )
                     else:
                         physical = topk_ids_logical_to_physical(topk, info)
                     recorder.on_select_experts(topk_ids=physical)
                     # Same math: every slot a token goes to holds the expert it chose.
                     current = get_global_expert_location_metadata().physical_to_logical_map_cpu
                     mismatches += int((physical < 0).sum())
-                    mismatches += int((current[layer][physical.long()] != topk.long())[physical >= 0].sum())
+                    mismatches += int(
+                        (current[layer][physical.long()] != topk.long())[physical >= 0].sum()
+                    )
         manager.on_forward_pass_end()
         served += 1
         live = current_adapter()
@@ -298,29 +371,52 @@ def main() -> None:
     final = get_global_expert_location_metadata().physical_to_logical_map_cpu
     weights_ok = weights_match(range(1, NUM_LAYERS))
     if adapter is None:  # refused at the first pass: SGLang served on its own
-        Path(args.out).write_text(json.dumps({
-            "rank": rank, "adapter": False, "served": served, "disabled": plugin.disabled_reason(),
-            "dispatch_mismatches": mismatches, "weights_match_map": weights_ok,
-            "phy2log": final.tolist(), "initial_phy2log": phy2log.tolist(),
-        }))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "adapter": False,
+                    "served": served,
+                    "disabled": plugin.disabled_reason(),
+                    "dispatch_mismatches": mismatches,
+                    "weights_match_map": weights_ok,
+                    "phy2log": final.tolist(),
+                    "initial_phy2log": phy2log.tolist(),
+                }
+            )
+        )
         dist.destroy_process_group()
         return
     agent_running = adapter.agent._thread.is_alive()
     if not args.no_finish:
         adapter.finish()
     result = {
-        "rank": rank, "version": adapter.version, "commits": adapter.stats.commits,
-        "windows": adapter.windows.sent, "steps": adapter.stats.steps,
-        "phy2log": final.tolist(), "initial_phy2log": phy2log.tolist(), "adapter_phy2log": adapter.phy2log.tolist(),
-        "weights_match_map": weights_ok, "dispatch_mismatches": mismatches,
-        "broken": adapter.broken, "update_seconds": adapter.stats.update_seconds,
-        "served": served, "disabled": plugin.disabled_reason(), "agent_running": agent_running,
-        "weight_mismatch_passes": weight_mismatch_passes, "groups": adapter.stats.groups,
-        "swap_seconds": adapter.stats.swap_seconds, "aborted": adapter.stats.aborted,
-        "warm_start": (warm_start.taken() or (0, None))[0], "started_seconds": started_seconds,
+        "rank": rank,
+        "version": adapter.version,
+        "commits": adapter.stats.commits,
+        "windows": adapter.windows.sent,
+        "steps": adapter.stats.steps,
+        "phy2log": final.tolist(),
+        "initial_phy2log": phy2log.tolist(),
+        "adapter_phy2log": adapter.phy2log.tolist(),
+        "weights_match_map": weights_ok,
+        "dispatch_mismatches": mismatches,
+        "broken": adapter.broken,
+        "update_seconds": adapter.stats.update_seconds,
+        "served": served,
+        "disabled": plugin.disabled_reason(),
+        "agent_running": agent_running,
+        "weight_mismatch_passes": weight_mismatch_passes,
+        "groups": adapter.stats.groups,
+        "swap_seconds": adapter.stats.swap_seconds,
+        "aborted": adapter.stats.aborted,
+        "warm_start": (warm_start.taken() or (0, None))[0],
+        "started_seconds": started_seconds,
         "updater": adapter.updater,
-        "routed_logical": routed.tolist(), "sent_logical": sent["logical"].tolist(),
-        "sent_windows": sent["windows"], "tickets": tickets,
+        "routed_logical": routed.tolist(),
+        "sent_logical": sent["logical"].tolist(),
+        "sent_windows": sent["windows"],
+        "tickets": tickets,
         "lp_solvers_match": lp_solvers_match() if args.dispatch == "lp" else None,
     }
     Path(args.out).write_text(json.dumps(result))

@@ -40,13 +40,19 @@ def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     dist.destroy_process_group()
 
 
-def _wrapped(family: Family, **kw: int) -> tuple[torch.nn.Module, torch.nn.Module, ExpertParallelModel]:
+def _wrapped(
+    family: Family, **kw: int
+) -> tuple[torch.nn.Module, torch.nn.Module, ExpertParallelModel]:
     reference = build_tiny_model(family, seed=5, experts=EXPERTS)
     model = copy.deepcopy(reference)
     # Nothing listens on port 1: the agent is never started, plans come from the test.
     config = AdapterConfig(
-        controller="127.0.0.1:1", deployment="t", redundant_slots=REDUNDANT, spare_rows=SPARE,
-        agree_every=2, **kw,  # type: ignore[arg-type]
+        controller="127.0.0.1:1",
+        deployment="t",
+        redundant_slots=REDUNDANT,
+        spare_rows=SPARE,
+        agree_every=2,
+        **kw,  # type: ignore[arg-type]
     )
     return reference, model, attach(model, config)
 
@@ -61,11 +67,14 @@ def _commit_through_hook(ep: ExpertParallelModel, new: np.ndarray) -> None:
     hook = ep.hook
     version = hook.version + 1
     moves = transfers(hook.phy2log, new, num_gpus=hook.config.num_gpus)
-    hook.plans.on_prepare(pb.Prepare(
-        version=version, base_version=hook.version,
-        placement=pb.Placement(version=version, phy2log=codec.encode(new.astype(np.int32))),
-        transfers=codec.encode(moves.astype(np.int32)),
-    ))
+    hook.plans.on_prepare(
+        pb.Prepare(
+            version=version,
+            base_version=hook.version,
+            placement=pb.Placement(version=version, phy2log=codec.encode(new.astype(np.int32))),
+            transfers=codec.encode(moves.astype(np.int32)),
+        )
+    )
     assert hook.plans.migration is not None
     hook.plans.migration.join(30)
     assert hook.stats.prepared == version and hook.stats.failed == 0
@@ -83,7 +92,9 @@ def _shuffled_placement(phy2log: np.ndarray, num_logical: int, seed: int) -> np.
     out = np.empty_like(phy2log)
     extra = phy2log.shape[1] - num_logical
     for layer in range(phy2log.shape[0]):
-        row = np.concatenate([np.arange(num_logical), rng.choice(num_logical, extra, replace=False)])
+        row = np.concatenate(
+            [np.arange(num_logical), rng.choice(num_logical, extra, replace=False)]
+        )
         out[layer] = rng.permutation(row)
     return out
 
@@ -140,7 +151,10 @@ def test_bad_setups_are_refused_with_their_reason() -> None:
     with pytest.raises(ValueError, match="expert_compute must be one of auto, per_pick, grouped"):
         AdapterConfig(controller="x:1", deployment="t", expert_compute="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="has no MoE block"):
-        attach(torch.nn.Sequential(torch.nn.Linear(2, 2)), AdapterConfig(controller="x:1", deployment="t"))
+        attach(
+            torch.nn.Sequential(torch.nn.Linear(2, 2)),
+            AdapterConfig(controller="x:1", deployment="t"),
+        )
     attach(reference, AdapterConfig(controller="127.0.0.1:1", deployment="t"))
     with pytest.raises(ValueError, match="already attached"):
         attach(reference, AdapterConfig(controller="127.0.0.1:1", deployment="t"))

@@ -28,7 +28,9 @@ DEPLOYMENT = "tf"
 # first window: a bound, not a speed. On a 2-core machine at load 30 the start alone
 # passed 40 s; the ranks stop as soon as they serve version 1, so a quiet run is as short.
 WAIT_SECONDS = 180
-POLICY = PolicyConfig(min_windows=1, decision_period_seconds=0.2, prepare_timeout_seconds=20.0, paused=True)
+POLICY = PolicyConfig(
+    min_windows=1, decision_period_seconds=0.2, prepare_timeout_seconds=20.0, paused=True
+)
 
 
 def test_two_ranks_rebalanced_live_keep_logits_identical(tmp_path: Path) -> None:
@@ -39,13 +41,35 @@ def test_two_ranks_rebalanced_live_keep_logits_identical(tmp_path: Path) -> None
     try:
         for rank in range(WORLD):
             cmd = [
-                sys.executable, "-m", "worker_hooks.engines.transformers.worker", "--rank", str(rank),
-                "--world", str(WORLD), "--port", str(port), "--controller", ctl.server.address,
-                "--deployment", DEPLOYMENT, "--family", "qwen3_moe", "--spare-rows", "2",
-                "--steps", "30", "--wait-version", "1", "--max-seconds", str(WAIT_SECONDS),
-                "--out", str(tmp_path / f"rank{rank}.json"),
+                sys.executable,
+                "-m",
+                "worker_hooks.engines.transformers.worker",
+                "--rank",
+                str(rank),
+                "--world",
+                str(WORLD),
+                "--port",
+                str(port),
+                "--controller",
+                ctl.server.address,
+                "--deployment",
+                DEPLOYMENT,
+                "--family",
+                "qwen3_moe",
+                "--spare-rows",
+                "2",
+                "--steps",
+                "30",
+                "--wait-version",
+                "1",
+                "--max-seconds",
+                str(WAIT_SECONDS),
+                "--out",
+                str(tmp_path / f"rank{rank}.json"),
             ]
-            procs.append(subprocess.Popen(bound_to_this_process(cmd), env={"OMP_NUM_THREADS": "1", **_env()}))
+            procs.append(
+                subprocess.Popen(bound_to_this_process(cmd), env={"OMP_NUM_THREADS": "1", **_env()})
+            )
         server = ctl.server
         deadline = time.monotonic() + WAIT_SECONDS
         plan_version = 0
@@ -74,7 +98,10 @@ def test_two_ranks_rebalanced_live_keep_logits_identical(tmp_path: Path) -> None
     for r in results:
         assert r["version"] == 1
         # Checked on both placements, and bit-identical on each.
-        assert r["checked_steps_by_version"].get("0", 0) > 0 and r["checked_steps_by_version"].get("1", 0) > 0
+        assert (
+            r["checked_steps_by_version"].get("0", 0) > 0
+            and r["checked_steps_by_version"].get("1", 0) > 0
+        )
         assert r["max_logit_diff_by_version"] == {"0": 0.0, "1": 0.0}
         assert r["weights_match_map"]
         np.testing.assert_array_equal(r["phy2log"], dep.phy2log)  # type: ignore[attr-defined]

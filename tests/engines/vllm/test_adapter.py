@@ -45,32 +45,69 @@ WORLD = 4
 RPC_TIMEOUT = AgentConfig.rpc_timeout_seconds
 DEPLOYMENT = "vllm-test"
 FAST_POLICY = PolicyConfig(
-    min_interval_seconds=0.5, gain_threshold=0.03, horizon_seconds=60.0, max_moved_fraction=1.0,
-    min_windows=2, decision_period_seconds=0.2, prepare_timeout_seconds=20.0,
-    estimator=EstimatorConfig(decay=0.5), cost=CostParams(step_seconds=0.01),
+    min_interval_seconds=0.5,
+    gain_threshold=0.03,
+    horizon_seconds=60.0,
+    max_moved_fraction=1.0,
+    min_windows=2,
+    decision_period_seconds=0.2,
+    prepare_timeout_seconds=20.0,
+    estimator=EstimatorConfig(decay=0.5),
+    cost=CostParams(step_seconds=0.01),
 )
 
 
-def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[str]] | None = None,
-               common: list[str] | None = None, timeout: float = 240,
-               during: Callable[[], None] | None = None, env_extra: dict[str, str] | None = None,
-               rank_env: dict[int, dict[str, str]] | None = None) -> tuple[list[int], dict[int, dict]]:
+def _run_ranks(
+    tmp_path: Path,
+    address: str,
+    steps: int,
+    extra: dict[int, list[str]] | None = None,
+    common: list[str] | None = None,
+    timeout: float = 240,
+    during: Callable[[], None] | None = None,
+    env_extra: dict[str, str] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
+) -> tuple[list[int], dict[int, dict]]:
     env = vllm_env.environment(
-        REBALANCER_ADDRESS=address, REBALANCER_DEPLOYMENT=DEPLOYMENT, REBALANCER_WINDOW_STEPS="4",
+        REBALANCER_ADDRESS=address,
+        REBALANCER_DEPLOYMENT=DEPLOYMENT,
+        REBALANCER_WINDOW_STEPS="4",
         **(env_extra or {}),
     )
     port = free_port()
     procs = []
     try:
         for rank in range(WORLD):
-            cmd = [sys.executable, "-m", "tests.engines.vllm.worker", "--rank", str(rank),
-                   "--world", str(WORLD), "--port", str(port), "--steps", str(steps),
-                   "--out", str(tmp_path / f"rank{rank}.json"), *(common or []),
-                   *(extra or {}).get(rank, [])]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tests.engines.vllm.worker",
+                "--rank",
+                str(rank),
+                "--world",
+                str(WORLD),
+                "--port",
+                str(port),
+                "--steps",
+                str(steps),
+                "--out",
+                str(tmp_path / f"rank{rank}.json"),
+                *(common or []),
+                *(extra or {}).get(rank, []),
+            ]
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append((vllm_env.rank_starter().popen(cmd, cwd=vllm_env.ROOT, env={**env, **(rank_env or {}).get(rank, {})},
-                                           stdout=log,
-                                           stderr=subprocess.STDOUT), log))
+            procs.append(
+                (
+                    vllm_env.rank_starter().popen(
+                        cmd,
+                        cwd=vllm_env.ROOT,
+                        env={**env, **(rank_env or {}).get(rank, {})},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    ),
+                    log,
+                )
+            )
         if during is not None:
             during()
         codes = [p.wait(timeout=timeout) for p, _ in procs]
@@ -80,8 +117,11 @@ def _run_ranks(tmp_path: Path, address: str, steps: int, extra: dict[int, list[s
                 p.kill()
                 p.wait()
             log.close()
-    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text())
-               for r in range(WORLD) if codes[r] == 0}
+    results = {
+        r: json.loads((tmp_path / f"rank{r}.json").read_text())
+        for r in range(WORLD)
+        if codes[r] == 0
+    }
     return codes, results
 
 
@@ -139,7 +179,13 @@ def test_v2_runner_plans_commit_through_eplb_utils(tmp_path: Path) -> None:
     object with `compute_hash()`); V2's async loop start (not called; sync mode here)."""
     _check_commits(tmp_path, ["--runner", "v2"])
     for r in (json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(WORLD)):
-        assert r["attach"] == {"attached": True, "runner": "v2", "reason": "", "failures": 0, "waiting": False}
+        assert r["attach"] == {
+            "attached": True,
+            "runner": "v2",
+            "reason": "",
+            "failures": 0,
+            "waiting": False,
+        }
 
 
 def test_a_drafter_is_balanced_with_the_model_and_never_fails_its_plans(tmp_path: Path) -> None:
@@ -156,16 +202,23 @@ def test_a_drafter_is_balanced_with_the_model_and_never_fails_its_plans(tmp_path
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=160,
-                                    common=["--runner", "v2", "--drafter", "--drift", "40"])
+        codes, results = _run_ranks(
+            tmp_path,
+            ctl.server.address,
+            steps=160,
+            common=["--runner", "v2", "--drafter", "--drift", "40"],
+        )
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
         version, committed = ctl.call(lambda: (dep.version, np.asarray(dep.phy2log).copy()))
-        plans = ctl.call(lambda: {p.version: p.state
-                                  for p in ctl.server.controller.store.plans(DEPLOYMENT)})  # type: ignore[union-attr]
+        plans = ctl.call(
+            lambda: {p.version: p.state for p in ctl.server.controller.store.plans(DEPLOYMENT)}
+        )  # type: ignore[union-attr]
     finally:
         ctl.stop()
     assert codes == [0] * WORLD, _logs(tmp_path)
-    assert committed.shape[0] == NUM_LAYERS + DRAFT_LAYERS  # main model's layers, then the drafter's
+    assert (
+        committed.shape[0] == NUM_LAYERS + DRAFT_LAYERS
+    )  # main model's layers, then the drafter's
     # The newest plan may still be in flight when the ranks stop (its Commit on the way
     # at the last step, on a loaded machine): every other plan committed, none failed.
     newest = max(plans)
@@ -179,14 +232,17 @@ def test_a_drafter_is_balanced_with_the_model_and_never_fails_its_plans(tmp_path
         if switched[-1] == version:
             assert np.array_equal(np.asarray(r["phy2log"]), committed[:NUM_LAYERS])
             assert np.array_equal(np.asarray(r["drafter"]["phy2log"]), committed[NUM_LAYERS:])
-        assert not np.array_equal(np.asarray(r["drafter"]["phy2log"]),
-                                  np.asarray(r["initial_phy2log"])[:DRAFT_LAYERS])  # the drafter moved
+        assert not np.array_equal(
+            np.asarray(r["drafter"]["phy2log"]), np.asarray(r["initial_phy2log"])[:DRAFT_LAYERS]
+        )  # the drafter moved
         assert r["weights_match_map"] and r["dispatch_mismatches"] == 0
         assert r["drafter_calls"] >= len(r["rearrangements"])
         assert r["drafter"]["weights_match_map"]
         recorded, sent = np.asarray(r["recorded_logical"]), np.asarray(r["sent_logical"])
         assert recorded[NUM_LAYERS:].sum() > 0
-        np.testing.assert_array_equal(sent, recorded, err_msg=f"rank {r['rank']}: counts per expert")
+        np.testing.assert_array_equal(
+            sent, recorded, err_msg=f"rank {r['rank']}: counts per expert"
+        )
     assert len({json.dumps(r["commits"]) for r in results.values()}) == 1
 
 
@@ -196,8 +252,12 @@ def test_a_call_for_another_world_gets_that_worlds_shape(tmp_path: Path) -> None
     rank_mapping=...)` calls it; that call itself needs vLLM's stateless TCP-store group
     coordinator, a stand-in) for world - 1 ranks: the answer is vLLM's default policy's,
     in the shape asked, never the old map."""
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=8,
-                                common=["--runner", "v2", "--interval", "4", "--policy-probe"])
+    codes, results = _run_ranks(
+        tmp_path,
+        f"127.0.0.1:{free_port()}",
+        steps=8,
+        common=["--runner", "v2", "--interval", "4", "--policy-probe"],
+    )
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():
         probe = r["policy_probe"]
@@ -221,7 +281,9 @@ def _check_scaled_down(r: dict, lost: int) -> np.ndarray:
     return new
 
 
-def test_a_scale_down_takes_the_planned_survivor_placement_with_the_controller_gone(tmp_path: Path) -> None:
+def test_a_scale_down_takes_the_planned_survivor_placement_with_the_controller_gone(
+    tmp_path: Path,
+) -> None:
     """Elastic EP drops rank 3 through vLLM's real `EplbState.rearrange(rank_mapping=...)`
     (stand-in: the StatelessGroupCoordinator, see worker.shrink). The controller planned
     the survivors' placement for that loss ahead and is stopped before the loss: the map
@@ -231,11 +293,17 @@ def test_a_scale_down_takes_the_planned_survivor_placement_with_the_controller_g
     planned: list[Any] = []
 
     stop_controller_once_planned = planned_loss.go_once_planned(
-        ctl, tmp_path, WORLD, DEPLOYMENT, (WORLD - 1,), planned)
+        ctl, tmp_path, WORLD, DEPLOYMENT, (WORLD - 1,), planned
+    )
 
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=40, during=stop_controller_once_planned,
-                                    common=["--runner", "v2", "--scale-down", "--wait-plan", "150"])
+        codes, results = _run_ranks(
+            tmp_path,
+            ctl.server.address,
+            steps=40,
+            during=stop_controller_once_planned,
+            common=["--runner", "v2", "--scale-down", "--wait-plan", "150"],
+        )
     finally:
         ctl.stop()
     assert codes == [0] * WORLD, _logs(tmp_path)
@@ -247,7 +315,9 @@ def test_a_scale_down_takes_the_planned_survivor_placement_with_the_controller_g
         assert r["scale_down"]["other_world"][-1]["planned"] is True
 
 
-def test_the_controller_takes_the_scaled_down_world_and_the_survivors_serve_its_version(tmp_path: Path) -> None:
+def test_the_controller_takes_the_scaled_down_world_and_the_survivors_serve_its_version(
+    tmp_path: Path,
+) -> None:
     """The same planned scale-down with the controller up: the survivors step on through
     vLLM's `EplbState.step` on the new world (stand-in: their gloo group as vLLM's resized
     EP group, worker.rejoin); the plugin's next adapter registers as the resized group
@@ -259,16 +329,28 @@ def test_the_controller_takes_the_scaled_down_world_and_the_survivors_serve_its_
     ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, paused=True), ready=True)
     assert ctl.server is not None
     planned: list[Any] = []
-    go = planned_loss.go_once_planned(ctl, tmp_path, WORLD, DEPLOYMENT, (WORLD - 1,), planned, stop_controller=False)
+    go = planned_loss.go_once_planned(
+        ctl, tmp_path, WORLD, DEPLOYMENT, (WORLD - 1,), planned, stop_controller=False
+    )
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=40, during=go,
-                                    common=["--runner", "v2", "--scale-down", "--wait-plan", "150", "--rejoin"])
+        codes, results = _run_ranks(
+            tmp_path,
+            ctl.server.address,
+            steps=40,
+            during=go,
+            common=["--runner", "v2", "--scale-down", "--wait-plan", "150", "--rejoin"],
+        )
 
         def read() -> tuple:
             c = ctl.server.controller  # type: ignore[union-attr]
             dep = c.deployments[DEPLOYMENT]
-            return (dep.shape.num_gpus, dep.shape.num_slots, dep.version, dep.phy2log.copy(),
-                    [(p.version, p.state, p.trigger) for p in c.store.plans(DEPLOYMENT)])
+            return (
+                dep.shape.num_gpus,
+                dep.shape.num_slots,
+                dep.version,
+                dep.phy2log.copy(),
+                [(p.version, p.state, p.trigger) for p in c.store.plans(DEPLOYMENT)],
+            )
 
         gpus, slots, version, committed, plans = ctl.call(read)  # type: ignore[misc]
     finally:
@@ -292,8 +374,12 @@ def test_the_controller_takes_the_scaled_down_world_and_the_survivors_serve_its_
 def test_a_scale_down_with_no_plan_gets_vllms_default_on_the_new_shape(tmp_path: Path) -> None:
     """No controller ever answered: vLLM's default policy places the survivors, in the
     new world's shape (never the old map)."""
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=8,
-                                common=["--runner", "v2", "--interval", "4", "--scale-down"])
+    codes, results = _run_ranks(
+        tmp_path,
+        f"127.0.0.1:{free_port()}",
+        steps=8,
+        common=["--runner", "v2", "--interval", "4", "--scale-down"],
+    )
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():
         _check_scaled_down(r, WORLD - 1)
@@ -308,8 +394,13 @@ def test_a_rank_whose_commit_comes_late_holds_every_rank_to_one_step(tmp_path: P
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=200,
-                                    extra={3: ["--late-commit", "1.0"]}, common=["--drift", "50"])
+        codes, results = _run_ranks(
+            tmp_path,
+            ctl.server.address,
+            steps=200,
+            extra={3: ["--late-commit", "1.0"]},
+            common=["--drift", "50"],
+        )
     finally:
         ctl.stop()
     assert codes == [0] * WORLD, _logs(tmp_path)
@@ -326,12 +417,15 @@ def test_stale_plan_on_one_rank_keeps_every_rank_on_the_old_map(tmp_path: Path) 
     ctl = start_controller(tmp_path / "c.sqlite", FAST_POLICY, ready=True)
     assert ctl.server is not None
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=120,
-                                    extra={3: ["--stale-plan"]}, timeout=240)
+        codes, results = _run_ranks(
+            tmp_path, ctl.server.address, steps=120, extra={3: ["--stale-plan"]}, timeout=240
+        )
     finally:
         ctl.stop()
     assert codes == [0] * WORLD, _logs(tmp_path)
-    refused = [[a for a in r["rearrangements"] if a.get("agreed_version") == 1] for r in results.values()]
+    refused = [
+        [a for a in r["rearrangements"] if a.get("agreed_version") == 1] for r in results.values()
+    ]
     assert all(len(a) >= 1 for a in refused), _logs(tmp_path)
     for per_rank in refused:
         assert "refused" in per_rank[0] and "installed" not in per_rank[0]
@@ -363,6 +457,7 @@ def test_controller_lost_mid_run_never_blocks_a_step(tmp_path: Path) -> None:
     def stop_once_counting() -> None:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
+
             def ingested() -> int:
                 dep = ctl.server.controller.deployments.get(DEPLOYMENT)  # type: ignore[union-attr]
                 return dep.stats.windows_ingested if dep is not None else 0
@@ -375,7 +470,9 @@ def test_controller_lost_mid_run_never_blocks_a_step(tmp_path: Path) -> None:
 
     stopped: list[bool] = []
     try:
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=160, during=stop_once_counting)
+        codes, results = _run_ranks(
+            tmp_path, ctl.server.address, steps=160, during=stop_once_counting
+        )
     finally:
         if not stopped:
             ctl.stop()
@@ -396,7 +493,9 @@ def test_controller_unreachable_never_blocks_a_step(tmp_path: Path) -> None:
         # vLLM reached its rearrangement point 4 times; each kept the served map.
         assert len(r["rearrangements"]) == 80 // 20
         assert all("installed" not in a for a in r["rearrangements"])
-    assert np.array_equal(np.asarray(results[0]["phy2log"]), np.asarray(results[0]["initial_phy2log"]))
+    assert np.array_equal(
+        np.asarray(results[0]["phy2log"]), np.asarray(results[0]["initial_phy2log"])
+    )
     assert gap < RPC_TIMEOUT
 
 
@@ -432,36 +531,54 @@ def _seed_pool(ctl: EmbeddedController, placement: np.ndarray) -> None:
 
     assert ctl.server is not None
     expert_bytes = sum(int(np.prod(shape)) for shape in SHAPES) * 4  # float32
-    shape = pb.ModelShape(num_layers=NUM_LAYERS, num_logical_experts=NUM_EXPERTS,
-                          num_physical_slots=NUM_EXPERTS + REDUNDANT, num_gpus=WORLD, num_nodes=1,
-                          expert_bytes=expert_bytes)
+    shape = pb.ModelShape(
+        num_layers=NUM_LAYERS,
+        num_logical_experts=NUM_EXPERTS,
+        num_physical_slots=NUM_EXPERTS + REDUNDANT,
+        num_gpus=WORLD,
+        num_nodes=1,
+        expert_bytes=expert_bytes,
+    )
     with grpc.insecure_channel(ctl.server.address, options=client_options()) as channel:
         pb_grpc.WorkerServiceStub(channel).Register(
-            pb.RegisterRequest(deployment="seed", rank=0, shape=shape, pool=POOL), timeout=30)
+            pb.RegisterRequest(deployment="seed", rank=0, shape=shape, pool=POOL), timeout=30
+        )
     ctl.call(lambda: ctl.server.controller.fleet.pools[POOL].take(placement))  # type: ignore[union-attr]
 
 
-def _warm_run(tmp_path: Path, rank_env: dict[int, dict[str, str]] | None = None
-              ) -> tuple[list[int], dict[int, dict], Any, np.ndarray]:
+def _warm_run(
+    tmp_path: Path, rank_env: dict[int, dict[str, str]] | None = None
+) -> tuple[list[int], dict[int, dict], Any, np.ndarray]:
     ctl = start_controller(tmp_path / "c.sqlite", QUIET_POLICY, ready=True)
     assert ctl.server is not None
     placement = _pool_placement()
     try:
         _seed_pool(ctl, placement)
         # vLLM's first policy call at step 4: the offer must be there by then (bounded wait).
-        codes, results = _run_ranks(tmp_path, ctl.server.address, steps=24, common=["--interval", "4"],
-                                    env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"},
-                                    rank_env=rank_env)
+        codes, results = _run_ranks(
+            tmp_path,
+            ctl.server.address,
+            steps=24,
+            common=["--interval", "4"],
+            env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": "20"},
+            rank_env=rank_env,
+        )
         dep = ctl.call(lambda: ctl.server.controller.deployments[DEPLOYMENT])  # type: ignore[union-attr]
         state = ctl.call(lambda: (dep.version, np.asarray(dep.phy2log).copy()))
-        plans = ctl.call(lambda: {p.version: (p.state, p.trigger)
-                                  for p in ctl.server.controller.store.plans(DEPLOYMENT)})  # type: ignore[union-attr]
+        plans = ctl.call(
+            lambda: {
+                p.version: (p.state, p.trigger)
+                for p in ctl.server.controller.store.plans(DEPLOYMENT)
+            }
+        )  # type: ignore[union-attr]
     finally:
         ctl.stop()
     return codes, results, (state, plans), placement
 
 
-def test_a_fresh_group_in_a_pool_installs_its_placement_at_the_first_policy_call(tmp_path: Path) -> None:
+def test_a_fresh_group_in_a_pool_installs_its_placement_at_the_first_policy_call(
+    tmp_path: Path,
+) -> None:
     codes, results, ((version, committed), plans), placement = _warm_run(tmp_path)
     assert codes == [0] * WORLD, _logs(tmp_path)
     warm = results[0]["rearrangements"][0].get("warm_start")
@@ -481,7 +598,8 @@ def test_a_fresh_group_in_a_pool_installs_its_placement_at_the_first_policy_call
 def test_a_rank_without_the_offer_keeps_every_rank_on_its_start_map(tmp_path: Path) -> None:
     # Rank 3 never waits for the offer (0 s): it contributes no version, so none installs.
     codes, results, ((version, _), plans), _ = _warm_run(
-        tmp_path, rank_env={3: {"REBALANCER_WARM_START_SECONDS": "0"}})
+        tmp_path, rank_env={3: {"REBALANCER_WARM_START_SECONDS": "0"}}
+    )
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():
         assert r["rearrangements"][0]["warm_start"] == 0
@@ -492,10 +610,17 @@ def test_a_rank_without_the_offer_keeps_every_rank_on_its_start_map(tmp_path: Pa
     assert [state for state, trigger in plans.values() if trigger == "warm_start"] == ["offered"]
 
 
-def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(tmp_path: Path) -> None:
+def test_a_pool_member_without_a_controller_starts_as_today_within_the_bound(
+    tmp_path: Path,
+) -> None:
     bound = 2.0
-    codes, results = _run_ranks(tmp_path, f"127.0.0.1:{free_port()}", steps=24, common=["--interval", "4"],
-                                env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": str(bound)})
+    codes, results = _run_ranks(
+        tmp_path,
+        f"127.0.0.1:{free_port()}",
+        steps=24,
+        common=["--interval", "4"],
+        env_extra={"REBALANCER_POOL": POOL, "REBALANCER_WARM_START_SECONDS": str(bound)},
+    )
     assert codes == [0] * WORLD, _logs(tmp_path)
     for r in results.values():
         assert r["rearrangements"][0]["warm_start"] == 0

@@ -27,7 +27,10 @@ def test_a_runner_without_an_eplb_step_is_reported_loudly(caplog: pytest.LogCapt
     status = plugin.attach_status()
     assert status["attached"] is False and status["failures"] == 1
     assert "neither `eplb.step` (Model Runner V2) nor `eplb_step`" in status["reason"]
-    assert any(r.levelno == logging.WARNING and "rebalancer inert" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelno == logging.WARNING and "rebalancer inert" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_v2_and_v1_entries_are_found() -> None:
@@ -43,11 +46,15 @@ def test_v2_and_v1_entries_are_found() -> None:
     assert plugin.attach(v2, CONFIG) and plugin.attach_status()["runner"] == "v2"
     v2.model_runner.eplb.step(is_dummy=True)  # wrapped, still vLLM's step underneath
     assert calls == [(True, False)]
-    v1 = types.SimpleNamespace(model_runner=types.SimpleNamespace(eplb_step=lambda **kw: None, eplb_state=None))
+    v1 = types.SimpleNamespace(
+        model_runner=types.SimpleNamespace(eplb_step=lambda **kw: None, eplb_state=None)
+    )
     assert plugin.attach(v1, CONFIG) and plugin.attach_status()["runner"] == "v1"
 
 
-def test_the_adapter_waits_while_vllms_map_has_empty_slots(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_adapter_waits_while_vllms_map_has_empty_slots(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Elastic EP grew the slots (`reconfigure_physical_expert_slots` fills them with -1):
     no adapter is built on a map some slots of which hold no expert, vLLM's default policy
     answers until its rearrangement fills them, and the adapter starts after that."""
@@ -58,15 +65,22 @@ def test_the_adapter_waits_while_vllms_map_has_empty_slots(caplog: pytest.LogCap
         assert plugin._build_adapter(CONFIG, state) is None
         assert plugin._build_adapter(CONFIG, state) is None
     assert plugin.attach_status()["waiting"] is True
-    assert sum("2 slots of vLLM's map hold no expert yet" in r.getMessage() for r in caplog.records) == 1
+    assert (
+        sum("2 slots of vLLM's map hold no expert yet" in r.getMessage() for r in caplog.records)
+        == 1
+    )
 
 
 def _model_state(name: str, phy2log: list[list[int]], experts: int = 2) -> types.SimpleNamespace:
     """What the layer set reads of vLLM's `EplbModelState` (stand-in: no vLLM here)."""
     import torch
 
-    return types.SimpleNamespace(model_name=name, physical_to_logical_map=torch.tensor(phy2log),
-                                 model=types.SimpleNamespace(num_logical_experts=experts), rebalanced=False)
+    return types.SimpleNamespace(
+        model_name=name,
+        physical_to_logical_map=torch.tensor(phy2log),
+        model=types.SimpleNamespace(num_logical_experts=experts),
+        rebalanced=False,
+    )
 
 
 def test_the_layer_set_is_the_main_model_then_its_drafters_of_the_same_expert_shape() -> None:
@@ -90,8 +104,11 @@ def test_the_layer_set_is_the_main_model_then_its_drafters_of_the_same_expert_sh
     assert layers.index_of(other) is None and layers.index_of(draft) == 1
     assert layers.opens_rearrangement(1) and not layers.opens_rearrangement(0)
     # One rearrangement: the drafter, the model of another shape, the main model.
-    asked = [layers.model_of_call(torch.zeros(1, 4)), layers.model_of_call(torch.zeros(1, 3)),
-             layers.model_of_call(torch.zeros(2, 4))]
+    asked = [
+        layers.model_of_call(torch.zeros(1, 4)),
+        layers.model_of_call(torch.zeros(1, 3)),
+        layers.model_of_call(torch.zeros(2, 4)),
+    ]
     assert asked[0] is draft and asked[1] is other and asked[2] is main
     main.rebalanced = True
     assert layers.rebalancing()

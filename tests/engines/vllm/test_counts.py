@@ -47,7 +47,9 @@ def _check_per_expert(results: dict[int, dict]) -> None:
     for r in results.values():
         recorded, sent = np.asarray(r["recorded_logical"]), np.asarray(r["sent_logical"])
         assert recorded.sum() > 0
-        np.testing.assert_array_equal(sent, recorded, err_msg=f"rank {r['rank']}: counts per expert")
+        np.testing.assert_array_equal(
+            sent, recorded, err_msg=f"rank {r['rank']}: counts per expert"
+        )
         versions = [v for _, _, v in r["sent_windows"]]
         assert versions == sorted(versions)  # windows go up in the order of the versions served
         assert r["weights_match_map"] and r["dispatch_mismatches"] == 0

@@ -62,17 +62,44 @@ def test_vllm_window_dump_is_planned(tmp_path: Path) -> None:
     from rebalancer.launch.processes import free_port
 
     port = free_port()
-    out = subprocess.run([sys.executable, "-c", DUMP_SCRIPT, str(dump), str(port)], cwd=vllm_env.ROOT,
-                         env=vllm_env.environment(), capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", DUMP_SCRIPT, str(dump), str(port)],
+        cwd=vllm_env.ROOT,
+        env=vllm_env.environment(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # vLLM's initial map: slots 0..3 hold experts 0..3, slots 4, 5 hold experts 0, 1.
-    expected = np.array([[(layer + 1) * 3 * (s + 1 + (s + 5 if s < 2 else 0)) for s in range(4)]
-                         for layer in range(2)], dtype=np.float64)
+    expected = np.array(
+        [
+            [(layer + 1) * 3 * (s + 1 + (s + 5 if s < 2 else 0)) for s in range(4)]
+            for layer in range(2)
+        ],
+        dtype=np.float64,
+    )
     assert np.array_equal(read_counts(dump).logical, expected)
     cli = "import sys; from rebalancer.cli import main; sys.exit(main())"
-    plan = subprocess.run([sys.executable, "-c", cli, "plan", "--counts", str(dump),
-                           "--gpus", "2", "--slots", "6", "--json"], cwd=vllm_env.ROOT,
-                          capture_output=True, text=True, timeout=120)
+    plan = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            cli,
+            "plan",
+            "--counts",
+            str(dump),
+            "--gpus",
+            "2",
+            "--slots",
+            "6",
+            "--json",
+        ],
+        cwd=vllm_env.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plan.returncode == 0, plan.stderr
     summary = json.loads(plan.stdout.strip().splitlines()[-1])
     assert summary["balancedness"] > 0
@@ -80,7 +107,12 @@ def test_vllm_window_dump_is_planned(tmp_path: Path) -> None:
 
 def test_vllm_dump_that_does_not_fit_its_map_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "bad.pt"
-    torch.save({"expert_load_window": torch.zeros(2, 3, 6, dtype=torch.int32),
-                "physical_to_logical_map": torch.zeros(3, 5, dtype=torch.int64)}, path)
+    torch.save(
+        {
+            "expert_load_window": torch.zeros(2, 3, 6, dtype=torch.int32),
+            "physical_to_logical_map": torch.zeros(3, 5, dtype=torch.int64),
+        },
+        path,
+    )
     with pytest.raises(InputError, match="does not fit"):
         read_counts(path)

@@ -18,16 +18,28 @@ from tests.engines import zygote
 ROOT = Path(__file__).resolve().parents[3]
 SITE = Path(os.environ.get("REBALANCER_VLLM_SITE", ROOT / ".ci" / "tools" / "vllm-site"))
 # The tested vLLM: pyproject.toml's `vllm` extra pins it (vllm==VERSION), the one place it is set.
-VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"][0].split("==")[1]
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+    "vllm"
+][0].split("==")[1]
 MISSING = f"vLLM is not provisioned at {SITE}: run scripts/vllm_env.sh (CI: .ci/run --tools)"
 
 
 # What a rank imports that costs (about 9 s of CPU): the zygote imports it once
 # (tests/engines/zygote.py) and forks the ranks from there.
-PRELOAD = ["numpy", "torch", "torch.distributed", "vllm.config", "vllm.distributed.parallel_state",
-           "vllm.distributed.eplb.eplb_state", "vllm.distributed.eplb.async_worker",
-           "vllm.distributed.eplb.rebalance_execute", "vllm.distributed.eplb.policy",
-           "vllm.distributed.stateless_coordinator", "vllm.plugins", "vllm.v1.worker.gpu.eplb_utils"]
+PRELOAD = [
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "vllm.config",
+    "vllm.distributed.parallel_state",
+    "vllm.distributed.eplb.eplb_state",
+    "vllm.distributed.eplb.async_worker",
+    "vllm.distributed.eplb.rebalance_execute",
+    "vllm.distributed.eplb.policy",
+    "vllm.distributed.stateless_coordinator",
+    "vllm.plugins",
+    "vllm.v1.worker.gpu.eplb_utils",
+]
 
 
 def available() -> bool:

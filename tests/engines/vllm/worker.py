@@ -64,11 +64,11 @@ import numpy as np
 
 NUM_LAYERS = 3
 NUM_EXPERTS = 8
-REDUNDANT = 4          # 12 slots over 4 ranks
+REDUNDANT = 4  # 12 slots over 4 ranks
 TOP_K = 2
 TOKENS = 16
 SHAPES = ((4, 3), (3,))  # two weight tensors per expert, like w13 and w2
-DRAFT_LAYERS = 1       # an MTP-like drafter: one MoE layer, the main model's expert shape
+DRAFT_LAYERS = 1  # an MTP-like drafter: one MoE layer, the main model's expert shape
 DRAFT_LAYER_BASE = 100  # the drafter's weights: reference_weights(100 + layer, expert)
 
 
@@ -81,8 +81,12 @@ def reference_weights(layer: int, expert: int) -> list:
 
 def coordinator(device_group, cpu_group):  # noqa: ANN001, ANN201
     """Stand-in for vLLM's GroupCoordinator: the attributes its EPLB code reads."""
-    return types.SimpleNamespace(device_group=device_group, cpu_group=cpu_group,
-                                 rank_in_group=device_group.rank(), world_size=device_group.size())
+    return types.SimpleNamespace(
+        device_group=device_group,
+        cpu_group=cpu_group,
+        rank_in_group=device_group.rank(),
+        world_size=device_group.size(),
+    )
 
 
 def install_stand_ins(torch, group, nodes: int = 1) -> None:  # noqa: ANN001
@@ -154,9 +158,14 @@ def shrink(args, adapter, state, model, model_state, weights_match, group, torch
     new_map = model_state.physical_to_logical_map.cpu()
     survivor_ok = bool(weights_match(model, model_state)) if args.rank != lost else None
     rejoined = rejoin(args, state, lost) if args.rejoin else None
-    return {"lost": lost, "planned": planned.tolist() if planned is not None else None,
-            "map": new_map.tolist(), "survivor_weights_match_map": survivor_ok,
-            "other_world": adapter.stats.other_world if adapter else [], "rejoined": rejoined}
+    return {
+        "lost": lost,
+        "planned": planned.tolist() if planned is not None else None,
+        "map": new_map.tolist(),
+        "survivor_weights_match_map": survivor_ok,
+        "other_world": adapter.stats.other_world if adapter else [],
+        "rejoined": rejoined,
+    }
 
 
 def rejoin(args, state, lost: int) -> dict | None:  # noqa: ANN001
@@ -170,7 +179,9 @@ def rejoin(args, state, lost: int) -> dict | None:  # noqa: ANN001
 
     from worker_hooks.engines.vllm import plugin
 
-    survivors = dist.new_group(ranks=[r for r in range(args.world) if r != lost], backend="gloo")  # every rank
+    survivors = dist.new_group(
+        ranks=[r for r in range(args.world) if r != lost], backend="gloo"
+    )  # every rank
     if args.rank == lost:
         return None
     parallel_state._EP = parallel_state._EPLB = coordinator(survivors, survivors)
@@ -182,8 +193,13 @@ def rejoin(args, state, lost: int) -> dict | None:  # noqa: ANN001
     while adapter.agent.committed_version == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     state.step(is_dummy=True)
-    out = {"version": adapter.version, "num_gpus": adapter.num_gpus, "rank": adapter.rank,
-           "phy2log": adapter.phy2log.tolist(), "committed_version": adapter.agent.committed_version}
+    out = {
+        "version": adapter.version,
+        "num_gpus": adapter.num_gpus,
+        "rank": adapter.rank,
+        "phy2log": adapter.phy2log.tolist(),
+        "committed_version": adapter.agent.committed_version,
+    }
     return out  # the worker extension's destroy stops the adapter
 
 
@@ -195,37 +211,78 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--interval", type=int, default=20, help="vLLM's step_interval")
-    parser.add_argument("--window", type=int, default=0, help="vLLM's window_size (0: the interval)")
+    parser.add_argument(
+        "--window", type=int, default=0, help="vLLM's window_size (0: the interval)"
+    )
     parser.add_argument("--step-sleep", type=float, default=0.01)
     parser.add_argument("--async-mode", action="store_true")
-    parser.add_argument("--nodes", type=int, default=1, choices=(1, 2),
-                        help="fake nodes: 2 gives EP and EPLB groups of their own, as vLLM builds them")
-    parser.add_argument("--runner", choices=("v1", "v2"), default="v1",
-                        help="the model runner's EPLB entry: v1 eplb_step, v2 eplb.step (eplb_utils)")
-    parser.add_argument("--drafter", action="store_true", help="an MTP-like MoE drafter beside the model")
-    parser.add_argument("--drift", type=int, default=0, help="popularity rolls by one expert every N steps")
-    parser.add_argument("--policy-probe", action="store_true",
-                        help="after the run, ask the policy for world - 1 ranks as elastic EP does")
-    parser.add_argument("--scale-down", action="store_true",
-                        help="after the run, elastic EP's scale-down: EplbState.rearrange(rank_mapping=...) "
-                             "drops the last rank")
-    parser.add_argument("--rejoin", action="store_true",
-                        help="after the scale-down, the survivors step on the new world (a new adapter)")
-    parser.add_argument("--wait-plan", type=float, default=0.0,
-                        help="before the scale-down, wait up to this long for the controller's survivor "
-                             "placement of that loss, then write <out>.planned and wait for <out>.go")
-    parser.add_argument("--late-commit", type=float, default=0.0, metavar="SECONDS",
-                        help="this rank takes every Commit this much later than it arrives")
-    parser.add_argument("--stale-plan", action="store_true",
-                        help="this rank stages a different map for the first plan")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="fake nodes: 2 gives EP and EPLB groups of their own, as vLLM builds them",
+    )
+    parser.add_argument(
+        "--runner",
+        choices=("v1", "v2"),
+        default="v1",
+        help="the model runner's EPLB entry: v1 eplb_step, v2 eplb.step (eplb_utils)",
+    )
+    parser.add_argument(
+        "--drafter", action="store_true", help="an MTP-like MoE drafter beside the model"
+    )
+    parser.add_argument(
+        "--drift", type=int, default=0, help="popularity rolls by one expert every N steps"
+    )
+    parser.add_argument(
+        "--policy-probe",
+        action="store_true",
+        help="after the run, ask the policy for world - 1 ranks as elastic EP does",
+    )
+    parser.add_argument(
+        "--scale-down",
+        action="store_true",
+        help="after the run, elastic EP's scale-down: EplbState.rearrange(rank_mapping=...) "
+        "drops the last rank",
+    )
+    parser.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="after the scale-down, the survivors step on the new world (a new adapter)",
+    )
+    parser.add_argument(
+        "--wait-plan",
+        type=float,
+        default=0.0,
+        help="before the scale-down, wait up to this long for the controller's survivor "
+        "placement of that loss, then write <out>.planned and wait for <out>.go",
+    )
+    parser.add_argument(
+        "--late-commit",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="this rank takes every Commit this much later than it arrives",
+    )
+    parser.add_argument(
+        "--stale-plan",
+        action="store_true",
+        help="this rank stages a different map for the first plan",
+    )
     args = parser.parse_args()
     rank = args.rank
 
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=args.world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=60),
+    )
     group = dist.new_group(backend="gloo")
     install_stand_ins(torch, group, args.nodes)
 
@@ -244,9 +301,11 @@ def main() -> None:
 
     class TinyLayer:
         def __init__(self, layer: int, phy2log: list[int]) -> None:
-            local = phy2log[rank * slots:(rank + 1) * slots]
-            self.weights = [torch.stack([reference_weights(layer, e)[i] for e in local])
-                            for i in range(len(SHAPES))]
+            local = phy2log[rank * slots : (rank + 1) * slots]
+            self.weights = [
+                torch.stack([reference_weights(layer, e)[i] for e in local])
+                for i in range(len(SHAPES))
+            ]
             self.load_view = self.l2p = self.count = None
             # vLLM's per-layer state: EplbState hands it its `should_record_tensor`.
             self.eplb_state = EplbLayerState()
@@ -254,13 +313,19 @@ def main() -> None:
         def get_expert_weights(self) -> list:
             return self.weights
 
-        def set_eplb_state(self, moe_layer_idx, expert_load_view, logical_to_physical_map,  # noqa: ANN001
-                           logical_replica_count) -> None:
+        def set_eplb_state(
+            self,
+            moe_layer_idx,
+            expert_load_view,
+            logical_to_physical_map,  # noqa: ANN001
+            logical_replica_count,
+        ) -> None:
             self.load_view = expert_load_view[moe_layer_idx]
             self.l2p = logical_to_physical_map[moe_layer_idx]
             self.count = logical_replica_count[moe_layer_idx]
-            self.eplb_state.set_layer_state(moe_layer_idx, expert_load_view, logical_to_physical_map,
-                                            logical_replica_count)
+            self.eplb_state.set_layer_state(
+                moe_layer_idx, expert_load_view, logical_to_physical_map, logical_replica_count
+            )
 
     initial = EplbState.build_initial_global_physical_to_logical_map(NUM_EXPERTS, REDUNDANT)
 
@@ -280,26 +345,38 @@ def main() -> None:
         def __init__(self, num_layers: int = NUM_LAYERS, base: int = 0) -> None:
             self.num_moe_layers = num_layers
             self.base = base
-            self.moe_layers = [TinyLayer(base + layer, list(initial)) for layer in range(num_layers)]
+            self.moe_layers = [
+                TinyLayer(base + layer, list(initial)) for layer in range(num_layers)
+            ]
             self.expert_weights: list = []
 
-        def update_physical_experts_metadata(self, num_physical_experts: int,  # vLLM's protocol: elastic EP
-                                             num_local_physical_experts: int) -> None:
+        def update_physical_experts_metadata(
+            self,
+            num_physical_experts: int,  # vLLM's protocol: elastic EP
+            num_local_physical_experts: int,
+        ) -> None:
             raise NotImplementedError
 
-        def set_eplb_state(self, expert_load_view, logical_to_physical_map, logical_replica_count) -> None:  # noqa: ANN001
+        def set_eplb_state(
+            self, expert_load_view, logical_to_physical_map, logical_replica_count
+        ) -> None:  # noqa: ANN001
             self.expert_weights = [layer.get_expert_weights() for layer in self.moe_layers]
             for i, layer in enumerate(self.moe_layers):
-                layer.set_eplb_state(i, expert_load_view, logical_to_physical_map, logical_replica_count)
+                layer.set_eplb_state(
+                    i, expert_load_view, logical_to_physical_map, logical_replica_count
+                )
 
     # vLLM's validation refuses enable_eplb off CUDA/ROCm/XPU; EplbState reads only
     # eplb_config (and num_ubatches), validated as usual; the redundant count is the
     # model's (TinyMoE), as EplbState reads it.
     parallel_config = ParallelConfig(
         enable_expert_parallel=True,
-        eplb_config=EPLBConfig(window_size=args.window or args.interval, step_interval=args.interval,
-                               use_async=args.async_mode,
-                               communicator="torch_gloo"),
+        eplb_config=EPLBConfig(
+            window_size=args.window or args.interval,
+            step_interval=args.interval,
+            use_async=args.async_mode,
+            communicator="torch_gloo",
+        ),
     )
     model = TinyMoE()
     model_config = types.SimpleNamespace(model="tiny-moe", compute_hash=lambda: "tiny-moe")
@@ -324,7 +401,9 @@ def main() -> None:
                 self.eplb.prepare_load()
                 added = False
                 if drafter is not None:
-                    speculator = types.SimpleNamespace(model=drafter, set_eplb_state=lambda state: None)
+                    speculator = types.SimpleNamespace(
+                        model=drafter, set_eplb_state=lambda state: None
+                    )
                     spec = types.SimpleNamespace(method="mtp", draft_model_config=draft_config)
                     added = self.eplb.maybe_register_speculator(speculator, spec, False)
                     assert added
@@ -391,13 +470,22 @@ def main() -> None:
             drive_async.plan = (old, new, 0)  # type: ignore[attr-defined]
         old, new, layer = drive_async.plan  # type: ignore[attr-defined]
         metadata = rebalance_execute.transfer_layer(
-            old_layer_indices=old[layer], new_layer_indices=new[layer],
-            expert_weights=model.expert_weights[layer], expert_weights_buffer=model_state.expert_buffer,
-            communicator=model_state.communicator, ep_group=group, is_profile=False, stream=None,
-            layer_idx=layer)
+            old_layer_indices=old[layer],
+            new_layer_indices=new[layer],
+            expert_weights=model.expert_weights[layer],
+            expert_weights_buffer=model_state.expert_buffer,
+            communicator=model_state.communicator,
+            ep_group=group,
+            is_profile=False,
+            stream=None,
+            layer_idx=layer,
+        )
         model_state.pending_result = rebalance_execute.AsyncEplbLayerResult(
-            layer_idx=layer, new_physical_to_logical_map=new[layer], transfer_metadata=metadata,
-            consumed_event=eplb_state.CpuGpuEvent())
+            layer_idx=layer,
+            new_physical_to_logical_map=new[layer],
+            transfer_metadata=metadata,
+            consumed_event=eplb_state.CpuGpuEvent(),
+        )
         if layer + 1 == NUM_LAYERS:
             del drive_async.plan  # type: ignore[attr-defined]
         else:
@@ -408,7 +496,9 @@ def main() -> None:
     routed = np.zeros((NUM_LAYERS, NUM_EXPERTS), dtype=np.int64)
     # Routed while vLLM records, per row of the deployment's layer set: the main model's
     # layers, then the drafter's (worker_hooks/engines/vllm/layer_set.py).
-    recorded = np.zeros((NUM_LAYERS + (DRAFT_LAYERS if drafter is not None else 0), NUM_EXPERTS), dtype=np.int64)
+    recorded = np.zeros(
+        (NUM_LAYERS + (DRAFT_LAYERS if drafter is not None else 0), NUM_EXPERTS), dtype=np.int64
+    )
     # What the adapter hands its agent, summed per (layer, expert) and per slot: the
     # windows as they go to the controller (the agent itself is the real one).
     from worker_hooks.agent import WorkerAgent
@@ -432,7 +522,9 @@ def main() -> None:
         wrong = 0
         for layer_index, layer in enumerate(moe.moe_layers):
             p = np.roll(popularity, layer_index + shift) / popularity.sum()
-            ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)])
+            ids = np.stack(
+                [rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(TOKENS)]
+            )
             if moe is model:
                 np.add.at(routed[layer_index], ids.ravel(), 1)
             logical = torch.from_numpy(ids).long()
@@ -442,8 +534,12 @@ def main() -> None:
             # vLLM's router records only while EplbState's should_record_tensor is set.
             flag = layer.eplb_state.should_record_tensor
             if flag is None or bool(flag):
-                layer.load_view.scatter_add_(0, physical.ravel(), torch.ones(physical.numel(), dtype=torch.int32))
-                np.add.at(recorded[layer_index + (0 if moe is model else NUM_LAYERS)], ids.ravel(), 1)
+                layer.load_view.scatter_add_(
+                    0, physical.ravel(), torch.ones(physical.numel(), dtype=torch.int32)
+                )
+                np.add.at(
+                    recorded[layer_index + (0 if moe is model else NUM_LAYERS)], ids.ravel(), 1
+                )
             current = moe_state.physical_to_logical_map[layer_index]
             wrong += int((current[physical] != logical).sum())
         return wrong
@@ -451,9 +547,14 @@ def main() -> None:
     def weights_match(moe, moe_state) -> bool:  # noqa: ANN001
         final = moe_state.physical_to_logical_map.cpu()
         return all(
-            torch.equal(moe.expert_weights[layer][i][s],
-                        reference_weights(moe.base + layer, int(final[layer, rank * slots + s]))[i])
-            for layer in range(moe.num_moe_layers) for s in range(slots) for i in range(len(SHAPES)))
+            torch.equal(
+                moe.expert_weights[layer][i][s],
+                reference_weights(moe.base + layer, int(final[layer, rank * slots + s]))[i],
+            )
+            for layer in range(moe.num_moe_layers)
+            for s in range(slots)
+            for i in range(len(SHAPES))
+        )
 
     # vLLM's workers leave start-up together (its profile run and KV-cache set-up are
     # collectives); without this the first rearrangement would time our import skew.
@@ -507,27 +608,39 @@ def main() -> None:
         ranks = args.world - 1
         replicas = (NUM_EXPERTS + REDUNDANT) // args.world * ranks
         asked = state.policy.rebalance_experts(weight, replicas, 1, 1, ranks, final.clone())
-        vllm_default = DefaultEplbPolicy.rebalance_experts(weight, replicas, 1, 1, ranks, final.clone())
-        probe = {"num_replicas": replicas, "num_ranks": ranks, "answer": asked.tolist(),
-                 "default": vllm_default.tolist()}
+        vllm_default = DefaultEplbPolicy.rebalance_experts(
+            weight, replicas, 1, 1, ranks, final.clone()
+        )
+        probe = {
+            "num_replicas": replicas,
+            "num_ranks": ranks,
+            "answer": asked.tolist(),
+            "default": vllm_default.tolist(),
+        }
     scale_down = None
     if args.scale_down:
         scale_down = shrink(args, adapter, state, model, model_state, weights_match, group, torch)
     worker.destroy_worker_extension()
     result = {
-        "rank": rank, "policy": policy_name, "version": adapter.version if adapter else None,
+        "rank": rank,
+        "policy": policy_name,
+        "version": adapter.version if adapter else None,
         "commits": adapter.stats.commits if adapter else [],
         "rearrangements": adapter.stats.rearrangements if adapter else [],
         "windows": adapter.windows.sent if adapter else 0,
         "tokens_sent": adapter.windows.tokens_sent if adapter else 0,
         "routed": int(routed.sum()),
-        "recorded_logical": recorded.tolist(), "sent_logical": sent["logical"].tolist(),
+        "recorded_logical": recorded.tolist(),
+        "sent_logical": sent["logical"].tolist(),
         "sent_windows": sent["windows"],
-        "phy2log": final.tolist(), "initial_phy2log": [list(initial)] * NUM_LAYERS,
-        "weights_match_map": weights_ok, "dispatch_mismatches": mismatches,
+        "phy2log": final.tolist(),
+        "initial_phy2log": [list(initial)] * NUM_LAYERS,
+        "weights_match_map": weights_ok,
+        "dispatch_mismatches": mismatches,
         # The first step builds the adapter (imports gRPC and the protocol, starts the
         # agent thread): a one-time start cost, reported apart from the steps after it.
-        "first_step_seconds": step_seconds[0], "max_step_seconds": max(step_seconds[1:]),
+        "first_step_seconds": step_seconds[0],
+        "max_step_seconds": max(step_seconds[1:]),
         "steps": len(step_seconds),
         "slowest_steps": sorted(range(len(step_seconds)), key=lambda i: -step_seconds[i])[:3],
         "step_seconds": [round(x, 4) for x in step_seconds],
@@ -537,8 +650,11 @@ def main() -> None:
         "attach": plugin.attach_status() if hasattr(plugin, "attach_status") else None,
         "drafter_calls": getattr(adapter.stats, "drafter_calls", 0) if adapter else 0,
         "other_world": getattr(adapter.stats, "other_world", []) if adapter else [],
-        "policy_probe": probe, "scale_down": scale_down,
-        "drafter": None if drafter is None else {
+        "policy_probe": probe,
+        "scale_down": scale_down,
+        "drafter": None
+        if drafter is None
+        else {
             "phy2log": draft_state.physical_to_logical_map.cpu().tolist(),
             "weights_match_map": weights_match(drafter, draft_state),
         },

@@ -43,7 +43,9 @@ def toy_model() -> nn.Module:
 def test_a_swap_set_puts_each_module_at_its_path() -> None:
     model = toy_model()
     stock = swap_set(model, {"layers.0.mlp": Tagged("stock0"), "layers.1.mlp": Tagged("stock1")})
-    adapter = swap_set(model, {"layers.0.mlp": Tagged("adapter0"), "layers.1.mlp": Tagged("adapter1")})
+    adapter = swap_set(
+        model, {"layers.0.mlp": Tagged("adapter0"), "layers.1.mlp": Tagged("adapter1")}
+    )
     install(adapter)
     assert [m.mlp.tag for m in model.layers] == ["adapter0", "adapter1"]
     install(stock)
@@ -65,13 +67,25 @@ def test_variants_alternate_with_their_own_modules_on_the_same_routings() -> Non
     }
     cfg = BenchConfig(device="cpu", steps=5, block_steps=2)  # 3 rounds of 2 (whole blocks)
     times = interleaved_phase(variants, cfg, torch.device("cpu"))
-    assert {k: [len(r) for r in v] for k, v in times.items()} == {"stock": [2, 2, 2], "adapter": [2, 2, 2]}
+    assert {k: [len(r) for r in v] for k, v in times.items()} == {
+        "stock": [2, 2, 2],
+        "adapter": [2, 2, 2],
+    }
     # every step ran on its own variant's modules
     assert all(variant == tag for variant, tag, _ in served)
     # warm-up round, then A B / B A; one untimed step after each switch
     order = [v for v, _, _ in served]
-    assert order == ["stock"] * 3 + ["adapter"] * 3 + ["adapter"] * 3 + ["stock"] * 3 \
-        + ["stock"] * 3 + ["adapter"] * 3 + ["adapter"] * 3 + ["stock"] * 3
+    assert (
+        order
+        == ["stock"] * 3
+        + ["adapter"] * 3
+        + ["adapter"] * 3
+        + ["stock"] * 3
+        + ["stock"] * 3
+        + ["adapter"] * 3
+        + ["adapter"] * 3
+        + ["stock"] * 3
+    )
     # within a round both variants replay the same routings (untimed switch step first)
     for variant in ("stock", "adapter"):
         assert [i for v, _, i in served if v == variant] == [-3, -2, -1, -1, 0, 1, 1, 2, 3, 3, 4, 5]
@@ -81,26 +95,56 @@ def test_hook_bench_prints_spreads_as_text_and_json() -> None:
     figures = {"dispatch_load_ms": 0.275, "dispatch_load_pct_of_block": spread([0.9, 1.0, 1.1])}
     assert jsonable(figures) == {
         "dispatch_load_ms": 0.275,
-        "dispatch_load_pct_of_block": {"median": 1.0, "q1": 0.95, "q3": 1.05, "min": 0.9, "max": 1.1, "n": 3},
+        "dispatch_load_pct_of_block": {
+            "median": 1.0,
+            "q1": 0.95,
+            "q3": 1.05,
+            "min": 0.9,
+            "max": 1.1,
+            "n": 3,
+        },
     }
-    line = figure_line("dispatch", "dispatch_load_pct_of_block", figures["dispatch_load_pct_of_block"])
+    line = figure_line(
+        "dispatch", "dispatch_load_pct_of_block", figures["dispatch_load_pct_of_block"]
+    )
     assert line.endswith("1.000 % (IQR 0.950..1.050, range 0.900..1.100, 3 rounds)")
 
 
-def test_transformers_bench_on_cpu_gives_interleaved_figures_and_keeps_the_stock_model(tmp_path: Path) -> None:
+def test_transformers_bench_on_cpu_gives_interleaved_figures_and_keeps_the_stock_model(
+    tmp_path: Path,
+) -> None:
     """The whole bench at tiny shapes (real embedded controller on loopback, one rank);
     it leaves no folder behind (its store and rendezvous live in one it removes)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_transformers", "--device", "cpu", "--small",
-         "--steps", "4", "--block-steps", "2", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,  # the bench waits for its plan up to 120 s
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_transformers",
+            "--device",
+            "cpu",
+            "--small",
+            "--steps",
+            "4",
+            "--block-steps",
+            "2",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,  # the bench waits for its plan up to 120 s
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert list(tmp_path.glob("bench-tf-*")) == []
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["rounds"] == 2
-    for key in ("hook_overhead_pct_spread", "after_overhead_pct_spread", "round_ms_unwrapped", "round_ms_before"):
+    for key in (
+        "hook_overhead_pct_spread",
+        "after_overhead_pct_spread",
+        "round_ms_unwrapped",
+        "round_ms_before",
+    ):
         assert out[key]["n"] == 2 and out[key]["min"] <= out[key]["median"] <= out[key]["max"], key
     # The spread is printed to 3 places, the figure to 2: rounding twice may differ by one.
     assert abs(out["hook_overhead_pct"] - out["hook_overhead_pct_spread"]["median"]) <= 0.0051
@@ -111,14 +155,22 @@ def test_transformers_bench_on_cpu_gives_interleaved_figures_and_keeps_the_stock
     assert "hook overhead" in proc.stdout and "rounds" in proc.stdout
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--block-steps", "0"], "--block-steps must be at least 1"),
-    (["--layers", "0"], "--layers must be at least 1"),
-    (["--tokens", "-5"], "--tokens must be at least 1"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--block-steps", "0"], "--block-steps must be at least 1"),
+        (["--layers", "0"], "--layers must be at least 1"),
+        (["--tokens", "-5"], "--tokens must be at least 1"),
+    ],
+)
 def test_transformers_bench_refuses_empty_phases_in_one_line(args: list[str], message: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_transformers", "--device", "cpu", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_transformers", "--device", "cpu", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -51,7 +51,9 @@ def test_need_matches_the_model_the_bench_builds() -> None:
 
     cfg = BenchConfig(layers=2)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(model_config(cfg), dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(
+            model_config(cfg), dtype=torch.bfloat16
+        )
     experts = sum(p.numel() * 2 for n, p in model.named_parameters() if ".mlp.experts." in n)
     other = sum(p.numel() * 2 for n, p in model.named_parameters() if ".mlp.experts." not in n)
     need = memory_need(cfg, layers=2)
@@ -91,7 +93,8 @@ def test_one_gpu_plan_moves_the_first_spare_rows_slots(kind: str) -> None:
     for layer in range(3):  # every expert keeps its first copy
         assert set(new[layer].tolist()) == set(range(256))
     same_work = all(
-        (np.bincount(new[layer], minlength=256) == np.bincount(old[layer], minlength=256)).all() for layer in range(3)
+        (np.bincount(new[layer], minlength=256) == np.bincount(old[layer], minlength=256)).all()
+        for layer in range(3)
     )
     # rotate: the same experts keep the same replicas (the grouped products' work is
     # unchanged); random: other experts are replicated

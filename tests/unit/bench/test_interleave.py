@@ -12,18 +12,26 @@ from bench.interleave import Spread, overhead_pct, round_orders, run_interleaved
 
 def test_rounds_alternate_the_order_so_no_variant_is_always_first() -> None:
     assert round_orders(["stock", "adapter"], 4) == [
-        ["stock", "adapter"], ["adapter", "stock"], ["stock", "adapter"], ["adapter", "stock"],
+        ["stock", "adapter"],
+        ["adapter", "stock"],
+        ["stock", "adapter"],
+        ["adapter", "stock"],
     ]
     orders = round_orders(["a", "b", "c"], 2)
     assert orders == [["a", "b", "c"], ["c", "b", "a"]]
 
 
-@pytest.mark.parametrize(("variants", "rounds", "message"), [
-    (["a", "b"], 0, "rounds must be at least 1"),
-    ([], 3, "no variant"),
-    (["a", "a"], 3, "repeat"),
-])
-def test_bad_round_plans_are_refused_with_the_reason(variants: list[str], rounds: int, message: str) -> None:
+@pytest.mark.parametrize(
+    ("variants", "rounds", "message"),
+    [
+        (["a", "b"], 0, "rounds must be at least 1"),
+        ([], 3, "no variant"),
+        (["a", "a"], 3, "repeat"),
+    ],
+)
+def test_bad_round_plans_are_refused_with_the_reason(
+    variants: list[str], rounds: int, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         round_orders(variants, rounds)
 
@@ -35,11 +43,21 @@ def test_warmup_rounds_run_first_and_are_dropped_and_rounds_stay_paired() -> Non
         def block(r: int) -> str:
             calls.append((name, r))
             return f"{name}{r}"
+
         return block
 
     out = run_interleaved({"a": measure("a"), "b": measure("b")}, rounds=3, warmup_rounds=1)
     # warm-up round -1 first, then a b / b a alternation over the timed rounds
-    assert calls == [("a", -1), ("b", -1), ("b", 0), ("a", 0), ("a", 1), ("b", 1), ("b", 2), ("a", 2)]
+    assert calls == [
+        ("a", -1),
+        ("b", -1),
+        ("b", 0),
+        ("a", 0),
+        ("a", 1),
+        ("b", 1),
+        ("b", 2),
+        ("a", 2),
+    ]
     assert out == {"a": ["a0", "a1", "a2"], "b": ["b0", "b1", "b2"]}
     with pytest.raises(ValueError, match="warmup_rounds"):
         run_interleaved({"a": measure("a")}, rounds=1, warmup_rounds=-1)
@@ -76,7 +94,9 @@ def test_spread_gives_median_quartiles_and_range() -> None:
     assert s == Spread(median=3.0, q1=2.0, q3=4.0, min=1.0, max=5.0, n=5)
     assert spread([7.0]) == Spread(7.0, 7.0, 7.0, 7.0, 7.0, 1)
     assert s.as_dict(1) == {"median": 3.0, "q1": 2.0, "q3": 4.0, "min": 1.0, "max": 5.0, "n": 5}
-    assert s.text("%", digits=1, signed=True) == "+3.0 % (IQR +2.0..+4.0, range +1.0..+5.0, 5 rounds)"
+    assert (
+        s.text("%", digits=1, signed=True) == "+3.0 % (IQR +2.0..+4.0, range +1.0..+5.0, 5 rounds)"
+    )
     with pytest.raises(ValueError, match="no values"):
         spread([])
 
@@ -89,11 +109,16 @@ def test_overhead_and_share_are_per_round_ratios() -> None:
     assert share_pct(base, [0.1, 0.1, 0.2]).min == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize(("base", "other", "message"), [
-    ([1.0, 2.0], [1.0], "rounds differ"),
-    ([], [], "no rounds"),
-    ([1.0, 0.0], [1.0, 1.0], "must be positive"),
-])
-def test_unpaired_or_empty_rounds_are_refused(base: list[float], other: list[float], message: str) -> None:
+@pytest.mark.parametrize(
+    ("base", "other", "message"),
+    [
+        ([1.0, 2.0], [1.0], "rounds differ"),
+        ([], [], "no rounds"),
+        ([1.0, 0.0], [1.0, 1.0], "must be positive"),
+    ],
+)
+def test_unpaired_or_empty_rounds_are_refused(
+    base: list[float], other: list[float], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         overhead_pct(base, other)

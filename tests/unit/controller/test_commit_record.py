@@ -40,7 +40,9 @@ def streaming(ctl: Controller, version: int = 0) -> tuple[list[str], list[tuple[
     return sessions, sent
 
 
-def forced(db: Path, clock: FakeClock) -> tuple[Controller, list[str], list[tuple[int, str, int]], Plan]:
+def forced(
+    db: Path, clock: FakeClock
+) -> tuple[Controller, list[str], list[tuple[int, str, int]], Plan]:
     """A controller on `db` with both ranks streaming and a forced plan preparing."""
     ctl = Controller(Store(db), POLICY, clock=clock)
     sessions, sent = streaming(ctl)
@@ -52,7 +54,9 @@ def forced(db: Path, clock: FakeClock) -> tuple[Controller, list[str], list[tupl
     return ctl, sessions, sent, plan
 
 
-def prepared_everywhere(db: Path, clock: FakeClock) -> tuple[Controller, list[tuple[int, str, int]], int]:
+def prepared_everywhere(
+    db: Path, clock: FakeClock
+) -> tuple[Controller, list[tuple[int, str, int]], int]:
     ctl, sessions, sent, plan = forced(db, clock)
     for sid in sessions:
         ctl.report(sid, plan.version, "prepared")
@@ -69,7 +73,9 @@ def test_the_store_knows_the_commit_before_any_rank_hears_it(tmp_path: Path) -> 
     ctl.store.close()
 
 
-def test_a_restart_after_commit_tells_the_commit_again_and_adopts_the_switch(tmp_path: Path) -> None:
+def test_a_restart_after_commit_tells_the_commit_again_and_adopts_the_switch(
+    tmp_path: Path,
+) -> None:
     db = tmp_path / "c.sqlite"
     ctl, _, version = prepared_everywhere(db, FakeClock(100.0))
     ctl.store.close()  # killed: no rank's confirmation reached it
@@ -126,7 +132,10 @@ def test_a_store_refusing_the_commit_record_aborts_before_any_commit(tmp_path: P
     ctl.report(sessions[1], plan.version, "prepared")
     assert plan.state is PlanState.ABORTED and "store refused to record the commit" in plan.reason
     assert not [s for s in sent if s[1] == "commit"]
-    assert sorted(s for s in sent if s[1] == "abort") == [(0, "abort", plan.version), (1, "abort", plan.version)]
+    assert sorted(s for s in sent if s[1] == "abort") == [
+        (0, "abort", plan.version),
+        (1, "abort", plan.version),
+    ]
     assert dep.plan is None and dep.version == 0
     ctl.store._db.execute("PRAGMA query_only = OFF")
     clock.now = 101.0

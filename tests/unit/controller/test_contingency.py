@@ -33,7 +33,9 @@ from worker_hooks.agent import AgentConfig, WorkerAgent
 
 # 4 ranks in 2 nodes, 3 slots a rank: a rank loss leaves 9 slots for 8 experts, a node
 # loss 6, which cannot hold them.
-SHAPE = ClusterShape(num_layers=2, num_logical=8, num_slots=12, num_gpus=4, num_nodes=2, expert_bytes=10)
+SHAPE = ClusterShape(
+    num_layers=2, num_logical=8, num_slots=12, num_gpus=4, num_nodes=2, expert_bytes=10
+)
 LOAD = np.array([[40, 2, 1, 1, 9, 3, 5, 1], [1, 1, 30, 8, 2, 2, 6, 4]])
 
 
@@ -68,16 +70,25 @@ def test_every_single_loss_is_planned_stored_and_recorded(tmp_path: Path) -> Non
         assert loss.phy2log is None and loss.unserved == 2
     assert made.summary()["node_unserved"] == 2
     (recorded,) = ctl.store.contingency_history("d")
-    assert recorded["base_version"] == 0 and recorded["node_unserved"] == 2 and recorded["node_worst"] == 0.0
+    assert (
+        recorded["base_version"] == 0
+        and recorded["node_unserved"] == 2
+        and recorded["node_worst"] == 0.0
+    )
     ctl.store.close()
     back = Controller(Store(tmp_path / "c.sqlite"), clock=clock)  # a restart reads it back
     again = back.contingency.get("d")
     assert again is not None and again.base_version == 0
-    assert all(np.array_equal(a.phy2log, b.phy2log) for a, b in zip(made.of("rank"), again.of("rank"), strict=True))
+    assert all(
+        np.array_equal(a.phy2log, b.phy2log)
+        for a, b in zip(made.of("rank"), again.of("rank"), strict=True)
+    )
     back.store.close()
 
 
-def test_a_new_placement_or_a_moved_load_is_planned_again_but_not_every_window(tmp_path: Path) -> None:
+def test_a_new_placement_or_a_moved_load_is_planned_again_but_not_every_window(
+    tmp_path: Path,
+) -> None:
     clock = FakeClock(100.0)
     ctl = deployment(tmp_path / "c.sqlite", clock)
     fold(ctl, 0)
@@ -113,16 +124,23 @@ def test_load_shift_is_the_share_of_load_that_changed_experts() -> None:
 # -- declared scale-downs (policy scale_down_nodes) ------------------------------------------
 
 # 8 ranks in 4 nodes of 2, 3 slots a rank: down to 2 nodes leaves 12 slots for 8 experts.
-WIDE = ClusterShape(num_layers=2, num_logical=8, num_slots=24, num_gpus=8, num_nodes=4, expert_bytes=10)
+WIDE = ClusterShape(
+    num_layers=2, num_logical=8, num_slots=24, num_gpus=8, num_nodes=4, expert_bytes=10
+)
 
 
-def wide_deployment(db: Path, clock: FakeClock, told: list | None = None,
-                    policy: PolicyConfig | None = None) -> Controller:
+def wide_deployment(
+    db: Path, clock: FakeClock, told: list | None = None, policy: PolicyConfig | None = None
+) -> Controller:
     ctl = Controller(Store(db), policy or PolicyConfig(paused=True, min_windows=1), clock=clock)
     for rank in range(WIDE.num_gpus):
         session, _ = ctl.register("d", rank, WIDE, 0, None, f"w{rank}")
-        ctl.attach(session.session_id, lambda kind, payload, rank=rank: told is not None and rank == 0
-                   and kind == "planned_loss" and told.append(payload))
+        ctl.attach(
+            session.session_id,
+            lambda kind, payload, rank=rank: (
+                told is not None and rank == 0 and kind == "planned_loss" and told.append(payload)
+            ),
+        )
     return ctl
 
 
@@ -161,27 +179,43 @@ def test_declared_scale_downs_are_planned_on_the_tail_nodes_stored_and_told(tmp_
     assert [t.loss.lost for t in told if t.loss.kind == "scale_down"] == [(6, 7), (4, 5, 6, 7)]
     agent = WorkerAgent(AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape()), NoPlans(), lambda: 0)
     for t in told:
-        agent._deliver(pb.ControllerMessage(planned_loss=planned_loss_msg(t.loss, t.version, t.set_size)))
+        agent._deliver(
+            pb.ControllerMessage(planned_loss=planned_loss_msg(t.loss, t.version, t.set_size))
+        )
     taken = agent.survivor_map((4, 5, 6, 7), made.base_version)
     assert taken is not None and np.array_equal(taken, to_two.phy2log)
     ctl.store.close()
     back = Controller(Store(tmp_path / "c.sqlite"), clock=clock)  # stored: a restart reads it back
     again = back.contingency.get("d")
-    assert again is not None and [loss.lost for loss in again.of("scale_down")] == [(6, 7), (4, 5, 6, 7)]
+    assert again is not None and [loss.lost for loss in again.of("scale_down")] == [
+        (6, 7),
+        (4, 5, 6, 7),
+    ]
     assert back.deployment("d").policy.contingency.scale_down_nodes == [2, 3]
     back.store.close()
 
 
-@pytest.mark.parametrize("counts, message", [
-    ([5], "policy scale_down_nodes: 5 nodes is no scale-down of a deployment of 4 nodes (at most 3)"),
-    ([4], "policy scale_down_nodes: 4 nodes is no scale-down of a deployment of 4 nodes (at most 3)"),
-    ([0], "policy scale_down_nodes: 0 nodes: a deployment scales down to 1 node at least"),
-    ([2.5], "policy scale_down_nodes: 2.5 is not a whole number of nodes"),
-    ([True], "policy scale_down_nodes: True is not a whole number of nodes"),
-    ([3, 3], "policy scale_down_nodes: 3 nodes given twice"),
-    (3, "policy scale_down_nodes must be a list of node counts, got 3"),
-])
-def test_bad_scale_downs_are_refused_precisely_and_change_nothing(tmp_path: Path, counts: object, message: str) -> None:
+@pytest.mark.parametrize(
+    "counts, message",
+    [
+        (
+            [5],
+            "policy scale_down_nodes: 5 nodes is no scale-down of a deployment of 4 nodes (at most 3)",
+        ),
+        (
+            [4],
+            "policy scale_down_nodes: 4 nodes is no scale-down of a deployment of 4 nodes (at most 3)",
+        ),
+        ([0], "policy scale_down_nodes: 0 nodes: a deployment scales down to 1 node at least"),
+        ([2.5], "policy scale_down_nodes: 2.5 is not a whole number of nodes"),
+        ([True], "policy scale_down_nodes: True is not a whole number of nodes"),
+        ([3, 3], "policy scale_down_nodes: 3 nodes given twice"),
+        (3, "policy scale_down_nodes must be a list of node counts, got 3"),
+    ],
+)
+def test_bad_scale_downs_are_refused_precisely_and_change_nothing(
+    tmp_path: Path, counts: object, message: str
+) -> None:
     ctl = wide_deployment(tmp_path / "c.sqlite", FakeClock(100.0))
     before = ctl.deployment("d").policy
     with pytest.raises(StateError) as err:

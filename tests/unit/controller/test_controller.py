@@ -27,7 +27,9 @@ class FakeClock:
         return self.now
 
 
-def connected(clock: FakeClock, policy: PolicyConfig | None = None) -> tuple[Controller, list[tuple[int, str, int]]]:
+def connected(
+    clock: FakeClock, policy: PolicyConfig | None = None
+) -> tuple[Controller, list[tuple[int, str, int]]]:
     """A controller on `clock` with both ranks of deployment "d" streaming."""
     ctl = Controller(Store(":memory:"), policy or PolicyConfig(min_windows=1), clock=clock)
     sent: list[tuple[int, str, int]] = []
@@ -114,8 +116,12 @@ def test_repeated_decisions_log_at_debug(caplog: pytest.LogCaptureFixture) -> No
                 ctl.ingest(dep, rank, seq, 0, even, None)
         ctl.force("d")
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if " decision: " in r.getMessage()]
-    assert [m.split(" (")[0] for level, m in lines if level == logging.DEBUG] == ["d decision: skip_gain"] * 5
-    assert [m.split(" (")[0] for level, m in lines if level == logging.INFO] == ["d decision: skip_gain"] * 2
+    assert [m.split(" (")[0] for level, m in lines if level == logging.DEBUG] == [
+        "d decision: skip_gain"
+    ] * 5
+    assert [m.split(" (")[0] for level, m in lines if level == logging.INFO] == [
+        "d decision: skip_gain"
+    ] * 2
     assert "forced, but the candidate equals" in lines[-1][1] and len(lines) == 7
 
 
@@ -123,10 +129,16 @@ def test_a_take_that_could_not_start_is_not_the_last_rebalance() -> None:
     """A take stored as skip_ranks (a rank not connected) is no rebalance: the history
     must not hold the next decision back by min_interval counted from it (issue 34)."""
     clock = FakeClock(100.0)
-    policy = PolicyConfig(min_windows=1, decision_period_seconds=1.0, min_interval_seconds=60.0,
-                          max_moved_fraction=1.0)
+    policy = PolicyConfig(
+        min_windows=1,
+        decision_period_seconds=1.0,
+        min_interval_seconds=60.0,
+        max_moved_fraction=1.0,
+    )
     ctl = Controller(Store(":memory:"), policy, clock=clock)
-    sessions = [ctl.register("d", rank, SHAPE, 0, None, f"w{rank}")[0] for rank in range(SHAPE.num_gpus)]
+    sessions = [
+        ctl.register("d", rank, SHAPE, 0, None, f"w{rank}")[0] for rank in range(SHAPE.num_gpus)
+    ]
     dep = ctl.deployment("d")
     ctl.attach(sessions[0].session_id, lambda kind, plan: None)  # rank 1 has no stream
     for rank in range(2):

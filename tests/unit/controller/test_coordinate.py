@@ -11,8 +11,16 @@ from rebalancer.errors import StateError
 
 def plan(num_ranks: int = 3, deadline: float = 10.0) -> c.Plan:
     return c.Plan(
-        version=2, base_version=1, phy2log=np.zeros((1, 3), np.int64), transfers=np.zeros((0, 5), np.int32),
-        num_ranks=num_ranks, trigger="policy", created=0.0, deadline=deadline, slots_moved=0, bytes_moved=0,
+        version=2,
+        base_version=1,
+        phy2log=np.zeros((1, 3), np.int64),
+        transfers=np.zeros((0, 5), np.int32),
+        num_ranks=num_ranks,
+        trigger="policy",
+        created=0.0,
+        deadline=deadline,
+        slots_moved=0,
+        bytes_moved=0,
     )
 
 

@@ -75,10 +75,14 @@ def test_policy_defaults_are_the_cost_model() -> None:
     assert policy.cost == DEFAULT_COST
     # link_bandwidth_gbps (proto field 9) is the inter-node figure.
     assert policy.to_flat()["link_bandwidth_gbps"] == DEFAULT_COST.inter_node_gbps
-    timing = derived_timing(policy.estimator.decay, policy.gain_threshold, policy.max_moved_fraction)
+    timing = derived_timing(
+        policy.estimator.decay, policy.gain_threshold, policy.max_moved_fraction
+    )
     assert policy.min_interval_seconds == timing.min_interval_seconds
     assert policy.decision_period_seconds == timing.decision_period_seconds
-    changed = PolicyConfig().with_settings(dict(link_bandwidth_gbps=5.0, intra_node_gbps=50.0, swap_seconds=0.0))
+    changed = PolicyConfig().with_settings(
+        dict(link_bandwidth_gbps=5.0, intra_node_gbps=50.0, swap_seconds=0.0)
+    )
     assert changed.cost == dataclasses.replace(
         DEFAULT_COST, inter_node_gbps=5.0, intra_node_gbps=50.0, swap_seconds=0.0
     )
@@ -109,7 +113,9 @@ def test_derived_timing_arithmetic() -> None:
     assert slow.decision_period_seconds == pytest.approx(6.6)  # 6.58 windows, rounded up
     assert slow.min_interval_seconds == pytest.approx(7.6)  # settling binds: 7.58 windows
     # Five-second windows: settling binds (7.9 s) and a decision on every window (5 s).
-    five = derived_timing(0.3, 0.02, 0.25, deployment=dataclasses.replace(REFERENCE, window_seconds=5.0))
+    five = derived_timing(
+        0.3, 0.02, 0.25, deployment=dataclasses.replace(REFERENCE, window_seconds=5.0)
+    )
     assert (five.min_interval_seconds, five.decision_period_seconds) == (7.9, 5.0)
     # The sliding mean of N windows moves half-way in N / 2.
     sliding = derived_timing(0.3, 0.02, 0.25, estimate_window=6)
@@ -121,14 +127,20 @@ def test_derived_timing_arithmetic() -> None:
 
 
 def test_policy_timing_for_a_deployment_and_its_windows() -> None:
-    reference = ClusterShape(num_layers=REFERENCE.num_layers, num_logical=256,
-                             num_slots=REFERENCE.num_slots, num_gpus=REFERENCE.num_gpus,
-                             num_nodes=REFERENCE.num_nodes)
+    reference = ClusterShape(
+        num_layers=REFERENCE.num_layers,
+        num_logical=256,
+        num_slots=REFERENCE.num_slots,
+        num_gpus=REFERENCE.num_gpus,
+        num_nodes=REFERENCE.num_nodes,
+    )
     policy = PolicyConfig()
     assert policy.for_windows(reference, REFERENCE.window_seconds) == policy
     five = policy.for_windows(reference, 5.0)
     assert (five.min_interval_seconds, five.decision_period_seconds) == (7.9, 5.0)
-    assert dataclasses.replace(five, min_interval_seconds=2.2, decision_period_seconds=1.0) == policy
+    assert (
+        dataclasses.replace(five, min_interval_seconds=2.2, decision_period_seconds=1.0) == policy
+    )
     # One GPU moves nothing: settling alone sets the interval.
     single = ClusterShape(num_layers=2, num_logical=4, num_slots=4, num_gpus=1)
     assert policy.for_windows(single, 1.0).min_interval_seconds == 1.6
@@ -138,13 +150,15 @@ def test_policy_timing_for_a_deployment_and_its_windows() -> None:
 
 def test_decide_charges_the_plan_cost_of_its_transfers() -> None:
     L, E, P, G, N = 4, 16, 24, 4, 2
-    shape = ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, num_nodes=N,
-                         expert_bytes=10**8)
+    shape = ClusterShape(
+        num_layers=L, num_logical=E, num_slots=P, num_gpus=G, num_nodes=N, expert_bytes=10**8
+    )
     load = np.random.default_rng(0).pareto(1.2, size=(L, E)) * 1000 + 10
     current = trivial_placement(L, E, P, G)
-    policy = PolicyConfig(max_moved_fraction=1.0, cost=CostParams(inter_node_gbps=7.0, intra_node_gbps=70.0))
-    d = decide(load, current, shape, policy, now=0.0, last_rebalance=None, windows=10,
-               forced=True)
+    policy = PolicyConfig(
+        max_moved_fraction=1.0, cost=CostParams(inter_node_gbps=7.0, intra_node_gbps=70.0)
+    )
+    d = decide(load, current, shape, policy, now=0.0, last_rebalance=None, windows=10, forced=True)
     assert d.candidate is not None
     rows = np.asarray(transfers(current, d.candidate, G, N))
     c = plan_cost(rows, G, N, shape.expert_bytes, policy.cost)

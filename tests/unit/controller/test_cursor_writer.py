@@ -28,7 +28,9 @@ def test_background_saves_land_in_order_and_close_writes_the_rest(tmp_path: Path
         last = max(s for s in range(200) if s % 7 == k)
         saved = again.ingest_state(f"d{k}")
         assert saved is not None and saved["next_seq"] == {"0": last}
-        np.testing.assert_array_equal(saved["estimator"]["weighted_sum"], np.full((3, 4), float(last)))
+        np.testing.assert_array_equal(
+            saved["estimator"]["weighted_sum"], np.full((3, 4), float(last))
+        )
     again.close()
 
 
@@ -101,7 +103,8 @@ def test_refused_writes_are_counted_and_the_next_save_retries(tmp_path: Path) ->
 
 
 def test_the_writer_thread_ends_when_idle_and_a_later_save_starts_another(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A store dropped without close() leaves no thread: the writer ends after its idle
     time, and the next save is still written (by a new thread)."""
     from rebalancer.controller import cursor_writer

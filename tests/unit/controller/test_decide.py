@@ -79,7 +79,9 @@ def test_skewed_load_on_trivial_placement_rebalances() -> None:
     received = np.bincount(
         np.argwhere(d.candidate != _trivial())[:, 1] // (P // G), minlength=G
     ).max()
-    commit = received * SHAPE.expert_bytes / (policy.cost.commit_gbps * 1e9) + policy.cost.swap_seconds
+    commit = (
+        received * SHAPE.expert_bytes / (policy.cost.commit_gbps * 1e9) + policy.cost.swap_seconds
+    )
     assert d.migration_cost_seconds == pytest.approx(
         d.transfer_seconds * policy.cost.overlap_penalty + commit
     )
@@ -241,7 +243,9 @@ def test_policy_loop_force_and_set_policy() -> None:
     dry = loop.force(current, now=1.0, dry_run=True)
     assert dry.outcome == "dry_run" and loop.last_decision is None  # a dry run records nothing
     forced = loop.force(current, now=2.0)
-    assert forced.outcome == "forced" and loop.last_decision is forced and loop.last_rebalance is None
+    assert (
+        forced.outcome == "forced" and loop.last_decision is forced and loop.last_rebalance is None
+    )
     before = loop.estimator.estimate()
     loop.set_policy(_policy(decay=0.9))  # same mode: the estimate is kept
     np.testing.assert_allclose(loop.estimator.estimate(), before)
@@ -253,8 +257,14 @@ def test_policy_loop_force_and_set_policy() -> None:
     assert loop.estimator.config.window == 3  # a refused policy changes nothing
 
 
-def _sparse_loop(shares: np.ndarray, tokens: int, current: np.ndarray, shrink: bool,
-                 windows: int = 60, seed: int = 0) -> list[int]:
+def _sparse_loop(
+    shares: np.ndarray,
+    tokens: int,
+    current: np.ndarray,
+    shrink: bool,
+    windows: int = 60,
+    seed: int = 0,
+) -> list[int]:
     """Windows of `tokens` routings per layer drawn from `shares`; the windows rebalanced at."""
     rng = np.random.default_rng(seed)
     loop = PolicyLoop(SHAPE, _policy(shrink=shrink))

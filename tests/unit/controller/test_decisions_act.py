@@ -52,8 +52,11 @@ def test_decisions_queue_at_most_max_in_flight_over_all_deployments(tmp_path: Pa
     from rebalancer.controller.decision_runner import MAX_DECISIONS_IN_FLIGHT
 
     held: list[tuple[object, object]] = []
-    ctl = Controller(Store(tmp_path / "s.sqlite"), PolicyConfig(min_windows=1),
-                     background=lambda fn, done: held.append((fn, done)))
+    ctl = Controller(
+        Store(tmp_path / "s.sqlite"),
+        PolicyConfig(min_windows=1),
+        background=lambda fn, done: held.append((fn, done)),
+    )
     deps = []
     for name in ("a", "b", "c", "d"):
         for rank in range(2):

@@ -37,7 +37,9 @@ def parse(path: Path) -> ast.Module:
         return ast.parse(path.read_text(), filename=str(path))
     except SystemError:
         code = "import ast, pickle, sys; sys.stdout.buffer.write(pickle.dumps(ast.parse(open(sys.argv[1]).read())))"
-        out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, check=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(path)], capture_output=True, check=True, timeout=60
+        )
         tree: ast.Module = pickle.loads(out.stdout)
         return tree
 
@@ -61,8 +63,11 @@ def deployment_writes(path: Path) -> list[str]:
                 while isinstance(base, ast.Attribute):
                     chain.append(base.attr)
                     base = base.value
-                name = base.id if isinstance(base, ast.Name) else (
-                    base.attr if isinstance(base, ast.Attribute) else "")
+                name = (
+                    base.id
+                    if isinstance(base, ast.Name)
+                    else (base.attr if isinstance(base, ast.Attribute) else "")
+                )
                 if name in NAMES and chain:
                     found.append(f"{path.name}:{node.lineno}: {name}.{'.'.join(reversed(chain))}")
     return found
@@ -75,11 +80,15 @@ def test_no_module_but_the_deployments_own_assigns_its_fields() -> None:
 
 def test_the_walk_sees_a_write(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("def f(dep, plan):\n    dep.version, dep.phy2log = 3, plan\n"
-                     "    dep.stats.plans_committed += 1\n    dep.sessions[0] = None\n")
+    probe.write_text(
+        "def f(dep, plan):\n    dep.version, dep.phy2log = 3, plan\n"
+        "    dep.stats.plans_committed += 1\n    dep.sessions[0] = None\n"
+    )
     assert deployment_writes(probe) == [
-        "probe.py:2: dep.version", "probe.py:2: dep.phy2log",
-        "probe.py:3: dep.stats.plans_committed", "probe.py:4: dep.sessions",
+        "probe.py:2: dep.version",
+        "probe.py:2: dep.phy2log",
+        "probe.py:3: dep.stats.plans_committed",
+        "probe.py:4: dep.sessions",
     ]
 
 
@@ -87,9 +96,19 @@ SHAPE = ClusterShape(num_layers=1, num_logical=4, num_slots=4, num_gpus=2)
 
 
 def _plan(version: int, base: int) -> Plan:
-    return Plan(version=version, base_version=base, phy2log=np.array([[1, 0, 3, 2]]),
-                transfers=np.zeros((0, 5), np.int64), num_ranks=2, trigger="policy", created=0.0,
-                deadline=10.0, slots_moved=4, bytes_moved=40, started_at=0.0)
+    return Plan(
+        version=version,
+        base_version=base,
+        phy2log=np.array([[1, 0, 3, 2]]),
+        transfers=np.zeros((0, 5), np.int64),
+        num_ranks=2,
+        trigger="policy",
+        created=0.0,
+        deadline=10.0,
+        slots_moved=4,
+        bytes_moved=40,
+        started_at=0.0,
+    )
 
 
 def test_transitions_keep_one_plan_in_flight_built_on_the_committed_placement() -> None:

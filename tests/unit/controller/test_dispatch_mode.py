@@ -39,7 +39,9 @@ def test_load_modes_predict_better_balance_with_replicas_to_use() -> None:
     load = skewed()
     split = predicted_balance(ph, load, ClusterShape(L, E, P, G))
     by_load = predicted_balance(ph, load, ClusterShape(L, E, P, G, dispatch_mode="load"))
-    shared = predicted_balance(ph, load, ClusterShape(L, E, P, G, dispatch_mode="load+shared", top_k=2))
+    shared = predicted_balance(
+        ph, load, ClusterShape(L, E, P, G, dispatch_mode="load+shared", top_k=2)
+    )
     assert split[0] < by_load[0] <= shared[0] + 1e-12
     assert split[1] > by_load[1]
 
@@ -50,7 +52,15 @@ def test_a_placement_good_enough_under_load_is_kept() -> None:
     load = skewed()
     policy = PolicyConfig(min_windows=1, min_interval_seconds=0.0, gain_threshold=0.02)
     split = decide(load, ph, ClusterShape(L, E, P, G), policy, 100.0, None, 10)
-    by_load = decide(load, ph, ClusterShape(L, E, P, G, dispatch_mode="load+shared", top_k=2), policy, 100.0, None, 10)
+    by_load = decide(
+        load,
+        ph,
+        ClusterShape(L, E, P, G, dispatch_mode="load+shared", top_k=2),
+        policy,
+        100.0,
+        None,
+        10,
+    )
     assert by_load.balancedness_current > split.balancedness_current
     assert by_load.predicted_gain_seconds < split.predicted_gain_seconds
 
@@ -76,9 +86,15 @@ def test_a_deployment_stored_before_dispatch_modes_adopts_them(tmp_path) -> None
     from rebalancer.errors import StateError
 
     db = tmp_path / "c.db"
-    old_row = {k: v for k, v in shape_key(ClusterShape(L, E, P, G)).items() if k not in ("dispatch_mode", "top_k")}
+    old_row = {
+        k: v
+        for k, v in shape_key(ClusterShape(L, E, P, G)).items()
+        if k not in ("dispatch_mode", "top_k")
+    }
     store = Store(db)
-    store.create_deployment("d", old_row, PolicyConfig().to_flat(), 0, trivial_placement(L, E, P, G), now=0.0)
+    store.create_deployment(
+        "d", old_row, PolicyConfig().to_flat(), 0, trivial_placement(L, E, P, G), now=0.0
+    )
     store.close()
 
     def registry() -> tuple[Registry, Store]:
@@ -92,13 +108,21 @@ def test_a_deployment_stored_before_dispatch_modes_adopts_them(tmp_path) -> None
     sent = dispatch_shape(ClusterShape(L, E, P, G), "load+shared", 8)
     _, dep = reg.register("d", 0, sent, 0, None, "w0")
     assert (dep.shape.dispatch_mode, dep.shape.top_k, dep.loop.shape.top_k) == ("load+shared", 8, 8)
-    reg.register("d", 1, dispatch_shape(ClusterShape(L, E, P, G), "load+shared", 0), 0, None, "w1")  # 0: unknown
-    for bad in (dispatch_shape(ClusterShape(L, E, P, G), "load", 8), dispatch_shape(ClusterShape(L, E, P, G), "load+shared", 6)):
+    reg.register(
+        "d", 1, dispatch_shape(ClusterShape(L, E, P, G), "load+shared", 0), 0, None, "w1"
+    )  # 0: unknown
+    for bad in (
+        dispatch_shape(ClusterShape(L, E, P, G), "load", 8),
+        dispatch_shape(ClusterShape(L, E, P, G), "load+shared", 6),
+    ):
         with pytest.raises(StateError, match="registered with shape"):
             reg.register("d", 2, bad, 0, None, "w2")
     store.close()
     reg, store = registry()  # a restart reads the adopted values back
-    assert (reg.deployment("d").shape.dispatch_mode, reg.deployment("d").shape.top_k) == ("load+shared", 8)
+    assert (reg.deployment("d").shape.dispatch_mode, reg.deployment("d").shape.top_k) == (
+        "load+shared",
+        8,
+    )
     assert reg.deployment("d").unknown_fields == frozenset()
     store.close()
 
@@ -110,10 +134,14 @@ def test_a_stored_split_deployment_refuses_another_mode_once_known(tmp_path) -> 
 
     store = Store(tmp_path / "c.db")
     old_row = {k: v for k, v in shape_key(ClusterShape(L, E, P, G)).items() if k != "dispatch_mode"}
-    store.create_deployment("d", old_row, PolicyConfig().to_flat(), 0, trivial_placement(L, E, P, G), now=0.0)
+    store.create_deployment(
+        "d", old_row, PolicyConfig().to_flat(), 0, trivial_placement(L, E, P, G), now=0.0
+    )
     reg = Registry(store, lambda: 100.0, PolicyConfig())
     reg.load()
-    reg.register("d", 0, dispatch_shape(ClusterShape(L, E, P, G), "", 0), 0, None, "w0")  # no mode: split
+    reg.register(
+        "d", 0, dispatch_shape(ClusterShape(L, E, P, G), "", 0), 0, None, "w0"
+    )  # no mode: split
     with pytest.raises(StateError, match="registered with shape"):
         reg.register("d", 1, dispatch_shape(ClusterShape(L, E, P, G), "load", 0), 0, None, "w1")
     store.close()

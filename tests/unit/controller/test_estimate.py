@@ -54,7 +54,10 @@ def test_sliding_window_keeps_only_the_last_windows() -> None:
 
 def test_state_dict_round_trip_continues_identically() -> None:
     ws = _windows(6, seed=3)
-    for config in (EstimatorConfig(shrink=False, decay=0.5), EstimatorConfig(shrink=False, window=2)):
+    for config in (
+        EstimatorConfig(shrink=False, decay=0.5),
+        EstimatorConfig(shrink=False, window=2),
+    ):
         a = LoadEstimator(3, 5, config)
         for w in ws[:4]:
             a.add(w)
@@ -182,9 +185,7 @@ def test_shrunk_state_round_trip_and_old_state() -> None:
     assert b.config == a.config
     for x, y in zip(a.shrunk(), b.shrunk(), strict=True):
         np.testing.assert_allclose(x, y)
-    old = {
-        k: v for k, v in a.state_dict().items() if not k.startswith("prior") and k != "shrink"
-    }
+    old = {k: v for k, v in a.state_dict().items() if not k.startswith("prior") and k != "shrink"}
     c = LoadEstimator(3, 5)
     c.load_state_dict(old)  # saved before the prior existed: it starts afresh
     np.testing.assert_allclose(c.estimate(), a.smoothed())

@@ -41,12 +41,27 @@ def test_a_planned_loss_is_encoded_once_for_every_session(monkeypatch: pytest.Mo
 
 
 def test_a_cursor_is_packed_in_one_copy_in_the_format_stores_hold(tmp_path: Path) -> None:
-    arrays = {"a0": np.random.default_rng(0).random((58, 256)), "a1": np.arange(7, dtype=np.int64),
-              "a2": np.zeros((0, 3), np.float32), "a3": np.arange(6, dtype=">i4").reshape(2, 3)}
+    arrays = {
+        "a0": np.random.default_rng(0).random((58, 256)),
+        "a1": np.arange(7, dtype=np.int64),
+        "a2": np.zeros((0, 3), np.float32),
+        "a3": np.arange(6, dtype=">i4").reshape(2, 3),
+    }
     # The format as stores written before hold it: each array's little-endian bytes joined.
-    header = json.dumps([[k, a.dtype.newbyteorder("<").str, list(a.shape)] for k, a in arrays.items()]).encode()
-    older = b"".join([store_module._RAW_MAGIC, len(header).to_bytes(4, "little"), header,
-                      *(np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes() for a in arrays.values())])
+    header = json.dumps(
+        [[k, a.dtype.newbyteorder("<").str, list(a.shape)] for k, a in arrays.items()]
+    ).encode()
+    older = b"".join(
+        [
+            store_module._RAW_MAGIC,
+            len(header).to_bytes(4, "little"),
+            header,
+            *(
+                np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes()
+                for a in arrays.values()
+            ),
+        ]
+    )
     assert bytes(store_module._pack_arrays(arrays)) == older
     back = store_module._unpack_arrays(store_module._pack_arrays(arrays))
     for k, a in arrays.items():
@@ -54,8 +69,11 @@ def test_a_cursor_is_packed_in_one_copy_in_the_format_stores_hold(tmp_path: Path
 
     store = Store(tmp_path / "s.sqlite")
     live = np.ones((3, 4))
-    store.save_ingest_state("d", {"next_seq": {"0": 7}, "estimator": {"weighted_sum": live,
-                                                                      "recent": [live]}}, background=True)
+    store.save_ingest_state(
+        "d",
+        {"next_seq": {"0": 7}, "estimator": {"weighted_sum": live, "recent": [live]}},
+        background=True,
+    )
     live += 1  # the next fold changes the live arrays in place: the save keeps the snapshot
     pending = store.ingest_state("d")  # read back whether written yet or not
     store.flush_ingest_states()

@@ -46,7 +46,9 @@ def test_estimator_state_is_state_dict_with_arrays() -> None:
 def test_cursor_round_trips_through_the_store(tmp_path: Path) -> None:
     est = _filled(EstimatorConfig(window=3))
     store = Store(tmp_path / "s.sqlite")
-    store.save_ingest_state("d", {"next_seq": {"0": 7, "1": 7}, "estimator": est.state(), "tokens_folded": 9})
+    store.save_ingest_state(
+        "d", {"next_seq": {"0": 7, "1": 7}, "estimator": est.state(), "tokens_folded": 9}
+    )
     store.close()
     saved = Store(tmp_path / "s.sqlite").ingest_state("d")
     assert saved is not None
@@ -62,7 +64,9 @@ def test_an_npz_cursor_from_before_still_reads(tmp_path: Path) -> None:
     blob = io.BytesIO()
     np.savez(blob, a0=np.arange(6.0).reshape(2, 3))
     doc = {"next_seq": {"0": 3}, "estimator": {"weighted_sum": {"__array__": "a0"}}}
-    store._db.execute("INSERT INTO ingest_state VALUES (?, ?, ?)", ("d", json.dumps(doc), blob.getvalue()))
+    store._db.execute(
+        "INSERT INTO ingest_state VALUES (?, ?, ?)", ("d", json.dumps(doc), blob.getvalue())
+    )
     saved = store.ingest_state("d")
     assert saved is not None and saved["next_seq"] == {"0": 3}
     np.testing.assert_array_equal(saved["estimator"]["weighted_sum"], np.arange(6.0).reshape(2, 3))
@@ -70,7 +74,12 @@ def test_an_npz_cursor_from_before_still_reads(tmp_path: Path) -> None:
 
 def test_saves_are_staggered_and_never_further_apart_than_the_period() -> None:
     now = [1000.0]
-    ctl = Controller(Store(":memory:"), PolicyConfig(min_windows=10**6), persist_seconds=5.0, clock=lambda: now[0])
+    ctl = Controller(
+        Store(":memory:"),
+        PolicyConfig(min_windows=10**6),
+        persist_seconds=5.0,
+        clock=lambda: now[0],
+    )
     names = [f"dep-{i}" for i in range(40)]
     saves: dict[str, list[float]] = {name: [] for name in names}
     original = ctl.store.save_ingest_state

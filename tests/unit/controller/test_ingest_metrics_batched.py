@@ -36,16 +36,29 @@ def test_a_scrape_shows_what_prometheus_clients_own_metrics_would(tmp_path: Path
     scraped = []
     for batch in range(3):
         for _ in range(500):
-            seconds = float(rng.choice([1e-5, 5e-5, 0.1, 0.5]) if rng.random() < 0.2 else rng.exponential(2e-3))
+            seconds = float(
+                rng.choice([1e-5, 5e-5, 0.1, 0.5]) if rng.random() < 0.2 else rng.exponential(2e-3)
+            )
             name, nbytes = ("a", 4096) if rng.random() < 0.7 else ("b", 64)
             metrics.on_ingest(name, nbytes, seconds)
             hist.observe(seconds)
             byts.labels(name).inc(nbytes)
         scraped.append(generate_latest(metrics.registry).decode())
-        names = ("rebalancer_ingest_seconds_bucket", "rebalancer_ingest_seconds_count", "rebalancer_ingest_bytes_total")
-        ours, theirs = _lines(scraped[-1], *names), _lines(generate_latest(reference).decode(), *names)
+        names = (
+            "rebalancer_ingest_seconds_bucket",
+            "rebalancer_ingest_seconds_count",
+            "rebalancer_ingest_bytes_total",
+        )
+        ours, theirs = (
+            _lines(scraped[-1], *names),
+            _lines(generate_latest(reference).decode(), *names),
+        )
         assert ours == theirs and len(ours) == len(INGEST_BUCKETS) + 1 + 1 + 2, batch
-        got = next(line for line in scraped[-1].splitlines() if line.startswith("rebalancer_ingest_seconds_sum"))
+        got = next(
+            line
+            for line in scraped[-1].splitlines()
+            if line.startswith("rebalancer_ingest_seconds_sum")
+        )
         assert abs(float(got.split()[1]) - hist._sum.get()) < 1e-9
     ctl.store.close()
 

@@ -76,7 +76,8 @@ def test_the_statements_confirm_the_plan_in_flight(tmp_path: Path) -> None:
 
 
 def test_a_statement_that_matches_no_plan_is_refused_and_logged_once(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ctl, _, version, new, clock = committing(tmp_path)
     past_the_commit_grace(ctl, clock)  # unconfirmed: no rank's word reached the controller
     dep = ctl.deployment("d")
@@ -100,7 +101,7 @@ def test_a_late_resent_window_never_takes_a_statement_back(tmp_path: Path) -> No
     dep = ctl.deployment("d")
     base = dep.phy2log.copy()
     window(ctl, 0, 1, version, new)
-    window(ctl, 0, 1, 0, base)     # a duplicate of an older window, resent late
+    window(ctl, 0, 1, 0, base)  # a duplicate of an older window, resent late
     window(ctl, 1, 1, version, new)
     assert dep.version == version
     ctl.store.close()
@@ -121,7 +122,9 @@ def test_a_register_states_its_version_outright(tmp_path: Path) -> None:
     ctl.store.close()
 
 
-def test_a_plan_some_ranks_confirmed_ends_when_the_group_restarts_on_an_older_version(tmp_path: Path) -> None:
+def test_a_plan_some_ranks_confirmed_ends_when_the_group_restarts_on_an_older_version(
+    tmp_path: Path,
+) -> None:
     """Seed 106 of the short campaign beside a 4-process hog (RELIABILITY.md defect 24):
     rank 0 confirmed plan v1, then the whole group restarted on v0. The controller took v0
     (reconcile) but held v1 in flight until its commit grace ran out, 30 s and more."""
@@ -152,8 +155,13 @@ def test_a_late_commit_report_from_ranks_that_restarted_is_refused(tmp_path: Pat
         ctl.detach(sid)
     clock.now += 1.0
     ctl.store.close()
-    back = Controller(Store(tmp_path / "c.sqlite"), POLICY, clock=clock)  # and the controller restarted
-    fresh = [back.register("d", rank, SHAPE, 0, None, f"w{rank}-restarted")[0] for rank in range(SHAPE.num_gpus)]
+    back = Controller(
+        Store(tmp_path / "c.sqlite"), POLICY, clock=clock
+    )  # and the controller restarted
+    fresh = [
+        back.register("d", rank, SHAPE, 0, None, f"w{rank}-restarted")[0]
+        for rank in range(SHAPE.num_gpus)
+    ]
     dep = back.deployment("d")
     assert dep.version == 0
     with pytest.raises(StateError, match="never sent the commit"):

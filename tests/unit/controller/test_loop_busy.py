@@ -74,7 +74,8 @@ def test_rank_windows_folded_count_every_rank_of_a_merged_window(tmp_path: Path)
 
 
 def test_metrics_export_both_and_a_restricted_scrape_skips_the_deployments(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ctl = Controller(Store(tmp_path / "c.sqlite"), PolicyConfig(paused=True))
     for pod in ((0, 1), (2, 3)):
         ctl.register("dep", pod, SHAPE, 0, None, "", f"ns/pod-{pod[0]}")
@@ -97,7 +98,9 @@ def test_metrics_export_both_and_a_restricted_scrape_skips_the_deployments(
     for text in (full, restricted):
         assert f"\n{RANK_WINDOWS_FOLDED}_total 4.0" in text
         assert f"\n{LOOP_BUSY}_total " in text
-    assert "rebalancer_placement_version" in full and "rebalancer_placement_version" not in restricted
+    assert (
+        "rebalancer_placement_version" in full and "rebalancer_placement_version" not in restricted
+    )
     # Off a timed loop (tests, the embedded controller): no busy series, the count still there.
     plain = generate_latest(ControllerMetrics(ctl).registry).decode()
     assert LOOP_BUSY not in plain and f"\n{RANK_WINDOWS_FOLDED}_total 4.0" in plain

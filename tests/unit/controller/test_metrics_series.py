@@ -25,13 +25,22 @@ def exposition(metrics: ControllerMetrics) -> str:
 
 def assert_zero_series(text: str, deployment: str) -> None:
     for reason in ABORT_REASONS:
-        assert f'rebalancer_plan_aborts_total{{deployment="{deployment}",reason="{reason}"}} 0.0' in text, reason
+        assert (
+            f'rebalancer_plan_aborts_total{{deployment="{deployment}",reason="{reason}"}} 0.0'
+            in text
+        ), reason
     assert f'rebalancer_ingest_refused_total{{deployment="{deployment}"}} 0.0' in text
     assert f'rebalancer_ingest_bytes_total{{deployment="{deployment}"}} 0.0' in text
     for outcome in RECORDED_OUTCOMES:
-        assert f'rebalancer_decisions_total{{deployment="{deployment}",outcome="{outcome}"}} 0.0' in text, outcome
+        assert (
+            f'rebalancer_decisions_total{{deployment="{deployment}",outcome="{outcome}"}} 0.0'
+            in text
+        ), outcome
     for trigger in TRIGGERS:
-        assert f'rebalancer_rebalances_total{{deployment="{deployment}",trigger="{trigger}"}} 0.0' in text
+        assert (
+            f'rebalancer_rebalances_total{{deployment="{deployment}",trigger="{trigger}"}} 0.0'
+            in text
+        )
 
 
 def test_zero_series_for_known_labels_and_the_process_collector(tmp_path: Path) -> None:
@@ -44,8 +53,12 @@ def test_zero_series_for_known_labels_and_the_process_collector(tmp_path: Path) 
     metrics = ControllerMetrics(ctl)
     text = exposition(metrics)
     assert_zero_series(text, "stored")  # read back from the store at start
-    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
-                 "process_start_time_seconds"):
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_start_time_seconds",
+    ):
         assert f"\n{name} " in text, name
     for phase in ("prepare", "commit"):
         assert f'rebalancer_plan_phase_seconds_count{{phase="{phase}"}} 0.0' in text

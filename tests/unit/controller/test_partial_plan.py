@@ -56,7 +56,7 @@ def test_a_failure_after_the_commit_records_what_the_ranks_serve(tmp_path: Path)
     dep = ctl.deployment("d")
     metrics = ControllerMetrics(ctl)
     assert dep.plan is None and dep.version == 0  # the ranks report serving v0 ...
-    assert np.array_equal(dep.phy2log, served)    # ... with a mix of v0 and the plan
+    assert np.array_equal(dep.phy2log, served)  # ... with a mix of v0 and the plan
     assert dep.mixed is not None and dep.mixed.version == version
     (record, *_) = ctl.store.plans("d")
     assert (record.version, record.state) == (version, "partial")
@@ -125,6 +125,8 @@ def test_a_failure_without_the_placement_is_recorded_as_unknown_until_told(tmp_p
     assert "the placement served is unknown" in status_msg(dep).mixed
     ctl.report(sessions[1], version, "failed", "update lost a peer", served)
     stored = ctl.store.mixed("d")
-    assert stored is not None and stored.phy2log is not None and np.array_equal(stored.phy2log, served)
+    assert (
+        stored is not None and stored.phy2log is not None and np.array_equal(stored.phy2log, served)
+    )
     assert np.array_equal(dep.phy2log, served) and dep.stats.plans_partial == 1
     ctl.store.close()

@@ -14,7 +14,9 @@ from tests.unit.controller.test_controller import SHAPE, SKEWED, FakeClock, conn
 
 
 def committing(clock: FakeClock) -> tuple[Controller, list[str], int]:
-    ctl, _ = connected(clock, PolicyConfig(paused=True, min_windows=1, prepare_timeout_seconds=10.0))
+    ctl, _ = connected(
+        clock, PolicyConfig(paused=True, min_windows=1, prepare_timeout_seconds=10.0)
+    )
     dep = ctl.deployment("d")
     for rank in range(SHAPE.num_gpus):
         ctl.ingest(dep, rank, 0, 0, SKEWED, None)

@@ -55,12 +55,20 @@ STEPS = {"steps": 0, "runs": 0}  # explored, for the report (printed with -s)
 # The events a step draws from; repeated ones are drawn more often. A plan's path comes
 # first: hypothesis draws low indices more often, and runs should reach every phase.
 ACTIONS = (
-    ["down_all", "up_all", "force", "agreement:lost", "agreement"] * 2 + ["window"] * 2
+    ["down_all", "up_all", "force", "agreement:lost", "agreement"] * 2
+    + ["window"] * 2
     + ["resend_an_old_window"]
     + [f"controller_message:{w}" for w in ("deliver", "drop", "twice")]
     + [f"report:{w}" for w in ("deliver", "drop", "twice")]
-    + ["tick:0.5", "tick:3", "tick:12", "link_drops", "links_come_back",
-       "controller_restarts", "group_restarts"]
+    + [
+        "tick:0.5",
+        "tick:3",
+        "tick:12",
+        "link_drops",
+        "links_come_back",
+        "controller_restarts",
+        "group_restarts",
+    ]
 )
 
 
@@ -70,14 +78,14 @@ class Link:
 
     ranks: tuple[int, ...]
     session_id: str = ""
-    down: list[tuple[str, int, int, Any]] = field(default_factory=list)   # controller -> ranks
-    up: list[tuple[int, str]] = field(default_factory=list)                # reports to the controller
+    down: list[tuple[str, int, int, Any]] = field(default_factory=list)  # controller -> ranks
+    up: list[tuple[int, str]] = field(default_factory=list)  # reports to the controller
     sent: list[tuple[int, tuple[int, int]]] = field(default_factory=list)  # (seq, statement) sent
     next_seq: int = 0
 
 
 class PlanProtocol(RuleBasedStateMachine):
-    grouped = False     # one session for both ranks (a pod's sidecar), else one per rank
+    grouped = False  # one session for both ranks (a pod's sidecar), else one per rank
     committing = False  # start with a plan's Commit held by every rank
 
     def __init__(self) -> None:
@@ -99,7 +107,9 @@ class PlanProtocol(RuleBasedStateMachine):
         self.placements[0] = self.ctl.deployment("d").phy2log.copy()
         for link in self.links:  # counts folded, so that a forced plan can start at once
             self._window(link)
-        if self.committing:  # a forced plan whose Commit every rank holds: the runs go on from there
+        if (
+            self.committing
+        ):  # a forced plan whose Commit every rank holds: the runs go on from there
             link = self.links[0]
             for each in (self.force, self.down_all, self.up_all, self.down_all):
                 each(link, 0)
@@ -110,8 +120,15 @@ class PlanProtocol(RuleBasedStateMachine):
     def _connect(self, link: Link) -> None:
         version = min(self.served[r] for r in link.ranks)
         try:
-            session, dep = self.ctl.register("d", link.ranks if self.grouped else link.ranks[0], SHAPE, version,
-                                             None, f"w{link.ranks}", pod="p" if self.grouped else "")
+            session, dep = self.ctl.register(
+                "d",
+                link.ranks if self.grouped else link.ranks[0],
+                SHAPE,
+                version,
+                None,
+                f"w{link.ranks}",
+                pod="p" if self.grouped else "",
+            )
         except StateError:
             return  # refused: the link stays down, it tries again later
         link.session_id, link.next_seq = session.session_id, dep.windows.expected(session.ranks)
@@ -122,7 +139,14 @@ class PlanProtocol(RuleBasedStateMachine):
                 return  # survivor placements told ahead: not part of the plan protocol
             if kind == "commit":
                 self.committed_sent.add(plan.version)
-            link.down.append((kind, plan.version, getattr(plan, "base_version", 0), getattr(plan, "phy2log", None)))
+            link.down.append(
+                (
+                    kind,
+                    plan.version,
+                    getattr(plan, "base_version", 0),
+                    getattr(plan, "phy2log", None),
+                )
+            )
 
         self.ctl.attach(session.session_id, send)
 
@@ -134,7 +158,10 @@ class PlanProtocol(RuleBasedStateMachine):
         link.up.clear()
 
     def _statement(self, link: Link) -> tuple[int, int]:
-        said = {r: (self.served[r], placement_digest(self.placements[self.served[r]])) for r in link.ranks}
+        said = {
+            r: (self.served[r], placement_digest(self.placements[self.served[r]]))
+            for r in link.ranks
+        }
         if not self.grouped:
             return said[link.ranks[0]]
         return Pod.statement(SimpleNamespace(statements=said, ranks=link.ranks))  # type: ignore[arg-type]
@@ -347,7 +374,9 @@ class PlanProtocol(RuleBasedStateMachine):
         dep = self.ctl.deployment("d")
         assert all(link.session_id for link in self.links), "a link never came back"
         assert dep.version == self.served[0], f"controller v{dep.version}, ranks v{self.served[0]}"
-        assert self.floor_version() == self.served[0], f"store v{self.floor_version()}, ranks v{self.served[0]}"
+        assert self.floor_version() == self.served[0], (
+            f"store v{self.floor_version()}, ranks v{self.served[0]}"
+        )
 
 
 class GroupedPlanProtocol(PlanProtocol):
@@ -362,12 +391,20 @@ class CommittingGroupedPlanProtocol(PlanProtocol):
     grouped = committing = True
 
 
-MODEL_SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                          suppress_health_check=list(HealthCheck))
-MACHINES = [PlanProtocol, GroupedPlanProtocol, CommittingPlanProtocol, CommittingGroupedPlanProtocol]
+MODEL_SETTINGS = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+)
+MACHINES = [
+    PlanProtocol,
+    GroupedPlanProtocol,
+    CommittingPlanProtocol,
+    CommittingGroupedPlanProtocol,
+]
 
 
-@pytest.mark.parametrize("machine", MACHINES, ids=["ranks", "sidecar", "ranks-committing", "sidecar-committing"])
+@pytest.mark.parametrize(
+    "machine", MACHINES, ids=["ranks", "sidecar", "ranks-committing", "sidecar-committing"]
+)
 def test_the_controller_converges_to_what_the_ranks_serve(machine: type[PlanProtocol]) -> None:
     STEPS["steps"] = STEPS["runs"] = 0
     run_state_machine_as_test(machine, settings=MODEL_SETTINGS)
@@ -376,10 +413,20 @@ def test_the_controller_converges_to_what_the_ranks_serve(machine: type[PlanProt
 
 
 def test_without_the_rule_the_model_finds_a_divergence(monkeypatch: pytest.MonkeyPatch) -> None:
-    def noted_only(self: Plans, dep: Any, ranks: tuple[int, ...], version: int, digest: int) -> None:
+    def noted_only(
+        self: Plans, dep: Any, ranks: tuple[int, ...], version: int, digest: int
+    ) -> None:
         dep.state_serving(ranks, version, digest)
 
     monkeypatch.setattr(Plans, "serving", noted_only)
     with pytest.raises(AssertionError, match="controller v|store v"):
-        run_state_machine_as_test(CommittingPlanProtocol, settings=settings(
-            MODEL_SETTINGS, max_examples=200, stateful_step_count=8, phases=[Phase.generate], derandomize=True))
+        run_state_machine_as_test(
+            CommittingPlanProtocol,
+            settings=settings(
+                MODEL_SETTINGS,
+                max_examples=200,
+                stateful_step_count=8,
+                phases=[Phase.generate],
+                derandomize=True,
+            ),
+        )

@@ -17,8 +17,11 @@ from tests.unit.controller.test_controller import SHAPE, SKEWED, FakeClock
 
 def started(tmp_path: Path) -> tuple[Controller, FakeClock, list[str], int]:
     clock = FakeClock(100.0)
-    ctl = Controller(Store(tmp_path / "c.sqlite"), PolicyConfig(paused=True, min_windows=1,
-                                                                prepare_timeout_seconds=10.0), clock=clock)
+    ctl = Controller(
+        Store(tmp_path / "c.sqlite"),
+        PolicyConfig(paused=True, min_windows=1, prepare_timeout_seconds=10.0),
+        clock=clock,
+    )
     sessions = []
     for rank in range(SHAPE.num_gpus):
         session, _ = ctl.register("d", rank, SHAPE, 0, None, f"w{rank}")
@@ -36,7 +39,9 @@ def refuse_writes(store: Store, refuse: bool) -> None:
     store._db.execute(f"PRAGMA query_only={'ON' if refuse else 'OFF'}")
 
 
-def test_abort_while_the_store_refuses_writes_frees_the_plan_and_is_recorded_later(tmp_path: Path) -> None:
+def test_abort_while_the_store_refuses_writes_frees_the_plan_and_is_recorded_later(
+    tmp_path: Path,
+) -> None:
     ctl, clock, _, version = started(tmp_path)
     dep = ctl.deployment("d")
     refuse_writes(ctl.store, True)
@@ -69,7 +74,9 @@ def test_commit_while_the_store_refuses_writes_is_recorded_later(tmp_path: Path)
     assert ctl.store.plans("d")[0].state == "committed"
 
 
-def test_a_late_confirmation_while_the_store_refuses_writes_is_adopted_and_recorded_later(tmp_path: Path) -> None:
+def test_a_late_confirmation_while_the_store_refuses_writes_is_adopted_and_recorded_later(
+    tmp_path: Path,
+) -> None:
     """Found by the short chaos campaign on a loaded machine: the ranks switched to a plan
     the controller had finished unconfirmed, their one COMMITTED report came while the
     store's disk was full, the adoption's write raised, the report was refused (and never

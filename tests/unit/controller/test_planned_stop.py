@@ -26,7 +26,9 @@ SKEWED = np.array([[40, 2, 1, 1], [1, 1, 30, 8]])
 
 def in_flight() -> tuple[Controller, ControllerMetrics, list[str], int]:
     """Both ranks of "d" streaming, a forced plan preparing; the sessions and its version."""
-    ctl = Controller(Store(":memory:"), PolicyConfig(paused=True, max_moved_fraction=1.0), clock=lambda: 10.0)
+    ctl = Controller(
+        Store(":memory:"), PolicyConfig(paused=True, max_moved_fraction=1.0), clock=lambda: 10.0
+    )
     metrics = ControllerMetrics(ctl)
     sessions = []
     for rank in range(SHAPE.num_gpus):
@@ -48,7 +50,9 @@ def series(metrics: ControllerMetrics, name: str, **labels: Any) -> float:
     return float(line.split()[-1])
 
 
-def test_a_rank_stopping_mid_plan_aborts_it_as_a_planned_stop(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_rank_stopping_mid_plan_aborts_it_as_a_planned_stop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     ctl, metrics, sessions, version = in_flight()
     dep = ctl.deployment("d")
     with caplog.at_level(logging.INFO, logger="rebalancer.controller"):
@@ -60,7 +64,9 @@ def test_a_rank_stopping_mid_plan_aborts_it_as_a_planned_stop(caplog: pytest.Log
     assert series(metrics, "rebalancer_plans_total", deployment="d", outcome="aborted") == 0.0
     assert series(metrics, "rebalancer_plans_total", deployment="d", outcome="stopped") == 1.0
     text = generate_latest(metrics.registry).decode()
-    aborts = [line for line in text.splitlines() if line.startswith("rebalancer_plan_aborts_total{")]
+    aborts = [
+        line for line in text.splitlines() if line.startswith("rebalancer_plan_aborts_total{")
+    ]
     assert aborts and all(line.endswith(" 0.0") for line in aborts), aborts
     said = [r for r in caplog.records if f"plan v{version} aborted" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO], said
@@ -74,7 +80,10 @@ def test_a_rank_failing_mid_plan_is_still_an_abort(caplog: pytest.LogCaptureFixt
         ctl.report(sessions[0], version, "failed", "out of memory")
     assert (dep.stats.plans_aborted, dep.stats.plans_stopped) == (1, 0)
     assert series(metrics, "rebalancer_plans_total", deployment="d", outcome="aborted") == 1.0
-    assert series(metrics, "rebalancer_plan_aborts_total", deployment="d", reason="prepare_failed") == 1.0
+    assert (
+        series(metrics, "rebalancer_plan_aborts_total", deployment="d", reason="prepare_failed")
+        == 1.0
+    )
     said = [r for r in caplog.records if f"plan v{version} aborted" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.WARNING], said
     ctl.store.close()

@@ -27,19 +27,45 @@ L, E, P, G = 2, 4, 6, 2
 # A policy row as the controller stored it before the sections (every field flat, the
 # old `PolicyConfig.to_dict()`), none at its default.
 OLD_FLAT_ROW = {
-    "min_interval_seconds": 4.0, "gain_threshold": 0.05, "horizon_seconds": 120.0,
-    "max_moved_fraction": 0.5, "decay": 0.6, "min_windows": 3, "decision_period_seconds": 2.0,
-    "prepare_timeout_seconds": 12.0, "link_bandwidth_gbps": 5.0, "step_seconds": 0.02,
-    "paused": True, "overlap_penalty": 0.3, "commit_gbps": 90.0, "swap_seconds": 1e-4,
-    "estimate_window": 4, "noise_z": 1.5, "shrink": False, "prior_decay": 0.9,
+    "min_interval_seconds": 4.0,
+    "gain_threshold": 0.05,
+    "horizon_seconds": 120.0,
+    "max_moved_fraction": 0.5,
+    "decay": 0.6,
+    "min_windows": 3,
+    "decision_period_seconds": 2.0,
+    "prepare_timeout_seconds": 12.0,
+    "link_bandwidth_gbps": 5.0,
+    "step_seconds": 0.02,
+    "paused": True,
+    "overlap_penalty": 0.3,
+    "commit_gbps": 90.0,
+    "swap_seconds": 1e-4,
+    "estimate_window": 4,
+    "noise_z": 1.5,
+    "shrink": False,
+    "prior_decay": 0.9,
     "intra_node_gbps": 150.0,
 }
 OLD_AS_SECTIONS = PolicyConfig(
-    min_interval_seconds=4.0, gain_threshold=0.05, horizon_seconds=120.0, max_moved_fraction=0.5,
-    min_windows=3, decision_period_seconds=2.0, prepare_timeout_seconds=12.0, paused=True, noise_z=1.5,
+    min_interval_seconds=4.0,
+    gain_threshold=0.05,
+    horizon_seconds=120.0,
+    max_moved_fraction=0.5,
+    min_windows=3,
+    decision_period_seconds=2.0,
+    prepare_timeout_seconds=12.0,
+    paused=True,
+    noise_z=1.5,
     estimator=EstimatorConfig(decay=0.6, window=4, prior_decay=0.9, shrink=False),
-    cost=CostParams(step_seconds=0.02, intra_node_gbps=150.0, inter_node_gbps=5.0, overlap_penalty=0.3,
-                    commit_gbps=90.0, swap_seconds=1e-4),
+    cost=CostParams(
+        step_seconds=0.02,
+        intra_node_gbps=150.0,
+        inter_node_gbps=5.0,
+        overlap_penalty=0.3,
+        commit_gbps=90.0,
+        swap_seconds=1e-4,
+    ),
 )
 
 
@@ -54,7 +80,9 @@ def test_a_flat_policy_stored_before_the_sections_still_loads(tmp_path: Path) ->
     store = Store(db)
     shape = {"num_layers": L, "num_logical": E, "num_slots": P, "num_gpus": G}
     store.create_deployment("old", shape, OLD_FLAT_ROW, 0, trivial_placement(L, E, P, G), now=0.0)
-    store.create_deployment("older", shape, {"decay": 0.6}, 0, trivial_placement(L, E, P, G), now=0.0)
+    store.create_deployment(
+        "older", shape, {"decay": 0.6}, 0, trivial_placement(L, E, P, G), now=0.0
+    )
     store.close()
     registry = _restart(db)
     assert registry.deployment("old").policy == OLD_AS_SECTIONS
@@ -82,9 +110,17 @@ def test_flat_names_and_sections_are_one_map() -> None:
     assert policy.to_flat() == {**OLD_FLAT_ROW, "scale_down_nodes": [], "regimes": False}
     assert PolicyConfig().with_settings(OLD_FLAT_ROW) == policy
     assert PolicyConfig.from_dict(OLD_FLAT_ROW) == policy
-    sections = {"estimator": {"decay": 0.6, "window": 4, "prior_decay": 0.9, "shrink": False},
-                "cost": {"step_seconds": 0.02, "intra_node_gbps": 150.0, "inter_node_gbps": 5.0,
-                         "overlap_penalty": 0.3, "commit_gbps": 90.0, "swap_seconds": 1e-4}}
+    sections = {
+        "estimator": {"decay": 0.6, "window": 4, "prior_decay": 0.9, "shrink": False},
+        "cost": {
+            "step_seconds": 0.02,
+            "intra_node_gbps": 150.0,
+            "inter_node_gbps": 5.0,
+            "overlap_penalty": 0.3,
+            "commit_gbps": 90.0,
+            "swap_seconds": 1e-4,
+        },
+    }
     top = {k: v for k, v in OLD_FLAT_ROW.items() if k not in POLICY_SETTINGS}
     assert PolicyConfig.from_dict({**top, **sections}) == policy
     # Every field of a section has exactly one flat name; the wire's names are among them.
@@ -122,19 +158,25 @@ def test_the_wire_message_round_trips_the_sections() -> None:
     back = policy_from_msg(msg, PolicyConfig())
     # intra_node_gbps and paused are not on the v1 wire: the base's are kept.
     assert back == PolicyConfig().with_settings(
-        {k: v for k, v in OLD_FLAT_ROW.items() if k not in ("intra_node_gbps", "paused")})
+        {k: v for k, v in OLD_FLAT_ROW.items() if k not in ("intra_node_gbps", "paused")}
+    )
 
 
 def test_toml_policy_takes_flat_names_and_section_tables(tmp_path: Path) -> None:
     flat = tmp_path / "flat.toml"
     flat.write_text("[policy]\ndecay = 0.6\nlink_bandwidth_gbps = 5.0\nmin_windows = 3\n")
     nested = tmp_path / "nested.toml"
-    nested.write_text("[policy]\nmin_windows = 3\n\n[policy.estimator]\ndecay = 0.6\n\n"
-                      "[policy.cost]\ninter_node_gbps = 5.0\n")
-    expected = PolicyConfig(min_windows=3, estimator=EstimatorConfig(decay=0.6),
-                            cost=CostParams(inter_node_gbps=5.0))
+    nested.write_text(
+        "[policy]\nmin_windows = 3\n\n[policy.estimator]\ndecay = 0.6\n\n"
+        "[policy.cost]\ninter_node_gbps = 5.0\n"
+    )
+    expected = PolicyConfig(
+        min_windows=3, estimator=EstimatorConfig(decay=0.6), cost=CostParams(inter_node_gbps=5.0)
+    )
     assert load_config(flat).policy == expected == load_config(nested).policy
     twice = tmp_path / "twice.toml"
     twice.write_text("[policy]\ndecay = 0.6\n\n[policy.estimator]\ndecay = 0.5\n")
-    with pytest.raises(InputError, match=r"policy setting\(s\) given twice \(flat and in a section\): decay"):
+    with pytest.raises(
+        InputError, match=r"policy setting\(s\) given twice \(flat and in a section\): decay"
+    ):
         load_config(twice)

@@ -41,8 +41,14 @@ def test_calls_run_in_the_worker_which_close_ends() -> None:
         pool.start()
         first = pool.worker_pid
         assert first is not None
-        results = [await _run(pool, os.getpid), await _run(pool, _fail), await _run(pool, functools.partial(sum, [1, 2]))]
-        os.kill(first, signal.SIGKILL)  # a crashed worker fails its call and is replaced at the next
+        results = [
+            await _run(pool, os.getpid),
+            await _run(pool, _fail),
+            await _run(pool, functools.partial(sum, [1, 2])),
+        ]
+        os.kill(
+            first, signal.SIGKILL
+        )  # a crashed worker fails its call and is replaced at the next
         results.append(await _run(pool, os.getpid))
         results.append(await _run(pool, os.getpid))
         second = pool.worker_pid
@@ -83,7 +89,9 @@ def test_close_does_not_wait_for_a_running_decision() -> None:
         pool.start()
         pid = pool.worker_pid
         assert pid is not None
-        pool.submit(functools.partial(time.sleep, 30), lambda result: None)  # a decision that takes long
+        pool.submit(
+            functools.partial(time.sleep, 30), lambda result: None
+        )  # a decision that takes long
         await asyncio.sleep(1.0)  # it is running in the worker
         start = time.monotonic()
         pool.close()

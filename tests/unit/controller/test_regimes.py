@@ -100,21 +100,39 @@ def test_the_maxmin_placement_is_no_worse_in_its_worst_case_than_each_regimes_ow
         assert worst >= min(balance(own, x, SHAPE.num_gpus) for x in loads) - 1e-9
 
 
-def _drive(lib: RegimeLibrary, current: np.ndarray, dist: np.ndarray, windows: int, t0: float,
-           rng: np.random.Generator, policy: PolicyConfig) -> tuple[np.ndarray, list]:
+def _drive(
+    lib: RegimeLibrary,
+    current: np.ndarray,
+    dist: np.ndarray,
+    windows: int,
+    t0: float,
+    rng: np.random.Generator,
+    policy: PolicyConfig,
+) -> tuple[np.ndarray, list]:
     """Decide after every window, taking every plan at once; (placement, decisions)."""
     decisions = []
     for t in range(windows):
         counts = _window(dist, rng)
-        d = decide_regimes(lib, [(counts, t0 + t)], counts, current, SHAPE, policy, now=t0 + t,
-                           last_rebalance=None, windows=100)
+        d = decide_regimes(
+            lib,
+            [(counts, t0 + t)],
+            counts,
+            current,
+            SHAPE,
+            policy,
+            now=t0 + t,
+            last_rebalance=None,
+            windows=100,
+        )
         decisions.append(d)
         if d.take and d.candidate is not None:
             current = d.candidate
     return current, decisions
 
 
-def test_a_returning_regime_is_recognised_in_one_window_and_decided_on_its_ready_placement() -> None:
+def test_a_returning_regime_is_recognised_in_one_window_and_decided_on_its_ready_placement() -> (
+    None
+):
     rng = np.random.default_rng(2)
     policy = PolicyConfig(min_interval_seconds=0.0, max_moved_fraction=0.2)
     lib = RegimeLibrary()
@@ -125,8 +143,17 @@ def test_a_returning_regime_is_recognised_in_one_window_and_decided_on_its_ready
     current, _ = _drive(lib, current, B, 8, 8.0, rng, policy)
     assert lib.current != regime_a
     counts = _window(A, rng)
-    d = decide_regimes(lib, [(counts, 16.0)], counts, current, SHAPE, policy, now=16.0,
-                       last_rebalance=None, windows=100)
+    d = decide_regimes(
+        lib,
+        [(counts, 16.0)],
+        counts,
+        current,
+        SHAPE,
+        policy,
+        now=16.0,
+        last_rebalance=None,
+        windows=100,
+    )
     assert lib.current == regime_a
     assert f"regime {regime_a} recognised" in d.load
     assert d.take and d.candidate is not None
@@ -141,12 +168,24 @@ def test_regimes_that_alternate_fast_get_one_placement_for_all() -> None:
     policy = PolicyConfig(min_interval_seconds=0.0)
     config = RegimeConfig(known_windows=2, fast_run_windows=3.0)
     lib = RegimeLibrary()
-    current = trivial_placement(SHAPE.num_layers, SHAPE.num_logical, SHAPE.num_slots, SHAPE.num_gpus)
+    current = trivial_placement(
+        SHAPE.num_layers, SHAPE.num_logical, SHAPE.num_slots, SHAPE.num_gpus
+    )
     loads = []
     for t in range(24):
         counts = _window(A if (t // 2) % 2 == 0 else B, rng)
-        d = decide_regimes(lib, [(counts, float(t))], counts, current, SHAPE, policy, now=float(t),
-                           last_rebalance=None, windows=100, config=config)
+        d = decide_regimes(
+            lib,
+            [(counts, float(t))],
+            counts,
+            current,
+            SHAPE,
+            policy,
+            now=float(t),
+            last_rebalance=None,
+            windows=100,
+            config=config,
+        )
         loads.append(d.load)
         if d.take and d.candidate is not None:
             current = d.candidate
@@ -184,8 +223,14 @@ def test_the_library_round_trips_through_the_store(tmp_path: Path) -> None:
     assert back.jumps == lib.jumps and back.recent == lib.recent
 
 
-def _feed(ctl: Controller, clock: list[float], dist: np.ndarray, windows: int, seq0: int,
-          rng: np.random.Generator) -> None:
+def _feed(
+    ctl: Controller,
+    clock: list[float],
+    dist: np.ndarray,
+    windows: int,
+    seq0: int,
+    rng: np.random.Generator,
+) -> None:
     dep = ctl.deployment("d")
     for seq in range(seq0, seq0 + windows):
         clock[0] += 1.0
@@ -194,7 +239,9 @@ def _feed(ctl: Controller, clock: list[float], dist: np.ndarray, windows: int, s
             ctl.ingest(dep, rank, seq, dep.version, np.round(counts), None)
 
 
-def test_a_restarted_controller_recognises_a_regime_learned_before_the_restart(tmp_path: Path) -> None:
+def test_a_restarted_controller_recognises_a_regime_learned_before_the_restart(
+    tmp_path: Path,
+) -> None:
     rng = np.random.default_rng(5)
     db = tmp_path / "c.sqlite"
     clock = [100.0]
@@ -234,12 +281,22 @@ def test_the_default_policy_keeps_no_library_and_records_what_it_always_did() ->
     assert loop.regimes is None and loop.last_decision is not None
     assert "load" not in loop.last_decision.to_dict()
     assert "regimes" not in PolicyConfig().to_stored()
-    same = decide(_window(A, rng), trivial_placement(3, 16, 24, 4), SHAPE, PolicyConfig(), 0.0, None, 5)
+    same = decide(
+        _window(A, rng), trivial_placement(3, 16, 24, 4), SHAPE, PolicyConfig(), 0.0, None, 5
+    )
     assert same.load == "" and same.state is None
 
 
-@pytest.mark.parametrize("bad", [{"match_distance": -0.1}, {"capacity": 0}, {"forecast_slow": 0.1},
-                                 {"gain_threshold": float("nan")}, {"known_windows": True}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"match_distance": -0.1},
+        {"capacity": 0},
+        {"forecast_slow": 0.1},
+        {"gain_threshold": float("nan")},
+        {"known_windows": True},
+    ],
+)
 def test_a_bad_regime_setting_is_refused_naming_it(bad: dict) -> None:
     with pytest.raises(InputError, match=next(iter(bad))):
         dataclasses.replace(RegimeConfig(), **bad).validate()
@@ -265,7 +322,9 @@ def test_an_evicted_regime_leaves_the_store_with_the_next_save(tmp_path: Path) -
     store.save_regimes("d", *lib.changes())
     lib.mark_saved()
     saved = store.regimes("d")
-    assert saved is not None and set(saved[2]) == {r.id for r in lib.regimes} and gone not in saved[2]
+    assert (
+        saved is not None and set(saved[2]) == {r.id for r in lib.regimes} and gone not in saved[2]
+    )
     assert RegimeLibrary.from_rows(*saved).summary() == lib.summary()
     store.close()
 

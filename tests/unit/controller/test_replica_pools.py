@@ -23,8 +23,8 @@ from rebalancer.wire.shape import ClusterShape
 SHAPE = ClusterShape(num_layers=2, num_logical=8, num_slots=8, num_gpus=2, expert_bytes=10)
 POLICY = PolicyConfig(min_windows=1, min_interval_seconds=0.0, decision_period_seconds=1e-9)
 RNG = np.random.default_rng(7)
-HOT = np.array([[0.40, 0.20, 0.10, 0.10, 0.05, 0.05, 0.05, 0.05]] * 2)   # the pool's traffic
-OTHER = HOT[:, ::-1].copy()                                              # another workload
+HOT = np.array([[0.40, 0.20, 0.10, 0.10, 0.05, 0.05, 0.05, 0.05]] * 2)  # the pool's traffic
+OTHER = HOT[:, ::-1].copy()  # another workload
 
 
 class Clock:
@@ -47,15 +47,21 @@ class Fleet:
         self.sent: dict[str, list[tuple[str, int]]] = {}
         self.sessions: dict[str, list[str]] = {}
 
-    def join(self, name: str, pool: str = "p", shape: ClusterShape = SHAPE, version: int = 0) -> list[Any]:
+    def join(
+        self, name: str, pool: str = "p", shape: ClusterShape = SHAPE, version: int = 0
+    ) -> list[Any]:
         offers = []
         for rank in range(shape.num_gpus):
-            session, dep = self.ctl.register(name, rank, shape, version, None, f"{name}-w{rank}", pool=pool)
+            session, dep = self.ctl.register(
+                name, rank, shape, version, None, f"{name}-w{rank}", pool=pool
+            )
             offers.append(self.ctl.warm_offer(dep, version))
             self.sessions.setdefault(name, []).append(session.session_id)
             sent = self.sent.setdefault(name, [])
 
-            def send(kind: str, plan: Any, sent: list[tuple[str, int]] = sent, rank: int = rank) -> None:
+            def send(
+                kind: str, plan: Any, sent: list[tuple[str, int]] = sent, rank: int = rank
+            ) -> None:
                 if rank == 0 and kind != "planned_loss":
                     sent.append((kind, plan.version))
 
@@ -106,7 +112,9 @@ def test_one_decision_per_pool_rolled_out_one_member_at_a_time() -> None:
     # Only one member moves; the others wait for it.
     moving = [n for n in ("a", "b", "c") if fleet.ctl.deployment(n).plan is not None]
     assert len(moving) == 1 and fleet.sent[moving[0]] == [("prepare", 1)]
-    assert all(not d.loop.last_decision for d in fleet.ctl.deployments.values())  # no per-member decision
+    assert all(
+        not d.loop.last_decision for d in fleet.ctl.deployments.values()
+    )  # no per-member decision
     done = set()
     for _ in range(3):
         (name,) = [n for n in ("a", "b", "c") if fleet.ctl.deployment(n).plan is not None]
@@ -121,7 +129,9 @@ def test_one_decision_per_pool_rolled_out_one_member_at_a_time() -> None:
         assert history[0]["pool"] == "p" and history[0]["plan_version"] == 1
 
 
-def test_a_fresh_member_is_offered_the_pool_placement_and_adopts_it_when_its_ranks_confirm() -> None:
+def test_a_fresh_member_is_offered_the_pool_placement_and_adopts_it_when_its_ranks_confirm() -> (
+    None
+):
     fleet = Fleet(Store(":memory:"), Clock())
     fleet.join("a")
     fleet.feed("a", 0)
@@ -131,7 +141,11 @@ def test_a_fresh_member_is_offered_the_pool_placement_and_adopts_it_when_its_ran
     offers = fleet.join("new")
     # Every rank of the deployment is told the same version and placement.
     (w, placement), (w2, placement2) = offers
-    assert w == w2 == 1 and np.array_equal(placement, pool.phy2log) and np.array_equal(placement2, placement)
+    assert (
+        w == w2 == 1
+        and np.array_equal(placement, pool.phy2log)
+        and np.array_equal(placement2, placement)
+    )
     dep = fleet.ctl.deployment("new")
     assert dep.version == 0 and fleet.ctl.store.plans("new")[0].state == "offered"
     for sid in fleet.sessions["new"]:
@@ -195,12 +209,16 @@ def test_membership_and_the_pool_placement_survive_a_restart(tmp_path: Path) -> 
     fleet.ctl.store.close()
     again = Controller(Store(path), POLICY, clock=clock)
     pool = again.fleet.pools["p"]
-    assert pool.members == {"a", "b"} and pool.version == 1 and np.array_equal(pool.phy2log, placement)
+    assert (
+        pool.members == {"a", "b"} and pool.version == 1 and np.array_equal(pool.phy2log, placement)
+    )
     assert again.fleet.member_of == {"a": "p", "b": "p"}
 
 
 def test_a_member_fed_another_workload_is_diverged_balanced_alone_and_rejoins() -> None:
-    fleet = Fleet(Store(":memory:"), Clock(), divergence=DivergenceConfig(threshold=0.08, windows=3))
+    fleet = Fleet(
+        Store(":memory:"), Clock(), divergence=DivergenceConfig(threshold=0.08, windows=3)
+    )
     for name in ("a", "b", "c"):
         fleet.join(name)
     pool = fleet.ctl.fleet.pools["p"]
@@ -220,7 +238,9 @@ def test_a_member_fed_another_workload_is_diverged_balanced_alone_and_rejoins() 
     assert fleet.ctl.store.decisions("c", 1)[0]["outcome"] == "pool_diverged"
     for seq in range(4, 7):
         fleet.feed("c", seq)
-    assert pool.diverged() == [] and fleet.ctl.store.decisions("c", 1)[0]["outcome"] == "pool_rejoined"
+    assert (
+        pool.diverged() == [] and fleet.ctl.store.decisions("c", 1)[0]["outcome"] == "pool_rejoined"
+    )
 
 
 def test_the_divergence_statistic_is_near_zero_on_sampling_noise_alone() -> None:
@@ -255,8 +275,13 @@ def test_no_module_but_the_pools_own_assigns_a_pools_fields() -> None:
         if path == owner or "v1" in path.parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            targets = (node.targets if isinstance(node, ast.Assign | ast.Delete)
-                       else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign | ast.Delete)
+                else [node.target]
+                if isinstance(node, ast.AugAssign | ast.AnnAssign)
+                else []
+            )
             for target in targets:
                 for item in target.elts if isinstance(target, ast.Tuple) else [target]:
                     base = item.value if isinstance(item, ast.Subscript) else item

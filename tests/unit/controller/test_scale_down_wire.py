@@ -38,7 +38,10 @@ def test_a_zero_count_on_the_wire_is_refused_precisely() -> None:
 
 
 def test_admin_policy_parses_and_prints_a_list_of_counts() -> None:
-    assert _parse_settings(["scale_down_nodes=7,6", "decay=0.5"], pb) == [("scale_down_nodes", [7, 6]), ("decay", 0.5)]
+    assert _parse_settings(["scale_down_nodes=7,6", "decay=0.5"], pb) == [
+        ("scale_down_nodes", [7, 6]),
+        ("decay", 0.5),
+    ]
     assert _parse_settings(["scale_down_nodes="], pb) == [("scale_down_nodes", [])]
     for bad, part in (("scale_down_nodes=7,-1", "'-1'"), ("scale_down_nodes=2.5", "'2.5'")):
         with pytest.raises(InputError, match=f"{part} is not a whole number of nodes"):
@@ -48,23 +51,39 @@ def test_admin_policy_parses_and_prints_a_list_of_counts() -> None:
 
 
 def test_admin_contingency_names_a_scale_down_by_the_nodes_left() -> None:
-    reply = pb.ContingencyResponse(planned=True, base_version=3, computed_at=0.0, balancedness_now=0.99, losses=[
-        pb.PlannedLoss(kind="node", lost_ranks=[6, 7], balancedness=0.9),
-        pb.PlannedLoss(kind="scale_down", lost_ranks=[4, 5, 6, 7], balancedness=0.8, slots_moved=5),
-        pb.PlannedLoss(kind="scale_down", lost_ranks=[2, 3, 4, 5, 6, 7], unserved=2),
-    ])
+    reply = pb.ContingencyResponse(
+        planned=True,
+        base_version=3,
+        computed_at=0.0,
+        balancedness_now=0.99,
+        losses=[
+            pb.PlannedLoss(kind="node", lost_ranks=[6, 7], balancedness=0.9),
+            pb.PlannedLoss(
+                kind="scale_down", lost_ranks=[4, 5, 6, 7], balancedness=0.8, slots_moved=5
+            ),
+            pb.PlannedLoss(kind="scale_down", lost_ranks=[2, 3, 4, 5, 6, 7], unserved=2),
+        ],
+    )
     lines = _contingency_text("d", reply).splitlines()
     assert lines[3].split() == ["down", "to", "2", "nodes", "0.800", "5", "0", "ranks", "4-7", "go"]
     assert lines[4].split()[:5] == ["down", "to", "1", "nodes", "-"]
     assert lines[4].endswith("ranks 2-7 go; cannot serve: 2 experts a layer without a slot")
 
 
-@pytest.mark.parametrize("line, message", [
-    ("scale_down_nodes = [7, 0]", "scale_down_nodes: 0 nodes: a deployment scales down to 1 node at least"),
-    ("scale_down_nodes = [6.5]", "scale_down_nodes: 6.5 is not a whole number of nodes"),
-    ("scale_down_nodes = 7", "scale_down_nodes must be a list of node counts, got 7"),
-])
-def test_a_bad_toml_default_is_refused_naming_the_count(tmp_path: Path, line: str, message: str) -> None:
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (
+            "scale_down_nodes = [7, 0]",
+            "scale_down_nodes: 0 nodes: a deployment scales down to 1 node at least",
+        ),
+        ("scale_down_nodes = [6.5]", "scale_down_nodes: 6.5 is not a whole number of nodes"),
+        ("scale_down_nodes = 7", "scale_down_nodes must be a list of node counts, got 7"),
+    ],
+)
+def test_a_bad_toml_default_is_refused_naming_the_count(
+    tmp_path: Path, line: str, message: str
+) -> None:
     path = tmp_path / "c.toml"
     path.write_text(f"[policy]\n{line}\n")
     with pytest.raises(InputError) as err:

@@ -115,7 +115,9 @@ def test_store_lock_is_not_inherited_by_children(tmp_path: Path) -> None:
     lock = StoreLock(db)
     child = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(60)"],
-        close_fds=False, stdout=subprocess.PIPE, text=True,
+        close_fds=False,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert child.stdout is not None and child.stdout.readline() == "up\n"
@@ -150,16 +152,22 @@ def test_message_limit_beyond_grpc_int_is_clamped() -> None:
 
 @pytest.mark.parametrize("case", ["missing-folder", "folder", "text-file"])
 def test_store_paths_that_cannot_be_stores(tmp_path: Path, case: str) -> None:
-    path = {"missing-folder": tmp_path / "nope" / "c.sqlite", "folder": tmp_path,
-            "text-file": tmp_path / "notes.txt"}[case]
+    path = {
+        "missing-folder": tmp_path / "nope" / "c.sqlite",
+        "folder": tmp_path,
+        "text-file": tmp_path / "notes.txt",
+    }[case]
     if case == "text-file":
         path.write_text("not sqlite\n" * 100)
     with pytest.raises(InputError) as info:
         Store(path)
     message = str(info.value)
     assert "\n" not in message
-    assert {"missing-folder": "does not exist", "folder": "is a folder",
-            "text-file": "not an SQLite database"}[case] in message
+    assert {
+        "missing-folder": "does not exist",
+        "folder": "is a folder",
+        "text-file": "not an SQLite database",
+    }[case] in message
 
 
 def test_a_failed_start_releases_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,10 +178,15 @@ def test_a_failed_start_releases_the_store(tmp_path: Path, monkeypatch: pytest.M
     busy.bind(("127.0.0.1", 0))
     busy.listen()
     real = server_module.probe_port
-    monkeypatch.setattr(server_module, "probe_port",
-                        lambda host, port, what: None if what == "metrics" else real(host, port, what))
+    monkeypatch.setattr(
+        server_module,
+        "probe_port",
+        lambda host, port, what: None if what == "metrics" else real(host, port, what),
+    )
     db = tmp_path / "c.sqlite"
-    config = ControllerConfig(port=0, db_path=str(db), metrics_port=busy.getsockname()[1], drain_seconds=0.0)
+    config = ControllerConfig(
+        port=0, db_path=str(db), metrics_port=busy.getsockname()[1], drain_seconds=0.0
+    )
     try:
         with pytest.raises(InUseError, match="metrics port .* is in use"):
             EmbeddedController(config).start()
@@ -189,10 +202,20 @@ def test_a_failed_start_releases_the_store(tmp_path: Path, monkeypatch: pytest.M
         ctl.stop()
 
 
-@pytest.mark.parametrize("host, expected", [
-    ("127.0.0.1", True), ("127.1.2.3", True), ("localhost", True), ("::1", True), ("[::1]", True),
-    ("0.0.0.0", False), ("::", False), ("10.0.0.1", False), ("controller.example", False),
-])
+@pytest.mark.parametrize(
+    "host, expected",
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.1", False),
+        ("controller.example", False),
+    ],
+)
 def test_is_loopback(host: str, expected: bool) -> None:
     assert is_loopback(host) is expected
 
@@ -202,7 +225,9 @@ def test_exposure_rules(tmp_path: Path) -> None:
         (tmp_path / name).write_text("x")
     bare = ControllerConfig(host="0.0.0.0")
     assert unauthenticated_services(bare) == ["admin", "worker"]
-    with pytest.raises(InputError, match="the admin service and the worker service unauthenticated"):
+    with pytest.raises(
+        InputError, match="the admin service and the worker service unauthenticated"
+    ):
         check_exposure(bare)
     with pytest.raises(InputError, match="the worker service unauthenticated"):
         check_exposure(replace(bare, admin_token="t"))
@@ -211,15 +236,20 @@ def test_exposure_rules(tmp_path: Path) -> None:
     check_exposure(replace(bare, admin_token="t", worker_tokens={"d": "w"}))
     check_exposure(replace(bare, insecure=True))
     check_exposure(ControllerConfig(host="127.0.0.1"))
-    mtls = replace(bare, tls_cert=str(tmp_path / "s.crt"), tls_key=str(tmp_path / "s.key"),
-                   tls_client_ca=str(tmp_path / "ca.crt"))
+    mtls = replace(
+        bare,
+        tls_cert=str(tmp_path / "s.crt"),
+        tls_key=str(tmp_path / "s.key"),
+        tls_client_ca=str(tmp_path / "ca.crt"),
+    )
     check_exposure(mtls)  # every client needs a certificate: authenticated
     assert any("any client certificate" in w for w in exposure_warnings(mtls))
     assert not any("TLS off" in w for w in exposure_warnings(mtls))
     lines = exposure_warnings(replace(bare, insecure=True))
     assert [w.split(" ")[0] for w in lines] == ["admin", "worker", "TLS"]
     assert exposure_warnings(replace(bare, admin_token="t", worker_tokens={"d": "w"})) == [
-        "TLS off: calls and tokens travel in plain text (0.0.0.0, not loopback)"]
+        "TLS off: calls and tokens travel in plain text (0.0.0.0, not loopback)"
+    ]
 
 
 def test_config_types_are_checked(tmp_path: Path) -> None:

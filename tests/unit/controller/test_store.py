@@ -34,7 +34,11 @@ def test_round_trip_across_reopen(tmp_path: Path) -> None:
     plans = again.plans("d")
     assert [(p.version, p.state) for p in plans] == [(2, "aborted"), (1, "committed")]
     assert plans[0].reason.startswith("rank 3")
-    assert (plans[1].created, plans[1].finished, plans[0].finished) == (2.0, 3.0, 5.0)  # the caller's times
+    assert (plans[1].created, plans[1].finished, plans[0].finished) == (
+        2.0,
+        3.0,
+        5.0,
+    )  # the caller's times
     assert again.decisions("d")[0]["outcome"] == "skip_gain"
     assert again.ingest_state("d") == {"next_seq": {"0": 5}}
     assert again.max_version("d") == 2

@@ -21,10 +21,18 @@ EARLY = ClusterShape(num_layers=2, num_logical=8, num_slots=8, num_gpus=2)
 LOADED = replace(EARLY, expert_bytes=4096)
 
 
-def _register(ctl: Controller, name: str, shape: ClusterShape, worker: str,
-              unknown: frozenset[str] = frozenset(), pool: str = "p") -> None:
+def _register(
+    ctl: Controller,
+    name: str,
+    shape: ClusterShape,
+    worker: str,
+    unknown: frozenset[str] = frozenset(),
+    pool: str = "p",
+) -> None:
     for rank in range(shape.num_gpus):
-        session, _ = ctl.register(name, rank, shape, 0, None, f"{worker}-{rank}", pool=pool, unknown=unknown)
+        session, _ = ctl.register(
+            name, rank, shape, 0, None, f"{worker}-{rank}", pool=pool, unknown=unknown
+        )
         ctl.detach(session.session_id)
 
 
@@ -37,7 +45,10 @@ def test_expert_bytes_unknown_at_register_are_filled_in_later(tmp_path: Path) ->
     path = tmp_path / "c.sqlite"
     ctl = Controller(Store(path), PolicyConfig())
     _register(ctl, "a", EARLY, "early", UNKNOWN_EXPERT_BYTES)
-    assert _stored_bytes(path, "a") is None and ctl.deployment("a").unknown_fields == UNKNOWN_EXPERT_BYTES
+    assert (
+        _stored_bytes(path, "a") is None
+        and ctl.deployment("a").unknown_fields == UNKNOWN_EXPERT_BYTES
+    )
     # A restart in between keeps them unknown.
     ctl = Controller(Store(path), PolicyConfig())
     _register(ctl, "a", LOADED, "loaded")  # before the fix: FAILED_PRECONDITION (shape change)
@@ -58,15 +69,19 @@ def test_expert_bytes_unknown_at_register_are_filled_in_later(tmp_path: Path) ->
     assert restarted.fleet.pools["p"].unknown_fields == frozenset()
 
 
-def test_a_pool_created_by_a_member_without_expert_bytes_takes_the_first_known(tmp_path: Path) -> None:
+def test_a_pool_created_by_a_member_without_expert_bytes_takes_the_first_known(
+    tmp_path: Path,
+) -> None:
     ctl = Controller(Store(tmp_path / "c.sqlite"), PolicyConfig())
     _register(ctl, "a", EARLY, "a-early", UNKNOWN_EXPERT_BYTES)
-    _register(ctl, "b", EARLY, "b-early", UNKNOWN_EXPERT_BYTES)   # both unknown: joins
+    _register(ctl, "b", EARLY, "b-early", UNKNOWN_EXPERT_BYTES)  # both unknown: joins
     assert ctl.fleet.pools["p"].unknown_fields == UNKNOWN_EXPERT_BYTES
     _register(ctl, "b", LOADED, "b-loaded")
     assert ctl.fleet.pools["p"].shape.expert_bytes == 4096
-    with pytest.raises(StateError, match="cannot join pool 'p': its shape field expert_bytes is 8192"):
+    with pytest.raises(
+        StateError, match="cannot join pool 'p': its shape field expert_bytes is 8192"
+    ):
         _register(ctl, "c", replace(EARLY, expert_bytes=8192), "c")
-    assert "c" not in ctl.registry.deployments   # nothing created on a refusal
+    assert "c" not in ctl.registry.deployments  # nothing created on a refusal
     _register(ctl, "a", LOADED, "a-loaded")
     assert ctl.deployment("a").shape.expert_bytes == 4096

@@ -108,7 +108,12 @@ def manifests() -> dict[tuple[str, str], dict[str, Any]]:
             data[key or Path(file).name] = (BASE / file).read_text()
         key = ("ConfigMap", generator["name"])
         assert key not in out, f"base/kustomization.yaml: {key} defined twice"
-        out[key] = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": generator["name"]}, "data": data}
+        out[key] = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": generator["name"]},
+            "data": data,
+        }
     return out
 
 
@@ -179,14 +184,21 @@ def operator_models() -> Path:
     if shutil.which("node") is None:
         missing("node", ".ci/run installs Debian's nodejs when absent")
     if not (NPM_MODELS / "@kubernetes-models" / "prometheus-operator").is_dir():
-        missing("@kubernetes-models/prometheus-operator", "`.ci/run --tools` installs it into .ci/tools/npm")
+        missing(
+            "@kubernetes-models/prometheus-operator",
+            "`.ci/run --tools` installs it into .ci/tools/npm",
+        )
     return NPM_MODELS
 
 
 @functools.cache
 def _kustomize(kubectl: str, directory: Path) -> str:
-    result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, f"kubectl kustomize {directory.relative_to(ROOT)}: {result.stderr}"
+    result = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, (
+        f"kubectl kustomize {directory.relative_to(ROOT)}: {result.stderr}"
+    )
     return result.stdout
 
 

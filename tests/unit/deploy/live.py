@@ -25,9 +25,15 @@ from rebalancer.launch.instant import DEPLOYMENT, E, G, InstantRank, L, P
 from rebalancer.launch.processes import reap
 
 # What each metric type of the text exposition puts after a family's name.
-_SERIES_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
-                    "summary": ("_sum", "_count", ""), "info": ("_info",), "gauge": ("",),
-                    "untyped": ("",), "unknown": ("",)}
+_SERIES_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("_sum", "_count", ""),
+    "info": ("_info",),
+    "gauge": ("",),
+    "untyped": ("",),
+    "unknown": ("",),
+}
 
 
 def series_names(text: str) -> set[str]:
@@ -61,8 +67,12 @@ def live_exposition(folder: Path) -> tuple[str, str]:
     from rebalancer.controller.decide import PolicyConfig
     from tests.integration.conftest import start_controller
 
-    ctl = start_controller(folder / "c.sqlite", PolicyConfig(paused=True, min_windows=1),
-                           metrics_port=0, per_layer_metrics=True)
+    ctl = start_controller(
+        folder / "c.sqlite",
+        PolicyConfig(paused=True, min_windows=1),
+        metrics_port=0,
+        per_layer_metrics=True,
+    )
     sockets = Path(tempfile.mkdtemp(prefix="lv", dir="/tmp"))  # short: 107-byte socket paths
     target = f"unix://{sockets}/agent.sock"
     sidecar: subprocess.Popen[str] | None = None
@@ -71,10 +81,33 @@ def live_exposition(folder: Path) -> tuple[str, str]:
         assert ctl.server is not None and ctl.server.metrics_port
         log = (folder / "sidecar.log").open("a")
         sidecar = subprocess.Popen(
-            [sys.executable, "-m", "rebalancer", "sidecar", "--listen", target, "--controller", ctl.server.address,
-             "--ranks", f"0-{G - 1}", "--pod", "ns/live-0", "--deployment", DEPLOYMENT, "--metrics-port", "0",
-             "--metrics-host", "127.0.0.1", "--grace", "1", "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, stderr=log, text=True,
+            [
+                sys.executable,
+                "-m",
+                "rebalancer",
+                "sidecar",
+                "--listen",
+                target,
+                "--controller",
+                ctl.server.address,
+                "--ranks",
+                f"0-{G - 1}",
+                "--pod",
+                "ns/live-0",
+                "--deployment",
+                DEPLOYMENT,
+                "--metrics-port",
+                "0",
+                "--metrics-host",
+                "127.0.0.1",
+                "--grace",
+                "1",
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
         )
         log.close()
         assert sidecar.stdout is not None
@@ -96,11 +129,22 @@ def live_exposition(folder: Path) -> tuple[str, str]:
 
         def folded() -> int:
             return int(ctl.call(lambda: controller.deployments[DEPLOYMENT].estimator.windows))  # type: ignore[no-any-return]
-        wait_for(lambda: DEPLOYMENT in ctl.call(lambda: controller.deployments) and folded() >= 3, 30, "3 windows folded")
+
+        wait_for(
+            lambda: DEPLOYMENT in ctl.call(lambda: controller.deployments) and folded() >= 3,
+            30,
+            "3 windows folded",
+        )
         _, plan = ctl.call(lambda: controller.force(DEPLOYMENT))
         assert plan is not None, "the forced decision started no plan"
-        wait_for(lambda: ctl.call(lambda: controller.deployments[DEPLOYMENT].version) == plan.version
-                 and ctl.call(lambda: controller.deployments[DEPLOYMENT].plan) is None, 30, "the plan committed")
+        wait_for(
+            lambda: (
+                ctl.call(lambda: controller.deployments[DEPLOYMENT].version) == plan.version
+                and ctl.call(lambda: controller.deployments[DEPLOYMENT].plan) is None
+            ),
+            30,
+            "the plan committed",
+        )
         return scrape(ctl.server.metrics_port), scrape(sidecar_port)
     finally:
         for r in ranks:

@@ -56,20 +56,32 @@ def render() -> str:
 
     _Dumper.add_representer(str, _str)
     alerts = yaml.safe_load(ALERTS.read_text())
-    body = yaml.dump(prometheus_rule(alerts), Dumper=_Dumper, sort_keys=False,
-                     default_flow_style=False, width=1 << 20, allow_unicode=True)
+    body = yaml.dump(
+        prometheus_rule(alerts),
+        Dumper=_Dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        width=1 << 20,
+        allow_unicode=True,
+    )
     return HEADER + body
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale, write nothing")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if the file is stale, write nothing"
+    )
     args = parser.parse_args(argv)
     text = render()
     if args.check:
         if not OUTPUT.exists() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is stale: run python -m tests.unit.deploy.prometheusrule",
-                  file=sys.stderr)
+            print(
+                f"{OUTPUT.relative_to(ROOT)} is stale: run python -m tests.unit.deploy.prometheusrule",
+                file=sys.stderr,
+            )
             return 1
         return 0
     OUTPUT.write_text(text)

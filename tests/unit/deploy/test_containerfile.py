@@ -56,18 +56,24 @@ def stages(path: Path | None = None) -> list[list[tuple[str, str]]]:
 
 
 def test_hadolint(hadolint: str) -> None:
-    result = subprocess.run([hadolint, "--no-color", str(CONTAINERFILE)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [hadolint, "--no-color", str(CONTAINERFILE)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_multi_stage_on_a_pinned_base() -> None:
-    args = dict(rest.split("=", 1) for word, rest in instructions() if word == "ARG" and "=" in rest)
+    args = dict(
+        rest.split("=", 1) for word, rest in instructions() if word == "ARG" and "=" in rest
+    )
     base = args["PYTHON_IMAGE"]
     assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm@sha256:[0-9a-f]{64}", base), base
     froms = [rest for word, rest in instructions() if word == "FROM"]
     assert len(froms) >= 2, "a build stage and a runtime stage"
     for rest in froms:
-        assert rest.split()[0] == "${PYTHON_IMAGE}", f"every stage starts from the pinned base: {rest}"
+        assert rest.split()[0] == "${PYTHON_IMAGE}", (
+            f"every stage starts from the pinned base: {rest}"
+        )
     assert froms[0].endswith("AS build") and froms[-1].endswith("AS runtime")
 
 
@@ -82,12 +88,16 @@ def test_installs_only_the_lock_and_no_torch() -> None:
     build, runtime = stages()[0], stages()[-1]
     runs = " ".join(rest for word, rest in build if word == "RUN")
     runtime_lock = RUNTIME_LOCK.name
-    assert f"--require-hashes -r {runtime_lock}" in " ".join(runs.split()), "the venv installs the hashed lock"
+    assert f"--require-hashes -r {runtime_lock}" in " ".join(runs.split()), (
+        "the venv installs the hashed lock"
+    )
     assert f"--require-hashes -r {BUILD_LOCK.name}" in " ".join(runs.split()), "the build tools too"
     commands = [c for word, rest in build if word == "RUN" for c in rest.split("&&")]
     for command in commands:
         if " install " in command and " -r " in command:
-            assert "--no-deps" not in command, f"--no-deps lets an unlocked dependency pass: {command}"
+            assert "--no-deps" not in command, (
+                f"--no-deps lets an unlocked dependency pass: {command}"
+            )
     for word, rest in build + runtime:
         if word == "RUN" and "pip" in rest:
             assert "torch" not in rest.replace("find_spec('torch')", ""), rest
@@ -111,7 +121,10 @@ def test_runs_as_the_manifests_user_on_a_read_only_root() -> None:
     assert (int(uid), int(gid)) == (pod_sc["runAsUser"], pod_sc["runAsGroup"])
     (patch,) = documents(COMPONENTS / "sidecar" / "pod-patch.yaml")
     (sidecar,) = patch["spec"]["initContainers"]
-    assert (int(uid), int(gid)) == (sidecar["securityContext"]["runAsUser"], sidecar["securityContext"]["runAsGroup"])
+    assert (int(uid), int(gid)) == (
+        sidecar["securityContext"]["runAsUser"],
+        sidecar["securityContext"]["runAsGroup"],
+    )
     env = " ".join(rest for word, rest in runtime if word == "ENV")
     assert "PYTHONDONTWRITEBYTECODE=1" in env, "no .pyc written next to the read-only site-packages"
     (entrypoint,) = [rest for word, rest in runtime if word == "ENTRYPOINT"]
@@ -127,17 +140,37 @@ def _ignored(path: str, patterns: list[str]) -> bool:
         pattern = pattern.lstrip("!").rstrip("/")
         parts = path.split("/")
         prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-        if any(fnmatch.fnmatch(p, pattern) or fnmatch.fnmatch(p, pattern.replace("**/", "")) for p in prefixes):
+        if any(
+            fnmatch.fnmatch(p, pattern) or fnmatch.fnmatch(p, pattern.replace("**/", ""))
+            for p in prefixes
+        ):
             hit = not negate
     return hit
 
 
 def test_build_context() -> None:
-    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
-    for path in (".venv", ".git", "tests", "bench", "bench/chaos/harness.py", ".pytest_cache", ".mypy_cache",
-                 ".ruff_cache", "docs/sim.png", "out", ".ci/tools", "rebalancer/__pycache__/x.pyc", "x.sqlite",
-                 "deploy/kubernetes", "deploy/controller.toml"):
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for path in (
+        ".venv",
+        ".git",
+        "tests",
+        "bench",
+        "bench/chaos/harness.py",
+        ".pytest_cache",
+        ".mypy_cache",
+        ".ruff_cache",
+        "docs/sim.png",
+        "out",
+        ".ci/tools",
+        "rebalancer/__pycache__/x.pyc",
+        "x.sqlite",
+        "deploy/kubernetes",
+        "deploy/controller.toml",
+    ):
         assert _ignored(path, patterns), f".dockerignore lets {path} into the build context"
     # What the build stage copies is in the context, and covers the wheel's packages.
     copied: list[str] = []
@@ -145,10 +178,14 @@ def test_build_context() -> None:
         if word == "COPY":
             copied.extend(rest.split()[:-1])
     pyproject: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    packages = {
+        p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
     locks = {str(lock.relative_to(ROOT)) for lock in (RUNTIME_LOCK, BUILD_LOCK)}
     assert packages | locks | {"pyproject.toml", pyproject["project"]["readme"]} == set(copied)
-    assert not {"bench", "tests"} & {path.split("/")[0] for path in copied}, "neither bench nor tests ships"
+    assert not {"bench", "tests"} & {path.split("/")[0] for path in copied}, (
+        "neither bench nor tests ships"
+    )
     for path in copied:
         assert (ROOT / path).exists(), path
         assert not _ignored(path, patterns), f".dockerignore hides {path}, which the build copies"
@@ -157,14 +194,23 @@ def test_build_context() -> None:
 
 
 @pytest.mark.parametrize("line", ["FROM python:3.11-slim AS build", "USER root", "USER rebalancer"])
-def test_the_checks_catch_what_they_should(line: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+def test_the_checks_catch_what_they_should(
+    line: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
     text = CONTAINERFILE.read_text()
     word = line.split()[0]
-    first = next(raw for raw in text.splitlines() if raw.startswith(word + " ")
-                 and (word != "FROM" or "AS build" in raw))
+    first = next(
+        raw
+        for raw in text.splitlines()
+        if raw.startswith(word + " ") and (word != "FROM" or "AS build" in raw)
+    )
     broken = tmp_path / "Containerfile"
     broken.write_text(text.replace(first, line))
     monkeypatch.setattr(sys.modules[__name__], "CONTAINERFILE", broken)
-    check = test_multi_stage_on_a_pinned_base if word == "FROM" else test_runs_as_the_manifests_user_on_a_read_only_root
+    check = (
+        test_multi_stage_on_a_pinned_base
+        if word == "FROM"
+        else test_runs_as_the_manifests_user_on_a_read_only_root
+    )
     with pytest.raises((AssertionError, ValueError)):
         check()

@@ -35,9 +35,16 @@ def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     """(where, expr) of every panel target and query annotation."""
-    out = [(f"panel {p['title']!r} {t['refId']}", t["expr"])
-           for p in _panels(dashboard) for t in p.get("targets", [])]
-    out += [(f"annotation {a['name']!r}", a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a]
+    out = [
+        (f"panel {p['title']!r} {t['refId']}", t["expr"])
+        for p in _panels(dashboard)
+        for t in p.get("targets", [])
+    ]
+    out += [
+        (f"annotation {a['name']!r}", a["expr"])
+        for a in dashboard["annotations"]["list"]
+        if "expr" in a
+    ]
     return out
 
 
@@ -77,19 +84,32 @@ def test_per_deployment_metrics_follow_the_variable(dashboard: dict[str, Any]) -
     # latency, plan phases), the store's errors and build info are controller-wide, and a
     # replica pool's series are the pool's, over all its members (its members' divergence
     # too: which members of a pool follow it is a view of the pool, not of a deployment).
-    global_metrics = {"rebalancer_ingest_seconds", "rebalancer_plan_phase_seconds", "rebalancer_build_info",
-                      "rebalancer_store_errors", "rebalancer_pool_members", "rebalancer_pool_diverged_members",
-                      "rebalancer_pool_members_at_target", "rebalancer_pool_members_moving",
-                      "rebalancer_pool_placement_version", "rebalancer_pool_balancedness",
-                      "rebalancer_pool_decisions", "rebalancer_pool_divergences", "rebalancer_pool_member_diverged",
-                      "rebalancer_rank_windows_folded", "rebalancer_event_loop_busy_seconds"}
+    global_metrics = {
+        "rebalancer_ingest_seconds",
+        "rebalancer_plan_phase_seconds",
+        "rebalancer_build_info",
+        "rebalancer_store_errors",
+        "rebalancer_pool_members",
+        "rebalancer_pool_diverged_members",
+        "rebalancer_pool_members_at_target",
+        "rebalancer_pool_members_moving",
+        "rebalancer_pool_placement_version",
+        "rebalancer_pool_balancedness",
+        "rebalancer_pool_decisions",
+        "rebalancer_pool_divergences",
+        "rebalancer_pool_member_diverged",
+        "rebalancer_rank_windows_folded",
+        "rebalancer_event_loop_busy_seconds",
+    }
     for where, expr in _queries(dashboard):
         names = {base_name(n) for n in metric_names(expr)}
         if names - global_metrics:
             assert 'deployment=~"$deployment"' in expr, f"{where}: {expr}"
 
 
-def test_queries_select_only_exported_metrics(dashboard: dict[str, Any], exported_metrics: set[str]) -> None:
+def test_queries_select_only_exported_metrics(
+    dashboard: dict[str, Any], exported_metrics: set[str]
+) -> None:
     used = set()
     for where, expr in _queries(dashboard):
         names = metric_names(grafana_to_promql(expr))
@@ -106,40 +126,73 @@ def test_queries_select_only_exported_metrics(dashboard: dict[str, Any], exporte
 def test_names_are_checked_with_their_suffixes(exported_metrics: set[str]) -> None:
     # A counter is selected as name_total, a histogram by its _bucket/_sum/_count: the
     # bare family name selects nothing, so the check above would catch it.
-    assert {"rebalancer_plans_total", "rebalancer_ingest_seconds_bucket", "rebalancer_ingest_seconds_count",
-            "rebalancer_build_info", "rebalancer_sidecar_plans_total"} <= exported_metrics
-    assert not {"rebalancer_plans", "rebalancer_ingest_seconds", "rebalancer_build"} & exported_metrics
+    assert {
+        "rebalancer_plans_total",
+        "rebalancer_ingest_seconds_bucket",
+        "rebalancer_ingest_seconds_count",
+        "rebalancer_build_info",
+        "rebalancer_sidecar_plans_total",
+    } <= exported_metrics
+    assert (
+        not {"rebalancer_plans", "rebalancer_ingest_seconds", "rebalancer_build"} & exported_metrics
+    )
 
 
 def test_required_views(dashboard: dict[str, Any]) -> None:
     exprs = " ".join(expr for _, expr in _queries(dashboard))
-    assert 'histogram_quantile(0.99, sum by (le) (rate(rebalancer_ingest_seconds_bucket' in exprs
-    for by in ("outcome) (increase(rebalancer_decisions_total", "trigger) (increase(rebalancer_rebalances_total",
-               "reason) (increase(rebalancer_plan_aborts_total", "rebalancer_plan_phase_seconds_bucket",
-               "rate(rebalancer_ingest_bytes_total", "rate(rebalancer_windows_ingested_total",
-               "rebalancer_migrated_slots_total", "rebalancer_migrated_bytes_total",
-               "rebalancer_last_plan_stall_seconds", "rebalancer_store_errors_total", "rebalancer_streams"):
+    assert "histogram_quantile(0.99, sum by (le) (rate(rebalancer_ingest_seconds_bucket" in exprs
+    for by in (
+        "outcome) (increase(rebalancer_decisions_total",
+        "trigger) (increase(rebalancer_rebalances_total",
+        "reason) (increase(rebalancer_plan_aborts_total",
+        "rebalancer_plan_phase_seconds_bucket",
+        "rate(rebalancer_ingest_bytes_total",
+        "rate(rebalancer_windows_ingested_total",
+        "rebalancer_migrated_slots_total",
+        "rebalancer_migrated_bytes_total",
+        "rebalancer_last_plan_stall_seconds",
+        "rebalancer_store_errors_total",
+        "rebalancer_streams",
+    ):
         assert by in exprs, by
     panels = {p["title"]: p for p in _panels(dashboard)}
     # One overview row per deployment: a row repeated over the deployment variable.
     (overview,) = [p for p in dashboard["panels"] if p["type"] == "row" and p.get("repeat")]
     assert overview["repeat"] == "deployment"
-    for title in ("Balancedness now", "Balancedness over layers", "Plans and aborts", "Stall and duration per plan",
-                  "Weights moved", "Decision outcomes", "Windows per second", "Ingest latency per window",
-                  "Streams and ranks", "Store errors"):
+    for title in (
+        "Balancedness now",
+        "Balancedness over layers",
+        "Plans and aborts",
+        "Stall and duration per plan",
+        "Weights moved",
+        "Decision outcomes",
+        "Windows per second",
+        "Ingest latency per window",
+        "Streams and ranks",
+        "Store errors",
+    ):
         assert title in panels, title
     stats = {t["expr"] for t in panels["Balancedness over layers"]["targets"]}
-    assert 'rebalancer_balancedness{deployment=~"$deployment",source="actual"}' in stats  # min/p50/p90/avg
+    assert (
+        'rebalancer_balancedness{deployment=~"$deployment",source="actual"}' in stats
+    )  # min/p50/p90/avg
     heatmap = panels["Load imbalance per layer"]
-    assert heatmap["type"] == "heatmap" and "rebalancer_layer_imbalance" in heatmap["targets"][0]["expr"]
+    assert (
+        heatmap["type"] == "heatmap"
+        and "rebalancer_layer_imbalance" in heatmap["targets"][0]["expr"]
+    )
     assert "per_layer_metrics = true" in heatmap["description"]
 
 
 def test_queries_are_valid_promql(dashboard: dict[str, Any], promtool: str, tmp_path: Path) -> None:
     # promtool parses every expression of a recording-rule file: a syntax error fails it.
-    rules = [{"record": f"dashboard:query_{i}", "expr": grafana_to_promql(expr)}
-             for i, (_, expr) in enumerate(_queries(dashboard))]
+    rules = [
+        {"record": f"dashboard:query_{i}", "expr": grafana_to_promql(expr)}
+        for i, (_, expr) in enumerate(_queries(dashboard))
+    ]
     path = tmp_path / "dashboard_rules.yml"
     path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}))  # JSON is YAML
-    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -19,9 +19,16 @@ from tests.unit.deploy.image_lock import BUILD_LOCK, RUNTIME_LOCK, Pin, read_loc
 
 PYPROJECT: dict[str, Any] = tomllib.loads((RUNTIME_LOCK.parents[2] / "pyproject.toml").read_text())
 # The image's platform: Debian bookworm's python 3.11 on linux x86_64.
-IMAGE_PLATFORM = {"python_version": "3.11", "python_full_version": "3.11.2", "sys_platform": "linux",
-                  "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-                  "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+IMAGE_PLATFORM = {
+    "python_version": "3.11",
+    "python_full_version": "3.11.2",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+}
 
 
 def uncovered(requirements: list[str], pins: dict[str, Pin]) -> list[str]:
@@ -53,7 +60,9 @@ def test_no_extra_and_no_build_tool_in_the_runtime_lock() -> None:
     for extra, requirements in PYPROJECT["project"]["optional-dependencies"].items():
         for text in requirements:
             name = canonicalize_name(Requirement(text).name)
-            assert name in base or name not in runtime, f"{name} (extra {extra}) is in the image's lock"
+            assert name in base or name not in runtime, (
+                f"{name} (extra {extra}) is in the image's lock"
+            )
     assert not {"torch", "pip", "setuptools", "wheel"} & set(runtime)
 
 
@@ -76,9 +85,11 @@ def test_the_checks_catch_what_they_should(edit: str, tmp_path: Path) -> None:
         text = "".join(lines[:start] + lines[end:])
     elif edit == "drop a hash":
         start = next(i for i, line in enumerate(lines) if line.startswith("prometheus-client=="))
-        text = "".join(lines[:start] + [lines[start].replace(" \\", "")] + lines[start + 3:])
+        text = "".join(lines[:start] + [lines[start].replace(" \\", "")] + lines[start + 3 :])
     elif edit == "numpy too old":
-        text = text.replace("\nnumpy==", "\nnumpy==1.0.0 \\\n    --hash=sha256:" + "0" * 64 + "\n#", 1)
+        text = text.replace(
+            "\nnumpy==", "\nnumpy==1.0.0 \\\n    --hash=sha256:" + "0" * 64 + "\n#", 1
+        )
     else:
         text = text.replace("\nscipy==", "\nscipy>=", 1)
     broken = tmp_path / "requirements.txt"

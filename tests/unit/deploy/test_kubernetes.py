@@ -29,8 +29,8 @@ from tests.unit.deploy.conftest import (
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 NAMESPACE = "rebalancer"
 CLUSTER_SCOPED = {"Namespace", "PriorityClass"}
-SIDECAR_LABEL = ("rebalancer.io/sidecar", "true")   # components/sidecar puts it on pods
-WORKER_LABEL = ("rebalancer.io/worker", "true")     # ranks that dial the controller directly
+SIDECAR_LABEL = ("rebalancer.io/sidecar", "true")  # components/sidecar puts it on pods
+WORKER_LABEL = ("rebalancer.io/worker", "true")  # ranks that dial the controller directly
 CONFIG_PATH = "/etc/rebalancer/controller.toml"
 
 
@@ -51,19 +51,37 @@ def _volume(pod: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _mount_of(container: dict[str, Any], path: str) -> dict[str, Any]:
     """The volume mount whose mountPath holds `path` (deepest wins)."""
-    hits = [m for m in container["volumeMounts"]
-            if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    hits = [
+        m
+        for m in container["volumeMounts"]
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
     assert hits, f"{path} is on no volume mount"
     return max(hits, key=lambda m: len(m["mountPath"]))
 
 
 def test_the_manifests_are_there() -> None:
     names = {p.relative_to(KUBERNETES).as_posix() for p in manifest_files()}
-    assert {*(f"base/{n}.yaml" for n in ("namespace", "serviceaccount", "deployment", "service",
-                                          "pvc", "pdb", "networkpolicy")),
-            "templates/secret-admin-token.yaml", "examples/inference-pod.yaml", "examples/leaderworkerset.yaml",
-            "overlays/prod/priorityclass.yaml", "components/monitoring/servicemonitor.yaml",
-            "components/monitoring/podmonitor.yaml"} <= names
+    assert {
+        *(
+            f"base/{n}.yaml"
+            for n in (
+                "namespace",
+                "serviceaccount",
+                "deployment",
+                "service",
+                "pvc",
+                "pdb",
+                "networkpolicy",
+            )
+        ),
+        "templates/secret-admin-token.yaml",
+        "examples/inference-pod.yaml",
+        "examples/leaderworkerset.yaml",
+        "overlays/prod/priorityclass.yaml",
+        "components/monitoring/servicemonitor.yaml",
+        "components/monitoring/podmonitor.yaml",
+    } <= names
 
 
 def test_the_base_lists_its_files() -> None:
@@ -75,16 +93,22 @@ def test_the_base_lists_its_files() -> None:
     assert kustomization(BASE)["kind"] == "Kustomization"
 
 
-@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: p.relative_to(KUBERNETES).as_posix())
+@pytest.mark.parametrize(
+    "path", manifest_files(), ids=lambda p: p.relative_to(KUBERNETES).as_posix()
+)
 def test_every_manifest_parses_and_names_its_object(path: Path) -> None:
     docs = documents(path)
     assert docs, f"{path.name}: no document"
     for doc in docs:
         assert isinstance(doc, dict), f"{path.name}: a document is not a mapping"
-        assert isinstance(doc.get("apiVersion"), str) and doc["apiVersion"], f"{path.name}: apiVersion"
+        assert isinstance(doc.get("apiVersion"), str) and doc["apiVersion"], (
+            f"{path.name}: apiVersion"
+        )
         assert isinstance(doc.get("kind"), str) and doc["kind"][:1].isupper(), f"{path.name}: kind"
         name = (doc.get("metadata") or {}).get("name")
-        assert isinstance(name, str) and DNS_LABEL.match(name) and len(name) <= 63, f"{path.name}: metadata.name {name!r}"
+        assert isinstance(name, str) and DNS_LABEL.match(name) and len(name) <= 63, (
+            f"{path.name}: metadata.name {name!r}"
+        )
         if doc["kind"] not in CLUSTER_SCOPED:
             namespace = doc["metadata"].get("namespace")
             assert namespace, f"{path.name}: {doc['kind']} {name} has no namespace"
@@ -92,10 +116,21 @@ def test_every_manifest_parses_and_names_its_object(path: Path) -> None:
                 assert namespace == NAMESPACE
 
 
-def test_the_kinds_a_platform_team_applies(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
+def test_the_kinds_a_platform_team_applies(
+    manifests: dict[tuple[str, str], dict[str, Any]],
+) -> None:
     kinds = {kind for kind, _ in manifests}
-    assert {"Namespace", "ServiceAccount", "Deployment", "Service", "ConfigMap", "Secret",
-            "PersistentVolumeClaim", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert {
+        "Namespace",
+        "ServiceAccount",
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "Secret",
+        "PersistentVolumeClaim",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    } <= kinds
     assert ("Namespace", NAMESPACE) in manifests
     # The examples are no part of the base.
     assert all(doc["metadata"].get("namespace") != "inference" for doc in manifests.values())
@@ -103,20 +138,28 @@ def test_the_kinds_a_platform_team_applies(manifests: dict[tuple[str, str], dict
     assert not [p for p in base_files() if any(d["kind"] == "Secret" for d in documents(p))]
 
 
-def test_configmap_holds_controller_toml(manifests: dict[tuple[str, str], dict[str, Any]], tmp_path: Path) -> None:
+def test_configmap_holds_controller_toml(
+    manifests: dict[tuple[str, str], dict[str, Any]], tmp_path: Path
+) -> None:
     text = manifests[("ConfigMap", "rebalancer-config")]["data"]["controller.toml"]
     assert tomllib.loads(text) == tomllib.loads(CONTROLLER_TOML.read_text())
     # And the controller's own loader accepts it as is.
     (tmp_path / "controller.toml").write_text(text)
     config = load_config(tmp_path / "controller.toml")
-    assert config.host not in ("127.0.0.1", "localhost", "::1"), "a loopback host is unreachable for probes and ranks"
+    assert config.host not in ("127.0.0.1", "localhost", "::1"), (
+        "a loopback host is unreachable for probes and ranks"
+    )
     assert config.metrics_port, "the scrape annotation needs a fixed metrics port"
 
 
-def test_deployment_runs_serve_with_the_mounted_config(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
+def test_deployment_runs_serve_with_the_mounted_config(
+    manifests: dict[tuple[str, str], dict[str, Any]],
+) -> None:
     deployment = manifests[("Deployment", "rebalancer")]
     assert deployment["spec"]["replicas"] == 1, "single controller: its state is one SQLite file"
-    assert deployment["spec"]["strategy"]["type"] == "Recreate", "two controllers must never share the store"
+    assert deployment["spec"]["strategy"]["type"] == "Recreate", (
+        "two controllers must never share the store"
+    )
     c = _container(manifests)
     argv = [*c.get("command", []), *c["args"]]
     assert argv[:2] == ["rebalancer", "serve"]
@@ -128,7 +171,12 @@ def test_deployment_runs_serve_with_the_mounted_config(manifests: dict[tuple[str
     relative = posixpath.relpath(CONFIG_PATH, mount["mountPath"])
     volume = _volume(pod, mount["name"])
     sources = volume["projected"]["sources"] if "projected" in volume else [volume]
-    items = [(s["configMap"]["name"], item) for s in sources if "configMap" in s for item in s["configMap"]["items"]]
+    items = [
+        (s["configMap"]["name"], item)
+        for s in sources
+        if "configMap" in s
+        for item in s["configMap"]["items"]
+    ]
     assert ("rebalancer-config", {"key": "controller.toml", "path": relative}) in items
     # The admin token file is projected from the Secret the template creates.
     token_path = args.admin_token_file
@@ -137,7 +185,12 @@ def test_deployment_runs_serve_with_the_mounted_config(manifests: dict[tuple[str
     relative = posixpath.relpath(token_path, mount["mountPath"])
     volume = _volume(pod, mount["name"])
     sources = volume["projected"]["sources"] if "projected" in volume else [volume]
-    secrets = [(s["secret"]["name"], item) for s in sources if "secret" in s for item in s["secret"]["items"]]
+    secrets = [
+        (s["secret"]["name"], item)
+        for s in sources
+        if "secret" in s
+        for item in s["secret"]["items"]
+    ]
     assert len(secrets) == 1 and secrets[0][1]["path"] == relative
     name, item = secrets[0]
     assert item["key"] in manifests[("Secret", name)]["stringData"]
@@ -152,7 +205,9 @@ def test_ports_and_probes_agree_with_controller_toml(
     assert ports == {"grpc": server["port"], "metrics": server["metrics_port"]}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == server["port"], probe
-        assert c[probe]["grpc"].get("service", "") == "", f"{probe}: the overall health (service '')"
+        assert c[probe]["grpc"].get("service", "") == "", (
+            f"{probe}: the overall health (service '')"
+        )
     service = manifests[("Service", "rebalancer")]
     by_target = {p["targetPort"]: p["port"] for p in service["spec"]["ports"]}
     assert by_target == {"grpc": server["port"], "metrics": server["metrics_port"]}
@@ -167,12 +222,16 @@ def test_ports_and_probes_agree_with_controller_toml(
     assert env["REBALANCER_ADDRESS"]["value"].rsplit(":", 1)[1] == str(server["port"])
 
 
-def test_selectors_pick_the_controller_pod(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
+def test_selectors_pick_the_controller_pod(
+    manifests: dict[tuple[str, str], dict[str, Any]],
+) -> None:
     labels = _pod(manifests)["metadata"]["labels"]
     deployment = manifests[("Deployment", "rebalancer")]
-    for selector in (deployment["spec"]["selector"]["matchLabels"],
-                     manifests[("Service", "rebalancer")]["spec"]["selector"],
-                     manifests[("PodDisruptionBudget", "rebalancer")]["spec"]["selector"]["matchLabels"]):
+    for selector in (
+        deployment["spec"]["selector"]["matchLabels"],
+        manifests[("Service", "rebalancer")]["spec"]["selector"],
+        manifests[("PodDisruptionBudget", "rebalancer")]["spec"]["selector"]["matchLabels"],
+    ):
         assert selector and all(labels.get(k) == v for k, v in selector.items()), selector
 
 
@@ -253,8 +312,12 @@ def test_network_policy_admits_ranks_and_prometheus_only(
         (port,) = rule["ports"]
         assert port["protocol"] == "TCP"
         by_port.setdefault(port["port"], []).extend(rule["from"])
-    assert set(by_port) == {server["port"], server["metrics_port"]}, "only the gRPC and metrics ports"
-    grpc_peers = {tuple(peer["podSelector"]["matchLabels"].items()) for peer in by_port[server["port"]]}
+    assert set(by_port) == {server["port"], server["metrics_port"]}, (
+        "only the gRPC and metrics ports"
+    )
+    grpc_peers = {
+        tuple(peer["podSelector"]["matchLabels"].items()) for peer in by_port[server["port"]]
+    }
     assert grpc_peers == {(SIDECAR_LABEL,), (WORKER_LABEL,)}
     for peer in by_port[server["port"]] + by_port[server["metrics_port"]]:
         assert peer["podSelector"]["matchLabels"], "every peer is a label selector, never everyone"
@@ -274,7 +337,11 @@ def test_inference_pod_example_goes_through_the_sidecar(
     env = {e["name"]: e for e in sidecar["env"]}
     host, port = env["REBALANCER_CONTROLLER"]["value"].rsplit(":", 1)
     assert int(port) == controller_toml["server"]["port"]
-    assert host.split(".")[:3] == [service["metadata"]["name"], service["metadata"]["namespace"], "svc"]
+    assert host.split(".")[:3] == [
+        service["metadata"]["name"],
+        service["metadata"]["namespace"],
+        "svc",
+    ]
     # The token comes from the Secret the example ships (a placeholder), into the sidecar.
     (credentials,) = [v for v in pod["spec"]["volumes"] if v["name"] == "rebalancer-credentials"]
     token_source = credentials["projected"]["sources"][0]["secret"]

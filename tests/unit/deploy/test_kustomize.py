@@ -53,8 +53,10 @@ def validate_strict(kubernetes_validate: Any, obj: dict[str, Any], where: str) -
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            raise AssertionError(f"{where}: {obj['kind']} {obj['metadata'].get('name')} "
-                                 f"invalid for Kubernetes {version}: {exc.message} at {list(exc.path)}") from None
+            raise AssertionError(
+                f"{where}: {obj['kind']} {obj['metadata'].get('name')} "
+                f"invalid for Kubernetes {version}: {exc.message} at {list(exc.path)}"
+            ) from None
 
 
 def controller(objects: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
@@ -62,7 +64,9 @@ def controller(objects: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]
     return c
 
 
-def projected_files(pod_spec: dict[str, Any], container: dict[str, Any]) -> dict[str, tuple[str, str]]:
+def projected_files(
+    pod_spec: dict[str, Any], container: dict[str, Any]
+) -> dict[str, tuple[str, str]]:
     """Absolute path -> (Secret or ConfigMap name, key) for every projected/secret item mounted."""
     out = {}
     volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
@@ -73,7 +77,10 @@ def projected_files(pod_spec: dict[str, Any], container: dict[str, Any]) -> dict
             for kind in ("secret", "configMap"):
                 if kind in source:
                     for item in source[kind].get("items", []):
-                        out[posixpath.join(mount["mountPath"], item["path"])] = (source[kind]["name"], item["key"])
+                        out[posixpath.join(mount["mountPath"], item["path"])] = (
+                            source[kind]["name"],
+                            item["key"],
+                        )
     return out
 
 
@@ -89,8 +96,14 @@ def serve_config(objects: dict[tuple[str, str], dict[str, Any]], tmp_path: Path)
     path = tmp_path / "controller.toml"
     path.write_text(objects[("ConfigMap", name)]["data"][key])
     config = load_config(path)
-    overrides = {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
-                 "insecure": args.insecure, "host": args.host, "port": args.port}
+    overrides = {
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
+        "insecure": args.insecure,
+        "host": args.host,
+        "port": args.port,
+    }
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.admin_token_file:
         config = replace(config, admin_token="a token read from the file")
@@ -124,8 +137,15 @@ def test_the_base_renders_what_its_files_say(
 ) -> None:
     rendered = by_key(kustomize(kubectl, BASE))
     generated = {g["name"] for g in kustomization(BASE).get("configMapGenerator", [])}
-    names = {(kind, name.rsplit("-", 1)[0] if kind == "ConfigMap" and name.rsplit("-", 1)[0] in generated else name)
-             for kind, name in rendered}
+    names = {
+        (
+            kind,
+            name.rsplit("-", 1)[0]
+            if kind == "ConfigMap" and name.rsplit("-", 1)[0] in generated
+            else name,
+        )
+        for kind, name in rendered
+    }
     assert names == {k for k in manifests if k[0] != "Secret"}
     for obj in rendered.values():
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "moe-rebalancer"
@@ -167,8 +187,13 @@ def test_prod_serves_mutual_tls_from_cert_manager_secrets(
     assert files[args.tls_cert] == ("rebalancer-tls", "tls.crt")
     assert files[args.tls_key] == ("rebalancer-tls", "tls.key")
     assert files[args.tls_client_ca] == ("rebalancer-tls", "ca.crt")
-    assert files[args.admin_token_file] == ("rebalancer-admin-token", "token"), "prod mounts the admin token"
-    assert files[args.config][0].startswith("rebalancer-config") and files[args.config][1] == "controller.toml"
+    assert files[args.admin_token_file] == ("rebalancer-admin-token", "token"), (
+        "prod mounts the admin token"
+    )
+    assert (
+        files[args.config][0].startswith("rebalancer-config")
+        and files[args.config][1] == "controller.toml"
+    )
     # kubelet's grpc probes cannot pass a TLS handshake.
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert "grpc" not in controller(prod)[probe] and controller(prod)[probe]["tcpSocket"], probe
@@ -192,9 +217,14 @@ def test_prod_resources_priority_and_image(prod: dict[tuple[str, str], dict[str,
 def test_overlay_keeps_the_controller_locked_down(overlay: str, kubectl: str) -> None:
     objects = by_key(kustomize(kubectl, OVERLAYS / overlay))
     deployment = objects[("Deployment", "rebalancer")]
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert (
+        deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    )
     pod_spec = deployment["spec"]["template"]["spec"]
-    assert pod_spec["securityContext"]["runAsUser"] == UID and pod_spec["securityContext"]["runAsNonRoot"]
+    assert (
+        pod_spec["securityContext"]["runAsUser"] == UID
+        and pod_spec["securityContext"]["runAsNonRoot"]
+    )
     sc = controller(objects)["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"]["drop"] == ["ALL"]
     assert objects[("ServiceAccount", pod_spec["serviceAccountName"])]
@@ -219,11 +249,15 @@ def strip_sidecar(obj: dict[str, Any]) -> dict[str, Any]:
     for _, template in pod_templates(obj):
         spec = template["spec"]
         spec["initContainers"] = [c for c in spec.get("initContainers", []) if c["name"] != SIDECAR]
-        spec["volumes"] = [v for v in spec.get("volumes", []) if not v["name"].startswith("rebalancer-")]
+        spec["volumes"] = [
+            v for v in spec.get("volumes", []) if not v["name"].startswith("rebalancer-")
+        ]
         for c in spec["containers"]:
             if c["name"] == ENGINE:
                 c["env"] = [e for e in c.get("env", []) if e["name"] != "REBALANCER_ADDRESS"]
-                c["volumeMounts"] = [m for m in c.get("volumeMounts", []) if m["name"] != "rebalancer-socket"]
+                c["volumeMounts"] = [
+                    m for m in c.get("volumeMounts", []) if m["name"] != "rebalancer-socket"
+                ]
                 for key in ("env", "volumeMounts"):
                     if not c[key]:
                         del c[key]
@@ -238,15 +272,20 @@ def strip_sidecar(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def render_with_component(kubectl: str, workloads: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
+def render_with_component(
+    kubectl: str, workloads: list[dict[str, Any]], tmp_path: Path
+) -> list[dict[str, Any]]:
     import json
 
     folder = tmp_path / "workload"
     folder.mkdir()
-    (folder / "workloads.yaml").write_text("\n---\n".join(json.dumps(w) for w in workloads))  # JSON is YAML
+    (folder / "workloads.yaml").write_text(
+        "\n---\n".join(json.dumps(w) for w in workloads)
+    )  # JSON is YAML
     component = os.path.relpath(COMPONENTS / "sidecar", folder)  # kustomize wants it relative
     (folder / "kustomization.yaml").write_text(
-        f"resources:\n  - workloads.yaml\ncomponents:\n  - {component}\n")
+        f"resources:\n  - workloads.yaml\ncomponents:\n  - {component}\n"
+    )
     return kustomize(kubectl, folder)
 
 
@@ -254,7 +293,9 @@ EXAMPLE_WORKLOADS = [("inference-pod.yaml", "Pod"), ("leaderworkerset.yaml", "Le
 
 
 @pytest.mark.parametrize("name,kind", EXAMPLE_WORKLOADS)
-def test_examples_are_what_the_component_makes(name: str, kind: str, kubectl: str, tmp_path: Path) -> None:
+def test_examples_are_what_the_component_makes(
+    name: str, kind: str, kubectl: str, tmp_path: Path
+) -> None:
     (example,) = [d for d in documents(EXAMPLES / name) if d["kind"] == kind]
     bare = strip_sidecar(example)
     assert SIDECAR not in repr(bare)
@@ -270,8 +311,12 @@ def test_examples_validate_strictly(name: str, kubernetes_validate: Any) -> None
             # templates are checked as core PodTemplates, the rest by check_leaderworkerset.
             check_leaderworkerset(doc)
             for where, template in pod_templates(doc):
-                wrapped = {"apiVersion": "v1", "kind": "PodTemplate",
-                           "metadata": {"name": f"{doc['metadata']['name']}-{where.lower()}"}, "template": template}
+                wrapped = {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{doc['metadata']['name']}-{where.lower()}"},
+                    "template": template,
+                }
                 validate_strict(kubernetes_validate, wrapped, f"examples/{name} {where}")
         else:
             validate_strict(kubernetes_validate, doc, f"examples/{name}")
@@ -281,21 +326,37 @@ def check_leaderworkerset(doc: dict[str, Any]) -> None:
     """The fields of leaderworkerset.x-k8s.io/v1 the example uses, by the API's rules."""
     assert doc["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
     spec = doc["spec"]
-    assert set(spec) <= {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy",
-                         "networkConfig"}, sorted(spec)
+    assert set(spec) <= {
+        "replicas",
+        "leaderWorkerTemplate",
+        "rolloutStrategy",
+        "startupPolicy",
+        "networkConfig",
+    }, sorted(spec)
     assert isinstance(spec.get("replicas", 1), int) and spec.get("replicas", 1) >= 0
     assert spec.get("startupPolicy", "LeaderCreated") in ("LeaderCreated", "LeaderReady")
     lwt = spec["leaderWorkerTemplate"]
-    assert set(lwt) <= {"leaderTemplate", "workerTemplate", "size", "restartPolicy", "subGroupPolicy",
-                        "resourceClaims"}, sorted(lwt)
+    assert set(lwt) <= {
+        "leaderTemplate",
+        "workerTemplate",
+        "size",
+        "restartPolicy",
+        "subGroupPolicy",
+        "resourceClaims",
+    }, sorted(lwt)
     assert isinstance(lwt["size"], int) and lwt["size"] >= 1
-    assert lwt.get("restartPolicy", "RecreateGroupOnPodRestart") in ("RecreateGroupOnPodRestart", "None")
+    assert lwt.get("restartPolicy", "RecreateGroupOnPodRestart") in (
+        "RecreateGroupOnPodRestart",
+        "None",
+    )
     assert "workerTemplate" in lwt
 
 
 def expand(value: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion of command and args."""
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+    return re.sub(
+        r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value
+    )
 
 
 def sidecar_checks(template: dict[str, Any], kind: str) -> None:
@@ -303,13 +364,19 @@ def sidecar_checks(template: dict[str, Any], kind: str) -> None:
     (sidecar,) = [c for c in spec["initContainers"] if c["name"] == SIDECAR]
     assert sidecar["restartPolicy"] == "Always", "a native sidecar"
     env = {e["name"]: e.get("value", "") for e in sidecar["env"]}
-    refs = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in sidecar["env"] if "valueFrom" in e}
+    refs = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in sidecar["env"]
+        if "valueFrom" in e
+    }
     assert refs["POD_NAME"] == "metadata.name" and refs["POD_NAMESPACE"] == "metadata.namespace"
     argv = [expand(a, env) for a in [*sidecar["command"], *sidecar["args"]]]
     args = build_parser().parse_args(argv[1:])  # the real CLI accepts exactly these flags
     assert argv[:2] == ["rebalancer", "sidecar"] and args.listen == SOCKET
     if kind == "LeaderWorkerSet":
-        assert args.ranks_per_pod and refs["LWS_WORKER_INDEX"].endswith("['leaderworkerset.sigs.k8s.io/worker-index']")
+        assert args.ranks_per_pod and refs["LWS_WORKER_INDEX"].endswith(
+            "['leaderworkerset.sigs.k8s.io/worker-index']"
+        )
         assert refs["LWS_GROUP_SIZE"].endswith("['leaderworkerset.sigs.k8s.io/size']")
     else:
         assert args.ranks
@@ -326,7 +393,7 @@ def sidecar_checks(template: dict[str, Any], kind: str) -> None:
     assert sc["capabilities"]["drop"] == ["ALL"] and sc["allowPrivilegeEscalation"] is False
     # The socket's directory is the shared emptyDir, in both containers.
     volumes = {v["name"]: v for v in spec["volumes"]}
-    socket_dir = posixpath.dirname(args.listen[len("unix://"):])
+    socket_dir = posixpath.dirname(args.listen[len("unix://") :])
     (engine,) = [c for c in spec["containers"] if c["name"] == ENGINE]
     for c in (sidecar, engine):
         (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == socket_dir]
@@ -355,14 +422,29 @@ def test_example_sidecar_runs_what_the_cli_accepts(name: str, kind: str) -> None
 def test_component_patches_deployments_and_statefulsets(
     kubectl: str, kubernetes_validate: Any, tmp_path: Path
 ) -> None:
-    engine = {"name": ENGINE, "image": "engine:1", "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}
-    template = {"metadata": {"labels": {"app": "e"}},
-                "spec": {"containers": [engine, {"name": "other", "image": "o:1"}],
-                         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
+    engine = {
+        "name": ENGINE,
+        "image": "engine:1",
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    template = {
+        "metadata": {"labels": {"app": "e"}},
+        "spec": {
+            "containers": [engine, {"name": "other", "image": "o:1"}],
+            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        },
+    }
     workloads = [
-        {"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": "e", "labels": {"rebalancer.io/sidecar": "true"}},
-         "spec": {"selector": {"matchLabels": {"app": "e"}}, "template": template,
-                  **({"serviceName": "e"} if kind == "StatefulSet" else {})}}
+        {
+            "apiVersion": "apps/v1",
+            "kind": kind,
+            "metadata": {"name": "e", "labels": {"rebalancer.io/sidecar": "true"}},
+            "spec": {
+                "selector": {"matchLabels": {"app": "e"}},
+                "template": template,
+                **({"serviceName": "e"} if kind == "StatefulSet" else {}),
+            },
+        }
         for kind in ("Deployment", "StatefulSet")
     ]
     unlabelled = copy.deepcopy(workloads[0])
@@ -379,18 +461,31 @@ def test_component_patches_deployments_and_statefulsets(
         (eng,) = [c for c in template_out["spec"]["containers"] if c["name"] == ENGINE]
         assert {"dshm", "rebalancer-socket"} <= {m["name"] for m in eng["volumeMounts"]}
         assert eng["image"] == "engine:1"
-    assert rendered[("Deployment", "untouched")] == unlabelled, "only labelled workloads get a sidecar"
+    assert rendered[("Deployment", "untouched")] == unlabelled, (
+        "only labelled workloads get a sidecar"
+    )
 
 
 def test_one_sidecar_in_every_patch() -> None:
     """The four patches of components/sidecar add the same pod-spec parts; only how the
     sidecar learns its ranks differs (--ranks, or --ranks-per-pod in a LeaderWorkerSet)."""
-    ranks_env = {"REBALANCER_RANKS", "REBALANCER_RANKS_PER_POD", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}
+    ranks_env = {
+        "REBALANCER_RANKS",
+        "REBALANCER_RANKS_PER_POD",
+        "LWS_GROUP_SIZE",
+        "LWS_WORKER_INDEX",
+    }
 
     def fragment(name: str) -> dict[str, Any]:
         (patch,) = documents(COMPONENTS / "sidecar" / name)
-        (_, template), *more = pod_templates(patch) if patch["kind"] != "LeaderWorkerSet" else [
-            (t, patch["spec"]["leaderWorkerTemplate"][t]) for t in patch["spec"]["leaderWorkerTemplate"]]
+        (_, template), *more = (
+            pod_templates(patch)
+            if patch["kind"] != "LeaderWorkerSet"
+            else [
+                (t, patch["spec"]["leaderWorkerTemplate"][t])
+                for t in patch["spec"]["leaderWorkerTemplate"]
+            ]
+        )
         assert not more
         spec = copy.deepcopy(template["spec"])
         (sidecar,) = spec["initContainers"]
@@ -398,7 +493,12 @@ def test_one_sidecar_in_every_patch() -> None:
         sidecar["env"] = [e for e in sidecar["env"] if e["name"] not in ranks_env]
         return {"labels": template["metadata"]["labels"], "spec": spec}
 
-    names = ["pod-patch.yaml", "template-patch.yaml", "lws-worker-patch.yaml", "lws-leader-patch.yaml"]
+    names = [
+        "pod-patch.yaml",
+        "template-patch.yaml",
+        "lws-worker-patch.yaml",
+        "lws-leader-patch.yaml",
+    ]
     first = fragment(names[0])
     for name in names[1:]:
         assert fragment(name) == first, f"components/sidecar/{name} differs from {names[0]}"
@@ -412,12 +512,24 @@ def test_empty_credentials_turn_tls_and_token_off() -> None:
     (patch,) = documents(COMPONENTS / "sidecar" / "pod-patch.yaml")
     (sidecar,) = patch["spec"]["initContainers"]
     env = {e["name"]: e.get("value", "") for e in sidecar["env"]}
-    env.update(REBALANCER_TLS_CA="", REBALANCER_TLS_CERT="", REBALANCER_TLS_KEY="", REBALANCER_TOKEN_FILE="")
+    env.update(
+        REBALANCER_TLS_CA="",
+        REBALANCER_TLS_CERT="",
+        REBALANCER_TLS_KEY="",
+        REBALANCER_TOKEN_FILE="",
+    )
     args = build_parser().parse_args([expand(a, env) for a in sidecar["args"]])
     # As `rebalancer sidecar` builds its config from the flags (rebalancer/cli/sidecar_cmd.py).
-    config = SidecarConfig(controller=env["REBALANCER_CONTROLLER"], ranks=parse_ranks(args.ranks),
-                           listen=args.listen, ca_file=args.ca, cert_file=args.cert, key_file=args.key,
-                           token_file=args.token_file, metrics_port=args.metrics_port)
+    config = SidecarConfig(
+        controller=env["REBALANCER_CONTROLLER"],
+        ranks=parse_ranks(args.ranks),
+        listen=args.listen,
+        ca_file=args.ca,
+        cert_file=args.cert,
+        key_file=args.key,
+        token_file=args.token_file,
+        metrics_port=args.metrics_port,
+    )
     channel = config.channel()
     assert channel.credentials() is None and channel.metadata() == ()
 
@@ -427,15 +539,38 @@ def self_signed(folder: Path) -> dict[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
     folder.mkdir()
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "k.pem", "-out",
-                    "c.pem", "-days", "2", "-subj", "/CN=rebalancer-test"], cwd=folder, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "k.pem",
+            "-out",
+            "c.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=rebalancer-test",
+        ],
+        cwd=folder,
+        check=True,
+        capture_output=True,
+    )
     return {".crt": (folder / "c.pem").read_text(), ".key": (folder / "k.pem").read_text()}
 
 
-@pytest.mark.parametrize("present", [set(), {"rebalancer-client-tls"}, {"rebalancer-client-tls", "rebalancer-worker-token"}],
-                         ids=["no Secret", "client TLS only (prod mutual TLS)", "both"])
-def test_the_sidecar_starts_whichever_credential_secrets_exist(present: set[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "present",
+    [set(), {"rebalancer-client-tls"}, {"rebalancer-client-tls", "rebalancer-worker-token"}],
+    ids=["no Secret", "client TLS only (prod mutual TLS)", "both"],
+)
+def test_the_sidecar_starts_whichever_credential_secrets_exist(
+    present: set[str], tmp_path: Path
+) -> None:
     """The sidecar's Secrets are optional volumes, and the sidecar as the component runs it
     accepts every combination of them present: its start (which gates the engine) never
     depends on a Secret. With the client TLS Secret alone (the prod overlay's mutual TLS,
@@ -447,7 +582,9 @@ def test_the_sidecar_starts_whichever_credential_secrets_exist(present: set[str]
     (patch,) = documents(COMPONENTS / "sidecar" / "pod-patch.yaml")
     spec = patch["spec"]
     (sidecar,) = spec["initContainers"]
-    for source in next(v for v in spec["volumes"] if v["name"] == "rebalancer-credentials")["projected"]["sources"]:
+    for source in next(v for v in spec["volumes"] if v["name"] == "rebalancer-credentials")[
+        "projected"
+    ]["sources"]:
         assert source["secret"]["optional"] is True, source
     files = projected_files(spec, sidecar)
     root = "/etc/rebalancer/credentials"
@@ -460,9 +597,16 @@ def test_the_sidecar_starts_whichever_credential_secrets_exist(present: set[str]
     env = {e["name"]: e.get("value", "") for e in sidecar["env"]}
     env = {k: v.replace(root, str(tmp_path)) for k, v in env.items()}
     args = build_parser().parse_args([expand(a, env) for a in sidecar["args"]])
-    config = SidecarConfig(controller=env["REBALANCER_CONTROLLER"], ranks=parse_ranks(args.ranks),
-                           listen=args.listen, ca_file=args.ca, cert_file=args.cert, key_file=args.key,
-                           token_file=args.token_file, metrics_port=args.metrics_port)  # started: no raise
+    config = SidecarConfig(
+        controller=env["REBALANCER_CONTROLLER"],
+        ranks=parse_ranks(args.ranks),
+        listen=args.listen,
+        ca_file=args.ca,
+        cert_file=args.cert,
+        key_file=args.key,
+        token_file=args.token_file,
+        metrics_port=args.metrics_port,
+    )  # started: no raise
     if "rebalancer-client-tls" not in present:
         with pytest.raises(InputError, match="ca.crt: no such file"):
             config.channel()

@@ -13,15 +13,24 @@ DOC = ROOT / "docs" / "operations.md"
 
 def test_every_exported_metric_is_explained(exported_metrics: set[str]) -> None:
     text = DOC.read_text()
-    documented = {m.split("{")[0] for m in re.findall(r"^\| `(rebalancer_[a-z_]+(?:\{[^`]*\})?)` \|", text, re.M)}
+    documented = {
+        m.split("{")[0]
+        for m in re.findall(r"^\| `(rebalancer_[a-z_]+(?:\{[^`]*\})?)` \|", text, re.M)
+    }
     documented = {n[: -len("_total")] if n.endswith("_total") else n for n in documented}
     # The process collector's families are named below the table, each of them.
     process = {n for n in exported_metrics if n.startswith(PROCESS_PREFIX)}
     assert {n for n in process if f"`{n}`" not in text} == set()
     # The controller's families (the sidecar's have their own list below the table).
-    exported_metrics = {base_name(n) for n in exported_metrics - process if not n.startswith("rebalancer_sidecar")}
-    assert exported_metrics <= documented, f"exported, not in the metrics table: {sorted(exported_metrics - documented)}"
-    assert documented <= exported_metrics, f"in the metrics table, not exported: {sorted(documented - exported_metrics)}"
+    exported_metrics = {
+        base_name(n) for n in exported_metrics - process if not n.startswith("rebalancer_sidecar")
+    }
+    assert exported_metrics <= documented, (
+        f"exported, not in the metrics table: {sorted(exported_metrics - documented)}"
+    )
+    assert documented <= exported_metrics, (
+        f"in the metrics table, not exported: {sorted(documented - exported_metrics)}"
+    )
 
 
 def test_every_alert_has_a_runbook_line() -> None:
@@ -69,7 +78,9 @@ def test_every_policy_field_is_listed_with_its_default_and_wire_number() -> None
     assert wire.keys() <= names, f"Policy fields PolicyConfig lacks: {sorted(wire.keys() - names)}"
     defaults = PolicyConfig().to_flat()
     for name, (default, number) in table.items():
-        assert number == str(wire.get(name, "none")), f"{name}: wire {number}, proto {wire.get(name)}"
+        assert number == str(wire.get(name, "none")), (
+            f"{name}: wire {number}, proto {wire.get(name)}"
+        )
         value = tomllib.loads(f"v = {default}")["v"]
         assert value == defaults[name], f"{name}: documented {default}, code {defaults[name]!r}"
     # "in code": where the setting lives in PolicyConfig (its section and field).
@@ -86,7 +97,9 @@ def test_decision_outcomes_are_those_the_controller_records() -> None:
     decide) and no fewer (skip_store was missing)."""
     from rebalancer.controller.decision_runner import RECORDED_OUTCOMES
 
-    (row,) = [ln for ln in DOC.read_text().splitlines() if ln.startswith("| `rebalancer_decisions_total{")]
+    (row,) = [
+        ln for ln in DOC.read_text().splitlines() if ln.startswith("| `rebalancer_decisions_total{")
+    ]
     listed = row.split("| counter | decisions: ", 1)[1]
     outcomes = re.findall(r"`([a-z_]+)`", listed.split(" (dry runs")[0])  # not the notes after it
     assert sorted(outcomes) == sorted(RECORDED_OUTCOMES)

@@ -62,7 +62,9 @@ def check_policy_section(text: str, where: str) -> None:
         int_for_float = isinstance(default, float) and type(value) is int
         same = value == default and (type(value) is type(default) or int_for_float)
         if not active:
-            assert same, f"{where}: `# {key} = {value}` shows a default, but the default is {default!r}"
+            assert same, (
+                f"{where}: `# {key} = {value}` shows a default, but the default is {default!r}"
+            )
         elif not same:
             assert WHY.match(comment), (
                 f"{where}: {key} = {value!r} overrides the default {default!r}: say why on "
@@ -78,7 +80,9 @@ def test_controller_toml_policy_matches_the_code() -> None:
     check_policy_section(CONTROLLER_TOML.read_text(), "deploy/controller.toml")
 
 
-def test_configmap_policy_matches_the_code(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
+def test_configmap_policy_matches_the_code(
+    manifests: dict[tuple[str, str], dict[str, Any]],
+) -> None:
     text = manifests[("ConfigMap", "rebalancer-config")]["data"]["controller.toml"]
     check_policy_section(text, "deploy/kubernetes/base/configmap.yaml")
     # The ConfigMap's [policy] is deploy/controller.toml's, comments included.

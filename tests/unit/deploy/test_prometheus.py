@@ -13,8 +13,12 @@ from tests.unit.deploy.conftest import PROMETHEUS, documents
 from tests.unit.deploy.promql import metric_names
 
 REQUIRED = {
-    "RebalancerBalancednessLow", "RebalancerPlansAborting", "RebalancerRanksDisconnected",
-    "RebalancerIngestLatencyHigh", "RebalancerNoWindowsIngested", "RebalancerPlanStuck",
+    "RebalancerBalancednessLow",
+    "RebalancerPlansAborting",
+    "RebalancerRanksDisconnected",
+    "RebalancerIngestLatencyHigh",
+    "RebalancerNoWindowsIngested",
+    "RebalancerPlanStuck",
     "RebalancerStoreErrors",
 }
 
@@ -30,15 +34,25 @@ def _tests() -> dict[str, Any]:
 
 
 def test_promtool_check_rules(promtool: str) -> None:
-    result = subprocess.run([promtool, "check", "rules", "alerts.yml"], cwd=PROMETHEUS,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "rules", "alerts.yml"],
+        cwd=PROMETHEUS,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{len(_rules())} rules found" in result.stdout + result.stderr
 
 
 def test_promtool_test_rules(promtool: str) -> None:
-    result = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], cwd=PROMETHEUS,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [promtool, "test", "rules", "alerts_test.yml"],
+        cwd=PROMETHEUS,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout + result.stderr
 
@@ -63,11 +77,15 @@ def test_every_alert_is_exercised_firing_and_silent() -> None:
             (fires if check["exp_alerts"] else silent).add(check["alertname"])
     names = {r["alert"] for r in _rules()}
     assert fires == names, f"never seen firing: {names - fires}"
-    assert silent == names, f"never seen silent (before `for`, or on a healthy series): {names - silent}"
+    assert silent == names, (
+        f"never seen silent (before `for`, or on a healthy series): {names - silent}"
+    )
 
 
 @pytest.mark.parametrize("rule", _rules(), ids=lambda r: r["alert"])
-def test_alert_selects_only_exported_metrics(rule: dict[str, Any], exported_metrics: set[str]) -> None:
+def test_alert_selects_only_exported_metrics(
+    rule: dict[str, Any], exported_metrics: set[str]
+) -> None:
     names = metric_names(rule["expr"])
     assert names, f"no metric found in {rule['expr']!r}"
     unknown = names - exported_metrics

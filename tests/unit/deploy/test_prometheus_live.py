@@ -57,6 +57,7 @@ def shortened_rules(folder: Path) -> Path:
 
     def without_for(d: dict[str, Any]) -> list[dict[str, Any]]:
         return [{k: v for k, v in r.items() if k != "for"} for g in d["groups"] for r in g["rules"]]
+
     assert without_for(copy) == without_for(doc)  # only `for` changed
     assert all(r["for"] == FOR for g in copy["groups"] for r in g["rules"] if "for" in r)
     path = folder / "alerts.yml"
@@ -79,9 +80,17 @@ def wait_for(check: Callable[[], Any], seconds: float, what: str, every: float =
 def live(tmp_path: Path, prometheus: str) -> Iterator[tuple[Prometheus, Fleet]]:
     """Prometheus with the test copy of the rules, scraping a live fleet; all reaped after."""
     # Workers that outlast the test (it kills them); paced so that 2 cores hold the rest.
-    fleet = Fleet(tmp_path / "fleet", DemoConfig(steps=10**6, timeout_seconds=900.0), ["--step-sleep", "0.02"])
-    server = Prometheus(tmp_path / "prometheus", fleet.targets(), [shortened_rules(tmp_path)],
-                        scrape_interval=1.0, evaluation_interval=1.0, binary=prometheus)
+    fleet = Fleet(
+        tmp_path / "fleet", DemoConfig(steps=10**6, timeout_seconds=900.0), ["--step-sleep", "0.02"]
+    )
+    server = Prometheus(
+        tmp_path / "prometheus",
+        fleet.targets(),
+        [shortened_rules(tmp_path)],
+        scrape_interval=1.0,
+        evaluation_interval=1.0,
+        binary=prometheus,
+    )
     with server, fleet, PoolMember(fleet.address, "live-pooled", "live-pool"):
         yield server, fleet
 
@@ -93,7 +102,9 @@ def rule(prom: Prometheus, name: str) -> dict[str, Any]:
 def firing_since(prom: Prometheus, name: str, since: float) -> dict[str, Any] | None:
     """The alert `name` firing, active since `since` or later (caused by the fault), or None."""
     for alert in rule(prom, name)["alerts"]:
-        stamp = calendar.timegm(time.strptime(alert["activeAt"][:19], "%Y-%m-%dT%H:%M:%S"))  # RFC 3339, UTC
+        stamp = calendar.timegm(
+            time.strptime(alert["activeAt"][:19], "%Y-%m-%dT%H:%M:%S")
+        )  # RFC 3339, UTC
         if alert["state"] == "firing" and stamp >= math.floor(since) - 1:
             return dict(alert)
     return None
@@ -112,19 +123,26 @@ def test_every_dashboard_query_answers_and_alerts_fire_and_resolve_on_real_fault
     queries = dashboard_queries(dashboard)
     assert len({q.panel for q in queries}) == sum(p["type"] != "row" for p in dashboard["panels"])
     assert any("rebalancer_sidecar_" in q.expr for q in queries)
-    shipped = {r["alert"] for g in load_all((PROMETHEUS / "alerts.yml").read_text())[0]["groups"] for r in g["rules"]}
+    shipped = {
+        r["alert"]
+        for g in load_all((PROMETHEUS / "alerts.yml").read_text())[0]["groups"]
+        for r in g["rules"]
+    }
     assert set(prom.alert_rules()) == shipped  # Prometheus loaded the rules file
 
     # 1. Every panel's every query answers with data (a plan committed, sidecars relayed it).
     answers: dict[Query, list[dict[str, Any]]] = {}
 
     def empty() -> list[str]:
-        return [f"{q.panel} {q.ref}: {q.expr}" for q, answer in answers.items() if not has_data(answer)]
+        return [
+            f"{q.panel} {q.ref}: {q.expr}" for q, answer in answers.items() if not has_data(answer)
+        ]
 
     def all_answer() -> bool:
         nonlocal answers
         answers = ask(prom, queries, DEPLOYMENT, start, time.time(), 1.0)
         return not empty()
+
     try:
         wait_for(all_answer, 150, "every dashboard query to answer", every=3.0)
     except AssertionError as exc:
@@ -135,28 +153,56 @@ def test_every_dashboard_query_answers_and_alerts_fire_and_resolve_on_real_fault
 
     # 2. The engines die behind live sidecars: RebalancerRanksDisconnected fires, then
     # resolves once they are back. (At start it may have fired while the pods registered.)
-    wait_for(lambda: inactive(prom, "RebalancerRanksDisconnected"), 60, "RebalancerRanksDisconnected inactive")
+    wait_for(
+        lambda: inactive(prom, "RebalancerRanksDisconnected"),
+        60,
+        "RebalancerRanksDisconnected inactive",
+    )
     killed = time.time()
     fleet.kill_engines()
-    alert = wait_for(lambda: firing_since(prom, "RebalancerRanksDisconnected", killed), 60,
-                     "RebalancerRanksDisconnected firing")
+    alert = wait_for(
+        lambda: firing_since(prom, "RebalancerRanksDisconnected", killed),
+        60,
+        "RebalancerRanksDisconnected firing",
+    )
     assert alert["labels"]["deployment"] == DEPLOYMENT
     # ... behind live sidecars: each still up and linked to the controller, and what they
     # see (no rank) is what the controller counts.
-    wait_for(lambda: prom.query(f'rebalancer_connected_ranks{{deployment="{DEPLOYMENT}"}} == 0'), 30,
-             "the controller counting no rank")
+    wait_for(
+        lambda: prom.query(f'rebalancer_connected_ranks{{deployment="{DEPLOYMENT}"}} == 0'),
+        30,
+        "the controller counting no rank",
+    )
     up = prom.query("rebalancer_sidecar_upstream_up")
     assert len(up) == 2 and all(float(s["value"][1]) == 1.0 for s in up)
-    assert all(float(s["value"][1]) == 0.0 for s in prom.query("rebalancer_sidecar_ranks_connected"))
+    assert all(
+        float(s["value"][1]) == 0.0 for s in prom.query("rebalancer_sidecar_ranks_connected")
+    )
     fleet.start_engines()
-    wait_for(lambda: inactive(prom, "RebalancerRanksDisconnected"), 120, "RebalancerRanksDisconnected resolved")
+    wait_for(
+        lambda: inactive(prom, "RebalancerRanksDisconnected"),
+        120,
+        "RebalancerRanksDisconnected resolved",
+    )
     assert prom.query(f'rebalancer_connected_ranks{{deployment="{DEPLOYMENT}"}} == 4')
 
     # 3. The controller is killed: RebalancerControllerAbsent fires; restarted, it resolves.
-    wait_for(lambda: inactive(prom, "RebalancerControllerAbsent"), 30, "RebalancerControllerAbsent inactive")
+    wait_for(
+        lambda: inactive(prom, "RebalancerControllerAbsent"),
+        30,
+        "RebalancerControllerAbsent inactive",
+    )
     killed = time.time()
     fleet.kill_controller()
-    wait_for(lambda: firing_since(prom, "RebalancerControllerAbsent", killed), 60, "RebalancerControllerAbsent firing")
+    wait_for(
+        lambda: firing_since(prom, "RebalancerControllerAbsent", killed),
+        60,
+        "RebalancerControllerAbsent firing",
+    )
     fleet.start_controller()
-    wait_for(lambda: inactive(prom, "RebalancerControllerAbsent"), 60, "RebalancerControllerAbsent resolved")
+    wait_for(
+        lambda: inactive(prom, "RebalancerControllerAbsent"),
+        60,
+        "RebalancerControllerAbsent resolved",
+    )
     assert prom.query("rebalancer_build_info")

@@ -56,7 +56,9 @@ def duplicates(p2l, num_gpus):
 def test_random_loads_give_valid_placements(algorithm, layout, seed):
     num_slots, num_gpus, num_nodes, num_groups = layout
     load = random_load(seed, experts=16)
-    result = compute_placement(load, num_slots, num_gpus, num_nodes, num_groups, algorithm=algorithm)
+    result = compute_placement(
+        load, num_slots, num_gpus, num_nodes, num_groups, algorithm=algorithm
+    )
     check_valid(result, load, num_slots, num_gpus)
     assert result.algorithm == algorithm and result.moved_fraction == 0.0
     per_layer = balancedness_per_layer(result.phy2log, load, num_gpus)
@@ -70,8 +72,12 @@ def test_random_loads_give_valid_placements(algorithm, layout, seed):
 def test_vectorised_greedy_matches_loop_port(layout, seed):
     num_slots, num_gpus, num_nodes, num_groups = layout
     load = random_load(seed + 10, layers=8, experts=16).astype(np.float64)
-    ours = gpu_load(greedy_placement(load, num_slots, num_gpus, num_nodes, num_groups), load, num_gpus)
-    loop = gpu_load(reference_placement(load, num_slots, num_gpus, num_nodes, num_groups), load, num_gpus)
+    ours = gpu_load(
+        greedy_placement(load, num_slots, num_gpus, num_nodes, num_groups), load, num_gpus
+    )
+    loop = gpu_load(
+        reference_placement(load, num_slots, num_gpus, num_nodes, num_groups), load, num_gpus
+    )
     loaded = load.sum(axis=1) > 0
     assert np.allclose(ours.max(axis=1)[loaded], loop.max(axis=1)[loaded], rtol=1e-12)
 
@@ -105,7 +111,9 @@ def test_ties_in_replication_follow_the_greedy():
 def test_balanced_never_worse_than_greedy_on_real_data(deepseek, layout):
     num_slots, num_gpus, num_nodes, num_groups = layout
     for name, load in deepseek.items():
-        greedy = compute_placement(load, num_slots, num_gpus, num_nodes, num_groups, algorithm="greedy")
+        greedy = compute_placement(
+            load, num_slots, num_gpus, num_nodes, num_groups, algorithm="greedy"
+        )
         ours = compute_placement(load, num_slots, num_gpus, num_nodes, num_groups)
         check_valid(ours, load, num_slots, num_gpus)
         per_greedy = balancedness_per_layer(greedy.phy2log, load, num_gpus)
@@ -132,7 +140,9 @@ def test_balanced_never_worse_than_greedy_on_random_loads(layout):
     num_slots, num_gpus, num_nodes, num_groups = layout
     for seed in range(20):
         load = random_load(seed + 100, layers=4, experts=16)
-        greedy = compute_placement(load, num_slots, num_gpus, num_nodes, num_groups, algorithm="greedy")
+        greedy = compute_placement(
+            load, num_slots, num_gpus, num_nodes, num_groups, algorithm="greedy"
+        )
         ours = compute_placement(load, num_slots, num_gpus, num_nodes, num_groups)
         per_greedy = balancedness_per_layer(greedy.phy2log, load, num_gpus)
         per_ours = balancedness_per_layer(ours.phy2log, load, num_gpus)

@@ -110,8 +110,15 @@ def _lp_relaxation_max_load(weight: np.ndarray, num_gpus: int, per_gpu: int) -> 
         b_ub.append(0.0)
     cost = np.zeros(n)
     cost[-1] = 1
-    res = linprog(cost, A_ub=np.array(a_ub), b_ub=b_ub, A_eq=np.array(a_eq), b_eq=b_eq,
-                  bounds=[(0, 1)] * (2 * E * G) + [(0, None)], method="highs")
+    res = linprog(
+        cost,
+        A_ub=np.array(a_ub),
+        b_ub=b_ub,
+        A_eq=np.array(a_eq),
+        b_eq=b_eq,
+        bounds=[(0, 1)] * (2 * E * G) + [(0, None)],
+        method="highs",
+    )
     assert res.status == 0
     return float(res.fun)
 

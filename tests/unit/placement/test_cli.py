@@ -30,10 +30,24 @@ def test_plan_and_evaluate(tmp_path, capsys, files):
     first, second = files
     out = tmp_path / "PLACEMENT.json"
     sglang = tmp_path / "sglang.json"
-    code = main([
-        "plan", "--counts", str(first), "--gpus", "32", "--slots", "288", "--nodes", "4",
-        "--out", str(out), "--sglang-out", str(sglang), "--json",
-    ])
+    code = main(
+        [
+            "plan",
+            "--counts",
+            str(first),
+            "--gpus",
+            "32",
+            "--slots",
+            "288",
+            "--nodes",
+            "4",
+            "--out",
+            str(out),
+            "--sglang-out",
+            str(sglang),
+            "--json",
+        ]
+    )
     assert code == 0
     report = last_json(capsys)
     assert report["balancedness"] > 0.99
@@ -47,10 +61,24 @@ def test_plan_and_evaluate(tmp_path, capsys, files):
     stale = last_json(capsys)["balancedness"]
     assert stale < report["balancedness"]
 
-    code = main([
-        "plan", "--counts", str(second), "--gpus", "32", "--slots", "288", "--nodes", "4",
-        "--previous", str(out), "--max-moved-fraction", "0.1", "--json",
-    ])
+    code = main(
+        [
+            "plan",
+            "--counts",
+            str(second),
+            "--gpus",
+            "32",
+            "--slots",
+            "288",
+            "--nodes",
+            "4",
+            "--previous",
+            str(out),
+            "--max-moved-fraction",
+            "0.1",
+            "--json",
+        ]
+    )
     assert code == 0
     replanned = last_json(capsys)
     assert 0 < replanned["moved_fraction"] <= 0.1
@@ -75,8 +103,12 @@ def test_plan_bad_flags_exit_2(capsys, files, argv, message):
 
 def test_evaluate_shape_mismatch_exit_2(tmp_path, capsys, files):
     out = tmp_path / "p.json"
-    assert main(["plan", "--counts", str(files[0]), "--gpus", "8", "--slots", "256",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            ["plan", "--counts", str(files[0]), "--gpus", "8", "--slots", "256", "--out", str(out)]
+        )
+        == 0
+    )
     bad = tmp_path / "c.json"
     bad.write_text(json.dumps({"logical_count": [[1] * 128] * 61}))
     capsys.readouterr()
@@ -88,9 +120,23 @@ def test_subprocess_bad_counts_exit_2(tmp_path):
     bad = tmp_path / "neg.json"
     bad.write_text(json.dumps({"logical_count": [[1, -1]]}))
     proc = subprocess.run(
-        [sys.executable, "-m", "rebalancer", "plan", "--counts", str(bad), "--gpus", "2",
-         "--slots", "2", "--json"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "plan",
+            "--counts",
+            str(bad),
+            "--gpus",
+            "2",
+            "--slots",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "negative value" in proc.stderr
@@ -110,7 +156,9 @@ def test_plan_prints_balancedness_before_and_after(tmp_path, capsys, files):
     fresh = last_json(capsys)
     trivial = tmp_path / "trivial.json"
     counts = json.loads(first.read_text())["logical_count"]
-    write_placement(str(trivial), trivial_placement(len(counts), len(counts[0]), 288, 32), 32, 4, len(counts[0]))
+    write_placement(
+        str(trivial), trivial_placement(len(counts), len(counts[0]), 288, 32), 32, 4, len(counts[0])
+    )
     assert main(["evaluate", "--placement", str(trivial), "--counts", str(first), "--json"]) == 0
     assert fresh["before"] == "trivial"
     assert fresh["balancedness_before"] == pytest.approx(last_json(capsys)["balancedness"])
@@ -124,5 +172,7 @@ def test_plan_prints_balancedness_before_and_after(tmp_path, capsys, files):
 
     assert main(["plan", "--counts", str(second), *flags, "--previous", str(out)]) == 0
     text = capsys.readouterr().out
-    assert (f"balancedness {replanned['balancedness_before']:.4f} on the previous placement -> "
-            f"{replanned['balancedness']:.4f}") in text, text
+    assert (
+        f"balancedness {replanned['balancedness_before']:.4f} on the previous placement -> "
+        f"{replanned['balancedness']:.4f}"
+    ) in text, text

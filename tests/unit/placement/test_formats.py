@@ -94,7 +94,9 @@ def test_a_folder_is_named_as_one(tmp_path, capsys):
         with pytest.raises(InputError, match="is a folder, not a file"):
             read(tmp_path)
     assert main(["plan", "--counts", str(tmp_path), "--gpus", "2", "--slots", "4"]) == 2
-    assert capsys.readouterr().err == f"rebalancer plan: error: {tmp_path}: is a folder, not a file\n"
+    assert (
+        capsys.readouterr().err == f"rebalancer plan: error: {tmp_path}: is a folder, not a file\n"
+    )
 
 
 def test_placement_round_trip(tmp_path):

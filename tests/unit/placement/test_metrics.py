@@ -26,7 +26,9 @@ def test_trivial_placement_is_contiguous():
 
 def test_logcnt_and_log2phy_agree_with_phy2log():
     rng = np.random.default_rng(1)
-    p2l = np.stack([rng.permutation(np.r_[np.arange(10), rng.integers(0, 10, 6)]) for _ in range(4)])
+    p2l = np.stack(
+        [rng.permutation(np.r_[np.arange(10), rng.integers(0, 10, 6)]) for _ in range(4)]
+    )
     cnt = logcnt_of(p2l, 10)
     l2p = log2phy_of(p2l, 10)
     assert cnt.sum(axis=1).tolist() == [16] * 4

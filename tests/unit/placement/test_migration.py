@@ -131,13 +131,24 @@ def test_byte_budget(pair):
     expert_bytes = 44 * 2**20  # one DeepSeek-V3 expert in fp8, roughly
     slots = 500
     result = compute_placement(
-        second, 288, 32, 4, previous=fitted.phy2log,
-        max_moved_bytes=slots * expert_bytes + expert_bytes // 2, expert_bytes=expert_bytes,
+        second,
+        288,
+        32,
+        4,
+        previous=fitted.phy2log,
+        max_moved_bytes=slots * expert_bytes + expert_bytes // 2,
+        expert_bytes=expert_bytes,
     )
     assert int((result.phy2log != fitted.phy2log).sum()) <= slots
     both = compute_placement(
-        second, 288, 32, 4, previous=fitted.phy2log, max_moved_fraction=0.01,
-        max_moved_bytes=10**15, expert_bytes=expert_bytes,
+        second,
+        288,
+        32,
+        4,
+        previous=fitted.phy2log,
+        max_moved_fraction=0.01,
+        max_moved_bytes=10**15,
+        expert_bytes=expert_bytes,
     )
     assert both.moved_fraction <= 0.01
     with pytest.raises(InputError, match="go together"):

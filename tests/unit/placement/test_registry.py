@@ -41,8 +41,12 @@ def test_what_a_name_can_serve_is_the_registry_s() -> None:
     previous = np.asarray(trivial_placement(L, E, P, G))
     with pytest.raises(InputError, match="algorithm 'migration' needs a previous placement"):
         compute_placement(_load(), P, G, algorithm="migration")
-    with pytest.raises(InputError, match="a move budget needs algorithm 'auto' or 'migration', not 'greedy'"):
-        compute_placement(_load(), P, G, previous=previous, max_moved_fraction=0.5, algorithm="greedy")
+    with pytest.raises(
+        InputError, match="a move budget needs algorithm 'auto' or 'migration', not 'greedy'"
+    ):
+        compute_placement(
+            _load(), P, G, previous=previous, max_moved_fraction=0.5, algorithm="greedy"
+        )
     assert compute_placement(_load(), P, G).algorithm == "balanced"
     assert compute_placement(_load(), P, G, previous=previous).algorithm == "migration"
 
@@ -52,7 +56,9 @@ def test_a_registered_algorithm_is_picked_by_name(monkeypatch: pytest.MonkeyPatc
         rows = np.arange(req.num_slots) % req.load.shape[1]
         return np.tile(rows, (req.load.shape[0], 1)), None
 
-    monkeypatch.setitem(engine._REGISTRY, "contiguous", engine.PlacementAlgorithm("contiguous", contiguous))
+    monkeypatch.setitem(
+        engine._REGISTRY, "contiguous", engine.PlacementAlgorithm("contiguous", contiguous)
+    )
     result = compute_placement(_load(), P, G, algorithm="contiguous")
     assert result.algorithm == "contiguous"
     np.testing.assert_array_equal(result.phy2log, trivial_placement(L, E, P, G))
@@ -64,8 +70,22 @@ def test_a_registered_algorithm_is_picked_by_name(monkeypatch: pytest.MonkeyPatc
 def test_plan_cli_unknown_algorithm_exit_2_one_line(tmp_path, capsys) -> None:
     counts = tmp_path / "c.json"
     counts.write_text('{"logical_count": ' + str(_load().round().astype(int).tolist()) + "}")
-    assert main(["plan", "--counts", str(counts), "--gpus", str(G), "--slots", str(P),
-                 "--algorithm", "gredy"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "--counts",
+                str(counts),
+                "--gpus",
+                str(G),
+                "--slots",
+                str(P),
+                "--algorithm",
+                "gredy",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown algorithm 'gredy'" in err[0]
     assert all(name in err[0] for name in ALGORITHMS)

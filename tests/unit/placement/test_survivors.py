@@ -21,18 +21,28 @@ G, N = 32, 4
 
 @pytest.fixture(scope="module")
 def deepseek() -> tuple[np.ndarray, np.ndarray]:
-    load = load_deepseek_v3(deepseek_v3_files()[4]).astype(np.float64)  # prefill_in4096: the most skewed
+    load = load_deepseek_v3(deepseek_v3_files()[4]).astype(
+        np.float64
+    )  # prefill_in4096: the most skewed
     return load, compute_placement(load, 288, G, N).phy2log
 
 
-def test_every_rank_loss_keeps_every_expert_balanced_and_moves_little(deepseek: tuple[np.ndarray, np.ndarray]) -> None:
+def test_every_rank_loss_keeps_every_expert_balanced_and_moves_little(
+    deepseek: tuple[np.ndarray, np.ndarray],
+) -> None:
     load, healthy = deepseek
     losses = [(g,) for g in range(0, G, 4)]
     plans = survivor_placements(load, healthy, G, losses)
     before = balancedness(healthy, load, G)
-    fresh = compute_placement(load, 279, G - 1).phy2log  # SGLang's path: from scratch on the survivors
+    fresh = compute_placement(
+        load, 279, G - 1
+    ).phy2log  # SGLang's path: from scratch on the survivors
     for plan in plans:
-        assert plan.feasible and plan.phy2log is not None and plan.phy2log.shape == (load.shape[0], 279)
+        assert (
+            plan.feasible
+            and plan.phy2log is not None
+            and plan.phy2log.shape == (load.shape[0], 279)
+        )
         assert (logcnt_of(plan.phy2log, 256) >= 1).all()  # every expert still served
         repair = repair_placement(healthy, G, plan.lost, 256)
         assert repair is not None
@@ -44,7 +54,8 @@ def test_every_rank_loss_keeps_every_expert_balanced_and_moves_little(deepseek: 
 
 
 def test_a_node_loss_at_9_slots_a_gpu_cannot_serve_every_expert_and_says_so(
-        deepseek: tuple[np.ndarray, np.ndarray]) -> None:
+    deepseek: tuple[np.ndarray, np.ndarray],
+) -> None:
     load, healthy = deepseek
     plan = survivor_placement(load, healthy, G, tuple(range(8, 16)))
     assert not plan.feasible and plan.unserved == 256 - 216

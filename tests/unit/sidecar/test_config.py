@@ -30,8 +30,14 @@ def test_ranks_from_flags() -> None:
     assert parse_ranks("8,9, 10") == (8, 9, 10)
     assert parse_ranks("0-1,4-5") == (0, 1, 4, 5)
     assert format_ranks((4, 5, 6, 7)) == "4-7" and format_ranks((0, 2)) == "0,2"
-    for bad, words in (("7-0", "empty"), ("a", "not a rank"), ("0-3,3", "twice"), ("", "not a rank"),
-                       ("0-2048", "rank 2048 is out of range"), ("0-99999999999", "out of range")):
+    for bad, words in (
+        ("7-0", "empty"),
+        ("a", "not a rank"),
+        ("0-3,3", "twice"),
+        ("", "not a rank"),
+        ("0-2048", "rank 2048 is out of range"),
+        ("0-99999999999", "out of range"),
+    ):
         with pytest.raises(InputError, match=words):
             parse_ranks(bad)
     assert parse_ranks("2040-2047")[-1] == 2047
@@ -66,8 +72,9 @@ def test_config_is_checked_with_one_line_errors(tmp_path: Path) -> None:
     assert ok.modes == (0o750, 0o660) and ok.channel().token is None
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    assert SidecarConfig(controller="c:1", ranks=(0,), token_file=str(token)).channel().metadata() == (
-        ("authorization", "Bearer s3cret"),)
+    assert SidecarConfig(
+        controller="c:1", ranks=(0,), token_file=str(token)
+    ).channel().metadata() == (("authorization", "Bearer s3cret"),)
     for kw, words in (
         (dict(controller=""), "controller"),
         (dict(ranks=()), "ranks"),
@@ -91,7 +98,9 @@ def test_credential_files_are_read_at_each_connection_not_at_start(tmp_path: Pat
     missing token file gives no token (and says why), a missing certificate file is an
     error of the connection attempt, not of the start."""
     token = tmp_path / "token"
-    config = SidecarConfig(controller="c:1", ranks=(0,), token_file=str(token), ca_file=str(tmp_path / "ca.crt"))
+    config = SidecarConfig(
+        controller="c:1", ranks=(0,), token_file=str(token), ca_file=str(tmp_path / "ca.crt")
+    )
     assert config.token_missing() == f"{token}: no such file (worker token)"
     with pytest.raises(InputError, match="ca.crt: no such file"):
         config.channel()
@@ -100,27 +109,55 @@ def test_credential_files_are_read_at_each_connection_not_at_start(tmp_path: Pat
     token.write_text("s3cret\n")
     (tmp_path / "ca.crt").write_text("a CA")  # appears later: read at the next attempt
     channel = config.channel()
-    assert config.token_missing() == "" and channel.metadata() == (("authorization", "Bearer s3cret"),)
+    assert config.token_missing() == "" and channel.metadata() == (
+        ("authorization", "Bearer s3cret"),
+    )
     bare = SidecarConfig(controller="c:1", ranks=(0,), token_file=str(tmp_path / "none"))
     assert bare.channel().metadata() == () and "no such file" in bare.token_missing()
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--controller", "notahost:xx", "--ranks", "0"], "port 'xx' is not a number"),
-    (["--controller", "c:1", "--ranks", "0-1", "--ranks-per-pod", "2"], "give --ranks or --ranks-per-pod, not both"),
-    # Issue 34: an OverflowError traceback, the socket blamed, "out of memory" after work.
-    (["--controller", "c:1", "--ranks", "0", "--metrics-port", "70000"], "metrics port must be a port number"),
-    (["--controller", "c:1", "--ranks", "0", "--metrics-port", "-3"], "metrics port must be a port number"),
-    (["--controller", "c:1", "--ranks", "0-99999999999"], "rank 99999999999 is out of range"),
-])
-def test_sidecar_cli_refuses_bad_flags_with_one_line(argv: list[str], words: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--controller", "notahost:xx", "--ranks", "0"], "port 'xx' is not a number"),
+        (
+            ["--controller", "c:1", "--ranks", "0-1", "--ranks-per-pod", "2"],
+            "give --ranks or --ranks-per-pod, not both",
+        ),
+        # Issue 34: an OverflowError traceback, the socket blamed, "out of memory" after work.
+        (
+            ["--controller", "c:1", "--ranks", "0", "--metrics-port", "70000"],
+            "metrics port must be a port number",
+        ),
+        (
+            ["--controller", "c:1", "--ranks", "0", "--metrics-port", "-3"],
+            "metrics port must be a port number",
+        ),
+        (["--controller", "c:1", "--ranks", "0-99999999999"], "rank 99999999999 is out of range"),
+    ],
+)
+def test_sidecar_cli_refuses_bad_flags_with_one_line(
+    argv: list[str], words: str, tmp_path: Path
+) -> None:
     """Before anything is served or created: exit 2 and one line naming the flag."""
     folder = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))
     try:
-        out = subprocess.run([sys.executable, "-m", "rebalancer", "sidecar", "--listen",
-                              f"unix://{folder}/run/agent.sock", *argv],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0"})
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rebalancer",
+                "sidecar",
+                "--listen",
+                f"unix://{folder}/run/agent.sock",
+                *argv,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0"},
+        )
         assert out.returncode == 2, out
         (line,) = out.stderr.strip().splitlines()
         assert line.startswith("rebalancer sidecar: error: ") and words in line, line
@@ -139,12 +176,23 @@ def test_the_sidecar_loads_no_torch_controller_or_placement() -> None:
         f"for m in {modules!r}: importlib.import_module(m)\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert "rebalancer.sidecar.daemon" in loaded
-    leaked = [m for m in loaded if m.startswith(("torch", "worker_hooks", "rebalancer.controller",
-                                                   "rebalancer.placement", "scipy"))]
+    leaked = [
+        m
+        for m in loaded
+        if m.startswith(
+            ("torch", "worker_hooks", "rebalancer.controller", "rebalancer.placement", "scipy")
+        )
+    ]
     assert leaked == []
 
 
@@ -156,9 +204,13 @@ def test_operations_md_states_the_links_retry_timing() -> None:
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     every = f"{SidecarConfig.backoff_max_seconds:g} s"
     unreachable = rows["the controller unreachable"]
-    assert (f"from {SidecarConfig.backoff_initial_seconds:g} s to at most every {every}" in unreachable
-            and "(0.5-1.5 s with jitter)" in unreachable), unreachable
-    assert (f"{0.5 * SidecarConfig.backoff_max_seconds:g}-{1.5 * SidecarConfig.backoff_max_seconds:g} s"
-            in unreachable)
+    assert (
+        f"from {SidecarConfig.backoff_initial_seconds:g} s to at most every {every}" in unreachable
+        and "(0.5-1.5 s with jitter)" in unreachable
+    ), unreachable
+    assert (
+        f"{0.5 * SidecarConfig.backoff_max_seconds:g}-{1.5 * SidecarConfig.backoff_max_seconds:g} s"
+        in unreachable
+    )
     credentials = rows["a certificate file (`--ca`, `--cert`, `--key`) missing or unreadable"]
     assert f"reads the files again every {every}" in credentials, credentials

@@ -63,11 +63,27 @@ def test_claim_makes_the_sockets_own_folder_only(short_dir: Path) -> None:
         listen.claim(path, 0o700)
     assert list(short_dir.iterdir()) == []
     out = subprocess.run(
-        [sys.executable, "-m", "rebalancer", "sidecar", "--listen", f"unix://{path}",
-         "--controller", "127.0.0.1:1", "--ranks", "0"], capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "sidecar",
+            "--listen",
+            f"unix://{path}",
+            "--controller",
+            "127.0.0.1:1",
+            "--ranks",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, out
     (line,) = out.stderr.strip().splitlines()
-    assert line.startswith(f"rebalancer sidecar: error: cannot make the socket's folder {path.parent}: "), line
+    assert line.startswith(
+        f"rebalancer sidecar: error: cannot make the socket's folder {path.parent}: "
+    ), line
     assert list(short_dir.iterdir()) == []
 
 
@@ -86,7 +102,9 @@ def test_claim_never_takes_a_live_socket_that_is_not_a_sidecars(short_dir: Path)
     with socket.socket(socket.AF_UNIX) as other:
         other.bind(str(path))
         other.listen()
-        with pytest.raises(InputError, match="in use by a live process that is not a sidecar") as info:
+        with pytest.raises(
+            InputError, match="in use by a live process that is not a sidecar"
+        ) as info:
             listen.claim(path, 0o700)
         assert getattr(info.value, "exit_code", 2) == 7
         assert stat.S_ISSOCK(path.stat().st_mode)
@@ -97,8 +115,13 @@ def test_claim_never_takes_a_live_socket_that_is_not_a_sidecars(short_dir: Path)
 
 def test_sidecar_serves_health_on_a_socket_born_restricted(short_dir: Path) -> None:
     path = short_dir / "s" / "agent.sock"
-    config = SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1), listen=f"unix://{path}",
-                           socket_access="owner", grace_seconds=0.1)
+    config = SidecarConfig(
+        controller="127.0.0.1:1",
+        ranks=(0, 1),
+        listen=f"unix://{path}",
+        socket_access="owner",
+        grace_seconds=0.1,
+    )
 
     async def run() -> None:
         sidecar = Sidecar(config)
@@ -125,9 +148,21 @@ def test_cli_refuses_a_path_held_by_a_live_sidecar_with_one_line(short_dir: Path
     held = listen.claim(path, 0o700)  # as a running sidecar holds it
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "rebalancer", "sidecar", "--listen", f"unix://{path}",
-             "--controller", "127.0.0.1:1", "--ranks", "0-1"],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "rebalancer",
+                "sidecar",
+                "--listen",
+                f"unix://{path}",
+                "--controller",
+                "127.0.0.1:1",
+                "--ranks",
+                "0-1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     finally:
         held.release()
@@ -135,8 +170,21 @@ def test_cli_refuses_a_path_held_by_a_live_sidecar_with_one_line(short_dir: Path
     assert out.stderr.strip().splitlines() == [
         f"rebalancer sidecar: error: {path} is in use by a live sidecar (pid {os.getpid()})"
     ]
-    probe = subprocess.run([sys.executable, "-m", "rebalancer", "sidecar", "--check", f"unix://{path}",
-                            "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rebalancer",
+            "sidecar",
+            "--check",
+            f"unix://{path}",
+            "--timeout",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.returncode == 1 and "is not serving" in probe.stderr
 
 
@@ -147,9 +195,25 @@ def test_cli_refuses_a_metrics_port_in_use_and_leaves_no_socket(short_dir: Path)
         taken.listen()
         port = taken.getsockname()[1]
         out = subprocess.run(
-            [sys.executable, "-m", "rebalancer", "sidecar", "--listen", f"unix://{path}", "--controller",
-             "127.0.0.1:1", "--ranks", "0", "--metrics-port", str(port), "--metrics-host", "127.0.0.1"],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "rebalancer",
+                "sidecar",
+                "--listen",
+                f"unix://{path}",
+                "--controller",
+                "127.0.0.1:1",
+                "--ranks",
+                "0",
+                "--metrics-port",
+                str(port),
+                "--metrics-host",
+                "127.0.0.1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert out.returncode == 7
     assert out.stderr.splitlines() == [f"rebalancer sidecar: error: metrics port {port} is in use"]
@@ -167,8 +231,13 @@ def test_no_lock_file_outlives_its_holder(short_dir: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        config = SidecarConfig(controller="127.0.0.1:1", ranks=(0,), listen=f"unix://{path}",
-                               metrics_host="127.0.0.1", metrics_port=taken.getsockname()[1])
+        config = SidecarConfig(
+            controller="127.0.0.1:1",
+            ranks=(0,),
+            listen=f"unix://{path}",
+            metrics_host="127.0.0.1",
+            metrics_port=taken.getsockname()[1],
+        )
 
         async def start() -> None:
             await Sidecar(config).start()

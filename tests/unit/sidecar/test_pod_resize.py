@@ -16,8 +16,22 @@ from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 
-OLD = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=8, num_gpus=4, num_nodes=1, expert_bytes=8)
-NEW = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=3, num_nodes=1, expert_bytes=8)
+OLD = pb.ModelShape(
+    num_layers=2,
+    num_logical_experts=4,
+    num_physical_slots=8,
+    num_gpus=4,
+    num_nodes=1,
+    expert_bytes=8,
+)
+NEW = pb.ModelShape(
+    num_layers=2,
+    num_logical_experts=4,
+    num_physical_slots=6,
+    num_gpus=3,
+    num_nodes=1,
+    expert_bytes=8,
+)
 SERVED = np.array([[0, 1, 2, 3, 0, 1], [3, 2, 1, 0, 2, 3]], dtype=np.int32)
 FROM = pb.Resize(version=5, num_gpus=4)
 
@@ -34,16 +48,25 @@ def pod_of_ranks_2_3() -> tuple[Pod, Clock]:
     clock = Clock()
     pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(2, 3)), clock=clock)
     for rank in (2, 3):
-        answer = pod.register(pb.RegisterRequest(deployment="d", rank=rank, shape=OLD, worker_id=f"w{rank}",
-                                                 placement_version=5))
+        answer = pod.register(
+            pb.RegisterRequest(
+                deployment="d", rank=rank, shape=OLD, worker_id=f"w{rank}", placement_version=5
+            )
+        )
         pod.attach(answer.session_id, lambda msg: None)
     pod.registered_upstream(pb.RegisterResponse(committed=pb.Placement(version=5), session_id="g"))
     return pod, clock
 
 
 def resized(rank: int, worker: str, served: np.ndarray = SERVED) -> pb.RegisterRequest:
-    return pb.RegisterRequest(deployment="d", rank=rank, shape=NEW, worker_id=worker, resized_from=FROM,
-                              initial_placement=pb.Placement(phy2log=codec.encode(served)))
+    return pb.RegisterRequest(
+        deployment="d",
+        rank=rank,
+        shape=NEW,
+        worker_id=worker,
+        resized_from=FROM,
+        initial_placement=pb.Placement(phy2log=codec.encode(served)),
+    )
 
 
 def asked_again(pod: Pod, request: pb.RegisterRequest) -> str:
@@ -53,12 +76,16 @@ def asked_again(pod: Pod, request: pb.RegisterRequest) -> str:
     return str(err.value)
 
 
-def test_the_survivors_are_gathered_then_the_new_world_registers_upstream_and_they_join_its_version() -> None:
+def test_the_survivors_are_gathered_then_the_new_world_registers_upstream_and_they_join_its_version() -> (
+    None
+):
     pod, _ = pod_of_ranks_2_3()
     old_session = pod.by_rank[2]
     for rank, worker in ((2, "w3"), (1, "w2")):  # old 3 is new 2, old 2 is new 1
         pod.detach(pod.by_rank[int(worker[1])])  # a survivor's agent ends its old stream first
-        assert "is being relayed to the controller; ask again" in asked_again(pod, resized(rank, worker))
+        assert "is being relayed to the controller; ask again" in asked_again(
+            pod, resized(rank, worker)
+        )
     # Every old rank accounted for: the pod is the new world's ranks 1-2, told upstream once.
     assert pod.ranks == (1, 2) and pod.world == 1 and pod.resync and not pod.by_rank
     assert pod.upstream_ready()
@@ -69,8 +96,11 @@ def test_the_survivors_are_gathered_then_the_new_world_registers_upstream_and_th
     asked_again(pod, resized(1, "w2"))  # still waiting on the controller
     with pytest.raises(StateError, match="ended"):  # the old world's session is over
         pod.window(old_session, pb.Window(seq=0))
-    pod.registered_upstream(pb.RegisterResponse(committed=pb.Placement(version=6, phy2log=codec.encode(SERVED)),
-                                                session_id="g2"))
+    pod.registered_upstream(
+        pb.RegisterResponse(
+            committed=pb.Placement(version=6, phy2log=codec.encode(SERVED)), session_id="g2"
+        )
+    )
     assert not pod.group_request().HasField("resized_from")  # said once
     answers = {rank: pod.register(resized(rank, f"w{rank + 1}")) for rank in (1, 2)}
     # The ranks learn the version the controller committed the resize under, and serve it.

@@ -13,11 +13,15 @@ from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 
-SHAPE = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, expert_bytes=8)
+SHAPE = pb.ModelShape(
+    num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, expert_bytes=8
+)
 
 
 def register(pod: Pod, rank: int, version: int) -> str:
-    reply = pod.register(pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, placement_version=version))
+    reply = pod.register(
+        pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, placement_version=version)
+    )
     pod.attach(reply.session_id, lambda msg: None)
     return reply.session_id
 
@@ -36,7 +40,9 @@ def test_ranks_restarted_on_an_older_version_register_the_group_again() -> None:
     register(pod, 1, 0)
     assert pod.upstream_ready()
     assert pod.group_request().placement_version == 0  # what the ranks serve, not v3
-    pod.registered_upstream(pb.RegisterResponse(session_id="up2", committed=pb.Placement(version=0)))
+    pod.registered_upstream(
+        pb.RegisterResponse(session_id="up2", committed=pb.Placement(version=0))
+    )
     assert not pod.resync
 
 
@@ -55,7 +61,9 @@ def test_a_rank_restarted_as_a_new_process_registers_the_group_again() -> None:
     pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
     sessions = []
     for rank in (0, 1):
-        reply = pod.register(pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, worker_id=f"pid-{rank}"))
+        reply = pod.register(
+            pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, worker_id=f"pid-{rank}")
+        )
         pod.attach(reply.session_id, lambda msg: None)
         sessions.append(reply.session_id)
     pod.registered_upstream(pb.RegisterResponse(session_id="up", committed=pb.Placement(version=0)))
@@ -75,13 +83,19 @@ def test_a_switch_the_relay_no_longer_follows_is_told_upstream_once() -> None:
     pod.registered_upstream(pb.RegisterResponse(session_id="up", committed=pb.Placement(version=1)))
     pod.from_controller(pb.ControllerMessage(prepare=pb.Prepare(version=2, base_version=1)))
     pod.from_controller(pb.ControllerMessage(commit=pb.Commit(version=2)))
-    pod.report(pb.PlanReport(session_id=sessions[0], version=2, phase=pb.PLAN_PHASE_COMMITTED, step=40))
+    pod.report(
+        pb.PlanReport(session_id=sessions[0], version=2, phase=pb.PLAN_PHASE_COMMITTED, step=40)
+    )
     assert not pod.reports  # the relay waits for rank 1: nothing early
     pod.from_controller(pb.ControllerMessage(prepare=pb.Prepare(version=3, base_version=1)))
-    pod.report(pb.PlanReport(session_id=sessions[1], version=2, phase=pb.PLAN_PHASE_COMMITTED, step=40))
+    pod.report(
+        pb.PlanReport(session_id=sessions[1], version=2, phase=pb.PLAN_PHASE_COMMITTED, step=40)
+    )
     late = [(r.version, r.phase) for r in pod.reports if r.phase == pb.PLAN_PHASE_COMMITTED]
     assert late == [(2, pb.PLAN_PHASE_COMMITTED)]
-    pod.report(pb.PlanReport(session_id=sessions[0], version=2, phase=pb.PLAN_PHASE_COMMITTED, step=40))
+    pod.report(
+        pb.PlanReport(session_id=sessions[0], version=2, phase=pb.PLAN_PHASE_COMMITTED, step=40)
+    )
     assert [r.version for r in pod.reports if r.phase == pb.PLAN_PHASE_COMMITTED] == [2]  # once
 
 
@@ -91,16 +105,22 @@ def test_the_group_identity_names_the_ranks_processes() -> None:
     pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
     sessions = []
     for rank in (0, 1):
-        reply = pod.register(pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, worker_id=f"pid-{rank}"))
+        reply = pod.register(
+            pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, worker_id=f"pid-{rank}")
+        )
         pod.attach(reply.session_id, lambda msg: None)
         sessions.append(reply.session_id)
     before = pod.group_request().worker_id
     assert before.endswith(" ranks pid-0,pid-1")
     pod.detach(pod.session(sessions[0]))
-    pod.register(pb.RegisterRequest(deployment="d", rank=0, shape=SHAPE, worker_id="pid-0"))  # reconnected
+    pod.register(
+        pb.RegisterRequest(deployment="d", rank=0, shape=SHAPE, worker_id="pid-0")
+    )  # reconnected
     assert pod.group_request().worker_id == before
     pod.detach(pod.session(sessions[1]))
-    pod.register(pb.RegisterRequest(deployment="d", rank=1, shape=SHAPE, worker_id="pid-new"))  # restarted
+    pod.register(
+        pb.RegisterRequest(deployment="d", rank=1, shape=SHAPE, worker_id="pid-new")
+    )  # restarted
     assert pod.group_request().worker_id.endswith(" ranks pid-0,pid-new")
 
 
@@ -115,7 +135,9 @@ def test_ranks_that_learn_their_expert_bytes_register_the_group_again() -> None:
     pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
     sessions = []
     for rank in (0, 1):
-        reply = pod.register(pb.RegisterRequest(deployment="d", rank=rank, shape=early, worker_id=f"pid-{rank}"))
+        reply = pod.register(
+            pb.RegisterRequest(deployment="d", rank=rank, shape=early, worker_id=f"pid-{rank}")
+        )
         pod.attach(reply.session_id, lambda msg: None)
         sessions.append(reply.session_id)
     assert pod.group_request().shape.expert_bytes == 0
@@ -123,7 +145,9 @@ def test_ranks_that_learn_their_expert_bytes_register_the_group_again() -> None:
     for sid in sessions:  # the early sessions end
         pod.detach(pod.session(sid))
     for rank in (0, 1):
-        reply = pod.register(pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, worker_id=f"pid-{rank}"))
+        reply = pod.register(
+            pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, worker_id=f"pid-{rank}")
+        )
         pod.attach(reply.session_id, lambda msg: None)
         assert pod.resync
     assert pod.upstream_ready() and pod.group_request().shape == SHAPE

@@ -12,21 +12,33 @@ from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 
-SHAPE = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, expert_bytes=8)
+SHAPE = pb.ModelShape(
+    num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, expert_bytes=8
+)
 COUNTS = codec.encode_counts(np.ones((2, 4), dtype=np.uint32))
 
 
 def attach(pod: Pod, rank: int, version: int = 0) -> tuple[str, list[pb.ControllerMessage]]:
     got: list[pb.ControllerMessage] = []
-    reply = pod.register(pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, placement_version=version))
+    reply = pod.register(
+        pb.RegisterRequest(deployment="d", rank=rank, shape=SHAPE, placement_version=version)
+    )
     pod.attach(reply.session_id, got.append)
     return reply.session_id, got
 
 
 def window(pod: Pod, sid: str, seq: int, serving: tuple[int, int]) -> None:
-    pod.window(pod.session(sid), pb.Window(seq=seq, num_steps=1, placement_version=serving[0],
-                                           logical_count=COUNTS, serving_version=serving[0],
-                                           serving_hash=serving[1]))
+    pod.window(
+        pod.session(sid),
+        pb.Window(
+            seq=seq,
+            num_steps=1,
+            placement_version=serving[0],
+            logical_count=COUNTS,
+            serving_version=serving[0],
+            serving_hash=serving[1],
+        ),
+    )
 
 
 def test_the_pod_states_a_placement_only_when_every_rank_states_it() -> None:
@@ -47,13 +59,24 @@ def test_planned_losses_reach_every_rank_and_one_that_comes_later() -> None:
     pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
     _, got0 = attach(pod, 0)
     for lost, base in (((0,), 4), ((1,), 4)):
-        pod.from_controller(pb.ControllerMessage(planned_loss=pb.PlannedLoss(
-            kind="rank", lost_ranks=lost, base_version=base, set_size=2)))
+        pod.from_controller(
+            pb.ControllerMessage(
+                planned_loss=pb.PlannedLoss(
+                    kind="rank", lost_ranks=lost, base_version=base, set_size=2
+                )
+            )
+        )
     assert [m.planned_loss.lost_ranks[0] for m in got0 if m.HasField("planned_loss")] == [0, 1]
     _, got1 = attach(pod, 1)  # opens its stream after the set was told
-    assert sorted(m.planned_loss.lost_ranks[0] for m in got1 if m.HasField("planned_loss")) == [0, 1]
-    pod.from_controller(pb.ControllerMessage(planned_loss=pb.PlannedLoss(
-        kind="rank", lost_ranks=(1,), base_version=5, set_size=2)))
+    assert sorted(m.planned_loss.lost_ranks[0] for m in got1 if m.HasField("planned_loss")) == [
+        0,
+        1,
+    ]
+    pod.from_controller(
+        pb.ControllerMessage(
+            planned_loss=pb.PlannedLoss(kind="rank", lost_ranks=(1,), base_version=5, set_size=2)
+        )
+    )
     assert list(pod.planned) == [(1,)]  # a newer set replaces the older whole
 
 

@@ -17,15 +17,20 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 
 
-@pytest.mark.parametrize("first", [
-    pb.WorkerMessage(window=pb.Window(seq=0, num_steps=1)),
-    pb.WorkerMessage(),
-    None,  # the stream ends at once
-])
+@pytest.mark.parametrize(
+    "first",
+    [
+        pb.WorkerMessage(window=pb.Window(seq=0, num_steps=1)),
+        pb.WorkerMessage(),
+        None,  # the stream ends at once
+    ],
+)
 def test_a_stream_that_does_not_open_with_hello_is_refused(first: pb.WorkerMessage | None) -> None:
     async def run() -> tuple[grpc.StatusCode, str, int]:
         with tempfile.TemporaryDirectory(prefix="sc", dir="/tmp") as d:
-            config = SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1), listen=f"unix://{Path(d)}/agent.sock")
+            config = SidecarConfig(
+                controller="127.0.0.1:1", ranks=(0, 1), listen=f"unix://{Path(d)}/agent.sock"
+            )
             sidecar = Sidecar(config)
             await sidecar.start()
             try:

@@ -43,11 +43,17 @@ def test_prepared_goes_up_only_when_every_rank_prepared() -> None:
     assert kinds(a) == [(4, "prepare"), (5, "prepare"), (6, "prepare")]
     assert not a.upstream
     for rank in (4, 5):
-        assert not r.report(rank, report(2, pb.PLAN_PHASE_PREPARED, bytes_received=10, seconds=1.0)).upstream
-    assert not r.report(4, report(2, pb.PLAN_PHASE_PREPARED, bytes_received=10)).upstream  # again: once
+        assert not r.report(
+            rank, report(2, pb.PLAN_PHASE_PREPARED, bytes_received=10, seconds=1.0)
+        ).upstream
+    assert not r.report(
+        4, report(2, pb.PLAN_PHASE_PREPARED, bytes_received=10)
+    ).upstream  # again: once
     a = r.report(6, report(2, pb.PLAN_PHASE_PREPARED, bytes_received=5, seconds=3.0))
     (sent,) = a.upstream
-    assert sent.phase == pb.PLAN_PHASE_PREPARED and sent.bytes_received == 25 and sent.seconds == 3.0
+    assert (
+        sent.phase == pb.PLAN_PHASE_PREPARED and sent.bytes_received == 25 and sent.seconds == 3.0
+    )
     assert r.phase == "prepared" and [e for e, _ in a.events] == ["prepared"]
 
 
@@ -68,7 +74,9 @@ def test_a_rank_failing_fails_the_pod_once_naming_the_rank() -> None:
 def test_a_rank_leaving_while_preparing_fails_the_pod(after_prepared: bool) -> None:
     r = relay()
     r.prepare(prepare())
-    if after_prepared:  # PREPARED already went up; the controller may still be waiting for other pods
+    if (
+        after_prepared
+    ):  # PREPARED already went up; the controller may still be waiting for other pods
         for rank in RANKS:
             r.report(rank, report(2, pb.PLAN_PHASE_PREPARED))
     a = r.detached(6)
@@ -202,7 +210,14 @@ def test_a_new_prepare_supersedes_one_never_resolved() -> None:
     r = relay()
     r.prepare(prepare(2))
     a = r.prepare(prepare(3))
-    assert kinds(a) == [(4, "abort"), (5, "abort"), (6, "abort"), (4, "prepare"), (5, "prepare"), (6, "prepare")]
+    assert kinds(a) == [
+        (4, "abort"),
+        (5, "abort"),
+        (6, "abort"),
+        (4, "prepare"),
+        (5, "prepare"),
+        (6, "prepare"),
+    ]
     assert a.drop_reports == 2 and r.plan is not None and r.plan.version == 3
 
 
@@ -217,7 +232,10 @@ def test_a_rank_that_missed_the_prepare_gets_it_then_the_abort() -> None:
     r.abort(7, "rank 6 is not connected to the sidecar")
     assert kinds(r.attached(6)) == [(6, "prepare"), (6, "abort")]
     r.detached(6)
-    assert kinds(r.attached(6)) == [(6, "prepare"), (6, "abort")]  # its transfers run once (the hook)
+    assert kinds(r.attached(6)) == [
+        (6, "prepare"),
+        (6, "abort"),
+    ]  # its transfers run once (the hook)
     r.report(6, report(7, pb.PLAN_PHASE_ABORTED))
     r.detached(6)
     assert kinds(r.attached(6)) == []  # it confirmed: nothing more to tell
@@ -236,8 +254,12 @@ def test_a_failure_after_the_commit_goes_up_once_with_the_placement_served() -> 
         r.report(rank, report(2, pb.PLAN_PHASE_PREPARED))
     r.commit(2)
     serving = pb.Placement(phy2log=pb.Array(dtype=pb.DTYPE_INT32, shape=[1, 2], data=b"\0" * 8))
-    a = r.report(4, report(2, pb.PLAN_PHASE_FAILED, error="update lost a peer at layer 2", serving=serving))
+    a = r.report(
+        4, report(2, pb.PLAN_PHASE_FAILED, error="update lost a peer at layer 2", serving=serving)
+    )
     assert up(a) == ["PLAN_PHASE_FAILED"]
     assert a.upstream[0].error == "rank 4: update lost a peer at layer 2"
     assert a.upstream[0].serving == serving
-    assert not r.report(5, report(2, pb.PLAN_PHASE_FAILED, error="the same", serving=serving)).upstream
+    assert not r.report(
+        5, report(2, pb.PLAN_PHASE_FAILED, error="the same", serving=serving)
+    ).upstream

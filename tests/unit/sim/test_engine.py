@@ -184,9 +184,22 @@ def test_simulate_plot_into_a_missing_folder_fails_before_the_replay(
     monkeypatch.setattr(rebalancer.sim, "simulate", replayed)
     Trace(np.ones((4, 2, 8), dtype=np.int64)).save(tmp_path / "t.npz")
     plot = tmp_path / "missing" / "b.png"
-    argv = ["simulate", "--gpus", "2", "--slots", "8", "--trace", str(tmp_path / "t.npz"), "--plot", str(plot)]
+    argv = [
+        "simulate",
+        "--gpus",
+        "2",
+        "--slots",
+        "8",
+        "--trace",
+        str(tmp_path / "t.npz"),
+        "--plot",
+        str(plot),
+    ]
     assert main(argv) == 2
-    assert capsys.readouterr().err == f"rebalancer simulate: error: --plot {plot}: folder {plot.parent} does not exist\n"
+    assert (
+        capsys.readouterr().err
+        == f"rebalancer simulate: error: --plot {plot}: folder {plot.parent} does not exist\n"
+    )
 
 
 def test_adaptive_decisions_replay_through_a_fresh_policy_loop(
@@ -281,7 +294,9 @@ def test_the_simulator_charges_what_the_gate_predicted(sources: dict[str, np.nda
         rows = np.asarray(transfers(entry["current"], d.candidate, G, N))
         c = plan_cost(rows, G, N, config.cost.expert_bytes, config.params)
         assert (d.migration_cost_seconds, d.transfer_seconds, d.bytes_to_move) == (
-            c.seconds, c.transfer_seconds, c.bytes_between_gpus
+            c.seconds,
+            c.transfer_seconds,
+            c.bytes_between_gpus,
         )
         if entry["window"] < trace.num_windows - 1:  # a plan of the last window never lands
             pauses += c.commit_pause_seconds + c.swap_seconds
@@ -296,8 +311,19 @@ def test_cli_timing_and_migration_cost_keys(
 ) -> None:
     trace = make_trace(sources, TraceGenConfig(kind="phase", windows=4, seed=2))
     trace.save(tmp_path / "p.npz")
-    base = ["simulate", "--gpus", str(G), "--slots", str(P), "--nodes", str(N),
-            "--trace", str(tmp_path / "p.npz"), "--policy", "adaptive"]
+    base = [
+        "simulate",
+        "--gpus",
+        str(G),
+        "--slots",
+        str(P),
+        "--nodes",
+        str(N),
+        "--trace",
+        str(tmp_path / "p.npz"),
+        "--policy",
+        "adaptive",
+    ]
     assert main(base) == 0
     head = capsys.readouterr().out.splitlines()[0]
     # Derived for the trace's 5 s windows: settling binds.
@@ -312,7 +338,9 @@ def test_cli_timing_and_migration_cost_keys(
     assert "min_interval_seconds=3, decision_period_seconds=5" in capsys.readouterr().out
     # A migration-cost key of --cost sets the policy's field: the gate sees it too.
     assert main([*base, "--json", "--cost", "commit_gbps=1e9", "--cost", "inter_node_gbps=5"]) == 0
-    assert main([*base, "--json", "--set", "commit_gbps=1e9", "--set", "link_bandwidth_gbps=5"]) == 0
+    assert (
+        main([*base, "--json", "--set", "commit_gbps=1e9", "--set", "link_bandwidth_gbps=5"]) == 0
+    )
     first, second = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines())
     assert first == second
     assert main([*base, "--cost", "nonsense=1"]) == 2

@@ -15,7 +15,9 @@ from rebalancer.sim import TraceGenConfig, make_trace
 from rebalancer.sim.failure import FAILURE_WAYS, Failure, check_window, parse_at, parse_failures
 
 
-@pytest.mark.parametrize("spec, expected", [("3@10", (3, 10)), (" 0 @ 0 ", (0, 0)), ("31@7", (31, 7))])
+@pytest.mark.parametrize(
+    "spec, expected", [("3@10", (3, 10)), (" 0 @ 0 ", (0, 0)), ("31@7", (31, 7))]
+)
 def test_parse_at_reads_index_and_window(spec: str, expected: tuple[int, int]) -> None:
     assert parse_at(spec, "--fail", "RANK") == expected
 
@@ -33,13 +35,18 @@ def test_parse_failures_expands_nodes_and_joins_ranks() -> None:
     assert parse_failures([], [], 32, 4) is None
 
 
-@pytest.mark.parametrize("ranks, nodes, message", [
-    (["32@1"], [], "rank 32 is out of range"),
-    ([], ["4@1"], "node 4 is out of range"),
-    (["1@1", "2@3"], [], "same window"),
-    ([], ["0@1", "1@1"], "none survives"),
-])
-def test_parse_failures_refuses_what_the_group_cannot_lose(ranks: list[str], nodes: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "ranks, nodes, message",
+    [
+        (["32@1"], [], "rank 32 is out of range"),
+        ([], ["4@1"], "node 4 is out of range"),
+        (["1@1", "2@3"], [], "same window"),
+        ([], ["0@1", "1@1"], "none survives"),
+    ],
+)
+def test_parse_failures_refuses_what_the_group_cannot_lose(
+    ranks: list[str], nodes: list[str], message: str
+) -> None:
     with pytest.raises(InputError, match=message):
         parse_failures(ranks, nodes, num_gpus=16, num_nodes=2)
 
@@ -62,11 +69,26 @@ def drift_trace(tmp_path: Path, sources: dict[str, np.ndarray]) -> Path:
 
 
 def _simulate(trace: Path, *extra: str) -> list[str]:
-    return ["simulate", "--trace", str(trace), "--gpus", str(G), "--slots", str(P), "--nodes", str(N),
-            "--policy", "static", "--json", *extra]
+    return [
+        "simulate",
+        "--trace",
+        str(trace),
+        "--gpus",
+        str(G),
+        "--slots",
+        str(P),
+        "--nodes",
+        str(N),
+        "--policy",
+        "static",
+        "--json",
+        *extra,
+    ]
 
 
-def test_cli_failure_planned_beats_repair_and_moves_less_than_scratch(drift_trace: Path, capsys) -> None:
+def test_cli_failure_planned_beats_repair_and_moves_less_than_scratch(
+    drift_trace: Path, capsys
+) -> None:
     assert main(_simulate(drift_trace, "--fail", "3@4")) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     failure = out["failure"]
@@ -88,13 +110,18 @@ def test_cli_node_loss_without_room_says_so(drift_trace: Path, capsys) -> None:
     assert failure["planned"]["balancedness_after"] is None
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--fail", "8@1"], "rank 8 is out of range"),
-    (["--fail", "1@8"], "beyond the trace"),
-    (["--fail", "1-3"], "expected RANK@WINDOW"),
-    (["--fail-node", "2@1"], "node 2 is out of range"),
-])
-def test_cli_bad_failure_is_one_line_and_exit_2(drift_trace: Path, capsys, extra: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--fail", "8@1"], "rank 8 is out of range"),
+        (["--fail", "1@8"], "beyond the trace"),
+        (["--fail", "1-3"], "expected RANK@WINDOW"),
+        (["--fail-node", "2@1"], "node 2 is out of range"),
+    ],
+)
+def test_cli_bad_failure_is_one_line_and_exit_2(
+    drift_trace: Path, capsys, extra: list[str], message: str
+) -> None:
     assert main(_simulate(drift_trace, *extra)) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # nothing replayed

@@ -55,7 +55,9 @@ def test_cost_model_defaults_and_nulls_are_valid() -> None:
     CostModel(fixed_seconds_per_layer=None, seconds_per_token=0.0, expert_bytes=0).validate()
 
 
-@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), 1e308, 10**400, True, "5", None])
+@pytest.mark.parametrize(
+    "value", [0, -1.0, float("nan"), float("inf"), 1e308, 10**400, True, "5", None]
+)
 def test_window_seconds_refused(value: object) -> None:
     with pytest.raises(InputError, match="window_seconds"):
         check_window_seconds(value)
@@ -71,8 +73,15 @@ def test_derived_timing_refuses_windows_out_of_range() -> None:
     """`simulate --window-seconds 1e308` overflowed in _ceil_tenth (OverflowError)."""
     for seconds in (1e308, float("inf"), 0.0):
         with pytest.raises(InputError, match="window_seconds"):
-            derived_timing(0.3, 0.02, 0.25, deployment=dataclasses.replace(REFERENCE, window_seconds=seconds))
-    longest = derived_timing(0.3, 0.02, 0.25, deployment=dataclasses.replace(REFERENCE, window_seconds=MAX_WINDOW_SECONDS))
+            derived_timing(
+                0.3, 0.02, 0.25, deployment=dataclasses.replace(REFERENCE, window_seconds=seconds)
+            )
+    longest = derived_timing(
+        0.3,
+        0.02,
+        0.25,
+        deployment=dataclasses.replace(REFERENCE, window_seconds=MAX_WINDOW_SECONDS),
+    )
     assert np.isfinite(longest.min_interval_seconds)
 
 
@@ -81,7 +90,10 @@ def test_load_trace_window_override(tmp_path: Path) -> None:
     for seconds in (1e308, -1.0, float("nan")):
         with pytest.raises(InputError, match="window seconds must be in"):
             load_trace(tmp_path / "t.npz", window_seconds=seconds)
-    assert load_trace(tmp_path / "t.npz", window_seconds=MAX_WINDOW_SECONDS).window_seconds == MAX_WINDOW_SECONDS
+    assert (
+        load_trace(tmp_path / "t.npz", window_seconds=MAX_WINDOW_SECONDS).window_seconds
+        == MAX_WINDOW_SECONDS
+    )
 
 
 def test_npz_window_seconds_of_wrong_type(tmp_path: Path) -> None:
@@ -109,7 +121,10 @@ def test_jsonl_ids_bounded_before_allocating(tmp_path: Path) -> None:
     [
         ({"token_idx": 0, "layer": 0, "experts": "12"}, "experts must be a list"),
         ({"token_idx": 0, "layer": True, "experts": [1]}, "layer must be an integer"),
-        ({"token_idx": 0.5, "layer": 0, "experts": [1]}, "token_idx must be an integer or a string"),
+        (
+            {"token_idx": 0.5, "layer": 0, "experts": [1]},
+            "token_idx must be an integer or a string",
+        ),
         ({"problem_id": [0], "token_idx": 0, "layer": 0, "experts": [1]}, "problem_id must be"),
         ({"layer": 0, "experts": [1]}, "no 'token_idx'"),
     ],
@@ -122,7 +137,9 @@ def test_jsonl_records_of_wrong_type(tmp_path: Path, record: dict, match: str) -
 @pytest.mark.parametrize("num_experts", [0, -1, 2**20 + 1, 2**40, True])
 def test_jsonl_num_experts_bounded(tmp_path: Path, num_experts: int) -> None:
     with pytest.raises(InputError, match="num_experts"):
-        load_trace(_jsonl(tmp_path, {"token_idx": 0, "layer": 0, "experts": [1]}), num_experts=num_experts)
+        load_trace(
+            _jsonl(tmp_path, {"token_idx": 0, "layer": 0, "experts": [1]}), num_experts=num_experts
+        )
 
 
 def test_jsonl_line_number_in_errors(tmp_path: Path) -> None:

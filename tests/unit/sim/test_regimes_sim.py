@@ -17,19 +17,32 @@ from rebalancer.sim import POLICIES, SimConfig, TraceGenConfig, make_trace, simu
 
 def _trace(sources: dict[str, np.ndarray], windows: int = 60, seed: int = 5):  # type: ignore[no-untyped-def]
     two = dict(list(sources.items())[:3])  # three workloads over 60 windows: they come back
-    return make_trace(two, TraceGenConfig(kind="phase", windows=windows, tokens_per_window=16384,
-                                          phase_min_windows=6, phase_max_windows=9, window_seconds=5.0,
-                                          seed=seed))
+    return make_trace(
+        two,
+        TraceGenConfig(
+            kind="phase",
+            windows=windows,
+            tokens_per_window=16384,
+            phase_min_windows=6,
+            phase_max_windows=9,
+            window_seconds=5.0,
+            seed=seed,
+        ),
+    )
 
 
 def test_regimes_is_a_policy_of_all() -> None:
     assert "regimes" in POLICIES
 
 
-def test_returning_phases_are_recognised_and_served_no_worse_than_adaptive(sources: dict[str, np.ndarray]) -> None:
+def test_returning_phases_are_recognised_and_served_no_worse_than_adaptive(
+    sources: dict[str, np.ndarray],
+) -> None:
     trace = _trace(sources)
     config = SimConfig(num_gpus=8, num_slots=288, num_nodes=2)
-    config = dataclasses.replace(config, policy=config.policy.for_windows(config.shape(trace), trace.window_seconds))
+    config = dataclasses.replace(
+        config, policy=config.policy.for_windows(config.shape(trace), trace.window_seconds)
+    )
     results = simulate(trace, config, ["adaptive", "regimes"])
     adaptive, regimes = results["adaptive"], results["regimes"]
     loads = [entry["decision"].load for entry in regimes.decision_log]
@@ -41,12 +54,27 @@ def test_returning_phases_are_recognised_and_served_no_worse_than_adaptive(sourc
     assert 2 <= len(library.regimes) <= 16 and library.windows == trace.num_windows
 
 
-def test_simulate_cli_runs_the_regimes_policy(sources: dict[str, np.ndarray], tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_cli_runs_the_regimes_policy(
+    sources: dict[str, np.ndarray], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "t.npz"
     _trace(sources, windows=12).save(path)
-    code = cli(["simulate", "--trace", str(path), "--gpus", "8", "--slots", "288", "--nodes", "2",
-                "--policy", "regimes", "--json"])
+    code = cli(
+        [
+            "simulate",
+            "--trace",
+            str(path),
+            "--gpus",
+            "8",
+            "--slots",
+            "288",
+            "--nodes",
+            "2",
+            "--policy",
+            "regimes",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and out["policy"] == "regimes" and out["windows"] == 12
     assert sum(out["decisions"].values()) > 0

@@ -42,7 +42,7 @@ def test_waterfill_keeps_every_token_on_a_gpu_holding_its_expert(passes: int) ->
     rng = np.random.default_rng(passes)
     L, X = 3, 12
     replicas = (rng.random((L, X, G)) < 0.3).astype(np.int64)
-    replicas[:, :, 0] |= (replicas.sum(axis=2) == 0)
+    replicas[:, :, 0] |= replicas.sum(axis=2) == 0
     tables = waterfill_tables(replicas)
     held = tables[:, 0] > 0
     demand = rng.integers(0, 500, size=(L, X))
@@ -77,7 +77,9 @@ def test_expected_loads_scale_to_integer_units_and_back(sources: dict[str, np.nd
         assert (exp.max(axis=1) <= split.max(axis=1) * (1 + 1e-9)).all()
         tiny = expected_gpu_loads(ph, counts / 3e6, G, mode, counts.sum(axis=1) / 8 / 3e6)
         np.testing.assert_allclose(tiny * 3e6, exp, rtol=1e-6)
-    empty = expected_gpu_loads(ph, np.zeros_like(counts), G, "load+shared", np.zeros(counts.shape[0]))
+    empty = expected_gpu_loads(
+        ph, np.zeros_like(counts), G, "load+shared", np.zeros(counts.shape[0])
+    )
     assert (empty == 0).all()
 
 
@@ -91,18 +93,24 @@ def test_modes_order_on_real_routing(sources: dict[str, np.ndarray]) -> None:
     assert step.shape == (4, G, 32) and (step.sum(axis=2) == 64 * 8).all()
     shared = np.full((4, G), 64)
     rep = gpu_replicas(ph, 32, G)
-    peaks = {m: dispatch_allocation(step, rep, m, shared).sum(axis=1).max(axis=1).sum()
-             for m in ("split", "load", "load+shared")}
+    peaks = {
+        m: dispatch_allocation(step, rep, m, shared).sum(axis=1).max(axis=1).sum()
+        for m in ("split", "load", "load+shared")
+    }
     assert peaks["load+shared"] < peaks["load"] < peaks["split"]
     np.testing.assert_allclose(split_allocation(step, rep).sum(axis=(1, 2)), step.sum(axis=(1, 2)))
     # The controller's view (average load): dispatch by load never predicts worse.
-    exp = {m: expected_gpu_loads(ph, counts, G, m, counts.sum(axis=1) / 8).max(axis=1).sum()
-           for m in ("split", "load", "load+shared")}
+    exp = {
+        m: expected_gpu_loads(ph, counts, G, m, counts.sum(axis=1) / 8).max(axis=1).sum()
+        for m in ("split", "load", "load+shared")
+    }
     assert exp["load+shared"] <= exp["load"] <= exp["split"]
 
 
 def test_step_balance_per_policy_and_mode(sources: dict[str, np.ndarray]) -> None:
-    trace = make_trace(sources, TraceGenConfig(kind="phase", windows=8, seed=3, tokens_per_window=4096))
+    trace = make_trace(
+        sources, TraceGenConfig(kind="phase", windows=8, seed=3, tokens_per_window=4096)
+    )
     config = SimConfig(num_gpus=G, num_slots=P)
     results = simulate(trace, config, ["static", "adaptive"])
     steps = StepConfig(batch_tokens=(64, 4096), sampled_windows=4)
@@ -118,7 +126,10 @@ def test_step_balance_per_policy_and_mode(sources: dict[str, np.ndarray]) -> Non
                 assert 0 < figures["relative_step_throughput"] <= 1.0
                 assert figures["steps"] == 4
         # Larger batches average out the per-step noise: split is closer to its ideal.
-        assert r.dispatch["4096"]["split"]["relative_step_throughput"] > r.dispatch["64"]["split"]["relative_step_throughput"]
+        assert (
+            r.dispatch["4096"]["split"]["relative_step_throughput"]
+            > r.dispatch["64"]["split"]["relative_step_throughput"]
+        )
     again = step_balance(trace, results["static"].placements, G, steps)
     assert again == results["static"].dispatch  # the same draws: deterministic
 
@@ -127,13 +138,17 @@ def test_adaptive_decides_under_each_mode(sources: dict[str, np.ndarray]) -> Non
     """The adaptive policy deciding under a load mode judges placements by the water-filled
     balance (`predicted_balance`), so it sees less to gain and plans no more than under
     split; each mode's figures then come from the placements of its own run."""
-    trace = make_trace(sources, TraceGenConfig(kind="phase", windows=12, seed=5, tokens_per_window=4096))
+    trace = make_trace(
+        sources, TraceGenConfig(kind="phase", windows=12, seed=5, tokens_per_window=4096)
+    )
     config = SimConfig(num_gpus=G, num_slots=P)
     steps = StepConfig(batch_tokens=(64,), sampled_windows=6)
     decided = decide_under_modes(trace, config, steps)
     assert set(decided) == {"split", "load", "load+shared"}
     plain = simulate(trace, config, ["adaptive"])["adaptive"]
-    assert decided["split"].rebalances == plain.rebalances  # split is what the plain run decides under
+    assert (
+        decided["split"].rebalances == plain.rebalances
+    )  # split is what the plain run decides under
     for got, want in zip(decided["split"].placements, plain.placements, strict=True):
         np.testing.assert_array_equal(got, want)
     assert decided["load+shared"].rebalances <= decided["split"].rebalances
@@ -143,24 +158,45 @@ def test_adaptive_decides_under_each_mode(sources: dict[str, np.ndarray]) -> Non
     by_mode = {m: r.placements for m, r in decided.items()}
     assert plain.dispatch == step_balance(trace, by_mode, G, steps)
     assert plain.summary()["decided_under_mode"]["split"]["rebalances"] == plain.rebalances
-    only_split = step_balance(trace, dict.fromkeys(steps.modes, decided["split"].placements), G, steps)
-    assert only_split["64"]["split"] == plain.dispatch["64"]["split"]  # split's own run is the baseline
+    only_split = step_balance(
+        trace, dict.fromkeys(steps.modes, decided["split"].placements), G, steps
+    )
+    assert (
+        only_split["64"]["split"] == plain.dispatch["64"]["split"]
+    )  # split's own run is the baseline
     with pytest.raises(InputError, match="no placements for dispatch mode 'load'"):
         step_balance(trace, {"split": plain.placements}, G, steps)
 
 
 def test_step_config_refuses_bad_values() -> None:
-    for bad in (StepConfig(batch_tokens=()), StepConfig(batch_tokens=(0,)),
-                StepConfig(modes=("even",)), StepConfig(sampled_windows=0),
-                StepConfig(waterfill_passes=0), StepConfig(waterfill_passes=True)):  # type: ignore[arg-type]
+    for bad in (
+        StepConfig(batch_tokens=()),
+        StepConfig(batch_tokens=(0,)),
+        StepConfig(modes=("even",)),
+        StepConfig(sampled_windows=0),
+        StepConfig(waterfill_passes=0),
+        StepConfig(waterfill_passes=True),
+    ):  # type: ignore[arg-type]
         with pytest.raises(InputError):
             bad.validate()
 
 
 def test_cli_dispatch_json(tmp_path: Path, sources: dict[str, np.ndarray], capsys) -> None:
-    make_trace(sources, TraceGenConfig(kind="mix", windows=4, seed=4, tokens_per_window=4096)).save(tmp_path / "m.npz")
+    make_trace(sources, TraceGenConfig(kind="mix", windows=4, seed=4, tokens_per_window=4096)).save(
+        tmp_path / "m.npz"
+    )
     base = ["simulate", "--trace", str(tmp_path / "m.npz"), "--gpus", str(G), "--slots", str(P)]
-    args = [*base, "--policy", "static,adaptive", "--dispatch", "all", "--batch-tokens", "128", "--step-windows", "2"]
+    args = [
+        *base,
+        "--policy",
+        "static,adaptive",
+        "--dispatch",
+        "all",
+        "--batch-tokens",
+        "128",
+        "--step-windows",
+        "2",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "load+shared" in out  # the table

@@ -194,6 +194,9 @@ def test_trace_out_into_a_missing_folder_fails_before_the_work(
     monkeypatch.setattr(rebalancer.sim.trace, "load_trace", worked)
     out = tmp_path / "missing" / "t.npz"
     assert main(["trace", "make", "--windows", "7", "--out", str(out)]) == 2
-    assert capsys.readouterr().err == f"rebalancer trace: error: --out {out}: folder {out.parent} does not exist\n"
+    assert (
+        capsys.readouterr().err
+        == f"rebalancer trace: error: --out {out}: folder {out.parent} does not exist\n"
+    )
     assert main(["trace", "convert", str(tmp_path / "in.npz"), "--out", str(out)]) == 2
     assert f"--out {out}: folder {out.parent} does not exist" in capsys.readouterr().err

@@ -22,7 +22,9 @@ class NoPlans:
 
 
 def test_pending_windows_merge_beyond_the_bound() -> None:
-    agent = WorkerAgent(AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(), max_pending=8), NoPlans(), lambda: 0)
+    agent = WorkerAgent(
+        AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(), max_pending=8), NoPlans(), lambda: 0
+    )
     rng = np.random.default_rng(1)
     total = np.zeros((3, 5), np.int64)
     for step in range(100):
@@ -81,8 +83,14 @@ def test_tls_settings_that_cannot_connect_are_refused_at_start(tmp_path) -> None
     died at its first connect (InputError outside the reconnect loop's try), for good."""
     (tmp_path / "cert").write_text("x")
     (tmp_path / "key").write_text("x")
-    config = AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(),
-                         cert_file=str(tmp_path / "cert"), key_file=str(tmp_path / "key"))
+    config = AgentConfig(
+        "127.0.0.1:1",
+        "d",
+        0,
+        pb.ModelShape(),
+        cert_file=str(tmp_path / "cert"),
+        key_file=str(tmp_path / "key"),
+    )
     with pytest.raises(InputError, match="a client certificate needs --ca as well"):
         WorkerAgent(config, NoPlans(), lambda: 0)
 
@@ -92,8 +100,15 @@ def test_the_agent_outlives_a_certificate_file_gone_after_start(tmp_path, caplog
     connect attempt logs why and retries; the agent thread lives on and stops when told."""
     ca = tmp_path / "ca.pem"
     ca.write_text("not read until the connect\n")
-    config = AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(), ca_file=str(ca),
-                         backoff_initial_seconds=0.01, backoff_max_seconds=0.02)
+    config = AgentConfig(
+        "127.0.0.1:1",
+        "d",
+        0,
+        pb.ModelShape(),
+        ca_file=str(ca),
+        backoff_initial_seconds=0.01,
+        backoff_max_seconds=0.02,
+    )
     agent = WorkerAgent(config, NoPlans(), lambda: 0)
     ca.unlink()
     with caplog.at_level("ERROR", logger="worker_hooks.agent"):
@@ -132,13 +147,26 @@ def test_a_stream_that_ends_under_a_write_is_a_lost_link(tmp_path, monkeypatch) 
     ctl = start_controller(tmp_path / "c.sqlite")
     assert ctl.server is not None
     shape = pb.ModelShape(num_layers=1, num_logical_experts=4, num_physical_slots=4, num_gpus=1)
-    agent = WorkerAgent(AgentConfig(ctl.server.address, "d", 0, shape, backoff_initial_seconds=0.01,
-                                    backoff_max_seconds=0.05), NoPlans(), lambda: 0)
+    agent = WorkerAgent(
+        AgentConfig(
+            ctl.server.address,
+            "d",
+            0,
+            shape,
+            backoff_initial_seconds=0.01,
+            backoff_max_seconds=0.05,
+        ),
+        NoPlans(),
+        lambda: 0,
+    )
     try:
         agent.start()
         agent.submit_window(0, 1, 0, np.ones((1, 4), np.int64), None)
         deadline = time.monotonic() + 30.0
-        while not (failed and agent.reconnects >= 1 and agent.connected.is_set()) and time.monotonic() < deadline:
+        while (
+            not (failed and agent.reconnects >= 1 and agent.connected.is_set())
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         assert failed and agent._thread.is_alive()
         assert agent.reconnects >= 1 and agent.connected.is_set()

@@ -38,8 +38,10 @@ def _worker(rank: int, out: str) -> None:
     results.append(agreement.on_step(20, 2 if rank == 0 else 1, serving=1))
     results.append(agreement.on_step(24, 2 if rank == 0 else 1, serving=1))
     agreement.close()
-    np.save(f"{out}/{rank}.npy", np.array([waited, *[-1 if r is None else r for r in results],
-                                           agreement.broken is None]))
+    np.save(
+        f"{out}/{rank}.npy",
+        np.array([waited, *[-1 if r is None else r for r in results], agreement.broken is None]),
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -47,6 +49,22 @@ def _worker(rank: int, out: str) -> None:
 def test_an_agreement_no_rank_can_switch_on_is_not_waited_for(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(str(tmp_path),), nprocs=2, join=True)
     r0, r1 = (np.load(tmp_path / f"{r}.npy") for r in range(2))
-    assert r0[0] < 0.5, f"rank 0 waited {r0[0]:.2f} s for its starved peer with nothing to switch to"
-    assert list(r0[1:]) == [-1, -1, 1, -1, 1, True]  # steps 8, 12, 16 (switch to v1), 20, 24 (MIN 1: none)
-    assert list(r1[1:]) == [-1, -1, 1, -1, -1, True]  # rank 1 had nothing newer at step 24: not read
+    assert r0[0] < 0.5, (
+        f"rank 0 waited {r0[0]:.2f} s for its starved peer with nothing to switch to"
+    )
+    assert list(r0[1:]) == [
+        -1,
+        -1,
+        1,
+        -1,
+        1,
+        True,
+    ]  # steps 8, 12, 16 (switch to v1), 20, 24 (MIN 1: none)
+    assert list(r1[1:]) == [
+        -1,
+        -1,
+        1,
+        -1,
+        -1,
+        True,
+    ]  # rank 1 had nothing newer at step 24: not read

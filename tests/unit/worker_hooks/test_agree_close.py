@@ -28,6 +28,7 @@ def _dead_peer(rank: int, out: str) -> None:
     dist.barrier()
     if rank == 2:
         import os
+
         os._exit(0)  # the peer dies before any agreement
     time.sleep(0.5)
     for step in (4, 8, 12):  # nothing to switch to: started, never read
@@ -36,13 +37,27 @@ def _dead_peer(rank: int, out: str) -> None:
     # first agreement by the next step): close must wait for every one of them.
     started = [work for work, _ in agreement._recent] + [work for work, _, _ in agreement._running]
     settled = agreement.close(timeout=30.0)
-    np.save(f"{out}/{rank}.npy", np.array([settled, len(started), all(w.is_completed() for w in started),
-                                           agreement.broken is not None, works.none_running()]))
+    np.save(
+        f"{out}/{rank}.npy",
+        np.array(
+            [
+                settled,
+                len(started),
+                all(w.is_completed() for w in started),
+                agreement.broken is not None,
+                works.none_running(),
+            ]
+        ),
+    )
     # No os._exit, no teardown: the interpreter shuts down with the gloo threads alive.
 
 
-def test_after_a_dead_peer_every_agreement_is_waited_for_and_the_rank_exits_cleanly(tmp_path: Path) -> None:
-    mp.spawn(_dead_peer, args=(str(tmp_path),), nprocs=3, join=True)  # raises on an exit code other than 0
+def test_after_a_dead_peer_every_agreement_is_waited_for_and_the_rank_exits_cleanly(
+    tmp_path: Path,
+) -> None:
+    mp.spawn(
+        _dead_peer, args=(str(tmp_path),), nprocs=3, join=True
+    )  # raises on an exit code other than 0
     for rank in (0, 1):
         settled, started, completed, broken, none_running = np.load(tmp_path / f"{rank}.npy")
         assert started >= 1 and completed and settled and broken and none_running

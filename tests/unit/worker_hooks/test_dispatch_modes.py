@@ -41,8 +41,15 @@ def routing(seed: int, shared: bool) -> list[torch.Tensor]:
 
 def dispatchers(ph: np.ndarray, shared: bool) -> list[ReplicaDispatch]:
     return [
-        ReplicaDispatch(log2phy_of(ph, E), G, r, max_replicas=P - E + 1, num_physical=P,
-                        by_load=True, shared_expert=shared)
+        ReplicaDispatch(
+            log2phy_of(ph, E),
+            G,
+            r,
+            max_replicas=P - E + 1,
+            num_physical=P,
+            by_load=True,
+            shared_expert=shared,
+        )
         for r in range(G)
     ]
 
@@ -51,7 +58,9 @@ def gpu_of(ids: np.ndarray) -> np.ndarray:
     return np.where(ids >= P, ids - P, ids // (P // G))
 
 
-@pytest.mark.parametrize(("mode", "seed"), [("load", 0), ("load", 1), ("load+shared", 2), ("load+shared", 3)])
+@pytest.mark.parametrize(
+    ("mode", "seed"), [("load", 0), ("load", 1), ("load+shared", 2), ("load+shared", 3)]
+)
 def test_each_gpu_computes_what_the_placement_math_allocates(mode: str, seed: int) -> None:
     shared = mode == "load+shared" or seed % 2 == 1  # load with and without a shared expert
     ph = placement(seed)
@@ -59,7 +68,10 @@ def test_each_gpu_computes_what_the_placement_math_allocates(mode: str, seed: in
     ids = routing(seed, shared)
     for layer in range(L):
         counts = torch.stack([d.count_picks(i) for d, i in zip(ds, ids, strict=True)])
-        phys = [d.dispatch_by_load(layer, i, counts, mode == "load+shared") for d, i in zip(ds, ids, strict=True)]
+        phys = [
+            d.dispatch_by_load(layer, i, counts, mode == "load+shared")
+            for d, i in zip(ds, ids, strict=True)
+        ]
         per_gpu = np.zeros(G, dtype=np.int64)
         for i, p in zip(ids, phys, strict=True):
             p_np, i_np = p.numpy(), i.numpy()
@@ -75,7 +87,9 @@ def test_each_gpu_computes_what_the_placement_math_allocates(mode: str, seed: in
         alloc = dispatch_allocation(c[None, :, :E], rep, mode, c[None, :, E] if shared else None)[0]
         np.testing.assert_array_equal(per_gpu, alloc.sum(axis=0))
         # never worse than the hash split's expectation on the same step
-        split = dispatch_allocation(c[None, :, :E], rep, "split", c[None, :, E] if shared else None)[0]
+        split = dispatch_allocation(
+            c[None, :, :E], rep, "split", c[None, :, E] if shared else None
+        )[0]
         assert per_gpu.max() <= split.sum(axis=0).max() + E  # rounding: under a token per expert
 
 
@@ -109,9 +123,17 @@ def test_map_swap_updates_the_load_tables_in_place() -> None:
 
 
 def hook(mode: str, shared: bool) -> RebalanceHook:
-    config = HookConfig(controller="127.0.0.1:1", deployment="t", rank=0, num_layers=L,
-                        num_logical=E, num_slots=P, num_gpus=1, shared_expert=shared,
-                        dispatch=DispatchConfig(mode=mode))  # type: ignore[arg-type]
+    config = HookConfig(
+        controller="127.0.0.1:1",
+        deployment="t",
+        rank=0,
+        num_layers=L,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=1,
+        shared_expert=shared,
+        dispatch=DispatchConfig(mode=mode),
+    )  # type: ignore[arg-type]
     weights = {"w1": torch.zeros(L, P, 2)}
     return RebalanceHook(config, trivial_placement(L, E, P, 1), weights, None, None)
 
@@ -141,8 +163,19 @@ def test_the_shared_expert_is_counted_in_its_own_column_and_layer(mode: str) -> 
 def test_the_pass_count_is_honoured_alike_by_worker_and_placement_math(passes: int) -> None:
     ph = placement(11)
     ids = routing(11, True)
-    ds = [ReplicaDispatch(log2phy_of(ph, E), G, r, max_replicas=P - E + 1, num_physical=P, by_load=True,
-                          shared_expert=True, waterfill_passes=passes) for r in range(G)]
+    ds = [
+        ReplicaDispatch(
+            log2phy_of(ph, E),
+            G,
+            r,
+            max_replicas=P - E + 1,
+            num_physical=P,
+            by_load=True,
+            shared_expert=True,
+            waterfill_passes=passes,
+        )
+        for r in range(G)
+    ]
     counts = torch.stack([d.count_picks(i) for d, i in zip(ds, ids, strict=True)])
     c = counts.numpy()
     rep = gpu_replicas(ph[2:3], E, G)

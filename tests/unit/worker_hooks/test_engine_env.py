@@ -15,23 +15,49 @@ ADAPTERS = [SGLangAdapterConfig, VLLMAdapterConfig]
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize(("env", "message"), [
-    ({"REBALANCER_ADDRESS": "notahost:xx"}, "REBALANCER_ADDRESS: controller address 'notahost:xx': port 'xx'"),
-    ({"REBALANCER_ADDRESS": "rebalancer"}, "REBALANCER_ADDRESS: controller address 'rebalancer' must be host:port"),
-    ({"REBALANCER_ADDRESS": "unix:/run/rebalancer/agent.sock", "REBALANCER_WINDOW_STEPS": str(10**20)},
-     "REBALANCER_WINDOW_STEPS='100000000000000000000' is out of range"),
-])
-def test_settings_the_sidecar_refuses_are_refused(adapter, env: dict[str, str], message: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"REBALANCER_ADDRESS": "notahost:xx"},
+            "REBALANCER_ADDRESS: controller address 'notahost:xx': port 'xx'",
+        ),
+        (
+            {"REBALANCER_ADDRESS": "rebalancer"},
+            "REBALANCER_ADDRESS: controller address 'rebalancer' must be host:port",
+        ),
+        (
+            {
+                "REBALANCER_ADDRESS": "unix:/run/rebalancer/agent.sock",
+                "REBALANCER_WINDOW_STEPS": str(10**20),
+            },
+            "REBALANCER_WINDOW_STEPS='100000000000000000000' is out of range",
+        ),
+    ],
+)
+def test_settings_the_sidecar_refuses_are_refused(
+    adapter, env: dict[str, str], message: str
+) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InputError, match=message) as info:
         adapter.from_env(env)
     assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("address", ["unix:/run/rebalancer/agent.sock", "unix:///run/rebalancer/agent.sock",
-                                     "rebalancer.serving:50051", "10.0.0.7:50051", "[::1]:50051"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "unix:/run/rebalancer/agent.sock",
+        "unix:///run/rebalancer/agent.sock",
+        "rebalancer.serving:50051",
+        "10.0.0.7:50051",
+        "[::1]:50051",
+    ],
+)
 def test_addresses_the_sidecar_takes_are_taken(adapter, address: str) -> None:  # type: ignore[no-untyped-def]
-    config = adapter.from_env({"REBALANCER_ADDRESS": address, "REBALANCER_WINDOW_STEPS": str(2**32 - 1)})
+    config = adapter.from_env(
+        {"REBALANCER_ADDRESS": address, "REBALANCER_WINDOW_STEPS": str(2**32 - 1)}
+    )
     assert config is not None and config.address == address and config.window_steps == 2**32 - 1
 
 
@@ -45,9 +71,27 @@ def test_the_sidecars_tls_names_mean_the_same_files(adapter, tmp_path) -> None: 
         files[name] = tmp_path / f"{name}.pem"
         files[name].write_text("x")
     base = {"REBALANCER_ADDRESS": "controller:50051"}
-    config = adapter.from_env({**base, "REBALANCER_TLS_CA": str(files["ca"]), "REBALANCER_TLS_CERT": str(files["cert"]),
-                               "REBALANCER_TLS_KEY": str(files["key"])})
-    assert (config.ca_file, config.cert_file, config.key_file) == (str(files["ca"]), str(files["cert"]), str(files["key"]))
-    with pytest.raises(InputError, match="REBALANCER_CA_FILE=.* and REBALANCER_TLS_CA=.* name different files") as info:
-        adapter.from_env({**base, "REBALANCER_CA_FILE": str(files["ca"]), "REBALANCER_TLS_CA": str(files["cert"])})
+    config = adapter.from_env(
+        {
+            **base,
+            "REBALANCER_TLS_CA": str(files["ca"]),
+            "REBALANCER_TLS_CERT": str(files["cert"]),
+            "REBALANCER_TLS_KEY": str(files["key"]),
+        }
+    )
+    assert (config.ca_file, config.cert_file, config.key_file) == (
+        str(files["ca"]),
+        str(files["cert"]),
+        str(files["key"]),
+    )
+    with pytest.raises(
+        InputError, match="REBALANCER_CA_FILE=.* and REBALANCER_TLS_CA=.* name different files"
+    ) as info:
+        adapter.from_env(
+            {
+                **base,
+                "REBALANCER_CA_FILE": str(files["ca"]),
+                "REBALANCER_TLS_CA": str(files["cert"]),
+            }
+        )
     assert "\n" not in str(info.value)

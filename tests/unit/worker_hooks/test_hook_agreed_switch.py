@@ -35,15 +35,28 @@ def _prepare(old: np.ndarray, new: np.ndarray) -> pb.Prepare:
 def _rank(rank: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rdzv", rank=rank, world_size=G)
     try:
-        config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=rank, num_layers=L, num_logical=E,
-                            num_slots=P, num_gpus=G, windows=WindowConfig(steps=10**6),
-                            commit=CommitConfig(agree_every=2))
+        config = HookConfig(
+            controller="127.0.0.1:1",
+            deployment="d",
+            rank=rank,
+            num_layers=L,
+            num_logical=E,
+            num_slots=P,
+            num_gpus=G,
+            windows=WindowConfig(steps=10**6),
+            commit=CommitConfig(agree_every=2),
+        )
         old = trivial_placement(L, E, P, G)
         new = np.stack([np.roll(old[layer], 1) for layer in range(L)])  # experts cross ranks
         S = P // G
-        weights = {"w": torch.tensor([[float(old[layer, rank * S + s]) for s in range(S)] for layer in range(L)])
-                   .reshape(L, S, 1)}
-        hook = RebalanceHook(config, old, weights, dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        weights = {
+            "w": torch.tensor(
+                [[float(old[layer, rank * S + s]) for s in range(S)] for layer in range(L)]
+            ).reshape(L, S, 1)
+        }
+        hook = RebalanceHook(
+            config, old, weights, dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+        )
         hook.plans._prepare(_prepare(old, new))  # both ranks: the transfers pair up
         assert hook.stats.prepared == 1, hook.stats
         versions = []
@@ -52,7 +65,7 @@ def _rank(rank: int, out: str) -> None:
                 hook.plans.on_commit(1)
             hook.step_end()
             versions.append(hook.version)
-        served = hook.phy2log[:, rank * S:(rank + 1) * S]
+        served = hook.phy2log[:, rank * S : (rank + 1) * S]
         match = bool(np.array_equal(weights["w"][..., 0].numpy(), served.astype(np.float32)))
         hook.agreement.close()
         np.save(f"{out}/{rank}.npy", np.array([*versions, int(match)]))

@@ -17,8 +17,15 @@ SECTIONS = ("credentials", "windows", "dispatch", "commit", "migration", "pool")
 
 
 def _hook_config() -> HookConfig:
-    return HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=2, num_logical=4,
-                      num_slots=8, num_gpus=2)
+    return HookConfig(
+        controller="127.0.0.1:1",
+        deployment="d",
+        rank=0,
+        num_layers=2,
+        num_logical=4,
+        num_slots=8,
+        num_gpus=2,
+    )
 
 
 def test_every_field_of_config_py_has_its_docstring() -> None:
@@ -29,8 +36,11 @@ def test_every_field_of_config_py_has_its_docstring() -> None:
         for i, node in enumerate(body):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 following = body[i + 1] if i + 1 < len(body) else None
-                if not (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                        and isinstance(following.value.value, str)):
+                if not (
+                    isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)
+                ):
                     undocumented.append(f"{cls.name}.{node.target.id}")
     assert undocumented == []
 
@@ -43,7 +53,7 @@ def test_the_choices_are_literals() -> None:
 
 def test_sections_and_choices_are_checked_by_name() -> None:
     config = _hook_config()
-    assert [f.name for f in dataclasses.fields(config)][-len(SECTIONS):] == list(SECTIONS)
+    assert [f.name for f in dataclasses.fields(config)][-len(SECTIONS) :] == list(SECTIONS)
     with pytest.raises(TypeError, match="HookConfig.windows must be a WindowConfig, got dict"):
         dataclasses.replace(config, windows={"steps": 8})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown dispatch mode"):
@@ -55,19 +65,26 @@ def test_sections_and_choices_are_checked_by_name() -> None:
     assert config.rows_per_rank == 4 and config.migration.transport == "p2p"
 
 
-
-@pytest.mark.parametrize(("controller", "message"), [
-    ("notahost:xx", "controller address 'notahost:xx': port 'xx' is not a number from 1 to 65535"),
-    ("rebalancer", "controller address 'rebalancer' must be host:port"),
-    ("a b:50051", "'a b' is not a host name or IP address"),
-])
+@pytest.mark.parametrize(
+    ("controller", "message"),
+    [
+        (
+            "notahost:xx",
+            "controller address 'notahost:xx': port 'xx' is not a number from 1 to 65535",
+        ),
+        ("rebalancer", "controller address 'rebalancer' must be host:port"),
+        ("a b:50051", "'a b' is not a host name or IP address"),
+    ],
+)
 def test_a_controller_address_grpc_cannot_use_is_refused(controller: str, message: str) -> None:
     """Issue 34: an address gRPC would only fail on at every connection attempt is refused
     when the hook is configured, by name, as the sidecar refuses its --controller and the
     engines their REBALANCER_ADDRESS (one rule: wire.channel.check_address)."""
     with pytest.raises(ValueError) as info:
         dataclasses.replace(_hook_config(), controller=controller)
-    assert str(info.value).startswith("HookConfig.controller: ") and message in str(info.value), str(info.value)
+    assert str(info.value).startswith("HookConfig.controller: ") and message in str(info.value), (
+        str(info.value)
+    )
     for good in ("unix:///run/rebalancer/agent.sock", "rebalancer.ns.svc:50051", "[::1]:50051"):
         assert dataclasses.replace(_hook_config(), controller=good).controller == good
 
@@ -75,6 +92,9 @@ def test_a_controller_address_grpc_cannot_use_is_refused(controller: str, messag
 def test_a_window_longer_than_the_wire_carries_is_refused() -> None:
     """Issue 34: a window's steps travel as a uint32, which the sidecar and the controller
     refuse beyond; the setting is held to it (as REBALANCER_WINDOW_STEPS is)."""
-    with pytest.raises(ValueError, match=r"WindowConfig.steps must be at most 4294967295 .*got 100000000000000000000"):
+    with pytest.raises(
+        ValueError,
+        match=r"WindowConfig.steps must be at most 4294967295 .*got 100000000000000000000",
+    ):
         WindowConfig(steps=10**20)
     assert WindowConfig(steps=2**32 - 1).steps == 2**32 - 1

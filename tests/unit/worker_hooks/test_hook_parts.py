@@ -36,9 +36,18 @@ def reachable_from(root: object) -> list[object]:
 def test_the_agent_reaches_the_plan_driver_not_the_hook() -> None:
     """The hook and its agent held each other (the hook was the agent's PlanHandlers and
     its version callback a closure over the hook)."""
-    config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                        num_slots=P, num_gpus=G)
-    hook = RebalanceHook(config, trivial_placement(L, E, P, G), {"w": torch.zeros(L, P // G, 1)}, None, None)
+    config = HookConfig(
+        controller="127.0.0.1:1",
+        deployment="d",
+        rank=0,
+        num_layers=L,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=G,
+    )
+    hook = RebalanceHook(
+        config, trivial_placement(L, E, P, G), {"w": torch.zeros(L, P // G, 1)}, None, None
+    )
     assert isinstance(hook.agent.handlers, PlanDriver)
     assert hook.plans is hook.agent.handlers
     reached = {id(obj) for obj in reachable_from(hook.agent)}

@@ -20,8 +20,14 @@ S = P // G
 
 def test_rows_are_dispatched_and_counts_reported_by_slot() -> None:
     config = HookConfig(
-        controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-        num_slots=P, num_gpus=G, windows=WindowConfig(steps=1),
+        controller="127.0.0.1:1",
+        deployment="d",
+        rank=0,
+        num_layers=L,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=G,
+        windows=WindowConfig(steps=1),
         commit=CommitConfig(agree_every=10**6, spare_rows=SPARE),
     )
     phy2log = trivial_placement(L, E, P, G)  # slot s holds expert s % 4
@@ -51,23 +57,37 @@ def test_rows_are_dispatched_and_counts_reported_by_slot() -> None:
 
 def test_weights_without_the_spare_rows_are_refused() -> None:
     config = HookConfig(
-        controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-        num_slots=P, num_gpus=G, commit=CommitConfig(spare_rows=SPARE),
+        controller="127.0.0.1:1",
+        deployment="d",
+        rank=0,
+        num_layers=L,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=G,
+        commit=CommitConfig(spare_rows=SPARE),
     )
     phy2log = trivial_placement(L, E, P, G)
     with pytest.raises(ValueError, match=r"does not fit weights \[2, 4\]"):
         RebalanceHook(config, phy2log, {"w": torch.zeros(L, S, 1)}, None, None)
     with pytest.raises(ValueError, match="spare_rows must be >= 0"):
         RebalanceHook(
-            dataclasses.replace(config, commit=CommitConfig(spare_rows=-1)), phy2log, {"w": torch.zeros(L, S, 1)},
-            None, None,
+            dataclasses.replace(config, commit=CommitConfig(spare_rows=-1)),
+            phy2log,
+            {"w": torch.zeros(L, S, 1)},
+            None,
+            None,
         )
 
 
 def test_bad_hook_settings_are_refused_by_name() -> None:
     config = HookConfig(
-        controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-        num_slots=P, num_gpus=G,
+        controller="127.0.0.1:1",
+        deployment="d",
+        rank=0,
+        num_layers=L,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=G,
     )
     with pytest.raises(ValueError, match="transport must be one of p2p, ipc, outbox, got 'rdma'"):
         dataclasses.replace(config, migration=MigrationConfig(transport="rdma"))  # type: ignore[arg-type]
@@ -82,8 +102,11 @@ def test_bad_hook_settings_are_refused_by_name() -> None:
         RebalanceHook(config, phy2log, {"w": torch.zeros(L, S, 1)}, None, None, device="meta")
     # The factory picks the transport's class from the config.
     hook = RebalanceHook(
-        dataclasses.replace(config, migration=MigrationConfig(transport="ipc")), phy2log,
-        {"w": torch.zeros(L, S, 1)}, None, None,
+        dataclasses.replace(config, migration=MigrationConfig(transport="ipc")),
+        phy2log,
+        {"w": torch.zeros(L, S, 1)},
+        None,
+        None,
     )
     assert isinstance(hook.executor.transport, IpcTransport)
 
@@ -93,23 +116,40 @@ def test_wrong_types_are_refused_at_construction_with_what_was_given() -> None:
     `RuntimeError: Boolean value of Tensor ... is ambiguous` deep in the executor): a
     TypeError or ValueError that names the argument and what it got, before any thread."""
     config = HookConfig(
-        controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-        num_slots=P, num_gpus=G,
+        controller="127.0.0.1:1",
+        deployment="d",
+        rank=0,
+        num_layers=L,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=G,
     )
     phy2log = trivial_placement(L, E, P, G)
     w = torch.zeros(L, S, 3)
     for args, error, words in (
-        ((config, phy2log, w), TypeError, r"weights must be a dict of name -> torch.Tensor .* got one Tensor "
-                                          r"of shape \[2, 4, 3\]: name it, e.g. \{'w': weights\}"),
+        (
+            (config, phy2log, w),
+            TypeError,
+            r"weights must be a dict of name -> torch.Tensor .* got one Tensor "
+            r"of shape \[2, 4, 3\]: name it, e.g. \{'w': weights\}",
+        ),
         ((config, phy2log, [w]), TypeError, "weights must be a dict .*, got list"),
         ((config, phy2log, {"w": w.numpy()}), TypeError, "got 'w': ndarray"),
         ((config, phy2log, {}), ValueError, "it names no tensor"),
         ((config, phy2log, {"w": torch.zeros(L)}), ValueError, r"'w' has shape \[2\]"),
-        ((config, phy2log[:, :S], {"w": w}), ValueError, r"phy2log has shape \[2, 4\], the config says "
-                                                        r"\[num_layers=2, num_slots=8\]"),
+        (
+            (config, phy2log[:, :S], {"w": w}),
+            ValueError,
+            r"phy2log has shape \[2, 4\], the config says "
+            r"\[num_layers=2, num_slots=8\]",
+        ),
         ((config, phy2log * 0, {"w": w}), ValueError, "layer 0 has no replica of expert 1"),
         ((config, phy2log + 0.5, {"w": w}), ValueError, "must hold integers"),
-        ((dataclasses.asdict(config), phy2log, {"w": w}), TypeError, "config must be a HookConfig, got dict"),
+        (
+            (dataclasses.asdict(config), phy2log, {"w": w}),
+            TypeError,
+            "config must be a HookConfig, got dict",
+        ),
     ):
         with pytest.raises(error, match=words):
             RebalanceHook(*args, None, None)  # type: ignore[arg-type]
@@ -117,8 +157,14 @@ def test_wrong_types_are_refused_at_construction_with_what_was_given() -> None:
         dataclasses.replace(config, num_layers="2")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="HookConfig.controller must be a non-empty str, got None"):
         dataclasses.replace(config, controller=None)  # type: ignore[arg-type]
-    assert dataclasses.replace(config, num_layers=np.int64(L)).num_layers == L  # numpy ints are ints
-    with pytest.raises(TypeError, match=r"agree_group must be a torch.distributed group .* got list"):
+    assert (
+        dataclasses.replace(config, num_layers=np.int64(L)).num_layers == L
+    )  # numpy ints are ints
+    with pytest.raises(
+        TypeError, match=r"agree_group must be a torch.distributed group .* got list"
+    ):
         RebalanceHook(config, phy2log, {"w": w}, [0, 1], None)  # type: ignore[arg-type]
-    hook = RebalanceHook(config, torch.from_numpy(phy2log), {"w": w}, None, None)  # a tensor map is fine
+    hook = RebalanceHook(
+        config, torch.from_numpy(phy2log), {"w": w}, None, None
+    )  # a tensor map is fine
     assert hook.phy2log.dtype == np.int64 and hook.phy2log.shape == (L, P)

@@ -29,16 +29,32 @@ def prepare(version: int, base: int, old: np.ndarray, new: np.ndarray) -> pb.Pre
     return msg
 
 
-def one_rank_hook(plans: type[PlanDriver] = PlanDriver) -> tuple[RebalanceHook, np.ndarray, np.ndarray]:
+def one_rank_hook(
+    plans: type[PlanDriver] = PlanDriver,
+) -> tuple[RebalanceHook, np.ndarray, np.ndarray]:
     """A hook of rank 0 of 1 whose plans a `plans` drives (gloo WORLD initialised by the
     test), its placement and a plan's placement (every layer's slots rolled by one)."""
-    config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                        num_slots=P, num_gpus=G, windows=WindowConfig(steps=10**6),
-                        commit=CommitConfig(agree_every=1))
+    config = HookConfig(
+        controller="127.0.0.1:1",
+        deployment="d",
+        rank=0,
+        num_layers=L,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=G,
+        windows=WindowConfig(steps=10**6),
+        commit=CommitConfig(agree_every=1),
+    )
     old = trivial_placement(L, E, P, G)
     new = np.stack([np.roll(old[layer], 1) for layer in range(L)])
-    hook = RebalanceHook(config, old, {"w": torch.zeros(L, P, 1)}, dist.group.WORLD, dist.group.WORLD,
-                         plan_driver=plans)
+    hook = RebalanceHook(
+        config,
+        old,
+        {"w": torch.zeros(L, P, 1)},
+        dist.group.WORLD,
+        dist.group.WORLD,
+        plan_driver=plans,
+    )
     return hook, old, new
 
 
@@ -51,14 +67,24 @@ def test_a_prepare_while_switching_is_refused_and_the_switch_completes(tmp_path:
 
 
 def switch_completes() -> None:
-    config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                        num_slots=P, num_gpus=G, windows=WindowConfig(steps=10**6),
-                        commit=CommitConfig(agree_every=1))
+    config = HookConfig(
+        controller="127.0.0.1:1",
+        deployment="d",
+        rank=0,
+        num_layers=L,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=G,
+        windows=WindowConfig(steps=10**6),
+        commit=CommitConfig(agree_every=1),
+    )
     old = trivial_placement(L, E, P, G)
     v1 = np.stack([np.roll(old[layer], 1) for layer in range(L)])
     v2 = np.stack([np.roll(old[layer], 2) for layer in range(L)])
     weights = {"w": torch.arange(L * P, dtype=torch.float32).reshape(L, P, 1)}
-    hook = RebalanceHook(config, old, weights, agree_group=dist.group.WORLD, migrate_group=dist.group.WORLD)
+    hook = RebalanceHook(
+        config, old, weights, agree_group=dist.group.WORLD, migrate_group=dist.group.WORLD
+    )
     hook.plans._prepare(prepare(1, 0, old, v1))
     assert hook.stats.prepared == 1
     hook.plans.on_commit(1)  # the controller said commit; the switch waits for the agreement
@@ -127,13 +153,17 @@ def test_an_abort_right_after_the_transfers_is_no_failure(tmp_path: Path) -> Non
 
     class AbortedThen(PlanDriver):
         def after_transfers(self, version: int) -> None:
-            self.on_abort(version, "the controller gave up")  # arrives on the agent thread right then
+            self.on_abort(
+                version, "the controller gave up"
+            )  # arrives on the agent thread right then
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
         hook, old, new = one_rank_hook(AbortedThen)
         reports: list[tuple[int, int, str]] = []
-        hook.plans.report_to(lambda version, phase, **kw: reports.append((version, phase, kw.get("error", ""))))
+        hook.plans.report_to(
+            lambda version, phase, **kw: reports.append((version, phase, kw.get("error", "")))
+        )
         hook.plans._prepare(prepare(1, 0, old, new))
         assert (hook.stats.prepared, hook.stats.failed, hook.stats.aborted) == (0, 0, 1)
         assert reports == [(1, pb.PLAN_PHASE_ABORTED, "")]
@@ -153,7 +183,9 @@ def test_a_plan_prepared_while_the_rank_stops_is_a_planned_stop(tmp_path: Path, 
     try:
         hook, old, new = one_rank_hook()
         reports: list[tuple[int, int, str]] = []
-        hook.plans.report_to(lambda version, phase, **kw: reports.append((version, phase, kw.get("error", ""))))
+        hook.plans.report_to(
+            lambda version, phase, **kw: reports.append((version, phase, kw.get("error", "")))
+        )
         hook.plans.close()
         with caplog.at_level(logging.INFO, logger="worker_hooks.plans"):
             hook.plans._prepare(prepare(1, 0, old, new))

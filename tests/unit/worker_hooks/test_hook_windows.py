@@ -22,7 +22,9 @@ SPARE = 2
 STEPS_V0, STEPS_V1 = 3, 2
 
 
-def _expected(picks: list[tuple[int, np.ndarray, np.ndarray]], row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _expected(
+    picks: list[tuple[int, np.ndarray, np.ndarray]], row_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Logical [L, E] and per slot [L, P] counts of `picks` (layer, logical ids, rows
     they went to), the rows read as slots with `row_ids` (the placement they ran on)."""
     logical = np.zeros((L, E), dtype=np.int64)
@@ -37,9 +39,17 @@ def _expected(picks: list[tuple[int, np.ndarray, np.ndarray]], row_ids: np.ndarr
 def test_a_commit_closes_the_window_of_the_placement_it_leaves(tmp_path: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
-        config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                            num_slots=P, num_gpus=1, windows=WindowConfig(steps=10**6),
-                            commit=CommitConfig(agree_every=1, spare_rows=SPARE))
+        config = HookConfig(
+            controller="127.0.0.1:1",
+            deployment="d",
+            rank=0,
+            num_layers=L,
+            num_logical=E,
+            num_slots=P,
+            num_gpus=1,
+            windows=WindowConfig(steps=10**6),
+            commit=CommitConfig(agree_every=1, spare_rows=SPARE),
+        )
         old = trivial_placement(L, E, P, 1)
         new = np.stack([np.roll(old[layer], 1) for layer in range(L)])
         weights = {"w": torch.arange(L * (P + SPARE), dtype=torch.float32).reshape(L, P + SPARE, 1)}
@@ -75,7 +85,11 @@ def test_a_commit_closes_the_window_of_the_placement_it_leaves(tmp_path: Path) -
         assert (windows[1].first_step, windows[1].num_steps) == (steps_v0, len(runs[1]) // L)
         for window, version in zip(windows, (0, 1), strict=True):
             logical, physical = _expected(runs[version], row_ids[version])
-            np.testing.assert_array_equal(window.logical, logical, err_msg=f"v{version}: counts per expert")
-            np.testing.assert_array_equal(window.physical, physical, err_msg=f"v{version}: counts per slot")
+            np.testing.assert_array_equal(
+                window.logical, logical, err_msg=f"v{version}: counts per expert"
+            )
+            np.testing.assert_array_equal(
+                window.physical, physical, err_msg=f"v{version}: counts per slot"
+            )
     finally:
         dist.destroy_process_group()

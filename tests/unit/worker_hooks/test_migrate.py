@@ -39,7 +39,12 @@ def expert_value(layer: int, expert: int) -> torch.Tensor:
 
 
 def weights_for(phy2log: np.ndarray, rank: int) -> dict[str, torch.Tensor]:
-    w = torch.stack([torch.stack([expert_value(layer, int(phy2log[layer, rank * S + s])) for s in range(S)]) for layer in range(L)])
+    w = torch.stack(
+        [
+            torch.stack([expert_value(layer, int(phy2log[layer, rank * S + s])) for s in range(S)])
+            for layer in range(L)
+        ]
+    )
     return {"w1": w.clone(), "w2": (w * -1).clone()}
 
 
@@ -60,7 +65,10 @@ def weights_of(
 def held(weights: dict[str, torch.Tensor], rows: RowMap, rank: int) -> dict[str, torch.Tensor]:
     """What the rank serves: each slot's row, through the row map, as [L, S, ...]."""
     index = torch.as_tensor(rows.rows[rank])
-    return {name: torch.stack([w[layer, index[layer]] for layer in range(L)]) for name, w in weights.items()}
+    return {
+        name: torch.stack([w[layer, index[layer]] for layer in range(L)])
+        for name, w in weights.items()
+    }
 
 
 def join(rank: int, out: str) -> dist.ProcessGroup:
@@ -82,8 +90,13 @@ def _moves() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _worker(
-    rank: int, out: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray,
-    transport: Transport, spare: int,
+    rank: int,
+    out: str,
+    old: np.ndarray,
+    new: np.ndarray,
+    moves: np.ndarray,
+    transport: Transport,
+    spare: int,
 ) -> None:
     group = join(rank, out)
     weights = weights_of(transport, old, rank, out, spare)
@@ -275,7 +288,11 @@ def test_outbox_schedule_covers_every_remote_move_once() -> None:
 
 
 def _receive_worker(
-    rank: int, out: str, old: np.ndarray, new: np.ndarray, moves: np.ndarray,
+    rank: int,
+    out: str,
+    old: np.ndarray,
+    new: np.ndarray,
+    moves: np.ndarray,
     transport: Transport,
 ) -> None:
     """One plan through `make_transport(...).receive` alone, one spare row per layer (so
@@ -294,7 +311,9 @@ def _receive_worker(
     returned = {tuple(row) for row in got.incoming.tolist()}
     # A returned expert sits at its index in staging; any other went to its free row.
     staged_ok = all(
-        torch.equal(got.staging["w1"][i], expert_value(int(layer), int(new[layer, rank * S + slot])))
+        torch.equal(
+            got.staging["w1"][i], expert_value(int(layer), int(new[layer, rank * S + slot]))
+        )
         and torch.equal(got.staging["w2"][i], -got.staging["w1"][i])
         for i, (layer, _dst, slot, _src, _src_slot) in enumerate(got.incoming.tolist())
     )
@@ -310,12 +329,20 @@ def _receive_worker(
     remote = int((mine[:, 3] != rank).sum())
     kind = {"p2p": P2PTransport, "ipc": IpcTransport, "outbox": OutboxTransport}[transport]
     mover.close()
-    np.save(f"{out}/{rank}.npy", np.array([
-        type(mover) is kind and mover.name == transport,
-        returned <= {tuple(row) for row in mine.tolist()} and len(returned) == len(got.incoming),
-        staged_ok, written_ok, got.bytes_received == remote * EXPERT_BYTES,
-        len(mine) - len(returned),
-    ]))
+    np.save(
+        f"{out}/{rank}.npy",
+        np.array(
+            [
+                type(mover) is kind and mover.name == transport,
+                returned <= {tuple(row) for row in mine.tolist()}
+                and len(returned) == len(got.incoming),
+                staged_ok,
+                written_ok,
+                got.bytes_received == remote * EXPERT_BYTES,
+                len(mine) - len(returned),
+            ]
+        ),
+    )
     dist.destroy_process_group()
 
 

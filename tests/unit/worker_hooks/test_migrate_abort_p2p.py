@@ -29,8 +29,15 @@ from worker_hooks.rows import RowMap
 from worker_hooks.weights import MigrationAborted
 
 
-def _worker(rank: int, out: str, when: str, old: np.ndarray, first: np.ndarray, second: np.ndarray,
-            new: np.ndarray) -> None:
+def _worker(
+    rank: int,
+    out: str,
+    when: str,
+    old: np.ndarray,
+    first: np.ndarray,
+    second: np.ndarray,
+    new: np.ndarray,
+) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rdzv", rank=rank, world_size=G)
     # Timeouts far above what a loaded machine needs: the outcome must not depend on
     # speed (a peer slower than the fence's wait would decline the plan, one slower than
@@ -80,6 +87,8 @@ def test_an_abort_on_one_rank_leaves_nothing_for_the_next_plan(tmp_path: Path, w
     shuffled = np.stack([rng.permutation(old[layer]) for layer in range(L)])
     new = old.copy()
     new[:, [0, S]] = new[:, [S, 0]]  # plan 8 swaps one slot per layer: fewer bytes per round
-    spawn(_worker, tmp_path, when, old, transfers(old, shuffled, G, 1), transfers(old, new, G, 1), new)
+    spawn(
+        _worker, tmp_path, when, old, transfers(old, shuffled, G, 1), transfers(old, new, G, 1), new
+    )
     results = [np.load(tmp_path / f"{r}.npy") for r in range(G)]
     assert all(bool(expected) and bool(ok) for expected, ok in results), results

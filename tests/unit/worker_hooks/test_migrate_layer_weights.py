@@ -19,10 +19,18 @@ LAYERS = (1, 3)  # sparse: layers 0 and 2 hold no routed experts (dense layers)
 def weights() -> dict[str, dict[int, torch.Tensor]]:
     """Row s of layer l holds the value 10 * l + s (w13 bf16, w2 float32: dtypes differ)."""
     return {
-        "w13": {layer: torch.arange(SLOTS, dtype=torch.bfloat16)[:, None, None].expand(SLOTS, 4, 3).clone() + 10 * layer
-                for layer in LAYERS},
-        "w2": {layer: torch.arange(SLOTS, dtype=torch.float32)[:, None].expand(SLOTS, 5).clone() + 10 * layer
-               for layer in LAYERS},
+        "w13": {
+            layer: torch.arange(SLOTS, dtype=torch.bfloat16)[:, None, None]
+            .expand(SLOTS, 4, 3)
+            .clone()
+            + 10 * layer
+            for layer in LAYERS
+        },
+        "w2": {
+            layer: torch.arange(SLOTS, dtype=torch.float32)[:, None].expand(SLOTS, 5).clone()
+            + 10 * layer
+            for layer in LAYERS
+        },
     }
 
 
@@ -45,7 +53,9 @@ def test_commit_writes_each_staged_row_into_its_layer_tensor_in_place() -> None:
     for name in w:
         assert values(w, name, 1) == [12, 11, 10, 13]
         assert values(w, name, 3) == [30, 31, 32, 31]
-    assert {name: {layer: t.data_ptr() for layer, t in per.items()} for name, per in w.items()} == storage
+    assert {
+        name: {layer: t.data_ptr() for layer, t in per.items()} for name, per in w.items()
+    } == storage
 
 
 def test_abort_drops_the_staging_and_changes_nothing() -> None:

@@ -140,10 +140,18 @@ class _Agent:
     def __init__(self) -> None:
         self.windows: list[tuple[int, int, int, list[list[int]], list[list[int]] | None]] = []
 
-    def submit_window(self, first: int, steps: int, version: int, logical: np.ndarray,
-                      physical: np.ndarray | None) -> None:
-        self.windows.append((first, steps, version, logical.tolist(),
-                             None if physical is None else physical.tolist()))
+    def submit_window(
+        self, first: int, steps: int, version: int, logical: np.ndarray, physical: np.ndarray | None
+    ) -> None:
+        self.windows.append(
+            (
+                first,
+                steps,
+                version,
+                logical.tolist(),
+                None if physical is None else physical.tolist(),
+            )
+        )
 
 
 def test_the_window_pipeline_reads_the_recorders_counters_in_place() -> None:

@@ -17,7 +17,8 @@ def test_a_missing_engine_says_how_to_install() -> None:
         require_engine("no_such_engine.srt.eplb", "NoSuch", "nosuch")
     assert str(caught.value) == (
         "the NoSuch adapter needs NoSuch (no_such_engine is not installed): install the "
-        "moe-rebalancer wheel into NoSuch's own environment (docs/operations.md, \"Engine images\")")
+        'moe-rebalancer wheel into NoSuch\'s own environment (docs/operations.md, "Engine images")'
+    )
     assert isinstance(caught.value, ImportError)
 
 
@@ -26,7 +27,8 @@ def test_a_present_engine_is_returned() -> None:
 
 
 def test_an_engines_own_missing_dependency_is_reported_as_itself(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "half_engine").mkdir()
     (tmp_path / "half_engine" / "__init__.py").write_text("import not_installed_dependency\n")
     monkeypatch.syspath_prepend(str(tmp_path))

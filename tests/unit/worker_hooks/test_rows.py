@@ -77,7 +77,9 @@ def test_rows_chain_over_plans_and_ids_follow() -> None:
         assert (rows.rows[~changed] == before[~changed]).all()
     ids = rows.row_ids()
     for rank in range(G):
-        np.testing.assert_array_equal(ids[:, rank * S:(rank + 1) * S], rank * 2 * S + rows.rows[rank])
+        np.testing.assert_array_equal(
+            ids[:, rank * S : (rank + 1) * S], rank * 2 * S + rows.rows[rank]
+        )
 
 
 def test_bad_shapes_are_refused() -> None:

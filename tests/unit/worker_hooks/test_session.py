@@ -29,18 +29,35 @@ PLAN = np.array([[0, 1, 2, 2], [2, 1, 0, 0]], dtype=np.int64)
 
 
 class Link:
-    address, deployment, token, ca_file, cert_file, key_file = "localhost:1", "d", None, None, None, None
+    address, deployment, token, ca_file, cert_file, key_file = (
+        "localhost:1",
+        "d",
+        None,
+        None,
+        None,
+        None,
+    )
     worker_id, pool, window_steps = "w", "", 4
 
 
 def session() -> RankSession:
-    shape = pb.ModelShape(num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=1, num_nodes=1)
+    shape = pb.ModelShape(
+        num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=1, num_nodes=1
+    )
     return RankSession(Link(), 0, shape, START, SessionStats())
 
 
 def windows_of(s: RankSession) -> list[tuple[int, int, int, list, list | None]]:
-    return [(w.first_step, w.num_steps, w.version, w.logical.tolist(),
-             None if w.physical is None else w.physical.tolist()) for w in s.agent._pending.take()]
+    return [
+        (
+            w.first_step,
+            w.num_steps,
+            w.version,
+            w.logical.tolist(),
+            None if w.physical is None else w.physical.tolist(),
+        )
+        for w in s.agent._pending.take()
+    ]
 
 
 def reports_of(s: RankSession) -> list[tuple[int, int, str]]:
@@ -48,8 +65,11 @@ def reports_of(s: RankSession) -> list[tuple[int, int, str]]:
 
 
 def prepare(version: int, base: int, phy2log: np.ndarray) -> pb.Prepare:
-    return pb.Prepare(version=version, base_version=base,
-                      placement=pb.Placement(version=version, phy2log=codec.encode(phy2log.astype(np.int32))))
+    return pb.Prepare(
+        version=version,
+        base_version=base,
+        placement=pb.Placement(version=version, phy2log=codec.encode(phy2log.astype(np.int32))),
+    )
 
 
 @pytest.fixture
@@ -130,8 +150,12 @@ def test_prepare_commit_abort_on_the_session() -> None:
     s.on_abort(1, "a peer failed")
     assert s.plans.ready(s.version) == 0 and s.stats.aborted == 1
     phases = reports_of(s)
-    assert [(v, p) for v, p, _ in phases] == [(1, pb.PLAN_PHASE_PREPARED), (2, pb.PLAN_PHASE_FAILED),
-                                             (3, pb.PLAN_PHASE_FAILED), (1, pb.PLAN_PHASE_ABORTED)]
+    assert [(v, p) for v, p, _ in phases] == [
+        (1, pb.PLAN_PHASE_PREPARED),
+        (2, pb.PLAN_PHASE_FAILED),
+        (3, pb.PLAN_PHASE_FAILED),
+        (1, pb.PLAN_PHASE_ABORTED),
+    ]
     assert "based on v5, rank serves v0" in phases[1][2]
     s.stopped(1, "layer group 1 failed")  # half-way after a commit: no more plans
     s.on_prepare(prepare(4, 0, PLAN))
@@ -165,10 +189,15 @@ def test_the_window_close_rule_has_one_home() -> None:
     """When a window is due is decided in one function (worker_hooks/session/windows.py
     `window_due`) for the hook and every engine adapter: no other comparison of a step
     count against the window's steps in the worker side."""
-    rule = re.compile(r"(>=|<=|>|<)\s*[\w.]*(window_steps|windows\.steps)\b|(window_steps|windows\.steps)\s*(>=|<=|>|<)")
+    rule = re.compile(
+        r"(>=|<=|>|<)\s*[\w.]*(window_steps|windows\.steps)\b|(window_steps|windows\.steps)\s*(>=|<=|>|<)"
+    )
     root = Path(worker_hooks.__file__).parent
-    offenders = [f"{path.relative_to(root)}:{n}: {line.strip()}"
-                 for path in sorted(root.rglob("*.py")) if path != Path(windows.__file__)
-                 for n, line in enumerate(path.read_text().splitlines(), 1)
-                 if rule.search(line) and not line.lstrip().startswith("#")]
+    offenders = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        if path != Path(windows.__file__)
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if rule.search(line) and not line.lstrip().startswith("#")
+    ]
     assert offenders == [], "a second window close rule:\n" + "\n".join(offenders)

@@ -63,13 +63,17 @@ def test_every_rank_joins_and_all_go(store: dist.TCPStore) -> None:
     assert run_all([lambda f=f: f.join(5) for f in fs]) == ["go"] * 3
 
 
-def test_a_rank_that_never_joins_stops_the_others_in_time_and_late_it_stops_too(store: dist.TCPStore) -> None:
+def test_a_rank_that_never_joins_stops_the_others_in_time_and_late_it_stops_too(
+    store: dist.TCPStore,
+) -> None:
     fs = fences(store, 3, join_seconds=0.5)
     start = time.monotonic()
     out = run_all([lambda: fs[0].join(5), lambda: fs[1].join(5)])
     assert time.monotonic() - start < 2.0
     assert out == ["rank(s) [2] did not join its transfers within 0.5 s"] * 2
-    with pytest.raises(TransfersDeclined, match="did not join"):  # its Prepare came late: the decision stands
+    with pytest.raises(
+        TransfersDeclined, match="did not join"
+    ):  # its Prepare came late: the decision stands
         fs[2].join(5)
     assert run_all([lambda f=f: f.join(6) for f in fs]) == ["go"] * 3  # the next plan
 
@@ -77,8 +81,13 @@ def test_a_rank_that_never_joins_stops_the_others_in_time_and_late_it_stops_too(
 def test_a_rank_that_declines_stops_its_peers_at_once(store: dist.TCPStore) -> None:
     fs = fences(store, 3, join_seconds=20.0)
     start = time.monotonic()
-    out = run_all([lambda: fs[0].join(5), lambda: fs[1].join(5),
-                   lambda: (time.sleep(0.2), fs[2].decline(5, "plan is based on v3, rank serves v4"))])
+    out = run_all(
+        [
+            lambda: fs[0].join(5),
+            lambda: fs[1].join(5),
+            lambda: (time.sleep(0.2), fs[2].decline(5, "plan is based on v3, rank serves v4")),
+        ]
+    )
     assert time.monotonic() - start < 2.0  # not the 20 s they would wait for a missing rank
     assert out[:2] == ["rank 2: plan is based on v3, rank serves v4"] * 2
 
@@ -105,14 +114,17 @@ def test_the_first_decision_stands(store: dist.TCPStore) -> None:
 # ------------------------------------------------------------ on real gloo processes
 
 
-def _never_joins(rank: int, out: str, old: np.ndarray, first: np.ndarray, second: np.ndarray,
-                 new: np.ndarray) -> None:
+def _never_joins(
+    rank: int, out: str, old: np.ndarray, first: np.ndarray, second: np.ndarray, new: np.ndarray
+) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rdzv", rank=rank, world_size=G)
     # The demo worker's timeout: a peer left waiting in gloo would wait this long.
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
     weights = weights_for(old, rank)
     rows = RowMap(G, L, S, 0)
-    ex = MigrationExecutor(rank, G, weights, group, MigrationConfig("p2p", layers_per_chunk=1), row_map=rows)
+    ex = MigrationExecutor(
+        rank, G, weights, group, MigrationConfig("p2p", layers_per_chunk=1), row_map=rows
+    )
     outcome, seconds = "none", 0.0
     if rank != 2:  # rank 2 never hears of plan 7 (its Prepare was lost with its link)
         start = time.monotonic()
@@ -140,13 +152,17 @@ def _never_joins(rank: int, out: str, old: np.ndarray, first: np.ndarray, second
     dist.destroy_process_group()
 
 
-def test_a_rank_that_misses_a_plan_fails_it_within_2s_and_the_next_plan_commits(tmp_path: Path) -> None:
+def test_a_rank_that_misses_a_plan_fails_it_within_2s_and_the_next_plan_commits(
+    tmp_path: Path,
+) -> None:
     rng = np.random.default_rng(5)
     old = trivial_placement(L, E, P, G)
     shuffled = np.stack([rng.permutation(old[layer]) for layer in range(L)])
     new = old.copy()
     new[:, [0, S]] = new[:, [S, 0]]
-    spawn(_never_joins, tmp_path, old, transfers(old, shuffled, G, 1), transfers(old, new, G, 1), new)
+    spawn(
+        _never_joins, tmp_path, old, transfers(old, shuffled, G, 1), transfers(old, new, G, 1), new
+    )
     results = [np.load(tmp_path / f"{r}.npy") for r in range(G)]
     assert all(bool(declined) for declined, _, _ in results), results
     assert max(seconds for _, seconds, _ in results) < 2.0, results

@@ -14,7 +14,9 @@ from rebalancer.wire import codec
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.warm import await_offer, group_holds
 
-SHAPE = pb.ModelShape(num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, num_nodes=1)
+SHAPE = pb.ModelShape(
+    num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, num_nodes=1
+)
 PLACEMENT = np.array([[3, 2, 1, 0, 0, 1], [0, 1, 2, 3, 3, 3]], dtype=np.int64)
 
 
@@ -36,7 +38,9 @@ def _agent() -> WorkerAgent:
 
 
 def _offer(version: int, phy2log: np.ndarray) -> pb.ControllerMessage:
-    return pb.ControllerMessage(warm_start=pb.Placement(version=version, phy2log=codec.encode(phy2log.astype("int32"))))
+    return pb.ControllerMessage(
+        warm_start=pb.Placement(version=version, phy2log=codec.encode(phy2log.astype("int32")))
+    )
 
 
 def test_no_offer_returns_nothing_within_the_bound() -> None:

@@ -23,10 +23,20 @@ def expert(layer: int, e: int) -> dict[str, torch.Tensor]:
 
 
 def hook(seconds: float, source: object = expert) -> tuple[RebalanceHook, np.ndarray]:
-    config = HookConfig(controller="127.0.0.1:1", deployment="d", rank=0, num_layers=L, num_logical=E,
-                        num_slots=P, num_gpus=G, pool=PoolConfig("p", seconds))
+    config = HookConfig(
+        controller="127.0.0.1:1",
+        deployment="d",
+        rank=0,
+        num_layers=L,
+        num_logical=E,
+        num_slots=P,
+        num_gpus=G,
+        pool=PoolConfig("p", seconds),
+    )
     start = trivial_placement(L, E, P, G)
-    weights = {"w": torch.tensor([[[float(100 * layer + e)] for e in start[layer]] for layer in range(L)])}
+    weights = {
+        "w": torch.tensor([[[float(100 * layer + e)] for e in start[layer]] for layer in range(L)])
+    }
     return RebalanceHook(config, start, weights, None, None, expert_source=source), start  # type: ignore[arg-type]
 
 
@@ -54,8 +64,11 @@ def test_an_offer_is_installed_before_the_first_step_and_reported_committed() ->
     try:
         assert h.version == 3 and np.array_equal(h.phy2log, new) and h.step == 0
         # Every slot now holds the expert its map names (weights loaded from the source).
-        assert all(float(h.weights["w"][layer, s, 0]) == 100 * layer + new[layer, s]
-                   for layer in range(L) for s in range(P))
+        assert all(
+            float(h.weights["w"][layer, s, 0]) == 100 * layer + new[layer, s]
+            for layer in range(L)
+            for s in range(P)
+        )
         # Dispatch goes to the new slots: expert new[0, 0] is served by slot 0.
         phys = h.route(0, torch.tensor([[int(new[0, 0])]]))
         assert int(new[0, int(phys[0, 0])]) == int(new[0, 0])
@@ -75,7 +88,11 @@ def test_a_rank_that_cannot_load_the_offer_keeps_its_start_placement() -> None:
     h.agent._offer(offered(start)[0])
     h.start()
     try:
-        assert h.version == 0 and np.array_equal(h.phy2log, start) and torch.equal(h.weights["w"], before)
+        assert (
+            h.version == 0
+            and np.array_equal(h.phy2log, start)
+            and torch.equal(h.weights["w"], before)
+        )
         assert not list(h.agent._reports)
     finally:
         h.stop()

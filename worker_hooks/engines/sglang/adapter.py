@@ -51,8 +51,8 @@ log = logging.getLogger("worker_hooks.engines.sglang")
 @dataclass
 class AdapterStats(SessionStats):
     update_seconds: list[float] = field(default_factory=list)  # SGLang's updater, per plan
-    swap_seconds: list[float] = field(default_factory=list)    # staged: per group swap
-    groups: list[int] = field(default_factory=list)            # staged: groups per committed plan
+    swap_seconds: list[float] = field(default_factory=list)  # staged: per group swap
+    groups: list[int] = field(default_factory=list)  # staged: groups per committed plan
     rank_faults: list[dict[str, Any]] = field(default_factory=list)  # SGLang's fault path runs
 
 
@@ -67,18 +67,26 @@ class SGLangRebalanceAdapter(RankSession):
 
         metadata = get_global_expert_location_metadata()
         if metadata is None:
-            raise InputError("SGLang has no expert location metadata: the model has no routed experts")
+            raise InputError(
+                "SGLang has no expert location metadata: the model has no routed experts"
+            )
         self.manager = manager
         self.num_gpus = int(metadata.ep_size)
         phy2log = metadata.physical_to_logical_map_cpu.numpy().astype(np.int64)
         weights = manager._get_model().routed_experts_weights_of_layer
         self.weight_layers = sorted(weights)
-        self.expert_bytes = int(sum(t[0].numel() * t.element_size() for t in weights[self.weight_layers[0]])) \
-            if weights else 0
+        self.expert_bytes = (
+            int(sum(t[0].numel() * t.element_size() for t in weights[self.weight_layers[0]]))
+            if weights
+            else 0
+        )
         shape = pb.ModelShape(
-            num_layers=phy2log.shape[0], num_logical_experts=int(metadata.num_logical_experts),
-            num_physical_slots=phy2log.shape[1], num_gpus=self.num_gpus,
-            num_nodes=int(get_parallel().nnodes), expert_bytes=self.expert_bytes,
+            num_layers=phy2log.shape[0],
+            num_logical_experts=int(metadata.num_logical_experts),
+            num_physical_slots=phy2log.shape[1],
+            num_gpus=self.num_gpus,
+            num_nodes=int(get_parallel().nnodes),
+            expert_bytes=self.expert_bytes,
         )
         # SGLang hands the updater tp_rank as the EP rank (EPLBManager.rebalance).
         super().__init__(config, int(get_parallel().tp_rank), shape, phy2log, AdapterStats())
@@ -86,7 +94,9 @@ class SGLangRebalanceAdapter(RankSession):
         self.stats: AdapterStats
         self.slots_per_rank = self.num_slots // self.num_gpus
         self.faulted: tuple[int, ...] | None = None  # ranks lost in SGLang's fault path
-        self._live_slots: torch.Tensor | None = None  # after it: the survivors' slots of SGLang's [L, P]
+        self._live_slots: torch.Tensor | None = (
+            None  # after it: the survivors' slots of SGLang's [L, P]
+        )
         # SGLang's EP world and this rank in it: they keep their width and numbers after a
         # rank fault, where the controller's world shrinks (after_rank_fault).
         self.ep_size, self.ep_rank = self.num_gpus, self.rank
@@ -105,11 +115,23 @@ class SGLangRebalanceAdapter(RankSession):
             # The adapter's own group for weights (NCCL on GPU, gloo on CPU), never SGLang's.
             backend = P2PTransport.group_backend(weights[self.weight_layers[0]][0].device)
             self._migrate_group = dist.new_group(backend=backend, timeout=timeout)
-            executor = MigrationExecutor(self.rank, self.num_gpus, self._layer_weights(weights),
-                                         self._migrate_group, MigrationConfig(transport="p2p"))
+            executor = MigrationExecutor(
+                self.rank,
+                self.num_gpus,
+                self._layer_weights(weights),
+                self._migrate_group,
+                MigrationConfig(transport="p2p"),
+            )
         self.executor = executor
-        self.staging = GroupStaging(self, executor, self.weight_layers, self.num_gpus, self.expert_bytes,
-                                    config.staging_budget_bytes, self._target_of)
+        self.staging = GroupStaging(
+            self,
+            executor,
+            self.weight_layers,
+            self.num_gpus,
+            self.expert_bytes,
+            config.staging_budget_bytes,
+            self._target_of,
+        )
         # Staged beside serving on gloo; between passes with SGLang's updater on NCCL
         # (config.choose_updater says why). Read at each Prepare.
         self.updater: Updater
@@ -117,16 +139,26 @@ class SGLangRebalanceAdapter(RankSession):
         if warning:
             log.warning("rank %d: %s", self.rank, warning)
         self.agent.start()
-        log.info("rank %d: rebalancer adapter on (%s, deployment %s, %d layers, %d slots, %s update, "
-                 "weights over %s)", self.rank, config.address, config.deployment, self.num_layers,
-                 self.num_slots, self.updater, backend)
+        log.info(
+            "rank %d: rebalancer adapter on (%s, deployment %s, %d layers, %d slots, %s update, "
+            "weights over %s)",
+            self.rank,
+            config.address,
+            config.deployment,
+            self.num_layers,
+            self.num_slots,
+            self.updater,
+            backend,
+        )
 
     @staticmethod
     def _layer_weights(weights: dict[int, list[torch.Tensor]]) -> LayerWeights:
         """SGLang's live expert tensors (`[local slots, ...]` per layer, a list of them)
         as the executor's per-layer weights."""
         count = len(next(iter(weights.values())))
-        return {f"w{i}": {layer: tensors[i] for layer, tensors in weights.items()} for i in range(count)}
+        return {
+            f"w{i}": {layer: tensors[i] for layer, tensors in weights.items()} for i in range(count)
+        }
 
     # ------------------------------------------------------------ SGLang's thread
 
@@ -134,7 +166,9 @@ class SGLangRebalanceAdapter(RankSession):
         """One recorded pass: this rank's tokens per physical slot, `[L, P]` (device); after
         a rank fault, the survivors' slots only (the world the controller knows)."""
         if self._live_slots is not None:
-            if self._live_slots.device != global_physical_count.device:  # once: the index lives with the counts
+            if (
+                self._live_slots.device != global_physical_count.device
+            ):  # once: the index lives with the counts
                 self._live_slots = self._live_slots.to(global_physical_count.device)
             global_physical_count = global_physical_count[:, self._live_slots]
         self.windows.add(global_physical_count)
@@ -213,9 +247,11 @@ class SGLangRebalanceAdapter(RankSession):
         model = manager._get_model()
         weights = model.routed_experts_weights_of_layer
         target = ExpertLocationMetadata.init_by_mapping(
-            manager._model_config, torch.from_numpy(new.copy()), moe_ep_rank=self.ep_rank)
+            manager._model_config, torch.from_numpy(new.copy()), moe_ep_rank=self.ep_rank
+        )
         before = ExpertLocationMetadata.init_by_mapping(
-            manager._model_config, torch.from_numpy(self.phy2log.copy()), moe_ep_rank=self.ep_rank)
+            manager._model_config, torch.from_numpy(self.phy2log.copy()), moe_ep_rank=self.ep_rank
+        )
         local = slice(self.ep_rank * self.slots_per_rank, (self.ep_rank + 1) * self.slots_per_rank)
         weight_updater = manager._get_weight_updater()
         dispatch_algorithm = get_exec().moe.ep_dispatch_algorithm
@@ -233,7 +269,9 @@ class SGLangRebalanceAdapter(RankSession):
                     update_layer_ids=[layer],
                     tp_rank=self.ep_rank,
                     expert_backup_client=manager._get_expert_backup_client(),
-                    update_weights_from_disk_callable=getattr(weight_updater, "update_weights_from_disk", None),
+                    update_weights_from_disk_callable=getattr(
+                        weight_updater, "update_weights_from_disk", None
+                    ),
                     ep_dispatch_algorithm=dispatch_algorithm,
                     init_lplb_solvers_callable=self._rebuild_lp_solvers,
                 )
@@ -250,8 +288,11 @@ class SGLangRebalanceAdapter(RankSession):
                 get_global_expert_location_metadata().update(before, update_layer_ids=[layer])
                 self._rebuild_lp_solvers()
             error = error or "a peer did not finish the layer"
-            self.stopped(version, f"update lost a peer at layer {layer} ({error}); layers before it are on "
-                         f"v{version}, from it on v{self.version}")
+            self.stopped(
+                version,
+                f"update lost a peer at layer {layer} ({error}); layers before it are on "
+                f"v{version}, from it on v{self.version}",
+            )
             return
         # Layers without routed weights (dense ones) have a map row but nothing to move.
         weightless = [layer for layer in range(self.num_layers) if layer not in weights]
@@ -299,9 +340,12 @@ class SGLangRebalanceAdapter(RankSession):
         from sglang.srt.eplb.expert_location import ExpertLocationMetadata
 
         plan.target = ExpertLocationMetadata.init_by_mapping(
-            self.manager._model_config, torch.from_numpy(plan.new.copy()), moe_ep_rank=self.ep_rank)
+            self.manager._model_config, torch.from_numpy(plan.new.copy()), moe_ep_rank=self.ep_rank
+        )
 
-    def planned_survivors(self, lost: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def planned_survivors(
+        self, lost: tuple[int, ...]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """SGLang's fault path lost `lost`: the survivor placement the controller planned for
         exactly that loss on the placement this rank serves, laid out as SGLang's
         elasticity-aware algorithm answers (fault.full_width), or None (no plan, another
@@ -314,8 +358,9 @@ class SGLangRebalanceAdapter(RankSession):
             return None
         from worker_hooks.engines.sglang.fault import full_width
 
-        phy2log, log2phy, logcnt = full_width(np.asarray(planned, dtype=np.int64), lost, self.num_gpus,
-                                              self.num_logical)
+        phy2log, log2phy, logcnt = full_width(
+            np.asarray(planned, dtype=np.int64), lost, self.num_gpus, self.num_logical
+        )
         if phy2log.shape != (self.num_layers, self.num_slots):
             return None
         return phy2log, log2phy, logcnt
@@ -331,30 +376,50 @@ class SGLangRebalanceAdapter(RankSession):
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
         self._close_window(wait=True)  # the counts so far were taken on the old placement
-        served = get_global_expert_location_metadata().physical_to_logical_map_cpu.numpy().astype(np.int64)
+        served = (
+            get_global_expert_location_metadata()
+            .physical_to_logical_map_cpu.numpy()
+            .astype(np.int64)
+        )
         self.faulted = tuple(lost)
         self.agreement.broken = self.agreement.broken or "rank fault"
         self.stats.rank_faults.append({"step": self.step, "lost": list(lost), "planned": planned})
-        how = (f"the survivor placement the controller planned on v{self.version}" if planned
-               else "SGLang's own placement (no planned survivor placement held by every rank)")
+        how = (
+            f"the survivor placement the controller planned on v{self.version}"
+            if planned
+            else "SGLang's own placement (no planned survivor placement held by every rank)"
+        )
         if self.ep_rank in lost:
             # This rank is one SGLang marked inactive: it serves nothing from here, and the
             # map it holds is not what the survivors serve (SGLang moves nothing onto it), so
             # it must not be what the controller records: its agent stops.
             self.broken = self.broken or f"rank {self.rank} marked inactive"
             self.plans.clear()
-            log.warning("rank %d: marked inactive by SGLang's elastic EP; it reports no placement", self.rank)
+            log.warning(
+                "rank %d: marked inactive by SGLang's elastic EP; it reports no placement",
+                self.rank,
+            )
             self.agent.stop(timeout=0.0)
             return
         from worker_hooks.engines.sglang.fault import survivors_world
 
-        survivors, live, shape = survivors_world(self.agent.config.shape, lost, self.ep_size,
-                                                 self.slots_per_rank, self.ranks_per_node)
+        survivors, live, shape = survivors_world(
+            self.agent.config.shape, lost, self.ep_size, self.slots_per_rank, self.ranks_per_node
+        )
         self._live_slots = torch.from_numpy(live)
-        log.warning("rank %d: ranks %s lost; SGLang's elastic EP serves %s on the %d survivors", self.rank,
-                    list(lost), how, len(survivors))
-        self.rejoin_resized(survivors.index(self.ep_rank), shape, served[:, live],
-                            f"ranks {list(lost)} lost: SGLang's elastic EP group holds them until it restarts")
+        log.warning(
+            "rank %d: ranks %s lost; SGLang's elastic EP serves %s on the %d survivors",
+            self.rank,
+            list(lost),
+            how,
+            len(survivors),
+        )
+        self.rejoin_resized(
+            survivors.index(self.ep_rank),
+            shape,
+            served[:, live],
+            f"ranks {list(lost)} lost: SGLang's elastic EP group holds them until it restarts",
+        )
 
     def _rebuild_lp_solvers(self) -> None:
         """After the expert location metadata changed, what SGLang's own update does
@@ -397,7 +462,9 @@ class SGLangRebalanceAdapter(RankSession):
         except InputError as exc:
             self.refuse(prepare.version, str(exc))
             return
-        self.staging.begin(prepare.version, new, np.asarray(transfers, dtype=np.int64).reshape(-1, 5))
+        self.staging.begin(
+            prepare.version, new, np.asarray(transfers, dtype=np.int64).reshape(-1, 5)
+        )
 
     def dropped(self, version: int) -> None:
         self.staging.abort(version)

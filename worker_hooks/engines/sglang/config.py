@@ -37,18 +37,18 @@ DEFAULT_STAGING_BUDGET_BYTES = 4 << 30
 
 @dataclass(frozen=True)
 class SGLangAdapterConfig:
-    address: str                      # REBALANCER_ADDRESS: unix:/path of the sidecar, or host:port
-    deployment: str = "sglang"        # REBALANCER_DEPLOYMENT
-    token: str | None = None          # read from REBALANCER_TOKEN_FILE
-    ca_file: str | None = None        # REBALANCER_CA_FILE: TLS to the controller
-    cert_file: str | None = None      # REBALANCER_CERT_FILE / REBALANCER_KEY_FILE: mutual TLS
+    address: str  # REBALANCER_ADDRESS: unix:/path of the sidecar, or host:port
+    deployment: str = "sglang"  # REBALANCER_DEPLOYMENT
+    token: str | None = None  # read from REBALANCER_TOKEN_FILE
+    ca_file: str | None = None  # REBALANCER_CA_FILE: TLS to the controller
+    cert_file: str | None = None  # REBALANCER_CERT_FILE / REBALANCER_KEY_FILE: mutual TLS
     key_file: str | None = None
-    window_steps: int = 16            # REBALANCER_WINDOW_STEPS: forward passes per counts window
-    agree_every: int = 4              # REBALANCER_AGREE_EVERY: passes between commit agreements
+    window_steps: int = 16  # REBALANCER_WINDOW_STEPS: forward passes per counts window
+    agree_every: int = 4  # REBALANCER_AGREE_EVERY: passes between commit agreements
     # REBALANCER_AGREE_TIMEOUT_SECONDS: the adapter's gloo group gives up on a lost peer
     # after this long (agreements and the per-layer "done" of an update).
     agree_timeout_seconds: float = 60.0
-    worker_id: str = ""               # REBALANCER_WORKER_ID (default: the host), the pid appended
+    worker_id: str = ""  # REBALANCER_WORKER_ID (default: the host), the pid appended
     # REBALANCER_POOL: the deployment's replica pool ("" = none): its windows count in the
     # pool's estimate and the pool rolls its placement to it. A fresh group is offered the
     # pool's placement and starts on it (warm_start.py), when the offer came within
@@ -67,11 +67,17 @@ class SGLangAdapterConfig:
             raise InputError(f"{ENV_PREFIX}ADDRESS is empty")
         for name in ("window_steps", "agree_every"):
             if getattr(self, name) < 1:
-                raise InputError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
+                raise InputError(
+                    f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}"
+                )
         if self.updater not in UPDATERS:
-            raise InputError(f"{ENV_PREFIX}UPDATER must be one of {', '.join(UPDATERS)}, got {self.updater!r}")
+            raise InputError(
+                f"{ENV_PREFIX}UPDATER must be one of {', '.join(UPDATERS)}, got {self.updater!r}"
+            )
         if self.staging_budget_bytes < 1:
-            raise InputError(f"{ENV_PREFIX}STAGING_BUDGET_BYTES must be >= 1, got {self.staging_budget_bytes}")
+            raise InputError(
+                f"{ENV_PREFIX}STAGING_BUDGET_BYTES must be >= 1, got {self.staging_budget_bytes}"
+            )
         if not self.agree_timeout_seconds > 0:
             raise InputError(
                 f"{ENV_PREFIX}AGREE_TIMEOUT_SECONDS must be > 0, got {self.agree_timeout_seconds}"
@@ -92,13 +98,17 @@ class SGLangAdapterConfig:
             **common,  # type: ignore[arg-type]
             window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
             agree_every=int(e.number("AGREE_EVERY", int, d.agree_every)),
-            agree_timeout_seconds=float(e.number("AGREE_TIMEOUT_SECONDS", float, d.agree_timeout_seconds)),
+            agree_timeout_seconds=float(
+                e.number("AGREE_TIMEOUT_SECONDS", float, d.agree_timeout_seconds)
+            ),
             updater=(e.get("UPDATER") or d.updater),  # type: ignore[arg-type]  # checked above
             staging_budget_bytes=int(e.number("STAGING_BUDGET_BYTES", int, d.staging_budget_bytes)),
         )
 
 
-def choose_updater(setting: UpdaterSetting, backend: Literal["nccl", "gloo"]) -> tuple[Updater, str | None]:
+def choose_updater(
+    setting: UpdaterSetting, backend: Literal["nccl", "gloo"]
+) -> tuple[Updater, str | None]:
     """The updater the adapter runs with `setting` when the weights move over `backend`
     (the adapter's weight group: NCCL for weights on GPU, gloo on CPU), and a warning to
     log, if any.
@@ -120,7 +130,8 @@ def choose_updater(setting: UpdaterSetting, backend: Literal["nccl", "gloo"]) ->
             f"{ENV_PREFIX}UPDATER=staged on NCCL: the staging thread's NCCL p2p runs beside "
             "SGLang's forward collectives (two communicators, an order that may differ per "
             "rank: NCCL may deadlock); unset it to move the weights between passes with "
-            "SGLang's updater")
+            "SGLang's updater"
+        )
     return setting, None
 
 
@@ -135,7 +146,9 @@ def recorder_refusal(mode: str | None) -> str | None:
     (None: it can). With EPLB on and the flag unset, SGLang picks "stat"."""
     if mode is None or mode in RECORDER_MODES_WITH_COUNTS:
         return None
-    return (f"SGLang's --expert-distribution-recorder-mode is {mode}: that recorder keeps each "
-            "pass's record for a dump file and hands the rebalancer no counts, so no window "
-            "would ever reach the controller; use --expert-distribution-recorder-mode stat "
-            "(what --enable-eplb picks when the flag is unset)")
+    return (
+        f"SGLang's --expert-distribution-recorder-mode is {mode}: that recorder keeps each "
+        "pass's record for a dump file and hands the rebalancer no counts, so no window "
+        "would ever reach the controller; use --expert-distribution-recorder-mode stat "
+        "(what --enable-eplb picks when the flag is unset)"
+    )

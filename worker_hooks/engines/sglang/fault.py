@@ -74,8 +74,12 @@ def inactive_ranks() -> tuple[int, ...]:
     return tuple(r for r in range(min(size, len(active))) if not active[r])
 
 
-def full_width(planned: np.ndarray, lost: tuple[int, ...], num_ranks: int, num_logical: int,
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def full_width(
+    planned: np.ndarray,
+    lost: tuple[int, ...],
+    num_ranks: int,
+    num_logical: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The survivors' placement `[L, P']` (new rank i = the i-th surviving rank) as SGLang's
     elasticity-aware algorithm answers: `phy2log [L, P]` with each survivor's block of
     slots in place and the lost ranks' slots expert 0; `log2phy [L, E, X]`, each expert's
@@ -89,11 +93,13 @@ def full_width(planned: np.ndarray, lost: tuple[int, ...], num_ranks: int, num_l
     phy2log = np.zeros((num_layers, per * num_ranks), dtype=np.int64)
     live = np.zeros(per * num_ranks, dtype=bool)
     for i, rank in enumerate(survivors):
-        phy2log[:, rank * per:(rank + 1) * per] = planned[:, i * per:(i + 1) * per]
-        live[rank * per:(rank + 1) * per] = True
+        phy2log[:, rank * per : (rank + 1) * per] = planned[:, i * per : (i + 1) * per]
+        live[rank * per : (rank + 1) * per] = True
     if planned.min() < 0 or planned.max() >= num_logical:
         raise ValueError("the planned placement names an expert the model does not have")
-    logcnt = np.stack([np.bincount(phy2log[layer, live], minlength=num_logical) for layer in range(num_layers)])
+    logcnt = np.stack(
+        [np.bincount(phy2log[layer, live], minlength=num_logical) for layer in range(num_layers)]
+    )
     if (logcnt == 0).any():
         raise ValueError("the planned placement leaves an expert without a slot")
     log2phy = np.full((num_layers, num_logical, int(logcnt.max())), -1, dtype=np.int64)
@@ -101,18 +107,25 @@ def full_width(planned: np.ndarray, lost: tuple[int, ...], num_ranks: int, num_l
     for layer in range(num_layers):
         for expert in range(num_logical):
             where = slots[phy2log[layer, slots] == expert]
-            log2phy[layer, expert, :len(where)] = where
+            log2phy[layer, expert, : len(where)] = where
     return phy2log, log2phy, logcnt
 
 
-def survivors_world(shape: pb.ModelShape, lost: tuple[int, ...], ep_size: int, slots_per_rank: int,
-                    ranks_per_node: int) -> tuple[list[int], np.ndarray, pb.ModelShape]:
+def survivors_world(
+    shape: pb.ModelShape,
+    lost: tuple[int, ...],
+    ep_size: int,
+    slots_per_rank: int,
+    ranks_per_node: int,
+) -> tuple[list[int], np.ndarray, pb.ModelShape]:
     """The world SGLang's survivors are after losing `lost` of `ep_size` ranks, as the
     controller knows worlds: (the surviving ranks, survivor i being rank i of the new
     world; their slots of SGLang's full-width map `[P']`; the new world's shape, `shape`
     with its GPUs, slots and nodes those of the survivors)."""
     survivors = [r for r in range(ep_size) if r not in lost]
-    live = np.concatenate([np.arange(r * slots_per_rank, (r + 1) * slots_per_rank) for r in survivors])
+    live = np.concatenate(
+        [np.arange(r * slots_per_rank, (r + 1) * slots_per_rank) for r in survivors]
+    )
     world = pb.ModelShape()
     world.CopyFrom(shape)
     world.num_gpus, world.num_physical_slots = len(survivors), len(live)
@@ -120,14 +133,18 @@ def survivors_world(shape: pb.ModelShape, lost: tuple[int, ...], ep_size: int, s
     return survivors, live, world
 
 
-def around_fault_path(adapter: Callable[[], Any], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def around_fault_path(
+    adapter: Callable[[], Any], original: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
     """AROUND `maybe_rebalance_after_rank_fault`: the fault path, marked for its duration;
     then the adapter learns what SGLang installed. SGLang's own exceptions pass through."""
     global _fault, _planned_answer
     try:
         lost = inactive_ranks()
     except Exception:
-        log.exception("rebalancer: SGLang's elastic EP state could not be read; its fault path runs unchanged")
+        log.exception(
+            "rebalancer: SGLang's elastic EP state could not be read; its fault path runs unchanged"
+        )
         lost = ()
     _fault, _planned_answer = (lost or None), False
     try:
@@ -140,12 +157,15 @@ def around_fault_path(adapter: Callable[[], Any], original: Callable[..., Any], 
             try:
                 live.after_rank_fault(lost, planned)
             except Exception:
-                log.exception("rebalancer: the adapter could not take the placement after the rank fault")
+                log.exception(
+                    "rebalancer: the adapter could not take the placement after the rank fault"
+                )
     return rebalanced
 
 
-def around_rebalance_experts(adapter: Callable[[], Any], original: Callable[..., Any], *args: Any,
-                             **kwargs: Any) -> Any:
+def around_rebalance_experts(
+    adapter: Callable[[], Any], original: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
     """AROUND `eplb_algorithms.rebalance_experts`: inside the fault path, the planned
     survivor placement when every rank holds it (module docstring); else SGLang's."""
     global _planned_answer
@@ -175,18 +195,30 @@ def around_rebalance_experts(adapter: Callable[[], Any], original: Callable[...,
         answer, digest = None, NO_PLAN
     try:
         device = counts.device if isinstance(counts, torch.Tensor) else torch.device("cpu")
-        low, neg_high = all_reduce_min([digest, -digest], None, device)  # the default group: SGLang's
+        low, neg_high = all_reduce_min(
+            [digest, -digest], None, device
+        )  # the default group: SGLang's
     except Exception:
-        log.exception("rebalancer: the ranks could not agree on a planned survivor placement; "
-                      "SGLang's own algorithm places the survivors")
+        log.exception(
+            "rebalancer: the ranks could not agree on a planned survivor placement; "
+            "SGLang's own algorithm places the survivors"
+        )
         return original(*args, **kwargs)
     if answer is None or low == NO_PLAN or low != -neg_high:
-        log.warning("rebalancer: ranks %s lost; %s: SGLang's own algorithm places the survivors", list(lost),
-                    "no rank holds a planned placement for that loss" if low == NO_PLAN and -neg_high == NO_PLAN
-                    else "the ranks do not all hold the same planned placement")
+        log.warning(
+            "rebalancer: ranks %s lost; %s: SGLang's own algorithm places the survivors",
+            list(lost),
+            "no rank holds a planned placement for that loss"
+            if low == NO_PLAN and -neg_high == NO_PLAN
+            else "the ranks do not all hold the same planned placement",
+        )
         return original(*args, **kwargs)
     _planned_answer = True
-    log.warning("rebalancer: ranks %s lost; the survivor placement the controller planned on v%d answers "
-                "SGLang's fault path", list(lost), adapter().version)
+    log.warning(
+        "rebalancer: ranks %s lost; the survivor placement the controller planned on v%d answers "
+        "SGLang's fault path",
+        list(lost),
+        adapter().version,
+    )
     phy2log, log2phy, logcnt = answer
     return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)

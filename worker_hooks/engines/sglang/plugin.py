@@ -81,7 +81,9 @@ def register() -> None:
     if config.pool:  # a pool member starts on the pool's placement (every rank: a collective)
         from worker_hooks.engines.sglang import warm_start
 
-        HookRegistry.register(warm_start.INIT_EXPERT_LOCATION, _on_init_expert_location, HookType.AROUND)
+        HookRegistry.register(
+            warm_start.INIT_EXPERT_LOCATION, _on_init_expert_location, HookType.AROUND
+        )
 
 
 def _refusal() -> str | None:
@@ -132,8 +134,12 @@ def _disable(what: str, exc: BaseException) -> None:
     """An adapter error: turn the adapter off on this rank, loudly; SGLang keeps serving."""
     global _disabled
     _disabled = f"{what}: {type(exc).__name__}: {exc}"
-    log.error("rebalancer adapter DISABLED on this rank (%s); SGLang keeps serving its current "
-              "placement without rebalancing", _disabled, exc_info=exc)
+    log.error(
+        "rebalancer adapter DISABLED on this rank (%s); SGLang keeps serving its current "
+        "placement without rebalancing",
+        _disabled,
+        exc_info=exc,
+    )
     if _adapter is not None:
         try:
             _adapter.disable(_disabled)
@@ -147,8 +153,11 @@ def _refuse(reason: str) -> None:
     setting to use. SGLang keeps serving its placement (never its own refit instead)."""
     global _disabled
     _disabled = reason
-    log.error("rebalancer adapter DISABLED on this rank: %s. SGLang keeps serving its current "
-              "placement without rebalancing", reason)
+    log.error(
+        "rebalancer adapter DISABLED on this rank: %s. SGLang keeps serving its current "
+        "placement without rebalancing",
+        reason,
+    )
 
 
 def _on_forward_pass_end(original: Any, manager: Any, *args: Any, **kwargs: Any) -> None:
@@ -193,8 +202,15 @@ def _idle_step() -> None:
         _adapter = None
 
 
-def _on_pass_counts(result: Any, accumulator: Any, forward_pass_id: Any, gatherer_key: Any,
-                    single_pass_data: dict, *args: Any, **kwargs: Any) -> None:
+def _on_pass_counts(
+    result: Any,
+    accumulator: Any,
+    forward_pass_id: Any,
+    gatherer_key: Any,
+    single_pass_data: dict,
+    *args: Any,
+    **kwargs: Any,
+) -> None:
     global _early_counts
     if _config is None or _disabled is not None:
         return None

@@ -42,7 +42,9 @@ from worker_hooks.warm import await_offer, group_holds
 log = logging.getLogger("worker_hooks.engines.sglang")
 
 # SGLang's start path the plugin wraps (before load_model, torch.distributed up).
-INIT_EXPERT_LOCATION = "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_expert_location_metadata"
+INIT_EXPERT_LOCATION = (
+    "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_expert_location_metadata"
+)
 
 # Seconds the early agent may take to end its session once the offer is answered.
 STOP_SECONDS = 1.0
@@ -58,7 +60,9 @@ class _Starting:
 
     def on_prepare(self, prepare: pb.Prepare) -> None:
         if self.agent is not None:
-            self.agent.report(prepare.version, pb.PLAN_PHASE_FAILED, error="rank is starting (warm start)")
+            self.agent.report(
+                prepare.version, pb.PLAN_PHASE_FAILED, error="rank is starting (warm start)"
+            )
 
     def on_commit(self, version: int) -> None:
         return None
@@ -72,8 +76,9 @@ def taken() -> tuple[int, np.ndarray] | None:
     return _taken
 
 
-def around_init_expert_location(config: SGLangAdapterConfig, original: Any, runner: Any,
-                                *args: Any, **kwargs: Any) -> Any:
+def around_init_expert_location(
+    config: SGLangAdapterConfig, original: Any, runner: Any, *args: Any, **kwargs: Any
+) -> Any:
     """The AROUND hook: SGLang's own step, then the warm start. Never raises."""
     result = original(runner, *args, **kwargs)
     if getattr(runner, "is_draft_worker", False):
@@ -81,7 +86,9 @@ def around_init_expert_location(config: SGLangAdapterConfig, original: Any, runn
     try:
         install(config, runner.model_config)
     except Exception:
-        log.exception("rebalancer: warm start failed; SGLang starts on its own initial expert location")
+        log.exception(
+            "rebalancer: warm start failed; SGLang starts on its own initial expert location"
+        )
     return result
 
 
@@ -116,15 +123,18 @@ def install(config: SGLangAdapterConfig, model_config: Any) -> int:
     # agreement, with no offer: its peers never wait on it, and none installs.
     agent = None
     if config.warm_start_seconds > 0:
-        agent = _early_agent(config, rank, phy2log, num_logical, int(metadata.ep_size),
-                             int(get_parallel().nnodes))
+        agent = _early_agent(
+            config, rank, phy2log, num_logical, int(metadata.ep_size), int(get_parallel().nnodes)
+        )
     group = None
     offered, plan = 0, None
     try:
         if agent is not None:
             agent.start()
         if num_ranks > 1:  # built while the agent registers (every rank, the same step)
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.agree_timeout_seconds))
+            group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=config.agree_timeout_seconds)
+            )
         if agent is not None:
             # The bound counts from the registration's start, as in the vLLM adapter.
             left = max(config.warm_start_seconds - (time.monotonic() - start), 0.0)
@@ -137,33 +147,64 @@ def install(config: SGLangAdapterConfig, model_config: Any) -> int:
         if group is not None:
             dist.destroy_process_group(group)
     if not holds or plan is None:
-        log.info("rank %d: no warm start (offered v%d); SGLang starts on its initial expert location",
-                 rank, offered)
+        log.info(
+            "rank %d: no warm start (offered v%d); SGLang starts on its initial expert location",
+            rank,
+            offered,
+        )
         return 0
     warm = ExpertLocationMetadata.init_by_mapping(
-        model_config, physical_to_logical_map=torch.from_numpy(plan.copy()), moe_ep_rank=expert_rank)
+        model_config, physical_to_logical_map=torch.from_numpy(plan.copy()), moe_ep_rank=expert_rank
+    )
     set_global_expert_location_metadata(warm, allow_overwrite=True)
-    set_global_expert_distribution_recorder(ExpertDistributionRecorder.init_new(warm, rank=expert_rank))
+    set_global_expert_distribution_recorder(
+        ExpertDistributionRecorder.init_new(warm, rank=expert_rank)
+    )
     _taken = (offered, plan.copy())
-    log.info("rank %d: warm start v%d installed as SGLang's initial expert location (%.2f s)",
-             rank, offered, time.monotonic() - start)
+    log.info(
+        "rank %d: warm start v%d installed as SGLang's initial expert location (%.2f s)",
+        rank,
+        offered,
+        time.monotonic() - start,
+    )
     return offered
 
 
-def _early_agent(config: SGLangAdapterConfig, rank: int, phy2log: np.ndarray, num_logical: int,
-                 num_gpus: int, num_nodes: int) -> WorkerAgent:
+def _early_agent(
+    config: SGLangAdapterConfig,
+    rank: int,
+    phy2log: np.ndarray,
+    num_logical: int,
+    num_gpus: int,
+    num_nodes: int,
+) -> WorkerAgent:
     """The agent that registers before the weights are loaded, for the offer only."""
     num_layers, num_slots = phy2log.shape
-    shape = pb.ModelShape(num_layers=num_layers, num_logical_experts=num_logical,
-                          num_physical_slots=num_slots, num_gpus=num_gpus, num_nodes=num_nodes,
-                          expert_bytes=0)  # not known before load_model (module docstring)
+    shape = pb.ModelShape(
+        num_layers=num_layers,
+        num_logical_experts=num_logical,
+        num_physical_slots=num_slots,
+        num_gpus=num_gpus,
+        num_nodes=num_nodes,
+        expert_bytes=0,
+    )  # not known before load_model (module docstring)
     handlers = _Starting()
     agent = WorkerAgent(
-        AgentConfig(config.address, config.deployment, rank, shape,
-                    f"{config.worker_id or socket.gethostname()} pid {os.getpid()}", pool=config.pool,
-                    token=config.token, ca_file=config.ca_file, cert_file=config.cert_file,
-                    key_file=config.key_file),
-        handlers, lambda: 0, initial_phy2log=phy2log.copy(),
+        AgentConfig(
+            config.address,
+            config.deployment,
+            rank,
+            shape,
+            f"{config.worker_id or socket.gethostname()} pid {os.getpid()}",
+            pool=config.pool,
+            token=config.token,
+            ca_file=config.ca_file,
+            cert_file=config.cert_file,
+            key_file=config.key_file,
+        ),
+        handlers,
+        lambda: 0,
+        initial_phy2log=phy2log.copy(),
     )
     handlers.agent = agent
     return agent
@@ -176,8 +217,12 @@ def hand_over(adapter: Any) -> None:
         return
     version, phy2log = _taken
     if not np.array_equal(adapter.phy2log, phy2log):
-        log.error("rank %d: SGLang does not serve the warm start v%d it installed; the adapter "
-                  "serves what SGLang holds (v0)", adapter.rank, version)
+        log.error(
+            "rank %d: SGLang does not serve the warm start v%d it installed; the adapter "
+            "serves what SGLang holds (v0)",
+            adapter.rank,
+            version,
+        )
         return
     adapter.version = version
     adapter.agent.report(version, pb.PLAN_PHASE_COMMITTED, step=0)

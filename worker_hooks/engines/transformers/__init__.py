@@ -17,6 +17,11 @@ from worker_hooks.engines.transformers.adapter import (
 )
 
 __all__ = [
-    "AdapterConfig", "ExpertParallelModel", "MoEBlock", "SlotExperts", "attach", "find_moe_blocks",
+    "AdapterConfig",
+    "ExpertParallelModel",
+    "MoEBlock",
+    "SlotExperts",
+    "attach",
+    "find_moe_blocks",
     "graph_moe_blocks",
 ]

@@ -69,8 +69,14 @@ from worker_hooks.hook import RebalanceHook
 from worker_hooks.transports import transport_class
 
 __all__ = [
-    "AdapterConfig", "ExpertParallelModel", "MoEBlock", "SlotExperts", "attach", "find_moe_blocks",
-    "graph_moe_blocks", "slot_weights",
+    "AdapterConfig",
+    "ExpertParallelModel",
+    "MoEBlock",
+    "SlotExperts",
+    "attach",
+    "find_moe_blocks",
+    "graph_moe_blocks",
+    "slot_weights",
 ]
 
 # How a rank computes its local picks: "auto" picks grouped on CUDA (graph-capturable,
@@ -126,7 +132,9 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
         weight = getattr(experts, "gate_up_proj", None)
         stock = isinstance(weight, torch.Tensor) and weight.dim() == 3
         if stock or isinstance(experts, SlotExperts):
-            found.append(MoEBlock(len(found), name, module, bool(getattr(module, "is_hash", False))))
+            found.append(
+                MoEBlock(len(found), name, module, bool(getattr(module, "is_hash", False)))
+            )
     return found
 
 
@@ -180,7 +188,9 @@ class SlotExperts(nn.Module):
     ) -> None:
         super().__init__()
         if getattr(stock, "has_bias", False) or getattr(stock, "is_transposed", False):
-            raise ValueError(f"{type(stock).__name__}: experts with biases or transposed weights are not supported")
+            raise ValueError(
+                f"{type(stock).__name__}: experts with biases or transposed weights are not supported"
+            )
         self.num_experts = int(stock.num_experts)
         self.layer, self.route, self.weights = layer, route, weights
         self.rows_per_rank, self.rank, self.world, self.group = rows_per_rank, rank, world, group
@@ -194,7 +204,9 @@ class SlotExperts(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, rank={self.rank}/{self.world}, rows_per_rank={self.rows_per_rank}"
+        return (
+            f"layer={self.layer}, rank={self.rank}/{self.world}, rows_per_rank={self.rows_per_rank}"
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -255,7 +267,9 @@ class SlotExperts(nn.Module):
         h = self._family_gate(self, _grouped_mm(xs, w_gate_up.transpose(-2, -1), offs))
         y = _grouped_mm(h.to(w_down.dtype), w_down.transpose(-2, -1), offs)
         # Rows past the last group are not written by the grouped product: mask them.
-        y = torch.where((key[order] < s)[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+        y = torch.where(
+            (key[order] < s)[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device)
+        )
         return torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, -1).to(x.dtype)
 
 
@@ -300,7 +314,9 @@ def attach(
         raise RuntimeError("attach needs torch.distributed initialized (a world of one is fine)")
     blocks = find_moe_blocks(model)
     if not blocks:
-        raise ValueError(f"{type(model).__name__} has no MoE block (a `gate` and 3-D `experts` weights)")
+        raise ValueError(
+            f"{type(model).__name__} has no MoE block (a `gate` and 3-D `experts` weights)"
+        )
     if any(isinstance(b.block.experts, SlotExperts) for b in blocks):
         raise ValueError("model is already attached")
     num_experts = {int(b.block.experts.num_experts) for b in blocks}
@@ -320,23 +336,43 @@ def attach(
     if agree_group is None:
         agree_group = dist.new_group(backend="gloo")
     if migrate_group is None:
-        migrate_group = dist.new_group(backend=transport_class(config.migrate_transport).group_backend(device))
+        migrate_group = dist.new_group(
+            backend=transport_class(config.migrate_transport).group_backend(device)
+        )
     hook = RebalanceHook(
         HookConfig(
-            controller=config.controller, deployment=config.deployment, rank=rank,
-            num_layers=len(blocks), num_logical=num_logical, num_slots=num_slots, num_gpus=world,
-            expert_bytes=expert_bytes, worker_id=f"transformers-{type(model).__name__}-rank{rank}",
-            credentials=Credentials(token=config.token), windows=WindowConfig(steps=config.window_steps),
+            controller=config.controller,
+            deployment=config.deployment,
+            rank=rank,
+            num_layers=len(blocks),
+            num_logical=num_logical,
+            num_slots=num_slots,
+            num_gpus=world,
+            expert_bytes=expert_bytes,
+            worker_id=f"transformers-{type(model).__name__}-rank{rank}",
+            credentials=Credentials(token=config.token),
+            windows=WindowConfig(steps=config.window_steps),
             commit=CommitConfig(agree_every=config.agree_every, spare_rows=config.spare_rows),
             migration=MigrationConfig(transport=config.migrate_transport),
         ),
-        phy2log, weights, agree_group, migrate_group, device=device,
+        phy2log,
+        weights,
+        agree_group,
+        migrate_group,
+        device=device,
     )
     for b in blocks:
         stock = b.block.experts
         b.block.experts = SlotExperts(
-            stock, b.layer, hook.route, hook.weights, hook.config.rows_per_rank, rank, world,
-            ep_group, config.expert_compute,
+            stock,
+            b.layer,
+            hook.route,
+            hook.weights,
+            hook.config.rows_per_rank,
+            rank,
+            world,
+            ep_group,
+            config.expert_compute,
         )
         for name in WEIGHT_NAMES:  # free the [E, ...] weights even if something holds the module
             setattr(stock, name, None)
@@ -353,7 +389,9 @@ class _GraphedBlock(nn.Module):
         super().__init__()
         self.block = block
         self.static_hidden = hidden.clone()
-        self.static_kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        self.static_kwargs = {
+            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+        }
         side = torch.cuda.Stream(hidden.device)
         side.wait_stream(torch.cuda.current_stream(hidden.device))
         with torch.cuda.stream(side), torch.no_grad():

@@ -21,24 +21,45 @@ Family = Literal["deepseek_v3", "qwen3_moe", "mixtral", "olmoe", "deepseek_v4"]
 FAMILIES: tuple[Family, ...] = get_args(Family)
 
 
-def _config_kwargs(family: Family, experts: int, top_k: int, layers: int, hidden: int) -> tuple[str, dict[str, Any]]:
+def _config_kwargs(
+    family: Family, experts: int, top_k: int, layers: int, hidden: int
+) -> tuple[str, dict[str, Any]]:
     """The transformers config class name and its arguments for a tiny model."""
     heads = 4
     common: dict[str, Any] = dict(
-        vocab_size=128, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=heads, num_experts_per_tok=top_k, max_position_embeddings=256,
+        vocab_size=128,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=256,
     )
     if family == "deepseek_v3":
         return "DeepseekV3Config", dict(
-            common, intermediate_size=2 * hidden, moe_intermediate_size=hidden, n_routed_experts=experts,
-            n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=32,
-            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            common,
+            intermediate_size=2 * hidden,
+            moe_intermediate_size=hidden,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
             rope_scaling=None,
         )
     if family == "qwen3_moe":
         return "Qwen3MoeConfig", dict(
-            common, intermediate_size=2 * hidden, moe_intermediate_size=hidden, num_experts=experts,
-            head_dim=hidden // heads, norm_topk_prob=True,
+            common,
+            intermediate_size=2 * hidden,
+            moe_intermediate_size=hidden,
+            num_experts=experts,
+            head_dim=hidden // heads,
+            norm_topk_prob=True,
         )
     if family == "mixtral":
         return "MixtralConfig", dict(common, intermediate_size=hidden, num_local_experts=experts)
@@ -48,9 +69,20 @@ def _config_kwargs(family: Family, experts: int, top_k: int, layers: int, hidden
         )
     if family == "deepseek_v4":
         return "DeepseekV4Config", dict(
-            common, moe_intermediate_size=hidden, n_routed_experts=experts, num_key_value_heads=1,
-            head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
-            index_topk=8, sliding_window=16, hc_mult=2, hc_sinkhorn_iters=3,
+            common,
+            moe_intermediate_size=hidden,
+            n_routed_experts=experts,
+            num_key_value_heads=1,
+            head_dim=32,
+            q_lora_rank=32,
+            o_groups=2,
+            o_lora_rank=16,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=8,
+            sliding_window=16,
+            hc_mult=2,
+            hc_sinkhorn_iters=3,
             layer_types=["sliding_attention"] * layers,
             mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
         )

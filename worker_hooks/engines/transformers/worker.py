@@ -75,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-steps", type=int, default=4)
     p.add_argument("--agree-every", type=int, default=2)
     p.add_argument("--check-every", type=int, default=1)
-    p.add_argument("--wait-version", type=int, default=0,
-                   help="after --steps, keep stepping until this version is committed")
+    p.add_argument(
+        "--wait-version",
+        type=int,
+        default=0,
+        help="after --steps, keep stepping until this version is committed",
+    )
     p.add_argument("--max-seconds", type=float, default=60.0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -86,16 +90,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.rank,
+        world_size=args.world,
         timeout=timedelta(seconds=30),
     )
     reference = build_tiny_model(args.family, seed=args.seed, experts=args.experts)
     model = copy.deepcopy(reference)
-    ep = attach(model, AdapterConfig(
-        controller=args.controller, deployment=args.deployment, redundant_slots=args.redundant,
-        spare_rows=args.spare_rows, window_steps=args.window_steps, agree_every=args.agree_every,
-        token=os.environ.get("REBALANCER_WORKER_TOKEN"),
-    ))
+    ep = attach(
+        model,
+        AdapterConfig(
+            controller=args.controller,
+            deployment=args.deployment,
+            redundant_slots=args.redundant,
+            spare_rows=args.spare_rows,
+            window_steps=args.window_steps,
+            agree_every=args.agree_every,
+            token=os.environ.get("REBALANCER_WORKER_TOKEN"),
+        ),
+    )
     ep.start()
     ep.hook.agent.connected.wait(timeout=10)  # serve anyway if the controller is not there
 

@@ -37,11 +37,12 @@ from worker_hooks.session.rank import RankSession, SessionStats, Switch
 
 log = logging.getLogger("worker_hooks.engines.vllm")
 
+
 @dataclass
 class AdapterStats(SessionStats):
     rearrangements: list[dict[str, Any]] = field(default_factory=list)  # one per agreement
-    drafter_calls: int = 0               # policy calls for a drafter (in the layer set or not)
-    default_calls: int = 0               # calls for a model outside the layer set: vLLM's default
+    drafter_calls: int = 0  # policy calls for a drafter (in the layer set or not)
+    default_calls: int = 0  # calls for a model outside the layer set: vLLM's default
     other_world: list[dict[str, Any]] = field(default_factory=list)  # calls for another world
 
 
@@ -51,21 +52,38 @@ class VLLMRebalanceAdapter(RankSession):
     the async EPLB thread otherwise). The plan handlers run on the agent thread and only
     stage a map or mark a version committed."""
 
-    def __init__(self, config: VLLMAdapterConfig, eplb_state: Any, cpu_group: Any,
-                 rank: int, num_ranks: int, num_nodes: int = 1,
-                 resized_from: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        config: VLLMAdapterConfig,
+        eplb_state: Any,
+        cpu_group: Any,
+        rank: int,
+        num_ranks: int,
+        num_nodes: int = 1,
+        resized_from: tuple[int, int] | None = None,
+    ) -> None:
         self.layers = LayerSet(eplb_state)  # the models balanced, main first, and their rows
         model = self.layers.models[0].model
         phy2log = self.layers.read_map()
         weights = model.expert_weights[0] if model.expert_weights else []
         shape = pb.ModelShape(
-            num_layers=phy2log.shape[0], num_logical_experts=int(model.num_logical_experts),
-            num_physical_slots=phy2log.shape[1], num_gpus=num_ranks, num_nodes=num_nodes,
+            num_layers=phy2log.shape[0],
+            num_logical_experts=int(model.num_logical_experts),
+            num_physical_slots=phy2log.shape[1],
+            num_gpus=num_ranks,
+            num_nodes=num_nodes,
             expert_bytes=int(sum(t[0].numel() * t.element_size() for t in weights)),
             num_groups=expert_groups(model),
         )
-        super().__init__(config, rank, shape, phy2log, AdapterStats(), count_duplicates=config.count_duplicates,
-                         resized_from=resized_from)
+        super().__init__(
+            config,
+            rank,
+            shape,
+            phy2log,
+            AdapterStats(),
+            count_duplicates=config.count_duplicates,
+            resized_from=resized_from,
+        )
         self.config: VLLMAdapterConfig = config
         self.stats: AdapterStats
         self.eplb_state = eplb_state
@@ -73,26 +91,41 @@ class VLLMRebalanceAdapter(RankSession):
         self.cpu_group = cpu_group  # vLLM's EPLB CPU group: the agreement's collectives
         self._returned: tuple[int, np.ndarray] | None = None  # given to vLLM, not applied yet
         self._served = self.phy2log.copy()  # the map the next pass runs on (host mirror)
-        self._pending: list[Any] = []       # async: per model, the layer result vLLM may make live
+        self._pending: list[Any] = []  # async: per model, the layer result vLLM may make live
         self._switch: Switch | None = None  # the agreement of the rearrangement under way
         self._window_version = 0
         self._window_map = self.phy2log.copy()
         self.resizing: dict[int, int] | None = None  # elastic EP's rank mapping, during a resize
         self._cursor = int(eplb_state.expert_load_window_step)
-        window, interval = eplb_state.expert_load_window_size, eplb_state.expert_rearrangement_step_interval
+        window, interval = (
+            eplb_state.expert_load_window_size,
+            eplb_state.expert_rearrangement_step_interval,
+        )
         if window < interval:
-            log.warning("vLLM records load only in the last %d of every %d steps "
-                        "(--eplb-config window_size < step_interval): the windows sent miss the rest",
-                        window, interval)
+            log.warning(
+                "vLLM records load only in the last %d of every %d steps "
+                "(--eplb-config window_size < step_interval): the windows sent miss the rest",
+                window,
+                interval,
+            )
         # A pool member's warm start is due at vLLM's first policy call (`_take_warm_start`);
         # the offer's bounded wait counts from here.
         self._warm_due = bool(config.pool)  # every rank: the agreement is a collective
         self._started = time.monotonic()
         self.agent.start()
         left = self.layers.left_out()
-        log.info("rank %d: rebalancer drives vLLM's EPLB (%s, deployment %s, %d MoE layers, %d slots: %s)%s",
-                 rank, config.address, config.deployment, self.num_layers, self.num_slots, self.layers.describe(),
-                 f"; vLLM's default policy balances {', '.join(left)} (another expert shape)" if left else "")
+        log.info(
+            "rank %d: rebalancer drives vLLM's EPLB (%s, deployment %s, %d MoE layers, %d slots: %s)%s",
+            rank,
+            config.address,
+            config.deployment,
+            self.num_layers,
+            self.num_slots,
+            self.layers.describe(),
+            f"; vLLM's default policy balances {', '.join(left)} (another expert shape)"
+            if left
+            else "",
+        )
 
     # ------------------------------------------------------------ vLLM's step
 
@@ -113,7 +146,9 @@ class VLLMRebalanceAdapter(RankSession):
         rows = (cursor - self._cursor) % size if size else 0
         if rows:
             # The map is replaced whole when it changes: the same object is the same map.
-            if serving_before is not self._window_map and not np.array_equal(serving_before, self._window_map):
+            if serving_before is not self._window_map and not np.array_equal(
+                serving_before, self._window_map
+            ):
                 # A window never spans two maps (async: layer by layer); it ends at the
                 # step before this one, whose rows are the next window's.
                 self._close(self.step - 1)
@@ -121,12 +156,15 @@ class VLLMRebalanceAdapter(RankSession):
             index = [(self._cursor + i) % size for i in range(rows)]
             self.windows.add(self.layers.window_rows(index))
         self._cursor = cursor
-        for model, rows_of, pending in zip(self.layers.models, self.layers.rows, self._pending, strict=True):
+        for model, rows_of, pending in zip(
+            self.layers.models, self.layers.rows, self._pending, strict=True
+        ):
             if pending is not None and getattr(model, "pending_result", None) is not pending:
                 if self._served is serving_before:
                     self._served = self._served.copy()  # replaced whole: the window's map stays
                 self._served[rows_of.start + int(pending.layer_idx)] = np.asarray(
-                    pending.new_physical_to_logical_map, dtype=np.int64)
+                    pending.new_physical_to_logical_map, dtype=np.int64
+                )
         self._pending = []
         self._check_applied()
         if self.window_due():
@@ -152,8 +190,11 @@ class VLLMRebalanceAdapter(RankSession):
         self._served = current
         if not np.array_equal(current, plan):
             log.error("rank %d: vLLM did not install v%d (it kept another map)", self.rank, version)
-            self.agent.report(version, pb.PLAN_PHASE_FAILED,
-                              error=f"vLLM did not install v{version} (map differs after rearrange)")
+            self.agent.report(
+                version,
+                pb.PLAN_PHASE_FAILED,
+                error=f"vLLM did not install v{version} (map differs after rearrange)",
+            )
             self.phy2log[...] = current
             return
         self._close(self.step, wait=True)  # the old version's last
@@ -172,8 +213,16 @@ class VLLMRebalanceAdapter(RankSession):
 
     # ------------------------------------------------------------ vLLM's policy call
 
-    def answer(self, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
-               num_ranks: int, old_map: torch.Tensor, default: Any) -> torch.Tensor:
+    def answer(
+        self,
+        weight: Any,
+        num_replicas: int,
+        num_groups: int,
+        num_nodes: int,
+        num_ranks: int,
+        old_map: torch.Tensor,
+        default: Any,
+    ) -> torch.Tensor:
         """vLLM's policy call, for whichever model and world it asks: a model of the layer
         set in the world the controller plans for gets its rows of the agreed plan
         (`choose_map`); a model outside the set, or a request for another world (elastic
@@ -190,16 +239,35 @@ class VLLMRebalanceAdapter(RankSession):
             return default(weight, num_replicas, num_groups, num_nodes, num_ranks, old_map)
         rows = self.layers.rows[index]
         if num_replicas != self.num_slots or num_ranks != self.num_gpus:
-            planned = self.planned_for_mapping(self.resizing, int(num_replicas), int(num_ranks), self.cpu_group)
-            self.stats.other_world.append({"step": self.step, "num_replicas": int(num_replicas),
-                                           "num_ranks": int(num_ranks), "planned": planned is not None})
+            planned = self.planned_for_mapping(
+                self.resizing, int(num_replicas), int(num_ranks), self.cpu_group
+            )
+            self.stats.other_world.append(
+                {
+                    "step": self.step,
+                    "num_replicas": int(num_replicas),
+                    "num_ranks": int(num_ranks),
+                    "planned": planned is not None,
+                }
+            )
             if planned is not None:
-                log.warning("rank %d: vLLM scales the group down to %d ranks: the survivor placement "
-                            "the controller planned for v%d answers", self.rank, num_ranks, self.version)
+                log.warning(
+                    "rank %d: vLLM scales the group down to %d ranks: the survivor placement "
+                    "the controller planned for v%d answers",
+                    self.rank,
+                    num_ranks,
+                    self.version,
+                )
                 return torch.from_numpy(planned[rows].copy()).to(old_map.dtype)
-            log.warning("rank %d: vLLM asks for %d slots on %d ranks, the controller plans %d on %d: "
-                        "vLLM's default policy answers this call", self.rank, num_replicas, num_ranks,
-                        self.num_slots, self.num_gpus)
+            log.warning(
+                "rank %d: vLLM asks for %d slots on %d ranks, the controller plans %d on %d: "
+                "vLLM's default policy answers this call",
+                self.rank,
+                num_replicas,
+                num_ranks,
+                self.num_slots,
+                self.num_gpus,
+            )
             return default(weight, num_replicas, num_groups, num_nodes, num_ranks, old_map)
         return self.choose_map(index, old_map)
 
@@ -222,7 +290,9 @@ class VLLMRebalanceAdapter(RankSession):
             if self._warm_due:
                 self._warm_due = False
                 left = self.config.warm_start_seconds - (time.monotonic() - self._started)
-                record["warm_start"] = self.take_warm_start(self.cpu_group, self.num_gpus, max(left, 0.0))
+                record["warm_start"] = self.take_warm_start(
+                    self.cpu_group, self.num_gpus, max(left, 0.0)
+                )
             serving = self._served.copy()  # no rearrangement runs: the other models' maps as served
             serving[rows] = old_map.cpu().numpy().astype(np.int64)
             switch = self.agree_switch(serving, self.cpu_group)

@@ -16,18 +16,18 @@ from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_secon
 
 @dataclass(frozen=True)
 class VLLMAdapterConfig:
-    address: str                      # REBALANCER_ADDRESS: unix:/path of the sidecar, or host:port
-    deployment: str = "vllm"          # REBALANCER_DEPLOYMENT
-    token: str | None = None          # read from REBALANCER_TOKEN_FILE
-    ca_file: str | None = None        # REBALANCER_CA_FILE: TLS to the controller
-    cert_file: str | None = None      # REBALANCER_CERT_FILE / REBALANCER_KEY_FILE: mutual TLS
+    address: str  # REBALANCER_ADDRESS: unix:/path of the sidecar, or host:port
+    deployment: str = "vllm"  # REBALANCER_DEPLOYMENT
+    token: str | None = None  # read from REBALANCER_TOKEN_FILE
+    ca_file: str | None = None  # REBALANCER_CA_FILE: TLS to the controller
+    cert_file: str | None = None  # REBALANCER_CERT_FILE / REBALANCER_KEY_FILE: mutual TLS
     key_file: str | None = None
-    window_steps: int = 16            # REBALANCER_WINDOW_STEPS: engine steps per counts window
+    window_steps: int = 16  # REBALANCER_WINDOW_STEPS: engine steps per counts window
     # REBALANCER_COUNT_DUPLICATES: how many ranks count each routed token (vLLM's window
     # counts every token once per DP rank under the naive all-to-all, once per TP rank
     # inside an EP rank); the windows sent are divided by it. 1 for DeepEP-style dispatch.
     count_duplicates: int = 1
-    worker_id: str = ""               # REBALANCER_WORKER_ID (default: host and pid)
+    worker_id: str = ""  # REBALANCER_WORKER_ID (default: host and pid)
     # REBALANCER_POOL: the deployment's replica pool ("" = none). A fresh group is offered
     # the pool's placement and answers vLLM's first policy call with it, when the offer
     # came within REBALANCER_WARM_START_SECONDS of the adapter's start (0: never wait).
@@ -39,7 +39,9 @@ class VLLMAdapterConfig:
             raise InputError(f"{ENV_PREFIX}ADDRESS is empty")
         for name in ("window_steps", "count_duplicates"):
             if getattr(self, name) < 1:
-                raise InputError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
+                raise InputError(
+                    f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}"
+                )
         check_tls(self.ca_file, self.cert_file, self.key_file)
         check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
 

@@ -42,9 +42,13 @@ class LayerSet:
         self.eplb_state = eplb_state
         main = main_model_state(eplb_state)
         slots, experts = main.physical_to_logical_map.shape[1], int(main.model.num_logical_experts)
-        self.models = [main] + [s for s in eplb_state.model_states.values() if s is not main
-                                and s.physical_to_logical_map.shape[1] == slots
-                                and int(s.model.num_logical_experts) == experts]
+        self.models = [main] + [
+            s
+            for s in eplb_state.model_states.values()
+            if s is not main
+            and s.physical_to_logical_map.shape[1] == slots
+            and int(s.model.num_logical_experts) == experts
+        ]
         bounds = np.cumsum([0] + [int(m.physical_to_logical_map.shape[0]) for m in self.models])
         self.rows = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         self._calls = 0  # policy calls seen: which model is asked next
@@ -56,16 +60,23 @@ class LayerSet:
 
     def left_out(self) -> list[str]:
         """The names of the models outside the set."""
-        return [str(getattr(m, "model_name", "?")) for m in self.eplb_state.model_states.values()
-                if self.index_of(m) is None]
+        return [
+            str(getattr(m, "model_name", "?"))
+            for m in self.eplb_state.model_states.values()
+            if self.index_of(m) is None
+        ]
 
     def describe(self) -> str:
-        return ", ".join(f"{getattr(m, 'model_name', '?')} (layers {r.start}-{r.stop - 1})"
-                         for m, r in zip(self.models, self.rows, strict=True))
+        return ", ".join(
+            f"{getattr(m, 'model_name', '?')} (layers {r.start}-{r.stop - 1})"
+            for m, r in zip(self.models, self.rows, strict=True)
+        )
 
     def read_map(self) -> np.ndarray:
         """The set's map `[L, P]` as vLLM holds it now (a device read per model)."""
-        return np.concatenate([m.physical_to_logical_map.cpu().numpy().astype(np.int64) for m in self.models])
+        return np.concatenate(
+            [m.physical_to_logical_map.cpu().numpy().astype(np.int64) for m in self.models]
+        )
 
     def empty_slots(self) -> int:
         """Slots of the set's maps that hold no expert (-1: elastic EP grew the slots, and
@@ -90,7 +101,11 @@ class LayerSet:
         count)."""
         states = list(self.eplb_state.model_states.values())
         index = self._calls % len(states)
-        fits = [i for i, s in enumerate(states) if tuple(s.physical_to_logical_map.shape) == tuple(old_map.shape)]
+        fits = [
+            i
+            for i, s in enumerate(states)
+            if tuple(s.physical_to_logical_map.shape) == tuple(old_map.shape)
+        ]
         if len(fits) == 1:
             index = fits[0]
         self._calls = index + 1
@@ -99,5 +114,7 @@ class LayerSet:
     def opens_rearrangement(self, index: int) -> bool:
         """Whether model `index` is the set's first model vLLM asks for in a rearrangement
         (registration order): the agreement runs at its call, once for the set."""
-        first = next(m for m in self.eplb_state.model_states.values() if self.index_of(m) is not None)
+        first = next(
+            m for m in self.eplb_state.model_states.values() if self.index_of(m) is not None
+        )
         return first is self.models[index]

@@ -53,10 +53,10 @@ class AttachStatus:
     """Where the worker extension attached in this process (`attach_status()`)."""
 
     attached: bool = False
-    runner: str = ""        # "v2" (runner.eplb.step) or "v1" (runner.eplb_step)
-    reason: str = ""        # why it did not attach, or why the adapter is off
-    failures: int = 0       # attach or start failures, each logged at WARNING or above
-    waiting: bool = False   # the adapter waits for vLLM to fill its map's empty slots
+    runner: str = ""  # "v2" (runner.eplb.step) or "v1" (runner.eplb_step)
+    reason: str = ""  # why it did not attach, or why the adapter is off
+    failures: int = 0  # attach or start failures, each logged at WARNING or above
+    waiting: bool = False  # the adapter waits for vLLM to fill its map's empty slots
 
 
 _status = AttachStatus()
@@ -109,18 +109,41 @@ def controller_policy() -> type:
         still reserves vLLM's transfer buffers."""
 
         @classmethod
-        def rebalance_experts(cls, weight: Any, num_replicas: int, num_groups: int,
-                              num_nodes: int, num_ranks: int,
-                              old_global_expert_indices: Any = None) -> Any:
+        def rebalance_experts(
+            cls,
+            weight: Any,
+            num_replicas: int,
+            num_groups: int,
+            num_nodes: int,
+            num_ranks: int,
+            old_global_expert_indices: Any = None,
+        ) -> Any:
             default = policies.DefaultEplbPolicy.rebalance_experts
             adapter = _adapter
-            if adapter is None or old_global_expert_indices is None or getattr(_profiling, "on", False):
+            if (
+                adapter is None
+                or old_global_expert_indices is None
+                or getattr(_profiling, "on", False)
+            ):
                 if adapter is None and not _status.attached:
                     _warn_unattached()
-                return default(weight, num_replicas, num_groups, num_nodes, num_ranks,
-                               old_global_expert_indices)
-            return adapter.answer(weight, num_replicas, num_groups, num_nodes, num_ranks,
-                                  old_global_expert_indices, default)
+                return default(
+                    weight,
+                    num_replicas,
+                    num_groups,
+                    num_nodes,
+                    num_ranks,
+                    old_global_expert_indices,
+                )
+            return adapter.answer(
+                weight,
+                num_replicas,
+                num_groups,
+                num_nodes,
+                num_ranks,
+                old_global_expert_indices,
+                default,
+            )
 
     _policy_class = ControllerEplbPolicy
     return _policy_class
@@ -131,10 +154,13 @@ def _warn_unattached() -> None:
     if _warned_unattached:
         return
     _warned_unattached = True
-    log.warning("rebalancer inert: vLLM called the controller's policy but the worker extension "
-                "is not attached (%s); vLLM's default policy answered",
-                _status.reason or "--worker-extension-cls worker_hooks.engines.vllm."
-                "RebalancerWorkerExtension not set, or no EPLB step yet")
+    log.warning(
+        "rebalancer inert: vLLM called the controller's policy but the worker extension "
+        "is not attached (%s); vLLM's default policy answered",
+        _status.reason
+        or "--worker-extension-cls worker_hooks.engines.vllm."
+        "RebalancerWorkerExtension not set, or no EPLB step yet",
+    )
 
 
 def _build_adapter(config: VLLMAdapterConfig, eplb_state: Any) -> Any:
@@ -145,8 +171,11 @@ def _build_adapter(config: VLLMAdapterConfig, eplb_state: Any) -> Any:
     empty = LayerSet(eplb_state).empty_slots()
     if empty:  # vLLM's default policy answers until its rearrangement fills them
         if not _status.waiting:
-            log.info("rebalancer waits: %d slots of vLLM's map hold no expert yet (elastic EP grew "
-                     "the group); the adapter starts once vLLM's rearrangement has filled them", empty)
+            log.info(
+                "rebalancer waits: %d slots of vLLM's map hold no expert yet (elastic EP grew "
+                "the group); the adapter starts once vLLM's rearrangement has filled them",
+                empty,
+            )
         _status.waiting = True
         return None
     _status.waiting = False
@@ -154,9 +183,15 @@ def _build_adapter(config: VLLMAdapterConfig, eplb_state: Any) -> Any:
 
     global _resized_from
     ep = get_ep_group()
-    adapter = VLLMRebalanceAdapter(config, eplb_state, get_eplb_group().cpu_group,
-                                   rank=int(ep.device_group.rank()), num_ranks=int(ep.device_group.size()),
-                                   num_nodes=int(get_node_count()), resized_from=_resized_from)
+    adapter = VLLMRebalanceAdapter(
+        config,
+        eplb_state,
+        get_eplb_group().cpu_group,
+        rank=int(ep.device_group.rank()),
+        num_ranks=int(ep.device_group.size()),
+        num_nodes=int(get_node_count()),
+        resized_from=_resized_from,
+    )
     _resized_from = None
     return adapter
 
@@ -165,8 +200,11 @@ def _fail(reason: str) -> None:
     _status.attached = False
     _status.reason = reason
     _status.failures += 1
-    log.warning("rebalancer inert on this rank: %s; vLLM's own EPLB runs unchanged and no "
-                "window reaches the controller", reason)
+    log.warning(
+        "rebalancer inert on this rank: %s; vLLM's own EPLB runs unchanged and no "
+        "window reaches the controller",
+        reason,
+    )
 
 
 def attach(worker: Any, config: VLLMAdapterConfig) -> bool:
@@ -177,15 +215,21 @@ def attach(worker: Any, config: VLLMAdapterConfig) -> bool:
         _fail(f"{type(worker).__name__} has no model_runner to attach to")
         return False
     controller = getattr(runner, "eplb", None)
-    if controller is not None and callable(getattr(controller, "step", None)) and hasattr(controller, "state"):
+    if (
+        controller is not None
+        and callable(getattr(controller, "step", None))
+        and hasattr(controller, "state")
+    ):
         owner, name, kind = controller, "step", "v2"
         state_of: Callable[[], Any] = lambda: controller.state  # noqa: E731
     elif callable(getattr(runner, "eplb_step", None)):
         owner, name, kind = runner, "eplb_step", "v1"
         state_of = lambda: getattr(runner, "eplb_state", None)  # noqa: E731
     else:
-        _fail(f"{type(runner).__name__} has neither `eplb.step` (Model Runner V2) nor `eplb_step` "
-              "(V1): this vLLM steps EPLB elsewhere")
+        _fail(
+            f"{type(runner).__name__} has neither `eplb.step` (Model Runner V2) nor `eplb_step` "
+            "(V1): this vLLM steps EPLB elsewhere"
+        )
         return False
     original = getattr(owner, name)
 
@@ -197,8 +241,12 @@ def attach(worker: Any, config: VLLMAdapterConfig) -> bool:
 
     setattr(owner, name, eplb_step)
     _status.attached, _status.runner, _status.reason = True, kind, ""
-    log.info("rebalancer attached to vLLM's EPLB step (model runner %s, %s.%s)",
-             kind, type(owner).__name__, name)
+    log.info(
+        "rebalancer attached to vLLM's EPLB step (model runner %s, %s.%s)",
+        kind,
+        type(owner).__name__,
+        name,
+    )
     return True
 
 
@@ -233,7 +281,9 @@ def _instrument(state: Any, config: VLLMAdapterConfig) -> None:
 
     original_rearrange = state.rearrange
 
-    def rearrange(is_profile: bool = False, rank_mapping: dict[int, int] | None = None, **kwargs: Any) -> Any:
+    def rearrange(
+        is_profile: bool = False, rank_mapping: dict[int, int] | None = None, **kwargs: Any
+    ) -> Any:
         """vLLM's rearrangement; with `rank_mapping` (elastic EP resizes the group: old rank
         to new, -1 leaving) the adapter's policy answer may be the survivor placement the
         controller planned for exactly that loss (VLLMRebalanceAdapter.answer). The adapter
@@ -256,7 +306,9 @@ def _instrument(state: Any, config: VLLMAdapterConfig) -> None:
                 try:
                     adapter.finish(timeout=1.0)
                 except Exception:
-                    log.exception("rank %d: the adapter of the old world did not stop cleanly", adapter.rank)
+                    log.exception(
+                        "rank %d: the adapter of the old world did not stop cleanly", adapter.rank
+                    )
 
     state.step = step
     state.rearrange = rearrange
@@ -284,8 +336,11 @@ def save_load_dump(eplb_state: Any, path: str) -> None:
     from worker_hooks.engines.vllm.layer_set import main_model_state
 
     model_state = main_model_state(eplb_state)
-    torch.save({
-        "expert_load_window": model_state.expert_load_window.detach().cpu(),
-        "physical_to_logical_map": model_state.physical_to_logical_map.detach().cpu(),
-        "num_logical_experts": int(model_state.model.num_logical_experts),
-    }, path)
+    torch.save(
+        {
+            "expert_load_window": model_state.expert_load_window.detach().cpu(),
+            "physical_to_logical_map": model_state.physical_to_logical_map.detach().cpu(),
+            "num_logical_experts": int(model_state.model.num_logical_experts),
+        },
+        path,
+    )
