@@ -206,7 +206,7 @@ def _wait_for_decisions(server: ControllerServer, seconds: float = 120.0) -> Non
     on a busy machine): a short demo's workers would otherwise run every window before
     the first decision, and no plan would commit."""
     try:
-        server.pool.wait_ready(seconds)
+        server.decision_process.wait_ready(seconds)
     except TimeoutError:
         raise DemoFailed(
             f"the controller's decision process did not start within {seconds:.0f} s"

@@ -1,7 +1,7 @@
 """DecisionRunner: run the policy's decisions off the event loop, then record and act on them.
 
 A due decision is computed by `background` (in the server: a worker process, see
-pool.py) on inputs copied at the time it is due, so ingest goes on meanwhile; when it
+decision_process.py) on inputs copied at the time it is due, so ingest goes on meanwhile; when it
 comes back it is noted on the deployment's PolicyLoop and acted on. Acting is the same
 for the policy's and an operator's decisions: store it with its numbers, and start the
 plan when it says take and every rank is connected.

@@ -1,6 +1,6 @@
 """Replica pools: deployments of one model behind one endpoint, balanced together.
 
-(Not the decision worker process of pool.py: a *replica pool* is a group of deployments.)
+(Not the decision worker process of decision_process.py: a *replica pool* is a group of deployments.)
 
 A deployment names its pool at Register (`RegisterRequest.pool`). Every member has the
 pool's shape and dispatch mode. The pool keeps one load estimate from the windows of

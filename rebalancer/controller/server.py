@@ -4,7 +4,7 @@ Standard health checking (per service; NOT_SERVING until loaded and while
 draining) and reflection are registered; keepalive and message sizes are set
 on purpose (config.py); bearer tokens are checked by one interceptor (auth.py).
 Shutdown drains: health flips to NOT_SERVING, new calls are refused, calls in
-flight get `grace_seconds`, the decision process ends (pool.py) and every ingest
+flight get `grace_seconds`, the decision process ends (decision_process.py) and every ingest
 cursor is saved before the store closes.
 
 One controller per store and port: the store's lock (store.StoreLock) is taken before
@@ -41,8 +41,8 @@ from rebalancer.controller.config import (
     exposure_warnings,
     validate_config,
 )
+from rebalancer.controller.decision_process import DecisionProcess
 from rebalancer.controller.metrics import ControllerMetrics
-from rebalancer.controller.pool import DecisionPool
 from rebalancer.controller.service import WorkerService
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import InUseError, Store, StoreLock, check_store_path
@@ -109,15 +109,15 @@ class ControllerServer:
             probe_port(config.host, config.metrics_port, "metrics")
         self.store = Store(config.db_path)
         opened.callback(self.store.close)
-        # Decisions run in a process of their own (pool.py), started in `start`.
-        self.pool = DecisionPool()
-        opened.callback(self.pool.close)
+        # Decisions run in a process of their own (decision_process.py), started in `start`.
+        self.decision_process = DecisionProcess()
+        opened.callback(self.decision_process.close)
         try:
             self.controller = Controller(
                 self.store,
                 config.policy,
                 config.persist_seconds,
-                background=self.pool.submit,
+                background=self.decision_process.submit,
                 pool_max_moving=config.pool_max_moving,
             )
         except sqlite3.DatabaseError as exc:  # an SQLite file, but not one we can load
@@ -180,7 +180,7 @@ class ControllerServer:
         stack.callback(self._save_cursors)
         try:
             self._start_metrics()  # first: the likeliest to fail
-            self.pool.start()
+            self.decision_process.start()
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             stack.push_async_callback(self._stop_grpc)
             await self.server.start()
@@ -223,7 +223,7 @@ class ControllerServer:
 
     async def _stop_grpc(self) -> None:
         await self.server.stop(self._grace)
-        self.pool.close()  # after the last call that could start a decision
+        self.decision_process.close()  # after the last call that could start a decision
 
     async def _ticker(self) -> None:
         while True:
@@ -238,7 +238,7 @@ class ControllerServer:
             await self._stopped.wait()
             return
         self._stopping = True
-        self.pool.stop_accepting()  # no plan starts while draining
+        self.decision_process.stop_accepting()  # no plan starts while draining
         log.info(
             "draining (%.1fs not ready, then grace %.1fs)",
             self.config.drain_seconds,

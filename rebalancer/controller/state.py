@@ -38,7 +38,7 @@ class Controller:
 
     `clock` is read for every time the controller keeps or stores (default: epoch seconds
     that never go back); `background` runs the policy's decisions (default: inline; the
-    server passes its decision process, pool.py)."""
+    server passes its decision process, decision_process.py)."""
 
     def __init__(
         self,

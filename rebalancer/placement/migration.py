@@ -38,7 +38,7 @@ def relabel_gpus(old: np.ndarray, new: np.ndarray, num_gpus: int, num_logical: i
     """
     # Imported here: scipy.optimize is most of a controller's start (1.1 of 1.8 s wall on a
     # loaded 2-core node), and the controller's decisions, which call this, run in the
-    # child process of controller/pool.py (which imports it as it starts).
+    # child process of controller/decision_process.py (which imports it as it starts).
     from scipy.optimize import linear_sum_assignment
 
     num_layers, num_slots = old.shape

@@ -27,7 +27,7 @@ def start_controller(
     ctl.start()
     if ready:
         assert ctl.server is not None
-        ctl.server.pool.wait_ready()
+        ctl.server.decision_process.wait_ready()
     return ctl
 
 

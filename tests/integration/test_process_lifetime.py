@@ -102,7 +102,7 @@ def test_sigkill_leaves_no_child_behind(tmp_path: Path) -> None:
         commands = [
             Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in children
         ]
-        assert any(b"rebalancer.controller.pool" in c for c in commands), commands
+        assert any(b"rebalancer.controller.decision_process" in c for c in commands), commands
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(10) == -signal.SIGKILL
         deadline = time.monotonic() + 5

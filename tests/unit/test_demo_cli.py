@@ -203,7 +203,7 @@ def test_the_demo_starts_its_workers_only_once_the_controller_can_decide(
     def fleet(config: DemoConfig, address: str, profile: Path, tmp: Path) -> Iterator[list[Any]]:
         server = started[0]
         try:
-            server.pool.wait_ready(0.01)  # answers at once only if it already could
+            server.decision_process.wait_ready(0.01)  # answers at once only if it already could
             seen["ready"] = True
         except TimeoutError:
             seen["ready"] = False

@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from rebalancer.controller.pool import DecisionPool
+from rebalancer.controller.decision_process import DecisionProcess
 
 
 def _fail() -> None:
     raise ValueError("bad decision")
 
 
-async def _run(pool: DecisionPool, fn: Callable[[], Any]) -> Any:
+async def _run(proc: DecisionProcess, fn: Callable[[], Any]) -> Any:
     done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    pool.submit(fn, done.set_result)
+    proc.submit(fn, done.set_result)
     return await asyncio.wait_for(done, 60)
 
 
@@ -37,7 +37,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 def test_calls_run_in_the_worker_which_close_ends() -> None:
     async def main() -> tuple[list[Any], int, int]:
-        pool = DecisionPool()
+        pool = DecisionProcess()
         pool.start()
         first = pool.worker_pid
         assert first is not None
@@ -65,10 +65,10 @@ def test_calls_run_in_the_worker_which_close_ends() -> None:
 
 def test_the_worker_runs_below_the_controllers_priority() -> None:
     """Decisions are background work: where cores are short, ingest is served first."""
-    from rebalancer.controller.pool import DECISION_NICENESS
+    from rebalancer.controller.decision_process import DECISION_NICENESS
 
     async def main() -> int:
-        pool = DecisionPool()
+        pool = DecisionProcess()
         pool.start()
         try:
             return int(await _run(pool, functools.partial(os.nice, 0)))
@@ -85,7 +85,7 @@ def test_close_does_not_wait_for_a_running_decision() -> None:
     import time
 
     async def main() -> tuple[float, int]:
-        pool = DecisionPool()
+        pool = DecisionProcess()
         pool.start()
         pid = pool.worker_pid
         assert pid is not None

@@ -1,14 +1,12 @@
 """The decision worker process, which never outlives the controller.
 
-(A process pool of one; replica pools of deployments are fleet.py / replica_pools.py.)
-
 Decisions (placement math, ~0.1 s for DeepSeek-V3 at EP32) run in a process of their
 own, so ingest keeps the event loop and the GIL to itself. That process must die with
 the controller, however the controller ends, SIGKILL included. So it is a plain child
-(`python -m rebalancer.controller.pool`, no multiprocessing machinery: no resource
+(`python -m rebalancer.controller.decision_process`, no multiprocessing machinery: no resource
 tracker or semaphores that could outlive anything) fed pickled calls on its stdin:
 - the kernel sends it SIGKILL when the controller dies (PR_SET_PDEATHSIG, Linux);
-- its stdin reaches end of file when the controller dies or closes the pool (the
+- its stdin reaches end of file when the controller dies or closes it (the
   controller holds the only write end), and it exits there;
 - `close` is the clean path: queued decisions are cancelled, the running one is
   waited for, stdin is closed and the process reaped.
@@ -61,7 +59,13 @@ class _Worker:
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rebalancer.controller.pool", "--parent", str(os.getpid())],
+            [
+                sys.executable,
+                "-m",
+                "rebalancer.controller.decision_process",
+                "--parent",
+                str(os.getpid()),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -73,7 +77,7 @@ class _Worker:
         return self.proc.pid
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` in the child and return its result; on the pool's thread only."""
+        """Run `fn` in the child and return its result; on `DecisionProcess`'s thread only."""
         if self.broken:
             raise DecisionError("the decision process died")
         payload = pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)  # all or nothing on the pipe
@@ -107,7 +111,7 @@ class _Worker:
             self.proc.stdout.close()
 
 
-class DecisionPool:
+class DecisionProcess:
     """The decision worker and the thread that talks to it; `submit` is the
     controller's `Background`. Call everything but the work itself on the event loop."""
 
@@ -140,10 +144,10 @@ class DecisionPool:
         """Block until the started worker answers a call (its imports done: a second or
         two, longer on a loaded machine), for a caller that must not race them (a test
         whose ranks stream at once). From any thread but the event loop's: the call runs
-        in turn on the pool's own thread."""
+        in turn on this object's own thread."""
         worker = self._worker
         if worker is None:
-            raise RuntimeError("the decision pool is not started")
+            raise RuntimeError("the decision process is not started")
         self._calls.submit(worker.call, int).result(timeout)
 
     def submit(self, fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
