@@ -1,4 +1,4 @@
-"""The reliability campaign, short (bench/chaos/; the long one is in RELIABILITY.md): a real
+"""The reliability campaign, short (reliability/chaos/; the long one is in RELIABILITY.md): a real
 controller process on an SQLite store, a sidecar per pod, real gloo ranks on real routing
 data, every gRPC link through the loopback fault proxy. Each fault kind of the short list
 is injected (at least once, at plan phases in turn), and after every episode the store,
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.chaos import ChaosConfig, Harness, run_chaos
-from bench.chaos.short import short_campaign_failures, short_config
+from reliability.chaos import ChaosConfig, Harness, run_chaos
+from reliability.chaos.short import short_campaign_failures, short_config
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_sigterm_ends_the_harness_with_nothing_left_behind() -> None:
         [
             sys.executable,
             "-m",
-            "bench.chaos",
+            "reliability.chaos",
             "--seconds",
             "60",
             "--workers",

@@ -1,5 +1,5 @@
 """The sidecar's upstream link outlives a controller that ends the group stream between two
-of its writes. Found by the chaos campaign (bench/chaos/: a controller restarted on a
+of its writes. Found by the chaos campaign (reliability/chaos/: a controller restarted on a
 read-only store while links dropped): `call.write` raised asyncio.InvalidStateError ("RPC
 already finished"), which the link did not catch, so the upstream task ended and the pod
 never reached the controller again (its ranks served on, but no window or plan got

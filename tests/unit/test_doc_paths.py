@@ -31,12 +31,24 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TOPS = ("rebalancer", "worker_hooks", "bench", "tests", "docs", "scripts", "deploy", "proto", ".ci")
+TOPS = (
+    "rebalancer",
+    "worker_hooks",
+    "bench",
+    "reliability",
+    "tests",
+    "docs",
+    "scripts",
+    "deploy",
+    "proto",
+    ".ci",
+)
 SUFFIXES = (".py", ".md", ".toml", ".sh", ".yaml", ".yml", ".cfg", ".proto")
 CODE = (
     "rebalancer/",
     "worker_hooks/",
     "bench/",
+    "reliability/",
     "tests/",
     "scripts/",
 )  # prose: docstrings, comments

@@ -6,10 +6,11 @@ against the allowed edges; and a fresh
 interpreter that imports every `worker_hooks` module and must not have loaded the
 controller, the placement engine or scipy (what an inference process pays for).
 
-Beside the product, the same walk over `bench/`, `tests/` and `scripts/`: one way only,
-product <- bench <- tests and product <- scripts (the product imports none of them, bench
-imports no test, neither tests nor bench import a script); and no import circle among the
-product's modules at import time.
+Beside the product, the same walk over `bench/`, `reliability/`, `tests/` and `scripts/`:
+one way only, product <- bench <- tests, product <- reliability <- tests and product <-
+scripts (the product imports none of them, bench and reliability import no test and not
+each other, nothing imports a script); and no import circle among the product's modules at
+import time.
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ LAYERS = {
     "rebalancer.__main__": "top",
     # Beside the product, never imported by it.
     "bench": "bench",
+    "reliability": "reliability",
     "tests": "tests",
     "scripts": "scripts",
 }
 
 # The product's layers (what the CLI may import) and the rest of the tree.
-PRODUCT = {layer for layer in LAYERS.values() if layer not in {"bench", "tests", "scripts"}}
+BESIDE = {"bench", "reliability", "tests", "scripts"}
+PRODUCT = {layer for layer in LAYERS.values() if layer not in BESIDE}
 
 # What each layer may import (besides itself). Bottom: base and wire; placement on top of
 # them; controller and worker_hooks beside each other; the rest above.
@@ -90,9 +93,10 @@ ALLOWED = {
         "launch",
     },
     "top": PRODUCT,
-    # One way: product <- bench <- tests, product <- scripts.
+    # One way: product <- bench <- tests, product <- reliability <- tests, product <- scripts.
     "bench": PRODUCT,
-    "tests": PRODUCT | {"bench"},
+    "reliability": PRODUCT,
+    "tests": PRODUCT | {"bench", "reliability"},
     "scripts": PRODUCT,
 }
 
@@ -174,11 +178,11 @@ def test_no_import_crosses_the_layers_the_wrong_way() -> None:
 
 
 def test_bench_tests_and_scripts_import_one_way() -> None:
-    """bench imports no test and no script, tests import no script, scripts import neither
-    (the product's side is held above)."""
+    """bench and the reliability harness import no test, no script and not each other, tests
+    import no script, scripts import none of them (the product's side is held above)."""
     files = {
         module_name(p): p
-        for p in source_files(("bench", "tests", "scripts"))
+        for p in source_files(("bench", "reliability", "tests", "scripts"))
         if "cpu_shims" not in p.parts
     }  # stand-ins of third-party packages, not ours
     assert forbidden_edges(files) == []

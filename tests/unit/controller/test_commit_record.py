@@ -1,4 +1,4 @@
-"""A controller killed after its Commit went out. Found by the chaos campaign (bench/chaos/,
+"""A controller killed after its Commit went out. Found by the chaos campaign (reliability/chaos/,
 store_torn_wal near the preparing phase, CI): the store still held the plan as preparing,
 so the restarted controller voided it and told every session to abort it, while the ranks
 had the Commit and switched; the ranks then served a version the controller and the

@@ -1,5 +1,5 @@
 """A group that restarts between Commit and any confirmation. Found by the chaos campaign
-(bench/chaos/, sigterm_worker at the commit_sent phase): the killed group's ranks never
+(reliability/chaos/, sigterm_worker at the commit_sent phase): the killed group's ranks never
 switched, the restarted ranks came back on the base version, and the plan stayed in
 flight as "committing" until its commit grace ran out (over a minute), refusing every
 plan meanwhile. Now ranks that come back on the base version with no other rank connected

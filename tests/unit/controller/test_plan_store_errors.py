@@ -1,5 +1,5 @@
 """A store that refuses writes (disk full, read-only file system: here SQLite's own
-query_only refusal) while a plan finishes. Found by the chaos campaign (bench/chaos/,
+query_only refusal) while a plan finishes. Found by the chaos campaign (reliability/chaos/,
 store_disk_full at a plan's prepared phase): the abort's record failed, the exception left
 the plan in flight in state ABORTED for good, and no plan ever started again. Now the
 plan finishes in memory and on the ranks, and its record is written once the store takes

@@ -159,7 +159,7 @@ def test_build_context() -> None:
         ".git",
         "tests",
         "bench",
-        "bench/chaos/harness.py",
+        "reliability/chaos/harness.py",
         ".pytest_cache",
         ".mypy_cache",
         ".ruff_cache",
@@ -183,8 +183,8 @@ def test_build_context() -> None:
     }
     locks = {str(lock.relative_to(ROOT)) for lock in (RUNTIME_LOCK, BUILD_LOCK)}
     assert packages | locks | {"pyproject.toml", pyproject["project"]["readme"]} == set(copied)
-    assert not {"bench", "tests"} & {path.split("/")[0] for path in copied}, (
-        "neither bench nor tests ships"
+    assert not {"bench", "reliability", "tests"} & {path.split("/")[0] for path in copied}, (
+        "neither bench, the reliability harness nor tests ships"
     )
     for path in copied:
         assert (ROOT / path).exists(), path

@@ -1,6 +1,6 @@
 """A pod whose ranks restart (a gloo group that lost a member starts again from its first
 placement) while its group session upstream is registered at a later version. Found by
-the chaos campaign (bench/chaos/, sigkill_worker): the sidecar kept its group session
+the chaos campaign (reliability/chaos/, sigkill_worker): the sidecar kept its group session
 at v1 while the restarted ranks served v0, so every later plan was based on v1 and failed
 on every rank ("plan is based on v1, rank serves v0"), and store, controller and ranks
 never agreed again (invariant 7). Now the pod asks the upstream link to register the group

@@ -1,6 +1,6 @@
 """The commit agreement never holds the serving thread while no rank can switch.
 
-Found by the chaos campaign beside a CPU hog (bench.chaos --hog 2): both ranks spent
+Found by the chaos campaign beside a CPU hog (reliability.chaos --hog 2): both ranks spent
 ~210 ms of one step in the hook, in the agreement's wait for the all-reduce started one
 agreement earlier, whose other side ran late on a starved peer, while neither rank had a
 plan to switch to. Now a rank that contributed no newer version than the one it serves

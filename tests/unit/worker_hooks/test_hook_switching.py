@@ -1,5 +1,5 @@
 """A rank told to commit a staged plan keeps that staging until it switched. Found by the
-chaos campaign (bench/chaos/, links dropped at the commit_sent phase): the controller
+chaos campaign (reliability/chaos/, links dropped at the commit_sent phase): the controller
 gave up on plan v14, sent Prepare v15, and every rank's v15 staging replaced v14's while
 their commit agreement was already switching to v14; the switch then died with "commit of
 v14 but staged is v15" on every rank (and with the dispatch maps restaged, it would have

@@ -1,5 +1,5 @@
 """A p2p plan aborted on one rank must leave the group fit for the next plan.
-Found by the chaos campaign (bench/chaos/, a rank's link to its sidecar dropped while
+Found by the chaos campaign (reliability/chaos/, a rank's link to its sidecar dropped while
 preparing): the rank that heard the abort stopped between rounds, its peers' buffers of
 the aborted plan stayed on the wire, and the next plan's receives on the same gloo
 channel took them ("Received data size doesn't match expected size", an uncaught

@@ -1,6 +1,6 @@
 """Soak: the whole loop for a long bounded run, resources sampled, growth reported.
 
-The chaos harness's deployment (bench/chaos/: a `rebalancer serve` process on an SQLite
+The chaos harness's deployment (reliability/chaos/: a `rebalancer serve` process on an SQLite
 store, one `rebalancer sidecar` per pod, G gloo ranks on DeepSeek-V3 routing drifting
 over six workloads, every link through the loopback proxy) runs without faults, the
 policy rebalancing as the load drifts. Every `--every` seconds it samples the
@@ -8,9 +8,9 @@ controller's RSS, open file descriptors and threads (its decision process separa
 the same of each sidecar, the ranks' RSS (max over ranks), fds and threads, and the
 store's size (database + WAL). At the end: each series' mean over the first and the last
 third of the run and the growth between them, the last third's slope per hour, and the
-invariants of the run (bench/chaos/checks.py, from the ranks' step logs).
+invariants of the run (reliability/chaos/checks.py, from the ranks' step logs).
 
-    nice -n 10 python -m bench.soak --seconds 900 --json
+    nice -n 10 python -m reliability.soak --seconds 900 --json
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.chaos import ChaosConfig, Harness
-from bench.chaos.checks import check_liveness, settle
+from reliability.chaos import ChaosConfig, Harness
+from reliability.chaos.checks import check_liveness, settle
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from bench.chaos.harness import Harness
+    from reliability.chaos.harness import Harness
 
 Family = Literal["process", "link", "store", "node"]
 Inject = Callable[["Harness", str], None]
@@ -174,7 +174,7 @@ def kill_controller(h: Harness, sig: signal.Signals, torn_wal: bool = False) -> 
 
 # ---------------------------------------------------------------- links
 #
-# Every gRPC link goes through the loopback fault proxy (bench/faultproxy.py), which
+# Every gRPC link goes through the loopback fault proxy (reliability/faultproxy.py), which
 # ends each fault after its length.
 
 

@@ -1,4 +1,4 @@
-"""The chaos campaign's fault kinds and timeline (bench/chaos/): one registry of kinds by
+"""The chaos campaign's fault kinds and timeline (reliability/chaos/): one registry of kinds by
 name gives the CLI's `--kinds`, the schedule and the weights; and a seed draws the same
 fault sequence as the campaign's recorded runs (RELIABILITY.md's seeds keep their meaning:
 the draws below were recorded from the harness before it was split into a package)."""
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.chaos import (
+from reliability.chaos import (
     ALL_KINDS,
     FAULTS,
     LINK_FAULTS,
@@ -22,11 +22,11 @@ from bench.chaos import (
     faults,
     schedule,
 )
-from bench.chaos.__main__ import main
-from bench.chaos.checks import Outcome
-from bench.chaos.config import ChaosConfig
-from bench.chaos.short import SHORT_KINDS
-from bench.faultproxy import FaultProxy
+from reliability.chaos.__main__ import main
+from reliability.chaos.checks import Outcome
+from reliability.chaos.config import ChaosConfig
+from reliability.chaos.short import SHORT_KINDS
+from reliability.faultproxy import FaultProxy
 
 # The order the kinds are shuffled from: a seed's sequence depends on it.
 RECORDED_KINDS = (
@@ -228,7 +228,7 @@ def test_a_short_run_that_cannot_start_is_a_failed_run_and_the_campaign_goes_on(
 ) -> None:
     """One seed whose harness raised (a port taken, a worker that never came up) used to end
     the whole campaign; it is recorded as failed and the next seed runs."""
-    import bench.chaos.short as short
+    import reliability.chaos.short as short
 
     def run(config: ChaosConfig) -> dict[str, object]:
         if config.seed == 5:

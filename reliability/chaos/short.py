@@ -1,7 +1,7 @@
 """The short campaign, seed by seed: what CI runs once (tests/integration/test_chaos.py)
 and RELIABILITY.md runs many times beside a CPU hog.
 
-`python -m bench.chaos.short --first 300 --count 50 --hog 4 --out runs.jsonl [--keep]`
+`python -m reliability.chaos.short --first 300 --count 50 --hog 4 --out runs.jsonl [--keep]`
 runs seeds first..first+count-1 one after the other and appends one JSON line per run
 (seed, pass, what failed, seconds, load average, plans, recovery p99, the kept folder);
 the last line printed sums them up. Exit 1 when any run failed.
@@ -16,9 +16,9 @@ import sys
 import time
 from typing import Any
 
-from bench.chaos.config import ChaosConfig
-from bench.chaos.faults import LINK_FAULTS
-from bench.chaos.harness import run_chaos
+from reliability.chaos.config import ChaosConfig
+from reliability.chaos.faults import LINK_FAULTS
+from reliability.chaos.harness import run_chaos
 
 # One of each family: a process killed (each kind of process), frozen, every link fault,
 # the store faults and a starved node; a worker kill restarts the group (the costliest
@@ -73,7 +73,7 @@ def short_campaign_failures(config: ChaosConfig, result: dict[str, Any]) -> list
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.chaos.short", description=__doc__.splitlines()[0]
+        prog="python -m reliability.chaos.short", description=__doc__.splitlines()[0]
     )
     p.add_argument("--first", type=int, default=11, help="first seed")
     p.add_argument("--count", type=int, default=1, help="seeds to run, one after the other")

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Literal
 
 import grpc
 
-from bench.chaos.config import DEPLOYMENT
-from bench.chaos.faults import LINK_FAULTS, WEIGHTS
-from bench.chaos.steplog import PREPARED, READY, VERSION
 from rebalancer.v1 import rebalancer_pb2 as pb
+from reliability.chaos.config import DEPLOYMENT
+from reliability.chaos.faults import LINK_FAULTS, WEIGHTS
+from reliability.chaos.steplog import PREPARED, READY, VERSION
 
 if TYPE_CHECKING:
-    from bench.chaos.harness import Harness
+    from reliability.chaos.harness import Harness
 
 Phase = Literal[
     "any", "proposed", "preparing", "prepared", "commit_sent", "commit_agreed", "switched"

@@ -1,4 +1,4 @@
-"""The campaign's command line: `python -m bench.chaos --seconds 300 --seed 1 --hog 2 --json`."""
+"""The campaign's command line: `python -m reliability.chaos --seconds 300 --seed 1 --hog 2 --json`."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import json
 import signal
 import sys
 
-import bench.chaos
-from bench.chaos.config import ChaosConfig
-from bench.chaos.faults import ALL_KINDS, FAULTS
-from bench.chaos.harness import run_chaos
+import reliability.chaos
+from reliability.chaos.config import ChaosConfig
+from reliability.chaos.faults import ALL_KINDS, FAULTS
+from reliability.chaos.harness import run_chaos
 
 
 def main(argv: list[str] | None = None) -> int:
-    doc = bench.chaos.__doc__
+    doc = reliability.chaos.__doc__
     p = argparse.ArgumentParser(
-        prog="python -m bench.chaos", description=doc.splitlines()[0] if doc else ""
+        prog="python -m reliability.chaos", description=doc.splitlines()[0] if doc else ""
     )
     p.add_argument(
         "--seconds",

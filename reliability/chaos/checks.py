@@ -14,13 +14,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.chaos.config import DEPLOYMENT
-from bench.chaos.processes import Group
-from bench.chaos.steplog import DIFF, HOOK_MS, HOOK_RUNQ_MS, STEP, STEP_LOG_COLUMNS, VERSION, WALL
 from rebalancer.controller.store import Store
+from reliability.chaos.config import DEPLOYMENT
+from reliability.chaos.processes import Group
+from reliability.chaos.steplog import (
+    DIFF,
+    HOOK_MS,
+    HOOK_RUNQ_MS,
+    STEP,
+    STEP_LOG_COLUMNS,
+    VERSION,
+    WALL,
+)
 
 if TYPE_CHECKING:
-    from bench.chaos.harness import Harness
+    from reliability.chaos.harness import Harness
 
 Violation = Callable[[str], None]
 

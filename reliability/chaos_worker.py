@@ -23,7 +23,7 @@ CHAOS_PREPARE_SECONDS: each prepare sleeps rank-dependent time once its weights 
 staged (rank r: s * (r + 1) / world), so a plan spends a while in each phase and the
 harness can hit preparing and prepared (some ranks done, others not).
 
-    python -m bench.chaos_worker <worker_hooks.examples.cpu_worker flags>
+    python -m reliability.chaos_worker <worker_hooks.examples.cpu_worker flags>
 """
 
 from __future__ import annotations

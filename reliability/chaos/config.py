@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.chaos.faults import ALL_KINDS
+from reliability.chaos.faults import ALL_KINDS
 
 DEPLOYMENT = "chaos"
 

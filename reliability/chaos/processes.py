@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.chaos.config import DEPLOYMENT, ChaosConfig
-from bench.chaos.steplog import StepLog
-from bench.chaos_worker import PREPARE_SECONDS, STEP_LOG
-from bench.faultproxy import FaultProxy
 from rebalancer.launch.processes import bound_to_this_process, free_port
+from reliability.chaos.config import DEPLOYMENT, ChaosConfig
+from reliability.chaos.steplog import StepLog
+from reliability.chaos_worker import PREPARE_SECONDS, STEP_LOG
+from reliability.faultproxy import FaultProxy
 
 # A busy process: what a CPU hog (`--hog`) and the `cpu_starve` fault run.
 BUSY = "while True: pass"
@@ -212,7 +212,7 @@ class Processes:
             cmd = [
                 sys.executable,
                 "-m",
-                "bench.chaos_worker",
+                "reliability.chaos_worker",
                 "--rank",
                 str(rank),
                 "--world",

@@ -2,9 +2,9 @@
 from the ranks' own step logs (RELIABILITY.md).
 
 It runs a `rebalancer serve` process on an SQLite store, one `rebalancer sidecar` per pod
-and the G ranks of one gloo group (bench.chaos_worker = worker_hooks.examples.cpu_worker with a step
+and the G ranks of one gloo group (reliability.chaos_worker = worker_hooks.examples.cpu_worker with a step
 log) on DeepSeek-V3 routing drifting over six workloads. Every gRPC link goes through a
-loopback fault proxy (bench/faultproxy.py): each rank's Unix socket to its sidecar, and
+loopback fault proxy (reliability/faultproxy.py): each rank's Unix socket to its sidecar, and
 the sidecars' TCP link to the controller. Plans come from the policy and from forced
 rebalances; faults are injected at random moments and, in turn, at each plan phase
 (proposed, preparing, prepared, commit sent, commit agreed, switched), one per episode:
@@ -33,7 +33,7 @@ the step logs: every step ran one version on every rank, all switched at the sam
 version the store does not hold as committed, and every rank ran every committed version
 its group lived through (5); no step spent more than `step_wait_bound_ms` in the
 rebalancer's code, route + step_end, where it would wait on a sidecar or the controller,
-besides the time it waited for a CPU (bench/chaos_worker.py, `hook_runq_ms`) (3).
+besides the time it waited for a CPU (reliability/chaos_worker.py, `hook_runq_ms`) (3).
 Controller recovery: from the kill to every rank resynced (Status: all ranks connected on
 the restarted controller).
 
@@ -42,13 +42,13 @@ the fault kinds registered by name (`FAULTS`), schedule.py the campaign's timeli
 its seed, checks.py the invariants and recovery times, harness.py the episode loop and
 the report, __main__.py the command line:
 
-    python -m bench.chaos --seconds 300 --seed 1 --hog 2 --json
+    python -m reliability.chaos --seconds 300 --seed 1 --hog 2 --json
 """
 
 from __future__ import annotations
 
-from bench.chaos.config import ChaosConfig
-from bench.chaos.faults import (
+from reliability.chaos.config import ChaosConfig
+from reliability.chaos.faults import (
     ALL_KINDS,
     FAULTS,
     LINK_FAULTS,
@@ -56,7 +56,7 @@ from bench.chaos.faults import (
     PROCESS_FAULTS,
     STORE_FAULTS,
 )
-from bench.chaos.harness import Harness, run_chaos
+from reliability.chaos.harness import Harness, run_chaos
 
 __all__ = [
     "ALL_KINDS",

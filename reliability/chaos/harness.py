@@ -19,17 +19,17 @@ from typing import Any
 
 import grpc
 
-from bench.chaos import checks, faults, schedule
-from bench.chaos.checks import Outcome
-from bench.chaos.config import CONTROLLER_TOML, DEPLOYMENT, ChaosConfig
-from bench.chaos.processes import Processes
-from bench.chaos.steplog import STEP, VERSION
-from bench.faultproxy import FaultProxy
 from rebalancer.launch.config import DemoConfig
 from rebalancer.launch.processes import free_port
 from rebalancer.launch.routing import write_profile
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from reliability.chaos import checks, faults, schedule
+from reliability.chaos.checks import Outcome
+from reliability.chaos.config import CONTROLLER_TOML, DEPLOYMENT, ChaosConfig
+from reliability.chaos.processes import Processes
+from reliability.chaos.steplog import STEP, VERSION
+from reliability.faultproxy import FaultProxy
 
 
 class Harness:

@@ -1,11 +1,11 @@
-"""The ranks' step logs (bench/chaos_worker.py writes them), read as they grow."""
+"""The ranks' step logs (reliability/chaos_worker.py writes them), read as they grow."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-# Columns of a step-log row (bench/chaos_worker.py).
+# Columns of a step-log row (reliability/chaos_worker.py).
 STEP, VERSION, READY, PREPARED, ABORTED, STAGED, HOOK_MS, DIFF, WALL, HOOK_RUNQ_MS = range(10)
 STEP_LOG_COLUMNS = 10
 
