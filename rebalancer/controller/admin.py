@@ -166,7 +166,7 @@ def status_msg(
     restarts with the estimate)."""
     from rebalancer import placement
 
-    estimate = dep.estimator.estimate()
+    estimate = dep.estimate()
     est = (
         placement.balancedness(dep.phy2log, estimate, dep.shape.num_gpus)
         if estimate.sum() > 0

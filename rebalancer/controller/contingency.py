@@ -321,7 +321,7 @@ class ContingencyPlanner:
         )
         if not stale and now - self._asked.get(dep.name, -np.inf) < MIN_INTERVAL_SECONDS:
             return False
-        estimate = dep.estimator.estimate()
+        estimate = dep.estimate()
         if estimate.sum() <= 0:
             return False
         planned_on = self._planned_on.get(dep.name)
@@ -334,7 +334,7 @@ class ContingencyPlanner:
         """Plan `dep`'s set on the decision worker when due."""
         if not self.has_room() or not self.due(dep, now):
             return
-        estimate = dep.estimator.estimate()
+        estimate = dep.estimate()
         version, phy2log, shape, name = dep.version, dep.phy2log.copy(), dep.shape, dep.name
         declared = list(dep.policy.contingency.scale_down_nodes)
         self._running.add(name)

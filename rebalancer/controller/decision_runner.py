@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from rebalancer.controller.clock import Clock
-from rebalancer.controller.coordinate import Plan, who
+from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import Decision
 from rebalancer.controller.deployment import Deployment, Observers
 from rebalancer.controller.plans import Plans
@@ -84,14 +84,7 @@ class DecisionRunner:
     def due(self, dep: Deployment, now: float) -> bool:
         """Whether the policy should decide now: no plan or decision under way, not paused,
         the ranks not on a mixed placement, and room in the decision queue (MAX_DECISIONS_IN_FLIGHT)."""
-        return (
-            dep.plan is None
-            and not dep.deciding
-            and not dep.policy.paused
-            and dep.mixed is None
-            and self.in_flight < MAX_DECISIONS_IN_FLIGHT
-            and dep.loop.due(now)
-        )
+        return self.in_flight < MAX_DECISIONS_IN_FLIGHT and dep.due(now)
 
     def has_room(self) -> bool:
         """Whether another decision may be handed to `background` (MAX_DECISIONS_IN_FLIGHT)."""
@@ -110,20 +103,17 @@ class DecisionRunner:
 
     def run(self, dep: Deployment, now: float) -> None:
         """The policy's decision on the inputs as they are at `now`, computed by `background`."""
-        loop = dep.loop
 
         def done(decision: Decision | None) -> None:
             self.in_flight -= 1
-            dep.decision_done()
+            dep.decided(decision, now)
             if decision is None:
                 return
-            loop.record(decision, now)
             self.save_regimes(dep)
             if dep.plan is None:
                 self.act(dep, decision, "policy", self.clock())
 
-        work = loop.prepare_decision(dep.phy2log, now)
-        dep.decision_started()
+        work = dep.decide(now)
         self.in_flight += 1
         self.background(work, done)
 
@@ -149,21 +139,10 @@ class DecisionRunner:
         plan = None
         candidate = decision.candidate
         if decision.take and candidate is not None:
-            if dep.mixed is not None:
-                decision = replace(
-                    decision,
-                    outcome="skip_mixed",
-                    reason=f"the ranks serve a mixed placement: {dep.mixed.describe()}",
-                )
-                dep.loop.amend(decision)
-            elif dep.connected_ranks < dep.shape.num_gpus:
-                decision = replace(
-                    decision,
-                    outcome="skip_ranks",
-                    reason=f"only {dep.connected_ranks} of {dep.shape.num_gpus} ranks connected "
-                    f"(missing: {who(dep.missing_ranks())})",
-                )
-                dep.loop.amend(decision)
+            refused = dep.why_no_plan()
+            if refused is not None:
+                decision = replace(decision, outcome=refused[0], reason=refused[1])
+                dep.amend(decision)
             else:
                 try:
                     plan = self.plans.start(dep, candidate, trigger, now)
@@ -171,9 +150,9 @@ class DecisionRunner:
                     decision = replace(
                         decision, outcome="skip_store", reason=f"the store refused the plan: {exc}"
                     )
-                    dep.loop.amend(decision)
+                    dep.amend(decision)
                 else:
-                    dep.loop.started(now)  # only a plan that started is a rebalance
+                    dep.rebalanced(now)  # only a plan that started is a rebalance
         record = decision.to_dict()
         record.update(time=now, plan_version=plan.version if plan else 0)
         try:

@@ -5,16 +5,17 @@ placement, the ranks' sessions (one per rank, or one per group of ranks: a pod's
 sidecar), the window merger, the policy loop (estimate + decision timing), the plan in
 flight, the newest aborted plan (retold to a session that reconnects) and running
 totals. The deployment owns this state: it changes only through its own transitions
-(restore, reshape, begin, commit, abort, leave unconfirmed, finish, adopt, count a window,
-note what ranks state they serve, fold, start and end a decision, mark a save), each keeping its invariants; the modules
-beside this one (registry, reconcile, fold, decisions, plans, operate) decide when and
-ask it (tests/unit/controller/test_deployment_owns_its_state.py holds that). Nothing here
-does I/O.
+(restore, reshape, begin, commit, abort, leave unconfirmed, finish, adopt, ingest a
+window, note what ranks state they serve, fold, decide, amend, force, set its policy, mark
+a save), each keeping its invariants; the modules beside this one (registry, reconcile,
+fold, decisions, plans, operate) do the I/O, decide when, and ask it; they neither assign
+its fields nor call through its parts (tests/unit/controller/test_deployment_owns_its_state.py
+holds that). Nothing here does I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -25,10 +26,11 @@ from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.estimate import LoadEstimator
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.controller.regimes import RegimeLibrary
+from rebalancer.errors import StateError
 from rebalancer.wire.codec import Statement
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE
 from rebalancer.wire.shape import ClusterShape
-from rebalancer.wire.windows import SeqMerger, who
+from rebalancer.wire.windows import CountWindow, Ranks, SeqMerger, who
 
 # (kind, payload) -> queued for the rank's stream; kind is "prepare", "commit" or "abort".
 Send = Callable[[str, Any], None]
@@ -203,6 +205,51 @@ class Deployment:
         """Each session once (a group's is held under each of its ranks)."""
         return list({id(s): s for s in self.sessions.values()}.values())
 
+    def session_of(self, rank: int) -> Session | None:
+        """The session that stands for `rank`, if any."""
+        return self.sessions.get(rank)
+
+    def expected_window(self, ranks: tuple[int, ...]) -> int:
+        """The window sequence number `ranks` are to send next (told at Register)."""
+        return self.windows.expected(ranks)
+
+    def estimate(self) -> np.ndarray:
+        """The load estimate [L, E] built from the folded windows."""
+        return self.estimator.estimate()
+
+    def cursor(self) -> dict[str, Any]:
+        """What a restart resumes ingest from (`restore`): per-rank next window seq, the
+        estimate built from them, the tokens folded."""
+        return {
+            "next_seq": {str(k): v for k, v in self.next_seq.items()},
+            "estimator": self.estimator.state(),
+            "tokens_folded": self.stats.tokens_folded,
+        }
+
+    def due(self, now: float) -> bool:
+        """Whether its policy decides now: no plan or decision under way, not paused, the
+        ranks not on a mixed placement, and a decision period passed."""
+        return (
+            self.plan is None
+            and not self.deciding
+            and not self.policy.paused
+            and self.mixed is None
+            and self.loop.due(now)
+        )
+
+    def why_no_plan(self) -> tuple[str, str] | None:
+        """(outcome, reason) a decision to take a placement is recorded with when no plan
+        can start now (the ranks serve a mixed placement, or not all are connected)."""
+        if self.mixed is not None:
+            return "skip_mixed", f"the ranks serve a mixed placement: {self.mixed.describe()}"
+        if self.connected_ranks < self.shape.num_gpus:
+            return (
+                "skip_ranks",
+                f"only {self.connected_ranks} of {self.shape.num_gpus} ranks connected "
+                f"(missing: {who(self.missing_ranks())})",
+            )
+        return None
+
     # -- transitions: the only code that writes this deployment's state -------------
 
     def add_session(self, session: Session) -> None:
@@ -356,12 +403,21 @@ class Deployment:
             self.phy2log = committed
         self.mixed = None
 
-    def count_window(self, fresh: bool) -> None:
-        """One window merged (`fresh`), or recognised as resent and dropped."""
+    def ingest(
+        self, rank: Ranks, seq: int, logical: np.ndarray, physical: np.ndarray | None
+    ) -> bool:
+        """Merge one session's window (a group's: summed over its ranks), counted; False
+        for a resent one, dropped. What it completed comes out of `ready_windows`."""
+        fresh = self.windows.add(rank, seq, logical, physical)
         if fresh:
             self.stats.windows_ingested += 1
         else:
             self.stats.duplicate_windows += 1
+        return fresh
+
+    def ready_windows(self) -> Iterator[CountWindow]:
+        """The merged windows to fold, oldest first: complete, or left behind."""
+        return self.windows.ready()
 
     def fold(
         self, logical: np.ndarray, gpu_load: np.ndarray | None, balancedness_actual: float
@@ -374,11 +430,52 @@ class Deployment:
             self.stats.balancedness_actual = balancedness_actual
         self.loop.observe(logical, checked=True)  # merged from windows the codec checked
 
-    def decision_started(self) -> None:
+    def decide(self, now: float) -> Callable[[], Decision]:
+        """Its policy's decision on its inputs as they are at `now`, to run off the event
+        loop; it is deciding until `decided`."""
+        work = self.loop.prepare_decision(self.phy2log, now)
         self.deciding = True
+        return work
 
-    def decision_done(self) -> None:
+    def decided(self, decision: Decision | None, decided_at: float) -> None:
+        """The decision asked for at `decided_at` came back (None: it failed)."""
         self.deciding = False
+        if decision is not None:
+            self.loop.record(decision, decided_at)
+
+    def amend(self, decision: Decision) -> None:
+        """What became of its last decision (a take whose plan could not start)."""
+        self.loop.amend(decision)
+
+    def rebalanced(self, now: float) -> None:
+        """A plan of its decision started at `now`: the min interval counts from here."""
+        self.loop.started(now)
+
+    def force(self, now: float, dry_run: bool, max_moved_fraction: float) -> Decision:
+        """An operator's decision on its estimate, the gate skipped (a dry run is not
+        recorded); refused (StateError, nothing changed) while a plan is in flight, before
+        any counts, or on a mixed placement. `max_moved_fraction` (0: the policy's) bounds
+        this plan's moved slots only."""
+        if self.plan is not None and not dry_run:
+            raise StateError(
+                "FAILED_PRECONDITION", f"plan v{self.plan.version} is in flight for {self.name!r}"
+            )
+        if self.estimator.windows == 0:
+            raise StateError("FAILED_PRECONDITION", f"no counts ingested yet for {self.name!r}")
+        if self.mixed is not None and not dry_run:
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"{self.name!r} serves a mixed placement, no plan can start "
+                f"until its ranks restart: {self.mixed.describe()}",
+            )
+        check_moved_fraction(max_moved_fraction)
+        return self.loop.force(
+            self.phy2log, now, dry_run=dry_run, max_moved_fraction=max_moved_fraction or None
+        )
+
+    def set_policy(self, policy: PolicyConfig) -> None:
+        """Its policy from now on (validated; pause and resume are policies too)."""
+        self.loop.set_policy(policy)
 
     def saved(self, at: float) -> None:
         """The ingest cursor was saved at `at` (controller clock; earlier for the first
@@ -401,6 +498,15 @@ class Deployment:
         if kind == "commit":
             session.commit_told = max(session.commit_told, plan.version)
         session.send(kind, plan)
+
+
+def check_moved_fraction(max_moved_fraction: float) -> None:
+    """An operator's bound on one forced plan's moved slots: 0 (the policy's) or in (0, 1]."""
+    if max_moved_fraction and not 0.0 < max_moved_fraction <= 1.0:
+        raise StateError(
+            "INVALID_ARGUMENT",
+            f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}",
+        )
 
 
 def shape_key(shape: ClusterShape) -> dict[str, Any]:

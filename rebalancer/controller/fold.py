@@ -57,11 +57,9 @@ class Folder:
         became complete; False for a duplicate. `logical` / `physical`: as
         `codec.decode_counts` returns them, validated (the estimate does not check the
         merged counts again)."""
-        fresh = dep.windows.add(rank, seq, logical, physical)
-        dep.count_window(fresh)
-        if not fresh:
+        if not dep.ingest(rank, seq, logical, physical):
             return False
-        for window in dep.windows.ready():
+        for window in dep.ready_windows():
             self._fold(dep, window)
         return True
 
@@ -90,7 +88,7 @@ class Folder:
                 dep.version,
                 int(logical.sum()),
                 actual,
-                placement.balancedness(dep.phy2log, dep.estimator.estimate(), G),
+                placement.balancedness(dep.phy2log, dep.estimate(), G),
                 best,
             )
             for observer in self.observers.window:
@@ -115,15 +113,7 @@ class Folder:
             min(self.persist_seconds, MAX_STAGGER_SECONDS) * _phase(dep.name) if first else 0.0
         )
         dep.saved(now - stagger)
-        self.store.save_ingest_state(
-            dep.name,
-            {
-                "next_seq": {str(k): v for k, v in dep.next_seq.items()},
-                "estimator": dep.estimator.state(),
-                "tokens_folded": dep.stats.tokens_folded,
-            },
-            background=background,
-        )
+        self.store.save_ingest_state(dep.name, dep.cursor(), background=background)
 
 
 # The first save's phase spreads the next ones over at most this many seconds.

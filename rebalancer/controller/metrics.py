@@ -468,7 +468,7 @@ class _StateCollector(Collector):
         if dep.estimator.windows:
             from rebalancer import placement
 
-            load = placement.gpu_load(dep.phy2log, dep.estimator.estimate(), dep.shape.num_gpus)
+            load = placement.gpu_load(dep.phy2log, dep.estimate(), dep.shape.num_gpus)
             out["estimated"] = _per_layer(load)
         return out
 

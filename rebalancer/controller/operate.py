@@ -31,31 +31,11 @@ class Operations:
     def force(
         self, name: str, dry_run: bool = False, max_moved_fraction: float = 0.0
     ) -> tuple[Decision, Plan | None]:
-        """An operator's rebalance: skips the gate; a dry run changes nothing.
-
-        `max_moved_fraction` (0: the policy's) bounds this plan's moved slots only."""
+        """An operator's rebalance (`Deployment.force`): skips the gate; a dry run changes
+        nothing."""
         dep = self.registry.deployment(name)
-        if dep.plan is not None and not dry_run:
-            raise StateError(
-                "FAILED_PRECONDITION", f"plan v{dep.plan.version} is in flight for {name!r}"
-            )
-        if dep.estimator.windows == 0:
-            raise StateError("FAILED_PRECONDITION", f"no counts ingested yet for {name!r}")
-        if dep.mixed is not None and not dry_run:
-            raise StateError(
-                "FAILED_PRECONDITION",
-                f"{name!r} serves a mixed placement, no plan can start "
-                f"until its ranks restart: {dep.mixed.describe()}",
-            )
-        if max_moved_fraction and not 0.0 < max_moved_fraction <= 1.0:
-            raise StateError(
-                "INVALID_ARGUMENT",
-                f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}",
-            )
         now = self.clock()
-        decision = dep.loop.force(
-            dep.phy2log, now, dry_run=dry_run, max_moved_fraction=max_moved_fraction or None
-        )
+        decision = dep.force(now, dry_run, max_moved_fraction)
         if dry_run:
             return decision, None
         plan = self.decisions.act(dep, decision, "forced", now)
@@ -71,7 +51,7 @@ class Operations:
                 check_scale_down_nodes(policy.contingency.scale_down_nodes, dep.shape.num_nodes)
         except InputError as exc:
             raise StateError("INVALID_ARGUMENT", str(exc)) from exc
-        dep.loop.set_policy(policy)
+        dep.set_policy(policy)
         self.store.set_policy(name, policy.to_stored())
         return policy
 

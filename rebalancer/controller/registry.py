@@ -203,7 +203,7 @@ class Registry:
                 )
         olds = {}
         for r in ranks:
-            old = dep.sessions.get(r)
+            old = dep.session_of(r)
             if old is None:
                 continue
             if old.streaming or now - old.registered_at < REREGISTER_SECONDS:

@@ -302,7 +302,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         response = pb.RegisterResponse(
             session_id=session.session_id,
             committed=placement_msg(dep.version, dep.phy2log),
-            next_window_seq=dep.windows.expected(session.ranks),
+            next_window_seq=dep.expected_window(session.ranks),
         )
         if warm is not None:
             response.warm_start.CopyFrom(placement_msg(*warm))

@@ -224,12 +224,12 @@ def test_a_resize_while_a_decision_is_under_way_is_asked_again(
 ) -> None:
     _register(stub, 0)
     dep = ctl.call(lambda: ctl.server.controller.deployments["dep"])  # type: ignore[union-attr]
-    ctl.call(dep.decision_started)
+    ctl.call(lambda: dep.decide(0.0))
     before = _state(ctl)
     code, details = code_of(_resized, stub, 0)
     assert code == grpc.StatusCode.UNAVAILABLE and "a decision is under way" in details
     assert _state(ctl) == before
-    ctl.call(dep.decision_done)
+    ctl.call(lambda: dep.decided(None, 0.0))
     assert _resized(stub, 0).committed.version == 1
 
 

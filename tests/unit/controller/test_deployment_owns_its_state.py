@@ -4,8 +4,12 @@ Every other module of the project asks it to change (its transition methods) and
 assigns one of its fields, or a field of what it holds (`dep.stats.x = ...`,
 `dep.loop.shape = ...`). The walk below reads every assignment in `rebalancer/` and fails
 on one whose target starts at a deployment (a name `dep` or `deployment`, or an attribute
-of that name, as the controller's modules spell it). The transitions keep their own rules
-(one plan in flight, built on the committed placement; only the plan in flight ends).
+of that name, as the controller's modules spell it). Nor does it call through the parts a
+deployment holds (`dep.windows.add(...)`, `dep.loop.force(...)`: the deployment's own
+verbs, `dep.ingest(...)`, `dep.force(...)`, do that) or bind one of its changeable parts to
+a name of its own (`loop = dep.loop`), which would let such calls past the walk. The
+transitions keep their own rules (one plan in flight, built on the committed placement;
+only the plan in flight ends).
 """
 
 from __future__ import annotations
@@ -73,9 +77,73 @@ def deployment_writes(path: Path) -> list[str]:
     return found
 
 
+# What a deployment holds that has methods of its own: asked only through the deployment.
+PARTS = {"windows", "loop", "estimator", "sessions", "stated", "stats", "next_seq"}
+# Of those, the ones whose methods change them: never bound to another name.
+CHANGEABLE = {"windows", "loop", "estimator", "sessions", "stated"}
+
+
+def _through(node: ast.AST) -> tuple[str, str] | None:
+    """(name, part) when `node` is `dep.part` (or `self.dep.part`), else None."""
+    if not isinstance(node, ast.Attribute):
+        return None
+    base = node.value
+    name = (
+        base.id
+        if isinstance(base, ast.Name)
+        else (base.attr if isinstance(base, ast.Attribute) else "")
+    )
+    return (name, node.attr) if name in NAMES else None
+
+
+def calls_through_parts(path: Path) -> list[str]:
+    """`file:line: dep.part.method` for every call through a deployment's part in `path`,
+    and `file:line: x = dep.part` for every changeable part bound to a name."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(parse(path)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            chain, base = [node.func.attr], node.func.value
+            while isinstance(base, ast.Attribute) and _through(base) is None:
+                chain.append(base.attr)
+                base = base.value
+            hit = _through(base)
+            if hit is not None and hit[1] in PARTS:
+                found.append((node.lineno, f"{'.'.join(hit)}.{'.'.join(reversed(chain))}"))
+        elif isinstance(node, ast.Assign | ast.NamedExpr | ast.AnnAssign) and node.value:
+            values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            for value in values:
+                hit = _through(value)
+                if hit is not None and hit[1] in CHANGEABLE:
+                    found.append((node.lineno, f"x = {'.'.join(hit)}"))
+    return [f"{path.name}:{line}: {what}" for line, what in sorted(found)]
+
+
+def product_files() -> list[Path]:
+    return sorted(
+        p for p in (ROOT / "rebalancer").rglob("*.py") if p != OWNER and "v1" not in p.parts
+    )
+
+
+def test_no_module_but_the_deployments_own_calls_through_its_parts() -> None:
+    assert [c for p in product_files() for c in calls_through_parts(p)] == []
+
+
+def test_the_walk_sees_a_call_through_a_part(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def f(self, dep, now):\n    dep.windows.add(0, 1)\n"
+        "    self.dep.loop.amend(now)\n    loop = dep.loop\n"
+        "    dep.mixed.describe(); dep.force(now); x = dep.version\n"
+    )
+    assert calls_through_parts(probe) == [
+        "probe.py:2: dep.windows.add",
+        "probe.py:3: dep.loop.amend",
+        "probe.py:4: x = dep.loop",
+    ]
+
+
 def test_no_module_but_the_deployments_own_assigns_its_fields() -> None:
-    files = [p for p in (ROOT / "rebalancer").rglob("*.py") if p != OWNER and "v1" not in p.parts]
-    assert [w for p in sorted(files) for w in deployment_writes(p)] == []
+    assert [w for p in product_files() for w in deployment_writes(p)] == []
 
 
 def test_the_walk_sees_a_write(tmp_path: Path) -> None:
