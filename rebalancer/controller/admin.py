@@ -16,7 +16,7 @@ import grpc
 
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.deployment import Deployment
-from rebalancer.controller.replica_pools import ReplicaPool, at_target, members_moving
+from rebalancer.controller.replica_pools import ReplicaPool
 from rebalancer.controller.service import placement_msg, planned_loss_msg
 from rebalancer.controller.state import Controller
 from rebalancer.errors import InputError, StateError
@@ -135,7 +135,7 @@ def pool_status_msg(pool: ReplicaPool, deployments: dict[str, Deployment]) -> pb
     placement's balancedness on the pool estimate (0: no placement or counts yet)."""
     from rebalancer import placement
 
-    estimate = pool.loop.estimator.estimate()
+    estimate = pool.estimate()
     est = 0.0
     if pool.phy2log is not None and estimate.sum() > 0:
         est = float(placement.balancedness(pool.phy2log, estimate, pool.shape.num_gpus))
@@ -147,9 +147,9 @@ def pool_status_msg(pool: ReplicaPool, deployments: dict[str, Deployment]) -> pb
         pool_version=pool.version,
         balancedness_estimated=est,
         members_at_target=sum(
-            1 for d in following if pool.phy2log is not None and at_target(pool, d)
+            1 for d in following if pool.phy2log is not None and pool.at_target(d)
         ),
-        members_moving=len(members_moving(pool, deployments)),
+        members_moving=len(pool.members_moving(deployments)),
         max_moving=pool.max_moving,
         last_decision=decision_msg(pool.loop.last_decision),
     )
@@ -311,7 +311,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
                     moved_fraction=m.moved_fraction,
                     diverged=m.diverged,
                 )
-                for m in self.controller.fleet.member_moves(pool.name, decision.candidate)
+                for m in self.controller.fleet.member_moves(pool, decision.candidate)
             )
         return response
 

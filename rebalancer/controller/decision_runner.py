@@ -92,7 +92,7 @@ class DecisionRunner:
 
     def submit(self, work: Callable[[], Any], done: Callable[[Any], None]) -> None:
         """Run `work` by `background`, counted in the decisions in flight (a pool's
-        decision: fleet.py)."""
+        decision: replica_pools/fleet.py)."""
 
         def finish(result: Any) -> None:
             self.in_flight -= 1

@@ -23,6 +23,10 @@ from rebalancer.controller.store import Store
 from rebalancer.placement.metrics import balancedness_of_gpu_loads, mean_balancedness, pack_sums
 from rebalancer.wire.windows import CountWindow, Ranks
 
+# (deployment, window, now) -> True when the deployment's replica pool decides for it
+# (replica_pools/fleet.py `Fleet.folded`).
+Pooled = Callable[[Deployment, np.ndarray, float], bool]
+
 
 class Folder:
     def __init__(
@@ -32,14 +36,14 @@ class Folder:
         decisions: DecisionRunner,
         observers: Observers,
         persist_seconds: float,
+        pooled: Pooled | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.decisions = decisions
         self.observers = observers
         self.persist_seconds = persist_seconds
-        # (deployment, window, now) -> True when the deployment's pool decides for it.
-        self.pooled: Callable[[Deployment, np.ndarray, float], bool] | None = None
+        self.pooled = pooled
         # Rank windows folded into estimates, all deployments (a merged window counts each
         # rank it holds): what the controller kept up with (bench.ingest reads it).
         self.rank_windows_folded = 0
@@ -94,7 +98,7 @@ class Folder:
             for observer in self.observers.window:
                 observer(event)
         if self.pooled is not None and self.pooled(dep, logical, now):
-            return  # a pool member following its pool: the pool decides (fleet.py)
+            return  # a pool member following its pool: the pool decides (replica_pools/)
         if self.decisions.due(dep, now):
             self.decisions.run(dep, now)
 

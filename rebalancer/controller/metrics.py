@@ -399,9 +399,8 @@ class _StateCollector(Collector):
         yield from (bal, unserved, version)
 
     def _pools(self) -> Iterator[Any]:
-        """Replica pools (fleet.py): members, divergence, rolling progress."""
+        """Replica pools (replica_pools/): members, divergence, rolling progress."""
         from rebalancer import placement
-        from rebalancer.controller.replica_pools import at_target, members_moving
 
         g, c = GaugeMetricFamily, CounterMetricFamily
         members = g(POOL_MEMBERS, "Deployments in the replica pool.", labels=["pool"])
@@ -442,11 +441,11 @@ class _StateCollector(Collector):
             members.add_metric([name], len(pool.members))
             diverged.add_metric([name], len(pool.diverged()))
             at.add_metric(
-                [name], sum(1 for d in following if pool.phy2log is not None and at_target(pool, d))
+                [name], sum(1 for d in following if pool.phy2log is not None and pool.at_target(d))
             )
-            moving.add_metric([name], len(members_moving(pool, deployments)))
+            moving.add_metric([name], len(pool.members_moving(deployments)))
             version.add_metric([name], pool.version)
-            estimate = pool.loop.estimator.estimate()
+            estimate = pool.estimate()
             if pool.phy2log is not None and estimate.sum() > 0:
                 bal.add_metric(
                     [name],

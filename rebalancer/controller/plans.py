@@ -239,7 +239,7 @@ class Plans:
 
     def _offered(self, dep: Deployment, version: int) -> bool:
         """Whether plan `version` is a pool's warm start offered at Register (installed
-        by fresh ranks without a Commit: replica_pools.py). Its trigger, not its state:
+        by fresh ranks without a Commit: replica_pools/warm_start.py). Its trigger, not its state:
         ranks that register one by one may have it adopted (a rank registered serving it),
         then v0 again (another registered before its switch), before their COMMITTED comes."""
         return any(

@@ -21,12 +21,11 @@ from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.decision_runner import Background, DecisionRunner, run_inline
 from rebalancer.controller.deployment import Deployment, Observers, Resize, Send, Session
-from rebalancer.controller.fleet import Fleet
 from rebalancer.controller.fold import Folder
 from rebalancer.controller.operate import Operations
 from rebalancer.controller.plans import Plans
 from rebalancer.controller.registry import Registry
-from rebalancer.controller.replica_pools import DEFAULT_MAX_MOVING, DivergenceConfig
+from rebalancer.controller.replica_pools import DEFAULT_MAX_MOVING, DivergenceConfig, Fleet
 from rebalancer.controller.store import Store
 from rebalancer.wire.codec import Statement
 from rebalancer.wire.shape import ClusterShape
@@ -58,7 +57,6 @@ class Controller:
         )
         self.plans = Plans(store, self.clock, self.observers)
         self.decisions = DecisionRunner(store, self.clock, self.plans, self.observers, background)
-        self.folder = Folder(store, self.clock, self.decisions, self.observers, persist_seconds)
         self.operations = Operations(store, self.clock, self.registry, self.decisions)
         self.fleet = Fleet(
             store,
@@ -70,7 +68,9 @@ class Controller:
             pool_max_moving,
             divergence,
         )
-        self.folder.pooled = self.fleet.folded
+        self.folder = Folder(
+            store, self.clock, self.decisions, self.observers, persist_seconds, self.fleet.folded
+        )
         self.contingency = ContingencyPlanner(
             store, self.clock, self.decisions.submit, lambda: self.decisions.in_flight == 0
         )

@@ -83,8 +83,8 @@ PARTS = {"windows", "loop", "estimator", "sessions", "stated", "stats", "next_se
 CHANGEABLE = {"windows", "loop", "estimator", "sessions", "stated"}
 
 
-def _through(node: ast.AST) -> tuple[str, str] | None:
-    """(name, part) when `node` is `dep.part` (or `self.dep.part`), else None."""
+def _through(node: ast.AST, names: set[str]) -> tuple[str, str] | None:
+    """(name, part) when `node` is `dep.part` (or `self.dep.part`), `dep` in `names`."""
     if not isinstance(node, ast.Attribute):
         return None
     base = node.value
@@ -93,27 +93,33 @@ def _through(node: ast.AST) -> tuple[str, str] | None:
         if isinstance(base, ast.Name)
         else (base.attr if isinstance(base, ast.Attribute) else "")
     )
-    return (name, node.attr) if name in NAMES else None
+    return (name, node.attr) if name in names else None
 
 
-def calls_through_parts(path: Path) -> list[str]:
+def calls_through_parts(
+    path: Path,
+    names: set[str] = NAMES,
+    parts: set[str] = PARTS,
+    changeable: set[str] = CHANGEABLE,
+) -> list[str]:
     """`file:line: dep.part.method` for every call through a deployment's part in `path`,
-    and `file:line: x = dep.part` for every changeable part bound to a name."""
+    and `file:line: x = dep.part` for every changeable part bound to a name (`names`,
+    `parts`, `changeable`: of another owner, a replica pool say)."""
     found: list[tuple[int, str]] = []
     for node in ast.walk(parse(path)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             chain, base = [node.func.attr], node.func.value
-            while isinstance(base, ast.Attribute) and _through(base) is None:
+            while isinstance(base, ast.Attribute) and _through(base, names) is None:
                 chain.append(base.attr)
                 base = base.value
-            hit = _through(base)
-            if hit is not None and hit[1] in PARTS:
+            hit = _through(base, names)
+            if hit is not None and hit[1] in parts:
                 found.append((node.lineno, f"{'.'.join(hit)}.{'.'.join(reversed(chain))}"))
         elif isinstance(node, ast.Assign | ast.NamedExpr | ast.AnnAssign) and node.value:
             values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
             for value in values:
-                hit = _through(value)
-                if hit is not None and hit[1] in CHANGEABLE:
+                hit = _through(value, names)
+                if hit is not None and hit[1] in changeable:
                     found.append((node.lineno, f"x = {'.'.join(hit)}"))
     return [f"{path.name}:{line}: {what}" for line, what in sorted(found)]
 

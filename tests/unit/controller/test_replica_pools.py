@@ -13,8 +13,12 @@ import numpy as np
 import pytest
 
 from rebalancer.controller.decide import PolicyConfig
-from rebalancer.controller.fleet import OFFER_GRACE_SECONDS
-from rebalancer.controller.replica_pools import DivergenceConfig, excess_tv, sampling_tv
+from rebalancer.controller.replica_pools import (
+    OFFER_GRACE_SECONDS,
+    DivergenceConfig,
+    excess_tv,
+    sampling_tv,
+)
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
@@ -212,7 +216,7 @@ def test_membership_and_the_pool_placement_survive_a_restart(tmp_path: Path) -> 
     assert (
         pool.members == {"a", "b"} and pool.version == 1 and np.array_equal(pool.phy2log, placement)
     )
-    assert again.fleet.member_of == {"a": "p", "b": "p"}
+    assert {m: p.name for m, p in again.fleet.member_of.items()} == {"a": "p", "b": "p"}
 
 
 def test_a_member_fed_another_workload_is_diverged_balanced_alone_and_rejoins() -> None:
@@ -263,13 +267,13 @@ def test_force_names_an_unknown_pool() -> None:
 
 
 def test_no_module_but_the_pools_own_assigns_a_pools_fields() -> None:
-    """A pool's state has one owner, `ReplicaPool` (replica_pools.py): every other module
+    """A pool's state has one owner, `ReplicaPool` (replica_pools/replica_pool.py): every other module
     asks it through its transitions (the rule test_deployment_owns_its_state.py holds for
     deployments)."""
     import ast
 
     root = Path(__file__).resolve().parents[3] / "rebalancer"
-    owner = root / "controller" / "replica_pools.py"
+    owner = root / "controller" / "replica_pools" / "replica_pool.py"
     found = []
     for path in sorted(root.rglob("*.py")):
         if path == owner or "v1" in path.parts:
@@ -291,4 +295,20 @@ def test_no_module_but_the_pools_own_assigns_a_pools_fields() -> None:
                         base = base.value
                     if chain and isinstance(base, ast.Name) and base.id in ("pool", "member_pool"):
                         found.append(f"{path.name}:{node.lineno}")
+    assert found == []
+
+
+def test_no_module_but_the_pools_own_calls_through_a_pools_parts() -> None:
+    """`pool.loop.force(...)`, `pool.tracks[m]...`: the pool's own verbs do that."""
+    from tests.unit.controller.test_deployment_owns_its_state import calls_through_parts
+
+    root = Path(__file__).resolve().parents[3] / "rebalancer"
+    owner = root / "controller" / "replica_pools" / "replica_pool.py"
+    parts = {"loop", "tracks", "members", "reference", "stats"}
+    found = [
+        c
+        for path in sorted(root.rglob("*.py"))
+        if path != owner and "v1" not in path.parts
+        for c in calls_through_parts(path, {"pool", "member_pool"}, parts, parts)
+    ]
     assert found == []

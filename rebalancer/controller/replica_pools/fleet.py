@@ -1,12 +1,12 @@
 """The controller's replica pools: membership, warm offers, pool decisions, rolling.
 
-What a pool is: replica_pools.py. Here the controller's side of it, on the same store,
-clock, registry, decision runner and plans as everything else:
+What a pool is: the package's docstring (__init__.py); each pool's state and transitions:
+replica_pool.py. Here the I/O and orchestration, on the same store, clock, registry,
+decision runner and plans as everything else:
 
 - `check_join` (before a Register changes anything) and `joined` (after): membership,
   stored; the pool's shape is its first member's.
-- `warm_offer`: the pool placement for a fresh member (contract: the proto's
-  RegisterResponse.warm_start), stored as an "offered" plan version.
+- `warm_offer`: the pool placement for a fresh member (warm_start.py).
 - `folded`: each member window: the divergence test, then into the pool estimate if the
   member follows the pool; a following member's decisions are the pool's (one decision
   per pool instead of one per member); a diverged member decides alone.
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -32,31 +33,24 @@ from rebalancer.controller.decision_runner import DecisionRunner
 from rebalancer.controller.deployment import (
     UNKNOWN_EXPERT_BYTES,
     Deployment,
+    check_moved_fraction,
     shape_key,
-    stored_shape,
 )
 from rebalancer.controller.plans import Plans
-from rebalancer.controller.regimes import RegimeLibrary, copy_library, pool_key
+from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.controller.registry import Registry
-from rebalancer.controller.replica_pools import (
+from rebalancer.controller.replica_pools.divergence import DivergenceConfig
+from rebalancer.controller.replica_pools.replica_pool import (
     DEFAULT_MAX_MOVING,
     POOL_TRIGGER,
-    DivergenceConfig,
-    PoolObservers,
     ReplicaPool,
-    at_target,
-    check_member_shape,
-    members_moving,
 )
+from rebalancer.controller.replica_pools.warm_start import WarmStarts
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
 from rebalancer.wire.shape import ClusterShape
 
 log = logging.getLogger("rebalancer.controller")
-
-# How long a member offered a warm start is left to install it before the rolling plans
-# from what the controller holds (its v0): ten times the hooks' default wait.
-OFFER_GRACE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -71,7 +65,18 @@ class MemberMove:
     diverged: bool  # balanced alone: not rolled to, moves nothing
 
 
+@dataclass
+class PoolObservers:
+    """(pool, member, what) with what "diverged" or "rejoined"; (pool, decision)."""
+
+    member: list[Callable[[str, str, str], None]] = field(default_factory=list)
+    decision: list[Callable[[str, Decision], None]] = field(default_factory=list)
+
+
 class Fleet:
+    """Every replica pool, which deployment is in which, and the pools' I/O: the store,
+    the registry's deployments, the decision runner and the plans."""
+
     def __init__(
         self,
         store: Store,
@@ -92,10 +97,8 @@ class Fleet:
         self.max_moving = max_moving
         self.divergence = divergence or DivergenceConfig()
         self.pools: dict[str, ReplicaPool] = {}
-        self.member_of: dict[str, str] = {}  # deployment -> its pool
-        # Members offered a warm start, and when: not rolled to until their ranks confirm
-        # it or OFFER_GRACE_SECONDS pass (a plan on v0 would be refused by ranks on W).
-        self.offered_at: dict[str, float] = {}
+        self.member_of: dict[str, ReplicaPool] = {}  # deployment -> its pool
+        self.warm = WarmStarts(store, clock)
         self.observers = PoolObservers()
 
     def load(self) -> None:
@@ -104,7 +107,7 @@ class Fleet:
             pool = self._new_pool(name, ClusterShape(**cast(dict[str, Any], shape)))
             pool.set_shape(pool.shape, UNKNOWN_EXPERT_BYTES - shape.keys())
             pool.restore(version, phy2log)
-            regimes = self.store.regimes(pool_key(name))
+            regimes = self.store.regimes(pool.key)
             if regimes is not None:
                 try:
                     pool.restore_regimes(RegimeLibrary.from_rows(*regimes))
@@ -115,7 +118,7 @@ class Fleet:
             if member_pool is None or dep_name not in self.registry.deployments:
                 continue
             member_pool.join(dep_name)
-            self.member_of[dep_name] = pool_name
+            self.member_of[dep_name] = member_pool
 
     def _new_pool(self, name: str, shape: ClusterShape) -> ReplicaPool:
         pool = ReplicaPool(name, shape, self.policy, self.max_moving, self.divergence)
@@ -129,8 +132,7 @@ class Fleet:
         return pool
 
     def pool_of(self, dep: Deployment) -> ReplicaPool | None:
-        name = self.member_of.get(dep.name)
-        return self.pools.get(name) if name else None
+        return self.member_of.get(dep.name)
 
     # -- registration ------------------------------------------------------------
 
@@ -143,93 +145,63 @@ class Fleet:
     ) -> None:
         """Refuse (StateError, nothing changed) a registration whose pool cannot take it
         (`unknown`: shape fields the registration does not know yet)."""
-        current = self.member_of.get(deployment, "")
-        if current != pool_name:
+        current = self.member_of.get(deployment)
+        if _name(current) != pool_name:
             dep = self.registry.deployments.get(deployment)
             if dep is not None and dep.live_sessions():
                 raise StateError(
                     "FAILED_PRECONDITION",
-                    f"deployment {deployment!r} is in pool {current or '(none)'!r}, this registration "
+                    f"deployment {deployment!r} is in pool {_name(current) or '(none)'!r}, this registration "
                     f"names {pool_name or '(none)'!r}; a deployment moves only when all its ranks restart",
                 )
         if pool_name and pool_name in self.pools:
-            check_member_shape(self.pools[pool_name], deployment, shape, unknown)
+            self.pools[pool_name].check_member(deployment, shape, unknown)
 
     def joined(self, dep: Deployment, pool_name: str) -> None:
         """After a registration `check_join` passed: the deployment is in `pool_name`."""
-        current = self.member_of.get(dep.name, "")
-        if current == pool_name:
-            if pool_name:
-                self._fill_unknown(self.pools[pool_name], dep)
+        current = self.member_of.get(dep.name)
+        if _name(current) == pool_name:
+            if current is not None:
+                self._learn_shape(current, dep)
             return
-        if current:
-            self.pools[current].leave(dep.name)
+        if current is not None:
+            current.leave(dep.name)
             del self.member_of[dep.name]
-            log.info("deployment %s left pool %s", dep.name, current)
+            log.info("deployment %s left pool %s", dep.name, current.name)
         if pool_name:
             pool = self.pools.get(pool_name)
             if pool is None:
-                pool = self._new_pool(pool_name, dep.shape)
-                pool.set_shape(dep.shape, dep.unknown_fields & UNKNOWN_EXPERT_BYTES)
-                self.store.save_pool(
-                    pool_name, stored_shape(dep.shape, pool.unknown_fields), 0, None
-                )
-                log.info("new pool %s: %s", pool_name, shape_key(dep.shape))
+                pool = self._create(pool_name, dep)
             else:
-                self._fill_unknown(pool, dep)
-            pool.join(dep.name)
-            self.member_of[dep.name] = pool_name
-            library = pool.loop.regimes
-            if (
-                library is not None
-                and library.regimes
-                and not (dep.loop.regimes and dep.loop.regimes.regimes)
-            ):
-                dep.restore_regimes(copy_library(library))  # a new member knows the pool's regimes
+                self._learn_shape(pool, dep)
+            pool.welcome(dep)
+            self.member_of[dep.name] = pool
             log.info("deployment %s joined pool %s", dep.name, pool_name)
         self.store.set_pool_member(dep.name, pool_name)
 
-    def _fill_unknown(self, pool: ReplicaPool, dep: Deployment) -> None:
-        """The pool's expert bytes, unknown to the member that created it, from the first
-        member that knows them (a member's shape was checked against the pool's)."""
-        if "expert_bytes" not in pool.unknown_fields or "expert_bytes" in dep.unknown_fields:
+    def _create(self, name: str, dep: Deployment) -> ReplicaPool:
+        """A pool named by its first member's Register, of that member's shape."""
+        pool = self._new_pool(name, dep.shape)
+        pool.set_shape(dep.shape, dep.unknown_fields & UNKNOWN_EXPERT_BYTES)
+        self.store.save_pool(name, pool.stored_shape(), 0, None)
+        log.info("new pool %s: %s", name, shape_key(dep.shape))
+        return pool
+
+    def _learn_shape(self, pool: ReplicaPool, dep: Deployment) -> None:
+        """The pool's expert bytes from a member that knows them, stored."""
+        if not pool.learn_shape(dep):
             return
-        pool.set_shape(
-            replace(pool.shape, expert_bytes=dep.shape.expert_bytes),
-            pool.unknown_fields - UNKNOWN_EXPERT_BYTES,
-        )
-        self.store.save_pool(
-            pool.name, stored_shape(pool.shape, pool.unknown_fields), pool.version, pool.phy2log
-        )
+        self._save(pool)
         log.info("pool %s: expert_bytes %d from %s", pool.name, pool.shape.expert_bytes, dep.name)
 
+    def _save(self, pool: ReplicaPool) -> None:
+        self.store.save_pool(pool.name, pool.stored_shape(), pool.version, pool.phy2log)
+
     def warm_offer(self, dep: Deployment, version: int) -> tuple[int, np.ndarray] | None:
-        """The warm start for a registration serving `version` (contract in the module
-        docstring of replica_pools.py and the proto), or None."""
+        """The warm start for a registration serving `version` (warm_start.py and the
+        proto), or None."""
         pool = self.pool_of(dep)
-        if pool is None or pool.phy2log is None or version != 0:
-            return None
-        if dep.version != 0 or dep.plan is not None or dep.mixed is not None:
-            return None
-        newest = self.store.plans(dep.name, 1)
-        if newest and newest[0].state == "offered":
-            offered = self.store.placement(dep.name, newest[0].version)
-            if offered is not None:
-                return newest[0].version, offered
-        if newest and newest[0].state == "committed":
-            return None
-        if np.array_equal(dep.phy2log, pool.phy2log):
-            return None
-        w = max(self.store.max_version(dep.name), dep.version) + 1
-        try:
-            self.store.offer_plan(dep.name, w, pool.phy2log, now=self.clock())
-        except (sqlite3.Error, StateError) as exc:  # no offer: the member starts as without a pool
-            log.error("%s: warm start not offered, the store refused it: %s", dep.name, exc)
-            return None
-        pool.offered()
-        self.offered_at[dep.name] = self.clock()
-        log.info("%s: pool %s placement offered as v%d (warm start)", dep.name, pool.name, w)
-        return w, pool.phy2log
+        return None if pool is None else self.warm.offer(pool, dep, version)
 
     # -- windows and decisions ---------------------------------------------------
 
@@ -242,7 +214,7 @@ class Fleet:
             return False
         change = pool.test_window(dep.name, logical)
         if change is not None:
-            statistic = pool.tracks[dep.name].last_statistic
+            statistic = pool.statistic(dep.name)
             log.warning(
                 "%s %s pool %s (excess total variation %.3f, threshold %.3f)",
                 dep.name,
@@ -254,13 +226,8 @@ class Fleet:
             self._record_membership(dep, pool, change, statistic, now)
             for observer in self.observers.member:
                 observer(pool.name, dep.name, change)
-        if not pool.is_following(dep.name):
+        if not pool.take_window(dep.name, logical):
             return False
-        if pool.tracks[dep.name].run == 0:
-            # A window above the line is held out of the pool estimate even before its
-            # member is flagged: otherwise a few of them pull the estimate toward it (the
-            # estimate weighs recent windows most) and the member is never flagged.
-            pool.observe(logical)
         self.maybe_decide(pool, now)
         return True
 
@@ -290,21 +257,19 @@ class Fleet:
     def maybe_decide(self, pool: ReplicaPool, now: float) -> None:
         """The pool's policy decision when one is due and nothing of the pool is moving."""
         if (
-            pool.deciding
-            or not pool.loop.due(now)
+            not pool.due(now)
             or not self.decisions.has_room()
-            or members_moving(pool, self.registry.deployments)
+            or pool.members_moving(self.registry.deployments)
         ):
             return
         base = self._base(pool)
         if base is None:
             return
-        work = pool.loop.prepare_decision(base, now)
-        pool.decision_started()
+        work = pool.decide(base, now)
 
         def done(decision: Decision | None) -> None:
-            pool.decision_done(decision, now)
-            self.decisions.save_library(pool_key(pool.name), pool.loop.regimes)
+            pool.decided(decision, now)
+            self.decisions.save_library(pool.key, pool.loop.regimes)
             if decision is not None:
                 self._act(pool, decision, "policy", self.clock())
 
@@ -313,14 +278,9 @@ class Fleet:
     def _act(self, pool: ReplicaPool, decision: Decision, trigger: str, now: float) -> list[Plan]:
         if decision.take and decision.candidate is not None:
             pool.take(decision.candidate)
-            pool.loop.started(now)  # the pool's rebalance: its placement changes now
+            pool.rebalanced(now)  # the pool's rebalance: its placement changes now
             try:
-                self.store.save_pool(
-                    pool.name,
-                    stored_shape(pool.shape, pool.unknown_fields),
-                    pool.version,
-                    pool.phy2log,
-                )
+                self._save(pool)
             except sqlite3.Error as exc:
                 log.error("pool %s: the store refused the pool placement (%s)", pool.name, exc)
             log.info(
@@ -340,7 +300,7 @@ class Fleet:
         if pool.phy2log is None:
             return []
         deployments = self.registry.deployments
-        moving = len(members_moving(pool, deployments))
+        moving = len(pool.members_moving(deployments))
         started = []
         for name in pool.following():
             if moving >= pool.max_moving:
@@ -353,8 +313,8 @@ class Fleet:
                 or dep.mixed is not None
                 or dep.policy.paused
                 or dep.connected_ranks < dep.shape.num_gpus
-                or at_target(pool, dep)
-                or self._warm_pending(dep, now)
+                or pool.at_target(dep)
+                or self.warm.pending(dep, now)
             ):
                 continue
             try:
@@ -366,16 +326,6 @@ class Fleet:
             moving += 1
             self._record_roll(dep, pool, plan, now)
         return started
-
-    def _warm_pending(self, dep: Deployment, now: float) -> bool:
-        """Whether the member's ranks may still be installing the warm start offered."""
-        at = self.offered_at.get(dep.name)
-        if at is None:
-            return False
-        if dep.version != 0 or now - at >= OFFER_GRACE_SECONDS:
-            del self.offered_at[dep.name]
-            return False
-        return True
 
     def _record_roll(self, dep: Deployment, pool: ReplicaPool, plan: Plan, now: float) -> None:
         """The pool decision a member's plan carries out, in the member's history."""
@@ -402,12 +352,11 @@ class Fleet:
 
     # -- operators ---------------------------------------------------------------
 
-    def member_moves(self, pool_name: str, candidate: np.ndarray) -> list[MemberMove]:
+    def member_moves(self, pool: ReplicaPool, candidate: np.ndarray) -> list[MemberMove]:
         """Each member's own move to `candidate`, as `roll` would plan it: from the placement
         the member serves, which is not the pool's last one for a member balanced alone
         while diverged (or one that has not taken the pool placement yet). A diverged member
         is not rolled to: listed, moving nothing."""
-        pool = self.pool(pool_name)
         G, N = pool.shape.num_gpus, pool.shape.num_nodes
         moves = []
         for name in sorted(pool.members):
@@ -439,12 +388,8 @@ class Fleet:
             raise StateError(
                 "FAILED_PRECONDITION", f"no counts ingested yet for pool {pool_name!r}"
             )
-        if max_moved_fraction and not 0.0 < max_moved_fraction <= 1.0:
-            raise StateError(
-                "INVALID_ARGUMENT",
-                f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}",
-            )
-        moving = members_moving(pool, self.registry.deployments)
+        check_moved_fraction(max_moved_fraction)
+        moving = pool.members_moving(self.registry.deployments)
         if moving and not dry_run:
             raise StateError(
                 "FAILED_PRECONDITION",
@@ -457,9 +402,12 @@ class Fleet:
                 "FAILED_PRECONDITION", f"pool {pool_name!r} has no member that follows it"
             )
         now = self.clock()
-        decision = pool.loop.force(
-            base, now, dry_run=dry_run, max_moved_fraction=max_moved_fraction or None
-        )
+        decision = pool.force(base, now, dry_run, max_moved_fraction)
         if dry_run:
             return decision, []
         return decision, self._act(pool, decision, "forced", now)
+
+
+def _name(pool: ReplicaPool | None) -> str:
+    """A pool's name, "" for none (as a Register names no pool)."""
+    return pool.name if pool is not None else ""
