@@ -41,7 +41,7 @@ from rebalancer.wire.dispatch import DISPATCH_MODES, WATERFILL_PASSES, check_dis
 from rebalancer.wire.layout import trivial_placement
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.examples.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
-from worker_hooks.hook import DispatchConfig, HookConfig, RebalanceHook
+from worker_hooks.hook import DispatchConfig, HookConfig, Link, RebalanceHook
 from worker_hooks.record import ExpertRecorder
 from worker_hooks.session.windows import WindowPipeline
 
@@ -218,8 +218,7 @@ def dispatch_hook(cfg: HookBenchConfig, mode: str, dev: torch.device) -> Rebalan
     phy2log = trivial_placement(cfg.num_layers, E, P, G)
     phy2log[:, E:] = rng.integers(0, E, size=(cfg.num_layers, P - E))
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="bench",
+        link=Link("127.0.0.1:1", deployment="bench"),
         rank=0,
         num_layers=cfg.num_layers,
         num_logical=E,

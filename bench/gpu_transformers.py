@@ -68,6 +68,7 @@ from worker_hooks.engines.transformers.adapter import (
     WEIGHT_NAMES,
     AdapterConfig,
     ExpertParallelModel,
+    Link,
     MoEBlock,
     attach,
     find_moe_blocks,
@@ -559,8 +560,7 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
         ep = attach(
             model,
             AdapterConfig(
-                controller=address[0],
-                deployment="bench-tf",
+                link=Link(address[0], deployment="bench-tf"),
                 redundant_slots=cfg.redundant,
                 spare_rows=cfg.spare_rows,
                 window_steps=cfg.window_steps,

@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,9 +46,14 @@ def main(argv: list[str] | None = None) -> int:
 def measure(steps: int) -> dict[str, object]:
     import worker_hooks.hook as h
 
-    common = dict(
-        controller="127.0.0.1:1",
-        deployment="bench",
+    # A tree from before the link: the address and deployment as fields of their own.
+    where: dict[str, Any] = (
+        dict(link=h.Link("127.0.0.1:1", deployment="bench"))
+        if hasattr(h, "Link")
+        else dict(controller="127.0.0.1:1", deployment="bench")
+    )
+    common: dict[str, Any] = dict(
+        **where,
         rank=0,
         num_layers=L,
         num_logical=E,

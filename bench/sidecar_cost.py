@@ -199,7 +199,7 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
     from rebalancer.placement import trivial_placement
     from rebalancer.v1 import rebalancer_pb2 as pb
     from worker_hooks.agent import AgentConfig, WorkerAgent
-    from worker_hooks.hook import HookConfig, RebalanceHook, WindowConfig
+    from worker_hooks.hook import HookConfig, Link, RebalanceHook, WindowConfig
 
     torch.set_num_threads(1)  # a rank's host work is one thread; the machine has 2 cores
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000
@@ -285,7 +285,11 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
         for mode, (deployment, address) in modes.items():
             agents[mode] = [
                 WorkerAgent(
-                    AgentConfig(address, deployment, r, shape, worker_id=f"bench-{mode}-{r}"),
+                    AgentConfig(
+                        Link(address, deployment=deployment, worker_id=f"bench-{mode}-{r}"),
+                        r,
+                        shape,
+                    ),
                     handlers,
                     lambda: 0,
                     initial_phy2log=phy2log,
@@ -294,8 +298,7 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
             ]
             hooks[mode] = RebalanceHook(
                 HookConfig(
-                    controller=address,
-                    deployment=deployment,
+                    link=Link(address, deployment=deployment, worker_id=f"bench-{mode}-hook"),
                     rank=G - 1,
                     num_layers=L,
                     num_logical=E,
@@ -304,7 +307,6 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
                     num_nodes=1,
                     expert_bytes=44 << 20,
                     windows=WindowConfig(steps=args.window_steps),
-                    worker_id=f"bench-{mode}-hook",
                 ),
                 phy2log,
                 {"w": torch.zeros(L, P // G, 1)},
@@ -319,7 +321,7 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
         for agent in everyone:
             if not agent.connected.wait(max(0.1, deadline - time.monotonic())):
                 raise RuntimeError(
-                    f"rank {agent.config.rank} of {agent.config.deployment} never connected; "
+                    f"rank {agent.config.rank} of {agent.config.link.deployment} never connected; "
                     f"sidecar log: {(tmp / 'sidecar.log').read_text()[-2000:]}"
                 )
         while metrics(metrics_port).get("rebalancer_sidecar_upstream_up", 0) != 1:

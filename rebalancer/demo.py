@@ -193,7 +193,9 @@ def _follow(
 def run_demo(config: DemoConfig, emit: Callable[[str], None] = print) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rebalancer-demo-"))
     try:
-        return _attach(config, tmp, emit) if config.controller else _run(config, tmp, emit)
+        if config.attach is not None:
+            return _attach(config, config.attach.address, tmp, emit)
+        return _run(config, tmp, emit)
     finally:
         if config.keep:
             emit(f"kept {tmp}")
@@ -337,12 +339,13 @@ class StatusPoller:
     def __init__(self, address: str, deployment: str, timeout: float = 2.0) -> None:
         from rebalancer.v1 import rebalancer_pb2 as pb
         from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-        from rebalancer.wire.channel import ChannelConfig, sync_channel
+        from rebalancer.wire.channel import sync_channel
+        from rebalancer.wire.link import Link
 
         self.pb = pb
         self.deployment = deployment
         self.timeout = timeout
-        self.config = ChannelConfig(address, token=os.environ.get("REBALANCER_ADMIN_TOKEN"))
+        self.config = Link(address, token=os.environ.get("REBALANCER_ADMIN_TOKEN"))
         self.channel = sync_channel(self.config)
         self.stub = pb_grpc.AdminServiceStub(self.channel)
         self.ranks_seen = 0  # the most ranks the controller counted connected at once
@@ -420,13 +423,15 @@ class StatusPoller:
         self.channel.close()
 
 
-def _attach(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str, Any]:
+def _attach(
+    config: DemoConfig, address: str, tmp: Path, emit: Callable[[str], None]
+) -> dict[str, Any]:
     """The demo's workers (and sidecars) on a controller already running: nothing of the
     controller runs here, so what is shown is what an operator sees (the AdminService)."""
     profile_path = write_profile(config, tmp)
-    poller = StatusPoller(config.controller, config.deployment)
+    poller = StatusPoller(address, config.deployment)
     emit(
-        f"attaching {config.workers} workers to the controller at {config.controller} as deployment "
+        f"attaching {config.workers} workers to the controller at {address} as deployment "
         f"{config.deployment!r}: {config.layers} layers x {config.experts} experts, {config.slots} slots, "
         f"top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads"
         + (f", in {config.sidecars} pods via sidecars" if config.sidecars else ", direct")
@@ -438,7 +443,7 @@ def _attach(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[
     start = time.monotonic()
     deadline = start + time_limit(config) + 60
     try:
-        with demo_fleet(config, config.controller, profile_path, tmp) as procs:
+        with demo_fleet(config, address, profile_path, tmp) as procs:
             _follow(procs, poller, deadline, start, emit)
         emit(poller.line())  # the windows folded since the last poll
     finally:
@@ -446,7 +451,7 @@ def _attach(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[
     results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(config.workers)]
     seen, k = poller.balancedness, EDGE_WINDOWS
     return {
-        "controller": config.controller,
+        "controller": address,
         "deployment": config.deployment,
         # What the controller's status showed (polled each second): no rank ever connected
         # and no window folded means no worker registered (a wrong address or port).

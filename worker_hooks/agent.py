@@ -29,10 +29,11 @@ from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
-from rebalancer.wire.channel import ChannelConfig, aio_channel
+from rebalancer.wire.channel import aio_channel
 from rebalancer.wire.codec import Statement
+from rebalancer.wire.delivery import SentWindows, send_report
 from rebalancer.wire.layout import placement_digest
-from rebalancer.wire.link import SentWindows, send_report
+from rebalancer.wire.link import Link
 from rebalancer.wire.windows import BoundedWindows, CountWindow
 
 log = logging.getLogger("worker_hooks.agent")
@@ -40,18 +41,13 @@ log = logging.getLogger("worker_hooks.agent")
 
 @dataclass(frozen=True)
 class AgentConfig:
-    address: str
-    deployment: str
+    # The controller (or the pod's sidecar), token and TLS files, and what Register tells:
+    # deployment, worker id, replica pool. A token file is read once, at the agent's start.
+    link: Link
     rank: int
     shape: pb.ModelShape
-    worker_id: str = ""
     dispatch_mode: str = "split"  # told at Register: the controller predicts under it
     top_k: int = 0  # routed experts per token (0: unknown)
-    pool: str = ""  # the deployment's replica pool ("" = none; RegisterRequest.pool)
-    token: str | None = None  # bearer token of the deployment
-    ca_file: str | None = None  # TLS: the controller's CA
-    cert_file: str | None = None  # mutual TLS: this rank's certificate and key
-    key_file: str | None = None
     max_pending: int = 32  # unsent windows before merging
     rpc_timeout_seconds: float = 5.0
     backoff_initial_seconds: float = 0.2
@@ -130,9 +126,7 @@ class WorkerAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stop = threading.Event()
-        self._channel = ChannelConfig(
-            config.address, config.ca_file, config.cert_file, config.key_file, config.token
-        )
+        self._channel = config.link.with_token()  # InputError now for an unreadable token file
         self._channel.credentials()  # InputError now, at start, for TLS settings that cannot work
         self._metadata = self._channel.metadata()
         self._thread = threading.Thread(
@@ -260,7 +254,10 @@ class WorkerAgent:
                 InputError
             ) as exc:  # one gone since start (rotated away): retried, the agent lives on
                 log.error(
-                    "rank %d: cannot connect to %s: %s", self.config.rank, self.config.address, exc
+                    "rank %d: cannot connect to %s: %s",
+                    self.config.rank,
+                    self.config.link.address,
+                    exc,
                 )
             else:
                 async with channel:
@@ -311,7 +308,7 @@ class WorkerAgent:
                     "rank %d: refused by %s (%s); serving on without rebalancing, asking again every ~"
                     "%g s",
                     self.config.rank,
-                    self.config.address,
+                    self.config.link.address,
                     message,
                     self.config.backoff_max_seconds,
                 )
@@ -333,14 +330,14 @@ class WorkerAgent:
 
     async def _register(self, stub: pb_grpc.WorkerServiceStub) -> None:
         request = pb.RegisterRequest(
-            deployment=self.config.deployment,
+            deployment=self.config.link.deployment,
             rank=self.config.rank,
             shape=self.config.shape,
             placement_version=self._version(),
-            worker_id=self.config.worker_id,
+            worker_id=self.config.link.worker_id,
             dispatch_mode=self.config.dispatch_mode,
             top_k=self.config.top_k,
-            pool=self.config.pool,
+            pool=self.config.link.pool,
         )
         if self._initial is not None:
             request.initial_placement.CopyFrom(
@@ -372,7 +369,7 @@ class WorkerAgent:
         log.info(
             "rank %d registered with %s (session %s, resend %d windows)",
             self.config.rank,
-            self.config.address,
+            self.config.link.address,
             self._session[:8],
             len(self._sent),
         )

@@ -1,8 +1,8 @@
 """What a rank's hook is told: `HookConfig`, its model and identity, and one section per job.
 
-    HookConfig(controller=..., deployment=..., rank=r, num_layers=L, num_logical=E,
+    HookConfig(link=Link(address, deployment=..., token=...),  # how it reaches the controller
+               rank=r, num_layers=L, num_logical=E,
                num_slots=P, num_gpus=G,                  # who this rank is, the model's shape
-               credentials=Credentials(token=...),        # how it proves itself to the controller
                windows=WindowConfig(steps=16),            # counting
                dispatch=DispatchConfig(mode="load"),      # tokens among an expert's replicas
                commit=CommitConfig(agree_every=4),        # switching placements
@@ -28,15 +28,16 @@ from rebalancer.wire.dispatch import (
     check_waterfill_passes,
     has_shared_replicas,
 )
+from rebalancer.wire.link import Link
 from rebalancer.wire.windows import MAX_WINDOW_STEPS
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
 __all__ = [
     "TRANSPORTS",
     "CommitConfig",
-    "Credentials",
     "DispatchConfig",
     "HookConfig",
+    "Link",
     "MigrationConfig",
     "Transport",
     "WindowConfig",
@@ -52,21 +53,6 @@ def _check_ints(section: object, names: tuple[str, ...], minimum: int) -> None:
             raise TypeError(f"{what}.{name} must be an int, got {type(value).__name__} {value!r}")
         if value < minimum:
             raise ValueError(f"{what}.{name} must be >= {minimum}, got {value}")
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """How the rank proves itself to the controller (straight to it; through the pod's
-    sidecar, which holds the credentials itself, none are needed)."""
-
-    token: str | None = None
-    """The deployment's bearer token (the controller's `[worker_tokens]`); None: none sent."""
-    ca_file: str | None = None
-    """The controller's CA certificate (PEM): TLS on when set."""
-    cert_file: str | None = None
-    """This rank's client certificate (PEM), for mutual TLS; needs `key_file` and `ca_file`."""
-    key_file: str | None = None
-    """The private key of `cert_file`."""
 
 
 @dataclass(frozen=True)
@@ -178,19 +164,15 @@ class MigrationConfig:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """Membership of a replica pool (docs/operations.md, "Pools")."""
+    """Starting in a replica pool (docs/operations.md, "Pools"); the pool itself is named
+    by `HookConfig.link.pool`, the same on every rank of the group."""
 
-    name: str = ""
-    """The deployment's replica pool (RegisterRequest.pool; "" = none). Every rank of the
-    group names the same pool."""
     warm_start_seconds: float = DEFAULT_WARM_START_SECONDS
     """Longest wait at `start` for the pool's placement (RegisterResponse.warm_start):
     a fresh group installs it before its first step, every rank or none. 0: never wait,
     start as without a pool."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str):
-            raise TypeError(f"PoolConfig.name must be a str, got {type(self.name).__name__}")
         check_warm_start_seconds(self.warm_start_seconds, "PoolConfig.warm_start_seconds")
 
 
@@ -198,10 +180,12 @@ class PoolConfig:
 class HookConfig:
     """One rank's hook: who it is, the model's shape, and one section per job."""
 
-    controller: str
-    """The controller's `host:port`, or the pod's sidecar (`unix:///run/rebalancer/agent.sock`)."""
-    deployment: str
-    """The deployment this rank serves (one model on one EP group)."""
+    link: Link
+    """How this rank reaches the controller and who it is there: the address (the
+    controller's `host:port`, or the pod's sidecar `unix:///run/rebalancer/agent.sock`),
+    the deployment it serves (one model on one EP group, needed), a worker id for the
+    controller's status and logs, the replica pool, and, straight to the controller, the
+    token and TLS files (through the sidecar, which holds them itself, none are needed)."""
     rank: int
     """This rank in the EP group, in [0, num_gpus)."""
     num_layers: int
@@ -222,10 +206,6 @@ class HookConfig:
     """The model has a shared expert (DeepSeek-V3/V4): counted as expert E of every layer,
     and under dispatch "load+shared" dispatched like a routed expert with a replica on
     every GPU."""
-    worker_id: str = ""
-    """A name for this process in the controller's status and logs."""
-    credentials: Credentials = field(default_factory=Credentials)
-    """Token and TLS files, when the rank talks to the controller directly."""
     windows: WindowConfig = field(default_factory=WindowConfig)
     """Counting routing into windows."""
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
@@ -235,18 +215,21 @@ class HookConfig:
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     """Moving weights for a plan (worker_hooks/migration.py: transport, pacing, chunks)."""
     pool: PoolConfig = field(default_factory=PoolConfig)
-    """The replica pool and its warm start."""
+    """The warm start in the replica pool `link.pool`."""
 
     def __post_init__(self) -> None:
-        for name in ("controller", "deployment"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+        if not isinstance(self.link, Link):
+            raise TypeError(f"HookConfig.link must be a Link, got {type(self.link).__name__}")
+        for name in ("address", "deployment"):
+            if not isinstance(getattr(self.link, name), str) or not getattr(self.link, name):
                 raise TypeError(
-                    f"HookConfig.{name} must be a non-empty str, got {getattr(self, name)!r}"
+                    f"HookConfig.link.{name} must be a non-empty str, "
+                    f"got {getattr(self.link, name)!r}"
                 )
         try:
-            check_address(self.controller)  # gRPC would only fail at every connection attempt
+            check_address(self.link.address)  # gRPC would only fail at every connection attempt
         except InputError as exc:
-            raise InputError(f"HookConfig.controller: {exc}") from None
+            raise InputError(f"HookConfig.link.address: {exc}") from None
         _check_ints(
             self,
             (
@@ -262,7 +245,6 @@ class HookConfig:
             0,
         )
         for name, section in (
-            ("credentials", Credentials),
             ("windows", WindowConfig),
             ("dispatch", DispatchConfig),
             ("commit", CommitConfig),

@@ -52,9 +52,9 @@ from worker_hooks.agent import AgentConfig, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.config import (
     CommitConfig,
-    Credentials,
     DispatchConfig,
     HookConfig,
+    Link,
     MigrationConfig,
     PoolConfig,
     WindowConfig,
@@ -73,10 +73,10 @@ from worker_hooks.weights import check_weights
 
 __all__ = [
     "CommitConfig",
-    "Credentials",
     "DispatchConfig",
     "HookConfig",
     "HookStats",
+    "Link",
     "MigrationConfig",
     "PlanDriver",
     "PoolConfig",
@@ -120,20 +120,8 @@ def agent_config(config: HookConfig) -> AgentConfig:
         num_nodes=config.num_nodes,
         expert_bytes=config.expert_bytes,
     )
-    cred = config.credentials
     return AgentConfig(
-        config.controller,
-        config.deployment,
-        config.rank,
-        shape,
-        config.worker_id,
-        dispatch_mode=config.dispatch.mode,
-        top_k=config.top_k,
-        pool=config.pool.name,
-        token=cred.token,
-        ca_file=cred.ca_file,
-        cert_file=cred.cert_file,
-        key_file=cred.key_file,
+        config.link, config.rank, shape, dispatch_mode=config.dispatch.mode, top_k=config.top_k
     )
 
 
@@ -262,7 +250,7 @@ class RebalanceHook:
         """Start the link; with a pool, install the pool's placement first if the
         controller offers one in time (`warm_start`). Call before the first step."""
         self.agent.start()
-        if self.config.pool.name and self.step == 0 and self.served.version == 0:
+        if self.config.link.pool and self.step == 0 and self.served.version == 0:
             self.warm_start()
 
     def warm_start(self) -> bool:

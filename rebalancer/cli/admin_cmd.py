@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from rebalancer.wire.link import LINK_ENV
 from rebalancer.wire.status import balancedness_text
 
 EXIT_CODES = {
@@ -64,8 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--address",
-        default=os.environ.get("REBALANCER_ADDRESS", "127.0.0.1:50051"),
-        help="controller host:port (env REBALANCER_ADDRESS)",
+        default=os.environ.get(LINK_ENV["address"], "127.0.0.1:50051"),
+        help=f"controller host:port (env {LINK_ENV['address']})",
     )
     p.add_argument(
         "--token", default=os.environ.get("REBALANCER_ADMIN_TOKEN"), help="admin bearer token"
@@ -293,10 +294,11 @@ def run(args: argparse.Namespace) -> int:
 
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-    from rebalancer.wire.channel import ChannelConfig, sync_channel, unavailable_cause
+    from rebalancer.wire.channel import sync_channel, unavailable_cause
+    from rebalancer.wire.link import Link
 
     args.parsed_settings = _check_args(args, pb)
-    config = ChannelConfig(args.address, args.ca, args.cert, args.key, args.token)
+    config = Link(args.address, args.ca, args.cert, args.key, args.token)
     with sync_channel(config) as channel:
         stub = pb_grpc.AdminServiceStub(channel)
         kw: dict[str, Any] = {"timeout": args.timeout, "metadata": config.metadata()}

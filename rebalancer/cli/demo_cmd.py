@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     from rebalancer.errors import InputError
     from rebalancer.launch.config import DemoConfig, default_sidecars
     from rebalancer.launch.processes import LaunchFailed
+    from rebalancer.wire.link import Link
 
     if args.spare_rows < 0:
         raise InputError(f"--spare-rows must be >= 0, got {args.spare_rows}")
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         sidecars=sidecars,
         keep=args.keep,
         metrics_port=args.metrics_port,
-        controller=args.controller,
+        attach=Link(args.controller) if args.controller else None,
         deployment=args.deployment,
         timeout_seconds=args.max_seconds,
     )

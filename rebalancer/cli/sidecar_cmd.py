@@ -5,9 +5,21 @@ from __future__ import annotations
 import argparse
 import os
 import textwrap
+from collections.abc import Mapping
 
-ENV_CONTROLLER = "REBALANCER_CONTROLLER"
-ENV_POOL = "REBALANCER_POOL"
+from rebalancer.wire.link import LINK_ENV, Link, link_settings
+
+# The flags that fill the sidecar's link, by Link field, with their help: each one unset
+# takes its environment variable (LINK_ENV), the names the engines read too.
+LINK_FLAGS: dict[str, tuple[str, str]] = {
+    "address": ("--controller", "the controller's host:port"),
+    "deployment": ("--deployment", "only accept ranks of this deployment"),
+    "pool": ("--pool", "the deployment's replica pool (empty: none)"),
+    "ca_file": ("--ca", "the controller's CA (PEM): TLS upstream"),
+    "cert_file": ("--cert", "client certificate (PEM): mutual TLS upstream"),
+    "key_file": ("--key", "client private key (PEM)"),
+    "token_file": ("--token-file", "file holding the deployment's worker token"),
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.dedent("""\
             Run next to an inference pod. The pod's ranks point their hook at the socket
-            (HookConfig(controller="unix:///run/rebalancer/agent.sock")) instead of the
+            (HookConfig(link=Link("unix:///run/rebalancer/agent.sock", ...))) instead of the
             controller; the sidecar merges their windows into one stream registered as a
             group of the pod's ranks, relays plans (PREPARED for the pod only when every
             rank prepared), holds the credentials and rides out controller outages with a
@@ -25,7 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
             The pod's ranks: --ranks, or in a LeaderWorkerSet LWS_GROUP_SIZE and
             LWS_WORKER_INDEX with --ranks-per-pod. The controller: --controller or
-            REBALANCER_CONTROLLER. Pod identity: POD_NAMESPACE/POD_NAME (downward API).
+            REBALANCER_ADDRESS; each flag of the link (--controller, --deployment, --pool,
+            --ca, --cert, --key, --token-file) unset takes its REBALANCER_* variable, the
+            names the engines read (an empty value: unset). Pod identity:
+            POD_NAMESPACE/POD_NAME (downward API).
 
               rebalancer sidecar --controller rebalancer:50051 --ranks 0-7 --metrics-port 9401 \\
                   --ca /etc/rebalancer/ca.pem --token-file /etc/rebalancer/token
@@ -57,30 +72,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="group",
         help="owner: directory 0700, socket 0600; group: 0750, 0660 (default)",
     )
-    p.add_argument(
-        "--controller",
-        default=os.environ.get(ENV_CONTROLLER, ""),
-        help=f"the controller's host:port (default ${ENV_CONTROLLER})",
-    )
+    for field_name, (flag, text) in LINK_FLAGS.items():
+        p.add_argument(flag, dest=field_name, help=f"{text} (default ${LINK_ENV[field_name]})")
     p.add_argument("--ranks", help="this pod's EP ranks, e.g. 0-7 or 8,9,10,11")
     p.add_argument(
         "--ranks-per-pod",
         type=int,
         help="with LWS_GROUP_SIZE / LWS_WORKER_INDEX: pod i holds ranks i*n .. i*n+n-1",
     )
-    p.add_argument("--deployment", default="", help="only accept ranks of this deployment")
-    p.add_argument(
-        "--pool",
-        default=os.environ.get(ENV_POOL, ""),
-        help=f"the deployment's replica pool (default ${ENV_POOL}; empty: none)",
-    )
     p.add_argument(
         "--pod", help="pod identity (default $POD_NAMESPACE/$POD_NAME, else the host name)"
     )
-    p.add_argument("--ca", help="the controller's CA (PEM): TLS upstream")
-    p.add_argument("--cert", help="client certificate (PEM): mutual TLS upstream")
-    p.add_argument("--key", help="client private key (PEM)")
-    p.add_argument("--token-file", help="file holding the deployment's worker token")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default: no metrics server)")
     p.add_argument(
         "--metrics-host", default="0.0.0.0", help="metrics listen address (default %(default)s)"
@@ -99,6 +101,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(func=run)
+
+
+def link_of(args: argparse.Namespace, env: Mapping[str, str]) -> Link:
+    """The sidecar's link: each LINK_FLAGS flag given (even empty: off) wins over its
+    variable in `env` (LINK_ENV, old names with a warning); blank values are unset."""
+    settings = link_settings(env)
+    for field_name in LINK_FLAGS:
+        flag = getattr(args, field_name)
+        if flag is not None:
+            settings[field_name] = flag
+    settings = {name: value for name, value in settings.items() if value}
+    return Link(**{"address": "", **settings})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,17 +150,11 @@ def run(args: argparse.Namespace) -> int:
             "give --ranks, or --ranks-per-pod with LWS_GROUP_SIZE and LWS_WORKER_INDEX set"
         )
     config = SidecarConfig(
-        controller=args.controller,
+        link=link_of(args, os.environ),
         ranks=ranks,
         listen=args.listen,
         socket_access=args.socket_access,
-        deployment=args.deployment,
         pod=args.pod or pod_identity(os.environ),
-        pool=args.pool,
-        ca_file=args.ca,
-        cert_file=args.cert,
-        key_file=args.key,
-        token_file=args.token_file,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         max_buffered_windows=args.max_buffered_windows,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.estimate import EstimatorConfig
+from rebalancer.wire.link import Link
 
 # The workers' time limit when none is given: this much per forward step (a loaded
 # 2-core machine ran ~0.1 s per step of the default 4 workers), at least MIN_TIME_LIMIT.
@@ -53,8 +54,9 @@ class DemoConfig:
     # The embedded controller's Prometheus port (None: none; 0: any free), with the
     # per-layer series on (a demo deployment is small).
     metrics_port: int | None = None
-    # Attach to this running controller (host:port) instead of starting one.
-    controller: str = ""
+    # Attach to this running controller (its address; the workers bring the demo's worker
+    # token) instead of starting one. None: the demo starts its own.
+    attach: Link | None = None
     deployment: str = "demo"
     policy: PolicyConfig = field(
         default_factory=lambda: PolicyConfig(

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.link import Link
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 
 # Ranks that prepare and commit at once, through real worker agents: with a pool member
@@ -40,7 +41,9 @@ class InstantRank(PlanHandlers):
     ) -> None:
         self.version = 0
         self.agent = WorkerAgent(
-            AgentConfig(address, deployment, rank, shape, pool=pool), self, lambda: self.version
+            AgentConfig(Link(address, deployment=deployment, pool=pool), rank, shape),
+            self,
+            lambda: self.version,
         )
 
     def on_prepare(self, prepare: pb.Prepare) -> None:

@@ -1,10 +1,13 @@
 """The sidecar's settings: one typed dataclass, filled from flags or the pod's environment.
 
-Kubernetes conventions: the controller's address from `REBALANCER_CONTROLLER`, pod name
-and namespace from the downward API (`POD_NAME`, `POD_NAMESPACE`), and in a
-LeaderWorkerSet the pod's ranks from `LWS_GROUP_SIZE` / `LWS_WORKER_INDEX` with
-`--ranks-per-pod` (pod i of the group holds ranks i*n .. i*n + n - 1). Credentials are
-read from files (mounted secrets), never from flags or the environment.
+Kubernetes conventions: the link to the controller (its address, the token and TLS
+files, deployment, pool) from the `REBALANCER_*` names every engine reads too
+(rebalancer.wire.link.LINK_ENV: `REBALANCER_ADDRESS`, `REBALANCER_TLS_CA`, ...), a flag
+taking precedence; pod name and namespace from the downward API (`POD_NAME`,
+`POD_NAMESPACE`), and in a LeaderWorkerSet the pod's ranks from `LWS_GROUP_SIZE` /
+`LWS_WORKER_INDEX` with `--ranks-per-pod` (pod i of the group holds ranks i*n .. i*n +
+n - 1). Credentials are read from files (mounted secrets), never from flags or the
+environment themselves.
 
 Flags are checked at start (a wrong one is a manifest bug, found at the first rollout);
 the credential files are not: they come from Secrets that may be missing or not yet
@@ -19,13 +22,14 @@ from __future__ import annotations
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, get_args
 
 from rebalancer.errors import InputError
-from rebalancer.wire.channel import ChannelConfig, check_address
+from rebalancer.wire.channel import check_address
 from rebalancer.wire.layout import MAX_SLOTS
+from rebalancer.wire.link import LINK_ENV, Link
 
 DEFAULT_LISTEN = "unix:///run/rebalancer/agent.sock"
 
@@ -43,21 +47,17 @@ _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 class SidecarConfig:
     """Everything the daemon needs; checked on construction (InputError, one line)."""
 
-    controller: str  # the controller's gRPC target (host:port)
+    # Upstream: the controller's gRPC target (host:port); credentials as files (TLS with the
+    # controller's CA, mutual TLS with a client certificate and key, the deployment's bearer
+    # token in `token_file`, read at each connection attempt); the deployment ("" = the one
+    # the ranks register with); the replica pool ("" = none, or what the ranks name), told
+    # upstream at Register: a fresh group is offered the pool's placement
+    # (ControllerMessage.warm_start).
+    link: Link
     ranks: tuple[int, ...]  # the EP ranks of this pod
     listen: str = DEFAULT_LISTEN  # unix:///absolute/path of the ranks' socket
     socket_access: SocketAccess = "group"
-    deployment: str = ""  # empty: the deployment the ranks register with
     pod: str = ""  # namespace/name, for logs and the controller
-    # The deployment's replica pool ("" = none, or what the ranks name): told upstream
-    # at Register; a fresh group is offered the pool's placement (ControllerMessage.warm_start).
-    pool: str = ""
-    # Upstream credentials (files): TLS with the controller's CA, mutual TLS with a client
-    # certificate and key, and the deployment's bearer token.
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    token_file: str | None = None
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # None: no /metrics server; 0 picks a port
     max_buffered_windows: int = 64  # merged windows held while upstream is down
@@ -72,11 +72,11 @@ class SidecarConfig:
     grace_seconds: float = 2.0  # on SIGTERM: calls in flight and last windows
 
     def __post_init__(self) -> None:
-        if not self.controller:
+        if not self.link.address:
             raise InputError(
-                "the controller's address is needed (--controller or REBALANCER_CONTROLLER)"
+                f"the controller's address is needed (--controller or {LINK_ENV['address']})"
             )
-        check_address(self.controller)
+        check_address(self.link.address)
         if not self.ranks:
             raise InputError(
                 "the pod's ranks are needed (--ranks, or LWS_GROUP_SIZE/LWS_WORKER_INDEX with --ranks-per-pod)"
@@ -102,7 +102,7 @@ class SidecarConfig:
                 f"metrics port must be a port number (0-65535; 0: any free), got {self.metrics_port}"
             )
         # The credential flags must fit together; their files are read at each connection.
-        ChannelConfig(self.controller, self.ca_file, self.cert_file, self.key_file).check()
+        self.link.check()
 
     @property
     def socket(self) -> Path:
@@ -117,19 +117,19 @@ class SidecarConfig:
     def ranks_label(self) -> str:
         return format_ranks(self.ranks)
 
-    def channel(self) -> ChannelConfig:
-        """The upstream channel, files read now: TLS / mutual TLS (InputError, one line, if a
+    def channel(self) -> Link:
+        """The upstream link, files read now: TLS / mutual TLS (InputError, one line, if a
         certificate file is missing or unreadable: never fall back to plain text) and the
         bearer token (None when its file is missing or empty: `token_missing` says why;
         mutual TLS, or a controller without [worker_tokens], needs none)."""
-        token, _ = read_token(self.token_file)
-        config = ChannelConfig(self.controller, self.ca_file, self.cert_file, self.key_file, token)
-        config.credentials()  # reads the certificate files
-        return config
+        token, _ = read_token(self.link.token_file)
+        link = replace(self.link, token=token)
+        link.credentials()  # reads the certificate files
+        return link
 
     def token_missing(self) -> str:
         """Why a configured token file gives no token ("" when it does, or none is configured)."""
-        return read_token(self.token_file)[1]
+        return read_token(self.link.token_file)[1]
 
 
 def read_token(path: str | None) -> tuple[str | None, str]:

@@ -123,7 +123,7 @@ class Sidecar:
             "sidecar of ranks %s serving on %s (controller %s)",
             self.config.ranks_label,
             self.target,
-            self.config.controller,
+            self.config.link.address,
         )
 
     async def stop(self) -> None:

@@ -55,7 +55,7 @@ class _StateCollector(Collector):
                 "version": __version__,
                 "pod": config.pod,
                 "ranks": config.ranks_label,
-                "controller": config.controller,
+                "controller": config.link.address,
                 "deployment": pod.deployment,
             },
         )

@@ -68,14 +68,14 @@ class Pod:
     def __init__(self, config: SidecarConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
-        self.deployment = config.deployment
+        self.deployment = config.link.deployment
         self.shape: pb.ModelShape | None = None
         # The ranks' dispatch mode (None until the first rank registers; a rank sending
         # none means split) and top_k (0: unknown until a rank says), sent upstream.
         self.dispatch_mode: str | None = None
         self.top_k = 0
         self.initial: pb.Placement | None = None
-        self.pool = config.pool  # the replica pool told upstream ("" = none, or the ranks')
+        self.pool = config.link.pool  # the replica pool told upstream ("" = none, or the ranks')
         # A resize of the EP group (rebalancer/sidecar/resize.py): the one being gathered,
         # the one the pod took (its ranks register into it), whether the controller still
         # has to be told it, and the new world's workers until their sessions exist.

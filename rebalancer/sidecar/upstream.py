@@ -38,8 +38,9 @@ from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-from rebalancer.wire.channel import ChannelConfig, aio_channel
-from rebalancer.wire.link import SentWindows, send_report
+from rebalancer.wire.channel import aio_channel
+from rebalancer.wire.delivery import SentWindows, send_report
+from rebalancer.wire.link import Link
 from rebalancer.wire.windows import CountWindow
 
 log = logging.getLogger("rebalancer.sidecar")
@@ -139,7 +140,7 @@ class Upstream:
             await self._wait(delay, only_stop=True)
         self.state = "stopped"
 
-    def _credentials(self) -> ChannelConfig | None:
+    def _credentials(self) -> Link | None:
         """The channel settings with the credential files read now; None (state
         `no_credentials`, logged once per cause) while a certificate file is missing."""
         try:
@@ -224,7 +225,7 @@ class Upstream:
         log.info(
             "registered ranks %s as one group with %s (v%d committed, resend %d windows)",
             self.pod.ranks_label,
-            self.config.controller,
+            self.config.link.address,
             response.committed.version,
             len(self._sent),
         )

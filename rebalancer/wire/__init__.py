@@ -3,6 +3,9 @@
 - `codec`: numpy arrays <-> `rebalancer.v1.Array` messages, validated.
 - `channel`: gRPC channel and server options (message sizes, keepalive) and client
   channels with TLS, mutual TLS and bearer tokens.
+- `link`: `Link`, how a process reaches the controller (address, token, TLS files,
+  deployment, worker id, pool), the one TLS rule, and its environment names (`LINK_ENV`).
+- `delivery`: the window and report bookkeeping agents and sidecars share on that link.
 - `service`: service registration refusing requests that do not parse (INVALID_ARGUMENT),
   used by both servers (controller, sidecar).
 - `layout`: placement layout rules, `phy2log` -> replica tables, transfer-list columns.

@@ -1,9 +1,9 @@
-"""gRPC channels: the options both ends must agree on, and client credentials.
+"""gRPC channels: the options both ends must agree on, and client channels.
 
-Servers (controller) and clients (worker agents, the admin CLI) take their message-size
-and keepalive settings from here, so neither side closes the other for a ping it did not
-expect or refuses a message the other thought fine. Client channels carry TLS / mutual
-TLS and a bearer token, built in one place.
+Servers (controller) and clients (worker agents, sidecars, the admin CLI) take their
+message-size and keepalive settings from here, so neither side closes the other for a
+ping it did not expect or refuses a message the other thought fine. Client channels are
+opened from a `rebalancer.wire.link.Link` (address, TLS / mutual TLS, bearer token).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import ipaddress
 import re
 import ssl
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from rebalancer.errors import InputError
+from rebalancer.wire.link import Link, TlsFlags
 
 # A DeepSeek-V3 window is 58 x 256 int64 = 119 KB (+ 58 x 288 physical); 16 MiB
 # leaves room for the largest models while refusing absurd messages early.
@@ -59,50 +59,6 @@ def client_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
     return [*_shared_options(max_message_bytes), ("grpc.http2.max_pings_without_data", 0)]
 
 
-@dataclass(frozen=True)
-class ChannelConfig:
-    address: str
-    ca_file: str | None = None  # server CA: TLS on when set
-    cert_file: str | None = None  # client certificate (mutual TLS)
-    key_file: str | None = None
-    token: str | None = None  # bearer token sent as `authorization` metadata
-
-    def check(self) -> None:
-        """The settings fit together (no file is read): InputError, one line, if not."""
-        if not self.ca_file and (self.cert_file or self.key_file):
-            raise InputError("a client certificate needs --ca as well (TLS)")
-        if bool(self.cert_file) != bool(self.key_file):
-            raise InputError("mutual TLS needs both a client certificate and its key")
-
-    def credentials(self) -> grpc.ChannelCredentials | None:
-        self.check()
-        if not self.ca_file:
-            return None
-        root, key, chain = (
-            _read(self.ca_file),
-            _read(self.key_file) if self.key_file else None,
-            _read(self.cert_file) if self.cert_file else None,
-        )
-        if self.cert_file and self.key_file:
-            # gRPC would only fail the handshake, which reads as an unreachable controller.
-            check_key_pair(self.cert_file, self.key_file, "client certificate", "client key")
-        return grpc.ssl_channel_credentials(
-            root_certificates=root, private_key=key, certificate_chain=chain
-        )
-
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
-
-
-@dataclass(frozen=True)
-class TlsFlags:
-    """How a command names the channel's TLS files, for the hints below."""
-
-    ca: str = "--ca"
-    cert: str = "--cert"
-    key: str = "--key"
-
-
 def check_key_pair(cert_file: str, key_file: str, cert_what: str, key_what: str) -> None:
     """The private key in `key_file` is the key of the certificate in `cert_file`, checked with
     Python's own TLS (InputError, one line, naming both files as `cert_what` / `key_what` say):
@@ -123,7 +79,7 @@ def check_key_pair(cert_file: str, key_file: str, cert_what: str, key_what: str)
         ) from None
 
 
-def unavailable_cause(config: ChannelConfig, details: str, flags: TlsFlags = TlsFlags()) -> str:
+def unavailable_cause(config: Link, details: str, flags: TlsFlags = TlsFlags()) -> str:
     """The likely cause of an UNAVAILABLE call, in words, from gRPC's details (which say
     "Socket closed" when the server ends a TLS handshake, or quote the TLS library);
     "" when the details name none of the causes known here."""
@@ -164,7 +120,8 @@ def unavailable_cause(config: ChannelConfig, details: str, flags: TlsFlags = Tls
     return ""
 
 
-def _read(path: str) -> bytes:
+def read_file(path: str) -> bytes:
+    """The bytes of `path`; InputError, one line, naming it if it cannot be read."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{path}: no such file")
@@ -216,15 +173,15 @@ def check_address(address: str) -> None:
         )
 
 
-def sync_channel(config: ChannelConfig) -> grpc.Channel:
-    creds = config.credentials()
+def sync_channel(link: Link) -> grpc.Channel:
+    creds = link.credentials()
     if creds is None:
-        return grpc.insecure_channel(config.address, options=client_options())
-    return grpc.secure_channel(config.address, creds, options=client_options())
+        return grpc.insecure_channel(link.address, options=client_options())
+    return grpc.secure_channel(link.address, creds, options=client_options())
 
 
-def aio_channel(config: ChannelConfig) -> grpc.aio.Channel:
-    creds = config.credentials()
+def aio_channel(link: Link) -> grpc.aio.Channel:
+    creds = link.credentials()
     if creds is None:
-        return grpc.aio.insecure_channel(config.address, options=client_options())
-    return grpc.aio.secure_channel(config.address, creds, options=client_options())
+        return grpc.aio.insecure_channel(link.address, options=client_options())
+    return grpc.aio.secure_channel(link.address, creds, options=client_options())

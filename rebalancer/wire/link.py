@@ -1,102 +1,179 @@
-"""What a rank's agent and a pod's sidecar both do on their link to the controller.
+"""The link to the controller: how a process reaches it, and who it is there.
 
-`SentWindows` numbers the windows a link sends and keeps those the controller has not
-acknowledged: after a (re-)Register they are resent, renumbered from the controller's
-cursor, so nothing is lost or counted twice; an ack drops every window up to its seq.
-`send_report` delivers one plan report: a lost link raises (the caller reconnects and
-sends it again), a refusal is logged and the report dropped (sending it again would be
-refused again). The agent calls both under its lock (its serving thread adds windows);
-the sidecar on its one event loop.
+`Link` is the one spelling of "how to reach the controller": its address, the bearer
+token (or the file holding it), the TLS files, and who this process is there
+(deployment, worker id, replica pool). Every config that talks to the controller (the
+hook's, the agent's, the engine adapters', the sidecar's, the admin CLI's) holds one;
+`LINK_ENV` is the one table of their `REBALANCER_*` environment names, read by
+`link_settings` for the engines and the sidecar alike. `Link.check` is the one rule the
+TLS files must fit.
+
+Standard library only at import (the CLI builds its flags' help from `LINK_ENV`
+without loading gRPC); `credentials` loads gRPC when a channel is opened.
 """
 
 from __future__ import annotations
 
-import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
-import numpy as np
+from rebalancer.errors import InputError
 
-from rebalancer.v1 import rebalancer_pb2 as pb
-from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-from rebalancer.wire import codec
-
-# The statuses of a link that is gone or stalled, not of a refusal: try again after a reconnect.
-LINK_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+if TYPE_CHECKING:
+    import grpc
 
 
-class SentWindows:
-    """Windows sent on a link and not yet acknowledged (module doc)."""
+@dataclass(frozen=True)
+class TlsFlags:
+    """How a command (or the environment) names the link's TLS files, for its messages."""
 
-    def __init__(self) -> None:
-        self.unacked: dict[int, pb.Window] = {}
-        self.next_seq = 0
+    ca: str = "--ca"
+    cert: str = "--cert"
+    key: str = "--key"
 
-    def __len__(self) -> int:
-        return len(self.unacked)
 
-    def number(
-        self,
-        first_step: int,
-        num_steps: int,
-        version: int,
-        logical: np.ndarray,
-        physical: np.ndarray | None,
-        serving: codec.Statement = (0, 0),
-    ) -> pb.Window:
-        """The next window to send, numbered and kept until acknowledged; `serving`: what
-        the sender serves now (Window.serving_version / serving_hash)."""
-        msg = codec.window_message(
-            self.next_seq, first_step, num_steps, version, logical, physical, serving
+@dataclass(frozen=True)
+class Link:
+    """How a process reaches the controller and who it is there. Built without checks;
+    `check` says whether the TLS files fit together, `credentials` reads them."""
+
+    address: str
+    """The controller's gRPC target (`host:port`, `dns:...`), or the pod's sidecar
+    (`unix:///run/rebalancer/agent.sock`); rebalancer.wire.channel.check_address says
+    what is taken."""
+    ca_file: str | None = None
+    """The controller's CA certificate (PEM): TLS on when set."""
+    cert_file: str | None = None
+    """This process's client certificate (PEM), for mutual TLS; needs `key_file` and
+    `ca_file`."""
+    key_file: str | None = None
+    """The private key of `cert_file` (PEM)."""
+    token: str | None = None
+    """The deployment's bearer token (the controller's `[worker_tokens]`), sent as
+    `authorization` metadata; None: none sent (or `token_file`'s, once read)."""
+    token_file: str | None = None
+    """A file holding the token (a mounted Secret). The sidecar reads it at every
+    connection attempt; the engine adapters and the agent once, at start (`with_token`)."""
+    deployment: str = ""
+    """The deployment the process serves (one model on one EP group); the sidecar's:
+    "" takes the one its ranks register with."""
+    worker_id: str = ""
+    """A name for this process in the controller's status and logs ("" = a default)."""
+    pool: str = ""
+    """The deployment's replica pool (RegisterRequest.pool; "" = none)."""
+
+    def check(self, names: TlsFlags = TlsFlags()) -> None:
+        """The TLS files fit together (none is read): InputError, one line, naming them as
+        `names` spells them (flags by default; ENV_TLS_NAMES for the environment)."""
+        if not self.ca_file and (self.cert_file or self.key_file):
+            raise InputError(
+                f"a client certificate ({names.cert} and {names.key}: mutual TLS) needs "
+                f"{names.ca} as well, the controller's CA (TLS)"
+            )
+        if bool(self.cert_file) != bool(self.key_file):
+            raise InputError(
+                f"mutual TLS needs both a client certificate and its key ({names.cert} and "
+                f"{names.key})"
+            )
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """The channel's TLS credentials, files read now (None: plain text); InputError,
+        one line, for files that are missing, unreadable or not a key pair."""
+        self.check()
+        if not self.ca_file:
+            return None
+        import grpc
+
+        from rebalancer.wire.channel import check_key_pair, read_file
+
+        root, key, chain = (
+            read_file(self.ca_file),
+            read_file(self.key_file) if self.key_file else None,
+            read_file(self.cert_file) if self.cert_file else None,
         )
-        self.unacked[self.next_seq] = msg
-        self.next_seq += 1
-        return msg
-
-    def resume(self, expected: int) -> list[pb.Window]:
-        """After a (re-)Register with the controller's cursor `expected`: the windows to
-        send again, in order (those it has not counted, renumbered from `expected`)."""
-        self.unacked = codec.resend_from(self.unacked, expected)
-        self.next_seq = expected + len(self.unacked)
-        return self.waiting()
-
-    def waiting(self) -> list[pb.Window]:
-        """Every unacknowledged window, oldest first (sent again on a new stream)."""
-        return [self.unacked[s] for s in sorted(self.unacked)]
-
-    def withdraw_statements(self) -> None:
-        """The sender's ranks restarted: what the unacknowledged windows say they serve is
-        no longer true, so they are resent without it (a stale statement would make the
-        controller adopt a version no rank serves any more)."""
-        for msg in self.unacked.values():
-            msg.serving_hash = 0
-
-    def ack(self, seq: int) -> None:
-        """The controller counted every window up to `seq`."""
-        for s in [s for s in self.unacked if s <= seq]:
-            del self.unacked[s]
-
-
-async def send_report(
-    stub: pb_grpc.WorkerServiceStub,
-    report: pb.PlanReport,
-    session_id: str,
-    timeout: float,
-    metadata: tuple[tuple[str, str], ...],
-    logger: logging.Logger,
-    who: str,
-) -> None:
-    """Deliver one plan report for `session_id` (module doc); `who` names the sender in the log."""
-    report.session_id = session_id
-    try:
-        await stub.ReportPlan(report, timeout=timeout, metadata=metadata)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in LINK_LOST:
-            raise  # reconnect, then send it again
-        logger.warning(
-            "%s: report of v%d (%s) refused: %s: %s",
-            who,
-            report.version,
-            pb.PlanPhase.Name(report.phase),
-            exc.code().name,
-            exc.details(),
+        if self.cert_file and self.key_file:
+            # gRPC would only fail the handshake, which reads as an unreachable controller.
+            check_key_pair(self.cert_file, self.key_file, "client certificate", "client key")
+        return grpc.ssl_channel_credentials(
+            root_certificates=root, private_key=key, certificate_chain=chain
         )
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata: the bearer token, when there is one."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def with_token(self, what: str = "token file") -> Link:
+        """This link with `token` read from `token_file` now (stripped), when only the file
+        is given; InputError, one line naming the file as `what`, if it cannot be read."""
+        if self.token is not None or not self.token_file:
+            return self
+        try:
+            token = Path(self.token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or exc
+            raise InputError(f"{what} {self.token_file}: {reason}") from None
+        return replace(self, token=token)
+
+
+# The link's environment names, by field: the one table the engines and the sidecar read.
+# `token` has none: a secret is given as a file (REBALANCER_TOKEN_FILE), never in the
+# environment itself.
+LINK_ENV: dict[str, str] = {
+    "address": "REBALANCER_ADDRESS",
+    "ca_file": "REBALANCER_TLS_CA",
+    "cert_file": "REBALANCER_TLS_CERT",
+    "key_file": "REBALANCER_TLS_KEY",
+    "token_file": "REBALANCER_TOKEN_FILE",
+    "deployment": "REBALANCER_DEPLOYMENT",
+    "worker_id": "REBALANCER_WORKER_ID",
+    "pool": "REBALANCER_POOL",
+}
+# Older names still read, with a warning naming the new one: the sidecar's address and
+# the engines' TLS files, from before the two shared one table.
+LINK_ENV_RENAMED: dict[str, str] = {
+    "REBALANCER_CONTROLLER": "address",
+    "REBALANCER_CA_FILE": "ca_file",
+    "REBALANCER_CERT_FILE": "cert_file",
+    "REBALANCER_KEY_FILE": "key_file",
+}
+# How the environment spells the TLS files, for Link.check on the engines' side.
+ENV_TLS_NAMES = TlsFlags(LINK_ENV["ca_file"], LINK_ENV["cert_file"], LINK_ENV["key_file"])
+
+
+def link_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The Link fields `env` sets, by field name (LINK_ENV; a blank value is unset). A
+    renamed variable (LINK_ENV_RENAMED) is still read, with a FutureWarning naming the new
+    one; both set to different values: InputError, one line."""
+    renamed = {field_name: old for old, field_name in LINK_ENV_RENAMED.items()}
+    settings: dict[str, str] = {}
+    for field_name, name in LINK_ENV.items():
+        value = env.get(name, "").strip()
+        old = renamed.get(field_name)
+        old_value = env.get(old, "").strip() if old else ""
+        if old and old_value:
+            if value and value != old_value:
+                raise InputError(
+                    f"{old}={old_value!r} and {name}={value!r} set one setting twice, "
+                    f"differently ({old} is its old name): set {name} only"
+                )
+            warnings.warn(
+                f"{old} is deprecated: it is read as {name}; set {name} instead",
+                FutureWarning,
+                stacklevel=2,
+            )
+            value = value or old_value
+        if value:
+            settings[field_name] = value
+    return settings
+
+
+def link_from_env(env: Mapping[str, str], **defaults: str) -> Link | None:
+    """The Link `env` describes (link_settings), `defaults` for the fields it leaves
+    unset; None when it names no address."""
+    settings = {**defaults, **link_settings(env)}
+    if not settings.get("address"):
+        return None
+    return Link(**settings)

@@ -35,7 +35,7 @@ def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_graphed_blocks_replay_eager_across_a_committed_placement(family: str) -> None:
     from tests.engines.transformers.test_adapter import _commit_through_hook, _shuffled_placement
-    from worker_hooks.engines.transformers import AdapterConfig, attach, graph_moe_blocks
+    from worker_hooks.engines.transformers import AdapterConfig, Link, attach, graph_moe_blocks
     from worker_hooks.engines.transformers.families import build_tiny_model
     from worker_hooks.engines.transformers.worker import token_batch, weights_match_map
 
@@ -46,8 +46,7 @@ def test_graphed_blocks_replay_eager_across_a_committed_placement(family: str) -
     ep = attach(
         model,
         AdapterConfig(
-            controller="127.0.0.1:1",
-            deployment="t",
+            link=Link("127.0.0.1:1", deployment="t"),
             redundant_slots=REDUNDANT,
             spare_rows=SPARE,
             agree_every=2,
@@ -83,12 +82,10 @@ def test_graphed_blocks_replay_eager_across_a_committed_placement(family: str) -
 
 
 def test_capture_of_float32_experts_is_refused_with_the_reason() -> None:
-    from worker_hooks.engines.transformers import AdapterConfig, attach, graph_moe_blocks
+    from worker_hooks.engines.transformers import AdapterConfig, Link, attach, graph_moe_blocks
     from worker_hooks.engines.transformers.families import build_tiny_model
 
     model = build_tiny_model("qwen3_moe", seed=5, experts=EXPERTS).to("cuda")  # type: ignore[arg-type]
-    attach(
-        model, AdapterConfig(controller="127.0.0.1:1", deployment="t", redundant_slots=REDUNDANT)
-    )
+    attach(model, AdapterConfig(Link("127.0.0.1:1", deployment="t"), redundant_slots=REDUNDANT))
     with pytest.raises(ValueError, match="needs bfloat16 expert weights on a CUDA device"):
         graph_moe_blocks(model, lambda _b: (torch.zeros(1, TOKENS, 8, device="cuda"), {}))

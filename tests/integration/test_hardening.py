@@ -37,7 +37,8 @@ from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
-from rebalancer.wire.channel import ChannelConfig, client_options, sync_channel
+from rebalancer.wire.channel import client_options, sync_channel
+from rebalancer.wire.link import Link
 from tests.integration.conftest import start_controller
 from tests.integration.test_security import openssl
 
@@ -149,7 +150,7 @@ def health(address: str) -> int:
 
 
 def register(address: str, token: str | None = None, deployment: str = "prod") -> str:
-    config = ChannelConfig(address, token=token)
+    config = Link(address, token=token)
     with sync_channel(config) as channel:
         reply = pb_grpc.WorkerServiceStub(channel).Register(
             pb.RegisterRequest(deployment=deployment, rank=0, shape=SHAPE),
@@ -251,7 +252,7 @@ def test_sigkilled_controllers_store_reopens_at_once(tmp_path: Path, procs: list
     second.wait_serving()
     assert time.monotonic() - started < 30
     assert "is in use" not in second.stderr
-    with sync_channel(ChannelConfig(f"127.0.0.1:{port}")) as channel:
+    with sync_channel(Link(f"127.0.0.1:{port}")) as channel:
         status = pb_grpc.AdminServiceStub(channel).Status(pb.StatusRequest(), timeout=5)
     assert [d.deployment for d in status.deployments] == ["prod"]  # nothing lost
     second.proc.send_signal(signal.SIGTERM)
@@ -659,8 +660,8 @@ def test_tls_refuses_a_wrong_ca(two_cas: Path, tmp_path: Path) -> None:
     address = ctl.server.address  # type: ignore[union-attr]
     try:
         for config in (
-            ChannelConfig(address, str(d / "other-ca.crt")),  # does not trust the server
-            ChannelConfig(address),
+            Link(address, str(d / "other-ca.crt")),  # does not trust the server
+            Link(address),
         ):  # plain text to a TLS port
             with pytest.raises(grpc.RpcError) as info:
                 with sync_channel(config) as channel:
@@ -669,7 +670,7 @@ def test_tls_refuses_a_wrong_ca(two_cas: Path, tmp_path: Path) -> None:
                     )
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert deployments(ctl) == 0
-        with sync_channel(ChannelConfig(address, str(d / "ca.crt"))) as channel:
+        with sync_channel(Link(address, str(d / "ca.crt"))) as channel:
             assert (
                 pb_grpc.WorkerServiceStub(channel)
                 .Register(pb.RegisterRequest(deployment="prod", rank=0, shape=SHAPE), timeout=5)
@@ -692,13 +693,11 @@ def test_mutual_tls_refuses_a_missing_or_foreign_client_certificate(
     address = ctl.server.address  # type: ignore[union-attr]
     try:
         for config in (
-            ChannelConfig(address, str(d / "ca.crt")),  # no certificate
-            ChannelConfig(
+            Link(address, str(d / "ca.crt")),  # no certificate
+            Link(
                 address, str(d / "ca.crt"), str(d / "stranger.crt"), str(d / "stranger.key")
             ),  # other CA
-            ChannelConfig(
-                address, str(d / "other-ca.crt"), str(d / "client.crt"), str(d / "client.key")
-            ),
+            Link(address, str(d / "other-ca.crt"), str(d / "client.crt"), str(d / "client.key")),
         ):
             for call in ("worker", "admin"):
                 with pytest.raises(grpc.RpcError) as info:
@@ -714,9 +713,7 @@ def test_mutual_tls_refuses_a_missing_or_foreign_client_certificate(
                             )
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE, (config, call)
         assert deployments(ctl) == 0
-        good = ChannelConfig(
-            address, str(d / "ca.crt"), str(d / "client.crt"), str(d / "client.key")
-        )
+        good = Link(address, str(d / "ca.crt"), str(d / "client.crt"), str(d / "client.key"))
         with sync_channel(good) as channel:
             assert (
                 pb_grpc.WorkerServiceStub(channel)

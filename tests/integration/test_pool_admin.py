@@ -26,6 +26,7 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.channel import client_options
+from rebalancer.wire.link import Link
 from tests.integration.conftest import start_controller
 from tests.integration.test_admin import admin, real_counts
 from tests.unit.deploy.conftest import find_tool, missing
@@ -41,7 +42,9 @@ class PoolRank(InstantRank):
     def __init__(self, deployment: str, rank: int, address: str, pool: str) -> None:
         self.version = 0
         self.agent = WorkerAgent(
-            AgentConfig(address, deployment, rank, SHAPE, pool=pool), self, lambda: self.version
+            AgentConfig(Link(address, deployment=deployment, pool=pool), rank, SHAPE),
+            self,
+            lambda: self.version,
         )
 
 
@@ -169,7 +172,7 @@ def test_a_fresh_member_is_offered_the_pool_placement_at_register(
     assert admin(ctl, "force", "--pool", "fleet", token=None)[0] == 0
     wait_for(lambda: settled(ctl))
     joiner = WorkerAgent(
-        AgentConfig(ctl.server.address, "m9", 0, SHAPE, pool="fleet"),
+        AgentConfig(Link(ctl.server.address, deployment="m9", pool="fleet"), 0, SHAPE),
         ranks[0],  # type: ignore[union-attr]
         lambda: 0,
     )

@@ -16,7 +16,8 @@ from rebalancer.cli import main as cli
 from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-from rebalancer.wire.channel import ChannelConfig, sync_channel
+from rebalancer.wire.channel import sync_channel
+from rebalancer.wire.link import Link
 from tests.integration.conftest import start_controller
 
 SHAPE = pb.ModelShape(
@@ -85,7 +86,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def register(config: ChannelConfig, deployment: str = "prod") -> pb.RegisterResponse:
+def register(config: Link, deployment: str = "prod") -> pb.RegisterResponse:
     with sync_channel(config) as channel:
         return pb_grpc.WorkerServiceStub(channel).Register(
             pb.RegisterRequest(deployment=deployment, rank=0, shape=SHAPE),
@@ -103,11 +104,9 @@ def test_mutual_tls(pki: Path, tmp_path: Path) -> None:
     )
     address = ctl.server.address  # type: ignore[union-attr]
     try:
-        good = ChannelConfig(
-            address, str(pki / "ca.crt"), str(pki / "client.crt"), str(pki / "client.key")
-        )
+        good = Link(address, str(pki / "ca.crt"), str(pki / "client.crt"), str(pki / "client.key"))
         assert register(good).session_id
-        for bad in (ChannelConfig(address), ChannelConfig(address, str(pki / "ca.crt"))):
+        for bad in (Link(address), Link(address, str(pki / "ca.crt"))):
             with pytest.raises(grpc.RpcError) as info:
                 register(bad)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -141,17 +140,17 @@ def test_worker_tokens_bind_ranks_to_their_deployment(tmp_path: Path) -> None:
     address = ctl.server.address  # type: ignore[union-attr]
     try:
         for config, code in (
-            (ChannelConfig(address), grpc.StatusCode.UNAUTHENTICATED),
-            (ChannelConfig(address, token="c-token"), grpc.StatusCode.PERMISSION_DENIED),
-            (ChannelConfig(address, token="nonsense"), grpc.StatusCode.PERMISSION_DENIED),
+            (Link(address), grpc.StatusCode.UNAUTHENTICATED),
+            (Link(address, token="c-token"), grpc.StatusCode.PERMISSION_DENIED),
+            (Link(address, token="nonsense"), grpc.StatusCode.PERMISSION_DENIED),
         ):
             with pytest.raises(grpc.RpcError) as info:
                 register(config)
             assert info.value.code() == code
         assert ctl.call(lambda: len(ctl.server.controller.deployments)) == 0  # type: ignore[union-attr]
-        session = register(ChannelConfig(address, token="p-token")).session_id
+        session = register(Link(address, token="p-token")).session_id
         # The session of "prod" cannot be used with the token of "canary".
-        with sync_channel(ChannelConfig(address)) as channel:
+        with sync_channel(Link(address)) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
             with pytest.raises(grpc.RpcError) as info:
                 stub.ReportPlan(

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.link import Link
 from tests.integration.conftest import start_controller
 from tests.integration.test_security import openssl
 from worker_hooks.agent import AgentConfig, WorkerAgent
@@ -160,7 +161,9 @@ def serve_two_ranks(target: str, windows: int) -> list[WorkerAgent]:
     """The pod's two ranks on the socket, each having sent `windows` windows."""
     agents = [
         WorkerAgent(
-            AgentConfig(target, "prod", rank, SHAPE, f"rank {rank}"), _Handlers(), lambda: 0
+            AgentConfig(Link(target, deployment="prod", worker_id=f"rank {rank}"), rank, SHAPE),
+            _Handlers(),
+            lambda: 0,
         )
         for rank in (0, 1)
     ]

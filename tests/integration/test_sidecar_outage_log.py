@@ -22,6 +22,7 @@ from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.link import Link
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
 SHAPE = pb.ModelShape(
@@ -81,7 +82,9 @@ def test_one_outage_is_one_link_lost_line(tmp_path: Path) -> None:
 
     try:
         assert proc.stdout is not None and "sidecar serving on" in proc.stdout.readline()
-        agent = WorkerAgent(AgentConfig(target, "prod", 0, SHAPE), _Handlers(), lambda: 0)  # type: ignore[arg-type]
+        agent = WorkerAgent(
+            AgentConfig(Link(target, deployment="prod"), 0, SHAPE), _Handlers(), lambda: 0
+        )  # type: ignore[arg-type]
         agent.start()
         wait_for(lambda: lines("registered ranks"), 30, "the pod's group registered")
         ctl.stop()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.link import Link
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
 pytestmark = pytest.mark.slow
@@ -63,7 +64,11 @@ def test_a_rank_of_a_second_deployment_is_told_once_why(caplog: pytest.LogCaptur
         caplog.set_level(logging.DEBUG, logger="worker_hooks.agent")
         fast = dict(backoff_initial_seconds=0.05, backoff_max_seconds=0.2)  # many tries, quickly
         agents = [
-            WorkerAgent(AgentConfig(target, dep, rank, SHAPE, **fast), _Handlers(), lambda: 0)  # type: ignore[arg-type]
+            WorkerAgent(
+                AgentConfig(Link(target, deployment=dep), rank, SHAPE, **fast),  # type: ignore[arg-type]
+                _Handlers(),
+                lambda: 0,
+            )
             for rank, dep in ((0, "prod"), (1, "canary"))
         ]
         agents[0].start()

@@ -24,6 +24,7 @@ import pytest
 
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.layout import trivial_placement
+from rebalancer.wire.link import Link
 from tests.integration.conftest import start_controller
 from tests.integration.test_end_to_end import FAST_POLICY
 from tests.integration.test_resize import NEW, OLD, SURVIVORS, E, L
@@ -52,11 +53,9 @@ class Rank:
         self.phy2log = phy2log
         self.agent = WorkerAgent(
             AgentConfig(
-                target,
-                "dep",
+                Link(target, deployment="dep", worker_id=worker),
                 rank,
                 shape,
-                worker,
                 resized_from=resized_from,
                 backoff_initial_seconds=0.1,
                 backoff_max_seconds=1.0,

@@ -19,6 +19,7 @@ from rebalancer.sidecar.upstream import Upstream
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
+from rebalancer.wire.link import Link
 
 SHAPE = pb.ModelShape(
     num_layers=2, num_logical_experts=4, num_physical_slots=4, num_gpus=1, expert_bytes=8
@@ -46,7 +47,7 @@ async def scenario() -> tuple[int, int, bool]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     config = SidecarConfig(
-        controller=f"127.0.0.1:{port}",
+        link=Link(f"127.0.0.1:{port}"),
         ranks=(0,),
         backoff_initial_seconds=0.01,
         backoff_max_seconds=0.02,

@@ -16,7 +16,14 @@ from rebalancer.cli import main
 from rebalancer.errors import InputError
 from rebalancer.formats import load_counts, read_counts, write_counts
 from rebalancer.wire.layout import trivial_placement
-from worker_hooks.hook import CommitConfig, DispatchConfig, HookConfig, RebalanceHook, WindowConfig
+from worker_hooks.hook import (
+    CommitConfig,
+    DispatchConfig,
+    HookConfig,
+    Link,
+    RebalanceHook,
+    WindowConfig,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 L, E, G = 3, 8, 2
@@ -163,8 +170,7 @@ def recorded_hook(mode: str, shared: bool = True, steps: int = STEPS) -> Rebalan
     """Rank 0 of HG, run `steps` steps of skewed routing on every layer (one window a step).
     Under dispatch by load every rank is taken to have routed what rank 0 did."""
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="d",
+        link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
         num_layers=HL,
         num_logical=HE,

@@ -17,6 +17,7 @@ from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.metrics import SidecarMetrics
 from rebalancer.sidecar.pod import Pod
 from rebalancer.sidecar.upstream import Upstream
+from rebalancer.wire.link import Link
 from rebalancer.wire.shape import ClusterShape
 
 SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, expert_bytes=10)
@@ -34,7 +35,7 @@ def test_the_controllers_exposition_has_no_created_series(tmp_path: Path) -> Non
 
 
 def test_the_sidecars_exposition_has_no_created_series() -> None:
-    config = SidecarConfig(controller="c:1", ranks=(0, 1))
+    config = SidecarConfig(link=Link("c:1"), ranks=(0, 1))
     pod = Pod(config)
     metrics = SidecarMetrics(pod, Upstream(config, pod))
     metrics.plans.labels("committed").inc()

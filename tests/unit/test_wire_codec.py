@@ -109,8 +109,8 @@ def test_counts_at_the_edges_of_each_unscanned_check() -> None:
 
 
 def test_sent_windows_resume_from_the_controllers_cursor_and_drop_what_it_acked() -> None:
-    """The link bookkeeping of agents and sidecars (rebalancer.wire.link)."""
-    from rebalancer.wire.link import SentWindows
+    """The link bookkeeping of agents and sidecars (rebalancer.wire.delivery)."""
+    from rebalancer.wire.delivery import SentWindows
 
     sent = SentWindows()
     counts = np.ones((2, 3), np.int64)

@@ -56,9 +56,9 @@ from worker_hooks.examples.moe_cpu import (
 )
 from worker_hooks.hook import (
     CommitConfig,
-    Credentials,
     DispatchConfig,
     HookConfig,
+    Link,
     MigrationConfig,
     PlanDriver,
     PoolConfig,
@@ -281,8 +281,13 @@ def build_model(args: argparse.Namespace, device: torch.device) -> RankModel:
 def hook_config(args: argparse.Namespace, cfg: MoEConfig) -> HookConfig:
     """The hook's settings: who this rank is, the model's shape, and a section per job."""
     return HookConfig(
-        controller=args.controller,
-        deployment=args.deployment,
+        link=Link(
+            args.controller,
+            token=args.token,
+            deployment=args.deployment,
+            worker_id=f"cpu-worker-{os.getpid()}",
+            pool=args.pool,
+        ),
         rank=args.rank,
         num_layers=cfg.num_layers,
         num_logical=cfg.num_experts,
@@ -291,13 +296,11 @@ def hook_config(args: argparse.Namespace, cfg: MoEConfig) -> HookConfig:
         expert_bytes=cfg.expert_bytes,
         shared_expert=args.shared_expert,
         top_k=cfg.top_k,
-        worker_id=f"cpu-worker-{os.getpid()}",
-        credentials=Credentials(token=args.token),
         windows=WindowConfig(steps=args.window_steps),
         dispatch=DispatchConfig(mode=args.dispatch),
         commit=CommitConfig(agree_every=args.agree_every, spare_rows=args.spare_rows),
         migration=MigrationConfig(transport=args.transport),
-        pool=PoolConfig(name=args.pool, warm_start_seconds=args.warm_start_seconds),
+        pool=PoolConfig(warm_start_seconds=args.warm_start_seconds),
     )
 
 

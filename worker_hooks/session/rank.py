@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,6 +25,7 @@ import numpy as np
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.link import Link
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.session.agreement import NO_PLAN, all_reduce_min, held_everywhere, plan_digest
 from worker_hooks.session.book import PlanBook
@@ -36,34 +37,19 @@ log = logging.getLogger("worker_hooks.session")
 
 
 class LinkSettings(Protocol):
-    """The settings every engine adapter's config has (worker_hooks/engines/env.py `link`),
-    read only."""
+    """What every engine adapter's config has (worker_hooks/engines/env.py), read only."""
 
     @property
-    def address(self) -> str: ...
-    @property
-    def deployment(self) -> str: ...
-    @property
-    def token(self) -> str | None: ...
-    @property
-    def ca_file(self) -> str | None: ...
-    @property
-    def cert_file(self) -> str | None: ...
-    @property
-    def key_file(self) -> str | None: ...
-    @property
-    def worker_id(self) -> str: ...
-    @property
-    def pool(self) -> str: ...
+    def link(self) -> Link: ...
     @property
     def window_steps(self) -> int: ...
 
 
-def worker_identity(config: LinkSettings) -> str:
+def worker_identity(link: Link) -> str:
     """The worker id a rank registers with: the configured one or the host, and the pid
     always (the controller tells a restarted rank by it: a mixed placement clears only
     when the processes holding it are gone)."""
-    return f"{config.worker_id or socket.gethostname()} pid {os.getpid()}"
+    return f"{link.worker_id or socket.gethostname()} pid {os.getpid()}"
 
 
 def engine_agent(
@@ -79,16 +65,9 @@ def engine_agent(
     """An engine rank's agent (not started): one home for what an adapter registers with."""
     return WorkerAgent(
         AgentConfig(
-            config.address,
-            config.deployment,
+            replace(config.link, worker_id=worker_identity(config.link)),
             rank,
             shape,
-            worker_identity(config),
-            pool=config.pool,
-            token=config.token,
-            ca_file=config.ca_file,
-            cert_file=config.cert_file,
-            key_file=config.key_file,
             resized_from=resized_from,
         ),
         handlers,

@@ -8,7 +8,11 @@ import pytest
 from rebalancer.errors import InputError
 from rebalancer.wire.layout import logical_counts
 from tests.engines.env_recorder import EnvRecorder
-from worker_hooks.engines.sglang.config import DEFAULT_STAGING_BUDGET_BYTES, SGLangAdapterConfig
+from worker_hooks.engines.sglang.config import (
+    DEFAULT_DEPLOYMENT,
+    DEFAULT_STAGING_BUDGET_BYTES,
+    SGLangAdapterConfig,
+)
 from worker_hooks.session.staging import layer_groups, ticket, ticket_parts
 
 
@@ -24,14 +28,14 @@ def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:
         }
     )
     assert config is not None
-    assert (config.token, config.window_steps) == ("s3cret", 8)
+    assert (config.link.token, config.window_steps) == ("s3cret", 8)
     assert config.agree_every == SGLangAdapterConfig.agree_every
-    assert config.deployment == SGLangAdapterConfig.deployment
-    assert config.pool == ""
+    assert config.link.deployment == DEFAULT_DEPLOYMENT == "sglang"
+    assert config.link.pool == ""
     pooled = SGLangAdapterConfig.from_env(
         {"REBALANCER_ADDRESS": "127.0.0.1:1", "REBALANCER_POOL": "ds-v3"}
     )
-    assert pooled is not None and pooled.pool == "ds-v3"
+    assert pooled is not None and pooled.link.pool == "ds-v3"
     # auto by default (staged on gloo, SGLang's updater on NCCL); SGLang's own updater as a setting.
     assert (config.updater, config.staging_budget_bytes) == ("auto", DEFAULT_STAGING_BUDGET_BYTES)
     fallback = SGLangAdapterConfig.from_env(
@@ -83,14 +87,14 @@ def test_logical_counts_sum_replicas_per_layer() -> None:
     ("tls", "message"),
     [
         (
-            {"CERT_FILE": "cert", "KEY_FILE": "key"},
-            "REBALANCER_CERT_FILE and REBALANCER_KEY_FILE .* need REBALANCER_CA_FILE",
+            {"TLS_CERT": "cert", "TLS_KEY": "key"},
+            r"REBALANCER_TLS_CERT and REBALANCER_TLS_KEY: mutual TLS\) needs REBALANCER_TLS_CA",
         ),
         (
-            {"CA_FILE": "ca", "CERT_FILE": "cert"},
-            "mutual TLS needs both REBALANCER_CERT_FILE and REBALANCER_KEY_FILE",
+            {"TLS_CA": "ca", "TLS_CERT": "cert"},
+            r"mutual TLS needs both .* \(REBALANCER_TLS_CERT and REBALANCER_TLS_KEY\)",
         ),
-        ({"CA_FILE": "gone"}, "REBALANCER_CA_FILE .*gone: no such file"),
+        ({"TLS_CA": "gone"}, "REBALANCER_TLS_CA .*gone: no such file"),
     ],
 )
 def test_tls_settings_that_cannot_connect_are_refused_at_start(
@@ -115,17 +119,20 @@ def test_the_plugin_stays_off_with_one_line_on_bad_tls(tmp_path, monkeypatch, ca
     (tmp_path / "cert").write_text("x")
     (tmp_path / "key").write_text("x")
     monkeypatch.setenv("REBALANCER_ADDRESS", "127.0.0.1:1")
-    monkeypatch.setenv("REBALANCER_CERT_FILE", str(tmp_path / "cert"))
-    monkeypatch.setenv("REBALANCER_KEY_FILE", str(tmp_path / "key"))
-    monkeypatch.delenv("REBALANCER_CA_FILE", raising=False)
+    monkeypatch.setenv("REBALANCER_TLS_CERT", str(tmp_path / "cert"))
+    monkeypatch.setenv("REBALANCER_TLS_KEY", str(tmp_path / "key"))
+    for old in ("REBALANCER_CA_FILE", "REBALANCER_CERT_FILE", "REBALANCER_KEY_FILE"):
+        monkeypatch.delenv(old, raising=False)
+    monkeypatch.delenv("REBALANCER_TLS_CA", raising=False)
     monkeypatch.setattr(plugin, "_config", None)
     with caplog.at_level("INFO", logger="worker_hooks.engines.sglang"):
         plugin.register()  # SGLang is not imported: the plugin is off before that
     assert plugin._config is None
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
-        "rebalancer plugin off: REBALANCER_CERT_FILE and REBALANCER_KEY_FILE (mutual TLS) "
-        "need REBALANCER_CA_FILE, the controller's CA"
+        "rebalancer plugin off: a client certificate (REBALANCER_TLS_CERT and "
+        "REBALANCER_TLS_KEY: mutual TLS) needs REBALANCER_TLS_CA as well, the controller's CA "
+        "(TLS)"
     ]
 
 
@@ -169,9 +176,9 @@ def test_pool_and_warm_start_wait_from_env() -> None:
             "REBALANCER_WARM_START_SECONDS": "0.5",
         }
     )
-    assert config is not None and (config.pool, config.warm_start_seconds) == ("ds-v3", 0.5)
+    assert config is not None and (config.link.pool, config.warm_start_seconds) == ("ds-v3", 0.5)
     defaults = SGLangAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1"})
-    assert defaults is not None and (defaults.pool, defaults.warm_start_seconds) == ("", 3.0)
+    assert defaults is not None and (defaults.link.pool, defaults.warm_start_seconds) == ("", 3.0)
     for bad in ("-1", "inf", "nan"):
         with pytest.raises(
             InputError, match="REBALANCER_WARM_START_SECONDS must be >= 0 and finite"

@@ -20,6 +20,7 @@ from rebalancer.wire import codec
 from worker_hooks.engines.transformers import (
     AdapterConfig,
     ExpertParallelModel,
+    Link,
     attach,
     find_moe_blocks,
 )
@@ -47,8 +48,7 @@ def _wrapped(
     model = copy.deepcopy(reference)
     # Nothing listens on port 1: the agent is never started, plans come from the test.
     config = AdapterConfig(
-        controller="127.0.0.1:1",
-        deployment="t",
+        link=Link("127.0.0.1:1", deployment="t"),
         redundant_slots=REDUNDANT,
         spare_rows=SPARE,
         agree_every=2,
@@ -147,14 +147,14 @@ def test_grouped_compute_matches_per_pick_within_rounding() -> None:
 def test_bad_setups_are_refused_with_their_reason() -> None:
     reference = build_tiny_model("mixtral", seed=0, experts=EXPERTS)
     with pytest.raises(ValueError, match="redundant_slots and spare_rows must be >= 0"):
-        AdapterConfig(controller="x:1", deployment="t", spare_rows=-1)
+        AdapterConfig(Link("x:1", deployment="t"), spare_rows=-1)
     with pytest.raises(ValueError, match="expert_compute must be one of auto, per_pick, grouped"):
-        AdapterConfig(controller="x:1", deployment="t", expert_compute="fast")  # type: ignore[arg-type]
+        AdapterConfig(Link("x:1", deployment="t"), expert_compute="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="has no MoE block"):
         attach(
             torch.nn.Sequential(torch.nn.Linear(2, 2)),
-            AdapterConfig(controller="x:1", deployment="t"),
+            AdapterConfig(Link("x:1", deployment="t")),
         )
-    attach(reference, AdapterConfig(controller="127.0.0.1:1", deployment="t"))
+    attach(reference, AdapterConfig(Link("127.0.0.1:1", deployment="t")))
     with pytest.raises(ValueError, match="already attached"):
-        attach(reference, AdapterConfig(controller="127.0.0.1:1", deployment="t"))
+        attach(reference, AdapterConfig(Link("127.0.0.1:1", deployment="t")))

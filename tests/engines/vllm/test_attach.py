@@ -8,10 +8,11 @@ import types
 
 import pytest
 
+from rebalancer.wire.link import Link
 from worker_hooks.engines.vllm import plugin
 from worker_hooks.engines.vllm.config import VLLMAdapterConfig
 
-CONFIG = VLLMAdapterConfig(address="127.0.0.1:1")
+CONFIG = VLLMAdapterConfig(Link("127.0.0.1:1", deployment="vllm"))
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from rebalancer.errors import InputError
+from rebalancer.wire.link import Link
 from tests.engines.env_recorder import EnvRecorder
 from tests.engines.vllm import vllm_env
 from worker_hooks.engines.vllm.config import VLLMAdapterConfig
@@ -55,7 +56,9 @@ def test_config_from_env() -> None:
             "REBALANCER_COUNT_DUPLICATES": "4",
         }
     )
-    assert config == VLLMAdapterConfig("unix:/s", window_steps=8, count_duplicates=4)
+    assert config == VLLMAdapterConfig(
+        Link("unix:/s", deployment="vllm"), window_steps=8, count_duplicates=4
+    )
     with pytest.raises(InputError, match="REBALANCER_WINDOW_STEPS='x' is not an integer"):
         VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_WINDOW_STEPS": "x"})
     with pytest.raises(InputError, match="COUNT_DUPLICATES must be >= 1"):
@@ -68,14 +71,14 @@ def test_config_from_env() -> None:
     ("tls", "message"),
     [
         (
-            {"CERT_FILE": "cert", "KEY_FILE": "key"},
-            "REBALANCER_CERT_FILE and REBALANCER_KEY_FILE .* need REBALANCER_CA_FILE",
+            {"TLS_CERT": "cert", "TLS_KEY": "key"},
+            r"REBALANCER_TLS_CERT and REBALANCER_TLS_KEY: mutual TLS\) needs REBALANCER_TLS_CA",
         ),
         (
-            {"CA_FILE": "ca", "KEY_FILE": "key"},
-            "mutual TLS needs both REBALANCER_CERT_FILE and REBALANCER_KEY_FILE",
+            {"TLS_CA": "ca", "TLS_KEY": "key"},
+            r"mutual TLS needs both .* \(REBALANCER_TLS_CERT and REBALANCER_TLS_KEY\)",
         ),
-        ({"CA_FILE": "gone"}, "REBALANCER_CA_FILE .*gone: no such file"),
+        ({"TLS_CA": "gone"}, "REBALANCER_TLS_CA .*gone: no such file"),
     ],
 )
 def test_tls_settings_that_cannot_connect_are_refused_at_start(
@@ -93,7 +96,7 @@ def test_tls_settings_that_cannot_connect_are_refused_at_start(
         VLLMAdapterConfig.from_env(env)
     ok = {
         "REBALANCER_ADDRESS": "127.0.0.1:1",
-        **{f"REBALANCER_{n.upper()}_FILE": str(tmp_path / n) for n in ("ca", "cert", "key")},
+        **{f"REBALANCER_TLS_{n.upper()}": str(tmp_path / n) for n in ("ca", "cert", "key")},
     }
     assert VLLMAdapterConfig.from_env(ok) is not None
 
@@ -106,9 +109,9 @@ def test_pool_and_warm_start_wait_from_env() -> None:
             "REBALANCER_WARM_START_SECONDS": "0.5",
         }
     )
-    assert config is not None and (config.pool, config.warm_start_seconds) == ("ds-v3", 0.5)
+    assert config is not None and (config.link.pool, config.warm_start_seconds) == ("ds-v3", 0.5)
     defaults = VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1"})
-    assert defaults is not None and (defaults.pool, defaults.warm_start_seconds) == ("", 3.0)
+    assert defaults is not None and (defaults.link.pool, defaults.warm_start_seconds) == ("", 3.0)
     for bad in ("-1", "inf", "nan"):
         with pytest.raises(
             InputError, match="REBALANCER_WARM_START_SECONDS must be >= 0 and finite"

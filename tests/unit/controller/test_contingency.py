@@ -26,6 +26,7 @@ from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
 from rebalancer.placement import logcnt_of
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.link import Link
 from rebalancer.wire.shape import ClusterShape
 from tests.unit.controller.test_controller import FakeClock
 from tests.unit.worker_hooks.test_agent_buffer import NoPlans
@@ -177,7 +178,9 @@ def test_declared_scale_downs_are_planned_on_the_tail_nodes_stored_and_told(tmp_
     assert f"{worst} {min(loss.balancedness for loss in downs)!r}" in text
     # told to the ranks like the other losses: a rank's survivor_map finds it by lost ranks
     assert [t.loss.lost for t in told if t.loss.kind == "scale_down"] == [(6, 7), (4, 5, 6, 7)]
-    agent = WorkerAgent(AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape()), NoPlans(), lambda: 0)
+    agent = WorkerAgent(
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape()), NoPlans(), lambda: 0
+    )
     for t in told:
         agent._deliver(
             pb.ControllerMessage(planned_loss=planned_loss_msg(t.loss, t.version, t.set_size))

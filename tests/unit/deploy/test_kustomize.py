@@ -401,7 +401,7 @@ def sidecar_checks(template: dict[str, Any], kind: str) -> None:
     assert {e["name"]: e["value"] for e in engine["env"]}["REBALANCER_ADDRESS"] == args.listen
     # Credentials: files of the sidecar only; the engine sees no secret at all.
     files = projected_files(spec, sidecar)
-    for flag in (args.token_file, args.ca, args.cert, args.key):
+    for flag in (args.token_file, args.ca_file, args.cert_file, args.key_file):
         assert flag in files and files[flag][0].startswith("rebalancer-"), flag
     secret_volumes = {n for n, v in volumes.items() if "secret" in repr(v)}
     for c in spec["containers"]:
@@ -507,6 +507,7 @@ def test_one_sidecar_in_every_patch() -> None:
 def test_empty_credentials_turn_tls_and_token_off() -> None:
     """What components/sidecar documents for a dev controller: REBALANCER_TLS_CA/CERT/KEY
     and REBALANCER_TOKEN_FILE set to "" give a sidecar without TLS or token upstream."""
+    from rebalancer.cli.sidecar_cmd import link_of
     from rebalancer.sidecar.config import SidecarConfig, parse_ranks
 
     (patch,) = documents(COMPONENTS / "sidecar" / "pod-patch.yaml")
@@ -521,13 +522,9 @@ def test_empty_credentials_turn_tls_and_token_off() -> None:
     args = build_parser().parse_args([expand(a, env) for a in sidecar["args"]])
     # As `rebalancer sidecar` builds its config from the flags (rebalancer/cli/sidecar_cmd.py).
     config = SidecarConfig(
-        controller=env["REBALANCER_CONTROLLER"],
+        link=link_of(args, env),
         ranks=parse_ranks(args.ranks),
         listen=args.listen,
-        ca_file=args.ca,
-        cert_file=args.cert,
-        key_file=args.key,
-        token_file=args.token_file,
         metrics_port=args.metrics_port,
     )
     channel = config.channel()
@@ -576,6 +573,7 @@ def test_the_sidecar_starts_whichever_credential_secrets_exist(
     depends on a Secret. With the client TLS Secret alone (the prod overlay's mutual TLS,
     no [worker_tokens]) it has all it needs: TLS credentials and no token; with none it
     still starts, and its connection attempts report the missing file."""
+    from rebalancer.cli.sidecar_cmd import link_of
     from rebalancer.errors import InputError
     from rebalancer.sidecar.config import SidecarConfig, parse_ranks
 
@@ -598,13 +596,9 @@ def test_the_sidecar_starts_whichever_credential_secrets_exist(
     env = {k: v.replace(root, str(tmp_path)) for k, v in env.items()}
     args = build_parser().parse_args([expand(a, env) for a in sidecar["args"]])
     config = SidecarConfig(
-        controller=env["REBALANCER_CONTROLLER"],
+        link=link_of(args, env),
         ranks=parse_ranks(args.ranks),
         listen=args.listen,
-        ca_file=args.ca,
-        cert_file=args.cert,
-        key_file=args.key,
-        token_file=args.token_file,
         metrics_port=args.metrics_port,
     )  # started: no raise
     if "rebalancer-client-tls" not in present:

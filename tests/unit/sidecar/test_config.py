@@ -21,6 +21,7 @@ from rebalancer.sidecar.config import (
     pod_identity,
     socket_path,
 )
+from rebalancer.wire.link import Link
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -68,29 +69,32 @@ def test_listen_must_be_an_absolute_unix_socket() -> None:
 
 
 def test_config_is_checked_with_one_line_errors(tmp_path: Path) -> None:
-    ok = SidecarConfig(controller="c:1", ranks=(0, 1))
+    ok = SidecarConfig(link=Link("c:1"), ranks=(0, 1))
     assert ok.modes == (0o750, 0o660) and ok.channel().token is None
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     assert SidecarConfig(
-        controller="c:1", ranks=(0,), token_file=str(token)
+        link=Link("c:1", token_file=str(token)), ranks=(0,)
     ).channel().metadata() == (("authorization", "Bearer s3cret"),)
     for kw, words in (
-        (dict(controller=""), "controller"),
+        (dict(link=Link("")), "controller"),
         (dict(ranks=()), "ranks"),
         (dict(ranks=(1, 1)), "distinct"),
         (dict(max_buffered_windows=0), "buffered"),
-        (dict(cert_file=str(token), key_file=str(token)), "needs --ca"),
-        (dict(ca_file=str(token), cert_file=str(token)), "both a client certificate and its key"),
+        (dict(link=Link("c:1", cert_file=str(token), key_file=str(token))), "needs --ca"),
+        (
+            dict(link=Link("c:1", ca_file=str(token), cert_file=str(token))),
+            "both a client certificate and its key",
+        ),
         (dict(socket_access="world"), "socket access"),
-        (dict(controller="notahost:xx"), "port 'xx' is not a number"),
-        (dict(controller="rebalancer"), "must be host:port"),
-        (dict(controller="a b:50051"), "not a host name"),
+        (dict(link=Link("notahost:xx")), "port 'xx' is not a number"),
+        (dict(link=Link("rebalancer")), "must be host:port"),
+        (dict(link=Link("a b:50051")), "not a host name"),
         (dict(metrics_port=70000), "metrics port must be a port number"),
         (dict(metrics_port=-3), "metrics port must be a port number"),
     ):
         with pytest.raises(InputError, match=words):
-            SidecarConfig(**{"controller": "c:1", "ranks": (0,), **kw})  # type: ignore[arg-type]
+            SidecarConfig(**{"link": Link("c:1"), "ranks": (0,), **kw})  # type: ignore[arg-type]
 
 
 def test_credential_files_are_read_at_each_connection_not_at_start(tmp_path: Path) -> None:
@@ -99,7 +103,7 @@ def test_credential_files_are_read_at_each_connection_not_at_start(tmp_path: Pat
     error of the connection attempt, not of the start."""
     token = tmp_path / "token"
     config = SidecarConfig(
-        controller="c:1", ranks=(0,), token_file=str(token), ca_file=str(tmp_path / "ca.crt")
+        link=Link("c:1", ca_file=str(tmp_path / "ca.crt"), token_file=str(token)), ranks=(0,)
     )
     assert config.token_missing() == f"{token}: no such file (worker token)"
     with pytest.raises(InputError, match="ca.crt: no such file"):
@@ -112,7 +116,7 @@ def test_credential_files_are_read_at_each_connection_not_at_start(tmp_path: Pat
     assert config.token_missing() == "" and channel.metadata() == (
         ("authorization", "Bearer s3cret"),
     )
-    bare = SidecarConfig(controller="c:1", ranks=(0,), token_file=str(tmp_path / "none"))
+    bare = SidecarConfig(link=Link("c:1", token_file=str(tmp_path / "none")), ranks=(0,))
     assert bare.channel().metadata() == () and "no such file" in bare.token_missing()
 
 

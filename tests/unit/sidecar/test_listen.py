@@ -19,6 +19,7 @@ from rebalancer.errors import InputError
 from rebalancer.sidecar import listen
 from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.daemon import Sidecar
+from rebalancer.wire.link import Link
 
 
 @pytest.fixture
@@ -116,7 +117,7 @@ def test_claim_never_takes_a_live_socket_that_is_not_a_sidecars(short_dir: Path)
 def test_sidecar_serves_health_on_a_socket_born_restricted(short_dir: Path) -> None:
     path = short_dir / "s" / "agent.sock"
     config = SidecarConfig(
-        controller="127.0.0.1:1",
+        link=Link("127.0.0.1:1"),
         ranks=(0, 1),
         listen=f"unix://{path}",
         socket_access="owner",
@@ -232,7 +233,7 @@ def test_no_lock_file_outlives_its_holder(short_dir: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         config = SidecarConfig(
-            controller="127.0.0.1:1",
+            link=Link("127.0.0.1:1"),
             ranks=(0,),
             listen=f"unix://{path}",
             metrics_host="127.0.0.1",

@@ -9,6 +9,7 @@ from rebalancer.errors import StateError
 from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.link import Link
 
 SHAPE = pb.ModelShape(
     num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, expert_bytes=8
@@ -22,7 +23,7 @@ def request(rank: int, mode: str, top_k: int) -> pb.RegisterRequest:
 
 
 def test_the_group_request_carries_the_ranks_mode_and_top_k() -> None:
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     pod.register(request(0, "load+shared", 0))  # top_k 0: this rank does not know
     pod.register(request(1, "load+shared", 4))
     sent = pod.group_request()
@@ -30,7 +31,7 @@ def test_the_group_request_carries_the_ranks_mode_and_top_k() -> None:
 
 
 def test_no_mode_is_split_upstream() -> None:
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     pod.register(request(0, "", 0))
     pod.register(request(1, "split", 0))  # the same: split
     assert (pod.group_request().dispatch_mode, pod.group_request().top_k) == ("split", 0)
@@ -52,7 +53,7 @@ def test_no_mode_is_split_upstream() -> None:
 def test_a_rank_that_disagrees_is_refused_and_changes_nothing(
     second: tuple[str, int], code: str, match: str
 ) -> None:
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     pod.register(request(0, "load+shared", 4))
     with pytest.raises(StateError, match=match) as err:
         pod.register(request(1, *second))

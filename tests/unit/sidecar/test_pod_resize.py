@@ -15,6 +15,7 @@ from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.link import Link
 
 OLD = pb.ModelShape(
     num_layers=2,
@@ -46,7 +47,7 @@ class Clock:
 
 def pod_of_ranks_2_3() -> tuple[Pod, Clock]:
     clock = Clock()
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(2, 3)), clock=clock)
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(2, 3)), clock=clock)
     for rank in (2, 3):
         answer = pod.register(
             pb.RegisterRequest(

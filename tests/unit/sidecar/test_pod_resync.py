@@ -12,6 +12,7 @@ from rebalancer.errors import StateError
 from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.link import Link
 
 SHAPE = pb.ModelShape(
     num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, expert_bytes=8
@@ -27,7 +28,7 @@ def register(pod: Pod, rank: int, version: int) -> str:
 
 
 def test_ranks_restarted_on_an_older_version_register_the_group_again() -> None:
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     sessions = [register(pod, rank, 0) for rank in (0, 1)]
     assert pod.upstream_ready() and pod.group_request().placement_version == 0
     pod.registered_upstream(pb.RegisterResponse(session_id="up", committed=pb.Placement(version=3)))
@@ -47,7 +48,7 @@ def test_ranks_restarted_on_an_older_version_register_the_group_again() -> None:
 
 
 def test_a_rank_that_only_reconnects_keeps_the_group_session() -> None:
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     sessions = [register(pod, rank, 0) for rank in (0, 1)]
     pod.registered_upstream(pb.RegisterResponse(session_id="up", committed=pb.Placement(version=0)))
     pod.detach(pod.session(sessions[0]))
@@ -58,7 +59,7 @@ def test_a_rank_that_only_reconnects_keeps_the_group_session() -> None:
 def test_a_rank_restarted_as_a_new_process_registers_the_group_again() -> None:
     """Same version, new process (a group restarted before a commit it had been sent could
     switch): the controller must hear of it to finish that plan (plans.Plans.registered)."""
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     sessions = []
     for rank in (0, 1):
         reply = pod.register(
@@ -78,7 +79,7 @@ def test_a_switch_the_relay_no_longer_follows_is_told_upstream_once() -> None:
     their COMMITTED reports stopped at the sidecar (v3 was the relay's plan). The
     controller stayed at v1 and every later plan failed on every rank ("plan is based on
     v1, rank serves v2") until a reconnection. Now the pod tells the controller once."""
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     sessions = [register(pod, rank, 1) for rank in (0, 1)]
     pod.registered_upstream(pb.RegisterResponse(session_id="up", committed=pb.Placement(version=1)))
     pod.from_controller(pb.ControllerMessage(prepare=pb.Prepare(version=2, base_version=1)))
@@ -102,7 +103,7 @@ def test_a_switch_the_relay_no_longer_follows_is_told_upstream_once() -> None:
 def test_the_group_identity_names_the_ranks_processes() -> None:
     """The controller clears a mixed placement (a plan applied in part) only when the
     ranks holding it are gone: behind a sidecar it tells that from the group's worker id."""
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     sessions = []
     for rank in (0, 1):
         reply = pod.register(
@@ -132,7 +133,7 @@ def test_ranks_that_learn_their_expert_bytes_register_the_group_again() -> None:
     early = pb.ModelShape()
     early.CopyFrom(SHAPE)
     early.expert_bytes = 0
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     sessions = []
     for rank in (0, 1):
         reply = pod.register(

@@ -11,6 +11,7 @@ from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.link import Link
 
 SHAPE = pb.ModelShape(
     num_layers=2, num_logical_experts=4, num_physical_slots=6, num_gpus=2, expert_bytes=8
@@ -42,7 +43,7 @@ def window(pod: Pod, sid: str, seq: int, serving: tuple[int, int]) -> None:
 
 
 def test_the_pod_states_a_placement_only_when_every_rank_states_it() -> None:
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     (s0, _), (s1, _) = attach(pod, 0), attach(pod, 1)
     assert pod.statement() == (0, 0)  # registered: the version, no digest yet
     window(pod, s0, 0, (3, 77))
@@ -56,7 +57,7 @@ def test_the_pod_states_a_placement_only_when_every_rank_states_it() -> None:
 
 
 def test_planned_losses_reach_every_rank_and_one_that_comes_later() -> None:
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0, 1)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0, 1)))
     _, got0 = attach(pod, 0)
     for lost, base in (((0,), 4), ((1,), 4)):
         pod.from_controller(
@@ -83,7 +84,7 @@ def test_planned_losses_reach_every_rank_and_one_that_comes_later() -> None:
 def test_reports_of_ranks_that_restarted_are_dropped() -> None:
     """Seed 213 of the short campaign: a COMMITTED queued here before the group restarted
     reached the controller after the group came back on v0."""
-    pod = Pod(SidecarConfig(controller="127.0.0.1:1", ranks=(0,)))
+    pod = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(0,)))
     sid, _ = attach(pod, 0, 9)
     pod.registered_upstream(pb.RegisterResponse(session_id="up", committed=pb.Placement(version=9)))
     pod.reports.append(pb.PlanReport(version=10, phase=pb.PLAN_PHASE_COMMITTED))  # not sent yet

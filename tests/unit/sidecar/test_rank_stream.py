@@ -15,6 +15,7 @@ from rebalancer.sidecar.config import SidecarConfig
 from rebalancer.sidecar.daemon import Sidecar
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.link import Link
 
 
 @pytest.mark.parametrize(
@@ -29,7 +30,7 @@ def test_a_stream_that_does_not_open_with_hello_is_refused(first: pb.WorkerMessa
     async def run() -> tuple[grpc.StatusCode, str, int]:
         with tempfile.TemporaryDirectory(prefix="sc", dir="/tmp") as d:
             config = SidecarConfig(
-                controller="127.0.0.1:1", ranks=(0, 1), listen=f"unix://{Path(d)}/agent.sock"
+                link=Link("127.0.0.1:1"), ranks=(0, 1), listen=f"unix://{Path(d)}/agent.sock"
             )
             sidecar = Sidecar(config)
             await sidecar.start()

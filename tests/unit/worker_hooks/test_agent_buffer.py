@@ -10,6 +10,7 @@ import pytest
 
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.link import Link
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
 
@@ -23,7 +24,9 @@ class NoPlans:
 
 def test_pending_windows_merge_beyond_the_bound() -> None:
     agent = WorkerAgent(
-        AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(), max_pending=8), NoPlans(), lambda: 0
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape(), max_pending=8),
+        NoPlans(),
+        lambda: 0,
     )
     rng = np.random.default_rng(1)
     total = np.zeros((3, 5), np.int64)
@@ -55,7 +58,9 @@ class Recorder(NoPlans):
 
 def test_each_controller_message_reaches_its_handler() -> None:
     handlers = Recorder()
-    agent = WorkerAgent(AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape()), handlers, lambda: 0)
+    agent = WorkerAgent(
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape()), handlers, lambda: 0
+    )
     agent._sent.unacked = {0: pb.Window(seq=0), 1: pb.Window(seq=1), 2: pb.Window(seq=2)}
     for msg in (
         pb.ControllerMessage(window_ack=pb.WindowAck(seq=1)),
@@ -71,11 +76,15 @@ def test_each_controller_message_reaches_its_handler() -> None:
 
 def test_bad_agent_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="max_pending must be >= 1"):
-        AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(), max_pending=0)
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape(), max_pending=0)
     with pytest.raises(ValueError, match="rpc_timeout_seconds must be > 0"):
-        AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(), rpc_timeout_seconds=0.0)
+        AgentConfig(
+            Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape(), rpc_timeout_seconds=0.0
+        )
     with pytest.raises(ValueError, match="backoff_max_seconds"):
-        AgentConfig("127.0.0.1:1", "d", 0, pb.ModelShape(), backoff_max_seconds=0.1)
+        AgentConfig(
+            Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape(), backoff_max_seconds=0.1
+        )
 
 
 def test_tls_settings_that_cannot_connect_are_refused_at_start(tmp_path) -> None:
@@ -84,14 +93,16 @@ def test_tls_settings_that_cannot_connect_are_refused_at_start(tmp_path) -> None
     (tmp_path / "cert").write_text("x")
     (tmp_path / "key").write_text("x")
     config = AgentConfig(
-        "127.0.0.1:1",
-        "d",
+        Link(
+            "127.0.0.1:1",
+            deployment="d",
+            cert_file=str(tmp_path / "cert"),
+            key_file=str(tmp_path / "key"),
+        ),
         0,
         pb.ModelShape(),
-        cert_file=str(tmp_path / "cert"),
-        key_file=str(tmp_path / "key"),
     )
-    with pytest.raises(InputError, match="a client certificate needs --ca as well"):
+    with pytest.raises(InputError, match="a client certificate .* needs --ca as well"):
         WorkerAgent(config, NoPlans(), lambda: 0)
 
 
@@ -101,11 +112,9 @@ def test_the_agent_outlives_a_certificate_file_gone_after_start(tmp_path, caplog
     ca = tmp_path / "ca.pem"
     ca.write_text("not read until the connect\n")
     config = AgentConfig(
-        "127.0.0.1:1",
-        "d",
+        Link("127.0.0.1:1", deployment="d", ca_file=str(ca)),
         0,
         pb.ModelShape(),
-        ca_file=str(ca),
         backoff_initial_seconds=0.01,
         backoff_max_seconds=0.02,
     )
@@ -149,8 +158,7 @@ def test_a_stream_that_ends_under_a_write_is_a_lost_link(tmp_path, monkeypatch) 
     shape = pb.ModelShape(num_layers=1, num_logical_experts=4, num_physical_slots=4, num_gpus=1)
     agent = WorkerAgent(
         AgentConfig(
-            ctl.server.address,
-            "d",
+            Link(ctl.server.address, deployment="d"),
             0,
             shape,
             backoff_initial_seconds=0.01,

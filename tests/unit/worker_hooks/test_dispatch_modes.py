@@ -13,7 +13,7 @@ import torch
 from rebalancer.placement.metrics import dispatch_allocation, gpu_replicas
 from rebalancer.wire.layout import log2phy_of, trivial_placement
 from worker_hooks.dispatch import ReplicaDispatch
-from worker_hooks.hook import DispatchConfig, HookConfig, RebalanceHook
+from worker_hooks.hook import DispatchConfig, HookConfig, Link, RebalanceHook
 
 G, E, P, L, T, K = 4, 16, 24, 3, 40, 3
 
@@ -124,8 +124,7 @@ def test_map_swap_updates_the_load_tables_in_place() -> None:
 
 def hook(mode: str, shared: bool) -> RebalanceHook:
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="t",
+        link=Link("127.0.0.1:1", deployment="t"),
         rank=0,
         num_layers=L,
         num_logical=E,

@@ -58,14 +58,15 @@ def test_addresses_the_sidecar_takes_are_taken(adapter, address: str) -> None:  
     config = adapter.from_env(
         {"REBALANCER_ADDRESS": address, "REBALANCER_WINDOW_STEPS": str(2**32 - 1)}
     )
-    assert config is not None and config.address == address and config.window_steps == 2**32 - 1
+    assert config is not None and config.link.address == address
+    assert config.window_steps == 2**32 - 1
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
 def test_the_sidecars_tls_names_mean_the_same_files(adapter, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """REBALANCER_TLS_CA/_CERT/_KEY (the sidecar's names) copied into an engine's settings
-    mean TLS there too, never plain text; two names for one setting that disagree are
-    refused in one line (issue 31)."""
+    """REBALANCER_TLS_CA/_CERT/_KEY, the sidecar's names, are the engines' too (one table:
+    rebalancer.wire.link.LINK_ENV); the engines' old names still mean TLS, never plain
+    text, and an old and a new name that disagree are refused in one line (issue 31)."""
     files = {}
     for name in ("ca", "cert", "key"):
         files[name] = tmp_path / f"{name}.pem"
@@ -79,13 +80,13 @@ def test_the_sidecars_tls_names_mean_the_same_files(adapter, tmp_path) -> None: 
             "REBALANCER_TLS_KEY": str(files["key"]),
         }
     )
-    assert (config.ca_file, config.cert_file, config.key_file) == (
+    assert (config.link.ca_file, config.link.cert_file, config.link.key_file) == (
         str(files["ca"]),
         str(files["cert"]),
         str(files["key"]),
     )
     with pytest.raises(
-        InputError, match="REBALANCER_CA_FILE=.* and REBALANCER_TLS_CA=.* name different files"
+        InputError, match="REBALANCER_CA_FILE=.* and REBALANCER_TLS_CA=.* set one setting twice"
     ) as info:
         adapter.from_env(
             {

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from rebalancer.placement import transfers, trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
-from worker_hooks.hook import CommitConfig, HookConfig, RebalanceHook, WindowConfig
+from worker_hooks.hook import CommitConfig, HookConfig, Link, RebalanceHook, WindowConfig
 
 L, E, P, G = 2, 4, 6, 2
 COMMIT_AT = {0: 2, 1: 9}
@@ -36,8 +36,7 @@ def _rank(rank: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rdzv", rank=rank, world_size=G)
     try:
         config = HookConfig(
-            controller="127.0.0.1:1",
-            deployment="d",
+            link=Link("127.0.0.1:1", deployment="d"),
             rank=rank,
             num_layers=L,
             num_logical=E,

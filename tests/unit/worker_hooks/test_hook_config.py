@@ -11,15 +11,14 @@ from typing import Literal, get_args, get_origin, get_type_hints
 import pytest
 
 from worker_hooks import config as config_module
-from worker_hooks.config import DispatchConfig, HookConfig, MigrationConfig, WindowConfig
+from worker_hooks.config import DispatchConfig, HookConfig, Link, MigrationConfig, WindowConfig
 
-SECTIONS = ("credentials", "windows", "dispatch", "commit", "migration", "pool")
+SECTIONS = ("windows", "dispatch", "commit", "migration", "pool")
 
 
 def _hook_config() -> HookConfig:
     return HookConfig(
-        controller="127.0.0.1:1",
-        deployment="d",
+        link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
         num_layers=2,
         num_logical=4,
@@ -66,7 +65,7 @@ def test_sections_and_choices_are_checked_by_name() -> None:
 
 
 @pytest.mark.parametrize(
-    ("controller", "message"),
+    ("address", "message"),
     [
         (
             "notahost:xx",
@@ -76,17 +75,18 @@ def test_sections_and_choices_are_checked_by_name() -> None:
         ("a b:50051", "'a b' is not a host name or IP address"),
     ],
 )
-def test_a_controller_address_grpc_cannot_use_is_refused(controller: str, message: str) -> None:
+def test_a_controller_address_grpc_cannot_use_is_refused(address: str, message: str) -> None:
     """Issue 34: an address gRPC would only fail on at every connection attempt is refused
     when the hook is configured, by name, as the sidecar refuses its --controller and the
     engines their REBALANCER_ADDRESS (one rule: wire.channel.check_address)."""
     with pytest.raises(ValueError) as info:
-        dataclasses.replace(_hook_config(), controller=controller)
-    assert str(info.value).startswith("HookConfig.controller: ") and message in str(info.value), (
+        dataclasses.replace(_hook_config(), link=Link(address, deployment="d"))
+    assert str(info.value).startswith("HookConfig.link.address: ") and message in str(info.value), (
         str(info.value)
     )
     for good in ("unix:///run/rebalancer/agent.sock", "rebalancer.ns.svc:50051", "[::1]:50051"):
-        assert dataclasses.replace(_hook_config(), controller=good).controller == good
+        config = dataclasses.replace(_hook_config(), link=Link(good, deployment="d"))
+        assert config.link.address == good
 
 
 def test_a_window_longer_than_the_wire_carries_is_refused() -> None:

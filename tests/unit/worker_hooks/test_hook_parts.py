@@ -9,7 +9,7 @@ import types
 import torch
 
 from rebalancer.placement import trivial_placement
-from worker_hooks.hook import HookConfig, RebalanceHook
+from worker_hooks.hook import HookConfig, Link, RebalanceHook
 from worker_hooks.plans import PlanDriver
 
 L, E, P, G = 2, 4, 8, 2
@@ -37,8 +37,7 @@ def test_the_agent_reaches_the_plan_driver_not_the_hook() -> None:
     """The hook and its agent held each other (the hook was the agent's PlanHandlers and
     its version callback a closure over the hook)."""
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="d",
+        link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
         num_layers=L,
         num_logical=E,

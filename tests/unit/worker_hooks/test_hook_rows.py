@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from rebalancer.placement import trivial_placement
-from worker_hooks.hook import CommitConfig, HookConfig, MigrationConfig, RebalanceHook, WindowConfig
+from worker_hooks.hook import (
+    CommitConfig,
+    HookConfig,
+    Link,
+    MigrationConfig,
+    RebalanceHook,
+    WindowConfig,
+)
 from worker_hooks.plans import dispatch_map
 from worker_hooks.transports.ipc import IpcTransport
 
@@ -20,8 +27,7 @@ S = P // G
 
 def test_rows_are_dispatched_and_counts_reported_by_slot() -> None:
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="d",
+        link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
         num_layers=L,
         num_logical=E,
@@ -57,8 +63,7 @@ def test_rows_are_dispatched_and_counts_reported_by_slot() -> None:
 
 def test_weights_without_the_spare_rows_are_refused() -> None:
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="d",
+        link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
         num_layers=L,
         num_logical=E,
@@ -81,8 +86,7 @@ def test_weights_without_the_spare_rows_are_refused() -> None:
 
 def test_bad_hook_settings_are_refused_by_name() -> None:
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="d",
+        link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
         num_layers=L,
         num_logical=E,
@@ -116,8 +120,7 @@ def test_wrong_types_are_refused_at_construction_with_what_was_given() -> None:
     `RuntimeError: Boolean value of Tensor ... is ambiguous` deep in the executor): a
     TypeError or ValueError that names the argument and what it got, before any thread."""
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="d",
+        link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
         num_layers=L,
         num_logical=E,
@@ -155,8 +158,12 @@ def test_wrong_types_are_refused_at_construction_with_what_was_given() -> None:
             RebalanceHook(*args, None, None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="HookConfig.num_layers must be an int, got str '2'"):
         dataclasses.replace(config, num_layers="2")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="HookConfig.controller must be a non-empty str, got None"):
-        dataclasses.replace(config, controller=None)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match="HookConfig.link.address must be a non-empty str, got None"
+    ):
+        dataclasses.replace(config, link=Link(None, deployment="d"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="HookConfig.link must be a Link, got str"):
+        dataclasses.replace(config, link="127.0.0.1:1")  # type: ignore[arg-type]
     assert (
         dataclasses.replace(config, num_layers=np.int64(L)).num_layers == L
     )  # numpy ints are ints

@@ -17,7 +17,14 @@ import torch.distributed as dist
 from rebalancer.placement import transfers, trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
-from worker_hooks.hook import CommitConfig, HookConfig, PlanDriver, RebalanceHook, WindowConfig
+from worker_hooks.hook import (
+    CommitConfig,
+    HookConfig,
+    Link,
+    PlanDriver,
+    RebalanceHook,
+    WindowConfig,
+)
 
 L, E, P, G = 2, 4, 6, 1
 
@@ -35,8 +42,7 @@ def one_rank_hook(
     """A hook of rank 0 of 1 whose plans a `plans` drives (gloo WORLD initialised by the
     test), its placement and a plan's placement (every layer's slots rolled by one)."""
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="d",
+        link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
         num_layers=L,
         num_logical=E,
@@ -68,8 +74,7 @@ def test_a_prepare_while_switching_is_refused_and_the_switch_completes(tmp_path:
 
 def switch_completes() -> None:
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="d",
+        link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
         num_layers=L,
         num_logical=E,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from rebalancer.placement import trivial_placement
 from tests.unit.worker_hooks.test_hook_switching import E, L, P, prepare
-from worker_hooks.hook import CommitConfig, HookConfig, RebalanceHook, WindowConfig
+from worker_hooks.hook import CommitConfig, HookConfig, Link, RebalanceHook, WindowConfig
 
 SPARE = 2
 STEPS_V0, STEPS_V1 = 3, 2
@@ -40,8 +40,7 @@ def test_a_commit_closes_the_window_of_the_placement_it_leaves(tmp_path: Path) -
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
         config = HookConfig(
-            controller="127.0.0.1:1",
-            deployment="d",
+            link=Link("127.0.0.1:1", deployment="d"),
             rank=0,
             num_layers=L,
             num_logical=E,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import worker_hooks
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.link import Link
 from worker_hooks.session import windows
 from worker_hooks.session.agreement import NO_PLAN, plan_digest
 from worker_hooks.session.book import PlanBook
@@ -28,23 +29,18 @@ START = np.array([[0, 1, 2, 0], [2, 1, 0, 1]], dtype=np.int64)
 PLAN = np.array([[0, 1, 2, 2], [2, 1, 0, 0]], dtype=np.int64)
 
 
-class Link:
-    address, deployment, token, ca_file, cert_file, key_file = (
-        "localhost:1",
-        "d",
-        None,
-        None,
-        None,
-        None,
-    )
-    worker_id, pool, window_steps = "w", "", 4
+class Settings:
+    """What an engine adapter's config gives the session (session.rank.LinkSettings)."""
+
+    link = Link("localhost:1", deployment="d", worker_id="w")
+    window_steps = 4
 
 
 def session() -> RankSession:
     shape = pb.ModelShape(
         num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=1, num_nodes=1
     )
-    return RankSession(Link(), 0, shape, START, SessionStats())
+    return RankSession(Settings(), 0, shape, START, SessionStats())
 
 
 def windows_of(s: RankSession) -> list[tuple[int, int, int, list, list | None]]:
@@ -182,7 +178,7 @@ def test_a_switch_is_agreed_only_on_the_map_the_plan_was_built_on(one_rank_group
 def test_the_worker_identity_carries_the_pid() -> None:
     import os
 
-    assert worker_identity(Link()) == f"w pid {os.getpid()}"
+    assert worker_identity(Settings.link) == f"w pid {os.getpid()}"
 
 
 def test_the_window_close_rule_has_one_home() -> None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.link import Link
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.warm import await_offer, group_holds
 
@@ -34,7 +35,9 @@ class NoPlans:
 def _agent() -> WorkerAgent:
     # Never started: the offer is delivered as the agent's stream would (ControllerMessage).
     handlers: PlanHandlers = NoPlans()
-    return WorkerAgent(AgentConfig("127.0.0.1:1", "d", 0, SHAPE), handlers, lambda: 0)
+    return WorkerAgent(
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, SHAPE), handlers, lambda: 0
+    )
 
 
 def _offer(version: int, phy2log: np.ndarray) -> pb.ControllerMessage:

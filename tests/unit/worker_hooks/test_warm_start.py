@@ -13,7 +13,7 @@ import torch
 from rebalancer.placement import trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
-from worker_hooks.hook import HookConfig, PoolConfig, RebalanceHook
+from worker_hooks.hook import HookConfig, Link, PoolConfig, RebalanceHook
 
 L, E, P, G = 2, 4, 6, 1
 
@@ -24,14 +24,13 @@ def expert(layer: int, e: int) -> dict[str, torch.Tensor]:
 
 def hook(seconds: float, source: object = expert) -> tuple[RebalanceHook, np.ndarray]:
     config = HookConfig(
-        controller="127.0.0.1:1",
-        deployment="d",
+        link=Link("127.0.0.1:1", deployment="d", pool="p"),
         rank=0,
         num_layers=L,
         num_logical=E,
         num_slots=P,
         num_gpus=G,
-        pool=PoolConfig("p", seconds),
+        pool=PoolConfig(seconds),
     )
     start = trivial_placement(L, E, P, G)
     weights = {

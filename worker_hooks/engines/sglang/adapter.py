@@ -143,8 +143,8 @@ class SGLangRebalanceAdapter(RankSession):
             "rank %d: rebalancer adapter on (%s, deployment %s, %d layers, %d slots, %s update, "
             "weights over %s)",
             self.rank,
-            config.address,
-            config.deployment,
+            config.link.address,
+            config.link.deployment,
             self.num_layers,
             self.num_slots,
             self.updater,

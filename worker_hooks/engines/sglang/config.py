@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from rebalancer.errors import InputError
-from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_tls
+from rebalancer.wire.link import Link
+from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_link
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
 # How a committed plan reaches the weights (worker_hooks/engines/sglang/__init__.py):
@@ -34,26 +35,26 @@ UPDATERS: tuple[UpdaterSetting, ...] = get_args(UpdaterSetting)
 # and the 58 MoE layers commit in 6-12 groups.
 DEFAULT_STAGING_BUDGET_BYTES = 4 << 30
 
+# The deployment the adapter registers as when REBALANCER_DEPLOYMENT is unset.
+DEFAULT_DEPLOYMENT = "sglang"
+
 
 @dataclass(frozen=True)
 class SGLangAdapterConfig:
-    address: str  # REBALANCER_ADDRESS: unix:/path of the sidecar, or host:port
-    deployment: str = "sglang"  # REBALANCER_DEPLOYMENT
-    token: str | None = None  # read from REBALANCER_TOKEN_FILE
-    ca_file: str | None = None  # REBALANCER_CA_FILE: TLS to the controller
-    cert_file: str | None = None  # REBALANCER_CERT_FILE / REBALANCER_KEY_FILE: mutual TLS
-    key_file: str | None = None
+    # The link (rebalancer.wire.link.LINK_ENV): REBALANCER_ADDRESS (unix:/path of the
+    # sidecar, or host:port), REBALANCER_DEPLOYMENT (default "sglang"), the token read from
+    # REBALANCER_TOKEN_FILE, REBALANCER_TLS_CA / _TLS_CERT / _TLS_KEY (TLS, mutual TLS),
+    # REBALANCER_WORKER_ID (default: the host; the pid appended) and REBALANCER_POOL.
+    link: Link
     window_steps: int = 16  # REBALANCER_WINDOW_STEPS: forward passes per counts window
     agree_every: int = 4  # REBALANCER_AGREE_EVERY: passes between commit agreements
     # REBALANCER_AGREE_TIMEOUT_SECONDS: the adapter's gloo group gives up on a lost peer
     # after this long (agreements and the per-layer "done" of an update).
     agree_timeout_seconds: float = 60.0
-    worker_id: str = ""  # REBALANCER_WORKER_ID (default: the host), the pid appended
-    # REBALANCER_POOL: the deployment's replica pool ("" = none): its windows count in the
-    # pool's estimate and the pool rolls its placement to it. A fresh group is offered the
-    # pool's placement and starts on it (warm_start.py), when the offer came within
-    # REBALANCER_WARM_START_SECONDS of SGLang's expert-location step (0: never wait).
-    pool: str = ""
+    # In a pool (link.pool), its windows count in the pool's estimate and the pool rolls
+    # its placement to it. A fresh group is offered the pool's placement and starts on it
+    # (warm_start.py), when the offer came within REBALANCER_WARM_START_SECONDS of SGLang's
+    # expert-location step (0: never wait).
     warm_start_seconds: float = DEFAULT_WARM_START_SECONDS
     # REBALANCER_UPDATER: "auto" (staged on gloo, SGLang's own on NCCL: choose_updater),
     # "staged" or "sglang" (SGLang's own updater, between passes).
@@ -63,8 +64,7 @@ class SGLangAdapterConfig:
     staging_budget_bytes: int = DEFAULT_STAGING_BUDGET_BYTES
 
     def __post_init__(self) -> None:
-        if not self.address:
-            raise InputError(f"{ENV_PREFIX}ADDRESS is empty")
+        check_link(self.link)
         for name in ("window_steps", "agree_every"):
             if getattr(self, name) < 1:
                 raise InputError(
@@ -82,7 +82,6 @@ class SGLangAdapterConfig:
             raise InputError(
                 f"{ENV_PREFIX}AGREE_TIMEOUT_SECONDS must be > 0, got {self.agree_timeout_seconds}"
             )
-        check_tls(self.ca_file, self.cert_file, self.key_file)
         check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
 
     @staticmethod
@@ -91,11 +90,11 @@ class SGLangAdapterConfig:
         unset (the plugin then leaves SGLang's own EPLB alone). InputError on a bad value."""
         e = EngineEnv(env)
         d = SGLangAdapterConfig  # its defaults
-        common = e.link(d.deployment)
-        if common is None:
+        link = e.link(DEFAULT_DEPLOYMENT)
+        if link is None:
             return None
         return SGLangAdapterConfig(
-            **common,  # type: ignore[arg-type]
+            link,
             window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
             agree_every=int(e.number("AGREE_EVERY", int, d.agree_every)),
             agree_timeout_seconds=float(
@@ -103,6 +102,9 @@ class SGLangAdapterConfig:
             ),
             updater=(e.get("UPDATER") or d.updater),  # type: ignore[arg-type]  # checked above
             staging_budget_bytes=int(e.number("STAGING_BUDGET_BYTES", int, d.staging_budget_bytes)),
+            warm_start_seconds=float(
+                e.number("WARM_START_SECONDS", float, DEFAULT_WARM_START_SECONDS)
+            ),
         )
 
 

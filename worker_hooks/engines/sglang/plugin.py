@@ -78,7 +78,7 @@ def register() -> None:
 
     HookRegistry.register(fault.FAULT_PATH, _on_rank_fault, HookType.AROUND)
     HookRegistry.register(fault.REBALANCE_EXPERTS, _on_rebalance_experts, HookType.AROUND)
-    if config.pool:  # a pool member starts on the pool's placement (every rank: a collective)
+    if config.link.pool:  # a pool member starts on the pool's placement (every rank: a collective)
         from worker_hooks.engines.sglang import warm_start
 
         HookRegistry.register(

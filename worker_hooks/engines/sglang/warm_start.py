@@ -24,9 +24,8 @@ never later than the bound.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from rebalancer.v1 import rebalancer_pb2 as pb
 from worker_hooks.agent import AgentConfig, WorkerAgent
 from worker_hooks.engines.sglang.config import SGLangAdapterConfig
+from worker_hooks.session.rank import worker_identity
 from worker_hooks.warm import await_offer, group_holds
 
 log = logging.getLogger("worker_hooks.engines.sglang")
@@ -96,7 +96,7 @@ def install(config: SGLangAdapterConfig, model_config: Any) -> int:
     """Offer, agreement and install (module docstring); the version installed, or 0.
     Collective: every rank calls it once when the pool is set."""
     global _taken
-    if not config.pool:
+    if not config.link.pool:
         return 0
     from sglang.srt.eplb.expert_distribution import (
         ExpertDistributionRecorder,
@@ -190,18 +190,7 @@ def _early_agent(
     )  # not known before load_model (module docstring)
     handlers = _Starting()
     agent = WorkerAgent(
-        AgentConfig(
-            config.address,
-            config.deployment,
-            rank,
-            shape,
-            f"{config.worker_id or socket.gethostname()} pid {os.getpid()}",
-            pool=config.pool,
-            token=config.token,
-            ca_file=config.ca_file,
-            cert_file=config.cert_file,
-            key_file=config.key_file,
-        ),
+        AgentConfig(replace(config.link, worker_id=worker_identity(config.link)), rank, shape),
         handlers,
         lambda: 0,
         initial_phy2log=phy2log.copy(),

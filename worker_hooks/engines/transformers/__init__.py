@@ -1,6 +1,6 @@
 """Hugging Face transformers MoE models served with expert parallelism through `worker_hooks`.
 
-`attach(model, AdapterConfig(...))` (worker_hooks/engines/transformers/adapter.py) swaps the experts of
+`attach(model, AdapterConfig(Link(...), ...))` (worker_hooks/engines/transformers/adapter.py) swaps the experts of
 every MoE block for slot-aware ones driven by a `RebalanceHook`; `families` builds tiny
 random-weight models of the supported families for tests and benches. transformers itself
 is imported only by `families`, when a model is built.
@@ -9,6 +9,7 @@ is imported only by `families`, when a model is built.
 from worker_hooks.engines.transformers.adapter import (
     AdapterConfig,
     ExpertParallelModel,
+    Link,
     MoEBlock,
     SlotExperts,
     attach,
@@ -19,6 +20,7 @@ from worker_hooks.engines.transformers.adapter import (
 __all__ = [
     "AdapterConfig",
     "ExpertParallelModel",
+    "Link",
     "MoEBlock",
     "SlotExperts",
     "attach",

@@ -1,6 +1,6 @@
 """Serve a Hugging Face transformers MoE model with expert parallelism, rebalanced live.
 
-    ep = attach(model, AdapterConfig(controller="127.0.0.1:50051", deployment="ds-v3"))
+    ep = attach(model, AdapterConfig(Link("127.0.0.1:50051", deployment="ds-v3")))
     ep.start()
     for each step: logits = model(input_ids).logits; ep.step_end()
 
@@ -48,7 +48,7 @@ all-reduces over it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -57,9 +57,9 @@ import torch.distributed as dist
 from torch import nn
 
 from rebalancer.wire.layout import trivial_placement
+from rebalancer.wire.link import Link
 from worker_hooks.config import (
     CommitConfig,
-    Credentials,
     HookConfig,
     MigrationConfig,
     Transport,
@@ -71,6 +71,7 @@ from worker_hooks.transports import transport_class
 __all__ = [
     "AdapterConfig",
     "ExpertParallelModel",
+    "Link",
     "MoEBlock",
     "SlotExperts",
     "attach",
@@ -90,15 +91,15 @@ WEIGHT_NAMES = ("gate_up_proj", "down_proj")
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    controller: str  # host:port of the controller or the pod's sidecar
-    deployment: str
+    # The controller (host:port) or the pod's sidecar, the deployment, the worker token;
+    # the worker id defaults to the model's class and the rank.
+    link: Link
     redundant_slots: int = 0  # P = E + redundant_slots physical slots, P % world == 0
     spare_rows: int = 0  # weight rows per layer and rank beyond its slots (zero-copy commits)
     window_steps: int = 16
     agree_every: int = 4
     migrate_transport: Transport = "p2p"
     expert_compute: ExpertCompute = "auto"
-    token: str | None = None  # the deployment's worker token
 
     def __post_init__(self) -> None:
         if self.redundant_slots < 0 or self.spare_rows < 0:
@@ -341,16 +342,17 @@ def attach(
         )
     hook = RebalanceHook(
         HookConfig(
-            controller=config.controller,
-            deployment=config.deployment,
+            link=replace(
+                config.link,
+                worker_id=config.link.worker_id
+                or f"transformers-{type(model).__name__}-rank{rank}",
+            ),
             rank=rank,
             num_layers=len(blocks),
             num_logical=num_logical,
             num_slots=num_slots,
             num_gpus=world,
             expert_bytes=expert_bytes,
-            worker_id=f"transformers-{type(model).__name__}-rank{rank}",
-            credentials=Credentials(token=config.token),
             windows=WindowConfig(steps=config.window_steps),
             commit=CommitConfig(agree_every=config.agree_every, spare_rows=config.spare_rows),
             migration=MigrationConfig(transport=config.migrate_transport),

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rebalancer.wire.link import Link
 from worker_hooks.engines.transformers.adapter import AdapterConfig, ExpertParallelModel, attach
 from worker_hooks.engines.transformers.families import FAMILIES, build_tiny_model
 
@@ -101,13 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     ep = attach(
         model,
         AdapterConfig(
-            controller=args.controller,
-            deployment=args.deployment,
+            Link(
+                args.controller,
+                token=os.environ.get("REBALANCER_WORKER_TOKEN"),
+                deployment=args.deployment,
+            ),
             redundant_slots=args.redundant,
             spare_rows=args.spare_rows,
             window_steps=args.window_steps,
             agree_every=args.agree_every,
-            token=os.environ.get("REBALANCER_WORKER_TOKEN"),
         ),
     )
     ep.start()

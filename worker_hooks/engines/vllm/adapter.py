@@ -110,15 +110,15 @@ class VLLMRebalanceAdapter(RankSession):
             )
         # A pool member's warm start is due at vLLM's first policy call (`_take_warm_start`);
         # the offer's bounded wait counts from here.
-        self._warm_due = bool(config.pool)  # every rank: the agreement is a collective
+        self._warm_due = bool(config.link.pool)  # every rank: the agreement is a collective
         self._started = time.monotonic()
         self.agent.start()
         left = self.layers.left_out()
         log.info(
             "rank %d: rebalancer drives vLLM's EPLB (%s, deployment %s, %d MoE layers, %d slots: %s)%s",
             rank,
-            config.address,
-            config.deployment,
+            config.link.address,
+            config.link.deployment,
             self.num_layers,
             self.num_slots,
             self.layers.describe(),

@@ -10,39 +10,38 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rebalancer.errors import InputError
-from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_tls
+from rebalancer.wire.link import Link
+from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_link
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
+
+# The deployment the adapter registers as when REBALANCER_DEPLOYMENT is unset.
+DEFAULT_DEPLOYMENT = "vllm"
 
 
 @dataclass(frozen=True)
 class VLLMAdapterConfig:
-    address: str  # REBALANCER_ADDRESS: unix:/path of the sidecar, or host:port
-    deployment: str = "vllm"  # REBALANCER_DEPLOYMENT
-    token: str | None = None  # read from REBALANCER_TOKEN_FILE
-    ca_file: str | None = None  # REBALANCER_CA_FILE: TLS to the controller
-    cert_file: str | None = None  # REBALANCER_CERT_FILE / REBALANCER_KEY_FILE: mutual TLS
-    key_file: str | None = None
+    # The link (rebalancer.wire.link.LINK_ENV): REBALANCER_ADDRESS (unix:/path of the
+    # sidecar, or host:port), REBALANCER_DEPLOYMENT (default "vllm"), the token read from
+    # REBALANCER_TOKEN_FILE, REBALANCER_TLS_CA / _TLS_CERT / _TLS_KEY (TLS, mutual TLS),
+    # REBALANCER_WORKER_ID (default: host and pid) and REBALANCER_POOL.
+    link: Link
     window_steps: int = 16  # REBALANCER_WINDOW_STEPS: engine steps per counts window
     # REBALANCER_COUNT_DUPLICATES: how many ranks count each routed token (vLLM's window
     # counts every token once per DP rank under the naive all-to-all, once per TP rank
     # inside an EP rank); the windows sent are divided by it. 1 for DeepEP-style dispatch.
     count_duplicates: int = 1
-    worker_id: str = ""  # REBALANCER_WORKER_ID (default: host and pid)
-    # REBALANCER_POOL: the deployment's replica pool ("" = none). A fresh group is offered
-    # the pool's placement and answers vLLM's first policy call with it, when the offer
-    # came within REBALANCER_WARM_START_SECONDS of the adapter's start (0: never wait).
-    pool: str = ""
+    # In a pool (link.pool), a fresh group is offered the pool's placement and answers
+    # vLLM's first policy call with it, when the offer came within
+    # REBALANCER_WARM_START_SECONDS of the adapter's start (0: never wait).
     warm_start_seconds: float = DEFAULT_WARM_START_SECONDS
 
     def __post_init__(self) -> None:
-        if not self.address:
-            raise InputError(f"{ENV_PREFIX}ADDRESS is empty")
+        check_link(self.link)
         for name in ("window_steps", "count_duplicates"):
             if getattr(self, name) < 1:
                 raise InputError(
                     f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}"
                 )
-        check_tls(self.ca_file, self.cert_file, self.key_file)
         check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
 
     @staticmethod
@@ -51,11 +50,14 @@ class VLLMAdapterConfig:
         unset (vLLM's own EPLB then runs unchanged). InputError on a bad value."""
         e = EngineEnv(env)
         d = VLLMAdapterConfig  # its defaults
-        common = e.link(d.deployment)
-        if common is None:
+        link = e.link(DEFAULT_DEPLOYMENT)
+        if link is None:
             return None
         return VLLMAdapterConfig(
-            **common,  # type: ignore[arg-type]
+            link,
             window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
             count_duplicates=int(e.number("COUNT_DUPLICATES", int, d.count_duplicates)),
+            warm_start_seconds=float(
+                e.number("WARM_START_SECONDS", float, DEFAULT_WARM_START_SECONDS)
+            ),
         )
