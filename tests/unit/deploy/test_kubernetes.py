@@ -335,7 +335,7 @@ def test_inference_pod_example_goes_through_the_sidecar(
     service = manifests[("Service", "rebalancer")]
     (sidecar,) = pod["spec"]["initContainers"]
     env = {e["name"]: e for e in sidecar["env"]}
-    host, port = env["REBALANCER_CONTROLLER"]["value"].rsplit(":", 1)
+    host, port = env["REBALANCER_ADDRESS"]["value"].rsplit(":", 1)
     assert int(port) == controller_toml["server"]["port"]
     assert host.split(".")[:3] == [
         service["metadata"]["name"],
