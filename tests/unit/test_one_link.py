@@ -83,16 +83,16 @@ def test_no_second_definition_of_the_link() -> None:
 
 
 def test_the_walk_finds_a_second_definition(tmp_path: Path) -> None:
-    (tmp_path / "rebalancer").mkdir()
-    (tmp_path / "rebalancer" / "x.py").write_text(
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "configs.py").write_text(
         "from dataclasses import dataclass\nfrom typing import Protocol\n\n"
         "@dataclass(frozen=True)\nclass A:\n    controller: str\n    pool: str = ''\n\n"
         "class P(Protocol):\n    @property\n    def ca_file(self) -> str: ...\n\n"
         "class NotAConfig:\n    token: str\n"
     )
-    assert link_copies(tmp_path, ("rebalancer",)) == [
-        "rebalancer/x.py: A.controller",
-        "rebalancer/x.py: P.ca_file",
+    assert link_copies(tmp_path, ("pkg",)) == [
+        "pkg/configs.py: A.controller",
+        "pkg/configs.py: P.ca_file",
     ]
 
 
