@@ -73,7 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="owner: directory 0700, socket 0600; group: 0750, 0660 (default)",
     )
     for field_name, (flag, text) in LINK_FLAGS.items():
-        p.add_argument(flag, dest=field_name, help=f"{text} (default ${LINK_ENV[field_name]})")
+        p.add_argument(
+            flag,
+            dest=field_name,
+            metavar=flag.lstrip("-").upper().replace("-", "_"),  # as the flag reads
+            help=f"{text} (default ${LINK_ENV[field_name]})",
+        )
     p.add_argument("--ranks", help="this pod's EP ranks, e.g. 0-7 or 8,9,10,11")
     p.add_argument(
         "--ranks-per-pod",
