@@ -4,8 +4,11 @@ The work is split by concern, each module on the same store, clock and observers
 registry.py (deployments, sessions; reconcile.py when a rank's version differs),
 fold.py (windows in, folded into the estimate), decision_runner.py (the policy's decisions off
 the event loop, acting on any decision), plans.py (a plan's life and fan-out to the
-ranks) and operate.py (an operator's force, policy, pause). `Controller` wires them
-and is what service.py, admin.py, metrics.py and the server call; it adds no logic.
+ranks), operate.py (an operator's force, policy, pause) and replica_pools/ (pools of
+deployments). They do the I/O, timing and store writes; what changes a deployment is its
+own verb (deployment.py), a pool's its own (replica_pools/replica_pool.py). `Controller`
+wires them, all in its constructor, and is what service.py, admin.py, metrics.py and the
+server call; it adds no logic.
 
 Everything here runs on the controller's event loop thread; nothing blocks for long
 (numpy on [L, E] arrays, a few SQLite writes per plan).
