@@ -72,7 +72,7 @@ import numpy as np
 from rebalancer.errors import InputError
 from rebalancer.placement import gpu_load
 from rebalancer.wire.layout import DST_RANK, DST_SLOT, LAYER, SRC_RANK, SRC_SLOT
-from rebalancer.wire.shape import DEEPSEEK_V3_EXPERT_BYTES
+from rebalancer.wire.shape import ClusterShape
 
 # The longest counts window the timing defaults are derived for (and the simulator's
 # traces may declare): about 11.6 days, far beyond any real window (seconds to minutes),
@@ -246,11 +246,13 @@ class ReferenceDeployment:
     """The shape of deployment the timing defaults are derived for (not a live one:
     controller/deployment.py's `Deployment` is that)."""
 
-    num_layers: int = 58  # DeepSeek-V3: 61 layers, the first 3 dense
-    num_slots: int = 288  # 256 experts + 32 redundant, 9 per GPU
-    num_gpus: int = 32
-    num_nodes: int = 4
-    expert_bytes: int = DEEPSEEK_V3_EXPERT_BYTES
+    shape: ClusterShape = ClusterShape(
+        num_layers=58,  # DeepSeek-V3: 61 layers, the first 3 dense
+        num_logical=256,
+        num_slots=288,  # 256 experts + 32 redundant, 9 per GPU
+        num_gpus=32,
+        num_nodes=4,  # and FP8 experts: ClusterShape's default expert_bytes
+    )
     # Seconds per counts window: worker_hooks' 16-step windows at 50 ms per step are 0.8 s.
     window_seconds: float = 1.0
 
@@ -264,7 +266,7 @@ def reference_transfers(deployment: ReferenceDeployment, moved_fraction: float) 
     Each rank receives round(moved_fraction x slots per GPU x layers) experts, layer by
     layer, from the other ranks in turn (so (G - G/N) / (G - 1) of them cross nodes).
     """
-    d = deployment
+    d = deployment.shape
     per_gpu = d.num_slots // d.num_gpus
     n = int(round(moved_fraction * per_gpu * d.num_layers)) if d.num_gpus > 1 else 0
     i = np.arange(n)
@@ -334,7 +336,7 @@ def derived_timing(
     d = deployment
     check_window_seconds(d.window_seconds, "deployment window_seconds")
     rows = reference_transfers(d, max_moved_fraction)
-    plan = plan_cost(rows, d.num_gpus, d.num_nodes, d.expert_bytes, params)
+    plan = plan_cost(rows, d.shape.num_gpus, d.shape.num_nodes, d.shape.expert_bytes, params)
     # gain_threshold 0 accepts any gain: nothing bounds the repay time, only settling.
     repay = plan.seconds / gain_threshold if gain_threshold > 0 else 0.0
     if estimate_window > 0:  # the mean of the last N windows moves half-way in N / 2

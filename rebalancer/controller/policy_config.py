@@ -136,14 +136,7 @@ class PolicyConfig:
         shape.validate()
         if not (math.isfinite(window_seconds) and window_seconds > 0):
             raise InputError(f"window_seconds must be > 0, got {window_seconds}")
-        deployment = ReferenceDeployment(
-            num_layers=shape.num_layers,
-            num_slots=shape.num_slots,
-            num_gpus=shape.num_gpus,
-            num_nodes=shape.num_nodes,
-            expert_bytes=shape.expert_bytes,
-            window_seconds=window_seconds,
-        )
+        deployment = ReferenceDeployment(shape, window_seconds)
         timing = derived_timing(
             self.estimator.decay,
             self.gain_threshold,

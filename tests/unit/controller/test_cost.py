@@ -93,10 +93,10 @@ def test_derived_timing_arithmetic() -> None:
     # The reference plan: every rank receives 25% of its 9 slots in each of 58 layers,
     # 24 of every 31 experts across nodes.
     rows = reference_transfers(REFERENCE, 0.25)
-    per_rank = np.bincount(rows[:, DST_RANK], minlength=REFERENCE.num_gpus)
+    per_rank = np.bincount(rows[:, DST_RANK], minlength=REFERENCE.shape.num_gpus)
     assert set(per_rank.tolist()) == {130}
     assert not np.any(rows[:, DST_RANK] == rows[:, SRC_RANK])
-    expected = plan_cost(rows, 32, 4, REFERENCE.expert_bytes, DEFAULT_COST)
+    expected = plan_cost(rows, 32, 4, REFERENCE.shape.expert_bytes, DEFAULT_COST)
     assert t.plan == expected
     assert 0.2 < expected.transfer_seconds < 0.25 and 0.03 < expected.seconds < 0.05
     # The estimate's half-life: 0.58 windows at decay 0.3.
@@ -127,13 +127,7 @@ def test_derived_timing_arithmetic() -> None:
 
 
 def test_policy_timing_for_a_deployment_and_its_windows() -> None:
-    reference = ClusterShape(
-        num_layers=REFERENCE.num_layers,
-        num_logical=256,
-        num_slots=REFERENCE.num_slots,
-        num_gpus=REFERENCE.num_gpus,
-        num_nodes=REFERENCE.num_nodes,
-    )
+    reference = REFERENCE.shape
     policy = PolicyConfig()
     assert policy.for_windows(reference, REFERENCE.window_seconds) == policy
     five = policy.for_windows(reference, 5.0)
