@@ -240,7 +240,14 @@ class PlanProtocol(RuleBasedStateMachine):
         seq, statement = link.sent[pick % len(link.sent)]
         ranks: Any = link.ranks if self.grouped else link.ranks[0]
         counts = np.ones((SHAPE.num_layers, SHAPE.num_logical), dtype=np.int64)
-        self.ctl.ingest(self.ctl.deployment("d"), ranks, seq, statement[0], counts, None, statement)
+        try:
+            self.ctl.ingest(
+                self.ctl.deployment("d"), ranks, seq, statement[0], counts, None, statement
+            )
+        except (StateError, InputError):
+            # Refused (a seq past the cursor a restarted controller restored: a gap): the
+            # service ends the stream and the session (service.py), changing nothing else.
+            self._disconnect(link)
 
     def force(self, link: Link, pick: int) -> None:
         if any(link.session_id for link in self.links):
@@ -377,6 +384,23 @@ class PlanProtocol(RuleBasedStateMachine):
         assert self.floor_version() == self.served[0], (
             f"store v{self.floor_version()}, ranks v{self.served[0]}"
         )
+
+
+def test_a_window_resent_past_a_restored_cursor_ends_the_link_and_the_run_converges() -> None:
+    """Found by the exploration: windows 1 and 2 counted, the controller restarts on a
+    cursor that had not stored them, the links come back (numbering from 1), and window 2
+    of the old session arrives late. The controller refuses it (a gap) and ends that
+    session; the run still converges once the link is back."""
+    for machine in (PlanProtocol(), GroupedPlanProtocol()):
+        link = machine.links[0]
+        machine.window(link, 0)
+        machine.window(link, 0)
+        machine.controller_restarts(link, 0)
+        machine.links_come_back(link, 0)
+        assert link.sent[-1][0] > link.next_seq  # the late window is past the cursor
+        machine.resend_an_old_window(link, len(link.sent) - 1)
+        assert not link.session_id, "the refused window ended its session"
+        machine.teardown()  # converges: the link registers again, the checks hold
 
 
 class GroupedPlanProtocol(PlanProtocol):
