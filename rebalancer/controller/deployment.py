@@ -16,7 +16,7 @@ holds that). Nothing here does I/O.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,6 @@ from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.errors import StateError
 from rebalancer.wire.codec import Statement
-from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE
 from rebalancer.wire.shape import ClusterShape
 from rebalancer.wire.windows import CountWindow, Ranks, SeqMerger, who
 
@@ -507,59 +506,3 @@ def check_moved_fraction(max_moved_fraction: float) -> None:
             "INVALID_ARGUMENT",
             f"max_moved_fraction must be in (0, 1], got {max_moved_fraction}",
         )
-
-
-def shape_key(shape: ClusterShape) -> dict[str, Any]:
-    """The shape as stored and compared: plain ints (the dispatch mode: its name)."""
-    return {k: v if isinstance(v, str) else int(v) for k, v in asdict(shape).items()}
-
-
-def dispatch_shape(shape: ClusterShape, dispatch_mode: str, top_k: int) -> ClusterShape:
-    """A Register's shape with its dispatch mode ("" = split) and top_k, checked."""
-    out = replace(shape, dispatch_mode=dispatch_mode or DEFAULT_DISPATCH_MODE, top_k=int(top_k))
-    out.validate()
-    return out
-
-
-# Shape fields a stored row may lack: added after deployments were first stored, or
-# (expert_bytes) not known to the Register that created it. A row without one loads with
-# the field unknown (registry.load), and top_k 0 means unknown wherever it comes from.
-LATER_SHAPE_FIELDS = ("dispatch_mode", "top_k", "expert_bytes")
-
-# A Register with expert_bytes 0 does not know it yet: SGLang's warm start registers before
-# the engine loaded its weights (worker_hooks/engines/sglang/warm_start.py). The shape
-# holds the default bytes (wire/shape.py shape_of) with the field unknown, until a rank reports it.
-UNKNOWN_EXPERT_BYTES = frozenset({"expert_bytes"})
-
-
-def stored_shape(shape: ClusterShape, unknown: frozenset[str]) -> dict[str, Any]:
-    """The shape as stored: without the fields not known yet (they load as unknown)."""
-    return {k: v for k, v in shape_key(shape).items() if k not in unknown}
-
-
-def merge_shape(
-    stored: ClusterShape,
-    reported: ClusterShape,
-    unknown: frozenset[str],
-    reported_unknown: frozenset[str] = frozenset(),
-) -> ClusterShape | None:
-    """The deployment's shape once a rank reports `reported`, or None if the two disagree.
-
-    1. A stored field that is unknown (in `unknown`: absent from an older store, or from
-       the Register that created it; top_k 0) takes the reported value, so ranks that now
-       send their dispatch mode, top_k and expert bytes join a deployment saved before.
-    2. A rank reporting top_k 0 or expert bytes it does not know (in `reported_unknown`)
-       accepts the stored value.
-    3. Everything else must be equal (a rank sending no dispatch mode means split).
-    """
-    merged = stored
-    if "dispatch_mode" in unknown:
-        merged = replace(merged, dispatch_mode=reported.dispatch_mode)
-    if merged.top_k == 0 or "top_k" in unknown:
-        merged = replace(merged, top_k=reported.top_k or merged.top_k)
-    if "expert_bytes" in unknown and "expert_bytes" not in reported_unknown:
-        merged = replace(merged, expert_bytes=reported.expert_bytes)
-    seen = reported if reported.top_k else replace(reported, top_k=merged.top_k)
-    if "expert_bytes" in reported_unknown:
-        seen = replace(seen, expert_bytes=merged.expert_bytes)
-    return merged if shape_key(merged) == shape_key(seen) else None

@@ -27,20 +27,22 @@ from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Aborted, Unconfirmed
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.deployment import (
-    LATER_SHAPE_FIELDS,
     Deployment,
     Observers,
     Resize,
     Send,
     Session,
-    merge_shape,
-    shape_key,
-    stored_shape,
 )
 from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
-from rebalancer.wire.shape import ClusterShape
+from rebalancer.wire.shape import (
+    LATER_SHAPE_FIELDS,
+    ClusterShape,
+    merge_shape,
+    shape_key,
+    stored_shape,
+)
 from rebalancer.wire.windows import Ranks, rank_set, who
 
 log = logging.getLogger("rebalancer.controller")
@@ -149,7 +151,7 @@ class Registry:
         resized_from: Resize | None = None,
     ) -> tuple[Session, Deployment]:
         """Register one rank, or a group of ranks (a sequence: a pod's sidecar). `unknown`:
-        shape fields the registration does not know yet (deployment.UNKNOWN_EXPERT_BYTES).
+        shape fields the registration does not know yet (wire/shape.py UNKNOWN_EXPERT_BYTES).
         `resized_from`: an elastic engine resized the group (rebalancer/controller/resize.py); the
         ranks serve `initial`, at the deployment's version once the resize is taken."""
         now = self.clock()

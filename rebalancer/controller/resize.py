@@ -24,10 +24,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from rebalancer.controller.deployment import Deployment, Resize, shape_key, stored_shape
+from rebalancer.controller.deployment import Deployment, Resize
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
-from rebalancer.wire.shape import ClusterShape
+from rebalancer.wire.shape import ClusterShape, shape_key, stored_shape
 
 log = logging.getLogger("rebalancer.controller")
 

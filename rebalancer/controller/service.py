@@ -23,7 +23,7 @@ import grpc
 from rebalancer.controller.clock import Clock
 from rebalancer.controller.contingency import Loss
 from rebalancer.controller.coordinate import Plan
-from rebalancer.controller.deployment import UNKNOWN_EXPERT_BYTES, Resize, dispatch_shape
+from rebalancer.controller.deployment import Resize
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import MAX_VERSION
 from rebalancer.errors import InputError, StateError
@@ -31,7 +31,7 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.service import EOF_OF_STREAM, StreamWriter, read_hello, refuse
-from rebalancer.wire.shape import shape_of
+from rebalancer.wire.shape import dispatch_shape, shape_of, unknown_of
 
 log = logging.getLogger("rebalancer.service")
 
@@ -270,9 +270,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                     shape.num_logical,
                 )
             pool = check_name(request.pool, "pool") if request.pool else ""
-            # expert_bytes 0: not known yet (deployment.UNKNOWN_EXPERT_BYTES), a later
+            # expert_bytes 0: not known yet (wire/shape.py UNKNOWN_EXPERT_BYTES), a later
             # Register fills it in.
-            unknown = UNKNOWN_EXPERT_BYTES if request.shape.expert_bytes == 0 else frozenset()
+            unknown = unknown_of(request.shape)
             resized_from = None
             if request.HasField("resized_from"):
                 resized_from = Resize(

@@ -40,6 +40,7 @@ from rebalancer.wire import codec
 from rebalancer.wire.codec import Statement
 from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, DISPATCH_MODES
 from rebalancer.wire.layout import trivial_placement
+from rebalancer.wire.shape import shapes_agree
 from rebalancer.wire.windows import BoundedWindows, CountWindow, SeqMerger
 
 log = logging.getLogger("rebalancer.sidecar")
@@ -150,7 +151,7 @@ class Pod:
             raise StateError(
                 "INVALID_ARGUMENT", f"rank {rank} is not one of this pod's ranks {self.ranks_label}"
             )
-        if self.shape is not None and not _same_shape(request.shape, self.shape):
+        if self.shape is not None and not shapes_agree(request.shape, self.shape):
             raise StateError(
                 "FAILED_PRECONDITION",
                 f"rank {rank} reports shape {_shape_text(request.shape)}, the pod's ranks {_shape_text(self.shape)}",
@@ -262,7 +263,7 @@ class Pod:
             self.resized_from is None
             or request.resized_from != self.resized_from
             or self.shape is None
-            or not _same_shape(request.shape, self.shape)
+            or not shapes_agree(request.shape, self.shape)
         ):
             return False
         if not self.upstream_registered:
@@ -592,18 +593,6 @@ class Pod:
                 observer(event, plan)
         if actions.upstream:
             self.changed.set()
-
-
-def _same_shape(reported: pb.ModelShape, pod: pb.ModelShape) -> bool:
-    """Equal shapes; expert bytes 0 on either side is "not known yet" (the controller's
-    rule: deployment.UNKNOWN_EXPERT_BYTES) and matches any."""
-    if reported.expert_bytes and pod.expert_bytes:
-        return reported == pod
-    a, b = pb.ModelShape(), pb.ModelShape()
-    a.CopyFrom(reported)
-    b.CopyFrom(pod)
-    a.expert_bytes = b.expert_bytes = 0
-    return a == b
 
 
 def _shape_text(shape: pb.ModelShape) -> str:

@@ -1,11 +1,13 @@
 """The model shape of a deployment's EP group: what the controller, the decision and the
 simulator know of it (`ClusterShape`), its wire form (`pb.ModelShape`) and the one
 conversion between them, checked against the layout limits (wire/layout.py) before
-anything of its size is allocated."""
+anything of its size is allocated; and the one rule for when two reported shapes are one
+deployment's (`merge_shape`), which the controller's registry and the sidecar both ask."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -98,3 +100,74 @@ def shape_msg(shape: ClusterShape) -> pb.ModelShape:
         expert_bytes=shape.expert_bytes,
         num_groups=shape.num_groups,
     )
+
+
+def shape_key(shape: ClusterShape) -> dict[str, Any]:
+    """The shape as stored and compared: plain ints (the dispatch mode: its name)."""
+    return {k: v if isinstance(v, str) else int(v) for k, v in asdict(shape).items()}
+
+
+def dispatch_shape(shape: ClusterShape, dispatch_mode: str, top_k: int) -> ClusterShape:
+    """A Register's shape with its dispatch mode ("" = split) and top_k, checked."""
+    out = replace(shape, dispatch_mode=dispatch_mode or DEFAULT_DISPATCH_MODE, top_k=int(top_k))
+    out.validate()
+    return out
+
+
+# Shape fields a stored row may lack: added after deployments were first stored, or
+# (expert_bytes) not known to the Register that created it. A row without one loads with
+# the field unknown (registry.load), and top_k 0 means unknown wherever it comes from.
+LATER_SHAPE_FIELDS = ("dispatch_mode", "top_k", "expert_bytes")
+
+# A Register with expert_bytes 0 does not know it yet: SGLang's warm start registers before
+# the engine loaded its weights (worker_hooks/engines/sglang/warm_start.py). The shape
+# holds the default bytes (shape_of, above) with the field unknown, until a rank reports it.
+UNKNOWN_EXPERT_BYTES = frozenset({"expert_bytes"})
+
+
+def stored_shape(shape: ClusterShape, unknown: frozenset[str]) -> dict[str, Any]:
+    """The shape as stored: without the fields not known yet (they load as unknown)."""
+    return {k: v for k, v in shape_key(shape).items() if k not in unknown}
+
+
+def merge_shape(
+    stored: ClusterShape,
+    reported: ClusterShape,
+    unknown: frozenset[str],
+    reported_unknown: frozenset[str] = frozenset(),
+) -> ClusterShape | None:
+    """The deployment's shape once a rank reports `reported`, or None if the two disagree.
+
+    1. A stored field that is unknown (in `unknown`: absent from an older store, or from
+       the Register that created it; top_k 0) takes the reported value, so ranks that now
+       send their dispatch mode, top_k and expert bytes join a deployment saved before.
+    2. A rank reporting top_k 0 or expert bytes it does not know (in `reported_unknown`)
+       accepts the stored value.
+    3. Everything else must be equal (a rank sending no dispatch mode means split).
+    """
+    merged = stored
+    if "dispatch_mode" in unknown:
+        merged = replace(merged, dispatch_mode=reported.dispatch_mode)
+    if merged.top_k == 0 or "top_k" in unknown:
+        merged = replace(merged, top_k=reported.top_k or merged.top_k)
+    if "expert_bytes" in unknown and "expert_bytes" not in reported_unknown:
+        merged = replace(merged, expert_bytes=reported.expert_bytes)
+    seen = reported if reported.top_k else replace(reported, top_k=merged.top_k)
+    if "expert_bytes" in reported_unknown:
+        seen = replace(seen, expert_bytes=merged.expert_bytes)
+    return merged if shape_key(merged) == shape_key(seen) else None
+
+
+def unknown_of(msg: pb.ModelShape) -> frozenset[str]:
+    """The fields a Register's shape does not know yet: expert bytes 0."""
+    return frozenset() if msg.expert_bytes else UNKNOWN_EXPERT_BYTES
+
+
+def shapes_agree(a: pb.ModelShape, b: pb.ModelShape) -> bool:
+    """Whether two ranks' Register shapes can be one deployment's, by the controller's rule
+    (`merge_shape`: a field one side does not know yet matches any); a shape the
+    controller would refuse agrees with none. The sidecar asks it of its pod's ranks."""
+    try:
+        return merge_shape(shape_of(a), shape_of(b), unknown_of(a), unknown_of(b)) is not None
+    except InputError:
+        return False

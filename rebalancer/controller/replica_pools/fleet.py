@@ -30,12 +30,7 @@ from rebalancer.controller.clock import Clock
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.decision_runner import DecisionRunner
-from rebalancer.controller.deployment import (
-    UNKNOWN_EXPERT_BYTES,
-    Deployment,
-    check_moved_fraction,
-    shape_key,
-)
+from rebalancer.controller.deployment import Deployment, check_moved_fraction
 from rebalancer.controller.plans import Plans
 from rebalancer.controller.regimes import RegimeLibrary
 from rebalancer.controller.registry import Registry
@@ -48,7 +43,7 @@ from rebalancer.controller.replica_pools.replica_pool import (
 from rebalancer.controller.replica_pools.warm_start import WarmStarts
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
-from rebalancer.wire.shape import ClusterShape
+from rebalancer.wire.shape import UNKNOWN_EXPERT_BYTES, ClusterShape, shape_key
 
 log = logging.getLogger("rebalancer.controller")
 

@@ -15,12 +15,7 @@ from typing import Any
 import numpy as np
 
 from rebalancer.controller.decide import Decision, PolicyConfig
-from rebalancer.controller.deployment import (
-    UNKNOWN_EXPERT_BYTES,
-    Deployment,
-    shape_key,
-    stored_shape,
-)
+from rebalancer.controller.deployment import Deployment
 from rebalancer.controller.policy_loop import PolicyLoop
 from rebalancer.controller.regimes import RegimeLibrary, copy_library, pool_key
 from rebalancer.controller.replica_pools.divergence import (
@@ -30,7 +25,7 @@ from rebalancer.controller.replica_pools.divergence import (
     excess_tv,
 )
 from rebalancer.errors import StateError
-from rebalancer.wire.shape import ClusterShape
+from rebalancer.wire.shape import UNKNOWN_EXPERT_BYTES, ClusterShape, shape_key, stored_shape
 
 # Members of one pool with a plan toward the pool placement in flight at once (the
 # rolling cap; ControllerConfig.pool_max_moving, [server] pool_max_moving): one keeps the
@@ -69,7 +64,7 @@ class ReplicaPool:
         self.divergence = divergence or DivergenceConfig()
         self.divergence.validate()
         self.loop = PolicyLoop(shape, policy)  # the pool estimate and decision timing
-        # Shape fields no member has reported yet (expert_bytes: deployment.UNKNOWN_EXPERT_BYTES).
+        # Shape fields no member has reported yet (expert_bytes: wire/shape.py UNKNOWN_EXPERT_BYTES).
         self.unknown_fields: frozenset[str] = frozenset()
         self.members: set[str] = set()
         self.tracks: dict[str, MemberTrack] = {}

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 from rebalancer.controller.decide import PolicyConfig, decide, predicted_balance
-from rebalancer.controller.deployment import dispatch_shape, shape_key
 from rebalancer.errors import InputError
 from rebalancer.placement import balancedness, trivial_placement
 from rebalancer.placement.metrics import gpu_load
-from rebalancer.wire.shape import ClusterShape
+from rebalancer.wire.shape import ClusterShape, dispatch_shape, shape_key
 
 L, E, P, G = 2, 16, 24, 4
 

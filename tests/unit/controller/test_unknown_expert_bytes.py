@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from rebalancer.controller.decide import PolicyConfig
-from rebalancer.controller.deployment import UNKNOWN_EXPERT_BYTES
 from rebalancer.controller.state import Controller
 from rebalancer.controller.store import Store
 from rebalancer.errors import StateError
-from rebalancer.wire.shape import ClusterShape
+from rebalancer.wire.shape import UNKNOWN_EXPERT_BYTES, ClusterShape
 
 # expert_bytes as wire/shape.py shape_of makes it from a Register's 0: the default.
 EARLY = ClusterShape(num_layers=2, num_logical=8, num_slots=8, num_gpus=2)
