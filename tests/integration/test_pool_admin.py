@@ -73,8 +73,13 @@ def wait_for(fn: object, seconds: float = 20.0) -> None:
 @pytest.fixture
 def live(tmp_path: Path) -> Iterator[tuple[EmbeddedController, list[PoolRank]]]:
     # The policy never finds a gain worth it (threshold 1.0): plans here are forced.
+    # ready: the pool's first decision must not wait on the decision process's imports,
+    # which took longer than `settled`'s wait beside a CPU hog.
     ctl = start_controller(
-        tmp_path / "c.sqlite", PolicyConfig(min_windows=1, gain_threshold=1.0), metrics_port=0
+        tmp_path / "c.sqlite",
+        PolicyConfig(min_windows=1, gain_threshold=1.0),
+        ready=True,
+        metrics_port=0,
     )
     assert ctl.server is not None
     ranks = [
