@@ -39,6 +39,7 @@ import torch
 from bench.interleave import Spread, overhead_pct, run_interleaved, share_pct
 from rebalancer.wire.dispatch import DISPATCH_MODES, WATERFILL_PASSES, check_dispatch_mode
 from rebalancer.wire.layout import trivial_placement
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.examples.moe_gpu import MoEBlockConfig, ReferenceMoEBlock
 from worker_hooks.hook import DispatchConfig, HookConfig, Link, RebalanceHook
@@ -220,12 +221,15 @@ def dispatch_hook(cfg: HookBenchConfig, mode: str, dev: torch.device) -> Rebalan
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="bench"),
         rank=0,
-        num_layers=cfg.num_layers,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
+        shape=ClusterShape(
+            num_layers=cfg.num_layers,
+            num_logical=E,
+            num_slots=P,
+            num_gpus=G,
+            expert_bytes=0,
+            top_k=cfg.top_k,
+        ),
         shared_expert=True,
-        top_k=cfg.top_k,
         dispatch=DispatchConfig(
             mode=mode,
             waterfill_passes=cfg.waterfill_passes,  # type: ignore[arg-type]

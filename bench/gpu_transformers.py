@@ -64,6 +64,7 @@ from rebalancer.controller.config import ControllerConfig
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
+from worker_hooks.config import WindowConfig
 from worker_hooks.engines.transformers.adapter import (
     WEIGHT_NAMES,
     AdapterConfig,
@@ -563,7 +564,7 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
                 link=Link(address[0], deployment="bench-tf"),
                 redundant_slots=cfg.redundant,
                 spare_rows=cfg.spare_rows,
-                window_steps=cfg.window_steps,
+                windows=WindowConfig(steps=cfg.window_steps),
                 agree_every=cfg.agree_every,
             ),
             ep_group=ep_group,
@@ -788,7 +789,7 @@ def _hook_plan(
     old, version = hook.phy2log.copy(), hook.version + 1
     # The first spare_rows redundant slots of every layer take other experts: each lands
     # in a spare row while serving, and every expert keeps its first copy.
-    num_logical, moved = hook.config.num_logical, max(hook.config.commit.spare_rows, 1)
+    num_logical, moved = hook.config.shape.num_logical, max(hook.config.commit.spare_rows, 1)
     new = reshuffled(old, num_logical, moved, kind)
     swaps = len(hook.stats.swap_seconds)
     hook.plans.on_prepare(

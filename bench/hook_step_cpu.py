@@ -13,6 +13,7 @@ names.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rebalancer.wire.layout import trivial_placement
+from rebalancer.wire.shape import ClusterShape
 
 L, E, P, G, T, K = 8, 64, 80, 4, 64, 8
 WARMUP = 50
@@ -52,13 +54,13 @@ def measure(steps: int) -> dict[str, object]:
         if hasattr(h, "Link")
         else dict(controller="127.0.0.1:1", deployment="bench")
     )
+    # A tree from before the nested shape: the model's shape as fields of their own.
+    flat_shape: dict[str, Any] = dict(num_layers=L, num_logical=E, num_slots=P, num_gpus=G)
+    shaped = "shape" in {f.name for f in dataclasses.fields(h.HookConfig)}
     common: dict[str, Any] = dict(
         **where,
         rank=0,
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
+        **(dict(shape=ClusterShape(**flat_shape, expert_bytes=0)) if shaped else flat_shape),
     )
     if hasattr(h, "WindowConfig"):
         config = h.HookConfig(

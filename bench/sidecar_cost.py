@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from rebalancer.wire.shape import ClusterShape
+
 L, E, P, G = 58, 256, 288, 8
 TOP_K = 8
 
@@ -300,12 +302,14 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
                 HookConfig(
                     link=Link(address, deployment=deployment, worker_id=f"bench-{mode}-hook"),
                     rank=G - 1,
-                    num_layers=L,
-                    num_logical=E,
-                    num_slots=P,
-                    num_gpus=G,
-                    num_nodes=1,
-                    expert_bytes=44 << 20,
+                    shape=ClusterShape(
+                        num_layers=L,
+                        num_logical=E,
+                        num_slots=P,
+                        num_gpus=G,
+                        num_nodes=1,
+                        expert_bytes=44 << 20,
+                    ),
                     windows=WindowConfig(steps=args.window_steps),
                 ),
                 phy2log,

@@ -230,7 +230,7 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
         steps = e.tokens / (e.ranks * step_tokens) if e.ranks else 0.0
         steps_seen += steps
         version, note = e.version, ""
-        if steps < config.window_steps - 1e-6 and steps_seen < config.steps - 1e-6:
+        if steps < config.windows.steps - 1e-6 and steps_seen < config.steps - 1e-6:
             cut = commits.cut()
             if cut is not None:
                 version, note = commits.base.get(cut, version), f" (ends at commit v{cut})"

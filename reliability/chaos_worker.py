@@ -70,7 +70,7 @@ class SlowPlans(cpu_worker.FaultyPlans):
 
     def after_transfers(self, version: int) -> None:
         if self.prepare_seconds:
-            time.sleep(self.prepare_seconds * (self.config.rank + 1) / self.config.num_gpus)
+            time.sleep(self.prepare_seconds * (self.config.rank + 1) / self.config.shape.num_gpus)
         super().after_transfers(version)
 
 

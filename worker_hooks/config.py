@@ -1,8 +1,9 @@
 """What a rank's hook is told: `HookConfig`, its model and identity, and one section per job.
 
     HookConfig(link=Link(address, deployment=..., token=...),  # how it reaches the controller
-               rank=r, num_layers=L, num_logical=E,
-               num_slots=P, num_gpus=G,                  # who this rank is, the model's shape
+               rank=r,                                    # who this rank is
+               shape=ClusterShape(num_layers=L, num_logical=E, num_slots=P,
+                                  num_gpus=G, expert_bytes=0),  # the model's shape (0: unknown)
                windows=WindowConfig(steps=16),            # counting
                dispatch=DispatchConfig(mode="load"),      # tokens among an expert's replicas
                commit=CommitConfig(agree_every=4),        # switching placements
@@ -15,7 +16,7 @@ TypeError or ValueError naming the field), and `HookConfig` checks how they fit 
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from rebalancer.errors import InputError
@@ -29,11 +30,13 @@ from rebalancer.wire.dispatch import (
     has_shared_replicas,
 )
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import ClusterShape
 from rebalancer.wire.windows import MAX_WINDOW_STEPS
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
 __all__ = [
     "TRANSPORTS",
+    "ClusterShape",
     "CommitConfig",
     "DispatchConfig",
     "HookConfig",
@@ -44,9 +47,12 @@ __all__ = [
 ]
 
 
-def _check_ints(section: object, names: tuple[str, ...], minimum: int) -> None:
-    """Each field in `names` is an int (not a bool) >= minimum: TypeError / ValueError by name."""
-    what = type(section).__name__
+def _check_ints(
+    section: object, names: tuple[str, ...], minimum: int, what: str | None = None
+) -> None:
+    """Each field in `names` is an int (not a bool) >= minimum: TypeError / ValueError
+    naming `what.name` (`what`: the section's class by default)."""
+    what = what or type(section).__name__
     for name in names:
         value = getattr(section, name)
         if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -187,21 +193,15 @@ class HookConfig:
     controller's status and logs, the replica pool, and, straight to the controller, the
     token and TLS files (through the sidecar, which holds them itself, none are needed)."""
     rank: int
-    """This rank in the EP group, in [0, num_gpus)."""
-    num_layers: int
-    """MoE layers of the model."""
-    num_logical: int
-    """Routed (logical) experts per layer."""
-    num_slots: int
-    """Physical expert slots per layer over the whole group (a multiple of num_gpus)."""
-    num_gpus: int
-    """Ranks of the EP group."""
-    num_nodes: int = 1
-    """Hosts the group spans (told to the controller, which prices moves between them)."""
-    expert_bytes: int = 0
-    """Bytes of one expert's weights (the controller's migration cost; 0: unknown)."""
-    top_k: int = 0
-    """Routed experts per token, told to the controller (0: unknown)."""
+    """This rank in the EP group, in [0, shape.num_gpus)."""
+    shape: ClusterShape
+    """The model and its EP group, told to the controller at Register: MoE layers, routed
+    (logical) experts per layer, physical slots per layer over the group (a multiple of
+    num_gpus), ranks, hosts (the controller prices moves between them), the bytes of one
+    expert's weights (the migration cost; 0: unknown, where ClusterShape's default is
+    DeepSeek-V3's) and the routed experts per token (top_k, 0: unknown). The rank's
+    dispatch mode is `dispatch.mode`: the shape's `dispatch_mode` is left at its default
+    or says the same."""
     shared_expert: bool = False
     """The model has a shared expert (DeepSeek-V3/V4): counted as expert E of every layer,
     and under dispatch "load+shared" dispatched like a routed expert with a replica on
@@ -230,10 +230,14 @@ class HookConfig:
             check_address(self.link.address)  # gRPC would only fail at every connection attempt
         except InputError as exc:
             raise InputError(f"HookConfig.link.address: {exc}") from None
+        if not isinstance(self.shape, ClusterShape):
+            raise TypeError(
+                f"HookConfig.shape must be a ClusterShape, got {type(self.shape).__name__}"
+            )
+        _check_ints(self, ("rank",), 0)
         _check_ints(
-            self,
+            self.shape,
             (
-                "rank",
                 "num_layers",
                 "num_logical",
                 "num_slots",
@@ -243,6 +247,7 @@ class HookConfig:
                 "top_k",
             ),
             0,
+            "HookConfig.shape",
         )
         for name, section in (
             ("windows", WindowConfig),
@@ -256,20 +261,33 @@ class HookConfig:
                     f"HookConfig.{name} must be a {section.__name__}, "
                     f"got {type(getattr(self, name)).__name__}"
                 )
-        if self.num_gpus < 1 or not 0 <= self.rank < self.num_gpus:
+        shape = self.shape
+        if shape.num_gpus < 1 or not 0 <= self.rank < shape.num_gpus:
             raise ValueError(
-                f"need 0 <= rank < num_gpus, got rank={self.rank}, num_gpus={self.num_gpus}"
+                f"need 0 <= rank < num_gpus, got rank={self.rank}, num_gpus={shape.num_gpus}"
             )
-        if self.num_slots % self.num_gpus:
+        if shape.num_slots % shape.num_gpus:
             raise ValueError(
-                f"num_slots={self.num_slots} is not a multiple of num_gpus={self.num_gpus}"
+                f"num_slots={shape.num_slots} is not a multiple of num_gpus={shape.num_gpus}"
             )
+        if shape.dispatch_mode not in (DEFAULT_DISPATCH_MODE, self.dispatch.mode):
+            raise ValueError(
+                f"HookConfig.shape.dispatch_mode is {shape.dispatch_mode!r} and "
+                f"HookConfig.dispatch.mode {self.dispatch.mode!r}: the rank's dispatch mode is "
+                "set once, in dispatch.mode"
+            )
+        shape.validate()  # the layout rules the controller holds a Register to, here at once
         if has_shared_replicas(self.dispatch.mode) and not self.shared_expert:
             raise ValueError('dispatch mode "load+shared" needs shared_expert=True')
 
     @property
+    def registered_shape(self) -> ClusterShape:
+        """The shape told to the controller at Register: `shape` under `dispatch.mode`."""
+        return replace(self.shape, dispatch_mode=self.dispatch.mode)
+
+    @property
     def slots_per_rank(self) -> int:
-        return self.num_slots // self.num_gpus
+        return self.shape.num_slots // self.shape.num_gpus
 
     @property
     def rows_per_rank(self) -> int:
@@ -279,4 +297,4 @@ class HookConfig:
     @property
     def num_rows(self) -> int:
         """Weight rows per layer over the group (the ids `route` returns are below it)."""
-        return self.num_gpus * self.rows_per_rank
+        return self.shape.num_gpus * self.rows_per_rank

@@ -35,7 +35,9 @@ def add_window(
     if physical is None:
         return
     num_rows = config.num_rows
-    rows = physical[:, :num_rows].reshape(config.num_layers, config.num_gpus, config.rows_per_rank)
+    rows = physical[:, :num_rows].reshape(
+        config.shape.num_layers, config.shape.num_gpus, config.rows_per_rank
+    )
     per_gpu = np.concatenate([rows.sum(axis=2), physical[:, num_rows:]], axis=1)
     stats.gpu_total = per_gpu if stats.gpu_total is None else stats.gpu_total + per_gpu
 
@@ -48,17 +50,19 @@ def count_arrays(config: HookConfig, stats: HookStats) -> dict[str, np.ndarray]:
     [L, G] routed picks this rank sent to each GPU and, with `shared_expert`,
     `gpu_shared_count` [L, G] its shared-expert tokens computed on each GPU."""
     shared = 1 if config.shared_expert else 0
-    G = config.num_gpus
+    G = config.shape.num_gpus
     logical = stats.logical_total
     if logical is None:  # no window closed yet: nothing recorded so far
-        logical = np.zeros((config.num_layers, config.num_logical + shared), dtype=np.int64)
-    arrays = {LOGICAL_COUNT: logical[:, : config.num_logical]}
+        logical = np.zeros(
+            (config.shape.num_layers, config.shape.num_logical + shared), dtype=np.int64
+        )
+    arrays = {LOGICAL_COUNT: logical[:, : config.shape.num_logical]}
     if config.shared_expert:
-        arrays[SHARED_COUNT] = logical[:, config.num_logical]
+        arrays[SHARED_COUNT] = logical[:, config.shape.num_logical]
     if config.windows.record_physical:
         per_gpu = stats.gpu_total  # [L, G] routed, then [L, G] shared (add_window)
         if per_gpu is None:
-            per_gpu = np.zeros((config.num_layers, G * (1 + shared)), dtype=np.int64)
+            per_gpu = np.zeros((config.shape.num_layers, G * (1 + shared)), dtype=np.int64)
         arrays[GPU_COUNT] = per_gpu[:, :G]
         if config.shared_expert:
             arrays[GPU_SHARED_COUNT] = per_gpu[:, G:]

@@ -47,10 +47,12 @@ from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.dispatch import has_shared_replicas
 from rebalancer.wire.layout import check_phy2log
+from rebalancer.wire.shape import shape_msg
 from worker_hooks import works
 from worker_hooks.agent import AgentConfig, WorkerAgent
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.config import (
+    ClusterShape,
     CommitConfig,
     DispatchConfig,
     HookConfig,
@@ -72,6 +74,7 @@ from worker_hooks.warm import await_offer, group_holds
 from worker_hooks.weights import check_weights
 
 __all__ = [
+    "ClusterShape",
     "CommitConfig",
     "DispatchConfig",
     "HookConfig",
@@ -92,11 +95,11 @@ def _checked_placement(phy2log: object, config: HookConfig) -> np.ndarray:
     (InputError, a ValueError, naming what is wrong)."""
     if isinstance(phy2log, torch.Tensor):
         phy2log = phy2log.detach().cpu().numpy()
-    placement = check_phy2log(phy2log, config.num_logical)
-    if placement.shape != (config.num_layers, config.num_slots):
+    placement = check_phy2log(phy2log, config.shape.num_logical)
+    if placement.shape != (config.shape.num_layers, config.shape.num_slots):
         raise InputError(
             f"phy2log has shape {list(placement.shape)}, the config says "
-            f"[num_layers={config.num_layers}, num_slots={config.num_slots}]"
+            f"[num_layers={config.shape.num_layers}, num_slots={config.shape.num_slots}]"
         )
     return placement
 
@@ -112,16 +115,13 @@ def _check_groups(**groups: dist.ProcessGroup | None) -> None:
 
 def agent_config(config: HookConfig) -> AgentConfig:
     """The agent's settings from the hook's: the link, and the shape told at Register."""
-    shape = pb.ModelShape(
-        num_layers=config.num_layers,
-        num_logical_experts=config.num_logical,
-        num_physical_slots=config.num_slots,
-        num_gpus=config.num_gpus,
-        num_nodes=config.num_nodes,
-        expert_bytes=config.expert_bytes,
-    )
+    shape = config.registered_shape
     return AgentConfig(
-        config.link, config.rank, shape, dispatch_mode=config.dispatch.mode, top_k=config.top_k
+        config.link,
+        config.rank,
+        shape_msg(shape),
+        dispatch_mode=shape.dispatch_mode,
+        top_k=shape.top_k,
     )
 
 
@@ -130,9 +130,11 @@ def _recorder(config: HookConfig, device: torch.device) -> ExpertRecorder:
     its column E, and its G replicas at ids num_rows + g."""
     shared = 1 if config.shared_expert else 0
     return ExpertRecorder(
-        config.num_layers,
-        config.num_logical + shared,
-        config.num_rows + shared * config.num_gpus if config.windows.record_physical else None,
+        config.shape.num_layers,
+        config.shape.num_logical + shared,
+        config.num_rows + shared * config.shape.num_gpus
+        if config.windows.record_physical
+        else None,
         device=device,
     )
 
@@ -141,9 +143,9 @@ def _dispatch(config: HookConfig, served: ServedPlacement, device: torch.device)
     d = config.dispatch
     return ReplicaDispatch(
         dispatch_map(config, served.phy2log, served.row_ids),
-        config.num_gpus,
+        config.shape.num_gpus,
         config.rank,
-        max_replicas=config.num_slots - config.num_logical + 1,
+        max_replicas=config.shape.num_slots - config.shape.num_logical + 1,
         device=device,
         num_physical=config.num_rows,
         by_load=d.by_load,
@@ -188,14 +190,22 @@ class RebalanceHook:
         self.device = resolve_device(device)
         self.weights = weights
         rows = RowMap(
-            config.num_gpus, config.num_layers, config.slots_per_rank, config.commit.spare_rows
+            config.shape.num_gpus,
+            config.shape.num_layers,
+            config.slots_per_rank,
+            config.commit.spare_rows,
         )
         self.served = ServedPlacement(_checked_placement(phy2log, config), rows.row_ids())
         self.recorder = _recorder(config, self.device)
         self.dispatch = _dispatch(config, self.served, self.device)
         # Owns `rows` from here on: moves them at commit (worker_hooks/rows.py).
         self.executor = MigrationExecutor(
-            config.rank, config.num_gpus, weights, migrate_group, config.migration, row_map=rows
+            config.rank,
+            config.shape.num_gpus,
+            weights,
+            migrate_group,
+            config.migration,
+            row_map=rows,
         )
         self.agreement = CommitAgreement(agree_group, config.commit.agree_every)
         self.stats = HookStats()
@@ -269,9 +279,9 @@ class RebalanceHook:
             offered, new = await_offer(
                 self.agent,
                 cfg.pool.warm_start_seconds,
-                cfg.num_layers,
-                cfg.num_slots,
-                cfg.num_logical,
+                cfg.shape.num_layers,
+                cfg.shape.num_slots,
+                cfg.shape.num_logical,
                 cfg.rank,
             )
         if not self._all_hold(offered) or new is None or source is None:
@@ -285,7 +295,7 @@ class RebalanceHook:
         try:
             S = cfg.slots_per_rank
             rows = self.rows.rows
-            for layer in range(cfg.num_layers):
+            for layer in range(cfg.shape.num_layers):
                 for s in range(S):
                     slot = cfg.rank * S + s
                     if new[layer, slot] != self.served.phy2log[layer, slot]:
@@ -323,7 +333,7 @@ class RebalanceHook:
 
     def _all_hold(self, version: int) -> bool:
         """Whether every rank of the group holds `version` (> 0)."""
-        return group_holds(version, self._agree_group, self.config.num_gpus, self.config.rank)
+        return group_holds(version, self._agree_group, self.config.shape.num_gpus, self.config.rank)
 
     def stop(self) -> None:
         self.agent.stop()
@@ -375,7 +385,7 @@ class RebalanceHook:
         cfg = self.config
         ids = topk_ids
         if cfg.shared_expert:
-            shared = torch.full_like(topk_ids[:, :1], cfg.num_logical)
+            shared = torch.full_like(topk_ids[:, :1], cfg.shape.num_logical)
             ids = torch.cat([topk_ids, shared], dim=1)
         if not self._by_load:
             self.recorder.record(layer, ids)
@@ -398,11 +408,11 @@ class RebalanceHook:
         """Every rank's per-expert picks of this layer and step: [X] -> [G, X] int64."""
         if self._counts_gather is not None:
             return self._counts_gather(local)
-        if self.config.num_gpus == 1:
+        if self.config.shape.num_gpus == 1:
             return local.unsqueeze(0)
-        out = local.new_empty(self.config.num_gpus * local.shape[0])  # flat: gloo's form
+        out = local.new_empty(self.config.shape.num_gpus * local.shape[0])  # flat: gloo's form
         dist.all_gather_into_tensor(out, local, group=self._dispatch_group)
-        return out.view(self.config.num_gpus, local.shape[0])
+        return out.view(self.config.shape.num_gpus, local.shape[0])
 
     def step_end(self) -> None:
         """Call once per forward step, after the step, on every rank."""
@@ -427,7 +437,9 @@ class RebalanceHook:
             logical, physical = self.recorder.split(flat)
             add_window(self.stats, self.config, logical, physical)
             self.stats.windows += 1
-            logical = logical[:, : self.config.num_logical]  # the controller counts routed experts
+            logical = logical[
+                :, : self.config.shape.num_logical
+            ]  # the controller counts routed experts
             if physical is not None:  # counted by row: back to the slots the controller knows
                 physical = np.take_along_axis(physical[:, : self._num_rows], row_ids, axis=1)
             return logical, physical

@@ -42,8 +42,8 @@ Report = Callable[..., None]
 
 def dispatch_map(config: HookConfig, phy2log: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
     """Dispatch's map `[L, E, R]`: each expert's replicas as row ids, -1 padded."""
-    max_replicas = config.num_slots - config.num_logical + 1
-    return replica_rows(phy2log, row_ids, config.num_logical, max_replicas)
+    max_replicas = config.shape.num_slots - config.shape.num_logical + 1
+    return replica_rows(phy2log, row_ids, config.shape.num_logical, max_replicas)
 
 
 class _Stopping(RuntimeError):
@@ -162,7 +162,10 @@ class PlanDriver(PlanMessages, PlanHandlers):
             refusal = self._refusal(prepare)
             cfg = self.config
             new = codec.decode_phy2log(
-                prepare.placement.phy2log, cfg.num_layers, cfg.num_slots, cfg.num_logical
+                prepare.placement.phy2log,
+                cfg.shape.num_layers,
+                cfg.shape.num_slots,
+                cfg.shape.num_logical,
             )
             transfers = codec.decode(prepare.transfers, "transfers")
             if refusal:

@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     from rebalancer.launch.config import DemoConfig, default_sidecars
     from rebalancer.launch.processes import LaunchFailed
     from rebalancer.wire.link import Link
+    from worker_hooks.config import WindowConfig
 
     if args.spare_rows < 0:
         raise InputError(f"--spare-rows must be >= 0, got {args.spare_rows}")
@@ -215,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         experts=args.experts,
         slots=slots,
         steps=args.windows * args.window_steps,
-        window_steps=args.window_steps,
+        windows=WindowConfig(steps=args.window_steps),
         db_path=args.db,
         worker_log="INFO" if args.verbose else "WARNING",
         transport=args.transport,

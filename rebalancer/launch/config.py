@@ -10,6 +10,7 @@ from rebalancer.controller.cost import CostParams
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.wire.link import Link
+from worker_hooks.config import WindowConfig
 
 # The workers' time limit when none is given: this much per forward step (a loaded
 # 2-core machine ran ~0.1 s per step of the default 4 workers), at least MIN_TIME_LIMIT.
@@ -30,7 +31,7 @@ class DemoConfig:
     top_k: int = 4
     tokens: int = 32  # per rank per step
     steps: int = 480
-    window_steps: int = 16
+    windows: WindowConfig = field(default_factory=WindowConfig)  # the workers' counts windows
     windows_per_phase: int = 5
     seed: int = 7
     db_path: str | None = None  # default: a temporary file

@@ -47,6 +47,6 @@ def write_profile(config: DemoConfig, folder: Path) -> Path:
     np.savez(
         path,
         profiles=routing_profiles(config),
-        steps_per_phase=config.window_steps * config.windows_per_phase,
+        steps_per_phase=config.windows.steps * config.windows_per_phase,
     )
     return path

@@ -59,7 +59,7 @@ def launch_workers(
                 "--top-k",
                 str(config.top_k),
                 "--window-steps",
-                str(config.window_steps),
+                str(config.windows.steps),
                 "--max-seconds",
                 str(time_limit(config)),
                 "--out",

@@ -30,6 +30,7 @@ from reliability.chaos.config import CONTROLLER_TOML, DEPLOYMENT, ChaosConfig
 from reliability.chaos.processes import Processes
 from reliability.chaos.steplog import STEP, VERSION
 from reliability.faultproxy import FaultProxy
+from worker_hooks.config import WindowConfig
 
 
 class Harness:
@@ -52,7 +53,7 @@ class Harness:
                 slots=config.slots,
                 top_k=config.top_k,
                 tokens=config.tokens,
-                window_steps=config.window_steps,
+                windows=WindowConfig(steps=config.window_steps),
                 seed=config.seed,
             )
             self.profile = write_profile(self.demo, self.tmp)

@@ -15,6 +15,7 @@ from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.estimate import EstimatorConfig
 from rebalancer.demo import run_demo
 from rebalancer.launch.config import DemoConfig
+from worker_hooks.config import WindowConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,7 +46,7 @@ def test_loop_on_gpus_keeps_outputs_identical(
         slots=24,
         tokens=16,
         steps=160,
-        window_steps=8,
+        windows=WindowConfig(steps=8),
         windows_per_phase=5,
         timeout_seconds=90.0,
         policy=POLICY,

@@ -26,6 +26,7 @@ from rebalancer.launch.routing import write_profile
 from rebalancer.launch.workers import launch_workers
 from tests.integration.conftest import start_controller
 from tests.integration.until import stop_together, wait_for
+from worker_hooks.config import WindowConfig
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def small_config(**kw: object) -> DemoConfig:
         slots=24,
         tokens=16,
         steps=160,
-        window_steps=8,
+        windows=WindowConfig(steps=8),
         windows_per_phase=5,
         timeout_seconds=90.0,
         policy=FAST_POLICY,

@@ -31,10 +31,13 @@ from rebalancer.launch.processes import free_port, reap
 from rebalancer.launch.routing import routing_profiles
 from tests.integration.conftest import start_controller
 from tests.integration.test_end_to_end import FAST_POLICY, small_config
+from worker_hooks.config import WindowConfig
 
 pytestmark = pytest.mark.slow
 
-CONFIG = small_config(workers=2, layers=4, experts=16, slots=24, tokens=32, window_steps=8)
+CONFIG = small_config(
+    workers=2, layers=4, experts=16, slots=24, tokens=32, windows=WindowConfig(steps=8)
+)
 
 
 def wait_for(predicate: Callable[[], object], seconds: float, what: str) -> None:
@@ -132,7 +135,7 @@ class Fleet:
                 "--top-k",
                 str(CONFIG.top_k),
                 "--window-steps",
-                str(CONFIG.window_steps),
+                str(CONFIG.windows.steps),
                 "--max-seconds",
                 "150",
                 "--warm-start-seconds",
@@ -157,7 +160,9 @@ class Fleet:
 
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[EmbeddedController]:
-    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, min_windows=3))
+    # ready: the pool's decisions must not wait on the decision process's imports (a
+    # loaded machine takes tens of seconds; the joiners' waits would run out meanwhile).
+    ctl = start_controller(tmp_path / "c.sqlite", replace(FAST_POLICY, min_windows=3), ready=True)
     try:
         yield ctl
     finally:

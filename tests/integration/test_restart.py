@@ -174,6 +174,6 @@ def test_kill_9_mid_run_keeps_history_and_resumes(tmp_path: Path) -> None:
     # at most FOLD_LAG + 2 sequence numbers of every rank; a double count would exceed `routed`.
     # The lower bound holds only if the drain saved the cursor (see drain.toml).
     window_tokens = (
-        config.window_steps * config.tokens * config.top_k * config.layers * config.workers
+        config.windows.steps * config.tokens * config.top_k * config.layers * config.workers
     )
     assert routed - (FOLD_LAG + 2) * window_tokens <= state["tokens_folded"] <= routed

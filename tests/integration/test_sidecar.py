@@ -191,7 +191,7 @@ class Cluster:
                 "--top-k",
                 str(config.top_k),
                 "--window-steps",
-                str(config.window_steps),
+                str(config.windows.steps),
                 "--max-seconds",
                 str(config.timeout_seconds),
                 "--out",

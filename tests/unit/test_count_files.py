@@ -16,6 +16,7 @@ from rebalancer.cli import main
 from rebalancer.errors import InputError
 from rebalancer.formats import load_counts, read_counts, write_counts
 from rebalancer.wire.layout import trivial_placement
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.hook import (
     CommitConfig,
     DispatchConfig,
@@ -172,12 +173,10 @@ def recorded_hook(mode: str, shared: bool = True, steps: int = STEPS) -> Rebalan
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
-        num_layers=HL,
-        num_logical=HE,
-        num_slots=HP,
-        num_gpus=HG,
+        shape=ClusterShape(
+            num_layers=HL, num_logical=HE, num_slots=HP, num_gpus=HG, expert_bytes=0, top_k=HK
+        ),
         shared_expert=shared,
-        top_k=HK,
         windows=WindowConfig(steps=1),
         commit=CommitConfig(agree_every=10**6),
         dispatch=DispatchConfig(mode=mode),  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from rebalancer.errors import InputError
 from rebalancer.wire.channel import check_address
 from rebalancer.wire.link import ENV_TLS_NAMES, LINK_ENV, Link, link_from_env
 from rebalancer.wire.windows import MAX_WINDOW_STEPS
+from worker_hooks.config import WindowConfig
 
 ENV_PREFIX = "REBALANCER_"
 # The largest value of an integer setting, where the wire bounds it: a window's steps
@@ -51,6 +52,14 @@ class EngineEnv:
             raise InputError(f"{ENV_PREFIX}{name}={raw!r} is out of range (at most {maximum})")
         return value
 
+    def windows(self) -> WindowConfig:
+        """The counts window: REBALANCER_WINDOW_STEPS engine passes per window (default
+        WindowConfig's), refused below 1 in one line naming the variable."""
+        steps = int(self.number("WINDOW_STEPS", int, WindowConfig.steps))
+        if steps < 1:
+            raise InputError(f"{ENV_PREFIX}WINDOW_STEPS must be >= 1, got {steps}")
+        return WindowConfig(steps=steps)
+
     def link(self, default_deployment: str) -> Link | None:
         """The adapter's link (rebalancer.wire.link.LINK_ENV: address, deployment, token
         file, TLS files, worker id, replica pool), the token read from its file now; None
@@ -63,6 +72,12 @@ class EngineEnv:
         except InputError as exc:
             raise InputError(f"{LINK_ENV['address']}: {exc}") from None
         return link.with_token(LINK_ENV["token_file"])
+
+
+def check_windows(windows: object) -> None:
+    """An adapter config's `windows` is a WindowConfig (which checked its own steps)."""
+    if not isinstance(windows, WindowConfig):
+        raise TypeError(f"windows must be a WindowConfig, got {type(windows).__name__}")
 
 
 def check_link(link: Link) -> None:

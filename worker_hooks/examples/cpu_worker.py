@@ -44,6 +44,7 @@ import torch.distributed as dist
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.dispatch import DISPATCH_MODES
 from rebalancer.wire.layout import trivial_placement
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.config import TRANSPORTS
 from worker_hooks.devices import DEVICE_KINDS
 from worker_hooks.examples.moe_cpu import (
@@ -289,13 +290,15 @@ def hook_config(args: argparse.Namespace, cfg: MoEConfig) -> HookConfig:
             pool=args.pool,
         ),
         rank=args.rank,
-        num_layers=cfg.num_layers,
-        num_logical=cfg.num_experts,
-        num_slots=args.slots,
-        num_gpus=args.world,
-        expert_bytes=cfg.expert_bytes,
+        shape=ClusterShape(
+            num_layers=cfg.num_layers,
+            num_logical=cfg.num_experts,
+            num_slots=args.slots,
+            num_gpus=args.world,
+            expert_bytes=cfg.expert_bytes,
+            top_k=cfg.top_k,
+        ),
         shared_expert=args.shared_expert,
-        top_k=cfg.top_k,
         windows=WindowConfig(steps=args.window_steps),
         dispatch=DispatchConfig(mode=args.dispatch),
         commit=CommitConfig(agree_every=args.agree_every, spare_rows=args.spare_rows),

@@ -27,6 +27,7 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from rebalancer.wire.link import Link
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
+from worker_hooks.config import WindowConfig
 from worker_hooks.session.agreement import NO_PLAN, all_reduce_min, held_everywhere, plan_digest
 from worker_hooks.session.book import PlanBook
 from worker_hooks.session.messages import PlanMessages
@@ -42,7 +43,7 @@ class LinkSettings(Protocol):
     @property
     def link(self) -> Link: ...
     @property
-    def window_steps(self) -> int: ...
+    def windows(self) -> WindowConfig: ...
 
 
 def worker_identity(link: Link) -> str:
@@ -138,10 +139,10 @@ class RankSession(PlanMessages, PlanHandlers):
     # ------------------------------------------------------------ serving thread
 
     def window_due(self) -> bool:
-        """Whether the open window has run its `window_steps` (asked at every pass)."""
+        """Whether the open window has run its `windows.steps` (asked at every pass)."""
         if self.joining_resized:
             self._join_resized_world()
-        return window_due(self.step, self.windows.start, self.config.window_steps)
+        return window_due(self.step, self.windows.start, self.config.windows.steps)
 
     def _join_resized_world(self) -> None:
         """A rank of a resized group serves its map as v0 until the controller answered its

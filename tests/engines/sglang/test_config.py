@@ -8,6 +8,7 @@ import pytest
 from rebalancer.errors import InputError
 from rebalancer.wire.layout import logical_counts
 from tests.engines.env_recorder import EnvRecorder
+from worker_hooks.config import WindowConfig
 from worker_hooks.engines.sglang.config import (
     DEFAULT_DEPLOYMENT,
     DEFAULT_STAGING_BUDGET_BYTES,
@@ -28,7 +29,7 @@ def test_off_without_address_and_defaults_from_the_dataclass(tmp_path) -> None:
         }
     )
     assert config is not None
-    assert (config.link.token, config.window_steps) == ("s3cret", 8)
+    assert (config.link.token, config.windows) == ("s3cret", WindowConfig(steps=8))
     assert config.agree_every == SGLangAdapterConfig.agree_every
     assert config.link.deployment == DEFAULT_DEPLOYMENT == "sglang"
     assert config.link.pool == ""

@@ -66,7 +66,7 @@ def _commit_through_hook(ep: ExpertParallelModel, new: np.ndarray) -> None:
     """Prepare plan v+1 as the controller's Prepare would, commit it, step to the switch."""
     hook = ep.hook
     version = hook.version + 1
-    moves = transfers(hook.phy2log, new, num_gpus=hook.config.num_gpus)
+    moves = transfers(hook.phy2log, new, num_gpus=hook.config.shape.num_gpus)
     hook.plans.on_prepare(
         pb.Prepare(
             version=version,

@@ -12,6 +12,7 @@ from rebalancer.errors import InputError
 from rebalancer.wire.link import Link
 from tests.engines.env_recorder import EnvRecorder
 from tests.engines.vllm import vllm_env
+from worker_hooks.config import WindowConfig
 from worker_hooks.engines.vllm.config import VLLMAdapterConfig
 
 
@@ -57,7 +58,7 @@ def test_config_from_env() -> None:
         }
     )
     assert config == VLLMAdapterConfig(
-        Link("unix:/s", deployment="vllm"), window_steps=8, count_duplicates=4
+        Link("unix:/s", deployment="vllm"), windows=WindowConfig(steps=8), count_duplicates=4
     )
     with pytest.raises(InputError, match="REBALANCER_WINDOW_STEPS='x' is not an integer"):
         VLLMAdapterConfig.from_env({"REBALANCER_ADDRESS": "a:1", "REBALANCER_WINDOW_STEPS": "x"})

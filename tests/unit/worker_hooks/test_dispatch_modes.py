@@ -12,6 +12,7 @@ import torch
 
 from rebalancer.placement.metrics import dispatch_allocation, gpu_replicas
 from rebalancer.wire.layout import log2phy_of, trivial_placement
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.dispatch import ReplicaDispatch
 from worker_hooks.hook import DispatchConfig, HookConfig, Link, RebalanceHook
 
@@ -126,10 +127,7 @@ def hook(mode: str, shared: bool) -> RebalanceHook:
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="t"),
         rank=0,
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=1,
+        shape=ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=1, expert_bytes=0),
         shared_expert=shared,
         dispatch=DispatchConfig(mode=mode),
     )  # type: ignore[arg-type]

@@ -59,7 +59,7 @@ def test_addresses_the_sidecar_takes_are_taken(adapter, address: str) -> None:  
         {"REBALANCER_ADDRESS": address, "REBALANCER_WINDOW_STEPS": str(2**32 - 1)}
     )
     assert config is not None and config.link.address == address
-    assert config.window_steps == 2**32 - 1
+    assert config.windows.steps == 2**32 - 1
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)

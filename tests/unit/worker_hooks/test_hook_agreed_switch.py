@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from rebalancer.placement import transfers, trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.hook import CommitConfig, HookConfig, Link, RebalanceHook, WindowConfig
 
 L, E, P, G = 2, 4, 6, 2
@@ -38,10 +39,9 @@ def _rank(rank: int, out: str) -> None:
         config = HookConfig(
             link=Link("127.0.0.1:1", deployment="d"),
             rank=rank,
-            num_layers=L,
-            num_logical=E,
-            num_slots=P,
-            num_gpus=G,
+            shape=ClusterShape(
+                num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=0
+            ),
             windows=WindowConfig(steps=10**6),
             commit=CommitConfig(agree_every=2),
         )

@@ -10,8 +10,11 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 import pytest
 
+from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks import config as config_module
 from worker_hooks.config import DispatchConfig, HookConfig, Link, MigrationConfig, WindowConfig
+from worker_hooks.hook import agent_config
 
 SECTIONS = ("windows", "dispatch", "commit", "migration", "pool")
 
@@ -20,10 +23,7 @@ def _hook_config() -> HookConfig:
     return HookConfig(
         link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
-        num_layers=2,
-        num_logical=4,
-        num_slots=8,
-        num_gpus=2,
+        shape=ClusterShape(num_layers=2, num_logical=4, num_slots=8, num_gpus=2, expert_bytes=0),
     )
 
 
@@ -98,3 +98,101 @@ def test_a_window_longer_than_the_wire_carries_is_refused() -> None:
     ):
         WindowConfig(steps=10**20)
     assert WindowConfig(steps=2**32 - 1).steps == 2**32 - 1
+
+
+# What a rank told the controller at Register when HookConfig held the shape's fields
+# itself (issue 31): its pb.ModelShape spelled field by field, the dispatch mode and top_k.
+def _flat_register(
+    L: int, E: int, P: int, G: int, N: int, expert_bytes: int, top_k: int, mode: str
+) -> tuple[bytes, str, int]:
+    shape = pb.ModelShape(
+        num_layers=L,
+        num_logical_experts=E,
+        num_physical_slots=P,
+        num_gpus=G,
+        num_nodes=N,
+        expert_bytes=expert_bytes,
+    )
+    return shape.SerializeToString(deterministic=True), mode, top_k
+
+
+@pytest.mark.parametrize(
+    ("shape", "dispatch", "shared_expert", "before"),
+    [
+        (
+            ClusterShape(num_layers=2, num_logical=4, num_slots=8, num_gpus=2, expert_bytes=0),
+            DispatchConfig(),
+            False,
+            _flat_register(2, 4, 8, 2, 1, 0, 0, "split"),
+        ),
+        (
+            ClusterShape(
+                num_layers=58,
+                num_logical=256,
+                num_slots=288,
+                num_gpus=32,
+                num_nodes=4,
+                expert_bytes=44 << 20,
+                top_k=8,
+            ),
+            DispatchConfig(mode="load+shared"),
+            True,
+            _flat_register(58, 256, 288, 32, 4, 44 << 20, 8, "load+shared"),
+        ),
+        (
+            ClusterShape(
+                num_layers=3,
+                num_logical=8,
+                num_slots=12,
+                num_gpus=4,
+                num_nodes=2,
+                expert_bytes=0,
+                dispatch_mode="load",
+                top_k=2,
+            ),
+            DispatchConfig(mode="load"),
+            False,
+            _flat_register(3, 8, 12, 4, 2, 0, 2, "load"),
+        ),
+    ],
+)
+def test_the_register_tells_what_it_told_before_the_nested_shape(
+    shape: ClusterShape,
+    dispatch: DispatchConfig,
+    shared_expert: bool,
+    before: tuple[bytes, str, int],
+) -> None:
+    """The nested shape changed no byte of the Register: the same pb.ModelShape (expert
+    bytes 0 for unknown, as the flat field's default was), dispatch mode and top_k."""
+    config = HookConfig(
+        link=Link("127.0.0.1:1", deployment="d"),
+        rank=1,
+        shape=shape,
+        dispatch=dispatch,
+        shared_expert=shared_expert,
+    )
+    agent = agent_config(config)
+    told = (agent.shape.SerializeToString(deterministic=True), agent.dispatch_mode, agent.top_k)
+    assert told == before
+    assert (agent.link, agent.rank) == (config.link, 1)
+
+
+def test_the_shape_is_checked_and_the_dispatch_mode_set_once() -> None:
+    config = _hook_config()
+    with pytest.raises(TypeError, match="HookConfig.shape must be a ClusterShape, got ModelShape"):
+        dataclasses.replace(config, shape=pb.ModelShape(num_layers=2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"slots \(8\) must be at least the number of logical"):
+        dataclasses.replace(config, shape=dataclasses.replace(config.shape, num_logical=16))
+    with pytest.raises(ValueError, match=r"top_k must be an integer in \[0, num_logical\]"):
+        dataclasses.replace(config, shape=dataclasses.replace(config.shape, top_k=5))
+    with pytest.raises(ValueError, match="the rank's dispatch mode is set once, in dispatch.mode"):
+        dataclasses.replace(config, shape=dataclasses.replace(config.shape, dispatch_mode="load"))
+    loaded = dataclasses.replace(config, dispatch=DispatchConfig(mode="load"))
+    assert loaded.shape.dispatch_mode == "split"  # the default yields to dispatch.mode
+    assert loaded.registered_shape == dataclasses.replace(config.shape, dispatch_mode="load")
+    assert (
+        dataclasses.replace(
+            loaded, shape=dataclasses.replace(config.shape, dispatch_mode="load")
+        ).registered_shape
+        == loaded.registered_shape
+    )

@@ -9,6 +9,7 @@ import types
 import torch
 
 from rebalancer.placement import trivial_placement
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.hook import HookConfig, Link, RebalanceHook
 from worker_hooks.plans import PlanDriver
 
@@ -39,10 +40,7 @@ def test_the_agent_reaches_the_plan_driver_not_the_hook() -> None:
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
+        shape=ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=0),
     )
     hook = RebalanceHook(
         config, trivial_placement(L, E, P, G), {"w": torch.zeros(L, P // G, 1)}, None, None

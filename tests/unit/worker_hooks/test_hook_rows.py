@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rebalancer.placement import trivial_placement
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.hook import (
     CommitConfig,
     HookConfig,
@@ -29,10 +30,7 @@ def test_rows_are_dispatched_and_counts_reported_by_slot() -> None:
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
+        shape=ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=0),
         windows=WindowConfig(steps=1),
         commit=CommitConfig(agree_every=10**6, spare_rows=SPARE),
     )
@@ -65,10 +63,7 @@ def test_weights_without_the_spare_rows_are_refused() -> None:
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
+        shape=ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=0),
         commit=CommitConfig(spare_rows=SPARE),
     )
     phy2log = trivial_placement(L, E, P, G)
@@ -88,10 +83,7 @@ def test_bad_hook_settings_are_refused_by_name() -> None:
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
+        shape=ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=0),
     )
     with pytest.raises(ValueError, match="transport must be one of p2p, ipc, outbox, got 'rdma'"):
         dataclasses.replace(config, migration=MigrationConfig(transport="rdma"))  # type: ignore[arg-type]
@@ -100,7 +92,7 @@ def test_bad_hook_settings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="rank < num_gpus"):
         dataclasses.replace(config, rank=G)
     with pytest.raises(ValueError, match="not a multiple of num_gpus"):
-        dataclasses.replace(config, num_slots=P + 1)
+        dataclasses.replace(config, shape=dataclasses.replace(config.shape, num_slots=P + 1))
     phy2log = trivial_placement(L, E, P, G)
     with pytest.raises(ValueError, match="run on cpu or cuda, got device 'meta'"):
         RebalanceHook(config, phy2log, {"w": torch.zeros(L, S, 1)}, None, None, device="meta")
@@ -122,10 +114,7 @@ def test_wrong_types_are_refused_at_construction_with_what_was_given() -> None:
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
+        shape=ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=0),
     )
     phy2log = trivial_placement(L, E, P, G)
     w = torch.zeros(L, S, 3)
@@ -156,17 +145,18 @@ def test_wrong_types_are_refused_at_construction_with_what_was_given() -> None:
     ):
         with pytest.raises(error, match=words):
             RebalanceHook(*args, None, None)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="HookConfig.num_layers must be an int, got str '2'"):
-        dataclasses.replace(config, num_layers="2")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="HookConfig.shape.num_layers must be an int, got str '2'"):
+        dataclasses.replace(config, shape=dataclasses.replace(config.shape, num_layers="2"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="HookConfig.shape must be a ClusterShape, got dict"):
+        dataclasses.replace(config, shape=dataclasses.asdict(config.shape))  # type: ignore[arg-type]
     with pytest.raises(
         TypeError, match="HookConfig.link.address must be a non-empty str, got None"
     ):
         dataclasses.replace(config, link=Link(None, deployment="d"))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="HookConfig.link must be a Link, got str"):
         dataclasses.replace(config, link="127.0.0.1:1")  # type: ignore[arg-type]
-    assert (
-        dataclasses.replace(config, num_layers=np.int64(L)).num_layers == L
-    )  # numpy ints are ints
+    numpy_layers = dataclasses.replace(config.shape, num_layers=np.int64(L))  # type: ignore[arg-type]
+    assert dataclasses.replace(config, shape=numpy_layers).shape.num_layers == L  # ints too
     with pytest.raises(
         TypeError, match=r"agree_group must be a torch.distributed group .* got list"
     ):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from rebalancer.placement import transfers, trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.hook import (
     CommitConfig,
     HookConfig,
@@ -44,10 +45,7 @@ def one_rank_hook(
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
+        shape=ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=0),
         windows=WindowConfig(steps=10**6),
         commit=CommitConfig(agree_every=1),
     )
@@ -76,10 +74,7 @@ def switch_completes() -> None:
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="d"),
         rank=0,
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
+        shape=ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=0),
         windows=WindowConfig(steps=10**6),
         commit=CommitConfig(agree_every=1),
     )

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rebalancer.placement import trivial_placement
+from rebalancer.wire.shape import ClusterShape
 from tests.unit.worker_hooks.test_hook_switching import E, L, P, prepare
 from worker_hooks.hook import CommitConfig, HookConfig, Link, RebalanceHook, WindowConfig
 
@@ -42,10 +43,9 @@ def test_a_commit_closes_the_window_of_the_placement_it_leaves(tmp_path: Path) -
         config = HookConfig(
             link=Link("127.0.0.1:1", deployment="d"),
             rank=0,
-            num_layers=L,
-            num_logical=E,
-            num_slots=P,
-            num_gpus=1,
+            shape=ClusterShape(
+                num_layers=L, num_logical=E, num_slots=P, num_gpus=1, expert_bytes=0
+            ),
             windows=WindowConfig(steps=10**6),
             commit=CommitConfig(agree_every=1, spare_rows=SPARE),
         )

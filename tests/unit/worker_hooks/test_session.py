@@ -18,6 +18,7 @@ import worker_hooks
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from rebalancer.wire.link import Link
+from worker_hooks.config import WindowConfig
 from worker_hooks.session import windows
 from worker_hooks.session.agreement import NO_PLAN, plan_digest
 from worker_hooks.session.book import PlanBook
@@ -33,7 +34,7 @@ class Settings:
     """What an engine adapter's config gives the session (session.rank.LinkSettings)."""
 
     link = Link("localhost:1", deployment="d", worker_id="w")
-    window_steps = 4
+    windows = WindowConfig(steps=4)
 
 
 def session() -> RankSession:

@@ -13,6 +13,7 @@ import torch
 from rebalancer.placement import trivial_placement
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.hook import HookConfig, Link, PoolConfig, RebalanceHook
 
 L, E, P, G = 2, 4, 6, 1
@@ -26,10 +27,7 @@ def hook(seconds: float, source: object = expert) -> tuple[RebalanceHook, np.nda
     config = HookConfig(
         link=Link("127.0.0.1:1", deployment="d", pool="p"),
         rank=0,
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
+        shape=ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=0),
         pool=PoolConfig(seconds),
     )
     start = trivial_placement(L, E, P, G)

@@ -8,12 +8,13 @@ variables, read once per process when the plugin registers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from rebalancer.errors import InputError
 from rebalancer.wire.link import Link
-from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_link
+from worker_hooks.config import WindowConfig
+from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_link, check_windows
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
 # How a committed plan reaches the weights (worker_hooks/engines/sglang/__init__.py):
@@ -46,7 +47,8 @@ class SGLangAdapterConfig:
     # REBALANCER_TOKEN_FILE, REBALANCER_TLS_CA / _TLS_CERT / _TLS_KEY (TLS, mutual TLS),
     # REBALANCER_WORKER_ID (default: the host; the pid appended) and REBALANCER_POOL.
     link: Link
-    window_steps: int = 16  # REBALANCER_WINDOW_STEPS: forward passes per counts window
+    # REBALANCER_WINDOW_STEPS: forward passes per counts window (windows.steps).
+    windows: WindowConfig = field(default_factory=WindowConfig)
     agree_every: int = 4  # REBALANCER_AGREE_EVERY: passes between commit agreements
     # REBALANCER_AGREE_TIMEOUT_SECONDS: the adapter's gloo group gives up on a lost peer
     # after this long (agreements and the per-layer "done" of an update).
@@ -65,11 +67,9 @@ class SGLangAdapterConfig:
 
     def __post_init__(self) -> None:
         check_link(self.link)
-        for name in ("window_steps", "agree_every"):
-            if getattr(self, name) < 1:
-                raise InputError(
-                    f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}"
-                )
+        check_windows(self.windows)
+        if self.agree_every < 1:
+            raise InputError(f"{ENV_PREFIX}AGREE_EVERY must be >= 1, got {self.agree_every}")
         if self.updater not in UPDATERS:
             raise InputError(
                 f"{ENV_PREFIX}UPDATER must be one of {', '.join(UPDATERS)}, got {self.updater!r}"
@@ -95,7 +95,7 @@ class SGLangAdapterConfig:
             return None
         return SGLangAdapterConfig(
             link,
-            window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
+            windows=e.windows(),
             agree_every=int(e.number("AGREE_EVERY", int, d.agree_every)),
             agree_timeout_seconds=float(
                 e.number("AGREE_TIMEOUT_SECONDS", float, d.agree_timeout_seconds)

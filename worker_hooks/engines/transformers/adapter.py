@@ -48,7 +48,7 @@ all-reduces over it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -58,6 +58,7 @@ from torch import nn
 
 from rebalancer.wire.layout import trivial_placement
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.config import (
     CommitConfig,
     HookConfig,
@@ -96,7 +97,7 @@ class AdapterConfig:
     link: Link
     redundant_slots: int = 0  # P = E + redundant_slots physical slots, P % world == 0
     spare_rows: int = 0  # weight rows per layer and rank beyond its slots (zero-copy commits)
-    window_steps: int = 16
+    windows: WindowConfig = field(default_factory=WindowConfig)  # counting into windows
     agree_every: int = 4
     migrate_transport: Transport = "p2p"
     expert_compute: ExpertCompute = "auto"
@@ -348,12 +349,14 @@ def attach(
                 or f"transformers-{type(model).__name__}-rank{rank}",
             ),
             rank=rank,
-            num_layers=len(blocks),
-            num_logical=num_logical,
-            num_slots=num_slots,
-            num_gpus=world,
-            expert_bytes=expert_bytes,
-            windows=WindowConfig(steps=config.window_steps),
+            shape=ClusterShape(
+                num_layers=len(blocks),
+                num_logical=num_logical,
+                num_slots=num_slots,
+                num_gpus=world,
+                expert_bytes=expert_bytes,
+            ),
+            windows=config.windows,
             commit=CommitConfig(agree_every=config.agree_every, spare_rows=config.spare_rows),
             migration=MigrationConfig(transport=config.migrate_transport),
         ),

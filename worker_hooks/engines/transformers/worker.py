@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rebalancer.wire.link import Link
+from worker_hooks.config import WindowConfig
 from worker_hooks.engines.transformers.adapter import AdapterConfig, ExpertParallelModel, attach
 from worker_hooks.engines.transformers.families import FAMILIES, build_tiny_model
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             redundant_slots=args.redundant,
             spare_rows=args.spare_rows,
-            window_steps=args.window_steps,
+            windows=WindowConfig(steps=args.window_steps),
             agree_every=args.agree_every,
         ),
     )

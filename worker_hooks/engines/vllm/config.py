@@ -7,11 +7,12 @@ vLLM starts its workers itself; the plugin and the worker extension read the sam
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rebalancer.errors import InputError
 from rebalancer.wire.link import Link
-from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_link
+from worker_hooks.config import WindowConfig
+from worker_hooks.engines.env import ENV_PREFIX, EngineEnv, check_link, check_windows
 from worker_hooks.warm import DEFAULT_WARM_START_SECONDS, check_warm_start_seconds
 
 # The deployment the adapter registers as when REBALANCER_DEPLOYMENT is unset.
@@ -25,7 +26,8 @@ class VLLMAdapterConfig:
     # REBALANCER_TOKEN_FILE, REBALANCER_TLS_CA / _TLS_CERT / _TLS_KEY (TLS, mutual TLS),
     # REBALANCER_WORKER_ID (default: host and pid) and REBALANCER_POOL.
     link: Link
-    window_steps: int = 16  # REBALANCER_WINDOW_STEPS: engine steps per counts window
+    # REBALANCER_WINDOW_STEPS: engine steps per counts window (windows.steps).
+    windows: WindowConfig = field(default_factory=WindowConfig)
     # REBALANCER_COUNT_DUPLICATES: how many ranks count each routed token (vLLM's window
     # counts every token once per DP rank under the naive all-to-all, once per TP rank
     # inside an EP rank); the windows sent are divided by it. 1 for DeepEP-style dispatch.
@@ -37,11 +39,11 @@ class VLLMAdapterConfig:
 
     def __post_init__(self) -> None:
         check_link(self.link)
-        for name in ("window_steps", "count_duplicates"):
-            if getattr(self, name) < 1:
-                raise InputError(
-                    f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}"
-                )
+        check_windows(self.windows)
+        if self.count_duplicates < 1:
+            raise InputError(
+                f"{ENV_PREFIX}COUNT_DUPLICATES must be >= 1, got {self.count_duplicates}"
+            )
         check_warm_start_seconds(self.warm_start_seconds, f"{ENV_PREFIX}WARM_START_SECONDS")
 
     @staticmethod
@@ -55,7 +57,7 @@ class VLLMAdapterConfig:
             return None
         return VLLMAdapterConfig(
             link,
-            window_steps=int(e.number("WINDOW_STEPS", int, d.window_steps)),
+            windows=e.windows(),
             count_duplicates=int(e.number("COUNT_DUPLICATES", int, d.count_duplicates)),
             warm_start_seconds=float(
                 e.number("WARM_START_SECONDS", float, DEFAULT_WARM_START_SECONDS)
