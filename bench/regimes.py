@@ -51,9 +51,16 @@ def _row(
         sources,
         TraceGenConfig(kind=kind, windows=windows, window_seconds=window_seconds, seed=seed),
     )
-    config = SimConfig(num_gpus=32, num_slots=288, num_nodes=4, start=start)  # type: ignore[arg-type]
+    shape = ClusterShape(
+        num_layers=trace.num_layers,
+        num_logical=trace.num_experts,
+        num_slots=288,
+        num_gpus=32,
+        num_nodes=4,
+    )
+    config = SimConfig(shape=shape, start=start)  # type: ignore[arg-type]
     config = dataclasses.replace(
-        config, policy=config.policy.for_windows(config.shape(trace), trace.window_seconds)
+        config, policy=config.policy.for_windows(shape, trace.window_seconds)
     )
     began = time.perf_counter()
     results = simulate(trace, config, ["adaptive", "follow", "regimes"])

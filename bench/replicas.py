@@ -22,6 +22,7 @@ from typing import Any
 
 from rebalancer.sim import SimConfig, TraceGenConfig, deepseek_v3_sources, make_trace
 from rebalancer.sim.replicas import ReplicaConfig, simulate_replicas
+from rebalancer.wire.shape import ClusterShape
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,9 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     for kind in args.kinds.split(","):
         trace = make_trace(sources, TraceGenConfig(kind=kind, windows=args.windows, seed=0))
-        config = SimConfig(num_gpus=32, num_slots=288, num_nodes=4)
+        shape = ClusterShape(
+            num_layers=trace.num_layers,
+            num_logical=trace.num_experts,
+            num_slots=288,
+            num_gpus=32,
+            num_nodes=4,
+        )
+        config = SimConfig(shape=shape)
         config = dataclasses.replace(
-            config, policy=config.policy.for_windows(config.shape(trace), trace.window_seconds)
+            config, policy=config.policy.for_windows(shape, trace.window_seconds)
         )
         for r in (int(v) for v in args.replicas.split(",")):
             start = time.perf_counter()

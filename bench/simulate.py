@@ -42,6 +42,7 @@ from rebalancer.sim import (
 from rebalancer.sim.cost import MIXTRAL_8X7B_EXPERT_BYTES
 from rebalancer.sim.engine import PolicyResult
 from rebalancer.sim.plot import plot_balancedness
+from rebalancer.wire.shape import ClusterShape
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "## Simulator"
@@ -59,7 +60,7 @@ class Case:
 def _case(name: str, trace: Trace, config: SimConfig, predictable: bool) -> Case:
     """A case whose adaptive policy has the timing derived for the trace's windows (what
     `rebalancer simulate` runs by default; PolicyConfig's defaults are for ~1 s windows)."""
-    policy = config.policy.for_windows(config.shape(trace), trace.window_seconds)
+    policy = config.policy.for_windows(config.shape, trace.window_seconds)
     return Case(name, trace, dataclasses.replace(config, policy=policy), predictable)
 
 
@@ -77,7 +78,17 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
     policy = PolicyConfig()
     if which & {"phase", "mix", "burst", "fast"}:
         sources = deepseek_v3_sources()
-        ds = SimConfig(num_gpus=32, num_slots=288, num_nodes=4, policy=policy)
+
+        def ds(trace: Trace) -> SimConfig:
+            shape = ClusterShape(
+                num_layers=trace.num_layers,
+                num_logical=trace.num_experts,
+                num_slots=288,
+                num_gpus=32,
+                num_nodes=4,
+            )
+            return SimConfig(shape=shape, policy=policy)
+
         for kind, seed in (("phase", 11), ("mix", 12), ("burst", 13)):
             if kind not in which:
                 continue
@@ -87,7 +98,7 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
                     kind=kind, windows=windows, tokens_per_window=tok, seed=seed + seed_offset
                 )
                 trace = make_trace(sources, cfg, name=f"deepseek-v3-{kind}{suffix}")
-                cases.append(_case(trace.name, trace, ds, predictable=kind != "burst"))
+                cases.append(_case(trace.name, trace, ds(trace), predictable=kind != "burst"))
         if "fast" in which:
             for kind, seed in (("phase", 11), ("mix", 12), ("burst", 13)):
                 cfg = TraceGenConfig(
@@ -99,7 +110,7 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
                     **FAST[kind],
                 )
                 trace = make_trace(sources, cfg, name=f"deepseek-v3-{kind}-1s")
-                cases.append(_case(trace.name, trace, ds, predictable=kind != "burst"))
+                cases.append(_case(trace.name, trace, ds(trace), predictable=kind != "burst"))
     if which & {"mixtral8", "mixtral16"}:
         trace = load_trace(mixtral_gsm8k_file(), tokens_per_window=16)
         trace.name = "mixtral-gsm8k"
@@ -107,7 +118,14 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
         for slots in (8, 16):
             if f"mixtral{slots}" not in which:
                 continue
-            mixtral = SimConfig(num_gpus=8, num_slots=slots, cost=cost, policy=policy)
+            shape = ClusterShape(
+                num_layers=trace.num_layers,
+                num_logical=trace.num_experts,
+                num_slots=slots,
+                num_gpus=8,
+                expert_bytes=cost.expert_bytes,
+            )
+            mixtral = SimConfig(shape=shape, cost=cost, policy=policy)
             cases.append(_case(f"mixtral-gsm8k-P{slots}", trace, mixtral, predictable=True))
     return cases
 
@@ -148,8 +166,8 @@ def _warm(case: Case, cold: dict[str, PolicyResult]) -> dict[str, PolicyResult]:
 def _table(case: Case, res: dict[str, PolicyResult]) -> list[str]:
     lines = [
         f"**{case.name}** ({case.trace.num_windows} windows of "
-        f"{case.trace.window_seconds:g} s, G={case.config.num_gpus}, "
-        f"P={case.config.num_slots}, N={case.config.num_nodes})",
+        f"{case.trace.window_seconds:g} s, G={case.config.shape.num_gpus}, "
+        f"P={case.config.shape.num_slots}, N={case.config.shape.num_nodes})",
         "",
         "| policy | balancedness | relative throughput | rebalances | slots moved "
         "| GB moved | stall s |",
@@ -256,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_write:
             png = REPO / "docs" / f"sim_{case.name}.png"
             title = (
-                f"{case.name}: G={case.config.num_gpus}, P={case.config.num_slots}, "
+                f"{case.name}: G={case.config.shape.num_gpus}, P={case.config.shape.num_slots}, "
                 f"{case.trace.num_windows} windows"
             )
             plot_balancedness(res, png, title, case.trace.window_seconds)

@@ -381,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         load_trace,
         simulate,
     )
+    from rebalancer.wire.shape import ClusterShape
 
     if args.plot:  # where the plot goes, checked before the replay: a typo must not cost the run
         from rebalancer.cli.plan_cmd import check_output_path
@@ -432,18 +433,25 @@ def run(args: argparse.Namespace) -> int:
                 f"got {args.periodic_algorithm!r}"
             )
         periodic = dataclasses.replace(periodic, algorithm=args.periodic_algorithm)
-    config = SimConfig(
-        num_gpus=args.gpus,
+    cost.validate()  # its expert bytes go into the shape: refuse a bad one first
+    shape = ClusterShape(
+        num_layers=trace.num_layers,
+        num_logical=trace.num_experts,
         num_slots=args.slots,
+        num_gpus=args.gpus,
         num_nodes=args.nodes,
         num_groups=args.groups,
+        expert_bytes=cost.expert_bytes,
+    )
+    config = SimConfig(
+        shape=shape,
         cost=cost,
         policy=policy,
         periodic=periodic,
         start=args.start,
     )
     if args.timing == "trace":
-        derived = policy.for_windows(config.shape(trace), trace.window_seconds)
+        derived = policy.for_windows(config.shape, trace.window_seconds)
         given = {item.partition("=")[0] for item in args.set} & set(TIMING_KEYS)
         policy = dataclasses.replace(derived, **{k: getattr(policy, k) for k in given})
         config = dataclasses.replace(config, policy=policy)
@@ -457,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
             if "adaptive" in results
             else None
         )
-        attach_step_balance(results, trace, config.num_gpus, steps, decided)
+        attach_step_balance(results, trace, config.shape.num_gpus, steps, decided)
     if args.plot:
         from rebalancer.sim.plot import plot_balancedness
 

@@ -59,7 +59,6 @@ from rebalancer.errors import InputError
 from rebalancer.placement import compute_placement, transfers, trivial_placement
 from rebalancer.sim.cost import CostModel, WindowClock
 from rebalancer.sim.trace import Trace
-from rebalancer.wire.dispatch import DEFAULT_DISPATCH_MODE, DispatchMode
 from rebalancer.wire.shape import ClusterShape
 
 PolicyName = Literal[
@@ -89,10 +88,11 @@ class PeriodicConfig:
 
 @dataclass(frozen=True)
 class SimConfig:
-    num_gpus: int
-    num_slots: int
-    num_nodes: int = 1
-    num_groups: int = 0
+    # The simulated deployment's EP group: its layers and experts are the trace's
+    # (`ClusterShape(num_layers=trace.num_layers, num_logical=trace.num_experts, ...)`), its
+    # expert bytes the cost model's; the adaptive policy decides under its dispatch mode,
+    # deriving the shared expert's load from its top_k (0: unknown).
+    shape: ClusterShape
     # The serving clock and the engines' stall; the migration parameters are the policy's.
     cost: CostModel = field(default_factory=CostModel)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -102,29 +102,28 @@ class SimConfig:
     # Where periodic, adaptive, follow and oracle start (STARTS): the trivial placement
     # an engine loads, or the static fit (an engine given a recorded distribution).
     start: Start = "trivial"
-    # The dispatch mode the adaptive policy decides under (its predicted balance), and
-    # the routed picks per token it derives the shared expert's load from (0: unknown).
-    dispatch_mode: DispatchMode = DEFAULT_DISPATCH_MODE
-    top_k: int = 0
 
     @property
     def params(self) -> CostParams:
         """What moving weights costs: the adaptive policy's cost parameters, for every policy."""
         return self.policy.cost
 
-    def shape(self, trace: Trace) -> ClusterShape:
-        self.cost.validate()  # expert_bytes goes into the shape: refuse a bad one first
-        return ClusterShape(
-            num_layers=trace.num_layers,
-            num_logical=trace.num_experts,
-            num_slots=self.num_slots,
-            num_gpus=self.num_gpus,
-            num_nodes=self.num_nodes,
-            num_groups=self.num_groups,
-            expert_bytes=self.cost.expert_bytes,
-            dispatch_mode=self.dispatch_mode,
-            top_k=self.top_k,
-        )
+    def check(self, trace: Trace) -> None:
+        """Refuse a shape that is not `trace`'s deployment's: other layers or experts than
+        the trace's, or other expert bytes than the cost model's."""
+        self.cost.validate()  # compared with the shape's expert bytes: refuse a bad one first
+        s = self.shape
+        if (s.num_layers, s.num_logical) != (trace.num_layers, trace.num_experts):
+            raise InputError(
+                f"shape has {s.num_layers} layers x {s.num_logical} experts, the trace "
+                f"{trace.num_layers} x {trace.num_experts}"
+            )
+        if s.expert_bytes != self.cost.expert_bytes:
+            raise InputError(
+                f"shape expert_bytes {s.expert_bytes} is not the cost model's "
+                f"({self.cost.expert_bytes})"
+            )
+        s.validate()
 
     def windows_for_steps(self, steps: int, trace: Trace) -> int:
         """How many trace windows hold `steps` serving steps (at least one)."""
@@ -278,8 +277,8 @@ class Simulator:
         self.params = config.params
         self.trace = trace
         self.config = config
-        self.shape = config.shape(trace)
-        self.shape.validate()
+        config.check(trace)
+        self.shape = config.shape
         if config.periodic.period_steps <= 0 or config.periodic.fit_steps <= 0:
             raise InputError("periodic period_steps and fit_steps must be > 0")
         if config.start not in STARTS:
@@ -293,7 +292,7 @@ class Simulator:
                     f"unknown {what} {algorithm!r}; expected one of {', '.join(FIT_ALGORITHMS)}"
                 )
         self.clock = WindowClock.calibrate(
-            config.cost, self.params, trace.counts, trace.window_seconds, config.num_gpus
+            config.cost, self.params, trace.counts, trace.window_seconds, config.shape.num_gpus
         )
         self.period_windows = config.windows_for_steps(config.periodic.period_steps, trace)
         self.fit_windows = config.windows_for_steps(config.periodic.fit_steps, trace)
@@ -305,7 +304,7 @@ class Simulator:
         """From-scratch placement on the summed counts of windows [start, stop)."""
         key = (start, stop, algorithm)
         if key not in self._fits:
-            c = self.config
+            c = self.shape
             load = self.trace.counts[start:stop].sum(axis=0)
             self._fits[key] = np.asarray(
                 compute_placement(
@@ -336,10 +335,10 @@ class Simulator:
 
     def _move(self, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, float, int]:
         """Transfer list from `old` to `new`, its transfer seconds and bytes between GPUs."""
-        c = self.config
-        rows = np.asarray(transfers(old, new, c.num_gpus, c.num_nodes))
-        seconds = transfer_seconds(rows, c.num_gpus, c.num_nodes, c.cost.expert_bytes, self.params)
-        return rows, seconds, bytes_between_gpus(rows, c.cost.expert_bytes)
+        s = self.shape
+        rows = np.asarray(transfers(old, new, s.num_gpus, s.num_nodes))
+        seconds = transfer_seconds(rows, s.num_gpus, s.num_nodes, s.expert_bytes, self.params)
+        return rows, seconds, bytes_between_gpus(rows, s.expert_bytes)
 
     # -- policies --------------------------------------------------------------------
 
@@ -359,7 +358,7 @@ class Simulator:
         return runners[policy]()
 
     def _frozen(self, name: str, phy2log: np.ndarray) -> PolicyResult:
-        ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
+        ledger = _Ledger(self.trace, self.clock, self.shape.num_gpus)
         for w in range(self.trace.num_windows):
             m = ledger.max_load(w, phy2log)
             ledger.served(w, m, self.clock.seconds(m))
@@ -373,7 +372,7 @@ class Simulator:
 
     def _periodic(self) -> PolicyResult:
         cost = self.config.cost
-        ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
+        ledger = _Ledger(self.trace, self.clock, self.shape.num_gpus)
         current = self.start_placement()
         T = self.trace.num_windows
         for w in range(T):
@@ -390,7 +389,7 @@ class Simulator:
         return ledger.result("periodic")
 
     def _refit_each(self, name: str, lag: int) -> PolicyResult:
-        ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
+        ledger = _Ledger(self.trace, self.clock, self.shape.num_gpus)
         algorithm = self.config.reference_algorithm
         current = self.start_placement()
         for w in range(self.trace.num_windows):
@@ -418,19 +417,17 @@ class Simulator:
         self, current: np.ndarray, candidate: np.ndarray, now: float, version: int
     ) -> _InFlight:
         """A plan as the controller's coordinator holds it, with simulated rank timings."""
-        c = self.config
-        rows = np.asarray(transfers(current, candidate, c.num_gpus, c.num_nodes))
-        per_rank = rank_receive_seconds(
-            rows, c.num_gpus, c.num_nodes, c.cost.expert_bytes, self.params
-        )
-        cost = plan_cost(rows, c.num_gpus, c.num_nodes, c.cost.expert_bytes, self.params)
+        c, s = self.config, self.shape
+        rows = np.asarray(transfers(current, candidate, s.num_gpus, s.num_nodes))
+        per_rank = rank_receive_seconds(rows, s.num_gpus, s.num_nodes, s.expert_bytes, self.params)
+        cost = plan_cost(rows, s.num_gpus, s.num_nodes, s.expert_bytes, self.params)
         half_trip = c.cost.plan_overhead_seconds / 2.0
         plan = coordinate.Plan(
             version=version,
             base_version=version - 1,
             phy2log=np.asarray(candidate),
             transfers=rows,
-            num_ranks=c.num_gpus,
+            num_ranks=s.num_gpus,
             trigger="policy",
             created=now,
             deadline=now + c.policy.prepare_timeout_seconds,
@@ -467,7 +464,7 @@ class Simulator:
 
     def _adaptive(self, name: str = "adaptive") -> PolicyResult:
         penalty = self.params.overlap_penalty
-        ledger = _Ledger(self.trace, self.clock, self.config.num_gpus)
+        ledger = _Ledger(self.trace, self.clock, self.shape.num_gpus)
         policy = self.config.policy
         if name == "regimes":
             policy = replace(policy, regimes=True)

@@ -105,11 +105,11 @@ def simulate_failure(trace: Trace, config: SimConfig, failure: Failure) -> dict[
     "repair"|"scratch"|"planned": {"balancedness_after", "slots_moved",
     "relative_throughput"}} (figures None where the survivors' slots cannot hold every
     expert: no placement serves them)."""
-    num_gpus, num_slots, w = config.num_gpus, config.num_slots, failure.window
+    num_gpus, num_slots, w = config.shape.num_gpus, config.shape.num_slots, failure.window
     counts = trace.counts.astype(np.float64)  # [T, L, E]
     num_logical = counts.shape[2]
     estimate = counts[:w].mean(axis=0) if w > 0 else counts[0]
-    healthy = compute_placement(estimate, num_slots, num_gpus, config.num_nodes).phy2log
+    healthy = compute_placement(estimate, num_slots, num_gpus, config.shape.num_nodes).phy2log
     survivors = num_gpus - len(failure.lost)
     kept = healthy[:, surviving_slots(num_slots, num_gpus, failure.lost)]
     out: dict[str, Any] = {

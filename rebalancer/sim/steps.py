@@ -196,12 +196,11 @@ def decide_under_modes(
     top_k = config.top_k if config.shared_experts else 0
     out: dict[str, PolicyResult] = {}
     for mode in config.modes:
-        if adaptive is not None and mode == sim.dispatch_mode == "split":
+        if adaptive is not None and mode == sim.shape.dispatch_mode == "split":
             out[mode] = adaptive
         else:
-            out[mode] = Simulator(trace, replace(sim, dispatch_mode=mode, top_k=top_k)).run(
-                "adaptive"
-            )
+            shape = replace(sim.shape, dispatch_mode=mode, top_k=top_k)
+            out[mode] = Simulator(trace, replace(sim, shape=shape)).run("adaptive")
     return out
 
 

@@ -26,12 +26,8 @@ SHAPE_FIELDS = {f.name for f in dataclasses.fields(ClusterShape)}
 # Fields of ClusterShape a dataclass may declare before it holds a second model shape.
 MOST_SHAPE_FIELDS = 4
 # Known second spellings, each with why it is not nested yet; the list only shrinks.
-SHAPE_COPIES_LEFT = {
-    # The simulator's cluster: the shape but the trace's layers and experts and the cost
-    # model's expert bytes, completed per trace by SimConfig.shape(trace). Nesting it is
-    # the simulator's own change (its CLI, benches and tests build SimConfig by field).
-    ("rebalancer/sim/engine.py", "SimConfig"),
-}
+# None left: the simulator's SimConfig nests the shape too (`SimConfig.shape`).
+SHAPE_COPIES_LEFT: set[tuple[str, str]] = set()
 WINDOW_HOME = ("worker_hooks/config.py", "WindowConfig")
 WINDOW_FIELDS = {"window_steps"}
 

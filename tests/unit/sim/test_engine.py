@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +22,25 @@ from rebalancer.sim import (
     simulate,
 )
 from rebalancer.sim.trace import Trace
+from rebalancer.wire.shape import ClusterShape
 
 G, P, N = 8, 288, 2
 
 
-def _config(start: str = "trivial", **policy: object) -> SimConfig:
+def _shape(trace: Trace, num_slots: int = P, num_gpus: int = G, num_nodes: int = N) -> ClusterShape:
+    """The simulated deployment of `trace`'s layers and experts."""
+    return ClusterShape(
+        num_layers=trace.num_layers,
+        num_logical=trace.num_experts,
+        num_slots=num_slots,
+        num_gpus=num_gpus,
+        num_nodes=num_nodes,
+    )
+
+
+def _config(trace: Trace, start: str = "trivial", **policy: object) -> SimConfig:
     return SimConfig(
-        num_gpus=G,
-        num_slots=P,
-        num_nodes=N,
+        shape=_shape(trace),
         policy=PolicyConfig(max_moved_fraction=1.0).with_settings(policy),
         periodic=PeriodicConfig(period_steps=400, fit_steps=400),
         start=start,
@@ -50,7 +61,8 @@ def _phase_trace(sources: dict[str, np.ndarray]) -> Trace:
 
 @pytest.fixture(scope="module")
 def phase_results(sources: dict[str, np.ndarray]) -> dict:
-    return simulate(_phase_trace(sources), _config(), POLICIES)
+    trace = _phase_trace(sources)
+    return simulate(trace, _config(trace), POLICIES)
 
 
 def test_oracle_bounds_every_policy(phase_results: dict) -> None:
@@ -91,7 +103,8 @@ def test_adaptive_runs_the_controller_decisions(phase_results: dict) -> None:
 
 
 def test_adaptive_from_the_static_fit_beats_it(sources: dict[str, np.ndarray]) -> None:
-    res = simulate(_phase_trace(sources), _config("static"), ["static", "adaptive"])
+    trace = _phase_trace(sources)
+    res = simulate(trace, _config(trace, "static"), ["static", "adaptive"])
     assert res["adaptive"].rebalances > 0
     assert res["adaptive"].relative_throughput > res["static"].relative_throughput
 
@@ -101,7 +114,7 @@ def test_a_paused_controller_keeps_its_start(
     sources: dict[str, np.ndarray], start: str, frozen: str
 ) -> None:
     trace = make_trace(sources, TraceGenConfig(kind="mix", windows=8, seed=1))
-    res = simulate(trace, _config(start, paused=True), [frozen, "adaptive"])
+    res = simulate(trace, _config(trace, start, paused=True), [frozen, "adaptive"])
     assert res["adaptive"].rebalances == 0
     assert res["adaptive"].decisions == {"skip_paused": 8}
     assert res["adaptive"].balancedness_per_window == pytest.approx(
@@ -112,8 +125,8 @@ def test_a_paused_controller_keeps_its_start(
 
 def test_changing_policies_start_where_asked(sources: dict[str, np.ndarray]) -> None:
     trace = make_trace(sources, TraceGenConfig(kind="mix", windows=4, seed=1))
-    cold = simulate(trace, _config("trivial"), ["none", "static", "periodic", "follow"])
-    warm = simulate(trace, _config("static"), ["periodic", "follow"])
+    cold = simulate(trace, _config(trace, "trivial"), ["none", "static", "periodic", "follow"])
+    warm = simulate(trace, _config(trace, "static"), ["periodic", "follow"])
     # Window 0 is served before any refit: on the start placement.
     for name in ("periodic", "follow"):
         first_cold = cold[name].balancedness_per_window[0]
@@ -122,7 +135,7 @@ def test_changing_policies_start_where_asked(sources: dict[str, np.ndarray]) -> 
         assert first_warm == pytest.approx(cold["static"].balancedness_per_window[0])
     assert cold["none"].balancedness_per_window[0] < cold["static"].balancedness_per_window[0]
     with pytest.raises(InputError, match="unknown start 'warm'"):
-        simulate(trace, _config("warm"), ["none"])
+        simulate(trace, _config(trace, "warm"), ["none"])
 
 
 def test_constant_traffic_on_a_fitted_placement_is_left_alone() -> None:
@@ -130,7 +143,9 @@ def test_constant_traffic_on_a_fitted_placement_is_left_alone() -> None:
     window = (rng.pareto(1.3, size=(3, 32)) * 100 + 5).round().astype(np.int64)
     trace = Trace(np.repeat(window[None], 12, axis=0))
     cfg = SimConfig(
-        num_gpus=4, num_slots=40, policy=PolicyConfig(max_moved_fraction=1.0), start="static"
+        shape=_shape(trace, num_slots=40, num_gpus=4, num_nodes=1),
+        policy=PolicyConfig(max_moved_fraction=1.0),
+        start="static",
     )
     res = simulate(trace, cfg, ["static", "adaptive", "follow", "oracle"])
     assert res["adaptive"].rebalances == 0  # static already fits: nothing is worth moving
@@ -212,10 +227,10 @@ def test_adaptive_decisions_replay_through_a_fresh_policy_loop(
         sources,
         TraceGenConfig(kind="phase", windows=16, phase_min_windows=4, phase_max_windows=6, seed=5),
     )
-    config = _config()
+    config = _config(trace)
     res = simulate(trace, config, ["adaptive"])["adaptive"]
     assert res.rebalances > 0
-    loop = PolicyLoop(config.shape(trace), config.policy)
+    loop = PolicyLoop(config.shape, config.policy)
     logged = iter(res.decision_log)
     entry = next(logged)
     for w in range(trace.num_windows):
@@ -241,7 +256,7 @@ def test_plans_that_cannot_prepare_in_time_abort(sources: dict[str, np.ndarray])
     cfg = TraceGenConfig(kind="phase", windows=16, phase_min_windows=4, phase_max_windows=6, seed=5)
     trace = make_trace(sources, cfg)
     # 1 ms to prepare is never enough to move an expert: every plan aborts.
-    res = simulate(trace, _config(prepare_timeout_seconds=0.001), ["none", "adaptive"])
+    res = simulate(trace, _config(trace, prepare_timeout_seconds=0.001), ["none", "adaptive"])
     adaptive = res["adaptive"]
     assert adaptive.rebalances > 0 and adaptive.plans_aborted >= adaptive.rebalances - 1
     assert adaptive.summary()["plans_aborted"] == adaptive.plans_aborted
@@ -249,7 +264,7 @@ def test_plans_that_cannot_prepare_in_time_abort(sources: dict[str, np.ndarray])
     assert adaptive.balancedness_per_window == pytest.approx(res["none"].balancedness_per_window)
     assert adaptive.stall_seconds == 0.0
     assert adaptive.relative_throughput <= res["none"].relative_throughput
-    ok = simulate(trace, _config(), ["adaptive"])["adaptive"]
+    ok = simulate(trace, _config(trace), ["adaptive"])["adaptive"]
     assert ok.plans_aborted == 0
 
 
@@ -262,9 +277,11 @@ def test_real_mixtral_trace_is_not_chased(slots: int, mixtral_path: Path) -> Non
     from rebalancer.sim.cost import MIXTRAL_8X7B_EXPERT_BYTES
 
     trace = load_trace(mixtral_path, tokens_per_window=16)
-    cfg = SimConfig(
-        num_gpus=8, num_slots=slots, cost=CostModel(expert_bytes=MIXTRAL_8X7B_EXPERT_BYTES)
+    shape = replace(
+        _shape(trace, num_slots=slots, num_gpus=8, num_nodes=1),
+        expert_bytes=MIXTRAL_8X7B_EXPERT_BYTES,
     )
+    cfg = SimConfig(shape=shape, cost=CostModel(expert_bytes=MIXTRAL_8X7B_EXPERT_BYTES))
     res = simulate(trace, cfg, ["none", "static", "adaptive", "oracle"])
     adaptive = res["adaptive"]
     assert adaptive.rebalances == 0 and adaptive.bytes_moved == 0
@@ -284,7 +301,7 @@ def test_the_simulator_charges_what_the_gate_predicted(sources: dict[str, np.nda
 
     trace = _phase_trace(sources)
     # Non-default links, so a second default anywhere would show.
-    config = _config(link_bandwidth_gbps=3.0, intra_node_gbps=40.0, commit_gbps=90.0)
+    config = _config(trace, link_bandwidth_gbps=3.0, intra_node_gbps=40.0, commit_gbps=90.0)
     res = simulate(trace, config, ["adaptive"])["adaptive"]
     taken = [e for e in res.decision_log if e["decision"].take]
     assert taken
@@ -345,3 +362,17 @@ def test_cli_timing_and_migration_cost_keys(
     assert first == second
     assert main([*base, "--cost", "nonsense=1"]) == 2
     assert "inter_node_gbps" in capsys.readouterr().err
+
+
+def test_a_shape_that_is_not_the_traces_deployment_is_refused() -> None:
+    """The shape is the trace's layers and experts, with the cost model's expert bytes."""
+    trace = Trace(np.ones((2, 3, 16), dtype=np.int64))
+    config = SimConfig(shape=_shape(trace, num_slots=16, num_gpus=4, num_nodes=1))
+    simulate(trace, config, ["none"])
+    for other, message in (
+        (replace(config.shape, num_layers=4), "shape has 4 layers x 16 experts, the trace 3 x 16"),
+        (replace(config.shape, num_logical=8), "shape has 3 layers x 8 experts, the trace 3 x 16"),
+        (replace(config.shape, expert_bytes=1), r"shape expert_bytes 1 is not the cost model's"),
+    ):
+        with pytest.raises(InputError, match=message):
+            simulate(trace, replace(config, shape=other), ["none"])

@@ -19,12 +19,16 @@ from rebalancer.errors import InputError
 from rebalancer.sim import SimConfig, TraceGenConfig, make_trace
 from rebalancer.sim.replicas import ReplicaConfig, sample_replicas, simulate_replicas
 from rebalancer.sim.trace import Trace
+from rebalancer.wire.shape import ClusterShape
 
 G, P = 8, 288
 
 
-def _config() -> SimConfig:
-    return SimConfig(num_gpus=G, num_slots=P, policy=PolicyConfig(max_moved_fraction=1.0))
+def _config(trace: Trace) -> SimConfig:
+    shape = ClusterShape(
+        num_layers=trace.num_layers, num_logical=trace.num_experts, num_slots=P, num_gpus=G
+    )
+    return SimConfig(shape=shape, policy=PolicyConfig(max_moved_fraction=1.0))
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +62,14 @@ def test_replica_windows_are_independent_draws_of_the_window_routing(trace: Trac
 
 
 def test_a_pool_of_one_is_the_deployment_alone(trace: Trace) -> None:
-    out = simulate_replicas(trace, _config(), ReplicaConfig(replicas=1, tokens_per_window=64))
+    out = simulate_replicas(trace, _config(trace), ReplicaConfig(replicas=1, tokens_per_window=64))
     assert out["pooled"] == out["per_deployment"]
 
 
 @pytest.fixture(scope="module")
 def pool_of_eight(trace: Trace) -> dict:
     return simulate_replicas(
-        trace, _config(), ReplicaConfig(replicas=8, tokens_per_window=64, seed=2)
+        trace, _config(trace), ReplicaConfig(replicas=8, tokens_per_window=64, seed=2)
     )
 
 
@@ -98,7 +102,7 @@ def test_a_warm_member_starts_at_the_pools_balance_and_a_trivial_one_below(
 )
 def test_bad_replica_settings_are_refused(trace: Trace, bad: ReplicaConfig, message: str) -> None:
     with pytest.raises(InputError, match=message):
-        simulate_replicas(trace, _config(), bad)
+        simulate_replicas(trace, _config(trace), bad)
 
 
 def test_cli_carries_the_replica_figures(tmp_path: Path, trace: Trace, capsys) -> None:

@@ -27,6 +27,7 @@ from rebalancer.sim.steps import (
     step_balance,
 )
 from rebalancer.wire.dispatch import WATERFILL_UNITS, waterfill_tables
+from rebalancer.wire.shape import ClusterShape
 
 G, P = 8, 40
 
@@ -111,7 +112,11 @@ def test_step_balance_per_policy_and_mode(sources: dict[str, np.ndarray]) -> Non
     trace = make_trace(
         sources, TraceGenConfig(kind="phase", windows=8, seed=3, tokens_per_window=4096)
     )
-    config = SimConfig(num_gpus=G, num_slots=P)
+    config = SimConfig(
+        shape=ClusterShape(
+            num_layers=trace.num_layers, num_logical=trace.num_experts, num_slots=P, num_gpus=G
+        )
+    )
     results = simulate(trace, config, ["static", "adaptive"])
     steps = StepConfig(batch_tokens=(64, 4096), sampled_windows=4)
     attach_step_balance(results, trace, G, steps)
@@ -141,7 +146,11 @@ def test_adaptive_decides_under_each_mode(sources: dict[str, np.ndarray]) -> Non
     trace = make_trace(
         sources, TraceGenConfig(kind="phase", windows=12, seed=5, tokens_per_window=4096)
     )
-    config = SimConfig(num_gpus=G, num_slots=P)
+    config = SimConfig(
+        shape=ClusterShape(
+            num_layers=trace.num_layers, num_logical=trace.num_experts, num_slots=P, num_gpus=G
+        )
+    )
     steps = StepConfig(batch_tokens=(64,), sampled_windows=6)
     decided = decide_under_modes(trace, config, steps)
     assert set(decided) == {"split", "load", "load+shared"}
