@@ -24,7 +24,6 @@ joins a known regime (the common case) and one that starts a new regime (a from-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pickle
 import statistics
@@ -51,17 +50,7 @@ def _row(
         sources,
         TraceGenConfig(kind=kind, windows=windows, window_seconds=window_seconds, seed=seed),
     )
-    shape = ClusterShape(
-        num_layers=trace.num_layers,
-        num_logical=trace.num_experts,
-        num_slots=288,
-        num_gpus=32,
-        num_nodes=4,
-    )
-    config = SimConfig(shape=shape, start=start)  # type: ignore[arg-type]
-    config = dataclasses.replace(
-        config, policy=config.policy.for_windows(shape, trace.window_seconds)
-    )
+    config = SimConfig.for_trace(trace, num_slots=288, num_gpus=32, num_nodes=4, start=start)
     began = time.perf_counter()
     results = simulate(trace, config, ["adaptive", "follow", "regimes"])
     a, f, r = (results[n] for n in ("adaptive", "follow", "regimes"))

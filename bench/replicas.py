@@ -15,14 +15,12 @@ seeds): a rerun gives the same figures on any machine.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from typing import Any
 
 from rebalancer.sim import SimConfig, TraceGenConfig, deepseek_v3_sources, make_trace
 from rebalancer.sim.replicas import ReplicaConfig, simulate_replicas
-from rebalancer.wire.shape import ClusterShape
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,17 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for kind in args.kinds.split(","):
         trace = make_trace(sources, TraceGenConfig(kind=kind, windows=args.windows, seed=0))
-        shape = ClusterShape(
-            num_layers=trace.num_layers,
-            num_logical=trace.num_experts,
-            num_slots=288,
-            num_gpus=32,
-            num_nodes=4,
-        )
-        config = SimConfig(shape=shape)
-        config = dataclasses.replace(
-            config, policy=config.policy.for_windows(shape, trace.window_seconds)
-        )
+        config = SimConfig.for_trace(trace, num_slots=288, num_gpus=32, num_nodes=4)
         for r in (int(v) for v in args.replicas.split(",")):
             start = time.perf_counter()
             out = simulate_replicas(

@@ -30,7 +30,6 @@ from rebalancer.controller.decide import PolicyConfig
 from rebalancer.datasets import mixtral_gsm8k_file
 from rebalancer.sim import (
     POLICIES,
-    CostModel,
     SimConfig,
     Trace,
     TraceGenConfig,
@@ -114,7 +113,6 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
     if which & {"mixtral8", "mixtral16"}:
         trace = load_trace(mixtral_gsm8k_file(), tokens_per_window=16)
         trace.name = "mixtral-gsm8k"
-        cost = CostModel(expert_bytes=MIXTRAL_8X7B_EXPERT_BYTES)
         for slots in (8, 16):
             if f"mixtral{slots}" not in which:
                 continue
@@ -123,9 +121,9 @@ def _cases(windows: int, tokens: int, which: set[str], seed_offset: int = 0) -> 
                 num_logical=trace.num_experts,
                 num_slots=slots,
                 num_gpus=8,
-                expert_bytes=cost.expert_bytes,
+                expert_bytes=MIXTRAL_8X7B_EXPERT_BYTES,
             )
-            mixtral = SimConfig(shape=shape, cost=cost, policy=policy)
+            mixtral = SimConfig(shape=shape, policy=policy)
             cases.append(_case(f"mixtral-gsm8k-P{slots}", trace, mixtral, predictable=True))
     return cases
 

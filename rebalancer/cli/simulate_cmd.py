@@ -381,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
         load_trace,
         simulate,
     )
-    from rebalancer.wire.shape import ClusterShape
+    from rebalancer.wire.shape import DEEPSEEK_V3_EXPERT_BYTES, ClusterShape, check_expert_bytes
 
     if args.plot:  # where the plot goes, checked before the replay: a typo must not cost the run
         from rebalancer.cli.plan_cmd import check_output_path
@@ -415,12 +415,21 @@ def run(args: argparse.Namespace) -> int:
         from rebalancer.sim.failure import check_window
 
         check_window(failure, trace.num_windows)  # before the replay
-    cost = CostModel()
-    if args.expert_bytes is not None:
-        cost = dataclasses.replace(cost, expert_bytes=args.expert_bytes)
-    serving = [i for i in args.cost if i.partition("=")[0] not in POLICY_COST_KEYS]
+    # expert_bytes is the shape's (what each plan's transfer is charged), the rest of
+    # --cost the serving clock's or the migration model's.
+    shape_items = [i for i in args.cost if i.partition("=")[0] == "expert_bytes"]
+    serving = [
+        i for i in args.cost if i.partition("=")[0] not in POLICY_COST_KEYS and i not in shape_items
+    ]
     migration = [i for i in args.cost if i.partition("=")[0] in POLICY_COST_KEYS]
-    cost = _key_values(serving, cost, "--cost", also=tuple(POLICY_COST_KEYS))
+    expert_bytes = DEEPSEEK_V3_EXPERT_BYTES
+    if shape_items:
+        given = _parse_key_values(shape_items, ["expert_bytes"], "--cost")["expert_bytes"]
+        expert_bytes = check_expert_bytes(given, "cost expert_bytes")
+    if args.expert_bytes is not None:
+        expert_bytes = check_expert_bytes(args.expert_bytes, "--expert-bytes")
+    cost = _key_values(serving, CostModel(), "--cost", also=("expert_bytes", *POLICY_COST_KEYS))
+    cost.validate()
     policy = _policy_settings(args.set, PolicyConfig(), "--set")
     policy = _policy_settings(migration, policy, "--cost", POLICY_COST_KEYS)
     periodic = PeriodicConfig()
@@ -433,7 +442,6 @@ def run(args: argparse.Namespace) -> int:
                 f"got {args.periodic_algorithm!r}"
             )
         periodic = dataclasses.replace(periodic, algorithm=args.periodic_algorithm)
-    cost.validate()  # its expert bytes go into the shape: refuse a bad one first
     shape = ClusterShape(
         num_layers=trace.num_layers,
         num_logical=trace.num_experts,
@@ -441,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
         num_gpus=args.gpus,
         num_nodes=args.nodes,
         num_groups=args.groups,
-        expert_bytes=cost.expert_bytes,
+        expert_bytes=expert_bytes,
     )
     config = SimConfig(
         shape=shape,

@@ -29,12 +29,9 @@ import numpy as np
 
 from rebalancer.controller.cost import CostParams
 from rebalancer.errors import InputError
-from rebalancer.wire.shape import DEEPSEEK_V3_EXPERT_BYTES
 
 # Mixtral-8x7B expert in FP8: w1, w3 (4096 x 14336) and w2 (14336 x 4096).
 MIXTRAL_8X7B_EXPERT_BYTES = 3 * 4096 * 14336
-# Largest expert size the cost model takes: byte counts stay exact as floats (8 PiB).
-MAX_EXPERT_BYTES = 2**53
 # Fields that may be None (calibrated from the trace).
 OPTIONAL_FIELDS = ("fixed_seconds_per_layer", "seconds_per_token")
 
@@ -56,8 +53,6 @@ class CostModel:
     # Explicit per-layer costs; None calibrates them from the trace (see module docstring).
     fixed_seconds_per_layer: float | None = None
     seconds_per_token: float | None = None
-    # Bytes of one expert's weights (the simulated deployment's ClusterShape.expert_bytes).
-    expert_bytes: int = DEEPSEEK_V3_EXPERT_BYTES
     # Controller round trips of a plan (prepare, prepared reports, commit).
     plan_overhead_seconds: float = 0.1
     # Blocking stall of one in-process rebalance (SGLang ~1-2 s, vLLM 0.65-1.7 s at EP32).
@@ -69,14 +64,6 @@ class CostModel:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None and f.name in OPTIONAL_FIELDS:
-                continue
-            if f.name == "expert_bytes":
-                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                    raise InputError(f"cost expert_bytes must be an integer, got {_brief(value)}")
-                if not 0 <= value <= MAX_EXPERT_BYTES:
-                    raise InputError(
-                        f"cost expert_bytes must be in [0, 2**53], got {_brief(value)}"
-                    )
                 continue
             if isinstance(value, bool) or not isinstance(
                 value, (int, float, np.integer, np.floating)

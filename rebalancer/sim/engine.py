@@ -59,7 +59,7 @@ from rebalancer.errors import InputError
 from rebalancer.placement import compute_placement, transfers, trivial_placement
 from rebalancer.sim.cost import CostModel, WindowClock
 from rebalancer.sim.trace import Trace
-from rebalancer.wire.shape import ClusterShape
+from rebalancer.wire.shape import DEEPSEEK_V3_EXPERT_BYTES, ClusterShape
 
 PolicyName = Literal[
     "none", "static", "periodic", "adaptive", "follow", "oracle", "hindsight", "regimes"
@@ -89,9 +89,9 @@ class PeriodicConfig:
 @dataclass(frozen=True)
 class SimConfig:
     # The simulated deployment's EP group: its layers and experts are the trace's
-    # (`ClusterShape(num_layers=trace.num_layers, num_logical=trace.num_experts, ...)`), its
-    # expert bytes the cost model's; the adaptive policy decides under its dispatch mode,
-    # deriving the shared expert's load from its top_k (0: unknown).
+    # (`SimConfig.for_trace` builds it), its expert bytes what every plan's transfer is
+    # charged; the adaptive policy decides under its dispatch mode, deriving the shared
+    # expert's load from its top_k (0: unknown).
     shape: ClusterShape
     # The serving clock and the engines' stall; the migration parameters are the policy's.
     cost: CostModel = field(default_factory=CostModel)
@@ -110,20 +110,42 @@ class SimConfig:
 
     def check(self, trace: Trace) -> None:
         """Refuse a shape that is not `trace`'s deployment's: other layers or experts than
-        the trace's, or other expert bytes than the cost model's."""
-        self.cost.validate()  # compared with the shape's expert bytes: refuse a bad one first
+        the trace's."""
+        self.cost.validate()
         s = self.shape
         if (s.num_layers, s.num_logical) != (trace.num_layers, trace.num_experts):
             raise InputError(
                 f"shape has {s.num_layers} layers x {s.num_logical} experts, the trace "
                 f"{trace.num_layers} x {trace.num_experts}"
             )
-        if s.expert_bytes != self.cost.expert_bytes:
-            raise InputError(
-                f"shape expert_bytes {s.expert_bytes} is not the cost model's "
-                f"({self.cost.expert_bytes})"
-            )
         s.validate()
+
+    @classmethod
+    def for_trace(
+        cls,
+        trace: Trace,
+        *,
+        num_slots: int,
+        num_gpus: int,
+        num_nodes: int = 1,
+        num_groups: int = 0,
+        expert_bytes: int = DEEPSEEK_V3_EXPERT_BYTES,
+        **fields: Any,
+    ) -> SimConfig:
+        """The config of `trace`'s deployment on `num_gpus` GPUs and `num_slots` slots a
+        layer, with the policy's timing derived from the trace's window length (what
+        `rebalancer simulate --timing trace` does; a `policy` given is the base)."""
+        shape = ClusterShape(
+            num_layers=trace.num_layers,
+            num_logical=trace.num_experts,
+            num_slots=num_slots,
+            num_gpus=num_gpus,
+            num_nodes=num_nodes,
+            num_groups=num_groups,
+            expert_bytes=expert_bytes,
+        )
+        config = cls(shape=shape, **fields)
+        return replace(config, policy=config.policy.for_windows(shape, trace.window_seconds))
 
     def windows_for_steps(self, steps: int, trace: Trace) -> int:
         """How many trace windows hold `steps` serving steps (at least one)."""

@@ -50,8 +50,7 @@ class ClusterShape:
                 f"num_groups ({self.num_groups}) must be 0 or divide num_logical "
                 f"({self.num_logical})"
             )
-        if self.expert_bytes < 0:
-            raise InputError(f"expert_bytes must be >= 0, got {self.expert_bytes}")
+        check_expert_bytes(self.expert_bytes)
         check_dispatch_mode(self.dispatch_mode)
         if (
             isinstance(self.top_k, bool)
@@ -59,6 +58,18 @@ class ClusterShape:
             or not 0 <= self.top_k <= self.num_logical
         ):
             raise InputError(f"top_k must be an integer in [0, num_logical], got {self.top_k!r}")
+
+
+def check_expert_bytes(value: object, what: str = "expert_bytes") -> int:
+    """`value` as one expert's bytes, or InputError naming `what`: an integer in [0,
+    MAX_EXPERT_BYTES] (it may come from a command line's JSON, so any type may arrive)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        text = repr(value)
+        text = text if len(text) <= 40 else text[:37] + "..."
+        raise InputError(f"{what} must be an integer, got {text}")
+    if not 0 <= value <= MAX_EXPERT_BYTES:
+        raise InputError(f"{what} must be in [0, 2**40], got {value}")
+    return int(value)
 
 
 def shape_of(msg: pb.ModelShape) -> ClusterShape:

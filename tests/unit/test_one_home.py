@@ -28,6 +28,9 @@ MOST_SHAPE_FIELDS = 4
 # Known second spellings, each with why it is not nested yet; the list only shrinks.
 # None left: the simulator's SimConfig nests the shape too (`SimConfig.shape`).
 SHAPE_COPIES_LEFT: set[tuple[str, str]] = set()
+# Shape fields no other dataclass may declare at all: the bytes of one expert belong to
+# the deployment's shape (the simulator's cost model once held a second copy).
+SHAPE_ONLY_FIELDS = {"expert_bytes"}
 WINDOW_HOME = ("worker_hooks/config.py", "WindowConfig")
 WINDOW_FIELDS = {"window_steps"}
 
@@ -58,6 +61,8 @@ def shape_copies(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> lis
         left = (rel, name) == SHAPE_HOME or (rel, name) in SHAPE_COPIES_LEFT
         if not left and len(shared) > MOST_SHAPE_FIELDS:
             found.append(f"{rel}: {name} ({', '.join(shared)})")
+        elif (rel, name) != SHAPE_HOME and SHAPE_ONLY_FIELDS.intersection(fields):
+            found.append(f"{rel}: {name} ({', '.join(sorted(SHAPE_ONLY_FIELDS & set(fields)))})")
     return found
 
 
@@ -105,12 +110,15 @@ def test_the_walk_finds_second_definitions(tmp_path: Path) -> None:
         "    num_gpus: int\n    expert_bytes: int = 0\n    window_steps: int = 16\n\n"
         "@dataclass\nclass Placement:\n"  # a few of the shape's fields: what it works on
         "    num_layers: int\n    num_slots: int\n    num_gpus: int\n    num_nodes: int\n\n"
+        "@dataclass\nclass Cost:\n"  # one field only the shape may hold
+        "    seconds_per_token: float\n    expert_bytes: int\n\n"
         "class NotADataclass:\n"
         "    num_layers: int\n    num_logical: int\n    num_slots: int\n"
         "    num_gpus: int\n    num_nodes: int\n    window_steps: int\n"
     )
     assert shape_copies(tmp_path, ("pkg",)) == [
-        "pkg/configs.py: Flat (expert_bytes, num_gpus, num_layers, num_logical, num_slots)"
+        "pkg/configs.py: Flat (expert_bytes, num_gpus, num_layers, num_logical, num_slots)",
+        "pkg/configs.py: Cost (expert_bytes)",
     ]
     assert window_copies(tmp_path, ("pkg",)) == ["pkg/configs.py: Flat.window_steps"]
 

@@ -281,7 +281,7 @@ def test_real_mixtral_trace_is_not_chased(slots: int, mixtral_path: Path) -> Non
         _shape(trace, num_slots=slots, num_gpus=8, num_nodes=1),
         expert_bytes=MIXTRAL_8X7B_EXPERT_BYTES,
     )
-    cfg = SimConfig(shape=shape, cost=CostModel(expert_bytes=MIXTRAL_8X7B_EXPERT_BYTES))
+    cfg = SimConfig(shape=shape)
     res = simulate(trace, cfg, ["none", "static", "adaptive", "oracle"])
     adaptive = res["adaptive"]
     assert adaptive.rebalances == 0 and adaptive.bytes_moved == 0
@@ -309,7 +309,7 @@ def test_the_simulator_charges_what_the_gate_predicted(sources: dict[str, np.nda
     for entry in taken:
         d = entry["decision"]
         rows = np.asarray(transfers(entry["current"], d.candidate, G, N))
-        c = plan_cost(rows, G, N, config.cost.expert_bytes, config.params)
+        c = plan_cost(rows, G, N, config.shape.expert_bytes, config.params)
         assert (d.migration_cost_seconds, d.transfer_seconds, d.bytes_to_move) == (
             c.seconds,
             c.transfer_seconds,
@@ -365,14 +365,15 @@ def test_cli_timing_and_migration_cost_keys(
 
 
 def test_a_shape_that_is_not_the_traces_deployment_is_refused() -> None:
-    """The shape is the trace's layers and experts, with the cost model's expert bytes."""
+    """The shape is the trace's layers and experts; its expert bytes are checked as a
+    Register's are."""
     trace = Trace(np.ones((2, 3, 16), dtype=np.int64))
     config = SimConfig(shape=_shape(trace, num_slots=16, num_gpus=4, num_nodes=1))
     simulate(trace, config, ["none"])
     for other, message in (
         (replace(config.shape, num_layers=4), "shape has 4 layers x 16 experts, the trace 3 x 16"),
         (replace(config.shape, num_logical=8), "shape has 3 layers x 8 experts, the trace 3 x 16"),
-        (replace(config.shape, expert_bytes=1), r"shape expert_bytes 1 is not the cost model's"),
+        (replace(config.shape, expert_bytes=-1), r"expert_bytes must be in \[0, 2\*\*40\]"),
     ):
         with pytest.raises(InputError, match=message):
             simulate(trace, replace(config, shape=other), ["none"])

@@ -20,6 +20,7 @@ from rebalancer.errors import InputError
 from rebalancer.sim import CostModel
 from rebalancer.sim.generate import TraceGenConfig, make_trace
 from rebalancer.sim.trace import MAX_JSONL_ID, MAX_TRACE_CELLS, Trace, load_trace
+from rebalancer.wire.shape import ClusterShape, check_expert_bytes
 
 
 def _jsonl(tmp_path: Path, *records: dict) -> Path:
@@ -31,11 +32,6 @@ def _jsonl(tmp_path: Path, *records: dict) -> Path:
 @pytest.mark.parametrize(
     "setting, match",
     [
-        ({"expert_bytes": "x"}, "expert_bytes must be an integer"),
-        ({"expert_bytes": 1.5}, "expert_bytes must be an integer"),
-        ({"expert_bytes": True}, "expert_bytes must be an integer"),
-        ({"expert_bytes": 2**70}, r"expert_bytes must be in \[0, 2\*\*53\]"),
-        ({"expert_bytes": -1}, "expert_bytes"),
         ({"moe_fraction": [1]}, "moe_fraction must be a number"),
         ({"moe_fraction": 0}, r"moe_fraction must be in \(0, 1\]"),
         ({"fixed_seconds_per_layer": "x"}, "fixed_seconds_per_layer must be a number or null"),
@@ -52,7 +48,26 @@ def test_cost_model_types_and_ranges(setting: dict, match: str) -> None:
 
 def test_cost_model_defaults_and_nulls_are_valid() -> None:
     CostModel().validate()
-    CostModel(fixed_seconds_per_layer=None, seconds_per_token=0.0, expert_bytes=0).validate()
+    CostModel(fixed_seconds_per_layer=None, seconds_per_token=0.0).validate()
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("x", "expert_bytes must be an integer"),
+        (1.5, "expert_bytes must be an integer"),
+        (True, "expert_bytes must be an integer"),
+        (2**70, r"expert_bytes must be in \[0, 2\*\*40\]"),
+        (-1, r"expert_bytes must be in \[0, 2\*\*40\]"),
+    ],
+)
+def test_expert_bytes_types_and_ranges(value: object, match: str) -> None:
+    """The simulated deployment's expert bytes are its shape's, checked by the shape's
+    one rule (what a Register's shape is held to)."""
+    shape = ClusterShape(num_layers=2, num_logical=8, num_slots=8, num_gpus=4)
+    with pytest.raises(InputError, match=match):
+        dataclasses.replace(shape, expert_bytes=value).validate()
+    assert check_expert_bytes(2**40) == 2**40
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ recognises the returns and serves them at least as well as adaptive, moving no m
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import pytest
 
 from rebalancer.cli import main as cli
 from rebalancer.sim import POLICIES, SimConfig, TraceGenConfig, make_trace, simulate
-from rebalancer.wire.shape import ClusterShape
 
 
 def _trace(sources: dict[str, np.ndarray], windows: int = 60, seed: int = 5):  # type: ignore[no-untyped-def]
@@ -40,17 +38,7 @@ def test_returning_phases_are_recognised_and_served_no_worse_than_adaptive(
     sources: dict[str, np.ndarray],
 ) -> None:
     trace = _trace(sources)
-    shape = ClusterShape(
-        num_layers=trace.num_layers,
-        num_logical=trace.num_experts,
-        num_slots=288,
-        num_gpus=8,
-        num_nodes=2,
-    )
-    config = SimConfig(shape=shape)
-    config = dataclasses.replace(
-        config, policy=config.policy.for_windows(shape, trace.window_seconds)
-    )
+    config = SimConfig.for_trace(trace, num_slots=288, num_gpus=8, num_nodes=2)
     results = simulate(trace, config, ["adaptive", "regimes"])
     adaptive, regimes = results["adaptive"], results["regimes"]
     loads = [entry["decision"].load for entry in regimes.decision_log]
