@@ -102,8 +102,8 @@ def decision_msg(decision: Decision | None, plan_version: int = 0) -> pb.Decisio
 
 def regimes_msg(dep: Deployment) -> pb.RegimesResponse:
     """The deployment's regime library as `rebalancer admin regimes` shows it."""
-    library = dep.loop.regimes
-    last = dep.loop.last_decision
+    library = dep.regime_library
+    last = dep.last_decision
     out = pb.RegimesResponse(
         enabled=dep.policy.regimes, last_load=last.load if last is not None else ""
     )
@@ -151,7 +151,7 @@ def pool_status_msg(pool: ReplicaPool, deployments: dict[str, Deployment]) -> pb
         ),
         members_moving=len(pool.members_moving(deployments)),
         max_moving=pool.max_moving,
-        last_decision=decision_msg(pool.loop.last_decision),
+        last_decision=decision_msg(pool.last_decision),
     )
 
 

@@ -120,7 +120,7 @@ class DecisionRunner:
     def save_regimes(self, dep: Deployment) -> None:
         """Store the deployment's regime library when it changed enough
         (`RegimeLibrary.save_due`): it survives a restart."""
-        self.save_library(dep.name, dep.loop.regimes)
+        self.save_library(dep.name, dep.regime_library)
 
     def save_library(self, key: str, library: RegimeLibrary | None) -> None:
         """Store a regime library under `key` (a deployment's name, or `pool_key`) when it

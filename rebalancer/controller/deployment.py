@@ -177,6 +177,16 @@ class Deployment:
         return self.loop.estimator
 
     @property
+    def last_decision(self) -> Decision | None:
+        """The newest decision recorded (the policy's, a force's or an amended one)."""
+        return self.loop.last_decision
+
+    @property
+    def regime_library(self) -> RegimeLibrary | None:
+        """The regimes the deployment learned (None: the regimes policy is off)."""
+        return self.loop.regimes
+
+    @property
     def next_seq(self) -> dict[int, int]:
         return self.windows.next_seq
 

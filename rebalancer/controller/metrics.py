@@ -347,10 +347,10 @@ class _StateCollector(Collector):
             # A deployment on the adaptive policy has no regime (0) and an empty library,
             # and its decisions use the estimate: every deployment has the series, so the
             # dashboard's row answers for a fleet that has not opted in.
-            library = dep.loop.regimes
+            library = dep.regime_library
             current.add_metric([dep.name], 0 if library is None else library.current)
             size.add_metric([dep.name], 0 if library is None else len(library.regimes))
-            last = dep.loop.last_decision
+            last = dep.last_decision
             used = last.load.split(" ", 1)[0] if last is not None and last.load else ""
             if library is None:
                 used = "estimate"

@@ -41,7 +41,7 @@ class Operations:
         plan = self.decisions.act(dep, decision, "forced", now)
         # Acting may amend it (skip_ranks: a rank is not connected): the operator is told
         # what was recorded, as status and history tell it.
-        return dep.loop.last_decision or decision, plan
+        return dep.last_decision or decision, plan
 
     def set_policy(self, name: str, policy: PolicyConfig) -> PolicyConfig:
         dep = self.registry.deployment(name)

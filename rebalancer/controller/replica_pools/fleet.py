@@ -264,7 +264,7 @@ class Fleet:
 
         def done(decision: Decision | None) -> None:
             pool.decided(decision, now)
-            self.decisions.save_library(pool.key, pool.loop.regimes)
+            self.decisions.save_library(pool.key, pool.regime_library)
             if decision is not None:
                 self._act(pool, decision, "policy", self.clock())
 
@@ -282,7 +282,7 @@ class Fleet:
                 "pool %s: placement %d (%s): %s", pool.name, pool.version, trigger, decision.reason
             )
         elif trigger == "forced" or decision.outcome != (
-            pool.loop.last_decision.outcome if pool.loop.last_decision else ""
+            pool.last_decision.outcome if pool.last_decision else ""
         ):
             log.info("pool %s decision: %s (%s)", pool.name, decision.outcome, decision.reason)
         for observer in self.observers.decision:
@@ -324,7 +324,7 @@ class Fleet:
 
     def _record_roll(self, dep: Deployment, pool: ReplicaPool, plan: Plan, now: float) -> None:
         """The pool decision a member's plan carries out, in the member's history."""
-        decision = pool.loop.last_decision
+        decision = pool.last_decision
         record: dict[str, Any] = (
             decision.to_dict() if decision is not None else {"outcome": "rebalance", "reason": ""}
         )
@@ -379,7 +379,7 @@ class Fleet:
     ) -> tuple[Decision, list[Plan]]:
         """An operator's pool rebalance: the gate skipped, the placement rolled out."""
         pool = self.pool(pool_name)
-        if pool.loop.estimator.windows == 0:
+        if pool.windows_seen == 0:
             raise StateError(
                 "FAILED_PRECONDITION", f"no counts ingested yet for pool {pool_name!r}"
             )

@@ -103,6 +103,21 @@ class ReplicaPool:
         """The pool estimate [L, E] from its following members' windows."""
         return self.loop.estimator.estimate()
 
+    @property
+    def windows_seen(self) -> int:
+        """Members' windows folded into the pool estimate so far."""
+        return self.loop.estimator.windows
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The pool's newest decision."""
+        return self.loop.last_decision
+
+    @property
+    def regime_library(self) -> RegimeLibrary | None:
+        """The regimes the pool learned (None: the regimes policy is off)."""
+        return self.loop.regimes
+
     def due(self, now: float) -> bool:
         """Whether the pool's policy decides now (no decision of it under way)."""
         return not self.deciding and self.loop.due(now)
@@ -172,7 +187,7 @@ class ReplicaPool:
         if (
             library is not None
             and library.regimes
-            and not (dep.loop.regimes and dep.loop.regimes.regimes)
+            and not (dep.regime_library and dep.regime_library.regimes)
         ):
             dep.restore_regimes(copy_library(library))
 

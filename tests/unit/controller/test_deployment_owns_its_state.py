@@ -124,6 +124,25 @@ def calls_through_parts(
     return [f"{path.name}:{line}: {what}" for line, what in sorted(found)]
 
 
+# What a deployment holds whose state it answers for itself (`dep.last_decision`,
+# `dep.regime_library`): not even read through from outside.
+ANSWERED = {"loop"}
+
+
+def reads_through_parts(
+    path: Path, names: set[str] = NAMES, parts: set[str] = ANSWERED
+) -> list[str]:
+    """`file:line: dep.part.attr` for every attribute read (or call) through `parts`."""
+    found = sorted(
+        (node.lineno, f"{'.'.join(hit)}.{node.attr}")
+        for node in ast.walk(parse(path))
+        if isinstance(node, ast.Attribute)
+        and (hit := _through(node.value, names)) is not None
+        and hit[1] in parts
+    )
+    return [f"{path.name}:{line}: {what}" for line, what in found]
+
+
 def product_files() -> list[Path]:
     return sorted(
         p for p in (ROOT / "rebalancer").rglob("*.py") if p != OWNER and "v1" not in p.parts
@@ -145,6 +164,23 @@ def test_the_walk_sees_a_call_through_a_part(tmp_path: Path) -> None:
         "probe.py:2: dep.windows.add",
         "probe.py:3: dep.loop.amend",
         "probe.py:4: x = dep.loop",
+    ]
+
+
+def test_no_module_but_the_deployments_own_reads_through_its_policy_loop() -> None:
+    """What the loop knows (the newest decision, the regime library) the deployment tells."""
+    assert [r for p in product_files() for r in reads_through_parts(p)] == []
+
+
+def test_the_walk_sees_a_read_through_the_loop(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def f(dep, pool):\n    last = dep.loop.last_decision\n"
+        "    n = self.deployment.loop.regimes\n    ok = dep.last_decision\n"
+    )
+    assert reads_through_parts(probe) == [
+        "probe.py:2: dep.loop.last_decision",
+        "probe.py:3: deployment.loop.regimes",
     ]
 
 

@@ -312,3 +312,18 @@ def test_no_module_but_the_pools_own_calls_through_a_pools_parts() -> None:
         for c in calls_through_parts(path, {"pool", "member_pool"}, parts, parts)
     ]
     assert found == []
+
+
+def test_no_module_but_the_pools_own_reads_through_a_pools_policy_loop() -> None:
+    """`pool.loop.last_decision`: the pool tells it (`pool.last_decision`)."""
+    from tests.unit.controller.test_deployment_owns_its_state import reads_through_parts
+
+    root = Path(__file__).resolve().parents[3] / "rebalancer"
+    owner = root / "controller" / "replica_pools" / "replica_pool.py"
+    found = [
+        r
+        for path in sorted(root.rglob("*.py"))
+        if path != owner and "v1" not in path.parts
+        for r in reads_through_parts(path, {"pool", "member_pool"})
+    ]
+    assert found == []
