@@ -165,16 +165,17 @@ def main() -> None:
         if not args.json:
             print(
                 f"{f.stem:24s} healthy {row['healthy']:.3f} planned {row['planned_mean']:.3f} "
-                f"(x{row['planned_over_healthy']:.3f}, min {row['planned_min']:.3f}) repair {row['repair_mean']:.3f} "
-                f"moved {row['moved_mean']:.0f} vs scratch {row['scratch_moved_mean']:.0f} "
-                f"(max ratio {row['moved_over_scratch_max']:.3f}); node losses at P={P}: "
-                f"{row['node_feasible']}/{row['node_losses']} servable"
+                f"(x{row['planned_over_healthy']:.3f}, min {row['planned_min']:.3f}) repair "
+                f"{row['repair_mean']:.3f} moved {row['moved_mean']:.0f} vs scratch "
+                f"{row['scratch_moved_mean']:.0f} (max ratio {row['moved_over_scratch_max']:.3f}); "
+                f"node losses at P={P}: {row['node_feasible']}/{row['node_losses']} servable"
             )
             if args.node_slots:
                 n = row["at_node_slots"]
                 print(
-                    f"{'':24s} at P={args.node_slots}: node losses {n['node_feasible']}/{n['node_losses']} "
-                    f"servable, worst balancedness {n['node_balancedness_min']:.3f} (healthy {n['healthy']:.3f})"
+                    f"{'':24s} at P={args.node_slots}: node losses "
+                    f"{n['node_feasible']}/{n['node_losses']} servable, worst balancedness "
+                    f"{n['node_balancedness_min']:.3f} (healthy {n['healthy']:.3f})"
                 )
     load = load_deepseek_v3(files[0]).astype(np.float64)
     timings = [timing(load, G, N, P, args.repeats)]

@@ -16,10 +16,10 @@ range and range: bench/interleave.py)
   expert, captured in a CUDA graph of its own over every layer of the block, against the
   block's replay, interleaved with it round by round as above (`--route-replays`
   replays a round): `dispatch_<mode>_ms` and `dispatch_<mode>_pct_of_block`, the median
-  of the per-round shares (the target: at most 1 %), with their spread. One GPU stands in for rank 0 of 32: the other ranks' counts of the step
-  are a static function of its own (so the water-fill works on a real spread); the
-  all-gather of `[G, E + 1]` counts that replaces it on a real EP group is not in the
-  figure (latency-bound, ~10-20 us per layer at EP32 on NVLink; measure it on 2 GPUs).
+  of the per-round shares (the target: at most 1 %), with their spread. One GPU stands in for rank 0
+  of 32: the other ranks' counts of the step are a static function of its own (so the water-fill
+  works on a real spread); the all-gather of `[G, E + 1]` counts that replaces it on a real EP group
+  is not in the figure (latency-bound, ~10-20 us per layer at EP32 on NVLink; measure it on 2 GPUs).
   Without CUDA, the modes run eagerly at small shapes on CPU (a smoke check only).
 Prints one line per figure and a JSON object last.
 """

@@ -260,9 +260,9 @@ def size_to_device(
     ]
     what = f"{cfg.layers} layer{'s' if cfg.layers > 1 else ''} x {cfg.tokens} tokens"
     short = (
-        f"{what} need {need.total / GIB:.1f} GiB on each GPU ({need.stock_experts / GIB:.1f} stock experts, "
-        f"{need.slot_rows / GIB:.1f} slot rows, {need.activations / GIB:.1f} activations), "
-        f"{free_bytes / GIB:.1f} GiB free"
+        f"{what} need {need.total / GIB:.1f} GiB on each GPU ({need.stock_experts / GIB:.1f} stock "
+        f"experts, {need.slot_rows / GIB:.1f} slot rows, {need.activations / GIB:.1f} "
+        f"activations), {free_bytes / GIB:.1f} GiB free"
     )
     if not fits:
         one = memory_need(cfg, 1, world)
@@ -679,7 +679,8 @@ def run(cfg: BenchConfig, emit: Callable[[str], None], scratch: str) -> dict[str
     )
     emit(
         f"rebalance v{out['version']}: {out['slots_moved']} slots moved, swap {out['swap_ms']} ms, "
-        f"swap step {out['swap_step_ms']} ms; logits after vs before {out['logit_diff_after_vs_before']}"
+        f"swap step {out['swap_step_ms']} ms; logits after vs before "
+        f"{out['logit_diff_after_vs_before']}"
     )
     return out
 

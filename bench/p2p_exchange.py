@@ -47,7 +47,8 @@ def packed_exchange(
     chunk_experts: int = 32,
     stream: torch.cuda.Stream | None = None,
 ) -> Staged:
-    """Stage this rank's incoming experts of `plan` ([K, 5] rows as in worker_hooks/migration.py)."""
+    """Stage this rank's incoming experts of `plan` ([K, 5] rows as in
+    worker_hooks/migration.py)."""
     start = time.perf_counter()
     first = next(iter(weights.values()))
     slots = first.shape[1]

@@ -2,8 +2,8 @@
 
 Run as `python -m bench.placement`. Speed is measured on one core (BLAS/OpenMP threads
 set to 1 before numpy loads) and reported as the best and the median of repeated runs,
-with the vectorised greedy and the plain per-item port of it (`rebalancer.placement.reference`) timed in
-the same run. The figures are printed and written to BENCHMARKS.md under the heading
+with the vectorised greedy and the plain per-item port of it (`rebalancer.placement.reference`)
+timed in the same run. The figures are printed and written to BENCHMARKS.md under the heading
 "## Placement engine" (only that section is replaced; hand-written notes between its
 speed table and the next heading are kept).
 """

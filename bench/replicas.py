@@ -49,10 +49,12 @@ def main(argv: list[str] | None = None) -> int:
             pooled, alone = out["pooled"], out["per_deployment"]
             rows.append({"trace": kind, **out, "seconds": round(seconds, 1)})
             print(
-                f"{kind:6s} {r:3d} {pooled['relative_throughput']:8.4f} {alone['relative_throughput']:8.4f} "
+                f"{kind:6s} {r:3d} {pooled['relative_throughput']:8.4f} "
+                f"{alone['relative_throughput']:8.4f} "
                 f"{pooled['relative_throughput'] / alone['relative_throughput']:6.3f} "
                 f"{pooled['slots_moved']:10d} {alone['slots_moved']:11d} "
-                f"{out['warm_first_window_ratio']:6.3f} {out['trivial_first_window_ratio']:7.3f} {seconds:5.0f}",
+                f"{out['warm_first_window_ratio']:6.3f} {out['trivial_first_window_ratio']:7.3f} "
+                f"{seconds:5.0f}",
                 flush=True,
             )
     if args.json:

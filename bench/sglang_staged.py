@@ -3,8 +3,8 @@
 4 CPU ranks (gloo), each with SGLang's ExpertLocationMetadata, dispatch, EPLBManager and
 ExpertLocationUpdater and the rebalancer's SGLang plugin (set up by bench/sglang_cpu.py, as
 the SGLang tests' ranks are; no controller: a driver thread per rank hands the adapter the
-plans, and all ranks confirm PREPARED on a gloo group of the driver's own before the commit). Model: 1 dense
-+ 8 MoE layers, 8 experts + 4 redundant slots over 4 ranks (3 slots per rank), each
+plans, and all ranks confirm PREPARED on a gloo group of the driver's own before the commit).
+Model: 1 dense + 8 MoE layers, 8 experts + 4 redundant slots over 4 ranks (3 slots per rank), each
 expert 3 x (512 x 1024) float32 = 6 MiB. A forward pass is SGLang's dispatch of 16
 tokens x top-2 per MoE layer, one small matmul on each layer's first live expert, a
 10 ms sleep standing for the device's work (the CPU is free meanwhile, as a host thread
@@ -12,10 +12,10 @@ is while a GPU runs), and one all-reduce on SGLang's group (ranks in lockstep, a
 EP collectives make them).
 
 Plans: A moves every rank's experts one rank on in every MoE layer (all 12 slots of all
-8 MoE layers: 96 experts, 576 MiB per plan, 144 MiB into each rank), B moves them back. Rounds alternate which update goes first; each update
-applies A then B; between rounds a window of passes with no plan is the baseline.
-Per plan: the longest gap between two pass ends from the Prepare until the plan is live
-on every rank, and passes per second over that window; the no-rebalance passes per
+8 MoE layers: 96 experts, 576 MiB per plan, 144 MiB into each rank), B moves them back. Rounds
+alternate which update goes first; each update applies A then B; between rounds a window of passes
+with no plan is the baseline. Per plan: the longest gap between two pass ends from the Prepare until
+the plan is live on every rank, and passes per second over that window; the no-rebalance passes per
 second come from the baseline windows of the same run.
 
     .venv/bin/python -m bench.sglang_staged [--rounds 3] [--json]

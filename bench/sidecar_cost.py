@@ -497,14 +497,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"sidecar: {100 * r['sidecar_cpu_cores']:.2f} % of one core (target <= 5 %), RSS "
         f"{r['sidecar_rss_mb']:.0f} MiB (peak {r['sidecar_peak_rss_mb']:.0f}), "
-        f"{r['rank_windows_in_per_second']:.1f} rank windows/s in, {r['merged_windows_out_per_second']:.2f} "
-        f"merged windows/s out, over {r['seconds']:.1f} s"
+        f"{r['rank_windows_in_per_second']:.1f} rank windows/s in, "
+        f"{r['merged_windows_out_per_second']:.2f} merged windows/s out, over {r['seconds']:.1f} s"
     )
     for name, x in (("behind sidecar", s), ("direct", d)):
         print(
             f"hook {name:14s}: route (58 layers) median {x['route']['median_us']:.0f} us, p99 "
-            f"{x['route']['p99_us']:.0f} us; step_end median {x['step_end']['median_us']:.1f} us, p99 "
-            f"{x['step_end']['p99_us']:.1f} us; at window steps median {x['step_end_window']['median_us']:.1f} us"
+            f"{x['route']['p99_us']:.0f} us; step_end median {x['step_end']['median_us']:.1f} us, "
+            f"p99 {x['step_end']['p99_us']:.1f} us; at window steps median "
+            f"{x['step_end_window']['median_us']:.1f} us"
         )
     print(f"load average {r['load_avg_start']} -> {r['load_avg_end']}")
     if args.json:

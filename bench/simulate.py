@@ -3,8 +3,8 @@
 Builds drifting traces from the summed DeepSeek-V3 workload files (phase changes, smooth
 mixes, bursts; each at 65,536 and, "-noisy", 8,192 tokens per window) at G=32, P=288 on
 4 nodes, and replays the real Mixtral GSM8K routing at
-G=8 with P=8 and P=16; runs every policy (rebalancer.sim.POLICIES) on each, prints a table, checks the targets
-of the simulator issue, writes one plot per trace into docs/ and replaces the
+G=8 with P=8 and P=16; runs every policy (rebalancer.sim.POLICIES) on each, prints a table, checks
+the targets of the simulator issue, writes one plot per trace into docs/ and replaces the
 `## Simulator` section of BENCHMARKS.md. The changing policies start from the trivial
 placement (what an engine loads); a second pass starts them from the static fit (an
 engine given a recorded distribution) and is summarised beside it.

@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"{result['messages']} messages: {result['cpu_us_per_message']:.1f} us CPU, "
-            f"{result['wall_us_per_message']:.1f} us wall per message (load {result['load_avg'][0]})"
+            f"{result['wall_us_per_message']:.1f} us wall per message (load "
+            f"{result['load_avg'][0]})"
         )
     return 0
 

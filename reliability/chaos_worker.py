@@ -1,4 +1,5 @@
-"""The chaos harness's worker: worker_hooks.examples.cpu_worker with a step log that survives SIGKILL.
+"""The chaos harness's worker: worker_hooks.examples.cpu_worker with a step log that survives
+SIGKILL.
 
 The worker itself is unchanged (its hook and model classes are subclassed here, as
 tests/integration/sidecar_worker.py does). Every step appends one line to

@@ -108,9 +108,10 @@ def main() -> int:
     answers = {Query(**a["query"]): a["answer"] for a in saved["answers"]}
     start, end, step = saved["start"], saved["end"], saved["step"]
     title = (
-        f"{dashboard['title']}: drawn by scripts/render_dashboard.py (not Grafana) from a real Prometheus "
-        f"{saved['prometheus']}\nscraping a live run for {end - start:.0f} s: the controller, 2 demo "
-        f"sidecars and 4 CPU workers on DeepSeek-V3 routing, and a pooled deployment of 2 instant ranks"
+        f"{dashboard['title']}: drawn by scripts/render_dashboard.py (not Grafana) from a real "
+        f"Prometheus {saved['prometheus']}\nscraping a live run for {end - start:.0f} s: the "
+        "controller, 2 demo sidecars and 4 CPU workers on DeepSeek-V3 routing, and a pooled "
+        "deployment of 2 instant ranks"
     )
     for line in draw(dashboard, answers, start, end, step, Path(args.out), title):
         print(line)

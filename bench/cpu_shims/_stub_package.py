@@ -3,8 +3,9 @@ on a CPU: triton (GPU kernels; its wheel is 1 GB unpacked and the CPU torch has 
 and torchvision (image decoding; PyPI's wheels are built against CUDA torch and do not
 load on the CPU torch). They sit on the path of the SGLang test and bench processes only
 (tests/engines/sglang, bench/sglang_staged.py, through bench/sglang_cpu.py), never beside
-the adapter in production, where the real ones are installed with SGLang. Every attribute is a permissive object: a decorator returns the
-function it decorates, so `@triton.jit` kernels stay plain (never called) functions.
+the adapter in production, where the real ones are installed with SGLang. Every attribute is a
+permissive object: a decorator returns the function it decorates, so `@triton.jit` kernels stay
+plain (never called) functions.
 """
 
 from __future__ import annotations

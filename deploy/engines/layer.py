@@ -41,8 +41,8 @@ def check(engine: str, version: str, group: str) -> str | None:
     except metadata.PackageNotFoundError:
         return f"{engine} is not installed in this image's Python ({sys.executable})"
     if found != version:
-        return (f"the image runs {engine} {found}, not {version}, the version the adapter is tested "
-                f"with: see docs/operations.md, \"A newer engine\"")
+        return (f"the image runs {engine} {found}, not {version}, the version the adapter is "
+                "tested with: see docs/operations.md, \"A newer engine\"")
     points = [ep for ep in metadata.entry_points(group=group) if ep.name == PLUGIN]
     if len(points) != 1:
         return f"entry point group {group} holds {len(points)} entries named {PLUGIN!r}, not 1"

@@ -2,8 +2,8 @@
 from the ranks' own step logs (RELIABILITY.md).
 
 It runs a `rebalancer serve` process on an SQLite store, one `rebalancer sidecar` per pod
-and the G ranks of one gloo group (reliability.chaos_worker = worker_hooks.examples.cpu_worker with a step
-log) on DeepSeek-V3 routing drifting over six workloads. Every gRPC link goes through a
+and the G ranks of one gloo group (reliability.chaos_worker = worker_hooks.examples.cpu_worker with
+a step log) on DeepSeek-V3 routing drifting over six workloads. Every gRPC link goes through a
 loopback fault proxy (reliability/faultproxy.py): each rank's Unix socket to its sidecar, and
 the sidecars' TCP link to the controller. Plans come from the policy and from forced
 rebalances; faults are injected at random moments and, in turn, at each plan phase

@@ -1,4 +1,6 @@
-"""The campaign's command line: `python -m reliability.chaos --seconds 300 --seed 1 --hog 2 --json`."""
+"""The campaign's command line:
+`python -m reliability.chaos --seconds 300 --seed 1 --hog 2 --json`.
+"""
 
 from __future__ import annotations
 

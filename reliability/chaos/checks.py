@@ -112,7 +112,7 @@ def check_liveness(h: Harness) -> None:
         codes = [p.poll() for p in g.procs]
         h.violation(
             f"group {g.index}: a rank exited on its own {codes}: "
-            f"{procs.tail(f'g{g.index}-rank{codes.index(next(c for c in codes if c is not None))}.log')}"
+            f"{procs.tail(f'g{g.index}-rank{codes.index(next(c for c in codes if c is not None))}.log')}"  # noqa: E501
         )
         h.restart_group()
 

@@ -283,7 +283,8 @@ class Harness:
         p99 = checks.recovery_p99(rec)
         if rec and p99 > self.cfg.recovery_bound_seconds:
             self.violation(
-                f"controller recovery p99 {p99:.1f} s is above {self.cfg.recovery_bound_seconds:g} s"
+                f"controller recovery p99 {p99:.1f} s is above "
+                f"{self.cfg.recovery_bound_seconds:g} s"
             )
         result = {
             "seconds": round(seconds, 1),
