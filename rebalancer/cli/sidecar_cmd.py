@@ -6,6 +6,7 @@ import argparse
 import os
 import textwrap
 from collections.abc import Mapping
+from typing import Any
 
 from rebalancer.wire.link import LINK_ENV, Link, link_settings
 
@@ -49,6 +50,16 @@ def register(sub: argparse._SubParsersAction) -> None:
             sidecar still serves its ranks (a missing token file: it connects without a
             token; a missing certificate file: it does not connect until the file is
             there), and says so in its log, its metrics and --check.
+
+            Merging an EP group's pods (a LeaderWorkerSet): the leader pod's sidecar sums
+            the group's windows and holds its one session; it listens for the other pods'
+            sidecars with --merge-listen (and the group's ranks: --group-ranks, or
+            LWS_GROUP_SIZE x --ranks-per-pod); they name it with --merge-leader
+            (e.g. "$(LWS_LEADER_ADDRESS):50070"), and stream straight to the controller
+            while it is away (--merge-wait), going back once it serves again.
+
+              rebalancer sidecar --ranks-per-pod 8 --merge-listen 0.0.0.0:50070     # leader
+              rebalancer sidecar --ranks-per-pod 8 --merge-leader "$LEADER:50070"   # others
 
             As a startup probe (exit 0 once the sidecar serves; it prints the state of the
             link to the controller, which does not change the exit code):
@@ -104,6 +115,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--timeout", type=float, default=2.0, help="--check: seconds to wait (default %(default)s)"
     )
+    merge = p.add_argument_group("merging the EP group's pods at its leader's sidecar")
+    merge.add_argument(
+        "--merge-listen",
+        metavar="HOST:PORT",
+        help="lead the merge: this sidecar also serves the group's other sidecars here (TCP)",
+    )
+    merge.add_argument(
+        "--group-ranks",
+        help="with --merge-listen: every rank of the EP group (default with --ranks-per-pod: "
+        "0 .. LWS_GROUP_SIZE x n - 1)",
+    )
+    merge.add_argument(
+        "--merge-leader",
+        metavar="HOST:PORT",
+        help="follow: stream to the group's leader sidecar here, e.g. $(LWS_LEADER_ADDRESS):50070",
+    )
+    merge.add_argument(
+        "--merge-tls-cert", help="with --merge-listen: server certificate (PEM): TLS to followers"
+    )
+    merge.add_argument("--merge-tls-key", help="the private key of --merge-tls-cert (PEM)")
+    merge.add_argument(
+        "--merge-wait",
+        type=float,
+        default=10.0,
+        help="leader: seconds it waits for every follower before registering the ranks it has; "
+        "follower: seconds the leader may be away before it streams straight to the "
+        "controller (default %(default)s)",
+    )
+    merge.add_argument(
+        "--merge-retry",
+        type=float,
+        default=5.0,
+        help="follower, streaming straight to the controller: seconds between asking whether "
+        "the leader serves again (default %(default)s)",
+    )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(func=run)
 
@@ -118,6 +164,43 @@ def link_of(args: argparse.Namespace, env: Mapping[str, str]) -> Link:
             settings[field_name] = flag
     settings = {name: value for name, value in settings.items() if value}
     return Link(**{"address": "", **settings})
+
+
+def merge_of(args: argparse.Namespace, env: Mapping[str, str], ranks: tuple[int, ...]) -> Any:
+    """The sidecar's MergeConfig from the --merge-* flags (InputError, one line, for a
+    leader and a follower at once)."""
+    from rebalancer.errors import InputError
+    from rebalancer.sidecar.config import MergeConfig, lws_ranks, parse_ranks
+
+    if args.merge_listen and args.merge_leader:
+        raise InputError("give --merge-listen (the group's leader) or --merge-leader, not both")
+    common = {
+        "wait_seconds": args.merge_wait,
+        "retry_leader_seconds": args.merge_retry,
+    }
+    if args.merge_listen:
+        if args.group_ranks:
+            group = parse_ranks(args.group_ranks)
+        elif args.ranks_per_pod is not None:
+            # The LeaderWorkerSet's pods of n ranks each: pod i holds i*n .. i*n + n - 1.
+            lws_ranks({**env, "LWS_WORKER_INDEX": "0"}, args.ranks_per_pod)  # checks the env
+            size = int(env["LWS_GROUP_SIZE"])
+            group = tuple(range(size * args.ranks_per_pod))
+        else:
+            raise InputError("--merge-listen needs the group's ranks: --group-ranks")
+        return MergeConfig(
+            role="leader",
+            listen=args.merge_listen,
+            group_ranks=group,
+            tls_cert_file=args.merge_tls_cert or None,
+            tls_key_file=args.merge_tls_key or None,
+            **common,
+        )
+    if args.group_ranks or args.merge_tls_cert or args.merge_tls_key:
+        raise InputError("--group-ranks and --merge-tls-* are the leader's: give --merge-listen")
+    if args.merge_leader:
+        return MergeConfig(role="follower", leader=args.merge_leader, **common)
+    return MergeConfig(**common)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         max_buffered_windows=args.max_buffered_windows,
         grace_seconds=args.grace,
+        merge=merge_of(args, os.environ, ranks),
     )
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -171,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
 
     def ready(sidecar: Sidecar) -> None:
         metrics = f", metrics on :{sidecar.metrics_port}" if sidecar.metrics_port else ""
+        if sidecar.merge_port is not None:  # before the metrics port, which ends the line
+            metrics = f", merging the group's ranks on port {sidecar.merge_port}{metrics}"
         # One line on stdout that scripts (and tests) can wait for.
         print(
             f"sidecar serving on {sidecar.target} for ranks {config.ranks_label}{metrics}",

@@ -14,7 +14,6 @@ line, before the service sees the call.
 from __future__ import annotations
 
 import contextvars
-import hmac
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -24,6 +23,8 @@ import grpc
 
 from rebalancer.errors import StateError
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.bearer import bearer_token
+from rebalancer.wire.bearer import same_token as _same
 
 log = logging.getLogger("rebalancer.auth")
 
@@ -34,20 +35,6 @@ WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 _DEPLOYMENTS: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "rebalancer_token_deployments", default=frozenset()
 )
-
-
-def bearer_token(metadata: Any) -> str | None:
-    """The token of an `authorization: Bearer <token>` header, or None."""
-    for key, value in metadata or ():
-        if key == "authorization":
-            if isinstance(value, str) and value.startswith("Bearer "):
-                return value[len("Bearer ") :]
-            return None
-    return None
-
-
-def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):

@@ -40,7 +40,78 @@ SocketAccess = Literal["owner", "group"]
 SOCKET_ACCESS: tuple[SocketAccess, ...] = get_args(SocketAccess)
 MODES: dict[SocketAccess, tuple[int, int]] = {"owner": (0o700, 0o600), "group": (0o750, 0o660)}
 
+# How the sidecar takes part in merging its EP group's pods (MergeConfig.role).
+MergeRole = Literal["off", "leader", "follower"]
+MERGE_ROLES: tuple[MergeRole, ...] = get_args(MergeRole)
+
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """Merging an EP group's pods at one sidecar (rebalancer/sidecar/merge.py): the
+    leader pod's sidecar (a LeaderWorkerSet's leader, by configuration: no election) sums
+    the group's windows and holds its one session; the other pods' sidecars stream to it.
+    Checked by SidecarConfig."""
+
+    role: MergeRole = "off"
+    """off: this pod's ranks are a group session of their own (the default); leader:
+    this sidecar also serves its group's follower sidecars on `listen` and registers the
+    group's ranks upstream as one session; follower: its upstream is the leader's sidecar
+    at `leader` (the controller while the leader is away)."""
+    listen: str = ""
+    """leader: the host:port the followers reach (TCP; port 0 picks one)."""
+    group_ranks: tuple[int, ...] = ()
+    """leader: every rank of the EP group, its own pod's and the followers' (its own
+    included); the followers' ranks are waited for up to `wait_seconds`."""
+    leader: str = ""
+    """follower: the leader sidecar's host:port (in a LeaderWorkerSet
+    `$(LWS_LEADER_ADDRESS):<port>`), reached with the link's TLS files and token."""
+    tls_cert_file: str | None = None
+    """leader: the server certificate (PEM) followers check with the link's CA: TLS on
+    `listen` when set (with `tls_key_file`)."""
+    tls_key_file: str | None = None
+    """leader: the private key of `tls_cert_file` (PEM)."""
+    wait_seconds: float = 10.0
+    """leader: how long it waits for every follower before it registers the ranks it
+    has (a follower that comes later makes it register the group again); follower: how
+    long the leader may be unreachable (or refuse it) before this sidecar streams
+    straight to the controller."""
+    retry_leader_seconds: float = 5.0
+    """follower, streaming straight to the controller: how often it asks whether the
+    leader serves again, and then goes back to it."""
+
+    def check(self, own: tuple[int, ...]) -> None:
+        """InputError, one line, for settings that do not fit the role or `own` ranks."""
+        if self.role not in MERGE_ROLES:
+            raise InputError(f"merge role {self.role!r} is not one of {MERGE_ROLES}")
+        for name in ("wait_seconds", "retry_leader_seconds"):
+            if not getattr(self, name) > 0:
+                raise InputError(f"merge {name} must be > 0, got {getattr(self, name)}")
+        if self.role == "leader":
+            if not self.listen:
+                raise InputError(
+                    "a merging leader needs the address its followers reach (--merge-listen)"
+                )
+            host, _, port = self.listen.rpartition(":")
+            if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise InputError(
+                    f"merge listen address {self.listen!r} must be host:port (port 0-65535; 0: any free)"
+                )
+            missing = sorted(set(own) - set(self.group_ranks))
+            if missing:
+                raise InputError(
+                    f"the group's ranks {format_ranks(self.group_ranks)} must include this "
+                    f"pod's own (rank {missing[0]} is not one of them)"
+                )
+            if len(set(self.group_ranks)) != len(self.group_ranks):
+                raise InputError(f"group ranks {list(self.group_ranks)} name a rank twice")
+            if bool(self.tls_cert_file) != bool(self.tls_key_file):
+                raise InputError("TLS for the followers needs both a certificate and its key")
+        elif self.role == "follower":
+            if not self.leader:
+                raise InputError("a follower needs its leader sidecar's address (--merge-leader)")
+            check_address(self.leader)
 
 
 @dataclass(frozen=True)
@@ -70,6 +141,7 @@ class SidecarConfig:
     # while the controller is down.
     backoff_max_seconds: float = 1.0
     grace_seconds: float = 2.0  # on SIGTERM: calls in flight and last windows
+    merge: MergeConfig = MergeConfig()  # merging the EP group's pods at its leader's sidecar
 
     def __post_init__(self) -> None:
         if not self.link.address:
@@ -103,6 +175,13 @@ class SidecarConfig:
             )
         # The credential flags must fit together; their files are read at each connection.
         self.link.check()
+        self.merge.check(self.ranks)
+
+    @property
+    def group_ranks(self) -> tuple[int, ...]:
+        """The ranks this sidecar may speak for upstream: the EP group's when it leads the
+        group's merge, else its pod's."""
+        return tuple(sorted(self.merge.group_ranks)) if self.merge.role == "leader" else self.ranks
 
     @property
     def socket(self) -> Path:

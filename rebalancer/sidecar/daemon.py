@@ -9,6 +9,9 @@ Shutdown (SIGTERM, SIGINT) drains: health turns NOT_SERVING, the windows still b
 merged are sent with the last ones and the group stream ends cleanly, ranks' calls in
 flight get `grace_seconds`, the socket and its lock go. A plan still preparing aborts
 when the group stream ends (invariant 5), as it does when the sidecar dies.
+
+The leader of a merged EP group (rebalancer/sidecar/merge.py) also serves its group's
+follower sidecars on TCP (`merge_server`), with TLS and the worker token as configured.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from rebalancer.sidecar import listen
-from rebalancer.sidecar.config import SidecarConfig
+from rebalancer.sidecar.config import SidecarConfig, format_ranks, read_token
+from rebalancer.sidecar.merge import server_credentials
 from rebalancer.sidecar.metrics import SidecarMetrics
 from rebalancer.sidecar.pod import Pod
 from rebalancer.sidecar.ranks import RankService
@@ -71,6 +75,16 @@ class Sidecar:
         # refuses them (wire/service.py), not grpc-python's UNKNOWN.
         add_service(pb_grpc.add_WorkerServiceServicer_to_server, RankService(self.pod), self.server)
         add_service(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
+        # The leader of a merged EP group: the same service to its followers, on TCP.
+        self.merge_server: grpc.aio.Server | None = None
+        self.merge_port: int | None = None
+        if config.merge.role == "leader":
+            self.merge_server = grpc.aio.server(options=server_options())
+            followers = RankService(self.pod, token=lambda: read_token(config.link.token_file)[0])
+            add_service(pb_grpc.add_WorkerServiceServicer_to_server, followers, self.merge_server)
+            add_service(
+                health_pb2_grpc.add_HealthServicer_to_server, self.health, self.merge_server
+            )
         self.metrics_port: int | None = None
         self._claim: listen.SocketClaim | None = None
         self._metrics_http: Any = None
@@ -96,6 +110,8 @@ class Sidecar:
                     raise OSError(f"cannot listen on {self.target}")
                 await self.server.start()
             os.chmod(self.config.socket, socket_mode)
+            if self.merge_server is not None:
+                await self._serve_followers(self.merge_server)
             if self.config.metrics_port is not None:
                 try:
                     self._metrics_http, _ = start_http_server(
@@ -115,6 +131,8 @@ class Sidecar:
                 )
         except BaseException:
             await self.server.stop(0)  # a server already started must not outlive the failure
+            if self.merge_server is not None:
+                await self.merge_server.stop(0)
             self._claim.release()
             raise
         self._upstream_task = asyncio.create_task(self.upstream.run())
@@ -124,6 +142,30 @@ class Sidecar:
             self.config.ranks_label,
             self.target,
             self.config.link.address,
+        )
+
+    async def _serve_followers(self, server: grpc.aio.Server) -> None:
+        """Listen for the group's followers on `merge.listen` (TLS when configured)."""
+        merge = self.config.merge
+        tls = server_credentials(merge)
+        try:
+            port = (
+                server.add_secure_port(merge.listen, tls)
+                if tls is not None
+                else server.add_insecure_port(merge.listen)
+            )
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise listen.InUse(f"cannot listen for the group's followers on {merge.listen}")
+        await server.start()
+        self.merge_port = port
+        log.info(
+            "merging EP group ranks %s: followers reach this sidecar on %s (port %d%s)",
+            format_ranks(self.config.group_ranks),
+            merge.listen,
+            port,
+            ", TLS" if tls is not None else "",
         )
 
     async def stop(self) -> None:
@@ -139,6 +181,8 @@ class Sidecar:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._upstream_task, self.config.grace_seconds + 1.0)
         await self.server.stop(self.config.grace_seconds)
+        if self.merge_server is not None:
+            await self.merge_server.stop(self.config.grace_seconds)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         if self._claim is not None:

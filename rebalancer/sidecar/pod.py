@@ -50,10 +50,25 @@ Send = Callable[[pb.ControllerMessage], None]
 
 @dataclass
 class RankSession:
+    """A rank's session on the socket, or a follower sidecar's (`ranks`: its pod's, when
+    this sidecar merges its EP group: rebalancer/sidecar/merge.py)."""
+
     rank: int
     session_id: str
     worker_id: str
     send: Send | None = None  # set while its stream is open
+    ranks: tuple[int, ...] = ()  # a follower sidecar's ranks; () for one rank
+    # A follower's ranks with a stream open to it (its ReportRanks); all of them until told.
+    present: frozenset[int] = frozenset()
+
+    @property
+    def follower(self) -> bool:
+        return bool(self.ranks)
+
+    @property
+    def covers(self) -> tuple[int, ...]:
+        """The ranks this session speaks for."""
+        return self.ranks or (self.rank,)
 
 
 @dataclass
@@ -88,7 +103,13 @@ class Pod:
         self.stats = PodStats()
         self.changed = asyncio.Event()  # wakes the upstream link: windows, reports, ranks
         self.observers: list[Callable[[Event, RelayPlan], None]] = []
-        self._new_world(tuple(sorted(config.ranks)))
+        # The pod's own ranks (on the socket) and, merging the EP group, the group's: the
+        # ranks its followers may bring (rebalancer/sidecar/merge.py).
+        self.own = tuple(sorted(config.ranks))
+        self.group_ranks = frozenset(config.group_ranks)
+        self.leader = config.merge.role == "leader"
+        self.started_at = clock()
+        self._new_world(self.own)
 
     def _new_world(self, ranks: tuple[int, ...]) -> None:
         """The pod's ranks from now on and everything kept per world: their sessions,
@@ -105,6 +126,7 @@ class Pod:
         # told to every rank until a plan is relayed or a version above 0 committed.
         self.warm_start: pb.Placement | None = None
         self.upstream_registered = False
+        self.upstream_ranks: tuple[int, ...] = ()  # the ranks the group session names
         # A rank came back serving an older version than the group session registered (its
         # process restarted): the upstream link ends that session and registers the group
         # again once every rank is back, so the controller reconciles to what the ranks
@@ -130,15 +152,23 @@ class Pod:
     def connected(self) -> frozenset[int]:
         """The ranks with a stream open here (what the controller is told: ReportRanks)."""
         # list() first: metrics read this from their own thread while the loop may add a rank.
-        return frozenset(s.rank for s in list(self.by_rank.values()) if s.send is not None)
+        out: set[int] = set()
+        for s in list(self.by_rank.values()):
+            if s.send is not None:
+                out.update(s.present if s.follower else (s.rank,))
+        return frozenset(out)
 
     def register(self, request: pb.RegisterRequest) -> pb.RegisterResponse:
         """A rank registers on the socket: checked against the pod, answered at once."""
         rank = int(request.rank)
         if request.ranks:
-            raise StateError(
-                "INVALID_ARGUMENT", "a sidecar serves single ranks, not group sessions"
-            )
+            if not self.leader:
+                raise StateError(
+                    "INVALID_ARGUMENT",
+                    "a sidecar serves single ranks, not group sessions (this one does not "
+                    "merge its EP group: --merge-listen)",
+                )
+            return self._register_follower(request)
         resized = request.HasField("resized_from")
         if self.deployment and request.deployment != self.deployment:
             raise StateError(
@@ -147,63 +177,19 @@ class Pod:
             )
         if resized and not self._in_resized_world(request):
             self._gather_resize(request)
-        if rank not in self.ranks:
-            raise StateError(
-                "INVALID_ARGUMENT", f"rank {rank} is not one of this pod's ranks {self.ranks_label}"
-            )
-        if self.shape is not None and not shapes_agree(request.shape, self.shape):
-            raise StateError(
-                "FAILED_PRECONDITION",
-                f"rank {rank} reports shape {_shape_text(request.shape)}, the pod's ranks {_shape_text(self.shape)}",
-            )
-        mode = request.dispatch_mode or DEFAULT_DISPATCH_MODE
-        if mode not in DISPATCH_MODES:
+        if rank not in self.own:
             raise StateError(
                 "INVALID_ARGUMENT",
-                f"rank {rank} names an unknown dispatch mode {request.dispatch_mode!r}",
+                f"rank {rank} is not one of this pod's ranks {format_ranks(self.own)}",
             )
-        if self.dispatch_mode is not None and mode != self.dispatch_mode:
-            raise StateError(
-                "FAILED_PRECONDITION",
-                f"rank {rank} dispatches by {mode!r}, the pod's ranks by {self.dispatch_mode!r}",
-            )
-        if request.top_k and self.top_k and request.top_k != self.top_k:
-            raise StateError(
-                "FAILED_PRECONDITION",
-                f"rank {rank} reports top_k {request.top_k}, the pod's ranks {self.top_k}",
-            )
-        if self.pool and request.pool and request.pool != self.pool:
-            raise StateError(
-                "FAILED_PRECONDITION",
-                f"rank {rank} names pool {request.pool!r}, this pod's is {self.pool!r}",
-            )
-        if max(self.ranks) >= request.shape.num_gpus:
-            raise StateError(
-                "INVALID_ARGUMENT",
-                f"this pod's ranks {self.ranks_label} do not fit {request.shape.num_gpus} GPUs",
-            )
+        mode = self._check_fits(request, f"rank {rank}")
         old = self.by_rank.get(rank)
         if old is not None and old.send is not None:
             raise StateError(
                 "ALREADY_EXISTS", f"rank {rank} is already registered here with a stream open"
             )
         # Accepted: nothing above changed any state.
-        self.deployment = request.deployment
-        learned_bytes = False
-        if self.shape is None:
-            self.shape = pb.ModelShape()
-            self.shape.CopyFrom(request.shape)
-        elif not self.shape.expert_bytes and request.shape.expert_bytes:
-            # The ranks registered before they knew (SGLang's warm start): the controller
-            # hears the bytes through the group's next registration.
-            self.shape.expert_bytes = request.shape.expert_bytes
-            learned_bytes = True
-        self.dispatch_mode = mode
-        self.top_k = self.top_k or int(request.top_k)
-        self.pool = self.pool or request.pool
-        if self.initial is None and request.HasField("initial_placement"):
-            self.initial = pb.Placement()
-            self.initial.CopyFrom(request.initial_placement)
+        learned_bytes = self._take_fit(request, mode)
         if old is not None:
             self.sessions.pop(old.session_id, None)
         session = RankSession(rank, uuid.uuid4().hex, request.worker_id)
@@ -255,6 +241,176 @@ class Pod:
         if self.warm_start is not None and request.placement_version == 0:
             response.warm_start.CopyFrom(self.warm_start)
         return response
+
+    def _check_fits(self, request: pb.RegisterRequest, label: str) -> str:
+        """The registration of `label` (a rank, or a follower's ranks) fits the pod's
+        deployment, shape, dispatch, top_k and pool (StateError else, nothing changed);
+        returns its dispatch mode."""
+        if self.shape is not None and not shapes_agree(request.shape, self.shape):
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"{label} reports shape {_shape_text(request.shape)}, the pod's ranks {_shape_text(self.shape)}",
+            )
+        mode = request.dispatch_mode or DEFAULT_DISPATCH_MODE
+        if mode not in DISPATCH_MODES:
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"{label} names an unknown dispatch mode {request.dispatch_mode!r}",
+            )
+        if self.dispatch_mode is not None and mode != self.dispatch_mode:
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"{label} dispatches by {mode!r}, the pod's ranks by {self.dispatch_mode!r}",
+            )
+        if request.top_k and self.top_k and request.top_k != self.top_k:
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"{label} reports top_k {request.top_k}, the pod's ranks {self.top_k}",
+            )
+        if self.pool and request.pool and request.pool != self.pool:
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"{label} names pool {request.pool!r}, this pod's is {self.pool!r}",
+            )
+        if max(self.group_ranks) >= request.shape.num_gpus:
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"this pod's ranks {format_ranks(tuple(self.group_ranks))} do not fit "
+                f"{request.shape.num_gpus} GPUs",
+            )
+        return mode
+
+    def _take_fit(self, request: pb.RegisterRequest, mode: str) -> bool:
+        """Take what an accepted registration tells of the group; whether it told the
+        expert bytes for the first time."""
+        self.deployment = request.deployment
+        learned_bytes = False
+        if self.shape is None:
+            self.shape = pb.ModelShape()
+            self.shape.CopyFrom(request.shape)
+        elif not self.shape.expert_bytes and request.shape.expert_bytes:
+            # The ranks registered before they knew (SGLang's warm start): the controller
+            # hears the bytes through the group's next registration.
+            self.shape.expert_bytes = request.shape.expert_bytes
+            learned_bytes = True
+        self.dispatch_mode = mode
+        self.top_k = self.top_k or int(request.top_k)
+        self.pool = self.pool or request.pool
+        if self.initial is None and request.HasField("initial_placement"):
+            self.initial = pb.Placement()
+            self.initial.CopyFrom(request.initial_placement)
+        return learned_bytes
+
+    # ------------------------------------------------------------ follower sidecars
+
+    def _register_follower(self, request: pb.RegisterRequest) -> pb.RegisterResponse:
+        """A follower sidecar of this EP group registers its pod's ranks as one session
+        (rebalancer/sidecar/merge.py): checked like a rank, answered at once. The group
+        session upstream is registered again to name them."""
+        ranks = tuple(sorted(int(r) for r in request.ranks))
+        label = f"follower {request.pod or request.worker_id or '?'} (ranks {format_ranks(ranks)})"
+        if len(set(ranks)) != len(ranks):
+            raise StateError("INVALID_ARGUMENT", f"{label} names a rank twice")
+        if self.deployment and request.deployment != self.deployment:
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"{label} registers for deployment {request.deployment!r}, this group serves {self.deployment!r}",
+            )
+        if request.HasField("resized_from"):
+            raise StateError(
+                "FAILED_PRECONDITION",
+                f"{label}: a resized EP group registers pod by pod with the controller, "
+                "not through the group's merging sidecar",
+            )
+        own = sorted(set(ranks) & set(self.own))
+        if own:
+            raise StateError(
+                "INVALID_ARGUMENT", f"{label}: rank {own[0]} is this leader pod's own rank"
+            )
+        stranger = sorted(set(ranks) - self.group_ranks)
+        if stranger:
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"{label}: rank {stranger[0]} is not one of this group's ranks "
+                f"{format_ranks(tuple(self.group_ranks))}",
+            )
+        mode = self._check_fits(request, label)
+        olds = {id(s): s for r in ranks if (s := self.by_rank.get(r)) is not None}
+        for old in olds.values():
+            if old.send is not None:
+                raise StateError(
+                    "ALREADY_EXISTS",
+                    f"{label}: rank {old.covers[0]} is already registered here with a stream open",
+                )
+            if set(old.covers) - set(ranks):
+                raise StateError(
+                    "ALREADY_EXISTS",
+                    f"{label}: ranks {format_ranks(old.covers)} are one follower's session here",
+                )
+        # Accepted: nothing above changed any state.
+        self._take_fit(request, mode)
+        for old in olds.values():
+            self._drop_follower(old)
+        session = RankSession(
+            ranks[0], uuid.uuid4().hex, request.worker_id, ranks=ranks, present=frozenset(ranks)
+        )
+        self.sessions[session.session_id] = session
+        for r in ranks:
+            self.by_rank[r] = session
+            self.relay.serves(r, request.placement_version, registering=True)
+            self.statements[r] = (request.placement_version, 0)
+        self._world_changed()
+        log.info("%s registered (v%d)", label, request.placement_version)
+        self.changed.set()
+        response = pb.RegisterResponse(
+            session_id=session.session_id,
+            committed=self._committed_for(request),
+            next_window_seq=max(self.merge.cursor(r) for r in ranks),
+        )
+        if self.warm_start is not None and request.placement_version == 0:
+            response.warm_start.CopyFrom(self.warm_start)
+        return response
+
+    def _drop_follower(self, session: RankSession) -> None:
+        """A follower's session ends here (its stream ended, or it registered again): its
+        ranks leave the group session upstream until it comes back (it may stream
+        straight to the controller meanwhile, which would refuse ranks held here)."""
+        self.sessions.pop(session.session_id, None)
+        for r in session.ranks:
+            if self.by_rank.get(r) is session:
+                del self.by_rank[r]
+                self.statements.pop(r, None)
+                self.relay.versions.pop(r, None)
+                # Forgotten: it comes back aligned with the group's newest window.
+                self.merge.next_seq.pop(r, None)
+
+    def _world_changed(self) -> None:
+        """The ranks the group session names: this pod's and its followers' now. Upstream,
+        the group registers again to name them."""
+        ranks = tuple(sorted(set(self.own) | set(self.by_rank)))
+        if ranks == self.ranks:
+            return
+        self.ranks = ranks
+        self.merge.ranks = frozenset(ranks)
+        self.relay.ranks = frozenset(ranks)
+        if self.upstream_registered:
+            log.info("the group's ranks are %s now: registering it again", self.ranks_label)
+            self.upstream_registered, self.resync = False, True
+
+    def presence(self, session_id: str, connected: frozenset[int]) -> None:
+        """A follower tells which of its ranks have a stream open to it."""
+        session = self.session(session_id)
+        stranger = sorted(connected - set(session.ranks))
+        if not session.follower or stranger:
+            raise StateError(
+                "INVALID_ARGUMENT",
+                f"rank {(stranger or [session.rank])[0]} is not one of the session's follower ranks",
+            )
+        session.present = connected
+        self.changed.set()
+
+    def _unique_sessions(self) -> list[RankSession]:
+        return list({id(s): s for s in self.by_rank.values()}.values())
 
     def _in_resized_world(self, request: pb.RegisterRequest) -> bool:
         """Whether `request` is a rank of the resize the pod took; UNAVAILABLE while the
@@ -325,6 +481,8 @@ class Pod:
             self.ranks_label,
             len(self.buffer),
         )
+        self.own = pending.ranks
+        self.group_ranks = frozenset(pending.ranks)
         self._new_world(pending.ranks)
         self.shape = pending.shape
         self.initial = pending.placement
@@ -360,12 +518,13 @@ class Pod:
                 "ALREADY_EXISTS", f"session of rank {session.rank} already has a stream"
             )
         session.send = send
-        log.info("rank %d connected", session.rank)
+        log.info("%s connected", _who(session))
         if self.warm_start is not None:
             send(pb.ControllerMessage(warm_start=self.warm_start))
         for planned in list(self.planned.values()):
             send(planned)
-        self.apply(self.relay.attached(session.rank))
+        for rank in session.covers:
+            self.apply(self.relay.attached(rank))
         self.changed.set()
         return session
 
@@ -374,8 +533,12 @@ class Pod:
             session.send = None
             return
         session.send = None
-        log.info("rank %d disconnected", session.rank)
-        self.apply(self.relay.detached(session.rank))
+        log.info("%s disconnected", _who(session))
+        for rank in session.covers:
+            self.apply(self.relay.detached(rank))
+        if session.follower:
+            self._drop_follower(session)
+            self._world_changed()
         self.changed.set()  # the upstream link tells the controller
 
     def window(self, session: RankSession, w: pb.Window) -> bool:
@@ -397,11 +560,11 @@ class Pod:
         if w.HasField("physical_count"):
             physical = codec.decode_counts(w.physical_count, "physical_count", (L, P))
         fresh = self.merge.add(
-            session.rank, w.seq, logical, physical, w.first_step, w.num_steps, w.placement_version
+            session.covers, w.seq, logical, physical, w.first_step, w.num_steps, w.placement_version
         )
         log.debug(
-            "rank %d window seq %d (steps %d+%d, v%d)%s",
-            session.rank,
+            "%s window seq %d (steps %d+%d, v%d)%s",
+            _who(session),
             w.seq,
             w.first_step,
             w.num_steps,
@@ -411,10 +574,11 @@ class Pod:
         if not fresh:
             self.stats.duplicate_windows += 1
             return False
-        self.stats.windows_in += 1
-        self.relay.serves(session.rank, w.placement_version)
-        if w.serving_version >= self.statements.get(session.rank, (0, 0))[0]:
-            self.statements[session.rank] = (w.serving_version, w.serving_hash)
+        self.stats.windows_in += len(session.covers)
+        for rank in session.covers:
+            self.relay.serves(rank, w.placement_version)
+            if w.serving_version >= self.statements.get(rank, (0, 0))[0]:
+                self.statements[rank] = (w.serving_version, w.serving_hash)
         for merged in self.merge.ready():
             self.buffer.push(merged)
         self.changed.set()
@@ -423,6 +587,19 @@ class Pod:
     def report(self, report: pb.PlanReport) -> None:
         session = self.session(report.session_id)
         actions = self.relay.report(session.rank, report)
+        if session.follower and report.phase != pb.PLAN_PHASE_FAILED:
+            # A follower reports for all its ranks at once (PREPARED only when all of them
+            # prepared): each of its ranks took that step; its bytes are counted once.
+            rest = pb.PlanReport()
+            rest.CopyFrom(report)
+            rest.bytes_received = 0
+            for rank in session.ranks[1:]:
+                more = self.relay.report(rank, rest)
+                actions.to_ranks += more.to_ranks
+                actions.upstream += more.upstream
+                actions.events += more.events
+                if more.drop_reports is not None:
+                    actions.drop_reports = more.drop_reports
         if (
             report.phase == pb.PLAN_PHASE_COMMITTED
             and self.warm_start is not None
@@ -465,14 +642,23 @@ class Pod:
             self.tell_resize
         ):  # the new world's ranks wait on the controller's answer to register here
             return self.shape is not None
-        if self.shape is None or set(self.by_rank) != set(self.ranks):
+        if self.shape is None or not set(self.own) <= set(self.by_rank):
             return False
-        return self.upstream_registered or self.connected_ranks == len(self.ranks)
+        if not self.upstream_registered and any(s.send is None for s in self._unique_sessions()):
+            return False
+        # Merging the EP group: its followers are waited for a while, then the group
+        # registers with the ranks it has (one that comes later registers it again).
+        return (
+            self.group_ranks <= set(self.by_rank)
+            or self.upstream_registered
+            or self.clock() - self.started_at >= self.config.merge.wait_seconds
+        )
 
     def group_request(self) -> pb.RegisterRequest:
         """The pod's registration as one group session of its ranks."""
         assert self.shape is not None
         version = max((self.relay.versions.get(r, 0) for r in self.ranks), default=0)
+        self.upstream_ranks = self.ranks
         request = pb.RegisterRequest(
             deployment=self.deployment,
             rank=self.ranks[0],
@@ -495,18 +681,28 @@ class Pod:
         """The group session's identity: this sidecar and its ranks' processes, so the
         controller tells a group whose ranks restarted from one that only reconnected (a
         mixed placement clears only when the ranks holding it are gone)."""
-        ranks = ",".join(
-            self.by_rank[r].worker_id or "?"
-            if r in self.by_rank
-            else self._resize_workers.get(r, "-")
-            for r in self.ranks
-        )
+        named: list[str] = []
+        for r in self.ranks:
+            session = self.by_rank.get(r)
+            if session is not None and session.follower:
+                if r == session.ranks[0]:  # a follower's own identity, once
+                    named.append(f"[{session.worker_id or '?'}]")
+                continue
+            named.append(
+                (session.worker_id or "?")
+                if session is not None
+                else self._resize_workers.get(r, "-")
+            )
+        ranks = ",".join(named)
         return f"sidecar {self.config.pod} pid {os.getpid()} ranks {ranks}"
 
     def registered_upstream(self, response: pb.RegisterResponse) -> None:
         self.committed = pb.Placement()
         self.committed.CopyFrom(response.committed)
-        self.upstream_registered, self.resync = True, False
+        # A follower that came or went while the Register was under way: the session
+        # names other ranks than the group has now, so it registers again.
+        moved = bool(self.upstream_ranks) and self.upstream_ranks != self.ranks
+        self.upstream_registered, self.resync = True, moved
         self.tell_resize = False  # taken (or known): said once, as a rank's agent does
         if response.HasField("warm_start") and self.committed.version == 0:
             # A fresh group's ranks registered here before the sidecar could ask: tell them
@@ -520,7 +716,7 @@ class Pod:
                 self.ranks_label,
             )
             message = pb.ControllerMessage(warm_start=self.warm_start)
-            for session in list(self.by_rank.values()):
+            for session in self._unique_sessions():
                 if session.send is not None:
                     session.send(message)
         else:
@@ -537,7 +733,7 @@ class Pod:
         ):
             self.planned = {}
         self.planned[tuple(sorted(loss.lost_ranks))] = msg
-        for session in list(self.by_rank.values()):
+        for session in self._unique_sessions():
             if session.send is not None:
                 session.send(msg)
 
@@ -572,10 +768,17 @@ class Pod:
     # ------------------------------------------------------------ relay actions
 
     def apply(self, actions: Actions) -> None:
+        told: dict[str, list[pb.ControllerMessage]] = {}  # to each follower, once per message
         for rank, message in actions.to_ranks:
             session = self.by_rank.get(rank)
-            if session is not None and session.send is not None:
-                session.send(message)
+            if session is None or session.send is None:
+                continue
+            if session.follower:
+                said = told.setdefault(session.session_id, [])
+                if any(m is message or m == message for m in said):
+                    continue
+                said.append(message)
+            session.send(message)
         if actions.drop_reports is not None:
             version = actions.drop_reports
             self.reports = deque(r for r in self.reports if r.version != version)
@@ -593,6 +796,14 @@ class Pod:
                 observer(event, plan)
         if actions.upstream:
             self.changed.set()
+
+
+def _who(session: RankSession) -> str:
+    return (
+        f"follower ranks {format_ranks(session.ranks)}"
+        if session.follower
+        else f"rank {session.rank}"
+    )
 
 
 def _shape_text(shape: pb.ModelShape) -> str:

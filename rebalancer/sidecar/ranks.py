@@ -9,11 +9,18 @@ then on the sidecar answers for them (its buffer is bounded; the rank's resend b
 must not grow while the controller is away). So a sidecar killed loses what it held and
 had not sent (at most its bounded buffer, as a controller crash loses its last unfolded
 windows); nothing is ever counted twice.
+
+A sidecar that merges its EP group (rebalancer/sidecar/merge.py) serves the same service
+to its followers on TCP, where each call must carry the deployment's worker token when
+the leader has one (`token`: read at each call, as the controller's rule: none is
+UNAUTHENTICATED, another PERMISSION_DENIED), and a follower tells its ranks' presence
+with ReportRanks, as a sidecar tells the controller.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -22,25 +29,50 @@ from rebalancer.errors import InputError, StateError
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.bearer import bearer_token, same_token
 from rebalancer.wire.service import EOF_OF_STREAM, StreamWriter, read_hello, refuse
 
 log = logging.getLogger("rebalancer.sidecar")
 
 
 class RankService(pb_grpc.WorkerServiceServicer):
-    def __init__(self, pod: Pod) -> None:
+    """`token`: None on the ranks' socket; on a merging leader's TCP port, what gives the
+    token its followers must present (None from it: none needed)."""
+
+    def __init__(self, pod: Pod, token: Callable[[], str | None] | None = None) -> None:
         self.pod = pod
+        self.token = token
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        expected = self.token() if self.token is not None else None
+        if expected is None:
+            return
+        presented = bearer_token(context.invocation_metadata())
+        if presented is None:
+            raise StateError(
+                "UNAUTHENTICATED", "a follower's calls need 'authorization: Bearer <token>'"
+            )
+        if not same_token(presented, expected):
+            raise StateError(
+                "PERMISSION_DENIED", "worker token not accepted by this group's leader"
+            )
 
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
         try:
+            self._authenticate(context)
             return self.pod.register(request)
         except (StateError, InputError) as exc:
             await refuse(context, exc, f"Register(rank {request.rank})", log)
             raise AssertionError("unreachable") from exc
 
     async def Stream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        try:
+            self._authenticate(context)
+        except StateError as exc:
+            await refuse(context, exc, "Stream", log)
+            return
         hello = await read_hello(context)
         if hello is None:
             return
@@ -74,6 +106,7 @@ class RankService(pb_grpc.WorkerServiceServicer):
         self, request: pb.PlanReport, context: grpc.aio.ServicerContext
     ) -> pb.PlanReportResponse:
         try:
+            self._authenticate(context)
             self.pod.report(request)
         except (StateError, InputError) as exc:
             await refuse(context, exc, f"ReportPlan(v{request.version})", log)
@@ -82,9 +115,15 @@ class RankService(pb_grpc.WorkerServiceServicer):
     async def ReportRanks(
         self, request: pb.RankPresence, context: grpc.aio.ServicerContext
     ) -> pb.RankPresenceResponse:
-        # The sidecar's own call to the controller; here a rank's presence is its stream.
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "ReportRanks is what a sidecar tells the controller, not a rank's call",
-        )
-        raise AssertionError("unreachable")
+        # A rank's presence is its stream; a follower sidecar tells its ranks' (a leader).
+        if not self.pod.leader:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "ReportRanks is what a sidecar tells the controller, not a rank's call",
+            )
+        try:
+            self._authenticate(context)
+            self.pod.presence(request.session_id, frozenset(request.connected_ranks))
+        except (StateError, InputError) as exc:
+            await refuse(context, exc, "ReportRanks", log)
+        return pb.RankPresenceResponse()

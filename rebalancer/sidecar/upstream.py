@@ -22,6 +22,10 @@ file is there. A token file missing or empty: the link connects without a token 
 TLS, or a controller without [worker_tokens], needs none) and says so once. Either way
 the ranks go on being served here and their windows merged; the state is a metric, a log
 line when it changes, and what `rebalancer sidecar --check` prints.
+
+A follower of a merged EP group (rebalancer/sidecar/merge.py) links to its leader's
+sidecar instead, with the same files and token, and to the controller while the leader
+is away (`via`).
 """
 
 from __future__ import annotations
@@ -29,12 +33,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
+from dataclasses import replace
 from typing import Literal, get_args
 
 import grpc
 
 from rebalancer.errors import InputError
-from rebalancer.sidecar.config import SidecarConfig
+from rebalancer.sidecar.config import SidecarConfig, format_ranks
+from rebalancer.sidecar.merge import leader_serves
 from rebalancer.sidecar.pod import Pod
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
@@ -55,6 +62,9 @@ UpstreamState = Literal[
     "stopped",
 ]
 UPSTREAM_STATES: tuple[UpstreamState, ...] = get_args(UpstreamState)
+# Whom the link reaches: the controller, or (a follower of a merged EP group) its leader.
+Via = Literal["controller", "leader"]
+VIAS: tuple[Via, ...] = get_args(Via)
 
 # A refusal that another try can fix (the controller restarting, or still holding the
 # previous stream of this pod): retried quietly; anything else is logged as an error.
@@ -87,6 +97,10 @@ class Upstream:
         self._token_missing = ""  # why the token file gave no token, as last logged
         self._outage = False  # a link loss was logged and the link has not been up since
         self._stop = asyncio.Event()
+        self.follower = config.merge.role == "follower"
+        self.via: Via = "leader" if self.follower else "controller"
+        self._leader_lost_since: float | None = None  # the leader failed since then
+        self._sent_via: Via = self.via  # whom the windows in `_sent` were numbered for
 
     @property
     def unacked(self) -> int:
@@ -99,6 +113,12 @@ class Upstream:
         text = f"{self.state} ({self.last_error})" if failed else self.state
         if self.state == "connected" and self._token_missing:
             text += " (without a worker token)"
+        if self.follower:
+            text += (
+                f" via the group's leader {self.config.merge.leader}"
+                if self.via == "leader"
+                else " straight to the controller (the group's leader away)"
+            )
         return "".join(c if " " <= c <= "~" else "?" for c in " ".join(text.split()))
 
     def stop(self) -> None:
@@ -120,12 +140,13 @@ class Upstream:
                 break
             self.state = "connecting"
             self._metadata = channel.metadata()
+            target = self._target(channel)
             try:
-                async with aio_channel(channel) as grpc_channel:
+                async with aio_channel(target) as grpc_channel:
                     stub = pb_grpc.WorkerServiceStub(grpc_channel)
-                    await self._register(stub)
+                    await self._register(stub, target)
                     backoff = self.config.backoff_initial_seconds
-                    await self._session_loop(stub)
+                    await self._session_loop(stub, channel)
             except grpc.aio.AioRpcError as exc:
                 self._lost(exc.code(), exc.details() or "")
             except (ConnectionError, asyncio.InvalidStateError) as exc:
@@ -134,11 +155,41 @@ class Upstream:
                 self._lost(None, str(exc) or type(exc).__name__)
             if self._stop.is_set():
                 break
+            if self.via == "leader" and self.state != "connected":
+                self._leader_failed()
             self.reconnects += 1
             delay = backoff * (0.5 + random.random())
             backoff = min(backoff * 2, self.config.backoff_max_seconds)
             await self._wait(delay, only_stop=True)
         self.state = "stopped"
+
+    def _target(self, channel: Link) -> Link:
+        """Whom this attempt reaches: the controller, or a follower's leader (the same
+        TLS files and token)."""
+        if self.via == "leader":
+            return replace(channel, address=self.config.merge.leader)
+        return channel
+
+    def _leader_failed(self) -> None:
+        """The leader was unreachable (or refused this follower): after `wait_seconds` of
+        that, stream straight to the controller (rebalancer/sidecar/merge.py)."""
+        now = time.monotonic()
+        if self._leader_lost_since is None:
+            self._leader_lost_since = now
+            return
+        if now - self._leader_lost_since < self.config.merge.wait_seconds:
+            return
+        log.warning(
+            "the group's leader sidecar %s unreachable for %.0f s (%s): ranks %s stream straight "
+            "to the controller %s; asking the leader again every %.0f s",
+            self.config.merge.leader,
+            now - self._leader_lost_since,
+            self.last_error or "?",
+            self.pod.ranks_label,
+            self.config.link.address,
+            self.config.merge.retry_leader_seconds,
+        )
+        self.via, self._leader_lost_since = "controller", None
 
     def _credentials(self) -> Link | None:
         """The channel settings with the credential files read now; None (state
@@ -204,11 +255,13 @@ class Upstream:
         if not only_stop:
             self.pod.changed.clear()
 
-    async def _register(self, stub: pb_grpc.WorkerServiceStub) -> None:
+    async def _register(self, stub: pb_grpc.WorkerServiceStub, target: Link) -> None:
         if (
             self._world != self.pod.world
         ):  # the pod took a resize: nothing of the old world is resent
             self._sent, self._world = SentWindows(), self.pod.world
+        if self._sent_via != self.via:  # numbered for the other upstream: not resent here
+            self._sent, self._sent_via = SentWindows(), self.via
         request = self.pod.group_request()
         response = await stub.Register(
             request, timeout=self.config.rpc_timeout_seconds, metadata=self._metadata
@@ -222,15 +275,17 @@ class Upstream:
         # What those windows said the ranks serve may be stale now (ranks that restarted
         # make the group register again): resent without it; fresh windows state it.
         self._sent.withdraw_statements()
+        self._leader_lost_since = None
         log.info(
-            "registered ranks %s as one group with %s (v%d committed, resend %d windows)",
-            self.pod.ranks_label,
-            self.config.link.address,
+            "registered ranks %s as one group with %s%s (v%d committed, resend %d windows)",
+            format_ranks(self.pod.upstream_ranks),
+            target.address,
+            " (the group's leader)" if self.via == "leader" else "",
             response.committed.version,
             len(self._sent),
         )
 
-    async def _session_loop(self, stub: pb_grpc.WorkerServiceStub) -> None:
+    async def _session_loop(self, stub: pb_grpc.WorkerServiceStub, channel: Link) -> None:
         call = stub.Stream(metadata=self._metadata)
         await call.write(pb.WorkerMessage(hello=pb.Hello(session_id=self._session)))
         for resent in self._sent.waiting():
@@ -239,12 +294,33 @@ class Upstream:
         self.last_error = ""
         self._outage = False
         reader = asyncio.create_task(self._read(call))
+        # A follower streaming straight to the controller asks now and then whether its
+        # leader serves again, without holding up its windows.
+        asking: asyncio.Task[bool] | None = None
+        ask_at = time.monotonic() + self.config.merge.retry_leader_seconds
+        leader = replace(channel, address=self.config.merge.leader)
         try:
             while True:
                 self.pod.changed.clear()
                 if reader.done():
                     reader.result()  # raises the stream's error
                     raise ConnectionError("controller closed the stream")
+                if self.follower and self.via == "controller":
+                    if asking is not None and asking.done():
+                        if asking.result():
+                            log.info(
+                                "the group's leader sidecar %s serves again: ranks %s go back to it",
+                                self.config.merge.leader,
+                                self.pod.ranks_label,
+                            )
+                            self.via = "leader"
+                            break
+                        asking = None
+                    if asking is None and time.monotonic() >= ask_at:
+                        ask_at = time.monotonic() + self.config.merge.retry_leader_seconds
+                        asking = asyncio.create_task(
+                            leader_serves(leader, self.config.rpc_timeout_seconds)
+                        )
                 await self._flush_reports(stub)
                 await self._tell_connected(stub)
                 for window in self.pod.take_windows():
@@ -262,6 +338,8 @@ class Upstream:
             await call.done_writing()
             await asyncio.wait({reader}, timeout=self.config.grace_seconds)
         finally:
+            if asking is not None:
+                asking.cancel()
             reader.cancel()
             call.cancel()
 
@@ -293,7 +371,7 @@ class Upstream:
     async def _tell_connected(self, stub: pb_grpc.WorkerServiceStub) -> None:
         """Tell the controller which ranks have a stream open here, when that changed, so
         it counts a rank whose engine exited as gone although this pod's stream is open."""
-        connected = self.pod.connected()
+        connected = self.pod.connected() & frozenset(self.pod.upstream_ranks)
         if not self._ranks_report_known or connected == self._told_connected:
             return
         request = pb.RankPresence(session_id=self._session, connected_ranks=sorted(connected))
