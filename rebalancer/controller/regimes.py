@@ -26,6 +26,11 @@ keeps, per deployment, a `RegimeLibrary`:
   (`maxmin_placement`). Each goes through the same cost gate (`decide.gate_decision`);
   a load that is a regime's centroid or the smoothed forecast is worth many windows, so
   its noise margin is smaller, and its hysteresis is `RegimeConfig.gain_threshold`.
+  The plans only that smaller hysteresis takes ("extra": `is_extra`) move at most
+  `RegimeConfig.extra_slots_share` of the slots the plans that cleared the policy's own
+  moved (`RegimeLibrary.slots_main`, `slots_extra`). A candidate that gains
+  `RegimeConfig.sure_gain` (the trivial placement an engine starts with) is decided on
+  after one window, the policy's `min_windows` waived (`sure_gain`).
 
 Everything here is a function of its arguments: `decide_regimes` takes the library and
 the windows folded since the last decision and returns the Decision with the updated
@@ -128,6 +133,17 @@ class RegimeConfig:
     maxmin_rounds: int = 4
     """Fits of the max-min placement's multiplicative-weights search."""
 
+    extra_slots_share: float = 0.15
+    """Slots the plans taken only by this policy's smaller hysteresis may move (a regime's
+    centroid refined, the drift's small move), as a share of the slots moved by the plans
+    that cleared the policy's own `gain_threshold`, over the deployment's life: what the
+    adaptive policy would not have moved stays within this share of what it would."""
+
+    sure_gain: float = 0.2
+    """A candidate that gains this much balancedness on the load (the trivial placement
+    an engine starts with gains about 0.5) is decided on after one window: the policy's
+    `min_windows` is waived for it, the gain is far beyond any window's noise (0: never)."""
+
     def validate(self) -> None:
         for name, lo, hi in (
             ("match_distance", 0.0, 1.0),
@@ -137,6 +153,8 @@ class RegimeConfig:
             ("forecast_fast", 0.0, 0.99),
             ("forecast_slow", 0.0, 0.99),
             ("score_decay", 0.0, 1.0),
+            ("sure_gain", 0.0, 1.0),
+            ("extra_slots_share", 0.0, 10.0),
         ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
@@ -279,6 +297,10 @@ class RegimeLibrary:
     errors: dict[str, float] = field(default_factory=dict)  # running error per predictor
     windows: int = 0
     maxmin: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict)
+    # Slots of the plans taken: those that cleared the policy's own hysteresis, and the
+    # extra ones taken only by a smaller one (RegimeConfig.extra_slots_share).
+    slots_main: int = 0
+    slots_extra: int = 0
     # What the store holds: set when a regime is made, evicted or given a new ready
     # placement; `saved_windows` counts the windows the stored copy had.
     changed: bool = True
@@ -357,6 +379,8 @@ class RegimeLibrary:
             "jumps": list(self.jumps),
             "errors": dict(self.errors),
             "windows": self.windows,
+            "slots_main": self.slots_main,
+            "slots_extra": self.slots_extra,
         }
         return record, arrays
 
@@ -373,6 +397,8 @@ class RegimeLibrary:
             slow=arrays.get("slow"),
             changed=False,
             saved_windows=int(record["windows"]),
+            slots_main=int(record.get("slots_main", 0)),
+            slots_extra=int(record.get("slots_extra", 0)),
         )
         for row in record["regimes"]:
             i = int(row["id"])
@@ -566,6 +592,25 @@ def alternating(lib: RegimeLibrary, config: RegimeConfig) -> list[int]:
 # -- the decision ---------------------------------------------------------------------------
 
 
+def is_extra(gain: float, noise_margin: float, policy: PolicyConfig) -> bool:
+    """Whether a candidate's balancedness `gain` falls short of the policy's own hysteresis
+    (`gain_threshold` plus the noise margin of the load it was measured on): a plan the
+    regimes policy takes only by its smaller hysteresis."""
+    return gain < policy.gain_threshold + (noise_margin if math.isfinite(noise_margin) else 1.0)
+
+
+def extra_allowed(library: RegimeLibrary, slots: int, config: RegimeConfig) -> bool:
+    """Whether an extra plan of `slots` keeps the extra slots within
+    `RegimeConfig.extra_slots_share` of the main plans' (`RegimeLibrary.slots_main`)."""
+    return library.slots_extra + slots <= config.extra_slots_share * library.slots_main
+
+
+def sure_gain(gain: float, windows: int, policy: PolicyConfig, config: RegimeConfig) -> bool:
+    """Whether a candidate's balancedness `gain` is large enough to be decided on after
+    `windows` >= 1 windows, before the policy's `min_windows` (`RegimeConfig.sure_gain`)."""
+    return config.sure_gain > 0 and 1 <= windows < policy.min_windows and gain >= config.sure_gain
+
+
 def decide_regimes(
     library: RegimeLibrary,
     pending: list[tuple[np.ndarray, float]],
@@ -681,19 +726,40 @@ def decide_regimes(
         )
     best: Decision | None = None
     best_net = -math.inf
+    best_extra = False
     for name, candidate, gate in candidates:
         ev = evaluate_candidate(
             load, current, candidate, shape, gate, worth, current_balance=b_current, bound=bound
         )
+        if sure_gain(ev.b_candidate - ev.b_current, windows, gate, config):
+            gate = replace(gate, min_windows=1)
+        extra = is_extra(ev.b_candidate - ev.b_current, ev.noise_margin, policy)
         decision = gate_decision(
             ev, gate, now, last_rebalance, windows, load=f"{load_name} ({name} placement): {why}"
         )
+        if decision.take and extra and not extra_allowed(library, ev.slots_moved, config):
+            decision = replace(
+                decision,
+                outcome="skip_gain",
+                gate="skip_gain",
+                candidate=None,
+                reason=(
+                    f"gain below the policy's threshold {policy.gain_threshold:g} and the extra "
+                    f"slots spent ({library.slots_extra} of {config.extra_slots_share:g} x "
+                    f"{library.slots_main}): {decision.reason}"
+                ),
+            )
         net = ev.gain - ev.cost.seconds
         if (
             best is None
             or (decision.take and not best.take)
             or (decision.take == best.take and net > best_net)
         ):
-            best, best_net = decision, net
+            best, best_net, best_extra = decision, net, extra
     assert best is not None
+    if best.take:
+        if best_extra:
+            library.slots_extra += best.slots_moved
+        else:
+            library.slots_main += best.slots_moved
     return replace(best, state=library)

@@ -359,3 +359,75 @@ def test_a_pools_library_survives_a_restart_and_warms_a_new_member(tmp_path: Pat
     warm = again.deployment("c").loop.regimes
     assert warm is not None and {r.id for r in warm.regimes} == ids and warm is not restored
     again.store.close()
+
+
+def test_a_trivial_placement_is_left_after_one_window_a_small_gain_waits_for_min_windows() -> None:
+    rng = np.random.default_rng(8)
+    policy = PolicyConfig(min_interval_seconds=0.0)  # min_windows 2
+    trivial = trivial_placement(
+        SHAPE.num_layers, SHAPE.num_logical, SHAPE.num_slots, SHAPE.num_gpus
+    )
+    counts = _window(A, rng)
+
+    def first(current: np.ndarray, config: RegimeConfig) -> object:
+        return decide_regimes(
+            RegimeLibrary(),
+            [(counts, 0.0)],
+            counts,
+            current,
+            SHAPE,
+            policy,
+            now=0.0,
+            last_rebalance=None,
+            windows=1,
+            config=config,
+        )
+
+    d = first(trivial, RegimeConfig())
+    assert d.take and d.balancedness_candidate - d.balancedness_current >= RegimeConfig().sure_gain
+    # Off, or a placement already near the load's: the policy's min_windows holds.
+    assert first(trivial, RegimeConfig(sure_gain=0.0)).outcome == "skip_min_windows"
+    near = fit(0.6 * A + 0.4 * B, SHAPE)
+    assert first(near, RegimeConfig()).outcome == "skip_min_windows"
+
+
+def test_plans_only_the_smaller_hysteresis_takes_stay_within_their_share_of_the_slots() -> None:
+    # The policy's own threshold is out of reach, so the refinement of regime A's
+    # placement (gain about 0.06) is an extra plan, taken by the regime's smaller one.
+    policy = PolicyConfig(min_interval_seconds=0.0, gain_threshold=0.3)
+    config = RegimeConfig(extra_slots_share=0.15)
+
+    def drive(slots_main: int) -> tuple[RegimeLibrary, list]:
+        rng = np.random.default_rng(7)
+        lib = RegimeLibrary(slots_main=slots_main)
+        current = fit(0.6 * A + 0.4 * B, SHAPE)
+        decisions = []
+        for t in range(8):
+            counts = _window(A, rng)
+            d = decide_regimes(
+                lib,
+                [(counts, float(t))],
+                counts,
+                current,
+                SHAPE,
+                policy,
+                now=float(t),
+                last_rebalance=None,
+                windows=100,
+                config=config,
+            )
+            decisions.append(d)
+            if d.take and d.candidate is not None:
+                current = d.candidate
+        return lib, decisions
+
+    lib, decisions = drive(slots_main=0)  # no main plan yet: no extra slots to spend
+    assert not any(d.take for d in decisions) and lib.slots_extra == 0
+    assert any("extra slots spent" in d.reason for d in decisions)
+    lib, decisions = drive(slots_main=1000)
+    taken = [d for d in decisions if d.take]
+    assert taken and lib.slots_extra == sum(d.slots_moved for d in taken)
+    assert lib.slots_main == 1000 and lib.slots_extra <= config.extra_slots_share * 1000
+    # The tally survives the store.
+    back = RegimeLibrary.from_record(*lib.to_record())
+    assert (back.slots_main, back.slots_extra) == (lib.slots_main, lib.slots_extra)
