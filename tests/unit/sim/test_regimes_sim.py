@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rebalancer.cli import main as cli
+from rebalancer.controller.regimes import RegimeConfig
 from rebalancer.sim import POLICIES, SimConfig, TraceGenConfig, make_trace, simulate
 
 
@@ -74,3 +75,23 @@ def test_simulate_cli_runs_the_regimes_policy(
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and out["policy"] == "regimes" and out["windows"] == 12
     assert sum(out["decisions"].values()) > 0
+
+
+def test_from_the_trivial_placement_regimes_moves_after_the_first_window_adaptive_after_two(
+    sources: dict[str, np.ndarray],
+) -> None:
+    trace = _trace(sources, windows=16)
+    config = SimConfig.for_trace(trace, num_slots=288, num_gpus=8, num_nodes=2)
+    results = simulate(trace, config, ["adaptive", "regimes"])
+    adaptive, regimes = results["adaptive"], results["regimes"]
+
+    def first_take(result) -> int:  # type: ignore[no-untyped-def]
+        return min(e["window"] for e in result.decision_log if e["decision"].take)
+
+    assert first_take(regimes) == 0 and first_take(adaptive) == 1
+    # The second window is served (in part) by the new placement, not the trivial one.
+    assert regimes.balancedness_per_window[1] > adaptive.balancedness_per_window[1] + 0.05
+    # Every plan it started is in its library's tally, the extra ones within their share.
+    library = regimes.decision_log[-1]["decision"].state
+    assert library.slots_main + library.slots_extra == regimes.slots_moved
+    assert library.slots_extra <= RegimeConfig().extra_slots_share * library.slots_main
