@@ -12,6 +12,12 @@ speak to it as the workers of DeepSeek-V3 deployments at EP32 (32 ranks each) wo
   summed over its K ranks, as `rebalancer sidecar` sends them upstream (uint32; pre-built
   from K per-rank Poisson draws around the real counts).
 
+- an EP group merged at one sidecar (`--ranks-per-pod 32`: the leader pod's sidecar sums
+  its group's pods, rebalancer/sidecar/merge.py): one group stream per deployment, its
+  window the sum over all 32 ranks;
+- replica pools (`--pool-size N`): deployment i registers in pool `pool-{i // N}`
+  (`RegisterRequest.pool`), one estimate and decision per pool.
+
 Either way `ranks x rate` rank-windows per second reach the controller, as `ranks x rate`
 or `pods x rate` messages. Throughput is what the controller folded into its estimates
 during the measured interval (its `rebalancer_rank_windows_folded_total`, read at both
@@ -33,10 +39,12 @@ The baseline, measured in the same run with the same load generator, is a bare g
 server that acks each window without decoding it: what gRPC itself costs.
 
     python -m bench.ingest --ranks 16384 --ranks-per-pod 8 --rate 1 --seconds 20 --json
+    python -m bench.ingest --ranks 65536 --ranks-per-pod 32 --pool-size 8 --rate 1 --json
     python -m bench.ingest --ranks 1024 --rate 3 --seconds 20 --json
 
 The last line with --json is one JSON object: the controller's figures (`ranks`, `pods`
 (0: direct), `windows_per_second` = rank windows ingested per second, `messages_per_second`,
+`folded_share` (rank windows folded over those offered: 1 when the controller keeps up),
 `p50_ms`, `p99_ms`, `controller_cpu_cores`, `decision_worker_cpu_cores`, `loop_busy_share`,
 `loop_thread_cpu_cores`, `cpu_us_per_rank_window` (controller CPU over rank windows folded),
 `acked_windows_per_second` (the old count, for comparison),
@@ -469,6 +477,7 @@ def run_load(
         # folds nothing: acked there).
         "windows_per_second": counted,
         "counted_by": "acked" if np.isnan(folded) else "folded",
+        "folded_share": counted / (ranks * rate),
         "acked_windows_per_second": acked,  # sent in the interval and acknowledged, by the end of the drain
         "messages_per_second": counted / ranks_per_pod,
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
@@ -639,11 +648,13 @@ def main(argv: list[str] | None = None) -> int:
         who = f"{r['pods']} pods of {r['ranks_per_pod']}" if r["pods"] else "direct"
         print(
             f"{name:16s} {r['ranks']} ranks ({who}): {r['windows_per_second']:8.0f} rank windows/s of "
-            f"{r['offered_windows_per_second']:.0f} offered ({r['counted_by']}; {r['messages_per_second']:.0f} "
+            f"{r['offered_windows_per_second']:.0f} offered ({r['folded_share']:.3f}, {r['counted_by']}; "
+            f"{r['messages_per_second']:.0f} "
             f"messages/s), {r['cpu_us_per_rank_window']:.1f} us CPU a rank window, loop busy "
             f"{r['loop_busy_share']:.2f} (its thread {r['loop_thread_cpu_cores']:.2f} cores), "
             f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {r['controller_cpu_cores']:.2f} cores "
-            f"(+{r['decision_worker_cpu_cores']:.2f} decision worker; generators "
+            f"(+{r['decision_worker_cpu_cores']:.2f} decision worker = "
+            f"{r['controller_cpu_cores'] + r['decision_worker_cpu_cores']:.2f}; generators "
             f"{r['generator_cpu_cores']:.2f} at nice {r['generator_nice']}), {r['mb_per_second']:.0f} MB/s, "
             f"load {r['load_avg_start'][0]:.2f} -> {r['load_avg_end'][0]:.2f}"
         )

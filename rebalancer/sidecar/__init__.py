@@ -15,7 +15,9 @@ the survivors' registrations), `pod` (the pod's state both sides share: the wind
 its ranks merged per seq into a bounded buffer, rebalancer.wire.windows), `ranks` (the
 WorkerService the ranks speak on the socket), `upstream` (the one link to the
 controller), `listen` (the socket: modes, one sidecar per path, the readiness probe),
-`metrics` (Prometheus names, defined once), `daemon` (wiring, health, shutdown).
+`metrics` (Prometheus names, defined once), `merge` (an EP group's pods merged at the
+leader pod's sidecar: its followers' TLS and health, the design), `daemon` (wiring,
+health, shutdown).
 
 Imports only the bottom layers (rebalancer.errors, rebalancer.v1, rebalancer.wire): no
 controller, no placement, no torch.

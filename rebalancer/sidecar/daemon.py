@@ -29,6 +29,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from rebalancer.errors import InputError
 from rebalancer.sidecar import listen
 from rebalancer.sidecar.config import SidecarConfig, format_ranks, read_token
 from rebalancer.sidecar.merge import server_credentials
@@ -147,7 +148,16 @@ class Sidecar:
     async def _serve_followers(self, server: grpc.aio.Server) -> None:
         """Listen for the group's followers on `merge.listen` (TLS when configured)."""
         merge = self.config.merge
-        tls = server_credentials(merge)
+        try:
+            tls = server_credentials(merge)
+        except InputError as exc:
+            # A Secret missing or late never stops the pod's sidecar (its ranks come first):
+            # the followers, finding no leader, stream straight to the controller.
+            log.error(
+                "not serving the group's followers (%s): they stream straight to the controller",
+                exc,
+            )
+            return
         try:
             port = (
                 server.add_secure_port(merge.listen, tls)

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from rebalancer import __version__
 from rebalancer.sidecar.pod import Pod
 from rebalancer.sidecar.relay import Event, RelayPlan
-from rebalancer.sidecar.upstream import UPSTREAM_STATES, Upstream
+from rebalancer.sidecar.upstream import UPSTREAM_STATES, VIAS, Upstream
 
 # ---------------------------------------------------------------- names (the API)
 INFO = "rebalancer_sidecar"  # _info{version, pod, ranks, controller}
@@ -33,6 +33,7 @@ UNACKED = "rebalancer_sidecar_unacked_windows"  # sent, not yet acknowledged
 UPSTREAM_UP = "rebalancer_sidecar_upstream_up"  # 1 while the group stream is open
 UPSTREAM_STATE = "rebalancer_sidecar_upstream_state"  # {state}: 1 for the current one
 RECONNECTS = "rebalancer_sidecar_upstream_reconnects"  # counter
+UPSTREAM_VIA = "rebalancer_sidecar_upstream_via"  # {via} controller | leader: 1 for the current
 PLAN_VERSION = "rebalancer_sidecar_plan_version"  # newest plan relayed (0: none)
 PLAN_PHASE = "rebalancer_sidecar_plan_phase"  # {phase}: 1 for the current one
 PLAN_PHASE_SECONDS = "rebalancer_sidecar_plan_phase_seconds"  # {phase} prepare | commit
@@ -92,6 +93,15 @@ class _StateCollector(Collector):
             state.add_metric([name], 1.0 if up.state == name else 0.0)
         yield state
         yield c(RECONNECTS, "Reconnections to the controller.", value=up.reconnects)
+        via = g(
+            UPSTREAM_VIA,
+            "Whom the link reaches (1 for the current one): the controller, or the EP "
+            "group's leader sidecar (a follower of a merged group).",
+            labels=["via"],
+        )
+        for whom in VIAS:
+            via.add_metric([whom], 1.0 if up.via == whom else 0.0)
+        yield via
         plan = pod.relay.plan
         yield g(
             PLAN_VERSION,

@@ -651,6 +651,7 @@ class Pod:
         return (
             self.group_ranks <= set(self.by_rank)
             or self.upstream_registered
+            or self.upstream_ranks != ()  # registered before: the wait is over
             or self.clock() - self.started_at >= self.config.merge.wait_seconds
         )
 

@@ -170,6 +170,9 @@ class Upstream:
             return replace(channel, address=self.config.merge.leader)
         return channel
 
+    def _whom(self) -> str:
+        return "the group's leader sidecar" if self.via == "leader" else "controller"
+
     def _leader_failed(self) -> None:
         """The leader was unreachable (or refused this follower): after `wait_seconds` of
         that, stream straight to the controller (rebalancer/sidecar/merge.py)."""
@@ -230,7 +233,10 @@ class Upstream:
             self._outage = True
             self.state = "backoff"
             log.log(
-                logging.WARNING if first else logging.DEBUG, "controller link lost (%s)", message
+                logging.WARNING if first else logging.DEBUG,
+                "%s link lost (%s)",
+                self._whom(),
+                message,
             )
         else:
             self.state = "refused"
@@ -241,7 +247,9 @@ class Upstream:
                 message += f" (sent without a token: {self._token_missing})"
             if message != self.last_error:
                 log.error(
-                    "controller refused the pod (%s); serving the ranks here, retrying", message
+                    "%s refused the pod (%s); serving the ranks here, retrying",
+                    self._whom(),
+                    message,
                 )
         self.last_error = message
 
