@@ -275,14 +275,15 @@ def _run(config: DemoConfig, tmp: Path, emit: Callable[[str], None]) -> dict[str
     emit(
         f"controller on {server.address}, store {server.store.path}{temporary}; "
         f"{config.layers} layers x {config.experts} experts, "
-        f"{config.slots} slots, top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads"
+        f"{config.slots} slots, top-{config.top_k}, DeepSeek-V3 routing drifting over "
+        f"{len(PHASES)} workloads"
     )
     if config.sidecars:
         pods = pod_ranks(config.workers, config.sidecars)
         emit(
-            f"{config.workers} workers in {len(pods)} pods via sidecars "
-            f"({', '.join(f'ranks {r[0]}-{r[-1]}' if len(r) > 1 else f'rank {r[0]}' for r in pods)}, "
-            f"each pod's sidecar on a Unix socket, one upstream stream per pod)"
+            f"{config.workers} workers in {len(pods)} pods via sidecars ("
+            f"{', '.join(f'ranks {r[0]}-{r[-1]}' if len(r) > 1 else f'rank {r[0]}' for r in pods)}"
+            f", each pod's sidecar on a Unix socket, one upstream stream per pod)"
         )
     else:
         emit(f"{config.workers} workers direct to the controller (one stream per rank)")
@@ -413,10 +414,11 @@ class StatusPoller:
         last = d.last_decision
         decision = f" | last decision {last.outcome}" if last.outcome else ""
         return (
-            f"status v{d.placement_version:<2d} | routed balancedness {balancedness_text(d.balancedness_actual, 'none yet')}"
-            f" | on estimate {balancedness_text(d.balancedness_estimated, 'none yet')} | {d.windows_folded} windows"
-            f" | {d.connected_ranks}/{d.shape.num_gpus} ranks | plans committed {d.plans_committed}"
-            f", aborted {d.plans_aborted}{flight}{decision}"
+            f"status v{d.placement_version:<2d} | routed balancedness "
+            f"{balancedness_text(d.balancedness_actual, 'none yet')} | on estimate "
+            f"{balancedness_text(d.balancedness_estimated, 'none yet')} | {d.windows_folded} "
+            f"windows | {d.connected_ranks}/{d.shape.num_gpus} ranks | plans committed "
+            f"{d.plans_committed}, aborted {d.plans_aborted}{flight}{decision}"
         )
 
     def close(self) -> None:
@@ -432,8 +434,8 @@ def _attach(
     poller = StatusPoller(address, config.deployment)
     emit(
         f"attaching {config.workers} workers to the controller at {address} as deployment "
-        f"{config.deployment!r}: {config.layers} layers x {config.experts} experts, {config.slots} slots, "
-        f"top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads"
+        f"{config.deployment!r}: {config.layers} layers x {config.experts} experts, {config.slots} "
+        f"slots, top-{config.top_k}, DeepSeek-V3 routing drifting over {len(PHASES)} workloads"
         + (f", in {config.sidecars} pods via sidecars" if config.sidecars else ", direct")
     )
     emit(

@@ -1,9 +1,9 @@
 """Files the rebalancer reads and writes: expert counts and placements.
 
 Counts arrive in the forms the engines already dump (SGLang's summed JSON and `.pt`
-expert-distribution dumps, `.npz`, vLLM's EPLB load window saved with torch); placements are saved as PLACEMENT.json and can be
-exported in the form SGLang's `--init-expert-location` takes. Every malformed file is
-refused with an InputError whose one line says what is wrong and where.
+expert-distribution dumps, `.npz`, vLLM's EPLB load window saved with torch); placements are saved
+as PLACEMENT.json and can be exported in the form SGLang's `--init-expert-location` takes. Every
+malformed file is refused with an InputError whose one line says what is wrong and where.
 
 A count file may also carry what the worker's recorder counts beside SGLang's routed
 `logical_count`: the shared expert's tokens per layer and what each GPU computed

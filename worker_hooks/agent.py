@@ -194,7 +194,8 @@ class WorkerAgent:
         seconds: float = 0.0,
         serving: np.ndarray | None = None,
     ) -> None:
-        """`serving`: with FAILED after a Commit, the placement the rank serves (applied in part)."""
+        """`serving`: with FAILED after a Commit, the placement the rank serves (applied in
+        part)."""
         placement = (
             None
             if serving is None
@@ -305,8 +306,8 @@ class WorkerAgent:
         if code in REFUSALS:
             if message != self.refused:
                 log.error(
-                    "rank %d: refused by %s (%s); serving on without rebalancing, asking again every ~"
-                    "%g s",
+                    "rank %d: refused by %s (%s); serving on without rebalancing, asking again "
+                    "every ~%g s",
                     self.config.rank,
                     self.config.link.address,
                     message,

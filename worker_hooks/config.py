@@ -7,7 +7,8 @@
                windows=WindowConfig(steps=16),            # counting
                dispatch=DispatchConfig(mode="load"),      # tokens among an expert's replicas
                commit=CommitConfig(agree_every=4),        # switching placements
-               migration=MigrationConfig(transport="ipc"))  # moving weights (worker_hooks/migration.py)
+               migration=MigrationConfig(transport="ipc"))  # moving weights
+                                                           # (worker_hooks/migration.py)
 
 Every section has defaults that serve; each checks its own fields when built (a
 TypeError or ValueError naming the field), and `HookConfig` checks how they fit together.

@@ -2,14 +2,15 @@
 
 `PlanDriver` is what the agent calls when the controller speaks (worker_hooks/agent.py's
 `PlanHandlers`), on the session's `PlanMessages` (worker_hooks/session/messages.py: a
-Commit and an Abort are answered as on every engine's rank): a Prepare starts a migration thread that takes the plan through the
-transfer fence, receives the rank's incoming experts (MigrationExecutor) and stages the
-new dispatch maps, then reports PREPARED or FAILED; a Commit marks the plan ready for the
-commit agreement; an Abort drops its staging. The serving thread asks it which version
-it may switch to (`ready_version`) and, at the agreed step, takes the staged plan
+Commit and an Abort are answered as on every engine's rank): a Prepare starts a migration thread
+that takes the plan through the transfer fence, receives the rank's incoming experts
+(MigrationExecutor) and stages the new dispatch maps, then reports PREPARED or FAILED; a Commit
+marks the plan ready for the commit agreement; an Abort drops its staging. The serving thread asks
+it which version it may switch to (`ready_version`) and, at the agreed step, takes the staged plan
 (`take_commit`). The plans held are the rank session's `PlanBook` (worker_hooks/session/),
-as in the engine adapters: one lock between the agent and the serving thread. Neither the driver nor the agent holds the hook: the driver reports
-plan phases through the callable given to `report_to` (the agent's `report`).
+as in the engine adapters: one lock between the agent and the serving thread. Neither the driver nor
+the agent holds the hook: the driver reports plan phases through the callable given to `report_to`
+(the agent's `report`).
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ class RowMap:
         return int.from_bytes(raw.digest(), "little") >> 1
 
     def row_ids(self, rows: np.ndarray | None = None) -> np.ndarray:
-        """Global row id of every physical slot: `[L, P]`, slot `r * S + s` -> `r * (S + R) + row`."""
+        """Global row id of every physical slot: `[L, P]`, slot `r * S + s` ->
+        `r * (S + R) + row`."""
         rows = self.rows if rows is None else rows
         base = (np.arange(self.num_gpus, dtype=np.int64) * self.rows_per_rank)[:, None, None]
         return np.ascontiguousarray((rows + base).transpose(1, 0, 2).reshape(self.num_layers, -1))

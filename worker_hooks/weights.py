@@ -35,8 +35,8 @@ def check_weights(weights: object) -> None:
     of name -> torch.Tensor `[L, rows, ...]` (one rank's expert weights), or of
     name -> {layer: torch.Tensor `[rows, ...]`} (`LayerWeights`)."""
     what = (
-        "weights must be a dict of name -> torch.Tensor [L, slots on this rank (+ spare rows), ...] "
-        "or of name -> {layer: torch.Tensor [slots on this rank, ...]}"
+        "weights must be a dict of name -> torch.Tensor [L, slots on this rank (+ spare rows), "
+        "...] or of name -> {layer: torch.Tensor [slots on this rank, ...]}"
     )
     if isinstance(weights, torch.Tensor):
         raise TypeError(

@@ -77,9 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run a controller and CPU workers on real DeepSeek-V3 routing",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Start a controller (gRPC + SQLite) and N CPU worker processes serving a small "
-        "MoE model whose routing replays DeepSeek-V3's real expert loads drifting across workloads, "
-        "by default in pods whose sidecar (`rebalancer sidecar`, one per pod on a Unix socket) "
-        "speaks to the controller for them; print each window live and a summary.",
+        "MoE model whose routing replays DeepSeek-V3's real expert loads drifting across "
+        "workloads, by default in pods whose sidecar (`rebalancer sidecar`, one per pod on a Unix "
+        "socket) speaks to the controller for them; print each window live and a summary.",
         epilog=SUMMARY_HELP,
     )
     p.add_argument("--workers", type=int, default=4, help="EP ranks (worker processes), default 4")
@@ -263,8 +263,9 @@ def run(args: argparse.Namespace) -> int:
     if args.controller and not (summary["ranks_seen"] or summary["windows"]):
         seen = f" (last status: {summary['status_error']})" if summary["status_error"] else ""
         print(
-            f"rebalancer demo: error: no worker registered with the controller at {args.controller} "
-            f"as deployment {args.deployment!r}: no rank connected, no window folded{seen}",
+            "rebalancer demo: error: no worker registered with the controller at "
+            f"{args.controller} as deployment {args.deployment!r}: no rank connected, no window "
+            f"folded{seen}",
             file=sys.stderr,
         )
         return 1

@@ -211,9 +211,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(
-            f"{result.algorithm}: balancedness {balancedness_before:.4f} on the {before_from} placement "
-            f"-> {result.balancedness:.4f} (bound {bound:.4f}), {mode} dispatch {dispatch_balancedness:.4f}, "
-            f"moved {result.moved_fraction:.1%}, "
+            f"{result.algorithm}: balancedness {balancedness_before:.4f} on the {before_from} "
+            f"placement -> {result.balancedness:.4f} (bound {bound:.4f}), {mode} dispatch "
+            f"{dispatch_balancedness:.4f}, moved {result.moved_fraction:.1%}, "
             f"{seconds * 1e3:.1f} ms"
         )
     return 0

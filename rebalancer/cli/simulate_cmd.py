@@ -200,7 +200,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--batch-tokens",
         default=None,
-        help="with --dispatch: tokens per GPU per step, a comma list (default 64,128,256,512,4096,16384)",
+        help="with --dispatch: tokens per GPU per step, a comma list (default "
+        "64,128,256,512,4096,16384)",
     )
     p.add_argument(
         "--step-windows",
@@ -212,7 +213,8 @@ def register(subparsers: Any) -> None:
         "--waterfill-passes",
         type=int,
         default=None,
-        help="with --dispatch: water-filling passes of the load modes (HookConfig.dispatch.waterfill_passes)",
+        help="with --dispatch: water-filling passes of the load modes "
+        "(HookConfig.dispatch.waterfill_passes)",
     )
     p.add_argument(
         "--replicas",
@@ -261,7 +263,10 @@ def register(subparsers: Any) -> None:
 
 
 def _table(results: dict[str, Any]) -> str:
-    head = f"{'policy':9s} {'balanced':>8s} {'rel_tput':>8s} {'rebal':>6s} {'slots':>9s} {'GB_moved':>10s} {'stall_s':>8s}"
+    head = (
+        f"{'policy':9s} {'balanced':>8s} {'rel_tput':>8s} {'rebal':>6s} {'slots':>9s} "
+        f"{'GB_moved':>10s} {'stall_s':>8s}"
+    )
     lines = [head]
     for name, r in results.items():
         lines.append(

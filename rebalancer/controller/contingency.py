@@ -76,7 +76,8 @@ def check_scale_down_nodes(counts: object, num_nodes: int | None = None) -> list
             raise InputError(f"policy scale_down_nodes: {count!r} is not a whole number of nodes")
         if count < 1:
             raise InputError(
-                f"policy scale_down_nodes: {count} nodes: a deployment scales down to 1 node at least"
+                f"policy scale_down_nodes: {count} nodes: a deployment scales down "
+                "to 1 node at least"
             )
         if num_nodes is not None and count >= num_nodes:
             raise InputError(
@@ -304,8 +305,9 @@ class ContingencyPlanner:
 
     def due(self, dep: Deployment, now: float) -> bool:
         """Whether `dep` needs a new set: none yet, one of another placement or of other
-        declared scale-downs, or the estimate moved by REFRESH_SHIFT; never while one is computed, never more often
-        than MIN_INTERVAL_SECONDS, and only with counts to plan on and a loss to plan for."""
+        declared scale-downs, or the estimate moved by REFRESH_SHIFT; never while one is computed,
+        never more often than MIN_INTERVAL_SECONDS, and only with counts to plan on and a loss to
+        plan for."""
         declared = dep.policy.contingency.scale_down_nodes
         if (
             dep.name in self._running

@@ -83,7 +83,8 @@ class DecisionRunner:
 
     def due(self, dep: Deployment, now: float) -> bool:
         """Whether the policy should decide now: no plan or decision under way, not paused,
-        the ranks not on a mixed placement, and room in the decision queue (MAX_DECISIONS_IN_FLIGHT)."""
+        the ranks not on a mixed placement, and room in the decision queue
+        (MAX_DECISIONS_IN_FLIGHT)."""
         return self.in_flight < MAX_DECISIONS_IN_FLIGHT and dep.due(now)
 
     def has_room(self) -> bool:

@@ -54,8 +54,8 @@ class Session:
     # The newest plan version whose Commit this session was sent: its ranks can have
     # switched to no newer one (a late confirmation of a newer one is a stale report).
     commit_told: int = 0
-    # Its deployment was resized (rebalancer/controller/resize.py): the session stands for ranks of a
-    # world that is gone; its stream is refused at its next window.
+    # Its deployment was resized (rebalancer/controller/resize.py): the session stands for ranks of
+    # a world that is gone; its stream is refused at its next window.
     ended_by_resize: bool = False
 
     def __post_init__(self) -> None:
@@ -165,7 +165,8 @@ class Deployment:
         # restarted). Read by plans.serving: level-triggered reconciliation.
         self.stated: dict[int, Statement] = {}
         # The world the EP group served before an elastic engine resized it, once the
-        # controller took the resize (rebalancer/controller/resize.py): its later ranks join at once.
+        # controller took the resize (rebalancer/controller/resize.py): its later ranks join at
+        # once.
         self.resized_from: Resize | None = None
 
     @property

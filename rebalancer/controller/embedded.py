@@ -72,7 +72,8 @@ class EmbeddedController:
         self.thread.join(30)
 
     def call(self, fn: Callable[[], object]) -> object:
-        """Run `fn` on the controller's loop thread (state is not thread-safe) and return its result."""
+        """Run `fn` on the controller's loop thread (state is not thread-safe) and return its
+        result."""
 
         async def run() -> object:
             return fn()

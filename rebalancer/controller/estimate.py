@@ -66,7 +66,8 @@ def shrink_shares(counts: np.ndarray, prior: np.ndarray) -> tuple[np.ndarray, np
     to 1 per layer. Under the prior alone, Pearson's chi-square of a layer's counts has
     mean E - 1; what it holds beyond that is signal. The method-of-moments empirical-Bayes
     weight on the prior is B = min(1, (E - 1) / chi2) (positive-part James-Stein): pure
-    noise is replaced by the prior, a deviation far beyond noise is kept. Returns the shares [L, E] and B [L] (1 for a layer without counts).
+    noise is replaced by the prior, a deviation far beyond noise is kept. Returns the shares [L, E]
+    and B [L] (1 for a layer without counts).
     """
     counts = np.asarray(counts, dtype=np.float64)
     prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), counts.shape)

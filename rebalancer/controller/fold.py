@@ -1,10 +1,10 @@
 """Windows in: merge each rank's window, fold what became complete, decide when due.
 
 A window a rank (or a pod's sidecar, for its ranks) sends is merged with the other
-ranks' windows of the same sequence number (ingest.py); a complete (or left-behind) one is folded into the deployment's load
-estimate, measured (routed balancedness on the GPUs), shown to the window observers, and
-may make a policy decision due. The ingest cursor (per-rank next seq + the estimate built
-from them) is saved at most every `persist_seconds`, so a crash loses at most that much
+ranks' windows of the same sequence number (ingest.py); a complete (or left-behind) one is folded
+into the deployment's load estimate, measured (routed balancedness on the GPUs), shown to the window
+observers, and may make a policy decision due. The ingest cursor (per-rank next seq + the estimate
+built from them) is saved at most every `persist_seconds`, so a crash loses at most that much
 counting and never counts a window twice.
 """
 

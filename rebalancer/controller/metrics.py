@@ -327,8 +327,8 @@ class _StateCollector(Collector):
         current = g(
             REGIME_CURRENT,
             "Id of the load regime the newest window joined (regimes policy; 0: "
-            "none yet, or not on the regimes policy); a change is a regime switch, `rebalancer admin "
-            "regimes DEP` lists them.",
+            "none yet, or not on the regimes policy); a change is a regime switch, `rebalancer "
+            "admin regimes DEP` lists them.",
             labels=["deployment"],
         )
         size = g(
@@ -339,8 +339,8 @@ class _StateCollector(Collector):
         load = g(
             REGIME_LOAD,
             "1 for the load the newest decision of the regimes policy used (regime: a "
-            "recognised regime's centroid; forecast: the drift forecast; alternation: the regimes in "
-            "play; estimate: the adaptive estimate), 0 for the others.",
+            "recognised regime's centroid; forecast: the drift forecast; alternation: the regimes "
+            "in play; estimate: the adaptive estimate), 0 for the others.",
             labels=["deployment", "load"],
         )
         for dep in list(self.controller.deployments.values()):
@@ -552,7 +552,8 @@ class _ProcessCollector(Collector):
         folded = CounterMetricFamily(
             RANK_WINDOWS_FOLDED,
             "Rank windows folded into the load estimates, all deployments (a merged "
-            "window counts each rank it holds): against the ranks' rate, whether the controller keeps up.",
+            "window counts each rank it holds): against the ranks' rate, whether the controller "
+            "keeps up.",
         )
         folded.add_metric([], self.controller.folder.rank_windows_folded)
         yield folded
@@ -628,8 +629,8 @@ class ControllerMetrics:
         self.last_plan_stall = Gauge(
             LAST_PLAN_STALL,
             "Newest committed plan: serving stall at its commit (staged experts copied "
-            "into live slots on the busiest rank, plus the map swap), as the cost model predicts it "
-            "from its transfer list and the deployment's policy.",
+            "into live slots on the busiest rank, plus the map swap), as the cost model predicts "
+            "it from its transfer list and the deployment's policy.",
             ["deployment"],
             registry=r,
         )

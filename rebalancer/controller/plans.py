@@ -149,8 +149,9 @@ class Plans:
         had the Commit is left: the group restarted (a gloo group that lost a rank starts
         again), so no rank can switch to the plan any more. It is finished as unconfirmed now
         instead of after its commit grace, which would hold every later plan back; one that
-        some ranks confirmed before the group restarted is finished too. Ranks that did switch (their sessions only lost their
-        link) report it, and the controller adopts it then (`_report_off_plan`)."""
+        some ranks confirmed before the group restarted is finished too. Ranks that did switch
+        (their sessions only lost their link) report it, and the controller adopts it then
+        (`_report_off_plan`)."""
         plan = dep.plan
         if (
             plan is not None
@@ -204,8 +205,8 @@ class Plans:
             if self._refused.get(dep.name) != said:
                 self._refused[dep.name] = said
                 log.warning(
-                    "%s: every rank states it serves v%d (digest %016x), which matches no plan of the "
-                    "controller (%s): not adopted",
+                    "%s: every rank states it serves v%d (digest %016x), which matches no plan of "
+                    "the controller (%s): not adopted",
                     dep.name,
                     version,
                     digest,

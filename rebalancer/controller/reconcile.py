@@ -1,9 +1,9 @@
 """When a rank and the controller disagree on the committed placement version.
 
 A rank (or a pod's sidecar, for its ranks) registers with the version it serves, or
-confirms a commit the controller no longer has in flight. Either side may be ahead: the controller may have lost a commit
-confirmation (crash after the ranks switched), or the ranks may have restarted on an
-older stored version. What is decided here: adopt the ranks' version when the store
+confirms a commit the controller no longer has in flight. Either side may be ahead: the controller
+may have lost a commit confirmation (crash after the ranks switched), or the ranks may have
+restarted on an older stored version. What is decided here: adopt the ranks' version when the store
 knows it and they are ahead (or all ranks are gone), refuse otherwise.
 """
 

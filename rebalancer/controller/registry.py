@@ -201,7 +201,8 @@ class Registry:
             if merged is None:
                 raise StateError(
                     "FAILED_PRECONDITION",
-                    f"deployment {name!r} is registered with shape {shape_key(dep.shape)}, {label} reports {shape_key(shape)}",
+                    f"deployment {name!r} is registered with shape {shape_key(dep.shape)}, {label} "
+                    f"reports {shape_key(shape)}",
                 )
         olds = {}
         for r in ranks:
@@ -212,7 +213,8 @@ class Registry:
                 held_by = f", {old.label}" if old.group else ""
                 raise StateError(
                     "ALREADY_EXISTS",
-                    f"rank {r} of {name!r} is already registered (session {old.session_id[:8]}{held_by})",
+                    f"rank {r} of {name!r} is already registered (session "
+                    f"{old.session_id[:8]}{held_by})",
                 )
             olds[old.session_id] = old
         if merged is not None and (

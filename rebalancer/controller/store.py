@@ -409,7 +409,8 @@ class Store:
 
     def placement(self, name: str, version: int) -> np.ndarray | None:
         row = self._db.execute(
-            "SELECT num_layers, num_slots, phy2log FROM placements WHERE deployment = ? AND version = ?",
+            "SELECT num_layers, num_slots, phy2log FROM placements WHERE deployment = ? AND "
+            "version = ?",
             (name, version),
         ).fetchone()
         if row is None:
@@ -453,7 +454,8 @@ class Store:
         self, name: str, version: int, state: str, reason: str = "", *, now: float
     ) -> None:
         self._db.execute(
-            "UPDATE plans SET state = ?, finished = ?, reason = ? WHERE deployment = ? AND version = ?",
+            "UPDATE plans SET state = ?, finished = ?, reason = ? WHERE deployment = ? "
+            "AND version = ?",
             (state, now, reason, name, version),
         )
 
@@ -471,7 +473,8 @@ class Store:
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
-                "UPDATE plans SET state = 'committed', finished = ? WHERE deployment = ? AND version = ?",
+                "UPDATE plans SET state = 'committed', finished = ? WHERE deployment = ? AND "
+                "version = ?",
                 (now, name, version),
             )
             self._db.execute(
@@ -489,13 +492,13 @@ class Store:
         *,
         now: float,
     ) -> None:
-        """An elastic engine resized the deployment's EP group (rebalancer/controller/resize.py): the new
-        shape and the placement the new world serves, committed as plan `version` (trigger
-        "resize"), and no mixed placement left, atomically."""
+        """An elastic engine resized the deployment's EP group (rebalancer/controller/resize.py):
+        the new shape and the placement the new world serves, committed as plan `version`
+        (trigger "resize"), and no mixed placement left, atomically."""
         with self._new_placement(name, version, phy2log, now):
             self._db.execute(
-                "INSERT INTO plans (deployment, version, base_version, state, trigger, created, finished,"
-                " reason) VALUES (?, ?, ?, 'committed', 'resize', ?, ?, ?)",
+                "INSERT INTO plans (deployment, version, base_version, state, trigger, created, "
+                "finished, reason) VALUES (?, ?, ?, 'committed', 'resize', ?, ?, ?)",
                 (name, version, base_version, now, now, reason),
             )
             self._db.execute(
@@ -512,7 +515,8 @@ class Store:
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
-                "UPDATE plans SET state = 'partial', finished = ?, reason = ? WHERE deployment = ? AND version = ?",
+                "UPDATE plans SET state = 'partial', finished = ?, reason = ? WHERE deployment = ? "
+                "AND version = ?",
                 (now, plan_state_reason, name, mixed.version),
             )
             self._db.execute(
@@ -576,8 +580,9 @@ class Store:
         `version` (state "offered", based on v0), adopted when the ranks confirm it."""
         with self._new_placement(name, version, phy2log, now):
             self._db.execute(
-                "INSERT OR REPLACE INTO plans (deployment, version, base_version, state, trigger, created,"
-                " reason) VALUES (?, ?, 0, 'offered', 'warm_start', ?, 'the pool placement, offered at Register')",
+                "INSERT OR REPLACE INTO plans (deployment, version, base_version, state, trigger, "
+                "created, reason) VALUES (?, ?, 0, 'offered', 'warm_start', ?, 'the pool "
+                "placement, offered at Register')",
                 (name, version, now),
             )
 

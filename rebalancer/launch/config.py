@@ -17,8 +17,8 @@ from worker_hooks.config import WindowConfig
 TIME_LIMIT_PER_STEP = 0.25
 MIN_TIME_LIMIT = 110.0
 
-# The deployment's worker token, for workers (worker_hooks.examples.cpu_worker reads it) and sidecars
-# attached to a controller that asks for one ([worker_tokens]).
+# The deployment's worker token, for workers (worker_hooks.examples.cpu_worker reads it) and
+# sidecars attached to a controller that asks for one ([worker_tokens]).
 WORKER_TOKEN_ENV = "REBALANCER_WORKER_TOKEN"
 
 

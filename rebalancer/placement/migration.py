@@ -1,8 +1,8 @@
 """Placement that minds what it costs to get there from the current one.
 
 A from-scratch refit changes almost every slot (93% on the DeepSeek-V3 workload pairs,
-76% even after the best relabelling of GPUs). Here the current placement is repaired instead: hot experts get
-replicas taken from experts that can spare one, then replicas are swapped between the
+76% even after the best relabelling of GPUs). Here the current placement is repaired instead: hot
+experts get replicas taken from experts that can spare one, then replicas are swapped between the
 busiest and the lightest GPUs, each change paid from a budget of slots, until every
 layer is about as balanced as a fresh placement would be. A fresh placement, relabelled
 onto the old GPUs by overlap, is the fallback for a layer the repair cannot fix.

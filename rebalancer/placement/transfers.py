@@ -19,10 +19,10 @@ def transfers(
     """Transfer list from one placement to the next.
 
     old_phy2log, new_phy2log: [L, P] with the same experts.
-    Returns: [K, 5] int32 rows (columns: `rebalancer.wire.layout`) (layer, dst_rank, dst_slot, src_rank, src_slot), slots
-    local to their rank (0 .. P/G - 1), one row per slot whose expert changes, sorted by
-    (layer, dst_rank, dst_slot). Sources are slots of the OLD placement, so all reads
-    happen before any write is committed.
+    Returns: [K, 5] int32 rows (columns: `rebalancer.wire.layout`) (layer, dst_rank, dst_slot,
+    src_rank, src_slot), slots local to their rank (0 .. P/G - 1), one row per slot whose expert
+    changes, sorted by (layer, dst_rank, dst_slot). Sources are slots of the OLD placement, so all
+    reads happen before any write is committed.
     """
     old = check_phy2log(old_phy2log, name="old placement")
     new = check_phy2log(new_phy2log, name="new placement")

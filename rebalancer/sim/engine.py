@@ -3,8 +3,8 @@
 Every policy serves the same windows under the same cost model: the serving clock of
 rebalancer.sim.cost and, for every weight move, the controller's migration-cost model
 (rebalancer.controller.cost, on the adaptive policy's `PolicyConfig.cost`, the
-parameters its gate decides with); each keeps its own virtual clock, which advances by the serving time of each window
-plus its stalls, so decisions see the time they would see in production:
+parameters its gate decides with); each keeps its own virtual clock, which advances by the serving
+time of each window plus its stalls, so decisions see the time they would see in production:
 - `none`: the trivial contiguous placement, never changed;
 - `static`: fitted once (DeepSeek greedy) on the first windows, then frozen, like an
   engine started with a recorded expert distribution;

@@ -460,9 +460,9 @@ def shut_down(args: argparse.Namespace, settled: bool) -> None:
     """Step 5: leave the group. `settled`: `hook.finish` saw every transfer and
     collective of ours end."""
     if not settled:
-        # A transfer or an agreement is blocked on a peer that left or froze: a gloo call cannot be interrupted,
-        # and tearing the groups down under it aborts the process. Leave as is (saying so,
-        # so that no peer waits for this rank's goodbye).
+        # A transfer or an agreement is blocked on a peer that left or froze: a gloo call cannot be
+        # interrupted, and tearing the groups down under it aborts the process. Leave as is (saying
+        # so, so that no peer waits for this rank's goodbye).
         if not args.local:
             with contextlib.suppress(RuntimeError):
                 dist.distributed_c10d._get_default_store().add(LEFT, 1)

@@ -155,8 +155,8 @@ class RankSession(PlanMessages, PlanHandlers):
         self.joining_resized = False
         if not np.array_equal(placement, self.phy2log):
             log.error(
-                "rank %d: the controller holds v%d for the resized group, another map than this rank "
-                "serves: it stays at v0 and takes no plan",
+                "rank %d: the controller holds v%d for the resized group, another map than this "
+                "rank serves: it stays at v0 and takes no plan",
                 self.rank,
                 version,
             )

@@ -146,8 +146,9 @@ class Fleet:
             if dep is not None and dep.live_sessions():
                 raise StateError(
                     "FAILED_PRECONDITION",
-                    f"deployment {deployment!r} is in pool {_name(current) or '(none)'!r}, this registration "
-                    f"names {pool_name or '(none)'!r}; a deployment moves only when all its ranks restart",
+                    f"deployment {deployment!r} is in pool {_name(current) or '(none)'!r}, this "
+                    f"registration names {pool_name or '(none)'!r}; a deployment moves only when "
+                    "all its ranks restart",
                 )
         if pool_name and pool_name in self.pools:
             self.pools[pool_name].check_member(deployment, shape, unknown)
@@ -236,7 +237,8 @@ class Fleet:
             "pool": pool.name,
             "plan_version": 0,
             "reason": f"window excess total variation {statistic:.3f} against the pool's windows "
-            f"(threshold {pool.divergence.threshold:.3f}, {pool.divergence.windows} windows in a row)",
+            f"(threshold {pool.divergence.threshold:.3f}, "
+            f"{pool.divergence.windows} windows in a row)",
         }
         try:
             self.store.record_decision(dep.name, record)

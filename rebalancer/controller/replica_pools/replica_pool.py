@@ -64,7 +64,8 @@ class ReplicaPool:
         self.divergence = divergence or DivergenceConfig()
         self.divergence.validate()
         self.loop = PolicyLoop(shape, policy)  # the pool estimate and decision timing
-        # Shape fields no member has reported yet (expert_bytes: wire/shape.py UNKNOWN_EXPERT_BYTES).
+        # Shape fields no member has reported yet (expert_bytes: wire/shape.py
+        # UNKNOWN_EXPERT_BYTES).
         self.unknown_fields: frozenset[str] = frozenset()
         self.members: set[str] = set()
         self.tracks: dict[str, MemberTrack] = {}

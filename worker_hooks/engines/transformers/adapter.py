@@ -105,11 +105,13 @@ class AdapterConfig:
     def __post_init__(self) -> None:
         if self.redundant_slots < 0 or self.spare_rows < 0:
             raise ValueError(
-                f"redundant_slots and spare_rows must be >= 0, got {self.redundant_slots}, {self.spare_rows}"
+                f"redundant_slots and spare_rows must be >= 0, got {self.redundant_slots}, "
+                f"{self.spare_rows}"
             )
         if self.expert_compute not in EXPERT_COMPUTES:
             raise ValueError(
-                f"expert_compute must be one of {', '.join(EXPERT_COMPUTES)}, got {self.expert_compute!r}"
+                f"expert_compute must be one of {', '.join(EXPERT_COMPUTES)}, got "
+                f"{self.expert_compute!r}"
             )
 
 
@@ -191,7 +193,8 @@ class SlotExperts(nn.Module):
         super().__init__()
         if getattr(stock, "has_bias", False) or getattr(stock, "is_transposed", False):
             raise ValueError(
-                f"{type(stock).__name__}: experts with biases or transposed weights are not supported"
+                f"{type(stock).__name__}: experts with biases or transposed weights "
+                "are not supported"
             )
         self.num_experts = int(stock.num_experts)
         self.layer, self.route, self.weights = layer, route, weights
@@ -433,7 +436,8 @@ def graph_moe_blocks(
                 # torch runs grouped products of other dtypes through a host-side loop over
                 # the groups (it reads the offsets on the host): not capturable.
                 raise ValueError(
-                    f"graph_moe_blocks needs bfloat16 expert weights on a CUDA device, got {w.dtype} on {w.device}"
+                    "graph_moe_blocks needs bfloat16 expert weights on a CUDA device, got "
+                    f"{w.dtype} on {w.device}"
                 )
     names = dict(model.named_modules())
     for b in blocks:

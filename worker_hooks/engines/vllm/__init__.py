@@ -65,8 +65,8 @@ What holds, and what vLLM cannot give
 * Models: the deployment is a layer set (worker_hooks/engines/vllm/layer_set.py), the
   main model's MoE layers first, then every drafter vLLM registers with EPLB (MTP)
   whose experts have the main model's shape: the controller balances the drafter's
-  layers with the main model's, one plan covers both, and each of vLLM's per-model policy calls takes its
-  own rows of the one agreed plan, so a drafter's call never fails or delays the main
+  layers with the main model's, one plan covers both, and each of vLLM's per-model policy calls
+  takes its own rows of the one agreed plan, so a drafter's call never fails or delays the main
   model's plan. A drafter of another expert shape is rearranged by vLLM's own default
   policy (the same on every rank, outside the agreement) and its counts are not sent.
 * Another world: when vLLM asks the policy for another `num_replicas`/`num_ranks` than

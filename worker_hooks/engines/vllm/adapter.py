@@ -2,8 +2,8 @@
 (worker_hooks/session/): windows up from vLLM's own load window, plans in through vLLM's
 own policy call.
 
-Built by the worker extension (`RebalancerWorkerExtension`, worker_hooks/engines/vllm/plugin.py) at the first
-EPLB step, once vLLM has built its `EplbState`. The policy installed by the plugin
+Built by the worker extension (`RebalancerWorkerExtension`, worker_hooks/engines/vllm/plugin.py) at
+the first EPLB step, once vLLM has built its `EplbState`. The policy installed by the plugin
 asks `answer` at vLLM's rearrangement point. What holds, and what vLLM cannot give, is in
 the package docstring.
 
@@ -115,7 +115,8 @@ class VLLMRebalanceAdapter(RankSession):
         self.agent.start()
         left = self.layers.left_out()
         log.info(
-            "rank %d: rebalancer drives vLLM's EPLB (%s, deployment %s, %d MoE layers, %d slots: %s)%s",
+            "rank %d: rebalancer drives vLLM's EPLB (%s, deployment %s, %d MoE layers, %d slots: "
+            "%s)%s",
             rank,
             config.link.address,
             config.link.deployment,
