@@ -127,3 +127,27 @@ def test_the_group_waits_for_its_followers_then_registers_what_it_has() -> None:
     join_follower(pod)
     pod.registered_upstream(pb.RegisterResponse(session_id="up", committed=pb.Placement()))
     assert pod.resync and list(pod.group_request().ranks) == [0, 1, 2, 3]
+
+
+def test_the_merge_flags_in_a_leaderworkerset() -> None:
+    """The leader's group is LWS_GROUP_SIZE pods of --ranks-per-pod ranks; a follower names
+    the leader's address as the LeaderWorkerSet gives it."""
+    from rebalancer.cli import build_parser
+    from rebalancer.cli.sidecar_cmd import merge_of
+
+    env = {"LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "0"}
+    flags = ["sidecar", "--ranks-per-pod", "8", "--merge-listen", "0.0.0.0:50070"]
+    merge = merge_of(build_parser().parse_args(flags), env, tuple(range(8)))
+    assert (merge.role, merge.listen, merge.group_ranks) == (
+        "leader",
+        "0.0.0.0:50070",
+        tuple(range(32)),
+    )
+    flags = ["sidecar", "--ranks-per-pod", "8", "--merge-leader", "lws-0.lws.ns:50070"]
+    merge = merge_of(build_parser().parse_args(flags), env, tuple(range(8, 16)))
+    assert (merge.role, merge.leader, merge.wait_seconds) == (
+        "follower",
+        "lws-0.lws.ns:50070",
+        10.0,
+    )
+    assert merge_of(build_parser().parse_args(["sidecar"]), env, (0,)).role == "off"
