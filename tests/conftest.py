@@ -93,7 +93,10 @@ def thread_target(thread: threading.Thread) -> str:
 
 
 def describe_thread(thread: threading.Thread) -> str:
-    return f"{thread.name!r} (target {thread_target(thread)}, {'daemon' if thread.daemon else 'non-daemon'})"
+    return (
+        f"{thread.name!r} (target {thread_target(thread)}, "
+        f"{'daemon' if thread.daemon else 'non-daemon'})"
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -128,7 +128,8 @@ def test_decode_counts(counts: np.ndarray) -> None:
     if bad:
         with pytest.raises(
             InputError,
-            match=r"^c: counts contain (NaN or infinity|negative values|.* above the largest count 2\^53)$",
+            match=r"^c: counts contain (NaN or infinity|negative values|.* above the largest count "
+            r"2\^53)$",
         ):
             codec.decode_counts(msg, "c", counts.shape)
         return

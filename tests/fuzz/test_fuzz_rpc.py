@@ -767,7 +767,7 @@ def test_no_plan_version_after_the_largest(
             s.close()
 
 
-# ------------------------------------------------------------------ reports while a plan is in flight
+# ---------------------------------------------------------------- reports while a plan is in flight
 
 
 class OpenStream:
@@ -916,7 +916,7 @@ with grpc.insecure_channel(ctl.server.address, options=client_options()) as ch:
         except grpc.RpcError as exc:
             print(exc.code().name, (exc.details() or "").replace(chr(10), " "), flush=True)
 os._exit(0)  # the decision process dies with this one (PR_SET_PDEATHSIG)
-"""
+"""  # noqa: E501
 HUGE_SHAPES = [  # (shape, what the refusal says), each a valid layout but for its size
     (
         dict(num_layers=2**31, num_logical_experts=1, num_physical_slots=1, num_gpus=1),
@@ -941,7 +941,8 @@ HUGE_SHAPES = [  # (shape, what the refusal says), each a valid layout but for i
             num_physical_slots=MAX_SLOTS,
             num_gpus=2,
         ),
-        f"({MAX_LAYERS} x {MAX_SLOTS} = {MAX_LAYERS * MAX_SLOTS}) is above the limit {MAX_LAYER_SLOTS}",
+        f"({MAX_LAYERS} x {MAX_SLOTS} = {MAX_LAYERS * MAX_SLOTS}) is above the limit "
+        f"{MAX_LAYER_SLOTS}",
     ),
     (
         dict(num_layers=1, num_logical_experts=1, num_physical_slots=MAX_SLOTS, num_gpus=1),
@@ -1078,7 +1079,7 @@ def test_limits_fit_one_message() -> None:
     assert MAX_LAYER_SLOTS * MAX_EXPERT_BYTES < 2**63  # bytes a plan moves, in the store
 
 
-# ------------------------------------------------------------------ `rebalancer admin` against this controller
+# ------------------------------------------------------- `rebalancer admin` against this controller
 
 
 @st.composite

@@ -193,7 +193,8 @@ JSONL_FOUND = {
     "not-utf8": b"\xff\xfe\n",  # UnicodeDecodeError
     "infinite-layer": b'{"token_idx": 0, "layer": 1e400, "experts": [1]}\n',  # OverflowError
     "huge-expert": b'{"token_idx": 0, "layer": 0, "experts": [%d]}\n' % 2**70,  # OverflowError
-    "absurd-expert": b'{"token_idx": 0, "layer": 0, "experts": [1000000000000]}\n',  # MemoryError (7 TiB)
+    # MemoryError (7 TiB)
+    "absurd-expert": b'{"token_idx": 0, "layer": 0, "experts": [1000000000000]}\n',
     "absurd-layer": b'{"token_idx": 0, "layer": 1000000000000, "experts": [1]}\n',  # MemoryError
     "deep": b"[" * 100_000 + b"\n",  # RecursionError
 }

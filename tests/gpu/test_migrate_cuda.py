@@ -1,7 +1,7 @@
 """MigrationExecutor between two GPUs, every transport (skipped without two GPUs):
 NCCL point-to-point, and peers' live weights or outboxes mapped through CUDA IPC and
-read by the copy engines. After prepare + commit every slot holds its new expert's weights bit for bit;
-an aborted plan leaves the live weights untouched. With spare rows the experts land in
+read by the copy engines. After prepare + commit every slot holds its new expert's weights bit for
+bit; an aborted plan leaves the live weights untouched. With spare rows the experts land in
 free rows during prepare and the commit copies none."""
 
 from __future__ import annotations

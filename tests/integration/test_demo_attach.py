@@ -184,8 +184,8 @@ def test_demo_attached_to_no_controller_exits_1_saying_so() -> None:
         "status_error"
     ]
     assert err.splitlines()[-1].startswith(
-        f"rebalancer demo: error: no worker registered with the controller at {address} as deployment 'demo': "
-        "no rank connected, no window folded (last status: UNAVAILABLE"
+        f"rebalancer demo: error: no worker registered with the controller at {address} as "
+        "deployment 'demo': no rank connected, no window folded (last status: UNAVAILABLE"
     ), err
 
 

@@ -1,7 +1,8 @@
 """`rebalancer demo` with real processes, through pod sidecars (its default) and direct:
 the same summary keys, plans commit, outputs identical to the reference, every rank on
 the same versions; no worker or sidecar outlives the demo, whether it ends, is
-interrupted (Ctrl-C), terminated (SIGTERM) or killed (SIGKILL), and its temporary folder goes unless --keep."""
+interrupted (Ctrl-C), terminated (SIGTERM) or killed (SIGKILL), and its temporary folder goes unless
+--keep."""
 
 from __future__ import annotations
 

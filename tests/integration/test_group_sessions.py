@@ -90,7 +90,8 @@ class Link:
             self._out.put(m)
 
     def plan_messages(self, seconds: float = 1.0) -> list[tuple[str, int]]:
-        """Plan phases received within `seconds` (acks and planned losses skipped), as (kind, version)."""
+        """Plan phases received within `seconds` (acks and planned losses skipped), as
+        (kind, version)."""
         out, deadline = [], time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             try:

@@ -169,7 +169,7 @@ def listening_socket() -> socket.socket:
     return sock
 
 
-# ------------------------------------------------------------------ one controller per store and port
+# ---------------------------------------------------------------- one controller per store and port
 
 
 def test_second_controller_on_the_same_port_is_refused(tmp_path: Path, procs: list[Serve]) -> None:
@@ -270,7 +270,8 @@ def test_a_failed_start_releases_the_store_without_a_traceback(tmp_path: Path) -
             "import sys\n"
             "import rebalancer.controller.server as server\n"
             "real = server.probe_port\n"
-            "server.probe_port = lambda host, port, what: None if what == 'metrics' else real(host, port, what)\n"
+            "server.probe_port = lambda host, port, what: None if what == 'metrics' else "
+            "real(host, port, what)\n"
             "from rebalancer.cli import main\n"
             f"sys.exit(main(['serve', '--port', '0', '--db', {str(tmp_path / 'c.sqlite')!r}, "
             f"'--metrics-port', '{metrics_port}']))\n"

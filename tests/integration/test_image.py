@@ -124,7 +124,8 @@ class Buildah:
             stdin=subprocess.DEVNULL,
         )
         assert run.returncode == 0, (
-            f"buildah {' '.join(args)}: exit {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+            f"buildah {' '.join(args)}: exit {run.returncode}\n"
+            f"{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
         )
         return run.stdout.strip()
 

@@ -246,8 +246,8 @@ def test_pool_dry_run_shows_each_members_own_move(
     m2 = moves["m2"]
     assert "each member's own move, from the placement it serves:" in out, out
     assert (
-        f"  m2 (v1): {m2.slots_moved} slots ({m2.moved_fraction:.1%}), {m2.bytes_to_move / 1e6:.1f} MB"
-        in out
+        f"  m2 (v1): {m2.slots_moved} slots ({m2.moved_fraction:.1%}), "
+        f"{m2.bytes_to_move / 1e6:.1f} MB" in out
     ), out
     code, out, err = admin(ctl, "--json", "force", "--pool", "fleet", "--dry-run", token=None)
     assert code == 0, err

@@ -51,8 +51,11 @@ phy2log = trivial_placement(L, E, P, G)
 weights = {"w13": torch.randn(L, P // G, 16, 8), "w2": torch.randn(L, P // G, 8, 16)}
 generator = torch.Generator().manual_seed(rank)
 forward_steps = [[torch.randint(0, E, (32, 2), generator=generator) for _ in range(L)] for _ in range(40)]
-"""
-HOOK_RESULT = "result = {'windows': hook.stats.windows, 'steps': hook.stats.steps, 'mode': config.dispatch.mode}"
+"""  # noqa: E501
+HOOK_RESULT = (
+    "result = {'windows': hook.stats.windows, 'steps': hook.stats.steps, 'mode': "
+    "config.dispatch.mode}"
+)
 
 # A world of one and a tiny DeepSeek-V3 (random weights) with its token batches.
 TRANSFORMERS_PRELUDE = """
@@ -192,55 +195,106 @@ VENV_BIN = ROOT / ".venv" / "bin"
 
 CLUSTER = "needs a Kubernetes cluster (the manifests are rendered and checked by tests/unit/deploy)"
 NOT_RUN: dict[str, str] = {
-    "./dev test": "the suite itself, with ruff, mypy and the proto checks: CI's entry point (.ci/run ends in it)",
-    "podman build -t sglang-rebalancer:v0.5.23 -f deploy/engines/sglang.Containerfile .": "pulls SGLang's published image (GBs) from a registry; the layers are linted by tests/unit/deploy",
-    "podman build -t vllm-openai-rebalancer:v0.33.0 -f deploy/engines/vllm.Containerfile .": "pulls vLLM's published image (GBs) from a registry; the layers are linted by tests/unit/deploy",
-    "export REBALANCER_ADDRESS=unix:/run/rebalancer/agent.sock REBALANCER_DEPLOYMENT=deepseek-v3-prod": "the engine container's environment, for the engine command after it",
-    "python -m sglang.launch_server --model-path deepseek-ai/DeepSeek-V3 --ep-size 32 --enable-eplb ...": "DeepSeek-V3 on 32 GPUs (tests/engines runs the adapter in SGLang's own code)",
-    'vllm serve deepseek-ai/DeepSeek-V3 --enable-expert-parallel --enable-eplb --eplb-config \'{"window_size": 3000, '
-    '"step_interval": 3000}\' --worker-extension-cls worker_hooks.engines.vllm.RebalancerWorkerExtension ...': "DeepSeek-V3 on GPUs (tests/engines runs the adapter in vLLM's own code)",
+    "./dev test": (
+        "the suite itself, with ruff, mypy and the proto checks: CI's entry point "
+        "(.ci/run ends in it)"
+    ),
+    "podman build -t sglang-rebalancer:v0.5.23 -f deploy/engines/sglang.Containerfile .": (
+        "pulls SGLang's published image (GBs) from a registry; the layers are linted by "
+        "tests/unit/deploy"
+    ),
+    "podman build -t vllm-openai-rebalancer:v0.33.0 -f deploy/engines/vllm.Containerfile .": (
+        "pulls vLLM's published image (GBs) from a registry; the layers are linted by "
+        "tests/unit/deploy"
+    ),
+    (
+        "export REBALANCER_ADDRESS=unix:/run/rebalancer/agent.sock "
+        "REBALANCER_DEPLOYMENT=deepseek-v3-prod"
+    ): "the engine container's environment, for the engine command after it",
+    (
+        "python -m sglang.launch_server --model-path deepseek-ai/DeepSeek-V3 --ep-size 32 "
+        "--enable-eplb ..."
+    ): "DeepSeek-V3 on 32 GPUs (tests/engines runs the adapter in SGLang's own code)",
+    (
+        "vllm serve deepseek-ai/DeepSeek-V3 --enable-expert-parallel --enable-eplb --eplb-config "
+        '\'{"window_size": 3000, "step_interval": 3000}\' --worker-extension-cls '
+        "worker_hooks.engines.vllm.RebalancerWorkerExtension ..."
+    ): "DeepSeek-V3 on GPUs (tests/engines runs the adapter in vLLM's own code)",
     "kubectl apply -k deploy/kubernetes/overlays/dev": CLUSTER,
     "kubectl -n rebalancer-dev rollout status deploy/rebalancer": CLUSTER,
     "kubectl -n rebalancer-dev exec deploy/rebalancer -- rebalancer admin status": CLUSTER,
     "kubectl create namespace rebalancer": CLUSTER,
-    'kubectl -n rebalancer create secret generic rebalancer-admin-token --from-literal=token="$(openssl rand -hex 32)"': CLUSTER,
+    (
+        "kubectl -n rebalancer create secret generic rebalancer-admin-token "
+        '--from-literal=token="$(openssl rand -hex 32)"'
+    ): CLUSTER,
     "kubectl apply -k deploy/kubernetes/overlays/prod": CLUSTER,
     "kubectl -n rebalancer rollout status deploy/rebalancer": CLUSTER,
     "kubectl -n rebalancer port-forward svc/rebalancer 50051": CLUSTER,
-    "export REBALANCER_ADMIN_TOKEN=$(kubectl -n rebalancer get secret rebalancer-admin-token -o jsonpath='{.data.token}' "
-    "| base64 -d)": CLUSTER,
-    "rebalancer admin --ca ca.crt --cert admin.crt --key admin.key status": "the prod controller's certificates, through the port-forward above (admin over mutual TLS with a token: "
-    "tests/integration/test_security.py)",
-    "rebalancer simulate --gpus 32 --slots 288 --nodes 4 --trace phase.npz --policy all --plot phase.png": "eight policies over 240 windows of G=32: about a minute of CPU (the plot: tests/unit/sim)",
-    "python -m bench.simulate": "rewrites BENCHMARKS.md's section and docs/sim_*.png in the tree; several minutes",
-    "./dev admin force my-deployment --dry-run": "my-deployment stands for a deployment's name: none registered with "
-    "this controller (the first hour's `rebalancer admin force demo --dry-run` runs)",
-    "./dev admin policy my-deployment gain_threshold=0.05": "my-deployment stands for a deployment's name "
-    "(admin policy on a live one: tests/integration/test_admin_cli.py)",
-    "./dev simulate --gpus 32 --slots 288 --nodes 4 --trace TRACE.npz --policy all": "TRACE.npz stands for a trace "
-    "(docs/simulator.md's commands run on a real one)",
+    (
+        "export REBALANCER_ADMIN_TOKEN=$(kubectl -n rebalancer get secret rebalancer-admin-token "
+        "-o jsonpath='{.data.token}' | base64 -d)"
+    ): CLUSTER,
+    "rebalancer admin --ca ca.crt --cert admin.crt --key admin.key status": (
+        "the prod controller's certificates, through the port-forward above (admin over mutual "
+        "TLS with a token: tests/integration/test_security.py)"
+    ),
+    (
+        "rebalancer simulate --gpus 32 --slots 288 --nodes 4 --trace phase.npz --policy all "
+        "--plot phase.png"
+    ): "eight policies over 240 windows of G=32: about a minute of CPU (the plot: tests/unit/sim)",
+    "python -m bench.simulate": (
+        "rewrites BENCHMARKS.md's section and docs/sim_*.png in the tree; several minutes"
+    ),
+    "./dev admin force my-deployment --dry-run": (
+        "my-deployment stands for a deployment's name: none registered with this controller "
+        "(the first hour's `rebalancer admin force demo --dry-run` runs)"
+    ),
+    "./dev admin policy my-deployment gain_threshold=0.05": (
+        "my-deployment stands for a deployment's name "
+        "(admin policy on a live one: tests/integration/test_admin_cli.py)"
+    ),
+    "./dev simulate --gpus 32 --slots 288 --nodes 4 --trace TRACE.npz --policy all": (
+        "TRACE.npz stands for a trace (docs/simulator.md's commands run on a real one)"
+    ),
 }
 # command -> the shorter run of it that the same document names (run instead).
 SMALLER: dict[str, str] = {"./dev demo": "./dev demo --windows 6"}
 
 # command -> a regular expression its stdout must match (besides exit 0).
 EXPECT: dict[str, str] = {
-    "./dev demo --windows 6": r"max_output_diff\s+0\.0000\n  weights_match_map\s+True\n  ranks_agree_on_versions\s+True",
-    "rebalancer trace make --kind phase --windows 240 --out phase.npz": r"wrote phase\.npz: 240 windows",
-    "rebalancer simulate --gpus 8 --slots 16 --trace rebalancer/data/mixtral-8x7b/gsm8k_routing.jsonl "
-    "--tokens-per-window 16 --cost expert_bytes=176160768 --policy adaptive --json": r'"policy": "adaptive"',
-    "rebalancer simulate --trace phase.npz --gpus 32 --slots 288 --policy adaptive,static --dispatch all "
-    "--batch-tokens 64,256,512,4096,16384 --json": r'"load\+shared": \{"relative_step_throughput"',
+    "./dev demo --windows 6": (
+        r"max_output_diff\s+0\.0000\n  weights_match_map\s+True\n  "
+        r"ranks_agree_on_versions\s+True"
+    ),
+    "rebalancer trace make --kind phase --windows 240 --out phase.npz": (
+        r"wrote phase\.npz: 240 windows"
+    ),
+    (
+        "rebalancer simulate --gpus 8 --slots 16 --trace "
+        "rebalancer/data/mixtral-8x7b/gsm8k_routing.jsonl "
+        "--tokens-per-window 16 --cost expert_bytes=176160768 --policy adaptive --json"
+    ): r'"policy": "adaptive"',
+    (
+        "rebalancer simulate --trace phase.npz --gpus 32 --slots 288 --policy adaptive,static "
+        "--dispatch all --batch-tokens 64,256,512,4096,16384 --json"
+    ): r'"load\+shared": \{"relative_step_throughput"',
     "rebalancer admin status": r"no deployments",
     "./dev admin status": r"no deployments",
-    "./dev plan --counts rebalancer/data/deepseek-v3/prefill_in4096.json --gpus 32 --slots 288 --nodes 4 --json": r'"balancedness_before": 0\.44',
+    (
+        "./dev plan --counts rebalancer/data/deepseek-v3/prefill_in4096.json --gpus 32 "
+        "--slots 288 --nodes 4 --json"
+    ): r'"balancedness_before": 0\.44',
     "rebalancer admin status demo": r"demo",
     "rebalancer admin history demo --limit 5": r"decision",
     "rebalancer admin force demo --dry-run": r"dry_run: balancedness [0-9.]+ -> [0-9.]+",
     "rebalancer admin pause demo": r"pause",
     "rebalancer admin force demo --wait 60": r"plan",
     "rebalancer admin --json status demo | jq .deployments[0].last_decision": r'"outcome"',
-    "curl -s localhost:9400/metrics | grep -E 'rebalancer_(balancedness|rebalancing_state|plans_total)'": r'rebalancer_balancedness\{deployment="demo"',
+    (
+        "curl -s localhost:9400/metrics | grep -E "
+        "'rebalancer_(balancedness|rebalancing_state|plans_total)'"
+    ): r'rebalancer_balancedness\{deployment="demo"',
 }
 
 
@@ -381,7 +435,8 @@ def test_every_docs_command_runs_as_written(tmp_path: Path) -> None:
     listening; the demo's first window folded) and ended by the docs' own `kill`."""
     stamp = list((ROOT / ".venv").glob(".installed-*"))
     assert stamp, (
-        "no .venv built for this pyproject.toml: `./dev setup` first (./dev would build it inside a test)"
+        "no .venv built for this pyproject.toml: `./dev setup` first (./dev would build it inside "
+        "a test)"
     )
     grpc_port, metrics_port = free_port(), free_port()
     ports = {"50051": str(grpc_port), "9400": str(metrics_port)}
@@ -482,7 +537,8 @@ def test_every_docs_command_runs_as_written(tmp_path: Path) -> None:
                         timeout=600,
                     )
                     assert done.returncode == 0, (
-                        f"{where}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+                        f"{where}: exit {done.returncode}\n"
+                        f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
                     )
                     assert re.search(
                         EXPECT[SMALLER.get(command.text, command.text)], done.stdout

@@ -1,7 +1,7 @@
 """A deployment's EP group resized by an elastic engine (vLLM's elastic EP scale-down):
-the controller takes the new world (rebalancer/controller/resize.py, proto RegisterRequest.resized_from)
-on a real server on loopback and a real SQLite store, and refuses every resize that does
-not follow from what it holds, changing nothing."""
+the controller takes the new world (rebalancer/controller/resize.py, proto
+RegisterRequest.resized_from) on a real server on loopback and a real SQLite store, and refuses
+every resize that does not follow from what it holds, changing nothing."""
 
 from __future__ import annotations
 

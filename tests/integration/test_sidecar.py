@@ -1,6 +1,7 @@
 """The pod sidecar with real processes: a controller, 2 sidecar processes (pods a and b, each
-on its own Unix socket, speaking for 2 ranks), 4 gloo worker processes (worker_hooks.examples.cpu_worker
-through tests/integration/sidecar_worker.py) whose hooks point at their pod's socket.
+on its own Unix socket, speaking for 2 ranks), 4 gloo worker processes
+(worker_hooks.examples.cpu_worker through tests/integration/sidecar_worker.py) whose hooks point at
+their pod's socket.
 
 (a) plans commit through the relay, with invariants 1 (outputs equal the reference), 2
     (every step one version on all ranks, all switch at the same step) and 5;

@@ -303,8 +303,9 @@ def test_sidecar_refused_for_want_of_a_token_serves_its_ranks_and_says_why(tmp_p
         probe = check(target)
         assert probe.returncode == 0, probe
         assert (
-            "controller link: refused (UNAUTHENTICATED: worker calls need 'authorization: Bearer <token>' "
-            f"(sent without a token: {token}: no such file (worker token)))" in probe.stdout
+            "controller link: refused (UNAUTHENTICATED: worker calls need 'authorization: Bearer "
+            f"<token>' (sent without a token: {token}: no such file (worker token)))"
+            in probe.stdout
         ), probe.stdout
         token.write_text("p-token\n")  # the Secret, projected late
         wait_for(

@@ -203,7 +203,8 @@ def test_installed_adapters_import_without_their_engine(fresh_venv: Path, tmp_pa
         "        importlib.import_module(m); out['strays'].append(m)\n"
         "    except ImportError:\n"
         "        pass\n"
-        "(ep,) = [e for e in md.entry_points(group='sglang.srt.plugins') if e.name == 'rebalancer']\n"
+        "(ep,) = [e for e in md.entry_points(group='sglang.srt.plugins') if e.name == "
+        "'rebalancer']\n"
         "out['entry_point'] = ep.value\n"
         "ep.load()\n"
         "try:\n"
@@ -315,7 +316,7 @@ print(json.dumps({
     "wraps_original": id(live) != original and id(getattr(live, "__wrapped__", None)) == original,
     "adapter": worker_hooks.__file__,
 }))
-"""
+"""  # noqa: E501
 
 
 @sglang_env.needed()

@@ -67,7 +67,9 @@ BARE = re.compile(r"(?<![\w./*<>{}$-])(\w[\w-]*\.(?:py|md|toml|yaml|yml|proto|sh
 NOT_IN_THE_TREE = {
     ".ci/tools/image-wheels": "made by the image test at run time",
     "bench/pod-0": "the sidecar cost bench's pod name, not a path",
-    "deploy/kubernetes/base/controller.toml": "where operations.md tells the reader to move the file",
+    "deploy/kubernetes/base/controller.toml": (
+        "where operations.md tells the reader to move the file"
+    ),
     "deploy/rebalancer": "kubectl's kind/name, not a path",
     "docs/sim.png": "a plot file the image must leave out",
     "docs/sim_": "prefix of the simulator's plot files",
@@ -205,7 +207,8 @@ def test_every_file_named_in_prose_exists() -> None:
 def test_the_checks_find_a_missing_file() -> None:
     tree = Tree(tracked_files())
     doc = (
-        "See rebalancer/controller/nosuch.py and worker_hooks/agent.py, not vllm/distributed/eplb/x.py;\n"
+        "See rebalancer/controller/nosuch.py and worker_hooks/agent.py, not "
+        "vllm/distributed/eplb/x.py;\n"
         "engines/vllm/extension.py, engines/vllm/plugin.py, DESIGN.md and ARCHITECTURE.md;\n"
         "the brief is ../shared/DESIGN.md.\n"
     )

@@ -1,4 +1,5 @@
-"""One SGLang EP rank on CPU through SGLang's elastic-EP fault path, for tests/engines/sglang/test_fault.py.
+"""One SGLang EP rank on CPU through SGLang's elastic-EP fault path, for
+tests/engines/sglang/test_fault.py.
 
 Run as `python -m tests.engines.sglang.fault_worker` with SGLang's folder (and cpu_shims)
 on PYTHONPATH. The rank is worker.py's (SGLang's real ServerArgs with
@@ -232,7 +233,8 @@ def main() -> None:
     before = get_global_expert_location_metadata().physical_to_logical_map_cpu.clone()
     counters["mismatches"] = counters["to_lost"] = 0
 
-    # The fault: SGLang's elastic backend marks the rank inactive; the next pass runs the fault path.
+    # The fault: SGLang's elastic backend marks the rank inactive; the next pass runs the fault
+    # path.
     state.active_ranks[lost] = 0
     rebalanced = elastic_ep.maybe_rebalance_after_rank_fault(eplb_manager=manager)
     after = get_global_expert_location_metadata()

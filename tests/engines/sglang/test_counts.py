@@ -56,8 +56,8 @@ def test_counts_per_expert_survive_every_layer_group_swap(tmp_path: Path) -> Non
 def test_a_rank_whose_staging_lags_the_agreed_pass_holds_every_ranks_swap(tmp_path: Path) -> None:
     """Rank 3's staging of every layer group after a plan's first ends 1.5 s after its
     transfers (the worker's stand-in for a slow rank: a sleep after the real exchange with
-    its peers, before the executor holds the staging): its peers are staged and ready long before it, and no
-    rank swaps a group until rank 3's staging of it is done. Every rank swaps
+    its peers, before the executor holds the staging): its peers are staged and ready long before
+    it, and no rank swaps a group until rank 3's staging of it is done. Every rank swaps
     each group at the same pass, after every pass each layer's weights are its map's,
     and the counts per expert are what each rank routed."""
     # Each group staged after the commit takes rank 3's 1.5 s, about 100 passes: a plan of

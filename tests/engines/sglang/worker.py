@@ -6,10 +6,10 @@ with SGLang's folder (and cpu_shims) on PYTHONPATH. Real parts: SGLang's ServerA
 runtime context, ExpertLocationMetadata, the expert distribution recorder (stat mode),
 dispatch (`topk_ids_logical_to_physical`), EPLBManager, ExpertLocationUpdater, the
 plugin loader (entry point discovery + HookRegistry), and torch.distributed gloo
-moving the weights (the staged update: the adapter's own executor over gloo). Stood in: the model (a dict of expert weight tensors, the
-`routed_experts_weights_of_layer` SGLang's updater moves) and the model-class lookup
-`ModelConfigForExpertLocation.from_model_config` (it would import SGLang's DeepSeek
-model code, which needs GPU kernels), the recorder's `get_device` (answers "cpu") and
+moving the weights (the staged update: the adapter's own executor over gloo). Stood in: the model (a
+dict of expert weight tensors, the `routed_experts_weights_of_layer` SGLang's updater moves) and the
+model-class lookup `ModelConfigForExpertLocation.from_model_config` (it would import SGLang's
+DeepSeek model code, which needs GPU kernels), the recorder's `get_device` (answers "cpu") and
 `torch.cpu.empty_cache` (a no-op the updater calls once), set up by
 bench/sglang_cpu.py (`sglang_cpu_rank`, shared with bench/sglang_staged.py);
 triton and torchvision are stubs (bench/cpu_shims).

@@ -40,7 +40,8 @@ def test_import_without_vllm_and_register_names_the_extra() -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    # The tested version appears where the package's metadata pins it (tests/integration/test_wheel.py).
+    # The tested version appears where the package's metadata pins it
+    # (tests/integration/test_wheel.py).
     assert out.stdout.startswith(
         "the vLLM adapter needs vLLM (vllm is not installed): install the "
         "moe-rebalancer wheel into vLLM"

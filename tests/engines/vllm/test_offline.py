@@ -52,7 +52,7 @@ for step in range(3):                  # slot s of layer l gets (l + 1) * (s + 1
         layer.view += torch.tensor([(l + 1) * (s + 1) for s in range(6)], dtype=torch.int32)
     state.step()
 save_load_dump(state, sys.argv[1])
-"""
+"""  # noqa: E501
 
 
 @pytest.mark.slow

@@ -25,7 +25,8 @@ POLICY = PolicyConfig(paused=True, min_windows=1, prepare_timeout_seconds=10.0)
 
 
 def streaming(ctl: Controller, version: int = 0) -> tuple[list[str], list[tuple[int, str, int]]]:
-    """Both ranks registered on `version`, streams open: their session ids and what each was sent."""
+    """Both ranks registered on `version`, streams open: their session ids and what each was
+    sent."""
     sent: list[tuple[int, str, int]] = []
     sessions = []
     for rank in range(SHAPE.num_gpus):

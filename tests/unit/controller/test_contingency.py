@@ -203,11 +203,13 @@ def test_declared_scale_downs_are_planned_on_the_tail_nodes_stored_and_told(tmp_
     [
         (
             [5],
-            "policy scale_down_nodes: 5 nodes is no scale-down of a deployment of 4 nodes (at most 3)",
+            "policy scale_down_nodes: 5 nodes is no scale-down "
+            "of a deployment of 4 nodes (at most 3)",
         ),
         (
             [4],
-            "policy scale_down_nodes: 4 nodes is no scale-down of a deployment of 4 nodes (at most 3)",
+            "policy scale_down_nodes: 4 nodes is no scale-down "
+            "of a deployment of 4 nodes (at most 3)",
         ),
         ([0], "policy scale_down_nodes: 0 nodes: a deployment scales down to 1 node at least"),
         ([2.5], "policy scale_down_nodes: 2.5 is not a whole number of nodes"),

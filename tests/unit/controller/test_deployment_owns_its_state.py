@@ -40,7 +40,10 @@ def parse(path: Path) -> ast.Module:
     try:
         return ast.parse(path.read_text(), filename=str(path))
     except SystemError:
-        code = "import ast, pickle, sys; sys.stdout.buffer.write(pickle.dumps(ast.parse(open(sys.argv[1]).read())))"
+        code = (
+            "import ast, pickle, sys; "
+            "sys.stdout.buffer.write(pickle.dumps(ast.parse(open(sys.argv[1]).read())))"
+        )
         out = subprocess.run(
             [sys.executable, "-c", code, str(path)], capture_output=True, check=True, timeout=60
         )

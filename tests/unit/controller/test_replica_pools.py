@@ -267,8 +267,8 @@ def test_force_names_an_unknown_pool() -> None:
 
 
 def test_no_module_but_the_pools_own_assigns_a_pools_fields() -> None:
-    """A pool's state has one owner, `ReplicaPool` (replica_pools/replica_pool.py): every other module
-    asks it through its transitions (the rule test_deployment_owns_its_state.py holds for
+    """A pool's state has one owner, `ReplicaPool` (replica_pools/replica_pool.py): every other
+    module asks it through its transitions (the rule test_deployment_owns_its_state.py holds for
     deployments)."""
     import ast
 

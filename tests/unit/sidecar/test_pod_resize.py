@@ -77,7 +77,7 @@ def asked_again(pod: Pod, request: pb.RegisterRequest) -> str:
     return str(err.value)
 
 
-def test_the_survivors_are_gathered_then_the_new_world_registers_upstream_and_they_join_its_version() -> (
+def test_the_survivors_are_gathered_then_the_new_world_registers_upstream_and_they_join_its_version() -> (  # noqa: E501
     None
 ):
     pod, _ = pod_of_ranks_2_3()

@@ -1,5 +1,6 @@
-"""An adapter used without its engine says how to install the project beside it; a broken engine install
-(the engine there, one of its own dependencies missing) is not mistaken for a missing engine."""
+"""An adapter used without its engine says how to install the project beside it; a broken engine
+install (the engine there, one of its own dependencies missing) is not mistaken for a missing
+engine."""
 
 from __future__ import annotations
 
