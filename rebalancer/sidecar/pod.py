@@ -754,6 +754,14 @@ class Pod:
             self.apply(self.relay.abort(msg.abort.version, msg.abort.reason))
         elif kind == "planned_loss":
             self._keep_planned(msg)
+        elif kind == "warm_start" and (self.committed is None or self.committed.version == 0):
+            # A merging leader's (rebalancer/sidecar/merge.py): the pool's placement the
+            # controller offered the group after this follower registered there.
+            self.warm_start = pb.Placement()
+            self.warm_start.CopyFrom(msg.warm_start)
+            for session in self._unique_sessions():
+                if session.send is not None:
+                    session.send(msg)
         else:
             log.warning("controller message %r ignored", kind)
 

@@ -151,3 +151,26 @@ def test_the_merge_flags_in_a_leaderworkerset() -> None:
         10.0,
     )
     assert merge_of(build_parser().parse_args(["sidecar"]), env, (0,)).role == "off"
+
+
+def test_a_warm_start_reaches_the_followers_ranks() -> None:
+    """The pool's placement the controller offers the group reaches the leader's ranks
+    and, through the follower's sidecar, the follower's ranks."""
+    pod = leader(Clock())
+    _, to_a = join_rank(pod, 0)
+    join_rank(pod, 1)
+    f, to_f, _ = join_follower(pod)
+    offer = pb.Placement(version=3)
+    pod.registered_upstream(
+        pb.RegisterResponse(session_id="up", committed=pb.Placement(), warm_start=offer)
+    )
+    assert (
+        [m.WhichOneof("body") for m in to_f]
+        == [m.WhichOneof("body") for m in to_a]
+        == ["warm_start"]
+    )
+    follower = Pod(SidecarConfig(link=Link("127.0.0.1:1"), ranks=(2, 3)))
+    (_, to_rank2), _ = join_rank(follower, 2), join_rank(follower, 3)
+    follower.registered_upstream(pb.RegisterResponse(session_id=f, committed=pb.Placement()))
+    follower.from_controller(to_f[0])
+    assert [m.warm_start.version for m in to_rank2] == [3] and follower.warm_start is not None
