@@ -11,7 +11,9 @@ group on TCP), a follower's sidecar (pod b: ranks 2-3) and 4 gloo worker process
     the follower returns to it and the group is one session again;
 (c) a follower's Register that does not fit (another deployment or shape, the leader's
     own ranks, ranks outside the group, no token or a wrong one) is refused with a precise
-    status, and changes nothing: a fitting one is accepted after them.
+    status, and changes nothing: a fitting one is accepted after them;
+(d) TLS on the leader's port: a follower checking it with the CA is served, plain text is
+    not; a leader whose certificate file is missing still serves its ranks.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+from rebalancer.wire.channel import sync_channel
+from rebalancer.wire.link import Link
 from tests.integration.conftest import start_controller
 from tests.integration.test_end_to_end import FAST_POLICY, small_config
+from tests.integration.test_security import pki  # noqa: F401 - the fixture, used below
 from tests.integration.test_sidecar import (
     Cluster,
     assert_same_math_and_one_version_per_step,
@@ -302,3 +307,48 @@ def test_merge_flags_that_do_not_fit_are_refused_in_one_line(tmp_path: Path) -> 
         done = sidecar(*flags)
         assert done.returncode == 2, (flags, done.returncode, done.stderr)
         assert words in done.stderr and "Traceback" not in done.stderr, (flags, done.stderr)
+
+
+def test_the_leaders_port_speaks_tls_and_a_missing_certificate_never_stops_the_sidecar(
+    cluster: Cluster,
+    pki: Path,  # noqa: F811 - the fixture imported above
+) -> None:
+    port = free_port()
+    cluster.sidecar(
+        "a",
+        f"127.0.0.1:{free_port()}",
+        *leader_flags(port),
+        "--merge-tls-cert",
+        str(pki / "server.crt"),
+        "--merge-tls-key",
+        str(pki / "server.key"),
+    )
+    with grpc.insecure_channel(cluster.target("a")) as local:
+        pb_grpc.WorkerServiceStub(local).Register(
+            pb.RegisterRequest(deployment="demo", rank=0, shape=SHAPE), timeout=10
+        )
+    with sync_channel(Link(f"127.0.0.1:{port}", ca_file=str(pki / "ca.crt"))) as secure:
+        taken = pb_grpc.WorkerServiceStub(secure).Register(_follower_request(), timeout=10)
+        assert taken.session_id
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as plain:
+        refused = _refused(pb_grpc.WorkerServiceStub(plain), _follower_request(rank=3, ranks=[3]))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused.details()
+    # The certificate's Secret not there (yet): the sidecar serves its ranks all the same
+    # (Cluster.sidecar waits for its startup probe) and does not listen for followers.
+    port = free_port()
+    b = cluster.sidecar(
+        "b",
+        f"127.0.0.1:{free_port()}",
+        "--merge-listen",
+        f"127.0.0.1:{port}",
+        "--group-ranks",
+        "0-3",
+        "--merge-tls-cert",
+        str(pki / "missing.crt"),
+        "--merge-tls-key",
+        str(pki / "server.key"),
+    )
+    assert b.proc.poll() is None
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as nobody:
+        gone = _refused(pb_grpc.WorkerServiceStub(nobody), _follower_request())
+        assert gone.code() == grpc.StatusCode.UNAVAILABLE
