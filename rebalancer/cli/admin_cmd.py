@@ -2,6 +2,14 @@
 
 Exit codes: EXIT_CODES maps the controller's gRPC status to one (the help lists them
 from it); 2 for bad input found before any call, 1 for any other gRPC status.
+
+Controller shards (`--shards N`, REBALANCER_SHARDS; docs/shards.md): `--address` names
+every shard (`{shard}` where the index goes). `status` and `history` ask every shard at
+once and print each one's answer under its name; `force --pool` goes to the shard the
+rule of rebalancer.wire.shards gives the pool; a verb on one deployment goes to the shard
+that holds it (asked with Status, the rule checked on the pool it reports). A shard that
+does not answer: one line on stderr naming it and why, the others' answers printed, exit
+EXIT_SHARD_DOWN.
 """
 
 from __future__ import annotations
@@ -11,10 +19,16 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rebalancer.wire.link import LINK_ENV
+from rebalancer.wire.shards import SHARD_FIELD, owner_shard, parse_shards, shard_of
 from rebalancer.wire.status import balancedness_text
+
+if TYPE_CHECKING:
+    from rebalancer.wire.link import Link
 
 EXIT_CODES = {
     "INVALID_ARGUMENT": 2,
@@ -30,6 +44,9 @@ EXIT_CODES = {
 EXIT_OTHER = 1
 # A force that started no plan (its decision says why) exits as a refusal does.
 EXIT_REFUSED = EXIT_CODES["FAILED_PRECONDITION"]
+# With --shards: a shard did not answer while others did (or a deployment was on none of
+# those that did); one line on stderr for each shard that did not.
+EXIT_SHARD_DOWN = 8
 EXIT_MEANINGS = {
     0: "done",
     EXIT_OTHER: "failed: any other gRPC error (INTERNAL, RESOURCE_EXHAUSTED, ...), or a file "
@@ -41,6 +58,9 @@ EXIT_MEANINGS = {
     "plan (ranks not connected, nothing to move)",
     5: "controller unreachable or too slow (--timeout)",
     6: "not authenticated or not allowed: --token / REBALANCER_ADMIN_TOKEN, client certificate",
+    EXIT_SHARD_DOWN: "--shards: a controller shard did not answer (one line on stderr for each, "
+    "naming it and why); the other shards' answers are printed, or the deployment was on none "
+    "of them. Every shard down: the code of its error",
     130: "interrupted (Ctrl-C)",
 }
 
@@ -66,7 +86,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--address",
         default=os.environ.get(LINK_ENV["address"], "127.0.0.1:50051"),
-        help=f"controller host:port (env {LINK_ENV['address']})",
+        help=f"controller host:port (env {LINK_ENV['address']}); with --shards, every "
+        f"shard's, {SHARD_FIELD} where its index goes",
+    )
+    p.add_argument(
+        "--shards",
+        default=os.environ.get(LINK_ENV["shards"], "").strip() or "1",
+        metavar="N",
+        help=f"controller shards (env {LINK_ENV['shards']}; default 1): status and history "
+        "ask every shard, force --pool goes to the pool's, a deployment's verb to the shard "
+        "holding it",
     )
     p.add_argument(
         "--token", default=os.environ.get("REBALANCER_ADMIN_TOKEN"), help="admin bearer token"
@@ -193,6 +222,10 @@ def _check_args(args: argparse.Namespace, pb: Any) -> list[tuple[str, Any]]:
             raise InputError(f"{what} {value!r} is not valid UTF-8 text") from None
     if not args.address.strip():
         raise InputError("--address is empty; expected host:port")
+    from rebalancer.wire.shards import check_shards
+
+    args.shard_count = parse_shards(args.shards, "--shards")
+    check_shards(args.address, args.shard_count, "--address")
     if args.token is not None and not all(0x20 <= ord(c) < 0x7F for c in args.token):
         raise InputError("--token must be printable ASCII (it travels as a gRPC header)")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
@@ -294,22 +327,205 @@ def run(args: argparse.Namespace) -> int:
 
     from rebalancer.v1 import rebalancer_pb2 as pb
     from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
-    from rebalancer.wire.channel import sync_channel, unavailable_cause
+    from rebalancer.wire.channel import sync_channel
     from rebalancer.wire.link import Link
 
     args.parsed_settings = _check_args(args, pb)
-    config = Link(args.address, args.ca, args.cert, args.key, args.token)
+    link = Link(args.address, args.ca, args.cert, args.key, args.token, shards=args.shard_count)
+    if link.shards > 1:
+        return _run_sharded(args, link, pb, pb_grpc)
+    config = link.shard(0)  # one controller: `{shard}`, if written, is 0
     with sync_channel(config) as channel:
         stub = pb_grpc.AdminServiceStub(channel)
         kw: dict[str, Any] = {"timeout": args.timeout, "metadata": config.metadata()}
         try:
             return _dispatch(args, stub, pb, kw)
         except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-            cause = (
-                unavailable_cause(config, details) if code == grpc.StatusCode.UNAVAILABLE else ""
-            )
-            return _fail(EXIT_CODES.get(code.name, EXIT_OTHER), f"{code.name}: {cause or details}")
+            return _fail(*_rpc_error(config, exc))
+
+
+def _rpc_error(link: Link, exc: Any) -> tuple[int, str]:
+    """(exit code, "STATUS: why") of a failed call on `link`: an UNAVAILABLE one with its
+    likely cause (rebalancer.wire.channel.unavailable_cause)."""
+    import grpc
+
+    from rebalancer.wire.channel import unavailable_cause
+
+    code, details = exc.code(), exc.details() or ""
+    cause = unavailable_cause(link, details) if code == grpc.StatusCode.UNAVAILABLE else ""
+    return EXIT_CODES.get(code.name, EXIT_OTHER), f"{code.name}: {cause or details}"
+
+
+# ------------------------------------------------------------------ controller shards
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One shard's answer to a call asked of every shard: its reply, or the gRPC error."""
+
+    shard: int
+    link: Link
+    reply: Any = None
+    error: Any = None
+
+    @property
+    def name(self) -> str:
+        return f"shard {self.shard} ({self.link.address})"
+
+    def not_found(self) -> bool:
+        return self.error is not None and self.error.code().name == "NOT_FOUND"
+
+
+def _ask_every_shard(
+    args: argparse.Namespace, shards: list[Link], ask: Callable[[Any, dict[str, Any]], Any]
+) -> list[_Answer]:
+    """`ask(stub, call keywords)` of every shard at once, each answer or error by shard."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
+    from rebalancer.wire.channel import sync_channel
+
+    def one(index: int) -> _Answer:
+        link = shards[index]
+        with sync_channel(link) as channel:
+            stub = pb_grpc.AdminServiceStub(channel)
+            try:
+                reply = ask(stub, {"timeout": args.timeout, "metadata": link.metadata()})
+            except grpc.RpcError as exc:
+                return _Answer(index, link, error=exc)
+        return _Answer(index, link, reply=reply)
+
+    with ThreadPoolExecutor(max_workers=len(shards)) as threads:
+        return list(threads.map(one, range(len(shards))))
+
+
+def _fail_shard(answer: _Answer) -> int:
+    """The one stderr line of a shard that did not answer: its name and why."""
+    code, text = _rpc_error(answer.link, answer.error)
+    return _fail(code, f"{answer.name}: {text}")
+
+
+def _run_sharded(args: argparse.Namespace, link: Link, pb: Any, pb_grpc: Any) -> int:
+    """`rebalancer admin` across `link.shards` controller shards (the module's docstring)."""
+    import grpc
+
+    from rebalancer.wire.channel import sync_channel
+
+    shards = [link.shard(i) for i in range(link.shards)]
+    cmd = args.admin_command
+    if cmd == "status":
+        answers = _ask_every_shard(
+            args,
+            shards,
+            lambda stub, kw: stub.Status(pb.StatusRequest(deployment=args.deployment), **kw),
+        )
+        return _report_every_shard(
+            args, answers, "status", lambda reply: _status_by_pool(reply) or "no deployments"
+        )
+    if cmd == "history":
+        answers = _ask_every_shard(
+            args,
+            shards,
+            lambda stub, kw: stub.History(
+                pb.HistoryRequest(deployment=args.deployment, limit=args.limit), **kw
+            ),
+        )
+        return _report_every_shard(args, answers, "history", _history_text)
+    if cmd == "force" and args.pool:
+        target = shard_of(args.pool, link.shards)  # the pool's owner, by the one rule
+    else:
+        found = _locate(args, shards, pb)
+        if isinstance(found, tuple):
+            return found[1]
+        target = found
+    config = shards[target]  # its answer printed as one controller's; an error names it
+    with sync_channel(config) as channel:
+        stub = pb_grpc.AdminServiceStub(channel)
+        kw: dict[str, Any] = {"timeout": args.timeout, "metadata": config.metadata()}
+        try:
+            return _dispatch(args, stub, pb, kw)
+        except grpc.RpcError as exc:
+            return _fail_shard(_Answer(target, config, error=exc))
+
+
+def _report_every_shard(
+    args: argparse.Namespace, answers: list[_Answer], what: str, text: Callable[[Any], str]
+) -> int:
+    """Print every shard's answer under its name (--json: {"shards": [...]}) and one stderr
+    line for each shard that did not answer. A deployment asked for: the shards that do
+    not hold it (NOT_FOUND) are left out. Exit code: 0; EXIT_SHARD_DOWN when a shard did
+    not answer but another did; the error's own code when none answered."""
+    absent = [a for a in answers if args.deployment and a.not_found()]
+    held = [a for a in answers if a.error is None]
+    failed = [a for a in answers if a.error is not None and a not in absent]
+    if args.json:
+        entries = []
+        for a in answers:
+            if a in absent:
+                continue
+            entry: dict[str, Any] = {"shard": a.shard, "address": a.link.address}
+            if a.error is None:
+                entry[what] = plain(a.reply)
+            else:
+                entry["error"] = _rpc_error(a.link, a.error)[1]
+            entries.append(entry)
+        print(json.dumps({"shards": entries}))
+    else:
+        for a in held:
+            print(f"{a.name}:\n" + "\n".join("  " + line for line in text(a.reply).splitlines()))
+    codes = [_fail_shard(a) for a in failed]
+    if not held and not failed:  # a deployment no shard holds
+        return _fail(
+            EXIT_CODES["NOT_FOUND"],
+            f"NOT_FOUND: no shard holds deployment {args.deployment!r} "
+            f"(all {len(answers)} answered)",
+        )
+    if not failed:
+        return 0
+    if not held and not absent:  # every shard failed: as one controller's error
+        return codes[0]
+    if not held:
+        return _fail(
+            EXIT_SHARD_DOWN,
+            f"deployment {args.deployment!r} is on none of the shards that answered "
+            f"({', '.join(str(a.shard) for a in absent)})",
+        )
+    return EXIT_SHARD_DOWN
+
+
+def _locate(args: argparse.Namespace, shards: list[Link], pb: Any) -> int | tuple[None, int]:
+    """The shard that holds `args.deployment`, asked of every shard with Status: the one
+    the rule names for the pool it reports, else the first that holds it. Else (None,
+    exit code), the reason said: NOT_FOUND (3) when every shard answered without it;
+    EXIT_SHARD_DOWN with one line for each shard that did not answer."""
+    dep = args.deployment
+    answers = _ask_every_shard(
+        args, shards, lambda stub, kw: stub.Status(pb.StatusRequest(deployment=dep), **kw)
+    )
+    holders = [a for a in answers if a.error is None and a.reply.deployments]
+    for a in holders:
+        if a.shard == owner_shard(dep, a.reply.deployments[0].pool, len(shards)):
+            return a.shard
+    if holders:
+        return holders[0].shard
+    failed = [a for a in answers if a.error is not None and not a.not_found()]
+    codes = [_fail_shard(a) for a in failed]
+    if not failed:
+        code = _fail(
+            EXIT_CODES["NOT_FOUND"],
+            f"NOT_FOUND: no shard holds deployment {dep!r} (all {len(answers)} answered)",
+        )
+        return None, code
+    if len(failed) == len(answers):
+        return None, codes[0]
+    answered = [str(a.shard) for a in answers if a not in failed]
+    code = _fail(
+        EXIT_SHARD_DOWN,
+        f"deployment {dep!r} is on none of the shards that answered ({', '.join(answered)})",
+    )
+    return None, code
 
 
 def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) -> int:
@@ -362,27 +578,7 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
             )
     elif cmd == "history":
         reply = stub.History(pb.HistoryRequest(deployment=args.deployment, limit=args.limit), **kw)
-        lines = ["plans:"] + [
-            f"  {_when(p.created)} v{p.version} from v{p.base_version} {p.state:10s} "
-            f"{p.trigger:7s} {p.slots_moved} slots {p.bytes_moved / 1e6:.1f} MB {p.reason}"
-            for p in reply.plans
-        ]
-        lines += ["decisions:"] + [
-            f"  {_when(d.time)} {d.outcome:18s} {d.reason}"
-            + (f" [load: {d.load}]" if d.load else "")
-            for d in reply.decisions
-        ]
-        lines += ["contingency sets:"] + [
-            f"  {_when(c.time)} on v{c.base_version}: rank loss worst {c.rank_loss_worst:.3f} mean "
-            f"{c.rank_loss_mean:.3f}, node loss worst {c.node_loss_worst:.3f}"
-            + (
-                f" ({c.node_loss_unserved} experts a layer without a slot)"
-                if c.node_loss_unserved
-                else ""
-            )
-            for c in reply.contingency_sets
-        ]
-        show(reply, "\n".join(lines))
+        show(reply, _history_text(reply))
     elif cmd == "contingency":
         reply = stub.Contingency(ref, **kw)
         show(reply, _contingency_text(args.deployment, reply))
@@ -474,6 +670,30 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
             ),
         )
     return 0
+
+
+def _history_text(reply: Any) -> str:
+    """Plans, decisions and contingency sets, newest first."""
+    lines = ["plans:"] + [
+        f"  {_when(p.created)} v{p.version} from v{p.base_version} {p.state:10s} "
+        f"{p.trigger:7s} {p.slots_moved} slots {p.bytes_moved / 1e6:.1f} MB {p.reason}"
+        for p in reply.plans
+    ]
+    lines += ["decisions:"] + [
+        f"  {_when(d.time)} {d.outcome:18s} {d.reason}" + (f" [load: {d.load}]" if d.load else "")
+        for d in reply.decisions
+    ]
+    lines += ["contingency sets:"] + [
+        f"  {_when(c.time)} on v{c.base_version}: rank loss worst {c.rank_loss_worst:.3f} mean "
+        f"{c.rank_loss_mean:.3f}, node loss worst {c.node_loss_worst:.3f}"
+        + (
+            f" ({c.node_loss_unserved} experts a layer without a slot)"
+            if c.node_loss_unserved
+            else ""
+        )
+        for c in reply.contingency_sets
+    ]
+    return "\n".join(lines)
 
 
 def _policy_value(value: Any) -> Any:

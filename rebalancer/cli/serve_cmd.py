@@ -34,12 +34,21 @@ def register(sub: argparse._SubParsersAction) -> None:
             exclusive lock on DB.lock, dropped by the kernel when the holder dies, however it
             dies) or the same --port is refused with exit code 7.
 
+            Controller shards (docs/shards.md): when one controller is not enough, N of them
+            (a StatefulSet, a store each) split the fleet by replica pool. Each is told its
+            place, --shard INDEX --shards N (or [shard] index, count); it takes the pools and
+            deployments the rule of rebalancer.wire.shards gives it, the rule the sidecars
+            and engines use to pick it, and refuses the others' Registers
+            (FAILED_PRECONDITION, naming the owning shard). Default: one shard, everything.
+
             Exit codes: 0 stopped cleanly (SIGTERM/SIGINT, drained); 2 bad input (a flag, the
             config file, the store file, a TLS file, a host or port that cannot be used);
             7 in use (the store or a port belongs to another process); 1 anything else.
             """),
     )
-    p.add_argument("--config", help="TOML file: [server], [tls], [worker_tokens], [policy]")
+    p.add_argument(
+        "--config", help="TOML file: [server], [tls], [worker_tokens], [policy], [shard]"
+    )
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks one)")
     p.add_argument("--db", help="SQLite file (default rebalancer.sqlite)")
@@ -56,6 +65,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="listen on a non-loopback --host although a service is unauthenticated "
         "(no token, no mutual TLS); refused without it",
     )
+    p.add_argument(
+        "--shard",
+        type=int,
+        metavar="INDEX",
+        help="this controller's shard, 0 .. --shards - 1 (a StatefulSet pod's ordinal; default 0)",
+    )
+    p.add_argument(
+        "--shards",
+        type=int,
+        metavar="N",
+        help="controller shards splitting the fleet by pool (default 1: this one owns all)",
+    )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(func=run)
 
@@ -67,7 +88,12 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from rebalancer.controller.config import ControllerConfig, load_config, read_admin_token
+    from rebalancer.controller.config import (
+        ControllerConfig,
+        ShardConfig,
+        load_config,
+        read_admin_token,
+    )
     from rebalancer.controller.loop_busy import timed_loop
     from rebalancer.controller.server import ControllerServer, serve
     from rebalancer.errors import InputError
@@ -85,6 +111,14 @@ def run(args: argparse.Namespace) -> int:
         "insecure": args.insecure,
     }
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    if args.shard is not None or args.shards is not None:
+        config = replace(
+            config,
+            shard=ShardConfig(
+                index=config.shard.index if args.shard is None else args.shard,
+                count=config.shard.count if args.shards is None else args.shards,
+            ),
+        )
     if args.admin_token_file:
         config = replace(
             config, admin_token=read_admin_token(Path(args.admin_token_file), "--admin-token-file")
@@ -100,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
         gc.collect()
         gc.freeze()
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
+        shard = config.shard
+        shards = f", shard {shard.index} of {shard.count}" if shard.count > 1 else ""
         # One line on stdout that scripts (and tests) can wait for.
-        print(f"serving on {server.address}{metrics}", flush=True)
+        print(f"serving on {server.address}{metrics}{shards}", flush=True)
 
     try:
         # The loop's waits are timed: rebalancer_event_loop_busy_seconds_total (loop_busy.py).

@@ -8,7 +8,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from rebalancer.wire.link import LINK_ENV, Link, link_settings
+from rebalancer.wire.link import LINK_ENV, Link, link_from_settings, link_settings
 
 # The flags that fill the sidecar's link, by Link field, with their help: each one unset
 # takes its environment variable (LINK_ENV), the names the engines read too.
@@ -20,6 +20,11 @@ LINK_FLAGS: dict[str, tuple[str, str]] = {
     "cert_file": ("--cert", "client certificate (PEM): mutual TLS upstream"),
     "key_file": ("--key", "client private key (PEM)"),
     "token_file": ("--token-file", "file holding the deployment's worker token"),
+    "shards": (
+        "--shards",
+        "controller shards (a StatefulSet's replicas); more than 1: --controller holds "
+        "{shard}, and the pod connects to the shard that owns its pool or deployment",
+    ),
 }
 
 
@@ -39,9 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:
             The pod's ranks: --ranks, or in a LeaderWorkerSet LWS_GROUP_SIZE and
             LWS_WORKER_INDEX with --ranks-per-pod. The controller: --controller or
             REBALANCER_ADDRESS; each flag of the link (--controller, --deployment, --pool,
-            --ca, --cert, --key, --token-file) unset takes its REBALANCER_* variable, the
-            names the engines read (an empty value: unset). Pod identity:
+            --ca, --cert, --key, --token-file, --shards) unset takes its REBALANCER_*
+            variable, the names the engines read (an empty value: unset). Pod identity:
             POD_NAMESPACE/POD_NAME (downward API).
+
+            Controller shards (docs/shards.md): with --shards N (REBALANCER_SHARDS) the
+            address names every shard with {shard} where the index goes, e.g.
+            rebalancer-{shard}.rebalancer.rebalancer.svc.cluster.local:50051, and the pod
+            connects to the one that owns its replica pool (or its deployment, outside a
+            pool), by the rule of rebalancer.wire.shards, once its ranks named them.
 
               rebalancer sidecar --controller rebalancer:50051 --ranks 0-7 --metrics-port 9401 \\
                   --ca /etc/rebalancer/ca.pem --token-file /etc/rebalancer/token
@@ -163,7 +174,7 @@ def link_of(args: argparse.Namespace, env: Mapping[str, str]) -> Link:
         if flag is not None:
             settings[field_name] = flag
     settings = {name: value for name, value in settings.items() if value}
-    return Link(**{"address": "", **settings})
+    return link_from_settings({"address": "", **settings})
 
 
 def merge_of(args: argparse.Namespace, env: Mapping[str, str], ranks: tuple[int, ...]) -> Any:

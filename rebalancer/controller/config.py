@@ -20,6 +20,38 @@ from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.replica_pools import DEFAULT_MAX_MOVING
 from rebalancer.errors import InputError
 from rebalancer.wire.channel import MAX_MESSAGE_BYTES
+from rebalancer.wire.shards import MAX_SHARDS, owner_shard
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """This controller's place among the controller shards that split a fleet (the
+    `[shard]` section, `--shard` and `--shards`; docs/shards.md). Each replica pool, and
+    each deployment outside a pool, belongs to one shard by the rule of
+    rebalancer.wire.shards, which the sidecars and the engines compute too; a Register
+    for one another shard owns is refused (FAILED_PRECONDITION, naming that shard)."""
+
+    index: int = 0
+    """This controller's shard, 0 .. count - 1: in a StatefulSet, its pod's ordinal."""
+    count: int = 1
+    """How many controller shards split the fleet (the StatefulSet's replicas, the
+    clients' REBALANCER_SHARDS). 1: this controller owns everything, nothing refused."""
+
+    def owner(self, deployment: str, pool: str) -> int:
+        """The shard that owns `deployment` in `pool` ("": none)."""
+        return owner_shard(deployment, pool, self.count)
+
+    def refusal(self, deployment: str, pool: str) -> str:
+        """Why this shard refuses `deployment` in `pool` (one line), "" when it owns it."""
+        owner = self.owner(deployment, pool)
+        if owner == self.index:
+            return ""
+        what = f"pool {pool!r}" if pool else f"deployment {deployment!r}"
+        return (
+            f"{what} belongs to controller shard {owner} of {self.count}, this is shard "
+            f"{self.index}: connect to shard {owner} (REBALANCER_SHARDS={self.count} and an "
+            "address with {shard} pick it)"
+        )
 
 
 @dataclass
@@ -55,9 +87,11 @@ class ControllerConfig:
     # the pool placement in flight at once (the rolling cap).
     pool_max_moving: int = DEFAULT_MAX_MOVING
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # Controller shards (docs/shards.md): which shard this controller is, of how many.
+    shard: ShardConfig = field(default_factory=ShardConfig)
 
 
-_SECTIONS = {"server", "tls", "worker_tokens", "policy"}
+_SECTIONS = {"server", "tls", "worker_tokens", "policy", "shard"}
 _SERVER_KEYS = {
     "host",
     "port",
@@ -76,6 +110,7 @@ _SERVER_KEYS = {
     "pool_max_moving",
 }
 _TLS_KEYS = {"cert": "tls_cert", "key": "tls_key", "client_ca": "tls_client_ca"}
+_SHARD_KEYS = {"index", "count"}
 _SECONDS = (
     "tick_seconds",
     "grace_seconds",
@@ -145,6 +180,11 @@ def load_config(path: str | Path) -> ControllerConfig:
         raise InputError(f"{path}: [worker_tokens] maps deployment names to non-empty strings")
     values["worker_tokens"] = dict(tokens)
     values["policy"] = PolicyConfig.from_dict(_table(doc, "policy", path))
+    shard = _table(doc, "shard", path)
+    bad = set(shard) - _SHARD_KEYS
+    if bad:
+        raise InputError(f"{path}: unknown [shard] key(s) {sorted(bad)}; expected index, count")
+    values["shard"] = ShardConfig(**shard)
     config = ControllerConfig(**values)
     try:
         validate_config(config)
@@ -221,7 +261,23 @@ def validate_config(config: ControllerConfig) -> None:
             raise InputError(f"{name} {value}: is a folder, not a file")
         if value and not Path(value).is_file():
             raise InputError(f"{name} {value}: no such file")
+    check_shard(config.shard)
     config.policy.validate()
+
+
+def check_shard(shard: ShardConfig) -> None:
+    """InputError naming the setting: a count from 1 to MAX_SHARDS, an index below it."""
+    if not isinstance(shard, ShardConfig):
+        raise InputError(f"shard must be a ShardConfig, got {type(shard).__name__}")
+    if not _is_int(shard.count) or not 1 <= shard.count <= MAX_SHARDS:
+        raise InputError(
+            f"shard count must be a whole number from 1 to {MAX_SHARDS}, got {shard.count!r}"
+        )
+    if not _is_int(shard.index) or not 0 <= shard.index < shard.count:
+        raise InputError(
+            f"shard index must be a whole number from 0 to {shard.count - 1} (the shard "
+            f"count is {shard.count}), got {shard.index!r}"
+        )
 
 
 # ------------------------------------------------------------------ exposure

@@ -139,6 +139,7 @@ class ControllerServer:
                 self.metrics.on_ingest,
                 config.ack_interval_seconds,
                 on_refused=self.metrics.on_refused,
+                shard=config.shard,
             ),
             self.server,
         )
@@ -195,7 +196,13 @@ class ControllerServer:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         for line in exposure_warnings(self.config):
             log.warning("%s", line)
-        log.info("controller serving on %s (store %s)", self.address, self.store.path)
+        shard = self.config.shard
+        log.info(
+            "controller serving on %s (store %s%s)",
+            self.address,
+            self.store.path,
+            f"; shard {shard.index} of {shard.count}" if shard.count > 1 else "",
+        )
 
     def _start_metrics(self) -> None:
         port = self.config.metrics_port

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from rebalancer.controller.clock import Clock
+from rebalancer.controller.config import ShardConfig
 from rebalancer.controller.contingency import Loss
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.deployment import Resize
@@ -234,7 +235,10 @@ class AckPacer:
 
 class WorkerService(pb_grpc.WorkerServiceServicer):
     """`check_deployment(name)` raises StateError unless the call in progress may speak
-    for deployment `name` (auth.TokenAuth.check_deployment); None: no such check."""
+    for deployment `name` (auth.TokenAuth.check_deployment); None: no such check.
+    `shard`: this controller's place among controller shards (config.ShardConfig): a
+    Register for a pool or deployment another shard owns is refused before anything
+    changes; None: one controller, owning everything."""
 
     def __init__(
         self,
@@ -243,8 +247,10 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         on_ingest: Callable[[str, int, float], None] | None = None,
         ack_interval: float = 0.0,
         on_refused: Callable[[str], None] | None = None,
+        shard: ShardConfig | None = None,
     ) -> None:
         self.controller = controller
+        self.shard = shard if shard is not None and shard.count > 1 else None
         self.clock = controller.clock
         self.ack_interval = ack_interval  # 0: every window acked at once
         self.check_deployment = check_deployment or (lambda _name: None)
@@ -270,6 +276,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                     shape.num_logical,
                 )
             pool = check_name(request.pool, "pool") if request.pool else ""
+            if self.shard is not None and (refusal := self.shard.refusal(name, pool)):
+                raise StateError("FAILED_PRECONDITION", refusal)
             # expert_bytes 0: not known yet (wire/shape.py UNKNOWN_EXPERT_BYTES), a later
             # Register fills it in.
             unknown = unknown_of(request.shape)

@@ -168,7 +168,9 @@ class Upstream:
         TLS files and token)."""
         if self.via == "leader":
             return replace(channel, address=self.config.merge.leader)
-        return channel
+        # Controller shards: the one that owns the pod's pool or deployment, as its ranks
+        # named them (rebalancer.wire.shards; the one controller's address without shards).
+        return channel.routed(self.pod.deployment, self.pod.pool)
 
     def _whom(self) -> str:
         return "the group's leader sidecar" if self.via == "leader" else "controller"

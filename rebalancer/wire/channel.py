@@ -17,6 +17,7 @@ import grpc
 
 from rebalancer.errors import InputError
 from rebalancer.wire.link import Link, TlsFlags
+from rebalancer.wire.shards import shard_address
 
 # A DeepSeek-V3 window is 58 x 256 int64 = 119 KB (+ 58 x 288 physical); 16 MiB
 # leaves room for the largest models while refusing absurd messages early.
@@ -141,8 +142,10 @@ _HOST = re.compile(
 def check_address(address: str) -> None:
     """A controller's gRPC target: `host:port`, `[ipv6]:port`, `dns:[//authority/]host:port`
     or `unix:/absolute/path`. InputError (one line) for anything gRPC would only fail on
-    later, at every connection attempt (`notahost:xx`, a missing port)."""
-    target = address
+    later, at every connection attempt (`notahost:xx`, a missing port). The address of
+    controller shards (`{shard}` where the index goes, rebalancer.wire.shards) is checked
+    as shard 0's."""
+    target = shard_address(address, 0)
     if target.startswith("unix:"):
         if not target[len("unix:") :].lstrip("/"):
             raise InputError(f"controller address {address!r}: a unix: target needs a path")
@@ -173,15 +176,21 @@ def check_address(address: str) -> None:
         )
 
 
+# Both client channels go to the controller shard that owns the link's deployment
+# (Link.routed; the one address when there is one controller).
+
+
 def sync_channel(link: Link) -> grpc.Channel:
     creds = link.credentials()
+    address = link.routed().address
     if creds is None:
-        return grpc.insecure_channel(link.address, options=client_options())
-    return grpc.secure_channel(link.address, creds, options=client_options())
+        return grpc.insecure_channel(address, options=client_options())
+    return grpc.secure_channel(address, creds, options=client_options())
 
 
 def aio_channel(link: Link) -> grpc.aio.Channel:
     creds = link.credentials()
+    address = link.routed().address
     if creds is None:
-        return grpc.aio.insecure_channel(link.address, options=client_options())
-    return grpc.aio.secure_channel(link.address, creds, options=client_options())
+        return grpc.aio.insecure_channel(address, options=client_options())
+    return grpc.aio.secure_channel(address, creds, options=client_options())

@@ -1,12 +1,13 @@
 """The link to the controller: how a process reaches it, and who it is there.
 
 `Link` is the one spelling of "how to reach the controller": its address, the bearer
-token (or the file holding it), the TLS files, and who this process is there
-(deployment, worker id, replica pool). Every config that talks to the controller (the
-hook's, the agent's, the engine adapters', the sidecar's, the admin CLI's) holds one;
-`LINK_ENV` is the one table of their `REBALANCER_*` environment names, read by
-`link_settings` for the engines and the sidecar alike. `Link.check` is the one rule the
-TLS files must fit.
+token (or the file holding it), the TLS files, who this process is there (deployment,
+worker id, replica pool) and how many controller shards split the fleet. Every config
+that talks to the controller (the hook's, the agent's, the engine adapters', the
+sidecar's, the admin CLI's) holds one; `LINK_ENV` is the one table of their
+`REBALANCER_*` environment names, read by `link_settings` for the engines and the
+sidecar alike. `Link.check` is the one rule the TLS files must fit; `Link.routed` picks
+the controller shard that owns the deployment (rebalancer.wire.shards).
 
 Standard library only at import (the CLI builds its flags' help from `LINK_ENV`
 without loading gRPC); `credentials` loads gRPC when a channel is opened.
@@ -18,9 +19,17 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rebalancer.errors import InputError
+from rebalancer.wire.shards import (
+    SHARD_FIELD,
+    check_shards,
+    owner_key,
+    parse_shards,
+    shard_address,
+    shard_of,
+)
 
 if TYPE_CHECKING:
     import grpc
@@ -64,6 +73,11 @@ class Link:
     """A name for this process in the controller's status and logs ("" = a default)."""
     pool: str = ""
     """The deployment's replica pool (RegisterRequest.pool; "" = none)."""
+    shards: int = 1
+    """How many controller shards split the fleet (docs/shards.md): with more than one,
+    `address` holds `{shard}`, and each connection goes to the shard that owns the
+    deployment's pool, or the deployment outside a pool (`routed`, the rule of
+    rebalancer.wire.shards). 1: one controller, at `address`."""
 
     def check(self, names: TlsFlags = TlsFlags()) -> None:
         """The TLS files fit together (none is read): InputError, one line, naming them as
@@ -101,6 +115,33 @@ class Link:
             root_certificates=root, private_key=key, certificate_chain=chain
         )
 
+    def routed(self, deployment: str | None = None, pool: str | None = None) -> Link:
+        """This link to the one controller that owns its deployment: `{shard}` in the
+        address replaced by the owning shard's index (rebalancer.wire.shards: the pool's
+        name decides for a member of a replica pool, else the deployment's), `shards` 1.
+        The link itself when its address has no `{shard}` (one server: the controller, a
+        pod's sidecar, a merging sidecar). `deployment` and `pool` stand in for the link's
+        own when given (a sidecar learns them from its ranks). InputError, one line, when
+        shards are set but nothing names an owner."""
+        if SHARD_FIELD not in self.address:
+            return self
+        check_shards(self.address, self.shards)
+        key = owner_key(
+            self.deployment if deployment is None else deployment,
+            self.pool if pool is None else pool,
+        )
+        if self.shards > 1 and not key:
+            raise InputError(
+                f"a link to {self.shards} controller shards needs the deployment (or its "
+                "replica pool) to pick the shard that owns it"
+            )
+        return self.shard(shard_of(key, self.shards))
+
+    def shard(self, index: int) -> Link:
+        """This link to shard `index` (0 .. shards - 1), whoever owns what: the admin
+        CLI's fan-out."""
+        return replace(self, address=shard_address(self.address, index), shards=1)
+
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """The call metadata: the bearer token, when there is one."""
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
@@ -130,6 +171,7 @@ LINK_ENV: dict[str, str] = {
     "deployment": "REBALANCER_DEPLOYMENT",
     "worker_id": "REBALANCER_WORKER_ID",
     "pool": "REBALANCER_POOL",
+    "shards": "REBALANCER_SHARDS",
 }
 # Older names still read, with a warning naming the new one: the sidecar's address and
 # the engines' TLS files, from before the two shared one table.
@@ -170,10 +212,22 @@ def link_settings(env: Mapping[str, str]) -> dict[str, str]:
     return settings
 
 
+def link_from_settings(settings: Mapping[str, str]) -> Link:
+    """The Link of `settings` (field name -> text, as link_settings and the sidecar's flags
+    give them): `shards` read as a whole number, and more than one only with an address
+    that names every shard (rebalancer.wire.shards.check_shards): InputError, one line,
+    naming the variables otherwise."""
+    fields: dict[str, Any] = dict(settings)
+    if "shards" in fields:
+        fields["shards"] = parse_shards(fields["shards"], LINK_ENV["shards"])
+        check_shards(fields.get("address", ""), fields["shards"], LINK_ENV["address"])
+    return Link(**fields)
+
+
 def link_from_env(env: Mapping[str, str], **defaults: str) -> Link | None:
     """The Link `env` describes (link_settings), `defaults` for the fields it leaves
     unset; None when it names no address."""
     settings = {**defaults, **link_settings(env)}
     if not settings.get("address"):
         return None
-    return Link(**settings)
+    return link_from_settings(settings)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rebalancer.cli import main as cli
-from rebalancer.cli.admin_cmd import EXIT_CODES, EXIT_MEANINGS, EXIT_OTHER
+from rebalancer.cli.admin_cmd import EXIT_CODES, EXIT_MEANINGS, EXIT_OTHER, EXIT_SHARD_DOWN
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.launch.instant import DEPLOYMENT, E, G, InstantRank, L, P
@@ -48,8 +48,9 @@ def help_codes() -> dict[int, str]:
 def test_help_lists_every_exit_code_the_command_returns() -> None:
     listed = help_codes()
     # What run() can return: a mapped gRPC status, any other one, bad input found before
-    # the call (InputError, argparse), done, interrupted (rebalancer.cli.main).
-    returned = set(EXIT_CODES.values()) | {0, EXIT_OTHER, 2, 130}
+    # the call (InputError, argparse), done, interrupted (rebalancer.cli.main), a controller
+    # shard that did not answer (--shards).
+    returned = set(EXIT_CODES.values()) | {0, EXIT_OTHER, 2, 130, EXIT_SHARD_DOWN}
     assert set(listed) == returned == set(EXIT_MEANINGS)
     for status, code in EXIT_CODES.items():
         assert status in listed[code], f"{status} missing from the line of exit code {code}"

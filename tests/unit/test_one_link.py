@@ -32,8 +32,18 @@ from rebalancer.wire.link import (
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("rebalancer", "worker_hooks")
 # The link's own fields: a dataclass naming one of them holds a second copy of the link
-# (`controller` is what the address was called in some configs).
-LINK_FIELDS = {"address", "controller", "ca_file", "cert_file", "key_file", "token", "token_file"}
+# (`controller` is what the address was called in some configs; `shards`, how many
+# controller shards the address names).
+LINK_FIELDS = {
+    "address",
+    "controller",
+    "ca_file",
+    "cert_file",
+    "key_file",
+    "token",
+    "token_file",
+    "shards",
+}
 HOME = ("rebalancer/wire/link.py", "Link")
 
 
@@ -117,8 +127,11 @@ def test_the_canonical_names_are_read_without_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert link_settings(env) == {field: f"value of {field}" for field in LINK_ENV}
+        # The shard count is a number, and more than one needs {shard} in the address.
+        env.update(REBALANCER_SHARDS="3", REBALANCER_ADDRESS="value of {shard}")
         link = link_from_env(env)
-    assert link is not None and link.address == "value of address" and link.token is None
+    assert link is not None and link.address == "value of {shard}" and link.token is None
+    assert link.shards == 3
 
 
 @pytest.mark.parametrize(("old", "field"), sorted(LINK_ENV_RENAMED.items()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from rebalancer.cli.admin_cmd import EXIT_CODES
+from rebalancer.cli.admin_cmd import EXIT_CODES, EXIT_SHARD_DOWN
 from tests.unit.deploy.conftest import PROCESS_PREFIX, PROMETHEUS, ROOT, base_name, documents
 
 DOC = ROOT / "docs" / "operations.md"
@@ -47,7 +47,7 @@ def test_admin_actions_and_exit_codes() -> None:
         assert re.search(rf"^\| [^|]*`{action}\b", text, re.M), action
     assert "--dry-run" in text
     table = dict(re.findall(r"^\| ([0-9]) \| (.+) \|$", text, re.M))
-    assert set(table) == {"0", "1", *map(str, EXIT_CODES.values())}
+    assert set(table) == {"0", "1", *map(str, EXIT_CODES.values()), str(EXIT_SHARD_DOWN)}
     for status, code in EXIT_CODES.items():
         assert status in table[str(code)], f"exit {code}: {status} not named"
 
