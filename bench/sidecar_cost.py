@@ -199,20 +199,14 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
     from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
     from rebalancer.launch.processes import free_port
     from rebalancer.placement import trivial_placement
-    from rebalancer.v1 import rebalancer_pb2 as pb
     from worker_hooks.agent import AgentConfig, WorkerAgent
     from worker_hooks.hook import HookConfig, Link, RebalanceHook, WindowConfig
 
     torch.set_num_threads(1)  # a rank's host work is one thread; the machine has 2 cores
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000
     phy2log = trivial_placement(L, E, P, G)
-    shape = pb.ModelShape(
-        num_layers=L,
-        num_logical_experts=E,
-        num_physical_slots=P,
-        num_gpus=G,
-        num_nodes=1,
-        expert_bytes=44 << 20,
+    shape = ClusterShape(
+        num_layers=L, num_logical=E, num_slots=P, num_gpus=G, num_nodes=1, expert_bytes=44 << 20
     )
 
     # The controller: decisions paused, so only windows flow.
@@ -302,14 +296,7 @@ def run(args: argparse.Namespace, procs: Processes, tmp: Path, sockets: Path) ->
                 HookConfig(
                     link=Link(address, deployment=deployment, worker_id=f"bench-{mode}-hook"),
                     rank=G - 1,
-                    shape=ClusterShape(
-                        num_layers=L,
-                        num_logical=E,
-                        num_slots=P,
-                        num_gpus=G,
-                        num_nodes=1,
-                        expert_bytes=44 << 20,
-                    ),
+                    shape=shape,
                     windows=WindowConfig(steps=args.window_steps),
                 ),
                 phy2log,

@@ -34,6 +34,7 @@ from rebalancer.wire.codec import Statement
 from rebalancer.wire.delivery import SentWindows, send_report
 from rebalancer.wire.layout import placement_digest
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import ClusterShape, shape_msg
 from rebalancer.wire.windows import BoundedWindows, CountWindow
 
 log = logging.getLogger("worker_hooks.agent")
@@ -45,9 +46,9 @@ class AgentConfig:
     # deployment, worker id, replica pool. A token file is read once, at the agent's start.
     link: Link
     rank: int
-    shape: pb.ModelShape
-    dispatch_mode: str = "split"  # told at Register: the controller predicts under it
-    top_k: int = 0  # routed experts per token (0: unknown)
+    # The EP group's shape told at Register, its dispatch mode and top_k among it (the
+    # controller predicts a placement's balance under them); expert_bytes 0: not known yet.
+    shape: ClusterShape
     max_pending: int = 32  # unsent windows before merging
     rpc_timeout_seconds: float = 5.0
     backoff_initial_seconds: float = 0.2
@@ -329,15 +330,18 @@ class WorkerAgent:
         while not self._stop.is_set():
             await asyncio.sleep(0.05)
 
-    async def _register(self, stub: pb_grpc.WorkerServiceStub) -> None:
+    def register_request(self) -> pb.RegisterRequest:
+        """What this rank tells the controller at Register: its link's names, the shape
+        (dispatch mode and top_k among it), the version it serves, and once, a resize."""
+        shape = self.config.shape
         request = pb.RegisterRequest(
             deployment=self.config.link.deployment,
             rank=self.config.rank,
-            shape=self.config.shape,
+            shape=shape_msg(shape),
             placement_version=self._version(),
             worker_id=self.config.link.worker_id,
-            dispatch_mode=self.config.dispatch_mode,
-            top_k=self.config.top_k,
+            dispatch_mode=shape.dispatch_mode,
+            top_k=shape.top_k,
             pool=self.config.link.pool,
         )
         if self._initial is not None:
@@ -348,6 +352,10 @@ class WorkerAgent:
             request.resized_from.CopyFrom(
                 pb.Resize(version=self._resized_from[0], num_gpus=self._resized_from[1])
             )
+        return request
+
+    async def _register(self, stub: pb_grpc.WorkerServiceStub) -> None:
+        request = self.register_request()
         response = await stub.Register(
             request,
             timeout=self.config.rpc_timeout_seconds,

@@ -47,7 +47,6 @@ from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.dispatch import has_shared_replicas
 from rebalancer.wire.layout import check_phy2log
-from rebalancer.wire.shape import shape_msg
 from worker_hooks import works
 from worker_hooks.agent import AgentConfig, WorkerAgent
 from worker_hooks.agree import CommitAgreement
@@ -115,14 +114,7 @@ def _check_groups(**groups: dist.ProcessGroup | None) -> None:
 
 def agent_config(config: HookConfig) -> AgentConfig:
     """The agent's settings from the hook's: the link, and the shape told at Register."""
-    shape = config.registered_shape
-    return AgentConfig(
-        config.link,
-        config.rank,
-        shape_msg(shape),
-        dispatch_mode=shape.dispatch_mode,
-        top_k=shape.top_k,
-    )
+    return AgentConfig(config.link, config.rank, config.registered_shape)
 
 
 def _recorder(config: HookConfig, device: torch.device) -> ExpertRecorder:

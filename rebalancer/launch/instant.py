@@ -11,6 +11,7 @@ import numpy as np
 
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 
 # Ranks that prepare and commit at once, through real worker agents: with a pool member
@@ -18,14 +19,7 @@ from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 
 DEPLOYMENT = "live"  # the instant ranks' deployment unless told another
 L, E, P, G = 3, 8, 12, 2
-SHAPE = pb.ModelShape(
-    num_layers=L,
-    num_logical_experts=E,
-    num_physical_slots=P,
-    num_gpus=G,
-    num_nodes=1,
-    expert_bytes=1 << 20,
-)
+SHAPE = ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=G, expert_bytes=1 << 20)
 
 
 class InstantRank(PlanHandlers):
@@ -37,7 +31,7 @@ class InstantRank(PlanHandlers):
         address: str,
         deployment: str = DEPLOYMENT,
         pool: str = "",
-        shape: pb.ModelShape = SHAPE,
+        shape: ClusterShape = SHAPE,
     ) -> None:
         self.version = 0
         self.agent = WorkerAgent(

@@ -27,6 +27,7 @@ from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire import codec
 from rebalancer.wire.channel import client_options
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import shape_of
 from tests.integration.conftest import start_controller
 from tests.integration.test_admin import admin, real_counts
 from tests.unit.deploy.conftest import find_tool, missing
@@ -42,7 +43,7 @@ class PoolRank(InstantRank):
     def __init__(self, deployment: str, rank: int, address: str, pool: str) -> None:
         self.version = 0
         self.agent = WorkerAgent(
-            AgentConfig(Link(address, deployment=deployment, pool=pool), rank, SHAPE),
+            AgentConfig(Link(address, deployment=deployment, pool=pool), rank, shape_of(SHAPE)),
             self,
             lambda: self.version,
         )
@@ -177,7 +178,7 @@ def test_a_fresh_member_is_offered_the_pool_placement_at_register(
     assert admin(ctl, "force", "--pool", "fleet", token=None)[0] == 0
     wait_for(lambda: settled(ctl))
     joiner = WorkerAgent(
-        AgentConfig(Link(ctl.server.address, deployment="m9", pool="fleet"), 0, SHAPE),
+        AgentConfig(Link(ctl.server.address, deployment="m9", pool="fleet"), 0, shape_of(SHAPE)),
         ranks[0],  # type: ignore[union-attr]
         lambda: 0,
     )

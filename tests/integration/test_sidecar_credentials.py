@@ -25,6 +25,7 @@ import pytest
 
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import shape_of
 from tests.integration.conftest import start_controller
 from tests.integration.test_security import openssl
 from worker_hooks.agent import AgentConfig, WorkerAgent
@@ -161,7 +162,9 @@ def serve_two_ranks(target: str, windows: int) -> list[WorkerAgent]:
     """The pod's two ranks on the socket, each having sent `windows` windows."""
     agents = [
         WorkerAgent(
-            AgentConfig(Link(target, deployment="prod", worker_id=f"rank {rank}"), rank, SHAPE),
+            AgentConfig(
+                Link(target, deployment="prod", worker_id=f"rank {rank}"), rank, shape_of(SHAPE)
+            ),
             _Handlers(),
             lambda: 0,
         )

@@ -23,6 +23,7 @@ from rebalancer.controller.embedded import EmbeddedController
 from rebalancer.launch.processes import free_port
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import shape_of
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
 SHAPE = pb.ModelShape(
@@ -83,7 +84,7 @@ def test_one_outage_is_one_link_lost_line(tmp_path: Path) -> None:
     try:
         assert proc.stdout is not None and "sidecar serving on" in proc.stdout.readline()
         agent = WorkerAgent(
-            AgentConfig(Link(target, deployment="prod"), 0, SHAPE), _Handlers(), lambda: 0
+            AgentConfig(Link(target, deployment="prod"), 0, shape_of(SHAPE)), _Handlers(), lambda: 0
         )  # type: ignore[arg-type]
         agent.start()
         wait_for(lambda: lines("registered ranks"), 30, "the pod's group registered")

@@ -20,6 +20,7 @@ import pytest
 
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import shape_of
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,7 @@ def test_a_rank_of_a_second_deployment_is_told_once_why(caplog: pytest.LogCaptur
         fast = dict(backoff_initial_seconds=0.05, backoff_max_seconds=0.2)  # many tries, quickly
         agents = [
             WorkerAgent(
-                AgentConfig(Link(target, deployment=dep), rank, SHAPE, **fast),  # type: ignore[arg-type]
+                AgentConfig(Link(target, deployment=dep), rank, shape_of(SHAPE), **fast),  # type: ignore[arg-type]
                 _Handlers(),
                 lambda: 0,
             )

@@ -25,6 +25,7 @@ import pytest
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.layout import trivial_placement
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import shape_of
 from tests.integration.conftest import start_controller
 from tests.integration.test_end_to_end import FAST_POLICY
 from tests.integration.test_resize import NEW, OLD, SURVIVORS, E, L
@@ -55,7 +56,7 @@ class Rank:
             AgentConfig(
                 Link(target, deployment="dep", worker_id=worker),
                 rank,
-                shape,
+                shape_of(shape),
                 resized_from=resized_from,
                 backoff_initial_seconds=0.1,
                 backoff_max_seconds=1.0,

@@ -81,6 +81,46 @@ def test_no_second_model_shape() -> None:
     assert shape_copies() == [], "nest a rebalancer.wire.shape.ClusterShape instead"
 
 
+def wire_shapes_in_configs(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[str]:
+    """`path: Class.field` for every `...Config` dataclass holding the wire's ModelShape
+    (a config nests ClusterShape; the message is built from it at Register)."""
+    found = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            if "_pb2" in path.name:
+                continue
+            rel = path.relative_to(root).as_posix()
+            for cls in ast.walk(ast.parse(path.read_text(), rel)):
+                if not (
+                    isinstance(cls, ast.ClassDef)
+                    and _is_dataclass(cls)
+                    and cls.name.endswith("Config")
+                ):
+                    continue
+                found += [
+                    f"{rel}: {cls.name}.{node.target.id}"
+                    for node in cls.body
+                    if isinstance(node, ast.AnnAssign)
+                    and isinstance(node.target, ast.Name)
+                    and "ModelShape" in ast.unparse(node.annotation)
+                ]
+    return found
+
+
+def test_no_config_holds_the_wire_shape() -> None:
+    assert wire_shapes_in_configs() == [], "nest a rebalancer.wire.shape.ClusterShape instead"
+
+
+def test_the_walk_finds_a_wire_shape_in_a_config(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "agent.py").write_text(
+        "from dataclasses import dataclass\n\n"
+        "@dataclass(frozen=True)\nclass AgentConfig:\n    rank: int\n    shape: pb.ModelShape\n\n"
+        "@dataclass\nclass Pending:\n    shape: pb.ModelShape\n"  # a relayed message, no config
+    )
+    assert wire_shapes_in_configs(tmp_path, ("pkg",)) == ["pkg/agent.py: AgentConfig.shape"]
+
+
 def test_no_second_window_setting() -> None:
     assert window_copies() == [], "nest a worker_hooks.config.WindowConfig instead"
 

@@ -26,6 +26,7 @@ from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.config import WindowConfig
 from worker_hooks.session.agreement import NO_PLAN, all_reduce_min, held_everywhere, plan_digest
@@ -56,7 +57,7 @@ def worker_identity(link: Link) -> str:
 def engine_agent(
     config: LinkSettings,
     rank: int,
-    shape: pb.ModelShape,
+    shape: ClusterShape,
     handlers: PlanHandlers,
     version: Callable[[], int],
     phy2log: np.ndarray,
@@ -106,7 +107,7 @@ class RankSession(PlanMessages, PlanHandlers):
         self,
         config: LinkSettings,
         rank: int,
-        shape: pb.ModelShape,
+        shape: ClusterShape,
         phy2log: np.ndarray,
         stats: SessionStats,
         count_duplicates: int = 1,
@@ -116,7 +117,7 @@ class RankSession(PlanMessages, PlanHandlers):
         self.rank = rank
         self.phy2log = np.array(phy2log, dtype=np.int64, copy=True)  # the map served
         self.num_layers, self.num_slots = self.phy2log.shape
-        self.num_logical = int(shape.num_logical_experts)
+        self.num_logical = int(shape.num_logical)
         self.num_gpus = int(shape.num_gpus)
         self.version = 0
         self.step = 0
@@ -165,9 +166,7 @@ class RankSession(PlanMessages, PlanHandlers):
         self.serve_version(version)
         log.info("rank %d: the resized group serves v%d", self.rank, version)
 
-    def rejoin_resized(
-        self, rank: int, shape: pb.ModelShape, phy2log: np.ndarray, why: str
-    ) -> None:
+    def rejoin_resized(self, rank: int, shape: ClusterShape, phy2log: np.ndarray, why: str) -> None:
         """The engine resized this rank's group in place (SGLang's elastic EP after a rank
         fault): from this pass on the rank is rank `rank` of the world `shape`, serving
         `phy2log` `[L, P']`. The window counted on the old world is sent, the old world's

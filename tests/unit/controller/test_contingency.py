@@ -32,6 +32,9 @@ from tests.unit.controller.test_controller import FakeClock
 from tests.unit.worker_hooks.test_agent_buffer import NoPlans
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
+# An EP group for agents that never register (their shape is not read).
+TINY = ClusterShape(num_layers=1, num_logical=4, num_slots=4, num_gpus=1)
+
 # 4 ranks in 2 nodes, 3 slots a rank: a rank loss leaves 9 slots for 8 experts, a node
 # loss 6, which cannot hold them.
 SHAPE = ClusterShape(
@@ -179,7 +182,7 @@ def test_declared_scale_downs_are_planned_on_the_tail_nodes_stored_and_told(tmp_
     # told to the ranks like the other losses: a rank's survivor_map finds it by lost ranks
     assert [t.loss.lost for t in told if t.loss.kind == "scale_down"] == [(6, 7), (4, 5, 6, 7)]
     agent = WorkerAgent(
-        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape()), NoPlans(), lambda: 0
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, TINY), NoPlans(), lambda: 0
     )
     for t in told:
         agent._deliver(

@@ -11,7 +11,11 @@ import pytest
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.agent import AgentConfig, WorkerAgent
+
+# An EP group for agents that never register (their shape is not read).
+TINY = ClusterShape(num_layers=1, num_logical=4, num_slots=4, num_gpus=1)
 
 
 class NoPlans:
@@ -24,7 +28,7 @@ class NoPlans:
 
 def test_pending_windows_merge_beyond_the_bound() -> None:
     agent = WorkerAgent(
-        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape(), max_pending=8),
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, TINY, max_pending=8),
         NoPlans(),
         lambda: 0,
     )
@@ -59,7 +63,7 @@ class Recorder(NoPlans):
 def test_each_controller_message_reaches_its_handler() -> None:
     handlers = Recorder()
     agent = WorkerAgent(
-        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape()), handlers, lambda: 0
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, TINY), handlers, lambda: 0
     )
     agent._sent.unacked = {0: pb.Window(seq=0), 1: pb.Window(seq=1), 2: pb.Window(seq=2)}
     for msg in (
@@ -76,15 +80,11 @@ def test_each_controller_message_reaches_its_handler() -> None:
 
 def test_bad_agent_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="max_pending must be >= 1"):
-        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape(), max_pending=0)
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, TINY, max_pending=0)
     with pytest.raises(ValueError, match="rpc_timeout_seconds must be > 0"):
-        AgentConfig(
-            Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape(), rpc_timeout_seconds=0.0
-        )
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, TINY, rpc_timeout_seconds=0.0)
     with pytest.raises(ValueError, match="backoff_max_seconds"):
-        AgentConfig(
-            Link("127.0.0.1:1", deployment="d"), 0, pb.ModelShape(), backoff_max_seconds=0.1
-        )
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, TINY, backoff_max_seconds=0.1)
 
 
 def test_tls_settings_that_cannot_connect_are_refused_at_start(tmp_path) -> None:
@@ -100,7 +100,7 @@ def test_tls_settings_that_cannot_connect_are_refused_at_start(tmp_path) -> None
             key_file=str(tmp_path / "key"),
         ),
         0,
-        pb.ModelShape(),
+        TINY,
     )
     with pytest.raises(InputError, match="a client certificate .* needs --ca as well"):
         WorkerAgent(config, NoPlans(), lambda: 0)
@@ -114,7 +114,7 @@ def test_the_agent_outlives_a_certificate_file_gone_after_start(tmp_path, caplog
     config = AgentConfig(
         Link("127.0.0.1:1", deployment="d", ca_file=str(ca)),
         0,
-        pb.ModelShape(),
+        TINY,
         backoff_initial_seconds=0.01,
         backoff_max_seconds=0.02,
     )
@@ -155,7 +155,7 @@ def test_a_stream_that_ends_under_a_write_is_a_lost_link(tmp_path, monkeypatch) 
     monkeypatch.setattr(_call.StreamStreamCall, "write", write_once_finished)
     ctl = start_controller(tmp_path / "c.sqlite")
     assert ctl.server is not None
-    shape = pb.ModelShape(num_layers=1, num_logical_experts=4, num_physical_slots=4, num_gpus=1)
+    shape = TINY
     agent = WorkerAgent(
         AgentConfig(
             Link(ctl.server.address, deployment="d"),

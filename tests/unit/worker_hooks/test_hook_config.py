@@ -12,7 +12,9 @@ import pytest
 
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire.shape import ClusterShape
+from tests.unit.worker_hooks.test_warm import NoPlans
 from worker_hooks import config as config_module
+from worker_hooks.agent import WorkerAgent
 from worker_hooks.config import DispatchConfig, HookConfig, Link, MigrationConfig, WindowConfig
 from worker_hooks.hook import agent_config
 
@@ -172,9 +174,14 @@ def test_the_register_tells_what_it_told_before_the_nested_shape(
         shared_expert=shared_expert,
     )
     agent = agent_config(config)
-    told = (agent.shape.SerializeToString(deterministic=True), agent.dispatch_mode, agent.top_k)
+    request = WorkerAgent(agent, NoPlans(), lambda: 0).register_request()
+    told = (
+        request.shape.SerializeToString(deterministic=True),
+        request.dispatch_mode,
+        request.top_k,
+    )
     assert told == before
-    assert (agent.link, agent.rank) == (config.link, 1)
+    assert (agent.link, agent.rank, request.rank, request.deployment) == (config.link, 1, 1, "d")
 
 
 def test_the_shape_is_checked_and_the_dispatch_mode_set_once() -> None:

@@ -18,6 +18,7 @@ import worker_hooks
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.config import WindowConfig
 from worker_hooks.session import windows
 from worker_hooks.session.agreement import NO_PLAN, plan_digest
@@ -38,9 +39,7 @@ class Settings:
 
 
 def session() -> RankSession:
-    shape = pb.ModelShape(
-        num_layers=L, num_logical_experts=E, num_physical_slots=P, num_gpus=1, num_nodes=1
-    )
+    shape = ClusterShape(num_layers=L, num_logical=E, num_slots=P, num_gpus=1, num_nodes=1)
     return RankSession(Settings(), 0, shape, START, SessionStats())
 
 

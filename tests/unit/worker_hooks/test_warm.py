@@ -12,6 +12,7 @@ import numpy as np
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import shape_of
 from worker_hooks.agent import AgentConfig, PlanHandlers, WorkerAgent
 from worker_hooks.warm import await_offer, group_holds
 
@@ -36,7 +37,7 @@ def _agent() -> WorkerAgent:
     # Never started: the offer is delivered as the agent's stream would (ControllerMessage).
     handlers: PlanHandlers = NoPlans()
     return WorkerAgent(
-        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, SHAPE), handlers, lambda: 0
+        AgentConfig(Link("127.0.0.1:1", deployment="d"), 0, shape_of(SHAPE)), handlers, lambda: 0
     )
 
 

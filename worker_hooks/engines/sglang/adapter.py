@@ -33,6 +33,7 @@ import torch.distributed as dist
 from rebalancer.errors import InputError
 from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.wire import codec
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks import works
 from worker_hooks.agree import CommitAgreement
 from worker_hooks.config import MigrationConfig
@@ -80,10 +81,10 @@ class SGLangRebalanceAdapter(RankSession):
             if weights
             else 0
         )
-        shape = pb.ModelShape(
+        shape = ClusterShape(
             num_layers=phy2log.shape[0],
-            num_logical_experts=int(metadata.num_logical_experts),
-            num_physical_slots=phy2log.shape[1],
+            num_logical=int(metadata.num_logical_experts),
+            num_slots=phy2log.shape[1],
             num_gpus=self.num_gpus,
             num_nodes=int(get_parallel().nnodes),
             expert_bytes=self.expert_bytes,

@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.shape import ClusterShape
 
 log = logging.getLogger("worker_hooks.engines.sglang")
 
@@ -112,12 +113,12 @@ def full_width(
 
 
 def survivors_world(
-    shape: pb.ModelShape,
+    shape: ClusterShape,
     lost: tuple[int, ...],
     ep_size: int,
     slots_per_rank: int,
     ranks_per_node: int,
-) -> tuple[list[int], np.ndarray, pb.ModelShape]:
+) -> tuple[list[int], np.ndarray, ClusterShape]:
     """The world SGLang's survivors are after losing `lost` of `ep_size` ranks, as the
     controller knows worlds: (the surviving ranks, survivor i being rank i of the new
     world; their slots of SGLang's full-width map `[P']`; the new world's shape, `shape`
@@ -126,10 +127,12 @@ def survivors_world(
     live = np.concatenate(
         [np.arange(r * slots_per_rank, (r + 1) * slots_per_rank) for r in survivors]
     )
-    world = pb.ModelShape()
-    world.CopyFrom(shape)
-    world.num_gpus, world.num_physical_slots = len(survivors), len(live)
-    world.num_nodes = len({r // ranks_per_node for r in survivors})
+    world = replace(
+        shape,
+        num_gpus=len(survivors),
+        num_slots=len(live),
+        num_nodes=len({r // ranks_per_node for r in survivors}),
+    )
     return survivors, live, world
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.agent import AgentConfig, WorkerAgent
 from worker_hooks.engines.sglang.config import SGLangAdapterConfig
 from worker_hooks.session.rank import worker_identity
@@ -180,10 +181,10 @@ def _early_agent(
 ) -> WorkerAgent:
     """The agent that registers before the weights are loaded, for the offer only."""
     num_layers, num_slots = phy2log.shape
-    shape = pb.ModelShape(
+    shape = ClusterShape(
         num_layers=num_layers,
-        num_logical_experts=num_logical,
-        num_physical_slots=num_slots,
+        num_logical=num_logical,
+        num_slots=num_slots,
         num_gpus=num_gpus,
         num_nodes=num_nodes,
         expert_bytes=0,

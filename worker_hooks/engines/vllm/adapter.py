@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.shape import ClusterShape
 from worker_hooks.engines.vllm.config import VLLMAdapterConfig
 from worker_hooks.engines.vllm.layer_set import LayerSet, expert_groups
 from worker_hooks.session.rank import RankSession, SessionStats, Switch
@@ -66,10 +67,10 @@ class VLLMRebalanceAdapter(RankSession):
         model = self.layers.models[0].model
         phy2log = self.layers.read_map()
         weights = model.expert_weights[0] if model.expert_weights else []
-        shape = pb.ModelShape(
+        shape = ClusterShape(
             num_layers=phy2log.shape[0],
-            num_logical_experts=int(model.num_logical_experts),
-            num_physical_slots=phy2log.shape[1],
+            num_logical=int(model.num_logical_experts),
+            num_slots=phy2log.shape[1],
             num_gpus=num_ranks,
             num_nodes=num_nodes,
             expert_bytes=int(sum(t[0].numel() * t.element_size() for t in weights)),
