@@ -46,6 +46,7 @@ from rebalancer.v1 import rebalancer_pb2 as pb
 from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import client_options
 from rebalancer.wire.link import Link
+from rebalancer.wire.shape import shape_msg
 from rebalancer.wire.shards import owner_shard, shard_address, shard_of
 from worker_hooks.agent import AgentConfig, WorkerAgent
 
@@ -349,7 +350,9 @@ def test_three_shards_by_pool(cluster: Cluster) -> None:
     with grpc.insecure_channel(cluster.address(other), options=client_options()) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             pb_grpc.WorkerServiceStub(channel).Register(
-                pb.RegisterRequest(deployment="intruder", rank=0, shape=SHAPE, pool=pools[owner]),
+                pb.RegisterRequest(
+                    deployment="intruder", rank=0, shape=shape_msg(SHAPE), pool=pools[owner]
+                ),
                 timeout=10,
             )
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
