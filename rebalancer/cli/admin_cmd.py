@@ -568,13 +568,15 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
             print(json.dumps({"version": reply.version, "phy2log": phy2log.tolist()}))
         elif not (args.out or args.sglang):
             print(
-                f"placement v{reply.version} of {args.deployment}: {phy2log.shape[0]} layers x {phy2log.shape[1]} slots"
+                f"placement v{reply.version} of {args.deployment}: "
+                f"{phy2log.shape[0]} layers x {phy2log.shape[1]} slots"
             )
             for layer, row in enumerate(phy2log):
                 print(f"  layer {layer:3d}: {' '.join(map(str, row))}")
         else:
             print(
-                f"wrote placement v{reply.version} to {', '.join(p for p in (args.out, args.sglang) if p)}"
+                f"wrote placement v{reply.version} to "
+                f"{', '.join(p for p in (args.out, args.sglang) if p)}"
             )
     elif cmd == "history":
         reply = stub.History(pb.HistoryRequest(deployment=args.deployment, limit=args.limit), **kw)
@@ -599,9 +601,11 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
         )
         d = reply.decision
         text = (
-            f"{d.outcome}: balancedness {d.balancedness_current:.3f} -> {d.balancedness_candidate:.3f} "
+            f"{d.outcome}: balancedness {d.balancedness_current:.3f} -> "
+            f"{d.balancedness_candidate:.3f} "
             f"(bound {d.bound_balancedness:.3f}), moves {d.moved_fraction:.1%} of slots "
-            f"({d.bytes_to_move / 1e6:.1f} MB), predicted gain {d.predicted_gain_seconds:.2f} s vs cost "
+            f"({d.bytes_to_move / 1e6:.1f} MB), predicted gain {d.predicted_gain_seconds:.2f} s "
+            f"vs cost "
             f"{d.migration_cost_seconds:.3f} s"
             + (f"; plan v{d.plan_version} started" if d.plan_version else "")
             + (
@@ -619,7 +623,10 @@ def _dispatch(args: argparse.Namespace, stub: Any, pb: Any, kw: dict[str, Any]) 
                 + (
                     "diverged (balanced alone): not rolled to, moves nothing"
                     if m.diverged
-                    else f"{m.slots_moved} slots ({m.moved_fraction:.1%}), {m.bytes_to_move / 1e6:.1f} MB"
+                    else (
+                        f"{m.slots_moved} slots ({m.moved_fraction:.1%}), "
+                        f"{m.bytes_to_move / 1e6:.1f} MB"
+                    )
                 )
                 for m in reply.members
             )
@@ -716,10 +723,12 @@ def _regimes_text(name: str, reply: Any) -> str:
     lines = [
         f"{name}: {policy}; {len(reply.regimes)} regimes from {reply.windows} windows, current "
         f"{reply.current}; predictor errors: {errors or 'none yet'}",
-        f"  {'regime':>6s} {'windows':>8s} {'stays':>6s} {'mean stay':>9s} {'fit bal.':>8s} {'ready':>5s}  last seen",
+        f"  {'regime':>6s} {'windows':>8s} {'stays':>6s} {'mean stay':>9s} "
+        f"{'fit bal.':>8s} {'ready':>5s}  last seen",
     ]
     lines += [
-        f"  {r.id:6d} {r.windows:8d} {r.visits:6d} {r.mean_stay_windows:9.1f} {r.fit_balancedness:8.3f} "
+        f"  {r.id:6d} {r.windows:8d} {r.visits:6d} {r.mean_stay_windows:9.1f} "
+        f"{r.fit_balancedness:8.3f} "
         f"{'yes' if r.ready else 'no':>5s}  {_when(r.last_seen)}"
         for r in reply.regimes
     ]
@@ -732,9 +741,13 @@ def _regimes_text(name: str, reply: Any) -> str:
 def _contingency_text(name: str, reply: Any) -> str:
     """One line per planned loss: balancedness after it, slots to refill, experts from storage."""
     if not reply.planned:
-        return f"{name}: no contingency set yet (it is planned once counts arrive, for groups of 2+ ranks)"
+        return (
+            f"{name}: no contingency set yet "
+            f"(it is planned once counts arrive, for groups of 2+ ranks)"
+        )
     lines = [
-        f"{name}: survivor placements planned on v{reply.base_version} at {_when(reply.computed_at)} "
+        f"{name}: survivor placements planned on v{reply.base_version} "
+        f"at {_when(reply.computed_at)} "
         f"(balancedness now {reply.balancedness_now:.3f})",
         f"  {'loss':<18s} {'balancedness':>12s} {'slots moved':>12s} {'from storage':>13s}  note",
     ]
@@ -752,7 +765,9 @@ def _contingency_text(name: str, reply: Any) -> str:
             note = f"ranks {first}-{last} go" + (f"; {note}" if note else "")
         bal = f"{loss.balancedness:.3f}" if not loss.unserved else "-"
         lines.append(
-            f"  {what:<18s} {bal:>12s} {loss.slots_moved:>12d} {loss.from_storage:>13d}  {note}".rstrip()
+            (
+                f"  {what:<18s} {bal:>12s} {loss.slots_moved:>12d} {loss.from_storage:>13d}  {note}"
+            ).rstrip()
         )
     return "\n".join(lines)
 
@@ -764,9 +779,12 @@ def _status_by_pool(reply: Any) -> str:
         last = p.last_decision
         out.append(
             f"pool {p.pool}: placement {p.pool_version}, {len(p.members)} members "
-            f"({len(p.diverged)} diverged{': ' + ', '.join(p.diverged) if p.diverged else ''}), "
-            f"balancedness on the pool estimate {balancedness_text(p.balancedness_estimated, 'none yet')}; "
-            f"rolling: {p.members_at_target}/{len(p.members) - len(p.diverged)} on the pool placement, "
+            f"({len(p.diverged)} diverged"
+            f"{': ' + ', '.join(p.diverged) if p.diverged else ''}), "
+            f"balancedness on the pool estimate "
+            f"{balancedness_text(p.balancedness_estimated, 'none yet')}; "
+            f"rolling: {p.members_at_target}/{len(p.members) - len(p.diverged)} "
+            f"on the pool placement, "
             f"{p.members_moving} moving (cap {p.max_moving})"
             + (f"\n  last pool decision: {last.outcome}: {last.reason}" if last.outcome else "")
         )
@@ -788,11 +806,13 @@ def _status_text(d: Any) -> str:
     return (
         f"{d.deployment}: v{d.placement_version}, {d.connected_ranks}/{s.num_gpus} ranks, "
         f"L={s.num_layers} E={s.num_logical_experts} P={s.num_physical_slots} N={s.num_nodes}\n"
-        f"  balancedness actual {balancedness_text(d.balancedness_actual, 'no window measured yet')}, "
+        f"  balancedness actual "
+        f"{balancedness_text(d.balancedness_actual, 'no window measured yet')}, "
         f"on estimate {balancedness_text(d.balancedness_estimated, 'no counts folded yet')}; "
         f"{d.windows_folded} windows folded ({d.windows_ingested} received since start)"
         f"{', PAUSED' if d.paused else ''}\n"
-        f"  plans committed {d.plans_committed}, aborted {d.plans_aborted}; moved {d.slots_moved} slots, "
+        f"  plans committed {d.plans_committed}, aborted {d.plans_aborted}; "
+        f"moved {d.slots_moved} slots, "
         f"{d.bytes_moved / 1e6:.1f} MB"
         + (f"\n  plan in flight: v{d.plan_in_flight} ({d.plan_phase})" if d.plan_in_flight else "")
         + (

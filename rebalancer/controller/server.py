@@ -66,7 +66,8 @@ def preflight(config: ControllerConfig) -> grpc.ServerCredentials | None:
     check_store_path(config.db_path)
     if config.metrics_port and config.metrics_port == config.port:
         raise InputError(
-            f"metrics port and gRPC port are both {config.port}: the metrics need a port of their own"
+            f"metrics port and gRPC port are both {config.port}: "
+            f"the metrics need a port of their own"
         )
     return _tls_credentials(config)
 

@@ -95,7 +95,10 @@ def unavailable_cause(config: Link, details: str, flags: TlsFlags = TlsFlags()) 
             "(is it the metrics port?)"
         )
     if "WRONG_VERSION_NUMBER" in details:
-        return f"the server at {where} does not speak TLS: leave out {flags.ca}, {flags.cert} and {flags.key}"
+        return (
+            f"the server at {where} does not speak TLS: "
+            f"leave out {flags.ca}, {flags.cert} and {flags.key}"
+        )
     if "CERTIFICATE_VERIFY_FAILED" in details:
         return f"the server's certificate is not signed by the CA of {flags.ca} {config.ca_file}"
     if "Hostname Verification" in details or "Peer name" in details:

@@ -51,7 +51,8 @@ def decode(msg: pb.Array, what: str, shape: tuple[int, ...] | None = None) -> np
     dtype = _TO_NUMPY.get(msg.dtype)
     if dtype is None:
         raise InputError(
-            f"{what}: unsupported dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype}"
+            f"{what}: unsupported dtype "
+            f"{pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype}"
         )
     got = tuple(msg.shape)  # uint64 on the wire: Python ints already
     if shape is not None and got != tuple(shape):

@@ -95,7 +95,8 @@ def shape_of(msg: pb.ModelShape) -> ClusterShape:
     cells = shape.num_layers * shape.num_slots
     if cells > MAX_LAYER_SLOTS:
         raise InputError(
-            f"shape.num_layers x shape.num_physical_slots ({shape.num_layers} x {shape.num_slots} = {cells}) "
+            f"shape.num_layers x shape.num_physical_slots "
+            f"({shape.num_layers} x {shape.num_slots} = {cells}) "
             f"is above the limit {MAX_LAYER_SLOTS}"
         )
     return shape

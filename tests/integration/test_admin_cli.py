@@ -260,7 +260,8 @@ def test_what_status_and_history_say_before_and_after_windows(tmp_path: Path) ->
         _send(ctl, ranks, rng.integers(0, 50, (L, E)) * (1 + np.arange(E)), 3)
         code, text, _ = admin(ctl, "status", DEPLOYMENT)
         assert re.search(
-            r"balancedness actual [01]\.\d{3}, on estimate [01]\.\d{3}; 3 windows folded \(6 received",
+            r"balancedness actual [01]\.\d{3}, on estimate [01]\.\d{3}; "
+            r"3 windows folded \(6 received",
             text,
         ), text
         before = time.time()

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if not OUTPUT.exists() or OUTPUT.read_text() != text:
             print(
-                f"{OUTPUT.relative_to(ROOT)} is stale: run python -m tests.unit.deploy.prometheusrule",
+                f"{OUTPUT.relative_to(ROOT)} is stale: "
+                f"run python -m tests.unit.deploy.prometheusrule",
                 file=sys.stderr,
             )
             return 1
