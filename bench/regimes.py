@@ -16,7 +16,7 @@ estimate and placement in the same run), with a library of 16 regimes (mixes of 
 DeepSeek-V3 workloads), at G=32/P=288 (4 nodes) and G=256/P=512 (32 nodes): a window that
 joins a known regime (the common case) and one that starts a new regime (a from-scratch fit).
 
-    python -m bench.regimes                                  # seeds 71,72; 300 windows; 1 s and 10 s
+    python -m bench.regimes                          # seeds 71,72; 300 windows; 1 s and 10 s
     python -m bench.regimes --seeds 5 --kinds phase --window-seconds 10 --starts trivial
     python -m bench.regimes --decision-cost
 """
@@ -85,11 +85,13 @@ def _print(row: dict[str, Any]) -> None:
         return "-" if v is None else ("yes" if v else "NO")
 
     print(
-        f"{row['kind']:5s} {row['windows']:4d} {row['window_seconds']:4g} {row['seed']:4d} {row['start']:7s} "
+        f"{row['kind']:5s} {row['windows']:4d} {row['window_seconds']:4g} {row['seed']:4d} "
+        f"{row['start']:7s} "
         f"{row['adaptive']:.4f} {row['follow']:.4f} {row['regimes']:.4f} {row['vs_follow']:+.4f} "
         f"{row['vs_adaptive']:+.4f} {row['slots_regimes']:7d} {row['slots_adaptive']:7d} "
         f"{row['slots_ratio'] if row['slots_ratio'] is not None else '-':>6} "
-        f"{yes(row['meets_follow']):>4s} {yes(row['meets_adaptive']):>4s} {yes(row['meets_slots']):>4s} "
+        f"{yes(row['meets_follow']):>4s} {yes(row['meets_adaptive']):>4s} "
+        f"{yes(row['meets_slots']):>4s} "
         f"{row['seconds']:5.0f}",
         flush=True,
     )
@@ -191,7 +193,8 @@ def decision_cost(repeats: int) -> list[dict[str, Any]]:
         print(
             f"G={G} P={P} N={N}: adaptive {row['adaptive_ms']} ms, regimes (known regime) "
             f"{row['regimes_known_ms']} ms (x{row['known_over_adaptive']}), regimes (new regime) "
-            f"{row['regimes_new_ms']} ms (x{row['new_over_adaptive']}); median CPU of {repeats}; the library "
+            f"{row['regimes_new_ms']} ms (x{row['new_over_adaptive']}); median CPU of {repeats}; "
+            f"the library "
             f"pickled {row['library_pickle_kib']} KiB, round trip {row['pickle_round_trip_ms']} ms",
             flush=True,
         )
@@ -220,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sources = deepseek_v3_sources()
     print(
-        "kind  win  w_s seed start   adapt.  follow  regimes vs_fol  vs_ada   slots  slots_a  ratio "
+        "kind  win  w_s seed start   adapt.  follow  regimes vs_fol  vs_ada   slots  slots_a  "
+        "ratio "
         " fol  ada slot     s"
     )
     rows = []

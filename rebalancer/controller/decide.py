@@ -190,7 +190,8 @@ class _Evaluation:
     def summary(self, horizon_seconds: float) -> str:
         """The numbers every reason ends with."""
         return (
-            f"balancedness {self.b_current:.3f} -> {self.b_candidate:.3f} (bound {self.bound:.3f}), "
+            f"balancedness {self.b_current:.3f} -> {self.b_candidate:.3f} "
+            f"(bound {self.bound:.3f}), "
             f"{self.slots_moved} slots ({self.moved_fraction:.1%}) to move, predicted gain "
             f"{self.gain:.2f} s over {horizon_seconds:g} s vs migration cost "
             f"{self.cost.seconds:.3f} s"
@@ -215,8 +216,9 @@ def decide(
     `last_rebalance` are seconds on the caller's clock (`None`: never rebalanced);
     `windows` is how many windows the estimate holds and `effective_windows` how many
     independent windows they are worth (`LoadEstimator.effective_windows`, or per layer
-    with `LoadEstimator.shrunk`; default `windows`). `forced` skips the gate (outcome "forced"); `dry_run` computes everything
-    and returns the candidate with outcome "dry_run", starting nothing.
+    with `LoadEstimator.shrunk`; default `windows`). `forced` skips the gate (outcome "forced");
+    `dry_run` computes everything and returns the candidate with outcome "dry_run", starting
+    nothing.
     """
     estimate = np.asarray(estimate, dtype=np.float64)
     current = np.asarray(current)
@@ -372,7 +374,8 @@ def _gate(
     if ev.b_candidate - ev.b_current < policy.gain_threshold + ev.noise_margin:
         return (
             "skip_gain",
-            f"balancedness gain {ev.b_candidate - ev.b_current:+.3f} below threshold {policy.gain_threshold:g}"
+            f"balancedness gain {ev.b_candidate - ev.b_current:+.3f} below threshold "
+            f"{policy.gain_threshold:g}"
             + (f" + noise margin {ev.noise_margin:.3f}" if ev.noise_margin else ""),
         )
     if ev.gain <= ev.cost.seconds:

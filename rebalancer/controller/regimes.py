@@ -121,7 +121,8 @@ class RegimeConfig:
     """The same for its slow mean (> forecast_fast): their gap over their lag gap is the trend."""
 
     forecast_effective_windows: float = 1.5
-    """Windows the forecast is worth to the noise margin (the fast mean's, less the trend's noise)."""
+    """Windows the forecast is worth to the noise margin (the fast mean's, less the trend's
+    noise)."""
 
     score_decay: float = 0.7
     """Weight of a predictor's old running error per window."""
@@ -685,7 +686,10 @@ def decide_regimes(
         # A jump to a load never seen: the forecast restarted on the new window, while
         # the estimate still holds the old load.
         load_name, (load, worth) = "forecast", loads["forecast"]
-        why = f"a jump to a new regime {regime.id} (no regime within {config.match_distance:g}): its window"
+        why = (
+            f"a jump to a new regime {regime.id} "
+            f"(no regime within {config.match_distance:g}): its window"
+        )
     else:
         scored = {k: library.errors.get(k, math.inf) for k in loads}
         if regime.windows < config.known_windows:
