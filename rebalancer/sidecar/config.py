@@ -96,7 +96,8 @@ class MergeConfig:
             host, _, port = self.listen.rpartition(":")
             if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
                 raise InputError(
-                    f"merge listen address {self.listen!r} must be host:port (port 0-65535; 0: any free)"
+                    f"merge listen address {self.listen!r} must be host:port "
+                    "(port 0-65535; 0: any free)"
                 )
             missing = sorted(set(own) - set(self.group_ranks))
             if missing:

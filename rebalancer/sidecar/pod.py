@@ -249,7 +249,8 @@ class Pod:
         if self.shape is not None and not shapes_agree(request.shape, self.shape):
             raise StateError(
                 "FAILED_PRECONDITION",
-                f"{label} reports shape {_shape_text(request.shape)}, the pod's ranks {_shape_text(self.shape)}",
+                f"{label} reports shape {_shape_text(request.shape)}, "
+                f"the pod's ranks {_shape_text(self.shape)}",
             )
         mode = request.dispatch_mode or DEFAULT_DISPATCH_MODE
         if mode not in DISPATCH_MODES:
@@ -314,7 +315,8 @@ class Pod:
         if self.deployment and request.deployment != self.deployment:
             raise StateError(
                 "FAILED_PRECONDITION",
-                f"{label} registers for deployment {request.deployment!r}, this group serves {self.deployment!r}",
+                f"{label} registers for deployment {request.deployment!r}, "
+                f"this group serves {self.deployment!r}",
             )
         if request.HasField("resized_from"):
             raise StateError(
@@ -404,7 +406,8 @@ class Pod:
         if not session.follower or stranger:
             raise StateError(
                 "INVALID_ARGUMENT",
-                f"rank {(stranger or [session.rank])[0]} is not one of the session's follower ranks",
+                f"rank {(stranger or [session.rank])[0]} is not one of the session's "
+                "follower ranks",
             )
         session.present = connected
         self.changed.set()

@@ -319,7 +319,8 @@ class Upstream:
                     if asking is not None and asking.done():
                         if asking.result():
                             log.info(
-                                "the group's leader sidecar %s serves again: ranks %s go back to it",
+                                "the group's leader sidecar %s serves again: "
+                                "ranks %s go back to it",
                                 self.config.merge.leader,
                                 self.pod.ranks_label,
                             )

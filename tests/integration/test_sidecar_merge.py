@@ -227,7 +227,8 @@ def test_a_follower_register_that_does_not_fit_is_refused_precisely_and_changes_
             (
                 _follower_request(deployment="other"),
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "follower ns/b (ranks 2-3) registers for deployment 'other', this group serves 'demo'",
+                "follower ns/b (ranks 2-3) registers for deployment 'other', "
+                "this group serves 'demo'",
             ),
             (
                 _follower_request(shape=replace_shape(num_logical_experts=8)),
