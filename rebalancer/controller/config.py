@@ -72,6 +72,11 @@ class ControllerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     tick_seconds: float = 0.2  # plan timeouts are checked this often
     persist_seconds: float = 5.0  # ingest cursor saved at most this often per deployment
+    # Cursor bytes the periodic saves hand the store per second, all deployments together:
+    # past it a deployment saves less often than persist_seconds (fold.py persist_interval),
+    # so a large fleet's cursors neither fill the disk's bandwidth nor hold the store's write
+    # lock the plan rows wait for.
+    cursor_mb_per_second: float = 8.0
     # Cumulative window acks at most this often per stream (0: one ack per window). An ack
     # only lets the sender drop windows it would resend after a reconnect (folding never
     # waits for it), but a rank or sidecar that stops waits for the ack of its last window
@@ -105,6 +110,7 @@ _SERVER_KEYS = {
     "grace_seconds",
     "drain_seconds",
     "persist_seconds",
+    "cursor_mb_per_second",
     "ack_interval_seconds",
     "insecure",
     "pool_max_moving",
@@ -240,6 +246,9 @@ def validate_config(config: ControllerConfig) -> None:
             raise InputError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     if config.tick_seconds <= 0:
         raise InputError(f"tick_seconds must be > 0, got {config.tick_seconds!r}")
+    rate = config.cursor_mb_per_second
+    if not _is_number(rate) or not math.isfinite(rate) or rate <= 0:
+        raise InputError(f"cursor_mb_per_second must be a finite number > 0, got {rate!r}")
     for name in ("insecure", "per_layer_metrics"):
         if not isinstance(getattr(config, name), bool):
             raise InputError(f"{name} must be true or false, got {getattr(config, name)!r}")

@@ -4,8 +4,10 @@ A window a rank (or a pod's sidecar, for its ranks) sends is merged with the oth
 ranks' windows of the same sequence number (ingest.py); a complete (or left-behind) one is folded
 into the deployment's load estimate, measured (routed balancedness on the GPUs), shown to the window
 observers, and may make a policy decision due. The ingest cursor (per-rank next seq + the estimate
-built from them) is saved at most every `persist_seconds`, so a crash loses at most that much
-counting and never counts a window twice.
+built from them) is saved every `persist_seconds`, or less often when the fleet's cursors
+would write more than `cursor_bytes_per_second` to the store (`Folder.persist_interval`:
+at 2,048 DeepSeek-V3 deployments a cursor round is 245 MB), so a crash loses at most one
+interval of counting and never counts a window twice.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ from rebalancer.wire.windows import CountWindow, Ranks
 Pooled = Callable[[Deployment, np.ndarray, float], bool]
 
 
+# Cursor bytes the periodic saves may hand the store per second, all deployments together
+# (ServerConfig.cursor_mb_per_second): 8 MB/s keeps 5 s saves up to 330 DeepSeek-V3
+# deployments (~120 kB a cursor) and saves 2,048 of them every 31 s.
+DEFAULT_CURSOR_BYTES_PER_SECOND = 8e6
+
+
 class Folder:
     def __init__(
         self,
@@ -37,13 +45,18 @@ class Folder:
         observers: Observers,
         persist_seconds: float,
         pooled: Pooled | None = None,
+        cursor_bytes_per_second: float = DEFAULT_CURSOR_BYTES_PER_SECOND,
     ) -> None:
         self.store = store
         self.clock = clock
         self.decisions = decisions
         self.observers = observers
         self.persist_seconds = persist_seconds
+        self.cursor_bytes_per_second = cursor_bytes_per_second
         self.pooled = pooled
+        # The newest cursor row's bytes per deployment and their sum: one round of saves.
+        self._cursor_bytes: dict[str, int] = {}
+        self._cursor_round = 0
         # Rank windows folded into estimates, all deployments (a merged window counts each
         # rank it holds): what the controller kept up with (bench.ingest reads it).
         self.rank_windows_folded = 0
@@ -77,7 +90,7 @@ class Folder:
             actual = routed_balancedness(window.physical, G)
         dep.fold(logical, gpu_load, actual)
         now = self.clock()
-        if now - dep.persisted_at >= self.persist_seconds:
+        if now - dep.persisted_at >= self.persist_interval():
             self.persist(dep, now, background=True)
         if self.observers.window:
             best = float("nan")
@@ -102,6 +115,13 @@ class Folder:
         if self.decisions.due(dep, now):
             self.decisions.run(dep, now)
 
+    def persist_interval(self) -> float:
+        """Seconds between two saves of one deployment's cursor: `persist_seconds`, or as
+        long as one round of every deployment's cursor takes at `cursor_bytes_per_second`
+        (the store's writer and its lock are shared with the plan rows the event loop
+        writes)."""
+        return max(self.persist_seconds, self._cursor_round / self.cursor_bytes_per_second)
+
     def persist(self, dep: Deployment, now: float | None = None, background: bool = False) -> None:
         """Save the ingest cursor: per-rank next window seq with the estimate built from them.
         `background`: written by the store's writer thread (the periodic saves of `_fold`,
@@ -110,14 +130,16 @@ class Folder:
         The first save (at the deployment's first fold) sets its phase: the next one comes
         up to one period early, by a fraction fixed by its name, so the saves of deployments
         that started together spread over the period instead of stalling the event loop
-        all at once every period (an interval is never longer than `persist_seconds`)."""
+        all at once every period (an interval is never longer than `persist_interval`)."""
         now = self.clock() if now is None else now
         first = dep.persisted_at == -float("inf")
         stagger = (
-            min(self.persist_seconds, MAX_STAGGER_SECONDS) * _phase(dep.name) if first else 0.0
+            min(self.persist_interval(), MAX_STAGGER_SECONDS) * _phase(dep.name) if first else 0.0
         )
         dep.saved(now - stagger)
-        self.store.save_ingest_state(dep.name, dep.cursor(), background=background)
+        size = self.store.save_ingest_state(dep.name, dep.cursor(), background=background) or 0
+        self._cursor_round += size - self._cursor_bytes.get(dep.name, 0)
+        self._cursor_bytes[dep.name] = size
 
 
 # The first save's phase spreads the next ones over at most this many seconds.

@@ -119,6 +119,7 @@ class ControllerServer:
                 config.policy,
                 config.persist_seconds,
                 background=self.decision_process.submit,
+                cursor_bytes_per_second=config.cursor_mb_per_second * 1e6,
                 pool_max_moving=config.pool_max_moving,
             )
         except sqlite3.DatabaseError as exc:  # an SQLite file, but not one we can load

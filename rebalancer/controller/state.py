@@ -24,7 +24,7 @@ from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.decision_runner import Background, DecisionRunner, run_inline
 from rebalancer.controller.deployment import Deployment, Observers, Resize, Send, Session
-from rebalancer.controller.fold import Folder
+from rebalancer.controller.fold import DEFAULT_CURSOR_BYTES_PER_SECOND, Folder
 from rebalancer.controller.operate import Operations
 from rebalancer.controller.plans import Plans
 from rebalancer.controller.registry import Registry
@@ -51,6 +51,7 @@ class Controller:
         background: Background = run_inline,
         pool_max_moving: int = DEFAULT_MAX_MOVING,
         divergence: DivergenceConfig | None = None,
+        cursor_bytes_per_second: float = DEFAULT_CURSOR_BYTES_PER_SECOND,
     ) -> None:
         self.store = store
         self.clock: Clock = clock or system_clock()
@@ -72,7 +73,13 @@ class Controller:
             divergence,
         )
         self.folder = Folder(
-            store, self.clock, self.decisions, self.observers, persist_seconds, self.fleet.folded
+            store,
+            self.clock,
+            self.decisions,
+            self.observers,
+            persist_seconds,
+            self.fleet.folded,
+            cursor_bytes_per_second,
         )
         self.contingency = ContingencyPlanner(
             store, self.clock, self.decisions.submit, lambda: self.decisions.in_flight == 0

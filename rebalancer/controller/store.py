@@ -732,7 +732,7 @@ class Store:
             {int(i): (json.loads(r), _unpack_arrays(a)) for i, r, a in rows.fetchall()},
         )
 
-    def save_ingest_state(self, name: str, state: dict[str, Any], background: bool = False) -> None:
+    def save_ingest_state(self, name: str, state: dict[str, Any], background: bool = False) -> int:
         """Numeric lists and arrays travel as one blob of raw little-endian bytes (JSON of
         [L, E] floats is ~100x slower, npz ~10x); pass arrays, not lists, where you can.
 
@@ -741,17 +741,18 @@ class Store:
         held the GIL all the same and took one copy more. `background`: a thread writes it
         (cursor_writer.py), so the caller does not wait for SQLite; once any save went
         that way, every save does, so a newer cursor is never overwritten by an older one,
-        and a save in line waits for it."""
+        and a save in line waits for it. Returns the row's size in bytes (what the save
+        costs the store: the folder paces saves by it)."""
+        row = _ingest_row(state)
         if background and self._writer is None and self.path != ":memory:":
             self._writer = CursorWriter(self.path, self._connect_writer)
         if self._writer is not None:
-            self._writer.put(name, _ingest_row(state))
+            self._writer.put(name, row)
             if not background:
                 self._writer.flush()
-            return
-        self._db.execute(
-            "INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, *_ingest_row(state))
-        )
+        else:
+            self._db.execute("INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, *row))
+        return len(row[0]) + len(row[1])
 
     def flush_ingest_states(self) -> None:
         """Wait until every background save handed over so far is written."""

@@ -106,3 +106,48 @@ def test_saves_are_staggered_and_never_further_apart_than_the_period() -> None:
     assert len(second) >= 5  # spread over the period, not all at 1005
     ctl.persist_all()  # the drain saves everything
     assert all(times[-1] == now[0] for times in saves.values())
+
+
+def test_a_fleet_whose_cursors_outrun_the_budget_saves_each_less_often() -> None:
+    """Past `cursor_bytes_per_second` a deployment saves every round of the fleet's cursor
+    bytes over the budget, not every `persist_seconds`: the store's writer is not flooded
+    (2,048 DeepSeek-V3 cursors every 5 s are 49 MB/s)."""
+    now = [1000.0]
+    names = [f"dep-{i}" for i in range(20)]
+
+    def run(budget: float) -> tuple[dict[str, list[float]], float]:
+        ctl = Controller(
+            Store(":memory:"),
+            PolicyConfig(min_windows=10**6),
+            persist_seconds=1.0,
+            clock=lambda: now[0],
+            cursor_bytes_per_second=budget,
+        )
+        saves: dict[str, list[float]] = {name: [] for name in names}
+        original = ctl.store.save_ingest_state
+
+        def save(name: str, state: dict[str, Any], background: bool = False) -> int:
+            saves[name].append(now[0])
+            return original(name, state, background=background)
+
+        ctl.store.save_ingest_state = save  # type: ignore[method-assign]
+        deps = {}
+        for name in names:
+            for rank in range(SHAPE.num_gpus):
+                _, deps[name] = ctl.register(name, rank, SHAPE, 0, None, f"{name}-w{rank}")
+        for seq in range(200):  # every deployment folds every 0.5 s for 100 s
+            for name in names:
+                for rank in range(SHAPE.num_gpus):
+                    ctl.ingest(deps[name], rank, seq, 0, np.ones((2, 4)), None)
+            now[0] += 0.5
+        return saves, ctl.folder.persist_interval()
+
+    ample, interval = run(1e9)
+    assert interval == 1.0
+    assert all(max(np.diff(t)) <= 1.0 and len(t) >= 90 for t in ample.values())
+    row = Store(":memory:").save_ingest_state("x", {"next_seq": {"0": 1}, "estimator": {}})
+    assert row > 0
+    tight, interval = run(2000.0)  # 20 cursors of ~1 kB: one round is ~10 s at 2 kB/s
+    assert interval > 5.0
+    assert all(max(np.diff(t)) <= interval + 0.5 for t in tight.values())
+    assert all(len(t) < len(ample[n]) / 4 for n, t in tight.items())
