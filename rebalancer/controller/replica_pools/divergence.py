@@ -44,19 +44,43 @@ def sampling_tv(p: np.ndarray, picks: np.ndarray) -> np.ndarray:
     return 0.5 * np.sqrt(2.0 / (math.pi * n)) * np.sqrt(p * (1.0 - p)).sum(axis=1)
 
 
-def excess_tv(window: np.ndarray, reference: np.ndarray) -> float:
-    """The divergence statistic of one window [L, E] against the pool's reference
-    distribution [L, E] (any positive scale per layer; DivergenceConfig). NaN when either
-    has no load on every layer. A few passes over [L, E]: it runs for every member window."""
-    picks = window.sum(axis=1)
+@dataclass(frozen=True)
+class Expected:
+    """The pool's reference as the test reads it: per layer the routed-count distribution
+    `p` [L, E] (zeros on a layer without load), whether the layer has load `loaded` [L],
+    and `spread` [L] = sum over experts of sqrt(p (1 - p)), what `sampling_tv` scales."""
+
+    p: np.ndarray
+    loaded: np.ndarray
+    spread: np.ndarray
+
+
+def expected_of(reference: np.ndarray) -> Expected:
+    """The reference [L, E] (any positive scale per layer) normalised once for many tests."""
     mass = reference.sum(axis=1)
-    layers = (picks > 0) & (mass > 0)
+    loaded = mass > 0
+    p = np.zeros(reference.shape, dtype=np.float64)
+    p[loaded] = reference[loaded] / mass[loaded, None]
+    return Expected(p, loaded, np.sqrt(p * (1.0 - p)).sum(axis=1))
+
+
+def excess_tv_of(window: np.ndarray, expected: Expected) -> float:
+    """The divergence statistic of one window [L, E] against the pool's expected
+    distribution (DivergenceConfig). NaN when either has no load on every layer. Three
+    passes over [L, E]: it runs for every member window."""
+    picks = window.sum(axis=1)
+    layers = (picks > 0) & expected.loaded
     if not layers.any():
         return float("nan")
-    q = window[layers] / picks[layers, None]
-    p = reference[layers] / mass[layers, None]
-    tv = 0.5 * np.abs(q - p).sum(axis=1)
-    return float(np.mean(tv - sampling_tv(p, picks[layers])))
+    n = picks[layers]
+    tv = 0.5 * np.abs(window[layers] / n[:, None] - expected.p[layers]).sum(axis=1)
+    noise = 0.5 * np.sqrt(2.0 / (math.pi * n)) * expected.spread[layers]
+    return float(np.mean(tv - noise))
+
+
+def excess_tv(window: np.ndarray, reference: np.ndarray) -> float:
+    """`excess_tv_of` against `reference` [L, E] itself (any positive scale per layer)."""
+    return excess_tv_of(window, expected_of(reference))
 
 
 # The pool's reference distribution for the divergence test is a decayed sum of its

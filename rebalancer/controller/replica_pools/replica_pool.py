@@ -21,8 +21,10 @@ from rebalancer.controller.regimes import RegimeLibrary, copy_library, pool_key
 from rebalancer.controller.replica_pools.divergence import (
     REFERENCE_ROUNDS,
     DivergenceConfig,
+    Expected,
     MemberTrack,
-    excess_tv,
+    excess_tv_of,
+    expected_of,
 )
 from rebalancer.errors import StateError
 from rebalancer.wire.shape import UNKNOWN_EXPERT_BYTES, ClusterShape, shape_key, stored_shape
@@ -72,6 +74,10 @@ class ReplicaPool:
         self.version = 0  # pool placements taken so far
         self.phy2log: np.ndarray | None = None  # the pool placement; None before the first
         self.reference: np.ndarray | None = None  # decayed sum of following windows (divergence)
+        # The reference normalised for the test, and the windows observed since: renewed
+        # once a round (a window of each following member), not at every window.
+        self._expected: Expected | None = None
+        self._expected_age = 0
         self.deciding = False
         self.stats = PoolStats()
 
@@ -89,6 +95,10 @@ class ReplicaPool:
     def following(self) -> list[str]:
         """Members in the pool estimate (not diverged), sorted."""
         return sorted(m for m in self.members if not self.tracks[m].diverged)
+
+    def following_count(self) -> int:
+        """How many members are in the pool estimate (`len(following())`, unsorted)."""
+        return sum(1 for m in self.members if not self.tracks[m].diverged)
 
     def diverged(self) -> list[str]:
         return sorted(m for m in self.members if self.tracks[m].diverged)
@@ -202,9 +212,10 @@ class ReplicaPool:
         if self.reference is None:
             self.reference = np.array(logical, dtype=np.float64)
         else:
-            decay = 1.0 - 1.0 / (REFERENCE_ROUNDS * max(1, len(self.following())))
+            decay = 1.0 - 1.0 / (REFERENCE_ROUNDS * max(1, self.following_count()))
             self.reference *= decay
             self.reference += logical
+        self._expected_age += 1
 
     def test_window(self, name: str, logical: np.ndarray) -> str | None:
         """Run the divergence test of one member window against the pool estimate: the
@@ -213,7 +224,11 @@ class ReplicaPool:
         track = self.tracks[name]
         if self.reference is None:
             return None
-        statistic = excess_tv(logical, self.reference)
+        if self._expected is None or self._expected_age >= max(1, self.following_count()):
+            # One round moves the reference by about 1 / REFERENCE_ROUNDS: a test against
+            # the reference of up to a round ago reads the same, at a third of the cost.
+            self._expected, self._expected_age = expected_of(self.reference), 0
+        statistic = excess_tv_of(logical, self._expected)
         track.last_statistic = statistic
         if not math.isfinite(statistic):
             return None

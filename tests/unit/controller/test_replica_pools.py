@@ -327,3 +327,22 @@ def test_no_module_but_the_pools_own_reads_through_a_pools_policy_loop() -> None
         for r in reads_through_parts(path, {"pool", "member_pool"})
     ]
     assert found == []
+
+
+def test_the_statistic_against_the_normalised_reference_is_the_direct_one() -> None:
+    """`excess_tv_of` on `expected_of(reference)` (normalised once a round for many tests)
+    is the statistic computed straight from the definition, layers without load skipped."""
+    from rebalancer.controller.replica_pools.divergence import excess_tv_of, expected_of
+
+    rng = np.random.default_rng(3)
+    reference = rng.gamma(1.0, 1.0, (6, 16)) * 1000
+    reference[2] = 0.0  # a layer without load in the reference
+    window = rng.multinomial(400, np.full(16, 1 / 16), size=6).astype(np.float64)
+    window[4] = 0.0  # and one in the window
+    layers = [0, 1, 3, 5]
+    q = window[layers] / window[layers].sum(axis=1, keepdims=True)
+    p = reference[layers] / reference[layers].sum(axis=1, keepdims=True)
+    direct = np.mean(0.5 * np.abs(q - p).sum(axis=1) - sampling_tv(p, window[layers].sum(axis=1)))
+    assert excess_tv_of(window, expected_of(reference)) == pytest.approx(direct, rel=1e-12)
+    assert excess_tv(window, reference) == pytest.approx(direct, rel=1e-12)
+    assert np.isnan(excess_tv(np.zeros((6, 16)), reference))
