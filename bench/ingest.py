@@ -460,7 +460,8 @@ def run_load(
     folded = (
         (scraped1[FOLDED] - scraped0[FOLDED]) / (at1 - at0) if FOLDED in scraped0 else float("nan")
     )
-    # The busy seconds over the wall time between the two readings (a reading under load takes a while).
+    # The busy seconds over the wall time between the two readings (a reading under load takes a
+    # while).
     busy = (
         (scraped1[LOOP_BUSY] - scraped0[LOOP_BUSY]) / (at1 - at0)
         if LOOP_BUSY in scraped0
@@ -478,7 +479,8 @@ def run_load(
         "windows_per_second": counted,
         "counted_by": "acked" if np.isnan(folded) else "folded",
         "folded_share": counted / (ranks * rate),
-        "acked_windows_per_second": acked,  # sent in the interval and acknowledged, by the end of the drain
+        # sent in the interval and acknowledged, by the end of the drain
+        "acked_windows_per_second": acked,
         "messages_per_second": counted / ranks_per_pod,
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
@@ -559,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.ranks_per_pod < 1 or RANKS_PER_DEPLOYMENT % args.ranks_per_pod:
         print(
-            f"--ranks-per-pod must divide {RANKS_PER_DEPLOYMENT} (pods do not straddle deployments)",
+            f"--ranks-per-pod must divide {RANKS_PER_DEPLOYMENT} "
+            "(pods do not straddle deployments)",
             file=sys.stderr,
         )
         return 2
@@ -596,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
         # they start waits for ranks that never answer and times out, so this measures
         # ingest, estimate and decide together (--no-decisions: ingest alone).
         config.write_text(
-            f'[server]\nhost = "127.0.0.1"\nack_interval_seconds = {ack_interval}\nmetrics_port = {metrics_port}\n'
+            f'[server]\nhost = "127.0.0.1"\nack_interval_seconds = {ack_interval}\n'
+            f"metrics_port = {metrics_port}\n"
             "[policy]\nmin_windows = 1\n" + ("paused = true\n" if args.no_decisions else "")
         )
         server = subprocess.Popen(
@@ -647,15 +651,19 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows.items():
         who = f"{r['pods']} pods of {r['ranks_per_pod']}" if r["pods"] else "direct"
         print(
-            f"{name:16s} {r['ranks']} ranks ({who}): {r['windows_per_second']:8.0f} rank windows/s of "
-            f"{r['offered_windows_per_second']:.0f} offered ({r['folded_share']:.3f}, {r['counted_by']}; "
+            f"{name:16s} {r['ranks']} ranks ({who}): "
+            f"{r['windows_per_second']:8.0f} rank windows/s of "
+            f"{r['offered_windows_per_second']:.0f} offered "
+            f"({r['folded_share']:.3f}, {r['counted_by']}; "
             f"{r['messages_per_second']:.0f} "
             f"messages/s), {r['cpu_us_per_rank_window']:.1f} us CPU a rank window, loop busy "
             f"{r['loop_busy_share']:.2f} (its thread {r['loop_thread_cpu_cores']:.2f} cores), "
-            f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {r['controller_cpu_cores']:.2f} cores "
+            f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, "
+            f"{r['controller_cpu_cores']:.2f} cores "
             f"(+{r['decision_worker_cpu_cores']:.2f} decision worker = "
             f"{r['controller_cpu_cores'] + r['decision_worker_cpu_cores']:.2f}; generators "
-            f"{r['generator_cpu_cores']:.2f} at nice {r['generator_nice']}), {r['mb_per_second']:.0f} MB/s, "
+            f"{r['generator_cpu_cores']:.2f} at nice {r['generator_nice']}), "
+            f"{r['mb_per_second']:.0f} MB/s, "
             f"load {r['load_avg_start'][0]:.2f} -> {r['load_avg_end'][0]:.2f}"
         )
     if args.record:
@@ -688,12 +696,18 @@ def record(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
     path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
     how = f"pods of {args.ranks_per_pod}" if args.ranks_per_pod > 1 else "direct"
     lines = [
-        f"\n### Ingest, {args.ranks} ranks ({how}) x {args.rate:g} windows/s ({time.strftime('%Y-%m-%d')})\n",
-        f"`python -m bench.ingest --ranks {args.ranks} --ranks-per-pod {args.ranks_per_pod} --rate {args.rate:g} "
-        f"--seconds {args.seconds:g} --processes {args.processes}{' --no-decisions' if args.no_decisions else ''} "
+        (
+            f"\n### Ingest, {args.ranks} ranks ({how}) x {args.rate:g} windows/s "
+            f"({time.strftime('%Y-%m-%d')})\n"
+        ),
+        f"`python -m bench.ingest --ranks {args.ranks} --ranks-per-pod {args.ranks_per_pod} "
+        f"--rate {args.rate:g} "
+        f"--seconds {args.seconds:g} --processes {args.processes}"
+        f"{' --no-decisions' if args.no_decisions else ''} "
         f"--record` on {os.cpu_count()} cores "
         f"({_cpu_model()}), load generator on the same machine.\n",
-        "| server | rank windows/s ingested | offered | messages/s | p50 ms | p99 ms | server CPU cores "
+        "| server | rank windows/s ingested | offered | messages/s | p50 ms | p99 ms "
+        "| server CPU cores "
         "| decision worker cores | MB/s | load avg 1 min (start / end) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -702,7 +716,8 @@ def record(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
             f"| {name} | {r['windows_per_second']:.0f} | {r['offered_windows_per_second']:.0f} | "
             f"{r['messages_per_second']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
             f"{r['controller_cpu_cores']:.2f} | {r['decision_worker_cpu_cores']:.2f} | "
-            f"{r['mb_per_second']:.0f} | {r['load_avg_start'][0]:.2f} / {r['load_avg_end'][0]:.2f} |"
+            f"{r['mb_per_second']:.0f} | "
+            f"{r['load_avg_start'][0]:.2f} / {r['load_avg_end'][0]:.2f} |"
         )
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     marker = "## Controller ingest"

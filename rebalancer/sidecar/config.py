@@ -152,7 +152,8 @@ class SidecarConfig:
         check_address(self.link.address)
         if not self.ranks:
             raise InputError(
-                "the pod's ranks are needed (--ranks, or LWS_GROUP_SIZE/LWS_WORKER_INDEX with --ranks-per-pod)"
+                "the pod's ranks are needed "
+                "(--ranks, or LWS_GROUP_SIZE/LWS_WORKER_INDEX with --ranks-per-pod)"
             )
         if len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
             raise InputError(f"ranks {list(self.ranks)} must be distinct and >= 0")
@@ -172,7 +173,8 @@ class SidecarConfig:
             raise InputError(f"grace must be >= 0, got {self.grace_seconds}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise InputError(
-                f"metrics port must be a port number (0-65535; 0: any free), got {self.metrics_port}"
+                "metrics port must be a port number (0-65535; 0: any free), "
+                f"got {self.metrics_port}"
             )
         # The credential flags must fit together; their files are read at each connection.
         self.link.check()

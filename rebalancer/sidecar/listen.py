@@ -136,7 +136,8 @@ def claim(path: Path, dir_mode: int) -> SocketClaim:
                 path
             ):  # a server that does not take the lock: never take its path
                 raise InUse(
-                    f"{path} is in use by a live process that is not a sidecar (it accepts connections)"
+                    f"{path} is in use by a live process that is not a sidecar "
+                    "(it accepts connections)"
                 )
             os.unlink(path)  # stale: its sidecar is gone (we hold the lock)
             log.info("removed the stale socket %s", path)
@@ -189,7 +190,8 @@ def probe(target: str, timeout: float = 2.0) -> tuple[bool, str]:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             return (
                 False,
-                f"{code.name if code else 'error'}: {exc.details() if isinstance(exc, grpc.Call) else exc}",
+                f"{code.name if code else 'error'}: "
+                f"{exc.details() if isinstance(exc, grpc.Call) else exc}",
             )
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     upstream = dict(call.trailing_metadata() or ()).get(UPSTREAM_KEY)

@@ -173,7 +173,8 @@ class Pod:
         if self.deployment and request.deployment != self.deployment:
             raise StateError(
                 "FAILED_PRECONDITION",
-                f"rank {rank} registers for deployment {request.deployment!r}, this pod serves {self.deployment!r}",
+                f"rank {rank} registers for deployment {request.deployment!r}, "
+                f"this pod serves {self.deployment!r}",
             )
         if resized and not self._in_resized_world(request):
             self._gather_resize(request)
@@ -226,7 +227,8 @@ class Pod:
                 self.reports.clear()
         elif self.upstream_registered and learned_bytes:
             log.info(
-                "rank %d told the expert bytes (%d): registering the group again once every rank is back",
+                "rank %d told the expert bytes (%d): "
+                "registering the group again once every rank is back",
                 rank,
                 request.shape.expert_bytes,
             )
@@ -821,5 +823,6 @@ def _who(session: RankSession) -> str:
 def _shape_text(shape: pb.ModelShape) -> str:
     return (
         f"L={shape.num_layers} E={shape.num_logical_experts} P={shape.num_physical_slots} "
-        f"G={shape.num_gpus} N={shape.num_nodes} groups={shape.num_groups} bytes={shape.expert_bytes}"
+        f"G={shape.num_gpus} N={shape.num_nodes} groups={shape.num_groups} "
+        f"bytes={shape.expert_bytes}"
     )

@@ -76,7 +76,8 @@ class PendingResize:
         if request.initial_placement.phy2log != self.placement.phy2log:
             raise StateError(
                 "FAILED_PRECONDITION",
-                f"rank {rank} registers the resize from {describe(self.resized_from)} serving another "
+                f"rank {rank} registers the resize from {describe(self.resized_from)} "
+                "serving another "
                 "placement than its peers of the same resize",
             )
         if not 0 <= rank < self.shape.num_gpus:
