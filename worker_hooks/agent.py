@@ -127,6 +127,9 @@ class WorkerAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stop = threading.Event()
+        # Set by `drain`: once everything is written the stream is ended, so the controller
+        # acks the last window at once instead of after its ack interval.
+        self._draining = threading.Event()
         self._channel = config.link.with_token()  # InputError now for an unreadable token file
         self._channel.credentials()  # InputError now, at start, for TLS settings that cannot work
         self._metadata = self._channel.metadata()
@@ -163,7 +166,12 @@ class WorkerAgent:
         self._thread.join(timeout)
 
     def drain(self, timeout: float) -> bool:
-        """Wait (off the hot path) until every window and report was delivered; False on timeout."""
+        """Wait (off the hot path) until every window and report was delivered; False on
+        timeout. The last act of a rank before `stop`: once all is written the agent ends
+        its stream, and the controller acks what it read at the stream's end (its acks are
+        otherwise paced, one per ack interval)."""
+        self._draining.set()
+        self._poke()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
@@ -287,6 +295,9 @@ class WorkerAgent:
             self.connected.clear()
             if self._stop.is_set():
                 break
+            if self._draining.is_set() and self._delivered():
+                await self._wait_stop()  # drained: no new stream until stop
+                break
             self.reconnects += 1
             delay = backoff * (0.5 + random.random())
             backoff = min(backoff * 2, self.config.backoff_max_seconds)
@@ -401,6 +412,13 @@ class WorkerAgent:
                 await self._flush_reports(stub)
                 for w in self._take_pending():
                     await call.write(pb.WorkerMessage(window=w))
+                if self._draining.is_set() and self._written():
+                    # The controller reads to the end, acks the last window and ends the call.
+                    await call.done_writing()
+                    await asyncio.wait({reader}, timeout=self.config.rpc_timeout_seconds)
+                    if reader.done():
+                        reader.result()
+                    return
                 self._wake.clear()
                 waiter = asyncio.create_task(self._wake.wait())
                 await asyncio.wait(
@@ -411,6 +429,16 @@ class WorkerAgent:
         finally:
             reader.cancel()
             call.cancel()
+
+    def _written(self) -> bool:
+        """Whether no window or report waits to be written."""
+        with self._lock:
+            return not (self._pending or self._reports)
+
+    def _delivered(self) -> bool:
+        """Whether everything was written and every window acked."""
+        with self._lock:
+            return not (self._pending or self._sent or self._reports)
 
     def _take_pending(self) -> list[pb.Window]:
         out = []

@@ -31,9 +31,55 @@ SHAPE = pb.ModelShape(
 )
 
 
-def test_the_default_interval_keeps_a_graceful_stop_quick() -> None:
-    # A stopping rank drains until its last window is acked: the interval bounds that wait.
-    assert ControllerConfig().ack_interval_seconds == 1.0
+def test_a_rank_stops_at_once_under_the_default_interval_with_every_window_folded(
+    tmp_path: Path,
+) -> None:
+    """A stopping rank drains until its last window is acked: it ends its stream, so the
+    controller acks at once, not after its ack interval (5 s by default)."""
+    from rebalancer.wire.link import Link
+    from rebalancer.wire.shape import shape_of
+    from worker_hooks.agent import AgentConfig, WorkerAgent
+
+    interval = ControllerConfig().ack_interval_seconds
+    assert interval >= 5.0
+    ctl = start_controller(tmp_path / "c.sqlite", ack_interval_seconds=interval)
+    agents = []
+    try:
+        assert ctl.server is not None
+        for rank in range(G):
+            agent = WorkerAgent(
+                AgentConfig(Link(ctl.server.address, deployment="dep"), rank, shape_of(SHAPE)),
+                _NoPlans(),
+                lambda: 0,
+            )
+            agent.start()
+            agents.append(agent)
+        windows = 6
+        for seq in range(windows):
+            for agent in agents:
+                agent.submit_window(seq, 1, 0, np.full((L, E), seq + 1, np.int64), None)
+            time.sleep(0.2)
+        began = time.monotonic()
+        assert all(agent.drain(10.0) for agent in agents)
+        drained = time.monotonic() - began
+        assert drained < interval / 2, drained
+        folded = ctl.call(lambda: ctl.server.controller.deployments["dep"].stats.tokens_folded)  # type: ignore[union-attr]
+        assert folded == G * L * E * sum(range(1, windows + 1))
+    finally:
+        for agent in agents:
+            agent.stop(2.0)
+        ctl.stop()
+
+
+class _NoPlans:
+    def on_prepare(self, prepare: pb.Prepare) -> None:
+        raise AssertionError("no plan here")
+
+    def on_commit(self, version: int) -> None:
+        raise AssertionError("no plan here")
+
+    def on_abort(self, version: int, reason: str) -> None:
+        raise AssertionError("no plan here")
 
 
 def test_one_ack_per_interval_each_window_acked_within_it_and_folded_once(tmp_path: Path) -> None:
