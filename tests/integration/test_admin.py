@@ -31,6 +31,7 @@ from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
 from rebalancer.formats import read_placement
 from rebalancer.launch.instant import InstantRank
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.shape import shape_of
 from tests.integration.conftest import start_controller
 
 L, E, P, G = 4, 256, 288, 32
@@ -59,7 +60,7 @@ def live(
     policy = PolicyConfig(paused=True, min_windows=1)
     ctl = start_controller(db, policy, admin_token=TOKEN, metrics_port=0)
     assert ctl.server is not None
-    ranks = [InstantRank(r, ctl.server.address, "dsv3", shape=SHAPE) for r in range(G)]
+    ranks = [InstantRank(r, ctl.server.address, "dsv3", shape=shape_of(SHAPE)) for r in range(G)]
     for r in ranks:
         r.agent.start()
     for r in ranks:

@@ -13,6 +13,7 @@ import numpy as np
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.launch.instant import InstantRank
 from rebalancer.v1 import rebalancer_pb2 as pb
+from rebalancer.wire.shape import shape_of
 from tests.integration.conftest import start_controller
 from tests.unit.deploy.live import wait_for
 
@@ -31,7 +32,7 @@ def test_the_ranks_hold_the_planned_survivor_placements_with_the_controller_gone
     tmp_path: Path,
 ) -> None:
     ctl = start_controller(tmp_path / "c.sqlite", PolicyConfig(paused=True, min_windows=1))
-    ranks = [InstantRank(r, ctl.server.address, "told", shape=SHAPE) for r in range(G)]  # type: ignore[union-attr]
+    ranks = [InstantRank(r, ctl.server.address, "told", shape=shape_of(SHAPE)) for r in range(G)]  # type: ignore[union-attr]
     stopped = False
     try:
         for r in ranks:
