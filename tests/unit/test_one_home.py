@@ -35,8 +35,8 @@ WINDOW_HOME = ("worker_hooks/config.py", "WindowConfig")
 WINDOW_FIELDS = {"window_steps"}
 
 
-def dataclass_fields(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES):  # type: ignore[no-untyped-def]
-    """(path, class, [annotated field names]) for every dataclass of `packages`."""
+def dataclass_classes(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES):  # type: ignore[no-untyped-def]
+    """(path, class node) for every dataclass of `packages`."""
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
             if "_pb2" in path.name:
@@ -44,12 +44,21 @@ def dataclass_fields(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES):  
             rel = path.relative_to(root).as_posix()
             for cls in ast.walk(ast.parse(path.read_text(), rel)):
                 if isinstance(cls, ast.ClassDef) and _is_dataclass(cls):
-                    names = [
-                        node.target.id
-                        for node in cls.body
-                        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    ]
-                    yield rel, cls.name, names
+                    yield rel, cls
+
+
+def _fields(cls: ast.ClassDef) -> list[ast.AnnAssign]:
+    return [
+        node
+        for node in cls.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    ]
+
+
+def dataclass_fields(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES):  # type: ignore[no-untyped-def]
+    """(path, class, [annotated field names]) for every dataclass of `packages`."""
+    for rel, cls in dataclass_classes(root, packages):
+        yield rel, cls.name, [node.target.id for node in _fields(cls)]  # type: ignore[union-attr]
 
 
 def shape_copies(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[str]:
@@ -84,27 +93,13 @@ def test_no_second_model_shape() -> None:
 def wire_shapes_in_configs(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[str]:
     """`path: Class.field` for every `...Config` dataclass holding the wire's ModelShape
     (a config nests ClusterShape; the message is built from it at Register)."""
-    found = []
-    for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
-            if "_pb2" in path.name:
-                continue
-            rel = path.relative_to(root).as_posix()
-            for cls in ast.walk(ast.parse(path.read_text(), rel)):
-                if not (
-                    isinstance(cls, ast.ClassDef)
-                    and _is_dataclass(cls)
-                    and cls.name.endswith("Config")
-                ):
-                    continue
-                found += [
-                    f"{rel}: {cls.name}.{node.target.id}"
-                    for node in cls.body
-                    if isinstance(node, ast.AnnAssign)
-                    and isinstance(node.target, ast.Name)
-                    and "ModelShape" in ast.unparse(node.annotation)
-                ]
-    return found
+    return [
+        f"{rel}: {cls.name}.{node.target.id}"  # type: ignore[union-attr]
+        for rel, cls in dataclass_classes(root, packages)
+        if cls.name.endswith("Config")
+        for node in _fields(cls)
+        if "ModelShape" in ast.unparse(node.annotation)
+    ]
 
 
 def test_no_config_holds_the_wire_shape() -> None:
