@@ -229,6 +229,8 @@ NOT_RUN: dict[str, str] = {
         '--from-literal=token="$(openssl rand -hex 32)"'
     ): CLUSTER,
     "kubectl apply -k deploy/kubernetes/overlays/prod": CLUSTER,
+    "kubectl apply -k deploy/kubernetes/overlays/shards": CLUSTER,
+    "kubectl -n rebalancer-shards exec rebalancer-0 -- rebalancer admin status": CLUSTER,
     "kubectl -n rebalancer rollout status deploy/rebalancer": CLUSTER,
     "kubectl -n rebalancer port-forward svc/rebalancer 50051": CLUSTER,
     (
