@@ -174,9 +174,8 @@ class WorkerAgent:
         self._poke()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with self._lock:
-                if not (self._pending or self._sent or self._reports):
-                    return True
+            if self._delivered():
+                return True
             time.sleep(0.02)
         return False
 
