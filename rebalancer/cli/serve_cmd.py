@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import textwrap
 
+# The cyclic collector's thresholds in the serving process (see `ready` in run).
+GC_THRESHOLDS = (20_000, 20, 100)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -133,6 +136,13 @@ def run(args: argparse.Namespace) -> int:
         # walk it every time and stall ingest for tens of milliseconds (issue 12's p99).
         gc.collect()
         gc.freeze()
+        # Every window allocates a few dozen short-lived objects (messages, arrays,
+        # futures) and nearly none that live: at the default thresholds (700, 10, 10) the
+        # young collections ran about 20 times a second at 2,000 windows/s and the older
+        # ones walked the sessions' state every second or two, about 5 % of the process's
+        # CPU and full passes of 100 ms (bench/ingest.py, 16,384 ranks). Cycles are rare
+        # here: collect them less often.
+        gc.set_threshold(*GC_THRESHOLDS)
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
         shard = config.shard
         shards = f", shard {shard.index} of {shard.count}" if shard.count > 1 else ""

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from rebalancer.controller.coordinate import Mixed
-from rebalancer.controller.cursor_writer import CursorWriter
+from rebalancer.controller.row_writer import RowWriter
 from rebalancer.errors import InputError, StateError
 
 # The largest placement or plan version: SQLite's INTEGER is a signed 64-bit integer (a
@@ -326,9 +326,9 @@ class Store:
             if isinstance(exc, sqlite3.DatabaseError) and "not a database" in reason:
                 reason = "not an SQLite database (file is not a database)"
             raise InputError(f"store {self.path}: {reason}") from None
-        # Started by the first background save (cursor_writer.py); a ':memory:' store
+        # Started by the first background save (row_writer.py); a ':memory:' store
         # has no second connection, so it always saves in line.
-        self._writer: CursorWriter | None = None
+        self._writer: RowWriter | None = None
 
     def close(self) -> None:
         """Write the ingest cursors still pending, then close."""
@@ -654,11 +654,14 @@ class Store:
         self, name: str, record: dict[str, Any], arrays: dict[str, np.ndarray]
     ) -> None:
         """A deployment's newest contingency set (controller/contingency.py): its record
-        and the survivors' placements, replacing the one before."""
-        self._db.execute(
-            "INSERT OR REPLACE INTO contingency VALUES (?, ?, ?)",
-            (name, json.dumps(record), _pack_arrays(arrays)),
-        )
+        and the survivors' placements, replacing the one before. Packed here, written by
+        the row writer's thread where one runs (a set of 2.4 MB held the event loop for
+        tens of milliseconds); `contingency` reads it back either way."""
+        row = (json.dumps(record), _pack_arrays(arrays))
+        if self.path != ":memory:":
+            self._row_writer().put("contingency", name, row)
+        else:
+            self._db.execute("INSERT OR REPLACE INTO contingency VALUES (?, ?, ?)", (name, *row))
 
     def record_contingency(self, name: str, time: float, summary: dict[str, Any]) -> None:
         """One contingency set in the deployment's history (its summary)."""
@@ -676,6 +679,9 @@ class Store:
         return [{"time": t, **json.loads(r)} for t, r in rows]
 
     def contingency(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+        pending = self._writer.pending("contingency", name) if self._writer is not None else None
+        if pending is not None:
+            return json.loads(pending[0]), _unpack_arrays(pending[1])
         row = self._db.execute(
             "SELECT record, arrays FROM contingency WHERE deployment = ?", (name,)
         ).fetchone()
@@ -739,20 +745,25 @@ class Store:
         The row is packed here: each array copied once into the blob, which is the
         snapshot (later folds cannot change what is saved); packing in the writer thread
         held the GIL all the same and took one copy more. `background`: a thread writes it
-        (cursor_writer.py), so the caller does not wait for SQLite; once any save went
+        (row_writer.py), so the caller does not wait for SQLite; once any save went
         that way, every save does, so a newer cursor is never overwritten by an older one,
         and a save in line waits for it. Returns the row's size in bytes (what the save
         costs the store: the folder paces saves by it)."""
         row = _ingest_row(state)
-        if background and self._writer is None and self.path != ":memory:":
-            self._writer = CursorWriter(self.path, self._connect_writer)
+        if background and self.path != ":memory:":
+            self._row_writer()
         if self._writer is not None:
-            self._writer.put(name, row)
+            self._writer.put("ingest_state", name, row)
             if not background:
                 self._writer.flush()
         else:
             self._db.execute("INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, *row))
         return len(row[0]) + len(row[1])
+
+    def _row_writer(self) -> RowWriter:
+        if self._writer is None:
+            self._writer = RowWriter(self.path, self._connect_writer)
+        return self._writer
 
     def flush_ingest_states(self) -> None:
         """Wait until every background save handed over so far is written."""
@@ -771,7 +782,7 @@ class Store:
         return db
 
     def ingest_state(self, name: str) -> dict[str, Any] | None:
-        pending = self._writer.pending(name) if self._writer is not None else None
+        pending = self._writer.pending("ingest_state", name) if self._writer is not None else None
         if pending is not None:
             return _join_arrays(json.loads(pending[0]), _unpack_arrays(pending[1]))
         row = self._db.execute(

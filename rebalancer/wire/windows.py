@@ -178,19 +178,26 @@ class SeqMerger:
             self.next_seq[r] = seq + 1
         self.newest_seq = max(self.newest_seq, seq)
         late = bool(self._open) and seq < min(self._open)
+        target: CountWindow | None
         if late:  # its seq was released: count it now, in the oldest window still open
             target = self._open[min(self._open)]
         else:
-            target = self._open.get(seq) or self._new(seq, logical.shape)
-        target.add(first_step, num_steps, version, logical, physical)
+            target = self._open.get(seq)
+        if target is None:  # the seq's first part: a cast copy, not zeros then a sum
+            target = self._open[seq] = CountWindow(
+                seq,
+                first_step,
+                num_steps,
+                version,
+                logical.astype(self.dtype),
+                None if physical is None else physical.astype(self.dtype),
+                parts=1,
+            )
+        else:
+            target.add(first_step, num_steps, version, logical, physical)
         if not late:  # a late part is not these ranks' window of that seq: still awaited
             target.ranks |= group
         return True
-
-    def _new(self, seq: int, shape: tuple[int, ...]) -> CountWindow:
-        window = CountWindow(seq, 0, 0, 0, np.zeros(shape, self.dtype), None)
-        self._open[seq] = window
-        return window
 
     def ready(self) -> Iterator[CountWindow]:
         """Release, oldest first, the windows that are complete or left behind."""

@@ -1,18 +1,22 @@
-"""Ingest cursors written off the event loop, by a thread with a connection of its own.
+"""The store's rows that only their newest version matters of, written off the event
+loop by a thread with a connection of its own: ingest cursors and contingency sets.
 
 Every deployment saves its ingest cursor (per-rank next window and the estimate built
 from them, about 120 kB at DeepSeek-V3 shapes) every `persist_seconds`. At 512
 deployments that is about 100 SQLite writes a second, and done on the event loop they
-were a quarter of its time, so windows queued behind them. Here the loop only packs the
+were a quarter of its time, so windows queued behind them. A contingency set (a survivor
+placement per failure domain, 2.4 MB at DeepSeek-V3 shapes on 32 GPUs) held the loop
+for tens of milliseconds at each save. Here the loop only packs the
 row (a snapshot: each array copied once into the blob, so later folds cannot change what
 is saved) and hands it over; the thread writes it. SQLite's WAL lets the two connections of one
 process take turns (each waits for the other's short write lock, never fails on it).
 
 Rules that keep a cursor from going backwards (a window counted twice after a restart):
-- one row per deployment is pending at a time; a newer save replaces the pending one;
+- one row per table and deployment is pending at a time; a newer save replaces the
+  pending one;
 - rows are written in one thread, in order, so a newer row is never overwritten by an
   older one;
-- `pending(name)` serves reads of a row not yet written; `flush()` waits until every
+- `pending(table, name)` serves reads of a row not yet written; `flush()` waits until every
   row handed over is written (the drain path before the store closes).
 
 The thread runs while there is something to write: it ends after IDLE_SECONDS without a
@@ -30,7 +34,7 @@ import logging
 import sqlite3
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 log = logging.getLogger("rebalancer.store")
 
@@ -42,17 +46,21 @@ IDLE_SECONDS = 1.0
 # At most one "cannot save" line per this many seconds (a full disk fails every save).
 ERROR_LOG_SECONDS = 10.0
 
-Row = tuple[str, bytes | bytearray]  # (JSON document, packed arrays) of the ingest_state table
+Row = tuple[str, bytes | bytearray]  # (JSON document, packed arrays)
+# The tables written here: each is (deployment TEXT PRIMARY KEY, document TEXT, arrays BLOB).
+Table = Literal["ingest_state", "contingency"]
+TABLES: tuple[Table, ...] = ("ingest_state", "contingency")
+Key = tuple[Table, str]  # (table, deployment)
 
 
-class CursorWriter:
+class RowWriter:
     def __init__(self, path: str, connect: Any) -> None:
         """`connect(path, timeout)` opens the writer's own connection (the store's
         connection class, so refused statements are counted the same way)."""
         self.path = path
         self._connect = connect
-        self._pending: dict[str, Row] = {}
-        self._writing: dict[str, Row] = {}
+        self._pending: dict[Key, Row] = {}
+        self._writing: dict[Key, Row] = {}
         self._cond = threading.Condition()
         self._closed = False
         self.errors = 0
@@ -60,20 +68,24 @@ class CursorWriter:
         self._last_error_log = -float("inf")
         self._thread: threading.Thread | None = None  # the running writer, if any
 
-    def put(self, name: str, row: Row) -> None:
+    def put(self, table: Table, name: str, row: Row) -> None:
+        """Hand over deployment `name`'s newest row of `table` (one of TABLES)."""
+        if table not in TABLES:
+            raise ValueError(f"the row writer writes {', '.join(TABLES)}, not {table!r}")
         with self._cond:
             if self._closed:
-                raise RuntimeError("cursor writer is closed")
-            self._pending[name] = row
+                raise RuntimeError("row writer is closed")
+            self._pending[(table, name)] = row
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cursor-writer", daemon=True)
+                self._thread = threading.Thread(target=self._run, name="row-writer", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
 
-    def pending(self, name: str) -> Row | None:
-        """The newest row of `name` handed over and not yet written, if any."""
+    def pending(self, table: Table, name: str) -> Row | None:
+        """The newest row of `name` in `table` handed over and not yet written, if any."""
         with self._cond:
-            return self._pending.get(name) or self._writing.get(name)
+            key = (table, name)
+            return self._pending.get(key) or self._writing.get(key)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every row handed over so far is written (or failed); False on timeout."""
@@ -117,13 +129,14 @@ class CursorWriter:
                     self._pending, self._writing = {}, {}
                     self._cond.notify_all()
 
-    def _write(self, db: sqlite3.Connection, rows: dict[str, Row]) -> None:
+    def _write(self, db: sqlite3.Connection, rows: dict[Key, Row]) -> None:
         try:
             db.execute("BEGIN")
-            db.executemany(
-                "INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)",
-                [(name, doc, blob) for name, (doc, blob) in rows.items()],
-            )
+            for table in TABLES:
+                db.executemany(
+                    f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?)",
+                    [(name, doc, blob) for (t, name), (doc, blob) in rows.items() if t == table],
+                )
             db.execute("COMMIT")
             self.written += len(rows)
         except sqlite3.Error as exc:
@@ -136,8 +149,12 @@ class CursorWriter:
             if now - self._last_error_log >= ERROR_LOG_SECONDS:
                 self._last_error_log = now
                 log.error(
-                    "store %s: cannot save the ingest cursor of %d deployment(s): %s",
+                    "store %s: cannot save %s: %s",
                     self.path,
-                    len(rows),
+                    ", ".join(
+                        f"{n} {t.replace('_', ' ')} row(s)"
+                        for t in TABLES
+                        if (n := sum(1 for k in rows if k[0] == t))
+                    ),
                     exc,
                 )

@@ -1,11 +1,13 @@
-"""The ingest cursor written by the store's writer thread (cursor_writer.py): a newer
-save is never overwritten by an older one, a save not yet written reads back, closing
-writes what is pending, and a store that refuses writes is counted, not raised."""
+"""The ingest cursor and the contingency set written by the store's writer thread
+(row_writer.py): a newer save is never overwritten by an older one, a save not yet
+written reads back, one deployment's rows of the two tables stay apart, closing writes
+what is pending, and a store that refuses writes is counted, not raised."""
 
 from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +93,7 @@ def test_refused_writes_are_counted_and_the_next_save_retries(tmp_path: Path) ->
     writer = store._writer
     assert writer is not None
     db = writer._connect(str(tmp_path / "s.sqlite"), 0.05)  # a short wait, then refused
-    writer._write(db, {"d": ("{}", b"")})
+    writer._write(db, {("ingest_state", "d"): ("{}", b"")})
     db.close()
     blocker.execute("ROLLBACK")
     blocker.close()
@@ -107,9 +109,9 @@ def test_the_writer_thread_ends_when_idle_and_a_later_save_starts_another(
 ) -> None:
     """A store dropped without close() leaves no thread: the writer ends after its idle
     time, and the next save is still written (by a new thread)."""
-    from rebalancer.controller import cursor_writer
+    from rebalancer.controller import row_writer
 
-    monkeypatch.setattr(cursor_writer, "IDLE_SECONDS", 0.05)
+    monkeypatch.setattr(row_writer, "IDLE_SECONDS", 0.05)
     store = Store(tmp_path / "s.sqlite")
     store.save_ingest_state("d", _state(1), background=True)
     writer = store._writer
@@ -127,3 +129,46 @@ def test_the_writer_thread_ends_when_idle_and_a_later_save_starts_another(
     again.close()
     store.close()
     assert writer._thread is None
+
+
+def test_a_contingency_set_is_written_off_the_caller_and_beside_its_cursor(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    store.save_ingest_state("d", _state(1), background=True)
+    store.flush_ingest_states()
+    # Another connection holds the write lock for 2 s: a save made in line would wait it out.
+    blocker = sqlite3.connect(tmp_path / "s.sqlite", isolation_level=None, check_same_thread=False)
+    blocker.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(2.0, blocker.execute, ("ROLLBACK",))
+    release.start()
+    try:
+        survivors = {"loss0": np.arange(12, dtype=np.int32).reshape(3, 4)}
+        t0 = time.monotonic()
+        store.save_contingency("d", {"base_version": 7}, survivors)
+        store.save_ingest_state("d", _state(2), background=True)  # the same deployment's
+        assert time.monotonic() - t0 < 1.0  # the caller (the event loop) did not wait
+        pending = store.contingency("d")
+        assert pending is not None and pending[0] == {"base_version": 7}
+        np.testing.assert_array_equal(pending[1]["loss0"], survivors["loss0"])
+        assert store.ingest_state("d")["next_seq"] == {"0": 2}  # type: ignore[index]
+    finally:
+        release.join()
+        blocker.close()
+    store.close()
+    again = Store(tmp_path / "s.sqlite")
+    written = again.contingency("d")
+    assert written is not None and written[0] == {"base_version": 7}
+    np.testing.assert_array_equal(written[1]["loss0"], survivors["loss0"])
+    assert again.ingest_state("d")["next_seq"] == {"0": 2}  # type: ignore[index]
+    again.close()
+
+
+def test_the_writer_refuses_a_table_it_does_not_write(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    store.save_ingest_state("d", _state(1), background=True)
+    writer = store._writer
+    assert writer is not None
+    with pytest.raises(ValueError, match="not 'plans'"):
+        writer.put("plans", "d", ("{}", b""))  # type: ignore[arg-type]
+    store.close()
