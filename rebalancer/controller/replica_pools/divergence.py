@@ -70,11 +70,21 @@ def excess_tv_of(window: np.ndarray, expected: Expected) -> float:
     passes over [L, E]: it runs for every member window."""
     picks = window.sum(axis=1)
     layers = (picks > 0) & expected.loaded
-    if not layers.any():
+    if layers.all():  # the usual case: no masked copies of the window and of p
+        n, p, spread = picks, expected.p, expected.spread
+    elif layers.any():
+        n, window, p, spread = (
+            picks[layers],
+            window[layers],
+            expected.p[layers],
+            expected.spread[layers],
+        )
+    else:
         return float("nan")
-    n = picks[layers]
-    tv = 0.5 * np.abs(window[layers] / n[:, None] - expected.p[layers]).sum(axis=1)
-    noise = 0.5 * np.sqrt(2.0 / (math.pi * n)) * expected.spread[layers]
+    gap = window / n[:, None]
+    gap -= p
+    tv = 0.5 * np.abs(gap, out=gap).sum(axis=1)
+    noise = 0.5 * np.sqrt(2.0 / (math.pi * n)) * spread
     return float(np.mean(tv - noise))
 
 

@@ -346,3 +346,9 @@ def test_the_statistic_against_the_normalised_reference_is_the_direct_one() -> N
     assert excess_tv_of(window, expected_of(reference)) == pytest.approx(direct, rel=1e-12)
     assert excess_tv(window, reference) == pytest.approx(direct, rel=1e-12)
     assert np.isnan(excess_tv(np.zeros((6, 16)), reference))
+    # every layer loaded on both sides (the usual case, read without masked copies)
+    full = rng.gamma(1.0, 1.0, (6, 16)) * 1000
+    counts = rng.multinomial(400, np.full(16, 1 / 16), size=6)
+    q, p = counts / counts.sum(axis=1, keepdims=True), full / full.sum(axis=1, keepdims=True)
+    direct = np.mean(0.5 * np.abs(q - p).sum(axis=1) - sampling_tv(p, counts.sum(axis=1)))
+    assert excess_tv_of(counts, expected_of(full)) == pytest.approx(direct, rel=1e-12)
