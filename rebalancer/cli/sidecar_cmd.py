@@ -72,6 +72,11 @@ def register(sub: argparse._SubParsersAction) -> None:
               rebalancer sidecar --ranks-per-pod 8 --merge-listen 0.0.0.0:50070     # leader
               rebalancer sidecar --ranks-per-pod 8 --merge-leader "$LEADER:50070"   # others
 
+            Or one flag for every pod of the group, the role from LWS_WORKER_INDEX (the
+            manifests' components/sidecar-merge sets it):
+
+              rebalancer sidecar --ranks-per-pod 8 --merge-port 50070
+
             As a startup probe (exit 0 once the sidecar serves; it prints the state of the
             link to the controller, which does not change the exit code):
 
@@ -147,6 +152,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     merge.add_argument("--merge-tls-key", help="the private key of --merge-tls-cert (PEM)")
     merge.add_argument(
+        "--merge-port",
+        metavar="PORT",
+        help="in a LeaderWorkerSet (with --ranks-per-pod), one flag for the whole group: pod "
+        "LWS_WORKER_INDEX=0 leads on 0.0.0.0:PORT, every other pod follows it at "
+        "LWS_LEADER_ADDRESS:PORT (empty: no merging; the manifests' default)",
+    )
+    merge.add_argument(
         "--merge-wait",
         type=float,
         default=10.0,
@@ -177,6 +189,32 @@ def link_of(args: argparse.Namespace, env: Mapping[str, str]) -> Link:
     return link_from_settings({"address": "", **settings})
 
 
+def lws_merge_roles(args: argparse.Namespace, env: Mapping[str, str]) -> argparse.Namespace:
+    """`--merge-port` as the flags of this pod's role in its LeaderWorkerSet group: the
+    leader pod (worker index 0) `--merge-listen 0.0.0.0:PORT`, the others `--merge-leader
+    LWS_LEADER_ADDRESS:PORT` (InputError, one line, outside a LeaderWorkerSet pod)."""
+    from rebalancer.errors import InputError
+    from rebalancer.sidecar.config import lws_ranks
+
+    if args.merge_listen or args.merge_leader:
+        raise InputError("give --merge-port or --merge-listen / --merge-leader, not both")
+    if args.ranks_per_pod is None:
+        raise InputError(
+            "--merge-port is for a LeaderWorkerSet's pods (--ranks-per-pod); elsewhere give "
+            "--merge-listen or --merge-leader"
+        )
+    port = args.merge_port
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise InputError(f"--merge-port must be a port number (1-65535), got {port!r}")
+    first, *_ = lws_ranks(env, args.ranks_per_pod)  # checks LWS_GROUP_SIZE, LWS_WORKER_INDEX
+    if first == 0:
+        return argparse.Namespace(**{**vars(args), "merge_listen": f"0.0.0.0:{int(port)}"})
+    leader = env.get("LWS_LEADER_ADDRESS", "")
+    if not leader:
+        raise InputError("--merge-port: LWS_LEADER_ADDRESS is not set (the leader pod's name)")
+    return argparse.Namespace(**{**vars(args), "merge_leader": f"{leader}:{int(port)}"})
+
+
 def merge_of(args: argparse.Namespace, env: Mapping[str, str], ranks: tuple[int, ...]) -> Any:
     """The sidecar's MergeConfig from the --merge-* flags (InputError, one line, for a
     leader and a follower at once)."""
@@ -185,6 +223,8 @@ def merge_of(args: argparse.Namespace, env: Mapping[str, str], ranks: tuple[int,
 
     if args.merge_listen and args.merge_leader:
         raise InputError("give --merge-listen (the group's leader) or --merge-leader, not both")
+    if args.merge_port:
+        args = lws_merge_roles(args, env)
     common = {
         "wait_seconds": args.merge_wait,
         "retry_leader_seconds": args.merge_retry,

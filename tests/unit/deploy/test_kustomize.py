@@ -468,12 +468,17 @@ def test_component_patches_deployments_and_statefulsets(
 
 def test_one_sidecar_in_every_patch() -> None:
     """The four patches of components/sidecar add the same pod-spec parts; only how the
-    sidecar learns its ranks differs (--ranks, or --ranks-per-pod in a LeaderWorkerSet)."""
+    sidecar learns its ranks differs (--ranks, or --ranks-per-pod in a LeaderWorkerSet)
+    and a LeaderWorkerSet's group merging (--merge-port, components/sidecar-merge)."""
     ranks_env = {
         "REBALANCER_RANKS",
         "REBALANCER_RANKS_PER_POD",
         "LWS_GROUP_SIZE",
         "LWS_WORKER_INDEX",
+        "LWS_NAME",
+        "LWS_GROUP_INDEX",
+        "LWS_LEADER_ADDRESS",
+        "REBALANCER_MERGE_PORT",
     }
 
     def fragment(name: str) -> dict[str, Any]:
@@ -489,7 +494,9 @@ def test_one_sidecar_in_every_patch() -> None:
         assert not more
         spec = copy.deepcopy(template["spec"])
         (sidecar,) = spec["initContainers"]
-        sidecar["args"] = [a for a in sidecar["args"] if not a.startswith("--ranks")]
+        sidecar["args"] = [
+            a for a in sidecar["args"] if not a.startswith(("--ranks", "--merge-port"))
+        ]
         sidecar["env"] = [e for e in sidecar["env"] if e["name"] not in ranks_env]
         return {"labels": template["metadata"]["labels"], "spec": spec}
 
