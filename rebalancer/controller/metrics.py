@@ -36,6 +36,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
     ProcessCollector,
     disable_created_metrics,
 )
@@ -49,6 +50,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from rebalancer import __version__
+from rebalancer.controller.config import ShardConfig
 from rebalancer.controller.coordinate import Plan, PlanState
 from rebalancer.controller.cost import plan_cost
 from rebalancer.controller.decide import Decision
@@ -59,6 +61,7 @@ from rebalancer.controller.state import Controller
 
 # ---------------------------------------------------------------- names (the API)
 BUILD = "rebalancer_build"  # _info{version}
+SHARD = "rebalancer_shard"  # _info{shard, shards}: this controller's place among the shards
 BALANCEDNESS = "rebalancer_balancedness"  # {deployment, source, stat}
 PLACEMENT_VERSION = "rebalancer_placement_version"  # committed placement version
 CONNECTED_RANKS = (
@@ -573,7 +576,9 @@ class ControllerMetrics:
     `per_layer`: also export the per-layer and per-rank series (many: see the module
     docstring)."""
 
-    def __init__(self, controller: Controller, per_layer: bool = False) -> None:
+    def __init__(
+        self, controller: Controller, per_layer: bool = False, shard: ShardConfig | None = None
+    ) -> None:
         # No `*_created` series (process-wide): prometheus_client adds them to the counters and
         # histograms it keeps, not to those the collector reads at scrape time, so only some
         # counters had one; creation times are no part of the metrics' contract.
@@ -588,6 +593,13 @@ class ControllerMetrics:
         self.registry.register(_ProcessCollector(controller, selector))
         r = self.registry
         ProcessCollector(registry=r)
+        shard = shard or ShardConfig()
+        Info(
+            SHARD,
+            "This controller's shard (0 .. shards - 1) among the controller shards that split "
+            "the fleet by replica pool (docs/shards.md); shard 0 of 1 owns everything.",
+            registry=r,
+        ).info({"shard": str(shard.index), "shards": str(shard.count)})
         self.decisions = Counter(
             DECISIONS, "Decisions taken, by outcome.", ["deployment", "outcome"], registry=r
         )

@@ -131,7 +131,7 @@ class ControllerServer:
         self.health = (
             health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         )
-        self.metrics = ControllerMetrics(self.controller, config.per_layer_metrics)
+        self.metrics = ControllerMetrics(self.controller, config.per_layer_metrics, config.shard)
         # Requests that do not parse are refused with INVALID_ARGUMENT (wire/service.py).
         add_service(
             pb_grpc.add_WorkerServiceServicer_to_server,

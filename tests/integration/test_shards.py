@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.request import urlopen
 from typing import Any
 
 import grpc
@@ -132,6 +133,7 @@ class Cluster:
             '[server]\nhost = "127.0.0.1"\n\n[policy]\nmin_windows = 1\ngain_threshold = 1.0\n'
         )
         self.shards: list[subprocess.Popen[str] | None] = [None] * N
+        self.metrics_ports: list[int] = [0] * N
         self.sidecar: subprocess.Popen[str] | None = None
         self.sockets = Path(tempfile.mkdtemp(prefix="sh", dir="/tmp"))  # short socket paths
         self.members: list[Member] = []
@@ -162,6 +164,8 @@ class Cluster:
                         str(shard),
                         "--shards",
                         str(N),
+                        "--metrics-port",
+                        "0",
                         "--log-level",
                         "WARNING",
                     ]
@@ -178,6 +182,7 @@ class Cluster:
             line,
             (self.tmp / f"shard{shard}.log").read_text()[-2000:],
         )
+        self.metrics_ports[shard] = int(line.split("metrics on :")[1].split(",")[0])
 
     def kill_shard(self, shard: int) -> None:
         proc = self.shards[shard]
@@ -324,6 +329,12 @@ def test_three_shards_by_pool(cluster: Cluster) -> None:
         return True
 
     wait_for(every_member_folding, 60, "every deployment registered and folding on its shard")
+
+    # -- each shard tells its place in its metrics (a dashboard's shard selector).
+    for s in range(N):
+        with urlopen(f"http://127.0.0.1:{cluster.metrics_ports[s]}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert f'rebalancer_shard_info{{shard="{s}",shards="{N}"}} 1.0' in text, s
 
     # -- a pool's members all on one shard: the fan-out status says where each one is.
     code, out, err = admin(cluster, "--json", "status")
