@@ -31,8 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.request import urlopen
 from typing import Any
+from urllib.request import urlopen
 
 import grpc
 import numpy as np
