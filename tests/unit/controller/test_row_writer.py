@@ -172,3 +172,38 @@ def test_the_writer_refuses_a_table_it_does_not_write(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not 'plans'"):
         writer.put("plans", "d", ("{}", b""))  # type: ignore[arg-type]
     store.close()
+
+
+def test_rows_are_written_in_batches_that_release_the_write_lock(tmp_path: Path) -> None:
+    """Many pending rows go in transactions of about BATCH_BYTES each, oldest first, so a
+    write of the event loop's waits for one batch, not for every pending row."""
+    from rebalancer.controller import row_writer
+
+    store = Store(tmp_path / "s.sqlite")
+    store.save_ingest_state("d0", _state(0), background=True)
+    store.flush_ingest_states()
+    writer = store._writer
+    assert writer is not None
+    gate = threading.Event()
+    batches: list[list[tuple[str, int]]] = []  # per transaction: (deployment, row bytes)
+    original = writer._write
+
+    def recorded(db, rows):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        batches.append([(name, len(doc) + len(blob)) for (_, name), (doc, blob) in rows.items()])
+        original(db, rows)
+
+    writer._write = recorded  # type: ignore[method-assign]
+    big = {"next_seq": {"0": 1}, "estimator": {"weighted_sum": np.zeros((256, 256))}}  # 512 kB
+    for k in range(10):
+        store.save_ingest_state(f"d{k}", big, background=True)
+    store.save_ingest_state("d3", _state(7), background=True)  # a newer row replaces a pending one
+    gate.set()
+    store.flush_ingest_states()
+    assert len(batches) >= 4  # 5 MB of rows: not one transaction
+    for batch in batches:  # each stops at the row that reaches BATCH_BYTES
+        assert sum(size for _, size in batch[:-1]) < row_writer.BATCH_BYTES
+    written = [name for batch in batches for name, _ in batch]
+    assert sorted(written[-10:]) == sorted(f"d{k}" for k in range(10))
+    assert store.ingest_state("d3")["next_seq"] == {"0": 7}  # type: ignore[index]
+    store.close()
