@@ -87,7 +87,7 @@ class Folder:
         actual, gpu_load = float("nan"), None
         if window.physical is not None:
             gpu_load = pack_sums(window.physical, G)
-            actual = routed_balancedness(window.physical, G)
+            actual = routed_balancedness(gpu_load)
         dep.fold(logical, gpu_load, actual)
         now = self.clock()
         if now - dep.persisted_at >= self.persist_interval():
@@ -151,7 +151,8 @@ def _phase(name: str) -> float:
     return zlib.crc32(name.encode()) / 2**32
 
 
-def routed_balancedness(physical: np.ndarray, num_gpus: int) -> float:
-    """Balancedness of dispatched slot counts [L, P] on their GPUs; NaN without load."""
-    per_layer = balancedness_of_gpu_loads(pack_sums(physical, num_gpus))
+def routed_balancedness(gpu_load: np.ndarray) -> float:
+    """Balancedness of the GPUs' dispatched load [L, G] (`pack_sums` of the slot counts
+    [L, P]); NaN without load."""
+    per_layer = balancedness_of_gpu_loads(gpu_load)
     return mean_balancedness(per_layer) if np.isfinite(per_layer).any() else float("nan")
