@@ -120,6 +120,12 @@ class RegimeConfig:
     forecast_slow: float = 0.8
     """The same for its slow mean (> forecast_fast): their gap over their lag gap is the trend."""
 
+    forecast_horizon_windows: float = 1.0
+    """Windows ahead of the newest one that a decision on the drift forecast fits and
+    gates on (1: the next window). A plan serves several windows after it lands, so a
+    longer look ahead places for a later load, and takes plans sooner while the load
+    drifts: more plans and more slots moved (BENCHMARKS.md, the regimes policy)."""
+
     forecast_effective_windows: float = 1.5
     """Windows the forecast is worth to the noise margin (the fast mean's, less the trend's
     noise)."""
@@ -166,7 +172,12 @@ class RegimeConfig:
                 raise InputError(f"regimes {name} must be an integer >= 1, got {value!r}")
         if self.forecast_slow <= self.forecast_fast:
             raise InputError("regimes forecast_slow must be above forecast_fast")
-        for name in ("max_effective_windows", "fast_run_windows", "forecast_effective_windows"):
+        for name in (
+            "max_effective_windows",
+            "fast_run_windows",
+            "forecast_effective_windows",
+            "forecast_horizon_windows",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 1):
                 raise InputError(f"regimes {name} must be >= 1, got {value!r}")
@@ -653,7 +664,10 @@ def decide_regimes(
     # 1. The load: a recognised return, fast alternation, or the best-scored predictor.
     loads: dict[str, tuple[np.ndarray, float | np.ndarray]] = {
         "estimate": (estimate, ew),
-        "forecast": (forecast(library, config) * tokens, config.forecast_effective_windows),
+        "forecast": (
+            forecast(library, config, config.forecast_horizon_windows) * tokens,
+            config.forecast_effective_windows,
+        ),
         "regime": (centroid * tokens, min(float(regime.windows), config.max_effective_windows)),
     }
     in_play = alternating(library, config)

@@ -92,6 +92,43 @@ def test_the_forecast_follows_a_linear_drift_closer_than_the_last_window() -> No
     assert share_distance(forecast(lib, config), nxt) < 0.5 * share_distance(last, nxt)
 
 
+def test_a_decision_on_the_forecast_fits_the_load_its_horizon_ahead() -> None:
+    """`forecast_horizon_windows`: on a drift, the decision fits the forecast that many
+    windows ahead, so its placement serves the later load better than a fit a window ahead."""
+    policy = PolicyConfig(min_interval_seconds=0.0, max_moved_fraction=1.0)
+    start = trivial_placement(SHAPE.num_layers, SHAPE.num_logical, SHAPE.num_slots, SHAPE.num_gpus)
+    steps, ahead = 12, 8
+
+    def drift(t: float) -> np.ndarray:
+        return (1 - t / 24) * A + (t / 24) * B
+
+    placed = {}
+    for horizon in (1.0, float(ahead)):
+        config = RegimeConfig(match_distance=1.0, forecast_horizon_windows=horizon)
+        lib = RegimeLibrary()
+        for t in range(steps - 1):
+            observe(lib, drift(t) * TOKENS, float(t), SHAPE, config)
+        counts = drift(steps - 1) * TOKENS
+        d = decide_regimes(
+            lib,
+            [(counts, float(steps - 1))],
+            counts,
+            start,
+            SHAPE,
+            policy,
+            now=float(steps - 1),
+            last_rebalance=None,
+            windows=100,
+            config=config,
+        )
+        assert d.load.startswith("forecast") and d.take and d.candidate is not None
+        placed[horizon] = d.candidate
+    later, nxt = drift(steps - 1 + ahead), drift(steps)
+    near, far = placed[1.0], placed[float(ahead)]
+    assert balance(far, later, SHAPE.num_gpus) > balance(near, later, SHAPE.num_gpus) + 0.01
+    assert balance(near, nxt, SHAPE.num_gpus) > balance(far, nxt, SHAPE.num_gpus)
+
+
 def test_the_maxmin_placement_is_no_worse_in_its_worst_case_than_each_regimes_own_fit() -> None:
     loads = np.stack([A, B])
     placement, worst = maxmin_placement(loads, SHAPE, rounds=4)
@@ -295,6 +332,7 @@ def test_the_default_policy_keeps_no_library_and_records_what_it_always_did() ->
         {"forecast_slow": 0.1},
         {"gain_threshold": float("nan")},
         {"known_windows": True},
+        {"forecast_horizon_windows": 0.5},
     ],
 )
 def test_a_bad_regime_setting_is_refused_naming_it(bad: dict) -> None:
