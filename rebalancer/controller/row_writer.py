@@ -8,8 +8,10 @@ were a quarter of its time, so windows queued behind them. A contingency set (a 
 placement per failure domain, 2.4 MB at DeepSeek-V3 shapes on 32 GPUs) held the loop
 for tens of milliseconds at each save. Here the loop only packs the
 row (a snapshot: each array copied once into the blob, so later folds cannot change what
-is saved) and hands it over; the thread writes it. SQLite's WAL lets the two connections of one
-process take turns (each waits for the other's short write lock, never fails on it).
+is saved) and hands it over; the thread writes it, oldest first, in transactions of about
+BATCH_BYTES. SQLite's WAL lets the two connections of one process take turns (each waits
+for the other's short write lock, never fails on it): the loop's own writes (plan rows)
+wait for one batch at most.
 
 Rules that keep a cursor from going backwards (a window counted twice after a restart):
 - one row per table and deployment is pending at a time; a newer save replaces the
