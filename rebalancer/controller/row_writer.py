@@ -5,8 +5,8 @@ Every deployment saves its ingest cursor (per-rank next window and the estimate 
 from them, about 120 kB at DeepSeek-V3 shapes) every `persist_seconds`. At 512
 deployments that is about 100 SQLite writes a second, and done on the event loop they
 were a quarter of its time, so windows queued behind them. A contingency set (a survivor
-placement per failure domain, 2.4 MB at DeepSeek-V3 shapes on 32 GPUs) held the loop
-for tens of milliseconds at each save. Here the loop only packs the
+placement per failure domain, 2.3 MB at DeepSeek-V3 shapes on 32 GPUs) held the loop
+6-42 ms at each save. Here the loop only packs the
 row (a snapshot: each array copied once into the blob, so later folds cannot change what
 is saved) and hands it over; the thread writes it, oldest first, in transactions of about
 BATCH_BYTES. SQLite's WAL lets the two connections of one process take turns (each waits
