@@ -138,9 +138,9 @@ def run(args: argparse.Namespace) -> int:
         gc.freeze()
         # Every window allocates a few dozen short-lived objects (messages, arrays,
         # futures) and nearly none that live. At the default thresholds (700, 10, 10) a
-        # controller of 16,384 ranks in pods of 8 (bench/ingest.py) ran 425, 38 and 3
-        # collections of the three generations in its 40 s, 1.1 s in all (about 5 % of its
-        # CPU), the full ones about 110 ms each, stalling every stream; at these, 14 young
+        # controller of 16,384 ranks in pods of 8 (bench/ingest.py, one run of 20 s measured
+        # and its start) ran 425, 38 and 3 collections of the three generations, 1.1 s in
+        # all, the full ones about 110 ms each, stalling every stream; at these, 14 young
         # ones, 0.13 s. Cycles are rare here: collect them less often.
         gc.set_threshold(*GC_THRESHOLDS)
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
