@@ -16,10 +16,10 @@ keeps, per deployment, a `RegimeLibrary`:
   prediction was from the window that came (mean per-layer total-variation distance of
   the shares, `share_distance`): the matched regime's centroid, a drift forecast (the
   trend between a fast and a slow exponential mean of the shares, extrapolated one
-  window ahead, restarted at a jump between regimes: `forecast`) and the adaptive
-  estimate. The decision uses the one with the lowest running error, except that a
-  window recognised as the return of a known regime takes that regime's centroid at
-  once.
+  window ahead, restarted at a jump between regimes: `forecast`; a decision on it looks
+  `RegimeConfig.forecast_horizon_windows` ahead) and the adaptive estimate. The
+  decision uses the one with the lowest running error, except that a window recognised
+  as the return of a known regime takes that regime's centroid at once.
 - Candidates: the migration-aware fit on the chosen load (as adaptive), the recognised
   regime's ready placement, and, when known regimes alternate faster than a move pays
   (mean stay at most `fast_run_windows`), a max-min placement over the regimes in play
