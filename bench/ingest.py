@@ -106,6 +106,32 @@ def scrape(metrics_port: int, names: tuple[str, ...], labelled: bool = False) ->
 
 FOLDED = "rebalancer_rank_windows_folded_total"
 LOOP_BUSY = "rebalancer_event_loop_busy_seconds_total"
+# The loop's iterations by length (a controller from before it has none: NaN below).
+LOOP_ITERATION_BUCKETS = "rebalancer_event_loop_iteration_seconds_bucket"
+LONG_ITERATION = 0.05  # seconds: an iteration longer than p99's target
+
+
+def long_iterations(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
+    """Between two readings: the loop iterations longer than LONG_ITERATION, and the bucket
+    bound (ms) the longest one stayed within (NaN without the histogram)."""
+
+    def buckets(reading: dict[str, float]) -> dict[float, float]:  # le -> cumulative count
+        return {
+            float(k.split('le="')[1].split('"')[0]): v
+            for k, v in reading.items()
+            if k.startswith(LOOP_ITERATION_BUCKETS)
+        }
+
+    b0, b1 = buckets(before), buckets(after)
+    if not b0 or set(b0) != set(b1):
+        return float("nan"), float("nan")
+    ran = {le: b1[le] - b0[le] for le in b1}  # per bound, iterations within it
+    total = ran[float("inf")]
+    long = total - ran[LONG_ITERATION]
+    longest = min(le for le, n in ran.items() if n >= total)
+    return long, longest * 1e3
+
+
 # A controller from before FOLDED (run against an older tree, PYTHONPATH=<tree>): its merged
 # windows folded per deployment, each RANKS_PER_DEPLOYMENT rank windows here (every rank
 # sends every window). Reading it runs that tree's per-deployment collector: the scrapes
@@ -114,9 +140,11 @@ FOLDED_PER_DEPLOYMENT = "rebalancer_windows_folded_total"
 
 
 def read_counts(metrics_port: int) -> tuple[float, dict[str, float]]:
-    """(time of the reading, {FOLDED, LOOP_BUSY} as far as the controller has them)."""
+    """(time of the reading, {FOLDED, LOOP_BUSY, LOOP_ITERATION's buckets} as far as the
+    controller has them)."""
     t0 = time.monotonic()
     got = scrape(metrics_port, (FOLDED, LOOP_BUSY))
+    got.update(scrape(metrics_port, (LOOP_ITERATION_BUCKETS,), labelled=True))
     if FOLDED not in got:
         merged = scrape(metrics_port, (FOLDED_PER_DEPLOYMENT,), labelled=True)
         got[FOLDED] = RANKS_PER_DEPLOYMENT * sum(merged.values())
@@ -468,6 +496,7 @@ def run_load(
         else float("nan")
     )
     counted = acked if np.isnan(folded) else folded
+    long, longest_ms = long_iterations(scraped0, scraped1)
     return {
         "ranks": ranks,
         "pods": units if ranks_per_pod > 1 else 0,
@@ -491,6 +520,10 @@ def run_load(
         # The event loop: share of wall time it ran callbacks (NaN: a server without the
         # metric), and the CPU its thread took (cores).
         "loop_busy_share": busy,
+        # Iterations of the loop (callbacks between two waits) over LONG_ITERATION in the
+        # interval, and the bucket bound the longest stayed within (ms).
+        "loop_iterations_over_50ms": long,
+        "loop_longest_iteration_ms_at_most": longest_ms,
         "loop_thread_cpu_cores": (lcpu1 - lcpu0) / wall,
         "decision_worker_cpu_cores": sum(kcpu1[p] - kcpu0[p] for p in kcpu1 if p in kcpu0)
         / (t1 - t0),
@@ -657,7 +690,9 @@ def main(argv: list[str] | None = None) -> int:
             f"({r['folded_share']:.3f}, {r['counted_by']}; "
             f"{r['messages_per_second']:.0f} "
             f"messages/s), {r['cpu_us_per_rank_window']:.1f} us CPU a rank window, loop busy "
-            f"{r['loop_busy_share']:.2f} (its thread {r['loop_thread_cpu_cores']:.2f} cores), "
+            f"{r['loop_busy_share']:.2f} (its thread {r['loop_thread_cpu_cores']:.2f} cores; "
+            f"{r['loop_iterations_over_50ms']:.0f} iterations over 50 ms, the longest "
+            f"<= {r['loop_longest_iteration_ms_at_most']:.0f} ms), "
             f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, "
             f"{r['controller_cpu_cores']:.2f} cores "
             f"(+{r['decision_worker_cpu_cores']:.2f} decision worker = "

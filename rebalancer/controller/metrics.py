@@ -56,7 +56,7 @@ from rebalancer.controller.cost import plan_cost
 from rebalancer.controller.decide import Decision
 from rebalancer.controller.decision_runner import RECORDED_OUTCOMES, TRIGGERS
 from rebalancer.controller.deployment import Deployment
-from rebalancer.controller.loop_busy import TimedSelector, for_loop
+from rebalancer.controller.loop_busy import ITERATION_BUCKETS, TimedSelector, for_loop
 from rebalancer.controller.state import Controller
 
 # ---------------------------------------------------------------- names (the API)
@@ -120,6 +120,7 @@ REGIME_LOAD = (
     "rebalancer_regime_decision_load"  # {deployment, load}: 1 for the newest decision's load
 )
 LOOP_BUSY = "rebalancer_event_loop_busy_seconds"  # counter: wall time the event loop ran callbacks
+LOOP_ITERATION = "rebalancer_event_loop_iteration_seconds"  # histogram: callbacks between waits
 RANK_WINDOWS_FOLDED = (
     "rebalancer_rank_windows_folded"  # counter: rank windows in the estimates, all deployments
 )
@@ -568,6 +569,21 @@ class _ProcessCollector(Collector):
             )
             busy.add_metric([], self.loop.busy_seconds())
             yield busy
+            counts = np.cumsum(self.loop.iterations)
+            yield HistogramMetricFamily(
+                LOOP_ITERATION,
+                "Wall time of one event-loop iteration: the callbacks run between two waits "
+                "for I/O, one after another; a window arriving meanwhile waits for the "
+                "iteration to end (a long one is a latency spike even on an idle loop).",
+                buckets=list(
+                    zip(
+                        [floatToGoString(b) for b in ITERATION_BUCKETS] + ["+Inf"],
+                        map(float, counts),
+                        strict=True,
+                    )
+                ),
+                sum_value=self.loop.iteration_seconds,
+            )
 
 
 class ControllerMetrics:

@@ -44,3 +44,28 @@ def test_an_older_controller_counts_by_deployment(served: tuple[CollectorRegistr
         'rebalancer_windows_folded_total{deployment="dsv3-0"}': 3.0,
         'rebalancer_windows_folded_total{deployment="dsv3-1"}': 5.0,
     }
+
+
+def test_the_long_loop_iterations_between_two_readings(
+    served: tuple[CollectorRegistry, int],
+) -> None:
+    """The iterations over 50 ms and the bound the longest stayed within, counted between
+    the readings only; none from a controller without the histogram."""
+    from prometheus_client import Histogram
+
+    from bench.ingest import long_iterations
+    from rebalancer.controller.loop_busy import ITERATION_BUCKETS
+
+    registry, port = served
+    _, bare = read_counts(port)
+    iterations = Histogram(
+        "rebalancer_event_loop_iteration_seconds", "x", buckets=ITERATION_BUCKETS, registry=registry
+    )
+    for seconds in (0.3, 0.002):  # before the first reading: not counted
+        iterations.observe(seconds)
+    _, before = read_counts(port)
+    for seconds in (0.0005, 0.004, 0.04, 0.07, 0.2):
+        iterations.observe(seconds)
+    _, after = read_counts(port)
+    assert long_iterations(before, after) == (2.0, 250.0)
+    assert all(x != x for x in long_iterations(bare, after))  # NaN: no histogram before

@@ -46,6 +46,40 @@ def test_waiting_is_not_busy_and_running_is() -> None:
     assert running >= 0.18
 
 
+def test_each_iteration_is_counted_by_how_long_it_held_the_loop(tmp_path: Path) -> None:
+    """One callback that holds the loop 0.2 s is one iteration in the (0.1, 0.25] bucket;
+    the loop's short iterations stay in the small buckets; the metrics export them as a
+    histogram."""
+    from rebalancer.controller.loop_busy import ITERATION_BUCKETS
+    from rebalancer.controller.metrics import LOOP_ITERATION
+
+    ctl = Controller(Store(tmp_path / "c.sqlite"), PolicyConfig(paused=True))
+
+    async def main() -> tuple[list[int], list[int], str]:
+        selector = for_loop(asyncio.get_running_loop())
+        assert selector is not None
+        for _ in range(20):
+            await asyncio.sleep(0)  # short iterations
+        before = list(selector.iterations)
+        end = time.monotonic() + 0.2
+        while time.monotonic() < end:  # one callback that holds the loop
+            pass
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        text = generate_latest(ControllerMetrics(ctl).registry).decode()
+        return before, list(selector.iterations), text
+
+    before, after, text = run_on_timed_loop(main)
+    long_bucket = ITERATION_BUCKETS.index(0.25)
+    added = [a - b for a, b in zip(after, before, strict=True)]
+    assert added[long_bucket] == 1 and sum(added[long_bucket + 1 :]) == 0
+    assert sum(before[ITERATION_BUCKETS.index(0.05) :]) == 0  # nothing long before it
+    assert sum(before) >= 20
+    assert f'{LOOP_ITERATION}_bucket{{le="0.25"}}' in text
+    assert f'{LOOP_ITERATION}_bucket{{le="+Inf"}}' in text and f"{LOOP_ITERATION}_sum" in text
+    ctl.store.close()
+
+
 def test_a_loop_made_elsewhere_has_no_timed_selector() -> None:
     async def main() -> object:
         return for_loop(asyncio.get_running_loop())
