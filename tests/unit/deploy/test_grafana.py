@@ -81,9 +81,10 @@ def test_panels_use_the_templated_datasource(dashboard: dict[str, Any]) -> None:
 def test_per_deployment_metrics_follow_the_variable(dashboard: dict[str, Any]) -> None:
     # Every series labelled by deployment is filtered by $deployment (a sidecar's through
     # its info series' deployment label); the two histograms without that label (ingest
-    # latency, plan phases), the store's errors and build info are controller-wide, and a
-    # replica pool's series are the pool's, over all its members (its members' divergence
-    # too: which members of a pool follow it is a view of the pool, not of a deployment).
+    # latency, plan phases), the store's errors, build info, the shard and the event loop
+    # are controller-wide, and a replica pool's series are the pool's, over all its members
+    # (its members' divergence too: which members of a pool follow it is a view of the
+    # pool, not of a deployment).
     global_metrics = {
         "rebalancer_ingest_seconds",
         "rebalancer_plan_phase_seconds",
@@ -100,6 +101,8 @@ def test_per_deployment_metrics_follow_the_variable(dashboard: dict[str, Any]) -
         "rebalancer_pool_member_diverged",
         "rebalancer_rank_windows_folded",
         "rebalancer_event_loop_busy_seconds",
+        "rebalancer_event_loop_iteration_seconds",
+        "rebalancer_shard_info",
     }
     for where, expr in _queries(dashboard):
         names = {base_name(n) for n in metric_names(expr)}
