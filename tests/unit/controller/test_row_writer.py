@@ -20,6 +20,24 @@ def _state(seq: int) -> dict:
     return {"next_seq": {"0": seq}, "estimator": {"weighted_sum": np.full((3, 4), float(seq))}}
 
 
+def held_writer(store: Store, seen: list[dict] | None = None) -> threading.Event:
+    """Hold the store's writer thread before each transaction until the returned event is
+    set (appending each transaction's rows to `seen`, if given)."""
+    writer = store._writer
+    assert writer is not None
+    gate = threading.Event()
+    original = writer._write
+
+    def held(db, rows):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        if seen is not None:
+            seen.append(dict(rows))
+        original(db, rows)
+
+    writer._write = held  # type: ignore[method-assign]
+    return gate
+
+
 def test_background_saves_land_in_order_and_close_writes_the_rest(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.sqlite")
     for seq in range(200):
@@ -50,17 +68,8 @@ def test_the_saved_arrays_are_a_snapshot(tmp_path: Path) -> None:
 def test_a_pending_save_reads_back_before_it_is_written(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.sqlite")
     store.save_ingest_state("d", _state(1), background=True)
-    writer = store._writer
-    assert writer is not None
-    gate = threading.Event()
-    original = writer._write
-
-    def slow(db, rows):  # type: ignore[no-untyped-def]
-        gate.wait(10)
-        original(db, rows)
-
     store.flush_ingest_states()
-    writer._write = slow  # type: ignore[method-assign]
+    gate = held_writer(store)
     store.save_ingest_state("d", _state(2), background=True)
     saved = store.ingest_state("d")
     assert saved is not None and saved["next_seq"] == {"0": 2}
@@ -182,24 +191,16 @@ def test_rows_are_written_in_batches_that_release_the_write_lock(tmp_path: Path)
     store = Store(tmp_path / "s.sqlite")
     store.save_ingest_state("d0", _state(0), background=True)
     store.flush_ingest_states()
-    writer = store._writer
-    assert writer is not None
-    gate = threading.Event()
-    batches: list[list[tuple[str, int]]] = []  # per transaction: (deployment, row bytes)
-    original = writer._write
-
-    def recorded(db, rows):  # type: ignore[no-untyped-def]
-        gate.wait(10)
-        batches.append([(name, len(doc) + len(blob)) for (_, name), (doc, blob) in rows.items()])
-        original(db, rows)
-
-    writer._write = recorded  # type: ignore[method-assign]
+    seen: list[dict] = []  # per transaction: its rows
+    gate = held_writer(store, seen)
     big = {"next_seq": {"0": 1}, "estimator": {"weighted_sum": np.zeros((256, 256))}}  # 512 kB
     for k in range(10):
         store.save_ingest_state(f"d{k}", big, background=True)
     store.save_ingest_state("d3", _state(7), background=True)  # a newer row replaces a pending one
     gate.set()
     store.flush_ingest_states()
+    # per transaction: (deployment, row bytes)
+    batches = [[(name, len(doc) + len(blob)) for (_, name), (doc, blob) in r.items()] for r in seen]
     assert len(batches) >= 4  # 5 MB of rows: not one transaction
     for batch in batches:  # each stops at the row that reaches BATCH_BYTES
         assert sum(size for _, size in batch[:-1]) < row_writer.BATCH_BYTES
