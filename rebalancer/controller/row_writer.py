@@ -1,5 +1,5 @@
-"""The store's rows that only their newest version matters of, written off the event
-loop by a thread with a connection of its own: ingest cursors and contingency sets.
+"""Store rows of which only the newest version matters, written off the event loop by a
+thread with a connection of its own: ingest cursors and contingency sets.
 
 Every deployment saves its ingest cursor (per-rank next window and the estimate built
 from them, about 120 kB at DeepSeek-V3 shapes) every `persist_seconds`. At 512
@@ -140,9 +140,8 @@ class RowWriter:
         `_pending`; under the condition's lock."""
         batch: dict[Key, Row] = {}
         size = 0
-        for key in list(self._pending):
-            if batch and size >= BATCH_BYTES:
-                break
+        while self._pending and (not batch or size < BATCH_BYTES):
+            key = next(iter(self._pending))  # the oldest: dicts keep the order of insertion
             row = batch[key] = self._pending.pop(key)
             size += len(row[0]) + len(row[1])
         return batch
