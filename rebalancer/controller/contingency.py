@@ -308,13 +308,12 @@ class ContingencyPlanner:
         declared scale-downs, or the estimate moved by REFRESH_SHIFT; never while one is computed,
         never more often than MIN_INTERVAL_SECONDS, and only with counts to plan on and a loss to
         plan for."""
-        declared = dep.policy.contingency.scale_down_nodes
-        if (
-            dep.name in self._running
-            or not failure_domains(dep.shape, declared)
-            or dep.mixed is not None
-        ):
+        # Asked at every window a deployment folds: the cheap refusals first. One GPU has no
+        # loss to plan for (`failure_domains` is empty exactly then: a node or a scale-down
+        # loses some of several GPUs).
+        if dep.name in self._running or dep.mixed is not None or dep.shape.num_gpus < 2:
             return False
+        declared = dep.policy.contingency.scale_down_nodes
         current = self.sets.get(dep.name)
         stale = (
             current is None

@@ -90,6 +90,20 @@ def test_every_single_loss_is_planned_stored_and_recorded(tmp_path: Path) -> Non
     back.store.close()
 
 
+def test_a_single_gpu_has_no_loss_to_plan_for(tmp_path: Path) -> None:
+    """One GPU: no failure domain, so no set is planned, stored or told, window after
+    window (the check that runs at every window says so first)."""
+    ctl = Controller(Store(tmp_path / "c.sqlite"), PolicyConfig(paused=True, min_windows=1))
+    session, _ = ctl.register("one", 0, TINY, 0, None, "w0")
+    ctl.attach(session.session_id, lambda kind, plan: None)
+    dep = ctl.deployment("one")
+    for seq in range(3):
+        ctl.ingest(dep, 0, seq, 0, np.array([[5, 1, 1, 1]]), None)
+        assert not ctl.contingency.due(dep, 1000.0 * seq)
+    assert ctl.contingency.get("one") is None and ctl.store.contingency("one") is None
+    ctl.store.close()
+
+
 def test_a_new_placement_or_a_moved_load_is_planned_again_but_not_every_window(
     tmp_path: Path,
 ) -> None:
