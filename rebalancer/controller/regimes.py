@@ -23,14 +23,19 @@ keeps, per deployment, a `RegimeLibrary`:
 - Candidates: the migration-aware fit on the chosen load (as adaptive), the recognised
   regime's ready placement, and, when known regimes alternate faster than a move pays
   (mean stay at most `fast_run_windows`), a max-min placement over the regimes in play
-  (`maxmin_placement`). Each goes through the same cost gate (`decide.gate_decision`);
+  (`maxmin_placement`). On a jump to a load never seen, once such a load went back
+  within a few windows before (bursts), the fit is hedged: the max-min placement over
+  that window and the regime it left (`RegimeConfig.hedge_jumps`; one window cannot tell
+  a burst that goes back from a load that stays). Each goes through
+  the same cost gate (`decide.gate_decision`);
   a load that is a regime's centroid or the smoothed forecast is worth many windows, so
   its noise margin is smaller, and its hysteresis is `RegimeConfig.gain_threshold`.
   The plans only that smaller hysteresis takes ("extra": `is_extra`) move at most
   `RegimeConfig.extra_slots_share` of the slots the plans that cleared the policy's own
   moved (`RegimeLibrary.slots_main`, `slots_extra`). A candidate that gains
-  `RegimeConfig.sure_gain` (the trivial placement an engine starts with) is decided on
-  after one window, the policy's `min_windows` waived (`sure_gain`).
+  `RegimeConfig.sure_gain` (the trivial placement an engine starts with, a burst) is
+  decided on after one window, the policy's `min_windows` waived, and waits only the min
+  interval scaled to its gain (`sure_gate`).
 
 Everything here is a function of its arguments: `decide_regimes` takes the library and
 the windows folded since the last decision and returns the Decision with the updated
@@ -146,10 +151,21 @@ class RegimeConfig:
     that cleared the policy's own `gain_threshold`, over the deployment's life: what the
     adaptive policy would not have moved stays within this share of what it would."""
 
+    hedge_jumps: bool = True
+    """On a jump to a load never seen, once such a load went back within
+    `fast_run_windows` windows before (`RegimeLibrary.went_back`: this deployment has
+    bursts), fit the max-min placement over that window and the regime it jumped from
+    (migration-aware, the policy's budget) instead of the window alone: one window cannot
+    tell a burst that goes back from a load that stays, and a placement fitted to a burst
+    alone serves the load it goes back to worse than the one before it did, until the next
+    plan. Where new loads stay (phases) the fit serves them at once (False: never hedge)."""
+
     sure_gain: float = 0.2
     """A candidate that gains this much balancedness on the load (the trivial placement
-    an engine starts with gains about 0.5) is decided on after one window: the policy's
-    `min_windows` is waived for it, the gain is far beyond any window's noise (0: never)."""
+    an engine starts with gains about 0.5, a burst's 6-fold hot experts about 0.4) is
+    decided on after one window: the policy's `min_windows` is waived for it, the gain is
+    far beyond any window's noise; and it waits only the policy's min interval scaled by
+    `gain_threshold / gain`, the time it needs to repay a plan (`sure_gate`; 0: never)."""
 
     def validate(self) -> None:
         for name, lo, hi in (
@@ -166,6 +182,8 @@ class RegimeConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
                 raise InputError(f"regimes {name} must be in [{lo}, {hi}], got {value!r}")
+        if not isinstance(self.hedge_jumps, bool):
+            raise InputError(f"regimes hedge_jumps must be a boolean, got {self.hedge_jumps!r}")
         for name in ("capacity", "known_windows", "maxmin_rounds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -233,19 +251,25 @@ def _compact(phy2log: np.ndarray) -> np.ndarray:
 
 
 def maxmin_placement(
-    loads: np.ndarray, shape: ClusterShape, rounds: int = 4
+    loads: np.ndarray,
+    shape: ClusterShape,
+    rounds: int = 4,
+    previous: np.ndarray | None = None,
+    max_moved_fraction: float | None = None,
 ) -> tuple[np.ndarray, float]:
     """A placement good for every load of `loads` [K, L, E] (shares): it maximises the
     worst balancedness over the K loads, by multiplicative weights: fit on the weighted
     mixture, weigh up the loads it serves worst, fit again; the best worst case wins.
-    Redundant slots go where the loads disagree (experts hot in any of them). Returns
-    (phy2log [L, P] int64, its worst balancedness)."""
+    Redundant slots go where the loads disagree (experts hot in any of them). Each fit is
+    from scratch, or migration-aware from `previous` [L, P] within `max_moved_fraction`.
+    Returns (phy2log [L, P] int64, its worst balancedness)."""
     k = loads.shape[0]
     weights = np.full(k, 1.0 / k)
     best: np.ndarray | None = None
     best_worst = -1.0
     for _ in range(max(1, rounds)):
-        placement = fit(np.tensordot(weights, loads, axes=1), shape)
+        mixture = np.tensordot(weights, loads, axes=1)
+        placement = fit(mixture, shape, previous=previous, max_moved_fraction=max_moved_fraction)
         b = np.array([balance(placement, loads[i], shape.num_gpus) for i in range(k)])
         if b.min() > best_worst:
             best, best_worst = placement, float(b.min())
@@ -313,6 +337,11 @@ class RegimeLibrary:
     # extra ones taken only by a smaller one (RegimeConfig.extra_slots_share).
     slots_main: int = 0
     slots_extra: int = 0
+    # Loads that came by a jump and were new: the regime the current one was entered from
+    # (0: it was not such a load), and how many such loads went back to a known regime
+    # within `fast_run_windows` windows (bursts; RegimeConfig.hedge_jumps reads it).
+    came_from: int = 0
+    went_back: int = 0
     # What the store holds: set when a regime is made, evicted or given a new ready
     # placement; `saved_windows` counts the windows the stored copy had.
     changed: bool = True
@@ -393,6 +422,8 @@ class RegimeLibrary:
             "windows": self.windows,
             "slots_main": self.slots_main,
             "slots_extra": self.slots_extra,
+            "came_from": self.came_from,
+            "went_back": self.went_back,
         }
         return record, arrays
 
@@ -411,6 +442,8 @@ class RegimeLibrary:
             saved_windows=int(record["windows"]),
             slots_main=int(record.get("slots_main", 0)),
             slots_extra=int(record.get("slots_extra", 0)),
+            came_from=int(record.get("came_from", 0)),
+            went_back=int(record.get("went_back", 0)),
         )
         for row in record["regimes"]:
             i = int(row["id"])
@@ -558,6 +591,16 @@ def observe(
         lib.changed = True
         dist, known, new = math.inf, False, True
     changed = r.id != previous
+    if changed:
+        left = lib.get(previous)
+        if (
+            lib.came_from
+            and not new
+            and left is not None
+            and left.windows <= config.fast_run_windows
+        ):
+            lib.went_back += 1  # a new load that did not last: a burst
+        lib.came_from = previous if new and jump and previous else 0
     lib.current = r.id
     lib.recent = (lib.recent + [r.id])[-RECENT_WINDOWS:]
     lib.jumps = (lib.jumps + [bool(changed and jump)])[-RECENT_WINDOWS:]
@@ -623,6 +666,25 @@ def sure_gain(gain: float, windows: int, policy: PolicyConfig, config: RegimeCon
     return config.sure_gain > 0 and 1 <= windows < policy.min_windows and gain >= config.sure_gain
 
 
+def sure_gate(
+    gain: float, windows: int, policy: PolicyConfig, config: RegimeConfig
+) -> PolicyConfig:
+    """The gate for a candidate that gains `gain` of balancedness after `windows` windows:
+    the policy's, except that a sure gain (`RegimeConfig.sure_gain`) waives `min_windows`
+    (`sure_gain`) and holds the candidate to the min interval scaled to its gain: the
+    interval is the time the smallest accepted gain (`gain_threshold`) needs to repay a
+    plan, and this gain repays it `gain / gain_threshold` times sooner (a burst is chased
+    in the window after the last plan, not two windows late)."""
+    if not (config.sure_gain > 0 and windows >= 1 and gain >= config.sure_gain):
+        return policy
+    if sure_gain(gain, windows, policy, config):
+        policy = replace(policy, min_windows=1)
+    if policy.gain_threshold > 0:
+        scaled = policy.min_interval_seconds * policy.gain_threshold / gain
+        policy = replace(policy, min_interval_seconds=min(policy.min_interval_seconds, scaled))
+    return policy
+
+
 def decide_regimes(
     library: RegimeLibrary,
     pending: list[tuple[np.ndarray, float]],
@@ -672,6 +734,7 @@ def decide_regimes(
     }
     in_play = alternating(library, config)
     ready: np.ndarray | None = None
+    hedged: np.ndarray | None = None  # the fit candidate's stand-in on a jump (hedge_jumps)
     worth: float | np.ndarray
     if in_play:
         playing = sorted((r for r in library.regimes if r.id in in_play), key=lambda r: r.id)
@@ -704,6 +767,16 @@ def decide_regimes(
             f"a jump to a new regime {regime.id} "
             f"(no regime within {config.match_distance:g}): its window"
         )
+        left = library.get(library.came_from)
+        if config.hedge_jumps and library.went_back and left is not None:
+            hedge = np.stack([shares(load), left.centroid])
+            hedged, worst = maxmin_placement(
+                hedge, shape, config.maxmin_rounds, current, policy.max_moved_fraction
+            )
+            why += (
+                f", hedged with regime {left.id} it left (worst balancedness {worst:.3f} "
+                "over the two)"
+            )
     else:
         scored = {k: library.errors.get(k, math.inf) for k in loads}
         if regime.windows < config.known_windows:
@@ -730,10 +803,17 @@ def decide_regimes(
             fit(load, shape, previous=current, max_moved_fraction=policy.max_moved_fraction),
             gate_policy,
         )
+        if hedged is None
+        else ("hedge", hedged, gate_policy)
     ]
     if ready is not None and not np.array_equal(ready, current):
         candidates.append(("ready", np.asarray(ready, dtype=np.int64), gate_policy))
-    if config.drift_max_moved_fraction and ready is None and load_name != "alternation":
+    if (
+        config.drift_max_moved_fraction
+        and ready is None
+        and hedged is None
+        and load_name != "alternation"
+    ):
         # Drift: a small move of the slots that pay most, held to the smaller hysteresis.
         budget = min(policy.max_moved_fraction, config.drift_max_moved_fraction)
         small = replace(
@@ -749,8 +829,7 @@ def decide_regimes(
         ev = evaluate_candidate(
             load, current, candidate, shape, gate, worth, current_balance=b_current, bound=bound
         )
-        if sure_gain(ev.b_candidate - ev.b_current, windows, gate, config):
-            gate = replace(gate, min_windows=1)
+        gate = sure_gate(ev.b_candidate - ev.b_current, windows, gate, config)
         extra = is_extra(ev.b_candidate - ev.b_current, ev.noise_margin, policy)
         decision = gate_decision(
             ev, gate, now, last_rebalance, windows, load=f"{load_name} ({name} placement): {why}"

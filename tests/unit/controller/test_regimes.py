@@ -333,6 +333,7 @@ def test_the_default_policy_keeps_no_library_and_records_what_it_always_did() ->
         {"gain_threshold": float("nan")},
         {"known_windows": True},
         {"forecast_horizon_windows": 0.5},
+        {"hedge_jumps": 1},
     ],
 )
 def test_a_bad_regime_setting_is_refused_naming_it(bad: dict) -> None:
@@ -469,3 +470,96 @@ def test_plans_only_the_smaller_hysteresis_takes_stay_within_their_share_of_the_
     # The tally survives the store.
     back = RegimeLibrary.from_record(*lib.to_record())
     assert (back.slots_main, back.slots_extra) == (lib.slots_main, lib.slots_extra)
+
+
+def test_a_jump_to_a_load_never_seen_is_hedged_once_such_a_load_went_back() -> None:
+    """`hedge_jumps`: a burst (4 experts 6 times hotter for a window) is a jump to a new
+    regime. Once an earlier burst went back, the plan serves the burst far better than the
+    placement before it, and serves the load the burst goes back to better than a fit to
+    the burst window alone; before any load went back (a phase change), it is that fit."""
+    shape = ClusterShape(num_layers=3, num_logical=64, num_slots=72, num_gpus=8, expert_bytes=10)
+    rng = np.random.default_rng(2)
+    base = rng.dirichlet(np.full(64, 2.0), size=3)
+
+    def hot(experts: np.ndarray) -> np.ndarray:
+        h = base.copy()
+        h[:, experts] *= 6.0
+        return h / h.sum(axis=1, keepdims=True)
+
+    def window(dist: np.ndarray) -> np.ndarray:
+        return np.stack([rng.multinomial(400_000, row) for row in dist]).astype(np.float64)
+
+    burst = hot(rng.permutation(64)[:4])
+    earlier = [window(base) for _ in range(4)] + [window(hot(rng.permutation(64)[:4]))]
+    earlier += [window(base) for _ in range(2)]  # the earlier burst went back
+    counts = window(burst)
+    current = fit(base, shape)
+    placed = {}
+    for hedge, before in ((True, earlier), (False, earlier), (None, earlier[:4])):
+        config = RegimeConfig(hedge_jumps=hedge is not False)
+        lib = RegimeLibrary()
+        for t, w in enumerate(before):
+            observe(lib, w, float(t), shape, config)
+        assert lib.went_back == (1 if len(before) > 4 else 0)
+        d = decide_regimes(
+            lib,
+            [(counts, 10.0)],
+            counts,
+            current,
+            shape,
+            PolicyConfig(min_interval_seconds=0.0),
+            now=10.0,
+            last_rebalance=None,
+            windows=100,
+            config=config,
+        )
+        assert "a jump to a new regime" in d.load
+        assert ("hedged with regime" in d.load) == (hedge is True)
+        assert d.take and d.candidate is not None
+        assert balance(d.candidate, burst, 8) > balance(current, burst, 8) + 0.2
+        placed[hedge] = d.candidate
+    assert balance(placed[True], base, 8) > balance(placed[False], base, 8) + 0.02
+    worst = {h: min(balance(p, base, 8), balance(p, burst, 8)) for h, p in placed.items()}
+    assert worst[True] > worst[False] + 0.02
+    # Where no load went back the fit on the burst window is what the policy takes.
+    assert np.array_equal(placed[None], placed[False])
+    back = RegimeLibrary.from_record(*lib.to_record())
+    assert (back.went_back, back.came_from) == (lib.went_back, lib.came_from)
+
+
+def test_a_sure_gain_waits_only_the_min_interval_scaled_to_its_gain() -> None:
+    """A burst right after a plan: a gain of `sure_gain` or more repays a plan that many
+    times sooner than the smallest accepted gain, so the min interval shrinks by that
+    ratio; a small gain still waits the whole interval."""
+    rng = np.random.default_rng(10)
+    policy = PolicyConfig(min_interval_seconds=4.0)
+    config = RegimeConfig(sure_gain=0.05)  # this small shape's burst gains about 0.09
+    hot = A.copy()
+    hot[:, [0, 5, 11]] *= 6.0
+    burst = hot / hot.sum(axis=1, keepdims=True)
+
+    def after_plan(dist: np.ndarray, current: np.ndarray) -> object:
+        lib = RegimeLibrary()
+        for t in range(6):
+            observe(lib, _window(A, rng), float(t), SHAPE, config)
+        counts = _window(dist, rng)
+        return decide_regimes(
+            lib,
+            [(counts, 6.0)],
+            counts,
+            current,
+            SHAPE,
+            policy,
+            now=6.0,
+            last_rebalance=5.0,  # 1 s ago, within the 4 s interval
+            windows=100,
+            config=config,
+        )
+
+    d = after_plan(burst, fit(A, SHAPE))
+    gain = d.balancedness_candidate - d.balancedness_current
+    assert gain >= config.sure_gain and 4.0 * policy.gain_threshold / gain < 1.0
+    assert d.take
+    small = after_plan(A, fit(0.9 * A + 0.1 * B, SHAPE))
+    assert small.balancedness_candidate - small.balancedness_current < config.sure_gain
+    assert small.outcome == "skip_min_interval"
