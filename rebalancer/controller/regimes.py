@@ -660,24 +660,18 @@ def extra_allowed(library: RegimeLibrary, slots: int, config: RegimeConfig) -> b
     return library.slots_extra + slots <= config.extra_slots_share * library.slots_main
 
 
-def sure_gain(gain: float, windows: int, policy: PolicyConfig, config: RegimeConfig) -> bool:
-    """Whether a candidate's balancedness `gain` is large enough to be decided on after
-    `windows` >= 1 windows, before the policy's `min_windows` (`RegimeConfig.sure_gain`)."""
-    return config.sure_gain > 0 and 1 <= windows < policy.min_windows and gain >= config.sure_gain
-
-
 def sure_gate(
     gain: float, windows: int, policy: PolicyConfig, config: RegimeConfig
 ) -> PolicyConfig:
     """The gate for a candidate that gains `gain` of balancedness after `windows` windows:
-    the policy's, except that a sure gain (`RegimeConfig.sure_gain`) waives `min_windows`
-    (`sure_gain`) and holds the candidate to the min interval scaled to its gain: the
-    interval is the time the smallest accepted gain (`gain_threshold`) needs to repay a
-    plan, and this gain repays it `gain / gain_threshold` times sooner (a burst is chased
-    in the window after the last plan, not two windows late)."""
+    the policy's, except that a sure gain (`RegimeConfig.sure_gain`, after one window at
+    least) waives `min_windows` and holds the candidate to the min interval scaled to its
+    gain: the interval is the time the smallest accepted gain (`gain_threshold`) needs to
+    repay a plan, and this gain repays it `gain / gain_threshold` times sooner (a burst is
+    chased in the window after the last plan, not two windows late)."""
     if not (config.sure_gain > 0 and windows >= 1 and gain >= config.sure_gain):
         return policy
-    if sure_gain(gain, windows, policy, config):
+    if windows < policy.min_windows:
         policy = replace(policy, min_windows=1)
     if policy.gain_threshold > 0:
         scaled = policy.min_interval_seconds * policy.gain_threshold / gain

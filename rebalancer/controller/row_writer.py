@@ -59,6 +59,11 @@ TABLES: tuple[Table, ...] = ("ingest_state", "contingency")
 Key = tuple[Table, str]  # (table, deployment)
 
 
+def upsert(table: Table) -> str:
+    """The statement that writes one row of `table`, replacing the deployment's last."""
+    return f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?)"
+
+
 class RowWriter:
     def __init__(self, path: str, connect: Any) -> None:
         """`connect(path, timeout)` opens the writer's own connection (the store's
@@ -151,7 +156,7 @@ class RowWriter:
             db.execute("BEGIN")
             for table in TABLES:
                 db.executemany(
-                    f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?)",
+                    upsert(table),
                     [(name, doc, blob) for (t, name), (doc, blob) in rows.items() if t == table],
                 )
             db.execute("COMMIT")

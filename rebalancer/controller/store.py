@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from rebalancer.controller.coordinate import Mixed
-from rebalancer.controller.row_writer import RowWriter
+from rebalancer.controller.row_writer import Row, RowWriter, Table, upsert
 from rebalancer.errors import InputError, StateError
 
 # The largest placement or plan version: SQLite's INTEGER is a signed 64-bit integer (a
@@ -657,11 +657,12 @@ class Store:
         and the survivors' placements, replacing the one before. Packed here, written by
         the row writer's thread where one runs (written in line, a set of 2.3 MB held the
         event loop 6-42 ms; packed, 3 ms); `contingency` reads it back either way."""
+        writer = self._row_writer()
         row = (json.dumps(record), _pack_arrays(arrays))
-        if self.path != ":memory:":
-            self._row_writer().put("contingency", name, row)
+        if writer is not None:
+            writer.put("contingency", name, row)
         else:
-            self._db.execute("INSERT OR REPLACE INTO contingency VALUES (?, ?, ?)", (name, *row))
+            self._db.execute(upsert("contingency"), (name, *row))
 
     def record_contingency(self, name: str, time: float, summary: dict[str, Any]) -> None:
         """One contingency set in the deployment's history (its summary)."""
@@ -679,7 +680,7 @@ class Store:
         return [{"time": t, **json.loads(r)} for t, r in rows]
 
     def contingency(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-        pending = self._writer.pending("contingency", name) if self._writer is not None else None
+        pending = self._pending_row("contingency", name)
         if pending is not None:
             return json.loads(pending[0]), _unpack_arrays(pending[1])
         row = self._db.execute(
@@ -750,20 +751,26 @@ class Store:
         and a save in line waits for it. Returns the row's size in bytes (what the save
         costs the store: the folder paces saves by it)."""
         row = _ingest_row(state)
-        if background and self.path != ":memory:":
+        if background:
             self._row_writer()
         if self._writer is not None:
             self._writer.put("ingest_state", name, row)
             if not background:
                 self._writer.flush()
         else:
-            self._db.execute("INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?)", (name, *row))
+            self._db.execute(upsert("ingest_state"), (name, *row))
         return len(row[0]) + len(row[1])
 
-    def _row_writer(self) -> RowWriter:
-        if self._writer is None:
+    def _row_writer(self) -> RowWriter | None:
+        """The row writer, started at first use; None for a ':memory:' store (it has no
+        second connection, so it writes in line)."""
+        if self._writer is None and self.path != ":memory:":
             self._writer = RowWriter(self.path, self._connect_writer)
         return self._writer
+
+    def _pending_row(self, table: Table, name: str) -> Row | None:
+        """A row handed to the writer and not written yet, if any (what reads return)."""
+        return self._writer.pending(table, name) if self._writer is not None else None
 
     def flush_ingest_states(self) -> None:
         """Wait until every background save handed over so far is written."""
@@ -782,7 +789,7 @@ class Store:
         return db
 
     def ingest_state(self, name: str) -> dict[str, Any] | None:
-        pending = self._writer.pending("ingest_state", name) if self._writer is not None else None
+        pending = self._pending_row("ingest_state", name)
         if pending is not None:
             return _join_arrays(json.loads(pending[0]), _unpack_arrays(pending[1]))
         row = self._db.execute(
