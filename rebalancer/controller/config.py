@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rebalancer.controller.decide import PolicyConfig
+from rebalancer.controller.decision_runner import DEFAULT_DECISION_CPU_SHARE
 from rebalancer.controller.replica_pools import DEFAULT_MAX_MOVING
 from rebalancer.errors import InputError
 from rebalancer.wire.channel import MAX_MESSAGE_BYTES
@@ -83,6 +84,10 @@ class ControllerConfig:
     # once, so the interval does not slow stops. Writing acks was a quarter of the event
     # loop at 2,048 streams of one window a second (issue 32): 5 s writes a fifth of them.
     ack_interval_seconds: float = 5.0
+    # The decision worker's share of a core in the long run (0 < share <= 1; 1: no
+    # limit). Past it a due deployment decides at one of its next windows: a fleet of
+    # thousands due every window would otherwise keep the worker busy beside ingest.
+    decision_cpu_share: float = DEFAULT_DECISION_CPU_SHARE
     drain_seconds: float = 1.0  # NOT_SERVING before the port closes, on shutdown
     grace_seconds: float = 5.0  # calls in flight may finish this long after
     # Listen on a non-loopback host although a service is unauthenticated (no token and
@@ -112,6 +117,7 @@ _SERVER_KEYS = {
     "persist_seconds",
     "cursor_mb_per_second",
     "ack_interval_seconds",
+    "decision_cpu_share",
     "insecure",
     "pool_max_moving",
 }
@@ -249,6 +255,9 @@ def validate_config(config: ControllerConfig) -> None:
     rate = config.cursor_mb_per_second
     if not _is_number(rate) or not math.isfinite(rate) or rate <= 0:
         raise InputError(f"cursor_mb_per_second must be a finite number > 0, got {rate!r}")
+    share = config.decision_cpu_share
+    if not _is_number(share) or not math.isfinite(share) or not 0 < share <= 1:
+        raise InputError(f"decision_cpu_share must be a number in (0, 1], got {share!r}")
     for name in ("insecure", "per_layer_metrics"):
         if not isinstance(getattr(config, name), bool):
             raise InputError(f"{name} must be true or false, got {getattr(config, name)!r}")

@@ -186,9 +186,13 @@ class _Evaluation:
     cost: PlanCost
     gain: float
     noise_margin: float
+    # False: no candidate was fitted, since none could pass the gate (`_evaluate`).
+    fitted: bool = True
 
     def summary(self, horizon_seconds: float) -> str:
         """The numbers every reason ends with."""
+        if not self.fitted:
+            return f"balancedness {self.b_current:.3f} (bound {self.bound:.3f})"
         return (
             f"balancedness {self.b_current:.3f} -> {self.b_candidate:.3f} "
             f"(bound {self.bound:.3f}), "
@@ -232,6 +236,7 @@ def decide(
         shape,
         policy,
         windows if effective_windows is None else effective_windows,
+        always_fit=forced or dry_run,
     )
     return gate_decision(ev, policy, now, last_rebalance, windows, forced, dry_run)
 
@@ -293,12 +298,24 @@ def _evaluate(
     shape: ClusterShape,
     policy: PolicyConfig,
     effective_windows: float | np.ndarray,
+    always_fit: bool = True,
 ) -> _Evaluation:
     """Balance of current and candidate, the candidate's moves, their cost, the gain over
-    the horizon and the noise margin, on the estimate."""
+    the horizon and the noise margin, on the estimate.
+
+    `always_fit` False: no candidate is fitted when the best reachable balancedness (`bound`) is
+    less than the gate's margin above the current placement's, since the gate would then
+    refuse whatever the fit gave (split dispatch, where every placement's balancedness is
+    at most the bound); the evaluation says so (`_Evaluation.fitted`). The fit is most of
+    a decision's cost, and a placement that already sits near the bound is the usual
+    state of a deployment between shifts."""
     G = shape.num_gpus
     b_current, r_current = predicted_balance(current, estimate, shape)
     bound = float(lower_bound_balancedness(estimate, shape.num_slots, G, shape.num_nodes))
+    if shape.dispatch_mode == "split" and not always_fit:
+        noise = _noise_margin(estimate, G, policy, effective_windows)
+        if bound - b_current < policy.gain_threshold + noise:
+            return _unfitted(current, b_current, r_current, bound, noise, shape, policy)
     candidate = _fit_candidate(estimate, current, shape, policy)
     return evaluate_candidate(
         estimate,
@@ -335,9 +352,7 @@ def evaluate_candidate(
     b_candidate, r_candidate = predicted_balance(candidate, estimate, shape)
     moves = np.asarray(transfers(current, candidate, G, shape.num_nodes))
     slots_moved = int(moves.shape[0])
-    noise = (
-        policy.noise_z * sampling_noise(estimate, G, effective_windows) if policy.noise_z else 0.0
-    )
+    noise = _noise_margin(estimate, G, policy, effective_windows)
     return _Evaluation(
         b_current=b_current,
         r_current=r_current,
@@ -351,6 +366,48 @@ def evaluate_candidate(
         gain=gain_seconds(policy.horizon_seconds, r_current, r_candidate),
         noise_margin=noise,
     )
+
+
+def _noise_margin(
+    estimate: np.ndarray,
+    num_gpus: int,
+    policy: PolicyConfig,
+    effective_windows: float | np.ndarray,
+) -> float:
+    """The balancedness gain the gate asks on top of gain_threshold for a noisy estimate."""
+    if not policy.noise_z:
+        return 0.0
+    return policy.noise_z * sampling_noise(estimate, num_gpus, effective_windows)
+
+
+def _unfitted(
+    current: np.ndarray,
+    b_current: float,
+    r_current: float,
+    bound: float,
+    noise: float,
+    shape: ClusterShape,
+    policy: PolicyConfig,
+) -> _Evaluation:
+    """The evaluation without a fitted candidate (`_evaluate`): the candidate is the current
+    placement, nothing moves, nothing is gained."""
+    return _Evaluation(
+        b_current=b_current,
+        r_current=r_current,
+        bound=bound,
+        candidate=current,
+        b_candidate=b_current,
+        r_candidate=r_current,
+        slots_moved=0,
+        moved_fraction=0.0,
+        cost=plan_cost(_NO_MOVES, shape.num_gpus, shape.num_nodes, shape.expert_bytes, policy.cost),
+        gain=0.0,
+        noise_margin=noise,
+        fitted=False,
+    )
+
+
+_NO_MOVES = np.zeros((0, 5), dtype=np.int64)
 
 
 def _gate(
@@ -368,6 +425,14 @@ def _gate(
             "skip_min_interval",
             f"last rebalance {now - last_rebalance:.1f} s ago "
             f"(< {policy.min_interval_seconds:g} s)",
+        )
+    if not ev.fitted:
+        return (
+            "skip_gain",
+            f"best reachable balancedness {ev.bound:.3f} is less than threshold "
+            f"{policy.gain_threshold:g}"
+            + (f" + noise margin {ev.noise_margin:.3f}" if ev.noise_margin else "")
+            + f" above the current {ev.b_current:.3f}: no candidate fitted",
         )
     if ev.slots_moved == 0:
         return "skip_gain", "the candidate equals the current placement"

@@ -10,7 +10,9 @@ plan when it says take and every rank is connected.
 from __future__ import annotations
 
 import logging
+import math
 import sqlite3
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -63,6 +65,70 @@ def run_inline(fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
 # found due while the queue is full decides at one of its next windows.
 MAX_DECISIONS_IN_FLIGHT = 2
 
+# The worker's share of a core the policy's decisions may take, in the long run
+# (`[server] decision_cpu_share`). A deployment's decision is due every window, and
+# with thousands of them due the worker would take every cycle it can get, beside
+# ingest on the same node; past the share, each deployment decides less often.
+DEFAULT_DECISION_CPU_SHARE = 0.25
+# Worker seconds the share lets build up while decisions are few, spent in a burst (a
+# traffic shift that makes every deployment's decision fit a candidate).
+DECISION_BURST_SECONDS = 1.0
+# A deployment or pool counts among those sharing the worker while it decided this recently.
+DECIDER_SECONDS = 60.0
+# The cost of a decision is averaged over about this many of them.
+COST_WINDOW = 32
+
+
+class DecisionBudget:
+    """Worker time the policy's decisions may take: `share` seconds each wall second, up to
+    DECISION_BURST_SECONDS saved up (`allows`), spread evenly over those that decide: each
+    decides at most every `spacing` seconds, its share of the budget, so where the budget
+    is short every deployment's decisions come less often, none is left out.
+
+    The worker runs one decision at a time, so a decision's worker time is from when it
+    was handed over, or when the one before came back if later, to when it comes back."""
+
+    def __init__(self, share: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.share = share
+        self.clock = clock
+        self.seconds = DECISION_BURST_SECONDS  # saved up, negative when overspent
+        self.cost = 0.0  # mean worker seconds per decision
+        self._at = clock()
+        self._free_at = -math.inf  # when the worker finished its last decision
+        self._deciders: dict[str, float] = {}  # who had a decision due, and when last
+
+    def allows(self) -> bool:
+        """Whether another decision may be handed over now (share 1: always)."""
+        if self.share >= 1.0:
+            return True
+        now = self.clock()
+        self.seconds = min(DECISION_BURST_SECONDS, self.seconds + (now - self._at) * self.share)
+        self._at = now
+        return self.seconds > 0
+
+    def spacing(self) -> float:
+        """Seconds between two decisions of one deployment or pool that keep all those with
+        decisions due within the share at the mean cost (0 with share 1)."""
+        if self.share >= 1.0:
+            return 0.0
+        return len(self._deciders) * self.cost / self.share
+
+    def wants(self, key: str) -> None:
+        """`key` (a deployment or pool) has a decision due: it shares the worker."""
+        now = self.clock()
+        self._deciders.pop(key, None)
+        self._deciders[key] = now  # the dict stays ordered oldest first
+        if next(iter(self._deciders.values())) < now - DECIDER_SECONDS:
+            self._deciders = {k: t for k, t in self._deciders.items() if t >= now - DECIDER_SECONDS}
+
+    def spend(self, handed_at: float) -> None:
+        """A decision handed over at `handed_at` came back now."""
+        now = self.clock()
+        seconds = max(0.0, now - max(handed_at, self._free_at))
+        self._free_at = now
+        self.seconds -= seconds
+        self.cost += (seconds - self.cost) / (COST_WINDOW if self.cost else 1)
+
 
 class DecisionRunner:
     def __init__(
@@ -72,31 +138,40 @@ class DecisionRunner:
         plans: Plans,
         observers: Observers,
         background: Background = run_inline,
+        budget: DecisionBudget | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.plans = plans
         self.observers = observers
         self.background = background
+        self.budget = budget or DecisionBudget(1.0)
         self.in_flight = 0  # decisions handed to `background`, not yet back
         self.last_outcome: dict[str, str] = {}  # deployment -> outcome of its newest decision
 
     def due(self, dep: Deployment, now: float) -> bool:
         """Whether the policy should decide now: no plan or decision under way, not paused,
-        the ranks not on a mixed placement, and room in the decision queue
-        (MAX_DECISIONS_IN_FLIGHT)."""
-        return self.in_flight < MAX_DECISIONS_IN_FLIGHT and dep.due(now)
+        the ranks not on a mixed placement, and room for its decision (`has_room`)."""
+        return dep.due(now) and self.has_room(dep.name, dep.last_decision, now)
 
-    def has_room(self) -> bool:
-        """Whether another decision may be handed to `background` (MAX_DECISIONS_IN_FLIGHT)."""
-        return self.in_flight < MAX_DECISIONS_IN_FLIGHT
+    def has_room(self, key: str, last: Decision | None, now: float) -> bool:
+        """Whether `key`'s due decision (a deployment's or pool's; `last`: its newest)
+        may be handed to `background` at `now` (the controller's clock): fewer than
+        MAX_DECISIONS_IN_FLIGHT are, the worker is within its share, and the spacing
+        has passed since `last` (DecisionBudget)."""
+        self.budget.wants(key)
+        if self.in_flight >= MAX_DECISIONS_IN_FLIGHT or not self.budget.allows():
+            return False
+        return last is None or now - last.time >= self.budget.spacing()
 
     def submit(self, work: Callable[[], Any], done: Callable[[Any], None]) -> None:
-        """Run `work` by `background`, counted in the decisions in flight (a pool's
-        decision: replica_pools/fleet.py)."""
+        """Run `work` by `background`, counted in the decisions in flight and against the
+        budget (a pool's decision: replica_pools/fleet.py; a contingency set)."""
+        handed_at = self.budget.clock()
 
         def finish(result: Any) -> None:
             self.in_flight -= 1
+            self.budget.spend(handed_at)
             done(result)
 
         self.in_flight += 1
@@ -106,7 +181,6 @@ class DecisionRunner:
         """The policy's decision on the inputs as they are at `now`, computed by `background`."""
 
         def done(decision: Decision | None) -> None:
-            self.in_flight -= 1
             dep.decided(decision, now)
             if decision is None:
                 return
@@ -114,9 +188,7 @@ class DecisionRunner:
             if dep.plan is None:
                 self.act(dep, decision, "policy", self.clock())
 
-        work = dep.decide(now)
-        self.in_flight += 1
-        self.background(work, done)
+        self.submit(dep.decide(now), done)
 
     def save_regimes(self, dep: Deployment) -> None:
         """Store the deployment's regime library when it changed enough

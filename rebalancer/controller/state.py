@@ -22,7 +22,12 @@ from rebalancer.controller.clock import Clock, system_clock
 from rebalancer.controller.contingency import ContingencyPlanner
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import Decision, PolicyConfig
-from rebalancer.controller.decision_runner import Background, DecisionRunner, run_inline
+from rebalancer.controller.decision_runner import (
+    Background,
+    DecisionBudget,
+    DecisionRunner,
+    run_inline,
+)
 from rebalancer.controller.deployment import Deployment, Observers, Resize, Send, Session
 from rebalancer.controller.fold import DEFAULT_CURSOR_BYTES_PER_SECOND, Folder
 from rebalancer.controller.operate import Operations
@@ -40,7 +45,8 @@ class Controller:
 
     `clock` is read for every time the controller keeps or stores (default: epoch seconds
     that never go back); `background` runs the policy's decisions (default: inline; the
-    server passes its decision process, decision_process.py)."""
+    server passes its decision process, decision_process.py) within `decision_cpu_share`
+    of its time (DecisionBudget; default 1: no limit, as inline)."""
 
     def __init__(
         self,
@@ -52,6 +58,7 @@ class Controller:
         pool_max_moving: int = DEFAULT_MAX_MOVING,
         divergence: DivergenceConfig | None = None,
         cursor_bytes_per_second: float = DEFAULT_CURSOR_BYTES_PER_SECOND,
+        decision_cpu_share: float = 1.0,
     ) -> None:
         self.store = store
         self.clock: Clock = clock or system_clock()
@@ -60,7 +67,14 @@ class Controller:
             store, self.clock, default_policy or PolicyConfig(), self.observers
         )
         self.plans = Plans(store, self.clock, self.observers)
-        self.decisions = DecisionRunner(store, self.clock, self.plans, self.observers, background)
+        self.decisions = DecisionRunner(
+            store,
+            self.clock,
+            self.plans,
+            self.observers,
+            background,
+            DecisionBudget(decision_cpu_share),
+        )
         self.operations = Operations(store, self.clock, self.registry, self.decisions)
         self.fleet = Fleet(
             store,
@@ -82,7 +96,10 @@ class Controller:
             cursor_bytes_per_second,
         )
         self.contingency = ContingencyPlanner(
-            store, self.clock, self.decisions.submit, lambda: self.decisions.in_flight == 0
+            store,
+            self.clock,
+            self.decisions.submit,
+            lambda: self.decisions.in_flight == 0 and self.decisions.budget.allows(),
         )
         self.registry.load()
         self.fleet.load()

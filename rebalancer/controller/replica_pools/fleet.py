@@ -255,7 +255,7 @@ class Fleet:
         """The pool's policy decision when one is due and nothing of the pool is moving."""
         if (
             not pool.due(now)
-            or not self.decisions.has_room()
+            or not self.decisions.has_room(pool.key, pool.last_decision, now)
             or pool.members_moving(self.registry.deployments)
         ):
             return

@@ -128,7 +128,12 @@ def test_noise_margin_stops_chasing_sparse_counts() -> None:
     d = _decide(estimate=noise, current=fitted, windows=3, effective_windows=1.9)
     assert d.outcome == "skip_gain" and "noise margin" in d.reason
     assert d.noise_margin > 0.1
-    assert d.balancedness_candidate - d.balancedness_current > 0.03  # looks worth it
+    # The bound leaves less than the margin: no candidate fitted, and the dry run's (what
+    # a fit would give) looks worth it but the gate would refuse it the same.
+    assert "no candidate fitted" in d.reason and d.slots_moved == 0
+    dry = _decide(estimate=noise, current=fitted, windows=3, effective_windows=1.9, dry_run=True)
+    assert dry.balancedness_candidate - dry.balancedness_current > 0.03  # looks worth it
+    assert "gate: skip_gain" in dry.reason
     no_margin = _decide(_policy(noise_z=0.0), estimate=noise, current=fitted, windows=3)
     assert no_margin.outcome == "rebalance"
     # Real skew seen through plenty of tokens beats the (now small) margin.
@@ -332,3 +337,47 @@ def test_a_forced_decision_that_moves_nothing_starts_no_plan() -> None:
     dry = _decide(current=fitted, dry_run=True, now=1234.5)
     assert dry.outcome == "dry_run" and dry.slots_moved == 0 and dry.time == 1234.5
     assert _decide(forced=True).outcome == "forced"  # moves slots: a plan starts
+
+
+def test_a_decision_the_bound_settles_fits_no_candidate(monkeypatch) -> None:
+    """Where the best reachable balancedness is less than the gate's margin above the
+    current placement's, the decision is the gate's without a fit (the fit is most of a
+    decision's cost), with the same outcome a fit would have given."""
+    import rebalancer.controller.decide as decide_module
+
+    fitted_calls = []
+    fit = decide_module._fit_candidate
+
+    def counting_fit(*args, **kwargs):
+        fitted_calls.append(1)
+        return fit(*args, **kwargs)
+
+    monkeypatch.setattr(decide_module, "_fit_candidate", counting_fit)
+    rng = np.random.default_rng(7)
+    settled = 0
+    for trial in range(40):
+        base = _skewed_load() * rng.uniform(5, 50)
+        current = np.asarray(compute_placement(base, P, G).phy2log)
+        shift = rng.uniform(0.5, 2.0, size=(1, E)) if trial % 2 else 1.0  # odd: a new mix
+        load = rng.poisson(base * shift).astype(np.float64)
+        policy = _policy(gain_threshold=float(rng.choice([0.0, 0.005, 0.02, 0.1])))
+        kwargs = dict(estimate=load, current=current, windows=10, effective_windows=4.0)
+        before = len(fitted_calls)
+        d = _decide(policy, **kwargs)
+        fitted = len(fitted_calls) > before
+        full = _decide(policy, dry_run=True, **kwargs)  # always fitted
+        gate = full.reason.split("gate: ")[1].split(")")[0]
+        assert d.outcome == gate, (trial, d.reason, full.reason)
+        if not fitted:  # settled by the bound
+            settled += 1
+            assert "no candidate fitted" in d.reason and d.candidate is None
+            assert full.balancedness_candidate - full.balancedness_current < (
+                policy.gain_threshold + d.noise_margin
+            )
+            assert d.bound_balancedness == full.bound_balancedness
+    assert 5 <= settled < 40  # both paths ran
+    # Another dispatch mode's balancedness is not capped by the split bound: always fitted.
+    load_mode = dataclasses.replace(SHAPE, dispatch_mode="load")
+    before = len(fitted_calls)
+    _decide(_policy(gain_threshold=0.5), shape=load_mode, windows=10)
+    assert len(fitted_calls) == before + 1

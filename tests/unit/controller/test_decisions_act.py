@@ -79,3 +79,48 @@ def test_decisions_queue_at_most_max_in_flight_over_all_deployments(tmp_path: Pa
         if all(dep.loop.last_decision is not None for dep in deps):
             break
     assert all(dep.loop.last_decision is not None for dep in deps)
+
+
+def test_the_decision_worker_keeps_within_its_share_of_a_core(tmp_path: Path) -> None:
+    """Each decision here takes 200 ms of the worker, and 8 deployments are due every
+    second: the worker would be busy all the time. With a share of 0.25 it is busy a
+    quarter of the time after the saved-up burst, and every deployment still decides."""
+    from rebalancer.controller.decision_runner import DECISION_BURST_SECONDS, DecisionBudget
+
+    now = [0.0]
+    held: list[tuple[object, object, float]] = []
+
+    def background(fn: object, done: object) -> None:
+        start = max(now[0], held[-1][2] if held else now[0])
+        held.append((fn, done, start + 0.200))  # the worker runs one at a time
+
+    ctl = Controller(
+        Store(tmp_path / "s.sqlite"),
+        PolicyConfig(min_windows=1),
+        clock=lambda: 1000.0 + now[0],
+        background=background,
+    )
+    ctl.decisions.budget = DecisionBudget(0.25, clock=lambda: now[0])
+    deps = []
+    for name in "abcdefgh":
+        for rank in range(2):
+            ctl.register(name, rank, SHAPE, 0, None, "", "")
+        deps.append(ctl.deployment(name))
+    # Even load: every decision holds (no plan stops a deployment from being due).
+    window = np.full((2, 4), 100, dtype=np.int64)
+    busy = 0.0
+    for seq in range(1000):  # 10 s of wall time
+        now[0] = seq * 0.010
+        while held and held[0][2] <= now[0]:
+            fn, done, _ = held.pop(0)
+            busy += 0.200
+            done(fn())  # type: ignore[operator]
+        for dep in deps:
+            ctl.ingest(dep, 0, seq, 0, window, None)
+            ctl.ingest(dep, 1, seq, 0, window, None)
+    for dep in deps:
+        assert dep.loop.last_decision is not None, dep.name
+    # The burst, then a quarter of each second (one decision of slack either way).
+    assert busy <= DECISION_BURST_SECONDS + 0.25 * 10 + 0.200
+    assert busy >= 0.25 * 10 - 0.200
+    assert all(dep.loop.last_decision.outcome == "skip_gain" for dep in deps)

@@ -265,6 +265,10 @@ def test_config_types_are_checked(tmp_path: Path) -> None:
         ({"admin_token": ""}, "admin_token must be a non-empty string"),
         ({"pool_max_moving": 0}, "pool_max_moving must be an integer >= 1"),
         ({"pool_max_moving": 1.5}, "pool_max_moving must be an integer >= 1"),
+        ({"decision_cpu_share": 0.0}, r"decision_cpu_share must be a number in \(0, 1\]"),
+        ({"decision_cpu_share": 1.5}, "decision_cpu_share must be"),
+        ({"decision_cpu_share": float("nan")}, "decision_cpu_share must be"),
+        ({"decision_cpu_share": "half"}, "decision_cpu_share must be"),
     ):
         with pytest.raises(InputError, match=words):
             validate_config(replace(base, **change))  # type: ignore[arg-type]
