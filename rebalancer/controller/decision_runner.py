@@ -69,7 +69,7 @@ MAX_DECISIONS_IN_FLIGHT = 2
 # (`[server] decision_cpu_share`). A deployment's decision is due every window, and
 # with thousands of them due the worker would take every cycle it can get, beside
 # ingest on the same node; past the share, each deployment decides less often.
-DEFAULT_DECISION_CPU_SHARE = 0.25
+DEFAULT_DECISION_CPU_SHARE = 0.5
 # Worker seconds the share lets build up while decisions are few, spent in a burst (a
 # traffic shift that makes every deployment's decision fit a candidate).
 DECISION_BURST_SECONDS = 1.0
@@ -93,6 +93,7 @@ class DecisionBudget:
         self.clock = clock
         self.seconds = DECISION_BURST_SECONDS  # saved up, negative when overspent
         self.cost = 0.0  # mean worker seconds per decision
+        self.busy_seconds = 0.0  # worker seconds spent, all decisions (a metric)
         self._at = clock()
         self._free_at = -math.inf  # when the worker finished its last decision
         self._deciders: dict[str, float] = {}  # who had a decision due, and when last
@@ -127,6 +128,7 @@ class DecisionBudget:
         seconds = max(0.0, now - max(handed_at, self._free_at))
         self._free_at = now
         self.seconds -= seconds
+        self.busy_seconds += seconds
         self.cost += (seconds - self.cost) / (COST_WINDOW if self.cost else 1)
 
 

@@ -27,7 +27,8 @@ from rebalancer.wire.windows import CountWindow, Ranks
 
 # (deployment, window, now) -> True when the deployment's replica pool decides for it
 # (replica_pools/fleet.py `Fleet.folded`).
-Pooled = Callable[[Deployment, np.ndarray, float], bool]
+# (deployment, its merged window's counts [L, E], their per-layer sums [L], now)
+Pooled = Callable[[Deployment, np.ndarray, np.ndarray, float], bool]
 
 
 # Cursor bytes the periodic saves may hand the store per second, all deployments together
@@ -88,7 +89,8 @@ class Folder:
         if window.physical is not None:
             gpu_load = pack_sums(window.physical, G)
             actual = routed_balancedness(gpu_load)
-        dep.fold(logical, gpu_load, actual)
+        picks = logical.sum(axis=1)  # per layer, read by the fold and the pool's test
+        dep.fold(logical, gpu_load, actual, picks)
         now = self.clock()
         if now - dep.persisted_at >= self.persist_interval():
             self.persist(dep, now, background=True)
@@ -110,7 +112,7 @@ class Folder:
             )
             for observer in self.observers.window:
                 observer(event)
-        if self.pooled is not None and self.pooled(dep, logical, now):
+        if self.pooled is not None and self.pooled(dep, logical, picks, now):
             return  # a pool member following its pool: the pool decides (replica_pools/)
         if self.decisions.due(dep, now):
             self.decisions.run(dep, now)

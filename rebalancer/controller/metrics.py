@@ -121,6 +121,10 @@ REGIME_LOAD = (
 )
 LOOP_BUSY = "rebalancer_event_loop_busy_seconds"  # counter: wall time the event loop ran callbacks
 LOOP_ITERATION = "rebalancer_event_loop_iteration_seconds"  # histogram: callbacks between waits
+# counter: worker seconds the policy's decisions took (decision_runner.DecisionBudget)
+DECISION_WORKER_BUSY = "rebalancer_decision_worker_busy_seconds"
+# gauge: seconds between two decisions of one deployment or pool the worker's share affords
+DECISION_SPACING = "rebalancer_decision_spacing_seconds"
 RANK_WINDOWS_FOLDED = (
     "rebalancer_rank_windows_folded"  # counter: rank windows in the estimates, all deployments
 )
@@ -561,6 +565,21 @@ class _ProcessCollector(Collector):
         )
         folded.add_metric([], self.controller.folder.rank_windows_folded)
         yield folded
+        budget = self.controller.decisions.budget
+        worker = CounterMetricFamily(
+            DECISION_WORKER_BUSY,
+            "Worker seconds the policy's decisions took (and contingency sets); its rate "
+            "against decision_cpu_share: at the share, decisions come less often.",
+        )
+        worker.add_metric([], budget.busy_seconds)
+        yield worker
+        spacing = GaugeMetricFamily(
+            DECISION_SPACING,
+            "Seconds between two decisions of one deployment or pool that keep the decision "
+            "worker within decision_cpu_share at its mean decision cost (0: no limit).",
+        )
+        spacing.add_metric([], budget.spacing())
+        yield spacing
         if self.loop is not None:  # the loop `rebalancer serve` runs (loop_busy.py)
             busy = CounterMetricFamily(
                 LOOP_BUSY,

@@ -201,14 +201,15 @@ class Fleet:
 
     # -- windows and decisions ---------------------------------------------------
 
-    def folded(self, dep: Deployment, logical: np.ndarray, now: float) -> bool:
-        """A member's merged window folded into its own estimate: the divergence test, the
-        pool estimate, the pool's decision. True when the pool decides for this member
-        (it follows the pool), False when it decides alone (no pool, or diverged)."""
+    def folded(self, dep: Deployment, logical: np.ndarray, picks: np.ndarray, now: float) -> bool:
+        """A member's merged window [L, E] (`picks`: its sums per layer [L]) folded into its
+        own estimate: the divergence test, the pool estimate, the pool's decision. True
+        when the pool decides for this member (it follows the pool), False when it decides
+        alone (no pool, or diverged)."""
         pool = self.pool_of(dep)
         if pool is None:
             return False
-        change = pool.test_window(dep.name, logical)
+        change = pool.test_window(dep.name, logical, picks)
         if change is not None:
             statistic = pool.statistic(dep.name)
             log.warning(

@@ -71,6 +71,7 @@ class ReplicaPool:
         self.unknown_fields: frozenset[str] = frozenset()
         self.members: set[str] = set()
         self.tracks: dict[str, MemberTrack] = {}
+        self._following = 0  # members not diverged: read at every member window
         self.version = 0  # pool placements taken so far
         self.phy2log: np.ndarray | None = None  # the pool placement; None before the first
         self.reference: np.ndarray | None = None  # decayed sum of following windows (divergence)
@@ -97,8 +98,9 @@ class ReplicaPool:
         return sorted(m for m in self.members if not self.tracks[m].diverged)
 
     def following_count(self) -> int:
-        """How many members are in the pool estimate (`len(following())`, unsorted)."""
-        return sum(1 for m in self.members if not self.tracks[m].diverged)
+        """How many members are in the pool estimate (`len(following())`), kept as
+        members join, leave, diverge and rejoin."""
+        return self._following
 
     def diverged(self) -> list[str]:
         return sorted(m for m in self.members if self.tracks[m].diverged)
@@ -189,6 +191,7 @@ class ReplicaPool:
         if name not in self.members:
             self.members.add(name)
             self.tracks[name] = MemberTrack()
+            self._following += 1
 
     def welcome(self, dep: Deployment) -> None:
         """A deployment joins at its Register: a member from now on, and it knows the
@@ -204,7 +207,9 @@ class ReplicaPool:
 
     def leave(self, name: str) -> None:
         self.members.discard(name)
-        self.tracks.pop(name, None)
+        track = self.tracks.pop(name, None)
+        if track is not None and not track.diverged:
+            self._following -= 1
 
     def observe(self, logical: np.ndarray) -> None:
         """A following member's merged window into the pool estimate and the reference."""
@@ -217,8 +222,11 @@ class ReplicaPool:
             self.reference += logical
         self._expected_age += 1
 
-    def test_window(self, name: str, logical: np.ndarray) -> str | None:
-        """Run the divergence test of one member window against the pool estimate: the
+    def test_window(
+        self, name: str, logical: np.ndarray, picks: np.ndarray | None = None
+    ) -> str | None:
+        """Run the divergence test of one member window [L, E] (`picks`: its sums per layer
+        [L], when the caller has them) against the pool estimate: the
         member diverges or rejoins after a run of windows on the other side of the line.
         Returns "diverged" or "rejoined" when the member changes side, else None."""
         track = self.tracks[name]
@@ -228,7 +236,7 @@ class ReplicaPool:
             # One round moves the reference by about 1 / REFERENCE_ROUNDS: a test against
             # the reference of up to a round ago reads the same, at a third of the cost.
             self._expected, self._expected_age = expected_of(self.reference), 0
-        statistic = excess_tv_of(logical, self._expected)
+        statistic = excess_tv_of(logical, self._expected, picks)
         track.last_statistic = statistic
         if not math.isfinite(statistic):
             return None
@@ -238,6 +246,7 @@ class ReplicaPool:
         if track.run < self.divergence.windows:
             return None
         track.diverged, track.run = not track.diverged, 0
+        self._following += -1 if track.diverged else 1
         if track.diverged:
             self.stats.diverged_events += 1
             return "diverged"

@@ -124,3 +124,17 @@ def test_the_decision_worker_keeps_within_its_share_of_a_core(tmp_path: Path) ->
     assert busy <= DECISION_BURST_SECONDS + 0.25 * 10 + 0.200
     assert busy >= 0.25 * 10 - 0.200
     assert all(dep.loop.last_decision.outcome == "skip_gain" for dep in deps)
+    # Operators read the worker's time and the spacing it affords: 8 deciders at 0.2 s a
+    # decision within a quarter of a core decide every 6.4 s.
+    from prometheus_client import generate_latest
+
+    from rebalancer.controller.metrics import ControllerMetrics
+
+    text = generate_latest(ControllerMetrics(ctl).registry).decode()
+
+    def value(name: str) -> float:
+        return float(text.split(f"\n{name} ")[1].split()[0])
+
+    # (a decision is seen back at the next 10 ms step: up to 5 % over its 0.2 s)
+    assert value("rebalancer_decision_worker_busy_seconds_total") == pytest.approx(busy, rel=0.05)
+    assert value("rebalancer_decision_spacing_seconds") == pytest.approx(8 * 0.2 / 0.25, rel=0.05)

@@ -235,6 +235,7 @@ def test_a_member_fed_another_workload_is_diverged_balanced_alone_and_rejoins() 
     for seq in range(3):
         fleet.feed("c", seq, OTHER)
         assert ("c" in pool.diverged()) == (seq == 2)
+        assert pool.following_count() == len(pool.following()) == (2 if seq == 2 else 3)
     windows = pool.loop.estimator.windows
     fleet.feed("c", 3, OTHER)
     assert pool.loop.estimator.windows == windows  # out of the pool estimate
@@ -245,6 +246,14 @@ def test_a_member_fed_another_workload_is_diverged_balanced_alone_and_rejoins() 
     assert (
         pool.diverged() == [] and fleet.ctl.store.decisions("c", 1)[0]["outcome"] == "pool_rejoined"
     )
+    assert pool.following_count() == 3
+    # The count of members in the pool estimate follows leaves of either kind.
+    for seq in range(7, 10):
+        fleet.feed("c", seq, OTHER)
+    assert pool.following_count() == 2
+    pool.leave("c")  # diverged: the count stays
+    pool.leave("b")
+    assert pool.following_count() == len(pool.following()) == 1
 
 
 def test_the_divergence_statistic_is_near_zero_on_sampling_noise_alone() -> None:

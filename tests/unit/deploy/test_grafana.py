@@ -102,6 +102,8 @@ def test_per_deployment_metrics_follow_the_variable(dashboard: dict[str, Any]) -
         "rebalancer_rank_windows_folded",
         "rebalancer_event_loop_busy_seconds",
         "rebalancer_event_loop_iteration_seconds",
+        "rebalancer_decision_worker_busy_seconds",
+        "rebalancer_decision_spacing_seconds",
         "rebalancer_shard_info",
     }
     for where, expr in _queries(dashboard):
