@@ -6,7 +6,10 @@ estimate, the balance of the current placement and of a migration-aware candidat
 the serving time the candidate saves over a horizon against the serving time its weight
 transfers cost, and rebalances only when the gain wins by a margin (hysteresis), the last
 rebalance is old enough and enough windows were seen. Every field of the `Decision` is
-filled whatever the outcome, so an operator can ask why it did or did not rebalance.
+filled whatever the outcome, so an operator can ask why it did or did not rebalance. When
+the best reachable balancedness (the bound) is already within the gate's margin of the
+current placement's, no candidate is fitted: the gate refuses any, and the record's
+candidate is the current placement (reason: "no candidate fitted").
 
 It is a pure function of its arguments (time included), so the live controller and the
 simulator's virtual clock take the same decisions on the same input.

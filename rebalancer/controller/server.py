@@ -239,7 +239,8 @@ class ControllerServer:
         while True:
             await asyncio.sleep(self.config.tick_seconds)
             try:
-                self.controller.tick()
+                for _ in self.controller.tick_steps():
+                    await asyncio.sleep(0)  # windows that arrived meanwhile go first
             except Exception:  # a bug in one tick must not stop timeouts for good
                 log.exception("tick failed")
 

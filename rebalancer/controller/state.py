@@ -16,6 +16,8 @@ Everything here runs on the controller's event loop thread; nothing blocks for l
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from rebalancer.controller.clock import Clock, system_clock
@@ -38,6 +40,9 @@ from rebalancer.controller.store import Store
 from rebalancer.wire.codec import Statement
 from rebalancer.wire.shape import ClusterShape
 from rebalancer.wire.windows import Ranks, rank_set
+
+# Deployments whose plan timeouts one step of `Controller.tick_steps` checks.
+TICK_STEP_DEPLOYMENTS = 256
 
 
 class Controller:
@@ -197,11 +202,22 @@ class Controller:
     # ------------------------------------------------------------ time and shutdown
 
     def tick(self, now: float | None = None) -> None:
-        """Plan timeouts of every deployment (decisions run as windows fold)."""
+        """Plan timeouts of every deployment and the pools' roll-outs (decisions run as
+        windows fold)."""
+        for _ in self.tick_steps(now):
+            pass
+
+    def tick_steps(self, now: float | None = None) -> Iterator[None]:
+        """`tick` in steps: it yields after every TICK_STEP_DEPLOYMENTS deployments and
+        after each pool that started plans, so the server lets windows in between (a
+        tick that started a plan for each of hundreds of pools held the event loop for
+        hundreds of milliseconds)."""
         now = self.clock() if now is None else now
-        for dep in self.deployments.values():
+        for i, dep in enumerate(list(self.deployments.values()), 1):
             self.plans.tick(dep, now)
-        self.fleet.tick(now)
+            if i % TICK_STEP_DEPLOYMENTS == 0:
+                yield
+        yield from self.fleet.tick_steps(now)
 
     def persist_all(self) -> None:
         """Save every deployment's ingest cursor (the drain path before the store closes)."""

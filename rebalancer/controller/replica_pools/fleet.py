@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -342,11 +342,13 @@ class Fleet:
         except sqlite3.Error as exc:
             log.error("%s: the store refused a decision record (%s)", dep.name, exc)
 
-    def tick(self, now: float) -> None:
+    def tick_steps(self, now: float) -> Iterator[None]:
         """Rolling goes on as plans end and members connect (the controller ticks every
-        fraction of a second)."""
-        for pool in self.pools.values():
-            self.roll(pool, now)
+        fraction of a second); yields after each pool that started plans (each start
+        writes its plan and sends its Prepares)."""
+        for pool in list(self.pools.values()):
+            if self.roll(pool, now):
+                yield
 
     # -- operators ---------------------------------------------------------------
 

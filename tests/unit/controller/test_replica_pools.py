@@ -361,3 +361,32 @@ def test_the_statistic_against_the_normalised_reference_is_the_direct_one() -> N
     q, p = counts / counts.sum(axis=1, keepdims=True), full / full.sum(axis=1, keepdims=True)
     direct = np.mean(0.5 * np.abs(q - p).sum(axis=1) - sampling_tv(p, counts.sum(axis=1)))
     assert excess_tv_of(counts, expected_of(full)) == pytest.approx(direct, rel=1e-12)
+
+
+def test_a_tick_yields_after_each_pool_that_started_plans() -> None:
+    """The server runs a tick in steps (Controller.tick_steps), letting windows in between:
+    a step ends after each pool whose roll-out started plans, and the steps together do
+    what one tick does."""
+    fleet = Fleet(Store(":memory:"), Clock())
+    pools = ("p", "q", "r")
+    for pool in pools:
+        for member in "ab":
+            fleet.join(f"{pool}-{member}", pool=pool)
+    for pool in pools:
+        for member in "ab":
+            fleet.feed(f"{pool}-{member}", 0)
+
+    def moving(pool: str) -> list[str]:
+        return [m for m in "ab" if fleet.ctl.deployment(f"{pool}-{m}").plan is not None]
+
+    first = {pool: moving(pool) for pool in pools}
+    assert all(len(m) == 1 for m in first.values())  # one member of each pool moves
+    for pool in ("p", "q"):  # their movers finish: the other members start at the next tick
+        fleet.finish(f"{pool}-{first[pool][0]}")
+    assert moving("p") == moving("q") == []
+    steps = fleet.ctl.tick_steps()
+    next(steps)  # the first pool's start; the server's loop runs other callbacks here
+    assert moving("p") == [m for m in "ab" if m not in first["p"]] and moving("q") == []
+    assert sum(1 for _ in steps) == 1  # the second pool's start; the third started nothing
+    assert moving("q") == [m for m in "ab" if m not in first["q"]]
+    assert moving("r") == first["r"]
