@@ -580,6 +580,12 @@ def main(argv: list[str] | None = None) -> int:
         help="controller's ack_interval_seconds (0: one ack per window; default: the controller's)",
     )
     p.add_argument(
+        "--decision-cpu-share",
+        type=float,
+        default=None,
+        help="controller's decision_cpu_share (1: no limit; default: the controller's)",
+    )
+    p.add_argument(
         "--pool-size",
         type=int,
         default=0,
@@ -633,7 +639,12 @@ def main(argv: list[str] | None = None) -> int:
         # ingest, estimate and decide together (--no-decisions: ingest alone).
         config.write_text(
             f'[server]\nhost = "127.0.0.1"\nack_interval_seconds = {ack_interval}\n'
-            f"metrics_port = {metrics_port}\n"
+            + (
+                f"decision_cpu_share = {args.decision_cpu_share}\n"
+                if args.decision_cpu_share is not None
+                else ""
+            )
+            + f"metrics_port = {metrics_port}\n"
             "[policy]\nmin_windows = 1\n" + ("paused = true\n" if args.no_decisions else "")
         )
         server = subprocess.Popen(
@@ -706,6 +717,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = dict(rows["controller"])
     summary["decisions"] = not args.no_decisions
     summary["ack_interval"] = ack_interval
+    # (a tree before the setting has none: its decisions are not limited)
+    summary["decision_cpu_share"] = (
+        getattr(ControllerConfig, "decision_cpu_share", 1.0)
+        if args.decision_cpu_share is None
+        else args.decision_cpu_share
+    )
     summary["pool_size"] = args.pool_size
     if "bare_grpc_echo" in rows:
         summary["baseline"] = rows["bare_grpc_echo"]
