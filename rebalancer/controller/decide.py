@@ -315,10 +315,10 @@ def _evaluate(
     G = shape.num_gpus
     b_current, r_current = predicted_balance(current, estimate, shape)
     bound = float(lower_bound_balancedness(estimate, shape.num_slots, G, shape.num_nodes))
-    if shape.dispatch_mode == "split" and not always_fit:
-        noise = _noise_margin(estimate, G, policy, effective_windows)
-        if bound - b_current < policy.gain_threshold + noise:
-            return _unfitted(current, b_current, r_current, bound, noise, shape, policy)
+    noise = _noise_margin(estimate, G, policy, effective_windows)
+    settled = bound - b_current < policy.gain_threshold + noise
+    if settled and shape.dispatch_mode == "split" and not always_fit:
+        return _unfitted(current, b_current, r_current, bound, noise, shape, policy)
     candidate = _fit_candidate(estimate, current, shape, policy)
     return evaluate_candidate(
         estimate,
@@ -329,6 +329,7 @@ def _evaluate(
         effective_windows,
         current_balance=(b_current, r_current),
         bound=bound,
+        noise_margin=noise,
     )
 
 
@@ -341,11 +342,12 @@ def evaluate_candidate(
     effective_windows: float | np.ndarray,
     current_balance: tuple[float, float] | None = None,
     bound: float | None = None,
+    noise_margin: float | None = None,
 ) -> _Evaluation:
     """A given candidate (phy2log [L, P]) against `current` on the load `estimate` [L, E]:
     what `decide`'s gate reads (balance of both, moves, their cost, the gain over the
-    horizon, the noise margin for `effective_windows`). `current_balance` and `bound`
-    save recomputing them when several candidates are measured on one load."""
+    horizon, the noise margin for `effective_windows`). `current_balance`, `bound` and
+    `noise_margin` save recomputing them when several candidates are measured on one load."""
     G = shape.num_gpus
     b_current, r_current = (
         predicted_balance(current, estimate, shape) if current_balance is None else current_balance
@@ -355,7 +357,11 @@ def evaluate_candidate(
     b_candidate, r_candidate = predicted_balance(candidate, estimate, shape)
     moves = np.asarray(transfers(current, candidate, G, shape.num_nodes))
     slots_moved = int(moves.shape[0])
-    noise = _noise_margin(estimate, G, policy, effective_windows)
+    noise = (
+        _noise_margin(estimate, G, policy, effective_windows)
+        if noise_margin is None
+        else noise_margin
+    )
     return _Evaluation(
         b_current=b_current,
         r_current=r_current,

@@ -160,7 +160,8 @@ class DecisionRunner:
         """Whether `key`'s due decision (a deployment's or pool's; `last`: its newest)
         may be handed to `background` at `now` (the controller's clock): fewer than
         MAX_DECISIONS_IN_FLIGHT are, the worker is within its share, and the spacing
-        has passed since `last` (DecisionBudget)."""
+        has passed since `last` (DecisionBudget). Asking counts `key` among those that
+        share the worker, granted or not."""
         self.budget.wants(key)
         if self.in_flight >= MAX_DECISIONS_IN_FLIGHT or not self.budget.allows():
             return False

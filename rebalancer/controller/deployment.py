@@ -434,12 +434,12 @@ class Deployment:
         logical: np.ndarray,
         gpu_load: np.ndarray | None,
         balancedness_actual: float,
-        picks: np.ndarray | None = None,
+        picks: np.ndarray,
     ) -> None:
-        """A merged window into the estimate: its routed counts [L, E] (`picks`: their sums
-        per layer [L], when the caller has them), and when the ranks sent dispatched
-        counts, the GPUs' load [L, G] and its measured balancedness."""
-        self.stats.tokens_folded += int(logical.sum() if picks is None else picks.sum())
+        """A merged window into the estimate: its routed counts [L, E] and their sums per
+        layer `picks` [L], and when the ranks sent dispatched counts, the GPUs' load [L, G]
+        and its measured balancedness."""
+        self.stats.tokens_folded += int(picks.sum())
         if gpu_load is not None:
             self.stats.gpu_load = gpu_load
             self.stats.balancedness_actual = balancedness_actual

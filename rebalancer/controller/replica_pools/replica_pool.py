@@ -222,11 +222,9 @@ class ReplicaPool:
             self.reference += logical
         self._expected_age += 1
 
-    def test_window(
-        self, name: str, logical: np.ndarray, picks: np.ndarray | None = None
-    ) -> str | None:
+    def test_window(self, name: str, logical: np.ndarray, picks: np.ndarray) -> str | None:
         """Run the divergence test of one member window [L, E] (`picks`: its sums per layer
-        [L], when the caller has them) against the pool estimate: the
+        [L]) against the pool estimate: the
         member diverges or rejoins after a run of windows on the other side of the line.
         Returns "diverged" or "rejoined" when the member changes side, else None."""
         track = self.tracks[name]
