@@ -78,7 +78,7 @@ def test_the_manifests_are_there() -> None:
         "templates/secret-admin-token.yaml",
         "examples/inference-pod.yaml",
         "examples/leaderworkerset.yaml",
-        "overlays/prod/priorityclass.yaml",
+        "components/prod/priorityclass.yaml",
         "components/monitoring/servicemonitor.yaml",
         "components/monitoring/podmonitor.yaml",
     } <= names
