@@ -96,6 +96,8 @@ def manifests() -> dict[tuple[str, str], dict[str, Any]]:
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for path in [*base_files(), *sorted(TEMPLATES.glob("*.yaml"))]:
         for doc in documents(path):
+            if path.parent == TEMPLATES and doc["kind"] != "Secret":
+                continue  # another template (a cert-manager Certificate) is no base object
             key = (doc["kind"], doc["metadata"]["name"])
             assert key not in out, f"{path.name}: {key} defined twice"
             out[key] = doc
