@@ -546,7 +546,7 @@ def covers(pattern: str, host: str) -> bool:
 
 
 def test_the_certificate_template_names_what_the_clients_dial(
-    prod_shards: dict[tuple[str, str], dict[str, Any]],
+    prod_shards: dict[tuple[str, str], dict[str, Any]], tmp_path: Path
 ) -> None:
     """templates/certificate-shards-tls.yaml writes the Secret the shards mount, in their
     namespace, for server and client use (the admin CLI in a shard presents it), with names
@@ -556,7 +556,9 @@ def test_the_certificate_template_names_what_the_clients_dial(
     spec = cert["spec"]
     assert cert["apiVersion"] == "cert-manager.io/v1" and cert["kind"] == "Certificate"
     pods, service, namespace, port = shard_names(prod_shards)
-    assert cert["metadata"]["namespace"] == namespace and spec["secretName"] == TLS_SECRET
+    args, _, files = shard_serve_config(prod_shards, 0, tmp_path)
+    mounted = {files[args.tls_cert][0], files[args.tls_key][0], files[args.tls_client_ca][0]}
+    assert cert["metadata"]["namespace"] == namespace and mounted == {spec["secretName"]}
     assert {"server auth", "client auth"} <= set(spec["usages"])
     assert "REPLACE" in spec["issuerRef"]["name"], "a placeholder for the operator's Issuer"
     for name in spec["dnsNames"]:
