@@ -32,12 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from rebalancer.controller.cost import PlanCost, gain_seconds, imbalance_ratio, plan_cost
+from rebalancer.controller.cost import PlanCost, gain_seconds, plan_cost
 from rebalancer.controller.policy_config import PolicyConfig
 from rebalancer.errors import InputError
 from rebalancer.placement import (
-    balancedness,
     compute_placement,
+    gpu_load,
     lower_bound_balancedness,
     transfers,
 )
@@ -84,9 +84,13 @@ def balance_under_dispatch(
     the one a count file measured). shared: [L] or None; split leaves it out."""
     G = num_gpus
     if mode == "split":
-        return float(balancedness(phy2log, load, G)), imbalance_ratio(phy2log, load, G)
-    loads = expected_gpu_loads(phy2log, load, G, mode, shared)
-    mean = float(loads.sum()) / G
+        # Both figures from one GPU load (it is most of a settled decision's cost): the
+        # numbers of `balancedness` and `cost.imbalance_ratio`, each of which packs it.
+        loads = gpu_load(phy2log, load, G)
+        mean = float(np.asarray(load, dtype=np.float64).sum()) / G
+    else:
+        loads = expected_gpu_loads(phy2log, load, G, mode, shared)
+        mean = float(loads.sum()) / G
     ratio = float(loads.max(axis=1).sum()) / mean if mean > 0 else 1.0
     return mean_balancedness(balancedness_of_gpu_loads(loads)), ratio
 

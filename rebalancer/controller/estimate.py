@@ -73,13 +73,21 @@ def shrink_shares(counts: np.ndarray, prior: np.ndarray) -> tuple[np.ndarray, np
     prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), counts.shape)
     total = counts.sum(axis=1, keepdims=True)
     expected = total * prior
-    with np.errstate(divide="ignore", invalid="ignore"):
-        terms = np.where(
-            expected > 0,
-            (counts - expected) ** 2 / np.where(expected > 0, expected, 1.0),
-            np.where(counts > 0, np.inf, 0.0),  # counts where the prior says none: signal
-        )
-        observed = np.where(total > 0, counts / np.where(total > 0, total, 1.0), prior)
+    if expected.size and float(expected.min()) > 0.0:
+        # The usual case (every layer loaded, no expert the prior rules out): the same
+        # numbers as below without the masks, which are most of a decision's estimate.
+        terms = counts - expected
+        terms *= terms
+        terms /= expected
+        observed = counts / total
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = np.where(
+                expected > 0,
+                (counts - expected) ** 2 / np.where(expected > 0, expected, 1.0),
+                np.where(counts > 0, np.inf, 0.0),  # counts where the prior says none: signal
+            )
+            observed = np.where(total > 0, counts / np.where(total > 0, total, 1.0), prior)
     chi2 = terms.sum(axis=1)
     df = float(counts.shape[1] - 1)
     weight = np.ones(counts.shape[0])
@@ -88,6 +96,74 @@ def shrink_shares(counts: np.ndarray, prior: np.ndarray) -> tuple[np.ndarray, np
     weight[signal] = df / chi2[signal]
     shares = prior + (1.0 - weight)[:, None] * (observed - prior)
     return shares, weight
+
+
+@dataclass(frozen=True)
+class EstimateSums:
+    """What an estimate is computed from (`LoadEstimator.sums`): the short-run sum of
+    windows and its weight, the long-run (prior) sum and its weights. The estimate's math
+    lives here, so the controller's loop can hand a copy to the decision worker."""
+
+    shrink: bool
+    """EstimatorConfig.shrink: `estimate` is `shrunk` (else `smoothed`)."""
+
+    fast_sum: np.ndarray
+    """[L, E]: the decayed sum of windows, or the sliding window's plain sum."""
+
+    fast_weight: float
+    """What `fast_sum` divides by for a rate: the decayed weight total, or how many
+    windows the sliding window holds (0: no window yet)."""
+
+    fast_windows: float
+    """`LoadEstimator.effective_windows` of the short-run level."""
+
+    prior_sum: np.ndarray
+    """[L, E]: the long-run decayed sum of windows."""
+
+    prior_weight: float
+    prior_weight_sq: float
+    """The long-run sum's weight total and its sum of squared weights."""
+
+    def smoothed(self) -> np.ndarray:
+        """The decayed (or sliding-window) mean rate `[L, E]`; zeros before any window."""
+        if self.fast_weight == 0.0:
+            return np.zeros(self.fast_sum.shape, dtype=np.float64)
+        return self.fast_sum / self.fast_weight
+
+    def estimate(self) -> np.ndarray:
+        """`LoadEstimator.estimate`."""
+        return self.shrunk()[0] if self.shrink else self.smoothed()
+
+    def estimate_and_noise(self) -> tuple[np.ndarray, np.ndarray]:
+        """`LoadEstimator.estimate_and_noise`."""
+        if self.shrink:
+            return self.shrunk()
+        return self.smoothed(), np.full(self.fast_sum.shape[0], self.fast_windows)
+
+    def shrunk(self) -> tuple[np.ndarray, np.ndarray]:
+        """The estimate with its noise shrunk away, and how many windows it is worth per layer.
+
+        Two levels of `shrink_shares`: the long-run rate's shares toward uniform (weight
+        B0), then the short-run shares toward those (weight B); each layer keeps the
+        short-run total, so only the split between experts changes. The returned
+        effective windows [L] are those of the blend's sampling noise,
+        1 / ((1 - B)^2 / n_short + B^2 (1 - B0)^2 / n_long) with Kish's n of each level
+        (inf where the estimate is the uniform prior exactly): what the decision's noise
+        margin needs. Zeros and zero windows before any window.
+        """
+        L, E = self.fast_sum.shape
+        fast = self.smoothed()
+        n_fast = self.fast_windows
+        if n_fast <= 0.0 or self.prior_weight == 0.0:
+            return fast, np.zeros(L)
+        n_long = self.prior_weight**2 / self.prior_weight_sq
+        long_rate = self.prior_sum / self.prior_weight
+        prior, b0 = shrink_shares(long_rate * n_long, np.full(E, 1.0 / E))
+        shares, b = shrink_shares(fast * n_fast, prior)
+        variance = (1.0 - b) ** 2 / n_fast + (b * (1.0 - b0)) ** 2 / n_long
+        with np.errstate(divide="ignore"):
+            windows = np.where(variance > 0, 1.0 / np.where(variance > 0, variance, 1.0), np.inf)
+        return shares * fast.sum(axis=1, keepdims=True), windows
 
 
 class LoadEstimator:
@@ -173,24 +249,16 @@ class LoadEstimator:
         """The load estimate `[L, E]` float64, in tokens per window; zeros before any window.
 
         `shrunk` with config.shrink, else `smoothed`."""
-        return self.shrunk()[0] if self.config.shrink else self.smoothed()
+        return self.sums().estimate()
 
     def estimate_and_noise(self) -> tuple[np.ndarray, np.ndarray]:
         """`estimate` and, per layer [L], how many windows of sampling noise it carries
         (`effective_windows` for every layer unless shrunk): what a decision needs."""
-        if self.config.shrink:
-            return self.shrunk()
-        return self.smoothed(), np.full(self.num_layers, self.effective_windows)
+        return self.sums().estimate_and_noise()
 
     def smoothed(self) -> np.ndarray:
         """The decayed (or sliding-window) mean rate `[L, E]`; zeros before any window."""
-        if self.config.window > 0:
-            if not self._recent:
-                return np.zeros(self.shape, dtype=np.float64)
-            return self._recent_sum / len(self._recent)
-        if self._weight_total == 0.0:
-            return np.zeros(self.shape, dtype=np.float64)
-        return self._weighted_sum / self._weight_total
+        return self.sums().smoothed()
 
     @property
     def effective_windows(self) -> float:
@@ -207,29 +275,26 @@ class LoadEstimator:
         return self._weight_total**2 / self._weight_sq_total
 
     def shrunk(self) -> tuple[np.ndarray, np.ndarray]:
-        """The estimate with its noise shrunk away, and how many windows it is worth per layer.
+        """The estimate with its noise shrunk away, and how many windows it is worth per
+        layer (`EstimateSums.shrunk`)."""
+        return self.sums().shrunk()
 
-        Two levels of `shrink_shares`: the long-run rate's shares toward uniform (weight
-        B0), then the short-run shares toward those (weight B); each layer keeps the
-        short-run total, so only the split between experts changes. The returned
-        effective windows [L] are those of the blend's sampling noise,
-        1 / ((1 - B)^2 / n_short + B^2 (1 - B0)^2 / n_long) with Kish's n of each level
-        (inf where the estimate is the uniform prior exactly): what the decision's noise
-        margin needs. Zeros and zero windows before any window.
-        """
-        L, E = self.shape
-        fast = self.smoothed()
-        n_fast = self.effective_windows
-        if n_fast <= 0.0 or self._prior_weight == 0.0:
-            return fast, np.zeros(L)
-        n_long = self._prior_weight**2 / self._prior_weight_sq
-        long_rate = self._prior_sum / self._prior_weight
-        prior, b0 = shrink_shares(long_rate * n_long, np.full(E, 1.0 / E))
-        shares, b = shrink_shares(fast * n_fast, prior)
-        variance = (1.0 - b) ** 2 / n_fast + (b * (1.0 - b0)) ** 2 / n_long
-        with np.errstate(divide="ignore"):
-            windows = np.where(variance > 0, 1.0 / np.where(variance > 0, variance, 1.0), np.inf)
-        return shares * fast.sum(axis=1, keepdims=True), windows
+    def sums(self, copy: bool = False) -> EstimateSums:
+        """The running sums every estimate is computed from; `copy`: a snapshot that
+        windows folded later do not change (a decision computes its estimate from it in
+        the decision worker, off the event loop: two array copies instead of the
+        estimate's dozens of passes)."""
+        sliding = self.config.window > 0
+        fast = self._recent_sum if sliding else self._weighted_sum
+        return EstimateSums(
+            shrink=self.config.shrink,
+            fast_sum=fast.copy() if copy else fast,
+            fast_weight=float(len(self._recent)) if sliding else self._weight_total,
+            fast_windows=self.effective_windows,
+            prior_sum=self._prior_sum.copy() if copy else self._prior_sum,
+            prior_weight=self._prior_weight,
+            prior_weight_sq=self._prior_weight_sq,
+        )
 
     def state(self) -> dict[str, Any]:
         """Everything needed to rebuild the estimator, arrays kept as numpy arrays (the

@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from rebalancer.controller.decide import Decision, PolicyConfig, decide
-from rebalancer.controller.estimate import LoadEstimator
+from rebalancer.controller.estimate import EstimateSums, LoadEstimator
 from rebalancer.controller.regimes import RegimeLibrary, decide_regimes
 from rebalancer.wire.shape import ClusterShape
 
@@ -80,17 +81,17 @@ class PolicyLoop:
         """The policy's decision on the inputs as they are now, to run later or elsewhere.
 
         Every input is copied here, so the returned call may run on another thread
-        while windows keep folding (the controller does that); `record` it afterwards."""
-        estimate, effective_windows = self.estimator.estimate_and_noise()
-        kwargs = dict(
-            estimate=estimate.copy(),
+        while windows keep folding (the controller does that); `record` it afterwards.
+        The estimate itself is computed by the call, from a copy of the estimator's sums
+        (`decide_on_sums`)."""
+        sums = self.estimator.sums(copy=True)
+        kwargs: dict[str, Any] = dict(
             current=np.array(current, copy=True),
             shape=self.shape,
             policy=dataclasses.replace(self.policy),
             now=now,
             last_rebalance=self.last_rebalance,
             windows=self.estimator.windows,
-            effective_windows=effective_windows,
         )
         # A partial of a module-level function: picklable, so it can run in another process.
         if self.policy.regimes:
@@ -98,12 +99,14 @@ class PolicyLoop:
                 self.regimes = RegimeLibrary()
             pending, self._pending = [(c, now) for c in self._pending], []
             return functools.partial(
+                decide_on_sums,
                 decide_regimes,
+                sums,
                 library=self.regimes,
                 pending=pending,
-                **kwargs,  # type: ignore[arg-type]
+                **kwargs,
             )
-        return functools.partial(decide, **kwargs)  # type: ignore[arg-type]
+        return functools.partial(decide_on_sums, decide, sums, **kwargs)
 
     def tick(self, current: np.ndarray, now: float, in_flight: bool = False) -> Decision | None:
         """Run the policy's decision if one is due and no plan is in flight, else None."""
@@ -168,3 +171,14 @@ class PolicyLoop:
         """Replace the recorded last decision by what the caller made of it (a take it
         could not start, say); the decision and rebalance times stay as recorded."""
         self.last_decision = decision
+
+
+def decide_on_sums(
+    decide_fn: Callable[..., Decision], sums: EstimateSums, **inputs: Any
+) -> Decision:
+    """`decide_fn` (`decide` or `decide_regimes`) on the estimate computed from `sums` where
+    this runs: in the decision worker, so the estimate's passes over [L, E] (most of a
+    settled decision's work) stay off the controller's event loop. `inputs`: its other
+    arguments."""
+    estimate, effective_windows = sums.estimate_and_noise()
+    return decide_fn(estimate=estimate, effective_windows=effective_windows, **inputs)

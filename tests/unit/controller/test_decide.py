@@ -381,3 +381,58 @@ def test_a_decision_the_bound_settles_fits_no_candidate(monkeypatch) -> None:
     before = len(fitted_calls)
     _decide(_policy(gain_threshold=0.5), shape=load_mode, windows=10)
     assert len(fitted_calls) == before + 1
+
+
+def test_split_balance_is_what_the_placement_metrics_say() -> None:
+    """Under split dispatch a decision packs a placement's GPU load once for both of its
+    figures: they must be `balancedness` and `cost.imbalance_ratio` exactly."""
+    from rebalancer.controller.cost import imbalance_ratio
+    from rebalancer.controller.decide import predicted_balance
+
+    for seed in range(6):
+        load = _skewed_load(seed)
+        if seed % 2:
+            load[0] = 0.0  # a layer without load: skipped by the balancedness mean
+        for phy2log in (_trivial(), compute_placement(_skewed_load(seed + 9), P, G).phy2log):
+            b, ratio = predicted_balance(phy2log, load, SHAPE)
+            assert b == balancedness(phy2log, load, G)
+            assert ratio == imbalance_ratio(phy2log, load, G)
+
+
+def test_a_prepared_decision_computes_its_estimate_where_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The controller prepares a decision on its event loop and runs it in the decision
+    worker: preparing copies the estimator's sums and computes no estimate; the call
+    computes it and decides as `decide` on the estimator's estimate would, however many
+    windows were folded meanwhile, and survives the pickle to the worker."""
+    import pickle
+
+    from rebalancer.controller import estimate as estimate_module
+
+    policy = _policy(min_interval_seconds=0.0)
+    loop = PolicyLoop(SHAPE, policy)
+    rng = np.random.default_rng(5)
+    for _ in range(6):
+        loop.observe(rng.poisson(_skewed_load()))
+    expected_estimate, expected_noise = loop.estimator.estimate_and_noise()
+    expected = decide(
+        expected_estimate,
+        _trivial(),
+        SHAPE,
+        policy,
+        now=10.0,
+        last_rebalance=None,
+        windows=6,
+        effective_windows=expected_noise,
+    )
+    calls = []
+    real = estimate_module.shrink_shares
+    monkeypatch.setattr(estimate_module, "shrink_shares", lambda *a: calls.append(1) or real(*a))
+    work = loop.prepare_decision(_trivial(), now=10.0)
+    assert calls == []  # nothing of the estimate on the caller's thread
+    loop.observe(rng.poisson(3 * _skewed_load(1)))  # folded after: not in this decision
+    got = pickle.loads(pickle.dumps(work))()
+    assert len(calls) == 2  # the two levels of the shrunk estimate, in the call
+    assert got.to_dict() == expected.to_dict()
+    np.testing.assert_array_equal(got.candidate, expected.candidate)

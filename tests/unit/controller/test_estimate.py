@@ -206,3 +206,39 @@ def test_checked_windows_fold_the_same_without_the_count_scans() -> None:
         checked.add(np.zeros((3, 4)), checked=True)
     with pytest.raises(InputError, match="negative"):
         plain.add(-a)  # unchecked input is still scanned
+
+
+def test_shrink_without_masks_gives_the_masked_numbers() -> None:
+    """`shrink_shares` skips its masks where every layer is loaded and the prior rules out
+    no expert: each row must be what the masked computation gives it, bit for bit (a row
+    of zeros beside them sends the same rows down the masked path)."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        counts = rng.poisson(rng.gamma(0.4, 200.0, size=(6, 32))).astype(np.float64) + 1.0
+        prior = rng.dirichlet(np.ones(32))
+        fast = shrink_shares(counts, prior)
+        masked = shrink_shares(np.vstack([counts, np.zeros((1, 32))]), prior)
+        np.testing.assert_array_equal(fast[0], masked[0][:-1])
+        np.testing.assert_array_equal(fast[1], masked[1][:-1])
+        assert masked[1][-1] == 1.0  # the empty layer is the prior's
+
+
+@pytest.mark.parametrize("config", [EstimatorConfig(), EstimatorConfig(window=3, shrink=False)])
+def test_a_copy_of_the_sums_gives_the_estimate_of_its_time(config: EstimatorConfig) -> None:
+    """What a decision reads travels as the estimator's sums (`sums(copy=True)`) and the
+    estimate is computed from them in the decision worker: the same numbers as the
+    estimator's own, and windows folded after the copy change none of them."""
+    rng = np.random.default_rng(4)
+    est = LoadEstimator(3, 8, config)
+    for _ in range(5):
+        est.add(rng.poisson(40.0, size=(3, 8)))
+    sums = est.sums(copy=True)
+    estimate, noise = est.estimate_and_noise()
+    got = sums.estimate_and_noise()
+    np.testing.assert_array_equal(got[0], estimate)
+    np.testing.assert_array_equal(got[1], noise)
+    np.testing.assert_array_equal(sums.estimate(), est.estimate())
+    for _ in range(4):
+        est.add(rng.poisson(400.0, size=(3, 8)))
+    assert not np.array_equal(est.estimate(), estimate)
+    np.testing.assert_array_equal(sums.estimate_and_noise()[0], estimate)
