@@ -1,10 +1,11 @@
 """The shards' certificate (deploy/kubernetes/templates/certificate-shards-tls.yaml) on real
 shards, verified by the real clients under the names they dial in the cluster.
 
-A CA issues a certificate with exactly the template's names and usages; three
-`rebalancer serve --shard i --shards 3` serve mutual TLS from it (and the admin token),
-each on a loopback address of its own (127.0.0.1 .. 127.0.0.3) and one port, as the pods
-of the StatefulSet share 50051; a small DNS server answers for the shards' names as the
+A CA issues a certificate with exactly the template's names and usages; three shards run
+what overlays/prod-shards' pods run (the StatefulSet's command and args, the ConfigMap,
+the admin token and that certificate as the files they mount: mutual TLS), each on a
+loopback address of its own (127.0.0.1 .. 127.0.0.3) and one port, as the pods share
+50051; a small DNS server answers for the shards' names as the
 cluster's DNS does for a headless Service's pods, and every client reaches it through a
 `dns://127.0.0.1:PORT/` authority in front of the address the manifests give it. So gRPC
 resolves and verifies the very name the client dials, against the wildcard:

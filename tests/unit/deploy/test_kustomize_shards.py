@@ -2,10 +2,13 @@
 kustomize` and validated offline against Kubernetes' own schemas like the other manifests:
 components/shards turns the base's Deployment into a StatefulSet of N shards (a store
 each, the shard index its pod's ordinal, a headless Service giving each its name),
-overlays/shards is one, and components/sidecar-shards points every sidecar at the shard
-that owns its pool. What they run is what `rebalancer serve`, `rebalancer sidecar` and
-`rebalancer admin` accept, and the names agree: the address a sidecar computes by the
-rule is a pod of the StatefulSet, behind its Service, on its gRPC port."""
+overlays/shards is one, overlays/prod-shards another with the prod overlay's settings
+(components/prod: it runs, shard by shard, what overlays/prod runs), and
+components/sidecar-shards points every sidecar at the shard that owns its pool. What they
+run is what `rebalancer serve`, `rebalancer sidecar` and `rebalancer admin` accept, and
+the names agree: the address a sidecar computes by the rule is a pod of the StatefulSet,
+behind its Service, on its gRPC port, and the certificate template
+(templates/certificate-shards-tls.yaml) covers the names the clients dial."""
 
 from __future__ import annotations
 
