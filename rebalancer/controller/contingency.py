@@ -7,9 +7,11 @@ a GPU dies").
 after each committed placement and whenever the estimate has moved by `REFRESH_SHIFT`
 (the share of load that changed experts) since the last, at most every
 `MIN_INTERVAL_SECONDS`; the placement math (`placement.survivors`) runs on the decision
-worker like a policy decision, never on the event loop. A set is versioned by the
-placement it derives from, stored (it survives a restart) and recorded in the deployment's
-history (`admin history`). Operators read it with `rebalancer admin contingency` and in the metrics.
+worker like a policy decision, never on the event loop. The members of a replica pool
+that follow it and serve its placement share one set, planned once for the pool on the
+pool's estimate (the load the pool decides on); a member that diverges plans its own. A
+set is versioned by the placement it derives from, stored (it survives a restart) and
+recorded in the deployment's history (`admin history`). Operators read it with `rebalancer admin contingency` and in the metrics.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -265,20 +267,75 @@ def load_shift(a: np.ndarray, b: np.ndarray) -> float:
 Submit = Callable[[Callable[[], Any], Callable[[Any], None]], None]
 
 
+class SharedPlacement(Protocol):
+    """A replica pool as the planner reads it (replica_pools/replica_pool.py): its
+    members that follow it serve one placement on one load, so one set serves them all."""
+
+    @property
+    def key(self) -> str: ...
+
+    version: int  # pool placements taken so far: a new one changes `phy2log`
+    phy2log: np.ndarray | None
+
+    def estimate(self) -> np.ndarray: ...
+
+
+# (deployment) -> the pool whose set serves it: its pool, when it follows it and the pool
+# has a placement (`Fleet.sharing_pool`); None: a set of its own.
+SharingPool = Callable[["Deployment"], SharedPlacement | None]
+
+
+# A pool's set: (pool key, the scale-downs its members declare).
+PoolSetKey = tuple[str, tuple[tuple[int, ...], ...]]
+
+
+@dataclass(frozen=True)
+class _PoolSet:
+    """A set planned once for a pool placement (`pool_version`) on the pool's estimate
+    (`planned_on`); each member serving that placement takes it under its own version.
+    `generation` tells one such set from the one before."""
+
+    pool_version: int
+    computed_at: float
+    healthy: float
+    losses: tuple[Loss, ...]
+    planned_on: np.ndarray
+    generation: int
+
+
 class ContingencyPlanner:
-    """The contingency sets of every deployment (module docstring)."""
+    """The contingency sets of every deployment (module docstring).
+
+    The members of a replica pool that follow it and serve its placement share one set,
+    planned once on the pool's estimate (`sharing_pool`): a fleet of pools of 8 plans an
+    eighth of the sets (each a few policy decisions of the worker's time)."""
 
     def __init__(
-        self, store: Store, clock: Clock, submit: Submit, has_room: Callable[[], bool]
+        self,
+        store: Store,
+        clock: Clock,
+        submit: Submit,
+        has_room: Callable[[], bool],
+        sharing_pool: SharingPool | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.submit = submit
         self.has_room = has_room  # the decision worker idle: policy decisions keep their room
+        self.sharing_pool = sharing_pool
         self.sets: dict[str, ContingencySet] = {}
         self._planned_on: dict[str, np.ndarray] = {}  # the estimate each set was planned on
         self._asked: dict[str, float] = {}  # when a set was last asked for or looked at
         self._running: set[str] = set()
+        # Pool sets by (pool key, scale-downs); per member, the (its version, pool version)
+        # it was last compared at and whether it served the pool placement then, and the
+        # generation of the pool set it holds.
+        self._pool_sets: dict[PoolSetKey, _PoolSet] = {}
+        self._pool_running: set[PoolSetKey] = set()
+        self._pool_asked: dict[PoolSetKey, float] = {}
+        self._serves: dict[str, tuple[int, int, bool]] = {}
+        self._taken: dict[str, int] = {}
+        self._generations = 0
 
     def load(self, names: list[str]) -> None:
         """The stored sets, at start."""
@@ -332,7 +389,12 @@ class ContingencyPlanner:
         return False
 
     def refresh(self, dep: Deployment, now: float) -> None:
-        """Plan `dep`'s set on the decision worker when due."""
+        """Plan `dep`'s set on the decision worker when due; a pool member serving its
+        pool's placement takes the pool's set instead (planned once for the pool)."""
+        pool = self.sharing_pool(dep) if self.sharing_pool is not None else None
+        if pool is not None and self._serves_pool(dep, pool):
+            self._refresh_member(dep, pool, now)
+            return
         if not self.has_room() or not self.due(dep, now):
             return
         estimate = dep.estimate()
@@ -346,29 +408,104 @@ class ContingencyPlanner:
             if result is None:
                 return
             healthy, losses = result
-            made = ContingencySet(version, self.clock(), healthy, tuple(losses))
-            self.sets[name] = made
+            self._install(dep, ContingencySet(version, self.clock(), healthy, tuple(losses)))
             self._planned_on[name] = estimate
-            self.tell(dep)
-            summary = made.summary()
-            try:
-                self.store.save_contingency(name, *to_record(made))
-                self.store.record_contingency(name, made.computed_at, summary)
-            except Exception as exc:  # noqa: BLE001 - a full disk must not lose the set in memory
-                log.error("%s: the store refused the contingency set (%s)", name, exc)
-            if summary["node_unserved"]:
-                log.warning(
-                    "%s: a node loss would leave %d experts per layer without a slot (v%d)",
-                    name,
-                    summary["node_unserved"],
-                    version,
-                )
-            log.info(
-                "%s: contingency set on v%d: rank loss worst %.3f, node loss worst %.3f",
-                name,
-                version,
-                summary["rank_worst"],
-                summary["node_worst"],
-            )
+            self._taken.pop(name, None)
 
         self.submit(partial(_plan, estimate, phy2log, shape, declared), done)
+
+    def _serves_pool(self, dep: Deployment, pool: SharedPlacement) -> bool:
+        """Whether `dep` serves the pool placement: compared once per (its version, the
+        pool's version), not at every window."""
+        seen = self._serves.get(dep.name)
+        if seen is None or seen[:2] != (dep.version, pool.version):
+            serves = pool.phy2log is not None and bool(np.array_equal(dep.phy2log, pool.phy2log))
+            seen = self._serves[dep.name] = (dep.version, pool.version, serves)
+        return seen[2]
+
+    def _refresh_member(self, dep: Deployment, pool: SharedPlacement, now: float) -> None:
+        """A member takes its pool's set for the placement they serve when it has not
+        yet; the pool's set is planned (on the worker, once for every member) when none
+        is of this placement, or the pool's estimate moved by REFRESH_SHIFT."""
+        if dep.mixed is not None or dep.shape.num_gpus < 2:
+            return
+        downs = tuple(scale_downs(dep.shape, dep.policy.contingency.scale_down_nodes))
+        key = (pool.key, downs)
+        shared = self._pool_sets.get(key)
+        fresh = shared is not None and shared.pool_version == pool.version
+        if shared is not None and fresh:
+            current = self.sets.get(dep.name)
+            if (
+                current is None
+                or current.base_version != dep.version
+                or self._taken.get(dep.name) != shared.generation
+            ):
+                made = ContingencySet(
+                    dep.version, shared.computed_at, shared.healthy, shared.losses
+                )
+                self._install(dep, made)
+                self._planned_on[dep.name] = shared.planned_on
+                self._taken[dep.name] = shared.generation
+                # Planned on the pool's load: should the member leave the pool, the shift
+                # from its own estimate decides at once whether it plans its own.
+                self._asked.pop(dep.name, None)
+                return
+        if key in self._pool_running or not self.has_room():
+            return
+        if fresh and now - self._pool_asked.get(key, -np.inf) < MIN_INTERVAL_SECONDS:
+            return
+        estimate = pool.estimate()
+        if estimate.sum() <= 0:
+            return
+        if fresh and shared is not None and load_shift(shared.planned_on, estimate) < REFRESH_SHIFT:
+            self._pool_asked[key] = now  # looked: the next look after the interval
+            return
+        assert pool.phy2log is not None  # sharing_pool: a pool with a placement
+        pool_version, phy2log = pool.version, pool.phy2log.copy()
+        self._pool_running.add(key)
+        self._pool_asked[key] = now
+
+        def done(result: tuple[float, list[Loss]] | None) -> None:
+            self._pool_running.discard(key)
+            if result is None:
+                return
+            healthy, losses = result
+            self._generations += 1
+            self._pool_sets[key] = _PoolSet(
+                pool_version,
+                self.clock(),
+                healthy,
+                tuple(losses),
+                estimate,
+                self._generations,
+            )
+            # The members take it at their next window each (their store rows spread).
+
+        declared = list(dep.policy.contingency.scale_down_nodes)
+        self.submit(partial(_plan, estimate, phy2log, dep.shape, declared), done)
+
+    def _install(self, dep: Deployment, made: ContingencySet) -> None:
+        """`made` is `dep`'s set now: told to its ranks, stored, logged."""
+        name, version = dep.name, made.base_version
+        self.sets[name] = made
+        self.tell(dep)
+        summary = made.summary()
+        try:
+            self.store.save_contingency(name, *to_record(made))
+            self.store.record_contingency(name, made.computed_at, summary)
+        except Exception as exc:  # noqa: BLE001 - a full disk must not lose the set in memory
+            log.error("%s: the store refused the contingency set (%s)", name, exc)
+        if summary["node_unserved"]:
+            log.warning(
+                "%s: a node loss would leave %d experts per layer without a slot (v%d)",
+                name,
+                summary["node_unserved"],
+                version,
+            )
+        log.info(
+            "%s: contingency set on v%d: rank loss worst %.3f, node loss worst %.3f",
+            name,
+            version,
+            summary["rank_worst"],
+            summary["node_worst"],
+        )

@@ -105,6 +105,7 @@ class Controller:
             self.clock,
             self.decisions.submit,
             lambda: self.decisions.in_flight == 0 and self.decisions.budget.allows(),
+            self.fleet.sharing_pool,
         )
         self.registry.load()
         self.fleet.load()

@@ -129,6 +129,14 @@ class Fleet:
     def pool_of(self, dep: Deployment) -> ReplicaPool | None:
         return self.member_of.get(dep.name)
 
+    def sharing_pool(self, dep: Deployment) -> ReplicaPool | None:
+        """The pool whose contingency set serves `dep` when it serves the pool placement
+        (contingency.py): its pool, when it follows it and the pool has a placement."""
+        pool = self.member_of.get(dep.name)
+        if pool is None or pool.phy2log is None or not pool.is_following(dep.name):
+            return None
+        return pool
+
     # -- registration ------------------------------------------------------------
 
     def check_join(

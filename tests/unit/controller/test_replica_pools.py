@@ -390,3 +390,57 @@ def test_a_tick_yields_after_each_pool_that_started_plans() -> None:
     assert sum(1 for _ in steps) == 1  # the second pool's start; the third started nothing
     assert moving("q") == [m for m in "ab" if m not in first["q"]]
     assert moving("r") == first["r"]
+
+
+def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
+    """The members that follow their pool and serve its placement take one contingency set,
+    planned once on the decision worker for the pool (on the pool's estimate), each under
+    its own version; a member that diverges plans its own on its own estimate."""
+    fleet = Fleet(
+        Store(":memory:"), Clock(), divergence=DivergenceConfig(threshold=0.08, windows=3)
+    )
+    names = ("a", "b", "c")
+    for name in names:
+        fleet.join(name)
+    pool = fleet.ctl.fleet.pools["p"]
+    for name in names:
+        fleet.feed(name, 0)
+    for _ in names:  # the pool placement rolled out, one member at a time
+        (moving,) = [n for n in names if fleet.ctl.deployment(n).plan is not None]
+        fleet.finish(moving)
+        fleet.ctl.tick()
+    assert all(np.array_equal(fleet.ctl.deployment(n).phy2log, pool.phy2log) for n in names)
+    planner = fleet.ctl.contingency
+    # Each set asked of the worker: its estimate and placement, and the pool's and c's
+    # estimates then.
+    planned: list[tuple[np.ndarray, ...]] = []
+    submit = planner.submit
+
+    def counting(fn: Any, done: Any) -> None:
+        own = fleet.ctl.deployment("c").estimate()
+        planned.append((fn.args[0], fn.args[1], pool.estimate(), own))
+        submit(fn, done)
+
+    planner.submit = counting
+    for name in names:
+        fleet.ctl.set_paused(name, True)  # no more plans: the test is about the sets
+    for seq in (1, 2):
+        for name in names:
+            fleet.feed(name, seq)
+    assert len(planned) == 1  # one set for the three members
+    np.testing.assert_array_equal(planned[0][1], pool.phy2log)
+    np.testing.assert_array_equal(planned[0][0], planned[0][2])  # on the pool's estimate
+    sets = [planner.get(n) for n in names]
+    assert all(s is not None and s.base_version == 1 for s in sets)
+    assert sets[0].losses is sets[1].losses is sets[2].losses  # type: ignore[union-attr]
+    assert [loss.lost for loss in sets[0].of("rank")] == [(0,), (1,)]  # type: ignore[union-attr]
+    assert all(fleet.ctl.store.contingency(n) is not None for n in names)  # each stored
+    # A member fed another workload leaves the pool estimate and plans its own set.
+    for seq in range(3, 7):
+        fleet.feed("c", seq, OTHER)
+    assert pool.diverged() == ["c"]
+    c = planner.get("c")
+    assert c is not None and c.losses is not sets[0].losses  # type: ignore[union-attr]
+    assert len(planned) == 2
+    np.testing.assert_array_equal(planned[1][0], planned[1][3])  # on its own estimate
+    np.testing.assert_array_equal(planned[1][1], fleet.ctl.deployment("c").phy2log)
