@@ -11,7 +11,8 @@ worker like a policy decision, never on the event loop. The members of a replica
 that follow it and serve its placement share one set, planned once for the pool on the
 pool's estimate (the load the pool decides on); a member that diverges plans its own. A
 set is versioned by the placement it derives from, stored (it survives a restart) and
-recorded in the deployment's history (`admin history`). Operators read it with `rebalancer admin contingency` and in the metrics.
+recorded in the deployment's history (`admin history`). Operators read it with
+`rebalancer admin contingency` and in the metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from rebalancer.controller.store import PackedArrays, pack_arrays
 from rebalancer.errors import InputError
 from rebalancer.placement import balancedness
 from rebalancer.placement.survivors import survivor_placements
@@ -170,18 +172,29 @@ class ContingencySet:
 
 def to_record(made: ContingencySet) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A set as the store keeps it: a JSON record and the survivors' placements."""
-    record = {
+    return _record(made), _arrays(made.losses)
+
+
+def _record(made: ContingencySet) -> dict[str, Any]:
+    return {
         "base_version": made.base_version,
         "computed_at": made.computed_at,
         "healthy": made.healthy,
         "losses": [loss.to_dict() for loss in made.losses],
     }
-    arrays = {
+
+
+def _arrays(losses: Sequence[Loss]) -> dict[str, np.ndarray]:
+    return {
         f"loss{i}": loss.phy2log.astype(np.int32)
-        for i, loss in enumerate(made.losses)
+        for i, loss in enumerate(losses)
         if loss.phy2log is not None
     }
-    return record, arrays
+
+
+def _told(version: int, losses: Sequence[Loss]) -> list[Told]:
+    """One Told per loss for every session: its message is encoded once (service.py)."""
+    return [Told(version, loss, len(losses)) for loss in losses]
 
 
 def from_record(record: dict[str, Any], arrays: dict[str, np.ndarray]) -> ContingencySet:
@@ -301,6 +314,15 @@ class _PoolSet:
     losses: tuple[Loss, ...]
     planned_on: np.ndarray
     generation: int
+    packed: PackedArrays  # the survivors' placements as every member's store row holds them
+    # The messages of the set per member version, made once for the members at that
+    # version (their encoding is cached by message: service.py).
+    told: dict[int, list[Told]] = field(default_factory=dict)
+
+    def told_at(self, version: int) -> list[Told]:
+        if version not in self.told:
+            self.told[version] = _told(version, self.losses)
+        return self.told[version]
 
 
 class ContingencyPlanner:
@@ -353,8 +375,10 @@ class ContingencyPlanner:
         made = self.sets.get(dep.name)
         if made is None:
             return
-        # One Told per loss for every session: its message is encoded once (service.py).
-        told = [Told(made.base_version, loss, len(made.losses)) for loss in made.losses]
+        self._send(dep, _told(made.base_version, made.losses), sessions)
+
+    @staticmethod
+    def _send(dep: Deployment, told: list[Told], sessions: list[Session] | None = None) -> None:
         for session in dep.live_sessions() if sessions is None else sessions:
             if session.send is not None:
                 for one in told:
@@ -443,7 +467,7 @@ class ContingencyPlanner:
                 made = ContingencySet(
                     dep.version, shared.computed_at, shared.healthy, shared.losses
                 )
-                self._install(dep, made)
+                self._install(dep, made, shared.packed, shared.told_at(dep.version))
                 self._planned_on[dep.name] = shared.planned_on
                 self._taken[dep.name] = shared.generation
                 # Planned on the pool's load: should the member leave the pool, the shift
@@ -478,20 +502,29 @@ class ContingencyPlanner:
                 tuple(losses),
                 estimate,
                 self._generations,
+                pack_arrays(_arrays(losses)),
             )
             # The members take it at their next window each (their store rows spread).
 
         declared = list(dep.policy.contingency.scale_down_nodes)
         self.submit(partial(_plan, estimate, phy2log, dep.shape, declared), done)
 
-    def _install(self, dep: Deployment, made: ContingencySet) -> None:
-        """`made` is `dep`'s set now: told to its ranks, stored, logged."""
+    def _install(
+        self,
+        dep: Deployment,
+        made: ContingencySet,
+        packed: PackedArrays | None = None,
+        told: list[Told] | None = None,
+    ) -> None:
+        """`made` is `dep`'s set now: told to its ranks, stored, logged. `packed` and
+        `told`: its arrays and messages made once for a pool's members."""
         name, version = dep.name, made.base_version
         self.sets[name] = made
-        self.tell(dep)
+        self._send(dep, _told(version, made.losses) if told is None else told)
         summary = made.summary()
         try:
-            self.store.save_contingency(name, *to_record(made))
+            arrays = _arrays(made.losses) if packed is None else packed
+            self.store.save_contingency(name, _record(made), arrays)
             self.store.record_contingency(name, made.computed_at, summary)
         except Exception as exc:  # noqa: BLE001 - a full disk must not lose the set in memory
             log.error("%s: the store refused the contingency set (%s)", name, exc)

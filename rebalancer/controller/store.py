@@ -651,14 +651,16 @@ class Store:
     # ------------------------------------------------------------ ingest cursor
 
     def save_contingency(
-        self, name: str, record: dict[str, Any], arrays: dict[str, np.ndarray]
+        self, name: str, record: dict[str, Any], arrays: dict[str, np.ndarray] | PackedArrays
     ) -> None:
         """A deployment's newest contingency set (controller/contingency.py): its record
-        and the survivors' placements, replacing the one before. Packed here, written by
-        the row writer's thread where one runs (written in line, a set of 2.3 MB held the
-        event loop 6-42 ms; packed, 3 ms); `contingency` reads it back either way."""
+        and the survivors' placements, replacing the one before. Packed here (or once for
+        several deployments: `pack_arrays`), written by the row writer's thread where one
+        runs (written in line, a set of 2.3 MB held the event loop 6-42 ms; packed, 3 ms);
+        `contingency` reads it back either way."""
         writer = self._row_writer()
-        row = (json.dumps(record), _pack_arrays(arrays))
+        blob = arrays.blob if isinstance(arrays, PackedArrays) else _pack_arrays(arrays)
+        row = (json.dumps(record), blob)
         if writer is not None:
             writer.put("contingency", name, row)
         else:
@@ -811,6 +813,19 @@ def _ingest_row(state: dict[str, Any]) -> tuple[str, bytearray]:
     arrays: dict[str, np.ndarray] = {}
     doc = _split_arrays(state, arrays, "")
     return json.dumps(doc), _pack_arrays(arrays)
+
+
+@dataclass(frozen=True)
+class PackedArrays:
+    """Arrays packed once for the rows of several deployments (the members of a replica
+    pool store one contingency set: controller/contingency.py)."""
+
+    blob: bytes | bytearray
+
+
+def pack_arrays(arrays: dict[str, np.ndarray]) -> PackedArrays:
+    """`arrays` packed as a row stores them, once for many rows."""
+    return PackedArrays(_pack_arrays(arrays))
 
 
 def _pack_arrays(arrays: dict[str, np.ndarray]) -> bytearray:

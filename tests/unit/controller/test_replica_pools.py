@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rebalancer.controller.contingency import from_record
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.replica_pools import (
     OFFER_GRACE_SECONDS,
@@ -400,11 +401,19 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
         Store(":memory:"), Clock(), divergence=DivergenceConfig(threshold=0.08, windows=3)
     )
     names = ("a", "b", "c")
+    # 4 ranks of 3 slots: a rank's loss leaves a slot for every expert.
+    spare = replace(SHAPE, num_slots=12, num_gpus=4)
+
+    def feed(name: str, seq: int, p: np.ndarray = HOT) -> None:
+        dep = fleet.ctl.deployment(name)
+        for rank in range(spare.num_gpus):
+            fleet.ctl.ingest(dep, rank, seq, dep.version, window(p, 1000), None)
+
     for name in names:
-        fleet.join(name)
+        fleet.join(name, shape=spare)
     pool = fleet.ctl.fleet.pools["p"]
     for name in names:
-        fleet.feed(name, 0)
+        feed(name, 0)
     for _ in names:  # the pool placement rolled out, one member at a time
         (moving,) = [n for n in names if fleet.ctl.deployment(n).plan is not None]
         fleet.finish(moving)
@@ -426,18 +435,28 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
         fleet.ctl.set_paused(name, True)  # no more plans: the test is about the sets
     for seq in (1, 2):
         for name in names:
-            fleet.feed(name, seq)
+            feed(name, seq)
     assert len(planned) == 1  # one set for the three members
     np.testing.assert_array_equal(planned[0][1], pool.phy2log)
     np.testing.assert_array_equal(planned[0][0], planned[0][2])  # on the pool's estimate
     sets = [planner.get(n) for n in names]
     assert all(s is not None and s.base_version == 1 for s in sets)
     assert sets[0].losses is sets[1].losses is sets[2].losses  # type: ignore[union-attr]
-    assert [loss.lost for loss in sets[0].of("rank")] == [(0,), (1,)]  # type: ignore[union-attr]
-    assert all(fleet.ctl.store.contingency(n) is not None for n in names)  # each stored
+    assert [loss.lost for loss in sets[0].of("rank")] == [(0,), (1,), (2,), (3,)]  # type: ignore[union-attr]
+    assert all(loss.feasible for loss in sets[0].losses)  # type: ignore[union-attr]
+    for name, made in zip(names, sets, strict=True):  # each stored, read back as taken
+        stored = fleet.ctl.store.contingency(name)
+        assert stored is not None
+        back = from_record(*stored)
+        assert back.base_version == 1 and back.healthy == made.healthy  # type: ignore[union-attr]
+        for a, b in zip(back.losses, made.losses, strict=True):  # type: ignore[union-attr]
+            assert (a.kind, a.lost, a.unserved) == (b.kind, b.lost, b.unserved)
+            assert (a.phy2log is None) == (b.phy2log is None)
+            if a.phy2log is not None:
+                np.testing.assert_array_equal(a.phy2log, b.phy2log)
     # A member fed another workload leaves the pool estimate and plans its own set.
     for seq in range(3, 7):
-        fleet.feed("c", seq, OTHER)
+        feed("c", seq, OTHER)
     assert pool.diverged() == ["c"]
     c = planner.get("c")
     assert c is not None and c.losses is not sets[0].losses  # type: ignore[union-attr]
