@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rebalancer.controller.contingency import from_record
+from rebalancer.controller.contingency import TAKE_BYTES_PER_SECOND, from_record
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.replica_pools import (
     OFFER_GRACE_SECONDS,
@@ -396,10 +396,10 @@ def test_a_tick_yields_after_each_pool_that_started_plans() -> None:
 def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
     """The members that follow their pool and serve its placement take one contingency set,
     planned once on the decision worker for the pool (on the pool's estimate), each under
-    its own version; a member that diverges plans its own on its own estimate."""
-    fleet = Fleet(
-        Store(":memory:"), Clock(), divergence=DivergenceConfig(threshold=0.08, windows=3)
-    )
+    its own version, at most TAKE_BYTES_PER_SECOND of sets a second; a member that
+    diverges plans its own on its own estimate."""
+    clock = Clock()
+    fleet = Fleet(Store(":memory:"), clock, divergence=DivergenceConfig(threshold=0.08, windows=3))
     names = ("a", "b", "c")
     # 4 ranks of 3 slots: a rank's loss leaves a slot for every expert.
     spare = replace(SHAPE, num_slots=12, num_gpus=4)
@@ -433,9 +433,15 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
     planner.submit = counting
     for name in names:
         fleet.ctl.set_paused(name, True)  # no more plans: the test is about the sets
+    planner.take_bytes_per_second = 1.0  # a set in hundreds of seconds: one member takes it
     for seq in (1, 2):
         for name in names:
             feed(name, seq)
+    assert [planner.get(n).base_version for n in names].count(1) == 1  # type: ignore[union-attr]
+    planner.take_bytes_per_second = TAKE_BYTES_PER_SECOND
+    clock.now += 1.0  # a second's worth: the other two take theirs at their next window
+    for name in names:
+        feed(name, 3)
     assert len(planned) == 1  # one set for the three members
     np.testing.assert_array_equal(planned[0][1], pool.phy2log)
     np.testing.assert_array_equal(planned[0][0], planned[0][2])  # on the pool's estimate
@@ -455,7 +461,7 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
             if a.phy2log is not None:
                 np.testing.assert_array_equal(a.phy2log, b.phy2log)
     # A member fed another workload leaves the pool estimate and plans its own set.
-    for seq in range(3, 7):
+    for seq in range(4, 8):
         feed("c", seq, OTHER)
     assert pool.diverged() == ["c"]
     c = planner.get("c")
