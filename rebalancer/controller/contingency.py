@@ -8,8 +8,9 @@ after each committed placement and whenever the estimate has moved by `REFRESH_S
 (the share of load that changed experts) since the last, at most every
 `MIN_INTERVAL_SECONDS`; the placement math (`placement.survivors`) runs on the decision
 worker like a policy decision, never on the event loop. The members of a replica pool
-that follow it and serve its placement share one set, planned once for the pool on the
-pool's estimate (the load the pool decides on); a member that diverges plans its own. A
+that follow it and serve one placement (its placement, or the one before while it rolls
+out) share one set, planned once on the pool's estimate (the load the pool decides on);
+a member that diverges plans its own. A
 set is versioned by the placement it derives from, stored (it survives a restart) and
 recorded in the deployment's history (`admin history`). Operators read it with
 `rebalancer admin contingency` and in the metrics.
@@ -29,6 +30,7 @@ from rebalancer.controller.store import PackedArrays, pack_arrays
 from rebalancer.errors import InputError
 from rebalancer.placement import balancedness
 from rebalancer.placement.survivors import survivor_placements
+from rebalancer.wire.layout import placement_digest
 
 if TYPE_CHECKING:  # annotations only: policy_config imports this module for its section
     from rebalancer.controller.clock import Clock
@@ -287,35 +289,34 @@ def load_shift(a: np.ndarray, b: np.ndarray) -> float:
 Submit = Callable[[Callable[[], Any], Callable[[Any], None]], None]
 
 
-class SharedPlacement(Protocol):
-    """A replica pool as the planner reads it (replica_pools/replica_pool.py): its
-    members that follow it serve one placement on one load, so one set serves them all."""
+class SharedLoad(Protocol):
+    """A replica pool as the planner reads it (replica_pools/replica_pool.py): the members
+    that follow it serve one load, so the members serving one placement share one set."""
 
     @property
     def key(self) -> str: ...
 
-    version: int  # pool placements taken so far: a new one changes `phy2log`
-    phy2log: np.ndarray | None
+    members: set[str]
 
     def estimate(self) -> np.ndarray: ...
 
 
-# (deployment) -> the pool whose set serves it: its pool, when it follows it and the pool
-# has a placement (`Fleet.sharing_pool`); None: a set of its own.
-SharingPool = Callable[["Deployment"], SharedPlacement | None]
+# (deployment) -> the pool whose members share its sets: its pool, when it follows it
+# (`Fleet.sharing_pool`); None: a set of its own.
+SharingPool = Callable[["Deployment"], SharedLoad | None]
 
 
-# A pool's set: (pool key, the scale-downs its members declare).
-PoolSetKey = tuple[str, tuple[tuple[int, ...], ...]]
+# A pool's set: (pool key, the placement's digest, the scale-downs its members declare).
+PoolSetKey = tuple[str, int, tuple[tuple[int, ...], ...]]
 
 
 @dataclass(frozen=True)
 class _PoolSet:
-    """A set planned once for a pool placement (`pool_version`) on the pool's estimate
-    (`planned_on`); each member serving that placement takes it under its own version.
-    `generation` tells one such set from the one before."""
+    """A set planned once for the members of a pool serving one placement (the members
+    rolled to the pool placement, or not yet: each a set), on the pool's estimate
+    (`planned_on`); each member takes it under its own version. `generation` tells one
+    such set from the one before."""
 
-    pool_version: int
     computed_at: float
     healthy: float
     losses: tuple[Loss, ...]
@@ -340,7 +341,7 @@ class _PoolSet:
 class ContingencyPlanner:
     """The contingency sets of every deployment (module docstring).
 
-    The members of a replica pool that follow it and serve its placement share one set,
+    The members of a replica pool that follow it and serve one placement share one set,
     planned once on the pool's estimate (`sharing_pool`): a fleet of pools of 8 plans an
     eighth of the sets (each a few policy decisions of the worker's time)."""
 
@@ -361,13 +362,12 @@ class ContingencyPlanner:
         self._planned_on: dict[str, np.ndarray] = {}  # the estimate each set was planned on
         self._asked: dict[str, float] = {}  # when a set was last asked for or looked at
         self._running: set[str] = set()
-        # Pool sets by (pool key, scale-downs); per member, the (its version, pool version)
-        # it was last compared at and whether it served the pool placement then, and the
-        # generation of the pool set it holds.
+        # Pool sets; per member, (its version, its placement's digest) and the generation
+        # of the pool set it holds.
         self._pool_sets: dict[PoolSetKey, _PoolSet] = {}
         self._pool_running: set[PoolSetKey] = set()
         self._pool_asked: dict[PoolSetKey, float] = {}
-        self._serves: dict[str, tuple[int, int, bool]] = {}
+        self._digests: dict[str, tuple[int, int]] = {}
         self._taken: dict[str, int] = {}
         self._generations = 0
         self.take_bytes_per_second = TAKE_BYTES_PER_SECOND
@@ -431,7 +431,7 @@ class ContingencyPlanner:
         """Plan `dep`'s set on the decision worker when due; a pool member serving its
         pool's placement takes the pool's set instead (planned once for the pool)."""
         pool = self.sharing_pool(dep) if self.sharing_pool is not None else None
-        if pool is not None and self._serves_pool(dep, pool):
+        if pool is not None:
             self._refresh_member(dep, pool, now)
             return
         if not self.has_room() or not self.due(dep, now):
@@ -453,26 +453,23 @@ class ContingencyPlanner:
 
         self.submit(partial(_plan, estimate, phy2log, shape, declared), done)
 
-    def _serves_pool(self, dep: Deployment, pool: SharedPlacement) -> bool:
-        """Whether `dep` serves the pool placement: compared once per (its version, the
-        pool's version), not at every window."""
-        seen = self._serves.get(dep.name)
-        if seen is None or seen[:2] != (dep.version, pool.version):
-            serves = pool.phy2log is not None and bool(np.array_equal(dep.phy2log, pool.phy2log))
-            seen = self._serves[dep.name] = (dep.version, pool.version, serves)
-        return seen[2]
+    def _digest(self, dep: Deployment) -> int:
+        """The digest of the placement `dep` serves, computed once per its version."""
+        seen = self._digests.get(dep.name)
+        if seen is None or seen[0] != dep.version:
+            seen = self._digests[dep.name] = (dep.version, placement_digest(dep.phy2log))
+        return seen[1]
 
-    def _refresh_member(self, dep: Deployment, pool: SharedPlacement, now: float) -> None:
-        """A member takes its pool's set for the placement they serve when it has not
-        yet; the pool's set is planned (on the worker, once for every member) when none
-        is of this placement, or the pool's estimate moved by REFRESH_SHIFT."""
+    def _refresh_member(self, dep: Deployment, pool: SharedLoad, now: float) -> None:
+        """A member takes the set of its pool's members serving its placement when it has
+        not yet; that set is planned (on the worker, once for all of them) when there is
+        none, or the pool's estimate moved by REFRESH_SHIFT."""
         if dep.mixed is not None or dep.shape.num_gpus < 2:
             return
         downs = tuple(scale_downs(dep.shape, dep.policy.contingency.scale_down_nodes))
-        key = (pool.key, downs)
+        key = (pool.key, self._digest(dep), downs)
         shared = self._pool_sets.get(key)
-        fresh = shared is not None and shared.pool_version == pool.version
-        if shared is not None and fresh:
+        if shared is not None:
             current = self.sets.get(dep.name)
             if (
                 current is None
@@ -493,16 +490,15 @@ class ContingencyPlanner:
                 return
         if key in self._pool_running or not self.has_room():
             return
-        if fresh and now - self._pool_asked.get(key, -np.inf) < MIN_INTERVAL_SECONDS:
+        if shared is not None and now - self._pool_asked.get(key, -np.inf) < MIN_INTERVAL_SECONDS:
             return
         estimate = pool.estimate()
         if estimate.sum() <= 0:
             return
-        if fresh and shared is not None and load_shift(shared.planned_on, estimate) < REFRESH_SHIFT:
+        if shared is not None and load_shift(shared.planned_on, estimate) < REFRESH_SHIFT:
             self._pool_asked[key] = now  # looked: the next look after the interval
             return
-        assert pool.phy2log is not None  # sharing_pool: a pool with a placement
-        pool_version, phy2log = pool.version, pool.phy2log.copy()
+        phy2log = dep.phy2log.copy()
         self._pool_running.add(key)
         self._pool_asked[key] = now
 
@@ -512,8 +508,15 @@ class ContingencyPlanner:
                 return
             healthy, losses = result
             self._generations += 1
+            # The pool's sets of placements none of its members serves any more go.
+            served = {key}
+            served |= {
+                (pool.key, self._digests[m][1], downs) for m in pool.members if m in self._digests
+            }
+            for old in [k for k in self._pool_sets if k[0] == pool.key and k not in served]:
+                del self._pool_sets[old]
+                self._pool_asked.pop(old, None)
             self._pool_sets[key] = _PoolSet(
-                pool_version,
                 self.clock(),
                 healthy,
                 tuple(losses),

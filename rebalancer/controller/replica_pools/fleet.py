@@ -130,10 +130,10 @@ class Fleet:
         return self.member_of.get(dep.name)
 
     def sharing_pool(self, dep: Deployment) -> ReplicaPool | None:
-        """The pool whose contingency set serves `dep` when it serves the pool placement
-        (contingency.py): its pool, when it follows it and the pool has a placement."""
+        """The pool whose members serving one placement share its contingency set
+        (contingency.py): `dep`'s pool, when it follows it."""
         pool = self.member_of.get(dep.name)
-        if pool is None or pool.phy2log is None or not pool.is_following(dep.name):
+        if pool is None or not pool.is_following(dep.name):
             return None
         return pool
 
