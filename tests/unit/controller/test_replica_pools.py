@@ -412,13 +412,6 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
     for name in names:
         fleet.join(name, shape=spare)
     pool = fleet.ctl.fleet.pools["p"]
-    for name in names:
-        feed(name, 0)
-    for _ in names:  # the pool placement rolled out, one member at a time
-        (moving,) = [n for n in names if fleet.ctl.deployment(n).plan is not None]
-        fleet.finish(moving)
-        fleet.ctl.tick()
-    assert all(np.array_equal(fleet.ctl.deployment(n).phy2log, pool.phy2log) for n in names)
     planner = fleet.ctl.contingency
     # Each set asked of the worker: its estimate and placement, and the pool's and c's
     # estimates then.
@@ -432,16 +425,30 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
 
     planner.submit = counting
     for name in names:
+        feed(name, 0)
+    for name in names:  # still on v0 while the pool placement rolls out: one set for all
+        feed(name, 1)
+    assert len(planned) == 1 and all(fleet.ctl.deployment(n).version == 0 for n in names)
+    v0 = [planner.get(n) for n in names]
+    assert all(s is not None and s.base_version == 0 for s in v0)
+    assert v0[0].losses is v0[1].losses is v0[2].losses  # type: ignore[union-attr]
+    planned.clear()
+    for _ in names:  # the pool placement rolled out, one member at a time
+        (moving,) = [n for n in names if fleet.ctl.deployment(n).plan is not None]
+        fleet.finish(moving)
+        fleet.ctl.tick()
+    assert all(np.array_equal(fleet.ctl.deployment(n).phy2log, pool.phy2log) for n in names)
+    for name in names:
         fleet.ctl.set_paused(name, True)  # no more plans: the test is about the sets
     planner.take_bytes_per_second = 1.0  # a set in hundreds of seconds: one member takes it
-    for seq in (1, 2):
+    for seq in (2, 3):
         for name in names:
             feed(name, seq)
     assert [planner.get(n).base_version for n in names].count(1) == 1  # type: ignore[union-attr]
     planner.take_bytes_per_second = TAKE_BYTES_PER_SECOND
     clock.now += 1.0  # a second's worth: the other two take theirs at their next window
     for name in names:
-        feed(name, 3)
+        feed(name, 4)
     assert len(planned) == 1  # one set for the three members
     np.testing.assert_array_equal(planned[0][1], pool.phy2log)
     np.testing.assert_array_equal(planned[0][0], planned[0][2])  # on the pool's estimate
@@ -461,7 +468,7 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
             if a.phy2log is not None:
                 np.testing.assert_array_equal(a.phy2log, b.phy2log)
     # A member fed another workload leaves the pool estimate and plans its own set.
-    for seq in range(4, 8):
+    for seq in range(5, 9):
         feed("c", seq, OTHER)
     assert pool.diverged() == ["c"]
     c = planner.get("c")
