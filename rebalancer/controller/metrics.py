@@ -62,6 +62,7 @@ from rebalancer.controller.state import Controller
 # ---------------------------------------------------------------- names (the API)
 BUILD = "rebalancer_build"  # _info{version}
 SHARD = "rebalancer_shard"  # _info{shard, shards}: this controller's place among the shards
+SHARDS = "rebalancer_shards"  # how many shards split the fleet (an alert counts them)
 BALANCEDNESS = "rebalancer_balancedness"  # {deployment, source, stat}
 PLACEMENT_VERSION = "rebalancer_placement_version"  # committed placement version
 CONNECTED_RANKS = (
@@ -635,6 +636,13 @@ class ControllerMetrics:
             "the fleet by replica pool (docs/shards.md); shard 0 of 1 owns everything.",
             registry=r,
         ).info({"shard": str(shard.index), "shards": str(shard.count)})
+        Gauge(
+            SHARDS,
+            "How many controller shards split the fleet, as this one was told: a shard "
+            "missing from the count of rebalancer_shard_info series is down or not scraped "
+            "(RebalancerShardAbsent).",
+            registry=r,
+        ).set(shard.count)
         self.decisions = Counter(
             DECISIONS, "Decisions taken, by outcome.", ["deployment", "outcome"], registry=r
         )

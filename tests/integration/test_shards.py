@@ -335,6 +335,7 @@ def test_three_shards_by_pool(cluster: Cluster) -> None:
         with urlopen(f"http://127.0.0.1:{cluster.metrics_ports[s]}/metrics", timeout=10) as r:
             text = r.read().decode()
         assert f'rebalancer_shard_info{{shard="{s}",shards="{N}"}} 1.0' in text, s
+        assert f"rebalancer_shards {float(N)}" in text, s
 
     # -- a pool's members all on one shard: the fan-out status says where each one is.
     code, out, err = admin(cluster, "--json", "status")

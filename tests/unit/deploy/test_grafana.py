@@ -105,6 +105,7 @@ def test_per_deployment_metrics_follow_the_variable(dashboard: dict[str, Any]) -
         "rebalancer_decision_worker_busy_seconds",
         "rebalancer_decision_spacing_seconds",
         "rebalancer_shard_info",
+        "rebalancer_shards",
     }
     for where, expr in _queries(dashboard):
         names = {base_name(n) for n in metric_names(expr)}
