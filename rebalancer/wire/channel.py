@@ -119,7 +119,8 @@ def unavailable_cause(config: Link, details: str, flags: TlsFlags = TlsFlags()) 
             )
         return (
             f"the server at {where} ended the TLS handshake: it likely does not accept the client "
-            f"certificate {config.cert_file} (not signed by the CA it trusts for clients?)"
+            f"certificate {config.cert_file} (not signed by the CA it trusts for clients, or "
+            "an extendedKeyUsage without clientAuth?)"
         )
     return ""
 
