@@ -97,6 +97,16 @@ def names_on(shard: int, prefix: str, count: int, avoid: int | None = None) -> l
     raise AssertionError("no such names")
 
 
+def ready_line(proc: subprocess.Popen[str], shard: int, log: Path) -> str:
+    """The line a started shard prints once it serves, which names its place (within 60 s;
+    else the shard's log tail in the failure)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline() if ready else ""
+    assert f"shard {shard} of {N}" in line, (line, log.read_text()[-2000:])
+    return line
+
+
 class ShardRank(InstantRank):
     """An instant rank whose link names every shard: its agent reaches the owner."""
 
@@ -175,13 +185,7 @@ class Cluster:
                 text=True,
             )
         self.shards[shard] = proc
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
-        assert f"shard {shard} of {N}" in line, (
-            line,
-            (self.tmp / f"shard{shard}.log").read_text()[-2000:],
-        )
+        line = ready_line(proc, shard, self.tmp / f"shard{shard}.log")
         self.metrics_ports[shard] = int(line.split("metrics on :")[1].split(",")[0])
 
     def kill_shard(self, shard: int) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import select
 import shutil
 import socket
 import struct
@@ -46,6 +45,7 @@ from rebalancer.v1 import rebalancer_pb2_grpc as pb_grpc
 from rebalancer.wire.channel import sync_channel, unavailable_cause
 from rebalancer.wire.link import Link
 from rebalancer.wire.shards import owner_shard
+from tests.integration.test_shards import ready_line
 from tests.unit.deploy.conftest import (
     COMPONENTS,
     OVERLAYS,
@@ -319,13 +319,7 @@ class Shards:
                 )
             self.procs.append(proc)
         for shard, proc in enumerate(self.procs):
-            assert proc.stdout is not None
-            ready, _, _ = select.select([proc.stdout], [], [], 60)
-            line = proc.stdout.readline() if ready else ""
-            assert f"shard {shard} of {N}" in line, (
-                line,
-                (self.tmp / f"shard{shard}.log").read_text()[-2000:],
-            )
+            ready_line(proc, shard, self.tmp / f"shard{shard}.log")
 
     def close(self) -> None:
         try:
