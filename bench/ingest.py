@@ -71,6 +71,8 @@ from typing import Any
 
 import numpy as np
 
+from rebalancer.controller.decision_process import bind_to_parent
+
 RANKS_PER_DEPLOYMENT = 32  # DeepSeek-V3 at EP32: one deployment per 32 ranks
 L, E, P = 58, 256, 288
 POD_VARIANTS = 8  # distinct pre-built pod windows (pod i sends variant i % 8)
@@ -180,8 +182,11 @@ def load_average() -> list[float]:
 # ---------------------------------------------------------------- baseline server
 
 
-def _echo_server(port: int, ready: Any) -> None:
-    """A WorkerService that registers anything and acks every window unread."""
+def _echo_server(port: int, ready: Any, parent: int = 0) -> None:
+    """A WorkerService that registers anything and acks every window unread; it dies
+    with `parent`, the bench."""
+    if parent:
+        bind_to_parent(parent)
     import grpc
 
     from rebalancer.v1 import rebalancer_pb2 as pb
@@ -238,11 +243,15 @@ def _generator(
     out: Any,
     niceness: int = 0,
     pool_size: int = 0,
+    parent: int = 0,
 ) -> None:
     """Speaks for `units`: ranks (direct) or pods of `ranks_per_pod` ranks (sidecars).
     `niceness`: the generators stand for remote pods, which in a cluster do not share the
     controller's cores; on a 2-core machine they do, and `--generator-nice` lowers their
-    priority below the controller's (the figure then says so)."""
+    priority below the controller's (the figure then says so). `parent`: the bench, which
+    this process dies with (a bench killed outright leaves no generator behind)."""
+    if parent:
+        bind_to_parent(parent)
     if niceness:
         os.nice(niceness)
     import grpc
@@ -433,6 +442,7 @@ def run_load(
                 out,
                 generator_nice,
                 pool_size,
+                os.getpid(),
             ),
             daemon=True,
         )
@@ -607,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
-    from rebalancer.launch.processes import free_port
+    from rebalancer.launch.processes import bound_to_this_process, free_port
 
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000  # one window's worth, real skew
     windows = [counts] if args.ranks_per_pod == 1 else pod_windows(counts, args.ranks_per_pod)
@@ -647,21 +657,23 @@ def main(argv: list[str] | None = None) -> int:
             + f"metrics_port = {metrics_port}\n"
             "[policy]\nmin_windows = 1\n" + ("paused = true\n" if args.no_decisions else "")
         )
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rebalancer",
-                "serve",
-                "--config",
-                str(config),
-                "--port",
-                str(port),
-                "--db",
-                f"{tmp}/c.sqlite",
-                "--log-level",
-                "ERROR",
-            ],
+        server = subprocess.Popen(  # dies with this bench, however it ends
+            bound_to_this_process(
+                [
+                    sys.executable,
+                    "-m",
+                    "rebalancer",
+                    "serve",
+                    "--config",
+                    str(config),
+                    "--port",
+                    str(port),
+                    "--db",
+                    f"{tmp}/c.sqlite",
+                    "--log-level",
+                    "ERROR",
+                ]
+            ),
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -681,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx = mp.get_context("spawn")
             ready = ctx.Event()
             port = free_port()
-            echo = ctx.Process(target=_echo_server, args=(port, ready), daemon=True)
+            echo = ctx.Process(target=_echo_server, args=(port, ready, os.getpid()), daemon=True)
             echo.start()
             try:
                 ready.wait(30)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rebalancer.launch.processes import free_port, reap
+from rebalancer.launch.processes import bound_to_this_process, free_port, reap
 
 WORLD = 4
 NUM_LAYERS = 9  # layer 0 dense, 1..8 MoE
@@ -356,7 +356,11 @@ def main() -> None:
                 procs.append(
                     (
                         subprocess.Popen(
-                            cmd, cwd=sglang_cpu.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                            bound_to_this_process(cmd),
+                            cwd=sglang_cpu.ROOT,
+                            env=env,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
                         ),
                         log,
                     )

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from rebalancer.launch.processes import bound_to_this_process
 from rebalancer.wire.shape import ClusterShape
 
 L, E, P, G = 58, 256, 288, 8
@@ -85,7 +86,9 @@ class Processes:
 
     def start(self, cmd: list[str], log: Path) -> subprocess.Popen[str]:
         with log.open("w") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+            proc = subprocess.Popen(
+                bound_to_this_process(cmd), stdout=subprocess.PIPE, stderr=err, text=True
+            )
         self.procs.append(proc)
         return proc
 

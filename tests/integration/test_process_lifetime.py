@@ -121,3 +121,60 @@ def test_sigkill_leaves_no_child_behind(tmp_path: Path) -> None:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
+
+
+def descendants_of(root: int) -> dict[int, int]:
+    """pid -> start time of every live descendant of `root`."""
+    found: dict[int, int] = {}
+    frontier = [root]
+    while frontier:
+        kids = children_of(frontier.pop())
+        found.update(kids)
+        frontier.extend(kids)
+    return found
+
+
+def test_a_killed_ingest_bench_leaves_no_process_behind() -> None:
+    """`bench/ingest.py` starts a controller (with its decision worker) and load
+    generators; SIGKILL to the bench alone must take every one of them down."""
+    root = Path(__file__).resolve().parents[2]
+    bench = subprocess.Popen(
+        [sys.executable, str(root / "bench" / "ingest.py"), "--ranks", "64", "--seconds", "120"],
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    seen: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the controller, its worker, two generators
+            seen.update(descendants_of(bench.pid))
+            commands = [Path(f"/proc/{p}/cmdline").read_bytes() for p in seen if alive(p, seen[p])]
+            if (
+                sum(b"spawn_main" in c for c in commands) >= 2
+                and any(b"decision_process" in c for c in commands)
+                and bench.poll() is None
+            ):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the bench never had its controller and generators: {seen}")
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(alive(p, s) for p, s in seen.items()):
+            time.sleep(0.05)
+        left = [
+            Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p, s in seen.items() if alive(p, s)
+        ]
+        assert not left, f"processes outlived the killed bench: {left}"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        for pid, start in seen.items():
+            if alive(pid, start):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
