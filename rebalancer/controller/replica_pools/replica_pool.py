@@ -81,6 +81,9 @@ class ReplicaPool:
         self._expected_age = 0
         self.deciding = False
         self.stats = PoolStats()
+        # member -> (its placement and the pool's compared, whether equal): every tick asks
+        # for every member, and a placement array is replaced, never changed in place.
+        self._at_target: dict[str, tuple[np.ndarray, np.ndarray, bool]] = {}
 
     # -- views -------------------------------------------------------------------
 
@@ -147,7 +150,14 @@ class ReplicaPool:
 
     def at_target(self, dep: Deployment) -> bool:
         """Whether a member serves the pool placement (True when the pool has none yet)."""
-        return self.phy2log is None or bool(np.array_equal(dep.phy2log, self.phy2log))
+        if self.phy2log is None:
+            return True
+        seen = self._at_target.get(dep.name)
+        if seen is not None and seen[0] is dep.phy2log and seen[1] is self.phy2log:
+            return seen[2]
+        answer = bool(np.array_equal(dep.phy2log, self.phy2log))
+        self._at_target[dep.name] = (dep.phy2log, self.phy2log, answer)
+        return answer
 
     def check_member(
         self, deployment: str, shape: ClusterShape, unknown: frozenset[str] = frozenset()
@@ -207,6 +217,7 @@ class ReplicaPool:
 
     def leave(self, name: str) -> None:
         self.members.discard(name)
+        self._at_target.pop(name, None)
         track = self.tracks.pop(name, None)
         if track is not None and not track.diverged:
             self._following -= 1

@@ -476,3 +476,28 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
     assert len(planned) == 2
     np.testing.assert_array_equal(planned[1][0], planned[1][3])  # on its own estimate
     np.testing.assert_array_equal(planned[1][1], fleet.ctl.deployment("c").phy2log)
+
+
+def test_at_target_follows_a_replaced_member_or_pool_placement() -> None:
+    """`at_target` remembers its answer per member (every tick asks for every member):
+    a member's placement replaced, or a new pool placement, is compared afresh."""
+    from types import SimpleNamespace
+
+    from rebalancer.controller.replica_pools.replica_pool import ReplicaPool
+
+    pool = ReplicaPool("p", SHAPE, POLICY)
+    base = np.tile(np.arange(8), (2, 1))
+    member = SimpleNamespace(name="a", phy2log=base.copy())
+    assert pool.at_target(member)  # no pool placement yet
+    pool.take(base)
+    assert pool.at_target(member) and pool.at_target(member)
+    pool.take(base[:, ::-1])  # a new pool placement
+    assert not pool.at_target(member)
+    member.phy2log = base[:, ::-1].copy()  # the member committed it
+    assert pool.at_target(member)
+    member.phy2log = base.copy()  # served mixed, or back on the one before
+    assert not pool.at_target(member)
+    pool.restore(pool.version, base.copy())  # read back after a restart
+    assert pool.at_target(member)
+    pool.leave("a")
+    assert "a" not in pool._at_target
