@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rebalancer.controller.contingency import TAKE_BYTES_PER_SECOND
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.decision_runner import DEFAULT_DECISION_CPU_SHARE
 from rebalancer.controller.replica_pools import DEFAULT_MAX_MOVING
@@ -78,6 +79,11 @@ class ControllerConfig:
     # so a large fleet's cursors neither fill the disk's bandwidth nor hold the store's write
     # lock the plan rows wait for.
     cursor_mb_per_second: float = 8.0
+    # Contingency sets the members of replica pools take from their pool's, in MB a second
+    # all together (contingency.py TAKE_BYTES_PER_SECOND): each take writes the set to the
+    # store and sends it to the member's ranks, 2.1 MB each at DeepSeek-V3 EP32. Higher
+    # covers a large fleet sooner, at more of the event loop's and the store's time.
+    contingency_take_mb_per_second: float = TAKE_BYTES_PER_SECOND / 1e6
     # Cumulative window acks at most this often per stream (0: one ack per window). An ack
     # only lets the sender drop windows it would resend after a reconnect (folding never
     # waits for it); a stopping rank or sidecar ends its stream and gets the last ack at
@@ -116,6 +122,7 @@ _SERVER_KEYS = {
     "drain_seconds",
     "persist_seconds",
     "cursor_mb_per_second",
+    "contingency_take_mb_per_second",
     "ack_interval_seconds",
     "decision_cpu_share",
     "insecure",
@@ -252,9 +259,10 @@ def validate_config(config: ControllerConfig) -> None:
             raise InputError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     if config.tick_seconds <= 0:
         raise InputError(f"tick_seconds must be > 0, got {config.tick_seconds!r}")
-    rate = config.cursor_mb_per_second
-    if not _is_number(rate) or not math.isfinite(rate) or rate <= 0:
-        raise InputError(f"cursor_mb_per_second must be a finite number > 0, got {rate!r}")
+    for name in ("cursor_mb_per_second", "contingency_take_mb_per_second"):
+        rate = getattr(config, name)
+        if not _is_number(rate) or not math.isfinite(rate) or rate <= 0:
+            raise InputError(f"{name} must be a finite number > 0, got {rate!r}")
     share = config.decision_cpu_share
     if not _is_number(share) or not math.isfinite(share) or not 0 < share <= 1:
         raise InputError(f"decision_cpu_share must be a number in (0, 1], got {share!r}")

@@ -47,12 +47,13 @@ REFRESH_SHIFT = 0.1
 # For a moved estimate, no more often than this per deployment (a new placement is
 # planned for at once): a set costs a few policy decisions of the worker's time.
 MIN_INTERVAL_SECONDS = 300.0
-# Bytes a second at which the members of pools take their pool's set, all pools together:
-# each take writes the survivors' placements to the store and sends them to the member's
-# ranks (2.1 MB each way at DeepSeek-V3 EP32), on the store's writer and the event loop's
-# streams. 16 MB/s is about 4 sets a second: 2,048 members in 9 minutes, as fast as the
-# worker planned one set per deployment before a pool's members shared theirs, where all
-# of a fleet's members taking theirs at once held the loop and the streams for minutes.
+# Bytes a second at which the members of pools take their pool's set, all pools together
+# (the default of `[server] contingency_take_mb_per_second`): each take writes the
+# survivors' placements to the store and sends them to the member's ranks (2.1 MB each
+# way at DeepSeek-V3 EP32), on the store's writer and the event loop's streams. 16 MB/s is
+# about 4 sets a second: 2,048 members in 9 minutes, as fast as the worker planned one set
+# per deployment before a pool's members shared theirs, where all of a fleet's members
+# taking theirs at once held the loop and the streams for minutes.
 TAKE_BYTES_PER_SECOND = 16e6
 
 # A failure domain: one rank, one node, or the tail nodes a declared scale-down removes.
@@ -352,6 +353,7 @@ class ContingencyPlanner:
         submit: Submit,
         has_room: Callable[[], bool],
         sharing_pool: SharingPool | None = None,
+        take_bytes_per_second: float = TAKE_BYTES_PER_SECOND,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -370,7 +372,7 @@ class ContingencyPlanner:
         self._digests: dict[str, tuple[int, int]] = {}
         self._taken: dict[str, int] = {}
         self._generations = 0
-        self.take_bytes_per_second = TAKE_BYTES_PER_SECOND
+        self.take_bytes_per_second = take_bytes_per_second
         self._take_credit = 0.0  # bytes the members may take now (up to a second's worth)
         self._take_at = -np.inf
 

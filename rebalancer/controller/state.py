@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from rebalancer.controller.clock import Clock, system_clock
-from rebalancer.controller.contingency import ContingencyPlanner
+from rebalancer.controller.contingency import TAKE_BYTES_PER_SECOND, ContingencyPlanner
 from rebalancer.controller.coordinate import Plan
 from rebalancer.controller.decide import Decision, PolicyConfig
 from rebalancer.controller.decision_runner import (
@@ -64,6 +64,7 @@ class Controller:
         divergence: DivergenceConfig | None = None,
         cursor_bytes_per_second: float = DEFAULT_CURSOR_BYTES_PER_SECOND,
         decision_cpu_share: float = 1.0,
+        contingency_take_bytes_per_second: float = TAKE_BYTES_PER_SECOND,
     ) -> None:
         self.store = store
         self.clock: Clock = clock or system_clock()
@@ -106,6 +107,7 @@ class Controller:
             self.decisions.submit,
             lambda: self.decisions.in_flight == 0 and self.decisions.budget.allows(),
             self.fleet.sharing_pool,
+            contingency_take_bytes_per_second,
         )
         self.registry.load()
         self.fleet.load()

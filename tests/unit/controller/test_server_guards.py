@@ -269,6 +269,9 @@ def test_config_types_are_checked(tmp_path: Path) -> None:
         ({"decision_cpu_share": 1.5}, "decision_cpu_share must be"),
         ({"decision_cpu_share": float("nan")}, "decision_cpu_share must be"),
         ({"decision_cpu_share": "half"}, "decision_cpu_share must be"),
+        ({"contingency_take_mb_per_second": 0.0}, "contingency_take_mb_per_second must be"),
+        ({"contingency_take_mb_per_second": float("inf")}, "contingency_take_mb_per_second"),
+        ({"contingency_take_mb_per_second": "fast"}, "contingency_take_mb_per_second"),
     ):
         with pytest.raises(InputError, match=words):
             validate_config(replace(base, **change))  # type: ignore[arg-type]
@@ -280,3 +283,27 @@ def test_config_types_are_checked(tmp_path: Path) -> None:
     (tmp_path / "c.toml").write_text("[server]\ninsecure = true\npool_max_moving = 2\n")
     assert load_config(tmp_path / "c.toml").insecure is True
     assert load_config(tmp_path / "c.toml").pool_max_moving == 2
+
+
+def test_the_server_hands_its_rates_and_share_to_the_controller(tmp_path: Path) -> None:
+    """What `[server]` says about the decision worker's share and the pool members'
+    contingency takes is what the controller it builds runs with."""
+    import asyncio
+
+    from rebalancer.controller.server import ControllerServer
+
+    (tmp_path / "c.toml").write_text(
+        "[server]\nport = 0\n"
+        f'db_path = "{tmp_path / "c.sqlite"}"\n'
+        "decision_cpu_share = 0.25\ncontingency_take_mb_per_second = 4\n"
+    )
+
+    async def build() -> tuple[float, float]:
+        server = ControllerServer(load_config(tmp_path / "c.toml"))
+        try:
+            ctl = server.controller
+            return ctl.decisions.budget.share, ctl.contingency.take_bytes_per_second
+        finally:
+            server._opened.close()
+
+    assert asyncio.run(build()) == (0.25, 4e6)
