@@ -153,6 +153,21 @@ def read_counts(metrics_port: int) -> tuple[float, dict[str, float]]:
     return (t0 + time.monotonic()) / 2, got
 
 
+def full_scrapes(metrics_port: int | None, every: float, end: float) -> list[tuple[float, int]]:
+    """Scrape the whole exposition every `every` seconds until `end` (time.monotonic), as a
+    Prometheus server would: (seconds, bytes) of each scrape."""
+    from urllib.request import urlopen
+
+    done: list[tuple[float, int]] = []
+    while metrics_port and time.monotonic() + every <= end:
+        time.sleep(every)
+        t0 = time.monotonic()
+        with urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=60) as reply:
+            size = len(reply.read())
+        done.append((time.monotonic() - t0, size))
+    return done
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():
@@ -417,9 +432,11 @@ def run_load(
     generator_nice: int = 0,
     pool_size: int = 0,
     metrics_port: int | None = None,
+    scrape_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """`metrics_port`: the controller's; windows are then counted as it folded them (else,
-    the bare baseline, as acknowledged)."""
+    the bare baseline, as acknowledged). `scrape_seconds`: scrape the whole exposition this
+    often during the measured interval, as Prometheus would (0: never)."""
     ctx = mp.get_context("spawn")
     ready, out = ctx.Queue(), ctx.Queue()
     units = ranks // ranks_per_pod
@@ -469,7 +486,9 @@ def run_load(
             time.monotonic(),
         )
         lcpu0 = _thread_cpu_seconds(server_pid, server_pid)  # the main thread: the event loop's
-        time.sleep(max(0.0, start + warmup + seconds - time.monotonic()))
+        end = start + warmup + seconds
+        scrapes = full_scrapes(metrics_port, scrape_seconds, end) if scrape_seconds else []
+        time.sleep(max(0.0, end - time.monotonic()))
         cpu1, kcpu1, gcpu1, t1 = (
             _cpu_seconds(server_pid),
             _cpu_of(kids),
@@ -541,6 +560,11 @@ def run_load(
         # which niceness (0: the controller's own).
         "generator_cpu_cores": sum(gcpu1[p] - gcpu0[p] for p in gcpu1 if p in gcpu0) / (t1 - t0),
         "generator_nice": generator_nice,
+        # Whole scrapes of the exposition during the interval (--scrape-seconds): how many,
+        # the longest (seconds) and the size (bytes) of the last.
+        "full_scrapes": len(scrapes),
+        "full_scrape_seconds_max": max((t for t, _ in scrapes), default=float("nan")),
+        "full_scrape_bytes": scrapes[-1][1] if scrapes else 0,
         "mb_per_second": counted / ranks_per_pod * nbytes / 1e6,
         # Plan commits reported by the sessions (group sessions report for their ranks);
         # counted over the whole run, warm-up included.
@@ -602,11 +626,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="deployments per replica pool (0: no pools): one estimate and decision per pool",
     )
+    p.add_argument(
+        "--scrape-seconds",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="scrape the controller's whole exposition every S seconds while measuring, as "
+        "Prometheus would (0: only the bench's own narrow readings)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--record", action="store_true", help="append the figures to BENCHMARKS.md")
     args = p.parse_args(argv)
     if args.ranks % RANKS_PER_DEPLOYMENT:
         print(f"--ranks must be a multiple of {RANKS_PER_DEPLOYMENT}", file=sys.stderr)
+        return 2
+    if not args.scrape_seconds >= 0:
+        print("--scrape-seconds must be >= 0", file=sys.stderr)
         return 2
     if args.ranks_per_pod < 1 or RANKS_PER_DEPLOYMENT % args.ranks_per_pod:
         print(
@@ -680,7 +715,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             assert server.stdout is not None and "serving on" in server.stdout.readline()
             rows["controller"] = run_load(
-                f"127.0.0.1:{port}", server.pid, **load, metrics_port=metrics_port
+                f"127.0.0.1:{port}",
+                server.pid,
+                **load,
+                metrics_port=metrics_port,
+                scrape_seconds=args.scrape_seconds,
             )
         finally:
             server.terminate()
@@ -723,6 +762,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['generator_cpu_cores']:.2f} at nice {r['generator_nice']}), "
             f"{r['mb_per_second']:.0f} MB/s, "
             f"load {r['load_avg_start'][0]:.2f} -> {r['load_avg_end'][0]:.2f}"
+            + (
+                f", {r['full_scrapes']} whole scrapes of {r['full_scrape_bytes'] / 1e6:.1f} MB, "
+                f"the longest {r['full_scrape_seconds_max']:.2f} s"
+                if r["full_scrapes"]
+                else ""
+            )
         )
     if args.record:
         record(args, rows)
