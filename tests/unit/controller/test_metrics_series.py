@@ -69,3 +69,50 @@ def test_zero_series_for_known_labels_and_the_process_collector(tmp_path: Path) 
     metrics.on_refused("new")
     assert 'rebalancer_ingest_refused_total{deployment="new"} 1.0' in exposition(metrics)
     ctl.store.close()
+
+
+def test_the_estimated_balancedness_is_kept_until_the_placement_changes_or_it_ages() -> None:
+    """Source "estimated" (the committed placement on the load estimate) is computed again
+    when the placement changed, else once ESTIMATED_REFRESH_SECONDS passed; a scrape in
+    between answers the last one, whatever windows folded since."""
+    import re
+
+    import numpy as np
+
+    from rebalancer.controller.metrics import ESTIMATED_REFRESH_SECONDS
+
+    class Clock:
+        now = 100.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    ctl = Controller(Store(":memory:"), PolicyConfig(paused=True), clock=clock)
+    shape = ClusterShape(num_layers=1, num_logical=4, num_slots=4, num_gpus=2, expert_bytes=10)
+    _, dep = ctl.register("d", frozenset({0, 1}), shape, 0, None, "w", pod="p")
+    metrics = ControllerMetrics(ctl)
+
+    def estimated() -> float:
+        pattern = r'rebalancer_balancedness\{deployment="d",source="estimated",stat="avg"\} (\S+)'
+        found = re.search(pattern, exposition(metrics))
+        assert found is not None
+        return float(found.group(1))
+
+    skewed = np.array([[90, 10, 90, 10]])  # experts 0, 1 on rank 0; 2, 3 on rank 1
+    for seq in range(3):
+        ctl.ingest(dep, frozenset({0, 1}), seq, 0, skewed, None)
+    even = estimated()
+    assert even == 1.0
+    lopsided = np.array([[90, 90, 10, 10]])
+    for seq in range(3, 40):
+        ctl.ingest(dep, frozenset({0, 1}), seq, 0, lopsided, None)
+    clock.now += ESTIMATED_REFRESH_SECONDS / 2
+    assert estimated() == even  # younger than the refresh: kept
+    clock.now += ESTIMATED_REFRESH_SECONDS / 2
+    aged = estimated()
+    assert aged < 0.75  # the estimate moved to the lopsided load
+    for seq in range(40, 80):
+        ctl.ingest(dep, frozenset({0, 1}), seq, 0, skewed, None)
+    dep.phy2log = dep.phy2log.copy()  # a new placement (the same slots: a new array)
+    assert estimated() > aged  # computed again at once
