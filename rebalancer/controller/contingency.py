@@ -48,12 +48,11 @@ REFRESH_SHIFT = 0.1
 # planned for at once): a set costs a few policy decisions of the worker's time.
 MIN_INTERVAL_SECONDS = 300.0
 # Bytes a second at which the members of pools take their pool's set, all pools together
-# (the default of `[server] contingency_take_mb_per_second`): each take writes the
-# survivors' placements to the store and sends them to the member's ranks (2.1 MB each
-# way at DeepSeek-V3 EP32), on the store's writer and the event loop's streams. 16 MB/s is
-# about 4 sets a second: 2,048 members in 9 minutes, as fast as the worker planned one set
-# per deployment before a pool's members shared theirs, where all of a fleet's members
-# taking theirs at once held the loop and the streams for minutes.
+# (the default of `[server] contingency_take_mb_per_second`): each take sends the
+# survivors' placements to the member's ranks (2.1 MB at DeepSeek-V3 EP32) on the event
+# loop's streams; the store holds them once for all the members (their rows name them by
+# digest: store.py). 16 MB/s is about 8 sets a second, 2,048 members in 4-5 minutes; all
+# of a fleet's members taking theirs at once held the loop and the streams for minutes.
 TAKE_BYTES_PER_SECOND = 16e6
 
 # A failure domain: one rank, one node, or the tail nodes a declared scale-down removes.
@@ -323,15 +322,16 @@ class _PoolSet:
     losses: tuple[Loss, ...]
     planned_on: np.ndarray
     generation: int
-    packed: PackedArrays  # the survivors' placements as every member's store row holds them
+    packed: PackedArrays  # the survivors' placements, stored once for the members' rows
     # The messages of the set per member version, made once for the members at that
     # version (their encoding is cached by message: service.py).
     told: dict[int, list[Told]] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
-        """What one member's take moves: its store row and its ranks' messages."""
-        return 2 * len(self.packed.blob)
+        """What one member's take moves: its ranks' messages (the arrays are stored once
+        for every member, their rows name them)."""
+        return len(self.packed.blob)
 
     def told_at(self, version: int) -> list[Told]:
         if version not in self.told:
@@ -375,9 +375,15 @@ class ContingencyPlanner:
         self.take_bytes_per_second = take_bytes_per_second
         self._take_credit = 0.0  # bytes the members may take now (up to a second's worth)
         self._take_at = -np.inf
+        # The members whose stored rows name each shared arrays' digest, and the reverse.
+        self._named: dict[str, set[str]] = {}
+        self._shared_of: dict[str, str] = {}  # member -> digest its row names
 
     def load(self, names: list[str]) -> None:
         """The stored sets, at start."""
+        self._shared_of = self.store.shared_contingency()
+        for name, digest in self._shared_of.items():
+            self._named.setdefault(digest, set()).add(name)
         for name in names:
             stored = self.store.contingency(name)
             if stored is not None:
@@ -531,6 +537,19 @@ class ContingencyPlanner:
         declared = list(dep.policy.contingency.scale_down_nodes)
         self.submit(partial(_plan, estimate, phy2log, dep.shape, declared), done)
 
+    def _names(self, name: str, digest: str | None) -> None:
+        """`name`'s stored row names the shared arrays `digest` now (None: its own)."""
+        old = self._shared_of.pop(name, None)
+        if digest is not None:
+            self._shared_of[name] = digest
+            self._named.setdefault(digest, set()).add(name)
+        if old is not None and old != digest:
+            named = self._named.get(old, set())
+            named.discard(name)
+            if not named:  # no row names them: they go (a later take stores them again)
+                self._named.pop(old, None)
+                self.store.drop_contingency_arrays(old)
+
     def _may_take(self, size: int, now: float) -> bool:
         """Spend `size` bytes of the members' take budget (TAKE_BYTES_PER_SECOND), when
         there is that much; a set larger than a second's worth goes once the budget is full."""
@@ -561,6 +580,8 @@ class ContingencyPlanner:
             self.store.record_contingency(name, made.computed_at, summary)
         except Exception as exc:  # noqa: BLE001 - a full disk must not lose the set in memory
             log.error("%s: the store refused the contingency set (%s)", name, exc)
+        else:
+            self._names(name, None if packed is None else packed.digest)
         if summary["node_unserved"]:
             log.warning(
                 "%s: a node loss would leave %d experts per layer without a slot (v%d)",

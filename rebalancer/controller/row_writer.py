@@ -1,5 +1,8 @@
 """Store rows of which only the newest version matters, written off the event loop by a
-thread with a connection of its own: ingest cursors and contingency sets.
+thread with a connection of its own: ingest cursors and contingency sets (and the
+survivors' placements a replica pool's members share, which a row of `contingency`
+names by digest: written before the rows that name them, dropped after the last such row
+names another).
 
 Every deployment saves its ingest cursor (per-rank next window and the estimate built
 from them, about 120 kB at DeepSeek-V3 shapes) every `persist_seconds`. At 512
@@ -15,7 +18,7 @@ wait for one batch at most.
 
 Rules that keep a cursor from going backwards (a window counted twice after a restart):
 - one row per table and deployment is pending at a time; a newer save replaces the
-  pending one;
+  pending one and goes last in line;
 - rows are written in one thread, in order, so a newer row is never overwritten by an
   older one;
 - `pending(table, name)` serves reads of a row not yet written; `flush()` waits until every
@@ -53,15 +56,27 @@ ERROR_LOG_SECONDS = 10.0
 BATCH_BYTES = 1 << 20
 
 Row = tuple[str, bytes | bytearray]  # (JSON document, packed arrays)
-# The tables written here: each is (deployment TEXT PRIMARY KEY, document TEXT, arrays BLOB).
-Table = Literal["ingest_state", "contingency"]
-TABLES: tuple[Table, ...] = ("ingest_state", "contingency")
-Key = tuple[Table, str]  # (table, deployment)
+# The tables written here: each is (key TEXT PRIMARY KEY, document TEXT, arrays BLOB), the
+# key a deployment's name, or for contingency_arrays the digest of the arrays. Written in
+# this order within a transaction: shared arrays before the rows that name them.
+Table = Literal["contingency_arrays", "ingest_state", "contingency"]
+TABLES: tuple[Table, ...] = ("contingency_arrays", "ingest_state", "contingency")
+_KEY_COLUMN: dict[Table, str] = {
+    "contingency_arrays": "digest",
+    "ingest_state": "deployment",
+    "contingency": "deployment",
+}
+Key = tuple[Table, str]  # (table, deployment or digest)
 
 
 def upsert(table: Table) -> str:
     """The statement that writes one row of `table`, replacing the deployment's last."""
     return f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?)"
+
+
+def delete(table: Table) -> str:
+    """The statement that removes the row of one key of `table`."""
+    return f"DELETE FROM {table} WHERE {_KEY_COLUMN[table]} = ?"
 
 
 class RowWriter:
@@ -70,8 +85,8 @@ class RowWriter:
         connection class, so refused statements are counted the same way)."""
         self.path = path
         self._connect = connect
-        self._pending: dict[Key, Row] = {}
-        self._writing: dict[Key, Row] = {}
+        self._pending: dict[Key, Row | None] = {}  # None: a removal
+        self._writing: dict[Key, Row | None] = {}
         self._cond = threading.Condition()
         self._closed = False
         self.errors = 0
@@ -79,13 +94,17 @@ class RowWriter:
         self._last_error_log = -float("inf")
         self._thread: threading.Thread | None = None  # the running writer, if any
 
-    def put(self, table: Table, name: str, row: Row) -> None:
-        """Hand over deployment `name`'s newest row of `table` (one of TABLES)."""
+    def put(self, table: Table, name: str, row: Row | None) -> None:
+        """Hand over deployment `name`'s newest row of `table` (one of TABLES); None:
+        remove the row (after every row handed over before)."""
         if table not in TABLES:
             raise ValueError(f"the row writer writes {', '.join(TABLES)}, not {table!r}")
         with self._cond:
             if self._closed:
                 raise RuntimeError("row writer is closed")
+            # Last in line: a row is written after every row handed over before it (a
+            # removal after the rows that stopped naming what it removes).
+            self._pending.pop((table, name), None)
             self._pending[(table, name)] = row
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="row-writer", daemon=True)
@@ -93,7 +112,8 @@ class RowWriter:
             self._cond.notify_all()
 
     def pending(self, table: Table, name: str) -> Row | None:
-        """The newest row of `name` in `table` handed over and not yet written, if any."""
+        """The newest row of `name` in `table` handed over and not yet written, if any
+        (None too for a removal not yet written)."""
         with self._cond:
             key = (table, name)
             return self._pending.get(key) or self._writing.get(key)
@@ -140,24 +160,32 @@ class RowWriter:
                     self._pending, self._writing = {}, {}
                     self._cond.notify_all()
 
-    def _batch(self) -> dict[Key, Row]:
+    def _batch(self) -> dict[Key, Row | None]:
         """The oldest pending rows, up to BATCH_BYTES (one row at least), taken out of
-        `_pending`; under the condition's lock."""
-        batch: dict[Key, Row] = {}
+        `_pending`; under the condition's lock. A removal ends the batch: it must follow
+        the rows handed over before it (a batch writes table by table)."""
+        batch: dict[Key, Row | None] = {}
         size = 0
         while self._pending and (not batch or size < BATCH_BYTES):
             key = next(iter(self._pending))  # the oldest: dicts keep the order of insertion
             row = batch[key] = self._pending.pop(key)
+            if row is None:
+                break
             size += len(row[0]) + len(row[1])
         return batch
 
-    def _write(self, db: sqlite3.Connection, rows: dict[Key, Row]) -> None:
+    def _write(self, db: sqlite3.Connection, rows: dict[Key, Row | None]) -> None:
         try:
             db.execute("BEGIN")
             for table in TABLES:
                 db.executemany(
                     upsert(table),
-                    [(name, doc, blob) for (t, name), (doc, blob) in rows.items() if t == table],
+                    [(n, *row) for (t, n), row in rows.items() if t == table and row is not None],
+                )
+            for table in TABLES:
+                db.executemany(
+                    delete(table),
+                    [(n,) for (t, n), row in rows.items() if t == table and row is None],
                 )
             db.execute("COMMIT")
             self.written += len(rows)

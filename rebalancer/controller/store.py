@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import io
 import json
 import os
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from rebalancer.controller.coordinate import Mixed
-from rebalancer.controller.row_writer import Row, RowWriter, Table, upsert
+from rebalancer.controller.row_writer import Row, RowWriter, Table, delete, upsert
 from rebalancer.errors import InputError, StateError
 
 # The largest placement or plan version: SQLite's INTEGER is a signed 64-bit integer (a
@@ -239,6 +240,11 @@ CREATE TABLE IF NOT EXISTS contingency (
     record TEXT NOT NULL,
     arrays BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS contingency_arrays (
+    digest TEXT PRIMARY KEY,
+    record TEXT NOT NULL,
+    arrays BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS contingency_history (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     deployment TEXT NOT NULL,
@@ -329,6 +335,8 @@ class Store:
         # Started by the first background save (row_writer.py); a ':memory:' store
         # has no second connection, so it always saves in line.
         self._writer: RowWriter | None = None
+        # Digests of the shared contingency arrays stored or handed to the writer.
+        self._shared: set[str] | None = None
 
     def close(self) -> None:
         """Write the ingest cursors still pending, then close."""
@@ -654,17 +662,69 @@ class Store:
         self, name: str, record: dict[str, Any], arrays: dict[str, np.ndarray] | PackedArrays
     ) -> None:
         """A deployment's newest contingency set (controller/contingency.py): its record
-        and the survivors' placements, replacing the one before. Packed here (or once for
-        several deployments: `pack_arrays`), written by the row writer's thread where one
-        runs (written in line, a set of 2.3 MB held the event loop 6-42 ms; packed, 3 ms);
-        `contingency` reads it back either way."""
+        and the survivors' placements, replacing the one before. Packed here, written by
+        the row writer's thread where one runs (written in line, a set of 2.3 MB held the
+        event loop 6-42 ms; packed, 3 ms); `contingency` reads it back either way.
+
+        `PackedArrays` (one set for the members of a replica pool, `pack_arrays`) are
+        stored once, in `contingency_arrays` under their digest, which the member's row
+        names: 2,048 members in pools of 8 store 256 sets, not 2,048. Those no row names
+        any more go with `drop_contingency_arrays`."""
         writer = self._row_writer()
-        blob = arrays.blob if isinstance(arrays, PackedArrays) else _pack_arrays(arrays)
-        row = (json.dumps(record), blob)
+        if isinstance(arrays, PackedArrays):
+            if arrays.digest not in self._shared_digests():
+                self._put("contingency_arrays", arrays.digest, ("{}", arrays.blob))
+                self._shared_digests().add(arrays.digest)
+            row: Row = (json.dumps({**record, _SHARED: arrays.digest}), b"")
+        else:
+            row = (json.dumps(record), _pack_arrays(arrays))
         if writer is not None:
             writer.put("contingency", name, row)
         else:
             self._db.execute(upsert("contingency"), (name, *row))
+
+    def drop_contingency_arrays(self, digest: str) -> None:
+        """Remove shared contingency arrays once no deployment's row names them (after the
+        rows handed over before, which stopped naming them)."""
+        self._shared_digests().discard(digest)
+        writer = self._row_writer()
+        if writer is not None:
+            writer.put("contingency_arrays", digest, None)
+        else:
+            self._db.execute(delete("contingency_arrays"), (digest,))
+
+    def shared_contingency(self) -> dict[str, str]:
+        """deployment -> digest of the shared arrays its stored contingency set names. Shared
+        arrays no row names (a controller stopped between a row and the removal) are
+        removed here: call it at start, before any save."""
+        rows = self._db.execute(  # records may hold NaN, which SQLite's JSON refuses
+            "SELECT deployment, record FROM contingency WHERE instr(record, ?) > 0",
+            (f'"{_SHARED}"',),
+        ).fetchall()
+        named = {
+            name: digest
+            for name, record in rows
+            if isinstance(digest := json.loads(record).get(_SHARED), str)
+        }
+        kept = set(named.values())
+        for (digest,) in self._db.execute("SELECT digest FROM contingency_arrays").fetchall():
+            if digest not in kept:
+                self.drop_contingency_arrays(digest)
+        return named
+
+    def _shared_digests(self) -> set[str]:
+        if self._shared is None:
+            rows = self._db.execute("SELECT digest FROM contingency_arrays").fetchall()
+            self._shared = {d for (d,) in rows}
+        return self._shared
+
+    def _put(self, table: Table, key: str, row: Row) -> None:
+        """A row of `table` by the row writer where one runs, else in line."""
+        writer = self._row_writer()
+        if writer is not None:
+            writer.put(table, key, row)
+        else:
+            self._db.execute(upsert(table), (key, *row))
 
     def record_contingency(self, name: str, time: float, summary: dict[str, Any]) -> None:
         """One contingency set in the deployment's history (its summary)."""
@@ -682,13 +742,27 @@ class Store:
         return [{"time": t, **json.loads(r)} for t, r in rows]
 
     def contingency(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-        pending = self._pending_row("contingency", name)
-        if pending is not None:
-            return json.loads(pending[0]), _unpack_arrays(pending[1])
-        row = self._db.execute(
-            "SELECT record, arrays FROM contingency WHERE deployment = ?", (name,)
-        ).fetchone()
-        return None if row is None else (json.loads(row[0]), _unpack_arrays(row[1]))
+        """A deployment's stored contingency set: (record, arrays); None when it has none,
+        or when the shared arrays its row names are missing (a write the disk refused)."""
+        row = (
+            self._pending_row("contingency", name)
+            or self._db.execute(
+                "SELECT record, arrays FROM contingency WHERE deployment = ?", (name,)
+            ).fetchone()
+        )
+        if row is None:
+            return None
+        record = json.loads(row[0])
+        digest = record.pop(_SHARED, None)
+        if digest is None:
+            return record, _unpack_arrays(row[1])
+        shared = (
+            self._pending_row("contingency_arrays", digest)
+            or self._db.execute(
+                "SELECT record, arrays FROM contingency_arrays WHERE digest = ?", (digest,)
+            ).fetchone()
+        )
+        return None if shared is None else (record, _unpack_arrays(shared[1]))
 
     def save_regimes(
         self,
@@ -815,17 +889,24 @@ def _ingest_row(state: dict[str, Any]) -> tuple[str, bytearray]:
     return json.dumps(doc), _pack_arrays(arrays)
 
 
+# The key of a contingency row's record naming the shared arrays it holds (by digest).
+_SHARED = "shared_arrays"
+
+
 @dataclass(frozen=True)
 class PackedArrays:
     """Arrays packed once for the rows of several deployments (the members of a replica
-    pool store one contingency set: controller/contingency.py)."""
+    pool share one contingency set: controller/contingency.py), stored once under
+    `digest` (of the blob)."""
 
     blob: bytes | bytearray
+    digest: str
 
 
 def pack_arrays(arrays: dict[str, np.ndarray]) -> PackedArrays:
     """`arrays` packed as a row stores them, once for many rows."""
-    return PackedArrays(_pack_arrays(arrays))
+    blob = _pack_arrays(arrays)
+    return PackedArrays(blob, hashlib.sha256(blob).hexdigest())
 
 
 def _pack_arrays(arrays: dict[str, np.ndarray]) -> bytearray:

@@ -432,6 +432,12 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
     v0 = [planner.get(n) for n in names]
     assert all(s is not None and s.base_version == 0 for s in v0)
     assert v0[0].losses is v0[1].losses is v0[2].losses  # type: ignore[union-attr]
+
+    def stored_arrays() -> list[str]:  # the shared sets in the store, by digest
+        rows = fleet.ctl.store._db.execute("SELECT digest FROM contingency_arrays")
+        return sorted(d for (d,) in rows)
+
+    assert len(stored_arrays()) == 1  # stored once for the three rows
     planned.clear()
     for _ in names:  # the pool placement rolled out, one member at a time
         (moving,) = [n for n in names if fleet.ctl.deployment(n).plan is not None]
@@ -457,6 +463,9 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
     assert sets[0].losses is sets[1].losses is sets[2].losses  # type: ignore[union-attr]
     assert [loss.lost for loss in sets[0].of("rank")] == [(0,), (1,), (2,), (3,)]  # type: ignore[union-attr]
     assert all(loss.feasible for loss in sets[0].losses)  # type: ignore[union-attr]
+    # The v0 arrays went with the last row that named them: one stored set, the v1 one.
+    taken = [p.packed.digest for p in planner._pool_sets.values() if p.losses is sets[0].losses]  # type: ignore[union-attr]
+    assert stored_arrays() == taken
     for name, made in zip(names, sets, strict=True):  # each stored, read back as taken
         stored = fleet.ctl.store.contingency(name)
         assert stored is not None
@@ -476,6 +485,9 @@ def test_members_serving_the_pool_placement_share_one_contingency_set() -> None:
     assert len(planned) == 2
     np.testing.assert_array_equal(planned[1][0], planned[1][3])  # on its own estimate
     np.testing.assert_array_equal(planned[1][1], fleet.ctl.deployment("c").phy2log)
+    assert len(stored_arrays()) == 1  # a and b still name the pool's; c's own is its row's
+    stored_c = fleet.ctl.store.contingency("c")
+    assert stored_c is not None and stored_c[0]["computed_at"] == c.computed_at
 
 
 def test_at_target_follows_a_replaced_member_or_pool_placement() -> None:

@@ -208,3 +208,85 @@ def test_rows_are_written_in_batches_that_release_the_write_lock(tmp_path: Path)
     assert sorted(written[-10:]) == sorted(f"d{k}" for k in range(10))
     assert store.ingest_state("d3")["next_seq"] == {"0": 7}  # type: ignore[index]
     store.close()
+
+
+def shared_rows(path: Path) -> list[str]:
+    db = sqlite3.connect(path)
+    try:
+        return sorted(d for (d,) in db.execute("SELECT digest FROM contingency_arrays"))
+    finally:
+        db.close()
+
+
+def test_members_rows_name_one_stored_copy_of_shared_arrays(tmp_path: Path) -> None:
+    """A replica pool's members store their shared contingency set once: each row names the
+    arrays by digest, a restart reads every member's set back, the arrays go once no row
+    names them, and arrays no row names at start (a stop between a row and the removal)
+    are removed then."""
+    from rebalancer.controller.store import pack_arrays
+
+    path = tmp_path / "s.sqlite"
+    store = Store(path)
+    store.save_ingest_state("a", _state(1), background=True)  # the writer thread runs
+    first = pack_arrays({"loss0": np.arange(12, dtype=np.int32).reshape(3, 4)})
+    second = pack_arrays({"loss0": np.arange(12, 24, dtype=np.int32).reshape(3, 4)})
+    assert first.digest != second.digest
+    for name in ("a", "b", "c"):
+        store.save_contingency(name, {"base_version": 1}, first)
+    store.flush_ingest_states()
+    assert shared_rows(path) == [first.digest]
+    for name in ("a", "b"):  # two members move on; c's row still names the first arrays
+        store.save_contingency(name, {"base_version": 2}, second)
+    own = {"loss0": np.full((3, 4), 5, dtype=np.int32)}
+    store.save_contingency("c", {"base_version": 2}, own)  # c diverged: a set of its own
+    store.drop_contingency_arrays(first.digest)  # after c's row, which no longer names it
+    for name in ("a", "b"):  # read while pending: the arrays they name resolve too
+        got = store.contingency(name)
+        assert got is not None and got[0] == {"base_version": 2}
+        assert int(got[1]["loss0"].flat[0]) == 12
+    store.flush_ingest_states()
+    assert shared_rows(path) == [second.digest]
+    store.close()
+
+    again = Store(path)
+    assert again.shared_contingency() == {"a": second.digest, "b": second.digest}
+    for name, want in (("a", 12), ("b", 12), ("c", 5)):
+        got = again.contingency(name)
+        assert got is not None and got[0] == {"base_version": 2}
+        assert int(got[1]["loss0"].flat[0]) == want
+    # Arrays no row names (their removal never written) go at the next start.
+    again.save_contingency("a", {"base_version": 3}, first)
+    again.save_contingency("a", {"base_version": 4}, own)
+    again.close()
+    assert shared_rows(path) == sorted([first.digest, second.digest])
+    last = Store(path)
+    assert last.shared_contingency() == {"b": second.digest}
+    last.close()
+    assert shared_rows(path) == [second.digest]
+
+
+def test_a_removal_is_written_after_every_row_handed_over_before_it(tmp_path: Path) -> None:
+    """A row handed over again goes last in line, and a removal ends its transaction: the
+    arrays a row stopped naming are never removed before that row is written."""
+    from rebalancer.controller.store import pack_arrays
+
+    store = Store(tmp_path / "s.sqlite")
+    store.save_ingest_state("a", _state(1), background=True)
+    store.flush_ingest_states()
+    seen: list[dict] = []
+    gate = held_writer(store, seen)
+    old = pack_arrays({"loss0": np.zeros((2, 2), dtype=np.int32)})
+    store.save_contingency("m", {"base_version": 1}, old)  # handed over: arrays, then the row
+    store.save_ingest_state("a", _state(2), background=True)
+    store.save_contingency("m", {"base_version": 2}, {"loss0": np.ones((2, 2), np.int32)})
+    store.drop_contingency_arrays(old.digest)
+    gate.set()
+    store.flush_ingest_states()
+    flat = [(k, row is None) for rows in seen for k, row in rows.items()]
+    removal = flat.index((("contingency_arrays", old.digest), True))
+    last_m = max(i for i, (k, _) in enumerate(flat) if k == ("contingency", "m"))
+    assert last_m < removal
+    assert list(seen[-1])[-1] == ("contingency_arrays", old.digest)  # it ends its batch
+    got = store.contingency("m")
+    assert got is not None and got[0] == {"base_version": 2}
+    store.close()
