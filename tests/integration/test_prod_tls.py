@@ -45,8 +45,7 @@ from tests.integration.test_shards_tls import (
     USAGES,
     Names,
     host_of,
-    issue,
-    openssl,
+    issue_for,
     register,
 )
 from tests.unit.deploy.conftest import (
@@ -143,27 +142,12 @@ def test_the_template_names_exactly_what_the_clients_dial(
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA; `controller.crt`, what cert-manager issues for the template (its dnsNames,
-    ipAddresses and usages, nothing else); `sidecar.crt`, a client certificate (the
-    sidecars' rebalancer-client-tls)."""
+    """A CA; `controller.crt` for the template (its ipAddresses too); `sidecar.crt`
+    (`issue_for`)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
     d = tmp_path_factory.mktemp("pki")
-    openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=test-ca",
-        cwd=d,
-    )  # fmt: skip
-    spec = certificate_template()
-    usages: dict[str, list[str]] = {}
-    for usage in spec["usages"]:
-        extension, value = USAGES[usage]
-        usages.setdefault(extension, []).append(value)
-    names = [f"DNS:{n}" for n in spec.get("dnsNames", [])]
-    names += [f"IP:{a}" for a in spec.get("ipAddresses", [])]
-    sans = f"subjectAltName={','.join(names)}"
-    issue(d, "controller", [sans, *(f"{k}={','.join(v)}" for k, v in usages.items())])
-    issue(d, "sidecar", ["extendedKeyUsage=clientAuth"])
+    issue_for(d, "controller", certificate_template())
     return d
 
 

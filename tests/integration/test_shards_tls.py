@@ -75,7 +75,7 @@ USAGES = {
 }
 
 
-def certificate_template() -> dict[str, object]:
+def certificate_template() -> dict[str, Any]:
     (doc,) = documents(TEMPLATES / "certificate-shards-tls.yaml")
     assert doc["kind"] == "Certificate" and doc["spec"]["secretName"] == "rebalancer-tls"
     return dict(doc["spec"])
@@ -119,30 +119,34 @@ def issue(d: Path, name: str, extensions: list[str]) -> None:
     )  # fmt: skip
 
 
+def issue_for(d: Path, name: str, spec: dict[str, Any]) -> None:
+    """A CA in `d` (made once); `name`.crt, what cert-manager issues for the Certificate
+    `spec` (its dnsNames, ipAddresses and usages, nothing else); `sidecar.crt`, a client
+    certificate (the sidecars' rebalancer-client-tls)."""
+    if not (d / "ca.crt").exists():
+        openssl(
+            "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj",
+            "/CN=test-ca", cwd=d,
+        )  # fmt: skip
+    usages: dict[str, list[str]] = {}
+    for usage in spec["usages"]:
+        extension, value = USAGES[usage]
+        usages.setdefault(extension, []).append(value)
+    names = [f"DNS:{n}" for n in spec.get("dnsNames", [])]
+    names += [f"IP:{a}" for a in spec.get("ipAddresses", [])]
+    sans = f"subjectAltName={','.join(names)}"
+    issue(d, name, [sans, *(f"{k}={','.join(v)}" for k, v in usages.items())])
+    issue(d, "sidecar", ["extendedKeyUsage=clientAuth"])
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA; `shards.crt`, what cert-manager issues for the template (its dnsNames and
-    usages, nothing else); `sidecar.crt`, a client certificate (rebalancer-client-tls)."""
+    """A CA; `shards.crt` for the template; `sidecar.crt` (`issue_for`)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
     d = tmp_path_factory.mktemp("pki")
-    openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=test-ca",
-        cwd=d,
-    )  # fmt: skip
-    spec = certificate_template()
-    usages: dict[str, list[str]] = {}
-    for usage in spec["usages"]:  # type: ignore[attr-defined]
-        extension, value = USAGES[usage]
-        usages.setdefault(extension, []).append(value)
-    names = ",".join(f"DNS:{n}" for n in spec["dnsNames"])  # type: ignore[attr-defined]
-    issue(
-        d,
-        "shards",
-        [f"subjectAltName={names}", *(f"{k}={','.join(v)}" for k, v in usages.items())],
-    )
-    issue(d, "sidecar", ["extendedKeyUsage=clientAuth"])
+    issue_for(d, "shards", certificate_template())
     return d
 
 
