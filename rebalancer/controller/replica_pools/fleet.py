@@ -314,12 +314,12 @@ class Fleet:
             dep = deployments.get(name)
             if (
                 dep is None
+                or pool.at_target(dep)  # first: most members are, and it is remembered
                 or dep.plan is not None
                 or dep.deciding
                 or dep.mixed is not None
                 or dep.policy.paused
                 or dep.connected_ranks < dep.shape.num_gpus
-                or pool.at_target(dep)
                 or self.warm.pending(dep, now)
             ):
                 continue
