@@ -138,3 +138,46 @@ def test_the_decision_worker_keeps_within_its_share_of_a_core(tmp_path: Path) ->
     # (a decision is seen back at the next 10 ms step: up to 5 % over its 0.2 s)
     assert value("rebalancer_decision_worker_busy_seconds_total") == pytest.approx(busy, rel=0.05)
     assert value("rebalancer_decision_spacing_seconds") == pytest.approx(8 * 0.2 / 0.25, rel=0.05)
+
+
+def test_a_settled_deployment_waits_its_settled_wait_and_a_fitted_one_does_not(
+    tmp_path: Path,
+) -> None:
+    """A decision the balancedness bound settled (no candidate could pass the gate) holds
+    the next one back `settled_wait_seconds`; a decision that fitted a candidate does
+    not, and neither does the regimes policy's (it must see a known load come back)."""
+    from dataclasses import replace
+
+    now = [0.0]
+    policy = PolicyConfig(min_windows=1, decision_period_seconds=1.0, min_interval_seconds=1e9)
+    ctl = Controller(
+        Store(tmp_path / "s.sqlite"),
+        policy,
+        clock=lambda: 1000.0 + now[0],
+        settled_wait_seconds=5.0,
+    )
+    for name in ("even", "hot", "regimes"):
+        for rank in range(2):
+            ctl.register(name, rank, SHAPE, 0, None, "", "")
+    ctl.set_policy("regimes", replace(policy, regimes=True))
+    even, hot, regimes = (ctl.deployment(n) for n in ("even", "hot", "regimes"))
+    loads = {
+        "even": np.full((2, 4), 100, dtype=np.int64),  # the trivial placement is balanced
+        "regimes": np.full((2, 4), 100, dtype=np.int64),
+        # Expert 3 hot: a candidate is fitted (no plan starts: no rank has a stream).
+        "hot": np.array([[10, 10, 10, 400], [5, 5, 20, 300]], dtype=np.int64),
+    }
+    decided: dict[str, list[float]] = {"even": [], "hot": [], "regimes": []}
+    for seq in range(12):  # a window a second
+        now[0] = float(seq)
+        for dep in (even, hot, regimes):
+            before = dep.loop.last_decision
+            for rank in range(2):
+                ctl.ingest(dep, rank, seq, 0, loads[dep.name], None)
+            if dep.loop.last_decision is not before:
+                decided[dep.name].append(now[0])
+    assert even.loop.last_decision is not None and even.loop.last_decision.settled
+    assert hot.loop.last_decision is not None and not hot.loop.last_decision.settled
+    assert decided["even"] == [0.0, 5.0, 10.0]  # every 5 s
+    assert decided["hot"] == [float(s) for s in range(12)]  # every window
+    assert decided["regimes"] == [float(s) for s in range(12)]
