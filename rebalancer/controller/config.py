@@ -18,10 +18,7 @@ from typing import Any
 
 from rebalancer.controller.contingency import TAKE_BYTES_PER_SECOND
 from rebalancer.controller.decide import PolicyConfig
-from rebalancer.controller.decision_runner import (
-    DEFAULT_DECISION_CPU_SHARE,
-    DEFAULT_SETTLED_WAIT_SECONDS,
-)
+from rebalancer.controller.decision_runner import DEFAULT_DECISION_CPU_SHARE
 from rebalancer.controller.replica_pools import DEFAULT_MAX_MOVING
 from rebalancer.errors import InputError
 from rebalancer.wire.channel import MAX_MESSAGE_BYTES
@@ -97,10 +94,6 @@ class ControllerConfig:
     # limit). Past it a due deployment decides at one of its next windows: a fleet of
     # thousands due every window would otherwise keep the worker busy beside ingest.
     decision_cpu_share: float = DEFAULT_DECISION_CPU_SHARE
-    # A deployment or pool whose last decision the balancedness bound settled (no
-    # candidate could pass the gate) decides again after at least this long (0: at its
-    # spacing, as any other): a load that moves is seen at most this much later.
-    settled_wait_seconds: float = DEFAULT_SETTLED_WAIT_SECONDS
     drain_seconds: float = 1.0  # NOT_SERVING before the port closes, on shutdown
     grace_seconds: float = 5.0  # calls in flight may finish this long after
     # Listen on a non-loopback host although a service is unauthenticated (no token and
@@ -132,7 +125,6 @@ _SERVER_KEYS = {
     "contingency_take_mb_per_second",
     "ack_interval_seconds",
     "decision_cpu_share",
-    "settled_wait_seconds",
     "insecure",
     "pool_max_moving",
 }
@@ -144,7 +136,6 @@ _SECONDS = (
     "drain_seconds",
     "persist_seconds",
     "ack_interval_seconds",
-    "settled_wait_seconds",
 )
 
 

@@ -124,9 +124,6 @@ class Decision:
     # The regimes policy: the deployment's regime library after this decision's windows
     # (a RegimeLibrary), for the caller to keep; never stored with the record.
     state: Any = field(default=None, repr=False, compare=False)
-    # The balancedness bound settled it: no candidate could pass the gate, none was fitted
-    # (the reason says so; the controller may wait longer for the next: decision_runner.py).
-    settled: bool = field(default=False, compare=False)
 
     @property
     def take(self) -> bool:
@@ -138,7 +135,7 @@ class Decision:
         out = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("candidate", "state", "settled")
+            if f.name not in ("candidate", "state")
         }
         out["take"] = self.take
         if not out["load"]:  # the policies other than regimes record what they always did
@@ -266,8 +263,6 @@ def gate_decision(
     gate, why = _gate(ev, policy, now, last_rebalance, windows)
     outcome, reason = _outcome(gate, why, ev, policy, forced, dry_run)
     decision = _record(outcome, reason, gate, ev, now)
-    if not ev.fitted:  # never for the regimes policy: it fits every candidate
-        decision = replace(decision, settled=True)
     return replace(decision, load=load) if load else decision
 
 

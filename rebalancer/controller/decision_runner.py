@@ -73,12 +73,6 @@ DEFAULT_DECISION_CPU_SHARE = 0.5
 # Worker seconds the share lets build up while decisions are few, spent in a burst (a
 # traffic shift that makes every deployment's decision fit a candidate).
 DECISION_BURST_SECONDS = 1.0
-# Seconds a deployment or pool whose last decision the balancedness bound settled (no
-# candidate could pass the gate) waits at least for its next, in a served controller
-# (`[server] settled_wait_seconds`): a fleet's pools sit settled most of the time, and
-# deciding each every second or two kept the worker at a tenth of a core for nothing at
-# 2,048 deployments. A load that moves is seen at most this much later.
-DEFAULT_SETTLED_WAIT_SECONDS = 5.0
 # A deployment or pool counts among those sharing the worker while it decided this recently.
 DECIDER_SECONDS = 60.0
 # The cost of a decision is averaged over about this many of them.
@@ -147,7 +141,6 @@ class DecisionRunner:
         observers: Observers,
         background: Background = run_inline,
         budget: DecisionBudget | None = None,
-        settled_wait_seconds: float = 0.0,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -155,7 +148,6 @@ class DecisionRunner:
         self.observers = observers
         self.background = background
         self.budget = budget or DecisionBudget(1.0)
-        self.settled_wait_seconds = settled_wait_seconds
         self.in_flight = 0  # decisions handed to `background`, not yet back
         self.last_outcome: dict[str, str] = {}  # deployment -> outcome of its newest decision
 
@@ -168,18 +160,12 @@ class DecisionRunner:
         """Whether `key`'s due decision (a deployment's or pool's; `last`: its newest)
         may be handed to `background` at `now` (the controller's clock): fewer than
         MAX_DECISIONS_IN_FLIGHT are, the worker is within its share, and the spacing
-        has passed since `last` (DecisionBudget), or `settled_wait_seconds` when the
-        bound settled `last`. Asking counts `key` among those that share the worker,
-        granted or not."""
+        has passed since `last` (DecisionBudget). Asking counts `key` among those that
+        share the worker, granted or not."""
         self.budget.wants(key)
         if self.in_flight >= MAX_DECISIONS_IN_FLIGHT or not self.budget.allows():
             return False
-        if last is None:
-            return True
-        wait = self.budget.spacing()
-        if last.settled:
-            wait = max(wait, self.settled_wait_seconds)
-        return now - last.time >= wait
+        return last is None or now - last.time >= self.budget.spacing()
 
     def submit(self, work: Callable[[], Any], done: Callable[[Any], None]) -> None:
         """Run `work` by `background`, counted in the decisions in flight and against the

@@ -65,7 +65,6 @@ class Controller:
         cursor_bytes_per_second: float = DEFAULT_CURSOR_BYTES_PER_SECOND,
         decision_cpu_share: float = 1.0,
         contingency_take_bytes_per_second: float = TAKE_BYTES_PER_SECOND,
-        settled_wait_seconds: float = 0.0,
     ) -> None:
         self.store = store
         self.clock: Clock = clock or system_clock()
@@ -81,7 +80,6 @@ class Controller:
             self.observers,
             background,
             DecisionBudget(decision_cpu_share),
-            settled_wait_seconds,
         )
         self.operations = Operations(store, self.clock, self.registry, self.decisions)
         self.fleet = Fleet(

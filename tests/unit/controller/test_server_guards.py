@@ -272,7 +272,6 @@ def test_config_types_are_checked(tmp_path: Path) -> None:
         ({"contingency_take_mb_per_second": 0.0}, "contingency_take_mb_per_second must be"),
         ({"contingency_take_mb_per_second": float("inf")}, "contingency_take_mb_per_second"),
         ({"contingency_take_mb_per_second": "fast"}, "contingency_take_mb_per_second"),
-        ({"settled_wait_seconds": -1.0}, "settled_wait_seconds must be a finite number"),
     ):
         with pytest.raises(InputError, match=words):
             validate_config(replace(base, **change))  # type: ignore[arg-type]
@@ -297,19 +296,14 @@ def test_the_server_hands_its_rates_and_share_to_the_controller(tmp_path: Path) 
         "[server]\nport = 0\n"
         f'db_path = "{tmp_path / "c.sqlite"}"\n'
         "decision_cpu_share = 0.25\ncontingency_take_mb_per_second = 4\n"
-        "settled_wait_seconds = 7\n"
     )
 
-    async def build() -> tuple[float, float, float]:
+    async def build() -> tuple[float, float]:
         server = ControllerServer(load_config(tmp_path / "c.toml"))
         try:
             ctl = server.controller
-            return (
-                ctl.decisions.budget.share,
-                ctl.contingency.take_bytes_per_second,
-                ctl.decisions.settled_wait_seconds,
-            )
+            return ctl.decisions.budget.share, ctl.contingency.take_bytes_per_second
         finally:
             server._opened.close()
 
-    assert asyncio.run(build()) == (0.25, 4e6, 7.0)
+    assert asyncio.run(build()) == (0.25, 4e6)
