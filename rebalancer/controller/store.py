@@ -670,7 +670,6 @@ class Store:
         stored once, in `contingency_arrays` under their digest, which the member's row
         names: 2,048 members in pools of 8 store 256 sets, not 2,048. Those no row names
         any more go with `drop_contingency_arrays`."""
-        writer = self._row_writer()
         if isinstance(arrays, PackedArrays):
             if arrays.digest not in self._shared_digests():
                 self._put("contingency_arrays", arrays.digest, ("{}", arrays.blob))
@@ -678,10 +677,7 @@ class Store:
             row: Row = (json.dumps({**record, _SHARED: arrays.digest}), b"")
         else:
             row = (json.dumps(record), _pack_arrays(arrays))
-        if writer is not None:
-            writer.put("contingency", name, row)
-        else:
-            self._db.execute(upsert("contingency"), (name, *row))
+        self._put("contingency", name, row)
 
     def drop_contingency_arrays(self, digest: str) -> None:
         """Remove shared contingency arrays once no deployment's row names them (after the
