@@ -26,19 +26,21 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
+import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 from prometheus_client import (
     CollectorRegistry,
-    Counter,
     Gauge,
     Histogram,
     Info,
     ProcessCollector,
     disable_created_metrics,
+    generate_latest,
 )
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -56,6 +58,7 @@ from rebalancer.controller.cost import plan_cost
 from rebalancer.controller.decide import Decision
 from rebalancer.controller.decision_runner import RECORDED_OUTCOMES, TRIGGERS
 from rebalancer.controller.deployment import Deployment
+from rebalancer.controller.exposition import Family, Labeled, Names, counter, gauge
 from rebalancer.controller.loop_busy import ITERATION_BUCKETS, TimedSelector, for_loop
 from rebalancer.controller.state import Controller
 
@@ -189,140 +192,117 @@ def _per_layer(gpu_load: np.ndarray) -> np.ndarray:
 
 
 # The committed placement's balancedness on the load estimate (source "estimated") costs a
-# shrunk estimate and a GPU load per deployment: 0.7 s of a 1.9 s scrape of 2,048
-# DeepSeek-V3 deployments, on the scrape's thread beside the event loop. It is computed
-# again when the placement changed, else at most this often per deployment.
+# shrunk estimate and a GPU load per deployment: 0.95 s of CPU for 2,048 DeepSeek-V3
+# deployments, four times the rest of their scrape. It is computed again when the
+# placement changed, else once it is older than this plus a spread of up to as much again
+# (from the deployment's name), so that a fleet's refreshes fall on different scrapes.
 ESTIMATED_REFRESH_SECONDS = 30.0
 
 
-class _StateCollector(Collector):
+def estimated_refresh_after(deployment: str) -> float:
+    """Seconds `deployment`'s "estimated" balancedness is kept: ESTIMATED_REFRESH_SECONDS
+    to twice that, fixed per name."""
+    return ESTIMATED_REFRESH_SECONDS * (1.0 + zlib.crc32(deployment.encode()) / 2**32)
+
+
+def _any_wanted(families: Iterable[Family], names: Names) -> bool:
+    return any(f.wanted(names) for f in families)
+
+
+class _FleetSeries:
+    """The series of each deployment and pool, read from the controller at scrape time and
+    written as text (exposition.py). `families` is a generator that stops after each
+    deployment or pool, so a scrape on the event loop can let windows in between."""
+
     def __init__(self, controller: Controller, per_layer: bool) -> None:
         self.controller = controller
         self.per_layer = per_layer
         # deployment -> (the placement and the time it was computed for, per-layer [L])
         self._estimated: dict[str, tuple[np.ndarray, float, np.ndarray]] = {}
 
-    def collect(self) -> Iterator[Any]:
-        info = InfoMetricFamily(BUILD, "Build of the controller.")
-        info.add_metric([], {"version": __version__})
-        yield info
-        g, c = GaugeMetricFamily, CounterMetricFamily
+    def families(self, names: Names) -> Generator[None, None, list[Family]]:
+        """Every family (those `names` does not want left empty, their loop skipped)."""
+        out: list[Family] = []
+        for part in (self._deployments, self._pools, self._contingency, self._regimes):
+            yield from part(out, names)
+        return out
+
+    def _deployments(self, out: list[Family], names: Names) -> Iterator[None]:
+        g, c = gauge, counter
         bal = g(
             BALANCEDNESS,
             "Mean/max GPU load per layer (1 is perfect), summarised over layers "
             "(stat: min, p50, p90, avg); source actual: the routed tokens of the newest window, "
             "estimated: the committed placement on the load estimate "
-            f"(at most {ESTIMATED_REFRESH_SECONDS:.0f} s old).",
-            labels=["deployment", "source", "stat"],
+            f"(at most {2 * ESTIMATED_REFRESH_SECONDS:.0f} s old).",
+            labels=("deployment", "source", "stat"),
         )
-        version = g(PLACEMENT_VERSION, "Committed placement version.", labels=["deployment"])
+        version = g(PLACEMENT_VERSION, "Committed placement version.", labels=("deployment",))
         ranks = g(
             CONNECTED_RANKS,
             "Ranks connected: with a stream of their own, or with one to their pod's "
             "sidecar (as it reports them) while the pod's stream is open.",
-            labels=["deployment"],
+            labels=("deployment",),
         )
-        expected = g(RANKS, "Ranks of the deployment's EP group (G).", labels=["deployment"])
+        expected = g(RANKS, "Ranks of the deployment's EP group (G).", labels=("deployment",))
         streams = g(
             STREAMS,
             "Open worker streams: one per rank, or one per pod through its sidecar.",
-            labels=["deployment"],
+            labels=("deployment",),
         )
         state = g(
             STATE,
             "Rebalancing state (1 for the current one): idle, preparing (weights "
             "moving beside serving), committing (ranks switching at an agreed step).",
-            labels=["deployment", "state"],
+            labels=("deployment", "state"),
         )
-        paused = g(PAUSED, "1 when automatic rebalancing is paused.", labels=["deployment"])
+        paused = g(PAUSED, "1 when automatic rebalancing is paused.", labels=("deployment",))
         mixed = g(
             MIXED,
             "1 while the ranks serve a mixed placement (a plan applied in part: "
             "its Commit went out, then a rank failed midway); no plan starts until they restart.",
-            labels=["deployment"],
+            labels=("deployment",),
         )
         windows = c(
             WINDOWS_INGESTED,
             "Windows of counts received, one per stream and sequence number.",
-            labels=["deployment"],
+            labels=("deployment",),
         )
         folded = c(
             WINDOWS_FOLDED,
             "Windows folded into the load estimate, one per sequence number "
             "merged over all ranks (what status and decisions count; kept across restarts).",
-            labels=["deployment"],
+            labels=("deployment",),
         )
         dups = c(
             DUPLICATE_WINDOWS,
             "Resent windows recognised and not counted again.",
-            labels=["deployment"],
+            labels=("deployment",),
         )
         plans = c(
             PLANS,
             "Plans finished, by outcome (committed: a rearrangement; aborted: "
             "failed; stopped: aborted as a rank stopped as planned; partial: "
             "applied in part, see rebalancer_mixed_placement).",
-            labels=["deployment", "outcome"],
+            labels=("deployment", "outcome"),
         )
-        slots = c(MIGRATED_SLOTS, "Physical slots whose expert changed.", labels=["deployment"])
+        slots = c(MIGRATED_SLOTS, "Physical slots whose expert changed.", labels=("deployment",))
         moved = c(
-            MIGRATED_BYTES, "Expert weight bytes moved by committed plans.", labels=["deployment"]
+            MIGRATED_BYTES, "Expert weight bytes moved by committed plans.", labels=("deployment",)
         )
         layer = g(
             LAYER_IMBALANCE,
             "Max/mean GPU load of each layer's routed tokens in the newest "
             "window (1 is perfect); per_layer_metrics only.",
-            labels=["deployment", "layer"],
+            labels=("deployment", "layer"),
         )
         share = g(
             RANK_LOAD_SHARE,
             "Share of each layer's routed tokens on each rank in the newest "
             "window (1/G is even); per_layer_metrics only.",
-            labels=["deployment", "layer", "rank"],
+            labels=("deployment", "layer", "rank"),
         )
-        now, estimated = self.controller.clock(), self._estimated
-        self._estimated = {}  # only deployments still there keep theirs
-        for dep in list(self.controller.deployments.values()):
-            name, stats = dep.name, dep.stats
-            for source, per_layer in self._balancedness(dep, estimated, now).items():
-                for stat, value in layer_summary(per_layer).items():
-                    bal.add_metric([name, source, stat], value)
-            version.add_metric([name], dep.version)
-            ranks.add_metric([name], dep.connected_ranks)
-            expected.add_metric([name], dep.shape.num_gpus)
-            streams.add_metric([name], sum(1 for s in dep.live_sessions() if s.streaming))
-            current = rebalancing_state(dep.plan)
-            for state_name in STATES:
-                state.add_metric([name, state_name], 1.0 if state_name == current else 0.0)
-            paused.add_metric([name], 1.0 if dep.policy.paused else 0.0)
-            mixed.add_metric([name], 1.0 if dep.mixed is not None else 0.0)
-            windows.add_metric([name], stats.windows_ingested)
-            folded.add_metric([name], dep.estimator.windows)
-            dups.add_metric([name], stats.duplicate_windows)
-            plans.add_metric([name, "committed"], stats.plans_committed)
-            plans.add_metric([name, "aborted"], stats.plans_aborted)
-            plans.add_metric([name, "stopped"], stats.plans_stopped)
-            plans.add_metric([name, "partial"], stats.plans_partial)
-            slots.add_metric([name], stats.slots_moved)
-            moved.add_metric([name], stats.bytes_moved)
-            if self.per_layer and stats.gpu_load is not None:
-                loads = np.asarray(stats.gpu_load, dtype=np.float64)
-                totals = loads.sum(axis=1)
-                for i, b in enumerate(_per_layer(loads)):
-                    if math.isfinite(b) and b > 0:
-                        layer.add_metric([name, str(i)], 1.0 / b)
-                for i, row in enumerate(loads):
-                    if totals[i] > 0:
-                        for r, value in enumerate(row / totals[i]):
-                            share.add_metric([name, str(i), str(r)], float(value))
-        yield from self._pools()
-        yield from self._contingency()
-        yield from self._regimes()
-        errors = c(
-            STORE_ERRORS, "Statements the SQLite store refused (disk full, I/O error, locked)."
-        )
-        errors.add_metric([], self.controller.store.errors)
-        yield from (
+        out += (
             bal,
             version,
             ranks,
@@ -337,75 +317,118 @@ class _StateCollector(Collector):
             plans,
             slots,
             moved,
-            errors,
         )
         if self.per_layer:
-            yield from (layer, share)
+            out += (layer, share)
+        if not _any_wanted(out, names):
+            return
+        now, estimated = self.controller.clock(), self._estimated
+        self._estimated = {}  # only deployments still there keep theirs
+        for dep in list(self.controller.deployments.values()):
+            name, stats = dep.name, dep.stats
+            for source, per_layer in self._balancedness(dep, estimated, now).items():
+                for stat, value in layer_summary(per_layer).items():
+                    bal.add((name, source, stat), value)
+            version.add((name,), dep.version)
+            ranks.add((name,), dep.connected_ranks)
+            expected.add((name,), dep.shape.num_gpus)
+            streams.add((name,), sum(1 for s in dep.live_sessions() if s.streaming))
+            current = rebalancing_state(dep.plan)
+            for state_name in STATES:
+                state.add((name, state_name), 1.0 if state_name == current else 0.0)
+            paused.add((name,), 1.0 if dep.policy.paused else 0.0)
+            mixed.add((name,), 1.0 if dep.mixed is not None else 0.0)
+            windows.add((name,), stats.windows_ingested)
+            folded.add((name,), dep.estimator.windows)
+            dups.add((name,), stats.duplicate_windows)
+            plans.add((name, "committed"), stats.plans_committed)
+            plans.add((name, "aborted"), stats.plans_aborted)
+            plans.add((name, "stopped"), stats.plans_stopped)
+            plans.add((name, "partial"), stats.plans_partial)
+            slots.add((name,), stats.slots_moved)
+            moved.add((name,), stats.bytes_moved)
+            if self.per_layer and stats.gpu_load is not None:
+                loads = np.asarray(stats.gpu_load, dtype=np.float64)
+                totals = loads.sum(axis=1)
+                for i, b in enumerate(_per_layer(loads)):
+                    if math.isfinite(b) and b > 0:
+                        layer.add((name, str(i)), 1.0 / b)
+                for i, row in enumerate(loads):
+                    if totals[i] > 0:
+                        for r, value in enumerate(row / totals[i]):
+                            share.add((name, str(i), str(r)), float(value))
+            yield
 
-    def _regimes(self) -> Iterator[Any]:
+    def _regimes(self, out: list[Family], names: Names) -> Iterator[None]:
         """The regimes policy's library (regimes.py), per deployment (0 and the estimate for
         one on the adaptive policy)."""
         from rebalancer.controller.regimes import LOADS
 
-        g = GaugeMetricFamily
+        g = gauge
         current = g(
             REGIME_CURRENT,
             "Id of the load regime the newest window joined (regimes policy; 0: "
             "none yet, or not on the regimes policy); a change is a regime switch, `rebalancer "
             "admin regimes DEP` lists them.",
-            labels=["deployment"],
+            labels=("deployment",),
         )
         size = g(
             REGIME_LIBRARY,
             "Load regimes the deployment's library keeps (regimes policy; 0 off it).",
-            labels=["deployment"],
+            labels=("deployment",),
         )
         load = g(
             REGIME_LOAD,
             "1 for the load the newest decision of the regimes policy used (regime: a "
             "recognised regime's centroid; forecast: the drift forecast; alternation: the regimes "
             "in play; estimate: the adaptive estimate), 0 for the others.",
-            labels=["deployment", "load"],
+            labels=("deployment", "load"),
         )
+        out += (current, size, load)
+        if not _any_wanted((current, size, load), names):
+            return
         for dep in list(self.controller.deployments.values()):
             # A deployment on the adaptive policy has no regime (0) and an empty library,
             # and its decisions use the estimate: every deployment has the series, so the
             # dashboard's row answers for a fleet that has not opted in.
             library = dep.regime_library
-            current.add_metric([dep.name], 0 if library is None else library.current)
-            size.add_metric([dep.name], 0 if library is None else len(library.regimes))
+            current.add((dep.name,), 0 if library is None else library.current)
+            size.add((dep.name,), 0 if library is None else len(library.regimes))
             last = dep.last_decision
             used = last.load.split(" ", 1)[0] if last is not None and last.load else ""
             if library is None:
                 used = "estimate"
             for name in LOADS:
-                load.add_metric([dep.name, name], 1.0 if name == used else 0.0)
-        yield from (current, size, load)
+                load.add((dep.name, name), 1.0 if name == used else 0.0)
+            yield
 
-    def _contingency(self) -> Iterator[Any]:
+    def _contingency(self, out: list[Family], names: Names) -> Iterator[None]:
         """The survivor placements planned ahead (contingency.py): how balanced a single
         rank or node loss would leave each deployment, and whether a node loss can be served."""
-        g = GaugeMetricFamily
+        g = gauge
         bal = g(
             CONTINGENCY_BALANCEDNESS,
             "Balancedness the planned survivor placement would have after a "
             "single loss (loss: rank, node, or scale_down for a declared one; stat: worst or mean "
             "over the losses of that kind), on the estimate it was planned on; a loss no survivor "
             "placement can serve counts as 0.",
-            labels=["deployment", "loss", "stat"],
+            labels=("deployment", "loss", "stat"),
         )
         unserved = g(
             CONTINGENCY_UNSERVED,
             "Experts per layer that the worst single node loss would leave "
             "without a slot on the survivors (0: every node loss can be served).",
-            labels=["deployment"],
+            labels=("deployment",),
         )
         version = g(
             CONTINGENCY_VERSION,
             "Placement version the contingency set was planned on (behind "
             "rebalancer_placement_version while a new set is computed).",
-            labels=["deployment"],
+            labels=("deployment",),
         )
+        out += (bal, unserved, version)
+        if not _any_wanted((bal, unserved, version), names):
+            return
         for name in list(self.controller.deployments):
             made = self.controller.contingency.get(name)
             if made is None:
@@ -417,69 +440,73 @@ class _StateCollector(Collector):
                     if math.isfinite(
                         value
                     ):  # NaN: no loss of that kind (one rank, one node, none declared)
-                        bal.add_metric([name, loss, stat], value)
-            unserved.add_metric([name], summary["node_unserved"])
-            version.add_metric([name], made.base_version)
-        yield from (bal, unserved, version)
+                        bal.add((name, loss, stat), value)
+            unserved.add((name,), summary["node_unserved"])
+            version.add((name,), made.base_version)
+            yield
 
-    def _pools(self) -> Iterator[Any]:
+    def _pools(self, out: list[Family], names: Names) -> Iterator[None]:
         """Replica pools (replica_pools/): members, divergence, rolling progress."""
         from rebalancer import placement
 
-        g, c = GaugeMetricFamily, CounterMetricFamily
-        members = g(POOL_MEMBERS, "Deployments in the replica pool.", labels=["pool"])
+        g, c = gauge, counter
+        members = g(POOL_MEMBERS, "Deployments in the replica pool.", labels=("pool",))
         diverged = g(
             POOL_DIVERGED,
             "Pool members whose windows stopped matching the pool estimate (balanced alone).",
-            labels=["pool"],
+            labels=("pool",),
         )
-        at = g(POOL_AT_TARGET, "Following members that serve the pool placement.", labels=["pool"])
+        at = g(POOL_AT_TARGET, "Following members that serve the pool placement.", labels=("pool",))
         moving = g(
             POOL_MOVING,
             "Members with a plan toward the pool placement in flight (at most the rolling cap).",
-            labels=["pool"],
+            labels=("pool",),
         )
-        version = g(POOL_VERSION, "Pool placements taken so far (0: none yet).", labels=["pool"])
+        version = g(POOL_VERSION, "Pool placements taken so far (0: none yet).", labels=("pool",))
         bal = g(
             POOL_BALANCEDNESS,
             "Mean/max GPU load of the pool placement on the pool estimate, averaged over layers.",
-            labels=["pool"],
+            labels=("pool",),
         )
         member = g(
             POOL_MEMBER_DIVERGED,
             "1 while the member is diverged from its pool.",
-            labels=["pool", "deployment"],
+            labels=("pool", "deployment"),
         )
         divergences = c(
-            POOL_DIVERGENCES, "Members that left the pool estimate (diverged).", labels=["pool"]
+            POOL_DIVERGENCES, "Members that left the pool estimate (diverged).", labels=("pool",)
         )
         decisions = c(
             POOL_DECISIONS,
             "Pool decisions computed (one serves every following member).",
-            labels=["pool"],
+            labels=("pool",),
         )
+        families = (members, diverged, at, moving, version, bal, member, divergences, decisions)
+        out += families
+        if not _any_wanted(families, names):
+            return
         deployments = self.controller.deployments
         for pool in list(self.controller.fleet.pools.values()):
             name = pool.name
             following = [deployments[m] for m in pool.following() if m in deployments]
-            members.add_metric([name], len(pool.members))
-            diverged.add_metric([name], len(pool.diverged()))
-            at.add_metric(
-                [name], sum(1 for d in following if pool.phy2log is not None and pool.at_target(d))
+            members.add((name,), len(pool.members))
+            diverged.add((name,), len(pool.diverged()))
+            at.add(
+                (name,), sum(1 for d in following if pool.phy2log is not None and pool.at_target(d))
             )
-            moving.add_metric([name], len(pool.members_moving(deployments)))
-            version.add_metric([name], pool.version)
+            moving.add((name,), len(pool.members_moving(deployments)))
+            version.add((name,), pool.version)
             estimate = pool.estimate()
             if pool.phy2log is not None and estimate.sum() > 0:
-                bal.add_metric(
-                    [name],
+                bal.add(
+                    (name,),
                     float(placement.balancedness(pool.phy2log, estimate, pool.shape.num_gpus)),
                 )
             for m in sorted(pool.members):
-                member.add_metric([name, m], 0.0 if pool.is_following(m) else 1.0)
-            divergences.add_metric([name], pool.stats.diverged_events)
-            decisions.add_metric([name], pool.stats.decisions)
-        yield from (members, diverged, at, moving, version, bal, member, divergences, decisions)
+                member.add((name, m), 0.0 if pool.is_following(m) else 1.0)
+            divergences.add((name,), pool.stats.diverged_events)
+            decisions.add((name,), pool.stats.decisions)
+            yield
 
     def _balancedness(
         self,
@@ -490,7 +517,7 @@ class _StateCollector(Collector):
         """Per-layer balancedness [L] by source: measured on the newest window's routed
         tokens, and the committed placement on the load estimate (`before`: the latter as
         the last scrape computed it, kept while the placement is the same and it is
-        younger than ESTIMATED_REFRESH_SECONDS)."""
+        younger than estimated_refresh_after)."""
         out = {}
         if dep.stats.gpu_load is not None:
             out["actual"] = _per_layer(dep.stats.gpu_load)
@@ -499,7 +526,7 @@ class _StateCollector(Collector):
             if (
                 seen is None
                 or seen[0] is not dep.phy2log
-                or not 0 <= now - seen[1] < ESTIMATED_REFRESH_SECONDS
+                or not 0 <= now - seen[1] < estimated_refresh_after(dep.name)
             ):
                 from rebalancer import placement
 
@@ -509,6 +536,12 @@ class _StateCollector(Collector):
             out["estimated"] = seen[2]
         return out
 
+
+# A scrape on the event loop writes for this long, then lets the loop run (windows wait
+# for one slice at most, not for a whole scrape of a large fleet).
+SLICE_SECONDS = 0.005
+# A scrape not written by then (the loop stopped, or stalled) is answered 503.
+SCRAPE_TIMEOUT_SECONDS = 30.0
 
 # Queued window times folded into the buckets on the loop once this many wait, scraped or
 # not: at 16,384 windows a second an unscraped queue would otherwise grow without end.
@@ -527,7 +560,7 @@ class _IngestCollector(Collector):
         self._times: deque[float] = (
             deque()
         )  # appended on the loop, taken by scrapes (thread-safe ends)
-        self._bytes: dict[str, int] = {}  # written on the loop only; scrapes copy it
+        self._bytes: dict[str, int] = {}  # written on the loop only; read by scrapes
         self._lock = threading.Lock()  # scrapes (several threads) fold the queue one at a time
         self._bounds = np.array(INGEST_BUCKETS)
         self._counts = np.zeros(
@@ -570,23 +603,31 @@ class _IngestCollector(Collector):
             buckets=list(zip(les, (float(c) for c in cumulative), strict=True)),
             sum_value=total,
         )
-        byts = CounterMetricFamily(
-            INGEST_BYTES, "Bytes of count arrays ingested.", labels=["deployment"]
-        )
-        for name, value in dict(self._bytes).items():
-            byts.add_metric([name], value)
-        yield byts
+
+    def bytes_family(self) -> Family:
+        byts = Family(INGEST_BYTES, "counter", "Bytes of count arrays ingested.", ("deployment",))
+        for name, value in list(self._bytes.items()):
+            byts.add((name,), value)
+        return byts
 
 
 class _ProcessCollector(Collector):
-    """The controller process's own figures, apart from the per-deployment collector so that
-    a scrape restricted to them (`/metrics?name[]=...`) costs almost nothing."""
+    """The controller process's own figures, apart from the fleet's series so that a scrape
+    restricted to them (`/metrics?name[]=...`) costs almost nothing."""
 
     def __init__(self, controller: Controller, loop: TimedSelector | None) -> None:
         self.controller = controller
         self.loop = loop
 
     def collect(self) -> Iterator[Any]:
+        info = InfoMetricFamily(BUILD, "Build of the controller.")
+        info.add_metric([], {"version": __version__})
+        yield info
+        errors = CounterMetricFamily(
+            STORE_ERRORS, "Statements the SQLite store refused (disk full, I/O error, locked)."
+        )
+        errors.add_metric([], self.controller.store.errors)
+        yield errors
         folded = CounterMetricFamily(
             RANK_WINDOWS_FOLDED,
             "Rank windows folded into the load estimates, all deployments (a merged "
@@ -636,7 +677,8 @@ class _ProcessCollector(Collector):
 
 
 class ControllerMetrics:
-    """The registry of one controller, wired to its observers.
+    """The metrics of one controller, wired to its observers: prometheus_client's registry for
+    the process's own series, text families (exposition.py) for the fleet's.
 
     `per_layer`: also export the per-layer and per-rank series (many: see the module
     docstring)."""
@@ -645,17 +687,19 @@ class ControllerMetrics:
         self, controller: Controller, per_layer: bool = False, shard: ShardConfig | None = None
     ) -> None:
         # No `*_created` series (process-wide): prometheus_client adds them to the counters and
-        # histograms it keeps, not to those the collector reads at scrape time, so only some
-        # counters had one; creation times are no part of the metrics' contract.
+        # histograms it keeps, not to those read at scrape time, so only some counters had
+        # one; creation times are no part of the metrics' contract.
         disable_created_metrics()
         self.controller = controller
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_StateCollector(controller, per_layer))
+        self._fleet = _FleetSeries(controller, per_layer)
         try:
-            selector = for_loop(asyncio.get_running_loop())
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # made outside a loop (a test's, a tool's)
-            selector = None
-        self.registry.register(_ProcessCollector(controller, selector))
+            self._loop = None
+        self.registry.register(
+            _ProcessCollector(controller, None if self._loop is None else for_loop(self._loop))
+        )
         r = self.registry
         ProcessCollector(registry=r)
         shard = shard or ShardConfig()
@@ -672,29 +716,28 @@ class ControllerMetrics:
             "(RebalancerShardAbsent).",
             registry=r,
         ).set(shard.count)
-        self.decisions = Counter(
-            DECISIONS, "Decisions taken, by outcome.", ["deployment", "outcome"], registry=r
+        dep = ("deployment",)
+        self.decisions = Labeled(
+            DECISIONS, "counter", "Decisions taken, by outcome.", (*dep, "outcome")
         )
-        self.decision_gain = Gauge(
+        self.decision_gain = Labeled(
             DECISION_GAIN,
+            "gauge",
             "Predicted serving seconds saved over the policy's horizon by the newest "
             "decision of this outcome.",
-            ["deployment", "outcome"],
-            registry=r,
+            (*dep, "outcome"),
         )
-        self.decision_cost = Gauge(
+        self.decision_cost = Labeled(
             DECISION_COST,
+            "gauge",
             "Predicted serving seconds its weight migration costs (transfers beside "
             "serving, commit pause, map swap), newest decision of this outcome.",
-            ["deployment", "outcome"],
-            registry=r,
+            (*dep, "outcome"),
         )
-        self.rebalances = Counter(
-            REBALANCES, "Plans started, by trigger.", ["deployment", "trigger"], registry=r
+        self.rebalances = Labeled(
+            REBALANCES, "counter", "Plans started, by trigger.", (*dep, "trigger")
         )
-        self.aborts = Counter(
-            ABORTS, "Plans aborted, by reason.", ["deployment", "reason"], registry=r
-        )
+        self.aborts = Labeled(ABORTS, "counter", "Plans aborted, by reason.", (*dep, "reason"))
         self.phase_seconds = Histogram(
             PHASE_SECONDS,
             "Duration of plan phases (prepare: proposed to all "
@@ -703,28 +746,38 @@ class ControllerMetrics:
             registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
-        self.last_plan_seconds = Gauge(
+        self.last_plan_seconds = Labeled(
             LAST_PLAN_SECONDS,
+            "gauge",
             "Newest committed plan (rearrangement): seconds from proposed to the "
             "first rank's commit confirmed.",
-            ["deployment"],
-            registry=r,
+            dep,
         )
-        self.last_plan_stall = Gauge(
+        self.last_plan_stall = Labeled(
             LAST_PLAN_STALL,
+            "gauge",
             "Newest committed plan: serving stall at its commit (staged experts copied "
             "into live slots on the busiest rank, plus the map swap), as the cost model predicts "
             "it from its transfer list and the deployment's policy.",
-            ["deployment"],
-            registry=r,
+            dep,
         )
         self._ingest = _IngestCollector()  # rebalancer_ingest_seconds and _bytes, batched
         r.register(self._ingest)
-        self.ingest_refused = Counter(
+        self.ingest_refused = Labeled(
             INGEST_REFUSED,
+            "counter",
             "Windows refused (bad input, or not acceptable in this state); the stream ends.",
-            ["deployment"],
-            registry=r,
+            dep,
+        )
+        self._events = (
+            self.decisions,
+            self.decision_gain,
+            self.decision_cost,
+            self.rebalances,
+            self.aborts,
+            self.last_plan_seconds,
+            self.last_plan_stall,
+            self.ingest_refused,
         )
         controller.observers.plan.append(self.on_plan)
         controller.observers.decision.append(self.on_decision)
@@ -737,26 +790,26 @@ class ControllerMetrics:
     def on_deployment(self, deployment: str) -> None:
         """Zero series for every known label value of the deployment's counters."""
         for outcome in RECORDED_OUTCOMES:
-            self.decisions.labels(deployment, outcome)
+            self.decisions.zero(deployment, outcome)
         for trigger in TRIGGERS:
-            self.rebalances.labels(deployment, trigger)
+            self.rebalances.zero(deployment, trigger)
         for reason in ABORT_REASONS:
-            self.aborts.labels(deployment, reason)
+            self.aborts.zero(deployment, reason)
         self._ingest.known(deployment)
-        self.ingest_refused.labels(deployment)
+        self.ingest_refused.zero(deployment)
 
     def on_decision(self, deployment: str, decision: Decision, trigger: str) -> None:
-        self.decisions.labels(deployment, decision.outcome).inc()
-        for gauge, value in (
+        self.decisions.inc(deployment, decision.outcome)
+        for newest, value in (
             (self.decision_gain, decision.predicted_gain_seconds),
             (self.decision_cost, decision.migration_cost_seconds),
         ):
             if math.isfinite(value):
-                gauge.labels(deployment, decision.outcome).set(value)
+                newest.set(deployment, decision.outcome, value=value)
 
     def on_plan(self, deployment: str, plan: Plan, what: str) -> None:
         if what == "proposed":
-            self.rebalances.labels(deployment, plan.trigger).inc()
+            self.rebalances.inc(deployment, plan.trigger)
         elif what == "prepared" and plan.prepared_at:
             self.phase_seconds.labels("prepare").observe(
                 max(0.0, plan.prepared_at - plan.started_at)
@@ -765,12 +818,12 @@ class ControllerMetrics:
             self.phase_seconds.labels("commit").observe(
                 max(0.0, plan.committed_at - plan.prepared_at)
             )
-            self.last_plan_seconds.labels(deployment).set(
-                max(0.0, plan.committed_at - plan.started_at)
+            self.last_plan_seconds.set(
+                deployment, value=max(0.0, plan.committed_at - plan.started_at)
             )
-            self.last_plan_stall.labels(deployment).set(self._stall(deployment, plan))
+            self.last_plan_stall.set(deployment, value=self._stall(deployment, plan))
         elif what == "aborted" and not plan.stopped:  # a planned stop is no failure
-            self.aborts.labels(deployment, abort_reason(plan.reason)).inc()
+            self.aborts.inc(deployment, abort_reason(plan.reason))
 
     def _stall(self, deployment: str, plan: Plan) -> float:
         dep = self.controller.deployments[deployment]
@@ -785,4 +838,46 @@ class ControllerMetrics:
         self._ingest.add(deployment, nbytes, seconds)
 
     def on_refused(self, deployment: str) -> None:
-        self.ingest_refused.labels(deployment).inc()
+        self.ingest_refused.inc(deployment)
+
+    def render(self, names: Names = None) -> bytes:
+        """The exposition, on the calling thread at once (the loop's own, or a test's):
+        everything, or the samples named in `names`."""
+        steps = self._steps(names)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    async def render_sliced(self, names: Names = None) -> bytes:
+        """The exposition, written on the event loop in slices of SLICE_SECONDS, so that
+        windows arriving meanwhile wait for one slice, not for the whole scrape."""
+        steps = self._steps(names)
+        start = time.perf_counter()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if time.perf_counter() - start > SLICE_SECONDS:
+                await asyncio.sleep(0)
+                start = time.perf_counter()
+
+    def scrape(self, names: Names = None) -> bytes:
+        """A scrape from the metrics server's thread: written on the controller's event loop
+        (where the series change) in slices, else (no loop) on this thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return self.render(names)
+        return asyncio.run_coroutine_threadsafe(self.render_sliced(names), loop).result(
+            SCRAPE_TIMEOUT_SECONDS
+        )
+
+    def _steps(self, names: Names) -> Generator[None, None, bytes]:
+        registry = self.registry if names is None else self.registry.restricted_registry(names)
+        head = generate_latest(registry)
+        families = [m.family() for m in self._events] + [self._ingest.bytes_family()]
+        families += yield from self._fleet.families(names)
+        body = "".join(f.text() for f in families if f.wanted(names))
+        return head + body.encode()

@@ -31,8 +31,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
+from rebalancer.controller import exposition
 from rebalancer.controller.admin import AdminService
 from rebalancer.controller.auth import ADMIN_SERVICE, WORKER_SERVICE, TokenAuth
 from rebalancer.controller.config import (
@@ -213,9 +213,7 @@ class ControllerServer:
         if port is None:
             return
         try:
-            self._metrics_http, _ = start_http_server(
-                port, addr=self.config.host, registry=self.metrics.registry
-            )
+            self._metrics_http, _ = exposition.serve(self.config.host, port, self.metrics.scrape)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise InUseError(f"metrics port {port} is in use (another controller?)") from None

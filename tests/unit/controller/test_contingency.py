@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
 
 from rebalancer.controller.contingency import (
     MIN_INTERVAL_SECONDS,
@@ -174,7 +173,7 @@ def test_declared_scale_downs_are_planned_on_the_tail_nodes_stored_and_told(tmp_
     fold_wide(ctl, 0)
     first = ctl.contingency.get("d")
     assert first is not None and first.of("scale_down") == []  # none declared: none planned
-    assert 'loss="scale_down"' not in generate_latest(ControllerMetrics(ctl).registry).decode()
+    assert 'loss="scale_down"' not in ControllerMetrics(ctl).render().decode()
     dep = ctl.deployment("d")
     ctl.set_policy("d", dep.policy.with_settings({"scale_down_nodes": [2, 3]}))
     fold_wide(ctl, 1)  # the setting changed: planned again at once, on the same placement
@@ -190,7 +189,7 @@ def test_declared_scale_downs_are_planned_on_the_tail_nodes_stored_and_told(tmp_
     (last_node,) = [loss for loss in made.of("node") if loss.lost == (6, 7)]
     assert np.array_equal(downs[0].phy2log, last_node.phy2log)
     assert made.summary()["scale_down_worst"] == min(loss.balancedness for loss in downs)
-    text = generate_latest(ControllerMetrics(ctl).registry).decode()
+    text = ControllerMetrics(ctl).render().decode()
     worst = 'rebalancer_contingency_balancedness{deployment="d",loss="scale_down",stat="worst"}'
     assert f"{worst} {min(loss.balancedness for loss in downs)!r}" in text
     # told to the ranks like the other losses: a rank's survivor_map finds it by lost ranks

@@ -126,11 +126,10 @@ def test_the_decision_worker_keeps_within_its_share_of_a_core(tmp_path: Path) ->
     assert all(dep.loop.last_decision.outcome == "skip_gain" for dep in deps)
     # Operators read the worker's time and the spacing it affords: 8 deciders at 0.2 s a
     # decision within a quarter of a core decide every 6.4 s.
-    from prometheus_client import generate_latest
 
     from rebalancer.controller.metrics import ControllerMetrics
 
-    text = generate_latest(ControllerMetrics(ctl).registry).decode()
+    text = ControllerMetrics(ctl).render().decode()
 
     def value(name: str) -> float:
         return float(text.split(f"\n{name} ")[1].split()[0])

@@ -43,7 +43,7 @@ def test_a_scrape_shows_what_prometheus_clients_own_metrics_would(tmp_path: Path
             metrics.on_ingest(name, nbytes, seconds)
             hist.observe(seconds)
             byts.labels(name).inc(nbytes)
-        scraped.append(generate_latest(metrics.registry).decode())
+        scraped.append(metrics.render().decode())
         names = (
             "rebalancer_ingest_seconds_bucket",
             "rebalancer_ingest_seconds_count",
@@ -71,7 +71,7 @@ def test_windows_counted_once_while_scrapes_run_beside(tmp_path: Path) -> None:
 
     def scrape() -> None:
         while not stop.is_set():
-            generate_latest(metrics.registry)
+            metrics.render()
 
     scrapers = [threading.Thread(target=scrape) for _ in range(2)]
     for t in scrapers:
@@ -83,7 +83,7 @@ def test_windows_counted_once_while_scrapes_run_beside(tmp_path: Path) -> None:
         stop.set()
         for t in scrapers:
             t.join()
-    text = generate_latest(metrics.registry).decode()
+    text = metrics.render().decode()
     assert "rebalancer_ingest_seconds_count 20000.0" in text
     assert 'rebalancer_ingest_bytes_total{deployment="a"} 160000.0' in text
     ctl.store.close()
@@ -102,6 +102,6 @@ def test_the_queue_stays_bounded_when_nobody_scrapes(tmp_path: Path) -> None:
     for _ in range(windows):
         metrics.on_ingest("a", 8, 1e-3)
         assert len(metrics._ingest._times) < FOLD_EVERY
-    text = generate_latest(metrics.registry).decode()
+    text = metrics.render().decode()
     assert f"rebalancer_ingest_seconds_count {float(windows)}" in text
     assert 'rebalancer_ingest_bytes_total{deployment="a"} ' + str(float(8 * windows)) in text

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
 
 from rebalancer.controller import metrics as metrics_module
 from rebalancer.controller.decide import PolicyConfig
@@ -66,7 +65,7 @@ def test_each_iteration_is_counted_by_how_long_it_held_the_loop(tmp_path: Path) 
             pass
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        text = generate_latest(ControllerMetrics(ctl).registry).decode()
+        text = ControllerMetrics(ctl).render().decode()
         return before, list(selector.iterations), text
 
     before, after, text = run_on_timed_loop(main)
@@ -117,14 +116,14 @@ def test_metrics_export_both_and_a_restricted_scrape_skips_the_deployments(
 
     async def main() -> tuple[str, str]:
         metrics = ControllerMetrics(ctl)  # made on the loop `rebalancer serve` runs
-        full = generate_latest(metrics.registry).decode()
+        full = metrics.render().decode()
 
         def refuse(self: object) -> object:
-            raise AssertionError("the per-deployment collector ran for a restricted scrape")
+            raise AssertionError("the per-deployment series were read for a restricted scrape")
 
-        monkeypatch.setattr(metrics_module._StateCollector, "collect", refuse)
+        monkeypatch.setattr(metrics_module._FleetSeries, "_balancedness", refuse)
         names = [f"{RANK_WINDOWS_FOLDED}_total", f"{LOOP_BUSY}_total"]
-        restricted = generate_latest(metrics.registry.restricted_registry(names)).decode()
+        restricted = metrics.render(names).decode()
         monkeypatch.undo()
         return full, restricted
 
@@ -136,6 +135,6 @@ def test_metrics_export_both_and_a_restricted_scrape_skips_the_deployments(
         "rebalancer_placement_version" in full and "rebalancer_placement_version" not in restricted
     )
     # Off a timed loop (tests, the embedded controller): no busy series, the count still there.
-    plain = generate_latest(ControllerMetrics(ctl).registry).decode()
+    plain = ControllerMetrics(ctl).render().decode()
     assert LOOP_BUSY not in plain and f"\n{RANK_WINDOWS_FOLDED}_total 4.0" in plain
     ctl.store.close()

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prometheus_client import generate_latest
-
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.decision_runner import RECORDED_OUTCOMES, TRIGGERS
 from rebalancer.controller.metrics import ABORT_REASONS, ControllerMetrics
@@ -20,7 +18,7 @@ SHAPE = ClusterShape(num_layers=2, num_logical=4, num_slots=6, num_gpus=2, exper
 
 
 def exposition(metrics: ControllerMetrics) -> str:
-    return generate_latest(metrics.registry).decode()
+    return metrics.render().decode()
 
 
 def assert_zero_series(text: str, deployment: str) -> None:
@@ -73,13 +71,18 @@ def test_zero_series_for_known_labels_and_the_process_collector(tmp_path: Path) 
 
 def test_the_estimated_balancedness_is_kept_until_the_placement_changes_or_it_ages() -> None:
     """Source "estimated" (the committed placement on the load estimate) is computed again
-    when the placement changed, else once ESTIMATED_REFRESH_SECONDS passed; a scrape in
-    between answers the last one, whatever windows folded since."""
+    when the placement changed, else once it aged (ESTIMATED_REFRESH_SECONDS to twice that,
+    by name, so that a fleet's refreshes spread over scrapes); a scrape in between answers
+    the last one, whatever windows folded since."""
     import re
 
     import numpy as np
 
-    from rebalancer.controller.metrics import ESTIMATED_REFRESH_SECONDS
+    from rebalancer.controller.metrics import ESTIMATED_REFRESH_SECONDS, estimated_refresh_after
+
+    kept = [estimated_refresh_after(f"deepseek-{i}") for i in range(1000)]
+    assert ESTIMATED_REFRESH_SECONDS <= min(kept) and max(kept) < 2 * ESTIMATED_REFRESH_SECONDS
+    assert np.std(kept) > ESTIMATED_REFRESH_SECONDS / 5  # spread, not one deadline for all
 
     class Clock:
         now = 100.0
@@ -109,7 +112,7 @@ def test_the_estimated_balancedness_is_kept_until_the_placement_changes_or_it_ag
         ctl.ingest(dep, frozenset({0, 1}), seq, 0, lopsided, None)
     clock.now += ESTIMATED_REFRESH_SECONDS / 2
     assert estimated() == even  # younger than the refresh: kept
-    clock.now += ESTIMATED_REFRESH_SECONDS / 2
+    clock.now += ESTIMATED_REFRESH_SECONDS * 1.5
     aged = estimated()
     assert aged < 0.75  # the estimate moved to the lopsided load
     for seq in range(40, 80):

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
 
 from rebalancer.controller.admin import status_msg
 from rebalancer.controller.metrics import ControllerMetrics
@@ -63,7 +62,7 @@ def test_a_failure_after_the_commit_records_what_the_ranks_serve(tmp_path: Path)
     assert "failed after the commit: update lost a peer at layer 1" in record.reason
     status = status_msg(dep)
     assert f"plan v{version} applied in part over v0" in status.mixed
-    text = generate_latest(metrics.registry).decode()
+    text = metrics.render().decode()
     assert 'rebalancer_mixed_placement{deployment="d"} 1.0' in text
     assert 'rebalancer_plans_total{deployment="d",outcome="partial"} 1.0' in text
     assert dep.last_unconfirmed is None  # no Commit of it is retold: nothing can switch to it

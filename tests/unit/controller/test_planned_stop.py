@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
 
 from rebalancer.controller.decide import PolicyConfig
 from rebalancer.controller.metrics import ControllerMetrics
@@ -44,7 +43,7 @@ def in_flight() -> tuple[Controller, ControllerMetrics, list[str], int]:
 
 
 def series(metrics: ControllerMetrics, name: str, **labels: Any) -> float:
-    text = generate_latest(metrics.registry).decode()
+    text = metrics.render().decode()
     key = name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "} "
     (line,) = [line for line in text.splitlines() if line.startswith(key)]
     return float(line.split()[-1])
@@ -63,7 +62,7 @@ def test_a_rank_stopping_mid_plan_aborts_it_as_a_planned_stop(
     assert (dep.stats.plans_aborted, dep.stats.plans_stopped) == (0, 1)
     assert series(metrics, "rebalancer_plans_total", deployment="d", outcome="aborted") == 0.0
     assert series(metrics, "rebalancer_plans_total", deployment="d", outcome="stopped") == 1.0
-    text = generate_latest(metrics.registry).decode()
+    text = metrics.render().decode()
     aborts = [
         line for line in text.splitlines() if line.startswith("rebalancer_plan_aborts_total{")
     ]
