@@ -94,6 +94,12 @@ class ControllerConfig:
     # limit). Past it a due deployment decides at one of its next windows: a fleet of
     # thousands due every window would otherwise keep the worker busy beside ingest.
     decision_cpu_share: float = DEFAULT_DECISION_CPU_SHARE
+    # Cores the controller process and its decision worker may use together (0: no such
+    # bound). The worker's share is then what the controller's own CPU leaves of them
+    # (between 0.05 and decision_cpu_share): ingest comes first, and a pod given one core
+    # (its request) stays within it while a large fleet's first plans and contingency sets
+    # are computed, at the cost of computing them later.
+    cpu_cores: float = 0.0
     drain_seconds: float = 1.0  # NOT_SERVING before the port closes, on shutdown
     grace_seconds: float = 5.0  # calls in flight may finish this long after
     # Listen on a non-loopback host although a service is unauthenticated (no token and
@@ -125,6 +131,7 @@ _SERVER_KEYS = {
     "contingency_take_mb_per_second",
     "ack_interval_seconds",
     "decision_cpu_share",
+    "cpu_cores",
     "insecure",
     "pool_max_moving",
 }
@@ -266,6 +273,9 @@ def validate_config(config: ControllerConfig) -> None:
     share = config.decision_cpu_share
     if not _is_number(share) or not math.isfinite(share) or not 0 < share <= 1:
         raise InputError(f"decision_cpu_share must be a number in (0, 1], got {share!r}")
+    cores = config.cpu_cores
+    if not _is_number(cores) or not math.isfinite(cores) or cores < 0:
+        raise InputError(f"cpu_cores must be a finite number >= 0 (0: no bound), got {cores!r}")
     for name in ("insecure", "per_layer_metrics"):
         if not isinstance(getattr(config, name), bool):
             raise InputError(f"{name} must be true or false, got {getattr(config, name)!r}")

@@ -79,33 +79,71 @@ DECIDER_SECONDS = 60.0
 COST_WINDOW = 32
 
 
+# Under `[server] cpu_cores` the worker's share never drops below this: a controller whose
+# own work takes every core it was given still decides, less often.
+MIN_DECISION_CPU_SHARE = 0.05
+# The controller process's own CPU rate (ingest, gRPC, the store's thread, scrapes) is
+# measured at most once a second and averaged over about this many seconds.
+CPU_RATE_SECONDS = 10.0
+
+
 class DecisionBudget:
     """Worker time the policy's decisions may take: `share` seconds each wall second, up to
     DECISION_BURST_SECONDS saved up (`allows`), spread evenly over those that decide: each
     decides at most every `spacing` seconds, its share of the budget, so where the budget
     is short every deployment's decisions come less often, none is left out.
 
+    `cores` (0: none): the cores the controller process and its worker may use together.
+    The share is then what the controller's own CPU (`process_cpu`, averaged) leaves of
+    them, between MIN_DECISION_CPU_SHARE and `max_share`: ingest comes first, and where
+    the pod was given one core, the two stay within it.
+
     The worker runs one decision at a time, so a decision's worker time is from when it
     was handed over, or when the one before came back if later, to when it comes back."""
 
-    def __init__(self, share: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.share = share
+    def __init__(
+        self,
+        share: float,
+        clock: Callable[[], float] = time.monotonic,
+        cores: float = 0.0,
+        process_cpu: Callable[[], float] = time.process_time,
+    ) -> None:
+        self.max_share = share
+        self.share = share  # the share now: max_share, less under `cores`
+        self.cores = cores
         self.clock = clock
+        self.process_cpu = process_cpu
         self.seconds = DECISION_BURST_SECONDS  # saved up, negative when overspent
         self.cost = 0.0  # mean worker seconds per decision
         self.busy_seconds = 0.0  # worker seconds spent, all decisions (a metric)
+        self.controller_cores = 0.0  # the controller's own CPU rate, averaged (with cores)
         self._at = clock()
+        self._measured = (self._at, process_cpu()) if cores > 0 else (self._at, 0.0)
         self._free_at = -math.inf  # when the worker finished its last decision
         self._deciders: dict[str, float] = {}  # who had a decision due, and when last
 
     def allows(self) -> bool:
         """Whether another decision may be handed over now (share 1: always)."""
+        now = self.clock()
+        self._measure(now)
         if self.share >= 1.0:
             return True
-        now = self.clock()
         self.seconds = min(DECISION_BURST_SECONDS, self.seconds + (now - self._at) * self.share)
         self._at = now
         return self.seconds > 0
+
+    def _measure(self, now: float) -> None:
+        """With `cores`: the controller's CPU rate since the last measure, into its average,
+        and the share it leaves."""
+        at, used = self._measured
+        if self.cores <= 0 or now - at < 1.0:
+            return
+        cpu = self.process_cpu()
+        weight = min(1.0, (now - at) / CPU_RATE_SECONDS)
+        self.controller_cores += ((cpu - used) / (now - at) - self.controller_cores) * weight
+        self._measured = (now, cpu)
+        left = self.cores - self.controller_cores
+        self.share = min(self.max_share, max(MIN_DECISION_CPU_SHARE, left))
 
     def spacing(self) -> float:
         """Seconds between two decisions of one deployment or pool that keep all those with

@@ -129,6 +129,8 @@ LOOP_ITERATION = "rebalancer_event_loop_iteration_seconds"  # histogram: callbac
 DECISION_WORKER_BUSY = "rebalancer_decision_worker_busy_seconds"
 # gauge: seconds between two decisions of one deployment or pool the worker's share affords
 DECISION_SPACING = "rebalancer_decision_spacing_seconds"
+# gauge: the worker's share of a core now (decision_cpu_share, less under cpu_cores)
+DECISION_SHARE = "rebalancer_decision_cpu_share"
 RANK_WINDOWS_FOLDED = (
     "rebalancer_rank_windows_folded"  # counter: rank windows in the estimates, all deployments
 )
@@ -651,6 +653,13 @@ class _ProcessCollector(Collector):
         )
         spacing.add_metric([], budget.spacing())
         yield spacing
+        share = GaugeMetricFamily(
+            DECISION_SHARE,
+            "The decision worker's share of a core now: decision_cpu_share, or less where "
+            "cpu_cores is set and the controller's own CPU leaves less of it (at least 0.05).",
+        )
+        share.add_metric([], budget.share)
+        yield share
         if self.loop is not None:  # the loop `rebalancer serve` runs (loop_busy.py)
             busy = CounterMetricFamily(
                 LOOP_BUSY,

@@ -51,7 +51,8 @@ class Controller:
     `clock` is read for every time the controller keeps or stores (default: epoch seconds
     that never go back); `background` runs the policy's decisions (default: inline; the
     server passes its decision process, decision_process.py) within `decision_cpu_share`
-    of its time (DecisionBudget; default 1: no limit, as inline)."""
+    of its time (DecisionBudget; default 1: no limit, as inline), less what the controller's
+    own CPU leaves of `cpu_cores` (0: no such bound)."""
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class Controller:
         cursor_bytes_per_second: float = DEFAULT_CURSOR_BYTES_PER_SECOND,
         decision_cpu_share: float = 1.0,
         contingency_take_bytes_per_second: float = TAKE_BYTES_PER_SECOND,
+        cpu_cores: float = 0.0,
     ) -> None:
         self.store = store
         self.clock: Clock = clock or system_clock()
@@ -79,7 +81,7 @@ class Controller:
             self.plans,
             self.observers,
             background,
-            DecisionBudget(decision_cpu_share),
+            DecisionBudget(decision_cpu_share, cores=cpu_cores),
         )
         self.operations = Operations(store, self.clock, self.registry, self.decisions)
         self.fleet = Fleet(

@@ -269,6 +269,9 @@ def test_config_types_are_checked(tmp_path: Path) -> None:
         ({"decision_cpu_share": 1.5}, "decision_cpu_share must be"),
         ({"decision_cpu_share": float("nan")}, "decision_cpu_share must be"),
         ({"decision_cpu_share": "half"}, "decision_cpu_share must be"),
+        ({"cpu_cores": -1}, r"cpu_cores must be a finite number >= 0 \(0: no bound\)"),
+        ({"cpu_cores": float("inf")}, "cpu_cores must be"),
+        ({"cpu_cores": "one"}, "cpu_cores must be"),
         ({"contingency_take_mb_per_second": 0.0}, "contingency_take_mb_per_second must be"),
         ({"contingency_take_mb_per_second": float("inf")}, "contingency_take_mb_per_second"),
         ({"contingency_take_mb_per_second": "fast"}, "contingency_take_mb_per_second"),
@@ -295,15 +298,19 @@ def test_the_server_hands_its_rates_and_share_to_the_controller(tmp_path: Path) 
     (tmp_path / "c.toml").write_text(
         "[server]\nport = 0\n"
         f'db_path = "{tmp_path / "c.sqlite"}"\n'
-        "decision_cpu_share = 0.25\ncontingency_take_mb_per_second = 4\n"
+        "decision_cpu_share = 0.25\ncontingency_take_mb_per_second = 4\ncpu_cores = 1.5\n"
     )
 
-    async def build() -> tuple[float, float]:
+    async def build() -> tuple[float, float, float]:
         server = ControllerServer(load_config(tmp_path / "c.toml"))
         try:
-            ctl = server.controller
-            return ctl.decisions.budget.share, ctl.contingency.take_bytes_per_second
+            budget = server.controller.decisions.budget
+            return (
+                budget.max_share,
+                budget.cores,
+                server.controller.contingency.take_bytes_per_second,
+            )
         finally:
             server._opened.close()
 
-    assert asyncio.run(build()) == (0.25, 4e6)
+    assert asyncio.run(build()) == (0.25, 1.5, 4e6)

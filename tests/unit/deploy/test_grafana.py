@@ -104,6 +104,7 @@ def test_per_deployment_metrics_follow_the_variable(dashboard: dict[str, Any]) -
         "rebalancer_event_loop_iteration_seconds",
         "rebalancer_decision_worker_busy_seconds",
         "rebalancer_decision_spacing_seconds",
+        "rebalancer_decision_cpu_share",
         "rebalancer_shard_info",
         "rebalancer_shards",
     }
