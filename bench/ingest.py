@@ -620,6 +620,13 @@ def main(argv: list[str] | None = None) -> int:
         help="controller's decision_cpu_share (1: no limit; default: the controller's)",
     )
     p.add_argument(
+        "--cpu-cores",
+        type=float,
+        default=None,
+        help="controller's cpu_cores: the cores it and its decision worker share (0: no "
+        "bound; default: the controller's)",
+    )
+    p.add_argument(
         "--pool-size",
         type=int,
         default=0,
@@ -642,6 +649,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.scrape_seconds >= 0:
         print("--scrape-seconds must be >= 0", file=sys.stderr)
+        return 2
+    if args.cpu_cores is not None and not 0 <= args.cpu_cores < float("inf"):
+        print("--cpu-cores must be a finite number >= 0", file=sys.stderr)
         return 2
     if args.ranks_per_pod < 1 or RANKS_PER_DEPLOYMENT % args.ranks_per_pod:
         print(
@@ -689,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.decision_cpu_share is not None
                 else ""
             )
+            + (f"cpu_cores = {args.cpu_cores}\n" if args.cpu_cores is not None else "")
             + f"metrics_port = {metrics_port}\n"
             "[policy]\nmin_windows = 1\n" + ("paused = true\n" if args.no_decisions else "")
         )
@@ -779,6 +790,9 @@ def main(argv: list[str] | None = None) -> int:
         getattr(ControllerConfig, "decision_cpu_share", 1.0)
         if args.decision_cpu_share is None
         else args.decision_cpu_share
+    )
+    summary["cpu_cores"] = (
+        getattr(ControllerConfig, "cpu_cores", 0.0) if args.cpu_cores is None else args.cpu_cores
     )
     summary["pool_size"] = args.pool_size
     if "bare_grpc_echo" in rows:
