@@ -19,6 +19,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Collection
+from concurrent.futures import CancelledError
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 from urllib.parse import parse_qs, urlparse
@@ -155,7 +156,8 @@ def _handler(scrape: Callable[[Names], bytes]) -> type[BaseHTTPRequestHandler]:
             names = frozenset(query["name[]"]) if "name[]" in query else None
             try:
                 body = scrape(names)
-            except Exception as exc:  # the scrape fails, the controller serves on
+            # CancelledError: the loop stopped with the scrape handed to it (a shutdown).
+            except (Exception, CancelledError) as exc:  # the controller serves on
                 log.warning("metrics scrape failed: %s", exc or type(exc).__name__)
                 self._reply(503, b"metrics unavailable: the scrape did not finish\n")
                 return

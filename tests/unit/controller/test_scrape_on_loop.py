@@ -7,6 +7,7 @@ reads; a failed scrape is a 503 with one line, and the server serves on."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gzip
 import threading
 import urllib.error
@@ -152,6 +153,8 @@ def test_the_server_answers_gzip_a_restriction_and_a_failed_scrape() -> None:
         asked.append(names)
         if names is not None and "boom" in names:
             raise RuntimeError("the loop stopped")
+        if names is not None and "cancelled" in names:  # the loop closed with it handed over
+            raise concurrent.futures.CancelledError()
         return b"x_total 1.0\n"
 
     server, thread = exposition.serve("127.0.0.1", 0, scrape)
@@ -169,6 +172,9 @@ def test_the_server_answers_gzip_a_restriction_and_a_failed_scrape() -> None:
             urllib.request.urlopen(base + "?name[]=boom", timeout=5)
         assert failed.value.code == 503
         assert failed.value.read() == b"metrics unavailable: the scrape did not finish\n"
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(base + "?name[]=cancelled", timeout=5)
+        assert failed.value.code == 503
         with urllib.request.urlopen(base, timeout=5) as reply:  # and serves on
             assert reply.read() == b"x_total 1.0\n" and asked[-1] is None
     finally:
