@@ -1,10 +1,12 @@
 """Prometheus metrics of the controller, on a port of their own; every name defined here once.
 
 Two kinds: state read at scrape time from the controller (balancedness, versions,
-connected ranks, the rebalancing state, totals kept in each deployment's stats) through
-a custom collector, so nothing is copied on the hot path; and events counted as they
-happen (decisions with their predicted gain and cost, plan phases, durations and aborts,
-ingest latency and bytes).
+connected ranks, the rebalancing state, totals kept in each deployment's stats), so
+nothing is copied on the hot path; and events counted as they happen (decisions with
+their predicted gain and cost, plan phases, durations and aborts, ingest latency and
+bytes). A scrape is written on the event loop, where both change: the fleet's series
+(per deployment and pool) as text in slices (exposition.py), the process's own few
+through prometheus_client's registry.
 
 Labels are bounded: deployment, and small fixed sets (source, stat, state, outcome,
 trigger, phase, reason). Every counter has its zero series for each known label value
