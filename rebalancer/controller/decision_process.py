@@ -71,7 +71,6 @@ class _Worker:
             env=env,
         )
         self.broken = False
-        self.cpu_seconds = 0.0  # spent on the calls answered so far, as the child counts it
 
     @property
     def pid(self) -> int:
@@ -86,13 +85,12 @@ class _Worker:
         try:
             self.proc.stdin.write(payload)
             self.proc.stdin.flush()
-            ok, value, cpu = pickle.load(self.proc.stdout)
+            ok, value = pickle.load(self.proc.stdout)
         except (OSError, EOFError, pickle.UnpicklingError) as exc:
             self.broken = True
             raise DecisionError(
                 f"the decision process died (exit code {self.proc.poll()})"
             ) from exc
-        self.cpu_seconds += cpu
         if not ok:
             raise DecisionError(value)
         return value
@@ -123,7 +121,6 @@ class DecisionProcess:
         )
         self._worker: _Worker | None = None
         self._closing = False
-        self._cpu_before = 0.0  # CPU seconds of workers ended (died, replaced)
 
     @property
     def worker_pid(self) -> int | None:
@@ -134,19 +131,11 @@ class DecisionProcess:
         the placement engine as it starts: a second or two)."""
         self._ensure_worker()
 
-    def cpu_seconds(self) -> float:
-        """CPU seconds the worker processes spent on calls so far (DecisionBudget's
-        measure of a decision: its wall time would count the time it waited for a core,
-        and for the event loop to take its result)."""
-        worker = self._worker
-        return self._cpu_before + (worker.cpu_seconds if worker is not None else 0.0)
-
     def _ensure_worker(self) -> _Worker:
         # Spawned from the event loop's thread, which lives as long as the controller
         # (PR_SET_PDEATHSIG fires when the thread that started the child ends).
         if self._worker is None or self._worker.broken:
             if self._worker is not None:
-                self._cpu_before += self._worker.cpu_seconds
                 self._worker.close()
             self._worker = _Worker()
         return self._worker
@@ -229,11 +218,8 @@ def _watch_parent(parent: int) -> None:
 
 def serve_calls(calls: IO[bytes], results: IO[bytes]) -> None:
     """Run pickled calls from `calls` one by one, each answered on `results` with
-    (True, result, cpu) or (False, traceback text, cpu), until end of file; `cpu`: the CPU
-    seconds this process spent on the call (reading it, running it, pickling the result
-    but for the reply's own pickling), which waiting for the next call does not count."""
+    (True, result) or (False, traceback text), until end of file."""
     while True:
-        cpu = time.process_time()
         try:
             fn = pickle.load(calls)
         except EOFError:
@@ -243,14 +229,9 @@ def serve_calls(calls: IO[bytes], results: IO[bytes]) -> None:
         except Exception:
             reply = (False, traceback.format_exc())
         try:
-            data = pickle.dumps(
-                (*reply, time.process_time() - cpu), protocol=pickle.HIGHEST_PROTOCOL
-            )
+            data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
-            data = pickle.dumps(
-                (False, traceback.format_exc(), time.process_time() - cpu),
-                protocol=pickle.HIGHEST_PROTOCOL,
-            )
+            data = pickle.dumps((False, traceback.format_exc()), protocol=pickle.HIGHEST_PROTOCOL)
         results.write(data)
         results.flush()
 

@@ -124,7 +124,6 @@ class ControllerServer:
                 decision_cpu_share=config.decision_cpu_share,
                 contingency_take_bytes_per_second=config.contingency_take_mb_per_second * 1e6,
                 cpu_cores=config.cpu_cores,
-                background_cpu=self.decision_process.cpu_seconds,
             )
         except sqlite3.DatabaseError as exc:  # an SQLite file, but not one we can load
             raise InputError(f"store {config.db_path}: cannot load it ({exc})") from None

@@ -16,7 +16,7 @@ Everything here runs on the controller's event loop thread; nothing blocks for l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -52,8 +52,7 @@ class Controller:
     that never go back); `background` runs the policy's decisions (default: inline; the
     server passes its decision process, decision_process.py) within `decision_cpu_share`
     of its time (DecisionBudget; default 1: no limit, as inline), less what the controller's
-    own CPU leaves of `cpu_cores` (0: no such bound); `background_cpu`: the CPU seconds
-    `background` spent so far, its decisions' measure (default: their wall time)."""
+    own CPU leaves of `cpu_cores` (0: no such bound)."""
 
     def __init__(
         self,
@@ -68,7 +67,6 @@ class Controller:
         decision_cpu_share: float = 1.0,
         contingency_take_bytes_per_second: float = TAKE_BYTES_PER_SECOND,
         cpu_cores: float = 0.0,
-        background_cpu: Callable[[], float] | None = None,
     ) -> None:
         self.store = store
         self.clock: Clock = clock or system_clock()
@@ -83,7 +81,7 @@ class Controller:
             self.plans,
             self.observers,
             background,
-            DecisionBudget(decision_cpu_share, cores=cpu_cores, worker_cpu=background_cpu),
+            DecisionBudget(decision_cpu_share, cores=cpu_cores),
         )
         self.operations = Operations(store, self.clock, self.registry, self.decisions)
         self.fleet = Fleet(

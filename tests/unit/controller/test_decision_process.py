@@ -8,7 +8,6 @@ import asyncio
 import functools
 import os
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -101,38 +100,3 @@ def test_close_does_not_wait_for_a_running_decision() -> None:
     seconds, pid = asyncio.run(main())
     assert seconds < 5.0, f"close waited {seconds:.1f} s for the running decision"
     assert not _alive(pid)
-
-
-def _spin(seconds: float) -> None:
-    end = time.process_time() + seconds
-    while time.process_time() < end:
-        pass
-
-
-def test_the_worker_counts_the_cpu_its_calls_took_not_their_wait() -> None:
-    """DecisionBudget's measure of a decision: what the worker spent on it, not the wall
-    time the controller saw (a wait for a core, or for the loop to take the result)."""
-
-    async def main() -> tuple[float, float, float]:
-        pool = DecisionProcess()
-        pool.start()
-        try:
-            await _run(pool, os.getpid)  # imports done
-            before = pool.cpu_seconds()
-            await _run(pool, functools.partial(time.sleep, 0.4))
-            slept = pool.cpu_seconds()
-            await _run(pool, functools.partial(_spin, 0.4))
-            spun = pool.cpu_seconds()
-            worker = pool.worker_pid
-            assert worker is not None
-            os.kill(worker, signal.SIGKILL)  # a replaced worker's seconds stay counted
-            await _run(pool, os.getpid)
-            await _run(pool, functools.partial(_spin, 0.1))
-            return slept - before, spun - slept, pool.cpu_seconds() - spun
-        finally:
-            pool.close()
-
-    slept, spun, after = asyncio.run(main())
-    assert slept < 0.1, slept
-    assert 0.38 <= spun < 0.6, spun
-    assert 0.09 <= after < 0.4, after
