@@ -54,10 +54,19 @@ def test_a_scrape_on_the_loop_lets_other_callbacks_run_between_slices(
     fleet: Controller, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(metrics_module, "SLICE_SECONDS", 0.0)  # a slice per deployment or pool
+    turns = 0
+    seen: list[int] = []  # the other task's turns as each deployment's series are read
+    read = metrics_module._FleetSeries._balancedness
 
-    async def main() -> tuple[bytes, bytes, int]:
+    def recording(self, *args):  # type: ignore[no-untyped-def]
+        seen.append(turns)
+        return read(self, *args)
+
+    monkeypatch.setattr(metrics_module._FleetSeries, "_balancedness", recording)
+
+    async def main() -> tuple[bytes, list[int], bytes]:
+        nonlocal turns
         metrics = ControllerMetrics(fleet)
-        turns = 0
         done = False
 
         async def beside() -> None:  # what a window's callback would be
@@ -68,14 +77,15 @@ def test_a_scrape_on_the_loop_lets_other_callbacks_run_between_slices(
 
         other = asyncio.create_task(beside())
         await asyncio.sleep(0)
-        turns = 0
         sliced = await metrics.render_sliced()
         done = True
         await other
-        return sliced, metrics.render(), turns
+        return sliced, list(seen), metrics.render()
 
-    sliced, whole, turns = asyncio.run(main())
-    assert turns >= FLEET, turns  # the loop ran the other task at least once per deployment
+    sliced, between, whole = asyncio.run(main())
+    assert len(between) == FLEET
+    # The other task ran between every two deployments' series.
+    assert all(b > a for a, b in zip(between, between[1:], strict=False)), between
     assert _fleet_lines(sliced.decode()) == _fleet_lines(whole.decode())
     assert len(_fleet_lines(whole.decode())) > 30 * FLEET
 
