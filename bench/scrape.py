@@ -1,6 +1,6 @@
 """One whole scrape of the controller's metrics in one process: CPU seconds and bytes.
 
-`--deployments` DeepSeek-V3 EP32 deployments (58 layers, 288 slots, 4 nodes) in replica
+`--deployments` DeepSeek-V3 EP32 deployments (`cost.REFERENCE`'s shape) in replica
 pools of `--pool-size`, each with a few windows folded, as a controller holds a fleet;
 the policy is paused and contingency planning off (their series are then absent, as on a
 fleet whose sets are not computed yet). The first scrape computes every deployment's
@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-L, E, P, G, NODES = 58, 256, 288, 32, 4
-
 
 def _scraper(metrics: Any) -> Callable[[], bytes]:
     render = getattr(metrics, "render", None)
@@ -39,23 +37,16 @@ def _scraper(metrics: Any) -> Callable[[], bytes]:
 
 
 def run(deployments: int, pool_size: int, scrapes: int) -> dict[str, Any]:
+    from rebalancer.controller.cost import REFERENCE
     from rebalancer.controller.decide import PolicyConfig
     from rebalancer.controller.metrics import ControllerMetrics
     from rebalancer.controller.state import Controller
     from rebalancer.controller.store import Store
     from rebalancer.datasets import deepseek_v3_files, load_deepseek_v3
-    from rebalancer.wire.shape import ClusterShape
 
-    shape = ClusterShape(
-        num_layers=L,
-        num_logical=E,
-        num_slots=P,
-        num_gpus=G,
-        num_nodes=NODES,
-        expert_bytes=44 << 20,
-    )
+    shape = REFERENCE.shape
     counts = load_deepseek_v3(deepseek_v3_files()[0]) // 1000
-    ranks = frozenset(range(G))
+    ranks = frozenset(range(shape.num_gpus))
     ctl = Controller(Store(":memory:"), PolicyConfig(min_windows=1, paused=True))
     contingency = getattr(ctl, "contingency", None)  # absent in trees before issue 30
     if contingency is not None:

@@ -18,7 +18,7 @@ import gzip
 import logging
 import socket
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import CancelledError
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
@@ -123,20 +123,24 @@ class Labeled:
     def set(self, *values: str, value: float) -> None:
         self.values[values] = value
 
-    def get(self, *values: str) -> float:
-        return self.values.get(values, 0.0)
-
     def family(self, out: list[Family], names: Names) -> Iterator[None]:
-        """Its family into `out` if `names` wants it, the samples written in steps (a step
-        every STEP_SAMPLES) so that a scrape on the event loop can let windows in between."""
+        """Its family into `out`, written in steps (`write_in_steps`)."""
         family = Family(self.name, self.kind, self.help, self.labels)
         out.append(family)
-        if not family.wanted(names):
-            return
-        for i, (values, value) in enumerate(list(self.values.items()), 1):
-            family.add(values, value)
-            if i % STEP_SAMPLES == 0:
-                yield
+        yield from write_in_steps(family, names, list(self.values.items()))
+
+
+def write_in_steps(
+    family: Family, names: Names, samples: Iterable[tuple[tuple[str, ...], float]]
+) -> Iterator[None]:
+    """`samples` (label values, value) into `family` if `names` wants it, a step every
+    STEP_SAMPLES, so that a scrape on the event loop can let windows in between."""
+    if not family.wanted(names):
+        return
+    for i, (values, value) in enumerate(samples, 1):
+        family.add(values, value)
+        if i % STEP_SAMPLES == 0:
+            yield
 
 
 def serve(

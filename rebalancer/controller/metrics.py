@@ -61,12 +61,12 @@ from rebalancer.controller.decide import Decision
 from rebalancer.controller.decision_runner import RECORDED_OUTCOMES, TRIGGERS
 from rebalancer.controller.deployment import Deployment
 from rebalancer.controller.exposition import (
-    STEP_SAMPLES,
     Family,
     Labeled,
     Names,
     counter,
     gauge,
+    write_in_steps,
 )
 from rebalancer.controller.loop_busy import ITERATION_BUCKETS, TimedSelector, for_loop
 from rebalancer.controller.state import Controller
@@ -617,15 +617,11 @@ class _IngestCollector(Collector):
             sum_value=total,
         )
 
-    def bytes_family(self) -> Family:
-        """The bytes counter's family, empty (`bytes_family_lines` fills it)."""
-        return Family(INGEST_BYTES, "counter", "Bytes of count arrays ingested.", ("deployment",))
-
-    def bytes_family_lines(self, byts: Family) -> Iterator[None]:
-        for i, (name, value) in enumerate(list(self._bytes.items()), 1):
-            byts.add((name,), value)
-            if i % STEP_SAMPLES == 0:
-                yield
+    def bytes_family(self, out: list[Family], names: Names) -> Iterator[None]:
+        """The bytes counter's family into `out`, written in steps (`write_in_steps`)."""
+        byts = counter(INGEST_BYTES, "Bytes of count arrays ingested.", ("deployment",))
+        out.append(byts)
+        yield from write_in_steps(byts, names, [((n,), v) for n, v in list(self._bytes.items())])
 
 
 class _ProcessCollector(Collector):
@@ -904,10 +900,7 @@ class ControllerMetrics:
         families: list[Family] = []
         for labeled in self._events:
             yield from labeled.family(families, names)
-        bytes_family = self._ingest.bytes_family()
-        families.append(bytes_family)
-        if bytes_family.wanted(names):
-            yield from self._ingest.bytes_family_lines(bytes_family)
+        yield from self._ingest.bytes_family(families, names)
         families += yield from self._fleet.families(names)
         body = "".join(f.text() for f in families if f.wanted(names))
         return head + body.encode()
